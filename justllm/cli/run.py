@@ -1,0 +1,110 @@
+"""``justllm run``: one prompt, tokens streamed to the terminal, a speed summary at the end."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli import options as o
+from justllm.cli.errors import cli_errors
+from justllm.core.sampling_params import SamplingParams
+from justllm.errors import EngineError
+
+_D = o.EngineConfig()
+_S = SamplingParams()
+
+
+def run(
+    model: o.Model = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message (chat template only).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = _S.max_tokens,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = _S.temperature,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = _S.top_k,
+    top_p: Annotated[float, typer.Option("--top-p")] = _S.top_p,
+    min_p: Annotated[float, typer.Option("--min-p")] = _S.min_p,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = _S.repeat_penalty,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = _S.presence_penalty,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = _S.frequency_penalty,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
+    max_seqs: o.MaxSeqs = _D.max_seqs,
+    pool_blocks: o.PoolBlocks = _D.pool_blocks,
+    block_size: o.BlockSize = _D.block_size,
+    chunk_size: o.ChunkSize = _D.chunk_size,
+    max_prefill: o.MaxPrefill = _D.max_prefill,
+    max_decode: o.MaxDecode = _D.max_decode,
+    n_batch: o.NBatch = _D.n_batch,
+    max_queue: o.MaxQueue = _D.max_queue,
+    threads: o.Threads = _D.threads,
+    ctx: o.Ctx = _D.ctx,
+    gpu: o.Gpu = False,
+    verbose: o.Verbose = False,
+) -> None:
+    """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
+    with cli_errors():
+        if prompt is None:
+            if sys.stdin is None or sys.stdin.isatty():
+                raise ValueError("no prompt: pass -p TEXT or pipe text on stdin")
+            prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
+            ignore_eos=ignore_eos)
+        config = o.engine_config(
+            model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
+            chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode,
+            n_batch=n_batch, max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu,
+            verbose=verbose)
+        from justllm.engine.chat_template import ChatTemplate
+        from justllm.engine.engine import Engine
+
+        engine = Engine(config)
+        try:
+            text_prompt = prompt
+            if not raw:
+                template = ChatTemplate.from_backend(engine.backend)
+                messages = ([{"role": "system", "content": system}] if system else [])
+                messages.append({"role": "user", "content": prompt})
+                text_prompt = template.render(messages, add_generation_prompt=True)
+            _stream(engine, text_prompt, params)
+        finally:
+            engine.close()
+
+
+def _stream(engine, prompt: str, params: SamplingParams) -> None:
+    out = sys.stdout
+    start = time.perf_counter()
+    engine.add_request(prompt, params, request_id="run")
+    last = None
+    while engine.has_unfinished():
+        for o_ in engine.step():
+            if o_.error:
+                raise EngineError(o_.error)
+            out.write(o_.text)
+            out.flush()
+            last = o_
+    out.write("\n")
+    out.flush()
+    if last is None:
+        return
+    m = last.metrics
+    end = m.finished_time or time.perf_counter()
+    ttft = m.ttft or 0.0
+    gen_time = end - (m.first_token_time or end)
+    gen_rate = (m.num_generated_tokens - 1) / gen_time if gen_time > 0 else 0.0
+    prompt_rate = m.num_prompt_tokens / ttft if ttft > 0 else 0.0
+    Console(stderr=True).print(
+        f"[dim]prompt {m.num_prompt_tokens} tok, {prompt_rate:.1f} tok/s · "
+        f"generation {m.num_generated_tokens} tok, {gen_rate:.1f} tok/s · "
+        f"TTFT {ttft * 1000:.0f} ms · total {end - start:.2f} s · "
+        f"finish: {last.finish_reason}[/dim]", highlight=False)

@@ -1,0 +1,70 @@
+"""One request's state as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from justllm.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and everything generated for it so far.
+
+    There is no prefill or decode "mode": the KV holds ``num_computed_tokens`` of the request's
+    tokens (prompt then output) and each step the scheduler hands out some of the rest. A
+    preempted request drops its KV and recomputes prompt + output later, losing nothing.
+
+    ``seq_id`` and ``block_ids`` are owned by the scheduler; ``output_token_ids`` by the engine.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    max_total_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    seq_id: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``start..end`` of prompt + output, without joining the lists."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

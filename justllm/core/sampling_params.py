@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, validated once on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from justllm.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` means greedy (argmax). ``top_k == 0`` means no top-k cut. ``seed``
+    makes a sampled request reproducible on its own. ``stop`` strings are searched in the
+    detokenized text (across token boundaries) and are not part of the output.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               "max_tokens must be an integer >= 1", "max_tokens")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               "temperature must be a number in [0, 100]", "temperature")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+               "top_p must be a number in (0, 1]", "top_p")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               "min_p must be a number in [0, 1]", "min_p")
+        _check(_is_num(self.repeat_penalty) and self.repeat_penalty > 0.0,
+               "repeat_penalty must be a number > 0", "repeat_penalty")
+        _check(_is_int(self.repeat_last_n) and self.repeat_last_n >= 0,
+               "repeat_last_n must be an integer >= 0", "repeat_last_n")
+        _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty must be a number in [-2, 2]", "presence_penalty")
+        _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty must be a number in [-2, 2]", "frequency_penalty")
+        _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop must be non-empty strings", "stop")
+        _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be token ids >= 0", "stop_token_ids")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

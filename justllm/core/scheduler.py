@@ -1,0 +1,202 @@
+"""Continuous batching: which tokens of which requests go into the next step.
+
+The scheduler is pure: ``schedule()`` returns a :class:`StepPlan`, the runner computes it, and
+``update(plan)`` is told it happened. Requests move waiting -> running -> finished. Each step:
+
+1. every running request that is decoding gets its one token (up to ``max_decode``) — a long
+   prompt never starves them;
+2. running requests still prefilling get a chunk of up to ``chunk_size`` tokens;
+3. waiting requests are admitted first-come first-served while a sequence id, a prefill slot,
+   token budget and KV blocks for their whole prompt are free.
+
+All of it within ``n_batch`` tokens per step. When decode needs a block and none is free, the
+newest running request is preempted: its blocks and sequence id are released and it goes back to
+the front of the queue, to be recomputed (prompt + output so far) when blocks free up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from justllm.core.plan import ScheduledChunk, StepPlan
+from justllm.core.request import FinishReason, Request, RequestStatus
+from justllm.errors import QueueFullError
+from justllm.kv.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_seqs: int = 32
+    max_prefill: int = 4
+    max_decode: int = 32
+    chunk_size: int = 256
+    n_batch: int = 512
+    max_queue: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if self.chunk_size > self.n_batch:
+            raise ValueError("chunk_size must be <= n_batch")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        # Ordered by admission; the last one is the preemption victim.
+        self.running: list[Request] = []
+        self._free_seq_ids: list[int] = list(range(config.max_seqs - 1, -1, -1))
+        self._pending_releases: list[int] = []
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_queue} requests); retry later")
+        if self.pool.blocks_for(request.num_tokens) > self.pool.total_blocks:
+            raise ValueError("request needs more KV blocks than the pool holds")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is; its KV is released before the next step."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ABORT)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+        self._finish(request, reason)
+
+    def preempt_newest(self) -> Request | None:
+        """Preempt the newest running request outside a schedule() call."""
+        if not self.running:
+            return None
+        victim = self.running[-1]
+        self._preempt(victim, StepPlan())
+        return victim
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_releases)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        cfg = self.config
+        plan = StepPlan()
+        budget = cfg.n_batch
+
+        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        n_decode = 0
+        for req in decoding:
+            if n_decode >= cfg.max_decode or budget < 1:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if not self._grow_for_decode(req, plan):
+                continue
+            pos = req.num_computed_tokens
+            plan.chunks.append(ScheduledChunk(req, pos, req.token_slice(pos, pos + 1), True))
+            n_decode += 1
+            budget -= 1
+
+        n_prefill = 0
+        for req in self.running:
+            if budget < 1 or n_prefill >= cfg.max_prefill:
+                break
+            if req.num_uncomputed_tokens > 1:
+                budget -= self._schedule_prefill(req, plan, budget)
+                n_prefill += 1
+
+        while (self.waiting and budget >= 1 and n_prefill < cfg.max_prefill
+               and len(self.running) < cfg.max_seqs and self._free_seq_ids):
+            req = self.waiting[0]
+            needed = self.pool.blocks_for(req.num_tokens)
+            if not self.pool.can_allocate(needed):
+                break  # FCFS: the head waits for blocks, nobody jumps the queue
+            self.waiting.popleft()
+            req.block_ids = self.pool.allocate(needed)
+            req.seq_id = self._free_seq_ids.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = 0
+            self.running.append(req)
+            budget -= self._schedule_prefill(req, plan, budget)
+            n_prefill += 1
+
+        plan.released_seq_ids = self._pending_releases
+        self._pending_releases = []
+        return plan
+
+    def update(self, plan: StepPlan) -> None:
+        """The runner computed ``plan``: those tokens are now in the KV."""
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += len(chunk.token_ids)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _schedule_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
+        start = req.num_computed_tokens
+        n = min(req.num_uncomputed_tokens, self.config.chunk_size, budget)
+        end = start + n
+        plan.chunks.append(
+            ScheduledChunk(req, start, req.token_slice(start, end), end == req.num_tokens))
+        return n
+
+    def _grow_for_decode(self, req: Request, plan: StepPlan) -> bool:
+        """Make room for one more token of ``req``; False if ``req`` itself was preempted."""
+        needed = self.pool.blocks_for(req.num_tokens) - len(req.block_ids)
+        while needed > 0 and not self.pool.can_allocate(needed):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        if needed > 0:
+            req.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        if req.seq_id is not None:
+            self._pending_releases.append(req.seq_id)
+            self._free_seq_ids.append(req.seq_id)
+            req.seq_id = None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

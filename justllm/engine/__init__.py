@@ -1,0 +1,1 @@
+"""The engine: llama.cpp backend, step runner, sampling, detokenizing, sync and async engines."""

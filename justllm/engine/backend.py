@@ -1,0 +1,274 @@
+"""The only module that imports llama_cpp.
+
+A thin owning wrapper over llama.cpp's C API for one model and one multi-sequence context:
+every request is a sequence id in one unified KV cache, and one ``llama_decode`` computes a
+batch mixing all of them. Every call that would abort the whole process on bad input (design.md:
+too many tokens for ``n_batch``, too many output rows, a sequence id out of range) is checked
+here first and raised as an exception instead; C error codes become exceptions too.
+
+Thread rule (design.md): only one OS thread may run llama.cpp compute (``decode``), or the
+OpenMP build slows down badly. Tokenizing from another thread is fine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from justllm.errors import EngineError, GPUUnavailableError, ModelLoadError
+
+from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
+
+GGUF_MAGIC = b"GGUF"
+MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
+
+
+class KVCacheFullError(EngineError):
+    """``llama_decode`` found no room in the KV cache for the batch (return code 1)."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    model_path: str
+    n_ctx: int
+    n_batch: int = 512
+    n_seq_max: int = 40
+    n_outputs_max: int = 64
+    n_threads: int = 0  # 0: all cores
+    gpu: bool = False
+    verbose: bool = False
+
+
+def gpu_offload_supported() -> bool:
+    return bool(C.llama_supports_gpu_offload())
+
+
+def check_gguf_file(path: str) -> None:
+    """Fail with a clear message before llama.cpp sees a file that is not a GGUF."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from e
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+
+
+class LlamaBackend:
+    """One loaded model and one context with ``n_seq_max`` sequences in a unified KV cache."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self._model = None
+        self._ctx = None
+        if not config.verbose:
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        check_gguf_file(config.model_path)
+        if config.gpu and not gpu_offload_supported():
+            raise GPUUnavailableError(
+                "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
+                "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
+                "--no-cache-dir llama-cpp-python==0.3.36")
+        if config.n_seq_max > MAX_MEMORY_SEQ_ID:
+            raise ValueError(f"at most {MAX_MEMORY_SEQ_ID} sequences")
+
+        C.llama_backend_init()
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = -1 if config.gpu else 0
+        self._model = C.llama_model_load_from_file(config.model_path.encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {config.model_path} (corrupt or unsupported GGUF)")
+        self._vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
+
+        threads = config.n_threads or os.cpu_count() or 1
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = config.n_seq_max
+        cparams.n_outputs_max = config.n_outputs_max
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = True
+        cparams.swa_full = True  # else partial prefixes of SWA layers lose their early cells
+        cparams.no_perf = True
+        self._ctx = C.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {config.n_ctx} tokens for "
+                f"{config.model_path}")
+        self._mem = C.llama_get_memory(self._ctx)
+        self.n_ctx = int(C.llama_n_ctx(self._ctx))
+        self._pieces: dict[int, bytes] = {}
+        # Time spent inside llama_decode, for benchmarks' "share of a step in Python".
+        self.decode_seconds = 0.0
+        self._init_batch(config.n_batch)
+
+    # ---- the batch ------------------------------------------------------------------------
+
+    def _init_batch(self, n: int) -> None:
+        """A llama_batch over numpy arrays we own, so filling it is a numpy slice assignment."""
+        self.batch_tokens = np.zeros(n, dtype=np.int32)
+        self.batch_pos = np.zeros(n, dtype=np.int32)
+        self.batch_seq = np.zeros(n, dtype=np.int32)
+        self.batch_logits = np.zeros(n, dtype=np.int8)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self.batch_seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n)])
+        b = C.llama_batch()
+        b.token = self.batch_tokens.ctypes.data_as(i32p)
+        b.embd = None
+        b.pos = self.batch_pos.ctypes.data_as(i32p)
+        b.n_seq_id = self._n_seq_id.ctypes.data_as(i32p)
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
+        b.logits = self.batch_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    def decode(self, n_tokens: int) -> np.ndarray:
+        """Decode the first ``n_tokens`` entries of the batch arrays.
+
+        Returns a read-only view of the logits, one row per entry whose ``batch_logits`` flag is
+        set, in batch order. The view is valid until the next ``decode``.
+        """
+        cfg = self.config
+        if not 0 < n_tokens <= cfg.n_batch:
+            raise EngineError(f"batch of {n_tokens} tokens; must be 1..{cfg.n_batch}")
+        toks = self.batch_tokens[:n_tokens]
+        seqs = self.batch_seq[:n_tokens]
+        n_out = int(np.count_nonzero(self.batch_logits[:n_tokens]))
+        if n_out > cfg.n_outputs_max:
+            raise EngineError(f"{n_out} output rows; at most {cfg.n_outputs_max}")
+        if toks.min() < 0 or toks.max() >= self.n_vocab:
+            raise EngineError("token id out of the vocabulary")
+        if seqs.min() < 0 or seqs.max() >= cfg.n_seq_max:
+            raise EngineError("sequence id out of range")
+        self._batch.n_tokens = n_tokens
+        t0 = time.perf_counter()
+        rc = C.llama_decode(self._ctx, self._batch)
+        self.decode_seconds += time.perf_counter() - t0
+        if rc == 1:
+            raise KVCacheFullError("no room in the KV cache for this batch")
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+        if n_out == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    # ---- KV memory ------------------------------------------------------------------------
+
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.config.n_seq_max:
+            raise EngineError(f"sequence id {seq_id} out of range")
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        """Drop positions ``p0..p1`` (-1: open end) of a sequence from the KV cache."""
+        self._check_seq(seq_id)
+        if not C.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
+            raise EngineError(f"could not remove positions {p0}..{p1} of sequence {seq_id}")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Tag ``src``'s cells with ``dst`` too: zero-copy sharing in the unified cache."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return int(C.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def clear_kv(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    # ---- vocabulary -----------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True
+                 ) -> list[int]:
+        data = text.encode("utf-8", errors="replace")
+        cap = len(data) + 16
+        buf = (ctypes.c_int32 * cap)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ctypes.c_int32 * cap)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special,
+                                 parse_special)
+            if n < 0:
+                raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of one token (control tokens render as nothing)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = buf.raw[:max(n, 0)]
+            self._pieces[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    def special_text(self, which: str) -> str:
+        """The text of the BOS or EOS token ("bos" / "eos"), for chat templates."""
+        token = C.llama_vocab_bos(self._vocab) if which == "bos" else C.llama_vocab_eos(self._vocab)
+        if token < 0:
+            return ""
+        buf = ctypes.create_string_buffer(128)
+        n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:max(n, 0)].decode("utf-8", "replace")
+
+    def eog_token_ids(self) -> frozenset[int]:
+        return frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self._vocab, t))
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(int(C.llama_model_meta_count(self._model))):
+            if C.llama_model_meta_key_by_index(self._model, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            n = C.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf))
+            if n >= 0:
+                out[key] = buf.value.decode("utf-8", "replace")
+        return out
+
+    def chat_template(self) -> str | None:
+        raw = C.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._ctx:
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            C.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,285 @@
+"""The synchronous engine: ``add_request``, ``abort``, ``step()``.
+
+Each step reads like a sentence: the scheduler plans, the runner computes, the scheduler is told,
+and every sampled token is detokenized and checked against the request's stop conditions.
+``Engine`` is safe to call from two threads in one way: ``add_request``/``abort``/``stats`` from
+any thread while one thread runs ``step()`` (the AsyncEngine's engine thread). Only that thread
+calls llama.cpp compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from justllm.config import EngineConfig
+from justllm.core.plan import StepPlan
+from justllm.core.request import FinishReason, Request, RequestStatus
+from justllm.core.sampling_params import SamplingParams
+from justllm.core.scheduler import Scheduler
+from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
+from justllm.engine.detokenizer import IncrementalDetokenizer
+from justllm.engine.runner import Runner
+from justllm.engine.sampler import RequestSampler
+from justllm.errors import EngineError, InvalidRequestError
+from justllm.kv.block_pool import BlockPool, BlockUsage
+from justllm.model_source import resolve_model
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request counters; times are ``time.perf_counter()`` seconds."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    # Tokens this request put through llama_decode, recomputation after preemption included.
+    num_computed_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the new text and tokens since the last output."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request the scheduler knows about."""
+
+    request: Request
+    sampler: RequestSampler
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks: BlockUsage
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None) -> None:
+        self.config = config
+        if backend is None:
+            backend = LlamaBackend(BackendConfig(
+                model_path=resolve_model(config.model),
+                n_ctx=config.pool_tokens,
+                n_batch=config.n_batch,
+                n_seq_max=config.max_seqs + config.spare_seq_ids,
+                n_outputs_max=max(config.max_seqs + config.max_prefill, 64),
+                n_threads=config.threads,
+                gpu=config.gpu,
+                verbose=config.verbose,
+            ))
+        self.backend = backend
+        self.pool = BlockPool(config.pool_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pool)
+        self.runner = Runner(backend)
+        limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
+        self.max_request_tokens = min(config.ctx, limit) if config.ctx else limit
+        self._eog = backend.eog_token_ids()
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._preemptions_total = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            return self.backend.tokenize(prompt)
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        n_vocab = self.backend.n_vocab
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
+                   for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {n_vocab})",
+                                      param="prompt")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises InvalidRequestError or QueueFullError for this request only."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        tokens = self.tokenize(prompt)
+        if len(tokens) >= self.max_request_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(tokens)} tokens; this engine holds at most "
+                f"{self.max_request_tokens - 1} prompt tokens per request (see --ctx and "
+                "--pool-blocks)", param="prompt")
+        request_id = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        with self._lock:
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            req = Request(
+                request_id=request_id, prompt_token_ids=tokens, params=params,
+                arrival=next(self._arrivals),
+                max_total_tokens=min(len(tokens) + params.max_tokens, self.max_request_tokens))
+            self.scheduler.add(req)
+            self._live[request_id] = _Live(
+                req, RequestSampler(params, seed),
+                IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
+                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its KV blocks are free at once and its cells before the next step."""
+        with self._lock:
+            req = self.scheduler.abort(request_id)
+            if req is None:
+                return False
+            self._live.pop(request_id, None)
+            return True
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                num_running=self.scheduler.num_running,
+                num_waiting=self.scheduler.num_waiting,
+                kv_blocks=self.pool.usage(),
+                prompt_tokens_total=self._prompt_tokens_total,
+                generation_tokens_total=self._generation_tokens_total,
+                num_preemptions_total=self._preemptions_total)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            plan = self.scheduler.schedule()
+            self._preemptions_total += len(plan.preempted)
+        if plan.is_empty:
+            return []
+        try:
+            logits = self.runner.execute(plan)
+        except KVCacheFullError:
+            return self._on_cache_full(plan)
+        except EngineError as e:
+            return self._fail_plan(plan, str(e))
+        with self._lock:
+            self.scheduler.update(plan)
+            return self._postprocess(plan, logits)
+
+    def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        row = 0
+        for chunk in plan.chunks:
+            req = chunk.request
+            live = self._live.get(req.request_id)
+            if live is not None:
+                live.metrics.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.wants_logits:
+                continue
+            r = row
+            row += 1
+            if live is None or req.status is not RequestStatus.RUNNING:
+                continue
+            outputs.append(self._accept_token(live, logits[r], now))
+        return outputs
+
+    def _accept_token(self, live: _Live, logits, now: float) -> RequestOutput:
+        req, params = live.request, live.request.params
+        sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
+        token = sampled.token_id
+        req.output_token_ids.append(token)
+        self._generation_tokens_total += 1
+        m = live.metrics
+        m.num_generated_tokens += 1
+        m.token_times.append(now)
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self._prompt_tokens_total += req.num_prompt_tokens
+
+        reason: FinishReason | None = None
+        if token in params.stop_token_ids or (token in self._eog and not params.ignore_eos):
+            reason = FinishReason.STOP
+        else:
+            live.detok.add_token(token)
+            if live.detok.stopped:
+                reason = FinishReason.STOP
+            elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
+                reason = FinishReason.LENGTH
+        text = live.detok.take_new_text(final=reason is not None)
+        logprobs = None
+        if sampled.logprob is not None:
+            logprobs = [TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ())]
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            m.finished_time = now
+            del self._live[req.request_id]
+        return RequestOutput(req.request_id, text, [token], reason is not None,
+                             reason.value if reason else None, logprobs, m)
+
+    def _on_cache_full(self, plan: StepPlan) -> list[RequestOutput]:
+        """Block accounting should prevent this; if llama.cpp still finds no room, preempt the
+        newest request (it is recomputed later) rather than fail anyone."""
+        with self._lock:
+            if len(self.scheduler.running) > 1:
+                self.scheduler.preempt_newest()
+                self._preemptions_total += 1
+                return []
+        return self._fail_plan(plan, "the KV cache is full")
+
+    def _fail_plan(self, plan: StepPlan, message: str) -> list[RequestOutput]:
+        """llama.cpp refused the batch: end the requests in it with an error, keep serving."""
+        outputs = []
+        with self._lock:
+            for chunk in plan.chunks:
+                req = chunk.request
+                live = self._live.pop(req.request_id, None)
+                if live is None or req.finished:
+                    continue
+                self.scheduler.finish(req, FinishReason.ABORT)
+                outputs.append(RequestOutput(req.request_id, "", [], True, "abort", None,
+                                             live.metrics, error=message))
+        return outputs
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,52 @@
+"""Executes a StepPlan on the backend: drop released KV, fill one batch, decode."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from justllm.core.plan import StepPlan
+
+
+class Backend(Protocol):
+    """What the runner needs of a backend (``LlamaBackend``, or a fake in pure tests)."""
+
+    batch_tokens: np.ndarray
+    batch_pos: np.ndarray
+    batch_seq: np.ndarray
+    batch_logits: np.ndarray
+
+    def decode(self, n_tokens: int) -> np.ndarray: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None: ...
+
+
+class Runner:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.backend.seq_rm(seq_id, -1, -1)
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        """Compute the plan's chunks in one ``llama_decode``.
+
+        Returns one logits row per chunk that wants logits, in plan order (a view valid until
+        the next step).
+        """
+        self.release(plan.released_seq_ids)
+        if not plan.chunks:
+            return np.empty((0, 0), dtype=np.float32)
+        b = self.backend
+        o = 0
+        for chunk in plan.chunks:
+            n = len(chunk.token_ids)
+            end = o + n
+            b.batch_tokens[o:end] = chunk.token_ids
+            b.batch_pos[o:end] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
+            b.batch_seq[o:end] = chunk.request.seq_id
+            b.batch_logits[o:end] = 0
+            b.batch_logits[end - 1] = chunk.wants_logits
+            o = end
+        return b.decode(o)

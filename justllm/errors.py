@@ -1,0 +1,36 @@
+"""The exceptions justllm raises, translated at the edges.
+
+The CLI prints ``str(error)`` as one line and exits 1; the server (later) maps each class to an
+HTTP status and an OpenAI-style error body. Nothing inside the engine lets a bad request take
+the engine down: request-level problems raise one of these for that request only.
+"""
+
+from __future__ import annotations
+
+
+class JustLLMError(Exception):
+    """Base class of every error justllm reports to a user."""
+
+
+class InvalidRequestError(JustLLMError, ValueError):
+    """A request (prompt, sampling values) that can never be served as given."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(JustLLMError):
+    """The waiting queue is at ``max_queue``; the caller should retry later."""
+
+
+class ModelLoadError(JustLLMError):
+    """The model file is missing, not a GGUF, or llama.cpp refused it."""
+
+
+class GPUUnavailableError(JustLLMError):
+    """``--gpu`` was asked for but the installed llama-cpp-python has no GPU backend."""
+
+
+class EngineError(JustLLMError):
+    """llama.cpp returned an error while computing a step."""

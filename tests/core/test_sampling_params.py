@@ -1,0 +1,31 @@
+import pytest
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"seed": "x"}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"),
+])
+def test_bad_values_name_the_parameter(kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_stop_string_is_normalised_to_tuple():
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy

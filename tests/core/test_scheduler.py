@@ -1,0 +1,178 @@
+"""The scheduler with no model: exact plans, admission, preemption, release."""
+
+import pytest
+
+from justllm.core.request import FinishReason, Request, RequestStatus
+from justllm.core.sampling_params import SamplingParams
+from justllm.core.scheduler import Scheduler, SchedulerConfig
+from justllm.errors import QueueFullError
+from justllm.kv.block_pool import BlockPool
+
+
+def make_req(i: int, n_prompt: int, max_tokens: int = 100) -> Request:
+    return Request(f"r{i}", list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                   arrival=i, max_total_tokens=n_prompt + max_tokens)
+
+
+def run_step(s: Scheduler, next_token: int = 7):
+    """Schedule, pretend the runner computed it, append a sampled token where logits were asked."""
+    plan = s.schedule()
+    s.update(plan)
+    for c in plan.chunks:
+        if c.wants_logits:
+            c.request.output_token_ids.append(next_token)
+    return plan
+
+
+def sched(**kw) -> Scheduler:
+    pool_blocks = kw.pop("pool_blocks", 64)
+    block_size = kw.pop("block_size", 4)
+    return Scheduler(SchedulerConfig(**kw), BlockPool(pool_blocks, block_size))
+
+
+def test_admission_prefill_then_decode():
+    s = sched(chunk_size=8, n_batch=16)
+    r = make_req(0, 10)
+    s.add(r)
+    p1 = run_step(s)
+    assert [(c.start, len(c.token_ids), c.wants_logits) for c in p1.chunks] == [(0, 8, False)]
+    assert r.seq_id == 0 and len(r.block_ids) == 3  # blocks for the whole 10-token prompt
+    p2 = run_step(s)
+    assert [(c.start, len(c.token_ids), c.wants_logits) for c in p2.chunks] == [(8, 2, True)]
+    p3 = run_step(s)
+    assert [(c.start, c.token_ids, c.is_decode) for c in p3.chunks] == [(10, [7], True)]
+    assert r.num_computed_tokens == 11
+
+
+def test_decodes_are_never_starved_by_a_long_prompt():
+    s = sched(chunk_size=8, n_batch=12, max_prefill=4, pool_blocks=256)
+    decoders = [make_req(i, 3) for i in range(4)]
+    for r in decoders:
+        s.add(r)
+    run_step(s)  # all four prefilled (3 tokens each = 12)
+    long = make_req(9, 100)
+    s.add(long)
+    for _ in range(10):
+        plan = run_step(s)
+        decoded = {c.request.request_id for c in plan.chunks if c.is_decode}
+        assert decoded == {r.request_id for r in decoders}
+        long_chunks = [c for c in plan.chunks if c.request is long]
+        assert len(long_chunks) == 1 and len(long_chunks[0].token_ids) == 8
+        assert plan.num_tokens <= 12
+
+
+def test_limits_on_concurrency():
+    s = sched(max_seqs=3, max_prefill=2, n_batch=64, chunk_size=16, pool_blocks=256)
+    for i in range(6):
+        s.add(make_req(i, 40))
+    p = s.schedule()
+    assert len(p.chunks) == 2  # max_prefill
+    s.update(p)
+    p = s.schedule()
+    # the two running ones continue; no third prefill beyond max_prefill
+    assert {c.request.request_id for c in p.chunks} == {"r0", "r1"}
+    assert s.num_running == 2 and s.num_waiting == 4
+
+
+def test_max_seqs_bounds_running():
+    s = sched(max_seqs=2, max_prefill=4, n_batch=64, chunk_size=16)
+    for i in range(4):
+        s.add(make_req(i, 2))
+    run_step(s)
+    assert s.num_running == 2 and s.num_waiting == 2
+
+
+def test_queue_full():
+    s = sched(max_queue=2)
+    s.add(make_req(0, 2))
+    s.add(make_req(1, 2))
+    with pytest.raises(QueueFullError):
+        s.add(make_req(2, 2))
+
+
+def test_admission_waits_for_blocks_fcfs():
+    s = sched(pool_blocks=4, block_size=4, n_batch=64, chunk_size=32)
+    a, b, c = make_req(0, 12), make_req(1, 8), make_req(2, 1)
+    for r in (a, b, c):
+        s.add(r)
+    run_step(s)
+    # a holds 3 of 4 blocks; b needs 2, so b waits, and c (which would fit) does not jump it
+    assert a.status is RequestStatus.RUNNING
+    assert b.status is RequestStatus.WAITING and c.status is RequestStatus.WAITING
+    s.finish(a, FinishReason.STOP)
+    plan = s.schedule()
+    assert plan.released_seq_ids == [0]
+    assert {ch.request.request_id for ch in plan.chunks} == {"r1", "r2"}
+
+
+def test_decode_out_of_blocks_preempts_newest_and_recomputes():
+    s = sched(pool_blocks=4, block_size=4, n_batch=64, chunk_size=32)
+    a, b = make_req(0, 4), make_req(1, 4)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled: 1 block each, one output token each
+    run_step(s)  # decode: each needs a 2nd block (5 tokens) -> 4 blocks used
+    assert s.pool.num_free == 0
+    for _ in range(3):
+        run_step(s)  # tokens 6..8 fit in the 2nd blocks
+    plan = run_step(s)  # a needs a 3rd block: b (newest) is preempted
+    assert plan.preempted == [b]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.seq_id is None and b.block_ids == []
+    assert plan.released_seq_ids == [1]
+    assert [c.request for c in plan.chunks] == [a]
+    assert len(b.output_token_ids) == 5  # kept: recomputed later, not lost
+    s.finish(a, FinishReason.STOP)
+    plan = run_step(s)
+    assert plan.chunks[0].request is b and plan.chunks[0].start == 0
+    assert len(plan.chunks[0].token_ids) == 9  # prompt + outputs recomputed in one chunk
+    assert plan.chunks[0].wants_logits
+
+
+def test_lone_request_preempts_itself_only_when_nothing_else():
+    s = sched(pool_blocks=2, block_size=4, n_batch=64, chunk_size=32)
+    r = make_req(0, 4)
+    s.add(r)
+    for _ in range(5):
+        run_step(s)
+    assert r.status is RequestStatus.RUNNING and len(r.block_ids) == 2
+
+
+def test_abort_releases_blocks_and_seq():
+    s = sched()
+    r = make_req(0, 10)
+    s.add(r)
+    run_step(s)
+    used = s.pool.usage().used
+    assert used == 3
+    assert s.abort("r0") is r
+    assert r.finish_reason is FinishReason.ABORT
+    assert s.pool.usage().used == 0
+    assert s.schedule().released_seq_ids == [0]
+    assert s.abort("nope") is None
+
+
+def test_abort_waiting_request():
+    s = sched(max_seqs=1)
+    s.add(make_req(0, 2))
+    s.add(make_req(1, 2))
+    run_step(s)
+    assert s.abort("r1").status is RequestStatus.FINISHED
+    assert s.num_waiting == 0
+
+
+def test_everything_free_after_all_finish():
+    s = sched(pool_blocks=8, block_size=4, n_batch=32, chunk_size=16, max_seqs=4)
+    reqs = [make_req(i, 5 + i) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(200):
+        plan = run_step(s)
+        for c in plan.chunks:
+            if c.wants_logits and len(c.request.output_token_ids) >= 6 and not c.request.finished:
+                s.finish(c.request, FinishReason.LENGTH)
+        if not s.running and not s.waiting:
+            break
+    assert all(r.finished for r in reqs)
+    assert all(len(r.output_token_ids) == 6 for r in reqs)
+    assert s.pool.usage().free == 8

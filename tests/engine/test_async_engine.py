@@ -1,0 +1,101 @@
+"""AsyncEngine: the step loop on its own thread, outputs through ``async for``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.engine import Engine
+from justllm.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def aengine(model_path):
+    a = AsyncEngine(Engine(EngineConfig(model=model_path, max_seqs=8, pool_blocks=256)))
+    yield a
+    a.close()
+
+
+async def collect(a: AsyncEngine, prompt: str, params: SamplingParams):
+    text, tokens, last = "", [], None
+    async for out in a.generate(prompt, params):
+        text += out.text
+        tokens += out.token_ids
+        last = out
+    return text, tokens, last
+
+
+def test_concurrent_streams_complete(aengine):
+    async def main():
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        return await asyncio.gather(*[collect(aengine, f"Number {i} is", params) for i in range(8)])
+
+    results = asyncio.run(main())
+    assert all(len(tokens) == 10 and last.finish_reason == "length" for _, tokens, last in results)
+    assert all(last.metrics.ttft is not None and last.metrics.ttft > 0 for _, _, last in results)
+
+
+async def kv_cells_released(eng) -> bool:
+    for _ in range(100):  # the engine thread drops the cells within a step
+        await asyncio.sleep(0.02)
+        if all(eng.backend.seq_pos_max(s) == -1 for s in range(eng.config.max_seqs)):
+            return True
+    return False
+
+
+def test_closing_the_stream_aborts_and_frees_kv(aengine):
+    eng = aengine.engine
+
+    async def main():
+        got = 0
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        async with contextlib.aclosing(aengine.generate("Count to a thousand:", params)) as stream:
+            async for out in stream:
+                got += len(out.token_ids)
+                if got >= 3:
+                    break
+        assert eng.stats().kv_blocks.used == 0  # accounting frees at once
+        return await kv_cells_released(eng)
+
+    assert asyncio.run(main())
+    assert eng.stats().num_running == 0
+
+
+def test_cancelling_the_consumer_task_aborts_and_frees_kv(aengine):
+    eng = aengine.engine
+
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in aengine.generate("Count to a thousand:",
+                                            SamplingParams(max_tokens=500, ignore_eos=True)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        assert eng.stats().num_running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert eng.stats().kv_blocks.used == 0
+        return await kv_cells_released(eng)
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_raises_before_first_output_and_others_continue(aengine):
+    async def main():
+        good = asyncio.create_task(collect(aengine, "Hello there", SamplingParams(max_tokens=5, ignore_eos=True)))
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate("", SamplingParams()):
+                pass
+        return await good
+
+    _, tokens, last = asyncio.run(main())
+    assert len(tokens) == 5 and last.finished

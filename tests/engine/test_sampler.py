@@ -1,0 +1,71 @@
+"""Numpy sampling on synthetic logits (pure logic, no model)."""
+
+import numpy as np
+import pytest
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.sampler import RequestSampler, apply_penalties, with_logprobs
+
+
+def logits_from_probs(p):
+    return np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
+
+
+def draw(params, logits, n, seed=0):
+    s = RequestSampler(params, seed)
+    return np.array([s.sample(logits, [], []).token_id for _ in range(n)])
+
+
+def test_greedy_is_argmax():
+    x = np.array([0.1, 3.0, 2.9, -1], dtype=np.float32)
+    assert RequestSampler(SamplingParams(), 0).sample(x, [], []).token_id == 1
+
+
+def test_temperature_one_matches_distribution():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    got = np.bincount(draw(SamplingParams(temperature=1.0), logits_from_probs(p), 20000), minlength=4) / 20000
+    assert np.abs(got - p).max() < 0.015
+
+
+def test_top_k_and_top_p_and_min_p_cut_the_tail():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    x = logits_from_probs(p)
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2), x, 2000)) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.75), x, 2000)) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.25), x, 2000)) == {0, 1, 2}
+
+
+def test_top_p_on_a_large_vocabulary_uses_the_same_nucleus():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=300_000).astype(np.float32)
+    x[:5] += 30  # five tokens hold nearly all the mass
+    toks = draw(SamplingParams(temperature=1.0, top_p=0.9), x, 200)
+    assert set(toks) <= {0, 1, 2, 3, 4}
+    flat = np.zeros(300_000, dtype=np.float32)  # uniform: every token is a candidate
+    toks = draw(SamplingParams(temperature=1.0, top_p=0.5), flat, 20)
+    assert toks.max() < 150_001
+
+
+def test_seed_reproduces_and_differs_across_seeds():
+    x = np.zeros(1000, dtype=np.float32)
+    a = draw(SamplingParams(temperature=1.0), x, 50, seed=42)
+    b = draw(SamplingParams(temperature=1.0), x, 50, seed=42)
+    c = draw(SamplingParams(temperature=1.0), x, 50, seed=43)
+    assert (a == b).all() and not (a == c).all()
+
+
+def test_penalties():
+    x = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
+    out = apply_penalties(x, SamplingParams(repeat_penalty=2.0), [0, 1], [])
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    out = apply_penalties(x, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [], [2, 2, 3])
+    assert out.tolist() == pytest.approx([2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25])
+    assert x.tolist() == [2.0, -2.0, 1.0, 0.5]  # input untouched
+
+
+def test_logprobs_are_log_softmax():
+    p = np.array([0.5, 0.3, 0.2])
+    s = with_logprobs(logits_from_probs(p), 1, 2)
+    assert s.logprob == pytest.approx(np.log(0.3), abs=1e-5)
+    assert [t for t, _ in s.top_logprobs] == [0, 1]
+    assert s.top_logprobs[0][1] == pytest.approx(np.log(0.5), abs=1e-5)

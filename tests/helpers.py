@@ -1,0 +1,76 @@
+"""Helpers for comparing greedy outputs across batch shapes (design.md: Numerics)."""
+
+from __future__ import annotations
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.engine import Engine
+
+# Batch-shape noise moves logits by up to ~0.8 (design.md). A divergence is accepted only where
+# the reference itself saw a near tie: the other run's token within this many nats of the best.
+NEAR_TIE_NATS = 1.0
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Once upon a time, in a small village,",
+    "The quick brown fox",
+    "Explain photosynthesis in one sentence.",
+    "1, 2, 3, 4,",
+    "Translate 'good morning' into Spanish:",
+    "The best way to learn programming is",
+    "Q: What is 7 times 8?\nA:",
+    "import numpy as np\n",
+    "My favourite food is",
+    "In the year 2050, cities will",
+    "The moon is",
+    "A list of prime numbers: 2, 3, 5,",
+]
+
+
+def run_all(engine: Engine, prompts, params: SamplingParams) -> dict[str, tuple[list[int], list]]:
+    """Run prompts together on the engine; returns id -> (tokens, logprobs)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    logprobs = {i: [] for i in ids}
+    done = set()
+    while len(done) < len(ids):
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.token_ids)
+            logprobs[out.request_id].extend(out.logprobs or [])
+            if out.finished:
+                done.add(out.request_id)
+    return {i: (tokens[i], logprobs[i]) for i in ids}
+
+
+def run_alone(engine: Engine, prompt, params: SamplingParams):
+    ((tokens, logprobs),) = run_all(engine, [prompt], params).values()
+    return tokens, logprobs
+
+
+def divergence_is_noise(reference: list[int], ref_logprobs, other: list[int],
+                        other_logprobs=None) -> tuple[bool, str]:
+    """True when ``other`` equals ``reference`` up to its first difference, and that difference
+    is a near tie in the reference's own distribution (``ref_logprobs`` has top-5 per step).
+    With ``other_logprobs``, every shared step's log-probability must also agree within the
+    noise bound: a request computed against another request's KV would not."""
+    n = min(len(reference), len(other))
+    for i in range(n):
+        if other_logprobs and reference[i] == other[i]:
+            drift = abs(ref_logprobs[i].logprob - other_logprobs[i].logprob)
+            if drift > NEAR_TIE_NATS:
+                return False, f"step {i}: log-probability moved by {drift:.2f} nats"
+        if reference[i] != other[i]:
+            top = dict(ref_logprobs[i].top)
+            best = ref_logprobs[i].logprob
+            if other[i] not in top:
+                return False, f"step {i}: token {other[i]} not in the reference top-5 {top}"
+            gap = best - top[other[i]]
+            if gap > NEAR_TIE_NATS:
+                return False, f"step {i}: token {other[i]} is {gap:.2f} nats below the best"
+            return True, f"near tie at step {i} (gap {gap:.2f})"
+    if len(reference) != len(other):
+        return False, f"lengths differ with no divergence: {len(reference)} vs {len(other)}"
+    return True, "identical"
