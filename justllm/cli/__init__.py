@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from justllm.cli import run as run_cmd
+from justllm.cli import serve as serve_cmd
 
 app = typer.Typer(
     name="justllm",
@@ -15,6 +16,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("run")(run_cmd.run)
+app.command("serve")(serve_cmd.serve)
 
 
 @app.callback()

@@ -9,70 +9,136 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.engine import Engine, RequestOutput
+from justllm.engine.engine import Engine, RequestMetrics, RequestOutput
+from justllm.errors import JustLLMError
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput]
+T = TypeVar("T")
+
+
+class EngineClosedError(JustLLMError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator.
+
+    ``abort()`` (idempotent) ends the request early; iterating after the final output stops.
+    """
+
+    def __init__(self, owner: "AsyncEngine", request_id: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+        self._owner = owner
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self.queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if out.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+        return out
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+            self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, RequestStream] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="justllm-engine", daemon=True)
         self._thread.start()
 
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> "RequestStream":
+        """Queue a request now; validation and queue-full errors raise here, synchronously, so a
+        server can answer with the right status before it starts a response."""
+        if self._stopping:
+            raise EngineClosedError("the engine is shutting down")
+        loop = asyncio.get_running_loop()
+        with self._sinks_lock:
+            request_id = self.engine.add_request(prompt, params, request_id)
+            stream = RequestStream(self, request_id, loop)
+            self._sinks[request_id] = stream
+        self._wake.set()
+        return stream
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as steps produce them; the last one has ``finished``.
 
-        Validation and queue-full errors raise here, before the first output. Leaving the loop
-        early (or cancelling the task) aborts the request and frees its KV within one step.
+        Leaving the loop early (with ``contextlib.aclosing``) or cancelling the task aborts the
+        request and frees its KV within one step.
         """
-        if self._stopping:
-            raise RuntimeError("the engine is shutting down")
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        request_id = self.engine.add_request(prompt, params, request_id)
-        with self._sinks_lock:
-            self._sinks[request_id] = sink
-        self._wake.set()
-        finished = False
+        stream = self.submit(prompt, params, request_id)
         try:
-            while not finished:
-                out = await sink.queue.get()
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            with self._sinks_lock:
-                self._sinks.pop(request_id, None)
-            if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
+            stream.abort()
+
+    def call_on_engine_thread(self, fn: Callable[[], T]) -> "asyncio.Future[T]":
+        """Run ``fn`` on the engine thread between steps (for other llama.cpp compute, such as
+        embeddings, which must not run on a second OS thread)."""
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._jobs.put((fn, fut))
+        self._wake.set()
+        return fut
 
     def abort(self, request_id: str) -> bool:
         aborted = self.engine.abort(request_id)
         self._wake.set()
         return aborted
 
+    def _forget(self, request_id: str) -> None:
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)
+
+    def _run_jobs(self) -> None:
+        while not self._jobs.empty():
+            fn, fut = self._jobs.get()
+            try:
+                result = fn()
+            except BaseException as e:  # delivered to the awaiting coroutine
+                fut.get_loop().call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                fut.get_loop().call_soon_threadsafe(_settle, fut, result, None)
+
     def _loop(self) -> None:
         while not self._stopping:
+            self._run_jobs()
             if not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._wake.clear()
             try:
                 outputs = self.engine.step()
             except Exception:  # a bug must not kill the thread that serves everyone
@@ -83,6 +149,7 @@ class AsyncEngine:
                     sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+        self._run_jobs()
 
     def close(self) -> None:
         """Stop the engine thread; unfinished requests are aborted. Frees the model."""
@@ -90,7 +157,20 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()
         with self._sinks_lock:
-            pending = list(self._sinks)
-        for request_id in pending:
-            self.engine.abort(request_id)
+            pending = list(self._sinks.values())
+            self._sinks.clear()
+        for stream in pending:
+            self.engine.abort(stream.request_id)
+            end = RequestOutput(stream.request_id, "", [], True, "abort", None,
+                                RequestMetrics(arrival_time=0.0), error="the server is shutting down")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, end)
         self.engine.close()
+
+
+def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

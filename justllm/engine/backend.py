@@ -13,7 +13,6 @@ OpenMP build slows down badly. Tokenizing from another thread is fine.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -27,6 +26,16 @@ from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 
 GGUF_MAGIC = b"GGUF"
 MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
+
+
+def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp log sink for non-verbose runs: only errors reach stderr."""
+    if level == 4:  # GGML_LOG_LEVEL_ERROR (ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT)
+        os.write(2, text)
+
+
+# A C callback must outlive every call into llama.cpp, so it lives at module level (immutable).
+_QUIET_LOG = C.llama_log_callback(_drop_log)
 
 
 class KVCacheFullError(EngineError):
@@ -70,8 +79,8 @@ class LlamaBackend:
         self.config = config
         self._model = None
         self._ctx = None
-        if not config.verbose:
-            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self._children: list[EmbeddingContext] = []
+        C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
         check_gguf_file(config.model_path)
         if config.gpu and not gpu_offload_supported():
             raise GPUUnavailableError(
@@ -257,9 +266,19 @@ class LlamaBackend:
         raw = C.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8", "replace") if raw else None
 
+    def embedding_context(self, n_ctx: int = 2048) -> "EmbeddingContext":
+        """A second context on the same weights, for mean-pooled sentence embeddings; closed
+        with the backend."""
+        ctx = EmbeddingContext(self, n_ctx)
+        self._children.append(ctx)
+        return ctx
+
     # ---- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
+        for ctx in self._children:
+            ctx.close()
+        self._children.clear()
         if self._ctx:
             C.llama_free(self._ctx)
             self._ctx = None
@@ -272,3 +291,64 @@ class LlamaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EmbeddingContext:
+    """A context with ``embeddings=True`` and mean pooling over one sequence.
+
+    Shares the model with its backend (no second copy of the weights). Like every llama.cpp
+    compute call, ``embed`` must run on the engine thread.
+    """
+
+    def __init__(self, backend: LlamaBackend, n_ctx: int) -> None:
+        self._backend = backend
+        self.n_ctx = n_ctx
+        self.n_embd = int(C.llama_model_n_embd(backend._model))
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx
+        cparams.n_ubatch = n_ctx
+        cparams.n_seq_max = 1
+        threads = backend.config.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.embeddings = True
+        cparams.pooling_type = C.LLAMA_POOLING_TYPE_MEAN
+        cparams.no_perf = True
+        self._ctx = C.llama_init_from_model(backend._model, cparams)
+        if not self._ctx:
+            raise ModelLoadError("llama.cpp could not create an embeddings context")
+        self._mem = C.llama_get_memory(self._ctx)
+        self._batch = C.llama_batch_init(n_ctx, 0, 1)
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        """The mean-pooled, L2-normalised embedding of one token sequence."""
+        n = len(tokens)
+        if not 0 < n <= self.n_ctx:
+            raise EngineError(f"embedding input of {n} tokens; must be 1..{self.n_ctx}")
+        if min(tokens) < 0 or max(tokens) >= self._backend.n_vocab:
+            raise EngineError("token id out of the vocabulary")
+        C.llama_memory_clear(self._mem, True)
+        b = self._batch
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1
+        b.n_tokens = n
+        rc = C.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode (embeddings) failed with code {rc}")
+        ptr = C.llama_get_embeddings_seq(self._ctx, 0)
+        if not ptr:
+            raise EngineError("llama.cpp returned no pooled embedding")
+        vec = np.array(np.ctypeslib.as_array(ptr, shape=(self.n_embd,)), dtype=np.float32)
+        norm = float(np.linalg.norm(vec))
+        return vec / norm if norm > 0 else vec
+
+    def close(self) -> None:
+        if self._ctx:
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None

@@ -26,6 +26,7 @@ from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler
 from justllm.errors import EngineError, InvalidRequestError
 from justllm.kv.block_pool import BlockPool, BlockUsage
+from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.model_source import resolve_model
 
 
@@ -86,6 +87,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
 
 class Engine:

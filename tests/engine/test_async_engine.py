@@ -41,8 +41,10 @@ def test_concurrent_streams_complete(aengine):
 
 
 async def kv_cells_released(eng) -> bool:
-    for _ in range(100):  # the engine thread drops the cells within a step
-        await asyncio.sleep(0.02)
+    """The engine thread drops the cells at its next step (bounded wait; a loaded machine makes
+    steps slow, so the bound is generous)."""
+    for _ in range(600):
+        await asyncio.sleep(0.05)
         if all(eng.backend.seq_pos_max(s) == -1 for s in range(eng.config.max_seqs)):
             return True
     return False

@@ -1,0 +1,102 @@
+"""``justllm serve``: the OpenAI-compatible server on Litestar + uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli import options as o
+from justllm.cli.errors import cli_errors
+from justllm.errors import ModelLoadError
+
+_D = o.EngineConfig()
+
+
+def serve(
+    model: o.Model = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
+    max_seqs: o.MaxSeqs = _D.max_seqs,
+    pool_blocks: o.PoolBlocks = _D.pool_blocks,
+    block_size: o.BlockSize = _D.block_size,
+    chunk_size: o.ChunkSize = _D.chunk_size,
+    max_prefill: o.MaxPrefill = _D.max_prefill,
+    max_decode: o.MaxDecode = _D.max_decode,
+    n_batch: o.NBatch = _D.n_batch,
+    max_queue: o.MaxQueue = _D.max_queue,
+    threads: o.Threads = _D.threads,
+    ctx: o.Ctx = _D.ctx,
+    gpu: o.Gpu = False,
+    verbose: o.Verbose = False,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
+    /v1/embeddings, /v1/models), with /health and Prometheus /metrics."""
+    with cli_errors():
+        import uvicorn
+
+        from justllm.engine.async_engine import AsyncEngine
+        from justllm.engine.backend import check_gguf_file, gpu_offload_supported
+        from justllm.engine.engine import Engine
+        from justllm.errors import GPUUnavailableError
+        from justllm.model_source import resolve_model
+        from justllm.server.app import ServerConfig, create_app
+
+        config = o.engine_config(
+            resolve_model(model), max_seqs=max_seqs, pool_blocks=pool_blocks,
+            block_size=block_size, chunk_size=chunk_size, max_prefill=max_prefill,
+            max_decode=max_decode, n_batch=n_batch, max_queue=max_queue, threads=threads,
+            ctx=ctx, gpu=gpu, verbose=verbose)
+        # Fail fast, before binding the port, on what can be checked without loading.
+        check_gguf_file(config.model)
+        if gpu and not gpu_offload_supported():
+            raise GPUUnavailableError(
+                "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
+                "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
+                "--no-cache-dir llama-cpp-python==0.3.36")
+        if not 0 < port < 65536:
+            raise ValueError("--port must be in 1..65535")
+        server_config = ServerConfig(host=host, port=port, api_key=api_key,
+                                     model_name=served_model_name)
+        app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)))
+        Console(stderr=True).print(
+            f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
+            f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
+        if not verbose:
+            logging.getLogger("justllm").setLevel(logging.WARNING)
+        server = _Server(uvicorn.Config(app, host=host, port=port,
+                                        log_level="info" if verbose else "warning",
+                                        timeout_graceful_shutdown=10))
+        server.run()
+        if app.state.get("load_error"):
+            raise ModelLoadError(app.state["load_error"])
+
+
+def _make_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which turns a clean stop
+        into a traceback or a non-zero exit; here a signal only asks the server to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            previous = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _Server(config):  # noqa: N802  (a class factory: uvicorn is imported lazily)
+    return _make_server_class()(config)

@@ -1,0 +1,174 @@
+"""``create_app(engine, config)``: the Litestar app. No module-level state: everything a
+handler needs is in ``app.state`` (``serving``, ``config``, ``metrics``)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Litestar, Request, Response, Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.exceptions import NotAuthorizedException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Stream
+
+from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.chat_template import ChatTemplate
+from justllm.server.embeddings import EmbeddingServing
+from justllm.server.errors import APIError, handle_exception
+from justllm.server.metrics import ServerMetrics
+from justllm.server.openai_serving import OpenAIServing, ServingLimits
+from justllm.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    model_name: str | None = None  # the id clients send; default: the GGUF file's stem
+    max_n: int = 16
+    max_body_bytes: int = 8 * 1024 * 1024
+    embeddings: bool = True
+
+
+@dataclass
+class Served:
+    """What the handlers use once the model is loaded."""
+
+    aengine: AsyncEngine
+    completions: OpenAIServing
+    embeddings: EmbeddingServing | None
+    metrics: ServerMetrics
+    model_id: str
+    created: int
+
+
+def build_served(aengine: AsyncEngine, config: ServerConfig) -> Served:
+    engine = aengine.engine
+    model_path = engine.backend.config.model_path
+    model_id = config.model_name or os.path.splitext(os.path.basename(model_path))[0]
+    metrics = ServerMetrics(engine.stats, model_id)
+    template = ChatTemplate.from_backend(engine.backend)
+    completions = OpenAIServing(aengine, model_id, template, metrics,
+                                ServingLimits(max_n=config.max_n))
+    embeddings = EmbeddingServing(aengine, model_id) if config.embeddings else None
+    return Served(aengine, completions, embeddings, metrics, model_id,
+                  int(os.path.getmtime(model_path)))
+
+
+def _served(state: State) -> Served:
+    served = state.get("served")
+    if served is None:
+        raise APIError(503, "the model is still loading", type="server_error",
+                       code="model_loading", headers={"Retry-After": "1"})
+    return served
+
+
+def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    key = connection.app.state.config.api_key
+    if key is None:
+        return
+    auth = connection.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise NotAuthorizedException("invalid or missing API key (Authorization: Bearer KEY)")
+
+
+def _sse(body: AsyncIterator[bytes]) -> Stream:
+    return Stream(body, media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@post("/chat/completions", status_code=200, summary="Create a chat completion")
+async def chat_completions(data: ChatCompletionRequest, state: State) -> Any:
+    result = await _served(state).completions.chat(data)
+    return _sse(result) if not isinstance(result, dict) else result
+
+
+@post("/completions", status_code=200, summary="Create a text completion")
+async def completions(data: CompletionRequest, state: State) -> Any:
+    result = await _served(state).completions.completions(data)
+    return _sse(result) if not isinstance(result, dict) else result
+
+
+@post("/embeddings", status_code=200, summary="Create embeddings")
+async def embeddings(data: EmbeddingRequest, state: State) -> dict:
+    served = _served(state)
+    if served.embeddings is None:
+        raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
+    return await served.embeddings.create(data)
+
+
+@get("/models", summary="List the served models")
+async def list_models(state: State) -> dict:
+    served = _served(state)
+    return {"object": "list", "data": [{"id": served.model_id, "object": "model",
+                                        "created": served.created, "owned_by": "justllm"}]}
+
+
+@get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
+async def health(state: State) -> Response:
+    if state.get("served") is None:
+        return Response({"status": "loading"}, status_code=503)
+    return Response({"status": "ok"}, status_code=200)
+
+
+@get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> Response:
+    served = state.get("served")
+    body = served.metrics.render() if served is not None else b""
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
+               loader: Callable[[], AsyncEngine] | None = None) -> Litestar:
+    """The app for an engine that is ready (``aengine``), or one that ``loader`` builds on a
+    background thread at start-up (``/health`` answers 503 until it is ready).
+
+    On shutdown the engine is closed: in-flight requests are aborted and the model freed.
+    """
+    state = State({"config": config, "served": None})
+    if aengine is not None:
+        state["served"] = build_served(aengine, config)
+
+    def load_in_background(app: Litestar) -> None:
+        if loader is None or app.state.get("served") is not None:
+            return
+
+        def work() -> None:
+            try:
+                app.state["served"] = build_served(loader(), config)
+            except Exception as e:  # the server keeps answering 503 and says why in the log
+                log.error("model loading failed: %s", e)
+                app.state["load_error"] = str(e)
+
+        threading.Thread(target=work, name="justllm-loader", daemon=True).start()
+
+    def close_engine(app: Litestar) -> None:
+        served = app.state.get("served")
+        if served is not None:
+            served.aengine.close()
+            app.state["served"] = None
+
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
+                                            list_models], guards=[require_api_key])
+    return Litestar(
+        route_handlers=[v1, health, metrics],
+        state=state,
+        on_startup=[load_in_background],
+        on_shutdown=[close_engine],
+        exception_handlers={Exception: handle_exception},
+        request_max_body_size=config.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="justllm", version="0.1.0", path="/docs"),
+        debug=False,
+    )

@@ -1,0 +1,95 @@
+"""Prometheus metrics with vLLM's names (so existing dashboards work) and justllm's own.
+
+Each app owns its registry (no global state). Gauges are read from the engine at scrape time by
+a collector; counters and histograms are fed as requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from justllm.engine.engine import EngineStats, RequestMetrics
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+        self._stats = stats
+        self._model = model
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        labels = ["model_name"]
+        v = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(v, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(v, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                    s.kv_blocks.used_fraction)
+        yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.",
+                      s.num_preemptions_total)
+        yield gauge("justllm_kv_blocks_used", "KV blocks in use.", s.kv_blocks.used)
+        yield gauge("justllm_kv_blocks_free", "KV blocks free.", s.kv_blocks.free)
+        yield gauge("justllm_kv_blocks_total", "KV blocks in the pool.", s.kv_blocks.total)
+        pc = s.prefix_cache
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      pc.queried_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      pc.hit_tokens)
+        yield counter("justllm_prefix_cache_hits", "Requests that reused a cached prefix.", pc.hits)
+        yield counter("justllm_prefix_cache_misses", "Requests that found no cached prefix.",
+                      pc.misses)
+        yield gauge("justllm_prefix_cache_hit_ratio", "Hits / (hits + misses).", pc.hit_ratio)
+        yield gauge("justllm_prefix_cache_blocks", "KV blocks held by the prefix cache.", pc.blocks)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats, model))
+        lab = ["model_name"]
+        r = self.registry
+        self._model = model
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lab, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       lab + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", lab,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", lab,
+                             buckets=_E2E_BUCKETS, registry=r)
+
+    def observe_finished(self, m: RequestMetrics, finish_reason: str | None) -> None:
+        lab = self._model
+        self.prompt_tokens.labels(lab).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(lab).inc(m.num_generated_tokens)
+        self.request_success.labels(lab, finish_reason or "abort").inc()
+        if m.ttft is not None:
+            self.ttft.labels(lab).observe(m.ttft)
+        times = m.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.labels(lab).observe(b - a)
+        if m.finished_time is not None:
+            self.e2e.labels(lab).observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,329 @@
+"""Chat and text completions: OpenAI request -> engine requests -> OpenAI response or SSE stream.
+
+Route handlers stay thin; this object holds what serving needs (engine, model id, chat template,
+metrics) and lives in the app's state, built by ``create_app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from justllm.engine.async_engine import AsyncEngine, RequestStream
+from justllm.engine.chat_template import ChatTemplate
+from justllm.engine.engine import RequestOutput, TokenLogprob
+from justllm.errors import InvalidRequestError
+from justllm.server.errors import APIError, error_body
+from justllm.server.metrics import ServerMetrics
+from justllm.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    max_n: int = 16
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, aengine: AsyncEngine, model_id: str, template: ChatTemplate,
+                 metrics: ServerMetrics, limits: ServingLimits) -> None:
+        self.aengine = aengine
+        self.model_id = model_id
+        self.template = template
+        self.metrics = metrics
+        self.limits = limits
+        self._piece = aengine.engine.backend.token_to_piece
+
+    # ---- shared -----------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.model_id}'", type="not_found_error", param="model",
+                           code="model_not_found")
+
+    def _params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                logprobs: int | None, n_index: int) -> SamplingParams:
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+        if not 1 <= req.n <= self.limits.max_n:
+            raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
+        seed = req.seed + n_index if req.seed is not None else None
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens or self.aengine.engine.max_request_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+            seed=seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+    def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]]) -> list[RequestStream]:
+        """Submit every choice, or none: if one is refused the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt, params in jobs:
+                streams.append(self.aengine.submit(prompt, params))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def _merged(self, streams: list[RequestStream]
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all choices as they come, tagged with the choice index. Closing this
+        iterator (client gone, task cancelled) aborts every unfinished choice."""
+        queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            async for out in s:
+                queue.put_nowait((i, out))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                i, out = await queue.get()
+                if out.finished:
+                    remaining -= 1
+                    self.metrics.observe_finished(out.metrics, out.finish_reason)
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()
+
+    def _token_text(self, token: int) -> str:
+        return self._piece(token).decode("utf-8", "replace")
+
+    # ---- chat -------------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> str:
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        plain = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.text or "" for p in content if p.type == "text")
+            role = "system" if m.role == "developer" else m.role
+            plain.append({"role": role, "content": content or ""})
+        return self.template.render(plain, add_generation_prompt=True)
+
+    def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
+        if lps is None:
+            return None
+        return {"content": [self._chat_logprob(lp) for lp in lps]}
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict:
+        def entry(token: int, value: float) -> dict:
+            piece = self._piece(token)
+            return {"token": piece.decode("utf-8", "replace"), "logprob": value,
+                    "bytes": list(piece)}
+        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[bytes]:
+        self.check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, "response_format json_object/json_schema is not supported yet",
+                           param="response_format", code="unsupported")
+        prompt = self.chat_prompt(req.messages)
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                                      param="top_logprobs")
+        logprobs = (top or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        jobs = [(prompt, self._params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+        streams = self._submit(jobs)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._chat_stream(streams, rid, created, include_usage)
+        return await self._chat_full(streams, rid, created)
+
+    async def _chat_full(self, streams: list[RequestStream], rid: str, created: int) -> dict:
+        texts = [""] * len(streams)
+        lps: list[list[TokenLogprob] | None] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in self._merged(streams):
+            if out.error:
+                raise APIError(500, out.error, type="server_error")
+            texts[i] += out.text
+            if out.logprobs is not None:
+                lps[i] = (lps[i] or []) + out.logprobs
+            if out.finished:
+                finals[i] = out
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i]},
+            "logprobs": self._chat_logprobs(lps[i]),
+            "finish_reason": finals[i].finish_reason,
+        } for i in range(len(streams))]
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": self.model_id, "choices": choices, "usage": _usage(finals, len(finals)),
+                "system_fingerprint": None}
+
+    async def _chat_stream(self, streams: list[RequestStream], rid: str, created: int,
+                           include_usage: bool) -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict], **extra: object) -> bytes:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_id, "choices": choices, **extra})
+
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        for i in range(len(streams)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        async for i, out in self._merged(streams):
+            if out.error:
+                yield sse(error_body(out.error, "server_error"))
+                break
+            if out.text or out.finished or out.logprobs:
+                yield chunk([{
+                    "index": i,
+                    "delta": {"content": out.text} if out.text else {},
+                    "logprobs": self._chat_logprobs(out.logprobs),
+                    "finish_reason": out.finish_reason,
+                }])
+            if out.finished:
+                finals[i] = out
+        if include_usage and all(finals):
+            yield chunk([], usage=_usage(finals, len(finals)))
+        yield SSE_DONE
+
+    # ---- text completions -----------------------------------------------------------------
+
+    def _completion_prompts(self, prompt: object) -> list[str | list[int]]:
+        return prompt_list(prompt, "prompt")
+
+    def _completion_logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if lps is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            values.append(lp.logprob)
+            tops.append({self._token_text(t): v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[bytes]:
+        self.check_model(req.model)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
+        prompts = self._completion_prompts(req.prompt)
+        jobs = [(p, self._params(req, req.max_tokens if req.max_tokens is not None else 16,
+                                 req.logprobs, j))
+                for p in prompts for j in range(req.n)]
+        streams = self._submit(jobs)
+        echoes = [self._echo_text(p) if req.echo else "" for p in prompts for _ in range(req.n)]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._completion_stream(streams, echoes, rid, created, include_usage, req.n)
+        return await self._completion_full(streams, echoes, rid, created, req.n)
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return b"".join(self._piece(t) for t in prompt).decode("utf-8", "replace")
+
+    async def _completion_full(self, streams: list[RequestStream], echoes: list[str], rid: str,
+                               created: int, n: int) -> dict:
+        texts = list(echoes)
+        lps: list[list[TokenLogprob] | None] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in self._merged(streams):
+            if out.error:
+                raise APIError(500, out.error, type="server_error")
+            texts[i] += out.text
+            if out.logprobs is not None:
+                lps[i] = (lps[i] or []) + out.logprobs
+            if out.finished:
+                finals[i] = out
+        choices = [{"index": i, "text": texts[i],
+                    "logprobs": self._completion_logprobs(lps[i], len(echoes[i])),
+                    "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_id, "choices": choices, "usage": _usage(finals, n)}
+
+    async def _completion_stream(self, streams: list[RequestStream], echoes: list[str],
+                                 rid: str, created: int, include_usage: bool, n: int
+                                 ) -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict], **extra: object) -> bytes:
+            return sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": self.model_id, "choices": choices, **extra})
+
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        offsets = [len(e) for e in echoes]
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+        async for i, out in self._merged(streams):
+            if out.error:
+                yield sse(error_body(out.error, "server_error"))
+                break
+            yield chunk([{"index": i, "text": out.text,
+                          "logprobs": self._completion_logprobs(out.logprobs, offsets[i]),
+                          "finish_reason": out.finish_reason}])
+            offsets[i] += len(out.text)
+            if out.finished:
+                finals[i] = out
+        if include_usage and all(finals):
+            yield chunk([], usage=_usage(finals, n))
+        yield SSE_DONE
+
+
+def _is_tokens(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def prompt_list(value: object, param: str) -> list[str | list[int]]:
+    """OpenAI's prompt/input forms -> a list of strings or token arrays (400 otherwise)."""
+    if isinstance(value, str):
+        items: list = [value]
+    elif _is_tokens(value):
+        items = [value]
+    elif isinstance(value, list) and value and all(
+            isinstance(x, str) or _is_tokens(x) for x in value):
+        items = list(value)
+    else:
+        raise InvalidRequestError(
+            f"{param} must be a non-empty string, list of strings, token array or list of "
+            "token arrays", param=param)
+    if any(isinstance(x, str) and not x for x in items):
+        raise InvalidRequestError(f"{param} must not contain empty strings", param=param)
+    return items
+
+
+def _usage(finals: list[RequestOutput | None], n: int = 1) -> dict:
+    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens summed."""
+    prompt = sum(f.metrics.num_prompt_tokens for f in finals[::n] if f is not None)
+    completion = sum(f.metrics.num_generated_tokens for f in finals if f is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+

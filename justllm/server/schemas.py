@@ -1,0 +1,83 @@
+"""Request bodies of the OpenAI API, as msgspec structs (Litestar validates and documents them).
+
+Only the fields justllm acts on are declared; other OpenAI fields are accepted and ignored, so
+the official clients work unchanged. Responses are plain dicts shaped as OpenAI documents them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields common to chat and text completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # a string, a list of strings, a token array or a list of token arrays (checked by the
+    # serving code: msgspec cannot tell apart unions of several list types)
+    prompt: Union[str, list[Any]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: Union[str, list[Any]]  # as CompletionRequest.prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
