@@ -20,9 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from justllm.errors import EngineError, GPUUnavailableError, ModelLoadError
+from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
 
 from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
+from llama_cpp import llama_grammar as _grammar  # noqa: E402
+
+JSON_GRAMMAR: str = _grammar.JSON_GBNF
 
 GGUF_MAGIC = b"GGUF"
 MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
@@ -52,6 +55,17 @@ class BackendConfig:
     n_threads: int = 0  # 0: all cores
     gpu: bool = False
     verbose: bool = False
+
+
+def grammar_from_json_schema(schema: dict) -> str:
+    """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter)."""
+    import json
+
+    try:
+        return _grammar.json_schema_to_gbnf(json.dumps(schema))
+    except Exception as e:  # the converter raises plain exceptions on schemas it cannot handle
+        raise InvalidRequestError(f"unsupported JSON schema: {e}",
+                                  param="response_format") from e
 
 
 def gpu_offload_supported() -> bool:
@@ -266,6 +280,10 @@ class LlamaBackend:
         raw = C.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8", "replace") if raw else None
 
+    def grammar(self, gbnf: str) -> "GrammarMatcher":
+        """A token mask that follows a GBNF grammar (for structured output)."""
+        return GrammarMatcher(self, gbnf)
+
     def embedding_context(self, n_ctx: int = 2048) -> "EmbeddingContext":
         """A second context on the same weights, for mean-pooled sentence embeddings; closed
         with the backend."""
@@ -352,3 +370,64 @@ class EmbeddingContext:
             C.llama_batch_free(self._batch)
             C.llama_free(self._ctx)
             self._ctx = None
+
+
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class GrammarMatcher:
+    """llama.cpp's grammar sampler used as a mask over one request's logits.
+
+    ``allowed_argmax`` answers greedy requests by checking the best candidates first (the best
+    allowed token among the top ones is the best allowed overall) and the whole vocabulary only
+    when none of them fits; ``mask`` gives the full masked row for sampled requests.
+    """
+
+    PROBE = 64
+
+    def __init__(self, backend: LlamaBackend, gbnf: str) -> None:
+        self._smpl = C.llama_sampler_init_grammar(backend._vocab, gbnf.encode(), b"root")
+        if not self._smpl:
+            raise InvalidRequestError("the grammar could not be parsed", param="response_format")
+        n = backend.n_vocab
+        self._data = np.zeros(n, dtype=_TOKEN_DATA)
+        self._arr = C.llama_token_data_array()
+        self._arr.data = ctypes.cast(self._data.ctypes.data, C.llama_token_data_p)
+        self._arr.sorted = False
+
+    def _apply(self, ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        k = ids.size
+        view = self._data[:k]
+        view["id"] = ids
+        view["logit"] = logits
+        self._arr.size = k
+        self._arr.selected = -1
+        C.llama_sampler_apply(self._smpl, ctypes.byref(self._arr))
+        return view["logit"].copy()
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """The row with every token the grammar forbids set to -inf."""
+        masked = self._apply(np.arange(logits.size, dtype=np.int32), logits)
+        if not np.isfinite(masked).any():
+            raise EngineError("the grammar allows no further token")
+        return masked
+
+    def allowed_argmax(self, logits: np.ndarray) -> int:
+        top = np.argpartition(-logits, self.PROBE)[:self.PROBE].astype(np.int32)
+        top = top[np.argsort(-logits[top], kind="stable")]
+        masked = self._apply(top, logits[top])
+        ok = np.isfinite(masked)
+        if ok.any():
+            return int(top[int(np.argmax(ok))])
+        return int(np.argmax(self.mask(logits)))
+
+    def accept(self, token: int) -> None:
+        C.llama_sampler_accept(self._smpl, token)
+
+    def close(self) -> None:
+        if self._smpl:
+            C.llama_sampler_free(self._smpl)
+            self._smpl = None
+
+    def __del__(self) -> None:
+        self.close()

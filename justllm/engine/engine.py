@@ -149,6 +149,7 @@ class Engine:
                 "--pool-blocks)", param="prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
+        constraint = self.backend.grammar(params.grammar) if params.grammar else None
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -158,7 +159,7 @@ class Engine:
                 max_total_tokens=min(len(tokens) + params.max_tokens, self.max_request_tokens))
             self.scheduler.add(req)
             self._live[request_id] = _Live(
-                req, RequestSampler(params, seed),
+                req, RequestSampler(params, seed, constraint),
                 IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)))
         return request_id
@@ -228,7 +229,13 @@ class Engine:
 
     def _accept_token(self, live: _Live, logits, now: float) -> RequestOutput:
         req, params = live.request, live.request.params
-        sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
+        try:
+            sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
+        except EngineError as e:  # e.g. a grammar with no way forward: end this request only
+            self.scheduler.finish(req, FinishReason.ABORT)
+            del self._live[req.request_id]
+            return RequestOutput(req.request_id, live.detok.take_new_text(final=True), [], True,
+                                 "abort", None, live.metrics, error=str(e))
         token = sampled.token_id
         req.output_token_ids.append(token)
         self._generation_tokens_total += 1

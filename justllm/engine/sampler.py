@@ -10,6 +10,7 @@ sorting for top-p works on hundreds of candidates instead of the 262k-wide vocab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -25,12 +26,22 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
-class RequestSampler:
-    """Sampling state of one request: its random generator and its parameters."""
+class Constraint(Protocol):
+    """A token mask with state, such as a grammar (``GrammarMatcher``)."""
 
-    def __init__(self, params: SamplingParams, seed: int) -> None:
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+    def allowed_argmax(self, logits: np.ndarray) -> int: ...
+    def accept(self, token: int) -> None: ...
+
+
+class RequestSampler:
+    """Sampling state of one request: its random generator, parameters and constraint."""
+
+    def __init__(self, params: SamplingParams, seed: int,
+                 constraint: Constraint | None = None) -> None:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.constraint = constraint
 
     def sample(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int]
                ) -> SampledToken:
@@ -38,10 +49,12 @@ class RequestSampler:
         x = logits
         if p.has_penalties:
             x = apply_penalties(logits, p, prompt_ids, output_ids)
-        if p.greedy:
-            token = int(np.argmax(x))
+        c = self.constraint
+        if c is None:
+            token = int(np.argmax(x)) if p.greedy else self._draw(x)
         else:
-            token = self._draw(x)
+            token = c.allowed_argmax(x) if p.greedy else self._draw(c.mask(x))
+            c.accept(token)
         if p.logprobs is None:
             return SampledToken(token)
         return with_logprobs(logits, token, p.logprobs)

@@ -10,12 +10,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
+from justllm.engine.backend import JSON_GRAMMAR, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.errors import InvalidRequestError
@@ -129,6 +130,17 @@ class OpenAIServing:
             plain.append({"role": role, "content": content or ""})
         return self.template.render(plain, add_generation_prompt=True)
 
+    def _grammar(self, req: ChatCompletionRequest) -> str | None:
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return JSON_GRAMMAR
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                      param="response_format")
+        return grammar_from_json_schema(fmt.json_schema.schema)
+
     def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
         if lps is None:
             return None
@@ -143,9 +155,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[bytes]:
         self.check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, "response_format json_object/json_schema is not supported yet",
-                           param="response_format", code="unsupported")
+        grammar = self._grammar(req)
         prompt = self.chat_prompt(req.messages)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -153,7 +163,8 @@ class OpenAIServing:
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = [(prompt, self._params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+        jobs = [(prompt, replace(self._params(req, max_tokens, logprobs, i), grammar=grammar))
+                for i in range(req.n)]
         streams = self._submit(jobs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:

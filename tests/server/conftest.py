@@ -1,0 +1,78 @@
+"""A real ``justllm serve`` process on a free loopback port, with the demo model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    model: str
+
+    def stop(self) -> int:
+        """SIGTERM, as a supervisor would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+def start_server(model_path: str, *args: str, env: dict | None = None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    seen_503 = False
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read().decode()}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                break
+            seen_503 |= r.status_code == 503
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    model = httpx.get(url + "/v1/models", headers=_auth(args), timeout=60).json()["data"][0]["id"]
+    server = Server(proc, url, model)
+    server.saw_loading = seen_503  # type: ignore[attr-defined]
+    return server
+
+
+def _auth(args: tuple[str, ...]) -> dict:
+    if "--api-key" in args:
+        return {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"}
+    return {}
+
+
+@pytest.fixture(scope="session")
+def server(model_path):
+    s = start_server(model_path, "--max-seqs", "16", "--pool-blocks", "512")
+    yield s
+    assert s.stop() == 0

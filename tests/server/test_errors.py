@@ -1,0 +1,115 @@
+"""Bad input gets a 4xx with an OpenAI error body, and never harms the other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+
+def post(server, path, body, **kw):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content,
+                      headers={"content-type": "application/json", **kw.pop("headers", {})},
+                      timeout=60, **kw)
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_requests(server):
+    m = server.model
+    ok_msgs = [{"role": "user", "content": "hi"}]
+    assert_error(post(server, "/v1/chat/completions", b"{not json"), 400)
+    assert_error(post(server, "/v1/chat/completions", {"model": m}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": "hi"}), 400)
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": m, "messages": ok_msgs, "max_tokens": "ten"}), 400, "max_tokens")
+    assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": ok_msgs}),
+                 404, "model")
+    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": []}), 400,
+                 "messages")
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": m, "messages": [{"role": "user", "content": "word " * 20000}]}),
+                 400, "prompt")
+    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": ok_msgs, "n": 1000}),
+                 400, "n")
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": m, "messages": ok_msgs, "max_tokens": -3}), 400, "max_tokens")
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": m, "messages": ok_msgs, "temperature": -1}), 400, "temperature")
+    assert_error(post(server, "/v1/completions", {"model": m, "prompt": ""}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"model": m, "prompt": [1, "x"]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"model": m, "prompt": [10**9]}), 400, "prompt")
+    assert_error(post(server, "/v1/embeddings", {"model": m, "input": []}), 400, "input")
+    assert_error(httpx.get(server.url + "/v1/nothing", timeout=60), 404)
+    assert_error(post(server, "/v1/chat/completions", b"x" * (9 * 1024 * 1024)), 413)
+
+
+def test_bad_requests_do_not_harm_a_running_stream(server):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Tell a story."}],
+            "max_tokens": 40, "stream": True, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as h:
+            async def good():
+                n = 0
+                async with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+                return n
+
+            async def bad():
+                codes = []
+                for payload in (b"{", b'{"model": 1}', b'{"model": "x", "messages": []}'):
+                    r = await h.post(server.url + "/v1/chat/completions", content=payload,
+                                     headers={"content-type": "application/json"})
+                    codes.append(r.status_code)
+                return codes
+
+            return await asyncio.gather(good(), bad())
+
+    n, codes = asyncio.run(main())
+    assert n >= 30 and all(400 <= c < 500 for c in codes)
+
+
+def test_api_key_and_queue_full(model_path):
+    s = start_server(model_path, "--api-key", "sekret", "--max-seqs", "1", "--max-queue", "1",
+                     "--pool-blocks", "64")
+    try:
+        body = {"model": s.model, "prompt": "Hello", "max_tokens": 2}
+        assert_error(httpx.post(s.url + "/v1/completions", json=body, timeout=60), 401)
+        assert_error(httpx.post(s.url + "/v1/completions", json=body, timeout=60,
+                                headers={"Authorization": "Bearer wrong"}), 401)
+        assert httpx.get(s.url + "/health", timeout=60).status_code == 200
+        auth = {"Authorization": "Bearer sekret"}
+        assert httpx.post(s.url + "/v1/completions", json=body, headers=auth,
+                          timeout=60).status_code == 200
+
+        long = {"model": s.model, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120, headers=auth) as h:
+                return await asyncio.gather(*[h.post(s.url + "/v1/completions", json=long)
+                                              for _ in range(5)])
+
+        responses = asyncio.run(flood())
+        codes = sorted(r.status_code for r in responses)
+        # one running + one waiting at most; the rest are refused, none silently dropped
+        assert codes.count(200) >= 1 and codes.count(429) >= 3, codes
+        assert codes.count(200) + codes.count(429) == 5, codes
+        limited = next(r for r in responses if r.status_code == 429)
+        assert limited.headers["retry-after"] == "1"
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        assert s.stop() == 0

@@ -1,0 +1,222 @@
+"""The OpenAI API through the real ``openai`` client and raw httpx, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} not in /metrics"
+    return total
+
+
+def test_models(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model] == ["gemma-3-270m-q4_k_m"]
+
+
+def test_chat_non_streaming(client, server):
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_chat_streaming_with_usage(client, server):
+    stream = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    full = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].message.content == text  # greedy: streaming == non-streaming
+
+
+def test_chat_n_seed_stop_logprobs(client, server):
+    msgs = [{"role": "user", "content": "Write a sentence about cats."}]
+    r = client.chat.completions.create(model=server.model, messages=msgs, n=3, max_tokens=12,
+                                       temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    again = client.chat.completions.create(model=server.model, messages=msgs, n=3, max_tokens=12,
+                                           temperature=1.0, seed=7)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]
+    assert len({c.message.content for c in r.choices}) > 1  # each choice its own seed
+    lp = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == lp.choices[0].message.content
+    base = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=16,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    words = base.choices[0].message.content.split()
+    stop = words[2]
+    cut = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=16,
+                                         temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == base.choices[0].message.content.split(stop)[0]
+
+
+def test_completions(client, server):
+    r = client.completions.create(model=server.model, prompt="The capital of France is",
+                                  max_tokens=5, temperature=0, logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith("The capital of France is") and len(c.text) > 24
+    assert len(c.logprobs.tokens) == 5 and len(c.logprobs.top_logprobs[0]) == 2
+    assert r.usage.completion_tokens == 5
+    multi = client.completions.create(model=server.model, prompt=["One,", "Two,"], n=2,
+                                      max_tokens=3, temperature=0)
+    assert len(multi.choices) == 4 and multi.usage.completion_tokens == 12
+    assert multi.choices[0].text == multi.choices[1].text  # greedy, same prompt
+    tokens = client.completions.create(model=server.model, prompt=[2, 818, 5279, 563],
+                                       max_tokens=3, temperature=0)
+    assert tokens.usage.prompt_tokens == 4
+    stream = client.completions.create(model=server.model, prompt="The capital of France is",
+                                       max_tokens=5, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == c.text[len("The capital of France is"):]
+
+
+def test_embeddings(client, server):
+    texts = ["The cat sits on the mat.", "A cat is sitting on a mat.",
+             "Quarterly revenue rose by eight percent."]
+    r = client.embeddings.create(model=server.model, input=texts)
+    vecs = np.array([d.embedding for d in r.data])
+    assert vecs.shape == (3, 640)
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+    paraphrase, unrelated = vecs[0] @ vecs[1], vecs[0] @ vecs[2]
+    assert paraphrase > unrelated + 0.1
+    assert r.usage.prompt_tokens > 10
+    one = client.embeddings.create(model=server.model, input="hello")
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 640
+
+
+def test_metrics_move_as_requests_run(client, server):
+    gen0 = metric(server, "vllm:generation_tokens_total")
+    prompt0 = metric(server, "vllm:prompt_tokens_total")
+    ttft0 = metric(server, "vllm:time_to_first_token_seconds_count")
+    client.completions.create(model=server.model, prompt="Hello", max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric(server, "vllm:generation_tokens_total") == gen0 + 6
+    assert metric(server, "vllm:prompt_tokens_total") == prompt0 + 2
+    assert metric(server, "vllm:time_to_first_token_seconds_count") == ttft0 + 1
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "justllm_prefix_cache_hits_total",
+                 "justllm_prefix_cache_misses_total", "justllm_prefix_cache_hit_ratio",
+                 "justllm_prefix_cache_blocks", "justllm_kv_blocks_used",
+                 "justllm_kv_blocks_free", "justllm_kv_blocks_total"):
+        metric(server, name)
+    assert metric(server, "justllm_kv_blocks_total") == 512
+
+
+def test_16_concurrent_streams_complete(server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                                     timeout=120)
+
+        async def one(i):
+            stream = await aclient.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": f"Tell me fact {i}."}],
+                max_tokens=12, stream=True, extra_body={"ignore_eos": True})
+            n, reason = 0, None
+            async for c in stream:
+                if c.choices and c.choices[0].delta.content:
+                    n += 1
+                if c.choices and c.choices[0].finish_reason:
+                    reason = c.choices[0].finish_reason
+            return n, reason
+
+        try:
+            return await asyncio.gather(*[one(i) for i in range(16)])
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert all(reason == "length" and n >= 6 for n, reason in results), results
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "justllm_kv_blocks_used") == 0
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Write a long essay."}],
+            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # held, not broken out of: that would close the response
+            data = 0
+            while data < 4:
+                data += next(lines).startswith("data:")
+            assert metric(server, "vllm:num_requests_running") == 1
+            assert metric(server, "justllm_kv_blocks_used") > 0
+    for _ in range(600):  # the engine frees the blocks at its next step
+        if metric(server, "vllm:num_requests_running") == 0 and metric(server, "justllm_kv_blocks_used") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "justllm_kv_blocks_used") == 0
+
+
+def test_openapi_schema_lists_the_routes(server):
+    schema = httpx.get(server.url + "/docs/openapi.json", timeout=60).json()
+    paths = schema["paths"]
+    for p in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
+              "/health", "/metrics"):
+        assert p in paths, p
+    body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]
+
+
+def test_response_format_json_object_and_schema(client, server):
+    import json
+
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "{}"}],
+        max_tokens=200, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"  # the grammar let EOS through once complete
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=60, temperature=0.7, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"name", "age"}
+    assert isinstance(doc["name"], str) and isinstance(doc["age"], int)
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
