@@ -52,7 +52,7 @@ class EmbeddingServing:
         return [self._ctx.embed(t) for t in token_lists]
 
     async def create(self, data: EmbeddingRequest) -> dict:
-        if data.model != self.model_id:
+        if data.model is not None and data.model != self.model_id:
             raise APIError(404, f"the model '{data.model}' does not exist; this server serves "
                                 f"'{self.model_id}'", type="not_found_error", param="model",
                            code="model_not_found")

@@ -51,8 +51,8 @@ class OpenAIServing:
 
     # ---- shared -----------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_id:
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.model_id}'", type="not_found_error", param="model",
                            code="model_not_found")

@@ -40,7 +40,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 class _Sampling(msgspec.Struct, kw_only=True):
     """Fields common to chat and text completions."""
 
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model when absent
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -76,7 +76,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model when absent
     input: Union[str, list[Any]]  # as CompletionRequest.prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None

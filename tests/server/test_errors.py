@@ -32,6 +32,7 @@ def test_bad_requests(server):
     ok_msgs = [{"role": "user", "content": "hi"}]
     assert_error(post(server, "/v1/chat/completions", b"{not json"), 400)
     assert_error(post(server, "/v1/chat/completions", {"model": m}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {"model": 5, "messages": ok_msgs}), 400, "model")
     assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": "hi"}), 400)
     assert_error(post(server, "/v1/chat/completions",
                       {"model": m, "messages": ok_msgs, "max_tokens": "ten"}), 400, "max_tokens")
