@@ -15,6 +15,7 @@ class EngineConfig:
     by all sequences. ``ctx`` caps one request (prompt + output); 0 means the smaller of the
     pool and the model's training context. ``spare_seq_ids`` are llama.cpp sequence ids above
     ``max_seqs`` kept for features that need extra ids (prefix-cache holders, speculation).
+    ``prefix_cache`` shares KV between requests with a common prefix (radix tree).
     """
 
     model: str | None = None
@@ -29,7 +30,9 @@ class EngineConfig:
     threads: int = 0
     ctx: int = 0
     gpu: bool = False
-    spare_seq_ids: int = 8
+    spare_seq_ids: int = 32
+    prefix_cache: bool = True
+    prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -39,7 +42,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-        for name in ("max_queue", "threads", "ctx", "spare_seq_ids"):
+        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_seqs + self.spare_seq_ids > 256:
@@ -54,4 +57,5 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             max_seqs=self.max_seqs, max_prefill=self.max_prefill, max_decode=self.max_decode,
-            chunk_size=self.chunk_size, n_batch=self.n_batch, max_queue=self.max_queue)
+            chunk_size=self.chunk_size, n_batch=self.n_batch, max_queue=self.max_queue,
+            n_seq_ids=self.max_seqs + (self.spare_seq_ids if self.prefix_cache else 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from justllm.core.request import Request
+from justllm.kv.radix_cache import KVOp
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,16 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
-    """One step: KV to drop first, then one batch of chunks."""
+    """One step: KV operations first, in order (drops, prefix-cache copies), then one batch."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    released_seq_ids: list[int] = field(default_factory=list)
+    kv_ops: list[KVOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def released_seq_ids(self) -> list[int]:
+        """Sequences dropped whole in this step."""
+        return [op.seq for op in self.kv_ops if op.kind == "rm" and op.p0 == -1 and op.p1 == -1]
 
     @property
     def num_tokens(self) -> int:
@@ -40,4 +46,4 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.released_seq_ids
+        return not self.chunks and not self.kv_ops

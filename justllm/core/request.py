@@ -43,6 +43,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prefix cache (owned by the scheduler): tokens taken from the cache at admission, the
+    # deepest cache node this request locks, and whether its prompt was offered to the cache.
+    num_cached_tokens: int = 0
+    cache_node: object | None = None
+    prompt_cached: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from justllm.core.plan import ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
+from justllm.kv.radix_cache import KVOp, RadixCache
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class SchedulerConfig:
     chunk_size: int = 256
     n_batch: int = 512
     max_queue: int = 256
+    # Sequence ids in the llama.cpp context; those beyond max_seqs hold prefix-cache KV.
+    n_seq_ids: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
@@ -42,17 +45,23 @@ class SchedulerConfig:
             raise ValueError("max_queue must be >= 0")
         if self.chunk_size > self.n_batch:
             raise ValueError("chunk_size must be <= n_batch")
+        if self.n_seq_ids and self.n_seq_ids < self.max_seqs:
+            raise ValueError("n_seq_ids must be >= max_seqs")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 cache: RadixCache | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         # Ordered by admission; the last one is the preemption victim.
         self.running: list[Request] = []
-        self._free_seq_ids: list[int] = list(range(config.max_seqs - 1, -1, -1))
-        self._pending_releases: list[int] = []
+        n_ids = config.n_seq_ids or config.max_seqs
+        self._free_seq_ids: list[int] = list(range(n_ids - 1, -1, -1))
+        # KV operations for the runner, in order, executed before the next batch.
+        self._pending_ops: list[KVOp] = []
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -92,9 +101,15 @@ class Scheduler:
         self._preempt(victim, StepPlan())
         return victim
 
+    def flush_cache(self) -> None:
+        """Evict every unlocked prefix-cache entry (its KV is dropped at the next step)."""
+        if self.cache is not None:
+            self._pending_ops += self.cache.flush()
+            self._collect_freed_holders()
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_releases)
+        return bool(self.waiting or self.running or self._pending_ops)
 
     @property
     def num_running(self) -> int:
@@ -134,30 +149,84 @@ class Scheduler:
                 n_prefill += 1
 
         while (self.waiting and budget >= 1 and n_prefill < cfg.max_prefill
-               and len(self.running) < cfg.max_seqs and self._free_seq_ids):
-            req = self.waiting[0]
-            needed = self.pool.blocks_for(req.num_tokens)
-            if not self.pool.can_allocate(needed):
-                break  # FCFS: the head waits for blocks, nobody jumps the queue
-            self.waiting.popleft()
-            req.block_ids = self.pool.allocate(needed)
-            req.seq_id = self._free_seq_ids.pop()
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = 0
+               and len(self.running) < cfg.max_seqs):
+            # FCFS: when the head cannot start, nobody jumps the queue.
+            if not self._admit(self.waiting[0]):
+                break
+            req = self.waiting.popleft()
             self.running.append(req)
             budget -= self._schedule_prefill(req, plan, budget)
             n_prefill += 1
 
-        plan.released_seq_ids = self._pending_releases
-        self._pending_releases = []
+        plan.kv_ops = self._pending_ops
+        self._pending_ops = []
         return plan
 
     def update(self, plan: StepPlan) -> None:
-        """The runner computed ``plan``: those tokens are now in the KV."""
+        """The runner computed ``plan``: those tokens are now in the KV. A prompt that is
+        complete is offered to the prefix cache at once (live), so requests arriving with the
+        same prefix share it while this one is still running."""
         for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += len(chunk.token_ids)
+            req = chunk.request
+            req.num_computed_tokens += len(chunk.token_ids)
+            if (self.cache is not None and not req.prompt_cached and req.seq_id is not None
+                    and req.num_computed_tokens >= req.num_prompt_tokens):
+                req.prompt_cached = True
+                self._pending_ops += self.cache.insert(req.prompt_token_ids, req.seq_id, live=True)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _admit(self, req: Request) -> bool:
+        """Give the head of the queue a sequence id, its cached prefix and blocks for the rest."""
+        cache = self.cache
+        match = cache.match(req.prompt_token_ids + req.output_token_ids,
+                            req.num_tokens - 1) if cache else None
+        matched = match.length if match else 0
+        if cache and self._prefix_being_computed(req, matched):
+            return False  # the same prefix is being computed: wait and share it
+        if cache and match:
+            cache.lock(match.last)  # keep our prefix while evicting for room
+        needed = self.pool.blocks_for(req.num_tokens - matched)
+        if cache and not self.pool.can_allocate(needed):
+            self._pending_ops += cache.evict_blocks(needed)
+        if cache and not self._free_seq_ids:
+            self._pending_ops += cache.evict_holder()
+        self._collect_freed_holders()
+        if not self.pool.can_allocate(needed) or not self._free_seq_ids:
+            if cache and match:
+                cache.unlock(match.last)
+            return False
+        req.block_ids = self.pool.allocate(needed)
+        req.seq_id = self._free_seq_ids.pop()
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = matched
+        req.num_cached_tokens = matched
+        req.prompt_cached = False
+        if cache and match:
+            req.cache_node = match.last
+            self._pending_ops += match.copy_ops(req.seq_id)
+            cache.record_lookup(req.num_tokens, matched)
+        return True
+
+    def _prefix_being_computed(self, req: Request, matched: int) -> bool:
+        """True if a running request is still prefilling a longer prefix this one shares
+        (two requests with the same system prompt arriving together compute it once)."""
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            a, b = req.prompt_token_ids, other.prompt_token_ids
+            n = min(len(a), len(b))
+            k = 0
+            while k < n and a[k] == b[k]:
+                k += 1
+            if k >= matched + self.pool.block_size:
+                return True
+        return False
+
+    def _collect_freed_holders(self) -> None:
+        if self.cache is not None and self.cache.freed_holders:
+            self._free_seq_ids.extend(self.cache.freed_holders)
+            self.cache.freed_holders.clear()
 
     def _schedule_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         start = req.num_computed_tokens
@@ -168,9 +237,15 @@ class Scheduler:
         return n
 
     def _grow_for_decode(self, req: Request, plan: StepPlan) -> bool:
-        """Make room for one more token of ``req``; False if ``req`` itself was preempted."""
-        needed = self.pool.blocks_for(req.num_tokens) - len(req.block_ids)
+        """Make room for one more token of ``req``: evict cached prefixes first, then preempt
+        the newest request. False if ``req`` itself was preempted."""
+        needed = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens) - len(req.block_ids)
         while needed > 0 and not self.pool.can_allocate(needed):
+            if self.cache is not None:
+                self._pending_ops += self.cache.evict_blocks(needed)
+                self._collect_freed_holders()
+                if self.pool.can_allocate(needed):
+                    break
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
@@ -189,13 +264,26 @@ class Scheduler:
         plan.preempted.append(req)
 
     def _release(self, req: Request) -> None:
+        """Free a request's blocks; its sequence goes to the prefix cache (which keeps what is
+        new and drops the rest) or is dropped whole."""
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
-        if req.seq_id is not None:
-            self._pending_releases.append(req.seq_id)
+        if req.seq_id is None:
+            return
+        if self.cache is not None:
+            self.cache.unlock(req.cache_node)  # type: ignore[arg-type]
+            req.cache_node = None
+            # Cells past what we hand over (a step in flight when the request was aborted) go.
+            self._pending_ops.append(KVOp.rm(req.seq_id, req.num_computed_tokens, -1))
+            tokens = req.token_slice(0, req.num_computed_tokens)
+            self._pending_ops += self.cache.insert(tokens, req.seq_id, live=False)
+            self._collect_freed_holders()
+        else:
+            self._pending_ops.append(KVOp.rm(req.seq_id))
             self._free_seq_ids.append(req.seq_id)
-            req.seq_id = None
+        req.seq_id = None
+        req.num_cached_tokens = 0
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED

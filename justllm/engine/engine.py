@@ -27,6 +27,7 @@ from justllm.engine.sampler import RequestSampler
 from justllm.errors import EngineError, InvalidRequestError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
+from justllm.kv.radix_cache import RadixCache
 from justllm.model_source import resolve_model
 
 
@@ -49,6 +50,8 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     # Tokens this request put through llama_decode, recomputation after preemption included.
     num_computed_tokens: int = 0
+    # Prompt tokens taken from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -106,7 +109,9 @@ class Engine:
             ))
         self.backend = backend
         self.pool = BlockPool(config.pool_blocks, config.block_size)
-        self.scheduler = Scheduler(config.scheduler_config(), self.pool)
+        self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None)
+                      if config.prefix_cache else None)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
         self.runner = Runner(backend)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
         self.max_request_tokens = min(config.ctx, limit) if config.ctx else limit
@@ -189,7 +194,13 @@ class Engine:
                 kv_blocks=self.pool.usage(),
                 prompt_tokens_total=self._prompt_tokens_total,
                 generation_tokens_total=self._generation_tokens_total,
-                num_preemptions_total=self._preemptions_total)
+                num_preemptions_total=self._preemptions_total,
+                prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats())
+
+    def flush_prefix_cache(self) -> None:
+        """Drop every cached prefix no running request uses; the KV goes at the next step."""
+        with self._lock:
+            self.scheduler.flush_cache()
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -244,6 +255,7 @@ class Engine:
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
+            m.num_cached_tokens = req.num_cached_tokens
             self._prompt_tokens_total += req.num_prompt_tokens
 
         reason: FinishReason | None = None

@@ -7,6 +7,7 @@ from typing import Protocol
 import numpy as np
 
 from justllm.core.plan import StepPlan
+from justllm.kv.radix_cache import KVOp
 
 
 class Backend(Protocol):
@@ -19,15 +20,20 @@ class Backend(Protocol):
 
     def decode(self, n_tokens: int) -> np.ndarray: ...
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
 
 
 class Runner:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.backend.seq_rm(seq_id, -1, -1)
+    def apply_kv_ops(self, ops: list[KVOp]) -> None:
+        b = self.backend
+        for op in ops:
+            if op.kind == "rm":
+                b.seq_rm(op.seq, op.p0, op.p1)
+            else:
+                b.seq_cp(op.src, op.seq, op.p0, op.p1)
 
     def execute(self, plan: StepPlan) -> np.ndarray:
         """Compute the plan's chunks in one ``llama_decode``.
@@ -35,7 +41,7 @@ class Runner:
         Returns one logits row per chunk that wants logits, in plan order (a view valid until
         the next step).
         """
-        self.release(plan.released_seq_ids)
+        self.apply_kv_ops(plan.kv_ops)
         if not plan.chunks:
             return np.empty((0, 0), dtype=np.float32)
         b = self.backend

@@ -1,0 +1,347 @@
+"""A radix tree over token ids whose nodes reference KV held by llama.cpp sequence ids.
+
+The tree never holds KV (SGLang's design): a node says "positions ``start..end`` of these
+tokens are in the cells of sequence ``holder``". In llama.cpp's unified KV cache a hit is then a
+zero-copy ``seq_cp(holder, new_seq, start, end)`` (design.md), and eviction is a
+``seq_rm(holder, start, end)``. The cache returns those operations as :class:`KVOp`s for the
+runner; it never calls llama.cpp itself, so it is tested with no model.
+
+Holders:
+- a *live* node's holder is a running request whose prompt was just computed, so a request
+  arriving with the same prefix can share it at once; its cells are counted in that request's
+  blocks, and it cannot be evicted while the request runs;
+- when a request ends (finish, abort or preemption) its sequence is handed to the cache: the
+  part of it that the tree already had is dropped from it, the rest becomes owned nodes whose
+  blocks the cache reserves from the pool, and the sequence id stays alive as their holder
+  until eviction removes its last node.
+
+Nodes on a running request's matched path are locked (counts along the path); only unlocked,
+non-live leaves are evicted, in the order a pluggable :class:`EvictionPolicy` chooses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from justllm.kv.block_pool import BlockPool
+from justllm.kv.cache_stats import PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class KVOp:
+    """``rm``: drop positions p0..p1 of ``seq`` (-1: open); ``cp``: tag ``src``'s cells at
+    p0..p1 with ``seq`` too."""
+
+    kind: str
+    seq: int
+    p0: int = -1
+    p1: int = -1
+    src: int = -1
+
+    @staticmethod
+    def rm(seq: int, p0: int = -1, p1: int = -1) -> "KVOp":
+        return KVOp("rm", seq, p0, p1)
+
+    @staticmethod
+    def cp(src: int, dst: int, p0: int, p1: int) -> "KVOp":
+        return KVOp("cp", dst, p0, p1, src)
+
+
+@dataclass(eq=False)
+class RadixNode:
+    tokens: list[int]
+    start: int
+    parent: "RadixNode | None"
+    holder: int
+    children: dict[int, "RadixNode"] = field(default_factory=dict)
+    block_ids: list[int] = field(default_factory=list)  # owned blocks; none while live
+    live: bool = False
+    lock: int = 0
+    last_access: int = 0
+    referenced: bool = True  # for the clock policy
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class EvictionPolicy(Protocol):
+    def pick(self, candidates: list[RadixNode]) -> RadixNode: ...
+
+
+class LRUPolicy:
+    """Evict the least recently matched or inserted leaf."""
+
+    def pick(self, candidates: list[RadixNode]) -> RadixNode:
+        return min(candidates, key=lambda n: n.last_access)
+
+
+class ClockPolicy:
+    """Second chance: a leaf used since the hand last passed it is spared once."""
+
+    def pick(self, candidates: list[RadixNode]) -> RadixNode:
+        ordered = sorted(candidates, key=lambda n: n.last_access)
+        for node in ordered:
+            if not node.referenced:
+                return node
+            node.referenced = False
+        return ordered[0]
+
+
+@dataclass(frozen=True)
+class Match:
+    length: int
+    nodes: list[RadixNode]
+
+    @property
+    def last(self) -> RadixNode | None:
+        return self.nodes[-1] if self.nodes else None
+
+    def copy_ops(self, dst: int) -> list[KVOp]:
+        return [KVOp.cp(n.holder, dst, n.start, min(n.end, self.length)) for n in self.nodes]
+
+
+class RadixCache:
+    """The tree, its holders and its share of the block pool. Only the scheduler calls it."""
+
+    def __init__(self, pool: BlockPool, *, max_blocks: int | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
+        self.pool = pool
+        self.max_blocks = max_blocks
+        self.policy = policy or LRUPolicy()
+        self.root = RadixNode([], 0, None, -1)
+        self._tick = itertools.count(1)
+        self._holder_nodes: dict[int, int] = {}  # seq id -> how many nodes it holds
+        self.freed_holders: list[int] = []  # seq ids the cache gave up; the scheduler takes them
+        self._hits = self._misses = self._queried = self._hit_tokens = 0
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def match(self, tokens: list[int], limit: int) -> Match:
+        """The longest cached prefix of ``tokens[:limit]`` (token granularity)."""
+        node, pos, path = self.root, 0, []
+        tick = next(self._tick)
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common(child.tokens, tokens, pos, limit)
+            child.last_access = tick
+            child.referenced = True
+            path.append(child)
+            pos += k
+            if k < len(child.tokens):
+                break
+            node = child
+        return Match(pos, path)
+
+    def record_lookup(self, queried: int, hit: int) -> None:
+        self._queried += queried
+        self._hit_tokens += hit
+        if hit:
+            self._hits += 1
+        else:
+            self._misses += 1
+
+    def lock(self, node: RadixNode | None) -> None:
+        """Lock ``node`` and every ancestor (a request's matched path)."""
+        while node is not None and node is not self.root:
+            node.lock += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        while node is not None and node is not self.root:
+            node.lock -= 1
+            node = node.parent
+
+    # ---- insertion ------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], seq: int, *, live: bool) -> list[KVOp]:
+        """Record that ``seq`` holds ``tokens`` at positions ``0..len(tokens)``.
+
+        ``live``: ``seq`` is still running (its blocks count its cells); only new nodes are
+        added. Otherwise ``seq`` is handed over: what other holders already cover is dropped
+        from it (returned as ``rm`` ops), its live nodes become owned, the rest becomes new
+        owned nodes. If the pool cannot hold them, the uncached tail is dropped too.
+        """
+        ops: list[KVOp] = []
+        node, pos, n = self.root, 0, len(tokens)
+        tick = next(self._tick)
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common(child.tokens, tokens, pos, n)
+            if k < len(child.tokens):
+                if not self._split(child, k):
+                    break
+                child = node.children[tokens[pos]]  # the new head
+            child.last_access = tick
+            if child.holder != seq:
+                if not live:
+                    ops.append(KVOp.rm(seq, child.start, child.end))
+            elif child.live and not live:
+                if not self._own(child):
+                    break
+            node, pos = child, pos + k
+        if pos < n:
+            new = RadixNode(tokens[pos:], pos, node, seq, live=live, last_access=tick)
+            if live or self._own(new):
+                node.children[tokens[pos]] = new
+                self._holder_nodes[seq] = self._holder_nodes.get(seq, 0) + 1
+                pos = n
+        if not live:
+            if pos < n:
+                ops.append(KVOp.rm(seq, pos, -1))
+            if self._holder_nodes.get(seq, 0) == 0:
+                ops.append(KVOp.rm(seq))
+                self.freed_holders.append(seq)
+            ops += self._enforce_cap()
+        return ops
+
+    def holds(self, seq: int) -> bool:
+        return self._holder_nodes.get(seq, 0) > 0
+
+    def _own(self, node: RadixNode) -> bool:
+        """Reserve blocks for a node that stops (or never was) live."""
+        need = self.pool.blocks_for(len(node.tokens))
+        if not self.pool.can_allocate(need):
+            return False
+        node.block_ids = self.pool.allocate(need)
+        node.live = False
+        return True
+
+    def _split(self, node: RadixNode, k: int) -> bool:
+        """Cut ``node`` after ``k`` tokens. The node object keeps the tail, a new head goes
+        above it: requests hold their deepest node, and unlocking walks up from it."""
+        parent = node.parent
+        assert parent is not None
+        head = RadixNode(node.tokens[:k], node.start, parent, node.holder,
+                         {node.tokens[k]: node}, live=node.live, lock=node.lock,
+                         last_access=node.last_access)
+        if not node.live:
+            head_blocks = self.pool.blocks_for(k)
+            tail_blocks = self.pool.blocks_for(len(node.tokens) - k)
+            extra = head_blocks + tail_blocks - len(node.block_ids)
+            if extra > 0 and not self.pool.can_allocate(extra):
+                return False
+            ids = node.block_ids + (self.pool.allocate(extra) if extra > 0 else [])
+            head.block_ids, node.block_ids = ids[:head_blocks], ids[head_blocks:]
+        parent.children[node.tokens[0]] = head
+        node.tokens = node.tokens[k:]
+        node.start += k
+        node.parent = head
+        self._holder_nodes[node.holder] = self._holder_nodes.get(node.holder, 0) + 1
+        return True
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evictable(self) -> list[RadixNode]:
+        return [n for n in self._nodes() if not n.children and not n.lock and not n.live]
+
+    def evict_one(self) -> list[KVOp] | None:
+        """Evict one leaf; None when nothing can be evicted."""
+        candidates = self.evictable()
+        if not candidates:
+            return None
+        victim = self.policy.pick(candidates)
+        parent = victim.parent
+        assert parent is not None
+        del parent.children[victim.tokens[0]]
+        self.pool.free(victim.block_ids)
+        victim.block_ids = []
+        ops = [KVOp.rm(victim.holder, victim.start, victim.end)]
+        left = self._holder_nodes[victim.holder] - 1
+        if left:
+            self._holder_nodes[victim.holder] = left
+        else:
+            del self._holder_nodes[victim.holder]
+            ops.append(KVOp.rm(victim.holder))
+            self.freed_holders.append(victim.holder)
+        return ops
+
+    def evict_blocks(self, needed: int) -> list[KVOp]:
+        """Evict until the pool has ``needed`` free blocks or nothing more can go."""
+        ops: list[KVOp] = []
+        while not self.pool.can_allocate(needed):
+            more = self.evict_one()
+            if more is None:
+                break
+            ops += more
+        return ops
+
+    def evict_holder(self) -> list[KVOp]:
+        """Evict until some holder sequence id is given up (or nothing more can go)."""
+        ops: list[KVOp] = []
+        before = len(self.freed_holders)
+        while len(self.freed_holders) == before:
+            more = self.evict_one()
+            if more is None:
+                break
+            ops += more
+        return ops
+
+    def flush(self) -> list[KVOp]:
+        ops: list[KVOp] = []
+        while (more := self.evict_one()) is not None:
+            ops += more
+        return ops
+
+    def _enforce_cap(self) -> list[KVOp]:
+        ops: list[KVOp] = []
+        if self.max_blocks is None:
+            return ops
+        while self.num_blocks > self.max_blocks:
+            more = self.evict_one()
+            if more is None:
+                break
+            ops += more
+        return ops
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(n.block_ids) for n in self._nodes())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(n.tokens) for n in self._nodes())
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(hits=self._hits, misses=self._misses,
+                                queried_tokens=self._queried, hit_tokens=self._hit_tokens,
+                                blocks=self.num_blocks)
+
+    def dump(self, fmt: Callable[[RadixNode], str] | None = None) -> list[str]:
+        """The tree as indented lines (tests and debugging)."""
+        fmt = fmt or (lambda n: f"{n.tokens}@{n.start} h{n.holder}{' live' if n.live else ''}"
+                                f"{' L' + str(n.lock) if n.lock else ''}")
+        out: list[str] = []
+
+        def walk(node: RadixNode, depth: int) -> None:
+            for key in sorted(node.children):
+                child = node.children[key]
+                out.append("  " * depth + fmt(child))
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        return out
+
+
+def _common(node_tokens: list[int], tokens: list[int], pos: int, limit: int) -> int:
+    n = min(len(node_tokens), limit - pos)
+    k = 0
+    while k < n and node_tokens[k] == tokens[pos + k]:
+        k += 1
+    return k

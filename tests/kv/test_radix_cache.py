@@ -1,0 +1,137 @@
+"""The radix tree with no model: insert, match, split, lock, evict order, KV ops, accounting."""
+
+from justllm.kv.block_pool import BlockPool
+from justllm.kv.radix_cache import ClockPolicy, KVOp, RadixCache
+
+
+def cache(blocks=64, bs=4, **kw) -> RadixCache:
+    return RadixCache(BlockPool(blocks, bs), **kw)
+
+
+def test_insert_and_match_at_token_granularity():
+    c = cache()
+    assert c.insert([1, 2, 3, 4, 5, 6], seq=7, live=False) == []
+    assert c.dump() == ["[1, 2, 3, 4, 5, 6]@0 h7"]
+    m = c.match([1, 2, 3, 9], limit=4)
+    assert m.length == 3 and [n.holder for n in m.nodes] == [7]
+    assert m.copy_ops(dst=2) == [KVOp.cp(7, 2, 0, 3)]
+    assert c.match([9, 1], limit=2).length == 0
+    assert c.match([1, 2, 3, 4, 5, 6, 7], limit=4).length == 4  # limit: keep the last token
+    assert c.pool.num_free == 64 - 2  # 6 tokens in blocks of 4
+
+
+def test_second_insert_splits_and_drops_what_is_already_cached():
+    c = cache()
+    c.insert([1, 2, 3, 4, 5, 6], seq=7, live=False)
+    ops = c.insert([1, 2, 3, 8, 9], seq=3, live=False)
+    # seq 3's copy of [1,2,3] is redundant: dropped from it; [8,9] becomes its own node
+    assert ops == [KVOp.rm(3, 0, 3)]
+    assert c.dump() == ["[1, 2, 3]@0 h7", "  [4, 5, 6]@3 h7", "  [8, 9]@3 h3"]
+    m = c.match([1, 2, 3, 8, 9, 10], limit=6)
+    assert m.length == 5
+    assert m.copy_ops(dst=0) == [KVOp.cp(7, 0, 0, 3), KVOp.cp(3, 0, 3, 5)]
+    assert c.holds(7) and c.holds(3)
+    assert c.num_blocks == 1 + 1 + 1
+
+
+def test_fully_cached_insert_gives_the_sequence_back():
+    c = cache()
+    c.insert([1, 2, 3], seq=7, live=False)
+    ops = c.insert([1, 2, 3], seq=4, live=False)
+    assert ops == [KVOp.rm(4, 0, 3), KVOp.rm(4)]
+    assert c.freed_holders == [4] and not c.holds(4)
+
+
+def test_locked_paths_are_not_evicted_and_lru_order_is_exact():
+    c = cache()
+    c.insert([1, 2], seq=1, live=False)
+    c.insert([3, 4], seq=2, live=False)
+    c.insert([5, 6], seq=3, live=False)
+    c.match([1, 2], limit=2)  # touch seq 1's node: now the most recent
+    m = c.match([3, 4], limit=2)
+    c.lock(m.last)
+    assert c.evict_one() == [KVOp.rm(3, 0, 2), KVOp.rm(3)]  # [5,6]: least recent, unlocked
+    assert c.evict_one() == [KVOp.rm(1, 0, 2), KVOp.rm(1)]
+    assert c.evict_one() is None  # [3,4] is locked
+    c.unlock(m.last)
+    assert c.evict_one() == [KVOp.rm(2, 0, 2), KVOp.rm(2)]
+    assert c.freed_holders == [3, 1, 2]
+    assert c.pool.num_free == 64
+
+
+def test_eviction_goes_leaf_first_and_lock_survives_a_split():
+    c = cache()
+    c.insert([1, 2, 3, 4], seq=1, live=False)
+    m = c.match([1, 2, 3, 4, 5], limit=5)
+    c.lock(m.last)
+    c.insert([1, 2, 9], seq=2, live=False)  # splits the locked node
+    assert c.dump() == ["[1, 2]@0 h1 L1", "  [3, 4]@2 h1 L1", "  [9]@2 h2"]
+    assert c.evict_one() == [KVOp.rm(2, 2, 3), KVOp.rm(2)]
+    assert c.evict_one() is None
+    c.unlock(m.last)
+    assert c.dump() == ["[1, 2]@0 h1", "  [3, 4]@2 h1"]
+    assert c.evict_one() == [KVOp.rm(1, 2, 4)]  # the leaf first, the holder still holds [1,2]
+    assert c.evict_one() == [KVOp.rm(1, 0, 2), KVOp.rm(1)]
+
+
+def test_live_nodes_are_shared_but_never_evicted_until_handed_over():
+    c = cache()
+    assert c.insert([1, 2, 3, 4, 5], seq=0, live=True) == []
+    assert c.pool.num_free == 64  # live: counted in the running request's blocks
+    assert c.match([1, 2, 3, 4, 5, 6], limit=6).length == 5
+    assert c.evict_one() is None
+    ops = c.insert([1, 2, 3, 4, 5, 6, 7], seq=0, live=False)  # the request ends
+    assert ops == []
+    assert c.dump() == ["[1, 2, 3, 4, 5]@0 h0", "  [6, 7]@5 h0"]
+    assert c.num_blocks == 2 + 1
+
+
+def test_pool_too_full_drops_the_uncached_tail():
+    c = cache(blocks=2, bs=4)
+    c.pool.allocate(1)
+    ops = c.insert(list(range(1, 10)), seq=5, live=False)  # 9 tokens need 3 blocks, 1 free
+    assert ops == [KVOp.rm(5, 0, -1), KVOp.rm(5)]
+    assert c.dump() == []
+
+
+def test_cap_on_cache_blocks_evicts_lru():
+    c = cache(max_blocks=2)
+    c.insert([1, 2, 3, 4], seq=1, live=False)
+    c.insert([5, 6, 7, 8], seq=2, live=False)
+    ops = c.insert([9, 10], seq=3, live=False)
+    assert ops == [KVOp.rm(1, 0, 4), KVOp.rm(1)]
+    assert c.num_blocks == 2
+
+
+def test_flush_and_evict_for_blocks_and_holders():
+    c = cache(blocks=4, bs=4)
+    c.insert([1, 2, 3, 4], seq=1, live=False)
+    c.insert([5, 6, 7, 8], seq=2, live=False)
+    c.insert([5, 6, 7, 8, 9], seq=3, live=False)
+    assert c.pool.num_free == 1
+    c.evict_blocks(2)
+    assert c.pool.num_free >= 2
+    before = list(c.freed_holders)
+    c.evict_holder()
+    assert len(c.freed_holders) == len(before) + 1
+    c.flush()
+    assert c.pool.num_free == 4 and c.dump() == []
+
+
+def test_clock_policy_spares_recently_used_once():
+    c = cache(policy=ClockPolicy())
+    c.insert([1], seq=1, live=False)
+    c.insert([2], seq=2, live=False)
+    for n in c._nodes():
+        n.referenced = False
+    c.match([1], limit=1)  # sets the reference bit of [1]
+    assert c.evict_one()[0] == KVOp.rm(2, 0, 1)
+
+
+def test_stats():
+    c = cache()
+    c.record_lookup(10, 0)
+    c.record_lookup(10, 8)
+    s = c.stats()
+    assert (s.hits, s.misses, s.queried_tokens, s.hit_tokens) == (1, 1, 20, 8)
+    assert s.hit_ratio == 0.5
