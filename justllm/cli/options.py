@@ -23,15 +23,19 @@ Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: a
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
 Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
+NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
+PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows).", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
 
 _D = EngineConfig()
 
 
 def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_size: int,
                   chunk_size: int, max_prefill: int, max_decode: int, n_batch: int,
-                  max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool
+                  max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool,
+                  no_prefix_cache: bool = False, prefix_cache_blocks: int = 0
                   ) -> EngineConfig:
     return EngineConfig(
         model=model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
         chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode, n_batch=n_batch,
-        max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose)
+        max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose,
+        prefix_cache=not no_prefix_cache, prefix_cache_blocks=prefix_cache_blocks)

@@ -45,6 +45,8 @@ def run(
     threads: o.Threads = _D.threads,
     ctx: o.Ctx = _D.ctx,
     gpu: o.Gpu = False,
+    no_prefix_cache: o.NoPrefixCache = False,
+    prefix_cache_blocks: o.PrefixCacheBlocks = 0,
     verbose: o.Verbose = False,
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
@@ -64,7 +66,8 @@ def run(
             model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
             chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode,
             n_batch=n_batch, max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu,
-            verbose=verbose)
+            verbose=verbose, no_prefix_cache=no_prefix_cache,
+            prefix_cache_blocks=prefix_cache_blocks)
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 

@@ -34,6 +34,8 @@ def serve(
     threads: o.Threads = _D.threads,
     ctx: o.Ctx = _D.ctx,
     gpu: o.Gpu = False,
+    no_prefix_cache: o.NoPrefixCache = False,
+    prefix_cache_blocks: o.PrefixCacheBlocks = 0,
     verbose: o.Verbose = False,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
@@ -52,7 +54,8 @@ def serve(
             resolve_model(model), max_seqs=max_seqs, pool_blocks=pool_blocks,
             block_size=block_size, chunk_size=chunk_size, max_prefill=max_prefill,
             max_decode=max_decode, n_batch=n_batch, max_queue=max_queue, threads=threads,
-            ctx=ctx, gpu=gpu, verbose=verbose)
+            ctx=ctx, gpu=gpu, verbose=verbose, no_prefix_cache=no_prefix_cache,
+            prefix_cache_blocks=prefix_cache_blocks)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
         if gpu and not gpu_offload_supported():

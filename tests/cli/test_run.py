@@ -36,3 +36,11 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
         lines = [l for l in r.output.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.output)
         assert "Traceback" not in r.output
+
+
+def test_prefix_cache_flags(model_path):
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "-n", "2",
+                            "--no-prefix-cache", "--prefix-cache-blocks", "4", "--pool-blocks", "64"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["run", model_path, "-p", "x", "--prefix-cache-blocks", "-1"])
+    assert r.exit_code == 1 and "prefix_cache_blocks" in r.output

@@ -238,3 +238,17 @@ def test_response_format_json_object_and_schema(client, server):
         "model": server.model, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+def test_prefix_cache_hits_show_in_metrics(client, server):
+    system = " ".join(f"Guideline {i}: be concise." for i in range(60))
+    hits0 = metric(server, "justllm_prefix_cache_hits_total")
+    tokens0 = metric(server, "vllm:prefix_cache_hits_total")
+    for q in ("What is 2+2?", "Name a color."):
+        client.chat.completions.create(
+            model=server.model, max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+    assert metric(server, "justllm_prefix_cache_hits_total") >= hits0 + 1
+    assert metric(server, "vllm:prefix_cache_hits_total") >= tokens0 + 300  # the system prompt
+    assert 0 < metric(server, "justllm_prefix_cache_hit_ratio") <= 1
+    assert metric(server, "justllm_prefix_cache_blocks") > 0

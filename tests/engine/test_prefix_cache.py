@@ -1,0 +1,127 @@
+"""The radix prefix cache on the real model: same outputs, shared prefixes computed once."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.engine import Engine
+from tests.helpers import divergence_is_noise, run_all
+
+SYSTEM = " ".join(f"Rule {i}: answer politely and briefly, citing rule {i}." for i in range(80))
+QUESTIONS = [f" Question {i}: what is {i} plus {i}?" for i in range(16)]
+
+
+def make(model_path, **kw) -> Engine:
+    return Engine(EngineConfig(model=model_path, **{"max_seqs": 16, "pool_blocks": 512, **kw}))
+
+
+@pytest.fixture(scope="module")
+def cached(model_path):
+    e = make(model_path)
+    yield e
+    e.close()
+
+
+def run_collect(engine, prompts, params):
+    """Run together; id -> (tokens, logprobs, final metrics)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    out = {i: ([], [], None) for i in ids}
+    while any(out[i][2] is None for i in ids):
+        for o in engine.step():
+            toks, lps, _ = out[o.request_id]
+            toks += o.token_ids
+            lps += o.logprobs or []
+            if o.finished:
+                out[o.request_id] = (toks, lps, o.metrics)
+    return [out[i] for i in ids]
+
+
+def assert_pool_free_after_flush(engine):
+    engine.flush_prefix_cache()
+    engine.step()
+    assert engine.stats().kv_blocks.used == 0
+    assert all(engine.backend.seq_pos_max(s) == -1 for s in range(engine.backend.config.n_seq_max))
+
+
+def test_shared_system_prompt_is_computed_once(cached):
+    assert len(cached.tokenize(SYSTEM)) >= 1000
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = run_collect(cached, [SYSTEM + q for q in QUESTIONS], params)
+    n_system = len(cached.tokenize(SYSTEM))
+    decoded = sum(m.num_computed_tokens for _, _, m in results)
+    own = sum(m.num_prompt_tokens - n_system + 7 for _, _, m in results)  # suffixes + decodes
+    # Computed once, plus at most one block of it per request around the block-aligned wait.
+    assert decoded <= n_system + own + 16 * cached.config.block_size, (decoded, n_system, own)
+    assert decoded < 2 * n_system  # without the cache: 16x the system prompt
+    stats = cached.stats().prefix_cache
+    assert stats.hits >= 15 and stats.hit_tokens >= 15 * (n_system - cached.config.block_size)
+    assert all(len(t) == 8 for t, _, _ in results)
+    assert_pool_free_after_flush(cached)
+
+
+def test_output_with_cache_equals_output_without(model_path, cached):
+    params = SamplingParams(max_tokens=16, logprobs=5, ignore_eos=True)
+    prompts = [SYSTEM + q for q in QUESTIONS[:6]]
+    plain = make(model_path, prefix_cache=False)
+    try:
+        reference = [(t, lp) for t, lp, _ in (run_collect(plain, [p], params)[0] for p in prompts)]
+    finally:
+        plain.close()
+    run_collect(cached, [SYSTEM], SamplingParams(max_tokens=1))  # warm the prefix
+    got = run_collect(cached, prompts, params)
+    assert all(m.num_cached_tokens > 1000 for _, _, m in got)
+    for (ref, ref_lp), (toks, lps, _) in zip(reference, got):
+        ok, why = divergence_is_noise(ref, ref_lp, toks, lps)
+        assert ok, why
+    assert_pool_free_after_flush(cached)
+
+
+def test_fully_cached_prompt_recomputes_only_its_last_token(cached):
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = SYSTEM + QUESTIONS[0]
+    (_, _, first), = run_collect(cached, [prompt], params)
+    (_, _, second), = run_collect(cached, [prompt], params)
+    assert second.num_cached_tokens == second.num_prompt_tokens - 1
+    assert second.num_computed_tokens == 1 + 3  # the last prompt token, then 3 decodes
+    assert first.num_computed_tokens > 1000
+    assert_pool_free_after_flush(cached)
+
+
+def test_eviction_under_a_small_pool_keeps_requests_correct(model_path):
+    params = SamplingParams(max_tokens=24, logprobs=5, ignore_eos=True)
+    prompts = [f"Story {i}: " + " ".join(f"word{i}_{j}" for j in range(40)) for i in range(8)]
+    plain = make(model_path, prefix_cache=False, pool_blocks=64)
+    try:
+        reference = [run_collect(plain, [p], params)[0] for p in prompts]
+    finally:
+        plain.close()
+    small = make(model_path, pool_blocks=40, max_seqs=4)
+    try:
+        for _ in range(2):  # the second round finds some prefixes cached, others evicted
+            got = run_collect(small, prompts, params)
+            for (ref, ref_lp, _), (toks, lps, _) in zip(reference, got):
+                ok, why = divergence_is_noise(ref, ref_lp, toks, lps)
+                assert ok, why
+        stats = small.stats()
+        assert stats.prefix_cache.blocks <= 40 and stats.kv_blocks.used == stats.prefix_cache.blocks
+        assert_pool_free_after_flush(small)
+    finally:
+        small.close()
+
+
+def test_prefix_cache_cap_and_off_switch(model_path):
+    capped = make(model_path, prefix_cache_blocks=8)
+    try:
+        run_collect(capped, [SYSTEM + q for q in QUESTIONS[:2]], SamplingParams(max_tokens=2))
+        assert capped.stats().prefix_cache.blocks <= 8
+    finally:
+        capped.close()
+    off = make(model_path, prefix_cache=False)
+    try:
+        run_collect(off, [SYSTEM, SYSTEM], SamplingParams(max_tokens=2))
+        s = off.stats()
+        assert s.prefix_cache.hits == 0 and s.kv_blocks.used == 0
+    finally:
+        off.close()
