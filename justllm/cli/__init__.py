@@ -25,4 +25,23 @@ def _root() -> None:
 
 
 def main() -> None:
-    app()
+    """The console script: usage errors too become one red line and exit code 1."""
+    import sys
+
+    from rich.console import Console
+
+    # Typer vendors click; its exception base class is reachable only through a public one.
+    click_exception = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    try:
+        code = app(standalone_mode=False)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except click_exception as e:
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            sys.exit(0)
+        Console(stderr=True).print(f"[red]error:[/red] {e.format_message()}", highlight=False,
+                                   soft_wrap=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

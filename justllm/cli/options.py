@@ -29,6 +29,38 @@ PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="M
 _D = EngineConfig()
 
 
+def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+    """``--config FILE``: a YAML mapping of option names (``max-seqs`` or ``max_seqs``) to
+    values, used as defaults. Precedence: command line > JUSTLLM_* environment > file > built-in."""
+    if not value:
+        return value
+    import yaml
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read {value}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise typer.BadParameter(f"{value} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
+    known = {p.name for p in ctx.command.params}
+    defaults = {}
+    for key, val in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            raise typer.BadParameter(f"{value}: unknown option '{key}'")
+        defaults[name] = val
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+ConfigFile = Annotated[Optional[str], typer.Option(
+    "--config", help="YAML file with defaults for these options (CLI and JUSTLLM_* env win).",
+    is_eager=True, callback=_load_config_file, envvar="JUSTLLM_CONFIG")]
+
+
 def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_size: int,
                   chunk_size: int, max_prefill: int, max_decode: int, n_batch: int,
                   max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool,

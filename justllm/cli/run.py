@@ -48,6 +48,7 @@ def run(
     no_prefix_cache: o.NoPrefixCache = False,
     prefix_cache_blocks: o.PrefixCacheBlocks = 0,
     verbose: o.Verbose = False,
+    config_file: o.ConfigFile = None,
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
     with cli_errors():

