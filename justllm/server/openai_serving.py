@@ -113,6 +113,22 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
 
+    async def _collect(self, streams: list[RequestStream], texts: list[str]
+                       ) -> tuple[list[str], list[list[TokenLogprob] | None], list[RequestOutput]]:
+        """Every choice to its end (non-streaming): text after ``texts``, logprobs, last output."""
+        texts = list(texts)
+        lps: list[list[TokenLogprob] | None] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in self._merged(streams):
+            if out.error:
+                raise APIError(500, out.error, type="server_error")
+            texts[i] += out.text
+            if out.logprobs is not None:
+                lps[i] = (lps[i] or []) + out.logprobs
+            if out.finished:
+                finals[i] = out
+        return texts, lps, finals  # type: ignore[return-value]
+
     def _token_text(self, token: int) -> str:
         return self._piece(token).decode("utf-8", "replace")
 
@@ -173,17 +189,7 @@ class OpenAIServing:
         return await self._chat_full(streams, rid, created)
 
     async def _chat_full(self, streams: list[RequestStream], rid: str, created: int) -> dict:
-        texts = [""] * len(streams)
-        lps: list[list[TokenLogprob] | None] = [None] * len(streams)
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, out in self._merged(streams):
-            if out.error:
-                raise APIError(500, out.error, type="server_error")
-            texts[i] += out.text
-            if out.logprobs is not None:
-                lps[i] = (lps[i] or []) + out.logprobs
-            if out.finished:
-                finals[i] = out
+        texts, lps, finals = await self._collect(streams, [""] * len(streams))
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": texts[i]},
@@ -263,17 +269,7 @@ class OpenAIServing:
 
     async def _completion_full(self, streams: list[RequestStream], echoes: list[str], rid: str,
                                created: int, n: int) -> dict:
-        texts = list(echoes)
-        lps: list[list[TokenLogprob] | None] = [None] * len(streams)
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, out in self._merged(streams):
-            if out.error:
-                raise APIError(500, out.error, type="server_error")
-            texts[i] += out.text
-            if out.logprobs is not None:
-                lps[i] = (lps[i] or []) + out.logprobs
-            if out.finished:
-                finals[i] = out
+        texts, lps, finals = await self._collect(streams, echoes)
         choices = [{"index": i, "text": texts[i],
                     "logprobs": self._completion_logprobs(lps[i], len(echoes[i])),
                     "finish_reason": finals[i].finish_reason} for i in range(len(streams))]

@@ -107,7 +107,9 @@ def test_seed_reproduces(engine):
 def test_stop_string_across_token_boundary(engine):
     prompt = "The quick brown fox"
     params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.flush_prefix_cache()  # both runs compute the prompt the same way (no cache hit)
     tokens, _ = run_alone(engine, prompt, params)
+    engine.flush_prefix_cache()
     pieces = [engine.backend.token_to_piece(t).decode("utf-8", "replace") for t in tokens]
     full = "".join(pieces)
     # a stop string made of the end of one token's piece and the start of the next
@@ -150,7 +152,9 @@ def test_max_tokens_and_stop_token_finish_reasons(engine):
     (tokens, _), = run_all(engine, ["Hi"], SamplingParams(max_tokens=3, ignore_eos=True)).values()
     assert len(tokens) == 3
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.flush_prefix_cache()  # both runs compute the prompt the same way (no cache hit)
     (ref, _), = run_all(engine, ["The moon is"], params).values()
+    engine.flush_prefix_cache()
     k = next(i for i in range(2, 12) if ref[i] not in ref[:i])
     rid = engine.add_request("The moon is", SamplingParams(max_tokens=12, ignore_eos=True,
                                                            stop_token_ids=[ref[k]]))
