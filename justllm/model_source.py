@@ -24,7 +24,13 @@ def resolve_model(model: str | None) -> str:
         return str(demo_model_path())
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file)")
+        from justllm.model_store import ModelStore
+
+        found = ModelStore().find(model)
+        if found is None:
+            raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file or "
+                                 "a name from 'justllm models')")
+        return str(found)
     if path.is_dir():
         raise ModelLoadError(f"{model} is a directory; pass a path to a .gguf file")
     return str(path)

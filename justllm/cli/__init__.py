@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from justllm.cli import models as models_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
 
@@ -17,6 +18,10 @@ app = typer.Typer(
 )
 app.command("run")(run_cmd.run)
 app.command("serve")(serve_cmd.serve)
+app.command("models")(models_cmd.list_models)
+app.command("ls", hidden=True)(models_cmd.list_models)  # alias
+app.command("show")(models_cmd.show)
+app.command("rm")(models_cmd.rm)
 
 
 @app.callback()

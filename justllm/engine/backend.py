@@ -68,6 +68,38 @@ def grammar_from_json_schema(schema: dict) -> str:
                                   param="response_format") from e
 
 
+def read_gguf_info(path: str) -> dict[str, str]:
+    """A GGUF's metadata plus llama.cpp's one-line description (``desc``), reading only the
+    header and vocabulary (no weights, no context)."""
+    check_gguf_file(path)
+    C.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
+    C.llama_backend_init()
+    mparams = C.llama_model_default_params()
+    mparams.vocab_only = True
+    model = C.llama_model_load_from_file(path.encode(), mparams)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not read {path} (corrupt or unsupported GGUF)")
+    try:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(int(C.llama_model_meta_count(model))):
+            if C.llama_model_meta_key_by_index(model, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
+                continue
+            if C.llama_model_meta_val_str_by_index(model, i, buf, len(buf)) >= 0:
+                out[key] = buf.value.decode("utf-8", "replace")
+        if C.llama_model_desc(model, buf, len(buf)) >= 0:
+            out["desc"] = buf.value.decode("utf-8", "replace")
+        template = C.llama_model_chat_template(model, None)
+        if template:
+            out["tokenizer.chat_template"] = template.decode("utf-8", "replace")
+        return out
+    finally:
+        C.llama_model_free(model)
+
+
 def gpu_offload_supported() -> bool:
     return bool(C.llama_supports_gpu_offload())
 

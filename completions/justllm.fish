@@ -1,0 +1,1 @@
+complete --command justllm --no-files --arguments "(env _JUSTLLM_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) justllm)" --condition "env _JUSTLLM_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) justllm"

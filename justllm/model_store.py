@@ -1,0 +1,83 @@
+"""Local model files: the models directory, what is in it, and what each GGUF is."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from justllm.errors import ModelLoadError
+from justllm.model_source import cache_dir
+
+# llama.cpp's llama_ftype values (general.file_type) -> the names people use.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4",
+}
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("JUSTLLM_MODELS_DIR") or cache_dir() / "models")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Path
+    size_bytes: int
+    architecture: str
+    quantization: str
+    context_length: int | None
+    metadata: dict[str, str]
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template")
+
+
+def describe(path: Path) -> ModelInfo:
+    from justllm.engine.backend import read_gguf_info
+
+    meta = read_gguf_info(str(path))
+    arch = meta.get("general.architecture", "?")
+    ftype = meta.get("general.file_type")
+    quant = FILE_TYPES.get(int(ftype), f"type {ftype}") if ftype and ftype.isdigit() else "?"
+    ctx = meta.get(f"{arch}.context_length")
+    return ModelInfo(path.stem, path, path.stat().st_size, arch, quant,
+                     int(ctx) if ctx and ctx.isdigit() else None, meta)
+
+
+class ModelStore:
+    """GGUF files in one directory, named by file name without ``.gguf``."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or models_dir()
+
+    def paths(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.rglob("*.gguf") if p.is_file())
+
+    def find(self, name: str) -> Path | None:
+        for p in self.paths():
+            if name in (p.stem, p.name, str(p.relative_to(self.root))):
+                return p
+        return None
+
+    def require(self, name: str) -> Path:
+        path = self.find(name)
+        if path is None:
+            raise ModelLoadError(f"no model named '{name}' in {self.root} "
+                                 "(see 'justllm models', or pass a path to a .gguf file)")
+        return path
+
+    def remove(self, name: str) -> Path:
+        path = self.require(name)
+        path.unlink()
+        stamp = path.with_name(path.name + ".sha256")
+        if stamp.exists():
+            stamp.unlink()
+        return path
