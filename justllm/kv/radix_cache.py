@@ -139,9 +139,11 @@ class RadixCache:
         return Match(pos, path)
 
     def record_lookup(self, queried: int, hit: int) -> None:
+        """Count a request as a hit when it reused at least one block (a shared BOS token
+        alone is not worth reporting as a hit)."""
         self._queried += queried
         self._hit_tokens += hit
-        if hit:
+        if hit >= self.pool.block_size:
             self._hits += 1
         else:
             self._misses += 1
