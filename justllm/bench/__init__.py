@@ -1,0 +1,1 @@
+"""``justllm bench``: a serving benchmark against any OpenAI-compatible endpoint."""

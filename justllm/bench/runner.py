@@ -1,0 +1,128 @@
+"""Send a workload to an endpoint with a concurrency cap and an optional Poisson arrival rate,
+streaming every request and timing it; scrape /metrics before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from justllm.bench.workloads import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    url: str
+    duration: float
+    results: list[RequestResult]
+    metrics_before: dict[str, float]
+    metrics_after: dict[str, float]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum each sample name over its labels (one model per server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+async def _metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    try:
+        r = await client.get(url + "/metrics")
+        return parse_metrics(r.text) if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str | None, req: BenchRequest
+               ) -> RequestResult:
+    body: dict = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+                  "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    res = RequestResult(ok=False)
+    t0 = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode('utf-8', 'replace')}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"].get("message", data["error"]))
+                    return res
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = data["usage"].get("completion_tokens", 0)
+                if any(c.get("text") for c in data.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.output_tokens = res.output_tokens or chunks
+    res.ok = last is not None
+    if not res.ok:
+        res.error = "no tokens received"
+    return res
+
+
+async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: int,
+                       request_rate: float | None, model: str | None, api_key: str | None,
+                       seed: int, on_done: Callable[[], None] | None = None) -> RunResult:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), headers=headers,
+                                 limits=limits, trust_env=False) as client:
+        before = await _metrics(client, url)
+        sem = asyncio.Semaphore(concurrency)
+        rng = random.Random(seed)
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            async with sem:
+                result = await _one(client, url, model, req)
+            if on_done:
+                on_done()
+            return result
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(limited(req)))
+            if request_rate:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after = await _metrics(client, url)
+    return RunResult(url, duration, list(results), before, after)

@@ -1,0 +1,119 @@
+"""The chat loop: input (with \"\"\" multi-line blocks), slash commands, streaming answers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+HELP = """commands:
+  /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty)
+  /system TEXT           set the system message (and clear the history)
+  /clear                 forget the conversation
+  /stats                 speed of the last answer
+  /bye                   leave (Ctrl-D too)
+  \"\"\"                    start and end a multi-line message
+Ctrl-C stops the current answer."""
+
+_SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+             "max_tokens": int, "seed": int, "repeat_penalty": float}
+
+
+class ChatSession:
+    def __init__(self, backend, *, system: str | None, options: dict,
+                 read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+        self.backend = backend
+        self.system = system
+        self.options = dict(options)
+        self.history: list[dict] = []
+        self.read = read
+        self.out = out
+
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+    def _say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _read_message(self) -> str | None:
+        """One message; None at end of input."""
+        try:
+            line = self.read(">>> ")
+        except EOFError:
+            return None
+        if not line.strip().startswith('"""'):
+            return line
+        lines = [line.strip()[3:]]
+        while not lines[-1].rstrip().endswith('"""') or len(lines) == 1 and lines[0] == "":
+            try:
+                lines.append(self.read("... "))
+            except EOFError:
+                break
+        lines[-1] = lines[-1].rstrip().removesuffix('"""')
+        return "\n".join(lines).strip("\n")
+
+    def run(self) -> None:
+        self._say('type a message, /? for help, /bye to leave')
+        while True:
+            try:
+                text = self._read_message()
+            except KeyboardInterrupt:
+                self._say("\n(use Ctrl-D or /bye to leave)")
+                continue
+            if text is None or text.strip() == "/bye":
+                return
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                self._command(text.strip())
+            else:
+                self._answer(text)
+
+    def _command(self, text: str) -> None:
+        name, _, arg = text.partition(" ")
+        if name in ("/?", "/help"):
+            self._say(HELP)
+        elif name == "/clear":
+            self.history.clear()
+            self._say("(conversation cleared)")
+        elif name == "/system":
+            self.system = arg.strip() or None
+            self.history.clear()
+            self._say("(system message set)" if self.system else "(system message removed)")
+        elif name == "/set":
+            key, _, value = arg.strip().partition(" ")
+            if key not in _SETTABLE or not value.strip():
+                self._say(f"usage: /set {'|'.join(_SETTABLE)} VALUE")
+                return
+            try:
+                self.options[key] = _SETTABLE[key](value.strip())
+            except ValueError:
+                self._say(f"not a valid {key}: {value.strip()}")
+                return
+            self._say(f"({key} = {self.options[key]})")
+        elif name == "/stats":
+            s = self.backend.last
+            self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok, "
+                      f"{s.tokens_per_second:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms")
+        else:
+            self._say(f"unknown command {name} (/? for help)")
+
+    def _answer(self, text: str) -> None:
+        from justllm.errors import JustLLMError
+
+        self.history.append({"role": "user", "content": text})
+        answer = []
+        try:
+            for piece in self.backend.stream(self.messages(), self.options):
+                answer.append(piece)
+                self.out.write(piece)
+                self.out.flush()
+            self._say()
+        except KeyboardInterrupt:
+            self._say("\n(stopped)")
+        except JustLLMError as e:
+            self.history.pop()
+            self._say(f"\nerror: {e}")
+            return
+        self.history.append({"role": "assistant", "content": "".join(answer)})

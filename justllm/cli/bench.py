@@ -1,0 +1,92 @@
+"""``justllm bench``: the serving benchmark (the fields of ``vllm bench serve``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli.errors import cli_errors
+
+
+def bench(
+    model: Annotated[Optional[str], typer.Argument(help="A model for bench to serve itself (path or name; default: the demo model) when no --url is given.", show_default=False)] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="An OpenAI-compatible server to measure (e.g. http://127.0.0.1:8080).")] = None,
+    vs: Annotated[Optional[str], typer.Option("--vs", help="A second endpoint: same workload, side by side with ratios.")] = None,
+    workload: Annotated[str, typer.Option("--workload", help="random | shared-prefix | sharegpt")] = "random",
+    dataset: Annotated[Optional[Path], typer.Option("--dataset", help="ShareGPT-style JSON file (sets --workload sharegpt).")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", "-n", help="Requests to send.")] = 32,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Most requests in flight.")] = 8,
+    request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals per second (default: all at once, bounded by --concurrency).")] = None,
+    input_len: Annotated[int, typer.Option("--input-len", help="Words per random prompt / question.")] = 64,
+    prefix_len: Annotated[int, typer.Option("--prefix-len", help="Words in the shared prefix (shared-prefix workload).")] = 1000,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Tokens to generate per request (default 128; sharegpt: the length of the recorded reply).", show_default=False)] = None,
+    served_model: Annotated[Optional[str], typer.Option("--model-name", help="The model id to send (default: none; the server's own).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for the endpoint(s).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON to this file.")] = None,
+    max_seqs: Annotated[int, typer.Option("--max-seqs", help="--max-seqs of the server bench starts itself.")] = 8,
+) -> None:
+    """Benchmark serving: request/token throughput, TTFT, TPOT, ITL and end-to-end latency
+    (mean, median, p90, p99), errors, prefix-cache hit ratio and speculation acceptance."""
+    with cli_errors():
+        import asyncio
+
+        from rich.progress import Progress
+
+        from justllm.bench import workloads as w
+        from justllm.bench.report import summarize, table
+        from justllm.bench.runner import run_workload
+
+        if output_len is None and dataset is None and workload != "sharegpt":
+            output_len = 128
+        if num_requests < 1 or concurrency < 1 or (output_len or 1) < 1 or input_len < 1:
+            raise ValueError("--num-requests, --concurrency, --output-len and --input-len must be >= 1")
+        if request_rate is not None and request_rate <= 0:
+            raise ValueError("--request-rate must be > 0")
+        if dataset is not None:
+            workload = "sharegpt"
+        if workload == "random":
+            requests = w.random_prompts(num_requests, input_len, output_len or 128, seed)
+        elif workload == "shared-prefix":
+            requests = w.shared_prefix_prompts(num_requests, prefix_len, input_len, output_len or 128,
+                                               seed)
+        elif workload == "sharegpt":
+            if dataset is None:
+                raise ValueError("--workload sharegpt needs --dataset FILE")
+            requests = w.sharegpt_prompts(dataset, num_requests, output_len, seed)
+        else:
+            raise ValueError(f"unknown workload '{workload}' (random, shared-prefix, sharegpt)")
+
+        console = Console(stderr=True)
+        server = None
+        if url is None:
+            from justllm.bench.local_server import LocalServer
+
+            console.print("starting a local justllm server for the benchmark…")
+            server = LocalServer.start(model, max_seqs=max_seqs)
+            url = server.url
+        summaries = []
+        try:
+            for target in [url] + ([vs] if vs else []):
+                target = target.rstrip("/")
+                with Progress(console=console, transient=True) as progress:
+                    task = progress.add_task(f"{target}", total=len(requests))
+                    run = asyncio.run(run_workload(
+                        target, requests, concurrency=concurrency, request_rate=request_rate,
+                        model=served_model, api_key=api_key, seed=seed,
+                        on_done=lambda: progress.advance(task)))
+                summaries.append(summarize(run))
+        finally:
+            if server is not None:
+                server.stop()
+        Console().print(table(summaries))
+        for s in summaries:
+            if s["first_error"]:
+                console.print(f"[yellow]{s['url']}: {s['failed']} failed; first error: "
+                              f"{s['first_error']}[/yellow]", highlight=False)
+        if json_out is not None:
+            json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))

@@ -1,0 +1,45 @@
+"""``justllm chat``: interactive chat in the terminal."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from justllm.cli import options as o
+from justllm.cli.errors import cli_errors
+
+_D = o.EngineConfig()
+
+
+def chat(
+    model: o.Model = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="Chat with a running server instead of loading the model here.")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (/set temperature to change).")] = 0.7,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer.")] = 512,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for --url.")] = None,
+    pool_blocks: o.PoolBlocks = 256,
+    threads: o.Threads = _D.threads,
+    ctx: o.Ctx = _D.ctx,
+    gpu: o.Gpu = False,
+    verbose: o.Verbose = False,
+) -> None:
+    """Chat with a model: streaming answers, \"\"\" for multi-line input, /set, /system, /clear,
+    /stats, /bye; Ctrl-C stops the current answer, not the program."""
+    with cli_errors():
+        from justllm.chat.backends import LocalChat, RemoteChat
+        from justllm.chat.session import ChatSession
+
+        if url:
+            backend = RemoteChat(url, api_key)
+        else:
+            backend = LocalChat(o.engine_config(
+                model, max_seqs=1, pool_blocks=pool_blocks, block_size=_D.block_size,
+                chunk_size=_D.chunk_size, max_prefill=1, max_decode=1, n_batch=_D.n_batch,
+                max_queue=1, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose))
+        try:
+            ChatSession(backend, system=system,
+                        options={"temperature": temperature, "max_tokens": max_tokens}).run()
+        finally:
+            backend.close()

@@ -1,0 +1,62 @@
+"""``justllm config show``: the defaults ``serve`` and ``run`` would use, and where each comes from."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from justllm.cli.errors import cli_errors
+
+app = typer.Typer(help="Show configuration.", no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@app.command("show")
+def show(
+    config_file: Annotated[Optional[str], typer.Option("--config", envvar="JUSTLLM_CONFIG", help="YAML file of defaults.")] = None,
+) -> None:
+    """Print every serve option's value with its source: cli default, environment, or file.
+    Precedence: command line > environment (JUSTLLM_*) > file > built-in default."""
+    with cli_errors():
+        import yaml
+
+        from justllm.cli.serve import serve
+
+        file_values: dict[str, object] = {}
+        if config_file:
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    data = yaml.safe_load(f) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ValueError(f"cannot read {config_file}: {e}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{config_file} must hold a mapping of option names to values")
+            file_values = {str(k).replace("-", "_"): v for k, v in data.items()}
+        command = typer.main.get_command(_single(serve))
+        table = Table("OPTION", "VALUE", "SOURCE", box=None, pad_edge=False)
+        for param in command.params:
+            if param.name in ("model", "config_file") or not param.opts:
+                continue
+            envvar = param.envvar if isinstance(param.envvar, str) else None
+            if envvar and envvar in os.environ:
+                value, source = os.environ[envvar], f"env {envvar}"
+            elif param.name in file_values:
+                value, source = file_values.pop(param.name), "file"
+            else:
+                value, source = param.default, "default"
+            if param.name == "api_key" and value:
+                value = "***"
+            table.add_row(param.opts[0], str(value), source)
+        Console().print(table)
+        if file_values:
+            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(file_values))}")
+
+
+def _single(fn):
+    one = typer.Typer()
+    one.command()(fn)
+    return one

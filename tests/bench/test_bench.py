@@ -1,0 +1,68 @@
+"""``justllm bench`` against a real server: every field printed, JSON that parses."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from justllm.cli import app
+from tests.server.conftest import start_server
+
+runner = CliRunner()
+FIELDS = ["Successful requests", "Failed requests", "Request throughput", "Output token throughput",
+          "Total token throughput", "Mean TTFT", "Median TTFT", "P90 TTFT", "P99 TTFT",
+          "Mean TPOT", "P99 TPOT", "Mean ITL", "P99 ITL", "Mean E2E latency", "P99 E2E latency",
+          "Prefix cache hit ratio", "Speculation acceptance"]
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "256")
+    yield s
+    assert s.stop() == 0
+
+
+def test_bench_random_prints_every_field_and_json(server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = runner.invoke(app, ["bench", "--url", server.url, "-n", "6", "-c", "3", "--output-len", "5",
+                            "--input-len", "12", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    for field in FIELDS:
+        assert field in r.output, field
+    data = json.loads(out.read_text())
+    assert data["completed"] == 6 and data["failed"] == 0
+    assert data["total_output_tokens"] == 30
+    assert data["mean_ttft_ms"] > 0 and data["p99_e2el_ms"] >= data["median_e2el_ms"]
+    assert data["output_throughput"] > 0
+
+
+def test_bench_shared_prefix_reports_cache_hits_and_vs(server, tmp_path):
+    out = tmp_path / "vs.json"
+    r = runner.invoke(app, ["bench", "--url", server.url, "--vs", server.url, "--workload",
+                            "shared-prefix", "--prefix-len", "200", "-n", "4", "-c", "2",
+                            "--output-len", "3", "--input-len", "5", "--request-rate", "50",
+                            "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ratio" in r.output
+    first, second = json.loads(out.read_text())
+    assert first["completed"] == second["completed"] == 4
+    assert second["prefix_cache_hit_ratio"] == 1.0  # the second run finds the prefix cached
+    assert second["prefix_cache_token_hit_ratio"] > 0.8
+
+
+def test_bench_sharegpt_file_and_errors(server, tmp_path):
+    data = [{"conversations": [{"from": "human", "value": f"Hello number {i}"},
+                               {"from": "gpt", "value": "Hi there friend"}]} for i in range(3)]
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps(data))
+    out = tmp_path / "sg-out.json"
+    r = runner.invoke(app, ["bench", "--url", server.url, "--dataset", str(f), "-n", "3",
+                            "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["total_output_tokens"] == 9  # 3 replies of 3 words
+    bad = runner.invoke(app, ["bench", "--url", server.url, "--workload", "nope"])
+    assert bad.exit_code == 1 and bad.output.startswith("error: unknown workload")
+    dead = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "-n", "2", "--json",
+                               str(tmp_path / "dead.json")])
+    assert dead.exit_code == 0
+    assert json.loads((tmp_path / "dead.json").read_text())["failed"] == 2

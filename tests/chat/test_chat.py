@@ -1,0 +1,105 @@
+"""``justllm chat`` in a pseudo-terminal against a real server, and in-process."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server.conftest import start_server
+
+
+class Terminal:
+    """A child process on a pseudo-terminal; ``expect`` reads until a text shows up."""
+
+    def __init__(self, *args: str) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "justllm", *args], stdin=slave,
+                                     stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        self.buffer = ""
+
+    def expect(self, text: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{text!r} not seen; screen so far:\n{self.buffer}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    self.buffer += os.read(self.master, 65536).decode("utf-8", "replace")
+                except OSError:
+                    break
+        before, _, self.buffer = self.buffer.partition(text)
+        return before
+
+    def send(self, line: str) -> None:
+        os.write(self.master, (line + "\n").encode())
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            os.close(self.master)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "128")
+    yield s
+    assert s.stop() == 0
+
+
+def test_chat_against_a_server_in_a_terminal(server):
+    t = Terminal("chat", "--url", server.url, "-n", "400", "--temperature", "0")
+    t.expect(">>> ")
+    t.send("/set max_tokens 6")
+    assert "(max_tokens = 6)" in t.expect(">>> ")
+    t.send("Hello there!")
+    answer = t.expect(">>> ")
+    assert answer.strip()
+    t.send("/stats")
+    assert "generation 6 tok" in t.expect(">>> ")
+    t.send('"""')
+    t.send("first line")
+    t.send('second line"""')
+    t.expect(">>> ")
+    t.send("/stats")
+    stats = t.expect(">>> ")
+    prompt_tokens = int(stats.split("prompt ")[1].split(" tok")[0])
+    assert prompt_tokens > 20  # history: two user turns and one answer
+    t.send("/clear")
+    assert "(conversation cleared)" in t.expect(">>> ")
+    t.send("/set max_tokens 400")
+    t.expect(">>> ")
+    t.send("Write a very long story.")
+    time.sleep(2.0)  # mid-answer
+    t.proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+    assert "(stopped)" in t.expect(">>> ")
+    t.send("/nope")
+    assert "unknown command" in t.expect(">>> ")
+    t.send("/bye")
+    assert t.close() == 0
+
+
+def test_chat_in_process_with_pipes(model_path):
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "4",
+                        "--system", "Be brief.", "--pool-blocks", "64"],
+                       input="Hi!\n/stats\n/system\n/bye\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "generation 4 tok" in r.stdout
+    assert "(system message removed)" in r.stdout
+
+
+def test_chat_bad_url_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot reach")
