@@ -10,6 +10,7 @@ from justllm.cli import config as config_cmd
 from justllm.cli import models as models_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
+from justllm.cli import top as top_cmd
 
 app = typer.Typer(
     name="justllm",
@@ -23,6 +24,7 @@ app.command("run")(run_cmd.run)
 app.command("serve")(serve_cmd.serve)
 app.command("chat")(chat_cmd.chat)
 app.command("bench")(bench_cmd.bench)
+app.command("top")(top_cmd.top)
 app.command("models")(models_cmd.list_models)
 app.command("ls", hidden=True)(models_cmd.list_models)  # alias
 app.command("show")(models_cmd.show)

@@ -1,0 +1,1 @@
+"""Terminal dashboards: ``justllm top`` watches a running server through its ``/metrics``."""

@@ -1,0 +1,251 @@
+"""``justllm top``: a live dashboard of a running server, polled from its ``/metrics``.
+
+The app never blocks on the network: each poll is an async worker, at most one in flight, with
+a timeout; a server that is down or answers badly only changes the status line, and polling
+goes on. Everything shown comes from one :class:`~justllm.tui.metrics.Snapshot` per poll.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import httpx
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widget import Widget
+from textual.widgets import Digits, Footer, Header, Sparkline, Static
+
+from justllm.tui.metrics import Snapshot, parse, rate
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+class BlockBar(Widget):
+    """One line: KV blocks held by the prefix cache, used by requests, and free."""
+
+    DEFAULT_CSS = "BlockBar { height: 1; }"
+
+    used: reactive[float | None] = reactive(None)
+    total: reactive[float | None] = reactive(None)
+    cache: reactive[float | None] = reactive(None)
+
+    def render(self) -> Text:
+        width = max(self.size.width, 1)
+        if not self.total or self.used is None:
+            return Text("░" * width, style="dim")
+        used = min(max(self.used, 0.0), self.total)
+        cache = min(max(self.cache or 0.0, 0.0), used)  # the cache's blocks are part of "used"
+        used_cells = round(width * used / self.total)
+        cache_cells = min(round(width * cache / self.total), used_cells)
+        fraction = used / self.total
+        busy = "red" if fraction >= 0.9 else "yellow" if fraction >= 0.7 else "green"
+        return Text.assemble(("█" * cache_cells, "magenta"),
+                             ("█" * (used_cells - cache_cells), busy),
+                             ("░" * (width - used_cells), "dim"))
+
+
+class TopApp(App[None]):
+    """Polls ``url``/metrics every ``interval`` seconds and shows what the server is doing."""
+
+    CSS_PATH = "top.tcss"
+    TITLE = "justllm top"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("p", "toggle_pause", "Pause/resume"),
+    ]
+
+    snapshot: reactive[Snapshot | None] = reactive(None, always_update=True)
+    status: reactive[str] = reactive("connecting")
+    reachable: reactive[bool | None] = reactive(None)
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(self, url: str = DEFAULT_URL, interval: float = 1.0,
+                 api_key: str | None = None, history: int = 120) -> None:
+        super().__init__()
+        if interval <= 0:
+            raise ValueError("the interval must be > 0 seconds")
+        self.url = url.rstrip("/")
+        self.metrics_url = self.url if self.url.endswith("/metrics") else self.url + "/metrics"
+        self.interval = interval
+        self.api_key = api_key
+        self.rates: deque[float] = deque(maxlen=history)
+        self.polls = 0  # attempts so far, answered or not
+        self._prev: Snapshot | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._timer: Timer | None = None
+        self._in_flight = False
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="upper"):
+            with Vertical(id="cache", classes="panel") as cache:
+                cache.border_title = "prefix cache hit ratio"
+                yield Digits("-", id="hit-ratio")
+                yield Static("hits - · misses -", id="hit-detail")
+                yield Static(id="cache-blocks")
+            with Vertical(id="requests", classes="panel") as requests:
+                requests.border_title = "requests"
+                yield Static(id="running")
+                yield Static(id="waiting")
+                yield Static(id="ttft-p50")
+                yield Static(id="ttft-p99")
+                yield Static(id="spec")
+        with Vertical(id="kv", classes="panel") as kv:
+            kv.border_title = "KV blocks"
+            yield BlockBar(id="kv-bar")
+            yield Static(id="kv-detail")
+        with Vertical(id="tokens", classes="panel") as tokens:
+            tokens.border_title = "generation tokens/s"
+            yield Static("-", id="tok-rate")
+            yield Sparkline([], id="tok-spark")
+        with Horizontal(id="status-bar"):
+            yield Static(id="status")
+            yield Static("PAUSED (p resumes)", id="paused")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = self.url
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # A hung server must not pile up polls: one in flight at most, and it gives up in time.
+        timeout = httpx.Timeout(max(2.0, self.interval), connect=min(2.0, max(0.5, self.interval)))
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout)
+        self._show(None)
+        self._show_status()
+        self._timer = self.set_interval(self.interval, self.poll)
+        self.poll()
+
+    async def on_unmount(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def poll(self) -> None:
+        if self.paused or self._in_flight:
+            return
+        self._in_flight = True
+        self.fetch()
+
+    @work(exclusive=True, group="poll", exit_on_error=False)
+    async def fetch(self) -> None:
+        self.polls += 1
+        try:
+            assert self._client is not None
+            try:
+                response = await self._client.get(self.metrics_url)
+            except httpx.HTTPError as e:
+                self._down(f"cannot reach {self.url} ({type(e).__name__})")
+                return
+            if response.status_code != 200:
+                self._down(f"HTTP {response.status_code} from {self.metrics_url}"
+                           + (" (wrong or missing --api-key?)" if response.status_code in (401, 403)
+                              else ""))
+                return
+            try:
+                snap = parse(response.text, time.monotonic())
+            except ValueError as e:
+                self._down(f"{self.metrics_url} is not a Prometheus page ({e})")
+                return
+            self.reachable = True
+            if snap.empty:
+                self.status = "connected, no metrics yet (is the model still loading?)"
+            else:
+                models = ", ".join(snap.models)
+                self.status = f"connected{' · ' + models if models else ''}"
+            self._record(snap)
+        except Exception as e:  # noqa: BLE001 - the dashboard stays up and says what happened
+            self._down(f"error: {type(e).__name__}: {e}")
+        finally:
+            self._in_flight = False
+
+    def _down(self, message: str) -> None:
+        self.reachable = False
+        self.status = message
+
+    def _record(self, snap: Snapshot) -> None:
+        per_second = rate(self._prev, snap, "generation_tokens")
+        if per_second is not None:
+            self.rates.append(per_second)
+        self._prev = snap
+        self.snapshot = snap
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+
+    def watch_paused(self, paused: bool) -> None:
+        if not self.is_mounted:
+            return
+        self.query_one("#paused").display = paused
+        if self._timer is not None:
+            (self._timer.pause if paused else self._timer.resume)()
+        if paused:
+            self._prev = None  # the first rate after resuming covers one interval, not the pause
+        else:
+            self.poll()
+
+    def watch_status(self, status: str) -> None:
+        self._show_status()
+
+    def watch_reachable(self, reachable: bool | None) -> None:
+        self._show_status()
+
+    def _show_status(self) -> None:
+        if not self.is_mounted:
+            return
+        widget = self.query_one("#status", Static)
+        widget.set_class(self.reachable is True, "ok")
+        widget.set_class(self.reachable is False, "down")
+        icon = {True: "● ", False: "✖ ", None: ""}[self.reachable]
+        widget.update(Text(icon + self.status))
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if self.is_mounted:
+            self._show(snap)
+
+    def _show(self, snap: Snapshot | None) -> None:
+        s = snap or Snapshot()
+        q = self.query_one
+        ratio = q("#hit-ratio", Digits)
+        ratio.update(_percent(s.hit_ratio))
+        ratio.set_class(s.hit_ratio is not None and s.hit_ratio >= 0.5, "high")
+        ratio.set_class(s.hit_ratio is not None and s.hit_ratio < 0.5, "low")
+        q("#hit-detail", Static).update(f"hits {_num(s.hits)} · misses {_num(s.misses)}")
+        q("#cache-blocks", Static).update(f"holds {_num(s.cache_blocks)} KV blocks")
+        q("#running", Static).update(f"{'running':<12}{_num(s.running)}")
+        q("#waiting", Static).update(f"{'waiting':<12}{_num(s.waiting)}")
+        q("#ttft-p50", Static).update(f"{'TTFT p50':<12}{_seconds(s.ttft_quantile(0.5))}")
+        q("#ttft-p99", Static).update(f"{'TTFT p99':<12}{_seconds(s.ttft_quantile(0.99))}")
+        q("#spec", Static).update(f"{'spec accept':<12}{_percent(s.spec_acceptance)}")
+        bar = q("#kv-bar", BlockBar)
+        bar.used, bar.total, bar.cache = s.kv_used, s.kv_total, s.cache_blocks
+        usage = f" ({_percent(s.kv_usage)})" if s.kv_usage is not None else ""
+        q("#kv-detail", Static).update(Text.assemble(
+            f"used {_num(s.kv_used)}/{_num(s.kv_total)}{usage} · ",
+            ("■", "magenta"), f" prefix cache {_num(s.cache_blocks)}"))
+        current = f"{self.rates[-1]:.1f} tok/s" if self.rates else "-"
+        peak = f" · peak {max(self.rates):.1f}" if self.rates else ""
+        total = (f" · {_num(s.generation_tokens)} generated"
+                 if s.generation_tokens is not None else "")
+        q("#tok-rate", Static).update(current + peak + total)
+        q("#tok-spark", Sparkline).data = list(self.rates)
