@@ -8,6 +8,7 @@ from justllm.cli import bench as bench_cmd
 from justllm.cli import chat as chat_cmd
 from justllm.cli import config as config_cmd
 from justllm.cli import models as models_cmd
+from justllm.cli import pull as pull_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
 from justllm.cli import top as top_cmd
@@ -27,6 +28,7 @@ app.command("bench")(bench_cmd.bench)
 app.command("top")(top_cmd.top)
 app.command("models")(models_cmd.list_models)
 app.command("ls", hidden=True)(models_cmd.list_models)  # alias
+app.command("pull")(pull_cmd.pull)
 app.command("show")(models_cmd.show)
 app.command("rm")(models_cmd.rm)
 app.add_typer(config_cmd.app, name="config")
