@@ -7,6 +7,14 @@ import pytest
 from justllm.config import EngineConfig
 
 
+@pytest.fixture(autouse=True)
+def _no_user_config(tmp_path_factory, monkeypatch):
+    """A user's ~/.config/justllm/config.yaml must not change what the tests run."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    for name in [n for n in __import__("os").environ if n.startswith("JUSTLLM_") and n != "JUSTLLM_CACHE_DIR"]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from justllm.model_source import demo_model_path

@@ -26,7 +26,11 @@ def show(
 
         from justllm.cli.serve import serve
 
+        from justllm.cli.options import default_config_file
+
         file_values: dict[str, object] = {}
+        if not config_file and default_config_file().is_file():
+            config_file = str(default_config_file())
         if config_file:
             try:
                 with open(config_file, encoding="utf-8") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -29,11 +31,20 @@ PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="M
 _D = EngineConfig()
 
 
+def default_config_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(base) / "justllm" / "config.yaml"
+
+
 def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
-    """``--config FILE``: a YAML mapping of option names (``max-seqs`` or ``max_seqs``) to
-    values, used as defaults. Precedence: command line > JUSTLLM_* environment > file > built-in."""
+    """``--config FILE`` (default: ``~/.config/justllm/config.yaml`` when it exists): a YAML
+    mapping of option names (``max-seqs`` or ``max_seqs``) to values, used as defaults.
+    Precedence: command line > JUSTLLM_* environment > file > built-in."""
     if not value:
-        return value
+        default = default_config_file()
+        if not default.is_file():
+            return value
+        value = str(default)
     import yaml
 
     try:
@@ -57,7 +68,7 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
 
 
 ConfigFile = Annotated[Optional[str], typer.Option(
-    "--config", help="YAML file with defaults for these options (CLI and JUSTLLM_* env win).",
+    "--config", help="YAML file with defaults for these options (CLI and JUSTLLM_* env win); default ~/.config/justllm/config.yaml if it exists.",
     is_eager=True, callback=_load_config_file, envvar="JUSTLLM_CONFIG")]
 
 

@@ -72,3 +72,14 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     cfg.write_text("bogus: 1\n")
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 1 and "unknown option(s) bogus" in r.output
+
+
+def test_default_config_file_is_read(tmp_path, monkeypatch, model_path):
+    (tmp_path / "justllm").mkdir()
+    (tmp_path / "justllm" / "config.yaml").write_text("max-tokens: 3\npool-blocks: 64\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is"])
+    assert r.exit_code == 0, r.output
+    assert "generation 3 tok" in r.output
+    r = runner.invoke(app, ["config", "show"])
+    assert any(line.split()[:3] == ["--pool-blocks", "64", "file"] for line in r.output.splitlines())
