@@ -19,7 +19,8 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str | None) -> str:
-    """The path of the GGUF to load. ``None`` means the demo model."""
+    """The path of the GGUF to load: a path, a name in the models directory, or a Hugging Face
+    ``REPO[:FILE]`` (downloaded into the models directory first). ``None``: the demo model."""
     if model is None:
         return str(demo_model_path())
     path = Path(model).expanduser()
@@ -27,10 +28,17 @@ def resolve_model(model: str | None) -> str:
         from justllm.model_store import ModelStore
 
         found = ModelStore().find(model)
-        if found is None:
-            raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file or "
-                                 "a name from 'justllm models')")
-        return str(found)
+        if found is not None:
+            return str(found)
+        from justllm.hub import looks_like_repo, pull_model, split_ref
+
+        if looks_like_repo(model):
+            repo, file = split_ref(model)
+            if file is not None and (cached := ModelStore().find(Path(file).stem)) is not None:
+                return str(cached)
+            return str(pull_model(model))  # a Hugging Face repo: fetched into the models dir
+        raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a name "
+                             "from 'justllm models', or a Hugging Face REPO[:FILE])")
     if path.is_dir():
         raise ModelLoadError(f"{model} is a directory; pass a path to a .gguf file")
     return str(path)

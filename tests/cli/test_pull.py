@@ -286,3 +286,15 @@ def test_hf_endpoint_is_read_when_pulling(hub: FakeHub, monkeypatch: pytest.Monk
     assert r.exit_code == 0, r.output
     assert (_models(tmp_path) / "a-Q4_K_M.gguf").read_bytes() == GGUF
     assert hub.gets("/tree/main") == 1 and hub.gets("/a-Q4_K_M.gguf") == 1
+
+
+def test_run_accepts_a_hub_repo_as_the_model(hub: FakeHub, tmp_path: Path) -> None:
+    """``justllm run REPO:FILE`` pulls first, then loads: the stand-in's file is only a GGUF
+    header, so loading then fails with llama.cpp's one-line error, after the download."""
+    from justllm.cli import app as main_app
+
+    hub.repos["acme/tiny-GGUF"] = {"tiny-Q4_K_M.gguf": GGUF}
+    r = CliRunner().invoke(main_app, ["run", "acme/tiny-GGUF:tiny-Q4_K_M.gguf", "-p", "hi"])
+    assert r.exit_code == 1
+    assert (_models(tmp_path) / "tiny-Q4_K_M.gguf").is_file()
+    assert "could not load" in r.output or "could not read" in r.output
