@@ -45,9 +45,8 @@ def serve(
         import uvicorn
 
         from justllm.engine.async_engine import AsyncEngine
-        from justllm.engine.backend import check_gguf_file, gpu_offload_supported
+        from justllm.engine.backend import check_gguf_file, require_gpu_offload
         from justllm.engine.engine import Engine
-        from justllm.errors import GPUUnavailableError
         from justllm.model_source import resolve_model
         from justllm.server.app import ServerConfig, create_app
 
@@ -59,11 +58,8 @@ def serve(
             prefix_cache_blocks=prefix_cache_blocks)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
-        if gpu and not gpu_offload_supported():
-            raise GPUUnavailableError(
-                "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
-                "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
-                "--no-cache-dir llama-cpp-python==0.3.36")
+        if gpu:
+            require_gpu_offload()
         if not 0 < port < 65536:
             raise ValueError("--port must be in 1..65535")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,

@@ -104,6 +104,15 @@ def gpu_offload_supported() -> bool:
     return bool(C.llama_supports_gpu_offload())
 
 
+def require_gpu_offload() -> None:
+    """Say clearly, before loading anything, that this llama-cpp-python build has no GPU."""
+    if not gpu_offload_supported():
+        raise GPUUnavailableError(
+            "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
+            "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
+            "--no-cache-dir llama-cpp-python==0.3.36")
+
+
 def check_gguf_file(path: str) -> None:
     """Fail with a clear message before llama.cpp sees a file that is not a GGUF."""
     p = Path(path)
@@ -128,11 +137,8 @@ class LlamaBackend:
         self._children: list[EmbeddingContext] = []
         C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
         check_gguf_file(config.model_path)
-        if config.gpu and not gpu_offload_supported():
-            raise GPUUnavailableError(
-                "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
-                "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
-                "--no-cache-dir llama-cpp-python==0.3.36")
+        if config.gpu:
+            require_gpu_offload()
         if config.n_seq_max > MAX_MEMORY_SEQ_ID:
             raise ValueError(f"at most {MAX_MEMORY_SEQ_ID} sequences")
 
