@@ -141,9 +141,9 @@ class AsyncEngine:
             self._wake.clear()
             try:
                 outputs = self.engine.step()
-            except Exception:  # a bug must not kill the thread that serves everyone
+            except Exception as e:  # a bug must not kill the thread that serves everyone
                 log.exception("engine step failed")
-                continue
+                outputs = self.engine.fail_all(f"internal engine error: {e}")
             for out in outputs:
                 with self._sinks_lock:
                     sink = self._sinks.get(out.request_id)

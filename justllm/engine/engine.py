@@ -290,14 +290,26 @@ class Engine:
 
     def _fail_plan(self, plan: StepPlan, message: str) -> list[RequestOutput]:
         """llama.cpp refused the batch: end the requests in it with an error, keep serving."""
+        return self._fail([c.request for c in plan.chunks], message)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every unfinished request with an error (the last resort of the step loop when a
+        step raised something unexpected: clients get an error instead of waiting forever)."""
+        with self._lock:
+            requests = [live.request for live in self._live.values()]
+        return self._fail(requests, message)
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         outputs = []
         with self._lock:
-            for chunk in plan.chunks:
-                req = chunk.request
+            for req in requests:
                 live = self._live.pop(req.request_id, None)
                 if live is None or req.finished:
                     continue
-                self.scheduler.finish(req, FinishReason.ABORT)
+                if req.status is RequestStatus.WAITING:
+                    self.scheduler.abort(req.request_id)
+                else:
+                    self.scheduler.finish(req, FinishReason.ABORT)
                 outputs.append(RequestOutput(req.request_id, "", [], True, "abort", None,
                                              live.metrics, error=message))
         return outputs

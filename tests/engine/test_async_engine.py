@@ -110,3 +110,29 @@ def test_bad_request_raises_before_first_output_and_others_continue(aengine):
 
     _, tokens, last = asyncio.run(main())
     assert len(tokens) == 5 and last.finished
+
+
+def test_an_unexpected_step_error_ends_requests_with_an_error_not_a_hang(aengine, monkeypatch):
+    calls = {"n": 0}
+    real_execute = aengine.engine.runner.execute
+
+    def broken(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_execute(plan)
+
+    monkeypatch.setattr(aengine.engine.runner, "execute", broken)
+
+    async def main():
+        outs = []
+        async for out in aengine.generate("Count to ten:", SamplingParams(max_tokens=50, ignore_eos=True)):
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    assert outs[-1].finished and outs[-1].error == "internal engine error: boom"
+    monkeypatch.setattr(aengine.engine.runner, "execute", real_execute)
+    # the engine keeps serving
+    _, tokens, last = asyncio.run(collect(aengine, "Hello", SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert len(tokens) == 3 and last.error is None
