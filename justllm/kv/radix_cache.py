@@ -265,43 +265,33 @@ class RadixCache:
             self.freed_holders.append(victim.holder)
         return ops
 
-    def evict_blocks(self, needed: int) -> list[KVOp]:
-        """Evict until the pool has ``needed`` free blocks or nothing more can go."""
+    def _evict_while(self, keep_going: Callable[[], bool]) -> list[KVOp]:
+        """Evict leaves while ``keep_going()`` and something can still go."""
         ops: list[KVOp] = []
-        while not self.pool.can_allocate(needed):
+        while keep_going():
             more = self.evict_one()
             if more is None:
                 break
             ops += more
         return ops
+
+    def evict_blocks(self, needed: int) -> list[KVOp]:
+        """Evict until the pool has ``needed`` free blocks or nothing more can go."""
+        return self._evict_while(lambda: not self.pool.can_allocate(needed))
 
     def evict_holder(self) -> list[KVOp]:
         """Evict until some holder sequence id is given up (or nothing more can go)."""
-        ops: list[KVOp] = []
         before = len(self.freed_holders)
-        while len(self.freed_holders) == before:
-            more = self.evict_one()
-            if more is None:
-                break
-            ops += more
-        return ops
+        return self._evict_while(lambda: len(self.freed_holders) == before)
 
     def flush(self) -> list[KVOp]:
-        ops: list[KVOp] = []
-        while (more := self.evict_one()) is not None:
-            ops += more
-        return ops
+        return self._evict_while(lambda: True)
 
     def _enforce_cap(self) -> list[KVOp]:
-        ops: list[KVOp] = []
         if self.max_blocks is None:
-            return ops
-        while self.num_blocks > self.max_blocks:
-            more = self.evict_one()
-            if more is None:
-                break
-            ops += more
-        return ops
+            return []
+        cap = self.max_blocks
+        return self._evict_while(lambda: self.num_blocks > cap)
 
     # ---- introspection --------------------------------------------------------------------
 
