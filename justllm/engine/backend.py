@@ -68,6 +68,21 @@ def grammar_from_json_schema(schema: dict) -> str:
                                   param="response_format") from e
 
 
+def _model_metadata(model) -> dict[str, str]:
+    """A loaded model's GGUF key/values as strings (the vocabulary arrays left out)."""
+    out: dict[str, str] = {}
+    buf = ctypes.create_string_buffer(1 << 16)
+    for i in range(int(C.llama_model_meta_count(model))):
+        if C.llama_model_meta_key_by_index(model, i, buf, len(buf)) < 0:
+            continue
+        key = buf.value.decode("utf-8", "replace")
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
+            continue
+        if C.llama_model_meta_val_str_by_index(model, i, buf, len(buf)) >= 0:
+            out[key] = buf.value.decode("utf-8", "replace")
+    return out
+
+
 def read_gguf_info(path: str) -> dict[str, str]:
     """A GGUF's metadata plus llama.cpp's one-line description (``desc``), reading only the
     header and vocabulary (no weights, no context)."""
@@ -80,16 +95,8 @@ def read_gguf_info(path: str) -> dict[str, str]:
     if not model:
         raise ModelLoadError(f"llama.cpp could not read {path} (corrupt or unsupported GGUF)")
     try:
-        out: dict[str, str] = {}
-        buf = ctypes.create_string_buffer(1 << 16)
-        for i in range(int(C.llama_model_meta_count(model))):
-            if C.llama_model_meta_key_by_index(model, i, buf, len(buf)) < 0:
-                continue
-            key = buf.value.decode("utf-8", "replace")
-            if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
-                continue
-            if C.llama_model_meta_val_str_by_index(model, i, buf, len(buf)) >= 0:
-                out[key] = buf.value.decode("utf-8", "replace")
+        out = _model_metadata(model)
+        buf = ctypes.create_string_buffer(256)
         if C.llama_model_desc(model, buf, len(buf)) >= 0:
             out["desc"] = buf.value.decode("utf-8", "replace")
         template = C.llama_model_chat_template(model, None)
@@ -303,16 +310,7 @@ class LlamaBackend:
     # ---- metadata -------------------------------------------------------------------------
 
     def metadata(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        buf = ctypes.create_string_buffer(1 << 16)
-        for i in range(int(C.llama_model_meta_count(self._model))):
-            if C.llama_model_meta_key_by_index(self._model, i, buf, len(buf)) < 0:
-                continue
-            key = buf.value.decode("utf-8", "replace")
-            n = C.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf))
-            if n >= 0:
-                out[key] = buf.value.decode("utf-8", "replace")
-        return out
+        return _model_metadata(self._model)
 
     def chat_template(self) -> str | None:
         raw = C.llama_model_chat_template(self._model, None)
