@@ -7,6 +7,7 @@ import typer
 from justllm.cli import bench as bench_cmd
 from justllm.cli import chat as chat_cmd
 from justllm.cli import config as config_cmd
+from justllm.cli import draft as draft_cmd
 from justllm.cli import models as models_cmd
 from justllm.cli import pull as pull_cmd
 from justllm.cli import run as run_cmd
@@ -32,6 +33,7 @@ app.command("pull")(pull_cmd.pull)
 app.command("show")(models_cmd.show)
 app.command("rm")(models_cmd.rm)
 app.add_typer(config_cmd.app, name="config")
+app.add_typer(draft_cmd.app, name="draft")
 
 
 @app.callback()

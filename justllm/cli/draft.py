@@ -1,0 +1,38 @@
+"""``justllm draft make``: a layer-truncated copy of a model, to use as its speculative draft."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli.errors import cli_errors
+
+app = typer.Typer(help="Build draft models for speculative decoding.", no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@app.command("make")
+def make(
+    model: Annotated[str, typer.Argument(help="The target model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].")],
+    layers: Annotated[int, typer.Option("--layers", "-l", help="Transformer blocks to keep (1 to the model's count minus one).")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-draft-L<N>.gguf next to the model, or in the models directory).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+) -> None:
+    """Write the model's first N layers as a draft GGUF with the same vocabulary.
+
+    Not retrained: it agrees with the target less often than a real small sibling would."""
+    with cli_errors():
+        from pathlib import Path
+
+        from justllm.cli.models import _size
+        from justllm.model_source import resolve_model
+        from justllm.spec.draft_make import default_draft_path, make_draft
+
+        src = Path(resolve_model(model))
+        dst = Path(output).expanduser() if output else default_draft_path(src, layers)
+        info = make_draft(src, dst, layers, force=force)
+        Console().print(
+            f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
+            f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)
