@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from justllm.core.sampling_params import MAX_DRAFT
 from justllm.core.scheduler import SchedulerConfig
+
+SPEC_METHODS = ("", "ngram", "draft", "tree")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,12 @@ class EngineConfig:
     spare_seq_ids: int = 32
     prefix_cache: bool = True
     prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
+    # Speculative decoding: "" (off), "ngram", "draft" or "tree"; see justllm/spec.
+    spec: str = ""
+    draft_model: str | None = None
+    gamma: int = 4  # most draft tokens per request and step
+    branch: int = 2  # tree: candidates at each of the first levels
+    draft_p_min: float = 0.0  # draft model: stop drafting below this top-token probability
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -49,6 +58,37 @@ class EngineConfig:
             raise ValueError("max_seqs + spare_seq_ids must be <= 256 (llama.cpp's limit)")
         if self.chunk_size > self.n_batch:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be <= n_batch ({self.n_batch})")
+        if self.spec not in SPEC_METHODS:
+            raise ValueError(f"spec must be one of {', '.join(m for m in SPEC_METHODS if m)} "
+                             f"(got {self.spec!r})")
+        if self.spec in ("draft", "tree") and not self.draft_model:
+            raise ValueError(f"--spec {self.spec} needs --draft-model (a small GGUF with the "
+                             "same vocabulary: make one with `justllm draft make`, or pass the "
+                             "model itself)")
+        if not 1 <= self.gamma <= MAX_DRAFT:
+            raise ValueError(f"gamma must be in [1, {MAX_DRAFT}] (got {self.gamma})")
+        if not 1 <= self.branch <= 4:
+            raise ValueError(f"branch must be in [1, 4] (got {self.branch})")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """Draft tokens one request may put in a step: a chain of ``gamma``, or a tree with
+        ``branch`` candidates at each of its first two levels and chains below."""
+        if self.spec != "tree":
+            return self.gamma if self.spec else 0
+        b = self.branch
+        return b + b * b * max(self.gamma - 1, 1) if self.gamma > 1 else b
+
+    @property
+    def n_outputs(self) -> int:
+        """Logits rows one step may need (llama.cpp reserves its output head for this many)."""
+        base = max(self.max_seqs + self.max_prefill, 64)
+        if not self.spec:
+            return base
+        return min(self.n_batch, max(base, self.max_decode * (self.max_draft_nodes + 1)
+                                     + self.max_prefill))
 
     @property
     def pool_tokens(self) -> int:
@@ -58,4 +98,6 @@ class EngineConfig:
         return SchedulerConfig(
             max_seqs=self.max_seqs, max_prefill=self.max_prefill, max_decode=self.max_decode,
             chunk_size=self.chunk_size, n_batch=self.n_batch, max_queue=self.max_queue,
-            n_seq_ids=self.max_seqs + (self.spare_seq_ids if self.prefix_cache else 0))
+            n_seq_ids=self.max_seqs + (self.spare_seq_ids
+                                       if self.prefix_cache or self.spec == "tree" else 0),
+            max_outputs=self.n_outputs)

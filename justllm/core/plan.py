@@ -3,9 +3,90 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from justllm.core.request import Request
 from justllm.kv.radix_cache import KVOp
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """Draft tokens to verify after a request's last token (the root).
+
+    Nodes are in topological order; ``parents[i]`` is the index of node ``i``'s parent, ``-1``
+    for the root. A chain (``parents == (-1, 0, 1, ...)``) is the common case; a tree holds
+    several candidates at a level, each leaf verified as its own llama.cpp sequence that shares
+    the cells of its ancestors. ``q`` optionally holds the proposer's probability rows, one per
+    node (a sampled draft, verified with the min(1, p/q) rule); ``None`` means the draft was
+    chosen deterministically.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    q: object | None = None
+
+    @staticmethod
+    def chain(tokens: list[int] | tuple[int, ...], q: object | None = None) -> DraftTree:
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node (1 for the root's children): its offset from the root."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Children of the root (index 0) and of each node (index i + 1)."""
+        kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def leaves(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.tokens)) if not self.children[i + 1])
+
+    @cached_property
+    def node_leaves(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the indices (into ``leaves``) of the leaves below or at it."""
+        below: list[set[int]] = [set() for _ in self.tokens]
+        for j, leaf in enumerate(self.leaves):
+            n = leaf
+            while n >= 0:
+                below[n].add(j)
+                n = self.parents[n]
+        return tuple(tuple(sorted(b)) for b in below)
+
+    def truncated(self, n: int) -> DraftTree:
+        """The first ``n`` nodes (a prefix in topological order is still a tree)."""
+        if n >= len(self.tokens):
+            return self
+        q = None if self.q is None else self.q[:n]  # type: ignore[index]
+        return DraftTree(self.tokens[:n], self.parents[:n], q)
+
+    def first_branch(self) -> DraftTree:
+        """The chain from the root to the first leaf."""
+        nodes = self.path(self.leaves[0]) if self.tokens else []
+        q = None if self.q is None else self.q[nodes]  # type: ignore[index]
+        return DraftTree.chain([self.tokens[i] for i in nodes], q)
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
 
 
 @dataclass(frozen=True)
@@ -15,16 +96,29 @@ class ScheduledChunk:
     ``wants_logits`` is true when the chunk ends at the request's last known token, so the step
     samples the next one; a middle chunk of a long prompt asks for no output row (on this model
     each output row costs ~4 ms of the 262k-wide head).
+
+    A speculative chunk is a decode whose ``token_ids`` are the last token followed by
+    ``draft.tokens``, with logits on every row; ``leaf_seqs`` are the extra sequence ids of a
+    tree's leaves after the first (which uses the request's own sequence).
     """
 
     request: Request
     start: int
     token_ids: list[int]
     wants_logits: bool
+    draft: DraftTree | None = None
+    leaf_seqs: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start >= self.request.num_prompt_tokens
+        return (len(self.token_ids) == 1 or self.draft is not None) \
+            and self.start >= self.request.num_prompt_tokens
+
+    @property
+    def num_logits(self) -> int:
+        if self.draft is not None:
+            return len(self.token_ids)
+        return 1 if self.wants_logits else 0
 
 
 @dataclass
@@ -43,6 +137,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(c.num_logits for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:

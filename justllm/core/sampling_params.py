@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from justllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_DRAFT = 16  # draft tokens per step and request
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class SamplingParams:
     logprobs: int | None = None
     # GBNF text constraining the output (structured output); None = free text.
     grammar: str | None = None
+    # Speculative decoding for this request: most draft tokens per step (0: off; None: the
+    # engine's --gamma) and the draft model's confidence cut-off (None: --draft-p-min).
+    spec_n_max: int | None = None
+    spec_p_min: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +73,11 @@ class SamplingParams:
                "grammar must be non-empty GBNF text", "grammar")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+
+        _check(self.spec_n_max is None or (_is_int(self.spec_n_max) and 0 <= self.spec_n_max <= MAX_DRAFT),
+               f"speculative.n_max must be an integer in [0, {MAX_DRAFT}]", "speculative.n_max")
+        _check(self.spec_p_min is None or (_is_num(self.spec_p_min) and 0.0 <= self.spec_p_min <= 1.0),
+               "speculative.p_min must be a number in [0, 1]", "speculative.p_min")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from justllm.core.plan import ScheduledChunk, StepPlan
+from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
@@ -34,8 +34,11 @@ class SchedulerConfig:
     chunk_size: int = 256
     n_batch: int = 512
     max_queue: int = 256
-    # Sequence ids in the llama.cpp context; those beyond max_seqs hold prefix-cache KV.
+    # Sequence ids in the llama.cpp context; those beyond max_seqs hold prefix-cache KV or
+    # the extra leaves of a speculative tree.
     n_seq_ids: int = 0
+    # Logits rows one step may ask for (the backend's n_outputs_max); 0: no cap below n_batch.
+    max_outputs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
@@ -121,12 +124,23 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step is a decode (candidates for speculation)."""
+        return [r for r in self.running if r.num_uncomputed_tokens == 1]
+
+    def schedule(self, drafts: dict[str, DraftTree] | None = None) -> StepPlan:
+        """Plan the next step. ``drafts`` maps request ids to draft tokens to verify after
+        their last token; a draft is cut to what the step's token and output budgets, the free
+        KV blocks and the free sequence ids allow (speculation never preempts anyone)."""
         cfg = self.config
         plan = StepPlan()
         budget = cfg.n_batch
 
-        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        decoding = self.decoding()
+        n_decode = min(len(decoding), cfg.max_decode, budget)
+        # Drafts get what one token per decode and one row per prefill leave over.
+        max_outputs = cfg.max_outputs or cfg.n_batch
+        spare = min(budget - n_decode, max_outputs - n_decode - cfg.max_prefill) if drafts else 0
         n_decode = 0
         for req in decoding:
             if n_decode >= cfg.max_decode or budget < 1:
@@ -136,6 +150,15 @@ class Scheduler:
             if not self._grow_for_decode(req, plan):
                 continue
             pos = req.num_computed_tokens
+            draft = drafts.get(req.request_id) if drafts and spare > 0 else None
+            if draft is not None:
+                chunk = self._speculative_chunk(req, draft, min(spare, budget - 1))
+                if chunk is not None:
+                    plan.chunks.append(chunk)
+                    n_decode += 1
+                    budget -= len(chunk.token_ids)
+                    spare -= len(chunk.token_ids) - 1
+                    continue
             plan.chunks.append(ScheduledChunk(req, pos, req.token_slice(pos, pos + 1), True))
             n_decode += 1
             budget -= 1
@@ -168,13 +191,66 @@ class Scheduler:
         same prefix share it while this one is still running."""
         for chunk in plan.chunks:
             req = chunk.request
-            req.num_computed_tokens += len(chunk.token_ids)
+            # Of a speculative chunk only the root is known good; settle() adds the rest.
+            req.num_computed_tokens += 1 if chunk.draft is not None else len(chunk.token_ids)
             if (self.cache is not None and not req.prompt_cached and req.seq_id is not None
                     and req.num_computed_tokens >= req.num_prompt_tokens):
                 req.prompt_cached = True
                 self._pending_ops += self.cache.insert(req.prompt_token_ids, req.seq_id, live=True)
 
+    def settle(self, chunk: ScheduledChunk, path: list[int]) -> None:
+        """Verification of ``chunk``'s draft kept the nodes ``path`` (root's child first): keep
+        their cells in the request's sequence, drop every other draft cell and the tree's extra
+        sequences, and give back blocks held for rejected drafts. Call after the accepted
+        tokens were appended and before the request is finished, even for a request aborted
+        while the step ran (its extra sequences still hold cells)."""
+        draft, req = chunk.draft, chunk.request
+        assert draft is not None
+        ops = self._pending_ops
+        if req.seq_id is not None and req.status is RequestStatus.RUNNING:
+            main, first_kept = req.seq_id, chunk.start + 1
+            n_keep = len(path)
+            winner = draft.node_leaves[path[-1]][0] if path else 0
+            if winner == 0:
+                ops.append(KVOp.rm(main, first_kept + n_keep, -1))
+            else:  # the accepted path lives in another leaf's sequence: copy it over
+                ops.append(KVOp.rm(main, first_kept, -1))
+                ops.append(KVOp.cp(chunk.leaf_seqs[winner - 1], main, first_kept,
+                                   first_kept + n_keep))
+            req.num_computed_tokens = first_kept + n_keep
+            keep = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens)
+            if len(req.block_ids) > keep:
+                self.pool.free(req.block_ids[keep:])
+                del req.block_ids[keep:]
+        for seq in chunk.leaf_seqs:
+            ops.append(KVOp.rm(seq))
+            self._free_seq_ids.append(seq)
+
     # ---- internals ------------------------------------------------------------------------
+
+    def _speculative_chunk(self, req: Request, draft: DraftTree, room: int
+                           ) -> ScheduledChunk | None:
+        """A decode chunk carrying as much of ``draft`` as ``room`` tokens, free blocks and
+        free sequence ids allow; None when nothing of it fits."""
+        pool = self.pool
+        cells = req.num_tokens - req.num_cached_tokens
+        have = len(req.block_ids) + pool.num_free
+        room = min(room, have * pool.block_size - cells)
+        draft = draft.truncated(max(room, 0))
+        if len(draft.leaves) - 1 > len(self._free_seq_ids):
+            draft = draft.first_branch()
+        if not len(draft):
+            return None
+        needed = pool.blocks_for(cells + len(draft)) - len(req.block_ids)
+        if needed > 0:
+            req.block_ids.extend(pool.allocate(needed))
+        leaf_seqs = tuple(self._free_seq_ids.pop() for _ in draft.leaves[1:])
+        pos = req.num_computed_tokens
+        for seq in leaf_seqs:  # each extra leaf starts as a view of the request's prefix
+            self._pending_ops.append(KVOp.cp(req.seq_id, seq, 0, pos))  # type: ignore[arg-type]
+        tokens = req.token_slice(pos, pos + 1) + list(draft.tokens)
+        return ScheduledChunk(req, pos, tokens, True, draft, leaf_seqs)
+
 
     def _admit(self, req: Request) -> bool:
         """Give the head of the queue a sequence id, its cached prefix and blocks for the rest."""

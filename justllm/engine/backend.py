@@ -45,6 +45,10 @@ class KVCacheFullError(EngineError):
     """``llama_decode`` found no room in the KV cache for the batch (return code 1)."""
 
 
+# Sequence ids one token of a batch may belong to (the leaves under a speculative tree node).
+MAX_SEQS_PER_TOKEN = 16
+
+
 @dataclass(frozen=True)
 class BackendConfig:
     model_path: str
@@ -191,17 +195,20 @@ class LlamaBackend:
         """A llama_batch over numpy arrays we own, so filling it is a numpy slice assignment."""
         self.batch_tokens = np.zeros(n, dtype=np.int32)
         self.batch_pos = np.zeros(n, dtype=np.int32)
-        self.batch_seq = np.zeros(n, dtype=np.int32)
+        # Each token's sequence ids: column 0 is ``batch_seq``; a token shared by several
+        # sequences (a node of a speculative tree) lists them and sets ``batch_n_seq``.
+        self.batch_seqs = np.zeros((n, MAX_SEQS_PER_TOKEN), dtype=np.int32)
+        self.batch_seq = self.batch_seqs[:, 0]
+        self.batch_n_seq = np.ones(n, dtype=np.int32)
         self.batch_logits = np.zeros(n, dtype=np.int8)
-        self._n_seq_id = np.ones(n, dtype=np.int32)
         i32p = ctypes.POINTER(ctypes.c_int32)
-        base = self.batch_seq.ctypes.data
-        self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n)])
+        base, row = self.batch_seqs.ctypes.data, self.batch_seqs.strides[0]
+        self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + row * i, i32p) for i in range(n)])
         b = C.llama_batch()
         b.token = self.batch_tokens.ctypes.data_as(i32p)
         b.embd = None
         b.pos = self.batch_pos.ctypes.data_as(i32p)
-        b.n_seq_id = self._n_seq_id.ctypes.data_as(i32p)
+        b.n_seq_id = self.batch_n_seq.ctypes.data_as(i32p)
         b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
         b.logits = self.batch_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
@@ -224,6 +231,15 @@ class LlamaBackend:
             raise EngineError("token id out of the vocabulary")
         if seqs.min() < 0 or seqs.max() >= cfg.n_seq_max:
             raise EngineError("sequence id out of range")
+        n_seq = self.batch_n_seq[:n_tokens]
+        if n_seq.min() < 1 or n_seq.max() > 1:
+            if n_seq.min() < 1 or n_seq.max() > MAX_SEQS_PER_TOKEN:
+                raise EngineError(f"each token needs 1..{MAX_SEQS_PER_TOKEN} sequence ids")
+            multi = np.flatnonzero(n_seq > 1)
+            for i in multi:
+                ids = self.batch_seqs[i, :n_seq[i]]
+                if ids.min() < 0 or ids.max() >= cfg.n_seq_max:
+                    raise EngineError("sequence id out of range")
         self._batch.n_tokens = n_tokens
         t0 = time.perf_counter()
         rc = C.llama_decode(self._ctx, self._batch)
@@ -303,6 +319,20 @@ class LlamaBackend:
         buf = ctypes.create_string_buffer(128)
         n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
         return buf.raw[:max(n, 0)].decode("utf-8", "replace")
+
+    def vocab_fingerprint(self) -> str:
+        """A hash of every token's text, type and the special ids: two models with the same
+        fingerprint tokenize alike, so one can draft for the other."""
+        import hashlib
+
+        h = hashlib.sha256()
+        v = self._vocab
+        h.update(f"{self.n_vocab}:{C.llama_vocab_type(v)}:{C.llama_vocab_bos(v)}:"
+                 f"{C.llama_vocab_eos(v)}:".encode())
+        for t in range(self.n_vocab):
+            h.update(C.llama_vocab_get_text(v, t) or b"")
+            h.update(b"\0")
+        return h.hexdigest()
 
     def eog_token_ids(self) -> frozenset[int]:
         return frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self._vocab, t))

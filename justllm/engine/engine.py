@@ -16,19 +16,23 @@ import time
 from dataclasses import dataclass, field
 
 from justllm.config import EngineConfig
-from justllm.core.plan import StepPlan
+from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.runner import Runner
-from justllm.engine.sampler import RequestSampler
+from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import RadixCache
 from justllm.model_source import resolve_model
+from justllm.spec.factory import make_proposer
+from justllm.spec.proposer import DraftRequest, Proposer
+from justllm.spec.verify import walk_draft
+from justllm.spec.window import SpecWindow
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,21 @@ class _Live:
     sampler: RequestSampler
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
+    window: SpecWindow | None = None  # None: this request does not speculate
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding counters (vLLM's spec_decode metrics): verified drafts, draft
+    tokens put through the target, and how many of those were accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    spec: SpecStats = SpecStats()
 
 
 class Engine:
@@ -102,7 +122,7 @@ class Engine:
                 n_ctx=config.pool_tokens,
                 n_batch=config.n_batch,
                 n_seq_max=config.max_seqs + config.spare_seq_ids,
-                n_outputs_max=max(config.max_seqs + config.max_prefill, 64),
+                n_outputs_max=config.n_outputs,
                 n_threads=config.threads,
                 gpu=config.gpu,
                 verbose=config.verbose,
@@ -123,6 +143,8 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._preemptions_total = 0
+        self.proposer: Proposer | None = make_proposer(config, backend)
+        self._spec = SpecStats()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -166,8 +188,15 @@ class Engine:
             self._live[request_id] = _Live(
                 req, RequestSampler(params, seed, constraint),
                 IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
-                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)))
+                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)),
+                self._spec_window(params))
         return request_id
+
+    def _spec_window(self, params: SamplingParams) -> SpecWindow | None:
+        if self.proposer is None:
+            return None
+        n_max = self.config.gamma if params.spec_n_max is None else params.spec_n_max
+        return SpecWindow(min(n_max, self.config.max_draft_nodes)) if n_max > 0 else None
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -175,7 +204,7 @@ class Engine:
             req = self.scheduler.abort(request_id)
             if req is None:
                 return False
-            self._live.pop(request_id, None)
+            self._drop(request_id)
             return True
 
     def has_work(self) -> bool:
@@ -195,7 +224,8 @@ class Engine:
                 prompt_tokens_total=self._prompt_tokens_total,
                 generation_tokens_total=self._generation_tokens_total,
                 num_preemptions_total=self._preemptions_total,
-                prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats())
+                prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats(),
+                spec=self._spec)
 
     def flush_prefix_cache(self) -> None:
         """Drop every cached prefix no running request uses; the KV goes at the next step."""
@@ -205,8 +235,9 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        drafts = self._propose() if self.proposer is not None else None
         with self._lock:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(drafts)
             self._preemptions_total += len(plan.preempted)
         if plan.is_empty:
             return []
@@ -220,6 +251,25 @@ class Engine:
             self.scheduler.update(plan)
             return self._postprocess(plan, logits)
 
+    def _propose(self) -> dict[str, DraftTree]:
+        """Drafts for the requests about to decode whose window is open. The proposer runs
+        outside the lock (a draft model decodes); a request aborted meanwhile is skipped by the
+        scheduler, which only plans running requests."""
+        assert self.proposer is not None
+        wants = []
+        with self._lock:
+            for req in self.scheduler.decoding():
+                live = self._live.get(req.request_id)
+                if live is None or live.window is None:
+                    continue
+                k = live.window.want()
+                if k:
+                    p = req.params
+                    wants.append(DraftRequest(
+                        req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,
+                        self.config.draft_p_min if p.spec_p_min is None else p.spec_p_min))
+        return self.proposer.propose(wants) if wants else {}
+
     def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -229,26 +279,66 @@ class Engine:
             live = self._live.get(req.request_id)
             if live is not None:
                 live.metrics.num_computed_tokens += len(chunk.token_ids)
-            if not chunk.wants_logits:
-                continue
-            r = row
-            row += 1
-            if live is None or req.status is not RequestStatus.RUNNING:
-                continue
-            outputs.append(self._accept_token(live, logits[r], now))
+            n_rows = chunk.num_logits
+            rows = logits[row:row + n_rows]
+            row += n_rows
+            if chunk.draft is not None:
+                if live is None or req.status is not RequestStatus.RUNNING:
+                    self.scheduler.settle(chunk, [])
+                    continue
+                outputs.append(self._verify(live, chunk, rows, now))
+            elif n_rows and live is not None and req.status is RequestStatus.RUNNING:
+                outputs.append(self._sample_one(live, rows[0], now))
         return outputs
 
-    def _accept_token(self, live: _Live, logits, now: float) -> RequestOutput:
-        req, params = live.request, live.request.params
+    def _sample_one(self, live: _Live, logits, now: float) -> RequestOutput:
+        req = live.request
+        out = _Emitted()
         try:
             sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
         except EngineError as e:  # e.g. a grammar with no way forward: end this request only
-            self.scheduler.finish(req, FinishReason.ABORT)
-            del self._live[req.request_id]
-            return RequestOutput(req.request_id, live.detok.take_new_text(final=True), [], True,
-                                 "abort", None, live.metrics, error=str(e))
+            return self._end_with_error(live, out, str(e))
+        self._emit(live, sampled, now, out)
+        return self._finish_output(live, out, now)
+
+    def _verify(self, live: _Live, chunk: ScheduledChunk, rows, now: float) -> RequestOutput:
+        """Walk the draft with the request's own sampling rule, emitting each token the target
+        produced; keep the KV of the accepted nodes and drop the rest."""
+        req, draft, sampler = live.request, chunk.draft, live.sampler
+        assert draft is not None
+        out = _Emitted()
+        q = draft.q
+
+        def step(row: int, kids: tuple[int, ...]) -> tuple[int, bool]:
+            if q is not None and len(kids) == 1:
+                sampled = sampler.sample_against(rows[row], draft.tokens[kids[0]],
+                                                 q[kids[0]],  # type: ignore[index]
+                                                 req.prompt_token_ids, req.output_token_ids)
+            else:
+                sampled = sampler.sample(rows[row], req.prompt_token_ids, req.output_token_ids)
+            self._emit(live, sampled, now, out)
+            return sampled.token_id, out.reason is not None
+
+        try:
+            verdict = walk_draft(draft, step)
+        except EngineError as e:
+            self.scheduler.settle(chunk, [])
+            return self._end_with_error(live, out, str(e))
+        self.scheduler.settle(chunk, list(verdict.path))
+        proposed = max(draft.depths)
+        if live.window is not None:
+            live.window.record(proposed, verdict.accepted)
+        s = self._spec
+        self._spec = SpecStats(s.num_drafts + 1, s.num_draft_tokens + len(draft),
+                               s.num_accepted_tokens + verdict.accepted)
+        return self._finish_output(live, out, now)
+
+    def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted) -> None:
+        """Append one token to the request and check its stop conditions."""
+        req, params = live.request, live.request.params
         token = sampled.token_id
         req.output_token_ids.append(token)
+        out.token_ids.append(token)
         self._generation_tokens_total += 1
         m = live.metrics
         m.num_generated_tokens += 1
@@ -257,26 +347,40 @@ class Engine:
             m.first_token_time = now
             m.num_cached_tokens = req.num_cached_tokens
             self._prompt_tokens_total += req.num_prompt_tokens
-
-        reason: FinishReason | None = None
-        if token in params.stop_token_ids or (token in self._eog and not params.ignore_eos):
-            reason = FinishReason.STOP
-        else:
-            live.detok.add_token(token)
-            if live.detok.stopped:
-                reason = FinishReason.STOP
-            elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
-                reason = FinishReason.LENGTH
-        text = live.detok.take_new_text(final=reason is not None)
-        logprobs = None
         if sampled.logprob is not None:
-            logprobs = [TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ())]
+            out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
+        if token in params.stop_token_ids or (token in self._eog and not params.ignore_eos):
+            out.reason = FinishReason.STOP
+            return
+        live.detok.add_token(token)
+        if live.detok.stopped:
+            out.reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
+            out.reason = FinishReason.LENGTH
+
+    def _finish_output(self, live: _Live, out: _Emitted, now: float) -> RequestOutput:
+        req, reason = live.request, out.reason
+        text = live.detok.take_new_text(final=reason is not None)
         if reason is not None:
             self.scheduler.finish(req, reason)
-            m.finished_time = now
-            del self._live[req.request_id]
-        return RequestOutput(req.request_id, text, [token], reason is not None,
-                             reason.value if reason else None, logprobs, m)
+            live.metrics.finished_time = now
+            self._drop(req.request_id)
+        return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
+                             reason.value if reason else None, out.logprobs or None,
+                             live.metrics)
+
+    def _end_with_error(self, live: _Live, out: _Emitted, message: str) -> RequestOutput:
+        req = live.request
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._drop(req.request_id)
+        return RequestOutput(req.request_id, live.detok.take_new_text(final=True),
+                             out.token_ids, True, "abort", out.logprobs or None, live.metrics,
+                             error=message)
+
+    def _drop(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _on_cache_full(self, plan: StepPlan) -> list[RequestOutput]:
         """Block accounting should prevent this; if llama.cpp still finds no room, preempt the
@@ -303,7 +407,8 @@ class Engine:
         outputs = []
         with self._lock:
             for req in requests:
-                live = self._live.pop(req.request_id, None)
+                live = self._live.get(req.request_id)
+                self._drop(req.request_id)
                 if live is None or req.finished:
                     continue
                 if req.status is RequestStatus.WAITING:
@@ -315,4 +420,15 @@ class Engine:
         return outputs
 
     def close(self) -> None:
+        if self.proposer is not None:
+            self.proposer.close()
         self.backend.close()
+
+
+@dataclass
+class _Emitted:
+    """Tokens one step appended to one request (several when a draft was accepted)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    reason: FinishReason | None = None

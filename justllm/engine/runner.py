@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from justllm.core.plan import StepPlan
+from justllm.core.plan import ScheduledChunk, StepPlan
 from justllm.kv.radix_cache import KVOp
 
 
@@ -16,6 +16,8 @@ class Backend(Protocol):
     batch_tokens: np.ndarray
     batch_pos: np.ndarray
     batch_seq: np.ndarray
+    batch_seqs: np.ndarray
+    batch_n_seq: np.ndarray
     batch_logits: np.ndarray
 
     def decode(self, n_tokens: int) -> np.ndarray: ...
@@ -38,8 +40,8 @@ class Runner:
     def execute(self, plan: StepPlan) -> np.ndarray:
         """Compute the plan's chunks in one ``llama_decode``.
 
-        Returns one logits row per chunk that wants logits, in plan order (a view valid until
-        the next step).
+        Returns ``chunk.num_logits`` rows per chunk, in plan order (a view valid until the
+        next step): one for a chunk that wants logits, one per token of a speculative chunk.
         """
         self.apply_kv_ops(plan.kv_ops)
         if not plan.chunks:
@@ -50,9 +52,34 @@ class Runner:
             n = len(chunk.token_ids)
             end = o + n
             b.batch_tokens[o:end] = chunk.token_ids
-            b.batch_pos[o:end] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
-            b.batch_seq[o:end] = chunk.request.seq_id
-            b.batch_logits[o:end] = 0
-            b.batch_logits[end - 1] = chunk.wants_logits
+            b.batch_n_seq[o:end] = 1
+            if chunk.draft is None:
+                b.batch_pos[o:end] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
+                b.batch_seq[o:end] = chunk.request.seq_id
+                b.batch_logits[o:end] = 0
+                b.batch_logits[end - 1] = chunk.wants_logits
+            else:
+                self._fill_draft(chunk, o)
             o = end
         return b.decode(o)
+
+    def _fill_draft(self, chunk: ScheduledChunk, o: int) -> None:
+        """The root and the draft's nodes, logits on every row. In a tree each node belongs to
+        the sequences of the leaves below it, so every leaf sees exactly its own path."""
+        b, draft = self.backend, chunk.draft
+        assert draft is not None
+        n = len(draft) + 1
+        main = chunk.request.seq_id
+        b.batch_logits[o:o + n] = 1
+        if draft.is_chain:
+            b.batch_pos[o:o + n] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
+            b.batch_seq[o:o + n] = main
+            return
+        seqs = (main,) + chunk.leaf_seqs
+        b.batch_pos[o] = chunk.start
+        b.batch_seqs[o, :len(seqs)] = seqs
+        b.batch_n_seq[o] = len(seqs)
+        for i, (depth, leaves) in enumerate(zip(draft.depths, draft.node_leaves), start=o + 1):
+            b.batch_pos[i] = chunk.start + depth
+            b.batch_seqs[i, :len(leaves)] = [seqs[j] for j in leaves]
+            b.batch_n_seq[i] = len(leaves)

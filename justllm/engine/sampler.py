@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from justllm.core.sampling_params import SamplingParams
+from justllm.spec.verify import accept_or_resample
 
 _NUCLEUS_PROBES = (1024, 16384)
 _CDF_BLOCK = 4096
@@ -60,7 +61,35 @@ class RequestSampler:
             return SampledToken(token)
         return with_logprobs(logits, token, p.logprobs)
 
+    def sample_against(self, logits: np.ndarray, draft_token: int, q_row: np.ndarray,
+                       prompt_ids: list[int], output_ids: list[int]) -> SampledToken:
+        """The target's token at a row where the proposer *sampled* ``draft_token`` from
+        ``q_row``: accept it with probability min(1, p/q), else draw from the residual
+        (rejection sampling: the result is distributed exactly as a plain ``sample``)."""
+        p = self.params
+        if p.greedy:
+            return self.sample(logits, prompt_ids, output_ids)
+        x = apply_penalties(logits, p, prompt_ids, output_ids) if p.has_penalties else logits
+        c = self.constraint
+        if c is not None:
+            x = c.mask(x)
+        ids, probs = self._distribution(x)
+        dense = np.zeros(x.size, dtype=np.float64)
+        dense[slice(None) if ids is None else ids] = probs
+        token = accept_or_resample(dense, draft_token, q_row, self.rng)
+        if c is not None:
+            c.accept(token)
+        if p.logprobs is None:
+            return SampledToken(token)
+        return with_logprobs(logits, token, p.logprobs)
+
     def _draw(self, x: np.ndarray) -> int:
+        ids, probs = self._distribution(x)
+        choice = _inverse_cdf(probs, self.rng.random())
+        return int(choice if ids is None else ids[choice])
+
+    def _distribution(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The sampling distribution over ``x``: (token ids or None for all, probabilities)."""
         p = self.params
         scaled = np.multiply(x, np.float32(1.0 / p.temperature), dtype=np.float32)
         ids: np.ndarray | None = None
@@ -78,8 +107,7 @@ class RequestSampler:
             order = _nucleus_order(probs, p.top_p)
             ids = order if ids is None else ids[order]
             probs = probs[order]
-        choice = _inverse_cdf(probs, self.rng.random())
-        return int(choice if ids is None else ids[choice])
+        return ids, probs
 
 
 def _inverse_cdf(probs: np.ndarray, u: float) -> int:

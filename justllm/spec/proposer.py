@@ -1,16 +1,42 @@
-"""Draft proposers behind one interface; ``NgramProposer`` is prompt lookup (no extra model)."""
+"""Draft proposers behind one interface.
+
+``NgramProposer`` is prompt lookup (no extra model); ``DraftModelProposer`` (in
+``draft_model.py``) runs a small GGUF. The engine asks for drafts once per step, for every
+request about to decode, on its own thread (the only one that calls llama.cpp).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from justllm.core.plan import DraftTree
+from justllm.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request that wants a draft this step."""
+
+    request_id: str
+    tokens: list[int]  # prompt + output so far; the draft continues after the last one
+    k: int  # at most this many tokens deep
+    params: SamplingParams
+    p_min: float = 0.0  # a model proposer stops where its top candidate is less likely
+
 
 class Proposer(Protocol):
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``tokens`` (prompt + output so far)."""
+    def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
+        """Drafts for some of ``wants`` (a request may get none)."""
         ...
+
+    def release(self, request_id: str) -> None:
+        """The request is gone; forget its state. Safe to call from any thread."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class NgramProposer:
@@ -24,7 +50,22 @@ class NgramProposer:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
+        out = {}
+        for w in wants:
+            draft = self.lookup(w.tokens, w.k)
+            if draft:
+                out[w.request_id] = DraftTree.chain(draft)
+        return out
+
+    def release(self, request_id: str) -> None:
+        pass  # stateless
+
+    def close(self) -> None:
+        pass
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the tail."""
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
         arr = np.asarray(tokens, dtype=np.int64)

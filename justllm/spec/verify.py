@@ -9,51 +9,83 @@ is a point mass and the rule becomes "accept with probability p(x)", residual = 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from justllm.core.plan import DraftTree
 
 
 @dataclass(frozen=True)
 class Verdict:
     tokens: list[int]  # what to append: accepted drafts, then one token from the target
     accepted: int  # how many drafts were kept
+    path: tuple[int, ...] = ()  # the kept draft nodes, root's child first
+
+
+def walk_draft(draft: DraftTree, step: Callable[[int, tuple[int, ...]], tuple[int, bool]]
+               ) -> Verdict:
+    """Verify a draft chain or tree: from the root, take the target's token at the current
+    row and descend into the child holding that token; stop at the first token no child holds
+    (a correction, or the bonus token after a leaf).
+
+    ``step(row, children)`` returns the target's token at ``row`` (0: the root, ``i + 1``: node
+    ``i``) given the draft nodes below it, and whether generation stops after that token.
+    Whatever the target's rule (argmax, a sample, rejection sampling against ``q``), each kept
+    token is exactly the one the target would have produced alone: lossless.
+    """
+    out: list[int] = []
+    path: list[int] = []
+    row = 0
+    while True:
+        kids = draft.children[row]
+        token, stop = step(row, kids)
+        out.append(token)
+        nxt = next((k for k in kids if draft.tokens[k] == token), None)
+        if nxt is not None:
+            path.append(nxt)
+        if stop or nxt is None:
+            return Verdict(out, len(path), tuple(path))
+        row = nxt + 1
 
 
 def verify_greedy(target_rows: np.ndarray, draft: list[int]) -> Verdict:
     """``target_rows``: ``len(draft) + 1`` rows of logits (row i predicts draft[i])."""
-    out: list[int] = []
-    for i, d in enumerate(draft):
-        t = int(np.argmax(target_rows[i]))
-        out.append(t)
-        if t != d:
-            return Verdict(out, i)
-    out.append(int(np.argmax(target_rows[len(draft)])))
-    return Verdict(out, len(draft))
+    return walk_draft(DraftTree.chain(draft),
+                      lambda row, _kids: (int(np.argmax(target_rows[row])), False))
+
+
+def accept_or_resample(p: np.ndarray, d: int, q: np.ndarray | None,
+                       rng: np.random.Generator) -> int:
+    """One row of rejection sampling: ``d`` if accepted, else a draw from the residual.
+    ``p``: the target's distribution; ``q``: the proposer's, or None for a point mass."""
+    q_d = 1.0 if q is None else float(q[d])
+    if q_d > 0 and rng.random() < min(1.0, float(p[d]) / q_d):
+        return d
+    if q is None:
+        residual = np.array(p, dtype=np.float64)
+        residual[d] = 0.0
+    else:
+        residual = np.maximum(np.asarray(p, dtype=np.float64) - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q: any draw from p is right
+        residual, total = np.asarray(p, dtype=np.float64), float(np.sum(p))
+    return int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right"))
 
 
 def verify_sampled(target_probs: np.ndarray, draft: list[int], draft_probs: np.ndarray | None,
                    rng: np.random.Generator) -> Verdict:
-    """Rejection sampling. ``target_probs``: ``len(draft) + 1`` rows of the target's sampling
-    distribution (after temperature/top-k/top-p); ``draft_probs``: the proposer's rows, or None
-    for a deterministic proposer."""
+    """Rejection sampling over a chain. ``target_probs``: ``len(draft) + 1`` rows of the
+    target's sampling distribution (after temperature/top-k/top-p); ``draft_probs``: the
+    proposer's rows, or None for a deterministic proposer."""
     out: list[int] = []
     for i, d in enumerate(draft):
-        p = target_probs[i]
-        q_d = 1.0 if draft_probs is None else float(draft_probs[i][d])
-        if q_d > 0 and rng.random() < min(1.0, float(p[d]) / q_d):
-            out.append(d)
-            continue
-        if draft_probs is None:
-            residual = np.array(p, dtype=np.float64)
-            residual[d] = 0.0
-        else:
-            residual = np.maximum(np.asarray(p, dtype=np.float64) - draft_probs[i], 0.0)
-        total = residual.sum()
-        if total <= 0:  # p == q: any draw from p is right
-            residual, total = np.asarray(p, dtype=np.float64), float(np.sum(p))
-        out.append(int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right")))
-        return Verdict(out, i)
+        token = accept_or_resample(target_probs[i], d,
+                                   None if draft_probs is None else draft_probs[i], rng)
+        out.append(token)
+        if token != d:
+            return Verdict(out, i)
     p = np.asarray(target_probs[len(draft)], dtype=np.float64)
     out.append(int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right")))
     return Verdict(out, len(draft))

@@ -10,10 +10,10 @@ from justllm.spec.verify import verify_greedy, verify_sampled
 def test_ngram_proposes_the_latest_continuation_longest_match_first():
     p = NgramProposer(max_n=3)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
-    assert p.propose(tokens, 3) == [7, 8, 2]  # "2 3 4" last seen before "7 8 2"
-    assert p.propose([5, 6, 5], 2) == [6, 5]  # only a 1-gram matches
-    assert p.propose([1, 2, 3], 4) == []  # nothing repeats
-    assert p.propose([1], 4) == [] and p.propose(tokens, 0) == []
+    assert p.lookup(tokens, 3) == [7, 8, 2]  # "2 3 4" last seen before "7 8 2"
+    assert p.lookup([5, 6, 5], 2) == [6, 5]  # only a 1-gram matches
+    assert p.lookup([1, 2, 3], 4) == []  # nothing repeats
+    assert p.lookup([1], 4) == [] and p.lookup(tokens, 0) == []
 
 
 def one_hot_rows(tokens, vocab=10):

@@ -1,0 +1,300 @@
+"""A small draft model proposing chains or trees, batched over every speculating request.
+
+The draft GGUF gets its own llama.cpp context with one sequence per request (plus temporary
+ones while a tree grows). Its KV follows each request lazily: before drafting, the tokens it
+holds are compared with the request's tokens and everything after the first difference (a
+rejected draft, a preemption) is removed with ``llama_memory_seq_rm``; the rest is decoded in
+one batch with every other request's catch-up. Then the draft grows one level per
+``llama_decode``, all requests together.
+
+For a greedy request the draft takes the draft model's argmax (the target accepts it when its
+own argmax agrees). For a sampled request a chain's tokens are drawn from the draft's
+distribution ``q`` at the request's temperature and verified with min(1, p/q). A tree keeps
+the top ``branch`` candidates at each of the first two levels (a candidate after the first
+only if the draft gives it at least ``P_SPLIT``) and extends each leaf greedily.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from justllm.core.plan import DraftTree
+from justllm.errors import EngineError, ModelLoadError
+from justllm.spec.proposer import DraftRequest
+
+if TYPE_CHECKING:
+    from justllm.config import EngineConfig
+    from justllm.engine.backend import LlamaBackend
+
+P_SPLIT = 0.1  # a tree's second-best candidates need this much of the draft's probability
+TREE_LEVELS = 2  # levels of a tree that branch; deeper levels extend each leaf greedily
+MAX_LEAVES = 8
+
+
+@dataclass
+class _Slot:
+    """The draft context's view of one request."""
+
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the sequence's cells hold
+    rng: np.random.Generator | None = None
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the request's node list; -1: the root
+    seq: int  # draft sequence whose cells hold this node's path
+    pos: int
+    q: np.ndarray | None = None
+
+
+class DraftModelProposer:
+    def __init__(self, backend: LlamaBackend, n_slots: int, *, tree: bool = False,
+                 branch: int = 2) -> None:
+        self.backend = backend
+        self.tree = tree
+        self.branch = branch
+        self._free_slots = list(range(n_slots - 1, -1, -1))
+        self._temp_seqs = list(range(backend.config.n_seq_max - 1, n_slots - 1, -1))
+        self._slots: dict[str, _Slot] = {}
+        self._released: deque[str] = deque()  # appended from any thread, drained here
+
+    @classmethod
+    def load(cls, config: EngineConfig, target: LlamaBackend) -> DraftModelProposer:
+        from justllm.engine.backend import BackendConfig, LlamaBackend
+        from justllm.model_source import resolve_model
+
+        path = resolve_model(config.draft_model)
+        tree = config.spec == "tree"
+        leaves = min(config.branch ** TREE_LEVELS, MAX_LEAVES) if tree else 1
+        n_seq = min(256, config.max_seqs * leaves)
+        backend = LlamaBackend(BackendConfig(
+            model_path=path,
+            n_ctx=config.pool_tokens + config.max_seqs * (config.max_draft_nodes + 1),
+            n_batch=config.n_batch,
+            n_seq_max=n_seq,
+            n_outputs_max=min(config.n_batch, max(64, config.max_seqs * leaves)),
+            n_threads=config.threads,
+            gpu=config.gpu,
+            verbose=config.verbose,
+        ))
+        try:
+            if backend.vocab_fingerprint() != target.vocab_fingerprint():
+                raise ModelLoadError(
+                    f"the draft model {path} has a different vocabulary from the target "
+                    f"({backend.n_vocab} vs {target.n_vocab} tokens, or different token "
+                    "texts): a draft must tokenize exactly like the model it drafts for")
+        except BaseException:
+            backend.close()
+            raise
+        return cls(backend, config.max_seqs, tree=tree, branch=config.branch)
+
+    def release(self, request_id: str) -> None:
+        self._released.append(request_id)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # ---- proposing ------------------------------------------------------------------------
+
+    def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
+        self._drain_released()
+        try:
+            return self._propose(wants)
+        except EngineError:
+            # The draft context is only an accelerator: start it afresh, decode plainly.
+            self.reset()
+            return {}
+
+    def reset(self) -> None:
+        self.backend.clear_kv()
+        for slot in self._slots.values():
+            slot.tokens.clear()
+
+    def _propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
+        jobs: list[tuple[DraftRequest, _Slot]] = []
+        for w in wants:
+            slot = self._slot(w)
+            if slot is not None and w.k > 0 and w.tokens:
+                jobs.append((w, slot))
+        if not jobs:
+            return {}
+        roots = self._catch_up(jobs)
+        nodes: list[list[_Node]] = [[] for _ in jobs]
+        frontier: list[tuple[int, int]] = [(j, -1) for j in range(len(jobs))]  # (job, node)
+        rows = {(j, -1): roots[j] for j in range(len(jobs))}
+        temps: list[int] = []
+        depth = 0
+        while frontier:
+            depth += 1
+            grown: list[tuple[int, int]] = []
+            for j, n in frontier:
+                w, slot = jobs[j]
+                grown += self._children(j, n, rows[(j, n)], w, slot, nodes[j], depth, temps)
+            rows = {}
+            frontier = []
+            to_decode = [(j, n) for j, n in grown if depth < jobs[j][0].k]
+            if to_decode:
+                out = self._decode([(nodes[j][n].token, nodes[j][n].pos, nodes[j][n].seq)
+                                    for j, n in to_decode])
+                for i, key in enumerate(to_decode):
+                    rows[key] = out[i]
+                    j, n = key
+                    if nodes[j][n].seq == jobs[j][1].seq:  # the first branch stays cached
+                        jobs[j][1].tokens.append(nodes[j][n].token)
+                frontier = to_decode
+        for seq in temps:
+            self.backend.seq_rm(seq)
+            self._temp_seqs.append(seq)
+        out_trees = {}
+        for (w, _slot), ns in zip(jobs, nodes):
+            if ns:
+                q = np.stack([n.q for n in ns]) if ns[0].q is not None else None
+                out_trees[w.request_id] = DraftTree(
+                    tuple(n.token for n in ns), tuple(n.parent for n in ns), q)
+        return out_trees
+
+    def _children(self, j: int, n: int, row: np.ndarray, w: DraftRequest, slot: _Slot,
+                  nodes: list[_Node], depth: int, temps: list[int]) -> list[tuple[int, int]]:
+        """Add the children of node ``n`` (-1: the root) from its draft logits row; returns
+        the new nodes as (job, node) keys."""
+        parent_seq = slot.seq if n < 0 else nodes[n].seq
+        pos = len(w.tokens) if n < 0 else nodes[n].pos + 1
+        sampled = not w.params.greedy and not self.tree
+        if sampled:
+            q = _softmax(row, w.params.temperature)
+            assert slot.rng is not None
+            token = int(np.searchsorted(np.cumsum(q), slot.rng.random(), side="right"))
+            token = min(token, q.size - 1)
+            if w.p_min > 0 and q[token] < w.p_min:
+                return []
+            nodes.append(_Node(token, n, parent_seq, pos, q))
+            return [(j, len(nodes) - 1)]
+        branches = self.branch if self.tree and depth <= TREE_LEVELS else 1
+        if branches == 1:
+            token = int(np.argmax(row))
+            if w.p_min > 0 and _top_prob(row, token) < w.p_min:
+                return []
+            nodes.append(_Node(token, n, parent_seq, pos))
+            return [(j, len(nodes) - 1)]
+        probs = _softmax(row, 1.0)
+        best = np.argpartition(-probs, branches - 1)[:branches]
+        best = best[np.argsort(-probs[best])]
+        keys = []
+        for b, token in enumerate(best):
+            p = float(probs[token])
+            if b == 0 and p < w.p_min:
+                break
+            if b > 0 and (p < P_SPLIT or not self._temp_seqs
+                          or len(self._leaves(nodes)) >= MAX_LEAVES):
+                break
+            seq = parent_seq
+            if b > 0:  # a new branch: its own sequence sharing the parent's cells
+                seq = self._temp_seqs.pop()
+                temps.append(seq)
+                self.backend.seq_rm(seq)
+                self.backend.seq_cp(parent_seq, seq)  # the parent's path: nothing deeper yet
+            nodes.append(_Node(int(token), n, seq, pos))
+            keys.append((j, len(nodes) - 1))
+        return keys
+
+    @staticmethod
+    def _leaves(nodes: list[_Node]) -> list[int]:
+        parents = {n.parent for n in nodes}
+        return [i for i in range(len(nodes)) if i not in parents]
+
+    def _slot(self, w: DraftRequest) -> _Slot | None:
+        slot = self._slots.get(w.request_id)
+        if slot is None:
+            if not self._free_slots:
+                return None
+            seed = w.params.seed if w.params.seed is not None else secrets.randbits(63)
+            slot = _Slot(self._free_slots.pop(),
+                         rng=np.random.Generator(np.random.PCG64([seed, 1])))
+            self.backend.seq_rm(slot.seq)
+            self._slots[w.request_id] = slot
+        return slot
+
+    def _drain_released(self) -> None:
+        while self._released:
+            slot = self._slots.pop(self._released.popleft(), None)
+            if slot is not None:
+                self.backend.seq_rm(slot.seq)
+                self._free_slots.append(slot.seq)
+
+    def _catch_up(self, jobs: list[tuple[DraftRequest, _Slot]]) -> list[np.ndarray]:
+        """Bring every slot's cells up to its request's tokens; the logits row after each
+        request's last token (copied: the next decode reuses the buffer)."""
+        pending: list[tuple[int, int, int]] = []  # (token, pos, seq)
+        last_index: list[int] = []
+        for w, slot in jobs:
+            have = slot.tokens
+            m = _common_prefix(have, w.tokens)
+            m = min(m, len(w.tokens) - 1)  # the last token is decoded again for its logits
+            if m < len(have):
+                self.backend.seq_rm(slot.seq, m, -1)
+                del have[m:]
+            for pos in range(m, len(w.tokens)):
+                pending.append((w.tokens[pos], pos, slot.seq))
+            have.extend(w.tokens[m:])
+            last_index.append(len(pending) - 1)
+        wanted = set(last_index)
+        rows: dict[int, np.ndarray] = {}
+        n_batch = self.backend.config.n_batch
+        for start in range(0, len(pending), n_batch):
+            part = pending[start:start + n_batch]
+            flags = [start + i in wanted for i in range(len(part))]
+            out = self._decode(part, flags)
+            r = 0
+            for i, flag in enumerate(flags):
+                if flag:
+                    rows[start + i] = out[r]
+                    r += 1
+        return [rows[i] for i in last_index]
+
+    def _decode(self, items: list[tuple[int, int, int]], logits: list[bool] | None = None
+                ) -> list[np.ndarray]:
+        b = self.backend
+        n = len(items)
+        toks, pos, seqs = zip(*items)
+        b.batch_tokens[:n] = toks
+        b.batch_pos[:n] = pos
+        b.batch_seq[:n] = seqs
+        b.batch_n_seq[:n] = 1
+        b.batch_logits[:n] = 1 if logits is None else logits
+        out = b.decode(n)
+        return [np.array(r) for r in out]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search for the first difference
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _softmax(row: np.ndarray, temperature: float) -> np.ndarray:
+    x = np.asarray(row, dtype=np.float64) / max(temperature, 1e-6)
+    x -= x.max()
+    np.exp(x, out=x)
+    x /= x.sum()
+    return x
+
+
+def _top_prob(row: np.ndarray, token: int) -> float:
+    x = np.asarray(row, dtype=np.float32)
+    m = float(x[token])
+    return float(1.0 / np.exp(x - m).sum(dtype=np.float64))

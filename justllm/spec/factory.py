@@ -1,0 +1,23 @@
+"""The proposer an engine configuration asks for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from justllm.spec.proposer import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from justllm.config import EngineConfig
+    from justllm.engine.backend import LlamaBackend
+
+
+def make_proposer(config: EngineConfig, target: LlamaBackend) -> Proposer | None:
+    """None without ``--spec``; a draft model is loaded here and checked against the target's
+    vocabulary (raises ModelLoadError when they differ)."""
+    if not config.spec:
+        return None
+    if config.spec == "ngram":
+        return NgramProposer()
+    from justllm.spec.draft_model import DraftModelProposer
+
+    return DraftModelProposer.load(config, target)
