@@ -27,6 +27,11 @@ Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU 
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
 PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows).", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
+Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
+DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one).", envvar="JUSTLLM_DRAFT_MODEL")]
+Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
+Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
+DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="Stop a draft where the draft model's top token is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
 
 _D = EngineConfig()
 
@@ -75,10 +80,16 @@ ConfigFile = Annotated[Optional[str], typer.Option(
 def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_size: int,
                   chunk_size: int, max_prefill: int, max_decode: int, n_batch: int,
                   max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool,
-                  no_prefix_cache: bool = False, prefix_cache_blocks: int = 0
-                  ) -> EngineConfig:
+                  no_prefix_cache: bool = False, prefix_cache_blocks: int = 0,
+                  spec: str | None = None, draft_model: str | None = None,
+                  gamma: int = _D.gamma, branch: int = _D.branch,
+                  draft_p_min: float = _D.draft_p_min) -> EngineConfig:
+    from justllm.model_source import resolve_model
+
     return EngineConfig(
         model=model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
         chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode, n_batch=n_batch,
         max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose,
-        prefix_cache=not no_prefix_cache, prefix_cache_blocks=prefix_cache_blocks)
+        prefix_cache=not no_prefix_cache, prefix_cache_blocks=prefix_cache_blocks,
+        spec=spec or "", draft_model=resolve_model(draft_model) if draft_model else None,
+        gamma=gamma, branch=branch, draft_p_min=draft_p_min)

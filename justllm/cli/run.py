@@ -47,6 +47,11 @@ def run(
     gpu: o.Gpu = False,
     no_prefix_cache: o.NoPrefixCache = False,
     prefix_cache_blocks: o.PrefixCacheBlocks = 0,
+    spec: o.Spec = None,
+    draft_model: o.DraftModel = None,
+    gamma: o.Gamma = _D.gamma,
+    branch: o.Branch = _D.branch,
+    draft_p_min: o.DraftPMin = _D.draft_p_min,
     verbose: o.Verbose = False,
     config_file: o.ConfigFile = None,
 ) -> None:
@@ -68,7 +73,8 @@ def run(
             chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode,
             n_batch=n_batch, max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu,
             verbose=verbose, no_prefix_cache=no_prefix_cache,
-            prefix_cache_blocks=prefix_cache_blocks)
+            prefix_cache_blocks=prefix_cache_blocks, spec=spec, draft_model=draft_model,
+            gamma=gamma, branch=branch, draft_p_min=draft_p_min)
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 
@@ -112,3 +118,9 @@ def _stream(engine, prompt: str, params: SamplingParams) -> None:
         f"generation {m.num_generated_tokens} tok, {gen_rate:.1f} tok/s · "
         f"TTFT {ttft * 1000:.0f} ms · total {end - start:.2f} s · "
         f"finish: {last.finish_reason}[/dim]", highlight=False)
+    spec = engine.stats().spec
+    if spec.num_drafts:
+        Console(stderr=True).print(
+            f"[dim]speculation: {spec.num_drafts} drafts, {spec.num_accepted_tokens} of "
+            f"{spec.num_draft_tokens} draft tokens accepted "
+            f"({spec.acceptance_rate:.0%})[/dim]", highlight=False)

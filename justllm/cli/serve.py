@@ -36,6 +36,11 @@ def serve(
     gpu: o.Gpu = False,
     no_prefix_cache: o.NoPrefixCache = False,
     prefix_cache_blocks: o.PrefixCacheBlocks = 0,
+    spec: o.Spec = None,
+    draft_model: o.DraftModel = None,
+    gamma: o.Gamma = _D.gamma,
+    branch: o.Branch = _D.branch,
+    draft_p_min: o.DraftPMin = _D.draft_p_min,
     verbose: o.Verbose = False,
     config_file: o.ConfigFile = None,
 ) -> None:
@@ -55,7 +60,8 @@ def serve(
             block_size=block_size, chunk_size=chunk_size, max_prefill=max_prefill,
             max_decode=max_decode, n_batch=n_batch, max_queue=max_queue, threads=threads,
             ctx=ctx, gpu=gpu, verbose=verbose, no_prefix_cache=no_prefix_cache,
-            prefix_cache_blocks=prefix_cache_blocks)
+            prefix_cache_blocks=prefix_cache_blocks, spec=spec, draft_model=draft_model,
+            gamma=gamma, branch=branch, draft_p_min=draft_p_min)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
         if gpu:

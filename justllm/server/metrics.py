@@ -58,6 +58,15 @@ class _EngineCollector(Collector):
                       pc.misses)
         yield gauge("justllm_prefix_cache_hit_ratio", "Hits / (hits + misses).", pc.hit_ratio)
         yield gauge("justllm_prefix_cache_blocks", "KV blocks held by the prefix cache.", pc.blocks)
+        sp = s.spec
+        yield counter("vllm:spec_decode_num_drafts", "Drafts verified (one per request and step).",
+                      sp.num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified by the model.",
+                      sp.num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      sp.num_accepted_tokens)
+        yield gauge("justllm_spec_decode_acceptance_rate", "Accepted / draft tokens.",
+                    sp.acceptance_rate)
 
 
 class ServerMetrics:

@@ -56,6 +56,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # Speculative decoding per request, named as llama-server names them (0 turns it off).
+    speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
+    speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

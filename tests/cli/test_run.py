@@ -46,3 +46,29 @@ def test_prefix_cache_flags(model_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", model_path, "-p", "x", "--prefix-cache-blocks", "-1"])
     assert r.exit_code == 1 and "prefix_cache_blocks" in r.output
+
+
+REPEATING = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n"
+
+
+def test_run_with_speculation_reports_acceptance(model_path):
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", REPEATING, "-n", "24",
+                            "--ignore-eos", "--pool-blocks", "64", "--spec", "ngram",
+                            "--gamma", "3"])
+    assert r.exit_code == 0, r.output
+    assert "generation 24 tok" in r.output
+    assert "speculation:" in r.output and "draft tokens accepted" in r.output
+
+
+def test_speculation_flag_errors_are_one_line(tmp_path, model_path):
+    cases = [
+        (["--spec", "draft"], "needs --draft-model"),
+        (["--spec", "bogus"], "spec must be one of ngram, draft, tree"),
+        (["--spec", "ngram", "--gamma", "0"], "gamma must be in [1, 16]"),
+        (["--spec", "tree", "--draft-model", str(tmp_path / "nope.gguf")], "nope.gguf"),
+    ]
+    for extra, needle in cases:
+        r = runner.invoke(app, ["run", model_path, "-p", "hi", "--pool-blocks", "64", *extra])
+        assert r.exit_code == 1, (extra, r.output)
+        lines = [l for l in r.output.splitlines() if l.strip()]
+        assert len(lines) == 1 and needle in lines[0], (extra, r.output)

@@ -1,0 +1,54 @@
+"""Speculative decoding through the server: per-request control and /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+from tests.server.test_openai_api import metric
+
+REPEATING = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+             "def mul(a, b):\n    return a * b\n\ndef add(a, b):\n")
+
+
+@pytest.fixture(scope="module")
+def spec_server(model_path):
+    s = start_server(model_path, "--spec", "ngram", "--gamma", "4", "--max-seqs", "4",
+                     "--pool-blocks", "128")
+    yield s
+    assert s.stop() == 0
+
+
+def complete(server, **extra) -> httpx.Response:
+    body = {"prompt": REPEATING, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+
+def test_speculation_shows_in_metrics_and_can_be_turned_off_per_request(spec_server):
+    drafts0 = metric(spec_server, "vllm:spec_decode_num_drafts_total")
+    r = complete(spec_server)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 24
+    drafts1 = metric(spec_server, "vllm:spec_decode_num_drafts_total")
+    accepted = metric(spec_server, "vllm:spec_decode_num_accepted_tokens_total")
+    drafted = metric(spec_server, "vllm:spec_decode_num_draft_tokens_total")
+    assert drafts1 > drafts0 and 0 < accepted <= drafted
+    assert 0 < metric(spec_server, "justllm_spec_decode_acceptance_rate") <= 1
+
+    off = complete(spec_server, **{"speculative.n_max": 0})
+    assert off.status_code == 200, off.text
+    assert off.json()["usage"]["completion_tokens"] == 24
+    assert metric(spec_server, "vllm:spec_decode_num_drafts_total") == drafts1
+    # same greedy text either way (up to batch-shape noise, which one request alone avoids
+    # except at a near tie; this prompt has none in its first 24 tokens)
+    assert off.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field,value", [("speculative.n_max", -1), ("speculative.n_max", 99),
+                                         ("speculative.p_min", 1.5)])
+def test_bad_speculation_fields_are_400(spec_server, field, value):
+    r = complete(spec_server, **{field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error"
