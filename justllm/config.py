@@ -8,6 +8,7 @@ from justllm.core.sampling_params import MAX_DRAFT
 from justllm.core.scheduler import SchedulerConfig
 
 SPEC_METHODS = ("", "ngram", "draft", "tree")
+MAX_SPEC_OUTPUTS = 256
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ class EngineConfig:
         base = max(self.max_seqs + self.max_prefill, 64)
         if not self.spec:
             return base
-        return min(self.n_batch, max(base, self.max_decode * (self.max_draft_nodes + 1)
-                                     + self.max_prefill))
+        # Each row reserves a vocabulary-wide output buffer (1 MiB for a 262k vocabulary), so
+        # the rows for drafts are capped; the scheduler cuts drafts to fit.
+        wanted = self.max_decode * (self.max_draft_nodes + 1) + self.max_prefill
+        return min(self.n_batch, max(base, min(wanted, MAX_SPEC_OUTPUTS)))
 
     @property
     def pool_tokens(self) -> int:

@@ -218,12 +218,31 @@ class Scheduler:
                 ops.append(KVOp.cp(chunk.leaf_seqs[winner - 1], main, first_kept,
                                    first_kept + n_keep))
             req.num_computed_tokens = first_kept + n_keep
-            keep = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens)
-            if len(req.block_ids) > keep:
-                self.pool.free(req.block_ids[keep:])
-                del req.block_ids[keep:]
+            self._trim_blocks(req)
+        self._free_leaf_seqs(chunk)
+
+    def undo(self, plan: StepPlan) -> None:
+        """llama.cpp refused ``plan``'s batch (it may have written part of it): drop every
+        cell the batch could have added, so those positions are computed afresh, and give
+        back what speculative chunks held."""
+        for chunk in plan.chunks:
+            req = chunk.request
+            if req.seq_id is not None and req.status is RequestStatus.RUNNING:
+                self._pending_ops.append(KVOp.rm(req.seq_id, chunk.start, -1))
+                if chunk.draft is not None:
+                    self._trim_blocks(req)
+            self._free_leaf_seqs(chunk)
+
+    def _trim_blocks(self, req: Request) -> None:
+        """Free blocks held beyond the request's tokens (those of rejected draft cells)."""
+        keep = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
+    def _free_leaf_seqs(self, chunk: ScheduledChunk) -> None:
         for seq in chunk.leaf_seqs:
-            ops.append(KVOp.rm(seq))
+            self._pending_ops.append(KVOp.rm(seq))
             self._free_seq_ids.append(seq)
 
     # ---- internals ------------------------------------------------------------------------

@@ -244,8 +244,10 @@ class Engine:
         try:
             logits = self.runner.execute(plan)
         except KVCacheFullError:
+            self._undo(plan)
             return self._on_cache_full(plan)
         except EngineError as e:
+            self._undo(plan)
             return self._fail_plan(plan, str(e))
         with self._lock:
             self.scheduler.update(plan)
@@ -381,6 +383,10 @@ class Engine:
         self._live.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.release(request_id)
+
+    def _undo(self, plan: StepPlan) -> None:
+        with self._lock:
+            self.scheduler.undo(plan)
 
     def _on_cache_full(self, plan: StepPlan) -> list[RequestOutput]:
         """Block accounting should prevent this; if llama.cpp still finds no room, preempt the

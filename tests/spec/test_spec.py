@@ -59,3 +59,66 @@ def test_deterministic_draft_rejection_sampling_preserves_the_distribution():
         accepted += v.accepted
     assert np.abs(first / n - p).max() < 0.01
     assert abs(accepted / n - p[1]) < 0.01  # accepted exactly with probability p(draft)
+
+
+def test_walk_draft_follows_the_branch_the_target_takes():
+    from justllm.core.plan import DraftTree
+    from justllm.spec.verify import walk_draft
+
+    # root -> {4, 6}; 4 -> 5; 6 -> 7 -> 8. The target says 6, 7, 9.
+    tree = DraftTree((4, 6, 5, 7, 8), (-1, -1, 0, 1, 3))
+    target = {0: 6, 2: 7, 4: 9}  # row (0: root, i + 1: node i) -> the target's token
+    seen = []
+
+    def step(row, kids):
+        seen.append((row, kids))
+        return target[row], False
+
+    v = walk_draft(tree, step)
+    assert (v.tokens, v.accepted, v.path) == ([6, 7, 9], 2, (1, 3))
+    assert seen == [(0, (0, 1)), (2, (3,)), (4, (4,))]
+    # a stop after the first token ends the walk even on a match
+    v = walk_draft(tree, lambda row, kids: (target[row], True))
+    assert (v.tokens, v.accepted, v.path) == ([6], 1, (1,))
+
+
+def test_draft_tree_shape_helpers():
+    from justllm.core.plan import DraftTree
+
+    t = DraftTree((4, 6, 5, 7, 8), (-1, -1, 0, 1, 3))
+    assert t.depths == (1, 1, 2, 2, 3) and t.leaves == (2, 4) and not t.is_chain
+    assert t.node_leaves == ((0,), (1,), (0,), (1,), (1,))
+    assert t.truncated(3).tokens == (4, 6, 5) and t.truncated(3).leaves == (1, 2)
+    assert t.first_branch().tokens == (4, 5) and t.first_branch().is_chain
+    assert DraftTree.chain([1, 2]).parents == (-1, 0)
+
+
+def test_ngram_proposer_batches_requests():
+    from justllm.core.sampling_params import SamplingParams
+    from justllm.spec.proposer import DraftRequest
+
+    p = NgramProposer()
+    out = p.propose([DraftRequest("a", [1, 2, 3, 1, 2], 2, SamplingParams()),
+                     DraftRequest("b", [1, 2, 3], 2, SamplingParams())])
+    assert list(out) == ["a"] and out["a"].tokens == (3, 1)
+
+
+def test_window_grows_shrinks_and_pauses():
+    from justllm.spec.window import SpecWindow
+
+    w = SpecWindow(4)
+    assert w.want() == 4
+    w.record(4, 1)
+    assert w.want() == 2  # one more than was accepted
+    w.record(2, 2)
+    assert w.want() == 3  # full acceptance grows it
+    for _ in range(3):
+        w.record(w.want(), 0)
+    assert w.want() == 0  # three misses: paused for one step
+    assert w.want() == 1
+    for _ in range(3):
+        w.record(1, 0)
+    assert [w.want() for _ in range(3)] == [0, 0, 1]  # the pause doubled
+    w.record(1, 1)
+    assert w.want() == 2
+    assert SpecWindow(0).want() == 0

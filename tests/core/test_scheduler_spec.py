@@ -1,0 +1,129 @@
+"""Speculative chunks in the pure scheduler: budgets, blocks, tree sequences, settle, undo."""
+
+from justllm.core.plan import DraftTree
+from justllm.core.request import FinishReason
+from justllm.core.scheduler import Scheduler, SchedulerConfig
+from justllm.kv.block_pool import BlockPool
+from justllm.kv.radix_cache import KVOp
+from tests.core.test_scheduler import make_req, run_step
+
+
+def sched(pool_blocks=64, block_size=4, **kw) -> Scheduler:
+    kw.setdefault("n_seq_ids", kw.get("max_seqs", 4) + 4)
+    kw.setdefault("max_seqs", 4)
+    return Scheduler(SchedulerConfig(**kw), BlockPool(pool_blocks, block_size))
+
+
+def decoding(s: Scheduler, n_prompt=6):
+    r = make_req(0, n_prompt)
+    s.add(r)
+    run_step(s)  # prefill + first token
+    assert r.num_uncomputed_tokens == 1
+    return r
+
+
+def test_draft_chain_rides_the_decode_and_gets_blocks():
+    s = sched()
+    r = decoding(s)  # 6 prompt + 1 output = 7 tokens, 2 blocks of 4
+    plan = s.schedule({"r0": DraftTree.chain([11, 12, 13])})
+    (c,) = plan.chunks
+    assert c.start == 6 and c.token_ids == [7, 11, 12, 13] and c.num_logits == 4
+    assert c.is_decode and c.leaf_seqs == ()
+    assert len(r.block_ids) == 3  # 7 tokens + 3 draft cells = 10 cells
+    s.update(plan)
+    assert r.num_computed_tokens == 7  # only the root is known good
+    r.output_token_ids += [11, 12, 99]  # two drafts accepted, then the model's own token
+    s.settle(c, [0, 1])
+    assert r.num_computed_tokens == 9 and r.num_uncomputed_tokens == 1
+    assert s._pending_ops[-1] == KVOp.rm(r.seq_id, 9, -1)
+    assert len(r.block_ids) == 3  # 10 tokens still need 3 blocks
+
+
+def test_rejected_drafts_give_their_blocks_back():
+    s = sched()
+    r = decoding(s)
+    plan = s.schedule({"r0": DraftTree.chain([11, 12, 13, 14, 15, 16])})
+    assert len(r.block_ids) == 4  # 7 + 6 cells
+    s.update(plan)
+    r.output_token_ids.append(50)  # first draft rejected
+    s.settle(plan.chunks[0], [])
+    assert r.num_computed_tokens == 7 and len(r.block_ids) == 2
+    assert s.pool.num_free == 62
+
+
+def test_draft_is_cut_to_the_token_and_output_budgets():
+    s = sched(n_batch=8, chunk_size=8, max_prefill=1, max_outputs=6)
+    r = decoding(s)
+    c = s.schedule({"r0": DraftTree.chain(list(range(10, 20)))}).chunks[0]
+    # outputs: 6 rows - 1 decode - 1 reserved for a prefill = 4 draft rows
+    assert c.token_ids == [7, 10, 11, 12, 13]
+    assert r.request_id == "r0"
+
+
+def test_draft_is_cut_to_free_blocks_and_never_preempts():
+    s = sched(pool_blocks=4, max_seqs=2)
+    r = decoding(s)
+    other = make_req(1, 2)
+    s.add(other)
+    run_step(s)  # r decodes (8 tokens, 2 blocks), other is prefilled (3 tokens, 1 block)
+    assert s.pool.num_free == 1
+    plan = s.schedule({"r0": DraftTree.chain([11, 12, 13, 14, 15])})
+    chunk = next(c for c in plan.chunks if c.request is r)
+    assert chunk.token_ids == [7, 11, 12, 13, 14]  # the last free block holds 4 draft cells
+    assert not plan.preempted and s.pool.num_free == 0
+    assert any(c.request is other for c in plan.chunks)  # other still decodes
+
+
+def test_tree_leaves_get_their_own_sequences_and_the_winner_is_copied_back():
+    s = sched()
+    r = decoding(s)
+    main = r.seq_id
+    tree = DraftTree((11, 21, 12, 22), (-1, -1, 0, 1))  # two branches of two
+    assert tree.leaves == (2, 3) and tree.node_leaves == ((0,), (1,), (0,), (1,))
+    plan = s.schedule({"r0": tree})
+    (c,) = plan.chunks
+    assert len(c.leaf_seqs) == 1 and c.leaf_seqs[0] != main
+    leaf = c.leaf_seqs[0]
+    assert KVOp.cp(main, leaf, 0, 6) in plan.kv_ops  # the leaf sees the prefix
+    s.update(plan)
+    r.output_token_ids += [21, 22, 5]  # the second branch was right
+    s.settle(c, [1, 3])
+    ops = s._pending_ops
+    assert ops[-3:] == [KVOp.rm(main, 7, -1), KVOp.cp(leaf, main, 7, 9), KVOp.rm(leaf)]
+    assert r.num_computed_tokens == 9
+    assert leaf in s._free_seq_ids
+
+
+def test_tree_falls_back_to_its_first_branch_without_free_sequence_ids():
+    s = sched(n_seq_ids=4, max_seqs=4)
+    r = decoding(s)
+    for i in range(1, 4):
+        s.add(make_req(i, 2))
+    run_step(s)
+    assert not s._free_seq_ids
+    c = s.schedule({"r0": DraftTree((11, 21, 12, 22), (-1, -1, 0, 1))}).chunks[0]
+    assert c.token_ids == [7, 11, 12] and c.leaf_seqs == () and c.draft.is_chain
+
+
+def test_abort_during_a_speculative_step_still_frees_the_tree_sequences():
+    s = sched()
+    r = decoding(s)
+    plan = s.schedule({"r0": DraftTree((11, 21), (-1, -1))})
+    leaf = plan.chunks[0].leaf_seqs[0]
+    s.abort("r0")  # from another thread while the batch runs
+    s.update(plan)
+    s.settle(plan.chunks[0], [])
+    assert r.finish_reason is FinishReason.ABORT and leaf in s._free_seq_ids
+    assert KVOp.rm(leaf) in s._pending_ops and s.pool.num_free == 64
+
+
+def test_undo_drops_what_a_failed_batch_may_have_written():
+    s = sched()
+    r = decoding(s)
+    plan = s.schedule({"r0": DraftTree((11, 21), (-1, -1))})
+    leaf = plan.chunks[0].leaf_seqs[0]
+    s.undo(plan)
+    assert s._pending_ops[-2:] == [KVOp.rm(r.seq_id, 6, -1), KVOp.rm(leaf)]
+    assert r.num_computed_tokens == 6 and len(r.block_ids) == 2
+    again = s.schedule()
+    assert again.chunks[0].start == 6 and again.chunks[0].token_ids == [7]
