@@ -141,27 +141,25 @@ class Scheduler:
         # Drafts get what one token per decode and one row per prefill leave over.
         max_outputs = cfg.max_outputs or cfg.n_batch
         spare = min(budget - n_decode, max_outputs - n_decode - cfg.max_prefill) if drafts else 0
-        n_decode = 0
+        decodes: list[Request] = []
         for req in decoding:
-            if n_decode >= cfg.max_decode or budget < 1:
+            if len(decodes) >= cfg.max_decode or budget < 1:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if not self._grow_for_decode(req, plan):
-                continue
+            if self._grow_for_decode(req, plan):
+                decodes.append(req)
+                budget -= 1
+        # Drafts only after every decode has its block: they take what is left over.
+        for req in decodes:
             pos = req.num_computed_tokens
             draft = drafts.get(req.request_id) if drafts and spare > 0 else None
-            if draft is not None:
-                chunk = self._speculative_chunk(req, draft, min(spare, budget - 1))
-                if chunk is not None:
-                    plan.chunks.append(chunk)
-                    n_decode += 1
-                    budget -= len(chunk.token_ids)
-                    spare -= len(chunk.token_ids) - 1
-                    continue
-            plan.chunks.append(ScheduledChunk(req, pos, req.token_slice(pos, pos + 1), True))
-            n_decode += 1
-            budget -= 1
+            chunk = self._speculative_chunk(req, draft, min(spare, budget)) if draft else None
+            if chunk is None:
+                chunk = ScheduledChunk(req, pos, req.token_slice(pos, pos + 1), True)
+            plan.chunks.append(chunk)
+            budget -= len(chunk.token_ids) - 1
+            spare -= len(chunk.token_ids) - 1
 
         n_prefill = 0
         for req in self.running:

@@ -116,6 +116,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None) -> None:
         self.config = config
+        owns_backend = backend is None
         if backend is None:
             backend = LlamaBackend(BackendConfig(
                 model_path=resolve_model(config.model),
@@ -143,7 +144,12 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._preemptions_total = 0
-        self.proposer: Proposer | None = make_proposer(config, backend)
+        try:
+            self.proposer: Proposer | None = make_proposer(config, backend)
+        except BaseException:
+            if owns_backend:
+                backend.close()
+            raise
         self._spec = SpecStats()
 
     # ---- requests -------------------------------------------------------------------------
@@ -236,13 +242,14 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         drafts = self._propose() if self.proposer is not None else None
-        with self._lock:
-            plan = self.scheduler.schedule(drafts)
-            self._preemptions_total += len(plan.preempted)
-        if plan.is_empty:
-            return []
         try:
-            logits = self.runner.execute(plan)
+            with self._lock:  # planned and put in the batch before an abort can interleave
+                plan = self.scheduler.schedule(drafts)
+                self._preemptions_total += len(plan.preempted)
+                if plan.is_empty:
+                    return []
+                n_tokens = self.runner.prepare(plan)
+            logits = self.runner.decode(n_tokens)
         except KVCacheFullError:
             self._undo(plan)
             return self._on_cache_full(plan)

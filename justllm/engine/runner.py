@@ -43,9 +43,12 @@ class Runner:
         Returns ``chunk.num_logits`` rows per chunk, in plan order (a view valid until the
         next step): one for a chunk that wants logits, one per token of a speculative chunk.
         """
+        return self.decode(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> int:
+        """Apply the plan's KV operations and fill the batch; returns its number of tokens.
+        The engine calls this under its lock, so no request changes (an abort) half-way."""
         self.apply_kv_ops(plan.kv_ops)
-        if not plan.chunks:
-            return np.empty((0, 0), dtype=np.float32)
         b = self.backend
         o = 0
         for chunk in plan.chunks:
@@ -61,7 +64,12 @@ class Runner:
             else:
                 self._fill_draft(chunk, o)
             o = end
-        return b.decode(o)
+        return o
+
+    def decode(self, n_tokens: int) -> np.ndarray:
+        if not n_tokens:
+            return np.empty((0, 0), dtype=np.float32)
+        return self.backend.decode(n_tokens)
 
     def _fill_draft(self, chunk: ScheduledChunk, o: int) -> None:
         """The root and the draft's nodes, logits on every row. In a tree each node belongs to

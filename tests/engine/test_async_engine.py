@@ -114,15 +114,15 @@ def test_bad_request_raises_before_first_output_and_others_continue(aengine):
 
 def test_an_unexpected_step_error_ends_requests_with_an_error_not_a_hang(aengine, monkeypatch):
     calls = {"n": 0}
-    real_execute = aengine.engine.runner.execute
+    real_decode = aengine.engine.runner.decode
 
-    def broken(plan):
+    def broken(n_tokens):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real_execute(plan)
+        return real_decode(n_tokens)
 
-    monkeypatch.setattr(aengine.engine.runner, "execute", broken)
+    monkeypatch.setattr(aengine.engine.runner, "decode", broken)
 
     async def main():
         outs = []
@@ -132,7 +132,7 @@ def test_an_unexpected_step_error_ends_requests_with_an_error_not_a_hang(aengine
 
     outs = asyncio.run(asyncio.wait_for(main(), timeout=120))
     assert outs[-1].finished and outs[-1].error == "internal engine error: boom"
-    monkeypatch.setattr(aengine.engine.runner, "execute", real_execute)
+    monkeypatch.setattr(aengine.engine.runner, "decode", real_decode)
     # the engine keeps serving
     _, tokens, last = asyncio.run(collect(aengine, "Hello", SamplingParams(max_tokens=3, ignore_eos=True)))
     assert len(tokens) == 3 and last.error is None
