@@ -24,10 +24,14 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     q: object | None = None
+    # Nodes the request's window asked for; the rest of a longer draft only fill output rows
+    # that the step would pay for anyway (see SchedulerConfig.row_multiple). None: all.
+    wanted: int | None = None
 
     @staticmethod
-    def chain(tokens: list[int] | tuple[int, ...], q: object | None = None) -> DraftTree:
-        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q)
+    def chain(tokens: list[int] | tuple[int, ...], q: object | None = None,
+              wanted: int | None = None) -> DraftTree:
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q, wanted)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,7 +76,7 @@ class DraftTree:
         if n >= len(self.tokens):
             return self
         q = None if self.q is None else self.q[:n]  # type: ignore[index]
-        return DraftTree(self.tokens[:n], self.parents[:n], q)
+        return DraftTree(self.tokens[:n], self.parents[:n], q, self.wanted)
 
     def first_branch(self) -> DraftTree:
         """The chain from the root to the first leaf."""

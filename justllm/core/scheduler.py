@@ -39,6 +39,9 @@ class SchedulerConfig:
     n_seq_ids: int = 0
     # Logits rows one step may ask for (the backend's n_outputs_max); 0: no cap below n_batch.
     max_outputs: int = 0
+    # Output rows cost by groups of this many (llama.cpp's CPU matmul tiles: 3 rows of the
+    # 262k-wide output head cost more than 4); spare draft tokens fill a group. 1: off.
+    row_multiple: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
@@ -151,12 +154,15 @@ class Scheduler:
                 decodes.append(req)
                 budget -= 1
         # Drafts only after every decode has its block: they take what is left over.
+        speculative: list[tuple[int, DraftTree]] = []
         for req in decodes:
             pos = req.num_computed_tokens
             draft = drafts.get(req.request_id) if drafts and spare > 0 else None
             chunk = self._speculative_chunk(req, draft, min(spare, budget)) if draft else None
             if chunk is None:
                 chunk = ScheduledChunk(req, pos, req.token_slice(pos, pos + 1), True)
+            else:
+                speculative.append((len(plan.chunks), draft))  # type: ignore[arg-type]
             plan.chunks.append(chunk)
             budget -= len(chunk.token_ids) - 1
             spare -= len(chunk.token_ids) - 1
@@ -179,6 +185,8 @@ class Scheduler:
             budget -= self._schedule_prefill(req, plan, budget)
             n_prefill += 1
 
+        if speculative and cfg.row_multiple > 1:
+            self._fill_row_group(plan, speculative, budget)
         plan.kv_ops = self._pending_ops
         self._pending_ops = []
         return plan
@@ -231,9 +239,10 @@ class Scheduler:
                     self._trim_blocks(req)
             self._free_leaf_seqs(chunk)
 
-    def _trim_blocks(self, req: Request) -> None:
-        """Free blocks held beyond the request's tokens (those of rejected draft cells)."""
-        keep = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens)
+    def _trim_blocks(self, req: Request, extra: int = 0) -> None:
+        """Free blocks held beyond the request's tokens (those of rejected draft cells) and
+        ``extra`` more cells."""
+        keep = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens + extra)
         if len(req.block_ids) > keep:
             self.pool.free(req.block_ids[keep:])
             del req.block_ids[keep:]
@@ -245,14 +254,70 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _fill_row_group(self, plan: StepPlan, speculative: list[tuple[int, DraftTree]],
+                        budget: int) -> None:
+        """Lengthen chain drafts with the tokens their window left out, up to the end of the
+        step's last group of output rows: those rows cost nothing more. A step left one row
+        into a new group drops a draft token instead (that row would cost as much as a whole
+        group and is the draft's least likely token)."""
+        self._fill_rows(plan, speculative, budget)
+        if plan.num_logits % self.config.row_multiple == 1 and plan.num_logits > 1:
+            self._drop_one_draft_token(plan, speculative)
+
+    def _drop_one_draft_token(self, plan: StepPlan,
+                              speculative: list[tuple[int, DraftTree]]) -> None:
+        chains = [i for i, _ in speculative if plan.chunks[i].draft.is_chain]  # type: ignore[union-attr]
+        if not chains:
+            return
+        i = max(chains, key=lambda j: len(plan.chunks[j].token_ids))
+        chunk = plan.chunks[i]
+        req, n = chunk.request, len(chunk.draft) - 1  # type: ignore[arg-type]
+        if n:
+            shorter = chunk.draft.truncated(n)  # type: ignore[union-attr]
+            plan.chunks[i] = ScheduledChunk(req, chunk.start, chunk.token_ids[:-1], True,
+                                            shorter)
+        else:
+            plan.chunks[i] = ScheduledChunk(req, chunk.start, chunk.token_ids[:1], True)
+        self._trim_blocks(req, extra=n)
+
+    def _fill_rows(self, plan: StepPlan, speculative: list[tuple[int, DraftTree]],
+                   budget: int) -> None:
+        cfg = self.config
+        rows = plan.num_logits
+        room = min((-rows) % cfg.row_multiple, budget,
+                   (cfg.max_outputs or cfg.n_batch) - rows)
+        for i, full in speculative:
+            if room <= 0:
+                break
+            chunk = plan.chunks[i]
+            have = len(chunk.draft)  # type: ignore[arg-type]
+            if not full.is_chain or len(full) <= have:
+                continue
+            req = chunk.request
+            cells = req.num_tokens - req.num_cached_tokens + have
+            free_cells = (len(req.block_ids) + self.pool.num_free) * self.pool.block_size - cells
+            extra = min(room, len(full) - have, free_cells)
+            if extra <= 0:
+                continue
+            needed = self.pool.blocks_for(cells + extra) - len(req.block_ids)
+            if needed > 0:
+                req.block_ids.extend(self.pool.allocate(needed))
+            longer = full.truncated(have + extra)
+            plan.chunks[i] = ScheduledChunk(req, chunk.start,
+                                            chunk.token_ids + list(longer.tokens[have:]), True,
+                                            longer, chunk.leaf_seqs)
+            room -= extra
+
     def _speculative_chunk(self, req: Request, draft: DraftTree, room: int
                            ) -> ScheduledChunk | None:
-        """A decode chunk carrying as much of ``draft`` as ``room`` tokens, free blocks and
-        free sequence ids allow; None when nothing of it fits."""
+        """A decode chunk carrying as much of ``draft`` as its window wants and ``room``
+        tokens, free blocks and free sequence ids allow; None when nothing of it fits."""
         pool = self.pool
         cells = req.num_tokens - req.num_cached_tokens
         have = len(req.block_ids) + pool.num_free
         room = min(room, have * pool.block_size - cells)
+        if draft.wanted is not None:
+            room = min(room, draft.wanted)
         draft = draft.truncated(max(room, 0))
         if len(draft.leaves) - 1 > len(self._free_seq_ids):
             draft = draft.first_branch()

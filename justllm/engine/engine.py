@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from justllm.config import EngineConfig
+from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ class Engine:
                 n_ctx=config.pool_tokens,
                 n_batch=config.n_batch,
                 n_seq_max=config.max_seqs + config.spare_seq_ids,
-                n_outputs_max=config.n_outputs,
+                n_outputs_max=config.n_outputs + CPU_ROW_MULTIPLE,  # + the runner's padding
                 n_threads=config.threads,
                 gpu=config.gpu,
                 verbose=config.verbose,
@@ -133,7 +133,7 @@ class Engine:
         self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None)
                       if config.prefix_cache else None)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
-        self.runner = Runner(backend)
+        self.runner = Runner(backend, self.scheduler.config.row_multiple)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
         self.max_request_tokens = min(config.ctx, limit) if config.ctx else limit
         self._eog = backend.eog_token_ids()
@@ -276,7 +276,8 @@ class Engine:
                     p = req.params
                     wants.append(DraftRequest(
                         req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,
-                        self.config.draft_p_min if p.spec_p_min is None else p.spec_p_min))
+                        self.config.draft_p_min if p.spec_p_min is None else p.spec_p_min,
+                        k_max=live.window.max_k))
         return self.proposer.propose(wants) if wants else {}
 
     def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:

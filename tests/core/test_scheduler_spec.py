@@ -1,5 +1,7 @@
 """Speculative chunks in the pure scheduler: budgets, blocks, tree sequences, settle, undo."""
 
+import numpy as np
+
 from justllm.core.plan import DraftTree
 from justllm.core.request import FinishReason
 from justllm.core.scheduler import Scheduler, SchedulerConfig
@@ -127,3 +129,66 @@ def test_undo_drops_what_a_failed_batch_may_have_written():
     assert r.num_computed_tokens == 6 and len(r.block_ids) == 2
     again = s.schedule()
     assert again.chunks[0].start == 6 and again.chunks[0].token_ids == [7]
+
+
+def test_spare_draft_tokens_fill_the_last_group_of_output_rows():
+    s = sched(row_multiple=4)
+    r = decoding(s)
+    # the window wants 1 draft token (2 rows); the proposer offered 6: 2 more fill the group
+    c = s.schedule({"r0": DraftTree.chain([11, 12, 13, 14, 15, 16], wanted=1)}).chunks[0]
+    assert c.token_ids == [7, 11, 12, 13]
+    s2 = sched(row_multiple=1)
+    r2 = decoding(s2)
+    c2 = s2.schedule({"r0": DraftTree.chain([11, 12, 13, 14, 15, 16], wanted=1)}).chunks[0]
+    assert c2.token_ids == [7, 11] and r.request_id == r2.request_id
+
+
+def test_a_step_one_row_into_a_new_group_drops_a_draft_token():
+    s = sched(row_multiple=4)
+    r = decoding(s)
+    c = s.schedule({"r0": DraftTree.chain([11, 12, 13, 14])}).chunks[0]  # 5 rows
+    assert c.token_ids == [7, 11, 12, 13] and len(c.draft) == 3
+    assert len(r.block_ids) == 3  # 7 tokens + 3 draft cells
+
+
+class FakeBackend:
+    """The runner's view of a backend: batch arrays, and a decode that returns one row per
+    flagged token holding that token's batch index."""
+
+    def __init__(self, n=64):
+        self.batch_tokens = np.zeros(n, np.int32)
+        self.batch_pos = np.zeros(n, np.int32)
+        self.batch_seqs = np.zeros((n, 4), np.int32)
+        self.batch_seq = self.batch_seqs[:, 0]
+        self.batch_n_seq = np.ones(n, np.int32)
+        self.batch_logits = np.zeros(n, np.int8)
+        self.flags_seen = None
+
+    def decode(self, n):
+        self.flags_seen = self.batch_logits[:n].copy()
+        return np.flatnonzero(self.batch_logits[:n]).astype(np.float32)[:, None]
+
+    def seq_rm(self, *a):
+        pass
+
+    def seq_cp(self, *a):
+        pass
+
+
+def test_runner_pads_logits_rows_with_prompt_tokens_and_returns_only_the_wanted():
+    from justllm.core.plan import ScheduledChunk, StepPlan
+    from justllm.engine.runner import Runner
+
+    reqs = [make_req(i, 8) for i in range(3)]
+    for i, r in enumerate(reqs):
+        r.seq_id = i
+    plan = StepPlan(chunks=[ScheduledChunk(reqs[0], 0, list(range(1, 9)), True),
+                            ScheduledChunk(reqs[1], 8, [5], True),
+                            ScheduledChunk(reqs[2], 8, [6], True)])
+    b = FakeBackend()
+    out = Runner(b, row_multiple=4).execute(plan)
+    assert out[:, 0].tolist() == [7, 8, 9]  # the three rows asked for, in plan order
+    assert int(b.flags_seen.sum()) == 4  # one prompt token padded the group
+    plain = FakeBackend()
+    Runner(plain).execute(plan)
+    assert int(plain.flags_seen.sum()) == 3

@@ -8,12 +8,15 @@ from justllm.spec.verify import verify_greedy, verify_sampled
 
 
 def test_ngram_proposes_the_latest_continuation_longest_match_first():
-    p = NgramProposer(max_n=3)
+    p = NgramProposer(max_n=3, min_n=1)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
     assert p.lookup(tokens, 3) == [7, 8, 2]  # "2 3 4" last seen before "7 8 2"
     assert p.lookup([5, 6, 5], 2) == [6, 5]  # only a 1-gram matches
     assert p.lookup([1, 2, 3], 4) == []  # nothing repeats
     assert p.lookup([1], 4) == [] and p.lookup(tokens, 0) == []
+    strict = NgramProposer()  # the default: only 3- and 4-token matches propose
+    assert strict.lookup([5, 6, 7, 5, 6], 2) == []
+    assert strict.lookup([5, 6, 7, 8, 5, 6, 7], 2) == [8, 5]
 
 
 def one_hot_rows(tokens, vocab=10):
@@ -97,7 +100,7 @@ def test_ngram_proposer_batches_requests():
     from justllm.core.sampling_params import SamplingParams
     from justllm.spec.proposer import DraftRequest
 
-    p = NgramProposer()
+    p = NgramProposer(min_n=1)
     out = p.propose([DraftRequest("a", [1, 2, 3, 1, 2], 2, SamplingParams()),
                      DraftRequest("b", [1, 2, 3], 2, SamplingParams())])
     assert list(out) == ["a"] and out["a"].tokens == (3, 1)
