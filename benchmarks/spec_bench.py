@@ -7,12 +7,13 @@ acceptance rate for each proposer. Greedy, ``ignore_eos`` so every run makes the
 of tokens.
 
     .venv/bin/python benchmarks/spec_bench.py [--model M] [--draft D] [--tokens 128]
-        [--streams 1,8] [--methods plain,ngram,draft,tree]
+        [--streams 1,8] [--methods plain,ngram,draft,tree] [--repeat 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from justllm.config import EngineConfig
@@ -76,28 +77,37 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--methods", default="plain,ngram")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=2, help="runs per cell; the median is shown")
     args = ap.parse_args()
     model = resolve_model(args.model)
-    print(f"{'method':>6} {'text':>10} {'streams':>7} {'tok/s':>7} {'vs plain':>8} "
-          f"{'steps':>6} {'accept':>7}")
-    base: dict[tuple[str, int], float] = {}
-    for method in args.methods.split(","):
+    methods = args.methods.split(",")
+    # Every engine loaded first, then the methods take turns on each cell: this machine's
+    # speed drifts by 10-20% over minutes, so back-to-back runs compare fairly.
+    engines = {}
+    for method in methods:
         spec = "" if method == "plain" else method
-        engine = Engine(EngineConfig(
+        engines[method] = Engine(EngineConfig(
             model=model, max_seqs=8, pool_blocks=512, prefix_cache=False, spec=spec,
             draft_model=resolve_model(args.draft) if spec in ("draft", "tree") else None,
             gamma=args.gamma))
-        run(engine, ORDINARY[:1], 4)  # warm-up
-        for name, prompts in (("repetitive", REPETITIVE), ("ordinary", ORDINARY)):
-            for n in (int(x) for x in args.streams.split(",")):
-                batch = [prompts[i % len(prompts)] for i in range(n)]
-                rate, steps, acc = run(engine, batch, args.tokens)
-                key = (name, n)
-                if method == "plain":
-                    base[key] = rate
-                ratio = rate / base[key] if key in base else float("nan")
-                print(f"{method:>6} {name:>10} {n:>7} {rate:7.1f} {ratio:7.2f}x {steps:>6} "
-                      f"{acc:7.0%}", flush=True)
+        run(engines[method], ORDINARY[:1], 4)  # warm-up
+    print(f"{'method':>6} {'text':>10} {'streams':>7} {'tok/s':>7} {'vs plain':>8} "
+          f"{'steps':>6} {'accept':>7}")
+    for name, prompts in (("repetitive", REPETITIVE), ("ordinary", ORDINARY)):
+        for n in (int(x) for x in args.streams.split(",")):
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            results: dict[str, list[tuple[float, int, float]]] = {m: [] for m in methods}
+            for _ in range(args.repeat):
+                for method in methods:
+                    results[method].append(run(engines[method], batch, args.tokens))
+            base = statistics.median(r[0] for r in results.get("plain", [(float("nan"),)]))
+            for method in methods:
+                rate = statistics.median(r[0] for r in results[method])
+                steps = results[method][0][1]
+                acc = statistics.median(r[2] for r in results[method])
+                print(f"{method:>6} {name:>10} {n:>7} {rate:7.1f} {rate / base:7.2f}x "
+                      f"{steps:>6} {acc:7.0%}", flush=True)
+    for engine in engines.values():
         engine.close()
 
 

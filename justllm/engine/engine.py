@@ -35,6 +35,9 @@ from justllm.spec.verify import walk_draft
 from justllm.spec.window import SpecWindow
 
 
+RECENT_WEIGHT = 0.05  # of each verified draft in the engine's recent acceptance rate
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
@@ -151,6 +154,8 @@ class Engine:
                 backend.close()
             raise
         self._spec = SpecStats()
+        # Acceptance rate of recent drafts (an exponential average; None before any).
+        self._recent_acceptance: float | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -202,7 +207,9 @@ class Engine:
         if self.proposer is None:
             return None
         n_max = self.config.gamma if params.spec_n_max is None else params.spec_n_max
-        return SpecWindow(min(n_max, self.config.max_draft_nodes)) if n_max > 0 else None
+        if n_max <= 0:
+            return None
+        return SpecWindow(min(n_max, self.config.max_draft_nodes), self._recent_acceptance)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -278,7 +285,16 @@ class Engine:
                         req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,
                         self.config.draft_p_min if p.spec_p_min is None else p.spec_p_min,
                         k_max=live.window.max_k))
-        return self.proposer.propose(wants) if wants else {}
+        if not wants:
+            return {}
+        drafts = self.proposer.propose(wants)
+        if self.proposer.costly and len(drafts) < len(wants):
+            with self._lock:
+                for w in wants:
+                    live = self._live.get(w.request_id)
+                    if w.request_id not in drafts and live is not None and live.window:
+                        live.window.record(1, 0)
+        return drafts
 
     def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -341,6 +357,9 @@ class Engine:
         s = self._spec
         self._spec = SpecStats(s.num_drafts + 1, s.num_draft_tokens + len(draft),
                                s.num_accepted_tokens + verdict.accepted)
+        rate = verdict.accepted / proposed
+        prev = self._recent_acceptance
+        self._recent_acceptance = rate if prev is None else prev + RECENT_WEIGHT * (rate - prev)
         return self._finish_output(live, out, now)
 
     def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted) -> None:

@@ -55,6 +55,8 @@ class _Node:
 
 
 class DraftModelProposer:
+    costly = True
+
     def __init__(self, backend: LlamaBackend, n_slots: int, *, tree: bool = False,
                  branch: int = 2) -> None:
         self.backend = backend

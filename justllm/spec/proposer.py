@@ -30,6 +30,10 @@ class DraftRequest:
 
 
 class Proposer(Protocol):
+    # True when proposing costs compute even if no draft comes back (a draft model decodes
+    # to find out it is unsure): the engine then counts an empty draft as a miss.
+    costly: bool
+
     def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
         """Drafts for some of ``wants`` (a request may get none)."""
         ...
@@ -45,6 +49,8 @@ class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens (longest ``n``
     first, down to ``min_n``) and propose the tokens that followed it. Repetitive text — code
     being edited, a document quoted back — makes these drafts right most of the time."""
+
+    costly = False
 
     # A 1- or 2-token match is weak evidence: on a CPU a failed draft costs a step 2.5x a
     # plain one (the output head per verified row), so only 3- and 4-token matches propose

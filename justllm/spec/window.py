@@ -8,20 +8,31 @@ class SpecWindow:
     """A per-request draft length between 1 and ``max_k``.
 
     A fully accepted draft grows the window by one; a partly rejected one shrinks it to one
-    more than was accepted. Three drafts in a row with nothing accepted pause speculation for
-    a number of steps that doubles each time (up to 64), so text that defeats the proposer is
-    decoded plainly, with a probe now and then.
+    more than was accepted. Two drafts in a row with nothing accepted pause speculation for 8
+    steps; after a pause one more miss pauses it again for twice as long (up to 256 steps),
+    so text that defeats the proposer is decoded plainly with a rare probe. Any accepted
+    token ends the backoff.
     """
 
-    MAX_PAUSE = 64
-    MISSES_BEFORE_PAUSE = 3
+    MISSES_BEFORE_PAUSE = 2
+    FIRST_PAUSE = 8
+    MAX_PAUSE = 256
 
-    def __init__(self, max_k: int) -> None:
+    # An engine whose recent drafts were accepted less often than this starts new requests
+    # in backoff: eight requests need not each find out on their own that the draft is bad.
+    POOR_ACCEPTANCE = 0.2
+
+    def __init__(self, max_k: int, recent_acceptance: float | None = None) -> None:
         self.max_k = max_k
         self.k = max_k
         self._misses = 0
         self._pause = 0
-        self._next_pause = 1
+        self._next_pause = self.FIRST_PAUSE
+        if recent_acceptance is not None and recent_acceptance < self.POOR_ACCEPTANCE:
+            self.k = 1
+            self._misses = self.MISSES_BEFORE_PAUSE - 1
+            self._pause = self.FIRST_PAUSE * 4
+            self._next_pause = self.FIRST_PAUSE * 8
 
     def want(self) -> int:
         """Draft tokens to ask for this step (0: none)."""
@@ -33,6 +44,8 @@ class SpecWindow:
         return self.k
 
     def record(self, proposed: int, accepted: int) -> None:
+        """A draft of ``proposed`` tokens was verified; ``accepted`` were kept. A proposer
+        that had a cost and came back empty (a draft model below --draft-p-min) is a miss."""
         if proposed <= 0:
             return
         if accepted >= proposed:
@@ -41,10 +54,10 @@ class SpecWindow:
             self.k = max(1, accepted + 1)
         if accepted:
             self._misses = 0
-            self._next_pause = 1
+            self._next_pause = self.FIRST_PAUSE
             return
         self._misses += 1
         if self._misses >= self.MISSES_BEFORE_PAUSE:
-            self._misses = 0
             self._pause = self._next_pause
             self._next_pause = min(self._next_pause * 2, self.MAX_PAUSE)
+            self._misses = self.MISSES_BEFORE_PAUSE - 1  # the probe after a pause decides

@@ -115,13 +115,28 @@ def test_window_grows_shrinks_and_pauses():
     assert w.want() == 2  # one more than was accepted
     w.record(2, 2)
     assert w.want() == 3  # full acceptance grows it
-    for _ in range(3):
-        w.record(w.want(), 0)
-    assert w.want() == 0  # three misses: paused for one step
+    w.record(3, 0)
     assert w.want() == 1
-    for _ in range(3):
-        w.record(1, 0)
-    assert [w.want() for _ in range(3)] == [0, 0, 1]  # the pause doubled
-    w.record(1, 1)
+    w.record(1, 0)  # two misses: paused for 8 steps
+    assert [w.want() for _ in range(9)] == [0] * 8 + [1]
+    w.record(1, 0)  # the probe missed: paused again, twice as long
+    assert [w.want() for _ in range(17)] == [0] * 16 + [1]
+    w.record(1, 1)  # a hit ends the backoff
     assert w.want() == 2
+    w.record(2, 0)
+    assert w.want() == 1
+    w.record(1, 0)
+    assert [w.want() for _ in range(9)] == [0] * 8 + [1]
     assert SpecWindow(0).want() == 0
+
+
+def test_window_starts_in_backoff_when_recent_drafts_were_poor():
+    from justllm.spec.window import SpecWindow
+
+    fresh = SpecWindow(4, recent_acceptance=None)
+    good = SpecWindow(4, recent_acceptance=0.6)
+    assert fresh.want() == 4 and good.want() == 4
+    poor = SpecWindow(4, recent_acceptance=0.05)
+    assert [poor.want() for _ in range(33)] == [0] * 32 + [1]  # one probe after 32 steps
+    poor.record(1, 0)
+    assert [poor.want() for _ in range(65)] == [0] * 64 + [1]  # missed: twice as long
