@@ -266,18 +266,17 @@ class Scheduler:
 
     def _drop_one_draft_token(self, plan: StepPlan,
                               speculative: list[tuple[int, DraftTree]]) -> None:
-        chains = [i for i, _ in speculative if plan.chunks[i].draft.is_chain]  # type: ignore[union-attr]
+        # Never a draft's only token: the request's window waits for that verdict (and a
+        # draft model has already paid for it).
+        chains = [i for i, _ in speculative
+                  if plan.chunks[i].draft.is_chain and len(plan.chunks[i].draft) > 1]  # type: ignore[union-attr, arg-type]
         if not chains:
             return
         i = max(chains, key=lambda j: len(plan.chunks[j].token_ids))
         chunk = plan.chunks[i]
         req, n = chunk.request, len(chunk.draft) - 1  # type: ignore[arg-type]
-        if n:
-            shorter = chunk.draft.truncated(n)  # type: ignore[union-attr]
-            plan.chunks[i] = ScheduledChunk(req, chunk.start, chunk.token_ids[:-1], True,
-                                            shorter)
-        else:
-            plan.chunks[i] = ScheduledChunk(req, chunk.start, chunk.token_ids[:1], True)
+        shorter = chunk.draft.truncated(n)  # type: ignore[union-attr]
+        plan.chunks[i] = ScheduledChunk(req, chunk.start, chunk.token_ids[:-1], True, shorter)
         self._trim_blocks(req, extra=n)
 
     def _fill_rows(self, plan: StepPlan, speculative: list[tuple[int, DraftTree]],

@@ -156,6 +156,7 @@ class Engine:
         self._spec = SpecStats()
         # Acceptance rate of recent drafts (an exponential average; None before any).
         self._recent_acceptance: float | None = None
+        self._steps = 0  # steps taken, the clock of the speculation windows
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -209,7 +210,8 @@ class Engine:
         n_max = self.config.gamma if params.spec_n_max is None else params.spec_n_max
         if n_max <= 0:
             return None
-        return SpecWindow(min(n_max, self.config.max_draft_nodes), self._recent_acceptance)
+        return SpecWindow(min(n_max, self.config.max_draft_nodes), self._recent_acceptance,
+                          self._steps)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -248,6 +250,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._steps += 1
         drafts = self._propose() if self.proposer is not None else None
         try:
             with self._lock:  # planned and put in the batch before an abort can interleave
@@ -278,7 +281,7 @@ class Engine:
                 live = self._live.get(req.request_id)
                 if live is None or live.window is None:
                     continue
-                k = live.window.want()
+                k = live.window.want(self._steps)
                 if k:
                     p = req.params
                     wants.append(DraftRequest(
@@ -293,7 +296,7 @@ class Engine:
                 for w in wants:
                     live = self._live.get(w.request_id)
                     if w.request_id not in drafts and live is not None and live.window:
-                        live.window.record(1, 0)
+                        live.window.record(1, 0, self._steps)
         return drafts
 
     def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:
@@ -353,7 +356,7 @@ class Engine:
         self.scheduler.settle(chunk, list(verdict.path))
         proposed = max(draft.depths)
         if live.window is not None:
-            live.window.record(proposed, verdict.accepted)
+            live.window.record(proposed, verdict.accepted, self._steps)
         s = self._spec
         self._spec = SpecStats(s.num_drafts + 1, s.num_draft_tokens + len(draft),
                                s.num_accepted_tokens + verdict.accepted)

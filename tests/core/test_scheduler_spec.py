@@ -192,3 +192,14 @@ def test_runner_pads_logits_rows_with_prompt_tokens_and_returns_only_the_wanted(
     plain = FakeBackend()
     Runner(plain).execute(plan)
     assert int(plain.flags_seen.sum()) == 3
+
+
+def test_a_single_draft_token_is_never_dropped_for_the_row_group():
+    s = sched(row_multiple=4, max_seqs=8, n_seq_ids=12)
+    reqs = [make_req(i, 3) for i in range(8)]
+    for r in reqs:
+        s.add(r)
+    run_step(s)
+    run_step(s)  # 8 decodes from now on
+    plan = s.schedule({"r0": DraftTree.chain([11])})  # 9 rows: one into a new group
+    assert plan.chunks[0].token_ids[1:] == [11] and plan.num_logits == 9

@@ -110,33 +110,42 @@ def test_window_grows_shrinks_and_pauses():
     from justllm.spec.window import SpecWindow
 
     w = SpecWindow(4)
-    assert w.want() == 4
-    w.record(4, 1)
-    assert w.want() == 2  # one more than was accepted
-    w.record(2, 2)
-    assert w.want() == 3  # full acceptance grows it
-    w.record(3, 0)
-    assert w.want() == 1
-    w.record(1, 0)  # two misses: paused for 8 steps
-    assert [w.want() for _ in range(9)] == [0] * 8 + [1]
-    w.record(1, 0)  # the probe missed: paused again, twice as long
-    assert [w.want() for _ in range(17)] == [0] * 16 + [1]
-    w.record(1, 1)  # a hit ends the backoff
-    assert w.want() == 2
-    w.record(2, 0)
-    assert w.want() == 1
-    w.record(1, 0)
-    assert [w.want() for _ in range(9)] == [0] * 8 + [1]
-    assert SpecWindow(0).want() == 0
+    assert w.want(1) == 4
+    w.record(4, 1, 1)
+    assert w.want(2) == 2  # one more than was accepted
+    w.record(2, 2, 2)
+    assert w.want(3) == 3  # full acceptance grows it
+    w.record(3, 0, 3)
+    assert w.want(4) == 1
+    w.record(1, 0, 4)  # two misses: paused, until step 16 (a multiple of 8, >= 8 steps on)
+    assert [w.want(t) for t in range(5, 17)] == [0] * 11 + [1]
+    w.record(1, 0, 16)  # the probe missed: paused again, for 16-32 steps, until step 48
+    assert [w.want(t) for t in range(17, 49)] == [0] * 31 + [1]
+    w.record(1, 1, 48)  # a hit ends the backoff
+    assert w.want(49) == 2
+    w.record(2, 0, 49)
+    w.record(1, 0, 50)
+    assert w.want(63) == 0 and w.want(64) == 1  # back to pauses of 8
+    assert SpecWindow(0).want(1) == 0
+
+
+def test_windows_that_back_off_together_probe_together():
+    from justllm.spec.window import SpecWindow
+
+    a, b = SpecWindow(2), SpecWindow(2)
+    a.record(2, 0, 3)
+    a.record(1, 0, 4)
+    b.record(2, 0, 6)
+    b.record(1, 0, 7)
+    assert [t for t in range(8, 40) if a.want(t)][0] == [t for t in range(8, 40) if b.want(t)][0] == 16
 
 
 def test_window_starts_in_backoff_when_recent_drafts_were_poor():
     from justllm.spec.window import SpecWindow
 
-    fresh = SpecWindow(4, recent_acceptance=None)
-    good = SpecWindow(4, recent_acceptance=0.6)
-    assert fresh.want() == 4 and good.want() == 4
-    poor = SpecWindow(4, recent_acceptance=0.05)
-    assert [poor.want() for _ in range(33)] == [0] * 32 + [1]  # one probe after 32 steps
-    poor.record(1, 0)
-    assert [poor.want() for _ in range(65)] == [0] * 64 + [1]  # missed: twice as long
+    assert SpecWindow(4, recent_acceptance=None, step=5).want(6) == 4
+    assert SpecWindow(4, recent_acceptance=0.6, step=5).want(6) == 4
+    poor = SpecWindow(4, recent_acceptance=0.05, step=5)
+    assert [poor.want(t) for t in range(6, 65)] == [0] * 58 + [1]  # one probe, at step 64
+    poor.record(1, 0, 64)
+    assert [t for t in range(65, 400) if poor.want(t)][0] == 192  # 64 more, on a multiple
