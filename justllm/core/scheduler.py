@@ -23,7 +23,7 @@ from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
-from justllm.kv.radix_cache import KVOp, RadixCache
+from justllm.kv.radix_cache import KVOp, RadixCache, common_prefix_len
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,19 @@ class Scheduler:
             self.pool.free(req.block_ids[keep:])
             del req.block_ids[keep:]
 
+    def _free_cells(self, req: Request, extra: int) -> int:
+        """Cells ``req`` could add beyond its tokens and ``extra`` draft cells: the rest of
+        its blocks plus every free block."""
+        held = (len(req.block_ids) + self.pool.num_free) * self.pool.block_size
+        return held - (req.num_tokens - req.num_cached_tokens + extra)
+
+    def _hold_cells(self, req: Request, extra: int) -> None:
+        """Give ``req`` blocks for its tokens and ``extra`` draft cells (callers checked
+        ``_free_cells``)."""
+        needed = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens + extra)
+        if needed > len(req.block_ids):
+            req.block_ids.extend(self.pool.allocate(needed - len(req.block_ids)))
+
     def _free_leaf_seqs(self, chunk: ScheduledChunk) -> None:
         for seq in chunk.leaf_seqs:
             self._pending_ops.append(KVOp.rm(seq))
@@ -293,14 +306,10 @@ class Scheduler:
             if not full.is_chain or len(full) <= have:
                 continue
             req = chunk.request
-            cells = req.num_tokens - req.num_cached_tokens + have
-            free_cells = (len(req.block_ids) + self.pool.num_free) * self.pool.block_size - cells
-            extra = min(room, len(full) - have, free_cells)
+            extra = min(room, len(full) - have, self._free_cells(req, have))
             if extra <= 0:
                 continue
-            needed = self.pool.blocks_for(cells + extra) - len(req.block_ids)
-            if needed > 0:
-                req.block_ids.extend(self.pool.allocate(needed))
+            self._hold_cells(req, have + extra)
             longer = full.truncated(have + extra)
             plan.chunks[i] = ScheduledChunk(req, chunk.start,
                                             chunk.token_ids + list(longer.tokens[have:]), True,
@@ -311,10 +320,7 @@ class Scheduler:
                            ) -> ScheduledChunk | None:
         """A decode chunk carrying as much of ``draft`` as its window wants and ``room``
         tokens, free blocks and free sequence ids allow; None when nothing of it fits."""
-        pool = self.pool
-        cells = req.num_tokens - req.num_cached_tokens
-        have = len(req.block_ids) + pool.num_free
-        room = min(room, have * pool.block_size - cells)
+        room = min(room, self._free_cells(req, 0))
         if draft.wanted is not None:
             room = min(room, draft.wanted)
         draft = draft.truncated(max(room, 0))
@@ -322,9 +328,7 @@ class Scheduler:
             draft = draft.first_branch()
         if not len(draft):
             return None
-        needed = pool.blocks_for(cells + len(draft)) - len(req.block_ids)
-        if needed > 0:
-            req.block_ids.extend(pool.allocate(needed))
+        self._hold_cells(req, len(draft))
         leaf_seqs = tuple(self._free_seq_ids.pop() for _ in draft.leaves[1:])
         pos = req.num_computed_tokens
         for seq in leaf_seqs:  # each extra leaf starts as a view of the request's prefix
@@ -371,11 +375,7 @@ class Scheduler:
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens:
                 continue
-            a, b = req.prompt_token_ids, other.prompt_token_ids
-            n = min(len(a), len(b))
-            k = 0
-            while k < n and a[k] == b[k]:
-                k += 1
+            k = common_prefix_len(req.prompt_token_ids, other.prompt_token_ids)
             if k >= matched + self.pool.block_size:
                 return True
         return False

@@ -229,17 +229,13 @@ class LlamaBackend:
             raise EngineError(f"{n_out} output rows; at most {cfg.n_outputs_max}")
         if toks.min() < 0 or toks.max() >= self.n_vocab:
             raise EngineError("token id out of the vocabulary")
+        n_seq = self.batch_n_seq[:n_tokens]
+        if n_seq.min() < 1 or n_seq.max() > MAX_SEQS_PER_TOKEN:
+            raise EngineError(f"each token needs 1..{MAX_SEQS_PER_TOKEN} sequence ids")
+        if n_seq.max() > 1:  # the ids each token lists, not the unused columns
+            seqs = self.batch_seqs[:n_tokens][np.arange(MAX_SEQS_PER_TOKEN) < n_seq[:, None]]
         if seqs.min() < 0 or seqs.max() >= cfg.n_seq_max:
             raise EngineError("sequence id out of range")
-        n_seq = self.batch_n_seq[:n_tokens]
-        if n_seq.min() < 1 or n_seq.max() > 1:
-            if n_seq.min() < 1 or n_seq.max() > MAX_SEQS_PER_TOKEN:
-                raise EngineError(f"each token needs 1..{MAX_SEQS_PER_TOKEN} sequence ids")
-            multi = np.flatnonzero(n_seq > 1)
-            for i in multi:
-                ids = self.batch_seqs[i, :n_seq[i]]
-                if ids.min() < 0 or ids.max() >= cfg.n_seq_max:
-                    raise EngineError("sequence id out of range")
         self._batch.n_tokens = n_tokens
         t0 = time.perf_counter()
         rc = C.llama_decode(self._ctx, self._batch)

@@ -339,12 +339,11 @@ class Engine:
         q = draft.q
 
         def step(row: int, kids: tuple[int, ...]) -> tuple[int, bool]:
+            against = None
             if q is not None and len(kids) == 1:
-                sampled = sampler.sample_against(rows[row], draft.tokens[kids[0]],
-                                                 q[kids[0]],  # type: ignore[index]
-                                                 req.prompt_token_ids, req.output_token_ids)
-            else:
-                sampled = sampler.sample(rows[row], req.prompt_token_ids, req.output_token_ids)
+                against = (draft.tokens[kids[0]], q[kids[0]])  # type: ignore[index]
+            sampled = sampler.sample(rows[row], req.prompt_token_ids, req.output_token_ids,
+                                     against)
             self._emit(live, sampled, now, out)
             return sampled.token_id, out.reason is not None
 

@@ -62,13 +62,13 @@ class Runner:
             end = o + n
             b.batch_tokens[o:end] = chunk.token_ids
             b.batch_n_seq[o:end] = 1
-            if chunk.draft is None:
+            if chunk.draft is None or chunk.draft.is_chain:
                 b.batch_pos[o:end] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
                 b.batch_seq[o:end] = chunk.request.seq_id
-                b.batch_logits[o:end] = 0
+                b.batch_logits[o:end] = chunk.draft is not None  # a draft: every row
                 b.batch_logits[end - 1] = chunk.wants_logits
             else:
-                self._fill_draft(chunk, o)
+                self._fill_tree(chunk, o)
             o = end
         self._keep = self._pad_rows(o) if self.row_multiple > 1 else None
         return o
@@ -93,19 +93,13 @@ class Runner:
         wanted = np.flatnonzero(flags)
         return np.flatnonzero(~np.isin(wanted, added))
 
-    def _fill_draft(self, chunk: ScheduledChunk, o: int) -> None:
-        """The root and the draft's nodes, logits on every row. In a tree each node belongs to
-        the sequences of the leaves below it, so every leaf sees exactly its own path."""
+    def _fill_tree(self, chunk: ScheduledChunk, o: int) -> None:
+        """The root and the tree's nodes, logits on every row. Each node belongs to the
+        sequences of the leaves below it, so every leaf sees exactly its own path."""
         b, draft = self.backend, chunk.draft
         assert draft is not None
-        n = len(draft) + 1
-        main = chunk.request.seq_id
-        b.batch_logits[o:o + n] = 1
-        if draft.is_chain:
-            b.batch_pos[o:o + n] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
-            b.batch_seq[o:o + n] = main
-            return
-        seqs = (main,) + chunk.leaf_seqs
+        b.batch_logits[o:o + len(draft) + 1] = 1
+        seqs = (chunk.request.seq_id,) + chunk.leaf_seqs
         b.batch_pos[o] = chunk.start
         b.batch_seqs[o, :len(seqs)] = seqs
         b.batch_n_seq[o] = len(seqs)

@@ -45,47 +45,38 @@ class RequestSampler:
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
 
-    def sample(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int]
-               ) -> SampledToken:
+    def sample(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
+               against: tuple[int, np.ndarray] | None = None) -> SampledToken:
+        """The request's next token. ``against``: (draft token, the proposer's probability
+        row) when the proposer *sampled* that token; a sampled request then accepts it with
+        probability min(1, p/q), else draws from the residual (rejection sampling: the result
+        is distributed exactly as without ``against``)."""
         p = self.params
         x = logits
         if p.has_penalties:
             x = apply_penalties(logits, p, prompt_ids, output_ids)
         c = self.constraint
-        if c is None:
-            token = int(np.argmax(x)) if p.greedy else self._draw(x)
+        if p.greedy:
+            token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)
         else:
-            token = c.allowed_argmax(x) if p.greedy else self._draw(c.mask(x))
+            if c is not None:
+                x = c.mask(x)
+            token = self._draw(x) if against is None else self._draw_against(x, *against)
+        if c is not None:
             c.accept(token)
         if p.logprobs is None:
             return SampledToken(token)
         return with_logprobs(logits, token, p.logprobs)
 
-    def sample_against(self, logits: np.ndarray, draft_token: int, q_row: np.ndarray,
-                       prompt_ids: list[int], output_ids: list[int]) -> SampledToken:
-        """The target's token at a row where the proposer *sampled* ``draft_token`` from
-        ``q_row``: accept it with probability min(1, p/q), else draw from the residual
-        (rejection sampling: the result is distributed exactly as a plain ``sample``)."""
-        p = self.params
-        if p.greedy:
-            return self.sample(logits, prompt_ids, output_ids)
-        x = apply_penalties(logits, p, prompt_ids, output_ids) if p.has_penalties else logits
-        c = self.constraint
-        if c is not None:
-            x = c.mask(x)
+    def _draw_against(self, x: np.ndarray, draft_token: int, q_row: np.ndarray) -> int:
         ids, probs = self._distribution(x)
         dense = np.zeros(x.size, dtype=np.float64)
         dense[slice(None) if ids is None else ids] = probs
-        token = accept_or_resample(dense, draft_token, q_row, self.rng)
-        if c is not None:
-            c.accept(token)
-        if p.logprobs is None:
-            return SampledToken(token)
-        return with_logprobs(logits, token, p.logprobs)
+        return accept_or_resample(dense, draft_token, q_row, self.rng)
 
     def _draw(self, x: np.ndarray) -> int:
         ids, probs = self._distribution(x)
-        choice = _inverse_cdf(probs, self.rng.random())
+        choice = inverse_cdf(probs, self.rng.random())
         return int(choice if ids is None else ids[choice])
 
     def _distribution(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -110,7 +101,7 @@ class RequestSampler:
         return ids, probs
 
 
-def _inverse_cdf(probs: np.ndarray, u: float) -> int:
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
     """The index where the cumulative mass passes ``u`` (in [0, 1)) of the total, in two
     levels (blocks, then within one block) so a 262k-wide row needs no full float64 cumsum."""
     n = probs.size

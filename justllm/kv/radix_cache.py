@@ -331,6 +331,22 @@ class RadixCache:
         return out
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (list compares run in C; a binary search
+    finds the first difference)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _common(node_tokens: list[int], tokens: list[int], pos: int, limit: int) -> int:
     n = min(len(node_tokens), limit - pos)
     k = 0

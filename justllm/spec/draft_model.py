@@ -16,6 +16,7 @@ only if the draft gives it at least ``P_SPLIT``) and extends each leaf greedily.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from justllm.core.plan import DraftTree
+from justllm.engine.sampler import inverse_cdf, with_logprobs
 from justllm.errors import EngineError, ModelLoadError
+from justllm.kv.radix_cache import common_prefix_len
 from justllm.spec.proposer import DraftRequest
 
 if TYPE_CHECKING:
@@ -172,8 +175,7 @@ class DraftModelProposer:
         if sampled:
             q = _softmax(row, w.params.temperature)
             assert slot.rng is not None
-            token = int(np.searchsorted(np.cumsum(q), slot.rng.random(), side="right"))
-            token = min(token, q.size - 1)
+            token = inverse_cdf(q, slot.rng.random())
             if w.p_min > 0 and q[token] < w.p_min:
                 return []
             nodes.append(_Node(token, n, parent_seq, pos, q))
@@ -181,7 +183,7 @@ class DraftModelProposer:
         branches = self.branch if self.tree and depth <= TREE_LEVELS else 1
         if branches == 1:
             token = int(np.argmax(row))
-            if w.p_min > 0 and _top_prob(row, token) < w.p_min:
+            if w.p_min > 0 and math.exp(with_logprobs(row, token, 0).logprob) < w.p_min:
                 return []
             nodes.append(_Node(token, n, parent_seq, pos))
             return [(j, len(nodes) - 1)]
@@ -237,7 +239,7 @@ class DraftModelProposer:
         last_index: list[int] = []
         for w, slot in jobs:
             have = slot.tokens
-            m = _common_prefix(have, w.tokens)
+            m = common_prefix_len(have, w.tokens)
             m = min(m, len(w.tokens) - 1)  # the last token is decoded again for its logits
             if m < len(have):
                 self.backend.seq_rm(slot.seq, m, -1)
@@ -274,29 +276,9 @@ class DraftModelProposer:
         return [np.array(r) for r in out]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search for the first difference
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _softmax(row: np.ndarray, temperature: float) -> np.ndarray:
     x = np.asarray(row, dtype=np.float64) / max(temperature, 1e-6)
     x -= x.max()
     np.exp(x, out=x)
     x /= x.sum()
     return x
-
-
-def _top_prob(row: np.ndarray, token: int) -> float:
-    x = np.asarray(row, dtype=np.float32)
-    m = float(x[token])
-    return float(1.0 / np.exp(x - m).sum(dtype=np.float64))

@@ -71,8 +71,8 @@ def test_logprobs_are_log_softmax():
     assert s.top_logprobs[0][1] == pytest.approx(np.log(0.5), abs=1e-5)
 
 
-def test_inverse_cdf_two_levels_matches_a_plain_cumsum():
-    from justllm.engine.sampler import _inverse_cdf
+def testinverse_cdf_two_levels_matches_a_plain_cumsum():
+    from justllm.engine.sampler import inverse_cdf
 
     rng = np.random.default_rng(0)
     probs = rng.random(262_144).astype(np.float32)
@@ -80,7 +80,7 @@ def test_inverse_cdf_two_levels_matches_a_plain_cumsum():
     cdf = np.cumsum(probs, dtype=np.float64)
     for u in (0.0, 1e-9, 0.25, 0.5, 0.999999, rng.random(), rng.random()):
         expected = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), probs.size - 1)
-        assert abs(_inverse_cdf(probs, u) - expected) <= 1  # float rounding at a boundary
+        assert abs(inverse_cdf(probs, u) - expected) <= 1  # float rounding at a boundary
 
 
 def test_large_vocabulary_temperature_sampling_matches_distribution():
