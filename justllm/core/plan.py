@@ -99,7 +99,7 @@ class ScheduledChunk:
 
     ``wants_logits`` is true when the chunk ends at the request's last known token, so the step
     samples the next one; a middle chunk of a long prompt asks for no output row (on this model
-    each output row costs ~4 ms of the 262k-wide head).
+    output rows cost up to ~25 ms each of the 262k-wide head on a CPU, see config.py).
 
     A speculative chunk is a decode whose ``token_ids`` are the last token followed by
     ``draft.tokens``, with logits on every row; ``leaf_seqs`` are the extra sequence ids of a
