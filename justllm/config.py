@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from justllm.core.sampling_params import MAX_DRAFT
 from justllm.core.scheduler import SchedulerConfig
@@ -12,6 +13,14 @@ MAX_SPEC_OUTPUTS = 256
 # llama.cpp's CPU matmul computes the output head for rows in groups of 4 (measured on this
 # model: 3 logits rows 93 ms, 4 rows 66 ms), so output rows are padded to a multiple of it.
 CPU_ROW_MULTIPLE = 4
+# Sequence ids one context may use: llama.cpp's 256, halved because each has a twin on
+# sliding-window models (LlamaBackend: keep_swa_cells).
+MAX_SEQ_IDS = 128
+
+
+def _check_kv_default() -> bool:
+    """JUSTLLM_CHECK_KV=1 turns the engine's KV consistency check on (the test suite does)."""
+    return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,9 @@ class EngineConfig:
     branch: int = 2  # tree: candidates at each of the first levels
     draft_p_min: float = 0.0  # draft model: stop drafting below this top-token probability
     verbose: bool = False
+    # After each step's KV operations, compare every sequence id's cells in llama.cpp with what
+    # the scheduler and prefix cache believe (core/kv_view.py); a difference raises at once.
+    check_kv: bool = field(default_factory=_check_kv_default)
 
     def __post_init__(self) -> None:
         positive = ("max_seqs", "pool_blocks", "block_size", "chunk_size", "max_prefill",
@@ -58,8 +70,9 @@ class EngineConfig:
         for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.max_seqs + self.spare_seq_ids > 256:
-            raise ValueError("max_seqs + spare_seq_ids must be <= 256 (llama.cpp's limit)")
+        if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:
+            raise ValueError(f"max_seqs + spare_seq_ids must be <= {MAX_SEQ_IDS} (llama.cpp's "
+                             "256 sequence ids, each with a twin on sliding-window models)")
         if self.chunk_size > self.n_batch:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be <= n_batch ({self.n_batch})")
         if self.spec not in SPEC_METHODS:

@@ -1,6 +1,6 @@
 """The exceptions justllm raises, translated at the edges.
 
-The CLI prints ``str(error)`` as one line and exits 1; the server (later) maps each class to an
+The CLI prints ``str(error)`` as one line and exits 1; the server maps each class to an
 HTTP status and an OpenAI-style error body. Nothing inside the engine lets a bad request take
 the engine down: request-level problems raise one of these for that request only.
 """
@@ -34,3 +34,8 @@ class GPUUnavailableError(JustLLMError):
 
 class EngineError(JustLLMError):
     """llama.cpp returned an error while computing a step."""
+
+
+class KVConsistencyError(RuntimeError):
+    """The engine's KV check found llama.cpp's cells out of step with the scheduler (a bug in
+    justllm, never a user's error; the check is on in the test suite)."""

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from justllm.config import EngineConfig
+
+# Every engine the tests start (in this process or as a server) checks after each step that
+# llama.cpp's KV is what the scheduler believes (justllm/core/kv_view.py).
+os.environ["JUSTLLM_CHECK_KV"] = "1"
+KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV"}
 
 
 @pytest.fixture(autouse=True)
 def _no_user_config(tmp_path_factory, monkeypatch):
     """A user's ~/.config/justllm/config.yaml must not change what the tests run."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
-    for name in [n for n in __import__("os").environ if n.startswith("JUSTLLM_") and n != "JUSTLLM_CACHE_DIR"]:
+    for name in [n for n in os.environ if n.startswith("JUSTLLM_") and n not in KEEP_ENV]:
         monkeypatch.delenv(name)
 
 

@@ -48,6 +48,9 @@ class Request:
     num_cached_tokens: int = 0
     cache_node: object | None = None
     prompt_cached: bool = False
+    # Times llama.cpp refused a batch because this request's KV was not what the scheduler
+    # believed; such a request is recomputed without the prefix cache, and fails the next time.
+    kv_errors: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -107,6 +107,29 @@ class Scheduler:
         self._preempt(victim, StepPlan())
         return victim
 
+    def recompute(self, request: Request) -> None:
+        """Send a running request back to the front of the queue to be computed again from
+        scratch, without the prefix cache: llama.cpp refused its batch because its KV is not
+        what we believed, so that KV is dropped, not handed to the cache. Not for a request
+        whose prompt the cache already shares (its sequence holds live nodes)."""
+        if request.prompt_cached:
+            raise ValueError("a request whose prompt is shared cannot be recomputed alone")
+        self.running.remove(request)
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
+        if self.cache is not None:
+            self.cache.unlock(request.cache_node)  # type: ignore[arg-type]
+            request.cache_node = None
+        if request.seq_id is not None:
+            self._pending_ops.append(KVOp.rm(request.seq_id))
+            self._free_seq_ids.append(request.seq_id)
+            request.seq_id = None
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = request.num_cached_tokens = 0
+        request.kv_errors += 1
+        self.waiting.appendleft(request)
+
     def flush_cache(self) -> None:
         """Evict every unlocked prefix-cache entry (its KV is dropped at the next step)."""
         if self.cache is not None:
@@ -340,10 +363,11 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Give the head of the queue a sequence id, its cached prefix and blocks for the rest."""
         cache = self.cache
+        # A request sent back after a KV error is recomputed whole: no match, no wait.
         match = cache.match(req.prompt_token_ids + req.output_token_ids,
-                            req.num_tokens - 1) if cache else None
+                            req.num_tokens - 1) if cache and not req.kv_errors else None
         matched = match.length if match else 0
-        if cache and self._prefix_being_computed(req, matched):
+        if match is not None and self._prefix_being_computed(req, matched):
             return False  # the same prefix is being computed: wait and share it
         if cache and match:
             cache.lock(match.last)  # keep our prefix while evicting for room

@@ -59,6 +59,10 @@ class BackendConfig:
     n_threads: int = 0  # 0: all cores
     gpu: bool = False
     verbose: bool = False
+    # Keep every cell of a sliding-window model's KV until it is removed on purpose (twin
+    # sequence ids, see LlamaBackend). Needed wherever KV is shared or handed on (prefix cache,
+    # speculation's rollback); costs twice the sequence ids.
+    keep_swa_cells: bool = False
 
 
 def grammar_from_json_schema(schema: dict) -> str:
@@ -139,7 +143,19 @@ def check_gguf_file(path: str) -> None:
 
 
 class LlamaBackend:
-    """One loaded model and one context with ``n_seq_max`` sequences in a unified KV cache."""
+    """One loaded model and one context with ``n_seq_max`` sequences in a unified KV cache.
+
+    Twin sequences (``keep_swa_cells``, sliding-window models such as Gemma 3): llama.cpp's SWA
+    cache, even at full size (``swa_full``), reuses a cell that only one sequence tags once the
+    cell has slid out of that sequence's window, and then purges every lower position of that
+    sequence. A prefix-cache holder or a running request whose prompt others will share loses
+    its early cells that way, and a later ``seq_cp`` of them copies nothing: the receiving
+    sequence is short, its next batch fails on "inconsistent sequence positions", or, where
+    positions still line up, it attends to a partial window. A cell tagged by two sequences is
+    never reused, so every sequence ``s`` has a twin ``s + n_seq_max`` that tags exactly the same
+    cells: ``seq_rm``/``seq_cp`` act on both and every batch token is given both ids. Callers
+    see only ``s``.
+    """
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -150,8 +166,9 @@ class LlamaBackend:
         check_gguf_file(config.model_path)
         if config.gpu:
             require_gpu_offload()
-        if config.n_seq_max > MAX_MEMORY_SEQ_ID:
-            raise ValueError(f"at most {MAX_MEMORY_SEQ_ID} sequences")
+        limit = MAX_MEMORY_SEQ_ID // 2 if config.keep_swa_cells else MAX_MEMORY_SEQ_ID
+        if config.n_seq_max > limit:
+            raise ValueError(f"at most {limit} sequences")
 
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
@@ -163,14 +180,18 @@ class LlamaBackend:
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
+        swa = int(C.llama_model_n_swa(self._model)) > 0
+        self._twin = config.n_seq_max if config.keep_swa_cells and swa else 0
 
         threads = config.n_threads or os.cpu_count() or 1
         cparams = C.llama_context_default_params()
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
-        cparams.n_seq_max = config.n_seq_max
-        cparams.n_outputs_max = config.n_outputs_max
+        cparams.n_seq_max = config.n_seq_max + self._twin
+        # llama.cpp reserves an output row per sequence id at least (1 MiB each for a 262k
+        # vocabulary), twins included; batches are still checked against config.n_outputs_max.
+        cparams.n_outputs_max = max(config.n_outputs_max, config.n_seq_max + self._twin)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True
@@ -197,7 +218,7 @@ class LlamaBackend:
         self.batch_pos = np.zeros(n, dtype=np.int32)
         # Each token's sequence ids: column 0 is ``batch_seq``; a token shared by several
         # sequences (a node of a speculative tree) lists them and sets ``batch_n_seq``.
-        self.batch_seqs = np.zeros((n, MAX_SEQS_PER_TOKEN), dtype=np.int32)
+        self.batch_seqs = np.zeros((n, 2 * MAX_SEQS_PER_TOKEN), dtype=np.int32)
         self.batch_seq = self.batch_seqs[:, 0]
         self.batch_n_seq = np.ones(n, dtype=np.int32)
         self.batch_logits = np.zeros(n, dtype=np.int8)
@@ -233,9 +254,12 @@ class LlamaBackend:
         if n_seq.min() < 1 or n_seq.max() > MAX_SEQS_PER_TOKEN:
             raise EngineError(f"each token needs 1..{MAX_SEQS_PER_TOKEN} sequence ids")
         if n_seq.max() > 1:  # the ids each token lists, not the unused columns
-            seqs = self.batch_seqs[:n_tokens][np.arange(MAX_SEQS_PER_TOKEN) < n_seq[:, None]]
+            seqs = self.batch_seqs[:n_tokens, :MAX_SEQS_PER_TOKEN][
+                np.arange(MAX_SEQS_PER_TOKEN) < n_seq[:, None]]
         if seqs.min() < 0 or seqs.max() >= cfg.n_seq_max:
             raise EngineError("sequence id out of range")
+        if self._twin:
+            self._add_twins(n_tokens)
         self._batch.n_tokens = n_tokens
         t0 = time.perf_counter()
         rc = C.llama_decode(self._ctx, self._batch)
@@ -249,6 +273,17 @@ class LlamaBackend:
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
 
+    def _add_twins(self, n_tokens: int) -> None:
+        """Give each token of the batch the twins of its sequence ids too."""
+        ids, n_seq = self.batch_seqs[:n_tokens], self.batch_n_seq[:n_tokens]
+        if n_seq.max() == 1:
+            ids[:, 1] = ids[:, 0] + self._twin
+        else:
+            for j in range(int(n_seq.max())):
+                rows = np.flatnonzero(n_seq > j)
+                ids[rows, n_seq[rows] + j] = ids[rows, j] + self._twin
+        n_seq *= 2
+
     # ---- KV memory ------------------------------------------------------------------------
 
     def _check_seq(self, seq_id: int) -> None:
@@ -258,7 +293,10 @@ class LlamaBackend:
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Drop positions ``p0..p1`` (-1: open end) of a sequence from the KV cache."""
         self._check_seq(seq_id)
-        if not C.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
+        ok = C.llama_memory_seq_rm(self._mem, seq_id, p0, p1)
+        if self._twin:
+            ok = C.llama_memory_seq_rm(self._mem, seq_id + self._twin, p0, p1) and ok
+        if not ok:
             raise EngineError(f"could not remove positions {p0}..{p1} of sequence {seq_id}")
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -266,10 +304,33 @@ class LlamaBackend:
         self._check_seq(src)
         self._check_seq(dst)
         C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        if self._twin:
+            C.llama_memory_seq_cp(self._mem, src, dst + self._twin, p0, p1)
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Highest position the sequence holds; -1 when it holds none."""
         self._check_seq(seq_id)
         return int(C.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Lowest position the sequence holds (in the sliding-window cache, where cells go
+        first); -1 when it holds none."""
+        self._check_seq(seq_id)
+        return int(C.llama_memory_seq_pos_min(self._mem, seq_id))
+
+    def seq_num_cells(self, seq_id: int) -> int | None:
+        """Not exposed by llama.cpp (its state size is not linear in cells for SWA models)."""
+        return None
+
+    def twin_differs(self, seq_id: int) -> bool:
+        """True when a sequence and its twin no longer tag the same positions (a bug)."""
+        if not self._twin:
+            return False
+        twin = seq_id + self._twin
+        return (C.llama_memory_seq_pos_min(self._mem, seq_id),
+                C.llama_memory_seq_pos_max(self._mem, seq_id)) != (
+                C.llama_memory_seq_pos_min(self._mem, twin),
+                C.llama_memory_seq_pos_max(self._mem, twin))
 
     def clear_kv(self) -> None:
         C.llama_memory_clear(self._mem, True)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
+from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
-from justllm.errors import EngineError, InvalidRequestError
+from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import RadixCache
@@ -130,6 +131,7 @@ class Engine:
                 n_threads=config.threads,
                 gpu=config.gpu,
                 verbose=config.verbose,
+                keep_swa_cells=True,
             ))
         self.backend = backend
         self.pool = BlockPool(config.pool_blocks, config.block_size)
@@ -259,16 +261,52 @@ class Engine:
                 if plan.is_empty:
                     return []
                 n_tokens = self.runner.prepare(plan)
+                if self.config.check_kv:
+                    self.check_kv(plan)
             logits = self.runner.decode(n_tokens)
         except KVCacheFullError:
             self._undo(plan)
             return self._on_cache_full(plan)
         except EngineError as e:
+            isolated = self._isolate_inconsistent(plan, str(e))
             self._undo(plan)
-            return self._fail_plan(plan, str(e))
+            # The others go again in the next step; without a culprit the step fails whole.
+            return isolated if isolated is not None else self._fail_plan(plan, str(e))
         with self._lock:
             self.scheduler.update(plan)
             return self._postprocess(plan, logits)
+
+    def check_kv(self, plan: StepPlan | None = None) -> None:
+        """Raise KVConsistencyError unless every sequence id's cells in llama.cpp are what the
+        scheduler and prefix cache believe (valid once the pending KV operations are applied:
+        the engine calls it after the runner applied a plan's, before the batch is decoded)."""
+        leaves = [q for c in plan.chunks for q in c.leaf_seqs] if plan else []
+        n_ids = self.backend.config.n_seq_max
+        problems = kv_mismatches(self.scheduler, self.backend, n_ids, leaves)
+        problems += [f"sequence {s} and its twin differ" for s in range(n_ids)
+                     if self.backend.twin_differs(s)]
+        if problems:
+            raise KVConsistencyError("KV cache out of step with the scheduler: "
+                                     + "; ".join(problems[:5]))
+
+    def _isolate_inconsistent(self, plan: StepPlan, message: str) -> list[RequestOutput] | None:
+        """llama.cpp refused the batch. Chunks that do not follow on from what llama.cpp holds
+        for their sequence (its "inconsistent sequence positions" error) are to blame: their
+        requests go back to be recomputed from scratch without the prefix cache (or fail, alone,
+        when that already happened once or their prompt is shared), and the step is retried for
+        everyone else: one bad sequence must not fail the others. None when no chunk is to
+        blame."""
+        with self._lock:
+            bad = [c.request for c in plan.chunks
+                   if c.request.status is RequestStatus.RUNNING and c.request.seq_id is not None
+                   and self.backend.seq_pos_max(c.request.seq_id) != c.start - 1]
+            for req in bad:
+                if not req.prompt_cached:  # its KV is dropped, never handed to the cache
+                    self.scheduler.recompute(req)
+            give_up = [r for r in bad if r.prompt_cached or r.kv_errors > 1]
+        if not bad:
+            return None
+        return self._fail(give_up, message)
 
     def _propose(self) -> dict[str, DraftTree]:
         """Drafts for the requests about to decode whose window is open. The proposer runs

@@ -57,7 +57,6 @@ class RadixNode:
     parent: "RadixNode | None"
     holder: int
     children: dict[int, "RadixNode"] = field(default_factory=dict)
-    block_ids: list[int] = field(default_factory=list)  # owned blocks; none while live
     live: bool = False
     lock: int = 0
     last_access: int = 0
@@ -113,6 +112,9 @@ class RadixCache:
         self.max_blocks = max_blocks
         self.policy = policy or LRUPolicy()
         self.root = RadixNode([], 0, None, -1)
+        # The cache's share of the pool: blocks_for(_owned_tokens) blocks, held as one.
+        self._block_ids: list[int] = []
+        self._owned_tokens = 0
         self._tick = itertools.count(1)
         self._holder_nodes: dict[int, int] = {}  # seq id -> how many nodes it holds
         self.freed_holders: list[int] = []  # seq ids the cache gave up; the scheduler takes them
@@ -167,7 +169,10 @@ class RadixCache:
         ``live``: ``seq`` is still running (its blocks count its cells); only new nodes are
         added. Otherwise ``seq`` is handed over: what other holders already cover is dropped
         from it (returned as ``rm`` ops), its live nodes become owned, the rest becomes new
-        owned nodes. If the pool cannot hold them, the uncached tail is dropped too.
+        owned nodes. If the pool cannot hold the new tail, the tail is dropped instead.
+
+        A hand-over must come right after the request gave back its blocks: its live nodes are
+        then always ownable (see the module docstring), and a failure to own one is a bug.
         """
         ops: list[KVOp] = []
         node, pos, n = self.root, 0, len(tokens)
@@ -178,23 +183,23 @@ class RadixCache:
                 break
             k = _common(child.tokens, tokens, pos, n)
             if k < len(child.tokens):
-                if not self._split(child, k):
-                    break
-                child = node.children[tokens[pos]]  # the new head
+                child = self._split(child, k)
             child.last_access = tick
             if child.holder != seq:
                 if not live:
                     ops.append(KVOp.rm(seq, child.start, child.end))
             elif child.live and not live:
-                if not self._own(child):
-                    break
+                if not self._reserve(len(child.tokens)):
+                    raise RuntimeError(
+                        f"prefix cache: no room to own sequence {seq}'s cached prompt; a "
+                        "hand-over must follow the release of the request's blocks")
+                child.live = False
             node, pos = child, pos + k
-        if pos < n:
-            new = RadixNode(tokens[pos:], pos, node, seq, live=live, last_access=tick)
-            if live or self._own(new):
-                node.children[tokens[pos]] = new
-                self._holder_nodes[seq] = self._holder_nodes.get(seq, 0) + 1
-                pos = n
+        if pos < n and (live or self._reserve(n - pos)):
+            node.children[tokens[pos]] = RadixNode(tokens[pos:], pos, node, seq, live=live,
+                                                   last_access=tick)
+            self._holder_nodes[seq] = self._holder_nodes.get(seq, 0) + 1
+            pos = n
         if not live:
             if pos < n:
                 ops.append(KVOp.rm(seq, pos, -1))
@@ -207,37 +212,38 @@ class RadixCache:
     def holds(self, seq: int) -> bool:
         return self._holder_nodes.get(seq, 0) > 0
 
-    def _own(self, node: RadixNode) -> bool:
-        """Reserve blocks for a node that stops (or never was) live."""
-        need = self.pool.blocks_for(len(node.tokens))
-        if not self.pool.can_allocate(need):
-            return False
-        node.block_ids = self.pool.allocate(need)
-        node.live = False
+    def _reserve(self, n_tokens: int) -> bool:
+        """Take blocks from the pool for ``n_tokens`` more owned tokens; False if they don't fit."""
+        need = self.pool.blocks_for(self._owned_tokens + n_tokens) - len(self._block_ids)
+        if need > 0:
+            if not self.pool.can_allocate(need):
+                return False
+            self._block_ids += self.pool.allocate(need)
+        self._owned_tokens += n_tokens
         return True
 
-    def _split(self, node: RadixNode, k: int) -> bool:
-        """Cut ``node`` after ``k`` tokens. The node object keeps the tail, a new head goes
-        above it: requests hold their deepest node, and unlocking walks up from it."""
+    def _unreserve(self, n_tokens: int) -> None:
+        self._owned_tokens -= n_tokens
+        keep = self.pool.blocks_for(self._owned_tokens)
+        if len(self._block_ids) > keep:
+            self.pool.free(self._block_ids[keep:])
+            del self._block_ids[keep:]
+
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Cut ``node`` after ``k`` tokens and return the new head. The node object keeps the
+        tail, the head goes above it: requests hold their deepest node, and unlocking walks up
+        from it. Costs no blocks (accounting is by tokens)."""
         parent = node.parent
         assert parent is not None
         head = RadixNode(node.tokens[:k], node.start, parent, node.holder,
                          {node.tokens[k]: node}, live=node.live, lock=node.lock,
                          last_access=node.last_access)
-        if not node.live:
-            head_blocks = self.pool.blocks_for(k)
-            tail_blocks = self.pool.blocks_for(len(node.tokens) - k)
-            extra = head_blocks + tail_blocks - len(node.block_ids)
-            if extra > 0 and not self.pool.can_allocate(extra):
-                return False
-            ids = node.block_ids + (self.pool.allocate(extra) if extra > 0 else [])
-            head.block_ids, node.block_ids = ids[:head_blocks], ids[head_blocks:]
         parent.children[node.tokens[0]] = head
         node.tokens = node.tokens[k:]
         node.start += k
         node.parent = head
         self._holder_nodes[node.holder] = self._holder_nodes.get(node.holder, 0) + 1
-        return True
+        return head
 
     # ---- eviction -------------------------------------------------------------------------
 
@@ -253,8 +259,7 @@ class RadixCache:
         parent = victim.parent
         assert parent is not None
         del parent.children[victim.tokens[0]]
-        self.pool.free(victim.block_ids)
-        victim.block_ids = []
+        self._unreserve(len(victim.tokens))
         ops = [KVOp.rm(victim.holder, victim.start, victim.end)]
         left = self._holder_nodes[victim.holder] - 1
         if left:
@@ -304,7 +309,50 @@ class RadixCache:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(n.block_ids) for n in self._nodes())
+        return len(self._block_ids)
+
+    def held_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Holder sequence id -> the positions its owned nodes name (what llama.cpp must hold
+        for it)."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for n in self._nodes():
+            if not n.live:
+                out.setdefault(n.holder, []).append((n.start, n.end))
+        return out
+
+    def live_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Running request's sequence id -> the positions of its live nodes."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for n in self._nodes():
+            if n.live:
+                out.setdefault(n.holder, []).append((n.start, n.end))
+        return out
+
+    def check(self) -> list[str]:
+        """The tree's own invariants, in words (empty when sound): token accounting, holder
+        counts, positions that follow on from the parent, locks that cover their subtree."""
+        problems = []
+        counts: dict[int, int] = {}
+        owned = 0
+        for n in self._nodes():
+            counts[n.holder] = counts.get(n.holder, 0) + 1
+            if not n.live:
+                owned += len(n.tokens)
+            parent = n.parent
+            assert parent is not None
+            if n.start != parent.end or not n.tokens:
+                problems.append(f"node {n.tokens[:4]}@{n.start} does not follow its parent")
+            if parent is not self.root and parent.lock < n.lock:
+                problems.append(f"node @{n.start} is locked more than its parent")
+            if parent.children.get(n.tokens[0] if n.tokens else -1) is not n:
+                problems.append(f"node @{n.start} is not its parent's child")
+        if counts != self._holder_nodes:
+            problems.append(f"holder counts {self._holder_nodes} != nodes per holder {counts}")
+        if owned != self._owned_tokens:
+            problems.append(f"owned tokens {self._owned_tokens} != tokens in owned nodes {owned}")
+        if len(self._block_ids) != self.pool.blocks_for(owned):
+            problems.append(f"{len(self._block_ids)} blocks held for {owned} owned tokens")
+        return problems
 
     @property
     def num_tokens(self) -> int:

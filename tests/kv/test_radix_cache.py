@@ -31,7 +31,7 @@ def test_second_insert_splits_and_drops_what_is_already_cached():
     assert m.length == 5
     assert m.copy_ops(dst=0) == [KVOp.cp(7, 0, 0, 3), KVOp.cp(3, 0, 3, 5)]
     assert c.holds(7) and c.holds(3)
-    assert c.num_blocks == 1 + 1 + 1
+    assert c.num_blocks == 2  # 8 owned tokens in blocks of 4: accounting is by tokens
 
 
 def test_fully_cached_insert_gives_the_sequence_back():
@@ -83,7 +83,8 @@ def test_live_nodes_are_shared_but_never_evicted_until_handed_over():
     ops = c.insert([1, 2, 3, 4, 5, 6, 7], seq=0, live=False)  # the request ends
     assert ops == []
     assert c.dump() == ["[1, 2, 3, 4, 5]@0 h0", "  [6, 7]@5 h0"]
-    assert c.num_blocks == 2 + 1
+    assert c.num_blocks == 2  # 7 tokens
+    assert c.check() == []
 
 
 def test_pool_too_full_drops_the_uncached_tail():
@@ -135,3 +136,42 @@ def test_stats():
     s = c.stats()
     assert (s.hits, s.misses, s.queried_tokens, s.hit_tokens) == (1, 1, 20, 8)
     assert s.hit_ratio == 0.5
+
+
+def test_splits_cost_no_blocks_on_a_full_pool():
+    """Per-node block rounding made a split need a block; on a full pool the split failed and
+    the insert replaced the node it could not split (its blocks and holder leaked)."""
+    c = cache(blocks=2, bs=4)
+    c.insert([1, 2, 3, 4, 5, 6, 7, 8], seq=1, live=False)
+    assert c.pool.num_free == 0
+    c.insert([1, 2, 9], seq=0, live=True)  # splits [1..8] at 2 with no block free
+    assert c.dump() == ["[1, 2]@0 h1", "  [3, 4, 5, 6, 7, 8]@2 h1", "  [9]@2 h0 live"]
+    assert c.num_blocks == 2 and c.check() == []
+
+
+def test_a_hand_over_right_after_release_always_fits():
+    """A running request's live prompt, split by later inserts into several nodes, is owned in
+    full when the request ends and gives its blocks back, even on a pool with nothing free:
+    before, the third piece found no block, stayed live with its holder's cells dropped, and
+    the next request that matched it failed in llama_decode."""
+    c = cache(blocks=4, bs=4)
+    prompt = list(range(1, 9))  # 8 tokens: the request holds 2 blocks
+    request_blocks = c.pool.allocate(2)
+    c.insert(prompt, seq=0, live=True)
+    c.insert(prompt[:3] + [50], seq=1, live=True)  # splits the live node at 3
+    c.insert(prompt[:5] + [60], seq=2, live=True)  # and at 5: pieces of 3, 2 and 3 tokens
+    c.pool.allocate(c.pool.num_free)  # the rest of the pool is taken by others
+    c.pool.free(request_blocks)  # the request is aborted right after its prefill
+    ops = c.insert(prompt, seq=0, live=False)
+    assert ops == []
+    assert [line for line in c.dump() if "h0" in line] == [
+        "[1, 2, 3]@0 h0", "  [4, 5]@3 h0", "    [6, 7, 8]@5 h0"]
+    assert c.num_blocks == 2 and c.pool.num_free == 0 and c.check() == []
+
+
+def test_held_and_live_ranges():
+    c = cache()
+    c.insert([1, 2, 3], seq=4, live=False)
+    c.insert([1, 2, 3, 4, 5], seq=0, live=True)
+    assert c.held_ranges() == {4: [(0, 3)]}
+    assert c.live_ranges() == {0: [(3, 5)]}
