@@ -1,0 +1,126 @@
+"""Randomised concurrent load on the real model: shared prefixes, a small pool, disconnects.
+
+Requests arrive at random through the AsyncEngine with prompts from a four-token vocabulary
+(shared prefixes of every length, one-token ones and exact duplicates included), the pool is
+small enough that the prefix cache evicts and running requests are preempted, prompts run past
+the model's 512-token sliding window (where llama.cpp reuses cells), and clients leave
+at random points: before their first token (mid-prefill), after a few tokens (mid-decode), or by
+cancelling their task while ``llama_decode`` runs. The engine's KV check is on
+(tests/conftest.py), so after every step llama.cpp's own view of each sequence id is compared
+with the scheduler's and the prefix cache's; a difference fails the step and shows up here as a
+failed request. Idle, the pool must hold exactly what the prefix cache holds, and nothing once
+the cache is flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.engine import Engine
+
+SEEDS = (1, 2, 3)
+
+
+def make_prompts(rng: random.Random, vocab: list[int], bos: int, n: int) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    for _ in range(n):
+        kind = rng.random()
+        if prompts and kind < 0.15:
+            prompts.append(list(rng.choice(prompts)))  # exact duplicate
+        elif prompts and kind < 0.5:  # an earlier prompt's prefix of any length, then more
+            base = rng.choice(prompts)
+            cut = rng.randint(1, len(base))
+            prompts.append(base[:cut] + [rng.choice(vocab) for _ in range(rng.randint(0, 60))])
+        else:
+            prompts.append([bos] + [rng.choice(vocab)
+                                    for _ in range(rng.choice((1, 2, 8, 40, 120, 220, 650)))])
+    return [p[:700] for p in prompts]
+
+
+async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: int,
+                     results: dict) -> None:
+    await asyncio.sleep(rng.uniform(0, 4))  # random arrivals
+    params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
+                            seed=i, ignore_eos=True)
+    mode = rng.random()
+    outs = []
+
+    async def consume(limit: int | None) -> None:
+        async with contextlib.aclosing(a.generate(prompt, params)) as gen:
+            async for out in gen:
+                outs.append(out)
+                if limit is not None and len(outs) >= limit:
+                    return
+
+    if mode < 0.15:  # cancelled at a random moment, often while its prompt is computed
+        task = asyncio.create_task(consume(None))
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        results["cancelled"] += 1
+    elif mode < 0.3:  # leaves after a few tokens (mid-decode)
+        await consume(rng.randint(1, 3))
+        results["left"] += 1
+    else:
+        await consume(None)
+        assert not [o.error for o in outs if o.error]
+        assert outs and outs[-1].finished
+        tokens = sum(len(o.token_ids) for o in outs)
+        assert tokens == params.max_tokens, (i, tokens, params.max_tokens)
+        results["completed"] += 1
+    errors = [o.error for o in outs if o.error]
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
+    engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
+                                 block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128))
+    assert engine.config.check_kv  # set by tests/conftest.py: every step is checked
+    a = AsyncEngine(engine)
+    try:
+        asyncio.run(_drive(a, engine, seed))
+    finally:
+        a.close()
+
+
+async def _drive(a: AsyncEngine, engine: Engine, seed: int) -> None:
+    rng = random.Random(seed)
+    words = engine.tokenize(" apple river stone light")
+    bos, vocab = words[0], words[1:]
+    prompts = make_prompts(rng, vocab, bos, 36)
+    results = {"cancelled": 0, "left": 0, "completed": 0}
+    await asyncio.gather(*(one_client(a, random.Random(seed * 100 + i), p, i, results)
+                           for i, p in enumerate(prompts)))
+    assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
+
+    await _idle(a, engine)
+    await a.call_on_engine_thread(engine.check_kv)
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_blocks.used == stats.prefix_cache.blocks  # nothing leaked past the cache
+    assert stats.prefix_cache.hits > 0
+    await a.call_on_engine_thread(engine.flush_prefix_cache)
+    await _idle(a, engine)
+    assert engine.stats().kv_blocks.used == 0
+    seqs = await a.call_on_engine_thread(
+        lambda: [s for s in range(engine.backend.config.n_seq_max)
+                 if engine.backend.seq_pos_max(s) != -1])
+    assert seqs == []
+
+
+async def _idle(a: AsyncEngine, engine: Engine) -> None:
+    """Wait until the engine thread applied every pending release."""
+    for _ in range(200):
+        if not await a.call_on_engine_thread(engine.has_work):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the engine never became idle")
