@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from justllm.core.request import Request
-from justllm.kv.radix_cache import KVOp
+from justllm.kv.radix_cache import KVOp, freed_sequences
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,7 +136,7 @@ class StepPlan:
     @property
     def released_seq_ids(self) -> list[int]:
         """Sequences dropped whole in this step."""
-        return [op.seq for op in self.kv_ops if op.kind == "rm" and op.p0 == -1 and op.p1 == -1]
+        return freed_sequences(self.kv_ops)
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from justllm.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from justllm.kv.radix_cache import RadixNode
 
 
 class RequestStatus(enum.Enum):
@@ -46,7 +50,7 @@ class Request:
     # Prefix cache (owned by the scheduler): tokens taken from the cache at admission, the
     # deepest cache node this request locks, and whether its prompt was offered to the cache.
     num_cached_tokens: int = 0
-    cache_node: object | None = None
+    cache_node: RadixNode | None = None
     prompt_cached: bool = False
     # Times llama.cpp refused a batch because this request's KV was not what the scheduler
     # believed; such a request is recomputed without the prefix cache, and fails the next time.

@@ -23,7 +23,7 @@ from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
-from justllm.kv.radix_cache import KVOp, RadixCache, common_prefix_len
+from justllm.kv.radix_cache import KVOp, RadixCache, common_prefix_len, freed_sequences
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Scheduler:
             self.pool.free(request.block_ids)
             request.block_ids = []
         if self.cache is not None:
-            self.cache.unlock(request.cache_node)  # type: ignore[arg-type]
+            self.cache.unlock(request.cache_node)
             request.cache_node = None
         if request.seq_id is not None:
             self._pending_ops.append(KVOp.rm(request.seq_id))
@@ -133,8 +133,7 @@ class Scheduler:
     def flush_cache(self) -> None:
         """Evict every unlocked prefix-cache entry (its KV is dropped at the next step)."""
         if self.cache is not None:
-            self._pending_ops += self.cache.flush()
-            self._collect_freed_holders()
+            self._take(self.cache.flush())
 
     @property
     def has_work(self) -> bool:
@@ -225,7 +224,7 @@ class Scheduler:
             if (self.cache is not None and not req.prompt_cached and req.seq_id is not None
                     and req.num_computed_tokens >= req.num_prompt_tokens):
                 req.prompt_cached = True
-                self._pending_ops += self.cache.insert(req.prompt_token_ids, req.seq_id, live=True)
+                self._take(self.cache.insert(req.prompt_token_ids, req.seq_id, live=True))
 
     def settle(self, chunk: ScheduledChunk, path: list[int]) -> None:
         """Verification of ``chunk``'s draft kept the nodes ``path`` (root's child first): keep
@@ -373,10 +372,9 @@ class Scheduler:
             cache.lock(match.last)  # keep our prefix while evicting for room
         needed = self.pool.blocks_for(req.num_tokens - matched)
         if cache and not self.pool.can_allocate(needed):
-            self._pending_ops += cache.evict_blocks(needed)
+            self._take(cache.evict_blocks(needed))
         if cache and not self._free_seq_ids:
-            self._pending_ops += cache.evict_holder()
-        self._collect_freed_holders()
+            self._take(cache.evict_holder())
         if not self.pool.can_allocate(needed) or not self._free_seq_ids:
             if cache and match:
                 cache.unlock(match.last)
@@ -404,10 +402,10 @@ class Scheduler:
                 return True
         return False
 
-    def _collect_freed_holders(self) -> None:
-        if self.cache is not None and self.cache.freed_holders:
-            self._free_seq_ids.extend(self.cache.freed_holders)
-            self.cache.freed_holders.clear()
+    def _take(self, cache_ops: list[KVOp]) -> None:
+        """Queue the prefix cache's KV operations; the holders it gave up are free ids again."""
+        self._pending_ops += cache_ops
+        self._free_seq_ids += freed_sequences(cache_ops)
 
     def _schedule_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         start = req.num_computed_tokens
@@ -423,8 +421,7 @@ class Scheduler:
         needed = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens) - len(req.block_ids)
         while needed > 0 and not self.pool.can_allocate(needed):
             if self.cache is not None:
-                self._pending_ops += self.cache.evict_blocks(needed)
-                self._collect_freed_holders()
+                self._take(self.cache.evict_blocks(needed))
                 if self.pool.can_allocate(needed):
                     break
             victim = self.running[-1]
@@ -453,13 +450,12 @@ class Scheduler:
         if req.seq_id is None:
             return
         if self.cache is not None:
-            self.cache.unlock(req.cache_node)  # type: ignore[arg-type]
+            self.cache.unlock(req.cache_node)
             req.cache_node = None
             # Cells past what we hand over (a step in flight when the request was aborted) go.
             self._pending_ops.append(KVOp.rm(req.seq_id, req.num_computed_tokens, -1))
             tokens = req.token_slice(0, req.num_computed_tokens)
-            self._pending_ops += self.cache.insert(tokens, req.seq_id, live=False)
-            self._collect_freed_holders()
+            self._take(self.cache.insert(tokens, req.seq_id, live=False))
         else:
             self._pending_ops.append(KVOp.rm(req.seq_id))
             self._free_seq_ids.append(req.seq_id)

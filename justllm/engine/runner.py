@@ -7,7 +7,7 @@ from typing import Protocol
 import numpy as np
 
 from justllm.core.plan import ScheduledChunk, StepPlan
-from justllm.kv.radix_cache import KVOp
+from justllm.kv.radix_cache import KVOp, KVOpKind
 
 
 class Backend(Protocol):
@@ -38,7 +38,7 @@ class Runner:
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         b = self.backend
         for op in ops:
-            if op.kind == "rm":
+            if op.kind is KVOpKind.RM:
                 b.seq_rm(op.seq, op.p0, op.p1)
             else:
                 b.seq_cp(op.src, op.seq, op.p0, op.p1)

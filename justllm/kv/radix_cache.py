@@ -21,6 +21,7 @@ non-live leaves are evicted, in the order a pluggable :class:`EvictionPolicy` ch
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,12 +31,17 @@ from justllm.kv.block_pool import BlockPool
 from justllm.kv.cache_stats import PrefixCacheStats
 
 
+class KVOpKind(enum.Enum):
+    RM = "rm"
+    CP = "cp"
+
+
 @dataclass(frozen=True)
 class KVOp:
-    """``rm``: drop positions p0..p1 of ``seq`` (-1: open); ``cp``: tag ``src``'s cells at
-    p0..p1 with ``seq`` too."""
+    """``RM``: drop positions p0..p1 of ``seq`` (-1: open); ``CP``: tag ``src``'s cells at
+    p0..p1 with ``seq`` too. The runner applies them in order before the step's batch."""
 
-    kind: str
+    kind: KVOpKind
     seq: int
     p0: int = -1
     p1: int = -1
@@ -43,11 +49,22 @@ class KVOp:
 
     @staticmethod
     def rm(seq: int, p0: int = -1, p1: int = -1) -> "KVOp":
-        return KVOp("rm", seq, p0, p1)
+        return KVOp(KVOpKind.RM, seq, p0, p1)
 
     @staticmethod
     def cp(src: int, dst: int, p0: int, p1: int) -> "KVOp":
-        return KVOp("cp", dst, p0, p1, src)
+        return KVOp(KVOpKind.CP, dst, p0, p1, src)
+
+    @property
+    def drops_sequence(self) -> bool:
+        """The whole sequence goes: among the cache's operations, a holder it gives up (the
+        sequence id is free for reuse once this runs)."""
+        return self.kind is KVOpKind.RM and self.p0 == -1 and self.p1 == -1
+
+
+def freed_sequences(ops: list[KVOp]) -> list[int]:
+    """Sequence ids the operations give up whole."""
+    return [op.seq for op in ops if op.drops_sequence]
 
 
 @dataclass(eq=False)
@@ -71,18 +88,24 @@ class EvictionPolicy(Protocol):
     def pick(self, candidates: list[RadixNode]) -> RadixNode: ...
 
 
+def _age(node: RadixNode) -> tuple[int, int, int]:
+    """Least recently used first; ties broken by position and holder (unique per node), so the
+    order never depends on how a set iterates."""
+    return node.last_access, node.start, node.holder
+
+
 class LRUPolicy:
     """Evict the least recently matched or inserted leaf."""
 
     def pick(self, candidates: list[RadixNode]) -> RadixNode:
-        return min(candidates, key=lambda n: n.last_access)
+        return min(candidates, key=_age)
 
 
 class ClockPolicy:
     """Second chance: a leaf used since the hand last passed it is spared once."""
 
     def pick(self, candidates: list[RadixNode]) -> RadixNode:
-        ordered = sorted(candidates, key=lambda n: n.last_access)
+        ordered = sorted(candidates, key=_age)
         for node in ordered:
             if not node.referenced:
                 return node
@@ -104,7 +127,10 @@ class Match:
 
 
 class RadixCache:
-    """The tree, its holders and its share of the block pool. Only the scheduler calls it."""
+    """The tree, its holders and its share of the block pool. Only the scheduler calls it.
+
+    Every change comes back as the KV operations the runner must apply; a holder the cache
+    gives up is a whole-sequence ``rm`` among them (:func:`freed_sequences`)."""
 
     def __init__(self, pool: BlockPool, *, max_blocks: int | None = None,
                  policy: EvictionPolicy | None = None) -> None:
@@ -117,7 +143,9 @@ class RadixCache:
         self._owned_tokens = 0
         self._tick = itertools.count(1)
         self._holder_nodes: dict[int, int] = {}  # seq id -> how many nodes it holds
-        self.freed_holders: list[int] = []  # seq ids the cache gave up; the scheduler takes them
+        # Leaves that may be evicted now (no children, unlocked, not live), kept up to date at
+        # every change so eviction never walks the tree (SGLang keeps the same set).
+        self._evictable: set[RadixNode] = set()
         self._hits = self._misses = self._queried = self._hit_tokens = 0
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -154,12 +182,23 @@ class RadixCache:
         """Lock ``node`` and every ancestor (a request's matched path)."""
         while node is not None and node is not self.root:
             node.lock += 1
+            self._evictable.discard(node)
             node = node.parent
 
     def unlock(self, node: RadixNode | None) -> None:
         while node is not None and node is not self.root:
             node.lock -= 1
+            self._refresh(node)
             node = node.parent
+
+    def _refresh(self, node: RadixNode) -> None:
+        """Put ``node`` in or out of the evictable set after a change to it."""
+        if node is self.root:
+            return
+        if not node.children and not node.lock and not node.live:
+            self._evictable.add(node)
+        else:
+            self._evictable.discard(node)
 
     # ---- insertion ------------------------------------------------------------------------
 
@@ -194,18 +233,20 @@ class RadixCache:
                         f"prefix cache: no room to own sequence {seq}'s cached prompt; a "
                         "hand-over must follow the release of the request's blocks")
                 child.live = False
+                self._refresh(child)
             node, pos = child, pos + k
         if pos < n and (live or self._reserve(n - pos)):
-            node.children[tokens[pos]] = RadixNode(tokens[pos:], pos, node, seq, live=live,
-                                                   last_access=tick)
+            new = RadixNode(tokens[pos:], pos, node, seq, live=live, last_access=tick)
+            node.children[tokens[pos]] = new
             self._holder_nodes[seq] = self._holder_nodes.get(seq, 0) + 1
+            self._refresh(node)
+            self._refresh(new)
             pos = n
         if not live:
             if pos < n:
                 ops.append(KVOp.rm(seq, pos, -1))
             if self._holder_nodes.get(seq, 0) == 0:
                 ops.append(KVOp.rm(seq))
-                self.freed_holders.append(seq)
             ops += self._enforce_cap()
         return ops
 
@@ -238,7 +279,7 @@ class RadixCache:
         head = RadixNode(node.tokens[:k], node.start, parent, node.holder,
                          {node.tokens[k]: node}, live=node.live, lock=node.lock,
                          last_access=node.last_access)
-        parent.children[node.tokens[0]] = head
+        parent.children[node.tokens[0]] = head  # a head has a child: never evictable
         node.tokens = node.tokens[k:]
         node.start += k
         node.parent = head
@@ -248,17 +289,19 @@ class RadixCache:
     # ---- eviction -------------------------------------------------------------------------
 
     def evictable(self) -> list[RadixNode]:
-        return [n for n in self._nodes() if not n.children and not n.lock and not n.live]
+        return list(self._evictable)
 
     def evict_one(self) -> list[KVOp] | None:
-        """Evict one leaf; None when nothing can be evicted."""
-        candidates = self.evictable()
-        if not candidates:
+        """Evict one leaf; None when nothing can be evicted. A holder that loses its last
+        node is given up (a whole-sequence ``rm``: see :func:`freed_sequences`)."""
+        if not self._evictable:
             return None
-        victim = self.policy.pick(candidates)
+        victim = self.policy.pick(list(self._evictable))
         parent = victim.parent
         assert parent is not None
         del parent.children[victim.tokens[0]]
+        self._evictable.discard(victim)
+        self._refresh(parent)
         self._unreserve(len(victim.tokens))
         ops = [KVOp.rm(victim.holder, victim.start, victim.end)]
         left = self._holder_nodes[victim.holder] - 1
@@ -267,7 +310,6 @@ class RadixCache:
         else:
             del self._holder_nodes[victim.holder]
             ops.append(KVOp.rm(victim.holder))
-            self.freed_holders.append(victim.holder)
         return ops
 
     def _evict_while(self, keep_going: Callable[[], bool]) -> list[KVOp]:
@@ -286,8 +328,13 @@ class RadixCache:
 
     def evict_holder(self) -> list[KVOp]:
         """Evict until some holder sequence id is given up (or nothing more can go)."""
-        before = len(self.freed_holders)
-        return self._evict_while(lambda: len(self.freed_holders) == before)
+        ops: list[KVOp] = []
+        while not freed_sequences(ops):
+            more = self.evict_one()
+            if more is None:
+                break
+            ops += more
+        return ops
 
     def flush(self) -> list[KVOp]:
         return self._evict_while(lambda: True)
@@ -352,6 +399,10 @@ class RadixCache:
             problems.append(f"owned tokens {self._owned_tokens} != tokens in owned nodes {owned}")
         if len(self._block_ids) != self.pool.blocks_for(owned):
             problems.append(f"{len(self._block_ids)} blocks held for {owned} owned tokens")
+        evictable = {n for n in self._nodes() if not n.children and not n.lock and not n.live}
+        if evictable != self._evictable:
+            problems.append(f"evictable set has {len(self._evictable)} nodes, "
+                            f"the tree {len(evictable)}")
         return problems
 
     @property

@@ -8,7 +8,7 @@ its sequence's last position, and a batch that does not fit is refused whole.
 from __future__ import annotations
 
 from justllm.core.plan import StepPlan
-from justllm.kv.radix_cache import KVOp
+from justllm.kv.radix_cache import KVOp, KVOpKind
 
 
 class PositionError(Exception):
@@ -27,7 +27,7 @@ class FakeKV:
             for cell, (pos, seqs) in list(self.cells.items()):
                 if not lo <= pos < hi:
                     continue
-                if op.kind == "rm":
+                if op.kind is KVOpKind.RM:
                     seqs.discard(op.seq)
                     if not seqs:
                         del self.cells[cell]
