@@ -19,7 +19,7 @@ import time
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
-from justllm.model_source import resolve_model
+from justllm.models.source import resolve_model
 
 DOCUMENT = (
     "The committee met on Tuesday to review the budget for the new library. The chair "

@@ -24,7 +24,7 @@ def _no_user_config(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from justllm.model_source import demo_model_path
+    from justllm.models.source import demo_model_path
 
     return str(demo_model_path())
 

@@ -1,11 +1,11 @@
-"""Helpers for comparing greedy outputs across batch shapes (design.md: Numerics)."""
+"""Helpers for comparing greedy outputs across batch shapes (docs/llama-cpp-facts.md: Numerics)."""
 
 from __future__ import annotations
 
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 
-# Batch-shape noise moves logits by up to ~0.8 (design.md). A divergence is accepted only where
+# Batch-shape noise moves logits by up to ~0.8 (docs/llama-cpp-facts.md). A divergence is accepted only where
 # the reference itself saw a near tie: the other run's token within this many nats of the best.
 NEAR_TIE_NATS = 1.0
 

@@ -59,7 +59,7 @@ async def client(idx: int, url: str, cfg: SoakConfig, deadline: float, counts: C
                         await asyncio.wait_for(http.post(url + "/v1/completions", json=body),
                                                rng.uniform(0.05, 2.0))
                         counts["ok"] += 1
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         counts["disconnected"] += 1
                 else:
                     r = await http.post(url + "/v1/completions", json=body)

@@ -78,7 +78,7 @@ def bench(
                     run = asyncio.run(run_workload(
                         target, requests, concurrency=concurrency, request_rate=request_rate,
                         model=served_model, api_key=api_key, seed=seed,
-                        on_done=lambda: progress.advance(task)))
+                        on_done=lambda task=task: progress.advance(task)))
                 summaries.append(summarize(run))
         finally:
             if server is not None:

@@ -24,9 +24,8 @@ def show(
     with cli_errors():
         import yaml
 
-        from justllm.cli.serve import serve
-
         from justllm.cli.options import default_config_file
+        from justllm.cli.serve import serve
 
         file_values: dict[str, object] = {}
         if not config_file and default_config_file().is_file():

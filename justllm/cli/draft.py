@@ -27,8 +27,8 @@ def make(
         from pathlib import Path
 
         from justllm.cli.models import _size
-        from justllm.model_source import resolve_model
-        from justllm.spec.draft_make import default_draft_path, make_draft
+        from justllm.models.draft import default_draft_path, make_draft
+        from justllm.models.source import resolve_model
 
         src = Path(resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)

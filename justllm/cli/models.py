@@ -22,7 +22,7 @@ def _size(n: int) -> str:
 def list_models() -> None:
     """List local models with size, quantization, architecture and context length."""
     with cli_errors():
-        from justllm.model_store import ModelStore, describe
+        from justllm.models.store import ModelStore, describe
 
         store = ModelStore()
         paths = store.paths()
@@ -47,7 +47,7 @@ def show(
     with cli_errors():
         from pathlib import Path
 
-        from justllm.model_store import ModelStore, describe
+        from justllm.models.store import ModelStore, describe
 
         path = Path(name) if Path(name).is_file() else ModelStore().require(name)
         info = describe(path)
@@ -76,7 +76,7 @@ def rm(
 ) -> None:
     """Delete a local model file."""
     with cli_errors():
-        from justllm.model_store import ModelStore
+        from justllm.models.store import ModelStore
 
         path = ModelStore().remove(name)
         Console().print(f"deleted {path}", highlight=False)

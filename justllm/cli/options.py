@@ -84,7 +84,7 @@ def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_s
                   spec: str | None = None, draft_model: str | None = None,
                   gamma: int = _D.gamma, branch: int = _D.branch,
                   draft_p_min: float = _D.draft_p_min) -> EngineConfig:
-    from justllm.model_source import resolve_model
+    from justllm.models.source import resolve_model
 
     return EngineConfig(
         model=model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from justllm.cli.errors import cli_errors
-from justllm.hub import pick_gguf, split_ref  # noqa: F401  (re-exported for callers and tests)
+from justllm.models.hub import pick_gguf, split_ref  # noqa: F401  (re-exported for callers and tests)
 
 
 def pull(
@@ -21,6 +21,6 @@ def pull(
     """Download a GGUF model from Hugging Face into the models directory (REPO alone picks its
     only .gguf file, or its Q4_K_M one; HF_ENDPOINT and HF_TOKEN are honoured)."""
     with cli_errors():
-        from justllm.hub import pull_model
+        from justllm.models.hub import pull_model
 
         pull_model(model, revision=revision, force=force, console=Console())

@@ -52,7 +52,7 @@ def serve(
         from justllm.engine.async_engine import AsyncEngine
         from justllm.engine.backend import check_gguf_file, require_gpu_offload
         from justllm.engine.engine import Engine
-        from justllm.model_source import resolve_model
+        from justllm.models.source import resolve_model
         from justllm.server.app import ServerConfig, create_app
 
         config = o.engine_config(

@@ -99,7 +99,8 @@ class ScheduledChunk:
 
     ``wants_logits`` is true when the chunk ends at the request's last known token, so the step
     samples the next one; a middle chunk of a long prompt asks for no output row (on this model
-    output rows cost up to ~25 ms each of the 262k-wide head on a CPU, see config.py).
+    output rows are the dearest part of a step on a CPU: the 262k-wide head costs ~26 ms for one
+    row and is computed in groups of 4, see docs/llama-cpp-facts.md).
 
     A speculative chunk is a decode whose ``token_ids`` are the last token followed by
     ``draft.tokens``, with logits on every row; ``leaf_seqs`` are the extra sequence ids of a

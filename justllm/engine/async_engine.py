@@ -1,6 +1,6 @@
 """The step loop on one background thread, with ``async for`` over a request's outputs.
 
-design.md: llama.cpp compute must happen on a single OS thread, so the engine thread is the only
+docs/llama-cpp-facts.md: llama.cpp compute must happen on a single OS thread, so the engine thread is the only
 caller of ``Engine.step()``; the event loop only adds and aborts requests (cheap, under the
 engine's lock) and receives outputs through ``call_soon_threadsafe``.
 """

@@ -2,11 +2,11 @@
 
 A thin owning wrapper over llama.cpp's C API for one model and one multi-sequence context:
 every request is a sequence id in one unified KV cache, and one ``llama_decode`` computes a
-batch mixing all of them. Every call that would abort the whole process on bad input (design.md:
+batch mixing all of them. Every call that would abort the whole process on bad input (docs/llama-cpp-facts.md:
 too many tokens for ``n_batch``, too many output rows, a sequence id out of range) is checked
 here first and raised as an exception instead; C error codes become exceptions too.
 
-Thread rule (design.md): only one OS thread may run llama.cpp compute (``decode``), or the
+Thread rule (docs/llama-cpp-facts.md): only one OS thread may run llama.cpp compute (``decode``), or the
 OpenMP build slows down badly. Tokenizing from another thread is fine.
 """
 
@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
-
 from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 from llama_cpp import llama_grammar as _grammar  # noqa: E402
+
+from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
 
 JSON_GRAMMAR: str = _grammar.JSON_GBNF
 

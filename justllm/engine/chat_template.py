@@ -15,7 +15,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from justllm.errors import InvalidRequestError
 
-
 # Used when a GGUF carries no chat template (base models such as the demo Gemma 3 270M):
 # the model family's own turn format where we know it, else ChatML.
 GEMMA_TEMPLATE = (

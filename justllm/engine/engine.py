@@ -23,18 +23,17 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
+from justllm.engine.proposers import make_proposer
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import RadixCache
-from justllm.model_source import resolve_model
-from justllm.spec.factory import make_proposer
+from justllm.models.source import resolve_model
 from justllm.spec.proposer import DraftRequest, Proposer
 from justllm.spec.verify import walk_draft
 from justllm.spec.window import SpecWindow
-
 
 RECENT_WEIGHT = 0.05  # of each verified draft in the engine's recent acceptance rate
 

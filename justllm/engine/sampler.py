@@ -1,6 +1,6 @@
 """Token sampling over one logits row, in numpy.
 
-Greedy is ``np.argmax`` (design.md: ~22 µs on the 262k vocabulary, ~15x faster than a llama.cpp
+Greedy is ``np.argmax`` (docs/llama-cpp-facts.md: ~22 µs on the 262k vocabulary, ~15x faster than a llama.cpp
 sampler chain). Sampled decoding follows vLLM's order: penalties, temperature, top-k, top-p,
 min-p, then a draw from the request's own generator, so a seed reproduces a request alone.
 Plain temperature sampling needs no sort (softmax, cumulative sum, one draw); top-p sorts only

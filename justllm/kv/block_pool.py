@@ -24,7 +24,8 @@ class BlockUsage:
 
 
 class BlockPool:
-    """A free list of block ids. Only the scheduler allocates and frees."""
+    """A free list of block ids. The scheduler allocates and frees requests' blocks; the radix
+    cache holds its own share (``RadixCache._block_ids``), taken and given back as it changes."""
 
     def __init__(self, total_blocks: int, block_size: int) -> None:
         if total_blocks < 1:

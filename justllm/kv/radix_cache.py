@@ -2,7 +2,7 @@
 
 The tree never holds KV (SGLang's design): a node says "positions ``start..end`` of these
 tokens are in the cells of sequence ``holder``". In llama.cpp's unified KV cache a hit is then a
-zero-copy ``seq_cp(holder, new_seq, start, end)`` (design.md), and eviction is a
+zero-copy ``seq_cp(holder, new_seq, start, end)`` (docs/llama-cpp-facts.md), and eviction is a
 ``seq_rm(holder, start, end)``. The cache returns those operations as :class:`KVOp`s for the
 runner; it never calls llama.cpp itself, so it is tested with no model.
 

@@ -1,6 +1,6 @@
 """``/v1/embeddings``: mean-pooled embeddings from a second context on the same GGUF.
 
-The embeddings context is created on first use and computed on the engine thread (design.md:
+The embeddings context is created on first use and computed on the engine thread (docs/llama-cpp-facts.md:
 one OS thread runs llama.cpp compute), between decode steps.
 """
 

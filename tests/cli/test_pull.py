@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from justllm.cli.pull import pick_gguf, pull, split_ref
 from justllm.errors import ModelLoadError
-from justllm.model_store import ModelStore
+from justllm.models.store import ModelStore
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 GGUF = b"GGUF" + bytes([3, 0, 0, 0]) + bytes(range(256)) * 16  # a few KB; pull never parses it

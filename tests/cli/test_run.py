@@ -35,7 +35,7 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
     for args in cases:
         r = runner.invoke(app, args)
         assert r.exit_code == 1, (args, r.output)
-        lines = [l for l in r.output.splitlines() if l.strip()]
+        lines = [line for line in r.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.output)
         assert "Traceback" not in r.output
 
@@ -70,5 +70,5 @@ def test_speculation_flag_errors_are_one_line(tmp_path, model_path):
     for extra, needle in cases:
         r = runner.invoke(app, ["run", model_path, "-p", "hi", "--pool-blocks", "64", *extra])
         assert r.exit_code == 1, (extra, r.output)
-        lines = [l for l in r.output.splitlines() if l.strip()]
+        lines = [line for line in r.output.splitlines() if line.strip()]
         assert len(lines) == 1 and needle in lines[0], (extra, r.output)

@@ -1,6 +1,6 @@
 """A model of llama.cpp's unified KV cache for pure tests: cells tagged with sequence ids.
 
-It keeps what the scheduler's correctness rests on (design.md's facts): ``seq_cp`` tags the same
+It keeps what the scheduler's correctness rests on (docs/llama-cpp-facts.md): ``seq_cp`` tags the same
 cells with another id, ``seq_rm`` untags and frees a cell no id uses, a batch token must follow
 its sequence's last position, and a batch that does not fit is refused whole.
 """

@@ -98,7 +98,7 @@ def test_tree_leaves_get_their_own_sequences_and_the_winner_is_copied_back():
 
 def test_tree_falls_back_to_its_first_branch_without_free_sequence_ids():
     s = sched(n_seq_ids=4, max_seqs=4)
-    r = decoding(s)
+    decoding(s)
     for i in range(1, 4):
         s.add(make_req(i, 2))
     run_step(s)

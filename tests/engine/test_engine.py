@@ -90,7 +90,7 @@ def test_pool_exhaustion_preempts_and_completes_everything(model_path, engine):
 
 
 def test_seed_reproduces(engine):
-    # A prefix-cache hit computes the prompt in another batch shape (design.md: Numerics),
+    # A prefix-cache hit computes the prompt in another batch shape (docs/llama-cpp-facts.md: Numerics),
     # which can move a sampled token; same computation, same seed -> same tokens.
     p = SamplingParams(max_tokens=32, temperature=1.0, seed=1234, ignore_eos=True)
     engine.flush_prefix_cache()

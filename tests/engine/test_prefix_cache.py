@@ -7,7 +7,7 @@ import pytest
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
-from tests.helpers import divergence_is_noise, run_all
+from tests.helpers import divergence_is_noise
 
 SYSTEM = " ".join(f"Rule {i}: answer politely and briefly, citing rule {i}." for i in range(80))
 QUESTIONS = [f" Question {i}: what is {i} plus {i}?" for i in range(16)]

@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from tests.server.conftest import start_server
 

@@ -22,7 +22,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def exact_client(model_path):
     """A server without the prefix cache, for exact reproducibility checks: with the cache a
-    repeated prompt is computed in another batch shape and a near tie may flip (design.md)."""
+    repeated prompt is computed in another batch shape and a near tie may flip (docs/llama-cpp-facts.md)."""
     s = start_server(model_path, "--no-prefix-cache", "--max-seqs", "4", "--pool-blocks", "128")
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert s.stop() == 0
@@ -94,7 +94,7 @@ def test_chat_n_seed_stop_logprobs(client, exact_client, server):
     assert len({c.message.content for c in r.choices}) > 1  # each choice its own seed
     # A seed reproduces a request computed the same way: alone, on a server without the prefix
     # cache. (Under concurrency the batch a request lands in varies with timing, and batch
-    # shape moves logits slightly - design.md - so a sampled token near a boundary can flip.)
+    # shape moves logits slightly - docs/llama-cpp-facts.md - so a sampled token near a boundary can flip.)
     one = [exact_client.chat.completions.create(model=server.model, messages=msgs, max_tokens=12,
                                                 temperature=1.0, seed=7).choices[0].message.content
            for _ in range(2)]

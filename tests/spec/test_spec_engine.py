@@ -25,7 +25,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import LlamaBackend
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError
-from justllm.spec.draft_make import make_draft
+from justllm.models.draft import make_draft
 from tests.helpers import NEAR_TIE_NATS, divergence_is_noise, run_alone
 
 N = 20  # tokens per request

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from justllm.errors import ModelLoadError
-from justllm.model_source import cache_dir
+from justllm.models.source import cache_dir
 
 # llama.cpp's llama_ftype values (general.file_type) -> the names people use.
 FILE_TYPES = {

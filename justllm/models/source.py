@@ -25,12 +25,12 @@ def resolve_model(model: str | None) -> str:
         return str(demo_model_path())
     path = Path(model).expanduser()
     if not path.exists():
-        from justllm.model_store import ModelStore
+        from justllm.models.store import ModelStore
 
         found = ModelStore().find(model)
         if found is not None:
             return str(found)
-        from justllm.hub import looks_like_repo, pull_model, split_ref
+        from justllm.models.hub import looks_like_repo, pull_model, split_ref
 
         if looks_like_repo(model):
             repo, file = split_ref(model)

@@ -1,4 +1,8 @@
-"""The proposer an engine configuration asks for."""
+"""The proposer an engine configuration asks for.
+
+Lives in ``engine`` because a draft model is a second llama.cpp context (``draft_model.py``);
+``spec`` stays free of llama.cpp and of the engine (proposer interface, n-gram lookup,
+verification, windows)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,6 @@ def make_proposer(config: EngineConfig, target: LlamaBackend) -> Proposer | None
         return None
     if config.spec == "ngram":
         return NgramProposer()
-    from justllm.spec.draft_model import DraftModelProposer
+    from justllm.engine.draft_model import DraftModelProposer
 
     return DraftModelProposer.load(config, target)

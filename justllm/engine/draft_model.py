@@ -73,7 +73,7 @@ class DraftModelProposer:
     @classmethod
     def load(cls, config: EngineConfig, target: LlamaBackend) -> DraftModelProposer:
         from justllm.engine.backend import BackendConfig, LlamaBackend
-        from justllm.model_source import resolve_model
+        from justllm.models.source import resolve_model
 
         path = resolve_model(config.draft_model)
         tree = config.spec == "tree"

@@ -40,7 +40,7 @@ def default_draft_path(src: Path, layers: int) -> Path:
     name = f"{src.stem}-draft-L{layers}.gguf"
     if os.access(src.parent, os.W_OK):
         return src.parent / name
-    from justllm.model_store import models_dir
+    from justllm.models.store import models_dir
 
     return models_dir() / name
 

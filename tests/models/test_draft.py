@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from justllm.cli import app
 from justllm.engine.backend import BackendConfig, LlamaBackend, read_gguf_info
-from justllm.spec.draft_make import make_draft
+from justllm.models.draft import make_draft
 
 runner = CliRunner()
 SAMPLE = "Speculative decoding: the draft proposes, the target verifies. 12345 ünïcødé 🙂"

@@ -56,9 +56,14 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
            endpoint: str | None, console: Console) -> tuple[str, Path]:
     """List (when no FILE) and download; every hub or network failure becomes a ModelLoadError."""
     from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
-                                       LocalEntryNotFoundError, RepositoryNotFoundError,
-                                       RevisionNotFoundError)
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     # The HTTP client's own error base (requests, httpx or httpx2 depending on the hub library's
     # version): connection errors from it are not OSErrors everywhere.
@@ -111,7 +116,7 @@ def looks_like_repo(ref: str) -> bool:
 def pull_model(ref: str, *, revision: str = "main", force: bool = False,
                console: Console | None = None) -> Path:
     """Download ``REPO[:FILE]`` into the models directory; returns the local path."""
-    from justllm.model_store import models_dir
+    from justllm.models.store import models_dir
 
     console = console or Console(stderr=True)
     repo, file = split_ref(ref)

@@ -1,0 +1,36 @@
+"""The layer contracts, lint and types run with the suite, so CI fails when one breaks.
+
+Contracts (pyproject.toml, import-linter): cli > server|chat|bench|tui > engine, models > spec >
+config > core > kv > errors, and only ``engine/backend.py`` imports ``llama_cpp``; see
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_layer_contracts_hold():
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    r = run(str(lint_imports), "--no-cache")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
+
+
+def test_ruff_is_clean():
+    r = run(sys.executable, "-m", "ruff", "check", "justllm", "tests", "benchmarks")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_mypy_is_clean_on_the_pure_layers():
+    r = run(sys.executable, "-m", "mypy", "--no-incremental", "justllm/core", "justllm/kv",
+            "justllm/spec")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
