@@ -34,10 +34,10 @@ def chat(
         if url:
             backend = RemoteChat(url, api_key)
         else:
-            backend = LocalChat(o.engine_config(
-                model, max_seqs=1, pool_blocks=pool_blocks, block_size=_D.block_size,
-                chunk_size=_D.chunk_size, max_prefill=1, max_decode=1, n_batch=_D.n_batch,
-                max_queue=1, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose))
+            backend = LocalChat(o.engine_config(model, {
+                "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1, "max_decode": 1,
+                "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
+                "verbose": verbose}))
         try:
             ChatSession(backend, system=system,
                         options={"temperature": temperature, "max_tokens": max_tokens}).run()

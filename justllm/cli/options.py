@@ -1,10 +1,21 @@
-"""Options shared by the commands that start an engine (run, and later serve/chat/bench)."""
+"""Options shared by the commands that start an engine.
+
+The engine's flags are declared once, in ``ENGINE_FLAGS``; ``@engine_options`` adds them all to a
+command (``run``, ``serve``), which receives them as one ``engine_flags`` mapping and turns it
+into an :class:`EngineConfig` with :func:`engine_config`. A new engine flag is one line here plus
+its field in ``EngineConfig``.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -77,19 +88,67 @@ ConfigFile = Annotated[Optional[str], typer.Option(
     is_eager=True, callback=_load_config_file, envvar="JUSTLLM_CONFIG")]
 
 
-def engine_config(model: str | None, *, max_seqs: int, pool_blocks: int, block_size: int,
-                  chunk_size: int, max_prefill: int, max_decode: int, n_batch: int,
-                  max_queue: int, threads: int, ctx: int, gpu: bool, verbose: bool,
-                  no_prefix_cache: bool = False, prefix_cache_blocks: int = 0,
-                  spec: str | None = None, draft_model: str | None = None,
-                  gamma: int = _D.gamma, branch: int = _D.branch,
-                  draft_p_min: float = _D.draft_p_min) -> EngineConfig:
+@dataclass(frozen=True)
+class EngineFlag:
+    name: str  # the parameter name Typer sees (and the key in ``engine_flags``)
+    annotation: Any  # Annotated[type, typer.Option(...)]
+    default: Any
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("max_seqs", MaxSeqs, _D.max_seqs),
+    EngineFlag("pool_blocks", PoolBlocks, _D.pool_blocks),
+    EngineFlag("block_size", BlockSize, _D.block_size),
+    EngineFlag("chunk_size", ChunkSize, _D.chunk_size),
+    EngineFlag("max_prefill", MaxPrefill, _D.max_prefill),
+    EngineFlag("max_decode", MaxDecode, _D.max_decode),
+    EngineFlag("n_batch", NBatch, _D.n_batch),
+    EngineFlag("max_queue", MaxQueue, _D.max_queue),
+    EngineFlag("threads", Threads, _D.threads),
+    EngineFlag("ctx", Ctx, _D.ctx),
+    EngineFlag("gpu", Gpu, False),
+    EngineFlag("no_prefix_cache", NoPrefixCache, False),
+    EngineFlag("prefix_cache_blocks", PrefixCacheBlocks, 0),
+    EngineFlag("spec", Spec, None),
+    EngineFlag("draft_model", DraftModel, None),
+    EngineFlag("gamma", Gamma, _D.gamma),
+    EngineFlag("branch", Branch, _D.branch),
+    EngineFlag("draft_p_min", DraftPMin, _D.draft_p_min),
+    EngineFlag("verbose", Verbose, False),
+)
+
+
+def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a Typer command every engine flag. The command declares ``engine_flags`` (it gets a
+    ``{name: value}`` dict of them) and, if it has one, ``config_file`` last."""
+    hints = typing.get_type_hints(fn, include_extras=True)  # the command module's names
+    sig = inspect.signature(fn)
+    own = [p.replace(annotation=hints.get(name, p.annotation))
+           for name, p in sig.parameters.items() if name != "engine_flags"]
+    head = [p for p in own if p.name != "config_file"]
+    tail = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own
+            if p.name == "config_file"]
+    flags = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=f.annotation) for f in ENGINE_FLAGS]
+    params = head + flags + tail
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> Any:
+        values = {f.name: kwargs.pop(f.name) for f in ENGINE_FLAGS}
+        return fn(**kwargs, engine_flags=values)
+
+    command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig for these flag values (names as in ``ENGINE_FLAGS``; missing ones take
+    their defaults)."""
     from justllm.models.source import resolve_model
 
-    return EngineConfig(
-        model=model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
-        chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode, n_batch=n_batch,
-        max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu, verbose=verbose,
-        prefix_cache=not no_prefix_cache, prefix_cache_blocks=prefix_cache_blocks,
-        spec=spec or "", draft_model=resolve_model(draft_model) if draft_model else None,
-        gamma=gamma, branch=branch, draft_p_min=draft_p_min)
+    v = {f.name: f.default for f in ENGINE_FLAGS} | flags
+    no_prefix_cache, spec, draft_model = (v.pop("no_prefix_cache"), v.pop("spec"),
+                                          v.pop("draft_model"))
+    return EngineConfig(model=model, prefix_cache=not no_prefix_cache, spec=spec or "",
+                        draft_model=resolve_model(draft_model) if draft_model else None, **v)

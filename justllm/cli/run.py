@@ -14,10 +14,10 @@ from justllm.cli.errors import cli_errors
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import EngineError
 
-_D = o.EngineConfig()
 _S = SamplingParams()
 
 
+@o.engine_options
 def run(
     model: o.Model = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
@@ -34,25 +34,7 @@ def run(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
-    max_seqs: o.MaxSeqs = _D.max_seqs,
-    pool_blocks: o.PoolBlocks = _D.pool_blocks,
-    block_size: o.BlockSize = _D.block_size,
-    chunk_size: o.ChunkSize = _D.chunk_size,
-    max_prefill: o.MaxPrefill = _D.max_prefill,
-    max_decode: o.MaxDecode = _D.max_decode,
-    n_batch: o.NBatch = _D.n_batch,
-    max_queue: o.MaxQueue = _D.max_queue,
-    threads: o.Threads = _D.threads,
-    ctx: o.Ctx = _D.ctx,
-    gpu: o.Gpu = False,
-    no_prefix_cache: o.NoPrefixCache = False,
-    prefix_cache_blocks: o.PrefixCacheBlocks = 0,
-    spec: o.Spec = None,
-    draft_model: o.DraftModel = None,
-    gamma: o.Gamma = _D.gamma,
-    branch: o.Branch = _D.branch,
-    draft_p_min: o.DraftPMin = _D.draft_p_min,
-    verbose: o.Verbose = False,
+    engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
@@ -68,13 +50,7 @@ def run(
             min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
             ignore_eos=ignore_eos)
-        config = o.engine_config(
-            model, max_seqs=max_seqs, pool_blocks=pool_blocks, block_size=block_size,
-            chunk_size=chunk_size, max_prefill=max_prefill, max_decode=max_decode,
-            n_batch=n_batch, max_queue=max_queue, threads=threads, ctx=ctx, gpu=gpu,
-            verbose=verbose, no_prefix_cache=no_prefix_cache,
-            prefix_cache_blocks=prefix_cache_blocks, spec=spec, draft_model=draft_model,
-            gamma=gamma, branch=branch, draft_p_min=draft_p_min)
+        config = o.engine_config(model, engine_flags or {})
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 

@@ -14,34 +14,15 @@ from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
 from justllm.errors import ModelLoadError
 
-_D = o.EngineConfig()
 
-
+@o.engine_options
 def serve(
     model: o.Model = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
-    max_seqs: o.MaxSeqs = _D.max_seqs,
-    pool_blocks: o.PoolBlocks = _D.pool_blocks,
-    block_size: o.BlockSize = _D.block_size,
-    chunk_size: o.ChunkSize = _D.chunk_size,
-    max_prefill: o.MaxPrefill = _D.max_prefill,
-    max_decode: o.MaxDecode = _D.max_decode,
-    n_batch: o.NBatch = _D.n_batch,
-    max_queue: o.MaxQueue = _D.max_queue,
-    threads: o.Threads = _D.threads,
-    ctx: o.Ctx = _D.ctx,
-    gpu: o.Gpu = False,
-    no_prefix_cache: o.NoPrefixCache = False,
-    prefix_cache_blocks: o.PrefixCacheBlocks = 0,
-    spec: o.Spec = None,
-    draft_model: o.DraftModel = None,
-    gamma: o.Gamma = _D.gamma,
-    branch: o.Branch = _D.branch,
-    draft_p_min: o.DraftPMin = _D.draft_p_min,
-    verbose: o.Verbose = False,
+    engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
@@ -55,16 +36,11 @@ def serve(
         from justllm.models.source import resolve_model
         from justllm.server.app import ServerConfig, create_app
 
-        config = o.engine_config(
-            resolve_model(model), max_seqs=max_seqs, pool_blocks=pool_blocks,
-            block_size=block_size, chunk_size=chunk_size, max_prefill=max_prefill,
-            max_decode=max_decode, n_batch=n_batch, max_queue=max_queue, threads=threads,
-            ctx=ctx, gpu=gpu, verbose=verbose, no_prefix_cache=no_prefix_cache,
-            prefix_cache_blocks=prefix_cache_blocks, spec=spec, draft_model=draft_model,
-            gamma=gamma, branch=branch, draft_p_min=draft_p_min)
+        flags = engine_flags or {}
+        config = o.engine_config(resolve_model(model), flags)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
-        if gpu:
+        if config.gpu:
             require_gpu_offload()
         if not 0 < port < 65536:
             raise ValueError("--port must be in 1..65535")
@@ -74,10 +50,10 @@ def serve(
         Console(stderr=True).print(
             f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
-        if not verbose:
+        if not config.verbose:
             logging.getLogger("justllm").setLevel(logging.WARNING)
         server = _Server(uvicorn.Config(app, host=host, port=port,
-                                        log_level="info" if verbose else "warning",
+                                        log_level="info" if config.verbose else "warning",
                                         timeout_graceful_shutdown=10))
         server.run()
         if app.state.get("load_error"):
