@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from justllm.core.policy import SCHEDULING_POLICIES
 from justllm.core.sampling_params import MAX_DRAFT
 from justllm.core.scheduler import SchedulerConfig
+from justllm.kv.radix_cache import EVICTION_POLICIES
 
 SPEC_METHODS = ("", "ngram", "draft", "tree")
 MAX_SPEC_OUTPUTS = 256
@@ -49,6 +51,10 @@ class EngineConfig:
     spare_seq_ids: int = 32
     prefix_cache: bool = True
     prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
+    # Named policies: admission order and preemption victim (core/policy.py: "fcfs" or
+    # "priority"), and which cached prefix goes first (kv/radix_cache.py: "lru" or "clock").
+    scheduling_policy: str = "fcfs"
+    eviction_policy: str = "lru"
     # Speculative decoding: "" (off), "ngram", "draft" or "tree"; see justllm/spec.
     spec: str = ""
     draft_model: str | None = None
@@ -75,6 +81,12 @@ class EngineConfig:
                              "256 sequence ids, each with a twin on sliding-window models)")
         if self.chunk_size > self.n_batch:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be <= n_batch ({self.n_batch})")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f" (got {self.scheduling_policy!r})")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}"
+                             f" (got {self.eviction_policy!r})")
         if self.spec not in SPEC_METHODS:
             raise ValueError(f"spec must be one of {', '.join(m for m in SPEC_METHODS if m)} "
                              f"(got {self.spec!r})")
@@ -119,4 +131,5 @@ class EngineConfig:
             chunk_size=self.chunk_size, n_batch=self.n_batch, max_queue=self.max_queue,
             n_seq_ids=self.max_seqs + (self.spare_seq_ids
                                        if self.prefix_cache or self.spec == "tree" else 0),
-            max_outputs=self.n_outputs, row_multiple=1 if self.gpu else CPU_ROW_MULTIPLE)
+            max_outputs=self.n_outputs, row_multiple=1 if self.gpu else CPU_ROW_MULTIPLE,
+            policy=self.scheduling_policy)

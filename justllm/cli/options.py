@@ -42,6 +42,8 @@ Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decodin
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one).", envvar="JUSTLLM_DRAFT_MODEL")]
 Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
 Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
+SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
+EvictionPolicy = Annotated[str, typer.Option("--eviction-policy", help="Which cached prefix the prefix cache drops first: lru (least recently used) or clock (second chance).", envvar="JUSTLLM_EVICTION_POLICY")]
 DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="Stop a draft where the draft model's top token is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
 
 _D = EngineConfig()
@@ -109,6 +111,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("gpu", Gpu, False),
     EngineFlag("no_prefix_cache", NoPrefixCache, False),
     EngineFlag("prefix_cache_blocks", PrefixCacheBlocks, 0),
+    EngineFlag("scheduling_policy", SchedulingPolicy, _D.scheduling_policy),
+    EngineFlag("eviction_policy", EvictionPolicy, _D.eviction_policy),
     EngineFlag("spec", Spec, None),
     EngineFlag("draft_model", DraftModel, None),
     EngineFlag("gamma", Gamma, _D.gamma),

@@ -39,6 +39,9 @@ class SamplingParams:
     # engine's --gamma) and the draft model's confidence cut-off (None: --draft-p-min).
     spec_n_max: int | None = None
     spec_p_min: float | None = None
+    # Scheduling priority (vLLM's field): lower runs first; only with --scheduling-policy
+    # priority (the engine refuses a non-zero value otherwise).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,8 @@ class SamplingParams:
                f"speculative.n_max must be an integer in [0, {MAX_DRAFT}]", "speculative.n_max")
         _check(self.spec_p_min is None or (_is_num(self.spec_p_min) and 0.0 <= self.spec_p_min <= 1.0),
                "speculative.p_min must be a number in [0, 1]", "speculative.p_min")
+        _check(_is_int(self.priority) and abs(self.priority) < 2**63,
+               "priority must be an integer", "priority")
 
     @property
     def greedy(self) -> bool:

@@ -6,12 +6,14 @@ The scheduler is pure: ``schedule()`` returns a :class:`StepPlan`, the runner co
 1. every running request that is decoding gets its one token (up to ``max_decode``) — a long
    prompt never starves them;
 2. running requests still prefilling get a chunk of up to ``chunk_size`` tokens;
-3. waiting requests are admitted first-come first-served while a sequence id, a prefill slot,
-   token budget and KV blocks for their whole prompt are free.
+3. waiting requests are admitted in the policy's order (core/policy.py: first come first
+   served, or by priority) while a sequence id, a prefill slot, token budget and KV blocks for
+   their whole prompt are free.
 
 All of it within ``n_batch`` tokens per step. When decode needs a block and none is free, the
-newest running request is preempted: its blocks and sequence id are released and it goes back to
-the front of the queue, to be recomputed (prompt + output so far) when blocks free up.
+prefix cache is evicted first, then the policy's victim (FCFS: the newest running request) is
+preempted: its blocks and sequence id are released and it goes back to the queue, ahead of its
+peers, to be recomputed (prompt + output so far) when blocks free up.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
+from justllm.core.policy import make_policy
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
@@ -42,6 +45,8 @@ class SchedulerConfig:
     # Output rows cost by groups of this many (llama.cpp's CPU matmul tiles: 3 rows of the
     # 262k-wide output head cost more than 4); spare draft tokens fill a group. 1: off.
     row_multiple: int = 1
+    # Admission order and preemption victim (core/policy.py): "fcfs" or "priority".
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
@@ -53,6 +58,7 @@ class SchedulerConfig:
             raise ValueError("chunk_size must be <= n_batch")
         if self.n_seq_ids and self.n_seq_ids < self.max_seqs:
             raise ValueError("n_seq_ids must be >= max_seqs")
+        make_policy(self.policy)  # raises on an unknown name
 
 
 class Scheduler:
@@ -61,8 +67,10 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.cache = cache
+        self.policy = make_policy(config.policy)
+        # Ordered by the policy (admission order first: nobody jumps a head that cannot start).
         self.waiting: deque[Request] = deque()
-        # Ordered by admission; the last one is the preemption victim.
+        # Ordered by admission; the policy picks the preemption victim.
         self.running: list[Request] = []
         n_ids = config.n_seq_ids or config.max_seqs
         self._free_seq_ids: list[int] = list(range(n_ids - 1, -1, -1))
@@ -78,7 +86,7 @@ class Scheduler:
         if self.pool.blocks_for(request.num_tokens) > self.pool.total_blocks:
             raise ValueError("request needs more KV blocks than the pool holds")
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is; its KV is released before the next step."""
@@ -99,11 +107,12 @@ class Scheduler:
         self._release(request)
         self._finish(request, reason)
 
-    def preempt_newest(self) -> Request | None:
-        """Preempt the newest running request outside a schedule() call."""
+    def preempt_victim(self) -> Request | None:
+        """Preempt the policy's victim (FCFS: the newest running request) outside a
+        schedule() call."""
         if not self.running:
             return None
-        victim = self.running[-1]
+        victim = self.policy.keep_order(self.running)[-1]
         self._preempt(victim, StepPlan())
         return victim
 
@@ -128,7 +137,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.num_cached_tokens = 0
         request.kv_errors += 1
-        self.waiting.appendleft(request)
+        self.policy.requeue(self.waiting, request)
 
     def flush_cache(self) -> None:
         """Evict every unlocked prefix-cache entry (its KV is dropped at the next step)."""
@@ -150,8 +159,9 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------------------
 
     def decoding(self) -> list[Request]:
-        """Running requests whose next step is a decode (candidates for speculation)."""
-        return [r for r in self.running if r.num_uncomputed_tokens == 1]
+        """Running requests whose next step is a decode (candidates for speculation), in the
+        policy's keep order: blocks go to them in this order, and a victim is always later."""
+        return [r for r in self.policy.keep_order(self.running) if r.num_uncomputed_tokens == 1]
 
     def schedule(self, drafts: dict[str, DraftTree] | None = None) -> StepPlan:
         """Plan the next step. ``drafts`` maps request ids to draft tokens to verify after
@@ -199,7 +209,7 @@ class Scheduler:
 
         while (self.waiting and budget >= 1 and n_prefill < cfg.max_prefill
                and len(self.running) < cfg.max_seqs):
-            # FCFS: when the head cannot start, nobody jumps the queue.
+            # When the head cannot start, nobody jumps the queue.
             if not self._admit(self.waiting[0]):
                 break
             req = self.waiting.popleft()
@@ -417,14 +427,14 @@ class Scheduler:
 
     def _grow_for_decode(self, req: Request, plan: StepPlan) -> bool:
         """Make room for one more token of ``req``: evict cached prefixes first, then preempt
-        the newest request. False if ``req`` itself was preempted."""
+        the policy's victim. False if ``req`` itself was preempted."""
         needed = self.pool.blocks_for(req.num_tokens - req.num_cached_tokens) - len(req.block_ids)
         while needed > 0 and not self.pool.can_allocate(needed):
             if self.cache is not None:
                 self._take(self.cache.evict_blocks(needed))
                 if self.pool.can_allocate(needed):
                     break
-            victim = self.running[-1]
+            victim = self.policy.keep_order(self.running)[-1]
             self._preempt(victim, plan)
             if victim is req:
                 return False
@@ -438,7 +448,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
         plan.preempted.append(req)
 
     def _release(self, req: Request) -> None:

@@ -29,7 +29,7 @@ from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
-from justllm.kv.radix_cache import RadixCache
+from justllm.kv.radix_cache import RadixCache, make_eviction_policy
 from justllm.models.source import resolve_model
 from justllm.spec.proposer import DraftRequest, Proposer
 from justllm.spec.verify import walk_draft
@@ -134,7 +134,8 @@ class Engine:
             ))
         self.backend = backend
         self.pool = BlockPool(config.pool_blocks, config.block_size)
-        self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None)
+        self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None,
+                                 policy=make_eviction_policy(config.eviction_policy))
                       if config.prefix_cache else None)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
         self.runner = Runner(backend, self.scheduler.config.row_multiple)
@@ -181,6 +182,10 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {params.priority} given, but priority scheduling is off (start with "
+                "--scheduling-policy priority)", param="priority")
         tokens = self.tokenize(prompt)
         if len(tokens) >= self.max_request_tokens:
             raise InvalidRequestError(
@@ -456,10 +461,10 @@ class Engine:
 
     def _on_cache_full(self, plan: StepPlan) -> list[RequestOutput]:
         """Block accounting should prevent this; if llama.cpp still finds no room, preempt the
-        newest request (it is recomputed later) rather than fail anyone."""
+        policy's victim (it is recomputed later) rather than fail anyone."""
         with self._lock:
             if len(self.scheduler.running) > 1:
-                self.scheduler.preempt_newest()
+                self.scheduler.preempt_victim()
                 self._preemptions_total += 1
                 return []
         return self._fail_plan(plan, "the KV cache is full")

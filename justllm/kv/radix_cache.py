@@ -113,6 +113,18 @@ class ClockPolicy:
         return ordered[0]
 
 
+EVICTION_POLICIES: dict[str, type[LRUPolicy] | type[ClockPolicy]] = {
+    "lru": LRUPolicy, "clock": ClockPolicy}
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    try:
+        return EVICTION_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)} "
+                         f"(got {name!r})") from None
+
+
 @dataclass(frozen=True)
 class Match:
     length: int

@@ -75,7 +75,8 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty or 0.0,
             repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
             seed=seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min)
+            spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
+            priority=req.priority)
 
     def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]]) -> list[RequestStream]:
         """Submit every choice, or none: if one is refused the others are aborted."""

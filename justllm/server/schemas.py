@@ -59,6 +59,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # Speculative decoding per request, named as llama-server names them (0 turns it off).
     speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
+    # vLLM's extension: lower runs first (needs --scheduling-policy priority).
+    priority: int = 0
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

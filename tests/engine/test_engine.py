@@ -226,3 +226,24 @@ def test_logprobs_are_reported(engine):
     for tok, lp in zip(tokens, lps):
         assert lp.token_id == tok and lp.logprob <= 0
         assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy picks the top token
+
+
+def test_priority_scheduling_serves_lower_values_first(model_path):
+    e = Engine(EngineConfig(model=model_path, max_seqs=1, pool_blocks=64,
+                            scheduling_policy="priority"))
+    try:
+        order = []
+        for rid, prio in [("a", 5), ("b", 0), ("c", 5), ("d", -3)]:
+            e.add_request("Count: 1, 2, 3,", SamplingParams(max_tokens=3, priority=prio,
+                                                            ignore_eos=True), request_id=rid)
+        while e.has_unfinished():
+            order += [o.request_id for o in e.step() if o.finished]
+        assert order == ["d", "b", "a", "c"]
+    finally:
+        e.close()
+
+
+def test_priority_is_refused_without_priority_scheduling(engine):
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        engine.add_request("hi", SamplingParams(max_tokens=1, priority=2))
+    assert not engine.has_unfinished()

@@ -113,3 +113,10 @@ def test_api_key_and_queue_full(model_path):
         assert limited.json()["error"]["type"] == "rate_limit_error"
     finally:
         assert s.stop() == 0
+
+
+def test_priority_needs_priority_scheduling(server):
+    body = {"model": server.model, "prompt": "Hello", "max_tokens": 2}
+    assert_error(post(server, "/v1/completions", {**body, "priority": 3}), 400, "priority")
+    assert_error(post(server, "/v1/completions", {**body, "priority": "high"}), 400, "priority")
+    assert post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200
