@@ -148,11 +148,11 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
     """The EngineConfig for these flag values (names as in ``ENGINE_FLAGS``; missing ones take
-    their defaults)."""
+    their defaults), with the model and draft model resolved to files, once per command."""
     from justllm.models.source import resolve_model
 
     v = {f.name: f.default for f in ENGINE_FLAGS} | flags
     no_prefix_cache, spec, draft_model = (v.pop("no_prefix_cache"), v.pop("spec"),
                                           v.pop("draft_model"))
-    return EngineConfig(model=model, prefix_cache=not no_prefix_cache, spec=spec or "",
+    return EngineConfig(model=resolve_model(model), prefix_cache=not no_prefix_cache, spec=spec or "",
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)

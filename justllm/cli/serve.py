@@ -31,13 +31,13 @@ def serve(
         import uvicorn
 
         from justllm.engine.async_engine import AsyncEngine
-        from justllm.engine.backend import check_gguf_file, require_gpu_offload
+        from justllm.engine.backend import require_gpu_offload
         from justllm.engine.engine import Engine
-        from justllm.models.source import resolve_model
+        from justllm.models.gguf import check_gguf_file
         from justllm.server.app import ServerConfig, create_app
 
         flags = engine_flags or {}
-        config = o.engine_config(resolve_model(model), flags)
+        config = o.engine_config(model, flags)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
         if config.gpu:

@@ -16,17 +16,16 @@ import ctypes
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
+from justllm.models.gguf import check_gguf_file
 
 JSON_GRAMMAR: str = _grammar.JSON_GBNF
 
-GGUF_MAGIC = b"GGUF"
 MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
 
 
@@ -125,20 +124,6 @@ def require_gpu_offload() -> None:
             "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
             "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "
             "--no-cache-dir llama-cpp-python==0.3.36")
-
-
-def check_gguf_file(path: str) -> None:
-    """Fail with a clear message before llama.cpp sees a file that is not a GGUF."""
-    p = Path(path)
-    if not p.is_file():
-        raise ModelLoadError(f"model file not found: {path}")
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from e
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic at its start)")
 
 
 class LlamaBackend:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
+from justllm.models.gguf import GGUF_MAGIC, gguf_magic
 
 PREFERRED_QUANT = "Q4_K_M"  # what `REPO` alone picks when a repo holds several quantizations
 
@@ -132,9 +133,8 @@ def pull_model(ref: str, *, revision: str = "main", force: bool = False,
     file, got = _fetch(repo, file, revision, root, force=force, endpoint=endpoint,
                        console=console)
     path = _flatten(root, got)
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
+    magic = gguf_magic(path)
+    if magic != GGUF_MAGIC:
         path.unlink()
         raise ModelLoadError(f"{repo}:{file} is not a GGUF file (it starts with {magic!r})")
     console.print(f"pulled {repo}:{file} -> {path}", highlight=False, soft_wrap=True)

@@ -1,10 +1,12 @@
-"""Where a model file comes from: a path the user gave, or the bundled demo model."""
+"""Where a model file comes from: an ordered list of sources (a path, the models directory, a
+Hugging Face repo), or the bundled demo model when no model is named."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
+from typing import Protocol
 
 from justllm.errors import ModelLoadError
 
@@ -18,30 +20,69 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def resolve_model(model: str | None) -> str:
-    """The path of the GGUF to load: a path, a name in the models directory, or a Hugging Face
-    ``REPO[:FILE]`` (downloaded into the models directory first). ``None``: the demo model."""
-    if model is None:
-        return str(demo_model_path())
-    path = Path(model).expanduser()
-    if not path.exists():
+class ModelSource(Protocol):
+    """One place a model name can point to."""
+
+    name: str
+
+    def find(self, ref: str) -> Path | None:
+        """The GGUF ``ref`` names here, or None when this source does not know it."""
+        ...
+
+
+class LocalPath:
+    name = "path"
+
+    def find(self, ref: str) -> Path | None:
+        path = Path(ref).expanduser()
+        if not path.exists():
+            return None
+        if path.is_dir():
+            raise ModelLoadError(f"{ref} is a directory; pass a path to a .gguf file")
+        return path
+
+
+class ModelsDirectory:
+    name = "models directory"
+
+    def find(self, ref: str) -> Path | None:
         from justllm.models.store import ModelStore
 
-        found = ModelStore().find(model)
+        return ModelStore().find(ref)
+
+
+class HuggingFaceRepo:
+    """``REPO[:FILE]``: the copy in the models directory, or downloaded into it first."""
+
+    name = "Hugging Face"
+
+    def find(self, ref: str) -> Path | None:
+        from justllm.models.hub import looks_like_repo, pull_model, split_ref
+        from justllm.models.store import ModelStore
+
+        if not looks_like_repo(ref):
+            return None
+        _, file = split_ref(ref)
+        if file is not None and (cached := ModelStore().find(Path(file).stem)) is not None:
+            return cached
+        return pull_model(ref)
+
+
+# Tried in this order; the first that knows a name wins.
+SOURCES: tuple[ModelSource, ...] = (LocalPath(), ModelsDirectory(), HuggingFaceRepo())
+
+
+def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES) -> str:
+    """The path of the GGUF to load: the first of ``sources`` that knows ``model`` (a path, a
+    name in the models directory, a Hugging Face ``REPO[:FILE]``). ``None``: the demo model."""
+    if model is None:
+        return str(demo_model_path())
+    for source in sources:
+        found = source.find(model)
         if found is not None:
             return str(found)
-        from justllm.models.hub import looks_like_repo, pull_model, split_ref
-
-        if looks_like_repo(model):
-            repo, file = split_ref(model)
-            if file is not None and (cached := ModelStore().find(Path(file).stem)) is not None:
-                return str(cached)
-            return str(pull_model(model))  # a Hugging Face repo: fetched into the models dir
-        raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a name "
-                             "from 'justllm models', or a Hugging Face REPO[:FILE])")
-    if path.is_dir():
-        raise ModelLoadError(f"{model} is a directory; pass a path to a .gguf file")
-    return str(path)
+    raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a name "
+                         "from 'justllm models', or a Hugging Face REPO[:FILE])")
 
 
 def demo_model_path() -> Path:
