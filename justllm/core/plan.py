@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from justllm.core.request import Request
+from justllm.core.request import FinishReason, Request
 from justllm.kv.radix_cache import KVOp, freed_sequences
 
 
@@ -150,3 +150,14 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks and not self.kv_ops
+
+
+@dataclass
+class StepResult:
+    """What sampling made of a computed step, for ``Scheduler.update``: the accepted draft nodes
+    of each speculative chunk (by chunk index; a missing one accepted nothing) and the requests
+    that ended in this step, with why. The sampled tokens themselves are already appended to
+    each request's ``output_token_ids`` by the engine, which owns them."""
+
+    paths: dict[int, list[int]] = field(default_factory=dict)
+    finished: list[tuple[Request, FinishReason]] = field(default_factory=list)

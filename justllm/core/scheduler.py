@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
+from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.policy import make_policy
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.errors import QueueFullError
@@ -223,10 +223,15 @@ class Scheduler:
         self._pending_ops = []
         return plan
 
-    def update(self, plan: StepPlan) -> None:
-        """The runner computed ``plan``: those tokens are now in the KV. A prompt that is
-        complete is offered to the prefix cache at once (live), so requests arriving with the
-        same prefix share it while this one is still running."""
+    def update(self, plan: StepPlan, result: StepResult | None = None) -> list[Request]:
+        """The runner computed ``plan`` and the engine sampled it into ``result``; returns the
+        requests that finished.
+
+        In order: the computed tokens are now in the KV (a prompt that is complete is offered to
+        the prefix cache at once, live, so requests arriving with the same prefix share it while
+        this one is still running); each speculative chunk keeps the KV of its accepted draft
+        nodes and drops the rest (:meth:`settle`); finished requests release their KV. Without
+        ``result`` (pure scheduling tests) only the first happens."""
         for chunk in plan.chunks:
             req = chunk.request
             # Of a speculative chunk only the root is known good; settle() adds the rest.
@@ -235,13 +240,24 @@ class Scheduler:
                     and req.num_computed_tokens >= req.num_prompt_tokens):
                 req.prompt_cached = True
                 self._take(self.cache.insert(req.prompt_token_ids, req.seq_id, live=True))
+        if result is None:
+            return []
+        for i, chunk in enumerate(plan.chunks):
+            if chunk.draft is not None:
+                self.settle(chunk, result.paths.get(i, []))
+        finished = []
+        for req, reason in result.finished:
+            if req.status is RequestStatus.RUNNING:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
 
     def settle(self, chunk: ScheduledChunk, path: list[int]) -> None:
         """Verification of ``chunk``'s draft kept the nodes ``path`` (root's child first): keep
         their cells in the request's sequence, drop every other draft cell and the tree's extra
-        sequences, and give back blocks held for rejected drafts. Call after the accepted
-        tokens were appended and before the request is finished, even for a request aborted
-        while the step ran (its extra sequences still hold cells)."""
+        sequences, and give back blocks held for rejected drafts. ``update`` calls it for every
+        speculative chunk, before finishing anyone, also for a request aborted while the step ran
+        (its extra sequences still hold cells)."""
         draft, req = chunk.draft, chunk.request
         assert draft is not None
         ops = self._pending_ops

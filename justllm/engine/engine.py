@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
-from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan
+from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
@@ -277,8 +277,10 @@ class Engine:
             # The others go again in the next step; without a culprit the step fails whole.
             return isolated if isolated is not None else self._fail_plan(plan, str(e))
         with self._lock:
-            self.scheduler.update(plan)
-            return self._postprocess(plan, logits)
+            outputs, result = self._postprocess(plan, logits)
+            for req in self.scheduler.update(plan, result):
+                self._drop(req.request_id)
+            return outputs
 
     def check_kv(self, plan: StepPlan | None = None) -> None:
         """Raise KVConsistencyError unless every sequence id's cells in llama.cpp are what the
@@ -341,11 +343,14 @@ class Engine:
                         live.window.record(1, 0, self._steps)
         return drafts
 
-    def _postprocess(self, plan: StepPlan, logits) -> list[RequestOutput]:
+    def _postprocess(self, plan: StepPlan, logits) -> tuple[list[RequestOutput], StepResult]:
+        """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
+        to the requests and their outputs; what the scheduler must know goes in the result."""
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
+        result = StepResult()
         row = 0
-        for chunk in plan.chunks:
+        for i, chunk in enumerate(plan.chunks):
             req = chunk.request
             live = self._live.get(req.request_id)
             if live is not None:
@@ -353,28 +358,28 @@ class Engine:
             n_rows = chunk.num_logits
             rows = logits[row:row + n_rows]
             row += n_rows
+            if live is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran (a draft's KV is still settled)
             if chunk.draft is not None:
-                if live is None or req.status is not RequestStatus.RUNNING:
-                    self.scheduler.settle(chunk, [])
-                    continue
-                outputs.append(self._verify(live, chunk, rows, now))
-            elif n_rows and live is not None and req.status is RequestStatus.RUNNING:
-                outputs.append(self._sample_one(live, rows[0], now))
-        return outputs
+                outputs.append(self._verify(live, chunk, rows, now, result, i))
+            elif n_rows:
+                outputs.append(self._sample_one(live, rows[0], now, result))
+        return outputs, result
 
-    def _sample_one(self, live: _Live, logits, now: float) -> RequestOutput:
+    def _sample_one(self, live: _Live, logits, now: float, result: StepResult) -> RequestOutput:
         req = live.request
         out = _Emitted()
         try:
             sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
         except EngineError as e:  # e.g. a grammar with no way forward: end this request only
-            return self._end_with_error(live, out, str(e))
+            return self._end_with_error(live, out, str(e), result)
         self._emit(live, sampled, now, out)
-        return self._finish_output(live, out, now)
+        return self._finish_output(live, out, now, result)
 
-    def _verify(self, live: _Live, chunk: ScheduledChunk, rows, now: float) -> RequestOutput:
+    def _verify(self, live: _Live, chunk: ScheduledChunk, rows, now: float,
+                result: StepResult, index: int) -> RequestOutput:
         """Walk the draft with the request's own sampling rule, emitting each token the target
-        produced; keep the KV of the accepted nodes and drop the rest."""
+        produced; the accepted nodes go in the result (the scheduler keeps their KV)."""
         req, draft, sampler = live.request, chunk.draft, live.sampler
         assert draft is not None
         out = _Emitted()
@@ -392,9 +397,8 @@ class Engine:
         try:
             verdict = walk_draft(draft, step)
         except EngineError as e:
-            self.scheduler.settle(chunk, [])
-            return self._end_with_error(live, out, str(e))
-        self.scheduler.settle(chunk, list(verdict.path))
+            return self._end_with_error(live, out, str(e), result)
+        result.paths[index] = list(verdict.path)
         proposed = max(draft.depths)
         if live.window is not None:
             live.window.record(proposed, verdict.accepted, self._steps)
@@ -404,7 +408,7 @@ class Engine:
         rate = verdict.accepted / proposed
         prev = self._recent_acceptance
         self._recent_acceptance = rate if prev is None else prev + RECENT_WEIGHT * (rate - prev)
-        return self._finish_output(live, out, now)
+        return self._finish_output(live, out, now, result)
 
     def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted) -> None:
         """Append one token to the request and check its stop conditions."""
@@ -431,21 +435,21 @@ class Engine:
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
             out.reason = FinishReason.LENGTH
 
-    def _finish_output(self, live: _Live, out: _Emitted, now: float) -> RequestOutput:
+    def _finish_output(self, live: _Live, out: _Emitted, now: float,
+                       result: StepResult) -> RequestOutput:
         req, reason = live.request, out.reason
         text = live.detok.take_new_text(final=reason is not None)
         if reason is not None:
-            self.scheduler.finish(req, reason)
+            result.finished.append((req, reason))
             live.metrics.finished_time = now
-            self._drop(req.request_id)
         return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
                              reason.value if reason else None, out.logprobs or None,
                              live.metrics)
 
-    def _end_with_error(self, live: _Live, out: _Emitted, message: str) -> RequestOutput:
+    def _end_with_error(self, live: _Live, out: _Emitted, message: str,
+                        result: StepResult) -> RequestOutput:
         req = live.request
-        self.scheduler.finish(req, FinishReason.ABORT)
-        self._drop(req.request_id)
+        result.finished.append((req, FinishReason.ABORT))
         return RequestOutput(req.request_id, live.detok.take_new_text(final=True),
                              out.token_ids, True, "abort", out.logprobs or None, live.metrics,
                              error=message)
