@@ -31,11 +31,8 @@ from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import RadixCache, make_eviction_policy
 from justllm.models.source import resolve_model
-from justllm.spec.proposer import DraftRequest, Proposer
+from justllm.spec.controller import SpecController, SpecStats
 from justllm.spec.verify import walk_draft
-from justllm.spec.window import SpecWindow
-
-RECENT_WEIGHT = 0.05  # of each verified draft in the engine's recent acceptance rate
 
 
 @dataclass(frozen=True)
@@ -87,21 +84,6 @@ class _Live:
     sampler: RequestSampler
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
-    window: SpecWindow | None = None  # None: this request does not speculate
-
-
-@dataclass(frozen=True)
-class SpecStats:
-    """Speculative decoding counters (vLLM's spec_decode metrics): verified drafts, draft
-    tokens put through the target, and how many of those were accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -150,14 +132,14 @@ class Engine:
         self._generation_tokens_total = 0
         self._preemptions_total = 0
         try:
-            self.proposer: Proposer | None = make_proposer(config, backend)
+            proposer = make_proposer(config, backend)
         except BaseException:
             if owns_backend:
                 backend.close()
             raise
-        self._spec = SpecStats()
-        # Acceptance rate of recent drafts (an exponential average; None before any).
-        self._recent_acceptance: float | None = None
+        self.spec = (SpecController(proposer, gamma=config.gamma,
+                                    max_nodes=config.max_draft_nodes, p_min=config.draft_p_min)
+                     if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
 
     # ---- requests -------------------------------------------------------------------------
@@ -206,18 +188,10 @@ class Engine:
             self._live[request_id] = _Live(
                 req, RequestSampler(params, seed, constraint),
                 IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
-                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)),
-                self._spec_window(params))
+                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)))
+            if self.spec is not None:
+                self.spec.admit(request_id, params, self._steps)
         return request_id
-
-    def _spec_window(self, params: SamplingParams) -> SpecWindow | None:
-        if self.proposer is None:
-            return None
-        n_max = self.config.gamma if params.spec_n_max is None else params.spec_n_max
-        if n_max <= 0:
-            return None
-        return SpecWindow(min(n_max, self.config.max_draft_nodes), self._recent_acceptance,
-                          self._steps)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -246,7 +220,7 @@ class Engine:
                 generation_tokens_total=self._generation_tokens_total,
                 num_preemptions_total=self._preemptions_total,
                 prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats(),
-                spec=self._spec)
+                spec=self.spec.stats if self.spec is not None else SpecStats())
 
     def flush_prefix_cache(self) -> None:
         """Drop every cached prefix no running request uses; the KV goes at the next step."""
@@ -257,7 +231,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._steps += 1
-        drafts = self._propose() if self.proposer is not None else None
+        drafts = self._propose() if self.spec is not None else None
         try:
             with self._lock:  # planned and put in the batch before an abort can interleave
                 plan = self.scheduler.schedule(drafts)
@@ -318,29 +292,13 @@ class Engine:
         """Drafts for the requests about to decode whose window is open. The proposer runs
         outside the lock (a draft model decodes); a request aborted meanwhile is skipped by the
         scheduler, which only plans running requests."""
-        assert self.proposer is not None
-        wants = []
+        assert self.spec is not None
         with self._lock:
-            for req in self.scheduler.decoding():
-                live = self._live.get(req.request_id)
-                if live is None or live.window is None:
-                    continue
-                k = live.window.want(self._steps)
-                if k:
-                    p = req.params
-                    wants.append(DraftRequest(
-                        req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,
-                        self.config.draft_p_min if p.spec_p_min is None else p.spec_p_min,
-                        k_max=live.window.max_k))
-        if not wants:
-            return {}
-        drafts = self.proposer.propose(wants)
-        if self.proposer.costly and len(drafts) < len(wants):
+            wants = self.spec.wants(self.scheduler.decoding(), self._steps)
+        drafts = self.spec.propose(wants)
+        if wants and len(drafts) < len(wants):
             with self._lock:
-                for w in wants:
-                    live = self._live.get(w.request_id)
-                    if w.request_id not in drafts and live is not None and live.window:
-                        live.window.record(1, 0, self._steps)
+                self.spec.record_misses(wants, drafts, self._steps)
         return drafts
 
     def _postprocess(self, plan: StepPlan, logits) -> tuple[list[RequestOutput], StepResult]:
@@ -399,15 +357,8 @@ class Engine:
         except EngineError as e:
             return self._end_with_error(live, out, str(e), result)
         result.paths[index] = list(verdict.path)
-        proposed = max(draft.depths)
-        if live.window is not None:
-            live.window.record(proposed, verdict.accepted, self._steps)
-        s = self._spec
-        self._spec = SpecStats(s.num_drafts + 1, s.num_draft_tokens + len(draft),
-                               s.num_accepted_tokens + verdict.accepted)
-        rate = verdict.accepted / proposed
-        prev = self._recent_acceptance
-        self._recent_acceptance = rate if prev is None else prev + RECENT_WEIGHT * (rate - prev)
+        assert self.spec is not None
+        self.spec.record(req.request_id, draft, verdict.accepted, self._steps)
         return self._finish_output(live, out, now, result)
 
     def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted) -> None:
@@ -456,8 +407,8 @@ class Engine:
 
     def _drop(self, request_id: str) -> None:
         self._live.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.release(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     def _undo(self, plan: StepPlan) -> None:
         with self._lock:
@@ -501,8 +452,8 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        if self.proposer is not None:
-            self.proposer.close()
+        if self.spec is not None:
+            self.spec.close()
         self.backend.close()
 
 

@@ -1,10 +1,13 @@
 """Lossless verification of draft tokens against the target model's rows of logits.
 
-Greedy: keep drafts while they equal the target's argmax, then add the target's own token
-(the correction, or the bonus after a full match). Sampling: the standard rule — accept draft
-``x`` with probability ``min(1, p(x)/q(x))``, on rejection sample from ``norm(max(0, p - q))`` —
-so the output distribution is exactly the target's. For a deterministic proposer (n-gram) ``q``
-is a point mass and the rule becomes "accept with probability p(x)", residual = p without x.
+One path for every method and sampling rule: :func:`walk_draft` descends a chain or tree with
+the request's own sampler deciding each row (the engine's ``_verify``). Greedy keeps drafts
+while they equal the target's argmax, then adds the target's own token (the correction, or the
+bonus after a full match). Sampling uses the standard rule (:func:`accept_or_resample`): accept
+draft ``x`` with probability ``min(1, p(x)/q(x))``, on rejection sample from
+``norm(max(0, p - q))``, so the output distribution is exactly the target's. For a
+deterministic proposer (n-gram) ``q`` is a point mass and the rule becomes "accept with
+probability p(x)", residual = p without x.
 """
 
 from __future__ import annotations
@@ -50,12 +53,6 @@ def walk_draft(draft: DraftTree, step: Callable[[int, tuple[int, ...]], tuple[in
         row = nxt + 1
 
 
-def verify_greedy(target_rows: np.ndarray, draft: list[int]) -> Verdict:
-    """``target_rows``: ``len(draft) + 1`` rows of logits (row i predicts draft[i])."""
-    return walk_draft(DraftTree.chain(draft),
-                      lambda row, _kids: (int(np.argmax(target_rows[row])), False))
-
-
 def accept_or_resample(p: np.ndarray, d: int, q: np.ndarray | None,
                        rng: np.random.Generator) -> int:
     """One row of rejection sampling: ``d`` if accepted, else a draw from the residual.
@@ -72,20 +69,3 @@ def accept_or_resample(p: np.ndarray, d: int, q: np.ndarray | None,
     if total <= 0:  # p == q: any draw from p is right
         residual, total = np.asarray(p, dtype=np.float64), float(np.sum(p))
     return int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right"))
-
-
-def verify_sampled(target_probs: np.ndarray, draft: list[int], draft_probs: np.ndarray | None,
-                   rng: np.random.Generator) -> Verdict:
-    """Rejection sampling over a chain. ``target_probs``: ``len(draft) + 1`` rows of the
-    target's sampling distribution (after temperature/top-k/top-p); ``draft_probs``: the
-    proposer's rows, or None for a deterministic proposer."""
-    out: list[int] = []
-    for i, d in enumerate(draft):
-        token = accept_or_resample(target_probs[i], d,
-                                   None if draft_probs is None else draft_probs[i], rng)
-        out.append(token)
-        if token != d:
-            return Verdict(out, i)
-    p = np.asarray(target_probs[len(draft)], dtype=np.float64)
-    out.append(int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right")))
-    return Verdict(out, len(draft))

@@ -3,8 +3,9 @@ rejection sampling keeps the target distribution."""
 
 import numpy as np
 
+from justllm.core.plan import DraftTree
 from justllm.spec.proposer import NgramProposer
-from justllm.spec.verify import verify_greedy, verify_sampled
+from justllm.spec.verify import Verdict, accept_or_resample, walk_draft
 
 
 def test_ngram_proposes_the_latest_continuation_longest_match_first():
@@ -24,6 +25,28 @@ def one_hot_rows(tokens, vocab=10):
     for i, t in enumerate(tokens):
         rows[i, t] = 5.0
     return rows
+
+
+def verify_greedy(rows: np.ndarray, draft: list[int]) -> Verdict:
+    """The engine's greedy rule through the one verification path."""
+    return walk_draft(DraftTree.chain(draft), lambda row, _kids: (int(np.argmax(rows[row])), False))
+
+
+def verify_sampled(p_rows: np.ndarray, draft: list[int], q_rows: np.ndarray | None,
+                   rng: np.random.Generator) -> Verdict:
+    """The engine's sampled rule (RequestSampler: accept_or_resample against the one child,
+    a plain draw after the last) through the one verification path."""
+    tree = DraftTree.chain(draft)
+
+    def step(row: int, kids: tuple[int, ...]) -> tuple[int, bool]:
+        p = p_rows[row]
+        if kids:
+            k = kids[0]
+            return accept_or_resample(p, tree.tokens[k], None if q_rows is None else q_rows[k],
+                                      rng), False
+        return int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right")), False
+
+    return walk_draft(tree, step)
 
 
 def test_greedy_keeps_matching_drafts_then_the_targets_token():
@@ -65,9 +88,6 @@ def test_deterministic_draft_rejection_sampling_preserves_the_distribution():
 
 
 def test_walk_draft_follows_the_branch_the_target_takes():
-    from justllm.core.plan import DraftTree
-    from justllm.spec.verify import walk_draft
-
     # root -> {4, 6}; 4 -> 5; 6 -> 7 -> 8. The target says 6, 7, 9.
     tree = DraftTree((4, 6, 5, 7, 8), (-1, -1, 0, 1, 3))
     target = {0: 6, 2: 7, 4: 9}  # row (0: root, i + 1: node i) -> the target's token

@@ -1,0 +1,108 @@
+"""Speculation for one engine: the proposer, every request's adaptive window, the counters.
+
+The engine asks it, once per step and under its lock, which decoding requests want a draft and
+how deep (:meth:`SpecController.wants`); runs the proposer outside the lock
+(:meth:`SpecController.propose`, a draft model decodes); verifies the drafts that the scheduler
+put in the batch with each request's sampler, and reports the verdicts back
+(:meth:`SpecController.record`). Everything about *how much* to speculate lives here; what a
+draft costs in the batch is the scheduler's, and how a draft is made is the proposer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from justllm.core.plan import DraftTree
+from justllm.core.request import Request
+from justllm.core.sampling_params import SamplingParams
+from justllm.spec.proposer import DraftRequest, Proposer
+from justllm.spec.window import SpecWindow
+
+RECENT_WEIGHT = 0.05  # of each verified draft in the recent acceptance rate
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding counters (vLLM's spec_decode metrics): verified drafts, draft
+    tokens put through the target, and how many of those were accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpecController:
+    """``gamma``: the default most draft tokens per request and step (a request's
+    ``spec_n_max`` overrides it, 0 turns speculation off for it); ``max_nodes``: the most any
+    request may put in a step (a tree's nodes); ``p_min``: the default draft-model cut-off."""
+
+    def __init__(self, proposer: Proposer, *, gamma: int, max_nodes: int, p_min: float) -> None:
+        self.proposer = proposer
+        self.gamma = gamma
+        self.max_nodes = max_nodes
+        self.p_min = p_min
+        self.stats = SpecStats()
+        self._windows: dict[str, SpecWindow] = {}
+        # Acceptance rate of recent drafts (an exponential average; None before any): new
+        # requests start in backoff when it is poor.
+        self._recent: float | None = None
+
+    def admit(self, request_id: str, params: SamplingParams, step: int) -> None:
+        """A new request: give it a window unless it turned speculation off."""
+        n_max = self.gamma if params.spec_n_max is None else params.spec_n_max
+        if n_max > 0:
+            self._windows[request_id] = SpecWindow(min(n_max, self.max_nodes), self._recent,
+                                                   step)
+
+    def release(self, request_id: str) -> None:
+        self._windows.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def wants(self, decoding: Iterable[Request], step: int) -> list[DraftRequest]:
+        """The requests about to decode whose window is open at ``step``, with their depth."""
+        out = []
+        for req in decoding:
+            window = self._windows.get(req.request_id)
+            k = window.want(step) if window is not None else 0
+            if k:
+                p = req.params
+                out.append(DraftRequest(
+                    req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,
+                    self.p_min if p.spec_p_min is None else p.spec_p_min,
+                    k_max=window.max_k))  # type: ignore[union-attr]
+        return out
+
+    def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
+        """Run the proposer (outside the engine lock: a draft model decodes)."""
+        return self.proposer.propose(wants) if wants else {}
+
+    def record_misses(self, wants: list[DraftRequest], drafts: dict[str, DraftTree],
+                      step: int) -> None:
+        """A costly proposer that came back empty for a request counts as a miss for it."""
+        if not self.proposer.costly:
+            return
+        for w in wants:
+            window = self._windows.get(w.request_id)
+            if w.request_id not in drafts and window is not None:
+                window.record(1, 0, step)
+
+    def record(self, request_id: str, draft: DraftTree, accepted: int, step: int) -> None:
+        """``accepted`` nodes of ``draft`` (its deepest path) were kept at ``step``."""
+        proposed = max(draft.depths)
+        window = self._windows.get(request_id)
+        if window is not None:
+            window.record(proposed, accepted, step)
+        s = self.stats
+        self.stats = SpecStats(s.num_drafts + 1, s.num_draft_tokens + len(draft),
+                               s.num_accepted_tokens + accepted)
+        rate = accepted / proposed
+        prev = self._recent
+        self._recent = rate if prev is None else prev + RECENT_WEIGHT * (rate - prev)
+
+    def close(self) -> None:
+        self.proposer.close()
