@@ -9,8 +9,8 @@ from justllm.core.policy import SCHEDULING_POLICIES
 from justllm.core.sampling_params import MAX_DRAFT
 from justllm.core.scheduler import SchedulerConfig
 from justllm.kv.radix_cache import EVICTION_POLICIES
+from justllm.spec.methods import SPEC_METHODS, SpecMethod
 
-SPEC_METHODS = ("", "ngram", "draft", "tree")
 MAX_SPEC_OUTPUTS = 256
 # llama.cpp's CPU matmul computes the output head for rows in groups of 4 (measured on this
 # model: 3 logits rows 93 ms, 4 rows 66 ms), so output rows are padded to a multiple of it.
@@ -55,7 +55,7 @@ class EngineConfig:
     # "priority"), and which cached prefix goes first (kv/radix_cache.py: "lru" or "clock").
     scheduling_policy: str = "fcfs"
     eviction_policy: str = "lru"
-    # Speculative decoding: "" (off), "ngram", "draft" or "tree"; see justllm/spec.
+    # Speculative decoding: "" (off) or a name in spec/methods.py (ngram, draft, tree).
     spec: str = ""
     draft_model: str | None = None
     gamma: int = 4  # most draft tokens per request and step
@@ -87,10 +87,10 @@ class EngineConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}"
                              f" (got {self.eviction_policy!r})")
-        if self.spec not in SPEC_METHODS:
-            raise ValueError(f"spec must be one of {', '.join(m for m in SPEC_METHODS if m)} "
+        if self.spec and self.spec not in SPEC_METHODS:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_METHODS)} "
                              f"(got {self.spec!r})")
-        if self.spec in ("draft", "tree") and not self.draft_model:
+        if self.spec_method is not None and self.spec_method.draft_model and not self.draft_model:
             raise ValueError(f"--spec {self.spec} needs --draft-model (a small GGUF with the "
                              "same vocabulary: make one with `justllm draft make`, or pass the "
                              "model itself)")
@@ -102,13 +102,14 @@ class EngineConfig:
             raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
 
     @property
+    def spec_method(self) -> SpecMethod | None:
+        return SPEC_METHODS.get(self.spec) if self.spec else None
+
+    @property
     def max_draft_nodes(self) -> int:
-        """Draft tokens one request may put in a step: a chain of ``gamma``, or a tree with
-        ``branch`` candidates at each of its first two levels and chains below."""
-        if self.spec != "tree":
-            return self.gamma if self.spec else 0
-        b = self.branch
-        return b + b * b * max(self.gamma - 1, 1) if self.gamma > 1 else b
+        """Draft tokens one request may put in a step (0 without speculation)."""
+        m = self.spec_method
+        return m.max_nodes(self.gamma, self.branch) if m is not None else 0
 
     @property
     def n_outputs(self) -> int:
@@ -130,6 +131,8 @@ class EngineConfig:
             max_seqs=self.max_seqs, max_prefill=self.max_prefill, max_decode=self.max_decode,
             chunk_size=self.chunk_size, n_batch=self.n_batch, max_queue=self.max_queue,
             n_seq_ids=self.max_seqs + (self.spare_seq_ids
-                                       if self.prefix_cache or self.spec == "tree" else 0),
+                                       if self.prefix_cache or (self.spec_method is not None
+                                                                and self.spec_method.tree)
+                                       else 0),
             max_outputs=self.n_outputs, row_multiple=1 if self.gpu else CPU_ROW_MULTIPLE,
             policy=self.scheduling_policy)

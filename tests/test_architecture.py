@@ -1,7 +1,7 @@
 """The layer contracts, lint and types run with the suite, so CI fails when one breaks.
 
-Contracts (pyproject.toml, import-linter): cli > server|chat|bench|tui > engine, models > spec >
-config > core > kv > errors, and only ``engine/backend.py`` imports ``llama_cpp``; see
+Contracts (pyproject.toml, import-linter): cli > server|chat|bench|tui > engine, models > config >
+spec > core > kv > errors, and only ``engine/backend.py`` imports ``llama_cpp``; see
 docs/architecture.md.
 """
 

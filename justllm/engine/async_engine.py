@@ -14,9 +14,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import numpy as np
+
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.engine import Engine, RequestMetrics, RequestOutput
-from justllm.errors import JustLLMError
+from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
+from justllm.engine.chat_template import ChatTemplate
+from justllm.engine.engine import Engine, EngineStats, RequestMetrics, RequestOutput
+from justllm.errors import InvalidRequestError, JustLLMError
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,13 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """The engine on its own thread, and the narrow face a server sees: submit and abort
+    requests, tokenize, read limits and stats, the chat template, JSON grammars, embeddings.
+    Servers use nothing else (the layer contracts forbid ``justllm.server`` the backend)."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._embedding_ctx: EmbeddingContext | None = None  # engine thread only
         self._sinks: dict[str, RequestStream] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks_lock = threading.Lock()
@@ -103,6 +112,56 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    # ---- the model, as a server needs it ---------------------------------------------------
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.backend.config.model_path
+
+    @property
+    def n_vocab(self) -> int:
+        return self.engine.backend.n_vocab
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens one request may hold, prompt and output (``--ctx``, pool, model)."""
+        return self.engine.max_request_tokens
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.backend.tokenize(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (a piece of UTF-8 that may end mid-character)."""
+        return self.engine.backend.token_to_piece(token)
+
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (or the family default when the GGUF has none)."""
+        return ChatTemplate.from_backend(self.engine.backend)
+
+    @staticmethod
+    def json_grammar(schema: dict | None = None) -> str:
+        """GBNF for any JSON value, or for JSON matching ``schema``."""
+        return JSON_GRAMMAR if schema is None else grammar_from_json_schema(schema)
+
+    async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+        """Mean-pooled, normalised embeddings, computed on the engine thread between steps in a
+        second context on the same model (created at first use)."""
+        return await self.call_on_engine_thread(lambda: self._embed_all(token_lists))
+
+    def _embed_all(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+        if self._embedding_ctx is None:
+            self._embedding_ctx = self.engine.backend.embedding_context()
+        limit = self._embedding_ctx.n_ctx
+        for tokens in token_lists:
+            if len(tokens) > limit:
+                raise InvalidRequestError(
+                    f"an input has {len(tokens)} tokens; embeddings take at most {limit}",
+                    param="input")
+        return [self._embedding_ctx.embed(t) for t in token_lists]
 
     def call_on_engine_thread(self, fn: Callable[[], T]) -> "asyncio.Future[T]":
         """Run ``fn`` on the engine thread between steps (for other llama.cpp compute, such as

@@ -76,7 +76,7 @@ class DraftModelProposer:
         from justllm.models.source import resolve_model
 
         path = resolve_model(config.draft_model)
-        tree = config.spec == "tree"
+        tree = config.spec_method is not None and config.spec_method.tree
         leaves = min(config.branch ** TREE_LEVELS, MAX_LEAVES) if tree else 1
         n_seq = min(256, config.max_seqs * leaves)
         backend = LlamaBackend(BackendConfig(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from justllm.spec.proposer import NgramProposer, Proposer
+from justllm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
     from justllm.config import EngineConfig
@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 def make_proposer(config: EngineConfig, target: LlamaBackend) -> Proposer | None:
     """None without ``--spec``; a draft model is loaded here and checked against the target's
     vocabulary (raises ModelLoadError when they differ)."""
-    if not config.spec:
+    method = config.spec_method
+    if method is None:
         return None
-    if config.spec == "ngram":
-        return NgramProposer()
+    if method.proposer is not None:
+        return method.proposer()
     from justllm.engine.draft_model import DraftModelProposer
 
     return DraftModelProposer.load(config, target)

@@ -21,7 +21,6 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 
 from justllm.engine.async_engine import AsyncEngine
-from justllm.engine.chat_template import ChatTemplate
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
@@ -55,11 +54,10 @@ class Served:
 
 
 def build_served(aengine: AsyncEngine, config: ServerConfig) -> Served:
-    engine = aengine.engine
-    model_path = engine.backend.config.model_path
+    model_path = aengine.model_path
     model_id = config.model_name or os.path.splitext(os.path.basename(model_path))[0]
-    metrics = ServerMetrics(engine.stats, model_id)
-    template = ChatTemplate.from_backend(engine.backend)
+    metrics = ServerMetrics(aengine.stats, model_id)
+    template = aengine.chat_template()
     completions = OpenAIServing(aengine, model_id, template, metrics,
                                 ServingLimits(max_n=config.max_n))
     embeddings = EmbeddingServing(aengine, model_id) if config.embeddings else None

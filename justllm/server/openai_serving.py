@@ -16,7 +16,6 @@ import msgspec
 
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
-from justllm.engine.backend import JSON_GRAMMAR, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.errors import InvalidRequestError
@@ -39,6 +38,14 @@ def sse(payload: object) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def check_model(name: str | None, model_id: str) -> None:
+    """404 in OpenAI's shape unless ``name`` is the served model (None: the served one)."""
+    if name is not None and name != model_id:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                            f"'{model_id}'", type="not_found_error", param="model",
+                       code="model_not_found")
+
+
 class OpenAIServing:
     def __init__(self, aengine: AsyncEngine, model_id: str, template: ChatTemplate,
                  metrics: ServerMetrics, limits: ServingLimits) -> None:
@@ -47,15 +54,12 @@ class OpenAIServing:
         self.template = template
         self.metrics = metrics
         self.limits = limits
-        self._piece = aengine.engine.backend.token_to_piece
+        self._piece = aengine.token_bytes
 
     # ---- shared -----------------------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_id:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{self.model_id}'", type="not_found_error", param="model",
-                           code="model_not_found")
+        check_model(name, self.model_id)
 
     def _params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                 logprobs: int | None, n_index: int) -> SamplingParams:
@@ -66,7 +70,7 @@ class OpenAIServing:
         seed = req.seed + n_index if req.seed is not None else None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         return SamplingParams(
-            max_tokens=max_tokens or self.aengine.engine.max_request_tokens,
+            max_tokens=max_tokens or self.aengine.max_request_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
@@ -153,11 +157,11 @@ class OpenAIServing:
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return JSON_GRAMMAR
+            return self.aengine.json_grammar()
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema",
                                       param="response_format")
-        return grammar_from_json_schema(fmt.json_schema.schema)
+        return self.aengine.json_grammar(fmt.json_schema.schema)
 
     def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
         if lps is None:

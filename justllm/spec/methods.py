@@ -1,0 +1,37 @@
+"""The speculation methods by name, and what each needs from the engine.
+
+A method declares whether a draft model (``--draft-model``) proposes, whether its drafts are
+trees (several candidates per level: extra sequence ids, verified in one batch), how many draft
+nodes a request may put in a step, and, for a method with no model, how to build its proposer.
+``EngineConfig`` validates ``--spec`` against this table and the engine builds the proposer from
+it (``engine/proposers.py``), so a new model-free method is one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from justllm.spec.proposer import NgramProposer, Proposer
+
+
+@dataclass(frozen=True)
+class SpecMethod:
+    name: str
+    draft_model: bool  # a second GGUF proposes (engine/draft_model.py)
+    tree: bool = False  # ``branch`` candidates at each of the first two levels
+    proposer: Callable[[], Proposer] | None = None  # a model-free method's proposer
+
+    def max_nodes(self, gamma: int, branch: int) -> int:
+        """Draft nodes one request may put in a step: a chain of ``gamma``, or a tree with
+        ``branch`` candidates at each of its first two levels and chains below."""
+        if not self.tree:
+            return gamma
+        return branch + branch * branch * max(gamma - 1, 1) if gamma > 1 else branch
+
+
+SPEC_METHODS: dict[str, SpecMethod] = {m.name: m for m in (
+    SpecMethod("ngram", draft_model=False, proposer=NgramProposer),
+    SpecMethod("draft", draft_model=True),
+    SpecMethod("tree", draft_model=True, tree=True),
+)}
