@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import msgspec
 
@@ -188,50 +189,7 @@ class OpenAIServing:
         jobs = [(prompt, replace(self._params(req, max_tokens, logprobs, i), grammar=grammar))
                 for i in range(req.n)]
         streams = self._submit(jobs)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_stream(streams, rid, created, include_usage)
-        return await self._chat_full(streams, rid, created)
-
-    async def _chat_full(self, streams: list[RequestStream], rid: str, created: int) -> dict:
-        texts, lps, finals = await self._collect(streams, [""] * len(streams))
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": self._chat_logprobs(lps[i]),
-            "finish_reason": finals[i].finish_reason,
-        } for i in range(len(streams))]
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_id, "choices": choices, "usage": _usage(finals, len(finals)),
-                "system_fingerprint": None}
-
-    async def _chat_stream(self, streams: list[RequestStream], rid: str, created: int,
-                           include_usage: bool) -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict], **extra: object) -> bytes:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_id, "choices": choices, **extra})
-
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        for i in range(len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        async for i, out in self._merged(streams):
-            if out.error:
-                yield sse(error_body(out.error, "server_error"))
-                break
-            if out.text or out.finished or out.logprobs:
-                yield chunk([{
-                    "index": i,
-                    "delta": {"content": out.text} if out.text else {},
-                    "logprobs": self._chat_logprobs(out.logprobs),
-                    "finish_reason": out.finish_reason,
-                }])
-            if out.finished:
-                finals[i] = out
-        if include_usage and all(finals):
-            yield chunk([], usage=_usage(finals, len(finals)))
-        yield SSE_DONE
+        return await self._respond(streams, _ChatShape(self), req, req.n)
 
     # ---- text completions -----------------------------------------------------------------
 
@@ -262,51 +220,128 @@ class OpenAIServing:
                 for p in prompts for j in range(req.n)]
         streams = self._submit(jobs)
         echoes = [self._echo_text(p) if req.echo else "" for p in prompts for _ in range(req.n)]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(streams, echoes, rid, created, include_usage, req.n)
-        return await self._completion_full(streams, echoes, rid, created, req.n)
+        return await self._respond(streams, _CompletionShape(self, echoes), req, req.n)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
             return prompt
         return b"".join(self._piece(t) for t in prompt).decode("utf-8", "replace")
 
-    async def _completion_full(self, streams: list[RequestStream], echoes: list[str], rid: str,
-                               created: int, n: int) -> dict:
-        texts, lps, finals = await self._collect(streams, echoes)
-        choices = [{"index": i, "text": texts[i],
-                    "logprobs": self._completion_logprobs(lps[i], len(echoes[i])),
-                    "finish_reason": finals[i].finish_reason} for i in range(len(streams))]
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_id, "choices": choices, "usage": _usage(finals, n)}
+    # ---- one scaffold for every route's full and streamed responses ------------------------
 
-    async def _completion_stream(self, streams: list[RequestStream], echoes: list[str],
-                                 rid: str, created: int, include_usage: bool, n: int
-                                 ) -> AsyncIterator[bytes]:
+    async def _respond(self, streams: list[RequestStream], shape: _Shape,
+                       req: ChatCompletionRequest | CompletionRequest, n: int
+                       ) -> dict | AsyncIterator[bytes]:
+        rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream(streams, shape, rid, created, include_usage, n)
+        return await self._full(streams, shape, rid, created, n)
+
+    async def _full(self, streams: list[RequestStream], shape: _Shape, rid: str, created: int,
+                    n: int) -> dict:
+        texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)))
+        choices = [shape.choice(i, texts[i], lps[i], finals[i]) for i in range(len(streams))]
+        return {"id": rid, "object": shape.object_full, "created": created,
+                "model": self.model_id, "choices": choices, "usage": _usage(finals, n),
+                **shape.extra_fields}
+
+    async def _stream(self, streams: list[RequestStream], shape: _Shape, rid: str,
+                      created: int, include_usage: bool, n: int) -> AsyncIterator[bytes]:
         def chunk(choices: list[dict], **extra: object) -> bytes:
-            return sse({"id": rid, "object": "text_completion", "created": created,
+            return sse({"id": rid, "object": shape.object_chunk, "created": created,
                         "model": self.model_id, "choices": choices, **extra})
 
         finals: list[RequestOutput | None] = [None] * len(streams)
-        offsets = [len(e) for e in echoes]
-        for i, echo in enumerate(echoes):
-            if echo:
-                yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+        for i in range(len(streams)):
+            opening = shape.opening(i)
+            if opening is not None:
+                yield chunk([opening])
         async for i, out in self._merged(streams):
             if out.error:
                 yield sse(error_body(out.error, "server_error"))
                 break
-            yield chunk([{"index": i, "text": out.text,
-                          "logprobs": self._completion_logprobs(out.logprobs, offsets[i]),
-                          "finish_reason": out.finish_reason}])
-            offsets[i] += len(out.text)
+            delta = shape.delta(i, out)
+            if delta is not None:
+                yield chunk([delta])
             if out.finished:
                 finals[i] = out
         if include_usage and all(finals):
             yield chunk([], usage=_usage(finals, n))
         yield SSE_DONE
+
+
+class _Shape(Protocol):
+    """How one route renders its choices; the scaffold (``_full``, ``_stream``) does the rest."""
+
+    id_prefix: str
+    object_full: str
+    object_chunk: str
+    extra_fields: dict
+
+    def initial_texts(self, n: int) -> list[str]: ...
+    def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
+               final: RequestOutput | None) -> dict: ...
+    def opening(self, i: int) -> dict | None: ...
+    def delta(self, i: int, out: RequestOutput) -> dict | None: ...
+
+
+class _ChatShape:
+    id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    extra_fields = {"system_fingerprint": None}
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self._serving = serving
+
+    def initial_texts(self, n: int) -> list[str]:
+        return [""] * n
+
+    def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
+               final: RequestOutput | None) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": text},
+                "logprobs": self._serving._chat_logprobs(lps),
+                "finish_reason": final.finish_reason if final else None}
+
+    def opening(self, i: int) -> dict | None:
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, i: int, out: RequestOutput) -> dict | None:
+        if not (out.text or out.finished or out.logprobs):
+            return None
+        return {"index": i, "delta": {"content": out.text} if out.text else {},
+                "logprobs": self._serving._chat_logprobs(out.logprobs),
+                "finish_reason": out.finish_reason}
+
+
+class _CompletionShape:
+    id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
+    extra_fields: dict = {}
+
+    def __init__(self, serving: OpenAIServing, echoes: list[str]) -> None:
+        self._serving = serving
+        self._echoes = echoes
+        self._offsets = [len(e) for e in echoes]  # streamed text so far, for logprob offsets
+
+    def initial_texts(self, n: int) -> list[str]:
+        return list(self._echoes)
+
+    def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
+               final: RequestOutput | None) -> dict:
+        return {"index": i, "text": text,
+                "logprobs": self._serving._completion_logprobs(lps, len(self._echoes[i])),
+                "finish_reason": final.finish_reason if final else None}
+
+    def opening(self, i: int) -> dict | None:
+        echo = self._echoes[i]
+        return {"index": i, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+
+    def delta(self, i: int, out: RequestOutput) -> dict | None:
+        d = {"index": i, "text": out.text,
+             "logprobs": self._serving._completion_logprobs(out.logprobs, self._offsets[i]),
+             "finish_reason": out.finish_reason}
+        self._offsets[i] += len(out.text)
+        return d
 
 
 def _is_tokens(x: object) -> bool:
