@@ -133,6 +133,10 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     kv_ops: list[KVOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Extra logits rows, on prompt tokens that need none, that round the step's rows up to the
+    # CPU's group of 4 (cheaper than the odd count, docs/llama-cpp-facts.md); the runner asks
+    # for them and discards them.
+    pad_rows: int = 0
 
     @property
     def released_seq_ids(self) -> list[int]:

@@ -219,6 +219,8 @@ class Scheduler:
 
         if speculative and cfg.row_multiple > 1:
             self._fill_row_group(plan, speculative, budget)
+        if cfg.row_multiple > 1:
+            plan.pad_rows = self._pad_rows(plan)
         plan.kv_ops = self._pending_ops
         self._pending_ops = []
         return plan
@@ -324,6 +326,14 @@ class Scheduler:
         self._fill_rows(plan, speculative, budget)
         if plan.num_logits % self.config.row_multiple == 1 and plan.num_logits > 1:
             self._drop_one_draft_token(plan, speculative)
+
+    def _pad_rows(self, plan: StepPlan) -> int:
+        """Rows of prompt tokens to add so the step's logits rows fill their last group (the
+        drafts could not: a step with no speculation, or drafts at their window)."""
+        rows = plan.num_logits
+        pad = (-rows) % self.config.row_multiple
+        spare = plan.num_tokens - rows  # tokens of prompt chunks that ask for no logits
+        return pad if rows > 1 and 0 < pad <= spare else 0
 
     def _drop_one_draft_token(self, plan: StepPlan,
                               speculative: list[tuple[int, DraftTree]]) -> None:

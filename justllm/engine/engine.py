@@ -120,7 +120,7 @@ class Engine:
                                  policy=make_eviction_policy(config.eviction_policy))
                       if config.prefix_cache else None)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
-        self.runner = Runner(backend, self.scheduler.config.row_multiple)
+        self.runner = Runner(backend)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
         self.max_request_tokens = min(config.ctx, limit) if config.ctx else limit
         self._eog = backend.eog_token_ids()

@@ -26,13 +26,12 @@ class Backend(Protocol):
 
 
 class Runner:
-    """``row_multiple`` > 1 pads the step's logits rows up to a multiple of it by asking for
-    logits of tokens that need none (a prompt chunk's), when the batch has such tokens: on
-    the CPU a group of 4 rows of the output head costs less than 3 rows (see config.py)."""
+    """Applies a plan. ``plan.pad_rows`` (the scheduler's decision) asks for logits of that many
+    prompt tokens that need none, the last ones in the batch, and leaves them out of what
+    ``decode`` returns."""
 
-    def __init__(self, backend: Backend, row_multiple: int = 1) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.row_multiple = row_multiple
         self._keep: np.ndarray | None = None  # rows to return when padding was added
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
@@ -70,7 +69,7 @@ class Runner:
             else:
                 self._fill_tree(chunk, o)
             o = end
-        self._keep = self._pad_rows(o) if self.row_multiple > 1 else None
+        self._keep = self._pad_rows(o, plan.pad_rows) if plan.pad_rows else None
         return o
 
     def decode(self, n_tokens: int) -> np.ndarray:
@@ -79,19 +78,11 @@ class Runner:
         logits = self.backend.decode(n_tokens)
         return logits if self._keep is None else logits[self._keep]
 
-    def _pad_rows(self, n: int) -> np.ndarray | None:
+    def _pad_rows(self, n: int, pad: int) -> np.ndarray:
         flags = self.backend.batch_logits[:n]
-        rows = int(np.count_nonzero(flags))
-        pad = (-rows) % self.row_multiple
-        if rows <= 1 or pad == 0:
-            return None
-        spare = np.flatnonzero(flags == 0)
-        if spare.size < pad:
-            return None
-        added = spare[-pad:]
+        added = np.flatnonzero(flags == 0)[-pad:]
         flags[added] = 1
-        wanted = np.flatnonzero(flags)
-        return np.flatnonzero(~np.isin(wanted, added))
+        return np.flatnonzero(~np.isin(np.flatnonzero(flags), added))
 
     def _fill_tree(self, chunk: ScheduledChunk, o: int) -> None:
         """The root and the tree's nodes, logits on every row. Each node belongs to the

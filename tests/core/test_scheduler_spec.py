@@ -184,14 +184,32 @@ def test_runner_pads_logits_rows_with_prompt_tokens_and_returns_only_the_wanted(
         r.seq_id = i
     plan = StepPlan(chunks=[ScheduledChunk(reqs[0], 0, list(range(1, 9)), True),
                             ScheduledChunk(reqs[1], 8, [5], True),
-                            ScheduledChunk(reqs[2], 8, [6], True)])
+                            ScheduledChunk(reqs[2], 8, [6], True)], pad_rows=1)
     b = FakeBackend()
-    out = Runner(b, row_multiple=4).execute(plan)
+    out = Runner(b).execute(plan)
     assert out[:, 0].tolist() == [7, 8, 9]  # the three rows asked for, in plan order
     assert int(b.flags_seen.sum()) == 4  # one prompt token padded the group
+    assert b.flags_seen[6] == 1  # the last prompt token that needed no logits
     plain = FakeBackend()
+    plan.pad_rows = 0
     Runner(plain).execute(plan)
     assert int(plain.flags_seen.sum()) == 3
+
+
+def test_the_scheduler_decides_the_padding_rows():
+    s = sched(row_multiple=4, chunk_size=16, n_batch=64)
+    decoders = [make_req(i, 2) for i in range(3)]
+    for r in decoders:
+        s.add(r)
+    run_step(s)  # three prompts, three rows
+    s.add(make_req(9, 30))
+    plan = s.schedule()  # 3 decode rows + a 16-token prompt chunk with no row
+    assert plan.num_logits == 3 and plan.pad_rows == 1
+    s.update(plan)
+    s2 = sched(row_multiple=1)
+    s2.add(make_req(0, 2))
+    s2.add(make_req(1, 2))
+    assert s2.schedule().pad_rows == 0
 
 
 def test_a_single_draft_token_is_never_dropped_for_the_row_group():
