@@ -124,3 +124,49 @@ async def _idle(a: AsyncEngine, engine: Engine) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the engine never became idle")
+
+
+def _run_with_a_sequence_out_of_step(model_path, prefix_cache: bool):
+    """Three requests; after their first step llama.cpp "loses" the cells of one of them from
+    position 2 on, so the next batch is refused with "inconsistent sequence positions"."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=64, check_kv=False,
+                                 prefix_cache=prefix_cache))
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        ids = [engine.add_request(f"Story {i}: once upon a time", params) for i in range(3)]
+        outs: dict[str, list[int]] = {i: [] for i in ids}
+        errors: dict[str, str] = {}
+
+        def step() -> None:
+            for o in engine.step():
+                outs[o.request_id] += o.token_ids
+                if o.error:
+                    errors[o.request_id] = o.error
+
+        step()  # the prompts are computed, first tokens sampled
+        victim = engine.scheduler.running[1]
+        engine.backend.seq_rm(victim.seq_id, 2, -1)
+        step()  # refused: the victim is dealt with, the step is retried for the others
+        while engine.has_unfinished():
+            step()
+        return victim, outs, errors
+    finally:
+        engine.close()
+
+
+def test_a_sequence_out_of_step_is_recomputed_and_nobody_fails(model_path):
+    """llama.cpp refuses a whole batch when one sequence's positions do not follow on. A
+    request whose prompt nobody shares is sent back to be recomputed (without the prefix
+    cache) and the step is retried for the rest: nobody fails, everyone gets all tokens."""
+    victim, outs, errors = _run_with_a_sequence_out_of_step(model_path, prefix_cache=False)
+    assert victim.kv_errors == 1
+    assert errors == {}
+    assert all(len(t) == 6 for t in outs.values()), outs
+
+
+def test_a_shared_sequence_out_of_step_fails_alone(model_path):
+    """With the prefix cache the victim's prompt is shared (live in the tree), so it cannot be
+    recomputed in place: it fails on its own, and the others finish."""
+    victim, outs, errors = _run_with_a_sequence_out_of_step(model_path, prefix_cache=True)
+    assert list(errors) == [victim.request_id]
+    assert all(len(t) == 6 for rid, t in outs.items() if rid != victim.request_id), outs
