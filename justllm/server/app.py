@@ -25,7 +25,16 @@ from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import OpenAIServing, ServingLimits
-from justllm.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from justllm.server.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    TextCompletion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +100,17 @@ def _sse(body: AsyncIterator[bytes]) -> Stream:
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
 async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) -> Any:
     result = await _served(state).completions.chat(data)
-    return _sse(result) if not isinstance(result, dict) else result
+    return result if isinstance(result, ChatCompletion) else _sse(result)
 
 
 @post("/completions", status_code=200, summary="Create a text completion")
 async def completions(data: JSONBody[CompletionRequest], state: State) -> Any:
     result = await _served(state).completions.completions(data)
-    return _sse(result) if not isinstance(result, dict) else result
+    return result if isinstance(result, TextCompletion) else _sse(result)
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings")
-async def embeddings(data: JSONBody[EmbeddingRequest], state: State) -> dict:
+async def embeddings(data: JSONBody[EmbeddingRequest], state: State) -> EmbeddingList:
     served = _served(state)
     if served.embeddings is None:
         raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
@@ -109,10 +118,9 @@ async def embeddings(data: JSONBody[EmbeddingRequest], state: State) -> dict:
 
 
 @get("/models", summary="List the served models")
-async def list_models(state: State) -> dict:
+async def list_models(state: State) -> ModelList:
     served = _served(state)
-    return {"object": "list", "data": [{"id": served.model_id, "object": "model",
-                                        "created": served.created, "owned_by": "justllm"}]}
+    return ModelList("list", [ModelCard(served.model_id, "model", served.created, "justllm")])
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)

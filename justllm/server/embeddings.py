@@ -13,7 +13,7 @@ import numpy as np
 from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
 from justllm.server.openai_serving import check_model, prompt_list
-from justllm.server.schemas import EmbeddingRequest
+from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 MAX_INPUTS = 256
 
@@ -37,7 +37,7 @@ class EmbeddingServing:
                 out.append(list(item))
         return out
 
-    async def create(self, data: EmbeddingRequest) -> dict:
+    async def create(self, data: EmbeddingRequest) -> EmbeddingList:
         check_model(data.model, self.model_id)
         token_lists = self._inputs(data)
         vectors = await self.aengine.embed(token_lists)
@@ -49,9 +49,8 @@ class EmbeddingServing:
                        for v in vectors]
         items = []
         for i, v in enumerate(vectors):
-            emb: object = (base64.b64encode(v.astype(np.float32).tobytes()).decode()
-                           if data.encoding_format == "base64" else v.tolist())
-            items.append({"object": "embedding", "index": i, "embedding": emb})
+            emb: list[float] | str = (base64.b64encode(v.astype(np.float32).tobytes()).decode()
+                                      if data.encoding_format == "base64" else v.tolist())
+            items.append(Embedding("embedding", i, emb))
         n = sum(len(t) for t in token_lists)
-        return {"object": "list", "data": items, "model": self.model_id,
-                "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return EmbeddingList("list", items, self.model_id, EmbeddingUsage(n, n))

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -22,7 +22,20 @@ from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.errors import InvalidRequestError
 from justllm.server.errors import APIError, error_body
 from justllm.server.metrics import ServerMetrics
-from justllm.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from justllm.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    TextCompletion,
+    Usage,
+)
 
 _json = msgspec.json.Encoder()
 
@@ -176,7 +189,7 @@ class OpenAIServing:
                     "bytes": list(piece)}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[bytes]:
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
         self.check_model(req.model)
         grammar = self._grammar(req)
         prompt = self.chat_prompt(req.messages)
@@ -210,7 +223,7 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[bytes]:
+    async def completions(self, req: CompletionRequest) -> TextCompletion | AsyncIterator[bytes]:
         self.check_model(req.model)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
@@ -231,7 +244,7 @@ class OpenAIServing:
 
     async def _respond(self, streams: list[RequestStream], shape: _Shape,
                        req: ChatCompletionRequest | CompletionRequest, n: int
-                       ) -> dict | AsyncIterator[bytes]:
+                       ) -> ChatCompletion | TextCompletion | AsyncIterator[bytes]:
         rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -239,18 +252,15 @@ class OpenAIServing:
         return await self._full(streams, shape, rid, created, n)
 
     async def _full(self, streams: list[RequestStream], shape: _Shape, rid: str, created: int,
-                    n: int) -> dict:
+                    n: int) -> ChatCompletion | TextCompletion:
         texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)))
         choices = [shape.choice(i, texts[i], lps[i], finals[i]) for i in range(len(streams))]
-        return {"id": rid, "object": shape.object_full, "created": created,
-                "model": self.model_id, "choices": choices, "usage": _usage(finals, n),
-                **shape.extra_fields}
+        return shape.full(rid, created, self.model_id, choices, _usage(finals, n))
 
     async def _stream(self, streams: list[RequestStream], shape: _Shape, rid: str,
                       created: int, include_usage: bool, n: int) -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict], **extra: object) -> bytes:
-            return sse({"id": rid, "object": shape.object_chunk, "created": created,
-                        "model": self.model_id, "choices": choices, **extra})
+        def chunk(choices: list, usage: Usage | None = None) -> bytes:
+            return sse(shape.chunk(rid, created, self.model_id, choices, usage))
 
         finals: list[RequestOutput | None] = [None] * len(streams)
         for i in range(len(streams)):
@@ -275,20 +285,20 @@ class _Shape(Protocol):
     """How one route renders its choices; the scaffold (``_full``, ``_stream``) does the rest."""
 
     id_prefix: str
-    object_full: str
-    object_chunk: str
-    extra_fields: dict
 
     def initial_texts(self, n: int) -> list[str]: ...
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> dict: ...
-    def opening(self, i: int) -> dict | None: ...
-    def delta(self, i: int, out: RequestOutput) -> dict | None: ...
+               final: RequestOutput | None) -> Any: ...
+    def opening(self, i: int) -> Any | None: ...
+    def delta(self, i: int, out: RequestOutput) -> Any | None: ...
+    def full(self, rid: str, created: int, model: str, choices: list,
+             usage: Usage) -> Any: ...
+    def chunk(self, rid: str, created: int, model: str, choices: list,
+              usage: Usage | None) -> Any: ...
 
 
 class _ChatShape:
-    id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
-    extra_fields = {"system_fingerprint": None}
+    id_prefix = "chatcmpl"
 
     def __init__(self, serving: OpenAIServing) -> None:
         self._serving = serving
@@ -297,26 +307,31 @@ class _ChatShape:
         return [""] * n
 
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": text},
-                "logprobs": self._serving._chat_logprobs(lps),
-                "finish_reason": final.finish_reason if final else None}
+               final: RequestOutput | None) -> ChatChoice:
+        return ChatChoice(i, AssistantMessage("assistant", text),
+                          self._serving._chat_logprobs(lps),
+                          final.finish_reason if final else None)
 
-    def opening(self, i: int) -> dict | None:
-        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+    def opening(self, i: int) -> ChatChunkChoice | None:
+        return ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None)
 
-    def delta(self, i: int, out: RequestOutput) -> dict | None:
+    def delta(self, i: int, out: RequestOutput) -> ChatChunkChoice | None:
         if not (out.text or out.finished or out.logprobs):
             return None
-        return {"index": i, "delta": {"content": out.text} if out.text else {},
-                "logprobs": self._serving._chat_logprobs(out.logprobs),
-                "finish_reason": out.finish_reason}
+        return ChatChunkChoice(i, ChatDelta(content=out.text or None),
+                               self._serving._chat_logprobs(out.logprobs), out.finish_reason)
+
+    def full(self, rid: str, created: int, model: str, choices: list,
+             usage: Usage) -> ChatCompletion:
+        return ChatCompletion(rid, "chat.completion", created, model, choices, usage)
+
+    def chunk(self, rid: str, created: int, model: str, choices: list,
+              usage: Usage | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(rid, "chat.completion.chunk", created, model, choices, usage)
 
 
 class _CompletionShape:
-    id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
-    extra_fields: dict = {}
+    id_prefix = "cmpl"
 
     def __init__(self, serving: OpenAIServing, echoes: list[str]) -> None:
         self._serving = serving
@@ -327,21 +342,29 @@ class _CompletionShape:
         return list(self._echoes)
 
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> dict:
-        return {"index": i, "text": text,
-                "logprobs": self._serving._completion_logprobs(lps, len(self._echoes[i])),
-                "finish_reason": final.finish_reason if final else None}
+               final: RequestOutput | None) -> CompletionChoice:
+        return CompletionChoice(i, text,
+                                self._serving._completion_logprobs(lps, len(self._echoes[i])),
+                                final.finish_reason if final else None)
 
-    def opening(self, i: int) -> dict | None:
+    def opening(self, i: int) -> CompletionChoice | None:
         echo = self._echoes[i]
-        return {"index": i, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+        return CompletionChoice(i, echo, None, None) if echo else None
 
-    def delta(self, i: int, out: RequestOutput) -> dict | None:
-        d = {"index": i, "text": out.text,
-             "logprobs": self._serving._completion_logprobs(out.logprobs, self._offsets[i]),
-             "finish_reason": out.finish_reason}
+    def delta(self, i: int, out: RequestOutput) -> CompletionChoice | None:
+        d = CompletionChoice(i, out.text,
+                             self._serving._completion_logprobs(out.logprobs, self._offsets[i]),
+                             out.finish_reason)
         self._offsets[i] += len(out.text)
         return d
+
+    def full(self, rid: str, created: int, model: str, choices: list,
+             usage: Usage) -> TextCompletion:
+        return TextCompletion(rid, "text_completion", created, model, choices, usage)
+
+    def chunk(self, rid: str, created: int, model: str, choices: list,
+              usage: Usage | None) -> TextCompletion:
+        return TextCompletion(rid, "text_completion", created, model, choices, usage)
 
 
 def _is_tokens(x: object) -> bool:
@@ -367,11 +390,10 @@ def prompt_list(value: object, param: str) -> list[str | list[int]]:
     return items
 
 
-def _usage(finals: list[RequestOutput | None], n: int = 1) -> dict:
+def _usage(finals: list[RequestOutput | None], n: int = 1) -> Usage:
     """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens summed."""
     prompt = sum(f.metrics.num_prompt_tokens for f in finals[::n] if f is not None)
     completion = sum(f.metrics.num_generated_tokens for f in finals if f is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return Usage(prompt, completion, prompt + completion)
 
 

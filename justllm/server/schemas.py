@@ -1,7 +1,8 @@
-"""Request bodies of the OpenAI API, as msgspec structs (Litestar validates and documents them).
+"""Request and response bodies of the OpenAI API, as msgspec structs (Litestar validates and
+documents them; the SSE encoder writes them).
 
-Only the fields justllm acts on are declared; other OpenAI fields are accepted and ignored, so
-the official clients work unchanged. Responses are plain dicts shaped as OpenAI documents them.
+Only the fields justllm acts on are declared on requests; other OpenAI fields are accepted and
+ignored, so the official clients work unchanged. Responses are shaped as OpenAI documents them.
 """
 
 from __future__ import annotations
@@ -86,3 +87,104 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    """What a chunk adds: the role once, then content; ``{}`` for a chunk with only a reason."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class TextCompletion(msgspec.Struct, omit_defaults=True):
+    """A full completion, or one streamed chunk of it (no usage but on the last)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(msgspec.Struct):
+    object: str
+    index: int
+    embedding: list[float] | str  # floats, or base64 of float32 with encoding_format base64
+
+
+class EmbeddingList(msgspec.Struct):
+    object: str
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[ModelCard]
