@@ -117,25 +117,16 @@ class Scheduler:
         return victim
 
     def recompute(self, request: Request) -> None:
-        """Send a running request back to the front of the queue to be computed again from
-        scratch, without the prefix cache: llama.cpp refused its batch because its KV is not
-        what we believed, so that KV is dropped, not handed to the cache. Not for a request
+        """Send a running request back to the queue (ahead of its peers) to be computed again
+        from scratch, without the prefix cache: llama.cpp refused its batch because its KV is
+        not what we believed, so that KV is dropped, not handed to the cache. Not for a request
         whose prompt the cache already shares (its sequence holds live nodes)."""
         if request.prompt_cached:
             raise ValueError("a request whose prompt is shared cannot be recomputed alone")
         self.running.remove(request)
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
-        if self.cache is not None:
-            self.cache.unlock(request.cache_node)
-            request.cache_node = None
-        if request.seq_id is not None:
-            self._pending_ops.append(KVOp.rm(request.seq_id))
-            self._free_seq_ids.append(request.seq_id)
-            request.seq_id = None
+        self._release(request, hand_over=False)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = request.num_cached_tokens = 0
+        request.num_computed_tokens = 0
         request.kv_errors += 1
         self.policy.requeue(self.waiting, request)
 
@@ -477,9 +468,9 @@ class Scheduler:
         self.policy.requeue(self.waiting, req)
         plan.preempted.append(req)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, hand_over: bool = True) -> None:
         """Free a request's blocks; its sequence goes to the prefix cache (which keeps what is
-        new and drops the rest) or is dropped whole."""
+        new and drops the rest) or, without a cache or ``hand_over``, is dropped whole."""
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
@@ -488,6 +479,7 @@ class Scheduler:
         if self.cache is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
+        if self.cache is not None and hand_over:
             # Cells past what we hand over (a step in flight when the request was aborted) go.
             self._pending_ops.append(KVOp.rm(req.seq_id, req.num_computed_tokens, -1))
             tokens = req.token_slice(0, req.num_computed_tokens)
