@@ -300,9 +300,6 @@ class RadixCache:
 
     # ---- eviction -------------------------------------------------------------------------
 
-    def evictable(self) -> list[RadixNode]:
-        return list(self._evictable)
-
     def evict_one(self) -> list[KVOp] | None:
         """Evict one leaf; None when nothing can be evicted. A holder that loses its last
         node is given up (a whole-sequence ``rm``: see :func:`freed_sequences`)."""

@@ -359,12 +359,10 @@ class _CompletionShape:
         return d
 
     def full(self, rid: str, created: int, model: str, choices: list,
-             usage: Usage) -> TextCompletion:
+             usage: Usage | None) -> TextCompletion:
         return TextCompletion(rid, "text_completion", created, model, choices, usage)
 
-    def chunk(self, rid: str, created: int, model: str, choices: list,
-              usage: Usage | None) -> TextCompletion:
-        return TextCompletion(rid, "text_completion", created, model, choices, usage)
+    chunk = full  # a streamed chunk has the same shape, usage only on the last
 
 
 def _is_tokens(x: object) -> bool:
