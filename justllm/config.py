@@ -61,6 +61,9 @@ class EngineConfig:
     gamma: int = 4  # most draft tokens per request and step
     branch: int = 2  # tree: candidates at each of the first levels
     draft_p_min: float = 0.0  # draft model: stop drafting below this top-token probability
+    # How chats become prompts: a built-in template name (engine/chat_template.py) or a Jinja
+    # file; None: the model's own, or a plain transcript for a model without one.
+    chat_template: str | None = None
     verbose: bool = False
     # After each step's KV operations, compare every sequence id's cells in llama.cpp with what
     # the scheduler and prefix cache believe (core/kv_view.py); a difference raises at once.
@@ -100,6 +103,9 @@ class EngineConfig:
             raise ValueError(f"branch must be in [1, 4] (got {self.branch})")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str)
+                                               or not self.chat_template.strip()):
+            raise ValueError("chat_template must be a template name or a file path")
 
     @property
     def spec_method(self) -> SpecMethod | None:

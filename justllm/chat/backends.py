@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -37,17 +37,31 @@ class LocalChat:
         from justllm.engine.engine import Engine
 
         self.engine = Engine(config)
-        self.template = ChatTemplate.from_backend(self.engine.backend)
+        try:
+            self.template = ChatTemplate.from_backend(self.engine.backend, config.chat_template)
+        except BaseException:
+            self.engine.close()
+            raise
         self.last = AnswerStats()
 
+    @property
+    def notice(self) -> str | None:
+        """Something to tell the user once, before the chat starts (a model without a chat
+        template is chatted with as a plain transcript)."""
+        return self.template.notice
+
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
+        """The answer's text pieces, without its leading and trailing blanks."""
         from justllm.core.sampling_params import SamplingParams
+        from justllm.engine.chat_template import AnswerText, with_template_stops
 
         params = SamplingParams(**options)
+        params = replace(params, stop=with_template_stops(params.stop, self.template))
         prompt = self.template.render(messages, add_generation_prompt=True)
         rid = self.engine.add_request(prompt, params)
         start = time.perf_counter()
         done = False
+        answer = AnswerText()
         try:
             while not done:
                 for out in self.engine.step():
@@ -59,8 +73,9 @@ class LocalChat:
                     self.last = AnswerStats(m.num_prompt_tokens, m.num_generated_tokens,
                                             m.ttft or 0.0, time.perf_counter() - start)
                     done = out.finished
-                    if out.text:
-                        yield out.text
+                    text = answer.feed(out.text)
+                    if text:
+                        yield text
         finally:
             if not done:
                 self.engine.abort(rid)

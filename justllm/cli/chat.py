@@ -8,6 +8,7 @@ import typer
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
+from justllm.cli.run import print_notice
 
 _D = o.EngineConfig()
 
@@ -23,6 +24,7 @@ def chat(
     threads: o.Threads = _D.threads,
     ctx: o.Ctx = _D.ctx,
     gpu: o.Gpu = False,
+    chat_template: o.ChatTemplateChoice = None,
     verbose: o.Verbose = False,
 ) -> None:
     """Chat with a model: streaming answers, \"\"\" for multi-line input, /set, /system, /clear,
@@ -32,12 +34,17 @@ def chat(
         from justllm.chat.session import ChatSession
 
         if url:
+            if chat_template:
+                raise ValueError("--chat-template is for a model loaded here; with --url the "
+                                 "server's own (serve --chat-template) applies")
             backend = RemoteChat(url, api_key)
         else:
             backend = LocalChat(o.engine_config(model, {
                 "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1, "max_decode": 1,
                 "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
-                "verbose": verbose}))
+                "chat_template": chat_template, "verbose": verbose}))
+            if backend.notice:
+                print_notice(backend.notice)
         try:
             ChatSession(backend, system=system,
                         options={"temperature": temperature, "max_tokens": max_tokens}).run()

@@ -44,6 +44,7 @@ Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per reque
 Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
 SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
 EvictionPolicy = Annotated[str, typer.Option("--eviction-policy", help="Which cached prefix the prefix cache drops first: lru (least recently used) or clock (second chance).", envvar="JUSTLLM_EVICTION_POLICY")]
+ChatTemplateChoice = Annotated[Optional[str], typer.Option("--chat-template", metavar="NAME|FILE", help="How chats become prompts: chatml, gemma, llama3, transcript (plain 'User:/Assistant:' lines) or a Jinja file. Default: the model's own template, or transcript for a model without one.", envvar="JUSTLLM_CHAT_TEMPLATE")]
 DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="Stop a draft where the draft model's top token is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
 
 _D = EngineConfig()
@@ -118,6 +119,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("gamma", Gamma, _D.gamma),
     EngineFlag("branch", Branch, _D.branch),
     EngineFlag("draft_p_min", DraftPMin, _D.draft_p_min),
+    EngineFlag("chat_template", ChatTemplateChoice, None),
     EngineFlag("verbose", Verbose, False),
 )
 
@@ -148,11 +150,17 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
     """The EngineConfig for these flag values (names as in ``ENGINE_FLAGS``; missing ones take
-    their defaults), with the model and draft model resolved to files, once per command."""
+    their defaults), with the model and draft model resolved to files, once per command. A
+    ``--chat-template`` that names no built-in template and no readable Jinja file fails here,
+    before the model loads."""
+    from justllm.engine.chat_template import ChatTemplate
     from justllm.models.source import resolve_model
 
     v = {f.name: f.default for f in ENGINE_FLAGS} | flags
     no_prefix_cache, spec, draft_model = (v.pop("no_prefix_cache"), v.pop("spec"),
                                           v.pop("draft_model"))
+    v["chat_template"] = v["chat_template"] or None
+    if v["chat_template"] is not None:
+        ChatTemplate.named(v["chat_template"])
     return EngineConfig(model=resolve_model(model), prefix_cache=not no_prefix_cache, spec=spec or "",
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)

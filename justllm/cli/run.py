@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
@@ -15,13 +17,14 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.errors import EngineError
 
 _S = SamplingParams()
+MAX_USER_STOP = 16  # --stop strings; the chat template may add its own
 
 
 @o.engine_options
 def run(
     model: o.Model = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the model's chat template.")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without a chat template (and without its stop strings).")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message (chat template only).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = _S.max_tokens,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = _S.temperature,
@@ -50,33 +53,48 @@ def run(
             min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop or ()),
             ignore_eos=ignore_eos)
+        if len(params.stop) > MAX_USER_STOP:
+            raise ValueError(f"at most {MAX_USER_STOP} --stop strings")
         config = o.engine_config(model, engine_flags or {})
-        from justllm.engine.chat_template import ChatTemplate
+        from justllm.engine.chat_template import ChatTemplate, with_template_stops
         from justllm.engine.engine import Engine
 
         engine = Engine(config)
         try:
             text_prompt = prompt
             if not raw:
-                template = ChatTemplate.from_backend(engine.backend)
+                template = ChatTemplate.from_backend(engine.backend, config.chat_template)
+                if template.notice:
+                    print_notice(template.notice)
                 messages = ([{"role": "system", "content": system}] if system else [])
                 messages.append({"role": "user", "content": prompt})
                 text_prompt = template.render(messages, add_generation_prompt=True)
-            _stream(engine, text_prompt, params)
+                params = replace(params, stop=with_template_stops(params.stop, template))
+            _stream(engine, text_prompt, params, answer=not raw)
         finally:
             engine.close()
 
 
-def _stream(engine, prompt: str, params: SamplingParams) -> None:
+def print_notice(notice: str) -> None:
+    Console(stderr=True).print(f"[dim]note: {escape(notice)}[/dim]", highlight=False,
+                               soft_wrap=True)
+
+
+def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> None:
+    """Stream one request's text to stdout; an ``answer`` (a chat turn, not a raw
+    continuation) without its leading and trailing blanks."""
+    from justllm.engine.chat_template import AnswerText
+
     out = sys.stdout
     start = time.perf_counter()
     engine.add_request(prompt, params, request_id="run")
     last = None
+    trim = AnswerText() if answer else None
     while engine.has_unfinished():
         for o_ in engine.step():
             if o_.error:
                 raise EngineError(o_.error)
-            out.write(o_.text)
+            out.write(trim.feed(o_.text) if trim else o_.text)
             out.flush()
             last = o_
     out.write("\n")

@@ -139,8 +139,9 @@ class AsyncEngine:
         return self.engine.backend.token_to_piece(token)
 
     def chat_template(self) -> ChatTemplate:
-        """The model's chat template (or the family default when the GGUF has none)."""
-        return ChatTemplate.from_backend(self.engine.backend)
+        """The chat template requests are rendered with: ``--chat-template``, else the model's
+        own, else a plain transcript (with a ``notice`` saying so)."""
+        return ChatTemplate.from_backend(self.engine.backend, self.engine.config.chat_template)
 
     @staticmethod
     def json_grammar(schema: dict | None = None) -> str:

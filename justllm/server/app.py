@@ -67,6 +67,8 @@ def build_served(aengine: AsyncEngine, config: ServerConfig) -> Served:
     model_id = config.model_name or os.path.splitext(os.path.basename(model_path))[0]
     metrics = ServerMetrics(aengine.stats, model_id)
     template = aengine.chat_template()
+    if template.notice:
+        log.warning("%s", template.notice)
     completions = OpenAIServing(aengine, model_id, template, metrics,
                                 ServingLimits(max_n=config.max_n))
     embeddings = EmbeddingServing(aengine, model_id) if config.embeddings else None

@@ -157,14 +157,16 @@ def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list
 def rate(prev: Snapshot | None, cur: Snapshot, name: str = "generation_tokens") -> float | None:
     """Per-second increase of counter ``name`` (a :class:`Snapshot` field) from ``prev`` to ``cur``.
 
-    ``None`` without two values or elapsed time. A counter that went down was reset (the server
-    restarted): its new value counts as the increase, as in Prometheus' ``rate``.
+    ``None`` where ``cur`` can only be a new baseline: no ``prev`` (the first reading), a value
+    missing on either side, no elapsed time, a counter that went down (the server restarted:
+    unlike Prometheus' ``rate``, whose new value is not counted as the increase, since it holds
+    everything generated before the dashboard saw it) or a changed set of models (the summed
+    series are not the same counter any more).
     """
     if prev is None:
         return None
     a, b = getattr(prev, name), getattr(cur, name)
     dt = cur.time - prev.time
-    if a is None or b is None or dt <= 0:
+    if a is None or b is None or dt <= 0 or b < a or prev.models != cur.models:
         return None
-    delta = b - a if b >= a else b
-    return delta / dt
+    return (b - a) / dt

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import httpx
 from rich.text import Text
@@ -83,7 +84,8 @@ class TopApp(App[None]):
     paused: reactive[bool] = reactive(False)
 
     def __init__(self, url: str = DEFAULT_URL, interval: float = 1.0,
-                 api_key: str | None = None, history: int = 120) -> None:
+                 api_key: str | None = None, history: int = 120,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if interval <= 0:
             raise ValueError("the interval must be > 0 seconds")
@@ -93,7 +95,12 @@ class TopApp(App[None]):
         self.api_key = api_key
         self.rates: deque[float] = deque(maxlen=history)
         self.polls = 0  # attempts so far, answered or not
+        self.clock = clock
+        # The baseline of the next rate: None after start, an outage or a pause, so the first
+        # reading after one only sets it. ``_epoch`` changes with each of those, so a reply to
+        # a poll sent before one does not become a baseline either.
         self._prev: Snapshot | None = None
+        self._epoch = 0
         self._client: httpx.AsyncClient | None = None
         self._timer: Timer | None = None
         self._in_flight = False
@@ -150,6 +157,7 @@ class TopApp(App[None]):
     @work(exclusive=True, group="poll", exit_on_error=False)
     async def fetch(self) -> None:
         self.polls += 1
+        epoch = self._epoch
         try:
             assert self._client is not None
             try:
@@ -163,7 +171,7 @@ class TopApp(App[None]):
                               else ""))
                 return
             try:
-                snap = parse(response.text, time.monotonic())
+                snap = parse(response.text, self.clock())
             except ValueError as e:
                 self._down(f"{self.metrics_url} is not a Prometheus page ({e})")
                 return
@@ -173,7 +181,7 @@ class TopApp(App[None]):
             else:
                 models = ", ".join(snap.models)
                 self.status = f"connected{' · ' + models if models else ''}"
-            self._record(snap)
+            self._record(snap, epoch)
         except Exception as e:  # noqa: BLE001 - the dashboard stays up and says what happened
             self._down(f"error: {type(e).__name__}: {e}")
         finally:
@@ -182,12 +190,25 @@ class TopApp(App[None]):
     def _down(self, message: str) -> None:
         self.reachable = False
         self.status = message
+        self._new_baseline()
 
-    def _record(self, snap: Snapshot) -> None:
-        per_second = rate(self._prev, snap, "generation_tokens")
-        if per_second is not None:
-            self.rates.append(per_second)
-        self._prev = snap
+    def _new_baseline(self) -> None:
+        self._prev = None
+        self._epoch += 1
+
+    def _record(self, snap: Snapshot, epoch: int) -> None:
+        """Show ``snap`` and add its tokens/s sample. A counter moves in bursts (a step's tokens
+        at once), so two readings much closer than the interval (the first two polls, a poll
+        on resume and the timer's) would make a burst look like a peak: such a reading gives
+        no sample and the older baseline is kept."""
+        prev = self._prev
+        if epoch != self._epoch or self.paused:
+            self._prev = None
+        elif prev is None or snap.time - prev.time >= self.interval / 2:
+            per_second = rate(prev, snap, "generation_tokens")
+            if per_second is not None:
+                self.rates.append(per_second)
+            self._prev = snap
         self.snapshot = snap
 
     def action_toggle_pause(self) -> None:
@@ -199,9 +220,8 @@ class TopApp(App[None]):
         self.query_one("#paused").display = paused
         if self._timer is not None:
             (self._timer.pause if paused else self._timer.resume)()
-        if paused:
-            self._prev = None  # the first rate after resuming covers one interval, not the pause
-        else:
+        self._new_baseline()  # the first rate after resuming covers one interval, not the pause
+        if not paused:
             self.poll()
 
     def watch_status(self, status: str) -> None:

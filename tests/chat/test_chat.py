@@ -52,7 +52,10 @@ class Terminal:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "128")
+    # Gemma's turn format, not the transcript the demo model gets by default: in it the base
+    # model rambles on, so an answer is still streaming when the test presses Ctrl-C.
+    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "128",
+                     "--chat-template", "gemma")
     yield s
     assert s.stop() == 0
 
@@ -97,9 +100,42 @@ def test_chat_in_process_with_pipes(model_path):
     assert r.returncode == 0, r.stderr
     assert "generation 4 tok" in r.stdout
     assert "(system message removed)" in r.stdout
+    assert r.stderr.count("this model has no chat template and looks like a base model") == 1
 
 
 def test_chat_bad_url_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", "http://127.0.0.1:9"],
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 1 and r.stderr.startswith("error: cannot reach")
+
+
+def test_local_chat_on_the_demo_model_answers_and_stops_at_the_next_turn(model_path):
+    import io
+
+    from justllm.chat.backends import LocalChat
+    from justllm.chat.session import ChatSession
+    from justllm.config import EngineConfig
+
+    backend = LocalChat(EngineConfig(model=model_path, max_seqs=1, pool_blocks=64,
+                                     max_prefill=1, max_decode=1, max_queue=1))
+    lines = iter(["What is the capital of France?", "What is 2+2?"])
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    try:
+        assert backend.template.name == "transcript" and "base model" in backend.notice
+        session = ChatSession(backend, system=None, options={"temperature": 0.0,
+                                                              "max_tokens": 24}, read=read, out=out)
+        session.run()
+    finally:
+        backend.close()
+    answers = [m["content"] for m in session.history if m["role"] == "assistant"]
+    assert answers[0] == "The capital of France is Paris."
+    assert "4" in answers[1] and len(answers) == 2
+    assert "User:" not in out.getvalue()
+    assert backend.last.generated_tokens < 24  # stopped at the stop string, not by the limit

@@ -8,12 +8,58 @@ from justllm.engine.backend import gpu_offload_supported
 runner = CliRunner()
 
 
+NOTICE = "this model has no chat template and looks like a base model"
+
+
 def test_run_streams_and_summarises(model_path):
-    r = runner.invoke(app, ["run", model_path, "-p", "What is the capital of France?", "-n", "12",
+    r = runner.invoke(app, ["run", model_path, "-p", "What is the capital of France?", "-n", "4",
                             "--pool-blocks", "64", "--max-seqs", "2"])
     assert r.exit_code == 0, r.output
-    assert "generation 12 tok" in r.output and "TTFT" in r.output and "tok/s" in r.output
+    assert "generation 4 tok" in r.output and "TTFT" in r.output and "tok/s" in r.output
     assert "finish: length" in r.output
+
+
+def test_first_question_on_the_demo_model_gets_a_sensible_answer(model_path):
+    """The demo model has no chat template: a plain transcript, stopped at the next "User:"."""
+    r = runner.invoke(app, ["run", model_path, "-p", "What is the capital of France?",
+                            "--temperature", "0", "-n", "24", "--pool-blocks", "64"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "The capital of France is Paris.\n"
+    assert "finish: stop" in r.stderr
+    assert r.stderr.count(NOTICE) == 1 and "--chat-template" in r.stderr
+
+
+def test_chat_template_choice(model_path, tmp_path):
+    r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "2", "--pool-blocks", "64",
+                            "--chat-template", "chatml"])
+    assert r.exit_code == 0, r.output
+    assert "prompt 25 tok" in r.stderr and NOTICE not in r.output  # ChatML, not the transcript
+    qa = tmp_path / "qa.jinja"
+    qa.write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    r = runner.invoke(app, ["run", model_path, "-p", "What is the capital of France?", "-n", "2",
+                            "--pool-blocks", "64"], env={"JUSTLLM_CHAT_TEMPLATE": str(qa)})
+    assert r.exit_code == 0, r.output
+    assert "prompt 13 tok" in r.stderr and NOTICE not in r.output
+    assert r.stdout.strip() == "Paris"
+
+
+def test_bad_chat_template_is_one_line_before_the_model_loads(tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    missing = str(tmp_path / "missing.gguf")  # the template is checked first
+    cases = [
+        (["--chat-template", "bogus"], "neither a built-in template (chatml, gemma, llama3, "
+                                       "transcript) nor a Jinja file"),
+        (["--chat-template", str(tmp_path / "nope.jinja")], "nope.jinja"),
+        (["--chat-template", str(bad)], "bad.jinja is not a valid Jinja template"),
+    ]
+    for command in (["run", missing, "-p", "hi"], ["chat", missing], ["serve", missing]):
+        for extra, needle in cases:
+            r = runner.invoke(app, [*command, *extra])
+            assert r.exit_code == 1, (command, extra, r.output)
+            lines = [line for line in r.output.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("error:"), (command, r.output)
+            assert needle in lines[0], (command, extra, r.output)
 
 
 def test_run_raw_prompt_from_stdin(model_path):
@@ -21,6 +67,7 @@ def test_run_raw_prompt_from_stdin(model_path):
                       input="The moon is")
     assert r.exit_code == 0, r.output
     assert "prompt 4 tok" in r.output  # BOS + 3 tokens, no chat template
+    assert NOTICE not in r.output
 
 
 def test_errors_are_one_line_and_exit_1(tmp_path, model_path):

@@ -159,6 +159,21 @@ def test_rate_between_two_snapshots():
     assert rate(None, b) is None
     assert rate(b, b) is None  # no time elapsed
     assert rate(Snapshot(time=10.0), b) is None  # the counter was missing
-    # The counter went down: the server restarted, and its new count is the increase.
-    assert rate(b, Snapshot(time=14.0, generation_tokens=40.0)) == 20.0
     assert rate(parse(PAGE, at=1.0), parse(PAGE.replace("} 1000.0", "} 1250.0"), at=1.5)) == 500.0
+
+
+def test_a_rate_needs_a_baseline_of_the_same_counter():
+    """What the server generated before a baseline was seen is never a sample."""
+    running = Snapshot(time=10.0, generation_tokens=100_000.0)
+    assert rate(None, running) is None  # the first reading only sets the baseline
+    assert rate(Snapshot(time=9.0), running) is None  # the page had no counter yet (loading)
+    # The counter went down: the server restarted. Its new count holds everything generated
+    # since, before the dashboard saw it; it is the new baseline, not an increase.
+    restarted = Snapshot(time=12.0, generation_tokens=5000.0)
+    assert rate(running, restarted) is None
+    assert rate(restarted, Snapshot(time=14.0, generation_tokens=5128.0)) == 64.0
+    # A model's series appeared (or went): the sum is not the same counter any more.
+    one = Snapshot(time=10.0, models=("a",), generation_tokens=100.0)
+    two = Snapshot(time=11.0, models=("a", "b"), generation_tokens=90_164.0)
+    assert rate(one, two) is None
+    assert rate(two, Snapshot(time=12.0, models=("a", "b"), generation_tokens=90_228.0)) == 64.0

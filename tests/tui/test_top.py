@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -125,3 +127,109 @@ def test_cli_command_help_and_bad_url():
     result = CliRunner().invoke(cli, ["--url", "localhost:8080"])
     assert result.exit_code == 1
     assert "--url must start with http:// or https://" in result.output
+
+
+class StubMetrics:
+    """A /metrics page whose token counter and status the test sets; ``hold()`` keeps the next
+    replies back until ``release()`` (a poll in flight)."""
+
+    def __init__(self) -> None:
+        self.tokens = 100_000.0  # generated before the dashboard started
+        self.status = 200
+        self.requests = 0
+        self._go = threading.Event()
+        self._go.set()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                stub.requests += 1
+                stub._go.wait(10)
+                body = (f'# TYPE vllm:generation_tokens counter\n'
+                        f'vllm:generation_tokens_total{{model_name="m"}} {stub.tokens}\n'
+                        if stub.status == 200 else "down").encode()
+                self.send_response(stub.status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def hold(self) -> None:
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
+    def close(self) -> None:
+        self.release()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_tokens_per_second_counts_only_what_was_generated_while_watching():
+    stub = StubMetrics()
+    try:
+        asyncio.run(_baselines(stub))
+    finally:
+        stub.close()
+
+
+async def _baselines(stub: StubMetrics) -> None:
+    now = [0.0]
+    # The timer never fires during the test (30 s); the test polls, on a clock it moves.
+    app = TopApp(url=stub.url, interval=30.0, clock=lambda: now[0])
+    async with app.run_test(size=(80, 24)) as pilot:
+        async def poll(seconds: float, tokens: float) -> None:
+            now[0] += seconds
+            stub.tokens += tokens
+            polls = app.polls
+            app.poll()
+            await _until(pilot, lambda: app.polls > polls and not app._in_flight)
+
+        await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
+        assert list(app.rates) == []  # the first reading only sets the baseline
+        await poll(1.0, 320)  # a second reading right after the first: one step's burst
+        assert list(app.rates) == []
+        await poll(29.0, 1600)  # one interval after the baseline: 1920 tokens in 30 s
+        assert list(app.rates) == [64.0]
+
+        stub.status = 503  # an outage; the server goes on generating
+        await poll(30.0, 1920)
+        assert "HTTP 503" in _text(app, "#status")
+        stub.status = 200
+        await poll(30.0, 1920)  # back: a new baseline, not the tokens of the outage
+        assert list(app.rates) == [64.0]
+        await poll(30.0, 1920)
+        assert list(app.rates) == [64.0, 64.0]
+
+        stub.tokens = 500.0  # restarted: the counter went down
+        await poll(30.0, 0)
+        assert list(app.rates) == [64.0, 64.0]
+        await poll(30.0, 1920)
+        assert list(app.rates) == [64.0, 64.0, 64.0]
+
+        # Paused while a poll is in flight: its reply is no baseline for after the pause.
+        stub.hold()
+        now[0] += 30.0
+        app.poll()
+        await _until(pilot, lambda: stub.requests == app.polls)
+        await pilot.press("p")
+        stub.release()
+        await _until(pilot, lambda: not app._in_flight)
+        now[0] += 300.0
+        stub.tokens += 19_200
+        polls = app.polls
+        await pilot.press("p")  # resuming polls at once: a new baseline
+        await _until(pilot, lambda: app.polls > polls and not app._in_flight)
+        assert list(app.rates) == [64.0, 64.0, 64.0]
+        await poll(30.0, 1920)
+        assert list(app.rates) == [64.0] * 4
+        assert _text(app, "#tok-rate").startswith("64.0 tok/s · peak 64.0")
+        await pilot.press("q")
+    assert app.return_code == 0

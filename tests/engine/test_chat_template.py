@@ -1,0 +1,118 @@
+"""Chat templates: the transcript fallback, built-in names, Jinja files, and what the demo model
+(a base model without a template) answers through them."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.chat_template import (
+    BUILTIN_TEMPLATES,
+    NO_TEMPLATE_NOTICE,
+    TRANSCRIPT_PREAMBLE,
+    AnswerText,
+    ChatTemplate,
+    with_template_stops,
+)
+from justllm.errors import InvalidRequestError
+
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " Hi "},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "tool", "content": "42"},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_transcript_rendering():
+    t = ChatTemplate.named("transcript")
+    assert t.render(CHAT) == ("Be brief.\n\nUser: Hi\nAssistant: Hello.\nTool: 42\n"
+                              "User: What is the capital of France?\nAssistant:")
+    # Without a system message the preamble opens it; no generation prompt: no "Assistant:".
+    assert t.render([{"role": "user", "content": "Hi"}], add_generation_prompt=False) == (
+        TRANSCRIPT_PREAMBLE + "\n\nUser: Hi\n")
+    assert t.render([{"role": "user", "content": "Q"}, {"role": "system", "content": "S"}]
+                    ).endswith("User: Q\nSystem: S\nAssistant:")
+    assert t.stop == ("\nUser:", "\n\nUser:") and t.name == "transcript" and t.notice is None
+    with pytest.raises(InvalidRequestError, match="must not be empty"):
+        t.render([])
+
+
+def test_builtin_templates_and_their_stop_strings():
+    assert set(BUILTIN_TEMPLATES) == {"chatml", "gemma", "llama3", "transcript"}
+    chat = CHAT[:2]
+    assert ChatTemplate.named("chatml").render(chat) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi <|im_end|>\n"
+        "<|im_start|>assistant\n")
+    # The tokenizer adds BOS: a template that writes it too does not double it.
+    gemma = ChatTemplate.named("gemma", bos_token="<bos>")
+    assert gemma.render(chat) == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                                  "<start_of_turn>model\n")
+    llama3 = ChatTemplate.named("llama3", bos_token="<|begin_of_text|>")
+    assert llama3.render(chat) == (
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert [ChatTemplate.named(n).stop for n in ("chatml", "gemma", "llama3")] == [
+        ("<|im_end|>",), ("<end_of_turn>",), ("<|eot_id|>",)]
+    assert with_template_stops(("x", "<|im_end|>"), ChatTemplate.named("chatml")) == (
+        "x", "<|im_end|>")
+    assert with_template_stops(("x",), ChatTemplate.named("gemma")) == ("x", "<end_of_turn>")
+
+
+def test_resolution_order_and_the_notice():
+    own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = ChatTemplate.resolve(None, own)
+    assert (model.name, model.stop, model.notice) == ("model", (), None)
+    assert ChatTemplate.resolve("chatml", own).name == "chatml"  # the choice wins
+    fallback = ChatTemplate.resolve(None, None)
+    assert fallback.name == "transcript" and fallback.notice == NO_TEMPLATE_NOTICE
+    assert "no chat template" in fallback.notice and "--chat-template" in fallback.notice
+    assert ChatTemplate.resolve("transcript", None).notice is None  # chosen: nothing to say
+
+
+def test_jinja_file_and_bad_choices(tmp_path):
+    f = tmp_path / "qa.jinja"
+    f.write_text("{% for m in messages %}Q: {{ m['content'] }}<|im_end|>\n{% endfor %}A:")
+    t = ChatTemplate.named(str(f))
+    assert t.render([{"role": "user", "content": "Hi"}]) == "Q: Hi<|im_end|>\nA:"
+    assert t.name == str(f) and t.stop == ("<|im_end|>",)  # the turn markers it uses
+    with pytest.raises(ValueError, match="neither a built-in template .chatml, gemma, llama3, "
+                                         "transcript. nor a Jinja file"):
+        ChatTemplate.named("bogus")
+    with pytest.raises(ValueError, match="neither"):
+        ChatTemplate.named(str(tmp_path / "missing.jinja"))
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="bad.jinja is not a valid Jinja template"):
+        ChatTemplate.named(str(bad))
+
+
+def test_answer_text_drops_leading_and_trailing_blanks():
+    a = AnswerText()
+    assert [a.feed(p) for p in (" ", " The", " capital", " is", " Paris.", "\n", "\n")] == [
+        "", "The", " capital", " is", " Paris.", "", ""]
+    b = AnswerText()
+    assert [b.feed(p) for p in ("\n", "a", "\n\n", "b")] == ["", "a", "", "\n\nb"]
+
+
+def _answer(engine, prompt: str, params: SamplingParams) -> tuple[str, str | None]:
+    rid = engine.add_request(prompt, params)
+    text, finish = [], None
+    while finish is None:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.request_id == rid:
+                text.append(out.text)
+                finish = out.finish_reason if out.finished else None
+    return "".join(text), finish
+
+
+def test_demo_model_answers_through_the_transcript(engine):
+    t = ChatTemplate.from_backend(engine.backend)
+    assert t.name == "transcript" and t.notice == NO_TEMPLATE_NOTICE  # a base model
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=t.stop)
+    for question, expected in (("What is the capital of France?", "Paris"),
+                               ("What is 2+2?", "4"), ("What colour is the sky?", "lue")):
+        text, finish = _answer(engine, t.render([{"role": "user", "content": question}]), params)
+        assert expected in text and finish == "stop", (question, text)
+        assert "User:" not in text and not text.endswith("\n"), (question, text)
