@@ -24,6 +24,10 @@ class QueueFullError(JustLLMError):
     """The waiting queue is at ``max_queue``; the caller should retry later."""
 
 
+class EngineClosedError(JustLLMError):
+    """The engine is shutting down and takes no new requests (a server answers 503)."""
+
+
 class ModelLoadError(JustLLMError):
     """The model file is missing, not a GGUF, or llama.cpp refused it."""
 

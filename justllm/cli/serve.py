@@ -22,6 +22,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: seconds the requests in flight may still run (new ones get 503); then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
@@ -34,7 +35,7 @@ def serve(
         from justllm.engine.backend import require_gpu_offload
         from justllm.engine.engine import Engine
         from justllm.models.gguf import check_gguf_file
-        from justllm.server.app import ServerConfig, create_app
+        from justllm.server.app import ServerConfig, begin_shutdown, create_app
 
         flags = engine_flags or {}
         config = o.engine_config(model, flags)
@@ -44,6 +45,8 @@ def serve(
             require_gpu_offload()
         if not 0 < port < 65536:
             raise ValueError("--port must be in 1..65535")
+        if not 0 <= shutdown_timeout <= 3600:
+            raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                      model_name=served_model_name)
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)))
@@ -52,9 +55,11 @@ def serve(
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
         if not config.verbose:
             logging.getLogger("justllm").setLevel(logging.WARNING)
+        # uvicorn's own limit is a backstop: by then begin_shutdown has ended every request.
         server = _Server(uvicorn.Config(app, host=host, port=port,
                                         log_level="info" if config.verbose else "warning",
-                                        timeout_graceful_shutdown=10))
+                                        timeout_graceful_shutdown=shutdown_timeout + 5),
+                         on_exit=lambda: begin_shutdown(app, shutdown_timeout))
         server.run()
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
@@ -65,7 +70,18 @@ def _make_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which turns a clean stop
-        into a traceback or a non-zero exit; here a signal only asks the server to stop."""
+        into a traceback or a non-zero exit; here a signal only asks the server to stop, and
+        the first one also starts the drain (``on_exit``)."""
+
+        def __init__(self, config, on_exit=None) -> None:
+            super().__init__(config)
+            self._on_exit = on_exit
+            self._timer = None
+
+        def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
+            if not self.should_exit and self._on_exit is not None:
+                self._timer = self._on_exit()
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
@@ -76,9 +92,11 @@ def _make_server_class():
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+                if self._timer is not None:
+                    self._timer.cancel()
 
     return Server
 
 
-def _Server(config):  # noqa: N802  (a class factory: uvicorn is imported lazily)
-    return _make_server_class()(config)
+def _Server(config, on_exit=None):  # noqa: N802  (a class factory: uvicorn is imported lazily)
+    return _make_server_class()(config, on_exit)

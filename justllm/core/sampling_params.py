@@ -8,18 +8,24 @@ from justllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_DRAFT = 16  # draft tokens per step and request
+MAX_STOP = 32  # stop strings per request (a chat template's own included)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
+    ``max_tokens=None`` generates until the request's context is full (``--ctx``); a number
+    whose sum with the prompt exceeds it is refused when the request is added.
     ``temperature == 0`` means greedy (argmax). ``top_k == 0`` means no top-k cut. ``seed``
     makes a sampled request reproducible on its own. ``stop`` strings are searched in the
     detokenized text (across token boundaries) and are not part of the output.
+    ``logit_bias`` adds a bias to a token's logit before sampling, greedy included (OpenAI's
+    semantics: -100 in effect bans a token, 100 forces it).
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -32,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
     # GBNF text constraining the output (structured output); None = free text.
     grammar: str | None = None
@@ -49,7 +56,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens must be an integer >= 1", "max_tokens")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature must be a number in [0, 100]", "temperature")
@@ -69,7 +78,12 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be non-empty strings", "stop")
-        _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings", "stop")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias has at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        _check(all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0
+                   for t, b in self.logit_bias),
+               "logit_bias maps token ids (integers >= 0) to biases in [-100, 100]", "logit_bias")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids >= 0", "stop_token_ids")
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),

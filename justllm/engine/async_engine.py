@@ -20,16 +20,12 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
 from justllm.engine.engine import Engine, EngineStats, RequestMetrics, RequestOutput
-from justllm.errors import InvalidRequestError, JustLLMError
+from justllm.errors import EngineClosedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
-
-
-class EngineClosedError(JustLLMError):
-    """The engine is shutting down and takes no new requests."""
 
 
 class RequestStream:
@@ -81,7 +77,8 @@ class AsyncEngine:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
-        self._stopping = False
+        self._stopping = False  # the engine thread ends
+        self._accepting = True  # new requests are taken (False from stop_accepting() on)
         self._thread = threading.Thread(target=self._loop, name="justllm-engine", daemon=True)
         self._thread.start()
 
@@ -89,8 +86,8 @@ class AsyncEngine:
                request_id: str | None = None) -> "RequestStream":
         """Queue a request now; validation and queue-full errors raise here, synchronously, so a
         server can answer with the right status before it starts a response."""
-        if self._stopping:
-            raise EngineClosedError("the engine is shutting down")
+        if not self._accepting or self._stopping:
+            raise EngineClosedError("the server is shutting down")
         loop = asyncio.get_running_loop()
         with self._sinks_lock:
             request_id = self.engine.add_request(prompt, params, request_id)
@@ -211,19 +208,36 @@ class AsyncEngine:
                     sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
         self._run_jobs()
 
-    def close(self) -> None:
-        """Stop the engine thread; unfinished requests are aborted. Frees the model."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and not self._stopping
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (EngineClosedError) and let the ones in flight go on: the first
+        half of a graceful shutdown."""
+        self._accepting = False
+
+    def abort_all(self, message: str = "the server is shutting down") -> int:
+        """End every unfinished request now with ``message`` as its error (streams get a final
+        error event); their KV is freed at the next step. Returns how many were ended."""
         with self._sinks_lock:
             pending = list(self._sinks.values())
             self._sinks.clear()
         for stream in pending:
             self.engine.abort(stream.request_id)
             end = RequestOutput(stream.request_id, "", [], True, "abort", None,
-                                RequestMetrics(arrival_time=0.0), error="the server is shutting down")
+                                RequestMetrics(arrival_time=0.0), error=message)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, end)
+        self._wake.set()
+        return len(pending)
+
+    def close(self) -> None:
+        """Stop the engine thread; unfinished requests are aborted. Frees the model."""
+        self._accepting = False
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self.abort_all()
         self.engine.close()
 
 

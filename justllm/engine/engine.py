@@ -169,11 +169,11 @@ class Engine:
                 f"priority {params.priority} given, but priority scheduling is off (start with "
                 "--scheduling-policy priority)", param="priority")
         tokens = self.tokenize(prompt)
-        if len(tokens) >= self.max_request_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(tokens)} tokens; this engine holds at most "
-                f"{self.max_request_tokens - 1} prompt tokens per request (see --ctx and "
-                "--pool-blocks)", param="prompt")
+        self._check_fits(len(tokens), params)
+        n_vocab = self.backend.n_vocab
+        if any(t >= n_vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {n_vocab})",
+                                      param="logit_bias")
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint = self.backend.grammar(params.grammar) if params.grammar else None
@@ -183,7 +183,8 @@ class Engine:
             req = Request(
                 request_id=request_id, prompt_token_ids=tokens, params=params,
                 arrival=next(self._arrivals),
-                max_total_tokens=min(len(tokens) + params.max_tokens, self.max_request_tokens))
+                max_total_tokens=self.max_request_tokens if params.max_tokens is None
+                else len(tokens) + params.max_tokens)
             self.scheduler.add(req)
             self._live[request_id] = _Live(
                 req, RequestSampler(params, seed, constraint),
@@ -192,6 +193,21 @@ class Engine:
             if self.spec is not None:
                 self.spec.admit(request_id, params, self._steps)
         return request_id
+
+    def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
+        """The prompt, and the prompt plus ``max_tokens`` when given, must fit one request's
+        context (as in vLLM and OpenAI, a request that cannot be served in full is refused)."""
+        limit = self.max_request_tokens
+        if n_prompt >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens; this model's context holds at most {limit} "
+                f"tokens per request, prompt and output (see --ctx and --pool-blocks)",
+                param="prompt")
+        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt, {params.max_tokens} "
+                f"in max_tokens): reduce the prompt or max_tokens", param="max_tokens")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -383,7 +399,7 @@ class Engine:
         live.detok.add_token(token)
         if live.detok.stopped:
             out.reason = FinishReason.STOP
-        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
+        elif req.num_tokens >= req.max_total_tokens:
             out.reason = FinishReason.LENGTH
 
     def _finish_output(self, live: _Live, out: _Emitted, now: float,

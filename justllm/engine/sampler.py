@@ -44,6 +44,10 @@ class RequestSampler:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
+        self._bias: tuple[np.ndarray, np.ndarray] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self._bias = (np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32))
 
     def sample(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
                against: tuple[int, np.ndarray] | None = None) -> SampledToken:
@@ -55,6 +59,10 @@ class RequestSampler:
         x = logits
         if p.has_penalties:
             x = apply_penalties(logits, p, prompt_ids, output_ids)
+        if self._bias is not None:
+            if x is logits:
+                x = np.array(logits, dtype=np.float32)  # our own copy: the row is the batch's
+            np.add.at(x, self._bias[0], self._bias[1])
         c = self.constraint
         if p.greedy:
             token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)

@@ -3,15 +3,17 @@ handler needs is in ``app.state`` (``serving``, ``config``, ``metrics``)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from litestar import Litestar, Response, Router, get, post
+import msgspec
+from litestar import Litestar, Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.exceptions import NotAuthorizedException
@@ -26,17 +28,18 @@ from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import OpenAIServing, ServingLimits
 from justllm.server.schemas import (
-    ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingList,
     EmbeddingRequest,
     ModelCard,
     ModelList,
-    TextCompletion,
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request" (never read by it)
 
 
 @dataclass(frozen=True)
@@ -99,24 +102,63 @@ def _sse(body: AsyncIterator[bytes]) -> Stream:
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def decode_request(request: Request, cls: type[T]) -> T:
+    """The body as ``cls``, decoded strictly. Litestar converts bodies in msgspec's lax mode,
+    where ``"5"`` and ``1e10`` pass for integers; a request field must have its own type."""
+    return msgspec.json.decode(await request.body(), type=cls)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. Called once the body is read, so the only message
+    left for this request is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """``work``'s result, or, if the client disconnects first, ``work`` cancelled (which aborts
+    its requests and frees their KV at the next step) and a 499 nobody reads. Streaming
+    responses need no watch: the stream ends when its client goes."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return Response(b"", status_code=CLIENT_CLOSED)
+
+
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
-async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) -> Any:
-    result = await _served(state).completions.chat(data)
-    return result if isinstance(result, ChatCompletion) else _sse(result)
+async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request,
+                           state: State) -> Any:
+    serving = _served(state).completions
+    body = await decode_request(request, ChatCompletionRequest)
+    result = await unless_disconnected(request, serving.chat(body))
+    return _sse(result) if isinstance(result, AsyncIterator) else result
 
 
 @post("/completions", status_code=200, summary="Create a text completion")
-async def completions(data: JSONBody[CompletionRequest], state: State) -> Any:
-    result = await _served(state).completions.completions(data)
-    return result if isinstance(result, TextCompletion) else _sse(result)
+async def completions(data: JSONBody[CompletionRequest], request: Request, state: State) -> Any:
+    serving = _served(state).completions
+    body = await decode_request(request, CompletionRequest)
+    result = await unless_disconnected(request, serving.completions(body))
+    return _sse(result) if isinstance(result, AsyncIterator) else result
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings")
-async def embeddings(data: JSONBody[EmbeddingRequest], state: State) -> EmbeddingList:
+async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
+                     state: State) -> EmbeddingList:
     served = _served(state)
     if served.embeddings is None:
         raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
-    return await served.embeddings.create(data)
+    return await served.embeddings.create(await decode_request(request, EmbeddingRequest))
 
 
 @get("/models", summary="List the served models")
@@ -137,6 +179,21 @@ async def metrics(state: State) -> Response:
     served = state.get("served")
     body = served.metrics.render() if served is not None else b""
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def begin_shutdown(app: Litestar, grace: float) -> threading.Timer | None:
+    """The first half of a graceful shutdown (SIGTERM): new requests get 503 at once, the ones
+    in flight may finish for ``grace`` seconds, then every one still running is aborted
+    (a stream gets a final error event, a waiting client a 503). Returns the timer, if any."""
+    served = app.state.get("served")
+    if served is None:
+        return None
+    aengine = served.aengine
+    aengine.stop_accepting()
+    timer = threading.Timer(max(0.0, grace), aengine.abort_all)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,

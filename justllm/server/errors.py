@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import re
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from justllm.errors import InvalidRequestError, JustLLMError, QueueFullError
+from justllm.errors import EngineClosedError, InvalidRequestError, JustLLMError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,27 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, str(exc), type="server_error", code="shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, msgspec.ValidationError):  # the strict decoding of a request body
+        return APIError(400, str(exc), param=_msgspec_param(str(exc)))
+    if isinstance(exc, (msgspec.DecodeError, UnicodeError)):
+        return APIError(400, f"the body is not valid JSON: {exc}")
+    if isinstance(exc, RecursionError):  # msgspec's JSON decoder on deeply nested input
+        return APIError(400, "the JSON body is nested too deeply")
     if isinstance(exc, ValidationException):
         detail = exc.extra if isinstance(exc.extra, list) else []
         parts = [f"{d.get('key', '')}: {d.get('message', '')}".strip(": ") for d in detail
                  if isinstance(d, dict)]
         message = exc.detail if not parts else f"{exc.detail}: " + "; ".join(parts)
-        param = detail[0].get("key") if detail and isinstance(detail[0], dict) else None
-        if param == "data":  # a missing field: msgspec names it in backticks
-            m = re.search(r"field `([^`]+)`", message)
-            param = m.group(1) if m else None
+        first = detail[0] if detail and isinstance(detail[0], dict) else {}
+        param = first.get("key")
+        m = re.search(r"field `([^`]+)`", str(first.get("message", "")))
+        if m:  # a missing or unknown field, in the object at ``key`` ("data": the body)
+            param = m.group(1) if param in (None, "data") else f"{param}.{m.group(1)}"
         return APIError(400, message, param=param)
     if isinstance(exc, HTTPException):
         kind = {401: "authentication_error", 404: "not_found_error",
@@ -68,6 +79,17 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(500, str(exc), type="server_error")
     log.exception("unhandled error", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")
+
+
+def _msgspec_param(message: str) -> str | None:
+    """The field a msgspec error names: "... - at `$.messages[0].role`" -> "messages[0].role";
+    an unknown field is named after its object's path."""
+    at = re.search(r"at `\$\.?([^`]*)`", message)
+    path = at.group(1) if at else ""
+    unknown = re.search(r"unknown field `([^`]+)`", message)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+    return path or None
 
 
 def handle_exception(_: Request, exc: Exception) -> Response:

@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names (so existing dashboards work) and justllm's own.
 
 Each app owns its registry (no global state). Gauges are read from the engine at scrape time by
-a collector; counters and histograms are fed as requests finish.
+a collector, with the engine's token counters; request counters and histograms are fed as
+requests finish.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                     s.kv_blocks.used_fraction)
+        # Counted by the engine as tokens are computed and generated, aborted requests included.
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.",
                       s.num_preemptions_total)
         yield gauge("justllm_kv_blocks_used", "KV blocks in use.", s.kv_blocks.used)
@@ -76,8 +80,6 @@ class ServerMetrics:
         lab = ["model_name"]
         r = self.registry
         self._model = model
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lab, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        lab + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab,
@@ -89,8 +91,6 @@ class ServerMetrics:
 
     def observe_finished(self, m: RequestMetrics, finish_reason: str | None) -> None:
         lab = self._model
-        self.prompt_tokens.labels(lab).inc(m.num_prompt_tokens)
-        self.generation_tokens.labels(lab).inc(m.num_generated_tokens)
         self.request_success.labels(lab, finish_reason or "abort").inc()
         if m.ttft is not None:
             self.ttft.labels(lab).observe(m.ttft)

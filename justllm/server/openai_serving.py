@@ -7,9 +7,11 @@ metrics) and lives in the app's state, built by ``create_app``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -17,9 +19,9 @@ import msgspec
 
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
-from justllm.engine.chat_template import ChatTemplate
+from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
-from justllm.errors import InvalidRequestError
+from justllm.errors import EngineClosedError, InvalidRequestError
 from justllm.server.errors import APIError, error_body
 from justllm.server.metrics import ServerMetrics
 from justllm.server.schemas import (
@@ -33,11 +35,33 @@ from justllm.server.schemas import (
     ChatMessage,
     CompletionChoice,
     CompletionRequest,
+    ContentPart,
     TextCompletion,
     Usage,
 )
 
 _json = msgspec.json.Encoder()
+log = logging.getLogger(__name__)
+MAX_STOP = 16  # stop strings a request may send (a chat template may add its own)
+
+# OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
+# and why any other value is refused: every accepted field is honoured, none ignored.
+_UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
+    "tools": ((None, []), "tool calling is not supported yet"),
+    "tool_choice": ((None, "none"), "tool calling is not supported yet"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "parallel_tool_calls": ((None,), "tool calling is not supported yet"),
+    "modalities": ((None, ["text"]), "this server only produces text"),
+    "audio": ((None,), "this server only produces text"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "completions are not stored"),
+    "metadata": ((None, {}), "metadata is only kept with stored completions, and none are"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
+    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
+}
 
 
 @dataclass(frozen=True)
@@ -75,16 +99,29 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         check_model(name, self.model_id)
 
+    @staticmethod
+    def check_supported(req: msgspec.Struct) -> None:
+        """400 for an OpenAI field set to a value justllm would otherwise have to ignore."""
+        for name in req.__struct_fields__:
+            rule = _UNSUPPORTED.get(name)
+            if rule is not None and getattr(req, name) not in rule[0]:
+                raise InvalidRequestError(f"{name}: {rule[1]}", param=name)
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of != getattr(req, "n", 1):
+            raise InvalidRequestError("best_of: only best_of = n is supported (no server-side "
+                                      "ranking of extra choices)", param="best_of")
+
     def _params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                logprobs: int | None, n_index: int) -> SamplingParams:
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+                logprobs: int | None, n_index: int, template: ChatTemplate | None = None
+                ) -> SamplingParams:
         if not 1 <= req.n <= self.limits.max_n:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
         seed = req.seed + n_index if req.seed is not None else None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if len(stop) > MAX_STOP:
+            raise InvalidRequestError(f"at most {MAX_STOP} stop strings", param="stop")
         return SamplingParams(
-            max_tokens=max_tokens or self.aengine.max_request_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
@@ -92,7 +129,8 @@ class OpenAIServing:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
-            seed=seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            seed=seed, stop=with_template_stops(stop, template) if template else stop,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(req.logit_bias),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority)
 
@@ -139,14 +177,17 @@ class OpenAIServing:
         texts = list(texts)
         lps: list[list[TokenLogprob] | None] = [None] * len(streams)
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, out in self._merged(streams):
-            if out.error:
-                raise APIError(500, out.error, type="server_error")
-            texts[i] += out.text
-            if out.logprobs is not None:
-                lps[i] = (lps[i] or []) + out.logprobs
-            if out.finished:
-                finals[i] = out
+        async with aclosing(self._merged(streams)) as merged:
+            async for i, out in merged:
+                if out.error:
+                    if not self.aengine.accepting:  # aborted by a shutdown: 503, retry later
+                        raise EngineClosedError(out.error)
+                    raise APIError(500, out.error, type="server_error")
+                texts[i] += out.text
+                if out.logprobs is not None:
+                    lps[i] = (lps[i] or []) + out.logprobs
+                if out.finished:
+                    finals[i] = out
         return texts, lps, finals  # type: ignore[return-value]
 
     def _token_text(self, token: int) -> str:
@@ -158,12 +199,16 @@ class OpenAIServing:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         plain = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):
-                content = "".join(p.text or "" for p in content if p.type == "text")
+                content = "".join(_text_part(part, f"messages[{i}].content[{j}]")
+                                  for j, part in enumerate(content))
             role = "system" if m.role == "developer" else m.role
-            plain.append({"role": role, "content": content or ""})
+            message = {"role": role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            plain.append(message)
         return self.template.render(plain, add_generation_prompt=True)
 
     def _grammar(self, req: ChatCompletionRequest) -> str | None:
@@ -191,6 +236,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
         self.check_model(req.model)
+        self.check_supported(req)
         grammar = self._grammar(req)
         prompt = self.chat_prompt(req.messages)
         top = req.top_logprobs
@@ -199,10 +245,13 @@ class OpenAIServing:
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = [(prompt, replace(self._params(req, max_tokens, logprobs, i), grammar=grammar))
+        jobs = [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
+                                 grammar=grammar))
                 for i in range(req.n)]
         streams = self._submit(jobs)
-        return await self._respond(streams, _ChatShape(self), req, req.n)
+        # After a transcript's "Assistant:" the model writes the separating space itself.
+        shape = _ChatShape(self, lstrip=self.template.name == "transcript", n=len(streams))
+        return await self._respond(streams, shape, req, req.n)
 
     # ---- text completions -----------------------------------------------------------------
 
@@ -225,6 +274,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> TextCompletion | AsyncIterator[bytes]:
         self.check_model(req.model)
+        self.check_supported(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
         prompts = self._completion_prompts(req.prompt)
@@ -246,6 +296,7 @@ class OpenAIServing:
                        req: ChatCompletionRequest | CompletionRequest, n: int
                        ) -> ChatCompletion | TextCompletion | AsyncIterator[bytes]:
         rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(streams, shape, rid, created, include_usage, n)
@@ -267,15 +318,18 @@ class OpenAIServing:
             opening = shape.opening(i)
             if opening is not None:
                 yield chunk([opening])
-        async for i, out in self._merged(streams):
-            if out.error:
-                yield sse(error_body(out.error, "server_error"))
-                break
-            delta = shape.delta(i, out)
-            if delta is not None:
-                yield chunk([delta])
-            if out.finished:
-                finals[i] = out
+        async with aclosing(self._merged(streams)) as merged:
+            async for i, out in merged:
+                if out.error:
+                    closing = not self.aengine.accepting
+                    yield sse(error_body(out.error, "server_error",
+                                         code="shutting_down" if closing else None))
+                    break
+                delta = shape.delta(i, out)
+                if delta is not None:
+                    yield chunk([delta])
+                if out.finished:
+                    finals[i] = out
         if include_usage and all(finals):
             yield chunk([], usage=_usage(finals, n))
         yield SSE_DONE
@@ -300,15 +354,22 @@ class _Shape(Protocol):
 class _ChatShape:
     id_prefix = "chatcmpl"
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, lstrip: bool, n: int) -> None:
         self._serving = serving
+        self._lstrip = [lstrip] * n  # per choice: leading blanks still to drop
 
     def initial_texts(self, n: int) -> list[str]:
         return [""] * n
 
+    def _text(self, i: int, text: str) -> str:
+        if self._lstrip[i]:
+            text = text.lstrip()
+            self._lstrip[i] = not text
+        return text
+
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
                final: RequestOutput | None) -> ChatChoice:
-        return ChatChoice(i, AssistantMessage("assistant", text),
+        return ChatChoice(i, AssistantMessage("assistant", self._text(i, text)),
                           self._serving._chat_logprobs(lps),
                           final.finish_reason if final else None)
 
@@ -316,9 +377,10 @@ class _ChatShape:
         return ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None)
 
     def delta(self, i: int, out: RequestOutput) -> ChatChunkChoice | None:
-        if not (out.text or out.finished or out.logprobs):
+        text = self._text(i, out.text)
+        if not (text or out.finished or out.logprobs):
             return None
-        return ChatChunkChoice(i, ChatDelta(content=out.text or None),
+        return ChatChunkChoice(i, ChatDelta(content=text or None),
                                self._serving._chat_logprobs(out.logprobs), out.finish_reason)
 
     def full(self, rid: str, created: int, model: str, choices: list,
@@ -363,6 +425,37 @@ class _CompletionShape:
         return TextCompletion(rid, "text_completion", created, model, choices, usage)
 
     chunk = full  # a streamed chunk has the same shape, usage only on the last
+
+
+_NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",
+             "input_audio": "audio", "audio": "audio", "file": "files", "input_file": "files"}
+
+
+def _text_part(part: ContentPart, where: str) -> str:
+    """The text of a content part; 400 for any other kind (this model reads text only)."""
+    if part.type == "text":
+        if part.text is None:
+            raise InvalidRequestError(f"{where}: a text part needs 'text'", param=where)
+        return part.text
+    kind = _NOT_TEXT.get(part.type)
+    if kind is not None:
+        raise InvalidRequestError(
+            f"{where}: this model reads text only and cannot take {kind} (content part type "
+            f"'{part.type}')", param=where)
+    raise InvalidRequestError(f"{where}: unknown content part type '{part.type}' (only "
+                              "'text' is supported)", param=where)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as decimal strings) as token id -> bias; the values and
+    the vocabulary are checked by SamplingParams and the engine."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequestError(f"logit_bias keys must be token ids (got {key!r})",
+                                      param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _is_tokens(x: object) -> bool:

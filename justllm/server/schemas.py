@@ -1,62 +1,80 @@
-"""Request and response bodies of the OpenAI API, as msgspec structs (Litestar validates and
-documents them; the SSE encoder writes them).
+"""Request and response bodies of the OpenAI API, as msgspec structs (Litestar documents them,
+``decode_request`` validates them strictly; the SSE encoder writes them).
 
-Only the fields justllm acts on are declared on requests; other OpenAI fields are accepted and
-ignored, so the official clients work unchanged. Responses are shaped as OpenAI documents them.
+Every request field is either acted on or refused: an unknown field is a 400 naming it
+(``forbid_unknown_fields``), and OpenAI fields justllm does not implement are declared only so
+that a value other than their default gets a 400 that says why (``openai_serving`` checks
+them). Responses are shaped as OpenAI documents them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request body part: unknown fields are refused, never silently ignored."""
+
+
+class ContentPart(_Request, kw_only=True):
+    """A part of a message's content. Only ``text`` parts are read; the others are declared so
+    that an image or audio part gets a 400 saying the model cannot take it."""
+
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(_Request, kw_only=True):
     name: str = "response"
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(_Request, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(_Request, kw_only=True):
     """Fields common to chat and text completions."""
 
     model: str | None = None  # optional, as in vLLM: the served model when absent
-    max_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: NonNegativeInt | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repeat_penalty: float | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    n: int = 1
+    n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None
+    # token id (a decimal string, as JSON object keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id: logged with the request (--verbose)
     # Speculative decoding per request, named as llama-server names them (0 turns it off).
     speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
@@ -66,10 +84,24 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NonNegativeInt | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI fields justllm does not implement: refused unless at their "off" value.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -77,16 +109,18 @@ class CompletionRequest(_Sampling, kw_only=True):
     # serving code: msgspec cannot tell apart unions of several list types)
     prompt: Union[str, list[Any]]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: NonNegativeInt | None = None
+    # OpenAI fields justllm does not implement: refused unless at their "off" value.
+    suffix: str | None = None  # fill-in-the-middle
+    best_of: int | None = None  # only 1 (or n): no server-side best-of ranking
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class EmbeddingRequest(_Request, kw_only=True):
     model: str | None = None  # optional, as in vLLM: the served model when absent
     input: Union[str, list[Any]]  # as CompletionRequest.prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
+    dimensions: PositiveInt | None = None
+    user: str | None = None  # logged with the request (--verbose)
 
 
 # ---- responses -------------------------------------------------------------------------------

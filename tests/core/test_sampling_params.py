@@ -18,6 +18,12 @@ from justllm.errors import InvalidRequestError
     ({"logprobs": 50}, "logprobs"),
     ({"max_tokens": True}, "max_tokens"),
     ({"temperature": float("nan")}, "temperature"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"logit_bias": {5: 101}}, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"stop": ["x"] * 33}, "stop"),
 ])
 def test_bad_values_name_the_parameter(kw, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -29,3 +35,9 @@ def test_stop_string_is_normalised_to_tuple():
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy
+
+
+def test_max_tokens_none_means_to_the_context_and_logit_bias_is_normalised():
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(logit_bias={7: -100, 9: 2.5}).logit_bias == ((7, -100), (9, 2.5))
+    assert SamplingParams(logit_bias=[(7, 1)]).logit_bias == ((7, 1),)

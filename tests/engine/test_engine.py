@@ -247,3 +247,19 @@ def test_priority_is_refused_without_priority_scheduling(engine):
     with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
         engine.add_request("hi", SamplingParams(max_tokens=1, priority=2))
     assert not engine.has_unfinished()
+
+
+def test_max_tokens_must_fit_the_context(engine):
+    limit = engine.max_request_tokens
+    prompt = [2, 651, 6037]
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request(prompt, SamplingParams(max_tokens=limit - 2))
+    assert e.value.param == "max_tokens"
+    assert f"maximum context length is {limit} tokens" in str(e.value)
+    assert f"3 in the prompt, {limit - 2} in max_tokens" in str(e.value)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(prompt, SamplingParams(logit_bias={engine.backend.n_vocab: 1}))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=limit - 3, stop=["\n", "."]))
+    engine.abort(rid)
+    engine.step()
+    assert_idle_and_free(engine)

@@ -91,3 +91,18 @@ def test_large_vocabulary_temperature_sampling_matches_distribution():
     p /= p.sum()
     toks = draw(SamplingParams(temperature=1.0), x, 3000)
     assert abs((toks == 7).mean() - p[7]) < 0.03
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_without_touching_the_row():
+    x = np.array([0.1, 3.0, 2.9, -1], dtype=np.float32)
+    row = x.copy()
+    assert RequestSampler(SamplingParams(logit_bias={1: -100}), 0).sample(x, [], []).token_id == 2
+    assert RequestSampler(SamplingParams(logit_bias={3: 100}), 0).sample(x, [], []).token_id == 3
+    forced = draw(SamplingParams(temperature=1.0, logit_bias={0: 100}), x, 200)
+    assert (forced == 0).all()
+    banned = draw(SamplingParams(temperature=1.0, logit_bias={1: -100, 2: -100}), x, 500)
+    assert set(banned.tolist()) <= {0, 3} and (banned == 0).any()
+    assert np.array_equal(x, row)  # the batch's logits row is left as it was
+    # logprobs stay those of the model's own distribution
+    lp = RequestSampler(SamplingParams(logprobs=1, logit_bias={3: 100}), 0).sample(x, [], [])
+    assert lp.token_id == 3 and lp.top_logprobs[0][0] == 1

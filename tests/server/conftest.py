@@ -73,6 +73,9 @@ def _auth(args: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="session")
 def server(model_path):
-    s = start_server(model_path, "--max-seqs", "16", "--pool-blocks", "512")
+    # Gemma's turn format (not the transcript a base model gets by default): its stop string
+    # is an end-of-generation token, so ignore_eos answers run to max_tokens as tests expect.
+    s = start_server(model_path, "--max-seqs", "16", "--pool-blocks", "512",
+                     "--chat-template", "gemma")
     yield s
     assert s.stop() == 0

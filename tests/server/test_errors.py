@@ -57,16 +57,16 @@ def test_bad_requests(server):
 
 
 def test_bad_requests_do_not_harm_a_running_stream(server):
-    body = {"model": server.model, "messages": [{"role": "user", "content": "Tell a story."}],
-            "max_tokens": 40, "stream": True, "ignore_eos": True}
+    body = {"model": server.model, "prompt": "Tell a story.", "max_tokens": 40, "stream": True,
+            "ignore_eos": True}
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as h:
             async def good():
                 n = 0
-                async with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                async with h.stream("POST", server.url + "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
-                        n += line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+                        n += line.startswith("data: {") and '"text":"' in line and '"text":""' not in line
                 return n
 
             async def bad():
