@@ -9,6 +9,7 @@ from justllm.cli import chat as chat_cmd
 from justllm.cli import config as config_cmd
 from justllm.cli import draft as draft_cmd
 from justllm.cli import models as models_cmd
+from justllm.cli import ps as ps_cmd
 from justllm.cli import pull as pull_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
@@ -27,6 +28,8 @@ app.command("serve")(serve_cmd.serve)
 app.command("chat")(chat_cmd.chat)
 app.command("bench")(bench_cmd.bench)
 app.command("top")(top_cmd.top)
+app.command("ps")(ps_cmd.ps)
+app.command("logs")(ps_cmd.logs)
 app.command("models")(models_cmd.list_models)
 app.command("ls", hidden=True)(models_cmd.list_models)  # alias
 app.command("pull")(pull_cmd.pull)

@@ -22,6 +22,8 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
+    models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
+    models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory, named by file stem.")] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: seconds the requests in flight may still run (new ones get 503); then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
@@ -30,6 +32,11 @@ def serve(
     /v1/embeddings, /v1/models), with /health and Prometheus /metrics."""
     with cli_errors():
         import uvicorn
+
+        if models_file or models_dir:
+            return _serve_gateway(model, models_file, models_dir, host, port, api_key,
+                                  engine_flags or {})
+        _watch_parent()
 
         from justllm.engine.async_engine import AsyncEngine
         from justllm.engine.backend import require_gpu_offload
@@ -60,9 +67,73 @@ def serve(
                                         log_level="info" if config.verbose else "warning",
                                         timeout_graceful_shutdown=shutdown_timeout + 5),
                          on_exit=lambda: begin_shutdown(app, shutdown_timeout))
+        app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
         server.run()
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
+
+
+def _watch_parent() -> None:
+    """A runner started by a gateway (JUSTLLM_PARENT_PID) stops when the gateway is gone, even
+    if it was SIGKILLed and could not stop its runners."""
+    import os
+    import threading
+    import time
+
+    parent = os.environ.get("JUSTLLM_PARENT_PID")
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="justllm-parent-watch", daemon=True).start()
+
+
+def _serve_gateway(model: str | None, models_file: str | None, models_dir: str | None,
+                   host: str, port: int, api_key: str | None, flags: dict) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from justllm.gateway.app import (
+        GatewaySettings,
+        all_runners_stopped,
+        create_gateway,
+        default_log_dir,
+    )
+    from justllm.gateway.config import Flags, directory_config, read_config
+
+    if model is not None or (models_file and models_dir):
+        raise ValueError("router mode takes --models FILE or --models-dir DIR, not a MODEL "
+                         "as well")
+    if not 0 < port < 65536:
+        raise ValueError("--port must be in 1..65535")
+    # Engine flags given on this command line reach every runner (a model's entry wins).
+    given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
+             if f.name in flags and flags[f.name] != f.default}
+    known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS), given)
+    config = (read_config(models_file, known) if models_file
+              else directory_config(models_dir or "", known))
+    app = create_gateway(config, GatewaySettings(host, port, api_key), default_log_dir())
+    names = ", ".join(m.name for m in config.models)
+    Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "
+                               f"(runner logs in {default_log_dir()})", highlight=False)
+
+    def stop_runners() -> None:  # on the first signal: runners drain while clients finish
+        sup = app.state.get("supervisor")
+        if sup is not None:
+            asyncio.get_event_loop().call_soon_threadsafe(
+                lambda: asyncio.ensure_future(sup.close()))
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                    timeout_graceful_shutdown=15), on_exit=stop_runners)
+    try:
+        server.run()
+    finally:
+        all_runners_stopped(app)
 
 
 def _make_server_class():

@@ -97,9 +97,14 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         raise NotAuthorizedException("invalid or missing API key (Authorization: Bearer KEY)")
 
 
-def _sse(body: AsyncIterator[bytes]) -> Stream:
-    return Stream(body, media_type="text/event-stream",
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+SSE_HEADERS = {
+    # Explicit: Litestar lets a handler's default media type (JSON) override a Stream's own.
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(body: AsyncIterator[bytes]) -> Stream:
+    return Stream(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def decode_request(request: Request, cls: type[T]) -> T:
@@ -141,7 +146,7 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
     serving = _served(state).completions
     body = await decode_request(request, ChatCompletionRequest)
     result = await unless_disconnected(request, serving.chat(body))
-    return _sse(result) if isinstance(result, AsyncIterator) else result
+    return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
 @post("/completions", status_code=200, summary="Create a text completion")
@@ -149,7 +154,7 @@ async def completions(data: JSONBody[CompletionRequest], request: Request, state
     serving = _served(state).completions
     body = await decode_request(request, CompletionRequest)
     result = await unless_disconnected(request, serving.completions(body))
-    return _sse(result) if isinstance(result, AsyncIterator) else result
+    return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings")
@@ -167,10 +172,13 @@ async def list_models(state: State) -> ModelList:
     return ModelList("list", [ModelCard(served.model_id, "model", served.created, "justllm")])
 
 
-@get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
+@get("/health", summary="200 when the model is loaded, 503 while loading (or if it failed)",
+     include_in_schema=True)
 async def health(state: State) -> Response:
     if state.get("served") is None:
-        return Response({"status": "loading"}, status_code=503)
+        error = state.get("load_error")
+        return Response({"status": "failed", "error": error} if error else {"status": "loading"},
+                        status_code=503)
     return Response({"status": "ok"}, status_code=200)
 
 
@@ -214,9 +222,12 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
         def work() -> None:
             try:
                 app.state["served"] = build_served(loader(), config)
-            except Exception as e:  # the server keeps answering 503 and says why in the log
+            except Exception as e:  # the server stops; `justllm serve` exits 1 saying why
                 log.error("model loading failed: %s", e)
                 app.state["load_error"] = str(e)
+                stop = app.state.get("stop_server")
+                if stop is not None:
+                    stop()
 
         threading.Thread(target=work, name="justllm-loader", daemon=True).start()
 

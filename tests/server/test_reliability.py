@@ -208,6 +208,7 @@ def test_a_first_chat_with_the_base_demo_model_makes_sense(srv):
     assert choice["message"]["content"] == "The capital of France is Paris."
     assert choice["finish_reason"] == "stop"
     r = httpx.post(srv.url + CHAT, json={**body, "stream": True}, timeout=60)
+    assert r.headers["content-type"].startswith("text/event-stream")
     chunks = [json.loads(line[6:]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \

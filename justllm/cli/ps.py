@@ -1,0 +1,94 @@
+"""``justllm ps`` and ``justllm logs``: what a router-mode gateway runs, and its runners' logs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from justllm.cli.errors import cli_errors
+
+Url = Annotated[str, typer.Option("--url", help="The gateway (justllm serve --models ...).")]
+ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Sent as 'Authorization: Bearer KEY'.")]
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 0:
+        return "never"
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.0f} min"
+
+
+def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
+    """Show a gateway's models: status, pid, memory, requests, idle time, time until unload."""
+    with cli_errors():
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            r = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=10,
+                          trust_env=False)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach {url}: {e}") from None
+        if r.status_code != 200 or "data" not in r.json():
+            raise ValueError(f"{url} is not a router-mode gateway (GET /models answered "
+                             f"{r.status_code}); `justllm ps` needs `justllm serve --models`")
+        body = r.json()
+        table = Table("MODEL", "STATUS", "PID", "MEMORY", "ACTIVE", "IDLE", "UNLOAD IN",
+                      "RESTARTS", box=None, pad_edge=False)
+        for m in body["data"]:
+            rss = f"{m['rss_mib']:.0f} MiB" if m.get("rss_mib") else "-"
+            status = m["status"] + (f" ({m['error']})" if m.get("error") else "")
+            table.add_row(m["model"], status, str(m["pid"] or "-"), rss, str(m["active"]),
+                          _seconds(m["idle_seconds"]) if m["status"] == "loaded" else "-",
+                          _seconds(m["unload_in"]) if m["status"] == "loaded" and
+                          m["unload_in"] is not None else ("never" if m["ttl"] < 0 else "-"),
+                          str(m["restarts"]))
+        console = Console()
+        console.print(table)
+        console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
+                      f"max loaded: {body['max_loaded'] or 'no limit'}[/dim]", highlight=False)
+
+
+def logs(
+    model: Annotated[str, typer.Argument(help="A model name of the gateway's models.yaml.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines to show from the end.")] = 50,
+) -> None:
+    """Show a router-mode runner's log (one file per model, on this machine)."""
+    with cli_errors():
+        from justllm.gateway.app import default_log_dir
+
+        path = default_log_dir() / f"{model}.log"
+        if "/" in model or not path.is_file():
+            known = sorted(p.stem for p in default_log_dir().glob("*.log"))
+            raise ValueError(f"no log for model '{model}' in {default_log_dir()} (logs: "
+                             f"{', '.join(known) or 'none yet'})")
+        _print_tail(path, lines)
+        if follow:
+            _follow(path)
+
+
+def _print_tail(path: Path, n: int) -> None:
+    text = path.read_text(errors="replace").splitlines()
+    for line in text[-n:] if n > 0 else []:
+        print(line)
+
+
+def _follow(path: Path) -> None:
+    with path.open(errors="replace") as f:
+        f.seek(0, 2)
+        try:
+            while True:
+                line = f.readline()
+                if line:
+                    print(line, end="", flush=True)
+                else:
+                    time.sleep(0.25)
+        except KeyboardInterrupt:
+            return

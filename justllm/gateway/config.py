@@ -1,0 +1,150 @@
+"""The gateway's configuration: ``models.yaml`` (or a list of models, or a directory) parsed and
+validated once, before anything starts.
+
+    max-loaded: 2            # most runners at once; the least recently used idle one goes
+    load-timeout: 120        # seconds a request waits for its model to load
+    max-waiting: 64          # requests waiting for loads, beyond which a 503 answers
+    models:
+      chat:
+        source: gemma-3-270m-q4_k_m:latest   # a registry name, a path or REPO:FILE
+        aliases: [gpt-4o-mini]
+        ttl: 300              # idle seconds before unloading; -1 never
+        preload: true
+        max-seqs: 8           # any engine flag of `justllm serve`
+        ctx: 2048
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TTL = 300.0
+_MODEL_KEYS = {"source", "aliases", "ttl", "preload"}
+_TOP_KEYS = {"models", "max-loaded", "load-timeout", "max-waiting"}
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The engine flags a runner takes (YAML names: ``max-seqs``), and the values given on the
+    gateway's own command line, which every model gets unless its entry says otherwise."""
+
+    names: frozenset[str]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str
+    aliases: tuple[str, ...] = ()
+    ttl: float = DEFAULT_TTL  # < 0: never unload
+    preload: bool = False
+    flags: tuple[tuple[str, Any], ...] = ()  # engine flags for the runner, YAML names
+
+    def runner_args(self) -> list[str]:
+        """The flags as ``justllm serve`` arguments."""
+        args: list[str] = []
+        for key, value in self.flags:
+            if isinstance(value, bool):
+                if value:
+                    args.append(f"--{key}")
+            else:
+                args += [f"--{key}", str(value)]
+        return args
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    models: tuple[ModelSpec, ...]
+    max_loaded: int = 0  # 0: no limit
+    load_timeout: float = 120.0
+    max_waiting: int = 64
+    names: dict[str, str] = field(default_factory=dict)  # name or alias -> model name
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("the gateway needs at least one model")
+        names: dict[str, str] = {}
+        for m in self.models:
+            for n in (m.name, *m.aliases):
+                if n in names:
+                    raise ValueError(f"model name or alias '{n}' is used twice")
+                names[n] = m.name
+        object.__setattr__(self, "names", names)
+        if self.max_loaded < 0 or self.load_timeout <= 0 or self.max_waiting < 1:
+            raise ValueError("max-loaded must be >= 0, load-timeout > 0, max-waiting >= 1")
+
+    def spec(self, name: str) -> ModelSpec:
+        return next(m for m in self.models if m.name == name)
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number (got {value!r})")
+    return float(value)
+
+
+def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
+    if isinstance(entry, str):
+        entry = {"source": entry}
+    if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
+        raise ValueError(f"model '{name}' needs a 'source' (a registry name, a path or "
+                         "REPO:FILE)")
+    known = flags.names
+    unknown = sorted(k for k in entry if k not in _MODEL_KEYS and k not in known)
+    if unknown:
+        raise ValueError(f"model '{name}': unknown key(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(_MODEL_KEYS))} and the engine flags of "
+                         "`justllm serve`)")
+    aliases = entry.get("aliases") or []
+    if isinstance(aliases, str):
+        aliases = [aliases]
+    if not all(isinstance(a, str) and a for a in aliases):
+        raise ValueError(f"model '{name}': aliases must be names")
+    values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
+    return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
+                     ttl=_number(f"model '{name}': ttl", entry.get("ttl", DEFAULT_TTL)),
+                     preload=bool(entry.get("preload", False)),
+                     flags=tuple(sorted(values.items())))
+
+
+def load_config(data: Any, flags: Flags) -> GatewayConfig:
+    """A parsed models.yaml."""
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+        raise ValueError("models.yaml must be a mapping with a 'models' mapping of name -> "
+                         "model")
+    unknown = sorted(k for k in data if k not in _TOP_KEYS)
+    if unknown:
+        raise ValueError(f"models.yaml: unknown key(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(_TOP_KEYS))})")
+    models = tuple(model_spec(str(n), e, flags) for n, e in data["models"].items())
+    return GatewayConfig(
+        models, max_loaded=int(_number("max-loaded", data.get("max-loaded", 0))),
+        load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
+        max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))))
+
+
+def read_config(path: str, flags: Flags) -> GatewayConfig:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+    return load_config(data, flags)
+
+
+def directory_config(directory: str, flags: Flags) -> GatewayConfig:
+    """Every GGUF in ``directory`` as a model named by its file stem (llama-server's
+    --models-dir)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"--models-dir {directory} is not a directory")
+    paths = sorted(p for p in root.rglob("*.gguf") if p.is_file())
+    if not paths:
+        raise ValueError(f"no .gguf files in {directory}")
+    return GatewayConfig(tuple(model_spec(p.stem, str(p), flags) for p in paths))

@@ -1,0 +1,99 @@
+"""One runner: a single-model ``justllm serve`` child process on a private loopback port, its
+log file, and its health. The runner exits by itself if the gateway dies (it is given the
+gateway's pid in JUSTLLM_PARENT_PID and watches it), so no process outlives a SIGKILLed
+gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from justllm.gateway.config import ModelSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_error_line(log: Path) -> str:
+    """The runner's last 'error:' line (the CLI's one-line errors), else its last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines or ["exited without output"])[-1]
+
+
+class RunnerProcess:
+    def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 2.0) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.started = time.monotonic()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "justllm", "serve", spec.source, "--host", "127.0.0.1",
+               "--port", str(self.port), "--served-model-name", spec.name,
+               "--shutdown-timeout", str(shutdown_timeout), *spec.runner_args()]
+        with self.log_path.open("ab") as log:
+            log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
+                      f"{' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "JUSTLLM_PARENT_PID": str(os.getpid())})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def wait_ready(self, http: httpx.AsyncClient, timeout: float) -> None:
+        """Until /health says 200; raises RuntimeError with the runner's last error line if it
+        exits, TimeoutError if it takes longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(last_error_line(self.log_path))
+            try:
+                if (await http.get(self.url + "/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"model '{self.spec.name}' did not load within {timeout:.0f} s")
+
+    async def healthy(self, http: httpx.AsyncClient) -> bool:
+        try:
+            return (await http.get(self.url + "/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (the runner drains for its shutdown timeout), then SIGKILL after ``grace``."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+    def kill_now(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()

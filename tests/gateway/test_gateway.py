@@ -1,0 +1,266 @@
+"""Router mode with real runner processes on the demo model (two names for one GGUF, plus a
+corrupt file): loading on demand, aliases, swaps under max-loaded, keep_alive, ttl, a runner
+killed mid-request, a model that cannot load, and no process left behind however the gateway
+ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+
+RUNNER_FLAGS = {"max-seqs": 4, "pool-blocks": 64, "threads": 2}
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen
+    url: str
+    logs: Path
+
+    def status(self) -> dict[str, dict]:
+        return {m["model"]: m for m in httpx.get(self.url + "/models", timeout=30).json()["data"]}
+
+    def runner_pids(self) -> list[int]:
+        return [m["pid"] for m in self.status().values() if m["pid"]]
+
+    def wait_status(self, model: str, status: str, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.status()[model]
+            if m["status"] == status:
+                return m
+            time.sleep(0.1)
+        raise AssertionError(f"{model} never became {status}: {self.status()[model]}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "runner processes left behind"
+
+
+def start_gateway(tmp_path: Path, models: dict, **top) -> Gateway:
+    config = tmp_path / "models.yaml"
+    config.write_text(json.dumps({**top, "models": models}))  # JSON is YAML
+    port = free_port()
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "JUSTLLM_CACHE_DIR": str(cache)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return Gateway(proc, url, cache / "logs")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the gateway did not start")
+
+
+def stop(gw: Gateway, sig: int = signal.SIGTERM) -> tuple[int, str]:
+    pids = gw.runner_pids() if gw.proc.poll() is None else []
+    if gw.proc.poll() is None:
+        gw.proc.send_signal(sig)
+    try:
+        rc = gw.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        gw.proc.kill()
+        rc = -9
+    wait_gone(pids)
+    return rc, gw.proc.stdout.read().decode()
+
+
+def complete(gw: Gateway, model: str, **extra) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/completions", json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": 4,
+        "temperature": 0, **extra}, timeout=120)
+
+
+@pytest.fixture
+def models(model_path, tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(Path(model_path).read_bytes()[:1_000_000])  # truncated
+    return {
+        "alpha": {"source": model_path, "aliases": ["gpt-4o-mini"], **RUNNER_FLAGS},
+        "beta": {"source": model_path, "ttl": 2, **RUNNER_FLAGS},
+        "broken": {"source": str(corrupt), **RUNNER_FLAGS},
+    }
+
+
+def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, models):
+    gw = start_gateway(tmp_path, models, **{"max-loaded": 1})
+    try:
+        listed = httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]
+        assert {m["id"]: m["status"] for m in listed} == {
+            "alpha": "unloaded", "beta": "unloaded", "broken": "unloaded"}
+        assert gw.runner_pids() == []
+
+        # Requests for both models at once, with room for one: every one succeeds, the
+        # models taking turns (LRU swap), streaming included.
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as http:
+                async def one(model, stream):
+                    r = await http.post(gw.url + "/v1/completions", json={
+                        "model": model, "prompt": f"Count for {model}:", "max_tokens": 6,
+                        "ignore_eos": True, "stream": stream})
+                    return r.status_code, r.text
+                return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in
+                                              enumerate(["alpha", "beta"] * 3)))
+
+        results = asyncio.run(burst())
+        assert all(code == 200 for code, _ in results), results
+        streamed = [text for code, text in results[::2]]
+        assert all(t.rstrip().endswith("data: [DONE]") for t in streamed), streamed
+        status = gw.status()
+        assert status["alpha"]["loads"] >= 1 and status["beta"]["loads"] >= 1
+        assert sum(m["status"] == "loaded" for m in status.values()) <= 1
+
+        # An alias reaches its model, whose name the answer carries.
+        r = complete(gw, "gpt-4o-mini")
+        assert r.status_code == 200 and r.json()["model"] == "alpha"
+        assert gw.status()["alpha"]["status"] == "loaded"
+
+        # keep_alive 0 (Ollama's): unloaded as soon as the request is done.
+        r = complete(gw, "alpha", keep_alive=0)
+        assert r.status_code == 200
+        gw.wait_status("alpha", "unloaded", timeout=30)
+        r = complete(gw, "alpha", keep_alive="soon")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
+
+        # beta's ttl is 2 s: idle, it unloads by itself.
+        assert complete(gw, "beta").status_code == 200
+        gw.wait_status("beta", "unloaded", timeout=30)
+
+        # A model that cannot load: a clear 503 naming the problem; the others keep serving.
+        r = complete(gw, "broken")
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_failed" and "broken" in err["message"], err
+        assert "error:" in err["message"] or "gguf" in err["message"].lower(), err
+        assert gw.status()["broken"]["status"] == "failed"
+        assert complete(gw, "alpha").status_code == 200
+
+        r = complete(gw, "nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        assert 'justllm_gateway_model_loads_total{model_name="alpha"}' in text
+        assert 'vllm:num_requests_running{model_name="alpha"}' in text  # the runner's own
+        assert text.count("# TYPE vllm:num_requests_running") == 1
+        assert (gw.logs / "alpha.log").is_file()
+
+        env = {**os.environ, "JUSTLLM_CACHE_DIR": str(gw.logs.parent)}
+        ps = subprocess.run([sys.executable, "-m", "justllm", "ps", "--url", gw.url],
+                            capture_output=True, text=True, env=env, timeout=60)
+        assert ps.returncode == 0, ps.stderr
+        rows = {line.split()[0]: line for line in ps.stdout.splitlines()[1:] if line.strip()}
+        assert "loaded" in rows["alpha"] and "failed" in rows["broken"], ps.stdout
+        logs = subprocess.run([sys.executable, "-m", "justllm", "logs", "broken", "-n", "200"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert logs.returncode == 0 and "error:" in logs.stdout, logs.stdout + logs.stderr
+        nolog = subprocess.run([sys.executable, "-m", "justllm", "logs", "gamma"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert nolog.returncode == 1 and "no log for model 'gamma'" in nolog.stderr
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    assert "Traceback" not in out, out
+
+
+def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, models):
+    del models["broken"]
+    gw = start_gateway(tmp_path, models)
+    try:
+        for name in ("alpha", "beta"):
+            r = httpx.post(gw.url + "/models/load", json={"model": name}, timeout=120)
+            assert r.status_code == 200 and r.json()["status"] == "loaded"
+
+        async def together():
+            async with httpx.AsyncClient(timeout=300) as http:
+                async def stream(model):
+                    r = await http.post(gw.url + "/v1/completions", json={
+                        "model": model, "prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}})
+                    events = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]
+                    return events[-1]["usage"]["completion_tokens"], events[0]["model"]
+                return await asyncio.gather(stream("alpha"), stream("beta"))
+
+        assert sorted(asyncio.run(together())) == [(12, "alpha"), (12, "beta")]
+
+        # kill -9 the runner during a non-streaming request: the request goes to the new
+        # runner (nothing had reached the client yet), and the model stays available.
+        victim = gw.status()["alpha"]["pid"]
+
+        async def killed_mid_request():
+            async with httpx.AsyncClient(timeout=300) as http:
+                call = asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "alpha", "prompt": "Tell a story.", "max_tokens": 60,
+                    "ignore_eos": True}))
+                while (await http.get(gw.url + "/models")).json()["data"][0]["active"] < 1:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                assert not call.done()
+                os.kill(victim, signal.SIGKILL)
+                return await call
+
+        r = asyncio.run(killed_mid_request())
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 60
+        after = gw.wait_status("alpha", "loaded")
+        assert after["pid"] != victim and after["restarts"] >= 1
+
+        # A stream that had started when its runner died ends with an error event and [DONE].
+        victim = after["pid"]
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=300, json={
+                "model": "alpha", "prompt": "Tell a story.", "max_tokens": 300,
+                "ignore_eos": True, "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(victim, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "runner_failed"
+        gw.wait_status("alpha", "loaded")
+        assert complete(gw, "alpha").status_code == 200
+        assert httpx.post(gw.url + "/models/unload", json={"model": "beta"},
+                          timeout=60).json()["status"] == "unloaded"
+        assert gw.status()["beta"]["pid"] is None
+        assert complete(gw, "beta").status_code == 200  # loads again on demand
+        pids = gw.runner_pids()
+        assert len(pids) == 2
+    finally:
+        rc, _ = stop(gw, signal.SIGKILL)  # runners notice their parent is gone and exit
+    assert rc == -signal.SIGKILL
+    wait_gone(pids)

@@ -1,0 +1,89 @@
+"""The gateway's pure decisions and its configuration (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.gateway.config import Flags, directory_config, load_config
+from justllm.gateway.policy import (
+    MAX_FAILURES,
+    Loaded,
+    expired,
+    keep_alive_seconds,
+    restart_delay,
+    to_unload_for,
+)
+
+FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks"}), {"ctx": 512})
+
+
+def test_expired_only_idle_models_past_their_ttl():
+    models = [Loaded("a", 0, 100.0, 10), Loaded("b", 1, 0.0, 10), Loaded("c", 0, 0.0, -1),
+              Loaded("d", 0, 105.0, 10), Loaded("e", 0, 110.0, 0)]
+    assert expired(models, 110.0) == ["a", "e"]
+
+
+def test_room_is_made_by_unloading_the_least_recently_used_idle_models():
+    models = [Loaded("a", 0, 5.0, 60), Loaded("b", 0, 1.0, 60), Loaded("c", 2, 0.0, 60)]
+    assert to_unload_for(models, 0) == []
+    assert to_unload_for(models, 4) == []
+    assert to_unload_for(models, 3) == ["b"]
+    assert to_unload_for(models, 2) == ["b", "a"]
+    assert to_unload_for(models, 1) is None  # "c" is busy: wait for it
+
+
+def test_restart_backoff_then_failed():
+    delays = [restart_delay(n) for n in range(MAX_FAILURES + 1)]
+    assert delays[0] == 0.0 and delays[1] < delays[2] and delays[-1] is None
+
+
+@pytest.mark.parametrize("value, seconds", [(0, 0.0), (-1, -1.0), (30, 30.0), ("5m", 300.0),
+                                            ("1h", 3600.0), ("10s", 10.0), ("250ms", 0.25),
+                                            ("-1", -1.0)])
+def test_keep_alive_as_ollama_reads_it(value, seconds):
+    assert keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", True, None, [1], "5 days"])
+def test_bad_keep_alive(value):
+    with pytest.raises(ValueError):
+        keep_alive_seconds(value)
+
+
+def test_config_from_yaml_data():
+    cfg = load_config({"max-loaded": 1, "models": {
+        "chat": {"source": "/m.gguf", "aliases": ["gpt-4o-mini"], "ttl": 5, "max-seqs": 4,
+                 "gpu": True},
+        "coder": "/c.gguf"}}, FLAGS)
+    chat = cfg.spec("chat")
+    assert cfg.max_loaded == 1 and cfg.names["gpt-4o-mini"] == "chat"
+    assert chat.runner_args() == ["--ctx", "512", "--gpu", "--max-seqs", "4"]
+    assert cfg.spec("coder").ttl == 300 and cfg.spec("coder").runner_args() == ["--ctx", "512"]
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"models": {}}, "at least one model"),
+    ({"models": {"a": {"aliases": ["x"]}}}, "needs a 'source'"),
+    ({"models": {"a": {"source": "/a", "max_seq": 3}}}, "unknown key(s) max_seq"),
+    ({"models": {"a": "/a", "b": {"source": "/b", "aliases": ["a"]}}}, "used twice"),
+    ({"models": {"a": {"source": "/a", "ttl": "long"}}}, "ttl must be a number"),
+    ({"models": {"a": "/a"}, "max-memory": "8GB"}, "unknown key(s) max-memory"),
+    ([1, 2], "must be a mapping"),
+])
+def test_config_errors_say_what_is_wrong(data, says):
+    with pytest.raises(ValueError) as e:
+        load_config(data, FLAGS)
+    assert says in str(e.value)
+
+
+def test_models_dir_names_models_by_file_stem(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.gguf").write_bytes(b"x")
+    (tmp_path / "sub" / "b.gguf").write_bytes(b"x")
+    cfg = directory_config(str(tmp_path), FLAGS)
+    assert [m.name for m in cfg.models] == ["a", "b"]
+    with pytest.raises(ValueError, match="not a directory"):
+        directory_config(str(tmp_path / "none"), FLAGS)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .gguf"):
+        directory_config(str(tmp_path / "empty"), FLAGS)
