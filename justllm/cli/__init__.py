@@ -34,6 +34,7 @@ app.command("models")(models_cmd.list_models)
 app.command("ls", hidden=True)(models_cmd.list_models)  # alias
 app.command("pull")(pull_cmd.pull)
 app.command("show")(models_cmd.show)
+app.command("tag")(models_cmd.tag)
 app.command("rm")(models_cmd.rm)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(draft_cmd.app, name="draft")

@@ -1,4 +1,4 @@
-"""``justllm models`` (``ls``), ``show`` and ``rm``: the local models directory."""
+"""``justllm models`` (``ls``), ``show``, ``tag`` and ``rm``: the model registry."""
 
 from __future__ import annotations
 
@@ -20,49 +20,79 @@ def _size(n: int) -> str:
 
 
 def list_models() -> None:
-    """List local models with size, quantization, architecture and context length."""
-    with cli_errors():
-        from justllm.models.store import ModelStore, describe
+    """List local models: NAME:TAG, digest, size, quantization, architecture, context length.
 
-        store = ModelStore()
-        paths = store.paths()
+    A version with several tags has a row for each; a version no tag points to any more shows
+    as <untagged> until 'justllm rm DIGEST'. GGUF files put into the models directory by hand
+    appear as STEM:latest."""
+    with cli_errors():
+        from rich.markup import escape
+
+        from justllm.models.registry import Registry
+
+        registry = Registry()
+        rows, problems = registry.entries()
+        for problem in problems:
+            Console(stderr=True).print(f"[yellow]skipped:[/yellow] {escape(problem)}",
+                                       highlight=False, soft_wrap=True)
         console = Console()
-        if not paths:
-            console.print(f"no models in {store.root} (justllm run/serve with no model "
-                          "assembles the demo model there)", highlight=False)
+        if not rows:
+            console.print(f"no models in {registry.root} (justllm pull REPO[:FILE] downloads "
+                          "one; justllm run/serve with no model assembles the demo model there)",
+                          highlight=False)
             return
-        table = Table("NAME", "SIZE", "QUANT", "ARCH", "CONTEXT", box=None, pad_edge=False)
-        for path in paths:
-            info = describe(path)
-            table.add_row(info.name, _size(info.size_bytes), info.quantization,
-                          info.architecture, str(info.context_length or "?"))
-        console.print(table)
+        table = Table("NAME", "DIGEST", "SIZE", "QUANT", "ARCH", "CONTEXT", box=None,
+                      pad_edge=False)
+        for row in rows:
+            m = row.manifest
+            table.add_row(row.label or "<untagged>", m.short,
+                          _size(m.size) if m.path.is_file() else "missing", m.quantization,
+                          m.architecture, str(m.context_length or "?"))
+        console.print(table, highlight=False)
 
 
 def show(
-    name: Annotated[str, typer.Argument(help="A model name from 'justllm models', or a path.")],
+    name: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models', or a path.")],
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
 ) -> None:
-    """Show a model's GGUF metadata and chat template."""
+    """Show a model's manifest (digest, tags, source, revision) and its GGUF metadata."""
     with cli_errors():
         from pathlib import Path
 
+        from justllm.models.refs import InvalidRefError
+        from justllm.models.registry import Registry, UnknownModelError
         from justllm.models.store import ModelStore, describe
 
-        path = Path(name) if Path(name).is_file() else ModelStore().require(name)
+        registry = Registry()
+        path = Path(name).expanduser()
+        if path.is_file():
+            manifest, title = registry.manifest_for_path(path), path.name
+        else:
+            try:
+                title, manifest = registry.resolve(name)
+                path = manifest.path
+            except (UnknownModelError, InvalidRefError):
+                found = ModelStore().find(name)  # a relative path in the models directory
+                if found is None:
+                    raise
+                path, title = found, found.name
+                manifest = registry.manifest_for_path(path)
         info = describe(path)
-        console = Console()
+        console = Console(highlight=False)
         if template:
             console.print(info.chat_template or "(none: the GGUF carries no chat template)",
-                          markup=False, highlight=False)
+                          markup=False)
             return
-        console.print(f"[bold]{info.name}[/bold]  {info.metadata.get('desc', '')}", highlight=False)
+        console.print(f"[bold]{title}[/bold]  {info.metadata.get('desc', '')}")
+        if manifest is not None:
+            tags = registry.labels(manifest.digest)
+            console.print(f"digest: {manifest.digest}\ntags: {', '.join(tags) or '(none)'}\n"
+                          f"source: {manifest.source}\nadded: {manifest.added}", markup=False)
         console.print(f"path: {info.path}\nsize: {_size(info.size_bytes)}\n"
                       f"quantization: {info.quantization}\narchitecture: {info.architecture}\n"
-                      f"context length: {info.context_length or '?'}", highlight=False)
+                      f"context length: {info.context_length or '?'}", markup=False)
         console.print("chat template: " + ("yes (--template to print it)" if info.chat_template
-                                           else "none (justllm uses the family's default)"),
-                      highlight=False)
+                                           else "none (justllm uses the family's default)"))
         table = Table("KEY", "VALUE", box=None, pad_edge=False)
         for key in sorted(info.metadata):
             if key not in ("desc", "tokenizer.chat_template"):
@@ -71,12 +101,43 @@ def show(
         console.print(table)
 
 
-def rm(
-    name: Annotated[str, typer.Argument(help="A model name from 'justllm models'.")],
+def tag(
+    source: Annotated[str, typer.Argument(help="A path to a .gguf file, a NAME[:TAG] or a digest.")],
+    target: Annotated[str, typer.Argument(help="The NAME[:TAG] to point at it (TAG: latest).")],
 ) -> None:
-    """Delete a local model file."""
+    """Name a local GGUF file or an existing version: NAME:TAG then points to it (a tag that
+    pointed elsewhere moves; the version it left stays). A file is registered where it is,
+    not copied."""
     with cli_errors():
-        from justllm.models.store import ModelStore
+        from justllm.models.registry import Registry
 
-        path = ModelStore().remove(name)
-        Console().print(f"deleted {path}", highlight=False)
+        key, m, before = Registry().tag(source, target)
+        moved = f" (moved from sha256:{before.short}, which is kept)" if before else ""
+        Console(highlight=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
+                                       markup=False, soft_wrap=True)
+
+
+def rm(
+    ref: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models'.")],
+) -> None:
+    """Remove a tag, or a version by its digest (with every tag on it). A version no tag points
+    to any more goes, and its file too when it lives in the models directory. A version a
+    running model holds is refused."""
+    with cli_errors():
+        from justllm.models.registry import Registry
+
+        r = Registry().remove(ref)
+        console = Console(highlight=False)
+        if r.manifest is None:
+            console.print(f"untagged {r.what} (it pointed to no version)", markup=False)
+            return
+        version = f"sha256:{r.manifest.short}"
+        if r.still_tagged:
+            console.print(f"untagged {r.what}; its version {version} is still "
+                          f"{', '.join(r.still_tagged)}", markup=False)
+            return
+        what = (f"version {version}" + (f" (untagged {', '.join(r.untagged)})" if r.untagged else "")
+                if r.what == r.manifest.digest else f"{r.what} and its version {version}")
+        file = (f"; deleted {r.deleted_file}" if r.deleted_file else
+                f"; kept {r.kept_file} ({r.kept_because})" if r.kept_file else "")
+        console.print(f"removed {what}{file}", markup=False, soft_wrap=True)

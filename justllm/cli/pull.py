@@ -1,8 +1,8 @@
-"""``justllm pull``: download a GGUF from a Hugging Face repo into the local models directory."""
+"""``justllm pull``: download a GGUF from a Hugging Face repo into the model registry."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,12 +15,23 @@ def pull(
     model: Annotated[str, typer.Argument(
         help="REPO or REPO:FILE on the Hugging Face Hub, e.g. "
              "bartowski/Qwen2.5-0.5B-Instruct-GGUF:Qwen2.5-0.5B-Instruct-Q4_K_M.gguf.")],
+    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="NAME[:TAG] to give it (default: the file name without .gguf, lowercased, :latest).")] = None,
     revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit.")] = "main",
     force: Annotated[bool, typer.Option("--force", help="Download again even if the local copy is up to date.")] = False,
 ) -> None:
-    """Download a GGUF model from Hugging Face into the models directory (REPO alone picks its
-    only .gguf file, or its Q4_K_M one; HF_ENDPOINT and HF_TOKEN are honoured)."""
+    """Download a GGUF model from Hugging Face into the models directory and record it with the
+    commit it resolved to and its sha256 (REPO alone picks its only .gguf file, or its Q4_K_M
+    one; HF_ENDPOINT and HF_TOKEN are honoured). Pulling a newer revision moves the tag and
+    keeps the older version until 'justllm rm'."""
     with cli_errors():
-        from justllm.models.hub import pull_model
+        from justllm.models.registry import Registry
 
-        pull_model(model, revision=revision, force=force, console=Console())
+        console = Console(highlight=False)
+        p = Registry().pull(model, tag=tag, revision=revision, force=force, console=console)
+        m, d = p.manifest, p.download
+        console.print(f"pulled {d.repo}:{d.file} @ {d.revision[:12]} -> {p.label} "
+                      f"(sha256:{m.short}, {m.path})", markup=False, soft_wrap=True)
+        if p.previous is not None:
+            console.print(f"{p.label} was sha256:{p.previous.short}: that version is kept "
+                          f"('justllm rm sha256:{p.previous.short}' removes it)", markup=False,
+                          soft_wrap=True)

@@ -42,6 +42,7 @@ def serve(
         from justllm.engine.backend import require_gpu_offload
         from justllm.engine.engine import Engine
         from justllm.models.gguf import check_gguf_file
+        from justllm.models.registry import lease_for_path
         from justllm.server.app import ServerConfig, begin_shutdown, create_app
 
         flags = engine_flags or {}
@@ -68,7 +69,9 @@ def serve(
                                         timeout_graceful_shutdown=shutdown_timeout + 5),
                          on_exit=lambda: begin_shutdown(app, shutdown_timeout))
         app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
-        server.run()
+        # A lease on the model's registered version: `justllm rm` refuses it while we serve.
+        with lease_for_path(config.model):
+            server.run()
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
 

@@ -139,12 +139,17 @@ def read_config(path: str, flags: Flags) -> GatewayConfig:
 
 
 def directory_config(directory: str, flags: Flags) -> GatewayConfig:
-    """Every GGUF in ``directory`` as a model named by its file stem (llama-server's
-    --models-dir)."""
+    """Every GGUF in ``directory`` (and below) as a model named by its file stem
+    (llama-server's --models-dir); of several files with one stem, the newest."""
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"--models-dir {directory} is not a directory")
     paths = sorted(p for p in root.rglob("*.gguf") if p.is_file())
     if not paths:
         raise ValueError(f"no .gguf files in {directory}")
-    return GatewayConfig(tuple(model_spec(p.stem, str(p), flags) for p in paths))
+    newest: dict[str, Path] = {}  # one model per name: two revisions of a file -> the newer
+    for p in paths:
+        if p.stem not in newest or p.stat().st_mtime > newest[p.stem].stat().st_mtime:
+            newest[p.stem] = p
+    return GatewayConfig(tuple(model_spec(name, str(p), flags)
+                               for name, p in sorted(newest.items())))

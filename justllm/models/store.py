@@ -1,4 +1,4 @@
-"""Local model files: the models directory, what is in it, and what each GGUF is."""
+"""Local model files: the models directory, the GGUF files in it, and what each GGUF is."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from justllm.errors import ModelLoadError
 from justllm.models.source import cache_dir
 
 # llama.cpp's llama_ftype values (general.file_type) -> the names people use.
@@ -17,6 +16,13 @@ FILE_TYPES = {
     23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
     29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4",
 }
+
+
+def quantization_name(file_type: int | None) -> str:
+    """``general.file_type`` as people name it (``Q4_K_M``); ``?`` when the GGUF has none."""
+    if file_type is None:
+        return "?"
+    return FILE_TYPES.get(file_type, f"type {file_type}")
 
 
 def models_dir() -> Path:
@@ -44,14 +50,15 @@ def describe(path: Path) -> ModelInfo:
     meta = read_gguf_info(str(path))
     arch = meta.get("general.architecture", "?")
     ftype = meta.get("general.file_type")
-    quant = FILE_TYPES.get(int(ftype), f"type {ftype}") if ftype and ftype.isdigit() else "?"
+    quant = quantization_name(int(ftype)) if ftype and ftype.isdigit() else "?"
     ctx = meta.get(f"{arch}.context_length")
     return ModelInfo(path.stem, path, path.stat().st_size, arch, quant,
                      int(ctx) if ctx and ctx.isdigit() else None, meta)
 
 
 class ModelStore:
-    """GGUF files in one directory, named by file name without ``.gguf``."""
+    """GGUF files in one directory (and below), named by file name without ``.gguf``: what the
+    registry adopts, and the last resort for a name the registry does not know."""
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or models_dir()
@@ -66,18 +73,3 @@ class ModelStore:
             if name in (p.stem, p.name, str(p.relative_to(self.root))):
                 return p
         return None
-
-    def require(self, name: str) -> Path:
-        path = self.find(name)
-        if path is None:
-            raise ModelLoadError(f"no model named '{name}' in {self.root} "
-                                 "(see 'justllm models', or pass a path to a .gguf file)")
-        return path
-
-    def remove(self, name: str) -> Path:
-        path = self.require(name)
-        path.unlink()
-        stamp = path.with_name(path.name + ".sha256")
-        if stamp.exists():
-            stamp.unlink()
-        return path

@@ -1,13 +1,18 @@
-"""``justllm models/ls/show/rm`` on a models directory holding the demo GGUF."""
+"""``justllm models/ls/show/tag/rm`` on a models directory holding the demo GGUF (linked in)."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from justllm.cli import app
+from justllm.models.registry import Registry
+from tests.models.ggufs import tiny_gguf
 
 runner = CliRunner()
+DEMO = "a5fd3b62230a"  # the demo model's digest, short
 
 
 @pytest.fixture
@@ -17,28 +22,114 @@ def models_dir(tmp_path, model_path, monkeypatch):
     return tmp_path
 
 
+def error_line(r) -> str:
+    """The one ``error:`` line of a failed command."""
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def rows(output: str) -> list[list[str]]:
+    return [line.split() for line in output.splitlines()[1:]]
+
+
 def test_models_lists_metadata(models_dir):
     for cmd in ("models", "ls"):
         r = runner.invoke(app, [cmd])
         assert r.exit_code == 0, r.output
-        row = next(line for line in r.output.splitlines() if line.startswith("tiny-gemma"))
-        assert row.split() == ["tiny-gemma", "253.1", "MB", "Q4_K_M", "gemma3", "32768"]
+        assert r.stdout.splitlines()[0].split() == ["NAME", "DIGEST", "SIZE", "QUANT", "ARCH",
+                                                    "CONTEXT"]
+        assert rows(r.stdout) == [["tiny-gemma:latest", DEMO, "253.1", "MB", "Q4_K_M", "gemma3",
+                                   "32768"]]
 
 
 def test_show_and_names_resolve_for_run(models_dir):
     r = runner.invoke(app, ["show", "tiny-gemma"])
     assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].strip() == "tiny-gemma:latest"
+    assert f"digest: sha256:{DEMO}" in r.stdout and "tags: tiny-gemma:latest" in r.stdout
+    assert "source: file" in r.stdout and "added: " in r.stdout
     assert "general.architecture" in r.output and "Q4_K_M" in r.output
-    r = runner.invoke(app, ["show", "tiny-gemma", "--template"])
+    r = runner.invoke(app, ["show", "tiny-gemma:latest", "--template"])
     assert "no chat template" in r.output
-    r = runner.invoke(app, ["run", "tiny-gemma", "--raw", "-p", "Hi", "-n", "2", "--pool-blocks", "32"])
-    assert r.exit_code == 0 and "generation 2 tok" in r.output
+    r = runner.invoke(app, ["show", str(models_dir / "tiny-gemma.gguf")])
+    assert r.exit_code == 0 and f"digest: sha256:{DEMO}" in r.stdout
+    for name in ("tiny-gemma", f"sha256:{DEMO}"):
+        r = runner.invoke(app, ["run", name, "--raw", "-p", "Hi", "-n", "2", "--pool-blocks", "32"])
+        assert r.exit_code == 0 and "generation 2 tok" in r.output, r.output
 
 
-def test_rm_and_errors(models_dir):
-    r = runner.invoke(app, ["rm", "nope"])
-    assert r.exit_code == 1 and r.output.startswith("error: no model named 'nope'")
+def test_tag_then_models_shows_each_tag(models_dir):
+    r = runner.invoke(app, ["tag", "tiny-gemma", "gemma:small"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == f"gemma:small -> sha256:{DEMO} {models_dir / 'tiny-gemma.gguf'}"
+    other = models_dir.parent / "other.gguf"
+    tiny_gguf(other)
+    r = runner.invoke(app, ["tag", str(other), "gemma:small"])
+    assert r.exit_code == 0 and f"(moved from sha256:{DEMO}, which is kept)" in r.stdout
+    r = runner.invoke(app, ["tag", f"sha256:{DEMO}", "Gemma:Small"])
+    assert r.exit_code == 0, r.output
+    untagged = Registry().manifest_for_path(other).short  # other.gguf's version lost its tag
+    assert [row[:2] for row in rows(runner.invoke(app, ["models"]).stdout)] == [
+        ["gemma:small", DEMO], ["tiny-gemma:latest", DEMO], ["<untagged>", untagged]]
+    r = runner.invoke(app, ["rm", "gemma:small"])
+    assert r.stdout.strip() == f"untagged gemma:small; its version sha256:{DEMO} is still tiny-gemma:latest"
+    r = runner.invoke(app, ["rm", untagged])
+    assert r.stdout.strip() == (f"removed version sha256:{untagged}; kept {other} (outside the "
+                                "models directory)")
+    assert other.is_file()
+    assert [row[0] for row in rows(runner.invoke(app, ["models"]).stdout)] == ["tiny-gemma:latest"]
+
+
+def test_bad_input_is_one_line_and_touches_nothing(models_dir):
+    (models_dir / "corrupt.gguf").write_bytes(b"GGUF" + bytes(20))
+    r = runner.invoke(app, ["models"])  # the corrupt file is skipped, with a line that says so
+    assert r.exit_code == 0 and rows(r.stdout) == [["tiny-gemma:latest", DEMO, "253.1", "MB",
+                                                   "Q4_K_M", "gemma3", "32768"]]
+    assert r.stderr.startswith("skipped: ") and "corrupt.gguf" in r.stderr
+    tags = (models_dir / "tags.json").read_text()
+    for args, says in (
+            (["rm", "nope"], "error: no model named 'nope:latest' (see 'justllm models')"),
+            (["rm", "tiny-gemma:v9"], "error: no model named 'tiny-gemma:v9' (tiny-gemma has tags: latest)"),
+            (["show", "nope"], "error: no model named 'nope:latest' (see 'justllm models')"),
+            (["show", "sha256:0123456789abcdef"], "error: no version sha256:0123456789abcdef (see 'justllm models')"),
+            (["tag", "nope", "x"], "error: no model named 'nope:latest' (see 'justllm models')"),
+            (["tag", "tiny-gemma", "x/y"], "error: 'x/y' is not a model name"),
+            (["tag", str(models_dir / "corrupt.gguf"), "c"], f"error: {models_dir / 'corrupt.gguf'} is not a readable GGUF file ("),
+            (["show", "corrupt"], f"error: cannot use corrupt: {models_dir / 'corrupt.gguf'} is not a readable GGUF file (")):
+        assert error_line(runner.invoke(app, args)).startswith(says), args
+    r = runner.invoke(app, ["run", "nope", "-p", "x"])
+    assert "model not found: nope (pass a path to a .gguf file, a NAME[:TAG]" in error_line(r)
+    assert (models_dir / "tags.json").read_text() == tags
+    assert [p.name for p in (models_dir / "manifests").iterdir()] == [f"sha256-{json.loads(tags)['tiny-gemma:latest'][7:]}.json"]
+
+
+def test_digest_mismatch_is_one_line(models_dir):
+    path = models_dir / "m.gguf"
+    tiny_gguf(path)
+    assert runner.invoke(app, ["models"]).exit_code == 0
+    tiny_gguf(path, seed=5)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    for args in (["show", "m"], ["run", "m", "-p", "x"]):
+        line = error_line(runner.invoke(app, args))
+        assert line.startswith(f"error: digest mismatch: {path} changed on disk since it was "
+                               "registered as m:latest (sha256 now "), args
+
+
+def test_rm_and_errors(models_dir, model_path):
+    digest = Registry().resolve("tiny-gemma")[1].digest
+    with Registry().lease(digest):
+        line = error_line(runner.invoke(app, ["rm", "tiny-gemma"]))
+        assert line == (f"error: cannot remove tiny-gemma:latest: its version sha256:{DEMO} is in "
+                        f"use by a running model (pid {os.getpid()}); stop that model first")
+        assert (models_dir / "tiny-gemma.gguf").exists()
     r = runner.invoke(app, ["rm", "tiny-gemma"])
-    assert r.exit_code == 0 and not (models_dir / "tiny-gemma.gguf").exists()
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == (f"removed tiny-gemma:latest and its version sha256:{DEMO}; "
+                                f"deleted {models_dir / 'tiny-gemma.gguf'}")
+    assert not (models_dir / "tiny-gemma.gguf").is_symlink()
+    assert Path(model_path).is_file()  # the link went, not what it points to
     r = runner.invoke(app, ["models"])
     assert "no models in" in r.output

@@ -1,147 +1,33 @@
-"""``justllm pull`` against a stand-in Hugging Face Hub on 127.0.0.1 (never the real hub).
-
-The stand-in answers the two kinds of request huggingface_hub makes for a pull, the way the hub
-does: the tree listing ``GET /api/models/{repo}/tree/{rev}`` and ``HEAD``/``GET
-/{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``, ``ETag`` (the sha256 of an LFS file) and
-``Content-Length``; unknown repos, revisions and files get a 404 with the hub's ``X-Error-Code``.
-"""
+"""``justllm pull`` against a stand-in Hugging Face Hub on 127.0.0.1 (never the real hub;
+tests/models/fake_hub.py). A pulled file lands in ``huggingface/OWNER/NAME/COMMIT/`` in the
+models directory and is registered as ``stem:latest`` with its commit and sha256."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import socket
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from justllm.cli.pull import pick_gguf, pull, split_ref
+from justllm.cli import app
+from justllm.cli.pull import pick_gguf, split_ref
 from justllm.errors import ModelLoadError
+from justllm.models.registry import Registry
 from justllm.models.store import ModelStore
+from tests.models.fake_hub import FakeHub, isolate_hub_library, serve_fake_hub
+from tests.models.ggufs import tiny_gguf
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-GGUF = b"GGUF" + bytes([3, 0, 0, 0]) + bytes(range(256)) * 16  # a few KB; pull never parses it
-
+GGUF = tiny_gguf()
 runner = CliRunner()
-app = typer.Typer()
-app.command("pull")(pull)
-
-
-@app.callback()
-def _root() -> None:
-    """Stands in for the justllm app until the lead registers the command there."""
-
-
-@dataclass
-class FakeHub:
-    url: str
-    repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
-    requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
-
-    def gets(self, suffix: str) -> int:
-        return sum(m == "GET" and p.endswith(suffix) for m, p in self.requests)
-
-
-def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _send(self, status: int, body: bytes = b"", **headers: str) -> None:
-            self.send_response(status)
-            for k, v in {"Content-Length": str(len(body)), **headers}.items():
-                self.send_header(k.replace("_", "-"), v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def _not_found(self, code: str) -> None:
-            self._send(404, json.dumps({"error": code}).encode(), X_Error_Code=code,
-                       X_Error_Message=code, Content_Type="application/json")
-
-        def _route(self) -> None:
-            path = unquote(urlsplit(self.path).path)
-            hub.requests.append((self.command, path))
-            parts = path.strip("/").split("/")
-            api = parts[:2] == ["api", "models"]
-            if api:
-                parts = parts[2:]
-            repo, kind, rev, rest = "/".join(parts[:2]), parts[2:3], parts[3:4], parts[4:]
-            if repo not in hub.repos:
-                return self._not_found("RepoNotFound")
-            if rev not in (["main"], [COMMIT]):
-                return self._not_found("RevisionNotFound")
-            files = hub.repos[repo]
-            if api and kind == ["tree"] and self.command == "GET":
-                tree = [{"type": "file", "path": name, "size": len(data),
-                         "oid": hashlib.sha1(data).hexdigest(),
-                         "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                 "pointerSize": 134}}
-                        for name, data in files.items()]
-                return self._send(200, json.dumps(tree).encode(), Content_Type="application/json")
-            name = "/".join(rest)
-            if api or kind != ["resolve"] or name not in files:
-                return self._not_found("EntryNotFound")
-            data = files[name]
-            self._send(200, data, X_Repo_Commit=COMMIT, Accept_Ranges="bytes",
-                       ETag=f'"{hashlib.sha256(data).hexdigest()}"',
-                       Content_Type="application/octet-stream")
-
-        do_GET = do_HEAD = _route
-
-    return Handler
-
-
-def _isolate_hub_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str) -> None:
-    """Point huggingface_hub at ``endpoint`` with an empty home, no token and online mode.
-
-    huggingface_hub copies these environment variables into constants when first imported, so
-    the constants are patched as well as the environment.
-    """
-    from huggingface_hub import constants
-    from huggingface_hub.utils import logging as _hf_logging  # noqa: F401  (adds its log handler)
-
-    # That handler holds the sys.stderr of the moment it was made: a CliRunner's, since closed,
-    # when the first import happened inside runner.invoke. Point it at the test's stderr.
-    for handler in logging.getLogger("huggingface_hub").handlers:
-        if isinstance(handler, logging.StreamHandler):
-            monkeypatch.setattr(handler, "stream", sys.stderr)
-    home = tmp_path / "hf-home"
-    for key, value in {"HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0",
-                       "JUSTLLM_MODELS_DIR": str(tmp_path / "models")}.items():
-        monkeypatch.setenv(key, value)
-    for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HF_TOKEN_PATH"):
-        monkeypatch.delenv(key, raising=False)
-    for name, value in {"ENDPOINT": endpoint,
-                        "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
-                        "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-                        "HF_TOKEN_PATH": str(home / "token"),
-                        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-                        "HF_HUB_OFFLINE": False}.items():
-        monkeypatch.setattr(constants, name, value, raising=False)
 
 
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    fake = FakeHub(url=f"http://127.0.0.1:{server.server_address[1]}")
-    server.RequestHandlerClass = _handler(fake)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    _isolate_hub_library(monkeypatch, tmp_path, fake.url)
-    yield fake
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with serve_fake_hub(tmp_path, monkeypatch) as fake:
+        yield fake
 
 
 def _models(tmp_path: Path) -> Path:
@@ -158,41 +44,69 @@ def _error_line(r) -> str:
     return lines[0]
 
 
-def test_repo_file_downloads_exact_bytes(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/tiny-GGUF"] = {"tiny-Q8_0.gguf": GGUF, "README.md": b"# tiny\n"}
+def _pulled(tmp_path: Path, repo: str, commit: str, file: str) -> Path:
+    return (_models(tmp_path) / "huggingface" / repo / commit / file).resolve()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_repo_file_downloads_exact_bytes_and_registers_them(hub: FakeHub, tmp_path: Path) -> None:
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF, "README.md": b"# tiny\n"})
     r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
     assert r.exit_code == 0, r.output
-    path = (_models(tmp_path) / "tiny-Q8_0.gguf").resolve()
+    path = _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf")
     assert path.read_bytes() == GGUF
-    assert r.stdout.strip().splitlines()[-1] == f"pulled acme/tiny-GGUF:tiny-Q8_0.gguf -> {path}"
-    # The stand-in served it (no listing was needed), and `justllm run tiny-Q8_0` finds it.
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"pulled acme/tiny-GGUF:tiny-Q8_0.gguf @ {commit[:12]} -> tiny-q8_0:latest "
+        f"(sha256:{_sha(GGUF)[:12]}, {path})")
+    # The stand-in served it (no listing was needed): the commit first, then the file at it.
     assert ("HEAD", "/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf") in hub.requests
+    assert ("GET", f"/acme/tiny-GGUF/resolve/{commit}/tiny-Q8_0.gguf") in hub.requests
     assert hub.gets("/tiny-Q8_0.gguf") == 1 and not any("/tree/" in p for _, p in hub.requests)
     assert ModelStore(_models(tmp_path)).paths() == [path]
-    assert ModelStore(_models(tmp_path)).find("tiny-Q8_0") == path
+    # `justllm run tiny-q8_0` (or the file's stem as it was) finds it through the registry.
+    registry = Registry(_models(tmp_path))
+    assert registry.find("tiny-q8_0") == registry.find("tiny-Q8_0:latest") == path
+    _, m = registry.resolve("tiny-q8_0")
+    assert (m.digest, m.source.kind, m.source.repo, m.source.file, m.source.revision) == (
+        f"sha256:{_sha(GGUF)}", "huggingface", "acme/tiny-GGUF", "tiny-Q8_0.gguf", commit)
+    assert (m.architecture, m.quantization, m.context_length, m.size) == (
+        "llama", "Q8_0", 2048, len(GGUF))
 
 
 def test_repo_alone_picks_the_q4_k_m_file(hub: FakeHub, tmp_path: Path) -> None:
-    q4 = GGUF + b"q4"
-    hub.repos["acme/multi-GGUF"] = {"multi-Q8_0.gguf": GGUF, "multi-q4_k_m.gguf": q4,
-                                    "mmproj-multi-f16.gguf": GGUF, "README.md": b"# multi\n"}
+    q4 = tiny_gguf(file_type=15, seed=1)
+    commit = hub.push("acme/multi-GGUF", {"multi-Q8_0.gguf": GGUF, "multi-q4_k_m.gguf": q4,
+                                          "mmproj-multi-f16.gguf": GGUF, "README.md": b"# multi\n"})
     r = runner.invoke(app, ["pull", "acme/multi-GGUF"])
     assert r.exit_code == 0, r.output
-    assert [p.name for p in ModelStore(_models(tmp_path)).paths()] == ["multi-q4_k_m.gguf"]
-    assert (_models(tmp_path) / "multi-q4_k_m.gguf").read_bytes() == q4
+    path = _pulled(tmp_path, "acme/multi-GGUF", commit, "multi-q4_k_m.gguf")
+    assert ModelStore(_models(tmp_path)).paths() == [path] and path.read_bytes() == q4
     assert ("GET", "/api/models/acme/multi-GGUF/tree/main") in hub.requests
-    assert "pulled acme/multi-GGUF:multi-q4_k_m.gguf -> " in r.stdout
+    assert "pulled acme/multi-GGUF:multi-q4_k_m.gguf @ " in r.stdout
+    assert Registry(_models(tmp_path)).tags() == {"multi-q4_k_m:latest": f"sha256:{_sha(q4)}"}
+
+
+def test_tag_option_names_the_pull_and_a_bad_one_fails_first(hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF", "--tag", "tiny/q8"]))
+    assert "'tiny/q8' is not a model name" in line and hub.requests == []
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF", "--tag", "Tiny:Q8"])
+    assert r.exit_code == 0, r.output
+    assert list(Registry(_models(tmp_path)).tags()) == ["tiny:q8"]
 
 
 def test_repo_alone_with_two_ggufs_and_no_q4_k_m_lists_them(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/two-GGUF"] = {"two-Q8_0.gguf": GGUF, "two-F16.gguf": GGUF}
+    hub.push("acme/two-GGUF", {"two-Q8_0.gguf": GGUF, "two-F16.gguf": GGUF})
     line = _error_line(runner.invoke(app, ["pull", "acme/two-GGUF"]))
     assert "two-F16.gguf" in line and "two-Q8_0.gguf" in line and "acme/two-GGUF:FILE" in line
     assert hub.gets(".gguf") == 0 and ModelStore(_models(tmp_path)).paths() == []
 
 
 def test_repo_alone_with_no_gguf_fails(hub: FakeHub) -> None:
-    hub.repos["acme/safetensors"] = {"model.safetensors": b"x", "config.json": b"{}"}
+    hub.push("acme/safetensors", {"model.safetensors": b"x", "config.json": b"{}"})
     assert "no .gguf model file in acme/safetensors" in _error_line(
         runner.invoke(app, ["pull", "acme/safetensors"]))
 
@@ -205,7 +119,7 @@ def test_unknown_repo_is_one_line(hub: FakeHub, ref: str) -> None:
 
 
 def test_missing_file_and_revision_are_one_line(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/tiny-GGUF"] = {"tiny-Q8_0.gguf": GGUF}
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
     line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q2_K.gguf"]))
     assert line == "error: file 'tiny-Q2_K.gguf' not found in acme/tiny-GGUF at revision 'main'"
     line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF", "--revision", "v9"]))
@@ -214,35 +128,90 @@ def test_missing_file_and_revision_are_one_line(hub: FakeHub, tmp_path: Path) ->
 
 
 def test_not_a_gguf_name_is_refused_before_any_request(hub: FakeHub) -> None:
-    hub.repos["acme/tiny-GGUF"] = {"README.md": b"# tiny\n"}
+    hub.push("acme/tiny-GGUF", {"README.md": b"# tiny\n"})
     line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:README.md"]))
     assert "'README.md' is not a .gguf file" in line and hub.requests == []
 
 
-def test_content_that_is_not_gguf_is_removed(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/html"] = {"fake.gguf": b"<html>not a model</html>"}
-    line = _error_line(runner.invoke(app, ["pull", "acme/html:fake.gguf"]))
-    assert "is not a GGUF file" in line and not (_models(tmp_path) / "fake.gguf").exists()
+@pytest.mark.parametrize("content, says", [
+    (b"<html>not a model</html>", "is not a GGUF file"),
+    (GGUF[:-100], f"is truncated: {len(GGUF) - 100} bytes, but its tensors need {len(GGUF)}"),
+    (GGUF[:60], "is truncated: its header runs past the end of the file"),
+])
+def test_a_download_that_is_no_usable_gguf_is_deleted(hub: FakeHub, tmp_path: Path,
+                                                      content: bytes, says: str) -> None:
+    hub.push("acme/bad", {"bad.gguf": content})
+    line = _error_line(runner.invoke(app, ["pull", "acme/bad:bad.gguf"]))
+    assert line.startswith("error: cannot use acme/bad:bad.gguf (the download is deleted): ")
+    assert says in line
+    models = _models(tmp_path)
+    assert not (models / "huggingface").exists()  # the commit's folder went with it
+    assert Registry(models).tags() == {} and Registry(models).manifests() == {}
 
 
-def test_file_in_a_repo_folder_lands_flat(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/deep-GGUF"] = {"Q4_K_M/deep-Q4_K_M.gguf": GGUF}
-    r = runner.invoke(app, ["pull", "acme/deep-GGUF", "--revision", COMMIT])
+def test_file_in_a_repo_folder_stays_in_its_folder(hub: FakeHub, tmp_path: Path) -> None:
+    commit = hub.push("acme/deep-GGUF", {"Q4_K_M/deep-Q4_K_M.gguf": GGUF})
+    r = runner.invoke(app, ["pull", "acme/deep-GGUF", "--revision", commit])
     assert r.exit_code == 0, r.output
-    assert (_models(tmp_path) / "deep-Q4_K_M.gguf").read_bytes() == GGUF
-    assert not (_models(tmp_path) / "Q4_K_M").exists()
-    assert ("HEAD", f"/acme/deep-GGUF/resolve/{COMMIT}/Q4_K_M/deep-Q4_K_M.gguf") in hub.requests
+    path = _pulled(tmp_path, "acme/deep-GGUF", commit, "Q4_K_M/deep-Q4_K_M.gguf")
+    assert path.read_bytes() == GGUF
+    assert ("HEAD", f"/acme/deep-GGUF/resolve/{commit}/Q4_K_M/deep-Q4_K_M.gguf") in hub.requests
+    assert Registry(_models(tmp_path)).find("deep-q4_k_m") == path
 
 
 def test_pull_again_skips_an_up_to_date_file_unless_forced(hub: FakeHub, tmp_path: Path) -> None:
-    hub.repos["acme/tiny-GGUF"] = {"tiny-Q8_0.gguf": GGUF}
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
     for args, gets in ((["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"], 1),
                        (["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"], 1),
                        (["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf", "--force"], 2)):
         r = runner.invoke(app, args)
         assert r.exit_code == 0, r.output
         assert hub.gets("/tiny-Q8_0.gguf") == gets
-    assert (_models(tmp_path) / "tiny-Q8_0.gguf").read_bytes() == GGUF
+    assert _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf").read_bytes() == GGUF
+    # A commit that leaves the file as it was (a README edit) downloads nothing either.
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF, "README.md": b"# new\n"})
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
+    assert r.exit_code == 0 and "is already here" in r.stdout and hub.gets("/tiny-Q8_0.gguf") == 2
+    assert len(Registry(_models(tmp_path)).manifests()) == 1
+
+
+def test_a_file_pulled_before_the_registry_is_not_downloaded_again(hub: FakeHub,
+                                                                    tmp_path: Path) -> None:
+    """Older pulls left the file flat in the models directory: it is adopted, and its bytes
+    match what the hub lists, so the pull only records the tag."""
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    _models(tmp_path).mkdir()
+    (_models(tmp_path) / "tiny-Q8_0.gguf").write_bytes(GGUF)
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
+    assert r.exit_code == 0, r.output
+    assert "is already here" in r.stdout and hub.gets(".gguf") == 0
+    registry = Registry(_models(tmp_path))
+    assert registry.tags() == {"tiny-q8_0:latest": f"sha256:{_sha(GGUF)}"}
+    assert registry.find("tiny-q8_0") == _models(tmp_path) / "tiny-Q8_0.gguf"
+
+
+def test_a_newer_revision_moves_the_tag_and_keeps_the_old_version(hub: FakeHub,
+                                                                   tmp_path: Path) -> None:
+    new = tiny_gguf(seed=1)
+    first = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    assert runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]).exit_code == 0
+    second = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": new})
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"tiny-q8_0:latest was sha256:{_sha(GGUF)[:12]}: that version is kept "
+        f"('justllm rm sha256:{_sha(GGUF)[:12]}' removes it)")
+    old = _pulled(tmp_path, "acme/tiny-GGUF", first, "tiny-Q8_0.gguf")
+    assert old.read_bytes() == GGUF
+    assert _pulled(tmp_path, "acme/tiny-GGUF", second, "tiny-Q8_0.gguf").read_bytes() == new
+    r = runner.invoke(app, ["models"])
+    rows = [line.split() for line in r.stdout.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["tiny-q8_0:latest", _sha(new)[:12]],
+                                         ["<untagged>", _sha(GGUF)[:12]]]
+    r = runner.invoke(app, ["rm", f"sha256:{_sha(GGUF)[:12]}"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == f"removed version sha256:{_sha(GGUF)[:12]}; deleted {old}"
+    assert not old.parent.exists()
 
 
 @pytest.mark.parametrize("ref", ["acme/tiny-GGUF", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
@@ -251,7 +220,7 @@ def test_unreachable_hub_is_one_line(hub: FakeHub, monkeypatch: pytest.MonkeyPat
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    _isolate_hub_library(monkeypatch, tmp_path, dead)
+    isolate_hub_library(monkeypatch, tmp_path, dead)
     # huggingface_hub retries network errors with exponential backoff (about 23 s); skip the waits.
     import huggingface_hub.utils._http as hf_http
     monkeypatch.setattr(hf_http.time, "sleep", lambda _s: None)
@@ -281,20 +250,21 @@ def test_hf_endpoint_is_read_when_pulling(hub: FakeHub, monkeypatch: pytest.Monk
     monkeypatch.setattr(constants, "ENDPOINT", dead)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                         dead + "/{repo_id}/resolve/{revision}/{filename}")
-    hub.repos["acme/multi-GGUF"] = {"a-Q4_K_M.gguf": GGUF, "a-Q8_0.gguf": GGUF}
+    commit = hub.push("acme/multi-GGUF", {"a-Q4_K_M.gguf": GGUF, "a-Q8_0.gguf": GGUF})
     r = runner.invoke(app, ["pull", "acme/multi-GGUF"])
     assert r.exit_code == 0, r.output
-    assert (_models(tmp_path) / "a-Q4_K_M.gguf").read_bytes() == GGUF
+    assert _pulled(tmp_path, "acme/multi-GGUF", commit, "a-Q4_K_M.gguf").read_bytes() == GGUF
     assert hub.gets("/tree/main") == 1 and hub.gets("/a-Q4_K_M.gguf") == 1
 
 
 def test_run_accepts_a_hub_repo_as_the_model(hub: FakeHub, tmp_path: Path) -> None:
-    """``justllm run REPO:FILE`` pulls first, then loads: the stand-in's file is only a GGUF
-    header, so loading then fails with llama.cpp's one-line error, after the download."""
-    from justllm.cli import app as main_app
-
-    hub.repos["acme/tiny-GGUF"] = {"tiny-Q4_K_M.gguf": GGUF}
-    r = CliRunner().invoke(main_app, ["run", "acme/tiny-GGUF:tiny-Q4_K_M.gguf", "-p", "hi"])
-    assert r.exit_code == 1
-    assert (_models(tmp_path) / "tiny-Q4_K_M.gguf").is_file()
-    assert "could not load" in r.output or "could not read" in r.output
+    """``justllm run REPO:FILE`` pulls first, then loads: the stand-in's file is a GGUF with no
+    weights, so loading then fails with llama.cpp's one-line error, after the download; a second
+    run finds the pulled file without asking the hub."""
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q4_K_M.gguf": GGUF})
+    for _ in range(2):
+        r = CliRunner().invoke(app, ["run", "acme/tiny-GGUF:tiny-Q4_K_M.gguf", "-p", "hi"])
+        assert r.exit_code == 1
+        assert "could not load" in r.output or "could not read" in r.output
+    assert _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q4_K_M.gguf").is_file()
+    assert hub.gets(".gguf") == 1 and Registry(_models(tmp_path)).find("tiny-q4_k_m") is not None

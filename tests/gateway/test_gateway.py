@@ -64,7 +64,7 @@ def wait_gone(pids: list[int], timeout: float = 30) -> None:
     assert not [p for p in pids if alive(p)], "runner processes left behind"
 
 
-def start_gateway(tmp_path: Path, models: dict, **top) -> Gateway:
+def start_gateway(tmp_path: Path, models: dict, env: dict | None = None, **top) -> Gateway:
     config = tmp_path / "models.yaml"
     config.write_text(json.dumps({**top, "models": models}))  # JSON is YAML
     port = free_port()
@@ -72,7 +72,7 @@ def start_gateway(tmp_path: Path, models: dict, **top) -> Gateway:
     proc = subprocess.Popen(
         [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "JUSTLLM_CACHE_DIR": str(cache)})
+        env={**os.environ, "JUSTLLM_CACHE_DIR": str(cache), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -196,9 +196,21 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
     assert "Traceback" not in out, out
 
 
-def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, models):
+def justllm(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "justllm", *args], capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=120)
+
+
+def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, models,
+                                                                  model_path):
     del models["broken"]
-    gw = start_gateway(tmp_path, models)
+    # alpha comes from the registry by name:tag; its runner holds a lease on that version.
+    store = tmp_path / "models"
+    store.mkdir()
+    os.link(model_path, store / "demo.gguf")
+    env = {"JUSTLLM_MODELS_DIR": str(store)}
+    models["alpha"]["source"] = "demo:latest"
+    gw = start_gateway(tmp_path, models, env=env)
     try:
         for name in ("alpha", "beta"):
             r = httpx.post(gw.url + "/models/load", json={"model": name}, timeout=120)
@@ -260,7 +272,13 @@ def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, mode
         assert complete(gw, "beta").status_code == 200  # loads again on demand
         pids = gw.runner_pids()
         assert len(pids) == 2
+        refused = justllm("rm", "demo:latest", env=env)
+        assert refused.returncode == 1 and "in use" in refused.stderr, refused.stderr
+        assert (store / "demo.gguf").exists()
     finally:
         rc, _ = stop(gw, signal.SIGKILL)  # runners notice their parent is gone and exit
     assert rc == -signal.SIGKILL
     wait_gone(pids)
+    removed = justllm("rm", "demo:latest", env=env)  # no runner holds it any more
+    assert removed.returncode == 0, removed.stderr
+    assert not (store / "demo.gguf").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from justllm.gateway.config import Flags, directory_config, load_config
@@ -80,8 +82,12 @@ def test_models_dir_names_models_by_file_stem(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.gguf").write_bytes(b"x")
     (tmp_path / "sub" / "b.gguf").write_bytes(b"x")
+    (tmp_path / "rev2").mkdir()
+    (tmp_path / "rev2" / "a.gguf").write_bytes(b"x")
+    os.utime(tmp_path / "a.gguf", (1, 1))  # the top-level a.gguf is the older revision
     cfg = directory_config(str(tmp_path), FLAGS)
     assert [m.name for m in cfg.models] == ["a", "b"]
+    assert cfg.spec("a").source == str(tmp_path / "rev2" / "a.gguf")
     with pytest.raises(ValueError, match="not a directory"):
         directory_config(str(tmp_path / "none"), FLAGS)
     (tmp_path / "empty").mkdir()

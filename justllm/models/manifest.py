@@ -1,0 +1,139 @@
+"""One version of a model as the registry keeps it, and how the registry's files are written.
+
+A ``Manifest`` describes one GGUF by its sha256: where the file is, what it is, where it came
+from and when it was added. It is written once, as ``ROOT/manifests/sha256-<hex>.json``, and
+never changed (the one exception: a version whose file has gone is written again when the same
+bytes are registered from another place). Paths inside the models directory are stored relative
+to it, so the directory can move; a file registered from elsewhere keeps its absolute path.
+Every registry file is written to a temporary name and renamed into place, and every
+read-modify-write happens under one lock file, ``ROOT/.lock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from justllm.errors import ModelLoadError
+from justllm.models.refs import DIGEST_PREFIX
+
+try:
+    import fcntl
+except ImportError:  # Windows: no cross-process lock; one justllm at a time there
+    fcntl = None  # type: ignore[assignment]
+
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a version came from: a local file, or a file of a Hugging Face repo at a commit."""
+
+    kind: str  # "file" | "huggingface"
+    repo: str | None = None
+    file: str | None = None
+    revision: str | None = None  # the commit the download resolved to
+
+    def __str__(self) -> str:
+        if self.kind == "huggingface":
+            return f"huggingface {self.repo}:{self.file} @ {self.revision}"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Manifest:
+    digest: str  # "sha256:<64 hex>"
+    path: Path  # absolute
+    size: int
+    architecture: str
+    quantization: str
+    context_length: int | None
+    source: Source
+    added: str  # ISO 8601, UTC
+
+    @property
+    def hex(self) -> str:
+        return self.digest.removeprefix(DIGEST_PREFIX)
+
+    @property
+    def short(self) -> str:
+        return self.hex[:12]
+
+    def to_json(self, root: Path) -> dict[str, Any]:
+        return {"schema": SCHEMA, "digest": self.digest, "path": stored_path(self.path, root),
+                "size": self.size, "architecture": self.architecture,
+                "quantization": self.quantization, "context_length": self.context_length,
+                "source": {k: v for k, v in vars(self.source).items() if v is not None},
+                "added": self.added}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], root: Path) -> Manifest:
+        return cls(digest=data["digest"], path=root / data["path"], size=int(data["size"]),
+                   architecture=data["architecture"], quantization=data["quantization"],
+                   context_length=data.get("context_length"), source=Source(**data["source"]),
+                   added=data["added"])
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` lives in ``root``, judged by its folder (a symlink in the models
+    directory is inside it, wherever it points)."""
+    return path.parent.resolve().is_relative_to(root.resolve())
+
+
+def stored_path(path: Path, root: Path) -> str:
+    """``path`` as a registry file records it: relative to ``root`` when inside it."""
+    if is_inside(path, root):
+        return str(path.parent.resolve().relative_to(root.resolve()) / path.name)
+    return str(path.absolute())
+
+
+def read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the registry file {path} ({e})") from None
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place, so a
+    reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with part.open("w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        raise ModelLoadError(f"cannot write the registry file {path}: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if need be) for as long as the block runs."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ModelLoadError(f"cannot lock the registry ({path}): {e.strerror or e}") from None
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -1,0 +1,483 @@
+"""The model registry: named, versioned GGUF files in the models directory.
+
+A version is one GGUF, known by its sha256 and described by an immutable manifest; a tag
+(``name:tag``) is a movable pointer to a version. On disk, under the models directory ``ROOT``:
+
+    manifests/sha256-<hex>.json    one per version (manifest.py)
+    tags.json                      {"name:tag": "sha256:<hex>"}
+    digests.json                   digests remembered with size and mtime (digests.py)
+    leases/                        running models' claims on versions (lease.py)
+    huggingface/OWNER/NAME/COMMIT/ pulled files, one folder per commit (hub.py)
+    *.gguf                         files put there by hand, the demo model, older pulls
+
+A GGUF in ``ROOT`` that no manifest names is adopted the first time a listing or a name needs
+it: hashed once, given a manifest and the tag ``stem:latest`` (when that tag is free). Files are
+never copied: a file tagged from outside ``ROOT`` stays where it is, and ``rm`` deletes only
+files inside ``ROOT``. A resolved version is checked against its digest, by size and mtime
+first, so an unchanged file is not hashed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from justllm.errors import ModelLoadError
+from justllm.models.digests import DigestCache, remove_file
+from justllm.models.gguf import read_gguf_header
+from justllm.models.hub import HUB_DIR, Download
+from justllm.models.lease import acquire_lease, holders
+from justllm.models.manifest import (
+    Manifest,
+    Source,
+    file_lock,
+    is_inside,
+    now,
+    read_json,
+    stored_path,
+    write_json,
+)
+from justllm.models.refs import (
+    DEFAULT_TAG,
+    DIGEST_PREFIX,
+    InvalidRefError,
+    could_be_name,
+    is_explicit_digest,
+    label,
+    name_for_file,
+    parse_digest,
+    parse_ref,
+)
+
+
+class UnknownModelError(ModelLoadError):
+    """No tag has this name (other sources may still know it: a stem, a path)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of ``justllm models``: a tag and its version, or an untagged version."""
+
+    label: str | None
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Removal:
+    what: str  # the tag or the digest removed
+    manifest: Manifest | None
+    untagged: tuple[str, ...]
+    still_tagged: tuple[str, ...]  # the version stays: these tags point to it
+    deleted_file: Path | None
+    kept_file: Path | None
+    kept_because: str | None = None
+
+
+@dataclass(frozen=True)
+class Pulled:
+    label: str
+    manifest: Manifest
+    previous: Manifest | None  # the version the tag pointed to before (kept)
+    download: Download
+
+
+class Registry:
+    """The registry of one models directory (default: ``models_dir()``). Cheap to make: make
+    one per command or per thread, not one shared between threads (its lock is re-entrant per
+    object, across processes through ``ROOT/.lock``)."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        from justllm.models.store import models_dir
+
+        self.root = Path(root or models_dir()).expanduser().absolute()
+        self.digests = DigestCache(self.root, self._locked)
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The registry's lock, re-entrant within this object (``flock`` is not: a second
+        ``open`` of the lock file by the same process would wait for itself)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        with file_lock(self.root / ".lock"):
+            self._depth = 1
+            try:
+                yield
+            finally:
+                self._depth = 0
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def tags(self) -> dict[str, str]:
+        tags = read_json(self.root / "tags.json", {})
+        if not isinstance(tags, dict):
+            raise ModelLoadError(f"the registry file {self.root / 'tags.json'} is not a mapping")
+        return tags
+
+    def _write_tags(self, tags: dict[str, str]) -> None:
+        write_json(self.root / "tags.json", tags)
+
+    def _manifest_file(self, hex_digest: str) -> Path:
+        return self.root / "manifests" / f"sha256-{hex_digest}.json"
+
+    def manifest(self, hex_digest: str) -> Manifest | None:
+        data = read_json(self._manifest_file(hex_digest), None)
+        try:
+            return None if data is None else Manifest.from_json(data, self.root)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def manifests(self) -> dict[str, Manifest]:
+        """Every version, by hex digest (a manifest edited into nonsense is left out)."""
+        out = {}
+        for file in sorted((self.root / "manifests").glob("sha256-*.json")):
+            m = self.manifest(file.stem.removeprefix("sha256-"))
+            if m is not None:
+                out[m.hex] = m
+        return out
+
+    def entries(self) -> tuple[list[Entry], list[str]]:
+        """Every tag with its version, then the untagged versions (oldest first); and the
+        files in the models directory that could not be adopted, as one-line reasons."""
+        problems = self.adopt()
+        manifests, tags = self.manifests(), self.tags()
+        rows = [Entry(key, manifests[d.removeprefix(DIGEST_PREFIX)])
+                for key, d in sorted(tags.items()) if d.removeprefix(DIGEST_PREFIX) in manifests]
+        tagged = set(tags.values())
+        rows += [Entry(None, m) for m in sorted(manifests.values(), key=lambda m: m.added)
+                 if m.digest not in tagged]
+        return rows, problems
+
+    def labels(self, digest: str) -> list[str]:
+        return sorted(k for k, v in self.tags().items() if v == digest)
+
+    def manifest_for_path(self, path: Path) -> Manifest | None:
+        """The version whose file ``path`` is (the same file through a link counts)."""
+        path = Path(path).expanduser().absolute()
+        key = stored_path(path, self.root)
+        found = [m for m in self.manifests().values()
+                 if stored_path(m.path, self.root) == key or _same_file(m.path, path)]
+        if len(found) > 1:  # the file changed and was registered again: the current bytes win
+            current = self.digests.cached(path)
+            found.sort(key=lambda m: (m.hex == current, m.added), reverse=True)
+        return found[0] if found else None
+
+    def pulled(self, repo: str, file: str) -> Path | None:
+        """The checked file of the newest version pulled from ``repo:file`` that is still
+        here; None when there is none (then it is to be pulled)."""
+        found = [m for m in self.manifests().values() if m.source.kind == "huggingface"
+                 and (m.source.repo, m.source.file) == (repo, file) and m.path.is_file()]
+        if not found:
+            return None
+        tagged = set(self.tags().values())
+        newest = max(found, key=lambda m: (m.added, m.digest in tagged))
+        self.verify(newest, f"{repo}:{file}")
+        return newest.path
+
+    # -- resolving -------------------------------------------------------------------------
+
+    def resolve(self, ref: str) -> tuple[str, Manifest]:
+        """``NAME[:TAG]`` or a digest -> (what it was resolved as, the checked version)."""
+        tags = self.tags()
+        hex_prefix = parse_digest(ref)
+        if hex_prefix is not None and (is_explicit_digest(ref)
+                                       or label(ref.strip().lower(), DEFAULT_TAG) not in tags):
+            m = self._by_digest(hex_prefix, required=is_explicit_digest(ref))
+            if m is not None:
+                self.verify(m, m.digest)
+                return m.digest, m
+        name, tag = parse_ref(ref)
+        key = label(name, tag)
+        if key not in tags:
+            self.adopt(name, raise_for=name)
+            tags = self.tags()
+        if key not in tags:
+            raise self._unknown(key, tags)
+        m = self.manifest(tags[key].removeprefix(DIGEST_PREFIX))
+        if m is None:
+            raise ModelLoadError(f"{key} points to {tags[key][:19]}, whose manifest is missing "
+                                 f"('justllm rm {key}' drops the tag)")
+        self.verify(m, key)
+        return key, m
+
+    def find(self, ref: str) -> Path | None:
+        """The model source's face: the checked file of ``ref``, or None when the registry
+        does not know the name (a path or a Hugging Face repo is none of its business)."""
+        if not could_be_name(ref):
+            return None
+        try:
+            return self.resolve(ref)[1].path
+        except (InvalidRefError, UnknownModelError):
+            return None
+
+    def verify(self, m: Manifest, what: str) -> None:
+        """The file is still the version's bytes (hashed again only if its size or mtime
+        moved)."""
+        if not m.path.is_file():
+            raise ModelLoadError(f"{what}: its file {m.path} is missing "
+                                 f"('justllm rm {what}' forgets it)")
+        now_hex = self.digests.digest(m.path)
+        if now_hex != m.hex:
+            raise ModelLoadError(
+                f"digest mismatch: {m.path} changed on disk since it was registered as {what} "
+                f"(sha256 now {now_hex[:12]}, registered {m.short}); "
+                f"'justllm tag {m.path} {what}' registers the new content")
+
+    def _by_digest(self, hex_prefix: str, *, required: bool) -> Manifest | None:
+        found = [m for h, m in self.manifests().items() if h.startswith(hex_prefix)]
+        if len(found) > 1:
+            raise ModelLoadError(f"sha256:{hex_prefix} is ambiguous: {len(found)} versions start "
+                                 "with it; give more of the digest")
+        if not found and required:
+            raise ModelLoadError(f"no version sha256:{hex_prefix} (see 'justllm models')")
+        return found[0] if found else None
+
+    def _unknown(self, key: str, tags: dict[str, str]) -> ModelLoadError:
+        name = key.partition(":")[0]
+        same = sorted(k.partition(":")[2] for k in tags if k.partition(":")[0] == name)
+        if same:
+            return ModelLoadError(f"no model named '{key}' ({name} has tags: {', '.join(same)})")
+        return UnknownModelError(f"no model named '{key}' (see 'justllm models')")
+
+    # -- registering -----------------------------------------------------------------------
+
+    def register(self, path: Path, source: Source) -> Manifest:
+        """The version of the GGUF at ``path``: its existing manifest when those bytes are
+        registered already and their file still holds them; the same version moved here when
+        that file is gone or changed (a file moved by hand keeps where it came from); else a
+        new one. A corrupt or truncated GGUF is refused before anything is written."""
+        from justllm.models.store import quantization_name
+
+        path = Path(path).expanduser().absolute()
+        header = read_gguf_header(path)
+        hex_digest = self.digests.digest(path)
+        with self._locked():
+            old = self.manifest(hex_digest)
+            if old is not None and self.digests.cached(old.path) == hex_digest:
+                return old
+            if old is not None:
+                moved = replace(old, path=path,
+                                source=source if source.kind == "huggingface" else old.source)
+                write_json(self._manifest_file(hex_digest), moved.to_json(self.root))
+                return moved
+            arch = header.architecture
+            m = Manifest(digest=DIGEST_PREFIX + hex_digest, path=path,
+                         size=path.stat().st_size, architecture=arch,
+                         quantization=quantization_name(header.integer("general.file_type")),
+                         context_length=header.integer(f"{arch}.context_length"),
+                         source=source, added=now())
+            write_json(self._manifest_file(hex_digest), m.to_json(self.root))
+            return m
+
+    def adopt(self, name: str | None = None, *, raise_for: str | None = None) -> list[str]:
+        """Give the GGUF files in the models directory that no manifest names (all of them,
+        or those whose name would be ``name``) a version and the tag ``stem:latest`` if that
+        tag is free. A file that is not a usable GGUF is skipped, with its reason returned,
+        or raised when its name is ``raise_for``."""
+        from justllm.models.store import ModelStore
+
+        manifests = self.manifests()
+        known = {stored_path(m.path, self.root) for m in manifests.values()}
+        problems = []
+        for path in ModelStore(self.root).paths():
+            file_name = name_for_file(path.stem)
+            if (name is not None and file_name != name) or stored_path(path, self.root) in known:
+                continue
+            if self.digests.cached(path) in manifests:
+                continue  # a copy of a registered version, seen before
+            try:
+                m = self.register(path, Source("file"))
+            except ModelLoadError as e:
+                if file_name == raise_for:
+                    raise ModelLoadError(f"cannot use {file_name}: {e}") from None
+                problems.append(str(e))
+                continue
+            with self._locked():
+                tags = self.tags()
+                key = label(file_name, DEFAULT_TAG)
+                if key not in tags:
+                    tags[key] = m.digest
+                    self._write_tags(tags)
+        return problems
+
+    def tag(self, source: str, target: str) -> tuple[str, Manifest, Manifest | None]:
+        """Point ``target`` (``NAME[:TAG]``) at ``source``: a GGUF file (registered as it is,
+        where it is), a tag or a digest. Returns the tag, its version and the version it
+        pointed to before, if another."""
+        key = label(*parse_ref(target))
+        path = Path(source).expanduser()
+        if path.is_dir():
+            raise ModelLoadError(f"{source} is a directory; pass a path to a .gguf file")
+        if path.is_file():
+            m = self.register(path, Source("file"))
+        elif could_be_name(source) and not source.lower().endswith(".gguf"):
+            m = self.resolve(source)[1]
+        else:
+            raise ModelLoadError(f"model file not found: {source} (SOURCE is a path to a .gguf "
+                                 "file, NAME[:TAG] or a digest)")
+        return key, m, self._point(key, m)
+
+    def _point(self, key: str, m: Manifest) -> Manifest | None:
+        with self._locked():
+            tags = self.tags()
+            before = tags.get(key)
+            tags[key] = m.digest
+            self._write_tags(tags)
+        if before is None or before == m.digest:
+            return None
+        return self.manifest(before.removeprefix(DIGEST_PREFIX))
+
+    def pull(self, ref: str, *, tag: str | None = None, revision: str = "main",
+             force: bool = False, console: Console | None = None) -> Pulled:
+        """Download ``REPO[:FILE]`` (unless a version with the hub's sha256 for it is here),
+        record it with the commit it resolved to, and point ``tag`` (default: the file's stem,
+        lowercased, ``:latest``) at it; the version the tag pointed to before is kept."""
+        from justllm.models import hub
+
+        target = label(*parse_ref(tag)) if tag else None
+        got = hub.download(ref, root=self.root, revision=revision, force=force,
+                           have=self._intact, console=console)
+        reused = self.manifest(got.sha256) if got.reused and got.sha256 else None
+        m = reused or self._register_download(got)
+        key = target or label(name_for_file(Path(got.file).stem), DEFAULT_TAG)
+        return Pulled(key, m, self._point(key, m), got)
+
+    def _intact(self, hex_digest: str) -> Path | None:
+        """The file of version ``hex_digest`` if it is here and unchanged (a file not adopted
+        yet, such as one pulled before there was a registry, counts)."""
+        m = self.manifest(hex_digest)
+        if m is None:
+            self.adopt()
+            m = self.manifest(hex_digest)
+        if m is None or self.digests.cached(m.path) != hex_digest:
+            return None
+        return m.path
+
+    def _register_download(self, got: Download) -> Manifest:
+        from justllm.models import hub
+
+        source = Source("huggingface", got.repo, got.file, got.revision)
+        try:
+            m = self.register(got.path, source)
+        except ModelLoadError as e:
+            if self.manifest_for_path(got.path) is None:
+                hub.remove_download(got.path, self.root)
+            raise ModelLoadError(f"cannot use {got.repo}:{got.file} (the download is deleted): "
+                                 f"{e}") from None
+        if stored_path(m.path, self.root) != stored_path(got.path, self.root):
+            hub.remove_download(got.path, self.root)  # the same bytes are here already
+        return m
+
+    # -- removing and leases ---------------------------------------------------------------
+
+    def remove(self, ref: str) -> Removal:
+        """``NAME[:TAG]``: drop the tag, and its version with it when no other tag points
+        there. A digest: drop the version and every tag on it. A version's file goes too when
+        it lives in the models directory and no other version names it. A version a running
+        model holds (a live lease) is refused, and then nothing changes."""
+        with self._locked():
+            tags = self.tags()
+            m, what, untag = self._removal_target(ref, tags)
+            digest = tags.get(untag[0]) if m is None else m.digest
+            others = tuple(sorted(k for k, v in tags.items() if v == digest and k not in untag))
+            if m is None or others:  # the version stays (or, a tag to nothing, never was)
+                for k in untag:
+                    del tags[k]
+                self._write_tags(tags)
+                return Removal(what, m, tuple(untag), others, None, None)
+            pids = holders(self.root, m.hex)
+            if pids:
+                raise ModelLoadError(
+                    f"cannot remove {what}: its version sha256:{m.short} is in use by a running "
+                    f"model (pid {', '.join(map(str, pids))}); stop that model first")
+            for k in untag:
+                del tags[k]
+            self._write_tags(tags)
+            self._manifest_file(m.hex).unlink(missing_ok=True)
+            return Removal(what, m, tuple(untag), (), *self._remove_file(m))
+
+    def _removal_target(self, ref: str,
+                        tags: dict[str, str]) -> tuple[Manifest | None, str, list[str]]:
+        hex_prefix = parse_digest(ref)
+        if hex_prefix is not None and (is_explicit_digest(ref)
+                                       or label(ref.strip().lower(), DEFAULT_TAG) not in tags):
+            m = self._by_digest(hex_prefix, required=is_explicit_digest(ref))
+            if m is not None:
+                return m, m.digest, sorted(k for k, v in tags.items() if v == m.digest)
+        key = label(*parse_ref(ref))
+        if key not in tags:
+            self.adopt(key.partition(":")[0], raise_for=key.partition(":")[0])
+            tags.clear()
+            tags.update(self.tags())
+        if key not in tags:
+            raise self._unknown(key, tags)
+        return self.manifest(tags[key].removeprefix(DIGEST_PREFIX)), key, [key]
+
+    def _remove_file(self, m: Manifest) -> tuple[Path | None, Path | None, str | None]:
+        """(deleted, kept, why kept): the version's file goes when it lives in the models
+        directory and no other version names it."""
+        if not (m.path.is_file() or m.path.is_symlink()):
+            return None, None, None
+        if not is_inside(m.path, self.root):
+            return None, m.path, "outside the models directory"
+        if self.manifest_for_path(m.path) is not None:
+            return None, m.path, "another version names it"
+        from justllm.models import hub
+
+        try:
+            if is_inside(m.path, self.root / HUB_DIR):
+                hub.remove_download(m.path, self.root)
+            else:
+                remove_file(m.path)
+        except OSError as e:
+            raise ModelLoadError(f"removed {m.digest[:19]} but could not delete {m.path}: "
+                                 f"{e.strerror or e}") from None
+        return m.path, None, None
+
+    @contextlib.contextmanager
+    def lease(self, digest: str) -> Iterator[None]:
+        """Hold version ``digest`` for as long as the block runs: ``rm`` refuses it meanwhile."""
+        hex_digest = digest.removeprefix(DIGEST_PREFIX)
+        with self._locked():
+            if self.manifest(hex_digest) is None:
+                raise ModelLoadError(f"no version sha256:{hex_digest[:12]} to hold")
+            held = acquire_lease(self.root, hex_digest)
+        try:
+            yield
+        finally:
+            held.release()
+
+    def in_use(self, digest: str) -> list[int]:
+        """The pids of the running processes that hold version ``digest``."""
+        return holders(self.root, digest.removeprefix(DIGEST_PREFIX))
+
+
+@contextlib.contextmanager
+def lease_for_path(path: str | Path, root: Path | None = None) -> Iterator[str | None]:
+    """Hold the registered version whose file is ``path`` while the block runs (a runner
+    process wraps its whole life in this), so ``justllm rm`` refuses to delete it. Yields the
+    version's digest, or None when no version names the file (nothing to protect then)."""
+    registry = Registry(root)
+    m = registry.manifest_for_path(Path(path))
+    if m is None:
+        yield None
+        return
+    with registry.lease(m.digest):
+        yield m.digest
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -1,0 +1,38 @@
+"""The GGUF header check: a tiny file, the demo model, and the ways a file is not one."""
+
+from pathlib import Path
+
+import pytest
+
+from justllm.errors import ModelLoadError
+from justllm.models.gguf import read_gguf_header
+from tests.models.ggufs import tiny_gguf
+
+
+def test_header_of_a_tiny_gguf_and_of_the_demo(tmp_path, model_path):
+    data = tiny_gguf(tmp_path / "t.gguf", file_type=15, context=4096)
+    h = read_gguf_header(tmp_path / "t.gguf")
+    assert (h.architecture, h.integer("general.file_type"), h.integer("llama.context_length"),
+            h.tensor_count, h.data_end) == ("llama", 15, 4096, 1, len(data))
+    demo = read_gguf_header(model_path)
+    assert demo.architecture == "gemma3" and demo.integer("gemma3.context_length") == 32768
+    assert demo.data_end == Path(model_path).stat().st_size
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "is not a GGUF file"),
+    (b"<html>", "is not a GGUF file"),
+    (b"GGUF", "is truncated: 4 bytes, shorter than a GGUF header"),
+    (b"GGUF" + bytes([3, 0, 0, 0]) + bytes(range(256)) * 16, "is not a readable GGUF file (the header claims"),
+    (b"GGUF" + bytes([1, 0, 0, 0]) + bytes(32), "GGUF version 1"),
+    ("cut-header", "its header runs past the end of the file"),
+    ("cut-data", "but its tensors need"),
+])
+def test_corrupt_and_truncated_ggufs_are_one_line_errors_naming_the_file(tmp_path, content, says):
+    data = tiny_gguf()
+    content = {"cut-header": data[:100], "cut-data": data[:-1]}.get(content, content)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError) as e:
+        read_gguf_header(path)
+    assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,309 @@
+"""The registry on a temporary models directory: adoption, tags, removal, digests, pulls through
+the stand-in hub, and leases held by a real process. Model files are tiny GGUFs written here,
+or the demo model linked in (never copied)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import justllm.models.digests as digests
+from justllm.errors import ModelLoadError
+from justllm.models.registry import Registry, UnknownModelError, lease_for_path
+from justllm.models.source import cache_dir, demo_model_path, resolve_model
+from justllm.models.store import models_dir
+from tests.models.fake_hub import FakeHub, serve_fake_hub
+from tests.models.ggufs import tiny_gguf
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    models = tmp_path / "models"
+    models.mkdir()
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(models))
+    return models
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    with serve_fake_hub(tmp_path, monkeypatch) as fake:
+        yield fake
+
+
+def link_demo(model_path: str, dst: Path) -> Path:
+    """The demo GGUF at ``dst`` without copying it, with its sha256 stamp (a hard link shares
+    its size and mtime; a symlink is followed)."""
+    try:
+        os.link(model_path, dst)
+    except OSError:
+        os.symlink(model_path, dst)
+    shutil.copyfile(model_path + ".sha256", str(dst) + ".sha256")
+    return dst
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def registry_files(root: Path) -> dict[str, bytes]:
+    """Every file of the registry itself (not the models), to show that nothing changed."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and (p.name in ("tags.json", "digests.json")
+                                or p.parent.name == "manifests")}
+
+
+@pytest.fixture
+def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    hashed: list[Path] = []
+    real = digests.sha256_file
+
+    def counting(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(digests, "sha256_file", counting)
+    return hashed
+
+
+def test_files_in_the_models_directory_are_adopted_once(root, model_path, count_hashes):
+    link_demo(model_path, root / "Tiny-Gemma.gguf")
+    small = tiny_gguf(root / "small.gguf")
+    (root / "broken.gguf").write_bytes(b"GGUF" + bytes(40))
+    rows, problems = Registry().entries()
+    assert [(e.label, e.manifest.short) for e in rows] == [
+        ("small:latest", sha(small)[:12]), ("tiny-gemma:latest", "a5fd3b62230a")]
+    assert len(problems) == 1 and "broken.gguf" in problems[0]
+    demo = rows[1].manifest
+    assert (demo.architecture, demo.quantization, demo.context_length, demo.source.kind) == (
+        "gemma3", "Q4_K_M", 32768, "file")
+    assert count_hashes == [root / "small.gguf"]  # the demo's stamp spared it a hash
+    assert Registry().entries()[0] == rows and count_hashes == [root / "small.gguf"]
+    # Names resolve through the registry, as the file's stem or as name:tag, with no hashing.
+    for ref in ("Tiny-Gemma", "tiny-gemma:latest", "sha256:a5fd3b62230a", "a5fd3b62230aa5ec"):
+        assert resolve_model(ref) == str(root / "Tiny-Gemma.gguf")
+    assert count_hashes == [root / "small.gguf"]
+    # The corrupt file is named in the error for its own name, and nothing is recorded for it.
+    before = registry_files(root)
+    with pytest.raises(ModelLoadError, match=r"^cannot use broken: .*broken.gguf is not a "
+                                             r"readable GGUF file \(") as e:
+        resolve_model("broken")
+    assert "\n" not in str(e.value) and registry_files(root) == before
+
+
+def test_the_demo_model_is_adopted_as_its_file_name(root, model_path, monkeypatch):
+    """``demo_model_path()`` assembles into the default models directory, where the registry
+    names it ``gemma-3-270m-q4_k_m:latest``."""
+    monkeypatch.delenv("JUSTLLM_MODELS_DIR")
+    assert models_dir() == cache_dir() / "models" == demo_model_path().parent
+    link_demo(model_path, root / Path(model_path).name)
+    assert Registry(root).tags() == {}
+    assert [e.label for e in Registry(root).entries()[0]] == ["gemma-3-270m-q4_k_m:latest"]
+
+
+def test_a_file_moved_by_hand_keeps_its_version(root, count_hashes):
+    data = tiny_gguf(root / "a.gguf")
+    reg = Registry()
+    (before,), _ = reg.entries()
+    (root / "sub").mkdir()
+    (root / "a.gguf").rename(root / "sub" / "b.gguf")
+    rows, _ = reg.entries()
+    assert [e.label for e in rows] == ["a:latest", "b:latest"]
+    moved = rows[0].manifest
+    assert moved == rows[1].manifest and moved.path == root / "sub" / "b.gguf"
+    assert (moved.digest, moved.added, moved.source) == (f"sha256:{sha(data)}",
+                                                         before.manifest.added, before.manifest.source)
+    assert resolve_model("a") == str(root / "sub" / "b.gguf")
+    assert len(count_hashes) == 2  # once where it was, once where it is
+
+
+def test_tags_move_and_rm_removes_tags_versions_and_files(root, tmp_path):
+    a = tiny_gguf(root / "a.gguf")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    b = tiny_gguf(outside / "b.gguf", seed=1)
+    reg = Registry()
+    key, va, before = reg.tag(str(root / "a.gguf"), "X")
+    assert (key, va.digest, va.path, before) == ("x:latest", f"sha256:{sha(a)}", root / "a.gguf", None)
+    assert reg.tag("x", "x:v1")[1] == va
+    key, vb, before = reg.tag(str(outside / "b.gguf"), "x")  # the tag moves; A stays
+    assert (key, vb.digest, before) == ("x:latest", f"sha256:{sha(b)}", va)
+    assert reg.tags() == {"x:latest": vb.digest, "x:v1": va.digest}
+    # Inside the models directory a path is stored relative to it; outside it is absolute.
+    stored = {json.loads(p.read_text())["path"] for p in (root / "manifests").iterdir()}
+    assert stored == {"a.gguf", str(outside / "b.gguf")}
+    reg.tag(f"sha256:{vb.short}", "y:1")
+
+    gone = reg.remove("x")  # B keeps its other tag
+    assert (gone.untagged, gone.still_tagged, gone.deleted_file) == (("x:latest",), ("y:1",), None)
+    with pytest.raises(ModelLoadError, match=r"^no model named 'x:latest' \(x has tags: v1\)$"):
+        reg.resolve("x")
+    gone = reg.remove("x:v1")  # A's last tag: the version and its file go
+    assert (gone.manifest, gone.deleted_file) == (va, root / "a.gguf")
+    assert not (root / "a.gguf").exists() and reg.manifest(va.hex) is None
+    gone = reg.remove(vb.hex[:12])  # by digest: every tag on it; a file outside is kept
+    assert (gone.untagged, gone.kept_file, gone.kept_because) == (
+        ("y:1",), outside / "b.gguf", "outside the models directory")
+    assert (outside / "b.gguf").read_bytes() == b
+    assert reg.tags() == {} and reg.manifests() == {} and reg.entries() == ([], [])
+    with pytest.raises(UnknownModelError, match=r"^no model named 'x:latest' \(see 'justllm models'\)$"):
+        reg.remove("x")
+
+
+def test_bad_sources_and_targets_touch_nothing(root, tmp_path):
+    tiny_gguf(root / "a.gguf")
+    reg = Registry()
+    reg.tag(str(root / "a.gguf"), "a")
+    (tmp_path / "cut.gguf").write_bytes(tiny_gguf()[:-8])
+    before = registry_files(root)
+    for source, target, says in (
+            (str(tmp_path / "cut.gguf"), "cut", r"cut.gguf is truncated: \d+ bytes, but its tensors need \d+"),
+            (str(tmp_path / "none.gguf"), "n", r"^model file not found: .*none.gguf"),
+            ("nope:v2", "n", r"^no model named 'nope:v2' \(see 'justllm models'\)"),
+            ("a:v2", "n", r"^no model named 'a:v2' \(a has tags: latest\)"),
+            ("sha256:0123456789ab", "n", r"^no version sha256:0123456789ab "),
+            ("a", "bad/name", r"^'bad/name' is not a model name"),
+            (str(tmp_path), "n", r"is a directory")):
+        with pytest.raises(ModelLoadError, match=says):
+            reg.tag(source, target)
+    assert registry_files(root) == before
+
+
+def test_a_file_changed_on_disk_fails_its_digest_check(root, count_hashes):
+    path = root / "m.gguf"
+    tiny_gguf(path)
+    reg = Registry()
+    _, old, _ = reg.tag(str(path), "m")
+    count_hashes.clear()
+    for _ in range(2):
+        assert reg.resolve("m")[1] == old
+    assert count_hashes == []  # unchanged size and mtime: no hash
+    new = tiny_gguf(path, seed=2)  # same size, other bytes
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    before = registry_files(root)
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model("m:latest")
+    assert str(e.value) == (
+        f"digest mismatch: {path} changed on disk since it was registered as m:latest "
+        f"(sha256 now {sha(new)[:12]}, registered {old.short}); "
+        f"'justllm tag {path} m:latest' registers the new content")
+    assert registry_files(root).keys() == before.keys()
+    assert json.loads((root / "tags.json").read_text()) == {"m:latest": old.digest}
+    # The fix the message gives: the new bytes become a version, the old one is untagged.
+    _, current, moved_from = reg.tag(str(path), "m:latest")
+    assert current.digest == f"sha256:{sha(new)}" and moved_from == old
+    assert resolve_model("m") == str(path)
+    assert [(e.label, e.manifest) for e in reg.entries()[0]] == [("m:latest", current), (None, old)]
+    gone = reg.remove(old.digest)  # the file is the new version's now: it stays
+    assert (gone.kept_file, gone.kept_because) == (path, "another version names it")
+    assert path.read_bytes() == new
+    path.unlink()
+    with pytest.raises(ModelLoadError, match=r"^m:latest: its file .*m.gguf is missing "
+                                             r"\('justllm rm m:latest' forgets it\)$"):
+        reg.resolve("m")
+
+
+def test_pull_records_revision_and_digest_and_keeps_older_versions(hub, tmp_path):
+    root = tmp_path / "models"
+    first_bytes, second_bytes = tiny_gguf(seed=1), tiny_gguf(seed=2)
+    first = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": first_bytes})
+    reg = Registry()
+    pulled = reg.pull("acme/tiny-GGUF")
+    m = pulled.manifest
+    assert (pulled.label, pulled.previous, m.digest) == ("tiny-q8_0:latest", None,
+                                                         f"sha256:{sha(first_bytes)}")
+    assert (m.source.kind, m.source.repo, m.source.file, m.source.revision) == (
+        "huggingface", "acme/tiny-GGUF", "tiny-Q8_0.gguf", first)
+    assert m.path == root / "huggingface" / "acme" / "tiny-GGUF" / first / "tiny-Q8_0.gguf"
+    second = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": second_bytes})
+    newer = reg.pull("acme/tiny-GGUF:tiny-Q8_0.gguf", tag="tiny-q8_0")
+    assert newer.previous == m and newer.manifest.source.revision == second
+    assert reg.tags() == {"tiny-q8_0:latest": f"sha256:{sha(second_bytes)}"}
+    assert m.path.read_bytes() == first_bytes and newer.manifest.path.read_bytes() == second_bytes
+    assert reg.resolve(m.short)[1] == m  # the old version, by digest
+    # An older revision asked for by commit is here already: no download, the tag moves back.
+    gets = hub.gets(".gguf")
+    back = reg.pull("acme/tiny-GGUF", revision=first)
+    assert back.manifest == m and back.download.reused and hub.gets(".gguf") == gets
+    assert resolve_model("tiny-q8_0") == str(m.path)
+    reg.remove("tiny-q8_0")
+    assert not (root / "huggingface" / "acme" / "tiny-GGUF" / first).exists()
+    assert newer.manifest.path.is_file()
+
+
+HOLDER = """
+import sys
+from justllm.models.registry import lease_for_path
+with lease_for_path(sys.argv[1]) as digest:
+    print(digest, flush=True)
+    sys.stdin.read()
+"""
+
+
+def _hold(path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    return proc
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_rm_is_refused_while_a_live_process_holds_the_version(root, ending):
+    path = root / "held.gguf"
+    data = tiny_gguf(path)
+    reg = Registry()
+    _, m, _ = reg.tag(str(path), "held")
+    reg.tag("held", "held:v2")
+    proc = _hold(path)
+    try:
+        assert proc.stdout.readline().strip() == m.digest
+        assert reg.in_use(m.digest) == [proc.pid]
+        assert reg.remove("held:v2").still_tagged == ("held:latest",)  # a tag alone may go
+        before = registry_files(root)
+        for ref in ("held", m.digest):
+            with pytest.raises(ModelLoadError) as e:
+                reg.remove(ref)
+            assert str(e.value) == (
+                f"cannot remove {'held:latest' if ref == 'held' else m.digest}: its version "
+                f"sha256:{m.short} is in use by a running model (pid {proc.pid}); stop that "
+                "model first")
+        assert registry_files(root) == before and path.read_bytes() == data
+    finally:
+        if ending == "exit":
+            proc.stdin.close()
+        else:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+    assert reg.in_use(m.digest) == []
+    assert list((root / "leases").iterdir()) == []  # the stale lease of a killed holder is gone
+    assert reg.remove("held").deleted_file == path and not path.exists()
+
+
+def test_leases_in_this_process(root, tmp_path):
+    path = root / "a.gguf"
+    tiny_gguf(path)
+    reg = Registry()
+    _, m, _ = reg.tag(str(path), "a")
+    tiny_gguf(tmp_path / "loose.gguf", seed=3)
+    with lease_for_path(tmp_path / "loose.gguf") as nothing:
+        assert nothing is None  # no version names it: nothing to hold
+    with lease_for_path(path) as digest, reg.lease(m.digest):
+        assert digest == m.digest and reg.in_use(m.digest) == [os.getpid()]
+        with pytest.raises(ModelLoadError, match="is in use by a running model"):
+            reg.remove("a")
+    assert reg.in_use(m.digest) == []
+    reg.remove("a")
+    with pytest.raises(ModelLoadError, match=r"^no version sha256:\w{12} to hold$"):
+        with reg.lease(m.digest):
+            pass
