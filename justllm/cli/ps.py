@@ -52,7 +52,9 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
         console = Console()
         console.print(table)
         console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
-                      f"max loaded: {body['max_loaded'] or 'no limit'}[/dim]", highlight=False)
+                      f"max loaded: {body['max_loaded'] or 'no limit'}; max memory: "
+                      f"{str(body.get('max_memory_mib')) + ' MiB' if body.get('max_memory_mib') else 'no limit'}"
+                      "[/dim]", highlight=False)
 
 
 def logs(

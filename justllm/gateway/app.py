@@ -186,9 +186,11 @@ async def models_status(state: State) -> dict:
             "unload_in": (round(max(0.0, s.ttl - idle), 1)
                           if s.status == "loaded" and s.ttl >= 0 and s.active == 0 else None),
             "ttl": s.ttl, "error": s.error, "loads": s.loads, "restarts": s.restarts,
+            "estimate_mib": round(s.memory / 2**20) if s.memory else None,
             "log": str(sup.log_dir / f"{s.spec.name}.log")})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
-            "max_loaded": sup.config.max_loaded}
+            "max_loaded": sup.config.max_loaded,
+            "max_memory_mib": round(sup.config.max_memory / 2**20) or None}
 
 
 class _ModelRef(msgspec.Struct, forbid_unknown_fields=True):

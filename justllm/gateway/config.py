@@ -2,6 +2,7 @@
 validated once, before anything starts.
 
     max-loaded: 2            # most runners at once; the least recently used idle one goes
+    max-memory: 8GB          # most estimated runner memory at once (weights + KV + logits)
     load-timeout: 120        # seconds a request waits for its model to load
     max-waiting: 64          # requests waiting for loads, beyond which a 503 answers
     models:
@@ -20,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from justllm.gateway.policy import parse_size
+
 DEFAULT_TTL = 300.0
 _MODEL_KEYS = {"source", "aliases", "ttl", "preload"}
-_TOP_KEYS = {"models", "max-loaded", "load-timeout", "max-waiting"}
+_TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ModelSpec:
 class GatewayConfig:
     models: tuple[ModelSpec, ...]
     max_loaded: int = 0  # 0: no limit
+    max_memory: int = 0  # bytes; 0: no limit
     load_timeout: float = 120.0
     max_waiting: int = 64
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> model name
@@ -73,7 +77,8 @@ class GatewayConfig:
                     raise ValueError(f"model name or alias '{n}' is used twice")
                 names[n] = m.name
         object.__setattr__(self, "names", names)
-        if self.max_loaded < 0 or self.load_timeout <= 0 or self.max_waiting < 1:
+        if self.max_loaded < 0 or self.max_memory < 0 or self.load_timeout <= 0 or \
+                self.max_waiting < 1:
             raise ValueError("max-loaded must be >= 0, load-timeout > 0, max-waiting >= 1")
 
     def spec(self, name: str) -> ModelSpec:
@@ -120,8 +125,13 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
         raise ValueError(f"models.yaml: unknown key(s) {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(_TOP_KEYS))})")
     models = tuple(model_spec(str(n), e, flags) for n, e in data["models"].items())
+    try:
+        max_memory = parse_size(data.get("max-memory", 0))
+    except ValueError as e:
+        raise ValueError(f"max-memory: {e}") from None
     return GatewayConfig(
         models, max_loaded=int(_number("max-loaded", data.get("max-loaded", 0))),
+        max_memory=max_memory,
         load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
         max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))))
 

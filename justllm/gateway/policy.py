@@ -15,9 +15,10 @@ class Loaded:
     """What the policies need to know of one loaded model."""
 
     name: str
-    active: int  # requests in flight
+    active: int  # requests in flight (or waiting for it to load)
     last_used: float  # when its last request ended (or it loaded)
     ttl: float  # idle seconds before it unloads; < 0 never
+    memory: int = 0  # estimated bytes (memory_estimate)
 
 
 def expired(models: list[Loaded], now: float) -> list[str]:
@@ -26,18 +27,38 @@ def expired(models: list[Loaded], now: float) -> list[str]:
             if m.active == 0 and m.ttl >= 0 and now - m.last_used >= m.ttl]
 
 
-def to_unload_for(models: list[Loaded], max_loaded: int, loading: int = 1) -> list[str] | None:
-    """The least recently used idle models to unload so ``loading`` more fit under
-    ``max_loaded`` (0: no limit); ``None`` when too few are idle (the caller waits)."""
-    if max_loaded == 0:
-        return []
-    excess = len(models) + loading - max_loaded
-    if excess <= 0:
-        return []
-    idle = sorted((m for m in models if m.active == 0), key=lambda m: m.last_used)
-    if len(idle) < excess:
-        return None
-    return [m.name for m in idle[:excess]]
+def to_unload_for(models: list[Loaded], max_loaded: int, loading: int = 1,
+                  max_memory: int = 0, need: int = 0) -> list[str] | None:
+    """The least recently used idle models to unload so ``loading`` more models (``need``
+    bytes in all) fit under ``max_loaded`` and ``max_memory`` (0: no limit); ``None`` when
+    unloading every idle one is not enough (the caller waits for a model to go idle)."""
+    count, used = len(models), sum(m.memory for m in models)
+
+    def fits() -> bool:
+        return ((max_loaded == 0 or count + loading <= max_loaded)
+                and (max_memory == 0 or used + need <= max_memory))
+
+    victims: list[str] = []
+    for m in sorted((m for m in models if m.active == 0), key=lambda m: m.last_used):
+        if fits():
+            break
+        victims.append(m.name)
+        count, used = count - 1, used - m.memory
+    return victims if fits() else None
+
+
+# What a runner holds beyond its weights, KV cache and logits: Python, Litestar, llama.cpp's
+# compute buffers (measured: a demo-model runner's RSS minus those three, 190-230 MiB).
+RUNTIME_OVERHEAD = 256 * 2**20
+
+
+def memory_estimate(file_bytes: int, pool_tokens: int, n_layer: int, n_head_kv: int,
+                    key_length: int, value_length: int, logit_rows: int, n_vocab: int) -> int:
+    """A runner's memory: the weights (the file), an F16 KV cache for the whole pool, the
+    float32 logits buffer, and the runtime. An estimate, on the safe side (sliding-window
+    layers are counted as full)."""
+    kv = pool_tokens * n_layer * n_head_kv * (key_length + value_length) * 2
+    return file_bytes + kv + logit_rows * n_vocab * 4 + RUNTIME_OVERHEAD
 
 
 def restart_delay(failures: int) -> float | None:
@@ -46,6 +67,24 @@ def restart_delay(failures: int) -> float | None:
     if failures >= MAX_FAILURES:
         return None
     return 0.5 * 2 ** max(0, failures - 1) if failures else 0.0
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``8GB``, ``512MiB``, ``1.5G`` or a number of bytes (GB = 10^9, GiB = 2^30)."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or such as '8GB' or '512MiB'")
+    if isinstance(value, (int, float)) and value >= 0:
+        return int(value)
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"{value!r} is not a size (bytes, or such as '8GB' or '512MiB')")
+    unit = (m.group(2) or "b").lower()
+    power = "bkmgt".index(unit[0])
+    base = 1024 if "i" in unit else 1000
+    return int(float(m.group(1)) * base ** power)
 
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

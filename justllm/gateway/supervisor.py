@@ -17,6 +17,7 @@ import httpx
 from justllm.errors import JustLLMError
 from justllm.gateway import policy
 from justllm.gateway.config import GatewayConfig, ModelSpec
+from justllm.gateway.memory import runner_memory
 from justllm.gateway.runner import RunnerProcess, last_error_line
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ModelState:
     loads: int = 0
     restarts: int = 0
     load_seconds: list[float] = field(default_factory=list)
+    memory: int = 0  # estimated bytes of its runner (only with max-memory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -50,7 +52,8 @@ class ModelState:
         return self.keep_alive if self.keep_alive is not None else self.spec.ttl
 
     def view(self) -> policy.Loaded:
-        return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl)
+        return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl,
+                             self.memory)
 
 
 class Supervisor:
@@ -121,8 +124,30 @@ class Supervisor:
             if state.status == "failed" and policy.restart_delay(state.failures) is None:
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: "
                                        f"{state.error}", code="model_failed")
+            await self._estimate(state)
             await self._make_room(state)
             return await self._start(state)
+
+    async def _estimate(self, state: ModelState) -> None:
+        """With max-memory: the runner's estimated memory, once (a model that can never fit
+        is refused at once rather than waited for)."""
+        limit = self.config.max_memory
+        if not limit:
+            return
+        if not state.memory:
+            try:
+                state.memory = await asyncio.to_thread(runner_memory, state.spec)
+            except (JustLLMError, OSError, ValueError) as e:
+                state.status, state.error = "failed", str(e)
+                state.failures = policy.MAX_FAILURES
+                raise ModelUnavailable(f"model '{state.spec.name}' failed to load: {e}",
+                                       code="model_failed") from None
+        if state.memory > limit:
+            raise ModelUnavailable(
+                f"model '{state.spec.name}' needs about {state.memory / 2**30:.2f} GiB "
+                f"(weights, KV pool and logits), more than max-memory "
+                f"({limit / 2**30:.2f} GiB): lower its pool-blocks or raise max-memory",
+                code="model_too_large")
 
     async def _make_room(self, state: ModelState) -> None:
         """Claim a place under max-loaded: decided and marked (this model loading, the victims
@@ -131,7 +156,9 @@ class Supervisor:
             while True:
                 loaded = [s.view() for s in self.models.values()
                           if s is not state and s.status in ("loaded", "loading")]
-                victims = policy.to_unload_for(loaded, self.config.max_loaded)
+                victims = policy.to_unload_for(loaded, self.config.max_loaded,
+                                               max_memory=self.config.max_memory,
+                                               need=state.memory)
                 if victims is not None:
                     break
                 await self._room.wait()  # every model is busy: wait for one to go idle

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from justllm.errors import ModelLoadError
@@ -52,6 +52,7 @@ class GGUFHeader:
     metadata: dict[str, object]  # scalar keys only; strings decoded as UTF-8
     tensor_count: int
     data_end: int  # the size the file needs: where the data of its last tensor ends
+    array_lengths: dict[str, int] = field(default_factory=dict)  # array keys: their lengths
 
     @property
     def architecture(self) -> str:
@@ -71,6 +72,7 @@ class _Reader:
 
     def __init__(self, buf: mmap.mmap, order: str) -> None:
         self.buf, self.order, self.pos = buf, order, 0
+        self.last_array_length = 0
         self._u64 = struct.Struct(order + "Q")
 
     def scalar(self, code: str):
@@ -96,7 +98,8 @@ class _Reader:
         self.pos = pos
 
     def value(self, vtype: int) -> object | None:
-        """A scalar or string value; arrays are skipped and give None."""
+        """A scalar or string value; arrays are skipped and give None (``last_array_length``
+        says how long)."""
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
@@ -104,6 +107,7 @@ class _Reader:
         if vtype != _ARRAY:
             raise _Corrupt(f"unknown value type {vtype}")
         item, count = self.scalar("I"), self.scalar("Q")
+        self.last_array_length = count
         if item == _STRING:
             self.skip_strings(count)
         elif item in _SCALARS:
@@ -157,11 +161,14 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     if tensor_count > len(buf) or kv_count > len(buf):
         raise _Corrupt(f"the header claims {tensor_count} tensors and {kv_count} keys")
     metadata: dict[str, object] = {}
+    arrays: dict[str, int] = {}
     for _ in range(kv_count):
         key = r.string().decode("utf-8", "replace")
         value = r.value(r.scalar("I"))
         if value is not None:
             metadata[key] = value
+        else:
+            arrays[key] = r.last_array_length
     tensors = []
     for _ in range(tensor_count):
         name = r.string()
@@ -188,4 +195,4 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
                            f"not a multiple of its block size {block}")
         nbytes = (dims[0] // block * type_size if dims else type_size) * elements
         data_end = max(data_end, data_start + offset + nbytes)
-    return GGUFHeader(version, metadata, tensor_count, data_end)
+    return GGUFHeader(version, metadata, tensor_count, data_end, arrays)

@@ -282,3 +282,18 @@ def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, mode
     removed = justllm("rm", "demo:latest", env=env)  # no runner holds it any more
     assert removed.returncode == 0, removed.stderr
     assert not (store / "demo.gguf").exists()
+
+
+def test_a_model_larger_than_max_memory_is_refused_without_starting(tmp_path, model_path):
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}},
+                       **{"max-memory": "300MB"})
+    try:
+        r = complete(gw, "alpha")
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_too_large" and "max-memory" in err["message"], err
+        assert gw.status()["alpha"]["pid"] is None and gw.runner_pids() == []
+        assert gw.status()["alpha"]["estimate_mib"] > 300
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out

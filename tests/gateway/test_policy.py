@@ -12,6 +12,7 @@ from justllm.gateway.policy import (
     Loaded,
     expired,
     keep_alive_seconds,
+    parse_size,
     restart_delay,
     to_unload_for,
 )
@@ -32,6 +33,35 @@ def test_room_is_made_by_unloading_the_least_recently_used_idle_models():
     assert to_unload_for(models, 3) == ["b"]
     assert to_unload_for(models, 2) == ["b", "a"]
     assert to_unload_for(models, 1) is None  # "c" is busy: wait for it
+
+
+def test_room_by_memory_too():
+    gib = 2**30
+    models = [Loaded("a", 0, 1.0, 60, 2 * gib), Loaded("b", 0, 2.0, 60, 3 * gib),
+              Loaded("c", 1, 0.0, 60, 1 * gib)]
+    assert to_unload_for(models, 0, max_memory=8 * gib, need=2 * gib) == []
+    assert to_unload_for(models, 0, max_memory=8 * gib, need=3 * gib) == ["a"]
+    assert to_unload_for(models, 0, max_memory=8 * gib, need=6 * gib) == ["a", "b"]
+    assert to_unload_for(models, 0, max_memory=8 * gib, need=8 * gib) is None  # c is busy
+    assert to_unload_for(models, 3, max_memory=8 * gib, need=gib) == ["a"]  # the count
+
+
+def test_memory_estimate_of_the_demo_model_is_close_to_what_a_runner_uses(model_path):
+    from justllm.gateway.config import ModelSpec
+    from justllm.gateway.memory import runner_memory
+
+    default = runner_memory(ModelSpec("demo", model_path))
+    small = runner_memory(ModelSpec("demo", model_path, flags=(("pool-blocks", 64),)))
+    # A default runner's RSS measured ~900 MiB (benchmarks/reliability_soak.py).
+    assert 700 * 2**20 < default < 1100 * 2**20
+    # 960 blocks x 16 tokens x 18 layers x 1 KV head x (256 + 256) x 2 bytes less KV
+    assert default - small == 960 * 16 * 18 * 512 * 2
+
+
+@pytest.mark.parametrize("value, size", [("8GB", 8 * 10**9), ("512MiB", 512 * 2**20),
+                                         ("1.5G", 1_500_000_000), (4096, 4096)])
+def test_sizes(value, size):
+    assert parse_size(value) == size
 
 
 def test_restart_backoff_then_failed():
@@ -69,7 +99,8 @@ def test_config_from_yaml_data():
     ({"models": {"a": {"source": "/a", "max_seq": 3}}}, "unknown key(s) max_seq"),
     ({"models": {"a": "/a", "b": {"source": "/b", "aliases": ["a"]}}}, "used twice"),
     ({"models": {"a": {"source": "/a", "ttl": "long"}}}, "ttl must be a number"),
-    ({"models": {"a": "/a"}, "max-memory": "8GB"}, "unknown key(s) max-memory"),
+    ({"models": {"a": "/a"}, "max-memory": "lots"}, "max-memory"),
+    ({"models": {"a": "/a"}, "max-models": 2}, "unknown key(s) max-models"),
     ([1, 2], "must be a mapping"),
 ])
 def test_config_errors_say_what_is_wrong(data, says):
