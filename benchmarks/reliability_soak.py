@@ -32,7 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_soak import start_server  # noqa: E402
 
-from justllm.bench.soak import SoakConfig, classify, idle_leak, metric, soak  # noqa: E402
+from justllm.bench.soak import SoakConfig, classify, idle_leak, metric, post, soak  # noqa: E402
 
 BAD_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}),
@@ -79,16 +79,9 @@ async def chat_client(idx: int, url: str, deadline: float, disconnect: float, co
                                 break
                         else:
                             counts["chat_" + classify(r.status_code)] += 1
-                elif leave:
-                    try:
-                        await asyncio.wait_for(http.post(url + "/v1/chat/completions", json=body),
-                                               rng.uniform(0.05, 1.5))
-                        counts["chat_ok"] += 1
-                    except TimeoutError:
-                        counts["chat_disconnected"] += 1
                 else:
-                    r = await http.post(url + "/v1/chat/completions", json=body)
-                    counts["chat_" + classify(r.status_code)] += 1
+                    counts["chat_" + await post(http, url + "/v1/chat/completions", body,
+                                                rng.uniform(0.05, 1.5) if leave else None)] += 1
             except httpx.HTTPError as e:
                 counts["transport_error"] += 1
                 print(f"chat {idx}: {type(e).__name__}: {e}", file=sys.stderr)

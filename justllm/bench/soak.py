@@ -54,19 +54,25 @@ async def client(idx: int, url: str, cfg: SoakConfig, deadline: float, counts: C
             try:
                 if body["stream"]:
                     await stream(http, url, body, rng.randint(0, 6) if leave else None, counts)
-                elif leave:
-                    try:
-                        await asyncio.wait_for(http.post(url + "/v1/completions", json=body),
-                                               rng.uniform(0.05, 2.0))
-                        counts["ok"] += 1
-                    except TimeoutError:
-                        counts["disconnected"] += 1
                 else:
-                    r = await http.post(url + "/v1/completions", json=body)
-                    counts[classify(r.status_code)] += 1
+                    counts[await post(http, url + "/v1/completions", body,
+                                      rng.uniform(0.05, 2.0) if leave else None)] += 1
             except httpx.HTTPError as e:
                 counts["transport_error"] += 1
                 print(f"client {idx}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+async def post(http: httpx.AsyncClient, url: str, body: dict, leave_after: float | None
+               ) -> str:
+    """A non-streaming request whose client leaves after ``leave_after`` seconds (None: it
+    waits): "ok", "disconnected", or the status class (classify)."""
+    if leave_after is None:
+        return classify((await http.post(url, json=body)).status_code)
+    try:
+        r = await asyncio.wait_for(http.post(url, json=body), leave_after)
+    except TimeoutError:
+        return "disconnected"
+    return classify(r.status_code)
 
 
 async def stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None,
