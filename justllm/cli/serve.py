@@ -17,7 +17,10 @@ from justllm.errors import ModelLoadError
 
 @o.engine_options
 def serve(
-    model: o.Model = None,
+    models: Annotated[Optional[list[str]], typer.Argument(
+        help="A .gguf path, a model name or a Hugging Face REPO[:FILE] (default: the bundled "
+             "demo model). Several: router mode, each in its own runner process.",
+        show_default=False)] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
@@ -33,9 +36,10 @@ def serve(
     with cli_errors():
         import uvicorn
 
-        if models_file or models_dir:
-            return _serve_gateway(model, models_file, models_dir, host, port, api_key,
+        if models_file or models_dir or len(models or []) > 1:
+            return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
                                   engine_flags or {})
+        model = models[0] if models else None
         _watch_parent()
 
         from justllm.engine.async_engine import AsyncEngine
@@ -95,7 +99,7 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="justllm-parent-watch", daemon=True).start()
 
 
-def _serve_gateway(model: str | None, models_file: str | None, models_dir: str | None,
+def _serve_gateway(models: list[str], models_file: str | None, models_dir: str | None,
                    host: str, port: int, api_key: str | None, flags: dict) -> None:
     import asyncio
 
@@ -107,11 +111,11 @@ def _serve_gateway(model: str | None, models_file: str | None, models_dir: str |
         create_gateway,
         default_log_dir,
     )
-    from justllm.gateway.config import Flags, directory_config, read_config
+    from justllm.gateway.config import Flags, directory_config, list_config, read_config
 
-    if model is not None or (models_file and models_dir):
-        raise ValueError("router mode takes --models FILE or --models-dir DIR, not a MODEL "
-                         "as well")
+    if sum(map(bool, (models, models_file, models_dir))) > 1:
+        raise ValueError("router mode takes several MODELs, --models FILE or --models-dir DIR: "
+                         "one of them")
     if not 0 < port < 65536:
         raise ValueError("--port must be in 1..65535")
     # Engine flags given on this command line reach every runner (a model's entry wins).
@@ -119,7 +123,8 @@ def _serve_gateway(model: str | None, models_file: str | None, models_dir: str |
              if f.name in flags and flags[f.name] != f.default}
     known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS), given)
     config = (read_config(models_file, known) if models_file
-              else directory_config(models_dir or "", known))
+              else directory_config(models_dir, known) if models_dir
+              else list_config(models, known))
     app = create_gateway(config, GatewaySettings(host, port, api_key), default_log_dir())
     names = ", ".join(m.name for m in config.models)
     Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "

@@ -163,3 +163,14 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
             newest[p.stem] = p
     return GatewayConfig(tuple(model_spec(name, str(p), flags)
                                for name, p in sorted(newest.items())))
+
+
+def model_name(ref: str) -> str:
+    """The id a model given on the command line is served as: a file's stem (of a path or a
+    REPO:FILE), else the ref itself (a registry name:tag)."""
+    return Path(ref.rsplit(":", 1)[-1]).stem if ref.endswith(".gguf") else ref
+
+
+def list_config(refs: list[str], flags: Flags) -> GatewayConfig:
+    """``justllm serve A B ...``: each model under its own name (see ``model_name``)."""
+    return GatewayConfig(tuple(model_spec(model_name(r), r, flags) for r in refs))

@@ -297,3 +297,29 @@ def test_a_model_larger_than_max_memory_is_refused_without_starting(tmp_path, mo
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
+
+
+def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "serve", model_path, "llama3:8b",
+                             "--port", str(port), "--max-seqs", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "logs")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                models = httpx.get(gw.url + "/v1/models", timeout=2).json()["data"]
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert [m["id"] for m in models] == [Path(model_path).stem, "llama3:8b"]
+        r = complete(gw, "llama3:8b")  # not in the registry: its runner says so, once
+        assert r.status_code == 503 and "llama3:8b" in r.json()["error"]["message"]
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    both = justllm("serve", model_path, model_path, "--models", "x.yaml", env={})
+    assert both.returncode == 1 and "one of them" in both.stderr

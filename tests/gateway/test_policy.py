@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from justllm.gateway.config import Flags, directory_config, load_config
+from justllm.gateway.config import Flags, directory_config, list_config, load_config
 from justllm.gateway.policy import (
     MAX_FAILURES,
     Loaded,
@@ -124,3 +124,10 @@ def test_models_dir_names_models_by_file_stem(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .gguf"):
         directory_config(str(tmp_path / "empty"), FLAGS)
+
+
+def test_models_on_the_command_line_are_named_by_stem_or_ref():
+    cfg = list_config(["/m/qwen-q4.gguf", "llama3:8b", "org/repo:file.gguf"], FLAGS)
+    assert [m.name for m in cfg.models] == ["qwen-q4", "llama3:8b", "file"]
+    with pytest.raises(ValueError, match="used twice"):
+        list_config(["/a/x.gguf", "/b/x.gguf"], FLAGS)
