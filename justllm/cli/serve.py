@@ -20,7 +20,7 @@ def serve(
     models: Annotated[Optional[list[str]], typer.Argument(
         help="A .gguf path, a model name or a Hugging Face REPO[:FILE] (default: the bundled "
              "demo model). Several: router mode, each in its own runner process.",
-        show_default=False)] = None,
+        show_default=False, metavar="MODEL")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
@@ -32,7 +32,8 @@ def serve(
     config_file: o.ConfigFile = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
-    /v1/embeddings, /v1/models), with /health and Prometheus /metrics."""
+    /v1/embeddings, /v1/models), with /health and Prometheus /metrics. Several MODELs, --models
+    or --models-dir: router mode, one endpoint for many models, each in its own process."""
     with cli_errors():
         import uvicorn
 
