@@ -3,14 +3,20 @@
 Pure functions, no I/O: :func:`parse` turns the Prometheus text format into a :class:`Snapshot`,
 :func:`histogram_quantile` estimates a quantile from cumulative buckets the way Prometheus'
 ``histogram_quantile`` does, and :func:`rate` is a counter's per-second increase between two
-snapshots. Series that differ only by label (``model_name``, one per served model) are summed.
+snapshots. Series that differ only by label (``model_name``, one per served model) are summed
+into the snapshot, which also holds one snapshot per model (:attr:`Snapshot.per_model`): a
+gateway's page (``justllm serve --models``) carries every loaded runner's series, each under its
+``model_name``, and its own ``justllm_gateway_*`` series, which name every configured model,
+loaded or not.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,6 +32,9 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_DRAFT = "vllm:spec_decode_num_draft_tokens_total"
 TTFT = "vllm:time_to_first_token_seconds"
+GATEWAY = "justllm_gateway_"
+MODEL_LOADED = "justllm_gateway_model_loaded"
+WAITING_FOR_LOAD = "justllm_gateway_requests_waiting_for_load"
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,13 @@ class Histogram:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What one scrape said; ``None`` where the page had no such series."""
+    """What one scrape said, summed over models; ``None`` where the page had no such series.
+
+    ``models`` names the models whose own (runner) series are on the page, in page order: the
+    summed counters are the same counter only while it stays the same. ``per_model`` has one
+    snapshot per model the page names, a gateway's unloaded models included (``loaded`` False,
+    no numbers); ``gateway`` says the page has a gateway's own series.
+    """
 
     time: float = 0.0  # when it was taken (a monotonic clock), for rates
     models: tuple[str, ...] = ()
@@ -58,6 +73,11 @@ class Snapshot:
     spec_accepted: float | None = None
     spec_draft: float | None = None
     ttft: Histogram | None = field(default=None)
+    loaded: bool | None = None  # per model: the gateway's word, else True (its series are here)
+    waiting_for_load: float | None = None  # requests the gateway holds until a model loads
+    gateway: bool = False
+    per_model: Mapping[str, Snapshot] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False, repr=False)
 
     @property
     def empty(self) -> bool:
@@ -83,41 +103,75 @@ class Snapshot:
         return self.ttft.quantile(q) if self.ttft is not None else None
 
 
+class _Series:
+    """The samples of one view (every model, or one), summed by name as they come."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.buckets: dict[float, float] = defaultdict(float)
+
+    def add(self, name: str, labels: Mapping[str, str], value: float) -> None:
+        if name == TTFT + "_bucket":
+            self.buckets[float(labels["le"])] += value
+        else:
+            self.sums[name] += value
+            self.count[name] += 1
+
+    def get(self, name: str) -> float | None:
+        return self.sums[name] if name in self.sums else None
+
+    def snapshot(self, at: float, **extra) -> Snapshot:
+        hits, misses = self.get(HITS), self.get(MISSES)
+        ratio = self.get(HIT_RATIO)
+        several = self.count[HIT_RATIO] > 1
+        if ratio is not None and several:
+            ratio /= self.count[HIT_RATIO]  # a ratio summed over models means nothing: average...
+        if hits is not None and misses is not None and (ratio is None or several):
+            ratio = hits / (hits + misses) if hits + misses else 0.0  # ...or better, recompute it
+        ttft = None
+        if self.buckets:
+            ttft = Histogram(tuple(sorted(self.buckets.items())),
+                             count=self.sums.get(TTFT + "_count", 0.0),
+                             sum=self.sums.get(TTFT + "_sum", 0.0))
+        get = self.get
+        return Snapshot(
+            time=at, running=get(RUNNING), waiting=get(WAITING), kv_used=get(KV_USED),
+            kv_total=get(KV_TOTAL), cache_blocks=get(CACHE_BLOCKS), hit_ratio=ratio, hits=hits,
+            misses=misses, generation_tokens=get(GENERATION_TOKENS),
+            spec_accepted=get(SPEC_ACCEPTED), spec_draft=get(SPEC_DRAFT), ttft=ttft, **extra)
+
+
 def parse(text: str, at: float = 0.0) -> Snapshot:
-    """The snapshot of a ``/metrics`` page taken at ``at``; raises ``ValueError`` if malformed."""
-    sums: dict[str, float] = defaultdict(float)
-    series: dict[str, int] = defaultdict(int)
-    buckets: dict[float, float] = defaultdict(float)
-    models: list[str] = []
+    """The snapshot of a ``/metrics`` page taken at ``at``; raises ``ValueError`` if malformed.
+
+    The page's series summed over models, and in :attr:`Snapshot.per_model` each model's own:
+    its runner's series and the gateway's about it.
+    """
+    total = _Series()
+    per_model: dict[str, _Series] = {}
+    serving: list[str] = []  # models with series of their own, not only the gateway's
+    loaded: dict[str, bool] = {}
+    gateway = False
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             model = s.labels.get("model_name")
-            if model is not None and model not in models:
-                models.append(model)
-            if s.name == TTFT + "_bucket":
-                buckets[float(s.labels["le"])] += s.value
-            else:
-                sums[s.name] += s.value
-                series[s.name] += 1
-
-    def get(name: str) -> float | None:
-        return sums[name] if name in sums else None
-
-    hits, misses = get(HITS), get(MISSES)
-    ratio = get(HIT_RATIO)
-    if ratio is not None and series[HIT_RATIO] > 1:
-        ratio /= series[HIT_RATIO]  # a ratio summed over models means nothing: average it...
-    if hits is not None and misses is not None and (ratio is None or series[HIT_RATIO] > 1):
-        ratio = hits / (hits + misses) if hits + misses else 0.0  # ...or better, recompute it
-    ttft = None
-    if buckets:
-        ttft = Histogram(tuple(sorted(buckets.items())), count=sums.get(TTFT + "_count", 0.0),
-                         sum=sums.get(TTFT + "_sum", 0.0))
-    return Snapshot(
-        time=at, models=tuple(models), running=get(RUNNING), waiting=get(WAITING),
-        kv_used=get(KV_USED), kv_total=get(KV_TOTAL), cache_blocks=get(CACHE_BLOCKS),
-        hit_ratio=ratio, hits=hits, misses=misses, generation_tokens=get(GENERATION_TOKENS),
-        spec_accepted=get(SPEC_ACCEPTED), spec_draft=get(SPEC_DRAFT), ttft=ttft)
+            own = s.name.startswith(GATEWAY)
+            gateway |= own
+            total.add(s.name, s.labels, s.value)
+            if model is None:
+                continue
+            per_model.setdefault(model, _Series()).add(s.name, s.labels, s.value)
+            if s.name == MODEL_LOADED:
+                loaded[model] = s.value > 0
+            elif not own and model not in serving:
+                serving.append(model)
+    models = {
+        name: series.snapshot(at, models=(name,), gateway=gateway,
+                              loaded=loaded.get(name, name in serving))
+        for name, series in per_model.items()}
+    return total.snapshot(at, models=tuple(serving), per_model=MappingProxyType(models),
+                          gateway=gateway, waiting_for_load=total.get(WAITING_FOR_LOAD))
 
 
 def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list) -> float | None:
@@ -161,7 +215,8 @@ def rate(prev: Snapshot | None, cur: Snapshot, name: str = "generation_tokens") 
     missing on either side, no elapsed time, a counter that went down (the server restarted:
     unlike Prometheus' ``rate``, whose new value is not counted as the increase, since it holds
     everything generated before the dashboard saw it) or a changed set of models (the summed
-    series are not the same counter any more).
+    series are not the same counter any more). A sum is no counter either once one model's
+    counter went down (its runner restarted), even if the others' increase hides it.
     """
     if prev is None:
         return None
@@ -169,4 +224,9 @@ def rate(prev: Snapshot | None, cur: Snapshot, name: str = "generation_tokens") 
     dt = cur.time - prev.time
     if a is None or b is None or dt <= 0 or b < a or prev.models != cur.models:
         return None
+    for model, now in cur.per_model.items():
+        before = prev.per_model.get(model)
+        x, y = (getattr(before, name), getattr(now, name)) if before is not None else (None, None)
+        if x is not None and y is not None and y < x:
+            return None
     return (b - a) / dt

@@ -3,6 +3,11 @@
 The app never blocks on the network: each poll is an async worker, at most one in flight, with
 a timeout; a server that is down or answers badly only changes the status line, and polling
 goes on. Everything shown comes from one :class:`~justllm.tui.metrics.Snapshot` per poll.
+
+A page of several models (a gateway's, ``justllm serve --models``) adds a models table, one row
+per model; the panels below it show one view, every model summed ("all models", the default)
+or the model picked in the table. Each view keeps its own tokens/s history, computed from its
+own counter, so switching views never joins two counters into a fake peak.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widget import Widget
-from textual.widgets import Digits, Footer, Header, Sparkline, Static
+from textual.widgets import DataTable, Digits, Footer, Header, Sparkline, Static
 
 from justllm.tui.metrics import Snapshot, parse, rate
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+ALL_MODELS = "all models"
+# The models table: (column key, label, width). Names longer than the first column are cut.
+MODEL_COLUMNS = (("model", "model", 24), ("state", "state", 8), ("running", "run", 4),
+                 ("waiting", "wait", 4), ("kv", "KV", 6), ("hit", "hit", 6), ("tok_s", "tok/s", 7))
 
 
 def _num(value: float | None) -> str:
@@ -41,6 +50,15 @@ def _seconds(value: float | None) -> str:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _several_models(snap: Snapshot | None) -> bool:
+    """A gateway's page (even with one model configured) or one with several models' series."""
+    return snap is not None and (snap.gateway or len(snap.per_model) > 1)
+
+
+def _cut(name: str, width: int) -> str:
+    return name if len(name) <= width else name[:width - 1] + "…"
 
 
 class BlockBar(Widget):
@@ -76,12 +94,15 @@ class TopApp(App[None]):
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("p", "toggle_pause", "Pause/resume"),
+        Binding("a", "all_models", "All models"),
+        Binding("m", "next_model", "Next model"),
     ]
 
     snapshot: reactive[Snapshot | None] = reactive(None, always_update=True)
     status: reactive[str] = reactive("connecting")
     reachable: reactive[bool | None] = reactive(None)
     paused: reactive[bool] = reactive(False)
+    selected: reactive[str | None] = reactive(None)  # the model the panels show; None: all
 
     def __init__(self, url: str = DEFAULT_URL, interval: float = 1.0,
                  api_key: str | None = None, history: int = 120,
@@ -93,7 +114,9 @@ class TopApp(App[None]):
         self.metrics_url = self.url if self.url.endswith("/metrics") else self.url + "/metrics"
         self.interval = interval
         self.api_key = api_key
-        self.rates: deque[float] = deque(maxlen=history)
+        self.history = history
+        # Tokens/s per view: None for all models (the only one a single model's page shows).
+        self.histories: dict[str | None, deque[float]] = {}
         self.polls = 0  # attempts so far, answered or not
         self.clock = clock
         # The baseline of the next rate: None after start, an outage or a pause, so the first
@@ -105,8 +128,24 @@ class TopApp(App[None]):
         self._timer: Timer | None = None
         self._in_flight = False
 
+    @property
+    def rates(self) -> deque[float]:
+        """The tokens/s history of the view the panels show."""
+        return self._history(self.selected)
+
+    def _history(self, view: str | None) -> deque[float]:
+        return self.histories.setdefault(view, deque(maxlen=self.history))
+
     def compose(self) -> ComposeResult:
         yield Header()
+        with Vertical(id="models-panel", classes="panel") as models:
+            models.border_title = "models"
+            models.border_subtitle = "↑↓ enter: show · a: all"
+            table: DataTable[str | Text] = DataTable(id="models", cursor_type="row")
+            for key, label, width in MODEL_COLUMNS:
+                header = label if key in ("model", "state") else Text(label, justify="right")
+                table.add_column(header, key=key, width=width)
+            yield table
         with Horizontal(id="upper"):
             with Vertical(id="cache", classes="panel") as cache:
                 cache.border_title = "prefix cache hit ratio"
@@ -176,7 +215,10 @@ class TopApp(App[None]):
                 self._down(f"{self.metrics_url} is not a Prometheus page ({e})")
                 return
             self.reachable = True
-            if snap.empty:
+            if snap.gateway:
+                loaded = sum(1 for m in snap.per_model.values() if m.loaded)
+                self.status = f"connected · gateway, {loaded}/{len(snap.per_model)} models loaded"
+            elif snap.empty:
                 self.status = "connected, no metrics yet (is the model still loading?)"
             else:
                 models = ", ".join(snap.models)
@@ -205,11 +247,42 @@ class TopApp(App[None]):
         if epoch != self._epoch or self.paused:
             self._prev = None
         elif prev is None or snap.time - prev.time >= self.interval / 2:
-            per_second = rate(prev, snap, "generation_tokens")
-            if per_second is not None:
-                self.rates.append(per_second)
+            views: dict[str | None, tuple[Snapshot | None, Snapshot]] = {None: (prev, snap)}
+            for name, now in snap.per_model.items():
+                views[name] = (prev.per_model.get(name) if prev is not None else None, now)
+            for view, (before, now) in views.items():
+                per_second = rate(before, now, "generation_tokens")
+                if per_second is not None:
+                    self._history(view).append(per_second)
             self._prev = snap
+        for gone in [v for v in self.histories if v is not None and v not in snap.per_model]:
+            del self.histories[gone]
+        if self.selected is not None and self.selected not in snap.per_model:
+            self.selected = None  # no longer on the page (another server answers there)
         self.snapshot = snap
+
+    def action_all_models(self) -> None:
+        self.selected = None
+
+    def action_next_model(self) -> None:
+        """All models, then each model in the table's order, then all models again."""
+        views: list[str | None] = [None, *(self.snapshot.per_model if self.snapshot else ())]
+        i = views.index(self.selected) if self.selected in views else 0
+        self.selected = views[(i + 1) % len(views)]
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("all_models", "next_model"):
+            return _several_models(self.snapshot)  # a single model has no views to pick
+        return True
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.selected = event.row_key.value
+
+    def watch_selected(self, selected: str | None) -> None:
+        if not self.is_mounted:
+            return
+        self._show(self.snapshot)
+        self._show_status()
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
@@ -237,14 +310,27 @@ class TopApp(App[None]):
         widget.set_class(self.reachable is True, "ok")
         widget.set_class(self.reachable is False, "down")
         icon = {True: "● ", False: "✖ ", None: ""}[self.reachable]
-        widget.update(Text(icon + self.status))
+        view = ""
+        if _several_models(self.snapshot):
+            view = f" · showing {self.selected or ALL_MODELS}"
+        self.sub_title = self.url + view
+        widget.update(Text(icon + self.status + view))
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
         if self.is_mounted:
             self._show(snap)
+            self._show_status()  # whether it names the view depends on the page
 
     def _show(self, snap: Snapshot | None) -> None:
-        s = snap or Snapshot()
+        several = _several_models(snap)
+        panel = self.query_one("#models-panel")
+        if panel.display != several:
+            panel.display = several
+            self.refresh_bindings()
+        if several:
+            assert snap is not None
+            self._show_models(snap)
+        s = (snap.per_model.get(self.selected) if snap and self.selected else snap) or Snapshot()
         q = self.query_one
         ratio = q("#hit-ratio", Digits)
         ratio.update(_percent(s.hit_ratio))
@@ -263,9 +349,41 @@ class TopApp(App[None]):
         q("#kv-detail", Static).update(Text.assemble(
             f"used {_num(s.kv_used)}/{_num(s.kv_total)}{usage} · ",
             ("■", "magenta"), f" prefix cache {_num(s.cache_blocks)}"))
-        current = f"{self.rates[-1]:.1f} tok/s" if self.rates else "-"
-        peak = f" · peak {max(self.rates):.1f}" if self.rates else ""
+        rates = self.rates
+        current = (f"{rates[-1]:.1f} tok/s" if rates and s.generation_tokens is not None else "-")
+        peak = f" · peak {max(rates):.1f}" if rates else ""
         total = (f" · {_num(s.generation_tokens)} generated"
                  if s.generation_tokens is not None else "")
         q("#tok-rate", Static).update(current + peak + total)
-        q("#tok-spark", Sparkline).data = list(self.rates)
+        q("#tok-spark", Sparkline).data = list(rates)
+
+    def _show_models(self, snap: Snapshot) -> None:
+        """One row per model, updated in place so the cursor stays where the user left it."""
+        table = self.query_one("#models", DataTable)
+        rows = {name: self._model_row(name, m) for name, m in snap.per_model.items()}
+        if [key.value for key in table.rows] != list(rows):
+            table.clear()
+            for name, row in rows.items():
+                table.add_row(*row, key=name)
+            if self.selected in rows:
+                table.move_cursor(row=list(rows).index(self.selected))
+        else:
+            for name, row in rows.items():
+                for (column, _, _), value in zip(MODEL_COLUMNS, row):
+                    table.update_cell(name, column, value)
+        if self.focused is None:
+            table.focus()  # hidden until now, so nothing had the keys
+        waiting = snap.waiting_for_load
+        self.query_one("#models-panel").border_title = (
+            f"models · {_num(waiting)} waiting for a load" if waiting else "models")
+
+    def _model_row(self, name: str, m: Snapshot) -> tuple[str | Text, ...]:
+        rates = self.histories.get(name)
+        tok_s = f"{rates[-1]:.1f}" if rates and m.generation_tokens is not None else "-"
+        mark = "▸ " if name == self.selected else "  "
+        state = {True: "loaded", False: "unloaded", None: "-"}[m.loaded]
+        numbers = (_num(m.running), _num(m.waiting), _percent(m.kv_usage), _percent(m.hit_ratio),
+                   tok_s)
+        return (mark + _cut(name, MODEL_COLUMNS[0][2] - 2),
+                Text(state, style="" if m.loaded else "dim"),
+                *(Text(n, justify="right") for n in numbers))

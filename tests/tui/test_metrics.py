@@ -7,6 +7,7 @@ import math
 import pytest
 
 from justllm.tui.metrics import Histogram, Snapshot, histogram_quantile, parse, rate
+from tests.tui.pages import GATEWAY_PAGE, gateway_page
 
 M = 'model_name="gemma-3-270m-q4_k_m"'
 
@@ -177,3 +178,77 @@ def test_a_rate_needs_a_baseline_of_the_same_counter():
     two = Snapshot(time=11.0, models=("a", "b"), generation_tokens=90_164.0)
     assert rate(one, two) is None
     assert rate(two, Snapshot(time=12.0, models=("a", "b"), generation_tokens=90_228.0)) == 64.0
+
+
+def test_a_single_model_page_has_that_model_alone_per_model():
+    s = parse(PAGE, at=3.0)
+    assert not s.gateway and s.loaded is None and s.waiting_for_load is None
+    assert list(s.per_model) == ["gemma-3-270m-q4_k_m"]
+    m = s.per_model["gemma-3-270m-q4_k_m"]
+    assert m.loaded is True  # its series are on the page: it is up
+    assert (m.time, m.models) == (3.0, ("gemma-3-270m-q4_k_m",))
+    assert (m.running, m.kv_usage, m.hit_ratio, m.generation_tokens) == (2.0, 0.375, 0.75, 1000.0)
+    assert m.ttft == s.ttft
+
+
+def test_a_gateway_page_sums_every_model_and_keeps_each_one():
+    s = parse(GATEWAY_PAGE, at=5.0)
+    assert s.gateway and s.waiting_for_load == 2.0
+    assert s.models == ("chat", "coder")  # the models with series of their own: the runners
+    assert list(s.per_model) == ["chat", "coder", "embed"]  # every configured model, page order
+    # All models: sums, the hit ratio recomputed from the counters, the histograms merged.
+    assert (s.running, s.waiting, s.kv_used, s.kv_total, s.cache_blocks) == (3, 1, 148, 384, 80)
+    assert (s.hits, s.misses, s.hit_ratio) == (4.0, 4.0, 0.5)
+    assert s.generation_tokens == 1500.0 and s.spec_acceptance == 0.75
+    assert s.ttft.buckets == ((0.1, 0.0), (0.25, 2.0), (0.5, 3.0), (1.0, 8.0), (math.inf, 8.0))
+    chat, coder, embed = (s.per_model[m] for m in ("chat", "coder", "embed"))
+    assert (chat.time, chat.models, chat.loaded, chat.gateway) == (5.0, ("chat",), True, True)
+    assert (chat.running, chat.waiting, chat.kv_used, chat.kv_total) == (2, 1, 48, 128)
+    assert (chat.hits, chat.misses, chat.hit_ratio, chat.cache_blocks) == (3, 1, 0.75, 20)
+    assert chat.generation_tokens == 1000.0 and chat.spec_acceptance is None
+    assert chat.ttft == Histogram(((0.1, 0.0), (0.25, 2.0), (0.5, 3.0), (1.0, 4.0),
+                                   (math.inf, 4.0)), count=4.0, sum=1.1)
+    assert (coder.running, coder.waiting, coder.kv_usage) == (1, 0, 100 / 256)
+    assert (coder.hits, coder.misses, coder.hit_ratio) == (1, 3, 0.25)
+    assert coder.generation_tokens == 500.0 and coder.spec_acceptance == 0.75
+    assert coder.ttft_quantile(0.5) == pytest.approx(0.75)
+    # Configured, not loaded: the gateway names it, nothing else does.
+    assert embed.loaded is False and embed.empty and embed.models == ("embed",)
+    assert embed.running is None and embed.hit_ratio is None and embed.ttft is None
+
+
+def test_the_gateway_says_which_models_are_loaded():
+    page = GATEWAY_PAGE.replace('model_loaded{model_name="coder"} 1',
+                                'model_loaded{model_name="coder"} 0')
+    s = parse(page)
+    assert [m.loaded for m in s.per_model.values()] == [True, False, False]
+    # Its runner's series are still on the page (it is stopping): they are shown.
+    assert s.per_model["coder"].running == 1.0
+
+
+def test_a_rate_per_model_follows_the_same_baseline_rules():
+    a = parse(gateway_page(1000, 500), at=10.0)
+    b = parse(gateway_page(1640, 820), at=20.0)
+    assert rate(a, b) == 96.0
+    assert rate(a.per_model["chat"], b.per_model["chat"]) == 64.0
+    assert rate(a.per_model["coder"], b.per_model["coder"]) == 32.0
+    assert rate(a.per_model["embed"], b.per_model["embed"]) is None  # not loaded: no counter
+    assert rate(None, b.per_model["chat"]) is None  # the first reading only sets the baseline
+    # coder's runner restarted: its counter went down. The sum went up (chat's tokens hide
+    # the drop) but is no counter across a restart either; chat's own rate is unaffected.
+    c = parse(gateway_page(2640, 10), at=30.0)
+    assert c.generation_tokens > b.generation_tokens
+    assert rate(b, c) is None
+    assert rate(b.per_model["coder"], c.per_model["coder"]) is None
+    assert rate(b.per_model["chat"], c.per_model["chat"]) == 100.0
+    # embed loads: the sum gains a counter (a new baseline); the others go on.
+    loaded = (GATEWAY_PAGE.replace('model_loaded{model_name="embed"} 0',
+                                   'model_loaded{model_name="embed"} 1')
+              .replace('vllm:generation_tokens_total{model_name="coder"} 500.0',
+                       'vllm:generation_tokens_total{model_name="coder"} 500.0\n'
+                       'vllm:generation_tokens_total{model_name="embed"} 7.0'))
+    d = parse(loaded, at=20.0)
+    assert d.models == ("chat", "coder", "embed") and d.per_model["embed"].loaded
+    assert rate(parse(GATEWAY_PAGE, at=10.0), d) is None
+    assert rate(a.per_model["coder"], d.per_model["coder"]) == 0.0
+    assert rate(a.per_model["embed"], d.per_model["embed"]) is None

@@ -10,10 +10,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from textual.widgets import Digits, Static
+from textual.widgets import DataTable, Digits, Sparkline, Static
 
 from justllm.tui.top import TopApp
 from tests.server.conftest import free_port, start_server
+from tests.tui.pages import gateway_page
 
 # About 300 tokens shared by both prompts, so the second one reuses the first one's KV blocks.
 PREFIX = "The quick brown fox jumps over the lazy dog near the river bank. " * 22
@@ -32,6 +33,21 @@ def _text(app: TopApp, selector: str) -> str:
 
 def _ratio(app: TopApp) -> str:
     return app.query_one("#hit-ratio", Digits).value
+
+
+def _rows(app: TopApp) -> dict[str, list[str]]:
+    table = app.query_one("#models", DataTable)
+    return {key.value: [str(cell) for cell in table.get_row(key)] for key in table.rows}
+
+
+def _fits(app: TopApp, *selectors: str) -> None:
+    for selector in selectors:
+        region = app.query_one(selector).region
+        assert region.height >= 1 and region.bottom <= 24 and region.right <= 80, selector
+
+
+PANELS = ("#hit-ratio", "#hit-detail", "#running", "#waiting", "#ttft-p50", "#ttft-p99", "#spec",
+          "#kv-bar", "#kv-detail", "#tok-rate", "#tok-spark", "#status")
 
 
 @pytest.mark.model
@@ -68,12 +84,9 @@ async def _live(server) -> None:
         assert app.snapshot.kv_total == 128 and app.snapshot.cache_blocks > 0
         assert 0 < app.snapshot.generation_tokens <= 4  # two requests, max_tokens 2
 
-        # Everything fits on an 80x24 screen.
-        for selector in ("#hit-ratio", "#hit-detail", "#running", "#waiting", "#ttft-p50",
-                         "#ttft-p99", "#spec", "#kv-bar", "#kv-detail", "#tok-rate",
-                         "#tok-spark", "#status"):
-            region = app.query_one(selector).region
-            assert region.height >= 1 and region.bottom <= 24 and region.right <= 80, selector
+        # Everything fits on an 80x24 screen; one model: no models table.
+        _fits(app, *PANELS)
+        assert not app.query_one("#models-panel").display
 
         await pilot.press("p")
         assert app.paused and app.query_one("#paused").display
@@ -131,10 +144,13 @@ def test_cli_command_help_and_bad_url():
 
 class StubMetrics:
     """A /metrics page whose token counter and status the test sets; ``hold()`` keeps the next
-    replies back until ``release()`` (a poll in flight)."""
+    replies back until ``release()`` (a poll in flight). ``page`` replaces the single-model
+    page: it is called on every request."""
 
-    def __init__(self) -> None:
+    def __init__(self, page: Callable[[], str] | None = None) -> None:
         self.tokens = 100_000.0  # generated before the dashboard started
+        self.page = page or (lambda: '# TYPE vllm:generation_tokens counter\n'
+                             f'vllm:generation_tokens_total{{model_name="m"}} {self.tokens}\n')
         self.status = 200
         self.requests = 0
         self._go = threading.Event()
@@ -145,9 +161,7 @@ class StubMetrics:
             def do_GET(self) -> None:  # noqa: N802
                 stub.requests += 1
                 stub._go.wait(10)
-                body = (f'# TYPE vllm:generation_tokens counter\n'
-                        f'vllm:generation_tokens_total{{model_name="m"}} {stub.tokens}\n'
-                        if stub.status == 200 else "down").encode()
+                body = (stub.page() if stub.status == 200 else "down").encode()
                 self.send_response(stub.status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -194,6 +208,12 @@ async def _baselines(stub: StubMetrics) -> None:
 
         await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
         assert list(app.rates) == []  # the first reading only sets the baseline
+        # One model: the single-model look, no models table, no views to pick.
+        assert not app.query_one("#models-panel").display
+        assert app.query_one("#models", DataTable).row_count == 0
+        await pilot.press("m")
+        assert app.selected is None
+        assert _text(app, "#status") == "● connected · m"
         await poll(1.0, 320)  # a second reading right after the first: one step's burst
         assert list(app.rates) == []
         await poll(29.0, 1600)  # one interval after the baseline: 1920 tokens in 30 s
@@ -231,5 +251,126 @@ async def _baselines(stub: StubMetrics) -> None:
         await poll(30.0, 1920)
         assert list(app.rates) == [64.0] * 4
         assert _text(app, "#tok-rate").startswith("64.0 tok/s · peak 64.0")
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+def test_a_gateway_has_a_row_per_model_and_the_panels_show_the_one_picked():
+    tokens = {"chat": 1000.0, "coder": 500.0}
+    stub = StubMetrics(lambda: gateway_page(tokens["chat"], tokens["coder"], unloaded=False))
+    try:
+        asyncio.run(_gateway(stub, tokens))
+    finally:
+        stub.close()
+
+
+async def _gateway(stub: StubMetrics, tokens: dict[str, float]) -> None:
+    now = [0.0]
+    app = TopApp(url=stub.url, interval=30.0, clock=lambda: now[0])
+    async with app.run_test(size=(80, 24)) as pilot:
+        async def poll(chat: float, coder: float) -> None:
+            now[0] += 30.0
+            tokens["chat"] += chat
+            tokens["coder"] += coder
+            polls = app.polls
+            app.poll()
+            await _until(pilot, lambda: app.polls > polls and not app._in_flight)
+
+        def spark() -> list[float]:
+            return list(app.query_one("#tok-spark", Sparkline).data)
+
+        await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
+        table = app.query_one("#models", DataTable)
+        assert app.query_one("#models-panel").display and table.row_count == 2
+        assert _rows(app)["chat"][-1] == "-"  # the first reading only sets the baselines
+        await poll(1920, 960)  # 30 s: chat 64 tok/s, coder 32
+        assert _rows(app) == {
+            "chat": ["  chat", "loaded", "2", "1", "37.5%", "75.0%", "64.0"],
+            "coder": ["  coder", "loaded", "1", "0", "39.1%", "25.0%", "32.0"]}
+        assert app.query_one("#models-panel").border_title == "models · 2 waiting for a load"
+
+        # All models by default: the panels show the sums.
+        assert _text(app, "#status") == \
+            "● connected · gateway, 2/2 models loaded · showing all models"
+        assert app.sub_title == f"{stub.url} · showing all models"
+        assert _text(app, "#running").split() == ["running", "3"]
+        assert _text(app, "#waiting").split() == ["waiting", "1"]
+        assert _ratio(app) == "50.0%"
+        assert _text(app, "#hit-detail") == "hits 4 · misses 4"
+        assert _text(app, "#kv-detail").startswith("used 148/384 (38.5%)")
+        assert _text(app, "#tok-rate") == "96.0 tok/s · peak 96.0 · 4380 generated"
+        # Everything fits on an 80x24 screen, both models' rows included.
+        _fits(app, "#models", *PANELS)
+        assert table.region.height >= 3  # the header and two rows
+
+        # Pick coder with the keyboard: the panels show coder alone, its own history included.
+        assert app.focused is table
+        await pilot.press("down", "enter")
+        assert app.selected == "coder"
+        assert "showing coder" in _text(app, "#status") and app.sub_title.endswith("coder")
+        assert _rows(app)["coder"][0] == "▸ coder" and _rows(app)["chat"][0] == "  chat"
+        assert _text(app, "#running").split() == ["running", "1"]
+        assert _text(app, "#waiting").split() == ["waiting", "0"]
+        assert _ratio(app) == "25.0%"
+        assert _text(app, "#hit-detail") == "hits 1 · misses 3"
+        assert _text(app, "#cache-blocks") == "holds 60 KV blocks"
+        assert _text(app, "#kv-detail").startswith("used 100/256 (39.1%)")
+        assert _text(app, "#ttft-p50").split() == ["TTFT", "p50", "750", "ms"]
+        assert _text(app, "#spec").split() == ["spec", "accept", "75.0%"]
+        assert _text(app, "#tok-rate") == "32.0 tok/s · peak 32.0 · 1460 generated"
+        assert spark() == [32.0]
+        await poll(3840, 960)  # chat 128 tok/s, coder still 32: no peak from the other counter
+        assert _text(app, "#tok-rate").startswith("32.0 tok/s · peak 32.0")
+        assert spark() == [32.0, 32.0]
+
+        # Back to all models: the sums, and the sum's own history.
+        await pilot.press("a")
+        assert app.selected is None and "showing all models" in _text(app, "#status")
+        assert _text(app, "#running").split() == ["running", "3"]
+        assert _ratio(app) == "50.0%"
+        assert spark() == [96.0, 160.0]
+        assert _rows(app)["coder"][0] == "  coder"
+
+        # m steps through the views: chat, coder, all models.
+        await pilot.press("m")
+        assert app.selected == "chat" and _text(app, "#running").split() == ["running", "2"]
+        assert spark() == [64.0, 128.0]
+        await pilot.press("m")
+        assert app.selected == "coder"
+        await pilot.press("m")
+        assert app.selected is None
+
+        # coder's runner restarts: its counter drops, chat's increase hides that in the sum,
+        # which is then no counter either: only chat gets a sample.
+        tokens["coder"] = 10.0
+        await poll(3000, 0)
+        assert spark() == [96.0, 160.0]
+        assert [list(app.histories[m]) for m in ("chat", "coder")] == \
+            [[64.0, 128.0, 100.0], [32.0, 32.0]]
+        assert _rows(app)["coder"][-1] == "32.0"
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+def test_an_unloaded_model_has_a_row_without_numbers():
+    stub = StubMetrics(gateway_page)
+    try:
+        asyncio.run(_unloaded(stub))
+    finally:
+        stub.close()
+
+
+async def _unloaded(stub: StubMetrics) -> None:
+    app = TopApp(url=stub.url, interval=30.0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
+        assert list(_rows(app)) == ["chat", "coder", "embed"]
+        assert _rows(app)["embed"] == ["  embed", "unloaded", "-", "-", "-", "-", "-"]
+        assert _text(app, "#status").startswith("● connected · gateway, 2/3 models loaded")
+        _fits(app, "#models", *PANELS)
+        await pilot.press("down", "down", "enter")
+        assert app.selected == "embed"
+        assert _ratio(app) == "-" and _text(app, "#running").split() == ["running", "-"]
+        assert _text(app, "#tok-rate") == "-"
         await pilot.press("q")
     assert app.return_code == 0
