@@ -168,6 +168,9 @@ class Supervisor:
 
     async def _start(self, state: ModelState) -> RunnerProcess:
         while True:
+            if self._closing:  # shutting down: no new runners (close() stops the others)
+                state.status = "unloaded"
+                raise ModelUnavailable("the server is shutting down", code="shutting_down")
             delay = policy.restart_delay(state.failures)
             if delay is None:
                 state.status = "failed"
