@@ -5,11 +5,13 @@ Not a test: prints tok/s per concurrency and the share of each step spent outsid
 once every sequence has its first token.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
+        [--gpu] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from justllm.config import EngineConfig
@@ -42,15 +44,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,4,8,16,32")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
+    ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=args.model, max_seqs=32, pool_blocks=1024,
-                                 threads=args.threads))
+    levels = [int(x) for x in args.levels.split(",")]
+    seqs = max(32, *levels)
+    engine = Engine(EngineConfig(model=args.model, max_seqs=seqs, max_decode=seqs,
+                                 pool_blocks=max(1024, seqs * (args.tokens + 32) // 16 + 64),
+                                 threads=args.threads, gpu=args.gpu or EngineConfig().gpu))
     measure(engine, 2, 4)  # warm-up
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}")
-    for n in (int(x) for x in args.levels.split(",")):
+    rows = []
+    for n in levels:
         rate, py_share, step = measure(engine, n, args.tokens)
+        rows.append({"seqs": n, "tok_s": rate, "python_share": py_share, "ms_per_step": 1000 * step})
         print(f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}")
     engine.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": engine.config.gpu, "tokens": args.tokens, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

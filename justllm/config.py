@@ -20,6 +20,12 @@ CPU_ROW_MULTIPLE = 4
 MAX_SEQ_IDS = 128
 
 
+def _gpu_default() -> bool:
+    """JUSTLLM_GPU=1 means --gpu, for the CLI (Typer reads it) and for engines built in Python
+    (the test suite and benchmarks on a GPU machine: benchmarks/gpu_check.sh sets it)."""
+    return os.environ.get("JUSTLLM_GPU", "").lower() in ("1", "true", "yes")
+
+
 def _check_kv_default() -> bool:
     """JUSTLLM_CHECK_KV=1 turns the engine's KV consistency check on (the test suite does)."""
     return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
@@ -47,7 +53,7 @@ class EngineConfig:
     max_queue: int = 256
     threads: int = 0
     ctx: int = 0
-    gpu: bool = False
+    gpu: bool = field(default_factory=_gpu_default)
     spare_seq_ids: int = 32
     prefix_cache: bool = True
     prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
