@@ -38,8 +38,11 @@ def serve(
         import uvicorn
 
         if models_file or models_dir or len(models or []) > 1:
+            if served_model_name:
+                raise ValueError("--served-model-name names a single model; in router mode "
+                                 "models are named by models.yaml, or by file stem")
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
-                                  engine_flags or {})
+                                  shutdown_timeout, engine_flags or {})
         model = models[0] if models else None
         _watch_parent()
 
@@ -101,7 +104,8 @@ def _watch_parent() -> None:
 
 
 def _serve_gateway(models: list[str], models_file: str | None, models_dir: str | None,
-                   host: str, port: int, api_key: str | None, flags: dict) -> None:
+                   host: str, port: int, api_key: str | None, shutdown_timeout: float,
+                   flags: dict) -> None:
     import asyncio
 
     import uvicorn
@@ -119,6 +123,8 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                          "one of them")
     if not 0 < port < 65536:
         raise ValueError("--port must be in 1..65535")
+    if not 0 <= shutdown_timeout <= 3600:
+        raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
     # Engine flags given on this command line reach every runner (a model's entry wins).
     given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
              if f.name in flags and flags[f.name] != f.default}
@@ -126,7 +132,9 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))
-    app = create_gateway(config, GatewaySettings(host, port, api_key), default_log_dir())
+    app = create_gateway(config, GatewaySettings(host, port, api_key,
+                                                 shutdown_timeout=shutdown_timeout),
+                         default_log_dir())
     names = ", ".join(m.name for m in config.models)
     Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "
                                f"(runner logs in {default_log_dir()})", highlight=False)
@@ -137,8 +145,10 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
             asyncio.get_event_loop().call_soon_threadsafe(
                 lambda: asyncio.ensure_future(sup.close()))
 
+    # Runners drain for shutdown_timeout; uvicorn's own limit is a backstop beyond it.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=15), on_exit=stop_runners)
+                                    timeout_graceful_shutdown=shutdown_timeout + 10),
+                     on_exit=stop_runners)
     try:
         server.run()
     finally:

@@ -34,6 +34,7 @@ class GatewaySettings:
     port: int = 8080
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout: float = 5.0  # a stopping runner's drain (unload, ttl, SIGTERM)
 
 
 def _supervisor(state: State) -> Supervisor:
@@ -239,7 +240,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                               trust_env=False, limits=httpx.Limits(
                                                   max_connections=None,
                                                   max_keepalive_connections=64))
-        sup = Supervisor(config, log_dir)
+        sup = Supervisor(config, log_dir, settings.shutdown_timeout)
         app.state["supervisor"] = sup
         sup.start()
 

@@ -36,7 +36,7 @@ def last_error_line(log: Path) -> str:
 
 
 class RunnerProcess:
-    def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 2.0) -> None:
+    def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 5.0) -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

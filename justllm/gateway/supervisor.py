@@ -57,9 +57,10 @@ class ModelState:
 
 
 class Supervisor:
-    def __init__(self, config: GatewayConfig, log_dir: Path) -> None:
+    def __init__(self, config: GatewayConfig, log_dir: Path, drain: float = 5.0) -> None:
         self.config = config
         self.log_dir = log_dir
+        self.drain = drain  # seconds a stopping runner lets its requests run (--shutdown-timeout)
         self.models = {m.name: ModelState(m) for m in config.models}
         self.waiting = 0  # requests waiting for a load
         self.unloads = 0
@@ -179,7 +180,7 @@ class Supervisor:
             await asyncio.sleep(delay)
             state.status = "loading"
             t0 = time.monotonic()
-            runner = RunnerProcess(state.spec, self.log_dir)
+            runner = RunnerProcess(state.spec, self.log_dir, self.drain)
             state.runner = runner
             try:
                 await runner.wait_ready(self._http, self.config.load_timeout)
@@ -215,7 +216,7 @@ class Supervisor:
         return runner
 
     async def _stop_all(self, runners: list[RunnerProcess]) -> None:
-        await asyncio.gather(*(r.stop() for r in runners))
+        await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
         self.unloads += len(runners)
         if runners:
             await self._notify_room()

@@ -70,7 +70,8 @@ def start_gateway(tmp_path: Path, models: dict, env: dict | None = None, **top) 
     port = free_port()
     cache = tmp_path / "cache"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port)],
+        [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port),
+         "--shutdown-timeout", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "JUSTLLM_CACHE_DIR": str(cache), **(env or {})})
     url = f"http://127.0.0.1:{port}"
@@ -323,3 +324,5 @@ def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path
     assert rc == 0, out
     both = justllm("serve", model_path, model_path, "--models", "x.yaml", env={})
     assert both.returncode == 1 and "one of them" in both.stderr
+    named = justllm("serve", model_path, "x.gguf", "--served-model-name", "m", env={})
+    assert named.returncode == 1 and "--served-model-name" in named.stderr
