@@ -133,8 +133,8 @@ async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
             f"model '{state.spec.name}' stopped while streaming", "server_error",
             code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
     finally:
+        sup.end(state, keep_alive)  # first: the await below may be cancelled (client gone)
         await response.aclose()
-        sup.end(state, keep_alive)
 
 
 @post("/chat/completions", status_code=200, summary="Chat completion, routed by model")

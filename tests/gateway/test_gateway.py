@@ -267,6 +267,22 @@ def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, mode
         assert json.loads(lines[-2][6:])["error"]["code"] == "runner_failed"
         gw.wait_status("alpha", "loaded")
         assert complete(gw, "alpha").status_code == 200
+        # A client that leaves a stream through the gateway aborts the runner's request.
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=300, json={
+                "model": "beta", "prompt": "Tell a story.", "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}) as r:  # a minute and more if not aborted
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 3:
+                    break
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(gw.url + "/metrics", timeout=30).text
+            running = [line for line in text.splitlines()
+                       if line.startswith('vllm:num_requests_running{model_name="beta"}')]
+            if gw.status()["beta"]["active"] == 0 and running and running[0].endswith(" 0.0"):
+                break
+            assert time.monotonic() < deadline, (running, gw.status()["beta"])
+            time.sleep(0.1)
         assert httpx.post(gw.url + "/models/unload", json={"model": "beta"},
                           timeout=60).json()["status"] == "unloaded"
         assert gw.status()["beta"]["pid"] is None
