@@ -25,6 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_soak import start_server  # noqa: E402
+from reliability_soak import proc_stats  # noqa: E402
 
 from justllm.models.source import resolve_model  # noqa: E402
 
@@ -36,13 +37,6 @@ def bench(url: str, model: str, args, seed: int) -> dict:
                         "--output-len", str(args.output_len), "--seed", str(seed),
                         "--json", out.name], check=True, capture_output=True)
         return json.loads(Path(out.name).read_text())
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:
@@ -74,7 +68,7 @@ def main() -> None:
         for i in range(args.rounds):
             rows["runner"].append(bench(runner, "bench", args, seed=100 + 2 * i))
             rows["gateway"].append(bench(url, "bench", args, seed=101 + 2 * i))
-        gateway_rss = rss_mib(proc.pid)
+        gateway_rss = proc_stats(proc.pid)["VmRSS"] / 1024
     finally:
         proc.terminate()
         proc.wait(timeout=60)

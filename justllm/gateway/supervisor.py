@@ -48,6 +48,17 @@ class ModelState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
+    def live_runner(self) -> RunnerProcess | None:
+        """The runner, when the model is loaded and its process is up."""
+        r = self.runner
+        return r if self.status == "loaded" and r is not None and r.alive() else None
+
+    @property
+    def died(self) -> bool:
+        """Loaded, but its runner's process has exited."""
+        return self.status == "loaded" and self.runner is not None and not self.runner.alive()
+
+    @property
     def ttl(self) -> float:
         return self.keep_alive if self.keep_alive is not None else self.spec.ttl
 
@@ -98,8 +109,8 @@ class Supervisor:
         each successful call with ``end``."""
         state.active += 1
         try:
-            if state.status == "loaded" and state.runner is not None and state.runner.alive():
-                return state.runner
+            if (runner := state.live_runner) is not None:
+                return runner
             if self.waiting >= self.config.max_waiting:
                 raise ModelUnavailable(f"{self.waiting} requests are already waiting for "
                                        "models to load; retry later", code="too_many_waiting")
@@ -120,8 +131,8 @@ class Supervisor:
 
     async def _load(self, state: ModelState) -> RunnerProcess:
         async with state.lock:
-            if state.status == "loaded" and state.runner is not None and state.runner.alive():
-                return state.runner
+            if (runner := state.live_runner) is not None:
+                return runner
             if state.status == "failed" and policy.restart_delay(state.failures) is None:
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: "
                                        f"{state.error}", code="model_failed")
@@ -256,14 +267,13 @@ class Supervisor:
             for name in policy.expired([s.view() for s in loaded], now):
                 await self.unload(self.models[name])
             for state in loaded:
-                if state.runner is not None and state.status == "loaded" and \
-                        not state.runner.alive():
+                if state.died:
                     asyncio.ensure_future(self._restart(state))
 
     async def _restart(self, state: ModelState) -> None:
         """A loaded runner died: start it again (with backoff; failed after MAX_FAILURES)."""
         async with state.lock:
-            if state.status != "loaded" or state.runner is None or state.runner.alive():
+            if not state.died or state.runner is None:
                 return
             state.error = (f"runner exited with {state.runner.proc.returncode}: "
                            f"{last_error_line(state.runner.log_path)}")

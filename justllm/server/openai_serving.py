@@ -42,7 +42,8 @@ from justllm.server.schemas import (
 
 _json = msgspec.json.Encoder()
 log = logging.getLogger(__name__)
-MAX_STOP = 16  # stop strings a request may send (a chat template may add its own)
+MAX_REQUEST_STOP = 16  # stop strings a request may send; a chat template adds its own
+# (SamplingParams' MAX_STOP bounds the sum)
 
 # OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
 # and why any other value is refused: every accepted field is honoured, none ignored.
@@ -118,8 +119,8 @@ class OpenAIServing:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
         seed = req.seed + n_index if req.seed is not None else None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > MAX_STOP:
-            raise InvalidRequestError(f"at most {MAX_STOP} stop strings", param="stop")
+        if len(stop) > MAX_REQUEST_STOP:
+            raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
