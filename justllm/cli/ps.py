@@ -25,7 +25,8 @@ def _seconds(value: float | None) -> str:
 
 
 def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
-    """Show a gateway's models: status, pid, memory, requests, idle time, time until unload."""
+    """Show a gateway's models, one row per replica: status, pid, memory, load (running +
+    waiting), KV use, prefix-cache hit ratio, recent TTFT, idle time, time until unload."""
     with cli_errors():
         import httpx
 
@@ -39,16 +40,30 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
             raise ValueError(f"{url} is not a router-mode gateway (GET /models answered "
                              f"{r.status_code}); `justllm ps` needs `justllm serve --models`")
         body = r.json()
-        table = Table("MODEL", "STATUS", "PID", "MEMORY", "ACTIVE", "IDLE", "UNLOAD IN",
-                      "RESTARTS", box=None, pad_edge=False)
+        table = Table("MODEL", "REPLICA", "STATUS", "PID", "MEMORY", "LOAD", "KV", "HIT",
+                      "TTFT", "IDLE", "UNLOAD IN", "RESTARTS", box=None, pad_edge=False)
         for m in body["data"]:
-            rss = f"{m['rss_mib']:.0f} MiB" if m.get("rss_mib") else "-"
-            status = m["status"] + (f" ({m['error']})" if m.get("error") else "")
-            table.add_row(m["model"], status, str(m["pid"] or "-"), rss, str(m["active"]),
-                          _seconds(m["idle_seconds"]) if m["status"] == "loaded" else "-",
-                          _seconds(m["unload_in"]) if m["status"] == "loaded" and
-                          m["unload_in"] is not None else ("never" if m["ttl"] < 0 else "-"),
-                          str(m["restarts"]))
+            loaded = m["status"] == "loaded"
+            idle = _seconds(m["idle_seconds"]) if loaded else "-"
+            unload = (_seconds(m["unload_in"]) if loaded and m["unload_in"] is not None
+                      else ("never" if m["ttl"] < 0 else "-"))
+            replicas = m.get("replicas") or []
+            if not replicas:
+                status = m["status"] + (f" ({m['error']})" if m.get("error") else "")
+                table.add_row(m["model"], "-", status, "-", "-", str(m["active"]), "-", "-",
+                              "-", idle, unload, str(m["restarts"]))
+            for rep in replicas:
+                status = m["status"] if m["status"] != "loaded" else rep["status"]
+                if rep.get("error") and rep["status"] != "ready":
+                    status += f" ({rep['error']})"
+                table.add_row(
+                    m["model"], rep["replica"] if rep["pid"] else rep["url"], status,
+                    str(rep["pid"] or "-"),
+                    f"{rep['rss_mib']:.0f} MiB" if rep.get("rss_mib") else "-",
+                    str(rep["load"]), f"{rep['kv_usage']:.0%}",
+                    "-" if rep["hit_ratio"] is None else f"{rep['hit_ratio']:.0%}",
+                    "-" if rep["ttft_p50"] is None else f"{rep['ttft_p50'] * 1000:.0f} ms",
+                    idle, unload, str(rep["restarts"]))
         console = Console()
         console.print(table)
         console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
@@ -61,13 +76,15 @@ def logs(
     model: Annotated[str, typer.Argument(help="A model name of the gateway's models.yaml.")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines to show from the end.")] = 50,
+    replica: Annotated[str, typer.Option("--replica", "-r", help="Which local replica (0, 1, ...; see justllm ps).")] = "0",
 ) -> None:
-    """Show a router-mode runner's log (one file per model, on this machine)."""
+    """Show a router-mode runner's log (one file per model replica, on this machine)."""
     with cli_errors():
         from justllm.gateway.app import default_log_dir
+        from justllm.gateway.runner import log_name
 
-        path = default_log_dir() / f"{model}.log"
-        if "/" in model or not path.is_file():
+        path = default_log_dir() / log_name(model, replica)
+        if "/" in model + replica or not path.is_file():
             known = sorted(p.stem for p in default_log_dir().glob("*.log"))
             raise ValueError(f"no log for model '{model}' in {default_log_dir()} (logs: "
                              f"{', '.join(known) or 'none yet'})")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,14 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
+from litestar.response import Stream
 
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
 from justllm.gateway.policy import keep_alive_seconds
+from justllm.gateway.replica import Replica
+from justllm.gateway.routing import NoReplica, RouteRequest, route_text
+from justllm.gateway.runner import log_name
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
@@ -60,6 +65,13 @@ def _unavailable(e: ModelUnavailable) -> APIError:
                     headers={"Retry-After": "2"})
 
 
+class _Refused(Exception):
+    """A replica answered 429 or 503 before anything reached the client: try another."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
 async def _forward(request: Request, path: str) -> Any:
     sup = _supervisor(request.app.state)
     raw = await request.body()
@@ -76,53 +88,89 @@ async def _forward(request: Request, path: str) -> Any:
             keep_alive = keep_alive_seconds(body.pop("keep_alive"))
         except ValueError as e:
             raise APIError(400, str(e), param="keep_alive") from None
+    session = request.headers.get("x-session-id") or body.get("user")
+    route = RouteRequest(route_text(body), session if isinstance(session, str) else None)
     body["model"] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
     try:
-        runner = await sup.acquire(state)
+        await sup.acquire(state)
     except ModelUnavailable as e:
         raise _unavailable(e) from None
     ended = False
     try:
-        http: httpx.AsyncClient = request.app.state["http"]
-        for attempt in (1, 2):
+        skip: set[str] = set()  # replicas that refused this request (429, 503)
+        refused: Response | None = None
+        failed = 0  # replicas that died under this request before answering
+        while True:
             try:
-                response = await http.send(http.build_request(
-                    "POST", runner.url + path, content=content,
-                    headers={"content-type": "application/json"}), stream=True)
-                if response.headers.get("content-type", "").startswith("text/event-stream"):
-                    ended = True  # the stream's relay ends the request
-                    return sse_response(_relay(response, sup, state, keep_alive))
+                replica = sup.route(state, route, skip)
+            except NoReplica:
+                if refused is not None:  # every replica refused it: the last refusal
+                    return refused
                 try:
-                    data = await unless_disconnected(request, response.aread())
-                finally:
-                    await response.aclose()
-            except _NOT_ANSWERED:
-                # The runner died before the client got anything: once more on its successor.
-                if attempt == 2:
-                    raise APIError(503, f"model '{state.spec.name}' stopped answering",
-                                   type="server_error", code="runner_failed",
-                                   headers={"Retry-After": "2"}) from None
-                try:
-                    runner = await sup.wait_restarted(state, runner)
+                    await sup.wait_routable(state)
                 except ModelUnavailable as e:
                     raise _unavailable(e) from None
                 continue
-            if isinstance(data, Response):  # the client left; the runner aborted on our close
-                return data
-            return Response(data, status_code=response.status_code,
-                            media_type=response.headers.get("content-type",
-                                                            "application/json"),
-                            headers={k: v for k, v in response.headers.items()
-                                     if k.lower() == "retry-after"})
-        raise AssertionError("unreachable")
+            try:
+                answer = await _send(request, replica, path, content, state, keep_alive,
+                                     partial(sup.done, replica))
+            except _NOT_ANSWERED as e:
+                # Nothing reached the client: the request goes to another replica (or to
+                # this one's successor) -- once, so a request that kills runners kills two.
+                sup.done(replica)
+                sup.replica_failed(state, replica, f"{type(e).__name__}: {e}")
+                failed += 1
+                if failed == 2:
+                    raise APIError(503, f"model '{state.spec.name}' stopped answering",
+                                   type="server_error", code="runner_failed",
+                                   headers={"Retry-After": "2"}) from None
+                continue
+            except _Refused as e:
+                sup.done(replica)
+                skip.add(replica.id)
+                refused = e.response
+                continue
+            ended = isinstance(answer, Stream)  # the stream's relay ends the request
+            return answer
     finally:
         if not ended:
             sup.end(state, keep_alive)
 
 
+async def _send(request: Request, replica: Replica, path: str, content: bytes,
+                state: ModelState, keep_alive: float | None,
+                done: Callable[[], None]) -> Response | Stream:
+    """One try on one replica: its answer, or a stream that relays it (whose end calls
+    ``done``); raises _Refused for a 429/503 another replica may not give. The answer says
+    which replica served it (``X-Replica``)."""
+    http: httpx.AsyncClient = request.app.state["http"]
+    response = await http.send(http.build_request(
+        "POST", f"{replica.url}{path}", content=content,
+        headers={"content-type": "application/json"}), stream=True)
+    served_by = {"x-replica": replica.id}
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return sse_response(_relay(response, request.app.state["supervisor"], state,
+                                   keep_alive, done), served_by)
+    try:
+        data = await unless_disconnected(request, response.aread())
+    finally:
+        await response.aclose()
+    if isinstance(data, Response):  # the client left; the runner aborted on our close
+        done()
+        return data
+    answer = Response(data, status_code=response.status_code,
+                      media_type=response.headers.get("content-type", "application/json"),
+                      headers={**served_by, **{k: v for k, v in response.headers.items()
+                                               if k.lower() == "retry-after"}})
+    if response.status_code in (429, 503):
+        raise _Refused(answer)
+    done()
+    return answer
+
+
 async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
-                 keep_alive: float | None) -> AsyncIterator[bytes]:
+                 keep_alive: float | None, done: Callable[[], None]) -> AsyncIterator[bytes]:
     """A runner's SSE stream, byte for byte; if the runner dies mid-stream, a final error event
     and ``[DONE]``. Closing it (the client left) closes the runner's stream, which aborts."""
     try:
@@ -133,7 +181,8 @@ async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
             f"model '{state.spec.name}' stopped while streaming", "server_error",
             code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
     finally:
-        sup.end(state, keep_alive)  # first: the await below may be cancelled (client gone)
+        done()  # first: the await below may be cancelled (client gone)
+        sup.end(state, keep_alive)
         await response.aclose()
 
 
@@ -171,24 +220,40 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-@get("/models", summary="Runners in detail (justllm ps)")
+def _replica_row(r: Replica) -> dict:
+    return {"replica": r.id, "status": r.status, "pid": r.pid, "url": r.url, "gpu": r.gpu,
+            "rss_mib": _rss_mib(r.pid) if r.pid else None, "in_flight": r.in_flight,
+            "load": r.load_total, "kv_usage": round(r.kv_usage, 3),
+            "hit_ratio": None if r.hit_ratio is None else round(r.hit_ratio, 3),
+            "ttft_p50": r.ttft_p50, "restarts": r.restarts, "error": r.error}
+
+
+@get("/models", summary="Models and their replicas in detail (justllm ps)")
 async def models_status(state: State) -> dict:
     sup = _supervisor(state)
     now = time.monotonic()
     rows = []
     for s in sup.models.values():
-        r = s.runner
+        first = next((r for r in s.local if r.pid), None)
         idle = now - s.last_used if s.status == "loaded" and s.active == 0 else 0.0
+        scale = s.spec.autoscale
         rows.append({
             "model": s.spec.name, "aliases": list(s.spec.aliases), "status": s.status,
-            "source": s.spec.source, "pid": r.pid if r else None,
-            "url": r.url if r else None, "rss_mib": _rss_mib(r.pid) if r else None,
+            "source": s.spec.source, "pid": first.pid if first else None,
+            "url": first.url if first else None,
+            "rss_mib": _rss_mib(first.pid) if first and first.pid else None,
             "active": s.active, "idle_seconds": round(idle, 1),
             "unload_in": (round(max(0.0, s.ttl - idle), 1)
                           if s.status == "loaded" and s.ttl >= 0 and s.active == 0 else None),
             "ttl": s.ttl, "error": s.error, "loads": s.loads, "restarts": s.restarts,
             "estimate_mib": round(s.memory / 2**20) if s.memory else None,
-            "log": str(sup.log_dir / f"{s.spec.name}.log")})
+            "log": str(sup.log_dir / log_name(s.spec.name)),
+            "routing": s.spec.routing.policy, "decisions": dict(s.router.counts),
+            "autoscale": None if scale is None else {
+                "min": scale.min_replicas, "max": scale.max_replicas,
+                "target_ongoing": scale.target_ongoing, "up": s.scaled["up"],
+                "down": s.scaled["down"]},
+            "replicas": [_replica_row(r) for r in s.replicas]})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
             "max_loaded": sup.config.max_loaded,
             "max_memory_mib": round(sup.config.max_memory / 2**20) or None}

@@ -5,6 +5,7 @@ validated once, before anything starts.
     max-memory: 8GB          # most estimated runner memory at once (weights + KV + logits)
     load-timeout: 120        # seconds a request waits for its model to load
     max-waiting: 64          # requests waiting for loads, beyond which a 503 answers
+    poll-interval: 0.25      # seconds between reads of each replica's /metrics
     models:
       chat:
         source: gemma-3-270m-q4_k_m:latest   # a registry name, a path or REPO:FILE
@@ -13,6 +14,14 @@ validated once, before anything starts.
         preload: true
         max-seqs: 8           # any engine flag of `justllm serve`
         ctx: 2048
+      busy:
+        source: /models/qwen.gguf
+        min-replicas: 1       # the autoscaler's bounds (or a fixed `replicas: 2`)
+        max-replicas: 4
+        target-ongoing: 4     # requests in flight per replica it aims at
+        gpus: [0, 1, 2, 3]    # replica i gets CUDA_VISIBLE_DEVICES=gpus[i % len]
+        urls: [http://10.0.0.7:8080]   # replicas elsewhere (any `justllm serve`)
+        routing: cache-aware  # or a mapping of the routing options
 """
 
 from __future__ import annotations
@@ -21,11 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
+from justllm.gateway.routing import RoutingConfig, routing_config
 
 DEFAULT_TTL = 300.0
-_MODEL_KEYS = {"source", "aliases", "ttl", "preload"}
-_TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting"}
+_SCALE_KEYS = {"min-replicas", "max-replicas", "target-ongoing", "upscale-delay",
+               "downscale-delay"}
+_MODEL_KEYS = {"source", "aliases", "ttl", "preload", "replicas", "gpus", "urls", "routing",
+               *_SCALE_KEYS}
+_TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting",
+             "poll-interval"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,14 @@ class ModelSpec:
     ttl: float = DEFAULT_TTL  # < 0: never unload
     preload: bool = False
     flags: tuple[tuple[str, Any], ...] = ()  # engine flags for the runner, YAML names
+    replicas: int = 1  # local runner processes while loaded (the autoscaler's start: its min)
+    gpus: tuple[int, ...] = ()  # CUDA_VISIBLE_DEVICES of local replica i: gpus[i % len]
+    urls: tuple[str, ...] = ()  # remote replicas (other `justllm serve`s), always in rotation
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    autoscale: AutoscaleConfig | None = None  # min-replicas / max-replicas given
+
+    def gpu_of(self, index: int) -> int | None:
+        return self.gpus[index % len(self.gpus)] if self.gpus else None
 
     def runner_args(self) -> list[str]:
         """The flags as ``justllm serve`` arguments."""
@@ -65,6 +88,8 @@ class GatewayConfig:
     max_memory: int = 0  # bytes; 0: no limit
     load_timeout: float = 120.0
     max_waiting: int = 64
+    # Seconds between two reads of each replica's /metrics (load, KV use, hit ratio, TTFT).
+    poll_interval: float = 0.25
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> model name
 
     def __post_init__(self) -> None:
@@ -78,8 +103,9 @@ class GatewayConfig:
                 names[n] = m.name
         object.__setattr__(self, "names", names)
         if self.max_loaded < 0 or self.max_memory < 0 or self.load_timeout <= 0 or \
-                self.max_waiting < 1:
-            raise ValueError("max-loaded must be >= 0, load-timeout > 0, max-waiting >= 1")
+                self.max_waiting < 1 or not 0.01 <= self.poll_interval <= 60:
+            raise ValueError("max-loaded must be >= 0, load-timeout > 0, max-waiting >= 1, "
+                             "poll-interval in [0.01, 60] seconds")
 
     def spec(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
@@ -91,9 +117,67 @@ def _number(where: str, value: Any) -> float:
     return float(value)
 
 
+def _count(where: str, value: Any, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{where} must be an integer >= {least} (got {value!r})")
+    return value
+
+
+def _replicas(name: str, entry: dict) -> dict[str, Any]:
+    """The replica keys of a model's entry as ModelSpec fields."""
+    where = f"model '{name}'"
+    urls = entry.get("urls") or []
+    if isinstance(urls, str):
+        urls = [urls]
+    if not isinstance(urls, list) or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        raise ValueError(f"{where}: urls must be http(s):// addresses of `justllm serve`s")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"{where}: a url is listed twice")
+    gpus = entry.get("gpus") or []
+    if not isinstance(gpus, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1]")
+    scaled = {k: entry[k] for k in _SCALE_KEYS if k in entry}
+    autoscale = None
+    if scaled:
+        if "replicas" in entry:
+            raise ValueError(f"{where}: give replicas (a fixed count) or min-replicas / "
+                             "max-replicas (the autoscaler), not both")
+        if urls:
+            raise ValueError(f"{where}: the autoscaler scales local replicas; a model with "
+                             "urls has a fixed set (give replicas instead)")
+        low = _count(f"{where}: min-replicas", scaled.get("min-replicas", 1))
+        high = _count(f"{where}: max-replicas", scaled.get("max-replicas", max(low, 1)), 1)
+        try:
+            autoscale = AutoscaleConfig(
+                low, high, **{k.replace("-", "_"): _number(f"{where}: {k}", v)
+                              for k, v in scaled.items() if k not in ("min-replicas",
+                                                                      "max-replicas")})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if low >= 1 and "ttl" in entry:
+            raise ValueError(f"{where}: ttl unloads an idle model; with min-replicas >= 1 it "
+                             "stays loaded (min-replicas: 0 scales to zero after ttl)")
+        replicas = max(low, 1)
+    else:
+        replicas = _count(f"{where}: replicas", entry.get("replicas", 0 if urls else 1))
+        if replicas == 0 and not urls:
+            raise ValueError(f"{where}: replicas must be >= 1 (or give urls)")
+    try:
+        routing = routing_config(entry.get("routing"))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return {"replicas": replicas, "gpus": tuple(gpus), "urls": tuple(u.rstrip("/") for u in urls),
+            "routing": routing, "autoscale": autoscale}
+
+
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if isinstance(entry, str):
         entry = {"source": entry}
+    if isinstance(entry, dict) and "source" not in entry and entry.get("urls") and \
+            not entry.get("replicas"):
+        entry = {**entry, "source": ""}  # replicas elsewhere only: nothing to load here
     if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
         raise ValueError(f"model '{name}' needs a 'source' (a registry name, a path or "
                          "REPO:FILE)")
@@ -109,10 +193,13 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
+    replicas = _replicas(name, entry)
+    pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
-                     ttl=_number(f"model '{name}': ttl", entry.get("ttl", DEFAULT_TTL)),
-                     preload=bool(entry.get("preload", False)),
-                     flags=tuple(sorted(values.items())))
+                     ttl=-1.0 if pinned else _number(f"model '{name}': ttl",
+                                                     entry.get("ttl", DEFAULT_TTL)),
+                     preload=pinned or bool(entry.get("preload", False)),
+                     flags=tuple(sorted(values.items())), **replicas)
 
 
 def load_config(data: Any, flags: Flags) -> GatewayConfig:
@@ -133,7 +220,8 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
         models, max_loaded=int(_number("max-loaded", data.get("max-loaded", 0))),
         max_memory=max_memory,
         load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
-        max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))))
+        max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))),
+        poll_interval=_number("poll-interval", data.get("poll-interval", 0.25)))
 
 
 def read_config(path: str, flags: Flags) -> GatewayConfig:

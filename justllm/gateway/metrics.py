@@ -1,15 +1,21 @@
 """The gateway's ``/metrics``: its own series (loads, unloads, restarts, load time, requests
-waiting for a load, which models are loaded) followed by every loaded runner's page. Runner
-series already carry ``model_name`` (each runner serves under its model's name); families that
-several runners report are merged so each HELP/TYPE appears once."""
+waiting for a load, which models are loaded; per replica its state, load, KV use, hit ratio
+and recent TTFT; routing decisions by reason; the autoscaler's) followed by every replica's
+page. Replica series already carry ``model_name`` (each runner serves under its model's name);
+the gateway adds ``replica``, and families that several replicas report are merged so each
+HELP/TYPE appears once."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 
-from justllm.gateway.supervisor import Supervisor
+from justllm.gateway.routing import REASONS
+from justllm.gateway.supervisor import ModelState, Supervisor
+
+_SAMPLE = re.compile(r"^([^\s{]+)(\{.*\})?(\s.*)$")
 
 
 def merge_pages(pages: list[str]) -> str:
@@ -39,6 +45,77 @@ def merge_pages(pages: list[str]) -> str:
     return "".join("\n".join(heads[f] + samples.get(f, [])) + "\n" for f in order)
 
 
+def with_label(page: str, name: str, value: str) -> str:
+    """Every sample of a Prometheus text page with one more label (``replica="1"``)."""
+    label = f'{name}="{value}"'
+    out = []
+    for line in page.splitlines():
+        m = _SAMPLE.match(line) if line and not line.startswith("#") else None
+        if m is not None:
+            metric, labels, rest = m.groups()
+            labels = (labels[:-1] + "," + label + "}" if labels and labels != "{}"
+                      else "{" + label + "}")
+            line = metric + labels + rest
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _labels(s: ModelState, **more: str) -> str:
+    return "{" + ",".join([f'model_name="{s.spec.name}"', *(f'{k}="{v}"' for k, v in
+                                                            more.items())]) + "}"
+
+
+def _replicas(sup: Supervisor) -> list[str]:
+    """Per replica: in rotation, load, KV use, hit ratio, TTFT; routing decisions by reason;
+    the autoscaler's count, target and decisions."""
+    lines: list[str] = []
+    per_replica = [
+        ("justllm_gateway_replica_up", "1 while the replica is in the rotation.",
+         lambda r: 1 if r.routable else 0),
+        ("justllm_gateway_replica_in_flight", "Requests the gateway has on the replica.",
+         lambda r: r.in_flight),
+        ("justllm_gateway_replica_load", "Running + waiting requests (the routing load).",
+         lambda r: r.load_total),
+        ("justllm_gateway_replica_kv_usage", "KV blocks in use, 0-1, at the last poll.",
+         lambda r: r.kv_usage),
+        ("justllm_gateway_replica_prefix_cache_hit_ratio",
+         "Prefix-cache hit ratio at the last poll.", lambda r: r.hit_ratio),
+        ("justllm_gateway_replica_ttft_p50_seconds",
+         "Median time to first token over the last 30 s.", lambda r: r.ttft_p50)]
+    for name, doc, value in per_replica:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
+        lines += [f"{name}{_labels(s, replica=r.id)} {value(r)}"
+                  for s in sup.models.values() for r in s.replicas if value(r) is not None]
+    name = "justllm_gateway_replica_restarts_total"
+    lines += [f"# HELP {name} Times the replica's runner was restarted after dying.",
+              f"# TYPE {name} counter"]
+    lines += [f"{name}{_labels(s, replica=r.id)} {r.restarts}"
+              for s in sup.models.values() for r in s.replicas]
+    name = "justllm_gateway_routing_decisions_total"
+    lines += [f"# HELP {name} Requests routed to a replica, by the reason it was chosen.",
+              f"# TYPE {name} counter"]
+    lines += [f"{name}{_labels(s, reason=reason)} {s.router.counts[reason]}"
+              for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
+              s.spec.autoscale is not None for reason in REASONS]
+    scaled = [s for s in sup.models.values() if s.spec.autoscale is not None]
+    gauges = [("justllm_autoscaler_replicas", "Local replicas serving or starting.",
+               lambda s: sum(r.status not in ("stopping", "failed") for r in s.local)),
+              ("justllm_autoscaler_min_replicas", "The autoscaler's lower bound.",
+               lambda s: s.spec.autoscale.min_replicas),
+              ("justllm_autoscaler_max_replicas", "The autoscaler's upper bound.",
+               lambda s: s.spec.autoscale.max_replicas),
+              ("justllm_autoscaler_ongoing_requests", "Running + waiting over all replicas.",
+               lambda s: sum(r.load_total for r in s.local))]
+    for name, doc, value in gauges:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
+        lines += [f"{name}{_labels(s)} {value(s)}" for s in scaled]
+    name = "justllm_autoscaler_decisions_total"
+    lines += [f"# HELP {name} Scaling decisions, by direction.", f"# TYPE {name} counter"]
+    lines += [f"{name}{_labels(s, direction=d)} {s.scaled[d]}" for s in scaled
+              for d in ("up", "down")]
+    return lines
+
+
 def _own(sup: Supervisor) -> str:
     lines = ["# HELP justllm_gateway_requests_waiting_for_load Requests waiting for a model to load.",
              "# TYPE justllm_gateway_requests_waiting_for_load gauge",
@@ -64,18 +141,19 @@ def _own(sup: Supervisor) -> str:
     for s in sup.models.values():
         lines += [f'{name}_sum{{model_name="{s.spec.name}"}} {sum(s.load_seconds):.3f}',
                   f'{name}_count{{model_name="{s.spec.name}"}} {len(s.load_seconds)}']
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _replicas(sup)) + "\n"
 
 
 async def render_metrics(sup: Supervisor, http: httpx.AsyncClient) -> bytes:
-    runners = [s.runner for s in sup.models.values()
-               if s.status == "loaded" and s.runner is not None]
+    replicas = [r for s in sup.models.values() if s.status == "loaded" for r in s.replicas
+                if r.routable]
 
-    async def page(url: str) -> str:
+    async def page(url: str | None, replica: str) -> str:
         try:
-            return (await http.get(url + "/metrics", timeout=2)).text
+            return with_label((await http.get(f"{url}/metrics", timeout=2)).text,
+                              "replica", replica)
         except httpx.HTTPError:
             return ""
 
-    pages = await asyncio.gather(*(page(r.url) for r in runners))
+    pages = await asyncio.gather(*(page(r.url, r.id) for r in replicas))
     return merge_pages([_own(sup), *pages]).encode()

@@ -500,3 +500,35 @@ def make_router(config: RoutingConfig | None = None, *, seed: int | None = None)
     """The configured policy; ``seed`` makes power-of-two's draws repeatable (tests)."""
     config = config or RoutingConfig()
     return POLICIES[config.policy](config, seed=seed)
+
+
+def _as_text(value: Any) -> str:
+    """A prompt, an input or a message's content as routing text: a string as it is; token
+    ids as their numbers (a prefix of ids is a prefix of the text); a list of strings or of
+    content parts joined; anything else as nothing."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return ",".join(map(str, value)) + ","
+        return "\n".join(
+            v if isinstance(v, str) else str(v.get("text", "")) if isinstance(v, dict)
+            else _as_text(v) for v in value)
+    return ""
+
+
+def route_text(body: dict) -> str:
+    """What routing matches of an OpenAI request body: the chat messages, each as its role and
+    content (the same for every turn of a conversation, so a follow-up extends its prefix),
+    else the prompt (of a batch of prompts, the first), else the embedding input."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(f"<{m.get('role', '')}>{_as_text(m.get('content'))}\n"
+                       for m in messages if isinstance(m, dict))
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch: route by its first prompt
+        if value is not None:
+            return _as_text(value)
+    return ""

@@ -35,12 +35,18 @@ def last_error_line(log: Path) -> str:
     return (errors or lines or ["exited without output"])[-1]
 
 
+def log_name(model: str, replica: str = "0") -> str:
+    """A runner's log file: ``MODEL.log`` for the first replica, ``MODEL@N.log`` for others."""
+    return f"{model}.log" if replica == "0" else f"{model}@{replica}.log"
+
+
 class RunnerProcess:
-    def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 5.0,
+                 replica: str = "0", gpu: int | None = None) -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{spec.name}.log"
+        self.log_path = log_dir / log_name(spec.name, replica)
         self.started = time.monotonic()
         log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "justllm", "serve", spec.source, "--host", "127.0.0.1",
@@ -52,7 +58,8 @@ class RunnerProcess:
             log.flush()
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "JUSTLLM_PARENT_PID": str(os.getpid())})
+                env={**os.environ, "JUSTLLM_PARENT_PID": str(os.getpid()),
+                     **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})})
 
     @property
     def pid(self) -> int:

@@ -1,7 +1,10 @@
 """The runners of every model: started on demand, unloaded when idle (ttl, keep_alive) or to
 make room (max-loaded, least recently used first), restarted with backoff when they die, and
-reported failed when they keep failing to start. Lives on the gateway's event loop; the
-decisions are ``policy``'s."""
+reported failed when they keep failing to start. A model is a set of replicas (local runner
+processes and remote ``justllm serve``s): each request goes to the one its routing policy picks,
+a replica that dies leaves the rotation at once and is restarted, every replica's ``/metrics``
+is polled for its load, and the autoscaler grows and shrinks the local ones. Lives on the
+gateway's event loop; the decisions are ``policy``'s, ``routing``'s and ``autoscale``'s."""
 
 from __future__ import annotations
 
@@ -9,16 +12,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from justllm.errors import JustLLMError
-from justllm.gateway import policy
+from justllm.gateway import autoscale, policy
 from justllm.gateway.config import GatewayConfig, ModelSpec
 from justllm.gateway.memory import runner_memory
+from justllm.gateway.replica import Replica
+from justllm.gateway.routing import Router, RouteRequest, make_router
 from justllm.gateway.runner import RunnerProcess, last_error_line
+from justllm.tui.metrics import parse as parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +42,8 @@ class ModelUnavailable(JustLLMError):
 class ModelState:
     spec: ModelSpec
     status: str = "unloaded"  # loading, loaded, failed
-    runner: RunnerProcess | None = None
+    replicas: list[Replica] = field(default_factory=list)  # remote ones, and local while loaded
+    router: Router = field(init=False)
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
     keep_alive: float | None = None  # the last request's keep_alive, overriding the ttl
@@ -44,27 +52,47 @@ class ModelState:
     loads: int = 0
     restarts: int = 0
     load_seconds: list[float] = field(default_factory=list)
-    memory: int = 0  # estimated bytes of its runner (only with max-memory)
+    memory: int = 0  # estimated bytes of one local runner (only with max-memory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    scale_pending: autoscale.Pending | None = None
+    scaled: Counter[str] = field(default_factory=Counter)  # autoscaler decisions by direction
+    next_id: int = 0  # the next local replica's id
+
+    def __post_init__(self) -> None:
+        self.router = make_router(self.spec.routing)
+        self.replicas = [Replica(url, remote=url, status="ready") for url in self.spec.urls]
+        if self.remote_only:  # nothing to load here: in service while a replica answers
+            self.status = "loaded"
 
     @property
-    def live_runner(self) -> RunnerProcess | None:
-        """The runner, when the model is loaded and its process is up."""
-        r = self.runner
-        return r if self.status == "loaded" and r is not None and r.alive() else None
+    def remote_only(self) -> bool:
+        return self.spec.replicas == 0 and self.spec.autoscale is None
 
     @property
-    def died(self) -> bool:
-        """Loaded, but its runner's process has exited."""
-        return self.status == "loaded" and self.runner is not None and not self.runner.alive()
+    def local(self) -> list[Replica]:
+        return [r for r in self.replicas if r.local]
+
+    @property
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas if r.routable] if self.status == "loaded" else []
+
+    @property
+    def died(self) -> list[Replica]:
+        """Local replicas in the rotation whose process has exited."""
+        return [r for r in self.local if r.status in ("ready", "unhealthy") and not r.alive()]
 
     @property
     def ttl(self) -> float:
+        if self.remote_only:
+            return -1.0
         return self.keep_alive if self.keep_alive is not None else self.spec.ttl
 
     def view(self) -> policy.Loaded:
         return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl,
-                             self.memory)
+                             self.memory * max(1, len(self.local)))
+
+    def replica(self, rid: str) -> Replica:
+        return next(r for r in self.replicas if r.id == rid)
 
 
 class Supervisor:
@@ -77,7 +105,7 @@ class Supervisor:
         self.unloads = 0
         self._room = asyncio.Condition()
         self._http = httpx.AsyncClient(trust_env=False)
-        self._watch: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._closing = False
 
     # ---- requests --------------------------------------------------------------------------
@@ -93,7 +121,7 @@ class Supervisor:
         from now on (0: unload once idle)."""
         state.active -= 1
         state.last_used = time.monotonic()
-        if keep_alive is not None:
+        if keep_alive is not None and not state.remote_only:
             state.keep_alive = keep_alive
         if state.active == 0 and state.ttl == 0:
             asyncio.ensure_future(self.unload(state))
@@ -103,20 +131,23 @@ class Supervisor:
         async with self._room:
             self._room.notify_all()
 
-    async def acquire(self, state: ModelState) -> RunnerProcess:
-        """The model's runner, loaded first if need be, with one more request counted on it
-        from now on (so it is never unloaded to make room while the request waits): pair
-        each successful call with ``end``."""
+    async def acquire(self, state: ModelState) -> None:
+        """The model loaded (first if need be) with a replica in the rotation, and one more
+        request counted on it from now on (so it is never unloaded to make room while the
+        request waits): pair each successful call with ``end``."""
         state.active += 1
         try:
-            if (runner := state.live_runner) is not None:
-                return runner
+            if state.routable:
+                return
+            if state.status == "loaded":  # every replica is restarting or unhealthy
+                await self.wait_routable(state)
+                return
             if self.waiting >= self.config.max_waiting:
                 raise ModelUnavailable(f"{self.waiting} requests are already waiting for "
                                        "models to load; retry later", code="too_many_waiting")
             self.waiting += 1
             try:
-                return await asyncio.wait_for(self._load(state), self.config.load_timeout)
+                await asyncio.wait_for(self._load(state), self.config.load_timeout)
             except TimeoutError:
                 raise ModelUnavailable(f"model '{state.spec.name}' did not load within "
                                        f"{self.config.load_timeout:.0f} s",
@@ -127,18 +158,63 @@ class Supervisor:
             state.active -= 1
             raise
 
+    async def wait_routable(self, state: ModelState) -> None:
+        """Until one of a loaded model's replicas is back in the rotation (restarted, or
+        answering polls again), at most load-timeout."""
+        deadline = time.monotonic() + self.config.load_timeout
+        while not state.routable:
+            if state.status != "loaded" or (state.local and not state.remote_only and all(
+                    r.status == "failed" for r in state.local)):
+                raise ModelUnavailable(f"model '{state.spec.name}' has no replica that can "
+                                       f"serve: {state.error or 'all failed'}",
+                                       code="model_failed")
+            if time.monotonic() > deadline or self._closing:
+                raise ModelUnavailable(f"no replica of model '{state.spec.name}' is healthy",
+                                       code="no_healthy_replica")
+            await asyncio.sleep(0.05)
+
+    def route(self, state: ModelState, request: RouteRequest, skip: set[str]) -> Replica:
+        """The replica the model's policy picks for ``request`` among those in the rotation
+        and not in ``skip`` (they refused it), counted in flight: pair with ``done``.
+        Raises routing.NoReplica when there is none."""
+        loads = [r.load(skip=r.id in skip) for r in state.replicas]
+        replica = state.replica(state.router.choose(request, loads).replica)
+        replica.in_flight += 1
+        return replica
+
+    @staticmethod
+    def done(replica: Replica) -> None:
+        replica.in_flight -= 1
+
+    def replica_failed(self, state: ModelState, replica: Replica, error: str) -> None:
+        """A request could not reach ``replica`` (refused connection, or it closed without an
+        answer): out of the rotation at once; a local one is restarted, a remote one returns
+        when its polls succeed again."""
+        if replica.status not in ("ready", "unhealthy"):
+            return
+        replica.error = error
+        state.router.forget_replica(replica.id)
+        if replica.local:
+            replica.restarts += 1
+            state.restarts += 1
+            log.warning("model %s replica %s failed a request (%s); restarting",
+                        state.spec.name, replica.id, error)
+            self._restart(state, replica)
+        else:
+            replica.status = "unhealthy"
+
     # ---- loading and unloading -------------------------------------------------------------
 
-    async def _load(self, state: ModelState) -> RunnerProcess:
+    async def _load(self, state: ModelState) -> None:
         async with state.lock:
-            if (runner := state.live_runner) is not None:
-                return runner
+            if state.routable:
+                return
             if state.status == "failed" and policy.restart_delay(state.failures) is None:
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: "
                                        f"{state.error}", code="model_failed")
             await self._estimate(state)
             await self._make_room(state)
-            return await self._start(state)
+            await self._start(state)
 
     async def _estimate(self, state: ModelState) -> None:
         """With max-memory: the runner's estimated memory, once (a model that can never fit
@@ -154,31 +230,48 @@ class Supervisor:
                 state.failures = policy.MAX_FAILURES
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: {e}",
                                        code="model_failed") from None
-        if state.memory > limit:
+        need = state.memory * state.spec.replicas
+        if need > limit:
             raise ModelUnavailable(
-                f"model '{state.spec.name}' needs about {state.memory / 2**30:.2f} GiB "
-                f"(weights, KV pool and logits), more than max-memory "
-                f"({limit / 2**30:.2f} GiB): lower its pool-blocks or raise max-memory",
-                code="model_too_large")
+                f"model '{state.spec.name}' needs about {need / 2**30:.2f} GiB "
+                f"({state.spec.replicas} x weights, KV pool and logits), more than max-memory "
+                f"({limit / 2**30:.2f} GiB): lower its pool-blocks or replicas, or raise "
+                "max-memory", code="model_too_large")
 
     async def _make_room(self, state: ModelState) -> None:
         """Claim a place under max-loaded: decided and marked (this model loading, the victims
         unloaded) without yielding to another load, so two loads never claim one place."""
         async with self._room:
             while True:
-                loaded = [s.view() for s in self.models.values()
-                          if s is not state and s.status in ("loaded", "loading")]
+                loaded = [s.view() for s in self.models.values() if s is not state
+                          and not s.remote_only and s.status in ("loaded", "loading")]
                 victims = policy.to_unload_for(loaded, self.config.max_loaded,
                                                max_memory=self.config.max_memory,
-                                               need=state.memory)
+                                               need=state.memory * state.spec.replicas)
                 if victims is not None:
                     break
                 await self._room.wait()  # every model is busy: wait for one to go idle
             state.status = "loading"
-            stopping = [self._detach(self.models[name]) for name in victims]
-        await self._stop_all([r for r in stopping if r is not None])
+            stopping = [r for name in victims for r in self._detach(self.models[name])]
+        await self._stop_all(stopping)
 
-    async def _start(self, state: ModelState) -> RunnerProcess:
+    def _new_replica(self, state: ModelState) -> Replica:
+        rid = str(state.next_id)
+        state.next_id += 1
+        replica = Replica(rid, gpu=state.spec.gpu_of(int(rid)))
+        state.replicas.append(replica)
+        return replica
+
+    def _spawn(self, state: ModelState, replica: Replica) -> RunnerProcess:
+        replica.reset()
+        replica.status = "starting"
+        replica.runner = RunnerProcess(state.spec, self.log_dir, self.drain, replica.id,
+                                       replica.gpu)
+        return replica.runner
+
+    async def _start(self, state: ModelState) -> None:
+        """Start the model's first replicas together; loaded once at least one answers (the
+        others are retried with backoff), failed after MAX_FAILURES rounds with none."""
         while True:
             if self._closing:  # shutting down: no new runners (close() stops the others)
                 state.status = "unloaded"
@@ -191,24 +284,34 @@ class Supervisor:
             await asyncio.sleep(delay)
             state.status = "loading"
             t0 = time.monotonic()
-            runner = RunnerProcess(state.spec, self.log_dir, self.drain)
-            state.runner = runner
+            state.next_id = 0
+            starting = [self._new_replica(state) for _ in range(state.spec.replicas)]
             try:
-                await runner.wait_ready(self._http, self.config.load_timeout)
-            except (RuntimeError, TimeoutError) as e:
-                state.failures += 1
-                state.error = str(e)
-                state.status = "failed"
-                runner.kill_now()
-                state.runner = None
-                log.warning("model %s failed to start (%d): %s", state.spec.name,
-                            state.failures, e)
-                continue
+                results = await asyncio.gather(
+                    *(self._spawn(state, r).wait_ready(self._http, self.config.load_timeout)
+                      for r in starting), return_exceptions=True)
             except BaseException:
-                runner.kill_now()
-                state.runner = None
+                for r in starting:
+                    self._drop_replica(state, r)
                 state.status = "unloaded"
                 raise
+            for r, result in zip(starting, results):
+                if isinstance(result, BaseException):
+                    r.error, r.failures = str(result), 1
+            if all(r.error for r in starting):
+                state.failures += 1
+                state.error = starting[0].error
+                state.status = "failed"
+                for r in starting:
+                    self._drop_replica(state, r)
+                log.warning("model %s failed to start (%d): %s", state.spec.name,
+                            state.failures, state.error)
+                continue
+            for r in starting:
+                if r.error:  # its runner gave up: retried in the background
+                    self._restart(state, r)
+                else:
+                    r.status = "ready"
             state.status = "loaded"
             state.failures = 0
             state.error = None
@@ -216,15 +319,31 @@ class Supervisor:
             state.load_seconds.append(time.monotonic() - t0)
             state.last_used = time.monotonic()
             state.keep_alive = None
-            return runner
+            state.scale_pending = None
+            return
 
-    def _detach(self, state: ModelState) -> RunnerProcess | None:
-        """Mark the model unloaded at once; the caller stops the runner it had."""
-        runner, state.runner = state.runner, None
+    @staticmethod
+    def _drop_replica(state: ModelState, replica: Replica) -> None:
+        """A replica that never served: forgotten, its process killed."""
+        state.replicas.remove(replica)
+        state.router.forget_replica(replica.id)
+        if replica.runner is not None:
+            replica.runner.kill_now()
+
+    def _detach(self, state: ModelState) -> list[RunnerProcess]:
+        """Mark the model unloaded at once, its local replicas gone; the caller stops the
+        runners returned."""
+        runners = [r.runner for r in state.local if r.runner is not None]
+        for r in state.local:
+            r.status = "stopping"
+            state.router.forget_replica(r.id)
+        state.replicas = [r for r in state.replicas if not r.local]
+        if state.remote_only:
+            return runners
         if state.status != "failed":
             state.status = "unloaded"
         state.keep_alive = None
-        return runner
+        return runners
 
     async def _stop_all(self, runners: list[RunnerProcess]) -> None:
         await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
@@ -233,11 +352,11 @@ class Supervisor:
             await self._notify_room()
 
     async def unload(self, state: ModelState) -> bool:
-        """Stop the model's runner (it drains its requests first); False if none ran."""
-        runner = self._detach(state)
-        if runner is None:
+        """Stop the model's runners (they drain their requests first); False if none ran."""
+        runners = self._detach(state)
+        if not runners:
             return False
-        await self._stop_all([runner])
+        await self._stop_all(runners)
         return True
 
     async def load(self, state: ModelState) -> None:
@@ -247,10 +366,98 @@ class Supervisor:
         await self.acquire(state)
         self.end(state)
 
-    # ---- the watch: ttl, crashes -----------------------------------------------------------
+    # ---- one replica: restart, scale -------------------------------------------------------
+
+    def _restart(self, state: ModelState, replica: Replica) -> None:
+        """Out of the rotation now; its process stopped and started again in the background
+        (with backoff; failed after MAX_FAILURES attempts in a row)."""
+        replica.status = "restarting"
+        state.router.forget_replica(replica.id)
+        self._tasks.append(asyncio.ensure_future(self._restart_replica(state, replica)))
+
+    async def _restart_replica(self, state: ModelState, replica: Replica) -> None:
+        old = replica.runner
+        if old is not None and old.alive():
+            await old.stop(grace=1.0)
+        while not self._closing and replica in state.replicas and state.status == "loaded":
+            delay = policy.restart_delay(replica.failures)
+            if delay is None:
+                replica.status = "failed"
+                log.warning("model %s replica %s: gave up restarting: %s", state.spec.name,
+                            replica.id, replica.error)
+                return
+            await asyncio.sleep(delay)
+            if self._closing or replica not in state.replicas:
+                return
+            runner = self._spawn(state, replica)
+            try:
+                await runner.wait_ready(self._http, self.config.load_timeout)
+            except (RuntimeError, TimeoutError) as e:
+                replica.failures += 1
+                replica.error = str(e)
+                runner.kill_now()
+                continue
+            if replica not in state.replicas or self._closing:  # unloaded meanwhile
+                runner.kill_now()
+                return
+            replica.status, replica.failures = "ready", 0
+            log.info("model %s replica %s is back", state.spec.name, replica.id)
+            return
+
+    def _scale(self, state: ModelState, now: float) -> None:
+        config = state.spec.autoscale
+        if config is None or state.status != "loaded":
+            return
+        serving = [r for r in state.local if r.status not in ("stopping", "failed")]
+        load = sum(r.load_total for r in serving)
+        decision, state.scale_pending = autoscale.decide(config, len(serving), load, now,
+                                                         state.scale_pending)
+        if decision is None:
+            return
+        if decision.direction == "up":
+            count = decision.target - len(serving)
+            if self.config.max_memory and state.memory:
+                used = sum(s.view().memory for s in self.models.values()
+                           if s.status == "loaded" and not s.remote_only)
+                count = min(count, (self.config.max_memory - used) // state.memory)
+                if count <= 0:
+                    log.warning("autoscaler: model %s wants %d replicas; no room under "
+                                "max-memory", state.spec.name, decision.target)
+                    return
+            for _ in range(count):
+                replica = self._new_replica(state)
+                self._restart(state, replica)
+                replica.status = "starting"
+        else:
+            # The least busy go first, the newest of equals (the first replicas are kept).
+            victims = sorted(serving, key=lambda r: (r.load_total, -int(r.id)))
+            for replica in victims[:len(serving) - decision.target]:
+                self._retire(state, replica)
+        state.scaled[decision.direction] += 1
+        log.warning("autoscaler: model %s %s to %d replicas: %s", state.spec.name,
+                    decision.direction, decision.target, decision.reason)
+
+    def _retire(self, state: ModelState, replica: Replica) -> None:
+        """Scaled down: out of the rotation now; stopped once its requests are done."""
+        replica.status = "stopping"
+        state.router.forget_replica(replica.id)
+
+        async def retire() -> None:
+            deadline = time.monotonic() + self.drain + 60
+            while replica.in_flight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if replica in state.replicas:
+                state.replicas.remove(replica)
+            if replica.runner is not None:
+                await self._stop_all([replica.runner])
+
+        self._tasks.append(asyncio.ensure_future(retire()))
+
+    # ---- the watch: ttl, crashes, autoscaling; the polls -----------------------------------
 
     def start(self) -> None:
-        self._watch = asyncio.ensure_future(self._watch_loop())
+        self._tasks += [asyncio.ensure_future(self._watch_loop()),
+                        asyncio.ensure_future(self._poll_loop())]
         for state in self.models.values():
             if state.spec.preload:
                 asyncio.ensure_future(self._preload(state))
@@ -261,46 +468,58 @@ class Supervisor:
 
     async def _watch_loop(self) -> None:
         while not self._closing:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
+            self._tasks = [t for t in self._tasks if not t.done()]
             now = time.monotonic()
-            loaded = [s for s in self.models.values() if s.status == "loaded"]
+            loaded = [s for s in self.models.values()
+                      if s.status == "loaded" and not s.remote_only]
             for name in policy.expired([s.view() for s in loaded], now):
                 await self.unload(self.models[name])
             for state in loaded:
-                if state.died:
-                    asyncio.ensure_future(self._restart(state))
+                for replica in state.died:
+                    assert replica.runner is not None
+                    rc = replica.runner.proc.returncode
+                    replica.error = (f"runner killed by signal {-rc}" if rc < 0 else
+                                     f"runner exited with {rc}: "
+                                     f"{last_error_line(replica.runner.log_path)}")
+                    log.warning("model %s replica %s: %s; restarting", state.spec.name,
+                                replica.id, replica.error)
+                    replica.restarts += 1
+                    state.restarts += 1
+                    self._restart(state, replica)
+                self._scale(state, now)
 
-    async def _restart(self, state: ModelState) -> None:
-        """A loaded runner died: start it again (with backoff; failed after MAX_FAILURES)."""
-        async with state.lock:
-            if not state.died or state.runner is None:
-                return
-            state.error = (f"runner exited with {state.runner.proc.returncode}: "
-                           f"{last_error_line(state.runner.log_path)}")
-            log.warning("model %s: %s; restarting", state.spec.name, state.error)
-            state.runner = None
-            state.status = "loading"
-            state.restarts += 1
-            with contextlib.suppress(ModelUnavailable):
-                await self._start(state)
+    async def _poll_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.config.poll_interval)
+            polls = [self._poll(s, r) for s in self.models.values() if s.status == "loaded"
+                     for r in s.replicas if r.status in ("ready", "unhealthy") and r.alive()]
+            await asyncio.gather(*polls)
 
-    async def wait_restarted(self, state: ModelState, runner: RunnerProcess) -> RunnerProcess:
-        """After ``runner`` failed a request: the model's next runner (retry once). The
-        request stays counted as in ``acquire``."""
-        if runner.alive():
-            await runner.stop(grace=1.0)
-        if state.runner is runner:
-            state.runner = None
-            state.status = "loading"
-            state.restarts += 1
-        runner = await self.acquire(state)
-        state.active -= 1  # acquire counted the request a second time
-        return runner
+    async def _poll(self, state: ModelState, replica: Replica) -> None:
+        url = replica.url
+        try:
+            r = await self._http.get(f"{url}/metrics", timeout=max(1.0, self.config.poll_interval * 4))
+            page = parse_metrics(r.text) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            page = None
+        if page is None or page.empty:
+            replica.failures += 1
+            if replica.failures >= 2 and replica.status == "ready":
+                replica.status = "unhealthy"
+                replica.error = f"{url}/metrics did not answer"
+                log.warning("model %s replica %s is unhealthy", state.spec.name, replica.id)
+            return
+        replica.observe(page)
+        replica.failures = 0
+        if replica.status == "unhealthy":
+            replica.status = "ready"
+            log.info("model %s replica %s is healthy again", state.spec.name, replica.id)
 
     async def close(self) -> None:
         self._closing = True
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
         await asyncio.gather(*(self.unload(s) for s in self.models.values()),
                              return_exceptions=True)
         await self._http.aclose()
@@ -308,5 +527,6 @@ class Supervisor:
     def kill_all(self) -> None:
         """Last resort (the event loop is gone): SIGKILL every runner."""
         for s in self.models.values():
-            if s.runner is not None:
-                s.runner.kill_now()
+            for r in s.local:
+                if r.runner is not None:
+                    r.runner.kill_now()

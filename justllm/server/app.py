@@ -103,8 +103,8 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_response(body: AsyncIterator[bytes]) -> Stream:
-    return Stream(body, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> Stream:
+    return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
 async def decode_request(request: Request, cls: type[T]) -> T:

@@ -175,7 +175,7 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         text = httpx.get(gw.url + "/metrics", timeout=30).text
         assert 'justllm_gateway_model_loads_total{model_name="alpha"}' in text
-        assert 'vllm:num_requests_running{model_name="alpha"}' in text  # the runner's own
+        assert 'vllm:num_requests_running{model_name="alpha",replica="0"}' in text  # its own
         assert text.count("# TYPE vllm:num_requests_running") == 1
         assert (gw.logs / "alpha.log").is_file()
 
@@ -184,7 +184,7 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
                             capture_output=True, text=True, env=env, timeout=60)
         assert ps.returncode == 0, ps.stderr
         rows = {line.split()[0]: line for line in ps.stdout.splitlines()[1:] if line.strip()}
-        assert "loaded" in rows["alpha"] and "failed" in rows["broken"], ps.stdout
+        assert "ready" in rows["alpha"] and "failed" in rows["broken"], ps.stdout
         logs = subprocess.run([sys.executable, "-m", "justllm", "logs", "broken", "-n", "200"],
                               capture_output=True, text=True, env=env, timeout=60)
         assert logs.returncode == 0 and "error:" in logs.stdout, logs.stdout + logs.stderr
@@ -282,7 +282,7 @@ def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, mode
         while True:
             text = httpx.get(gw.url + "/metrics", timeout=30).text
             running = [line for line in text.splitlines()
-                       if line.startswith('vllm:num_requests_running{model_name="beta"}')]
+                       if line.startswith('vllm:num_requests_running{model_name="beta",')]
             if gw.status()["beta"]["active"] == 0 and running and running[0].endswith(" 0.0"):
                 break
             assert time.monotonic() < deadline, (running, gw.status()["beta"])

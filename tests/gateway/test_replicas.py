@@ -1,0 +1,282 @@
+"""Replicas behind the gateway, with real runner processes on the demo model: cache-aware
+routing keeps each prefix on one replica, a replica killed under load loses no request and
+comes back, remote replicas (a real `justllm serve`, an address nobody answers, and an
+overloaded one that answers 503) are used, skipped and left, and the autoscaler goes from one
+replica to two under load and back when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from tests.gateway.test_gateway import (
+    RUNNER_FLAGS,
+    Gateway,
+    alive,
+    start_gateway,
+    stop,
+    wait_gone,
+)
+from tests.server.conftest import free_port
+
+FLAGS = {**RUNNER_FLAGS, "threads": 1}  # two replicas share the machine's two cores
+PREFIX_A = "The history of the Roman empire is long and full of wars and emperors. " * 40
+PREFIX_B = "Photosynthesis converts light into chemical energy inside green plants. " * 40
+
+
+def replicas(gw: Gateway, model: str) -> dict[str, dict]:
+    return {r["replica"]: r for r in gw.status()[model]["replicas"]}
+
+
+def runner_metric(gw: Gateway, name: str, model: str, replica: str) -> float:
+    """A runner's own series, as the gateway's /metrics relays it under ``replica``."""
+    want = f'{name}{{model_name="{model}",replica="{replica}"}}'
+    for line in httpx.get(gw.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(want):
+            return float(line.split()[-1])
+    raise AssertionError(f"{want} not on the gateway's /metrics")
+
+
+def wait_for(what, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+async def completions(gw: Gateway, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=300) as http:
+        return await asyncio.gather(*(http.post(gw.url + "/v1/completions", json=b)
+                                      for b in bodies))
+
+
+def test_prefixes_stay_on_their_replica_and_a_killed_replica_loses_no_request(
+        tmp_path, model_path):
+    gw = start_gateway(tmp_path, {"demo": {"source": model_path, "replicas": 2,
+                                           "preload": True, **FLAGS}})
+    try:
+        wait_for("two ready replicas", lambda: [r["status"] for r in
+                                                replicas(gw, "demo").values()] ==
+                 ["ready", "ready"])
+        # Two long prefixes, three questions each, asked in pairs: each prefix's questions go
+        # to one replica, a different one per prefix, and hit that replica's prefix cache.
+        served: dict[str, set[str]] = {"A": set(), "B": set()}
+        for i in range(3):
+            answers = asyncio.run(completions(gw, [
+                {"model": "demo", "prompt": PREFIX_A + f"Question {i}:", "max_tokens": 2},
+                {"model": "demo", "prompt": PREFIX_B + f"Question {i}:", "max_tokens": 2}]))
+            assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+            served["A"].add(answers[0].headers["x-replica"])
+            served["B"].add(answers[1].headers["x-replica"])
+        assert len(served["A"]) == 1 and len(served["B"]) == 1, served
+        assert served["A"] != served["B"], served
+        decisions = gw.status()["demo"]["decisions"]
+        assert decisions.get("prefix", 0) == 4, decisions  # all but each prefix's first
+        for replica in ("0", "1"):
+            assert runner_metric(gw, "justllm_prefix_cache_hits_total", "demo", replica) == 2
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        assert 'justllm_gateway_routing_decisions_total{model_name="demo",reason="prefix"} 4' \
+            in text
+        assert 'justllm_gateway_replica_up{model_name="demo",replica="1"} 1' in text
+
+        # kill -9 one replica under load: every request still succeeds with all its tokens.
+        # (Prompts with nothing in common, so the load spreads over both replicas.)
+        words = ["Apple", "Bridge", "Cloud", "Dragon", "Engine", "Forest", "Garden", "Harbor",
+                 "Island", "Jungle", "Kettle", "Lantern"]
+
+        async def under_load():
+            async with httpx.AsyncClient(timeout=300) as http:
+                calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"{word} story:", "max_tokens": 24,
+                    "ignore_eos": True})) for word in words]
+                deadline = time.monotonic() + 60
+                while not (busy := [r for r in replicas(gw, "demo").values()
+                                    if r["in_flight"] >= 2]):
+                    assert time.monotonic() < deadline, "the load never reached a replica"
+                    await asyncio.sleep(0.05)
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+                return busy[0], await asyncio.gather(*calls)
+
+        killed, answers = asyncio.run(under_load())
+        victim = killed["pid"]
+        assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+        assert all(r.json()["usage"]["completion_tokens"] == 24 for r in answers)
+        assert {r.headers["x-replica"] for r in answers} <= {"0", "1"}
+        back = wait_for("the replica back", lambda: (
+            r := replicas(gw, "demo")[killed["replica"]])["status"] == "ready" and r)
+        assert back["pid"] != victim and back["restarts"] == 1 and not alive(victim)
+        # Back in the rotation: its prefixes were forgotten, new ones reach it again.
+        answers = asyncio.run(completions(gw, [
+            {"model": "demo", "prompt": f"Fresh prompt {i} " * 20, "max_tokens": 2}
+            for i in range(4)]))
+        assert {r.headers["x-replica"] for r in answers} == {"0", "1"}
+
+        env = {**os.environ, "JUSTLLM_CACHE_DIR": str(gw.logs.parent)}
+        ps = subprocess.run([sys.executable, "-m", "justllm", "ps", "--url", gw.url],
+                            capture_output=True, text=True, env=env, timeout=60)
+        assert ps.returncode == 0, ps.stderr
+        rows = [line.split() for line in ps.stdout.splitlines()[1:] if line.startswith("demo")]
+        assert [row[1:3] for row in rows] == [["0", "ready"], ["1", "ready"]], ps.stdout
+        log1 = subprocess.run([sys.executable, "-m", "justllm", "logs", "demo", "--replica",
+                               "1"], capture_output=True, text=True, env=env, timeout=60)
+        assert log1.returncode == 0 and "starting:" in log1.stdout, log1.stderr
+        pids = [r["pid"] for r in replicas(gw, "demo").values()]
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    wait_gone(pids)
+
+
+class _Overloaded(BaseHTTPRequestHandler):
+    """A remote replica that is up (its /metrics answers) but refuses every request with 503,
+    as a draining or overloaded `justllm serve` does."""
+
+    posts = 0
+
+    def do_GET(self):  # noqa: N802
+        body = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        type(self).posts += 1
+        self.rfile.read(int(self.headers["content-length"]))
+        body = json.dumps({"error": {"message": "overloaded", "type": "server_error",
+                                     "param": None, "code": "overloaded"}}).encode()
+        self.send_response(503)
+        self.send_header("content-type", "application/json")
+        self.send_header("retry-after", "7")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def overloaded():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Overloaded)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
+        tmp_path, model_path, overloaded):
+    port = free_port()
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port),
+         "--served-model-name", "demo", "--max-seqs", "4", "--pool-blocks", "64",
+         "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    remote_url = f"http://127.0.0.1:{port}"
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    gw = None
+    try:
+        wait_for("the remote server", lambda: remote.poll() is None and _up(remote_url))
+        gw = start_gateway(tmp_path, {
+            "demo": {"source": model_path, "replicas": 1, "preload": True,
+                     "urls": [remote_url, overloaded, dead_url], "routing": "round-robin",
+                     **FLAGS},
+            "busy": {"urls": [overloaded]}})
+        wait_for("the local replica", lambda: replicas(gw, "demo")["0"]["status"] == "ready")
+        served = []
+        for i in range(8):
+            r = httpx.post(gw.url + "/v1/completions", timeout=120, json={
+                "model": "demo", "prompt": f"Count to {i}:", "max_tokens": 3,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+            served.append(r.headers["x-replica"])
+        # Round-robin over four: the local replica and the real remote serve; the one that
+        # refused was skipped for another (each time its turn came), the dead one left.
+        assert set(served) == {"0", remote_url}, served
+        assert _Overloaded.posts >= 2
+        status = replicas(gw, "demo")
+        assert status[dead_url]["status"] == "unhealthy", status[dead_url]
+        assert status[overloaded]["status"] == "ready"
+        assert status[remote_url]["status"] == "ready" and status[remote_url]["pid"] is None
+
+        # A model whose only replica refuses: its refusal reaches the client as it was.
+        r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "busy", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+        assert r.json()["error"]["code"] == "overloaded"
+        rc, out = stop(gw)
+        gw = None
+        assert rc == 0, out
+        assert remote.poll() is None  # the gateway never stops a replica it did not start
+    finally:
+        if gw is not None:
+            stop(gw)
+        remote.terminate()
+        remote.wait(timeout=30)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
+        tmp_path, model_path):
+    gw = start_gateway(tmp_path, {"demo": {
+        "source": model_path, "min-replicas": 1, "max-replicas": 2, "target-ongoing": 1,
+        "upscale-delay": 0.5, "downscale-delay": 2, **FLAGS}})
+    try:
+        wait_for("the first replica", lambda: [r["status"] for r in
+                                               replicas(gw, "demo").values()] == ["ready"])
+
+        async def load():
+            async with httpx.AsyncClient(timeout=300) as http:
+                calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"Story {i}:", "max_tokens": 200,
+                    "ignore_eos": True})) for i in range(4)]
+                # While the first four run, a second replica starts and joins the rotation.
+                both = await asyncio.to_thread(wait_for, "a second replica", lambda: (
+                    r := replicas(gw, "demo")) and [x["status"] for x in r.values()] ==
+                    ["ready", "ready"] and r, 120)
+                more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"Tale {i}:", "max_tokens": 8,
+                    "ignore_eos": True})) for i in range(4)]
+                return both["1"]["pid"], await asyncio.gather(*calls, *more)
+
+        second, answers = asyncio.run(load())
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
+        assert "1" in {r.headers["x-replica"] for r in answers[4:]}
+        # Idle: back to one replica after the downscale delay; the retired process is gone.
+        wait_for("one replica", lambda: list(replicas(gw, "demo")) == ["0"], 60)
+        wait_gone([second])
+        scale = gw.status()["demo"]["autoscale"]
+        assert (scale["up"], scale["down"]) == (1, 1), scale
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        assert 'justllm_autoscaler_decisions_total{model_name="demo",direction="up"} 1' in text
+        assert 'justllm_autoscaler_replicas{model_name="demo"} 1' in text
+        pids = [r["pid"] for r in replicas(gw, "demo").values()]
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    assert "autoscaler: model demo up to 2 replicas" in out, out
+    wait_gone(pids)
