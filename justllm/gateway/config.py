@@ -161,7 +161,9 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
                              "stays loaded (min-replicas: 0 scales to zero after ttl)")
         replicas = max(low, 1)
     else:
-        replicas = _count(f"{where}: replicas", entry.get("replicas", 0 if urls else 1))
+        # A source means a local replica unless told otherwise; urls alone, none.
+        replicas = _count(f"{where}: replicas", entry.get("replicas", 1 if entry.get("source")
+                                                          else 0))
         if replicas == 0 and not urls:
             raise ValueError(f"{where}: replicas must be >= 1 (or give urls)")
     try:

@@ -1,0 +1,190 @@
+"""The pure parts of replicas: the autoscaler's rule, a replica's load as routing sees it,
+recent TTFT from histogram readings, what a request is routed by, the replica label on relayed
+metrics, and the replica keys of models.yaml (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, wanted
+from justllm.gateway.config import Flags, load_config
+from justllm.gateway.metrics import merge_pages, with_label
+from justllm.gateway.replica import Replica, recent_quantile
+from justllm.gateway.routing import route_text
+from justllm.tui.metrics import Histogram, parse
+
+SCALE = AutoscaleConfig(min_replicas=1, max_replicas=4, target_ongoing=2,
+                        upscale_delay=10, downscale_delay=60)
+
+
+# ---- the autoscaler ---------------------------------------------------------------------------
+
+
+def test_wanted_is_load_over_target_rounded_up_within_the_bounds():
+    assert [wanted(SCALE, load) for load in (0, 1, 2, 2.5, 4, 5, 100)] == [1, 1, 1, 2, 2, 3, 4]
+    assert wanted(AutoscaleConfig(0, 2), 0) == 1  # while loaded, one (zero is the ttl's)
+    assert wanted(AutoscaleConfig(3, 5), 0) == 3
+
+
+def test_scaling_up_waits_for_the_upscale_delay_and_jumps_to_the_wanted_count():
+    scale, pending = decide(SCALE, 1, 7, now=100.0, pending=None)
+    assert scale is None and pending == Pending(4, 100.0)
+    scale, pending = decide(SCALE, 1, 5, now=105.0, pending=pending)  # still up: same wish
+    assert scale is None and pending == Pending(3, 100.0)
+    scale, pending = decide(SCALE, 1, 5, now=110.0, pending=pending)
+    assert scale is not None and (scale.target, scale.direction) == (3, "up")
+    assert "above the target of 2" in scale.reason and "10 s" in scale.reason
+    assert pending is None
+
+
+def test_a_burst_shorter_than_the_delay_changes_nothing():
+    _, pending = decide(SCALE, 1, 8, now=0.0, pending=None)
+    scale, pending = decide(SCALE, 1, 2, now=5.0, pending=pending)  # back to target: forgotten
+    assert scale is None and pending is None
+    scale, pending = decide(SCALE, 1, 8, now=9.0, pending=pending)  # a new burst starts over
+    assert scale is None and pending == Pending(4, 9.0)
+
+
+def test_scaling_down_waits_for_the_downscale_delay_and_a_change_of_direction_restarts_it():
+    _, pending = decide(SCALE, 3, 0, now=0.0, pending=None)
+    assert pending == Pending(1, 0.0)
+    scale, pending = decide(SCALE, 3, 8, now=30.0, pending=pending)  # up now: a new wish
+    assert scale is None and pending == Pending(4, 30.0)
+    _, pending = decide(SCALE, 3, 1, now=31.0, pending=pending)
+    scale, _ = decide(SCALE, 3, 1, now=90.0, pending=pending)
+    assert scale is None  # 59 s below target since the direction changed
+    scale, _ = decide(SCALE, 3, 1, now=91.0, pending=pending)
+    assert scale is not None and (scale.target, scale.direction) == (1, "down")
+
+
+def test_bounds_and_options_are_checked():
+    for bad in (dict(min_replicas=-1, max_replicas=2), dict(min_replicas=3, max_replicas=2),
+                dict(min_replicas=0, max_replicas=0),
+                dict(min_replicas=1, max_replicas=2, target_ongoing=0),
+                dict(min_replicas=1, max_replicas=2, upscale_delay=-1)):
+        with pytest.raises(ValueError):
+            AutoscaleConfig(**bad)
+
+
+# ---- a replica as routing sees it ------------------------------------------------------------
+
+PAGE = """\
+vllm:num_requests_running{model_name="m"} 3.0
+vllm:num_requests_waiting{model_name="m"} 2.0
+justllm_kv_blocks_used{model_name="m"} 32.0
+justllm_kv_blocks_total{model_name="m"} 64.0
+justllm_prefix_cache_hits_total{model_name="m"} 3.0
+justllm_prefix_cache_misses_total{model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{model_name="m"} 0.2
+"""
+
+
+def test_a_replicas_load_is_the_gateways_in_flight_plus_what_others_sent_it():
+    r = Replica("0")
+    r.in_flight = 2
+    r.observe(parse(PAGE), now=1.0)  # 5 running + waiting, 2 of them ours
+    assert r.others == 3 and r.load_total == 5
+    assert r.kv_usage == 0.5 and r.hit_ratio == 0.75
+    r.in_flight = 6  # a burst sent since the poll counts at once
+    load = r.load()
+    assert (load.running, load.waiting, load.load) == (3, 6, 9)
+    assert not load.healthy  # status "starting" and no process: not in the rotation
+    assert Replica("http://h:1", remote="http://h:1", status="ready").load(skip=True).skip
+
+
+def test_recent_ttft_is_the_median_of_the_first_tokens_since_the_window_began():
+    r = Replica("0")
+    r.observe(parse(PAGE), now=0.0)
+    assert r.ttft_p50 == pytest.approx(0.05)  # the first reading: everything so far
+    slow = PAGE.replace('le="0.1",model_name="m"} 4.0', 'le="0.1",model_name="m"} 4.0') \
+        .replace('le="1.0",model_name="m"} 4.0', 'le="1.0",model_name="m"} 8.0') \
+        .replace('le="+Inf",model_name="m"} 4.0', 'le="+Inf",model_name="m"} 8.0') \
+        .replace("seconds_count{model_name=\"m\"} 4.0", "seconds_count{model_name=\"m\"} 8.0")
+    r.observe(parse(slow), now=1.0)
+    assert 0.1 < r.ttft_p50 <= 1.0  # the four new ones were all slow
+    r.observe(parse(slow), now=2.0)  # nothing new: the last figure stays
+    assert 0.1 < r.ttft_p50 <= 1.0
+    before = Histogram(((0.1, 4.0), (float("inf"), 4.0)), count=4)
+    after = Histogram(((0.1, 1.0), (float("inf"), 1.0)), count=1)  # restarted: counts fell
+    assert recent_quantile(before, after, 0.5) == pytest.approx(0.05)
+
+
+# ---- what a request is routed by -------------------------------------------------------------
+
+
+def test_route_text_of_chat_completions_and_embeddings():
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    turn2 = {"messages": [*chat["messages"], {"role": "assistant", "content": "Hello"},
+                          {"role": "user", "content": "More"}]}
+    assert route_text(chat) == "<system>Be brief.\n<user>Hi\n"
+    assert route_text(turn2).startswith(route_text(chat))  # a follow-up extends its prefix
+    assert route_text({"prompt": "Once upon"}) == "Once upon"
+    assert route_text({"prompt": ["first", "second"]}) == "first"
+    assert route_text({"prompt": [1, 2, 3]}) == "1,2,3,"
+    assert route_text({"prompt": [1, 2, 3, 4]}).startswith(route_text({"prompt": [1, 2, 3]}))
+    assert route_text({"prompt": [[5, 6], [7]]}) == "5,6,"
+    assert route_text({"input": "embed me"}) == "embed me"
+    assert route_text({"prompt": None}) == "" and route_text({}) == ""
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+def test_relayed_series_get_a_replica_label_and_families_merge():
+    a = with_label('# HELP x X\n# TYPE x gauge\nx{model_name="m"} 1.0\ny 2\n', "replica", "0")
+    b = with_label('# HELP x X\n# TYPE x gauge\nx{model_name="m"} 3.0\n', "replica", "1")
+    assert 'x{model_name="m",replica="0"} 1.0' in a and 'y{replica="0"} 2' in a
+    merged = merge_pages([a, b])
+    assert merged.count("# TYPE x gauge") == 1
+    assert 'x{model_name="m",replica="1"} 3.0' in merged
+
+
+# ---- models.yaml ------------------------------------------------------------------------------
+
+FLAGS = Flags(frozenset({"max-seqs", "gpu"}))
+
+
+def model(**entry):
+    return load_config({"models": {"m": {"source": "x.gguf", **entry}}}, FLAGS).models[0]
+
+
+def test_replica_keys_of_a_model():
+    spec = model(replicas=2, gpus=[0, 1, 2], routing="round-robin")
+    assert (spec.replicas, spec.routing.policy, spec.autoscale) == (2, "round-robin", None)
+    assert [spec.gpu_of(i) for i in range(4)] == [0, 1, 2, 0]
+    scaled = model(**{"min-replicas": 1, "max-replicas": 3, "target-ongoing": 4,
+                      "upscale-delay": 5})
+    assert scaled.autoscale == AutoscaleConfig(1, 3, 4.0, 5.0, 600.0)
+    assert scaled.ttl < 0 and scaled.preload  # min-replicas 1: always up
+    to_zero = model(**{"min-replicas": 0, "max-replicas": 2, "ttl": 30})
+    assert to_zero.ttl == 30 and not to_zero.preload and to_zero.replicas == 1
+    remote = load_config({"models": {"r": {"urls": ["http://10.0.0.7:8080/"]}}}, FLAGS)
+    assert remote.models[0].urls == ("http://10.0.0.7:8080",)
+    assert remote.models[0].replicas == 0
+    mixed = model(urls=["http://a:1"], routing={"policy": "cache-aware",
+                                                "balance-abs-threshold": 8})
+    assert mixed.replicas == 1 and mixed.routing.balance_abs_threshold == 8
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"replicas": 0}, "replicas must be >= 1"),
+    ({"replicas": "2"}, "replicas must be an integer"),
+    ({"replicas": 2, "max-replicas": 3}, "not both"),
+    ({"min-replicas": 3, "max-replicas": 2}, "max-replicas >= max(1, min-replicas)"),
+    ({"min-replicas": 1, "ttl": 10}, "ttl unloads an idle model"),
+    ({"max-replicas": 2, "urls": ["http://a:1"]}, "fixed set"),
+    ({"urls": ["ftp://a"]}, "http(s)://"),
+    ({"urls": ["http://a:1", "http://a:1"]}, "listed twice"),
+    ({"gpus": [0, "1"]}, "device numbers"),
+    ({"routing": "fastest"}, "routing policy must be one of"),
+    ({"target-ongoing": 0}, "target-ongoing must be > 0"),
+])
+def test_bad_replica_keys_are_one_clear_error(entry, message):
+    with pytest.raises(ValueError, match=None) as e:
+        model(**entry)
+    assert message in str(e.value) and "model 'm'" in str(e.value), str(e.value)
