@@ -135,6 +135,44 @@ class Scheduler:
         if self.cache is not None:
             self._take(self.cache.flush())
 
+    # ---- KV moved in and out (prefill/decode disaggregation) ------------------------------
+
+    def take_kv_ops(self) -> list[KVOp]:
+        """The pending KV operations, for the engine to apply now (outside a step, before it
+        touches a sequence id that was just freed: its cells go with them)."""
+        ops, self._pending_ops = self._pending_ops, []
+        return ops
+
+    def borrow_seq(self) -> int | None:
+        """A free sequence id for work beside the requests (a KV export or import), a cached
+        holder evicted if none is free; None when every id is in use. Give it back with
+        ``return_seq`` or hand it to ``adopt_prefix``."""
+        if not self._free_seq_ids and self.cache is not None:
+            self._take(self.cache.evict_holder())
+        return self._free_seq_ids.pop() if self._free_seq_ids else None
+
+    def return_seq(self, seq: int) -> None:
+        """A borrowed id, its cells dropped before the next step."""
+        self._pending_ops.append(KVOp.rm(seq))
+        self._free_seq_ids.append(seq)
+
+    def make_room(self, n_tokens: int) -> bool:
+        """Free blocks for ``n_tokens`` by evicting cached prefixes nobody uses; False if the
+        running requests leave too little."""
+        needed = self.pool.blocks_for(n_tokens)
+        if not self.pool.can_allocate(needed) and self.cache is not None:
+            self._take(self.cache.evict_blocks(needed))
+        return self.pool.can_allocate(needed)
+
+    def adopt_prefix(self, tokens: list[int], seq: int) -> None:
+        """``seq`` (borrowed, after ``make_room``) holds ``tokens`` at positions 0..: the
+        prefix cache takes it as a finished request's prompt (what it already has is dropped
+        from ``seq``)."""
+        if self.cache is None:
+            self.return_seq(seq)
+            return
+        self._take(self.cache.insert(tokens, seq, live=False))
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_ops)

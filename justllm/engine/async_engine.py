@@ -169,6 +169,14 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
+    async def export_prefix(self, tokens: list[int]) -> bytes:
+        """The KV of the longest cached prefix of ``tokens`` (``Engine.export_prefix``)."""
+        return await self.call_on_engine_thread(lambda: self.engine.export_prefix(tokens))
+
+    async def import_prefix(self, blob: bytes) -> int:
+        """Exported KV into the prefix cache (``Engine.import_prefix``); tokens now cached."""
+        return await self.call_on_engine_thread(lambda: self.engine.import_prefix(blob))
+
     def abort(self, request_id: str) -> bool:
         aborted = self.engine.abort(request_id)
         self._wake.set()

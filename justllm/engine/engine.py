@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
@@ -30,9 +31,13 @@ from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import RadixCache, make_eviction_policy
+from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
+from justllm.models.digests import sha256_file
 from justllm.models.source import resolve_model
 from justllm.spec.controller import SpecController, SpecStats
 from justllm.spec.verify import walk_draft
+
+KV_TYPE = "f16"  # llama.cpp's default cache type, which the backend keeps
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class Engine:
                                     max_nodes=config.max_draft_nodes, p_min=config.draft_p_min)
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
+        self._kv_identity: KVIdentity | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -242,6 +248,78 @@ class Engine:
         """Drop every cached prefix no running request uses; the KV goes at the next step."""
         with self._lock:
             self.scheduler.flush_cache()
+
+    # ---- KV export and import (prefill/decode disaggregation) ----------------------------
+    # Both call llama.cpp: the engine thread's only (AsyncEngine runs them between steps).
+
+    def kv_identity(self) -> KVIdentity:
+        """What this engine's KV data fits: the GGUF's sha256 (hashed once), KV type, layers."""
+        if self._kv_identity is None:
+            meta = self.backend.metadata()
+            arch = meta.get("general.architecture", "")
+            self._kv_identity = KVIdentity(
+                sha256_file(Path(self.backend.config.model_path)), KV_TYPE,
+                int(meta.get(f"{arch}.block_count", 0)))
+        return self._kv_identity
+
+    def export_prefix(self, tokens: list[int]) -> bytes:
+        """The KV of the longest cached prefix of ``tokens`` as transfer bytes (header and
+        checksum: ``kv/transfer.py``). Its cells, spread over the cache's holders, are gathered
+        into a borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, serialised,
+        and the sequence given back. Raises KVTransferError when nothing of it is cached."""
+        identity = self.kv_identity()
+        with self._lock:
+            cache = self.cache
+            match = cache.match(tokens, len(tokens)) if cache is not None else None
+            if match is None or match.length == 0:
+                raise KVTransferError("no prefix of these tokens is in the prefix cache")
+            cache.lock(match.last)  # type: ignore[union-attr]
+            try:
+                seq = self.scheduler.borrow_seq()
+                if seq is None:
+                    raise KVTransferError("no free sequence id to export through")
+                try:
+                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops()
+                                             + match.copy_ops(seq))
+                    data = self.backend.seq_state(seq)
+                finally:
+                    self.scheduler.return_seq(seq)
+            finally:
+                cache.unlock(match.last)  # type: ignore[union-attr]
+        return pack(identity, tokens[:match.length], data)
+
+    def import_prefix(self, blob: bytes | memoryview) -> int:
+        """Put exported KV into this engine's prefix cache, so requests that start with its
+        tokens hit it; returns the tokens of it now cached. Everything is checked before
+        llama.cpp sees the bytes (KVTransferError: another model, KV type, a bad checksum, a
+        truncated blob, no room); the caller then just computes the prompt."""
+        header, data = unpack(blob)
+        check_fits(header, self.kv_identity(), self.backend.n_vocab)
+        tokens = list(header.tokens)
+        if self.pool.blocks_for(len(tokens)) > self.pool.total_blocks or self.cache is None:
+            raise KVTransferError(f"{len(tokens)} tokens of KV do not fit this engine's "
+                                  "prefix cache")
+        with self._lock:
+            if not self.scheduler.make_room(len(tokens)):
+                raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
+                                      "requests hold the pool")
+            seq = self.scheduler.borrow_seq()
+            if seq is None:
+                raise KVTransferError("no free sequence id to import into")
+            self.runner.apply_kv_ops(self.scheduler.take_kv_ops())  # an evicted holder's go
+            try:
+                self.backend.set_seq_state(seq, data)
+            except EngineError as e:
+                self.scheduler.return_seq(seq)
+                raise KVTransferError(str(e)) from None
+            if self.backend.seq_pos_max(seq) != len(tokens) - 1 or \
+                    self.backend.seq_pos_min(seq) != 0:
+                self.scheduler.return_seq(seq)
+                raise KVTransferError("the KV data does not hold the positions its header "
+                                      "names")
+            self.scheduler.adopt_prefix(tokens, seq)
+            self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+            return self.cache.match(tokens, len(tokens)).length
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
+from justllm.kv.transfer import KVTransferError
 
 SEEDS = (1, 2, 3)
 
@@ -92,15 +93,55 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
         a.close()
 
 
-async def _drive(a: AsyncEngine, engine: Engine, seed: int) -> None:
+def test_kv_imports_under_random_concurrent_load_keep_kv_consistent(model_path):
+    """Prefill/decode hand-overs while the same random load runs: a second engine computes
+    prompts of the workload (prefixes of every length) and exports them; each blob is
+    imported into the loaded engine at a random moment, beside requests that share, evict and
+    preempt. Imports that find no room are refused; every step is KV-checked."""
+    config = dict(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80, block_size=16,
+                  spare_seq_ids=6, chunk_size=64, n_batch=128)
+    engine, source = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
+    a, b = AsyncEngine(engine), AsyncEngine(source)
+    try:
+        asyncio.run(_drive(a, engine, 4, transfers=b))
+    finally:
+        a.close()
+        b.close()
+
+
+async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Random,
+                           prompts: list[list[int]], results: dict) -> None:
+    for _ in range(10):
+        prompt = rng.choice(prompts)[:rng.randint(2, 400)]
+        async for _out in source.generate(prompt, SamplingParams(max_tokens=1)):
+            pass
+        blob = await source.export_prefix(prompt)
+        await asyncio.sleep(rng.uniform(0, 0.4))
+        try:
+            cached = await a.import_prefix(blob)
+        except KVTransferError as e:
+            assert "no room" in str(e) or "sequence id" in str(e), e
+            results["refused"] += 1
+        else:
+            assert 0 < cached <= len(prompt)
+            results["imported"] += 1
+
+
+async def _drive(a: AsyncEngine, engine: Engine, seed: int,
+                 transfers: AsyncEngine | None = None) -> None:
     rng = random.Random(seed)
     words = engine.tokenize(" apple river stone light")
     bos, vocab = words[0], words[1:]
     prompts = make_prompts(rng, vocab, bos, 36)
-    results = {"cancelled": 0, "left": 0, "completed": 0}
-    await asyncio.gather(*(one_client(a, random.Random(seed * 100 + i), p, i, results)
-                           for i, p in enumerate(prompts)))
+    results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0}
+    clients = [one_client(a, random.Random(seed * 100 + i), p, i, results)
+               for i, p in enumerate(prompts)]
+    if transfers is not None:
+        clients.append(_transfer_client(a, transfers, random.Random(seed), prompts, results))
+    await asyncio.gather(*clients)
     assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
+    if transfers is not None:
+        assert results["imported"] >= 5, results
 
     await _idle(a, engine)
     await a.call_on_engine_thread(engine.check_kv)

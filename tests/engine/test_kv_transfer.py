@@ -1,0 +1,136 @@
+"""KV export and import between two engines on the demo model (prefill/decode
+disaggregation's engine half): the importing engine's prefix cache holds the prefix, its
+logits after the import are exactly those of a local prefill, and every bad transfer is
+refused before llama.cpp sees it, leaving the engine serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.engine import Engine
+from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
+from tests.helpers import run_alone
+
+PROMPT = "The history of the Roman empire is long and full of wars and emperors. " * 20
+GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(model_path):
+    config = EngineConfig(model=model_path, max_seqs=4, pool_blocks=128)
+    prefill, decode = Engine(config), Engine(config)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def exported(engine: Engine, prompt: str) -> bytes:
+    """What a prefill replica does: compute the prompt (and its first token), export it."""
+    run_alone(engine, prompt, SamplingParams(max_tokens=1, temperature=0))
+    return engine.export_prefix(engine.tokenize(prompt))
+
+
+def settled(engine: Engine) -> None:
+    """Apply pending KV operations, then compare every sequence with llama.cpp's view."""
+    engine.runner.apply_kv_ops(engine.scheduler.take_kv_ops())
+    engine.check_kv()
+
+
+def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path):
+    prefill, decode = pair
+    decode.flush_prefix_cache()
+    blob = exported(prefill, PROMPT)
+    header, data = unpack(blob)
+    n = len(prefill.tokenize(PROMPT))
+    assert list(header.tokens) == prefill.tokenize(PROMPT) and len(header.tokens) == n
+    assert header.identity == prefill.kv_identity() == decode.kv_identity()
+    assert len(data) > n * 1024  # keys and values of every layer for every token
+
+    before = decode.stats().prefix_cache
+    assert decode.import_prefix(blob) == n
+    settled(decode)
+    assert decode.stats().prefix_cache.blocks >= n // decode.pool.block_size
+
+    imported = run_alone(decode, PROMPT + " Then", GREEDY)
+    after = decode.stats().prefix_cache
+    assert after.hits == before.hits + 1
+    assert after.hit_tokens - before.hit_tokens >= n - 1  # all but the last prompt token
+    # The reference: the same prompt computed locally by an engine of the same shape, alone
+    # (the same batch shapes), so the logits must agree exactly, not within noise.
+    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128))
+    try:
+        reference = run_alone(local, PROMPT + " Then", GREEDY)
+    finally:
+        local.close()
+    assert imported[0] == reference[0]
+    assert [lp.logprob for lp in imported[1]] == [lp.logprob for lp in reference[1]]
+    assert [lp.top for lp in imported[1]] == [lp.top for lp in reference[1]]
+    settled(decode)
+
+    # Importing what the cache already holds changes nothing and leaks nothing.
+    assert decode.import_prefix(blob) == n
+    settled(decode)
+    decode.flush_prefix_cache()
+    settled(decode)
+    assert decode.stats().kv_blocks.used == 0
+
+
+def test_bad_transfers_are_refused_and_the_engine_keeps_serving(pair):
+    prefill, decode = pair
+    blob = exported(prefill, PROMPT)
+    header, data = unpack(blob)
+    here = decode.kv_identity()
+    other_model = pack(KVIdentity("0" * 64, here.kv_type, here.n_layer), list(header.tokens),
+                       bytes(data))
+    other_type = pack(KVIdentity(here.model, "q8_0", here.n_layer), list(header.tokens),
+                      bytes(data))
+    corrupt = bytearray(blob)
+    corrupt[-10] ^= 0xFF
+    # A blob whose header and checksum are right but whose data is not llama.cpp's.
+    garbage = pack(here, list(header.tokens), b"\x01" * 4096)
+    cases = {
+        "another model file": other_model, "type q8_0": other_type,
+        "checksum mismatch": bytes(corrupt), "truncated": blob[:-1000],
+        "bad magic": b"GGUF" + blob[4:], "llama.cpp refused": garbage,
+    }
+    for expected, bad in cases.items():
+        with pytest.raises(KVTransferError, match=expected):
+            decode.import_prefix(bad)
+        settled(decode)
+    with pytest.raises(KVTransferError, match="no prefix of these tokens"):
+        decode.export_prefix(decode.tokenize("Never computed here: a zebra plays the cello"))
+
+    # Every refusal left the engine as it was: it serves, and its KV is as it believes.
+    tokens, _ = run_alone(decode, "The capital of France is", GREEDY)
+    assert len(tokens) == 16
+    settled(decode)
+
+
+def test_no_room_is_refused_before_llama_cpp_is_touched(model_path, pair):
+    prefill, _ = pair
+    blob = exported(prefill, PROMPT)
+    n = len(unpack(blob)[0].tokens)
+    small = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=24))  # 384 tokens
+    try:
+        # A running request holds most of the pool: the import does not fit beside it.
+        rid = small.add_request("Count: " + "one two three " * 90,
+                                SamplingParams(max_tokens=50, ignore_eos=True))
+        small.step()
+        assert small.stats().kv_blocks.free * small.pool.block_size < n
+        with pytest.raises(KVTransferError, match="no room"):
+            small.import_prefix(blob)
+        small.abort(rid)
+        small.step()
+        settled(small)
+        tiny = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=8))
+        try:
+            with pytest.raises(KVTransferError, match="do not fit"):
+                tiny.import_prefix(blob)
+        finally:
+            tiny.close()
+        assert small.import_prefix(blob) == n  # with the request gone, it fits
+        settled(small)
+    finally:
+        small.close()
