@@ -164,7 +164,8 @@ class LlamaBackend:
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
-        swa = int(C.llama_model_n_swa(self._model)) > 0
+        self.n_swa = int(C.llama_model_n_swa(self._model))  # sliding window; 0: none
+        swa = self.n_swa > 0
         self._twin = config.n_seq_max if config.keep_swa_cells and swa else 0
 
         threads = config.n_threads or os.cpu_count() or 1

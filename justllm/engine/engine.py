@@ -30,7 +30,7 @@ from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
-from justllm.kv.radix_cache import RadixCache, make_eviction_policy
+from justllm.kv.radix_cache import KVOp, RadixCache, make_eviction_policy
 from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
 from justllm.models.digests import sha256_file
 from justllm.models.source import resolve_model
@@ -265,59 +265,84 @@ class Engine:
     def export_prefix(self, tokens: list[int]) -> bytes:
         """The KV of the longest cached prefix of ``tokens`` as transfer bytes (header and
         checksum: ``kv/transfer.py``). Its cells, spread over the cache's holders, are gathered
-        into a borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, serialised,
-        and the sequence given back. Raises KVTransferError when nothing of it is cached."""
+        into a borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, one
+        sliding window of positions at a time (llama.cpp leaves cells outside a sequence's
+        window out of its state), serialised, and the sequence given back. Raises
+        KVTransferError when nothing of it is cached."""
         identity = self.kv_identity()
         with self._lock:
             cache = self.cache
             match = cache.match(tokens, len(tokens)) if cache is not None else None
-            if match is None or match.length == 0:
+            if cache is None or match is None or match.length == 0:
                 raise KVTransferError("no prefix of these tokens is in the prefix cache")
-            cache.lock(match.last)  # type: ignore[union-attr]
+            n = match.length
+            step = self.backend.n_swa or n
+            cache.lock(match.last)
+            chunks: list[bytes] = []
             try:
-                seq = self.scheduler.borrow_seq()
-                if seq is None:
-                    raise KVTransferError("no free sequence id to export through")
-                try:
-                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops()
-                                             + match.copy_ops(seq))
-                    data = self.backend.seq_state(seq)
-                finally:
-                    self.scheduler.return_seq(seq)
+                for a in range(0, n, step):
+                    b = min(a + step, n)
+                    seq = self._borrow_seq("export through")
+                    try:
+                        self.runner.apply_kv_ops(self.scheduler.take_kv_ops() + [
+                            KVOp.cp(node.holder, seq, max(node.start, a), min(node.end, b))
+                            for node in match.nodes if node.start < b and node.end > a])
+                        chunks.append(self.backend.seq_state(seq))
+                    finally:
+                        self.scheduler.return_seq(seq)
             finally:
-                cache.unlock(match.last)  # type: ignore[union-attr]
-        return pack(identity, tokens[:match.length], data)
+                cache.unlock(match.last)
+                self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+        return pack(identity, tokens[:n], chunks, step)
+
+    def _borrow_seq(self, what: str) -> int:
+        seq = self.scheduler.borrow_seq()
+        if seq is None:
+            raise KVTransferError(f"no free sequence id to {what}")
+        return seq
 
     def import_prefix(self, blob: bytes | memoryview) -> int:
         """Put exported KV into this engine's prefix cache, so requests that start with its
         tokens hit it; returns the tokens of it now cached. Everything is checked before
         llama.cpp sees the bytes (KVTransferError: another model, KV type, a bad checksum, a
-        truncated blob, no room); the caller then just computes the prompt."""
-        header, data = unpack(blob)
+        truncated blob, no room); the caller then just computes the prompt. Each chunk goes
+        into a scratch sequence and is tagged onto the holder by ``seq_cp``, which keeps
+        earlier chunks (a state load empties its sequence first)."""
+        header, chunks = unpack(blob)
         check_fits(header, self.kv_identity(), self.backend.n_vocab)
         tokens = list(header.tokens)
         if self.pool.blocks_for(len(tokens)) > self.pool.total_blocks or self.cache is None:
             raise KVTransferError(f"{len(tokens)} tokens of KV do not fit this engine's "
                                   "prefix cache")
+        if header.chunk_tokens != (self.backend.n_swa or len(tokens)):
+            raise KVTransferError(f"KV data cut in chunks of {header.chunk_tokens} positions; "
+                                  "this model needs its sliding window")
+        backend = self.backend
         with self._lock:
             if not self.scheduler.make_room(len(tokens)):
                 raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
                                       "requests hold the pool")
-            seq = self.scheduler.borrow_seq()
-            if seq is None:
-                raise KVTransferError("no free sequence id to import into")
-            self.runner.apply_kv_ops(self.scheduler.take_kv_ops())  # an evicted holder's go
+            holder = self._borrow_seq("import into")
             try:
-                self.backend.set_seq_state(seq, data)
-            except EngineError as e:
-                self.scheduler.return_seq(seq)
-                raise KVTransferError(str(e)) from None
-            if self.backend.seq_pos_max(seq) != len(tokens) - 1 or \
-                    self.backend.seq_pos_min(seq) != 0:
-                self.scheduler.return_seq(seq)
-                raise KVTransferError("the KV data does not hold the positions its header "
-                                      "names")
-            self.scheduler.adopt_prefix(tokens, seq)
+                for (a, b), data in zip(header.spans(), chunks):
+                    scratch = self._borrow_seq("import through")
+                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+                    try:
+                        backend.set_seq_state(scratch, data)
+                        if (backend.seq_pos_min(scratch), backend.seq_pos_max(scratch)) != \
+                                (a, b - 1):
+                            raise KVTransferError(f"the KV data does not hold positions "
+                                                  f"{a}..{b - 1}")
+                        backend.seq_cp(scratch, holder)
+                    except EngineError as e:
+                        raise KVTransferError(str(e)) from None
+                    finally:
+                        self.scheduler.return_seq(scratch)
+            except BaseException:
+                self.scheduler.return_seq(holder)
+                self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+                raise
+            self.scheduler.adopt_prefix(tokens, holder)
             self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
             return self.cache.match(tokens, len(tokens)).length
 

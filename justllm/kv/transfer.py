@@ -4,7 +4,11 @@
     b"JLKV" | u32 little-endian header length | header (JSON) | data
 
 The header names the model (the GGUF's sha256), the KV cache type, the layer count, the token
-ids the data holds at positions ``0..len(tokens)-1``, the data's length and its sha256. Pure:
+ids the data holds at positions ``0..len(tokens)-1``, the data's length and its sha256, and how
+the data is cut: llama.cpp leaves out of a sequence's state the cells its sliding-window layers
+no longer attend to, which a shared prefix still needs, so a sliding-window model's KV is
+written in chunks of ``chunk_tokens`` positions (its window), each a state of its own
+(``chunks``: their byte lengths). Pure:
 no llama.cpp, no I/O; :func:`unpack` and :func:`check_fits` refuse, with a clear
 :class:`KVTransferError`, everything that must not reach llama.cpp (a truncated blob, a wrong
 checksum, another model, quantization or KV type), so a bad transfer never aborts a process.
@@ -43,17 +47,27 @@ class KVHeader:
     tokens: tuple[int, ...]  # at positions 0..len-1
     n_bytes: int
     sha256: str
+    chunk_tokens: int  # chunk k holds positions k*chunk_tokens .. (k+1)*chunk_tokens - 1
+    chunks: tuple[int, ...]  # each chunk's bytes
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each chunk's positions, [start, end)."""
+        n, step = len(self.tokens), self.chunk_tokens
+        return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def pack(identity: KVIdentity, tokens: list[int], data: bytes) -> bytes:
+def pack(identity: KVIdentity, tokens: list[int], chunks: list[bytes],
+         chunk_tokens: int) -> bytes:
+    data = b"".join(chunks)
     header = json.dumps({"version": VERSION, **asdict(identity), "tokens": list(tokens),
-                         "n_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+                         "n_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                         "chunk_tokens": chunk_tokens, "chunks": [len(c) for c in chunks]},
                         separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + data
 
 
-def unpack(blob: bytes | memoryview) -> tuple[KVHeader, memoryview]:
-    """The header and the data of ``blob``, checked whole (sizes, types, checksum)."""
+def unpack(blob: bytes | memoryview) -> tuple[KVHeader, list[memoryview]]:
+    """The header and the chunks of ``blob``, checked whole (sizes, types, checksum)."""
     view = memoryview(blob)
     if len(view) < 8 or bytes(view[:4]) != MAGIC:
         raise KVTransferError("not justllm KV data (bad magic)")
@@ -74,15 +88,27 @@ def unpack(blob: bytes | memoryview) -> tuple[KVHeader, memoryview]:
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
             raise KVTransferError("KV header: tokens must be a non-empty list of token ids")
-        header = KVHeader(identity, tuple(tokens), int(raw["n_bytes"]), str(raw["sha256"]))
+        chunks = raw["chunks"]
+        if not isinstance(chunks, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in chunks):
+            raise KVTransferError("KV header: chunks must be a list of byte lengths")
+        header = KVHeader(identity, tuple(tokens), int(raw["n_bytes"]), str(raw["sha256"]),
+                          int(raw["chunk_tokens"]), tuple(chunks))
     except (KeyError, TypeError, ValueError) as e:
         raise KVTransferError(f"KV header is malformed ({type(e).__name__}: {e})") from None
+    if header.chunk_tokens < 1 or len(header.spans()) != len(header.chunks) or \
+            sum(header.chunks) != header.n_bytes:
+        raise KVTransferError("KV header: the chunks do not add up to the tokens and bytes")
     data = view[8 + n:]
     if len(data) != header.n_bytes:
         raise KVTransferError(f"KV data truncated: {len(data)} bytes of {header.n_bytes}")
     if hashlib.sha256(data).hexdigest() != header.sha256:
         raise KVTransferError("KV data checksum mismatch (corrupted in transfer)")
-    return header, data
+    parts, at = [], 0
+    for size in header.chunks:
+        parts.append(data[at:at + size])
+        at += size
+    return header, parts
 
 
 def check_fits(header: KVHeader, here: KVIdentity, vocab_size: int) -> None:

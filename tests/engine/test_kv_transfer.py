@@ -14,6 +14,8 @@ from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
 from tests.helpers import run_alone
 
 PROMPT = "The history of the Roman empire is long and full of wars and emperors. " * 20
+# Past the model's 512-token sliding window: exported in window-sized chunks.
+LONG = "Rivers carve valleys, winds shape dunes, and glaciers grind mountains to sand. " * 75
 GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
 
 
@@ -42,11 +44,11 @@ def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path
     prefill, decode = pair
     decode.flush_prefix_cache()
     blob = exported(prefill, PROMPT)
-    header, data = unpack(blob)
+    header, chunks = unpack(blob)
     n = len(prefill.tokenize(PROMPT))
     assert list(header.tokens) == prefill.tokenize(PROMPT) and len(header.tokens) == n
     assert header.identity == prefill.kv_identity() == decode.kv_identity()
-    assert len(data) > n * 1024  # keys and values of every layer for every token
+    assert len(chunks) == 1 and header.n_bytes > n * 1024  # K and V of every layer
 
     before = decode.stats().prefix_cache
     assert decode.import_prefix(blob) == n
@@ -80,16 +82,17 @@ def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path
 def test_bad_transfers_are_refused_and_the_engine_keeps_serving(pair):
     prefill, decode = pair
     blob = exported(prefill, PROMPT)
-    header, data = unpack(blob)
-    here = decode.kv_identity()
-    other_model = pack(KVIdentity("0" * 64, here.kv_type, here.n_layer), list(header.tokens),
-                       bytes(data))
-    other_type = pack(KVIdentity(here.model, "q8_0", here.n_layer), list(header.tokens),
-                      bytes(data))
+    header, chunks = unpack(blob)
+    here, tokens = decode.kv_identity(), list(header.tokens)
+    data = [bytes(c) for c in chunks]
+    other_model = pack(KVIdentity("0" * 64, here.kv_type, here.n_layer), tokens, data,
+                       header.chunk_tokens)
+    other_type = pack(KVIdentity(here.model, "q8_0", here.n_layer), tokens, data,
+                      header.chunk_tokens)
     corrupt = bytearray(blob)
     corrupt[-10] ^= 0xFF
     # A blob whose header and checksum are right but whose data is not llama.cpp's.
-    garbage = pack(here, list(header.tokens), b"\x01" * 4096)
+    garbage = pack(here, tokens, [b"\x01" * 4096], header.chunk_tokens)
     cases = {
         "another model file": other_model, "type q8_0": other_type,
         "checksum mismatch": bytes(corrupt), "truncated": blob[:-1000],
@@ -134,3 +137,30 @@ def test_no_room_is_refused_before_llama_cpp_is_touched(model_path, pair):
         settled(small)
     finally:
         small.close()
+
+
+def test_a_prefix_longer_than_the_sliding_window_is_whole_for_every_shorter_prefix(pair):
+    """llama.cpp leaves cells outside a sequence's sliding window out of its state; a prefix
+    cache needs them for any shorter shared prefix. The export goes in window-sized chunks,
+    so after the import a request that shares only the first ~600 tokens and then diverges
+    still finds every cell (the KV check would fail the step otherwise) and answers as a
+    local prefill does."""
+    prefill, decode = pair
+    decode.flush_prefix_cache()
+    blob = exported(prefill, LONG)
+    header, chunks = unpack(blob)
+    n = len(header.tokens)
+    window = prefill.backend.n_swa
+    assert n > 2 * window and len(chunks) == -(-n // window) == 3
+    assert decode.import_prefix(blob) == n
+    settled(decode)
+    tokens = prefill.tokenize(LONG)
+    shorter = tokens[:600] + tokens[5:20]  # shares 600 tokens, then goes elsewhere
+    imported = run_alone(decode, shorter, GREEDY)
+    assert decode.stats().prefix_cache.hit_tokens >= 600
+    prefill.flush_prefix_cache()
+    reference = run_alone(prefill, shorter, GREEDY)
+    assert imported[0] == reference[0]
+    settled(decode)
+    decode.flush_prefix_cache()
+    settled(decode)
