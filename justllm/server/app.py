@@ -237,10 +237,13 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             served.aengine.close()
             app.state["served"] = None
 
+    from justllm.server import ollama  # it imports this module's helpers: imported late
+
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models], guards=[require_api_key])
     return Litestar(
-        route_handlers=[v1, health, metrics],
+        route_handlers=[v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
+                        metrics],
         state=state,
         on_startup=[load_in_background],
         on_shutdown=[close_engine],

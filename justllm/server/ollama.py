@@ -1,0 +1,785 @@
+"""Ollama's REST API (``/api/...``) on ``justllm serve``, so Ollama clients and UIs work unchanged.
+
+The routes reuse the OpenAI side's building blocks: the served ``OpenAIServing`` renders chats
+through the chat template (``chat_prompt``), ``AsyncEngine.submit`` runs the request,
+``EmbeddingServing`` computes embeddings. What is Ollama's own lives here: its request bodies
+(decoded strictly, as every body of this server), ``options`` -> ``SamplingParams`` with
+Ollama's defaults, NDJSON streaming, durations in nanoseconds, ``{"error": "..."}`` errors.
+
+Every accepted field is honoured or refused with a 400 naming it, never silently ignored
+(Ollama itself ignores unknown fields): load-time options are accepted only at the server's own
+value; ``keep_alive`` 0 (unload) is refused, since a single-model server never unloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import msgspec
+from litestar import Request, Response, Router, delete, get, head, post
+from litestar.datastructures import State
+from litestar.params import JSONBody
+from litestar.response import Stream
+
+from justllm import __version__
+from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from justllm.engine.async_engine import RequestStream
+from justllm.engine.chat_template import with_template_stops
+from justllm.engine.engine import RequestOutput, TokenLogprob
+from justllm.errors import EngineClosedError, InvalidRequestError
+from justllm.models.digests import sha256_file
+from justllm.models.gguf import read_gguf_header
+from justllm.models.registry import Registry
+from justllm.models.store import quantization_name
+from justllm.server.app import (
+    Served,
+    _served,
+    decode_request,
+    require_api_key,
+    unless_disconnected,
+)
+from justllm.server.errors import APIError, to_api_error
+from justllm.server.openai_serving import MAX_REQUEST_STOP
+from justllm.server.schemas import ChatMessage, EmbeddingRequest
+
+_json = msgspec.json.Encoder()
+NDJSON = "application/x-ndjson"
+
+# Ollama's defaults (api.DefaultOptions) for a model whose Modelfile sets none: a GGUF here has
+# no Modelfile, so an Ollama client gets what Ollama would give it.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.9
+DEFAULT_REPEAT_PENALTY = 1.1
+DEFAULT_REPEAT_LAST_N = 64
+
+# Load-time options whose value this server has for certain (llama.cpp's defaults, which
+# justllm keeps): accepted at that value only.
+_FIXED_OPTIONS: dict[str, object] = {
+    "numa": False, "low_vram": False, "f16_kv": True, "logits_all": False,
+    "vocab_only": False, "use_mmap": True, "use_mlock": False, "embedding_only": False,
+    "main_gpu": 0,
+}
+# Load-time options set when `justllm serve` starts, which a request cannot change.
+_START_OPTIONS = {"num_gpu": "--gpu", "num_batch": "--n-batch", "num_thread": "--threads"}
+# Runtime options justllm does not implement, with the values that mean "off" (Ollama's
+# defaults, accepted) and why another value is refused.
+_OFF_OPTIONS: dict[str, tuple[object, str]] = {
+    "tfs_z": (1.0, "tail-free sampling is not supported"),
+    "typical_p": (1.0, "locally typical sampling is not supported"),
+    "mirostat": (0, "mirostat sampling is not supported"),
+    "mirostat_tau": (5.0, "mirostat sampling is not supported"),
+    "mirostat_eta": (0.1, "mirostat sampling is not supported"),
+    "penalize_newline": (True, "the repeat penalty applies to every token, newlines included"),
+}
+_SAMPLING_OPTIONS = ("num_keep", "seed", "num_predict", "top_k", "top_p", "min_p",
+                     "repeat_last_n", "temperature", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty", "stop", *_OFF_OPTIONS)
+
+
+# ---- request bodies ------------------------------------------------------------------------
+
+class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An Ollama request body part: unknown fields are refused, never silently ignored."""
+
+
+class OllamaOptions(_Body):
+    """``options``: Ollama's Modelfile parameters (api.Options)."""
+
+    # load time
+    numa: bool | None = None
+    num_ctx: int | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
+    # runtime
+    num_keep: int | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    tfs_z: float | None = None
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+    temperature: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
+    stop: list[str] | None = None
+
+
+class OllamaMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class _Generation(_Body):
+    model: str
+    stream: bool = True
+    format: Union[str, dict[str, Any], None] = None  # "json" or a JSON schema
+    options: OllamaOptions | None = None
+    keep_alive: Union[float, str, None] = None
+    think: Union[bool, str, None] = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class OllamaChatRequest(_Generation):
+    messages: list[OllamaMessage] = []
+    tools: list[Any] | None = None
+
+
+class OllamaGenerateRequest(_Generation):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    # image generation
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+
+
+class OllamaEmbedRequest(_Body):
+    model: str
+    input: Union[str, list[str]] = ""
+    truncate: bool | None = None
+    options: OllamaOptions | None = None
+    keep_alive: Union[float, str, None] = None
+    dimensions: int | None = None
+
+
+class OllamaEmbeddingsRequest(_Body):
+    """The older ``/api/embeddings``: one prompt, one ``embedding``."""
+
+    model: str
+    prompt: str = ""
+    options: OllamaOptions | None = None
+    keep_alive: Union[float, str, None] = None
+
+
+class OllamaShowRequest(_Body):
+    model: str = ""
+    name: str = ""  # the older spelling of ``model``
+    verbose: bool = False
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+def _not_found(name: str) -> APIError:
+    return APIError(404, f'model "{name}" not found, try pulling it first',
+                    type="not_found_error", param="model", code="model_not_found")
+
+
+def _check_model(name: str, served: Served) -> None:
+    """``name`` must be the served model, bare or with the ``:latest`` tag Ollama clients add."""
+    if not name:
+        raise InvalidRequestError("model is required", param="model")
+    if name not in (served.model_id, f"{served.model_id}:latest"):
+        raise _not_found(name)
+
+
+_GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+             "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | str) -> float:
+    """Ollama's ``keep_alive``: seconds (a number, or a string of one) or a Go duration
+    ("5m", "1h30m", "-1s"). A 400 for anything else."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if math.isnan(seconds):
+            raise InvalidRequestError("keep_alive must be a number of seconds or a duration",
+                                      param="keep_alive")
+        return seconds
+    sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.removeprefix("+"))
+    if not body or _GO_DURATION.sub("", body):
+        raise InvalidRequestError(f"keep_alive: {value!r} is neither a number of seconds nor a "
+                                  "duration such as '5m' or '1h30m'", param="keep_alive")
+    return sign * sum(float(n) * _GO_UNITS[u] for n, u in _GO_DURATION.findall(body))
+
+
+def _check_keep_alive(value: float | str | None) -> None:
+    """Negative (keep loaded) and positive durations hold: the model stays loaded as long as
+    the server runs. 0 asks for an unload, which only router mode does."""
+    if value is None:
+        return
+    if keep_alive_seconds(value) == 0:
+        raise InvalidRequestError(
+            "keep_alive 0 unloads the model, and this single-model server never unloads it; "
+            "`justllm serve --models models.yaml` (router mode) loads and unloads models and "
+            "honours keep_alive", param="keep_alive")
+
+
+def _check_load_options(o: OllamaOptions, served: Served) -> None:
+    if o.num_ctx is not None and o.num_ctx != served.aengine.max_request_tokens:
+        raise InvalidRequestError(
+            f"options.num_ctx: this server's context is {served.aengine.max_request_tokens} "
+            f"tokens per request (set by --ctx when it starts); a request cannot change it "
+            f"(send {served.aengine.max_request_tokens} or leave num_ctx out)",
+            param="options.num_ctx")
+    for name, value in _FIXED_OPTIONS.items():
+        got = getattr(o, name)
+        if got is not None and got != value:
+            raise InvalidRequestError(
+                f"options.{name}: this server runs with {name} = {_show(value)}, set when it "
+                "starts; a request cannot change it", param=f"options.{name}")
+    for name, flag in _START_OPTIONS.items():
+        if getattr(o, name) is not None:
+            raise InvalidRequestError(
+                f"options.{name} is a load-time option: `justllm serve` sets it when it starts "
+                f"({flag}) and a request cannot change it; leave it out", param=f"options.{name}")
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
+              logprobs: int | None, template_stops: bool) -> SamplingParams:
+    """``options`` as SamplingParams, with Ollama's defaults for what is not set."""
+    o = o or OllamaOptions()
+    _check_load_options(o, served)
+    for name, (off, why) in _OFF_OPTIONS.items():
+        value = getattr(o, name)
+        if value is not None and value != off:
+            raise InvalidRequestError(f"options.{name}: {why} (only {_show(off)} is accepted)",
+                                      param=f"options.{name}")
+    n = o.num_predict
+    if n is not None and n < 1 and n not in (-1, -2):
+        raise InvalidRequestError("options.num_predict must be >= 1, or -1 (until the "
+                                  "context is full)", param="options.num_predict")
+    last_n = DEFAULT_REPEAT_LAST_N if o.repeat_last_n is None else o.repeat_last_n
+    if last_n == -1:
+        last_n = served.aengine.max_request_tokens
+    if last_n < 0:
+        raise InvalidRequestError("options.repeat_last_n must be >= 0, or -1 (the whole "
+                                  "context)", param="options.repeat_last_n")
+    if o.num_keep is not None and o.num_keep < -1:
+        raise InvalidRequestError("options.num_keep must be >= -1", param="options.num_keep")
+    stop = tuple(o.stop or ())
+    if len(stop) > MAX_REQUEST_STOP:
+        raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings",
+                                  param="options.stop")
+    template = served.completions.template
+    try:
+        return _params(o, n, last_n, with_template_stops(stop, template) if template_stops
+                       else stop, grammar, logprobs)
+    except InvalidRequestError as e:  # named as the client named it: options.temperature
+        raise InvalidRequestError(f"options.{e}",
+                                  param=f"options.{e.param}" if e.param else None) from None
+
+
+def _params(o: OllamaOptions, n: int | None, last_n: int, stop: tuple[str, ...],
+            grammar: str | None, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=n if n is not None and n >= 1 else None,
+        temperature=DEFAULT_TEMPERATURE if o.temperature is None else o.temperature,
+        top_k=DEFAULT_TOP_K if o.top_k is None else o.top_k,
+        top_p=DEFAULT_TOP_P if o.top_p is None else o.top_p,
+        min_p=o.min_p or 0.0,
+        repeat_penalty=DEFAULT_REPEAT_PENALTY if o.repeat_penalty is None else o.repeat_penalty,
+        repeat_last_n=last_n,
+        presence_penalty=o.presence_penalty or 0.0,
+        frequency_penalty=o.frequency_penalty or 0.0,
+        seed=o.seed if o.seed is not None and o.seed >= 0 else None,  # -1: random, as Ollama's
+        stop=stop, logprobs=logprobs, grammar=grammar)
+
+
+def _grammar(fmt: str | dict[str, Any] | None, served: Served) -> str | None:
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return served.aengine.json_grammar()
+    if isinstance(fmt, dict):
+        try:
+            return served.aengine.json_grammar(fmt)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"format: {e}", param="format") from None
+    raise InvalidRequestError(f'format: invalid value {fmt!r}; expected "json" or a JSON schema',
+                              param="format")
+
+
+def _logprobs(req: _Generation) -> int | None:
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                                  param="top_logprobs")
+    if top and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if req.logprobs else None
+
+
+def _check_generation(req: _Generation, served: Served) -> None:
+    _check_model(req.model, served)
+    _check_keep_alive(req.keep_alive)
+    if req.think not in (None, False):
+        raise InvalidRequestError(f'"{req.model}" does not support thinking', param="think")
+
+
+def _no_images(images: list[str] | None, where: str) -> None:
+    if images:
+        raise InvalidRequestError(f"{where}: this model reads text only and cannot take images",
+                                  param=where)
+
+
+# ---- one generation ------------------------------------------------------------------------
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+@dataclass
+class _Job:
+    """One chat or generate request on its way: how its chunks look and what it has so far."""
+
+    served: Served
+    name: str  # the model as the client named it (echoed back, as Ollama does)
+    chat: bool
+    started: float  # perf_counter at arrival
+    lstrip: bool  # leading blanks still to drop
+
+    def text(self, piece: str) -> str:
+        if self.lstrip:
+            piece = piece.lstrip()
+            self.lstrip = not piece
+        return piece
+
+    def chunk(self, text: str, done: bool, lps: list[TokenLogprob] | None = None) -> dict:
+        out: dict[str, Any] = {"model": self.name, "created_at": _now()}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        if lps is not None:
+            out["logprobs"] = [_logprob(self.served, lp) for lp in lps]
+        out["done"] = done
+        return out
+
+    def final(self, text: str, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict:
+        m = out.metrics
+        end = m.finished_time or time.perf_counter()
+        first = m.first_token_time or end
+        return {**self.chunk(text, True, lps),
+                "done_reason": "length" if out.finish_reason == "length" else "stop",
+                "total_duration": _ns(time.perf_counter() - self.started),
+                "load_duration": 0,  # the model was loaded when the server started
+                "prompt_eval_count": m.num_prompt_tokens,
+                "prompt_eval_duration": _ns(first - m.arrival_time),
+                "eval_count": m.num_generated_tokens,
+                "eval_duration": _ns(end - first)}
+
+    def error(self, out: RequestOutput) -> Exception:
+        if not self.served.aengine.accepting:  # aborted by a shutdown: 503, retry later
+            return EngineClosedError(out.error or "the server is shutting down")
+        return APIError(500, out.error or "the request failed", type="server_error")
+
+
+def _logprob(served: Served, lp: TokenLogprob) -> dict:
+    def entry(token: int, value: float) -> dict:
+        piece = served.aengine.token_bytes(token)
+        return {"token": piece.decode("utf-8", "replace"), "logprob": value,
+                "bytes": list(piece)}
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+async def _outputs(job: _Job, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The request's outputs; a finished one is counted in the metrics. Closing the iterator
+    (client gone, task cancelled) aborts the request."""
+    try:
+        async for out in stream:
+            if out.finished and not out.error:
+                job.served.metrics.observe_finished(out.metrics, out.finish_reason)
+            yield out
+    finally:
+        stream.abort()
+
+
+async def _ndjson(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
+    async with aclosing(_outputs(job, stream)) as outputs:
+        async for out in outputs:
+            if out.error:
+                yield _json.encode({"error": str(job.error(out))}) + b"\n"
+                return
+            text = job.text(out.text)
+            if text or (out.logprobs and not out.finished):
+                yield _json.encode(job.chunk(text, False, out.logprobs)) + b"\n"
+                if out.finished:
+                    yield _json.encode(job.final("", out, None)) + b"\n"
+            elif out.finished:
+                yield _json.encode(job.final("", out, out.logprobs)) + b"\n"
+
+
+async def _collect(job: _Job, stream: RequestStream, want_logprobs: bool) -> dict:
+    text = ""
+    lps: list[TokenLogprob] = []
+    async with aclosing(_outputs(job, stream)) as outputs:
+        async for out in outputs:
+            if out.error:
+                raise job.error(out)
+            text += job.text(out.text)
+            lps += out.logprobs or []
+            if out.finished:
+                return job.final(text, out, lps if want_logprobs else None)
+    raise APIError(500, "the request ended without a result", type="server_error")
+
+
+async def _run(request: Request, served: Served, req: _Generation, prompt: str,
+               params: SamplingParams, *, chat: bool, templated: bool, started: float) -> Any:
+    # After a transcript's "Assistant:" the model writes the separating space itself.
+    lstrip = templated and served.completions.template.name == "transcript"
+    job = _Job(served, req.model, chat, started, lstrip)
+    try:  # a refusal raises here, before any answer
+        stream = served.aengine.submit(prompt, params)
+    except InvalidRequestError as e:
+        if e.param != "max_tokens":
+            raise
+        raise InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
+                                  param="options.num_predict") from None
+    if req.stream:
+        return Stream(_ndjson(job, stream), media_type=NDJSON, headers={"Content-Type": NDJSON})
+    return await unless_disconnected(request, _collect(job, stream, req.logprobs))
+
+
+def _loaded(name: str, chat: bool) -> dict:
+    """Ollama's answer to a request with nothing to generate: it loads the model (here it
+    already is)."""
+    body: dict[str, Any] = {"model": name, "created_at": _now()}
+    if chat:
+        body["message"] = {"role": "assistant", "content": ""}
+    else:
+        body["response"] = ""
+    return {**body, "done_reason": "load", "done": True}
+
+
+# ---- generation routes ---------------------------------------------------------------------
+
+@post("/chat", status_code=200, summary="Ollama: the next message of a chat (NDJSON stream)")
+async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State) -> Any:
+    started = time.perf_counter()
+    served = _served(state)
+    req = await decode_request(request, OllamaChatRequest)
+    _check_generation(req, served)
+    if req.tools:
+        raise InvalidRequestError("tools: tool calling is not supported yet", param="tools")
+    messages = []
+    for i, m in enumerate(req.messages):
+        _no_images(m.images, f"messages[{i}].images")
+        if m.tool_calls:
+            raise InvalidRequestError(f"messages[{i}].tool_calls: tool calling is not "
+                                      "supported yet", param=f"messages[{i}].tool_calls")
+        if m.tool_name:
+            raise InvalidRequestError(f"messages[{i}].tool_name: tool calling is not "
+                                      "supported yet", param=f"messages[{i}].tool_name")
+        if m.thinking:
+            raise InvalidRequestError(f'messages[{i}].thinking: "{req.model}" does not support '
+                                      "thinking", param=f"messages[{i}].thinking")
+        messages.append(ChatMessage(role=m.role, content=m.content))
+    params = _sampling(req.options, served, grammar=_grammar(req.format, served),
+                       logprobs=_logprobs(req), template_stops=True)
+    if not messages:
+        return _loaded(req.model, chat=True)
+    prompt = served.completions.chat_prompt(messages)
+    return await _run(request, served, req, prompt, params, chat=True, templated=True,
+                      started=started)
+
+
+@post("/generate", status_code=200, summary="Ollama: a completion of a prompt (NDJSON stream)")
+async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, state: State) -> Any:
+    started = time.perf_counter()
+    served = _served(state)
+    req = await decode_request(request, OllamaGenerateRequest)
+    _check_generation(req, served)
+    _no_images(req.images, "images")
+    if req.suffix:
+        raise InvalidRequestError("suffix: fill-in-the-middle is not supported", param="suffix")
+    if req.template:
+        raise InvalidRequestError("template: a per-request prompt template is not supported; "
+                                  "send raw: true with a prompt formatted yourself, or use the "
+                                  "server's chat template (--chat-template)", param="template")
+    if req.context:
+        raise InvalidRequestError("context: continuing from a previous response's context is "
+                                  "not supported (Ollama deprecates it); send the conversation "
+                                  "to /api/chat", param="context")
+    for name in ("width", "height", "steps"):
+        if getattr(req, name) is not None:
+            raise InvalidRequestError(f"{name}: image generation is not supported", param=name)
+    if req.raw and req.system:
+        raise InvalidRequestError("system: a raw prompt is sent as it is, without a system "
+                                  "message; put it in the prompt", param="system")
+    params = _sampling(req.options, served, grammar=_grammar(req.format, served),
+                       logprobs=_logprobs(req), template_stops=not req.raw)
+    if not req.prompt:
+        return _loaded(req.model, chat=False)
+    if req.raw:
+        prompt = req.prompt
+    else:
+        turn = [ChatMessage(role="user", content=req.prompt)]
+        if req.system:
+            turn.insert(0, ChatMessage(role="system", content=req.system))
+        prompt = served.completions.chat_prompt(turn)
+    return await _run(request, served, req, prompt, params, chat=False,
+                      templated=not req.raw, started=started)
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+def _check_embedding_options(o: OllamaOptions | None, served: Served) -> None:
+    if o is None:
+        return
+    _check_load_options(o, served)
+    for name in _SAMPLING_OPTIONS:
+        if getattr(o, name) is not None:
+            raise InvalidRequestError(f"options.{name} does not apply to embeddings",
+                                      param=f"options.{name}")
+
+
+async def _embed(served: Served, name: str, inputs: str | list[str], dimensions: int | None
+                 ) -> tuple[list[list[float]], int]:
+    if served.embeddings is None:
+        raise InvalidRequestError(f'"{name}" does not support embeddings: this server runs '
+                                  "with embeddings disabled", param="model")
+    result = await served.embeddings.create(
+        EmbeddingRequest(input=inputs, dimensions=dimensions))
+    return [list(e.embedding) for e in result.data], result.usage.prompt_tokens
+
+
+@post("/embed", status_code=200, summary="Ollama: embeddings of one or more inputs")
+async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: State) -> Any:
+    started = time.perf_counter()
+    served = _served(state)
+    req = await decode_request(request, OllamaEmbedRequest)
+    _check_model(req.model, served)
+    _check_keep_alive(req.keep_alive)
+    _check_embedding_options(req.options, served)
+    if req.truncate:
+        raise InvalidRequestError("truncate: an input longer than the embedding context is "
+                                  "refused, not truncated (send truncate: false)",
+                                  param="truncate")
+    if req.dimensions is not None and req.dimensions < 1:
+        raise InvalidRequestError("dimensions must be >= 1", param="dimensions")
+    if req.input in ("", []):
+        return {"model": req.model, "embeddings": []}
+    vectors, tokens = await _embed(served, req.model, req.input, req.dimensions)
+    return {"model": req.model, "embeddings": vectors,
+            "total_duration": _ns(time.perf_counter() - started), "load_duration": 0,
+            "prompt_eval_count": tokens}
+
+
+@post("/embeddings", status_code=200, summary="Ollama (older): the embedding of one prompt")
+async def embeddings(data: JSONBody[OllamaEmbeddingsRequest], request: Request,
+                     state: State) -> Any:
+    served = _served(state)
+    req = await decode_request(request, OllamaEmbeddingsRequest)
+    _check_model(req.model, served)
+    _check_keep_alive(req.keep_alive)
+    _check_embedding_options(req.options, served)
+    if not req.prompt:
+        return {"embedding": []}
+    vectors, _ = await _embed(served, req.model, req.prompt, None)
+    return {"embedding": vectors[0]}
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What Ollama's listings say of a model, read once from the GGUF (header and digest)."""
+
+    size: int
+    digest: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    license: str | None
+
+
+def _read_facts(path: str) -> _ModelFacts:
+    """Blocking (the header, and the file's sha256 unless the registry remembers it)."""
+    header = read_gguf_header(path)
+    meta = header.metadata
+    arch = header.architecture
+    ftype = header.integer("general.file_type")
+    count = header.integer("general.parameter_count")
+    size_label = meta.get("general.size_label")
+    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+               "parameter_size": (_human_count(count) if count else
+                                  str(size_label) if size_label else ""),
+               "quantization_level": quantization_name(ftype) if ftype is not None else ""}
+    info: dict[str, Any] = {k: v for k, v in meta.items() if k != "tokenizer.chat_template"}
+    info.update({k: [] for k in header.array_lengths})  # arrays left out, as Ollama does
+    licence = meta.get("general.license")
+    p = Path(path)
+    digest = Registry().digests.cached(p) or sha256_file(p)
+    return _ModelFacts(p.stat().st_size, digest, details, dict(sorted(info.items())),
+                       str(licence) if licence is not None else None)
+
+
+def _human_count(n: int) -> str:
+    """A parameter count as Ollama writes it: 8.0B, 268.10M, 20K."""
+    for unit, scale, digits in (("B", 1e9, 1), ("M", 1e6, 2), ("K", 1e3, 0)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.0f}{unit}" if x == math.floor(x) else f"{x:.{digits}f}{unit}"
+    return str(n)
+
+
+async def _facts(state: State, served: Served) -> _ModelFacts:
+    facts = state.get("ollama_facts")
+    if facts is None:
+        facts = await asyncio.to_thread(_read_facts, served.aengine.model_path)
+        state["ollama_facts"] = facts
+    return facts
+
+
+def _tag(served: Served) -> str:
+    """The served model as Ollama lists it: ``name:latest`` (a name with a tag stays as it is)."""
+    return served.model_id if ":" in served.model_id else f"{served.model_id}:latest"
+
+
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@get("/tags", summary="Ollama: the models this server has (the one it serves)")
+async def tags(state: State) -> Any:
+    served = _served(state)
+    facts = await _facts(state, served)
+    name = _tag(served)
+    return {"models": [{
+        "name": name, "model": name,
+        "modified_at": _iso(datetime.fromtimestamp(served.created, UTC)),
+        "size": facts.size, "digest": facts.digest, "details": facts.details}]}
+
+
+@get("/ps", summary="Ollama: the models loaded now (the one it serves, for as long as it runs)")
+async def ps(state: State) -> Any:
+    served = _served(state)
+    facts = await _facts(state, served)
+    name = _tag(served)
+    # Never unloaded: Ollama's own "forever" is now + the longest Go duration (292 years).
+    forever = datetime.now(UTC) + timedelta(days=292 * 365)
+    return {"models": [{
+        "name": name, "model": name, "size": facts.size, "digest": facts.digest,
+        "details": facts.details, "expires_at": _iso(forever),
+        "context_length": served.aengine.max_request_tokens}]}
+
+
+@post("/show", status_code=200, summary="Ollama: what is known of a model")
+async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State) -> Any:
+    served = _served(state)
+    req = await decode_request(request, OllamaShowRequest)
+    name = req.model or req.name
+    _check_model(name, served)
+    if req.verbose:
+        raise InvalidRequestError("verbose: the GGUF's array values (the vocabulary) are not "
+                                  "listed; leave verbose out", param="verbose")
+    facts = await _facts(state, served)
+    template = served.completions.template
+    parameters = [("num_ctx", served.aengine.max_request_tokens),
+                  ("temperature", DEFAULT_TEMPERATURE), ("top_k", DEFAULT_TOP_K),
+                  ("top_p", DEFAULT_TOP_P), ("repeat_penalty", DEFAULT_REPEAT_PENALTY),
+                  ("repeat_last_n", DEFAULT_REPEAT_LAST_N),
+                  *(("stop", msgspec.json.encode(s).decode()) for s in template.stop)]
+    lines = "\n".join(f"{k:<30} {v}" for k, v in parameters)
+    modelfile = (f"# Modelfile generated by justllm {__version__}\n"
+                 f"FROM {os.path.abspath(served.aengine.model_path)}\n"
+                 + "\n".join(f"PARAMETER {k} {v}" for k, v in parameters))
+    body: dict[str, Any] = {
+        "modelfile": modelfile, "parameters": lines, "template": template.source,
+        "details": facts.details, "model_info": facts.model_info,
+        "capabilities": ["completion"] + (["embedding"] if served.embeddings else []),
+        "modified_at": _iso(datetime.fromtimestamp(served.created, UTC))}
+    if facts.license is not None:
+        body["license"] = facts.license
+    return body
+
+
+@get("/version", summary="Ollama: the server's version (justllm's)")
+async def version() -> Any:
+    return {"version": __version__}
+
+
+# Ollama's model management answers 501 with what to do instead (left out of the OpenAPI
+# document: a 501 is the documented answer, not a server fault for a fuzzer to find).
+@post(["/pull", "/push", "/create", "/copy"], status_code=200, include_in_schema=False)
+async def manage(request: Request) -> Any:
+    raise _unmanaged(request)
+
+
+@delete("/delete", status_code=200, include_in_schema=False)
+async def remove(request: Request) -> None:
+    raise _unmanaged(request)
+
+
+def _unmanaged(request: Request) -> APIError:
+    return APIError(501, f"{request.url.path}: `justllm serve` serves the model it was started "
+                         "with and does not manage models over HTTP; use `justllm pull`, "
+                         "`justllm models` and `justllm rm` on the server's machine",
+                    type="not_implemented")
+
+
+# ---- root and errors -----------------------------------------------------------------------
+
+@get("/", summary="Ollama's liveness answer", media_type="text/plain")
+async def root() -> str:
+    return "Ollama is running"
+
+
+@head("/", summary="Ollama's liveness answer (headers only)", media_type="text/plain")
+async def root_head() -> None:
+    return None
+
+
+def ollama_error(_: Request, exc: Exception) -> Response:
+    """Ollama's error shape, ``{"error": "message"}``, with the status the OpenAI side would
+    give."""
+    e = to_api_error(exc)
+    return Response({"error": e.message}, status_code=e.status, headers=e.headers)
+
+
+def ollama_router() -> Router:
+    """The ``/api`` routes, behind the same API key guard as ``/v1``."""
+    return Router(path="/api", route_handlers=[
+        chat, generate, embed, embeddings, tags, ps, show, version, manage, remove],
+        guards=[require_api_key], exception_handlers={Exception: ollama_error})
