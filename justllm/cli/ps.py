@@ -57,7 +57,8 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
                 if rep.get("error") and rep["status"] != "ready":
                     status += f" ({rep['error']})"
                 table.add_row(
-                    m["model"], rep["replica"] if rep["pid"] else rep["url"], status,
+                    m["model"], (rep["replica"] if rep["pid"] else rep["url"]) + (
+                        f" {rep['role']}" if rep.get("role", "both") != "both" else ""), status,
                     str(rep["pid"] or "-"),
                     f"{rep['rss_mib']:.0f} MiB" if rep.get("rss_mib") else "-",
                     str(rep["load"]), f"{rep['kv_usage']:.0%}",

@@ -27,6 +27,7 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory, named by file stem.")] = None,
+    role: Annotated[str, typer.Option("--role", help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: seconds the requests in flight may still run (new ones get 503); then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
@@ -41,6 +42,9 @@ def serve(
             if served_model_name:
                 raise ValueError("--served-model-name names a single model; in router mode "
                                  "models are named by models.yaml, or by file stem")
+            if role != "both":
+                raise ValueError("--role is a runner's; in router mode give a model "
+                                 "prefill-replicas and decode-replicas in models.yaml")
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
                                   shutdown_timeout, engine_flags or {})
         model = models[0] if models else None
@@ -52,6 +56,7 @@ def serve(
         from justllm.models.gguf import check_gguf_file
         from justllm.models.registry import lease_for_path
         from justllm.server.app import ServerConfig, begin_shutdown, create_app
+        from justllm.server.pd import ROLES
 
         flags = engine_flags or {}
         config = o.engine_config(model, flags)
@@ -63,8 +68,10 @@ def serve(
             raise ValueError("--port must be in 1..65535")
         if not 0 <= shutdown_timeout <= 3600:
             raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
+        if role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
-                                     model_name=served_model_name)
+                                     model_name=served_model_name, role=role)
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)))
         Console(stderr=True).print(
             f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "

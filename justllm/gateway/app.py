@@ -5,6 +5,7 @@ runner (loaded first if need be), the model list with status, load/unload, healt
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ async def _forward(request: Request, path: str) -> Any:
         raise _unavailable(e) from None
     ended = False
     try:
+        target = path
+        if state.spec.pd and path in PD_PATHS:
+            kv = await _prefill(request, sup, state, route, path, content)
+            if kv is not None:  # the decode replica imports it, then serves the request
+                target = f"/pd/decode?path={path}"
+                content = struct.pack("<I", len(content)) + content + kv
         skip: set[str] = set()  # replicas that refused this request (429, 503)
         refused: Response | None = None
         failed = 0  # replicas that died under this request before answering
@@ -113,7 +120,7 @@ async def _forward(request: Request, path: str) -> Any:
                     raise _unavailable(e) from None
                 continue
             try:
-                answer = await _send(request, replica, path, content, state, keep_alive,
+                answer = await _send(request, replica, target, content, state, keep_alive,
                                      partial(sup.done, replica))
             except _NOT_ANSWERED as e:
                 # Nothing reached the client: the request goes to another replica (or to
@@ -136,6 +143,40 @@ async def _forward(request: Request, path: str) -> Any:
     finally:
         if not ended:
             sup.end(state, keep_alive)
+
+
+PD_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
+                   path: str, content: bytes) -> bytes | None:
+    """A PD model's first half: a prefill replica (cache-aware) computes the prompt and sends
+    back its KV. None when that fails in any way (no prefill replica, it refused, died or was
+    cut off): the request is then served whole by a decode replica, counted by reason."""
+    try:
+        replica = sup.route(state, route, set(), role="prefill")
+    except NoReplica:
+        state.pd_fallbacks["no_prefill_replica"] += 1
+        return None
+    http: httpx.AsyncClient = request.app.state["http"]
+    t0 = time.monotonic()
+    try:
+        response = await http.post(f"{replica.url}/pd/prefill?path={path}", content=content,
+                                   headers={"content-type": "application/json"})
+    except httpx.HTTPError as e:
+        if isinstance(e, _NOT_ANSWERED):
+            sup.replica_failed(state, replica, f"{type(e).__name__}: {e}")
+        state.pd_fallbacks["prefill_failed"] += 1
+        return None
+    finally:
+        sup.done(replica)
+    if response.status_code != 200:
+        state.pd_fallbacks[f"prefill_{response.status_code}"] += 1
+        return None
+    state.pd_transfers += 1
+    state.pd_bytes += len(response.content)
+    state.pd_seconds += time.monotonic() - t0
+    return response.content
 
 
 async def _send(request: Request, replica: Replica, path: str, content: bytes,
@@ -221,7 +262,8 @@ def _rss_mib(pid: int) -> float | None:
 
 
 def _replica_row(r: Replica) -> dict:
-    return {"replica": r.id, "status": r.status, "pid": r.pid, "url": r.url, "gpu": r.gpu,
+    return {"replica": r.id, "role": r.role, "status": r.status, "pid": r.pid, "url": r.url,
+            "gpu": r.gpu,
             "rss_mib": _rss_mib(r.pid) if r.pid else None, "in_flight": r.in_flight,
             "load": r.load_total, "kv_usage": round(r.kv_usage, 3),
             "hit_ratio": None if r.hit_ratio is None else round(r.hit_ratio, 3),
@@ -253,6 +295,10 @@ async def models_status(state: State) -> dict:
                 "min": scale.min_replicas, "max": scale.max_replicas,
                 "target_ongoing": scale.target_ongoing, "up": s.scaled["up"],
                 "down": s.scaled["down"]},
+            "pd": None if not s.spec.pd else {
+                "transfers": s.pd_transfers, "bytes": s.pd_bytes,
+                "prefill_seconds": round(s.pd_seconds, 3),
+                "fallbacks": dict(s.pd_fallbacks)},
             "replicas": [_replica_row(r) for r in s.replicas]})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
             "max_loaded": sup.config.max_loaded,

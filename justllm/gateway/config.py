@@ -37,8 +37,9 @@ from justllm.gateway.routing import RoutingConfig, routing_config
 DEFAULT_TTL = 300.0
 _SCALE_KEYS = {"min-replicas", "max-replicas", "target-ongoing", "upscale-delay",
                "downscale-delay"}
+_PD_KEYS = {"prefill-replicas", "decode-replicas"}
 _MODEL_KEYS = {"source", "aliases", "ttl", "preload", "replicas", "gpus", "urls", "routing",
-               *_SCALE_KEYS}
+               *_SCALE_KEYS, *_PD_KEYS}
 _TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting",
              "poll-interval"}
 
@@ -65,6 +66,16 @@ class ModelSpec:
     urls: tuple[str, ...] = ()  # remote replicas (other `justllm serve`s), always in rotation
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     autoscale: AutoscaleConfig | None = None  # min-replicas / max-replicas given
+    # Prefill/decode disaggregation: each local replica's and each url's role ("both" if not).
+    roles: tuple[str, ...] = ()
+    url_roles: tuple[str, ...] = ()
+
+    @property
+    def pd(self) -> bool:
+        return "prefill" in self.roles + self.url_roles
+
+    def role_of(self, index: int) -> str:
+        return self.roles[index] if index < len(self.roles) else "both"
 
     def gpu_of(self, index: int) -> int | None:
         return self.gpus[index % len(self.gpus)] if self.gpus else None
@@ -138,6 +149,8 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
     if not isinstance(gpus, list) or not all(
             isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
         raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1]")
+    if _PD_KEYS & entry.keys():
+        return _pd_replicas(name, entry)
     scaled = {k: entry[k] for k in _SCALE_KEYS if k in entry}
     autoscale = None
     if scaled:
@@ -170,15 +183,48 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
         routing = routing_config(entry.get("routing"))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return {"replicas": replicas, "gpus": tuple(gpus), "urls": tuple(u.rstrip("/") for u in urls),
-            "routing": routing, "autoscale": autoscale}
+    return {"replicas": replicas, "gpus": tuple(gpus),
+            "urls": tuple(u.rstrip("/") for u in urls), "routing": routing,
+            "autoscale": autoscale, "roles": (), "url_roles": ("both",) * len(urls)}
+
+
+def _pd_replicas(name: str, entry: dict) -> dict[str, Any]:
+    """``prefill-replicas`` and ``decode-replicas``: each a count of local replicas or a list
+    of urls; with a prefill-capable and a decode-capable replica at least."""
+    where = f"model '{name}'"
+    if not _PD_KEYS <= entry.keys():
+        raise ValueError(f"{where}: give both prefill-replicas and decode-replicas")
+    clash = sorted(({"replicas", "urls", "gpus"} | _SCALE_KEYS) & entry.keys())
+    if clash:
+        raise ValueError(f"{where}: prefill-replicas / decode-replicas replace "
+                         f"{', '.join(clash)}")
+    roles: list[str] = []
+    urls: list[str] = []
+    url_roles: list[str] = []
+    for key, role in (("prefill-replicas", "prefill"), ("decode-replicas", "decode")):
+        value = entry[key]
+        if isinstance(value, list):
+            got = _replicas(name, {"urls": value})["urls"]
+            urls += got
+            url_roles += [role] * len(got)
+        else:
+            roles += [role] * _count(f"{where}: {key}", value, 1)
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"{where}: a url is listed twice")
+    if roles and not entry.get("source"):
+        raise ValueError(f"{where}: local replicas need a 'source'")
+    try:
+        routing = routing_config(entry.get("routing"))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return {"replicas": len(roles), "gpus": (), "urls": tuple(urls), "routing": routing,
+            "autoscale": None, "roles": tuple(roles), "url_roles": tuple(url_roles)}
 
 
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if isinstance(entry, str):
         entry = {"source": entry}
-    if isinstance(entry, dict) and "source" not in entry and entry.get("urls") and \
-            not entry.get("replicas"):
+    if isinstance(entry, dict) and "source" not in entry and (entry.get("urls") and not entry.get("replicas") or _PD_KEYS & entry.keys()):
         entry = {**entry, "source": ""}  # replicas elsewhere only: nothing to load here
     if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
         raise ValueError(f"model '{name}' needs a 'source' (a registry name, a path or "

@@ -97,6 +97,22 @@ def _replicas(sup: Supervisor) -> list[str]:
     lines += [f"{name}{_labels(s, reason=reason)} {s.router.counts[reason]}"
               for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
               s.spec.autoscale is not None for reason in REASONS]
+    pd = [s for s in sup.models.values() if s.spec.pd]
+    for name, kind, doc, value in [
+            ("justllm_gateway_pd_transfers_total", "counter",
+             "Prompts a prefill replica computed and handed over.", lambda s: s.pd_transfers),
+            ("justllm_gateway_pd_bytes_total", "counter", "KV bytes handed over.",
+             lambda s: s.pd_bytes),
+            ("justllm_gateway_pd_prefill_seconds_sum", "counter",
+             "Seconds from sending a prompt to a prefill replica to holding its KV.",
+             lambda s: round(s.pd_seconds, 6))]:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{_labels(s)} {value(s)}" for s in pd]
+    name = "justllm_gateway_pd_fallbacks_total"
+    lines += [f"# HELP {name} Requests of a PD model served whole by a decode replica, by "
+              "reason.", f"# TYPE {name} counter"]
+    lines += [f"{name}{_labels(s, reason=r)} {n}" for s in pd for r, n in
+              sorted(s.pd_fallbacks.items())]
     scaled = [s for s in sup.models.values() if s.spec.autoscale is not None]
     gauges = [("justllm_autoscaler_replicas", "Local replicas serving or starting.",
                lambda s: sum(r.status not in ("stopping", "failed") for r in s.local)),

@@ -28,6 +28,7 @@ class Replica:
     runner: RunnerProcess | None = None
     remote: str | None = None
     gpu: int | None = None
+    role: str = "both"  # prefill/decode disaggregation: "prefill", "decode" or "both"
     status: str = "starting"
     in_flight: int = 0  # requests the gateway sent it and has not seen end
     others: int = 0  # at the last poll, its running + waiting beyond the gateway's in flight

@@ -42,7 +42,7 @@ def log_name(model: str, replica: str = "0") -> str:
 
 class RunnerProcess:
     def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 5.0,
-                 replica: str = "0", gpu: int | None = None) -> None:
+                 replica: str = "0", gpu: int | None = None, role: str = "both") -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,7 +51,8 @@ class RunnerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "justllm", "serve", spec.source, "--host", "127.0.0.1",
                "--port", str(self.port), "--served-model-name", spec.name,
-               "--shutdown-timeout", str(shutdown_timeout), *spec.runner_args()]
+               "--shutdown-timeout", str(shutdown_timeout), *spec.runner_args(),
+               *(["--role", role] if role != "both" else [])]
         with self.log_path.open("ab") as log:
             log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
                       f"{' '.join(cmd)}\n".encode())

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -43,7 +43,8 @@ class ModelState:
     spec: ModelSpec
     status: str = "unloaded"  # loading, loaded, failed
     replicas: list[Replica] = field(default_factory=list)  # remote ones, and local while loaded
-    router: Router = field(init=False)
+    router: Router = field(init=False)  # for "both" replicas, or PD's decode replicas
+    prefill_router: Router = field(init=False)  # PD's prefill replicas (cache-aware)
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
     keep_alive: float | None = None  # the last request's keep_alive, overriding the ttl
@@ -58,9 +59,19 @@ class ModelState:
     scaled: Counter[str] = field(default_factory=Counter)  # autoscaler decisions by direction
     next_id: int = 0  # the next local replica's id
 
+    pd_transfers: int = 0  # requests whose prompt a prefill replica computed
+    pd_bytes: int = 0
+    pd_seconds: float = 0.0  # prefill + transfer to the gateway, summed
+    pd_fallbacks: Counter[str] = field(default_factory=Counter)  # served whole, by reason
+
     def __post_init__(self) -> None:
-        self.router = make_router(self.spec.routing)
-        self.replicas = [Replica(url, remote=url, status="ready") for url in self.spec.urls]
+        routing = self.spec.routing
+        # PD: the prompt goes where its prefix is cached; generation where there is room.
+        self.router = make_router(replace(routing, policy="least-load")
+                                  if self.spec.pd else routing)
+        self.prefill_router = make_router(routing)
+        self.replicas = [Replica(url, remote=url, status="ready", role=role)
+                         for url, role in zip(self.spec.urls, self.spec.url_roles)]
         if self.remote_only:  # nothing to load here: in service while a replica answers
             self.status = "loaded"
 
@@ -75,6 +86,11 @@ class ModelState:
     @property
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.routable] if self.status == "loaded" else []
+
+    def routable_for(self, role: str) -> list[Replica]:
+        """Replicas in the rotation that can take ``role``'s part of a request."""
+        wanted = (role, "both") if self.spec.pd else ("both", role)
+        return [r for r in self.routable if r.role in wanted]
 
     @property
     def died(self) -> list[Replica]:
@@ -158,11 +174,11 @@ class Supervisor:
             state.active -= 1
             raise
 
-    async def wait_routable(self, state: ModelState) -> None:
-        """Until one of a loaded model's replicas is back in the rotation (restarted, or
-        answering polls again), at most load-timeout."""
+    async def wait_routable(self, state: ModelState, role: str = "decode") -> None:
+        """Until one of a loaded model's replicas for ``role`` is back in the rotation
+        (restarted, or answering polls again), at most load-timeout."""
         deadline = time.monotonic() + self.config.load_timeout
-        while not state.routable:
+        while not state.routable_for(role):
             if state.status != "loaded" or (state.local and not state.remote_only and all(
                     r.status == "failed" for r in state.local)):
                 raise ModelUnavailable(f"model '{state.spec.name}' has no replica that can "
@@ -173,12 +189,16 @@ class Supervisor:
                                        code="no_healthy_replica")
             await asyncio.sleep(0.05)
 
-    def route(self, state: ModelState, request: RouteRequest, skip: set[str]) -> Replica:
+    def route(self, state: ModelState, request: RouteRequest, skip: set[str],
+              role: str = "decode") -> Replica:
         """The replica the model's policy picks for ``request`` among those in the rotation
-        and not in ``skip`` (they refused it), counted in flight: pair with ``done``.
-        Raises routing.NoReplica when there is none."""
-        loads = [r.load(skip=r.id in skip) for r in state.replicas]
-        replica = state.replica(state.router.choose(request, loads).replica)
+        of ``role`` (a PD model's "prefill" or "decode" replicas; otherwise all) and not in
+        ``skip`` (they refused it), counted in flight: pair with ``done``. Raises
+        routing.NoReplica when there is none."""
+        wanted = (role, "both") if state.spec.pd else ("both", role)
+        loads = [r.load(skip=r.id in skip) for r in state.replicas if r.role in wanted]
+        router = state.prefill_router if role == "prefill" else state.router
+        replica = state.replica(router.choose(request, loads).replica)
         replica.in_flight += 1
         return replica
 
@@ -193,7 +213,7 @@ class Supervisor:
         if replica.status not in ("ready", "unhealthy"):
             return
         replica.error = error
-        state.router.forget_replica(replica.id)
+        self._forget(state, replica)
         if replica.local:
             replica.restarts += 1
             state.restarts += 1
@@ -255,10 +275,17 @@ class Supervisor:
             stopping = [r for name in victims for r in self._detach(self.models[name])]
         await self._stop_all(stopping)
 
+    @staticmethod
+    def _forget(state: ModelState, replica: Replica) -> None:
+        """The replica's cache is gone (or it left): no router may count on it."""
+        state.router.forget_replica(replica.id)
+        state.prefill_router.forget_replica(replica.id)
+
     def _new_replica(self, state: ModelState) -> Replica:
         rid = str(state.next_id)
         state.next_id += 1
-        replica = Replica(rid, gpu=state.spec.gpu_of(int(rid)))
+        replica = Replica(rid, gpu=state.spec.gpu_of(int(rid)),
+                          role=state.spec.role_of(int(rid)))
         state.replicas.append(replica)
         return replica
 
@@ -266,7 +293,7 @@ class Supervisor:
         replica.reset()
         replica.status = "starting"
         replica.runner = RunnerProcess(state.spec, self.log_dir, self.drain, replica.id,
-                                       replica.gpu)
+                                       replica.gpu, replica.role)
         return replica.runner
 
     async def _start(self, state: ModelState) -> None:
@@ -326,7 +353,7 @@ class Supervisor:
     def _drop_replica(state: ModelState, replica: Replica) -> None:
         """A replica that never served: forgotten, its process killed."""
         state.replicas.remove(replica)
-        state.router.forget_replica(replica.id)
+        Supervisor._forget(state, replica)
         if replica.runner is not None:
             replica.runner.kill_now()
 
@@ -336,7 +363,7 @@ class Supervisor:
         runners = [r.runner for r in state.local if r.runner is not None]
         for r in state.local:
             r.status = "stopping"
-            state.router.forget_replica(r.id)
+            self._forget(state, r)
         state.replicas = [r for r in state.replicas if not r.local]
         if state.remote_only:
             return runners
@@ -372,7 +399,7 @@ class Supervisor:
         """Out of the rotation now; its process stopped and started again in the background
         (with backoff; failed after MAX_FAILURES attempts in a row)."""
         replica.status = "restarting"
-        state.router.forget_replica(replica.id)
+        self._forget(state, replica)
         self._tasks.append(asyncio.ensure_future(self._restart_replica(state, replica)))
 
     async def _restart_replica(self, state: ModelState, replica: Replica) -> None:
@@ -440,7 +467,7 @@ class Supervisor:
     def _retire(self, state: ModelState, replica: Replica) -> None:
         """Scaled down: out of the rotation now; stopped once its requests are done."""
         replica.status = "stopping"
-        state.router.forget_replica(replica.id)
+        self._forget(state, replica)
 
         async def retire() -> None:
             deadline = time.monotonic() + self.drain + 60

@@ -51,6 +51,7 @@ class ServerConfig:
     max_n: int = 16
     max_body_bytes: int = 8 * 1024 * 1024
     embeddings: bool = True
+    role: str = "both"  # prefill/decode disaggregation: which /pd endpoint it serves
 
 
 @dataclass
@@ -179,7 +180,7 @@ async def health(state: State) -> Response:
         error = state.get("load_error")
         return Response({"status": "failed", "error": error} if error else {"status": "loading"},
                         status_code=503)
-    return Response({"status": "ok"}, status_code=200)
+    return Response({"status": "ok", "role": state["config"].role}, status_code=200)
 
 
 @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
@@ -237,13 +238,13 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             served.aengine.close()
             app.state["served"] = None
 
-    from justllm.server import ollama  # it imports this module's helpers: imported late
+    from justllm.server import ollama, pd  # they import this module's helpers: imported late
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models], guards=[require_api_key])
     return Litestar(
         route_handlers=[v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
-                        metrics],
+                        metrics, pd.pd_router()],
         state=state,
         on_startup=[load_in_background],
         on_shutdown=[close_engine],

@@ -88,6 +88,19 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", lab,
                              buckets=_E2E_BUCKETS, registry=r)
+        # Prefill/decode disaggregation (server/pd.py).
+        self.pd_exports = Counter("justllm_pd_exports", "Prompts prefilled and exported.", lab,
+                                  registry=r)
+        self.pd_imports = Counter("justllm_pd_imports", "Exported prompts imported.", lab,
+                                  registry=r)
+        self.pd_import_failures = Counter(
+            "justllm_pd_import_failures", "Imports refused (computed locally instead).",
+            lab + ["reason"], registry=r)
+        self.pd_bytes = Counter("justllm_pd_bytes", "KV bytes exported or imported.",
+                                lab + ["direction"], registry=r)
+        self.pd_seconds = Histogram("justllm_pd_transfer_seconds",
+                                    "Export or import time (llama.cpp state and checks).",
+                                    lab + ["direction"], buckets=_ITL_BUCKETS, registry=r)
 
     def observe_finished(self, m: RequestMetrics, finish_reason: str | None) -> None:
         lab = self._model

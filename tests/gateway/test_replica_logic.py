@@ -188,3 +188,29 @@ def test_bad_replica_keys_are_one_clear_error(entry, message):
     with pytest.raises(ValueError, match=None) as e:
         model(**entry)
     assert message in str(e.value) and "model 'm'" in str(e.value), str(e.value)
+
+
+def test_prefill_and_decode_replicas():
+    spec = model(**{"prefill-replicas": 1, "decode-replicas": 2})
+    assert spec.pd and spec.replicas == 3 and spec.roles == ("prefill", "decode", "decode")
+    assert [spec.role_of(i) for i in range(4)] == ["prefill", "decode", "decode", "both"]
+    remote = load_config({"models": {"r": {"prefill-replicas": ["http://p:1"],
+                                           "decode-replicas": ["http://d:1", "http://d:2"]}}},
+                         FLAGS).models[0]
+    assert remote.replicas == 0 and remote.urls == ("http://p:1", "http://d:1", "http://d:2")
+    assert remote.url_roles == ("prefill", "decode", "decode")
+    mixed = model(**{"prefill-replicas": ["http://p:1"], "decode-replicas": 1})
+    assert mixed.roles == ("decode",) and mixed.url_roles == ("prefill",)
+    assert not model(replicas=2).pd
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"prefill-replicas": 1}, "give both"),
+    ({"prefill-replicas": 1, "decode-replicas": 1, "replicas": 2}, "replace replicas"),
+    ({"prefill-replicas": 0, "decode-replicas": 1}, "prefill-replicas must be an integer >= 1"),
+    ({"prefill-replicas": ["ftp://x"], "decode-replicas": 1}, "http(s)://"),
+])
+def test_bad_pd_keys_are_one_clear_error(entry, message):
+    with pytest.raises(ValueError) as e:
+        model(**entry)
+    assert message in str(e.value), str(e.value)

@@ -1,0 +1,79 @@
+"""Prefill/decode disaggregation with real processes: one prefill and one decode replica of the
+demo model behind the gateway. The openai client sees ordinary answers (streamed and not); the
+prefill replica exported each prompt, the decode replica imported it and hit it in its prefix
+cache; a prefill replica killed mid-request costs the request nothing but speed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import openai
+
+from tests.gateway.test_gateway import start_gateway, stop, wait_gone
+from tests.gateway.test_replicas import FLAGS, replicas, runner_metric, wait_for
+
+STORY = "Once upon a time there was a lighthouse keeper who counted the waves every night. "
+
+
+def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill(
+        tmp_path, model_path):
+    gw = start_gateway(tmp_path, {"demo": {
+        "source": model_path, "prefill-replicas": 1, "decode-replicas": 1, "preload": True,
+        "chat-template": "gemma", **FLAGS}})
+    try:
+        wait_for("both replicas", lambda: [(r["role"], r["status"]) for r in
+                                           replicas(gw, "demo").values()] ==
+                 [("prefill", "ready"), ("decode", "ready")])
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="demo", prompt=STORY * 8, max_tokens=12,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 12 and text, chunks[-1]
+        chat = client.chat.completions.with_raw_response.create(
+            model="demo", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": STORY * 6 + "What did he count?"}])
+        assert chat.headers["x-replica"] == "1"  # the decode replica answered
+        answer = chat.parse()
+        assert answer.choices[0].message.content and answer.usage.completion_tokens <= 8
+
+        status = gw.status()["demo"]
+        assert status["pd"]["transfers"] == 2 and status["pd"]["fallbacks"] == {}, status["pd"]
+        assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 2
+        assert runner_metric(gw, "justllm_pd_imports_total", "demo", "1") == 2
+        # The decode replica found each imported prompt in its prefix cache.
+        assert runner_metric(gw, "justllm_prefix_cache_hits_total", "demo", "1") == 2
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        assert 'justllm_gateway_pd_transfers_total{model_name="demo"} 2' in text
+
+        # kill -9 the prefill replica while it computes a long prompt: the request is served
+        # whole by the decode replica instead, with every token.
+        victim = replicas(gw, "demo")["0"]["pid"]
+
+        async def killed_prefill():
+            async with httpx.AsyncClient(timeout=300) as http:
+                call = asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": STORY * 60, "max_tokens": 6,
+                    "ignore_eos": True}))
+                while replicas(gw, "demo")["0"]["in_flight"] < 1:
+                    await asyncio.sleep(0.02)
+                os.kill(victim, signal.SIGKILL)
+                return await call
+
+        r = asyncio.run(killed_prefill())
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        assert gw.status()["demo"]["pd"]["fallbacks"] == {"prefill_failed": 1}
+        back = wait_for("the prefill replica back", lambda: (
+            p := replicas(gw, "demo")["0"])["status"] == "ready" and p)
+        assert back["pid"] != victim and back["restarts"] == 1
+        pids = [p["pid"] for p in replicas(gw, "demo").values()]
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    wait_gone(pids)
