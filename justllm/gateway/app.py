@@ -9,19 +9,20 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
-from litestar import Litestar, Request, Response, Router, get, post
+from litestar import Litestar, Request, Response, Router, get, head, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
+from justllm import __version__
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
-from justllm.gateway.policy import keep_alive_seconds
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
@@ -29,6 +30,7 @@ from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception
+from justllm.server.ollama import keep_alive_seconds, ollama_error
 
 # A runner that died before answering: the request is sent once more to its successor.
 _NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
@@ -47,10 +49,16 @@ def _supervisor(state: State) -> Supervisor:
     return state["supervisor"]
 
 
-def _model(sup: Supervisor, name: Any) -> ModelState:
+def _model(sup: Supervisor, name: Any, ollama: bool = False) -> ModelState:
     if name is not None and not isinstance(name, str):
         raise APIError(400, "model must be a string", param="model")
     found = sup.resolve(name)
+    if found is None and name and name.endswith(":latest"):  # the tag Ollama clients add
+        found = sup.resolve(name.removesuffix(":latest"))
+    if found is None and ollama:
+        raise APIError(404 if name else 400,
+                       f'model "{name}" not found, try pulling it first' if name
+                       else "model is required", param="model")
     if found is None:
         known = ", ".join(sup.config.names)
         raise APIError(404 if name else 400,
@@ -82,16 +90,18 @@ async def _forward(request: Request, path: str) -> Any:
         raise APIError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
-    state = _model(sup, body.get("model"))
+    ollama = path.startswith("/api/")
+    state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None
-    if "keep_alive" in body:  # Ollama's: the gateway's to honour; runners do not know it
+    if "keep_alive" in body:  # Ollama's: the gateway's to honour; runners never unload
         try:
             keep_alive = keep_alive_seconds(body.pop("keep_alive"))
         except ValueError as e:
             raise APIError(400, str(e), param="keep_alive") from None
     session = request.headers.get("x-session-id") or body.get("user")
     route = RouteRequest(route_text(body), session if isinstance(session, str) else None)
-    body["model"] = state.spec.name  # an alias becomes the runner's name
+    body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an alias
+    # becomes the runner's name
     content = msgspec.json.encode(body)
     try:
         await sup.acquire(state)
@@ -190,9 +200,15 @@ async def _send(request: Request, replica: Replica, path: str, content: bytes,
         "POST", f"{replica.url}{path}", content=content,
         headers={"content-type": "application/json"}), stream=True)
     served_by = {"x-replica": replica.id}
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
-        return sse_response(_relay(response, request.app.state["supervisor"], state,
-                                   keep_alive, done), served_by)
+    kind = response.headers.get("content-type", "")
+    if kind.startswith(("text/event-stream", NDJSON)):
+        ndjson = kind.startswith(NDJSON)
+        relay = _relay(response, request.app.state["supervisor"], state, keep_alive, done,
+                       ndjson)
+        if ndjson:  # Ollama's streams
+            return Stream(relay, media_type=NDJSON, headers={"Content-Type": NDJSON,
+                                                             **served_by})
+        return sse_response(relay, served_by)
     try:
         data = await unless_disconnected(request, response.aread())
     finally:
@@ -211,16 +227,21 @@ async def _send(request: Request, replica: Replica, path: str, content: bytes,
 
 
 async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
-                 keep_alive: float | None, done: Callable[[], None]) -> AsyncIterator[bytes]:
-    """A runner's SSE stream, byte for byte; if the runner dies mid-stream, a final error event
-    and ``[DONE]``. Closing it (the client left) closes the runner's stream, which aborts."""
+                 keep_alive: float | None, done: Callable[[], None],
+                 ndjson: bool = False) -> AsyncIterator[bytes]:
+    """A runner's SSE (or Ollama's NDJSON) stream, byte for byte; if the runner dies
+    mid-stream, a final error event and ``[DONE]`` (an ``{"error": ...}`` line). Closing it
+    (the client left) closes the runner's stream, which aborts."""
     try:
         async for chunk in response.aiter_raw():
             yield chunk
     except httpx.HTTPError:
-        yield (b"data: " + msgspec.json.encode(error_body(
-            f"model '{state.spec.name}' stopped while streaming", "server_error",
-            code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
+        message = f"model '{state.spec.name}' stopped while streaming"
+        if ndjson:
+            yield msgspec.json.encode({"error": message}) + b"\n"
+        else:
+            yield (b"data: " + msgspec.json.encode(error_body(
+                message, "server_error", code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
     finally:
         done()  # first: the await below may be cancelled (client gone)
         sup.end(state, keep_alive)
@@ -240,6 +261,98 @@ async def completions(request: Request) -> Any:
 @post("/embeddings", status_code=200, summary="Embeddings, routed by model")
 async def embeddings(request: Request) -> Any:
     return await _forward(request, "/v1/embeddings")
+
+
+NDJSON = "application/x-ndjson"
+
+
+# ---- Ollama's API: requests forwarded like /v1's, listings from the supervisor --------------
+
+@post("/chat", status_code=200, summary="Ollama: chat, routed by model (NDJSON stream)")
+async def ollama_chat(request: Request) -> Any:
+    return await _forward(request, "/api/chat")
+
+
+@post("/generate", status_code=200, summary="Ollama: generate, routed by model (NDJSON stream)")
+async def ollama_generate(request: Request) -> Any:
+    return await _forward(request, "/api/generate")
+
+
+@post("/embed", status_code=200, summary="Ollama: embeddings, routed by model")
+async def ollama_embed(request: Request) -> Any:
+    return await _forward(request, "/api/embed")
+
+
+@post("/embeddings", status_code=200, summary="Ollama (older): an embedding, routed by model")
+async def ollama_embeddings(request: Request) -> Any:
+    return await _forward(request, "/api/embeddings")
+
+
+@post("/show", status_code=200, summary="Ollama: a model's details (from its runner)")
+async def ollama_show(request: Request) -> Any:
+    return await _forward(request, "/api/show")
+
+
+def _tag(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _file(source: str) -> tuple[int, float] | None:
+    """Size and modification time of a model given as a path (else None)."""
+    try:
+        st = Path(source).expanduser().stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime
+
+
+@get("/tags", summary="Ollama: every model of the gateway")
+async def ollama_tags(state: State) -> dict:
+    sup = _supervisor(state)
+    models = []
+    for s in sup.models.values():
+        size, mtime = _file(s.spec.source) or (0, state["started"])
+        models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
+                       "modified_at": _iso(mtime), "size": size, "digest": "",
+                       "details": {"format": "gguf"}})
+    return {"models": models}
+
+
+@get("/ps", summary="Ollama: the models loaded now, and when they unload")
+async def ollama_ps(state: State) -> dict:
+    sup = _supervisor(state)
+    now_mono, now = time.monotonic(), time.time()
+    models = []
+    for s in sup.models.values():
+        if s.status != "loaded" or s.remote_only:
+            continue
+        left = s.ttl - (now_mono - s.last_used) if s.ttl >= 0 and s.active == 0 else None
+        expires = now + max(0.0, left) if left is not None else now + 292 * 365 * 86400.0
+        size = (_file(s.spec.source) or (0, 0.0))[0]
+        models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name), "size": size,
+                       "digest": "", "details": {"format": "gguf"},
+                       "expires_at": _iso(expires), "size_vram": 0})
+    return {"models": models}
+
+
+@get("/version", summary="Ollama: the gateway's version (justllm's)")
+async def ollama_version() -> dict:
+    return {"version": __version__}
+
+
+@get("/", summary="Ollama's liveness answer", media_type="text/plain", include_in_schema=False)
+async def ollama_root() -> str:
+    return "Ollama is running"
+
+
+@head("/", summary="Ollama's liveness answer (headers only)", media_type="text/plain",
+      include_in_schema=False)
+async def ollama_root_head() -> None:
+    return None
 
 
 @get("/models", summary="Every model, with its status (loaded, loading, unloaded, failed)")
@@ -363,7 +476,12 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             list_models], guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model],
                    guards=[require_api_key])
-    return Litestar(route_handlers=[v1, admin, health, metrics], state=state,
+    api = Router(path="/api", route_handlers=[
+        ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,
+        ollama_ps, ollama_version], guards=[require_api_key],
+        exception_handlers={Exception: ollama_error})
+    return Litestar(route_handlers=[v1, admin, api, ollama_root, ollama_root_head, health,
+                                    metrics], state=state,
                     on_startup=[start], on_shutdown=[stop],
                     exception_handlers={Exception: handle_exception},
                     request_max_body_size=settings.max_body_bytes, debug=False)

@@ -1,6 +1,6 @@
 """The gateway's decisions, as pure functions over plain values: which idle model to unload,
-when an idle model expires, how long to wait before restarting a runner, and what Ollama's
-``keep_alive`` means."""
+when an idle model expires, and how long to wait before restarting a runner. (Ollama's
+``keep_alive`` is read by ``server/ollama.py: keep_alive_seconds``, for both servers.)"""
 
 from __future__ import annotations
 
@@ -85,19 +85,3 @@ def parse_size(value: object) -> int:
     power = "bkmgt".index(unit[0])
     base = 1024 if "i" in unit else 1000
     return int(float(m.group(1)) * base ** power)
-
-
-_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def keep_alive_seconds(value: object) -> float:
-    """Ollama's ``keep_alive``: seconds (a number) or a duration ("5m", "1h", "30s");
-    0 unloads after the request, a negative value keeps the model loaded."""
-    if isinstance(value, bool):
-        raise ValueError("keep_alive must be a number of seconds or a duration such as '5m'")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str) and (m := _DURATION.match(value)):
-        return float(m.group(1)) * _UNIT[m.group(2)]
-    raise ValueError("keep_alive must be a number of seconds or a duration such as '5m'")

@@ -214,10 +214,16 @@ _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 
              "h": 3600.0}
 
 
-def keep_alive_seconds(value: float | str) -> float:
+def keep_alive_seconds(value: object) -> float:
     """Ollama's ``keep_alive``: seconds (a number, or a string of one) or a Go duration
-    ("5m", "1h30m", "-1s"). A 400 for anything else."""
+    ("5m", "1h30m", "-1s"). A 400 for anything else. (Router mode's gateway reads it here
+    too, from bodies it does not decode into a type.)"""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidRequestError("keep_alive must be a number of seconds or a duration such "
+                                  "as '5m'", param="keep_alive")
     if isinstance(value, (int, float)):
+        if math.isnan(value):
+            raise InvalidRequestError("keep_alive must be a number", param="keep_alive")
         return float(value)
     text = value.strip()
     try:

@@ -11,11 +11,11 @@ from justllm.gateway.policy import (
     MAX_FAILURES,
     Loaded,
     expired,
-    keep_alive_seconds,
     parse_size,
     restart_delay,
     to_unload_for,
 )
+from justllm.server.ollama import keep_alive_seconds
 
 FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks"}), {"ctx": 512})
 
@@ -71,7 +71,7 @@ def test_restart_backoff_then_failed():
 
 @pytest.mark.parametrize("value, seconds", [(0, 0.0), (-1, -1.0), (30, 30.0), ("5m", 300.0),
                                             ("1h", 3600.0), ("10s", 10.0), ("250ms", 0.25),
-                                            ("-1", -1.0)])
+                                            ("-1", -1.0), ("1h30m", 5400.0)])
 def test_keep_alive_as_ollama_reads_it(value, seconds):
     assert keep_alive_seconds(value) == seconds
 

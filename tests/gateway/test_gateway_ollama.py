@@ -1,0 +1,53 @@
+"""Ollama's API through router mode, with the real ollama client and real runners: chat and
+generate reach their model's runner (streamed as NDJSON), keep_alive 0 unloads the model as
+Ollama does, the listings name every model, and errors have Ollama's shape."""
+
+from __future__ import annotations
+
+import httpx
+import ollama
+import pytest
+
+from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop, wait_gone
+
+
+def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
+    gw = start_gateway(tmp_path, {
+        "alpha": {"source": model_path, "chat-template": "gemma", **RUNNER_FLAGS},
+        "beta": {"source": model_path, **RUNNER_FLAGS}})
+    try:
+        client = ollama.Client(host=gw.url)
+        assert httpx.get(gw.url + "/", timeout=10).text == "Ollama is running"
+        tags = {m.model for m in client.list().models}
+        assert tags == {"alpha:latest", "beta:latest"}
+        assert client.ps().models == []
+
+        parts = list(client.chat(model="alpha:latest", stream=True,
+                                 messages=[{"role": "user", "content": "Say hello."}],
+                                 options={"num_predict": 6, "temperature": 0}))
+        assert parts[-1].done and parts[-1].eval_count <= 6
+        assert "".join(p.message.content for p in parts)
+        assert [m.model for m in client.ps().models] == ["alpha:latest"]
+
+        # keep_alive 0: the model is unloaded once the request is done (Ollama's meaning).
+        answer = client.generate(model="beta", prompt="The sky is", keep_alive=0,
+                                 options={"num_predict": 4, "temperature": 0})
+        assert answer.done and answer.response
+        gw.wait_status("beta", "unloaded", timeout=30)
+        assert gw.status()["alpha"]["status"] == "loaded"
+
+        vectors = client.embed(model="alpha", input=["one", "two"]).embeddings
+        assert len(vectors) == 2 and len(vectors[0]) > 100
+        assert client.show("alpha").details.format == "gguf"
+
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model="gamma", messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.status_code == 404 and 'model "gamma" not found' in e.value.error
+        bad = httpx.post(gw.url + "/api/generate", timeout=30, json={
+            "model": "alpha", "prompt": "Hi", "keep_alive": "soon"})
+        assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+        pids = gw.runner_pids()
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    wait_gone(pids)
