@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -65,7 +66,8 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
                     "-" if rep["hit_ratio"] is None else f"{rep['hit_ratio']:.0%}",
                     "-" if rep["ttft_p50"] is None else f"{rep['ttft_p50'] * 1000:.0f} ms",
                     idle, unload, str(rep["restarts"]))
-        console = Console()
+        # Piped (scripts, tests): wide enough that no cell is cut to "fail…".
+        console = Console() if sys.stdout.isatty() else Console(width=200)
         console.print(table)
         console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
                       f"max loaded: {body['max_loaded'] or 'no limit'}; max memory: "
