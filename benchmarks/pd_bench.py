@@ -64,7 +64,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,7 +74,11 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from justllm.gateway.runner import free_port
 from justllm.models.source import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from routing_bench import alive, reap  # noqa: E402  (the other gateway benchmark's helpers)
 
 NAME = "demo"
 WORDS = """river mountain village market winter summer garden library window teacher farmer
@@ -131,25 +134,6 @@ def stream_prompt(k: int, round_: int) -> str:
 # ---- servers ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, parent not reaped yet) is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 class Server:
     """A ``justllm serve`` (plain, or a gateway) in its own process group; ``stop`` ends it and
     everything it started."""
@@ -191,13 +175,7 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of its group
         except (ProcessLookupError, PermissionError):
             pass
-        for pid in self.pids:
-            if alive(pid):
-                print(f"warning: runner {pid} outlived its gateway; killing it", file=sys.stderr)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        reap(self.pids)
         self.proc.wait()
 
 

@@ -44,7 +44,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from justllm.gateway.runner import free_port
 from justllm.models.source import resolve_model
 
 MODEL = "demo"
@@ -131,12 +131,6 @@ def make_requests(args, prefixes: list[str]) -> list[tuple[int, int, str]]:
 # ---- the gateway ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_gateway(config: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = (workdir / "gateway.log").open("wb")
@@ -194,6 +188,11 @@ def stop_gateway(proc: subprocess.Popen, runner_pids: list[int], grace: float = 
             except ProcessLookupError:
                 pass
             proc.wait()
+    reap(runner_pids)
+
+
+def reap(runner_pids: list[int] | set[int]) -> None:
+    """Give runners 15 s to follow their stopped gateway out, then SIGKILL any left."""
     deadline = time.monotonic() + 15
     while any(alive(p) for p in runner_pids) and time.monotonic() < deadline:
         time.sleep(0.2)

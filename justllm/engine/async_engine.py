@@ -171,10 +171,12 @@ class AsyncEngine:
 
     async def export_prefix(self, tokens: list[int]) -> bytes:
         """The KV of the longest cached prefix of ``tokens`` (``Engine.export_prefix``)."""
+        await asyncio.to_thread(self.engine.kv_identity)  # a first GGUF hash stalls no step
         return await self.call_on_engine_thread(lambda: self.engine.export_prefix(tokens))
 
-    async def import_prefix(self, blob: bytes) -> int:
+    async def import_prefix(self, blob: bytes | memoryview) -> int:
         """Exported KV into the prefix cache (``Engine.import_prefix``); tokens now cached."""
+        await asyncio.to_thread(self.engine.kv_identity)
         return await self.call_on_engine_thread(lambda: self.engine.import_prefix(blob))
 
     def abort(self, request_id: str) -> bool:

@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
@@ -32,7 +31,7 @@ from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import KVOp, RadixCache, make_eviction_policy
 from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
-from justllm.models.digests import sha256_file
+from justllm.models.registry import file_digest
 from justllm.models.source import resolve_model
 from justllm.spec.controller import SpecController, SpecStats
 from justllm.spec.verify import walk_draft
@@ -253,12 +252,13 @@ class Engine:
     # Both call llama.cpp: the engine thread's only (AsyncEngine runs them between steps).
 
     def kv_identity(self) -> KVIdentity:
-        """What this engine's KV data fits: the GGUF's sha256 (hashed once), KV type, layers."""
+        """What this engine's KV data fits: the GGUF's sha256 (the registry's, else hashed
+        once), KV type, layers. AsyncEngine computes it off the engine thread first."""
         if self._kv_identity is None:
             meta = self.backend.metadata()
             arch = meta.get("general.architecture", "")
             self._kv_identity = KVIdentity(
-                sha256_file(Path(self.backend.config.model_path)), KV_TYPE,
+                file_digest(self.backend.config.model_path), KV_TYPE,
                 int(meta.get(f"{arch}.block_count", 0)))
         return self._kv_identity
 

@@ -87,10 +87,15 @@ class ModelState:
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.routable] if self.status == "loaded" else []
 
+    @staticmethod
+    def serves(replica: Replica, role: str) -> bool:
+        """``replica`` can take ``role``'s part of a request ("prefill" or "decode"; a model
+        without PD has only "both" replicas, which take either)."""
+        return replica.role in (role, "both")
+
     def routable_for(self, role: str) -> list[Replica]:
         """Replicas in the rotation that can take ``role``'s part of a request."""
-        wanted = (role, "both") if self.spec.pd else ("both", role)
-        return [r for r in self.routable if r.role in wanted]
+        return [r for r in self.routable if self.serves(r, role)]
 
     @property
     def died(self) -> list[Replica]:
@@ -195,8 +200,7 @@ class Supervisor:
         of ``role`` (a PD model's "prefill" or "decode" replicas; otherwise all) and not in
         ``skip`` (they refused it), counted in flight: pair with ``done``. Raises
         routing.NoReplica when there is none."""
-        wanted = (role, "both") if state.spec.pd else ("both", role)
-        loads = [r.load(skip=r.id in skip) for r in state.replicas if r.role in wanted]
+        loads = [r.load(skip=r.id in skip) for r in state.replicas if state.serves(r, role)]
         router = state.prefill_router if role == "prefill" else state.router
         replica = state.replica(router.choose(request, loads).replica)
         replica.in_flight += 1

@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
-from justllm.models.digests import DigestCache, remove_file
+from justllm.models.digests import DigestCache, remove_file, sha256_file
 from justllm.models.gguf import read_gguf_header
 from justllm.models.hub import HUB_DIR, Download
 from justllm.models.lease import acquire_lease, holders
@@ -460,6 +460,13 @@ class Registry:
     def in_use(self, digest: str) -> list[int]:
         """The pids of the running processes that hold version ``digest``."""
         return holders(self.root, digest.removeprefix(DIGEST_PREFIX))
+
+
+def file_digest(path: str | Path) -> str:
+    """A model file's sha256: the registry's remembered one while the file is unchanged, else
+    hashed now (seconds for a large GGUF: call it off the event loop and the engine thread)."""
+    p = Path(path)
+    return Registry().digests.cached(p) or sha256_file(p)
 
 
 @contextlib.contextmanager

@@ -37,9 +37,8 @@ from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.errors import EngineClosedError, InvalidRequestError
-from justllm.models.digests import sha256_file
 from justllm.models.gguf import read_gguf_header
-from justllm.models.registry import Registry
+from justllm.models.registry import file_digest
 from justllm.models.store import quantization_name
 from justllm.server.app import (
     Served,
@@ -656,8 +655,7 @@ def _read_facts(path: str) -> _ModelFacts:
     info.update({k: [] for k in header.array_lengths})  # arrays left out, as Ollama does
     licence = meta.get("general.license")
     p = Path(path)
-    digest = Registry().digests.cached(p) or sha256_file(p)
-    return _ModelFacts(p.stat().st_size, digest, details, dict(sorted(info.items())),
+    return _ModelFacts(p.stat().st_size, file_digest(p), details, dict(sorted(info.items())),
                        str(licence) if licence is not None else None)
 
 
