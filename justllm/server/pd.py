@@ -19,11 +19,12 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, Router, post
 from litestar.datastructures import State
+from litestar.params import Parameter
 from litestar.response import Stream
 
 from justllm.core.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ async def _prompt_tokens(state: State, req: ChatCompletionRequest | CompletionRe
 
 @post("/prefill", status_code=200, summary="Compute a request's prompt and export its KV",
       include_in_schema=False)
-async def prefill(request: Request, state: State, path: str | None = None) -> Stream:
+async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream:
     from justllm.server.app import _served
 
     _role_allows(state, "prefill")
@@ -104,7 +105,7 @@ async def prefill(request: Request, state: State, path: str | None = None) -> St
 
 @post("/decode", status_code=200, summary="Import a prompt's KV and serve the request",
       include_in_schema=False)
-async def decode(request: Request, state: State, path: str | None = None) -> Any:
+async def decode(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Any:
     from justllm.server.app import _served, sse_response, unless_disconnected
 
     _role_allows(state, "decode")
