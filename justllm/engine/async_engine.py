@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -169,15 +170,17 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
-    async def export_prefix(self, tokens: list[int]) -> bytes:
-        """The KV of the longest cached prefix of ``tokens`` (``Engine.export_prefix``)."""
+    async def export_prefix(self, tokens: list[int]) -> tuple[bytes, float]:
+        """The KV of the longest cached prefix of ``tokens`` (``Engine.export_prefix``), and
+        the seconds the export took on the engine thread (without the wait for a step's end)."""
         await asyncio.to_thread(self.engine.kv_identity)  # a first GGUF hash stalls no step
-        return await self.call_on_engine_thread(lambda: self.engine.export_prefix(tokens))
+        return await self.call_on_engine_thread(_timed(lambda: self.engine.export_prefix(tokens)))
 
-    async def import_prefix(self, blob: bytes | memoryview) -> int:
-        """Exported KV into the prefix cache (``Engine.import_prefix``); tokens now cached."""
+    async def import_prefix(self, blob: bytes | memoryview) -> tuple[int, float]:
+        """Exported KV into the prefix cache (``Engine.import_prefix``): the tokens now cached,
+        and the seconds the import took on the engine thread."""
         await asyncio.to_thread(self.engine.kv_identity)
-        return await self.call_on_engine_thread(lambda: self.engine.import_prefix(blob))
+        return await self.call_on_engine_thread(_timed(lambda: self.engine.import_prefix(blob)))
 
     def abort(self, request_id: str) -> bool:
         aborted = self.engine.abort(request_id)
@@ -258,3 +261,12 @@ def _settle(fut: asyncio.Future, result: object, error: BaseException | None) ->
         fut.set_exception(error)
     else:
         fut.set_result(result)
+
+
+def _timed(fn: Callable[[], T]) -> Callable[[], tuple[T, float]]:
+    """``fn`` returning its result and how long it ran (for a job on the engine thread, whose
+    wait in the queue is not the job's cost)."""
+    def run() -> tuple[T, float]:
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0
+    return run

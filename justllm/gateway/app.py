@@ -23,6 +23,7 @@ from litestar.response import Stream
 from justllm import __version__
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
+from justllm.gateway.policy import prompt_tokens_estimate
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
@@ -108,13 +109,21 @@ async def _forward(request: Request, path: str) -> Any:
     except ModelUnavailable as e:
         raise _unavailable(e) from None
     ended = False
+    handover: _Handover | None = None
     try:
-        target = path
+        plain, target = content, path
+        sent: bytes | AsyncIterator[bytes] = content
         if state.spec.pd and path in PD_PATHS:
-            kv = await _prefill(request, sup, state, route, path, content)
-            if kv is not None:  # the decode replica imports it, then serves the request
-                target = f"/pd/decode?path={path}"
-                content = struct.pack("<I", len(content)) + content + kv
+            if prompt_tokens_estimate(body, route.text) < state.spec.prefill_min_tokens:
+                state.pd_short_prompts += 1  # computed on the decode replica: cheaper
+            else:
+                got = await unless_disconnected(
+                    request, _prefill(request, sup, state, route, path, content))
+                if isinstance(got, Response):  # the client left: the prefill was aborted
+                    return got
+                if got is not None:  # the decode replica imports the KV, then serves
+                    handover, target = got, f"/pd/decode?path={path}"
+                    sent = handover.body(content)
         skip: set[str] = set()  # replicas that refused this request (429, 503)
         refused: Response | None = None
         failed = 0  # replicas that died under this request before answering
@@ -129,8 +138,13 @@ async def _forward(request: Request, path: str) -> Any:
                 except ModelUnavailable as e:
                     raise _unavailable(e) from None
                 continue
+            if handover is not None and handover.spent:
+                # The KV went to a replica that did not serve the request: served whole now.
+                state.pd_fallbacks["decode_failed"] += 1
+                await handover.close()
+                handover, target, sent = None, path, plain
             try:
-                answer = await _send(request, replica, target, content, state, keep_alive,
+                answer = await _send(request, replica, target, sent, state, keep_alive,
                                      partial(sup.done, replica))
             except _NOT_ANSWERED as e:
                 # Nothing reached the client: the request goes to another replica (or to
@@ -151,6 +165,8 @@ async def _forward(request: Request, path: str) -> Any:
             ended = isinstance(answer, Stream)  # the stream's relay ends the request
             return answer
     finally:
+        if handover is not None:
+            await handover.close()
         if not ended:
             sup.end(state, keep_alive)
 
@@ -158,11 +174,44 @@ async def _forward(request: Request, path: str) -> Any:
 PD_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
+class _Handover:
+    """A prefill replica's answer, open: its KV bytes are relayed into the decode replica's
+    request as they arrive (the gateway never holds a whole transfer). A transfer that breaks
+    reaches the decode replica truncated; it refuses the import and computes the prompt."""
+
+    def __init__(self, response: httpx.Response, state: ModelState, t0: float) -> None:
+        self.response, self.state, self.t0 = response, state, t0
+        self.spent = False  # body() was handed to a request: it cannot be sent again
+
+    async def body(self, request_json: bytes) -> AsyncIterator[bytes]:
+        """``/pd/decode``'s body: the request's length (u32 LE), the request, the KV."""
+        self.spent = True
+        yield struct.pack("<I", len(request_json)) + request_json
+        state, n = self.state, 0
+        try:
+            async for piece in self.response.aiter_raw():
+                n += len(piece)
+                yield piece
+        except httpx.HTTPError:
+            state.pd_fallbacks["transfer_broken"] += 1
+            return
+        finally:
+            await self.close()
+        state.pd_transfers += 1
+        state.pd_bytes += n
+        state.pd_seconds += time.monotonic() - self.t0
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
 async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
-                   path: str, content: bytes) -> bytes | None:
-    """A PD model's first half: a prefill replica (cache-aware) computes the prompt and sends
-    back its KV. None when that fails in any way (no prefill replica, it refused, died or was
-    cut off): the request is then served whole by a decode replica, counted by reason."""
+                   path: str, content: bytes) -> _Handover | None:
+    """A PD model's first half: a prefill replica (cache-aware) computes the prompt and answers
+    with its KV, which is relayed to the decode replica as it comes. None when that fails
+    before the KV starts (no prefill replica, it refused or died): the request is then served
+    whole by a decode replica, counted by reason. Cancelled (the client left), it closes the
+    connection, and the prefill replica aborts the prompt."""
     try:
         replica = sup.route(state, route, set(), role="prefill")
     except NoReplica:
@@ -171,8 +220,9 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
     http: httpx.AsyncClient = request.app.state["http"]
     t0 = time.monotonic()
     try:
-        response = await http.post(f"{replica.url}/pd/prefill?path={path}", content=content,
-                                   headers={"content-type": "application/json"})
+        response = await http.send(http.build_request(
+            "POST", f"{replica.url}/pd/prefill?path={path}", content=content,
+            headers={"content-type": "application/json"}), stream=True)
     except httpx.HTTPError as e:
         if isinstance(e, _NOT_ANSWERED):
             sup.replica_failed(state, replica, f"{type(e).__name__}: {e}")
@@ -181,15 +231,14 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
     finally:
         sup.done(replica)
     if response.status_code != 200:
+        await response.aclose()
         state.pd_fallbacks[f"prefill_{response.status_code}"] += 1
         return None
-    state.pd_transfers += 1
-    state.pd_bytes += len(response.content)
-    state.pd_seconds += time.monotonic() - t0
-    return response.content
+    return _Handover(response, state, t0)
 
 
-async def _send(request: Request, replica: Replica, path: str, content: bytes,
+async def _send(request: Request, replica: Replica, path: str,
+                content: bytes | AsyncIterator[bytes],
                 state: ModelState, keep_alive: float | None,
                 done: Callable[[], None]) -> Response | Stream:
     """One try on one replica: its answer, or a stream that relays it (whose end calls
@@ -411,7 +460,7 @@ async def models_status(state: State) -> dict:
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,
                 "prefill_seconds": round(s.pd_seconds, 3),
-                "fallbacks": dict(s.pd_fallbacks)},
+                "short_prompts": s.pd_short_prompts, "fallbacks": dict(s.pd_fallbacks)},
             "replicas": [_replica_row(r) for r in s.replicas]})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
             "max_loaded": sup.config.max_loaded,

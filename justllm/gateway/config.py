@@ -38,8 +38,11 @@ DEFAULT_TTL = 300.0
 _SCALE_KEYS = {"min-replicas", "max-replicas", "target-ongoing", "upscale-delay",
                "downscale-delay"}
 _PD_KEYS = {"prefill-replicas", "decode-replicas"}
+# Prompts shorter than this (an estimate: tokens given, else 4 characters a token) are computed
+# on the decode replica: a hand-over costs more than their prefill saves.
+DEFAULT_PREFILL_MIN_TOKENS = 128
 _MODEL_KEYS = {"source", "aliases", "ttl", "preload", "replicas", "gpus", "urls", "routing",
-               *_SCALE_KEYS, *_PD_KEYS}
+               "prefill-min-tokens", *_SCALE_KEYS, *_PD_KEYS}
 _TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting",
              "poll-interval"}
 
@@ -69,6 +72,7 @@ class ModelSpec:
     # Prefill/decode disaggregation: each local replica's and each url's role ("both" if not).
     roles: tuple[str, ...] = ()
     url_roles: tuple[str, ...] = ()
+    prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS
 
     @property
     def pd(self) -> bool:
@@ -151,6 +155,9 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
         raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1]")
     if _PD_KEYS & entry.keys():
         return _pd_replicas(name, entry)
+    if "prefill-min-tokens" in entry:
+        raise ValueError(f"{where}: prefill-min-tokens needs prefill-replicas and "
+                         "decode-replicas")
     scaled = {k: entry[k] for k in _SCALE_KEYS if k in entry}
     autoscale = None
     if scaled:
@@ -218,7 +225,10 @@ def _pd_replicas(name: str, entry: dict) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": len(roles), "gpus": (), "urls": tuple(urls), "routing": routing,
-            "autoscale": None, "roles": tuple(roles), "url_roles": tuple(url_roles)}
+            "autoscale": None, "roles": tuple(roles), "url_roles": tuple(url_roles),
+            "prefill_min_tokens": _count(f"{where}: prefill-min-tokens",
+                                         entry.get("prefill-min-tokens",
+                                                   DEFAULT_PREFILL_MIN_TOKENS))}
 
 
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:

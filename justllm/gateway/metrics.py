@@ -12,9 +12,11 @@ import re
 
 import httpx
 
+from justllm.gateway.replica import Replica
 from justllm.gateway.routing import REASONS
 from justllm.gateway.supervisor import ModelState, Supervisor
 
+REPLICA_UP = "justllm_gateway_replica_up"
 _SAMPLE = re.compile(r"^([^\s{]+)(\{.*\})?(\s.*)$")
 
 
@@ -65,12 +67,18 @@ def _labels(s: ModelState, **more: str) -> str:
                                                             more.items())]) + "}"
 
 
+def _role(name: str, replica: Replica) -> dict[str, str]:
+    """The ``role`` label (prefill, decode, both), on the replica_up series only."""
+    return {"role": replica.role} if name == REPLICA_UP else {}
+
+
 def _replicas(sup: Supervisor) -> list[str]:
     """Per replica: in rotation, load, KV use, hit ratio, TTFT; routing decisions by reason;
     the autoscaler's count, target and decisions."""
     lines: list[str] = []
     per_replica = [
-        ("justllm_gateway_replica_up", "1 while the replica is in the rotation.",
+        (REPLICA_UP, "1 while the replica is in the rotation (label role: prefill, decode "
+         "or both).",
          lambda r: 1 if r.routable else 0),
         ("justllm_gateway_replica_in_flight", "Requests the gateway has on the replica.",
          lambda r: r.in_flight),
@@ -84,7 +92,7 @@ def _replicas(sup: Supervisor) -> list[str]:
          "Median time to first token over the last 30 s.", lambda r: r.ttft_p50)]
     for name, doc, value in per_replica:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
-        lines += [f"{name}{_labels(s, replica=r.id)} {value(r)}"
+        lines += [f"{name}{_labels(s, replica=r.id, **_role(name, r))} {value(r)}"
                   for s in sup.models.values() for r in s.replicas if value(r) is not None]
     name = "justllm_gateway_replica_restarts_total"
     lines += [f"# HELP {name} Times the replica's runner was restarted after dying.",
@@ -104,8 +112,11 @@ def _replicas(sup: Supervisor) -> list[str]:
             ("justllm_gateway_pd_bytes_total", "counter", "KV bytes handed over.",
              lambda s: s.pd_bytes),
             ("justllm_gateway_pd_prefill_seconds_sum", "counter",
-             "Seconds from sending a prompt to a prefill replica to holding its KV.",
-             lambda s: round(s.pd_seconds, 6))]:
+             "Seconds from sending a prompt to a prefill replica to its KV's last byte "
+             "relayed to the decode replica.", lambda s: round(s.pd_seconds, 6)),
+            ("justllm_gateway_pd_short_prompts_total", "counter",
+             "Prompts under prefill-min-tokens, computed on a decode replica.",
+             lambda s: s.pd_short_prompts)]:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
         lines += [f"{name}{_labels(s)} {value(s)}" for s in pd]
     name = "justllm_gateway_pd_fallbacks_total"

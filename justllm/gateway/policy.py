@@ -85,3 +85,19 @@ def parse_size(value: object) -> int:
     power = "bkmgt".index(unit[0])
     base = 1024 if "i" in unit else 1000
     return int(float(m.group(1)) * base ** power)
+
+
+CHARS_PER_TOKEN = 4  # the usual estimate for English text under BPE/SentencePiece vocabularies
+
+
+def prompt_tokens_estimate(body: dict, text: str) -> int:
+    """A request's prompt length in tokens as the gateway (which has no tokenizer) can guess
+    it: exact for a prompt given as token ids, else ``text`` (what routing matches) at
+    :data:`CHARS_PER_TOKEN` characters a token. Used only to keep short prompts off the
+    prefill replicas of a disaggregated model."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of token-id prompts: its first, as routing does
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return -(-len(text) // CHARS_PER_TOKEN)

@@ -61,7 +61,8 @@ class ModelState:
 
     pd_transfers: int = 0  # requests whose prompt a prefill replica computed
     pd_bytes: int = 0
-    pd_seconds: float = 0.0  # prefill + transfer to the gateway, summed
+    pd_seconds: float = 0.0  # prefill + transfer through the gateway, summed
+    pd_short_prompts: int = 0  # prompts under prefill-min-tokens, computed on a decode replica
     pd_fallbacks: Counter[str] = field(default_factory=Counter)  # served whole, by reason
 
     def __post_init__(self) -> None:

@@ -93,6 +93,9 @@ class ServerMetrics:
                                   registry=r)
         self.pd_imports = Counter("justllm_pd_imports", "Exported prompts imported.", lab,
                                   registry=r)
+        self.pd_prefills_aborted = Counter(
+            "justllm_pd_prefills_aborted", "Prompts whose prefill stopped because the "
+            "gateway (its client) left.", lab, registry=r)
         self.pd_import_failures = Counter(
             "justllm_pd_import_failures", "Imports refused (computed locally instead).",
             lab + ["reason"], registry=r)

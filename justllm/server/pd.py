@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import struct
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Request, Router, post
+from litestar import Request, Response, Router, post
 from litestar.datastructures import State
 from litestar.params import Parameter
 from litestar.response import Stream
@@ -74,23 +73,30 @@ async def _prompt_tokens(state: State, req: ChatCompletionRequest | CompletionRe
 
 @post("/prefill", status_code=200, summary="Compute a request's prompt and export its KV",
       include_in_schema=False)
-async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream:
-    from justllm.server.app import _served
+async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream | Response:
+    from justllm.server.app import _served, unless_disconnected
 
     _role_allows(state, "prefill")
     served = _served(state)
     tokens = await _prompt_tokens(state, _request(path, await request.body()))
-    async for _ in served.aengine.generate(tokens, SamplingParams(max_tokens=1,
-                                                                  temperature=0.0)):
-        pass  # the prompt is now in the prefix cache
-    t0 = time.perf_counter()
+
+    async def compute() -> None:
+        async for _ in served.aengine.generate(tokens, SamplingParams(max_tokens=1,
+                                                                      temperature=0.0)):
+            pass  # the prompt is now in the prefix cache
+
+    # The gateway closes the connection when its client leaves: the prompt is aborted then.
+    left = await unless_disconnected(request, compute())
+    if isinstance(left, Response):
+        served.metrics.pd_prefills_aborted.labels(served.model_id).inc()
+        return left
     try:
-        blob = await served.aengine.export_prefix(tokens)
+        blob, seconds = await served.aengine.export_prefix(tokens)
     except KVTransferError as e:
         raise APIError(503, f"the prompt could not be exported: {e}", type="server_error",
                        code="kv_export_failed") from None
     metrics, model = served.metrics, served.model_id
-    metrics.pd_seconds.labels(model, "export").observe(time.perf_counter() - t0)
+    metrics.pd_seconds.labels(model, "export").observe(seconds)
     metrics.pd_exports.labels(model).inc()
     metrics.pd_bytes.labels(model, "export").inc(len(blob))
 
@@ -118,16 +124,15 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
         raise APIError(400, "the body is shorter than its request")
     view = memoryview(body)
     req = _request(path, view[4:4 + n])
-    t0 = time.perf_counter()
     metrics, model = served.metrics, served.model_id
     try:
-        await served.aengine.import_prefix(view[4 + n:])
+        _, seconds = await served.aengine.import_prefix(view[4 + n:])
     except KVTransferError as e:
         reason = "truncated" if "truncated" in str(e) else "refused"
         metrics.pd_import_failures.labels(model, reason).inc()
         log.warning("KV import refused, computing the prompt here: %s", e)
     else:
-        metrics.pd_seconds.labels(model, "import").observe(time.perf_counter() - t0)
+        metrics.pd_seconds.labels(model, "import").observe(seconds)
         metrics.pd_imports.labels(model).inc()
         metrics.pd_bytes.labels(model, "import").inc(len(body) - 4 - n)
     serving = served.completions

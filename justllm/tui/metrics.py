@@ -13,7 +13,7 @@ loaded or not.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +34,7 @@ SPEC_DRAFT = "vllm:spec_decode_num_draft_tokens_total"
 TTFT = "vllm:time_to_first_token_seconds"
 GATEWAY = "justllm_gateway_"
 MODEL_LOADED = "justllm_gateway_model_loaded"
+REPLICA_UP = "justllm_gateway_replica_up"
 WAITING_FOR_LOAD = "justllm_gateway_requests_waiting_for_load"
 
 
@@ -75,6 +76,8 @@ class Snapshot:
     ttft: Histogram | None = field(default=None)
     loaded: bool | None = None  # per model: the gateway's word, else True (its series are here)
     waiting_for_load: float | None = None  # requests the gateway holds until a model loads
+    # per model, from a gateway: replicas in the rotation by role (both, prefill, decode)
+    replicas_up: tuple[tuple[str, int], ...] = ()
     gateway: bool = False
     per_model: Mapping[str, Snapshot] = field(
         default_factory=lambda: MappingProxyType({}), hash=False, repr=False)
@@ -152,6 +155,7 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
     per_model: dict[str, _Series] = {}
     serving: list[str] = []  # models with series of their own, not only the gateway's
     loaded: dict[str, bool] = {}
+    up: dict[str, Counter[str]] = defaultdict(Counter)  # model -> role -> replicas up
     gateway = False
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -164,11 +168,14 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
             per_model.setdefault(model, _Series()).add(s.name, s.labels, s.value)
             if s.name == MODEL_LOADED:
                 loaded[model] = s.value > 0
+            elif s.name == REPLICA_UP and s.value > 0:
+                up[model][s.labels.get("role", "both")] += 1
             elif not own and model not in serving:
                 serving.append(model)
     models = {
         name: series.snapshot(at, models=(name,), gateway=gateway,
-                              loaded=loaded.get(name, name in serving))
+                              loaded=loaded.get(name, name in serving),
+                              replicas_up=tuple(sorted(up[name].items())))
         for name, series in per_model.items()}
     return total.snapshot(at, models=tuple(serving), per_model=MappingProxyType(models),
                           gateway=gateway, waiting_for_load=total.get(WAITING_FOR_LOAD))

@@ -32,7 +32,8 @@ from justllm.tui.metrics import Snapshot, parse, rate
 DEFAULT_URL = "http://127.0.0.1:8080"
 ALL_MODELS = "all models"
 # The models table: (column key, label, width). Names longer than the first column are cut.
-MODEL_COLUMNS = (("model", "model", 24), ("state", "state", 8), ("running", "run", 4),
+MODEL_COLUMNS = (("model", "model", 20), ("state", "state", 8), ("replicas", "repl", 5),
+                 ("running", "run", 4),
                  ("waiting", "wait", 4), ("kv", "KV", 6), ("hit", "hit", 6), ("tok_s", "tok/s", 7))
 
 
@@ -55,6 +56,17 @@ def _percent(value: float | None) -> str:
 def _several_models(snap: Snapshot | None) -> bool:
     """A gateway's page (even with one model configured) or one with several models' series."""
     return snap is not None and (snap.gateway or len(snap.per_model) > 1)
+
+
+def _replicas(m: Snapshot) -> str:
+    """Replicas in the rotation: a count, or by role for a disaggregated model ("1P 2D")."""
+    roles = dict(m.replicas_up)
+    if not roles:
+        return "-"
+    if set(roles) == {"both"}:
+        return str(roles["both"])
+    return " ".join(f"{roles[r]}{r[0].upper()}" for r in ("prefill", "decode", "both")
+                    if r in roles)
 
 
 def _cut(name: str, width: int) -> str:
@@ -143,7 +155,7 @@ class TopApp(App[None]):
             models.border_subtitle = "↑↓ enter: show · a: all"
             table: DataTable[str | Text] = DataTable(id="models", cursor_type="row")
             for key, label, width in MODEL_COLUMNS:
-                header = label if key in ("model", "state") else Text(label, justify="right")
+                header = label if key in ("model", "state", "replicas") else Text(label, justify="right")
                 table.add_column(header, key=key, width=width)
             yield table
         with Horizontal(id="upper"):
@@ -385,5 +397,5 @@ class TopApp(App[None]):
         numbers = (_num(m.running), _num(m.waiting), _percent(m.kv_usage), _percent(m.hit_ratio),
                    tok_s)
         return (mark + _cut(name, MODEL_COLUMNS[0][2] - 2),
-                Text(state, style="" if m.loaded else "dim"),
+                Text(state, style="" if m.loaded else "dim"), _replicas(m),
                 *(Text(n, justify="right") for n in numbers))

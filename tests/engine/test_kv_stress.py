@@ -115,10 +115,10 @@ async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Rand
         prompt = rng.choice(prompts)[:rng.randint(2, 400)]
         async for _out in source.generate(prompt, SamplingParams(max_tokens=1)):
             pass
-        blob = await source.export_prefix(prompt)
+        blob, _ = await source.export_prefix(prompt)
         await asyncio.sleep(rng.uniform(0, 0.4))
         try:
-            cached = await a.import_prefix(blob)
+            cached, _ = await a.import_prefix(blob)
         except KVTransferError as e:
             assert "no room" in str(e) or "sequence id" in str(e), e
             results["refused"] += 1

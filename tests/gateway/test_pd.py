@@ -42,14 +42,39 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         answer = chat.parse()
         assert answer.choices[0].message.content and answer.usage.completion_tokens <= 8
 
+        # A short prompt (under prefill-min-tokens) is computed where it is decoded.
+        short = client.completions.create(model="demo", prompt="The sea was", max_tokens=3,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert short.usage.completion_tokens == 3
         status = gw.status()["demo"]
         assert status["pd"]["transfers"] == 2 and status["pd"]["fallbacks"] == {}, status["pd"]
+        assert status["pd"]["short_prompts"] == 1
         assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 2
         assert runner_metric(gw, "justllm_pd_imports_total", "demo", "1") == 2
         # The decode replica found each imported prompt in its prefix cache.
         assert runner_metric(gw, "justllm_prefix_cache_hits_total", "demo", "1") == 2
         text = httpx.get(gw.url + "/metrics", timeout=30).text
         assert 'justllm_gateway_pd_transfers_total{model_name="demo"} 2' in text
+        assert 'replica="0",role="prefill"} 1' in text  # justllm top shows "1P 1D"
+
+        # A client that leaves while its prompt is being prefilled: the prefill replica
+        # aborts it, and nothing reaches the decode replica.
+        async def left_during_prefill():
+            async with httpx.AsyncClient(timeout=300) as http:
+                call = asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": STORY * 60, "max_tokens": 6}))
+                while not runner_metric(gw, "vllm:num_requests_running", "demo", "0"):
+                    await asyncio.sleep(0.05)
+                call.cancel()
+
+        asyncio.run(left_during_prefill())
+        wait_for("the prefill aborted", lambda: 'justllm_pd_prefills_aborted_total{'
+                 'model_name="demo",replica="0"} 1.0' in httpx.get(gw.url + "/metrics").text)
+        wait_for("the prefill replica idle", lambda: runner_metric(
+            gw, "vllm:num_requests_running", "demo", "0") == 0)
+        assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 2
+        assert runner_metric(gw, "justllm_pd_imports_total", "demo", "1") == 2
+        assert gw.status()["demo"]["pd"]["transfers"] == 2
 
         # kill -9 the prefill replica while it computes a long prompt: the request is served
         # whole by the decode replica instead, with every token.

@@ -9,6 +9,7 @@ import pytest
 from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, wanted
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.metrics import merge_pages, with_label
+from justllm.gateway.policy import prompt_tokens_estimate
 from justllm.gateway.replica import Replica, recent_quantile
 from justllm.gateway.routing import route_text
 from justllm.tui.metrics import Histogram, parse
@@ -202,6 +203,16 @@ def test_prefill_and_decode_replicas():
     mixed = model(**{"prefill-replicas": ["http://p:1"], "decode-replicas": 1})
     assert mixed.roles == ("decode",) and mixed.url_roles == ("prefill",)
     assert not model(replicas=2).pd
+    assert spec.prefill_min_tokens == 128  # shorter prompts stay on the decode replica
+    assert model(**{"prefill-replicas": 1, "decode-replicas": 1,
+                    "prefill-min-tokens": 0}).prefill_min_tokens == 0
+
+
+def test_the_gateway_estimates_a_prompt_length_without_a_tokenizer():
+    assert prompt_tokens_estimate({"prompt": [1, 2, 3]}, "1 2 3") == 3  # token ids: exact
+    assert prompt_tokens_estimate({"prompt": [[5, 6], [7]]}, "") == 2  # a batch: its first
+    assert prompt_tokens_estimate({"prompt": "x" * 9}, "x" * 9) == 3  # 4 characters a token
+    assert prompt_tokens_estimate({"messages": []}, "") == 0
 
 
 @pytest.mark.parametrize(("entry", "message"), [
@@ -209,6 +220,9 @@ def test_prefill_and_decode_replicas():
     ({"prefill-replicas": 1, "decode-replicas": 1, "replicas": 2}, "replace replicas"),
     ({"prefill-replicas": 0, "decode-replicas": 1}, "prefill-replicas must be an integer >= 1"),
     ({"prefill-replicas": ["ftp://x"], "decode-replicas": 1}, "http(s)://"),
+    ({"prefill-replicas": 1, "decode-replicas": 1, "prefill-min-tokens": -1},
+     "prefill-min-tokens must be an integer >= 0"),
+    ({"replicas": 2, "prefill-min-tokens": 64}, "prefill-min-tokens needs prefill-replicas"),
 ])
 def test_bad_pd_keys_are_one_clear_error(entry, message):
     with pytest.raises(ValueError) as e:

@@ -103,7 +103,7 @@ def test_prefixes_stay_on_their_replica_and_a_killed_replica_loses_no_request(
                 homes.add(r.headers["x-replica"])
             assert len(homes) == 1, (session, homes)
         assert gw.status()["demo"]["decisions"]["session"] == 4
-        assert 'justllm_gateway_replica_up{model_name="demo",replica="1"} 1' in text
+        assert 'justllm_gateway_replica_up{model_name="demo",replica="1",role="both"} 1' in text
 
         # kill -9 one replica under load: every request still succeeds with all its tokens.
         # (Prompts with nothing in common, so the load spreads over both replicas.)

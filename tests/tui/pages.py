@@ -42,6 +42,13 @@ justllm_gateway_model_load_seconds_sum{{model_name="chat"}} 1.200
 justllm_gateway_model_load_seconds_count{{model_name="chat"}} 1
 justllm_gateway_model_load_seconds_sum{{model_name="coder"}} 2.400
 justllm_gateway_model_load_seconds_count{{model_name="coder"}} 2
+# HELP justllm_gateway_replica_up 1 while the replica is in the rotation.
+# TYPE justllm_gateway_replica_up gauge
+justllm_gateway_replica_up{{model_name="chat",replica="0",role="both"}} 1
+justllm_gateway_replica_up{{model_name="coder",replica="0",role="prefill"}} 1
+justllm_gateway_replica_up{{model_name="coder",replica="1",role="decode"}} 1
+justllm_gateway_replica_up{{model_name="coder",replica="2",role="decode"}} 1
+justllm_gateway_replica_up{{model_name="coder",replica="3",role="decode"}} 0
 # HELP vllm:num_requests_running Requests in the running batch.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{model_name="chat"}} 2.0

@@ -214,6 +214,9 @@ def test_a_gateway_page_sums_every_model_and_keeps_each_one():
     assert coder.ttft_quantile(0.5) == pytest.approx(0.75)
     # Configured, not loaded: the gateway names it, nothing else does.
     assert embed.loaded is False and embed.empty and embed.models == ("embed",)
+    # Replicas in the rotation, by role (a disaggregated model's prefill and decode replicas).
+    assert chat.replicas_up == (("both", 1),) and embed.replicas_up == ()
+    assert coder.replicas_up == (("decode", 2), ("prefill", 1))
     assert embed.running is None and embed.hit_ratio is None and embed.ttft is None
 
 

@@ -285,8 +285,8 @@ async def _gateway(stub: StubMetrics, tokens: dict[str, float]) -> None:
         assert _rows(app)["chat"][-1] == "-"  # the first reading only sets the baselines
         await poll(1920, 960)  # 30 s: chat 64 tok/s, coder 32
         assert _rows(app) == {
-            "chat": ["  chat", "loaded", "2", "1", "37.5%", "75.0%", "64.0"],
-            "coder": ["  coder", "loaded", "1", "0", "39.1%", "25.0%", "32.0"]}
+            "chat": ["  chat", "loaded", "1", "2", "1", "37.5%", "75.0%", "64.0"],
+            "coder": ["  coder", "loaded", "1P 2D", "1", "0", "39.1%", "25.0%", "32.0"]}
         assert app.query_one("#models-panel").border_title == "models · 2 waiting for a load"
 
         # All models by default: the panels show the sums.
@@ -365,7 +365,7 @@ async def _unloaded(stub: StubMetrics) -> None:
     async with app.run_test(size=(80, 24)) as pilot:
         await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
         assert list(_rows(app)) == ["chat", "coder", "embed"]
-        assert _rows(app)["embed"] == ["  embed", "unloaded", "-", "-", "-", "-", "-"]
+        assert _rows(app)["embed"] == ["  embed", "unloaded", "-", "-", "-", "-", "-", "-"]
         assert _text(app, "#status").startswith("● connected · gateway, 2/3 models loaded")
         _fits(app, "#models", *PANELS)
         await pilot.press("down", "down", "enter")
