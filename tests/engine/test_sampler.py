@@ -106,3 +106,30 @@ def test_logit_bias_moves_greedy_and_sampled_choices_without_touching_the_row():
     # logprobs stay those of the model's own distribution
     lp = RequestSampler(SamplingParams(logprobs=1, logit_bias={3: 100}), 0).sample(x, [], [])
     assert lp.token_id == 3 and lp.top_logprobs[0][0] == 1
+
+
+@pytest.mark.parametrize(("n", "k"), [(262_144, 40), (262_144, 1024), (262_144, 16_384),
+                                      (300_001, 40), (1000, 999), (5, 2)])
+def test_top_candidates_are_exactly_the_k_largest_in_ascending_order(n, k):
+    from justllm.engine.sampler import top_candidates
+
+    x = np.random.default_rng(n + k).normal(size=n).astype(np.float32)
+    x[-1] = x.max() + 1  # the best value in the ragged tail past the last full block
+    got = top_candidates(x, k)
+    assert got.tolist() == sorted(np.argpartition(-x, k - 1)[:k].tolist())
+    assert n - 1 in got
+
+
+def test_top_k_and_top_p_on_a_large_vocabulary_draw_from_the_renormalised_set():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=100_000).astype(np.float32)
+    best = rng.choice(100_000, size=4, replace=False)
+    x[best] = np.log(np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32)) + 20
+    want = np.array([0.4, 0.3, 0.2, 0.1])
+    for params in (SamplingParams(temperature=1.0, top_k=4),
+                   SamplingParams(temperature=1.0, top_p=0.999),  # the tail: ~3e-4
+                   SamplingParams(temperature=1.0, top_k=40, top_p=0.999)):
+        toks = draw(params, x, 3000, seed=11)
+        assert set(toks.tolist()) <= set(best.tolist()), params
+        got = np.array([(toks == b).mean() for b in best])
+        assert np.abs(got - want).max() < 0.03, (params, got)
