@@ -2,10 +2,13 @@
 
 Not a test: prints tok/s per concurrency and the share of each step spent outside llama_decode
 (Python: scheduling, batch filling, sampling, detokenizing). Prefill is excluded: timing starts
-once every sequence has its first token.
+once every sequence has its first token. ``--temperature``/``--top-p`` sample instead of greedy
+(the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
+``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
+can approach.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
-        [--gpu] [--json FILE]
+        [--temperature 0.8] [--top-p 0.95] [--raw] [--gpu] [--json FILE]
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 
 
-def measure(engine: Engine, n: int, tokens: int) -> tuple[float, float, float]:
-    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
+            top_p: float = 1.0) -> tuple[float, float, float]:
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=temperature,
+                            top_p=top_p, seed=1)
     ids = [engine.add_request(f"Request {i}: write a long story about the sea.", params)
            for i in range(n)]
     started: set[str] = set()
@@ -38,12 +43,40 @@ def measure(engine: Engine, n: int, tokens: int) -> tuple[float, float, float]:
     return produced / wall, (wall - in_llama) / wall, wall / steps
 
 
+def raw_decode(engine: Engine, n: int, tokens: int) -> float:
+    """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
+    ``tokens`` steps of one token each (argmax), every row's logits read. The engine must be
+    idle; its prefix cache is flushed and the KV cleared before and after."""
+    b = engine.backend
+    engine.flush_prefix_cache()  # its holders keep KV: gone, so clearing desyncs nothing
+    b.clear_kv()
+    prompt = b.tokenize("Write a long story about the sea.")[:8]
+    m = len(prompt)
+    for s in range(n):
+        b.batch_tokens[:m], b.batch_pos[:m] = prompt, range(m)
+        b.batch_seq[:m], b.batch_n_seq[:m], b.batch_logits[:m] = s, 1, 0
+        b.batch_logits[m - 1] = 1
+        last = int(b.decode(m)[0].argmax())
+    nxt = [last] * n
+    t0 = time.perf_counter()
+    for step in range(tokens):
+        b.batch_tokens[:n], b.batch_pos[:n] = nxt, m + step
+        b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = range(n), 1, 1
+        nxt = b.decode(n).argmax(axis=1).tolist()
+    rate = n * tokens / (time.perf_counter() - t0)
+    b.clear_kv()
+    return rate
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,4,8,16,32")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--raw", action="store_true", help="also time bare llama_decode (the limit)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
@@ -53,16 +86,24 @@ def main() -> None:
                                  pool_blocks=max(1024, seqs * (args.tokens + 32) // 16 + 64),
                                  threads=args.threads, gpu=args.gpu or EngineConfig().gpu))
     measure(engine, 2, 4)  # warm-up
-    print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}")
+    print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
+          + (f" {'raw tok/s':>10} {'of raw':>7}" if args.raw else ""))
     rows = []
     for n in levels:
-        rate, py_share, step = measure(engine, n, args.tokens)
-        rows.append({"seqs": n, "tok_s": rate, "python_share": py_share, "ms_per_step": 1000 * step})
-        print(f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}")
+        rate, py_share, step = measure(engine, n, args.tokens, args.temperature, args.top_p)
+        row = {"seqs": n, "tok_s": rate, "python_share": py_share, "ms_per_step": 1000 * step}
+        line = f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}"
+        if args.raw:
+            row["raw_tok_s"] = raw = raw_decode(engine, n, args.tokens)
+            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}%"
+        rows.append(row)
+        print(line)
     engine.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": engine.config.gpu, "tokens": args.tokens, "rows": rows}, f, indent=1)
+            json.dump({"gpu": engine.config.gpu, "tokens": args.tokens,
+                       "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@
 #    pip's cache); installed into /tmp/gpu-site, first on PYTHONPATH;
 # 2. runs the model tests with JUSTLLM_GPU=1 (every engine and server the tests start offloads
 #    all layers: EngineConfig's default and `--gpu`'s environment variable);
-# 3. runs benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences, and
-#    benchmarks/spec_bench.py plain vs ngram (and draft with $GPU_CHECK_DRAFT);
+# 3. runs benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences, greedy with raw
+#    batched llama_decode at the same shapes (the limit) and sampled (temperature 0.8, top_p
+#    0.95), and benchmarks/spec_bench.py plain vs ngram (and draft with $GPU_CHECK_DRAFT);
 # 4. prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
@@ -93,9 +94,15 @@ say "engine throughput at $LEVELS sequences"
 GPU_FLAG=--gpu
 [ "$CPU_ONLY" = 1 ] && GPU_FLAG=
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
-    --json "$OUT/engine_throughput.json" | tee "$OUT/engine_throughput.txt"
-summary "engine throughput (seqs, tok/s, python share, ms/step):"
+    --raw --json "$OUT/engine_throughput.json" | tee "$OUT/engine_throughput.txt"
+summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw):"
 summary "$(tail -n +2 "$OUT/engine_throughput.txt")"
+say "engine throughput sampled (temperature 0.8, top_p 0.95)"
+$PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+    --temperature 0.8 --top-p 0.95 --json "$OUT/engine_throughput_sampled.json" \
+    | tee "$OUT/engine_throughput_sampled.txt"
+summary "engine throughput, temperature 0.8 top_p 0.95:"
+summary "$(tail -n +2 "$OUT/engine_throughput_sampled.txt")"
 
 say "speculative decoding: plain vs ngram${GPU_CHECK_DRAFT:+ vs draft}"
 METHODS=plain,ngram
