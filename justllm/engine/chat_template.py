@@ -8,13 +8,20 @@ France is Paris." there, and babbles in Gemma's own turn format), so that is the
 a ``notice`` the CLI and the server show once.
 
 Rendered in a sandboxed Jinja2 environment, with the helpers HF templates expect
-(``raise_exception``, ``strftime_now``) and the model's BOS/EOS strings.
+(``raise_exception``, ``strftime_now``, HF's ``tojson``) and the model's BOS/EOS strings.
+
+Tools are rendered as llama.cpp's ``--jinja`` does: a template that renders ``tools`` itself
+(found by a probe render) gets them, with the assistant's earlier ``tool_calls`` and the
+``tool`` results; its call format (``tool_format``) is read off its markers. Any other template
+gets the fallback: ``tool_fallback_text`` in the system message and earlier calls written as
+that text asks (see ``ChatTemplate.render``).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +53,8 @@ TRANSCRIPT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# Gemma has no tool format of its own: tools reach it through the fallback (see render);
+# a tool's result is a user turn that says what it is.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"
     "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
@@ -53,18 +62,73 @@ GEMMA_TEMPLATE = (
     "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
     "<start_of_turn>{{ role }}\n"
     "{% if loop.first and sys %}{{ sys }}\n\n{% endif %}"
+    "{% if m['role'] == 'tool' %}Tool result: {% endif %}"
     "{{ m['content'] | trim }}<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# ChatML with the Hermes / Qwen 2.5 tool format: the tools as JSON lines inside <tools> in the
+# system turn, each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> in the
+# assistant's turn, results as <tool_response> blocks in a user turn (consecutive results
+# share one turn). Without tools it renders plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% set first_system = messages[0]['role'] == 'system' %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if first_system %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more of these functions to help with the user's request. "
+    "Their signatures are inside <tools></tools>:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools>\n\nTo call a function, write a JSON object with its name and arguments inside "
+    "<tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if loop.first and first_system and tools %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}"
+    "<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson if c.function.arguments is mapping "
+    "else c.function.arguments }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Llama 3.1's JSON tool format: the functions and the call format in the system turn, a call
+# as the assistant's whole turn ({"name": ..., "parameters": {...}}), a result as an ipython
+# turn. Without tools it renders plain Llama 3.
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
+    "{% set first_system = messages[0]['role'] == 'system' %}"
+    "{% if tools %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n"
+    "{% if first_system %}{{ messages[0]['content'] | trim }}\n\n{% endif %}"
+    "You have access to the following functions. To call one, answer with only a JSON object "
+    'in the format {"name": function name, "parameters": dictionary of argument name and its '
+    "value}. Do not use variables.\n\n"
+    "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}<|eot_id|>"
+    "{% endif %}"
     "{% for m in messages %}"
-    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% if loop.first and first_system and tools %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m['tool_calls'] %}"
+    '{% if not loop.first %}{{ "\\n" }}{% endif %}{"name": "{{ c.function.name }}", "parameters": '
+    "{{ c.function.arguments | tojson if c.function.arguments is mapping "
+    "else c.function.arguments }}}"
+    "{% endfor %}<|eot_id|>"
+    "{% else %}"
+    "<|start_header_id|>{{ 'ipython' if m['role'] == 'tool' else m['role'] }}<|end_header_id|>"
+    "\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
@@ -92,12 +156,59 @@ def _raise(message: str) -> None:
     raise InvalidRequestError(message, param="messages")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """``tojson`` as HF's chat templates expect it: keys in their order, no HTML escaping
+    (Jinja's own sorts keys and writes ``<`` as ``\\u003c``, which no model was trained on)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
+    # Undefined as in HF transformers and llama.cpp's minja: templates test optional message
+    # keys (``message.tool_calls``) by truth value, which a strict Undefined refuses.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        undefined=jinja2.StrictUndefined)
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     return env
+
+
+def template_tool_format(source: str) -> str:
+    """The tool-call format a template's own markers name (``generic`` when it names none):
+    ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each."""
+    if "<tool_call>" in source:
+        return "hermes"
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
+    if "<|python_tag|>" in source or ("<|start_header_id|>" in source and "parameters" in source):
+        return "llama3"
+    return "generic"
+
+
+def tool_fallback_text(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    """The system paragraph that tells a model whose template has no tool format (a base model
+    on ``transcript``, ``gemma``, or a template that ignores ``tools``) which functions exist
+    and the exact JSON a call must be: the server's ``generic`` parser reads that JSON."""
+    lines = [_tojson({k: v for k, v in t.get("function", t).items() if k != "strict"})
+             for t in tools]
+    several = (" To call several functions at once, answer with a JSON array of such objects."
+               if parallel else " Call at most one function per answer.")
+    return ("You can call functions. These are the functions, one JSON object each:\n"
+            + "\n".join(lines) + "\n\nTo call a function, answer with only a JSON object in "
+            'exactly this form, and nothing else: {"name": "<function name>", "arguments": '
+            "{<the arguments, as a JSON object>}}." + several + " A function's result comes "
+            "back in a message from the tool; then answer the user.")
+
+
+def _call_text(calls: list[dict[str, Any]]) -> str:
+    """Earlier calls written the way ``tool_fallback_text`` asks the model to write them."""
+    objs = []
+    for c in calls:
+        fn = c.get("function", c)
+        objs.append({"name": fn.get("name"), "arguments": fn.get("arguments")})
+    return _tojson(objs[0] if len(objs) == 1 else objs)
 
 
 @dataclass
@@ -116,6 +227,9 @@ class ChatTemplate:
     name: str = "model"
     notice: str | None = None
 
+    _tool_probes: dict[str, bool] = field(default_factory=dict, init=False, repr=False,
+                                          compare=False)
+
     def __post_init__(self) -> None:
         try:
             self._template = _environment().from_string(self.source)
@@ -123,6 +237,44 @@ class ChatTemplate:
             where = "the model's chat template" if self.name == "model" else self.name
             raise ValueError(f"{where} is not a valid Jinja template: {e.message} "
                              f"(line {e.lineno})") from None
+
+    def _renders(self, messages: list[dict[str, Any]], **extra: Any) -> str | None:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **extra)
+        except Exception:  # a template may refuse the probe chat: it then has no such support
+            return None
+
+    def _probe(self, what: str) -> bool:
+        """Whether the template renders ``tools`` (``"tools"``) or a tool's result
+        (``"tool_role"``) itself, found once by rendering a probe chat, as llama.cpp's minja
+        finds a template's capabilities."""
+        known = self._tool_probes.get(what)
+        if known is None:
+            chat = [{"role": "user", "content": "Hi"}]
+            if what == "tools":
+                with_tool = self._renders(chat, tools=[_PROBE_TOOL])
+                known = (with_tool is not None and _PROBE_NAME in with_tool
+                         and with_tool != self._renders(chat, tools=None))
+            else:
+                result = self._renders([*chat, {"role": "assistant", "content": "Ok"},
+                                        {"role": "tool", "content": _PROBE_NAME}])
+                known = result is not None and _PROBE_NAME in result
+            self._tool_probes[what] = known
+        return known
+
+    @property
+    def native_tools(self) -> bool:
+        """True when the template renders ``tools`` itself (Hermes/Qwen, Llama 3.1, Mistral
+        and the ``chatml`` and ``llama3`` built-ins); otherwise ``render`` adds the fallback."""
+        return self._probe("tools")
+
+    @property
+    def tool_format(self) -> str:
+        """The tool-call format a model prompted through this template writes: its family's
+        when the template renders tools, else ``generic`` (what the fallback text asks for)."""
+        return template_tool_format(self.source) if self.native_tools else "generic"
 
     @classmethod
     def named(cls, choice: str, *, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":
@@ -158,13 +310,24 @@ class ChatTemplate:
                            eos_token=backend.special_text("eos"))
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, parallel_tool_calls: bool = True,
                **extra: Any) -> str:
+        """The prompt for ``messages``, as HF's ``apply_chat_template`` and llama.cpp's
+        ``--jinja`` render it: ``tools`` in OpenAI's shape (``{"type": "function", "function":
+        {...}}``), an assistant's earlier calls as ``tool_calls`` (arguments parsed),
+        results as ``tool`` messages. A template without a tool format of its own gets the
+        fallback instead (``tool_fallback_text``, earlier calls written in that format);
+        ``parallel_tool_calls`` only words that text."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if not self.native_tools and (tools or any(
+                m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
+            messages = self._with_fallback(messages, tools, parallel_tool_calls)
+            tools = None
         try:
             text = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools, **extra)
         except InvalidRequestError:
             raise
         except jinja2.TemplateError as e:
@@ -174,6 +337,40 @@ class ChatTemplate:
         if self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text
+
+
+    def _with_fallback(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       parallel: bool) -> list[dict[str, Any]]:
+        """``messages`` for a template that knows no tools: the fallback text in the system
+        message, earlier calls as JSON in the assistant's content, and results as user
+        messages ("Result of NAME: ...") unless the template renders tool messages itself."""
+        names: dict[str, str] = {}
+        out = []
+        for m in messages:
+            calls = m.get("tool_calls")
+            if calls:
+                names.update({c.get("id", ""): c["function"]["name"] for c in calls})
+                text = _call_text(calls)
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = f"{m['content']}\n{text}" if m.get("content") else text
+            elif m.get("role") == "tool" and not self._probe("tool_role"):
+                name = m.get("name") or names.get(m.get("tool_call_id") or "", "the function")
+                m = {"role": "user", "content": f"Result of {name}: {m.get('content') or ''}"}
+            out.append(m)
+        if tools:
+            text = tool_fallback_text(tools, parallel)
+            if out[0]["role"] == "system":
+                first = out[0].get("content")
+                out[0] = {**out[0], "content": f"{first}\n\n{text}" if first else text}
+            else:
+                out.insert(0, {"role": "system", "content": text})
+        return out
+
+
+_PROBE_NAME = "justllm_probe_7f3a"
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": _PROBE_NAME, "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
 
 
 def with_template_stops(stop: tuple[str, ...], template: ChatTemplate) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ class Constraint(Protocol):
     """A token mask with state, such as a grammar (``GrammarMatcher``)."""
 
     def mask(self, logits: np.ndarray) -> np.ndarray: ...
+    def allows(self, token: int) -> bool: ...
     def allowed_argmax(self, logits: np.ndarray) -> int: ...
     def accept(self, token: int) -> None: ...
 
@@ -72,6 +73,13 @@ class RequestSampler:
         c = self.constraint
         if p.greedy:
             token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)
+        elif c is not None and against is None:
+            # Draw first and mask only if the grammar refuses the draw (llama.cpp's order):
+            # masking is a pass of the grammar over all 262k tokens. Without truncation this is
+            # exactly the masked distribution: P(a) = p(a) + (1 - p(A)) p(a) / p(A) = p(a)/p(A).
+            token = self._draw(x)
+            if not c.allows(token):
+                token = self._draw(c.mask(x))
         else:
             if c is not None:
                 x = c.mask(x)

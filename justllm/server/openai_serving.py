@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import string
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -23,6 +25,7 @@ from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.errors import EngineClosedError, InvalidRequestError
 from justllm.server.errors import APIError, error_body
+from justllm.server.lora import adapter, request_lora
 from justllm.server.metrics import ServerMetrics
 from justllm.server.schemas import (
     AssistantMessage,
@@ -36,8 +39,33 @@ from justllm.server.schemas import (
     CompletionChoice,
     CompletionRequest,
     ContentPart,
+    FunctionCallDelta,
+    FunctionCallOut,
     TextCompletion,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
+)
+from justllm.server.tools.answer import (
+    ChatEvent,
+    ChatResult,
+    ChoiceEnd,
+    ChoiceResult,
+    ChoiceText,
+    StreamEnd,
+    StreamError,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from justllm.server.tools.grammar import call_schema, wrap_call_grammar
+from justllm.server.tools.parse import ParsedCall
+from justllm.server.tools.request import (
+    ToolPlan,
+    check_tool_messages,
+    message_dict,
+    tool_plan,
 )
 
 _json = msgspec.json.Encoder()
@@ -48,11 +76,9 @@ MAX_REQUEST_STOP = 16  # stop strings a request may send; a chat template adds i
 # OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
 # and why any other value is refused: every accepted field is honoured, none ignored.
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "tools": ((None, []), "tool calling is not supported yet"),
-    "tool_choice": ((None, "none"), "tool calling is not supported yet"),
-    "functions": ((None, []), "function calling is not supported"),
-    "function_call": ((None, "none"), "function calling is not supported"),
-    "parallel_tool_calls": ((None,), "tool calling is not supported yet"),
+    "functions": ((None, []), "the deprecated functions field is not supported: send tools"),
+    "function_call": ((None, "none"), "the deprecated function_call field is not supported: "
+                                      "send tool_choice"),
     "modalities": ((None, ["text"]), "this server only produces text"),
     "audio": ((None,), "this server only produces text"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -75,6 +101,7 @@ def sse(payload: object) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+_ALNUM = string.ascii_letters + string.digits
 
 
 def check_model(name: str | None, model_id: str) -> None:
@@ -98,7 +125,9 @@ class OpenAIServing:
     # ---- shared -----------------------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        check_model(name, self.model_id)
+        """The served model, or one of its LoRA adapters (server/lora.py)."""
+        if adapter(self.aengine, name) is None:
+            check_model(name, self.model_id)
 
     @staticmethod
     def check_supported(req: msgspec.Struct) -> None:
@@ -133,7 +162,7 @@ class OpenAIServing:
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(req.logit_bias),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
-            priority=req.priority)
+            priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 
     def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]]) -> list[RequestStream]:
         """Submit every choice, or none: if one is refused the others are aborted."""
@@ -148,7 +177,7 @@ class OpenAIServing:
         return streams
 
     async def _merged(self, streams: list[RequestStream]
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all choices as they come, tagged with the choice index. Closing this
         iterator (client gone, task cancelled) aborts every unfinished choice."""
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
@@ -197,6 +226,14 @@ class OpenAIServing:
     # ---- chat -------------------------------------------------------------------------------
 
     def chat_prompt(self, messages: list[ChatMessage]) -> str:
+        """The prompt for ``messages`` without tools."""
+        return self._render(messages, ToolPlan())
+
+    def request_prompt(self, req: ChatCompletionRequest) -> str:
+        """The prompt ``req`` is answered from, its tools included (what usage counts)."""
+        return self._render(req.messages, tool_plan(req))
+
+    def _render(self, messages: list[ChatMessage], plan: ToolPlan) -> str:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         plain = []
@@ -205,12 +242,9 @@ class OpenAIServing:
             if isinstance(content, list):
                 content = "".join(_text_part(part, f"messages[{i}].content[{j}]")
                                   for j, part in enumerate(content))
-            role = "system" if m.role == "developer" else m.role
-            message = {"role": role, "content": content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            plain.append(message)
-        return self.template.render(plain, add_generation_prompt=True)
+            plain.append(message_dict(m, i, content or ""))
+        return self.template.render(plain, add_generation_prompt=True,
+                                    tools=plan.for_template(), parallel_tool_calls=plan.parallel)
 
     def _grammar(self, req: ChatCompletionRequest) -> str | None:
         fmt = req.response_format
@@ -222,6 +256,17 @@ class OpenAIServing:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema",
                                       param="response_format")
         return self.aengine.json_grammar(fmt.json_schema.schema)
+
+    def _tool_grammar(self, plan: ToolPlan) -> str:
+        """GBNF that admits only calls of the plan's callable functions, in the template's
+        format, with arguments that follow each function's schema."""
+        fmt = self.template.tool_format
+        schema = call_schema([(f.name, f.parameters) for f in plan.callable()], fmt)
+        try:
+            gbnf = self.aengine.json_grammar(schema)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param="tools") from None
+        return wrap_call_grammar(gbnf, fmt, plan.parallel and plan.mode == "required")
 
     def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
         if lps is None:
@@ -235,24 +280,137 @@ class OpenAIServing:
                     "bytes": list(piece)}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
+    def _start_chat(self, req: ChatCompletionRequest
+                    ) -> tuple[list[RequestStream], list[ChoiceText]]:
+        """Check ``req``, render it, submit its choices; their streams and text handlers."""
         self.check_model(req.model)
         self.check_supported(req)
-        grammar = self._grammar(req)
-        prompt = self.chat_prompt(req.messages)
+        plan = tool_plan(req)
+        check_tool_messages(req.messages)
+        grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
+        prompt = self._render(req.messages, plan)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
-                                 grammar=grammar))
-                for i in range(req.n)]
-        streams = self._submit(jobs)
+        jobs: list[tuple[str | list[int], SamplingParams]] = [
+            (prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
+                             grammar=grammar)) for i in range(req.n)]
+        try:
+            streams = self._submit(jobs)
+        except InvalidRequestError as e:  # the engine compiles the grammar
+            if plan.enforced and e.param == "response_format":
+                raise InvalidRequestError(str(e), param="tools") from None
+            raise
         # After a transcript's "Assistant:" the model writes the separating space itself.
-        shape = _ChatShape(self, lstrip=self.template.name == "transcript", n=len(streams))
-        return await self._respond(streams, shape, req, req.n)
+        fmt = self.template.tool_format if plan.active else None
+        texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
+                            parallel=plan.parallel) for _ in streams]
+        return streams, texts
+
+    def _call(self, call: ParsedCall) -> ToolCall:
+        if self.template.tool_format == "mistral":  # its templates insist on 9 alphanumerics
+            call_id = "".join(secrets.choice(_ALNUM) for _ in range(9))
+        else:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+        return ToolCall(call_id, call.name, call.arguments)
+
+    async def chat_result(self, req: ChatCompletionRequest) -> ChatResult:
+        """``req`` answered whole (``req.stream`` is not read). Request errors raise before
+        anything runs."""
+        streams, answers = self._start_chat(req)
+        texts, lps, finals = await self._collect(streams, [""] * len(streams))
+        choices = []
+        for i, (answer, final) in enumerate(zip(answers, finals)):
+            parsed = answer.whole(texts[i])
+            calls = tuple(self._call(c) for c in parsed.calls)
+            choices.append(ChoiceResult(
+                i, parsed.content if parsed.content or not calls else None, calls,
+                "tool_calls" if calls else final.finish_reason if final else None, lps[i],
+                None if calls or final is None else final.stop))
+        return ChatResult(choices, _usage(finals, req.n))
+
+    async def chat_events(self, req: ChatCompletionRequest
+                          ) -> AsyncGenerator[ChatEvent, None]:
+        """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
+        raise here, before anything is streamed; closing the iterator aborts the request."""
+        streams, answers = self._start_chat(req)
+        return self._events(streams, answers, req.n)
+
+    async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
+                      ) -> AsyncGenerator[ChatEvent, None]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with aclosing(self._merged(streams)) as merged:
+            async for i, out in merged:
+                if out.error:
+                    yield StreamError(out.error,
+                                      None if self.aengine.accepting else "shutting_down")
+                    return
+                answer = answers[i]
+                text = answer.feed(out.text)
+                if text or out.logprobs:
+                    yield TextDelta(i, text, out.logprobs)
+                if out.finished:
+                    finals[i] = out
+                    rest, parsed = answer.finish()
+                    if rest:
+                        yield TextDelta(i, rest)
+                    for k, call in enumerate(self._call(c) for c in parsed):
+                        yield ToolCallStart(i, k, call.id, call.name)
+                        yield ToolCallArguments(i, k, call.arguments)
+                    yield ChoiceEnd(i, "tool_calls" if parsed else out.finish_reason or "stop",
+                                    None if parsed else out.stop)
+        yield StreamEnd(_usage(finals, n))
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
+        """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``."""
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = await self.chat_events(req)
+            return self._chat_sse(events, rid, created, req.n, include_usage)
+        result = await self.chat_result(req)
+        choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
+            ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
+            for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
+            for c in result.choices]
+        return ChatCompletion(rid, "chat.completion", created, self.model_id, choices,
+                              result.usage)
+
+    async def _chat_sse(self, events: AsyncGenerator[ChatEvent, None], rid: str, created: int, n: int,
+                        include_usage: bool) -> AsyncIterator[bytes]:
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+            return sse(ChatCompletionChunk(rid, "chat.completion.chunk", created, self.model_id,
+                                           choices, usage))
+
+        def delta(i: int, d: ChatDelta, lps: dict | None = None,
+                  reason: str | None = None) -> bytes:
+            return chunk([ChatChunkChoice(i, d, lps, reason)])
+
+        for i in range(n):
+            yield delta(i, ChatDelta(role="assistant", content=""))
+        async with aclosing(events):
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    yield delta(ev.index, ChatDelta(content=ev.text or None),
+                                self._chat_logprobs(ev.logprobs))
+                elif isinstance(ev, ToolCallStart):
+                    yield delta(ev.index, ChatDelta(tool_calls=[ToolCallDelta(
+                        ev.call_index, ev.id, "function", FunctionCallDelta(ev.name, ""))]))
+                elif isinstance(ev, ToolCallArguments):
+                    yield delta(ev.index, ChatDelta(tool_calls=[ToolCallDelta(
+                        ev.call_index, function=FunctionCallDelta(arguments=ev.arguments))]))
+                elif isinstance(ev, ChoiceEnd):
+                    yield delta(ev.index, ChatDelta(), reason=ev.finish_reason)
+                elif isinstance(ev, StreamEnd):
+                    if include_usage:
+                        yield chunk([], usage=ev.usage)
+                else:
+                    yield sse(error_body(ev.message, "server_error", code=ev.code))
+        yield SSE_DONE
 
     # ---- text completions -----------------------------------------------------------------
 
@@ -291,11 +449,10 @@ class OpenAIServing:
             return prompt
         return b"".join(self._piece(t) for t in prompt).decode("utf-8", "replace")
 
-    # ---- one scaffold for every route's full and streamed responses ------------------------
+    # ---- the scaffold of text completions' full and streamed responses ---------------------
 
     async def _respond(self, streams: list[RequestStream], shape: _Shape,
-                       req: ChatCompletionRequest | CompletionRequest, n: int
-                       ) -> ChatCompletion | TextCompletion | AsyncIterator[bytes]:
+                       req: CompletionRequest, n: int) -> TextCompletion | AsyncIterator[bytes]:
         rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream, req.user)
         if req.stream:
@@ -304,7 +461,7 @@ class OpenAIServing:
         return await self._full(streams, shape, rid, created, n)
 
     async def _full(self, streams: list[RequestStream], shape: _Shape, rid: str, created: int,
-                    n: int) -> ChatCompletion | TextCompletion:
+                    n: int) -> TextCompletion:
         texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)))
         choices = [shape.choice(i, texts[i], lps[i], finals[i]) for i in range(len(streams))]
         return shape.full(rid, created, self.model_id, choices, _usage(finals, n))
@@ -350,47 +507,6 @@ class _Shape(Protocol):
              usage: Usage) -> Any: ...
     def chunk(self, rid: str, created: int, model: str, choices: list,
               usage: Usage | None) -> Any: ...
-
-
-class _ChatShape:
-    id_prefix = "chatcmpl"
-
-    def __init__(self, serving: OpenAIServing, lstrip: bool, n: int) -> None:
-        self._serving = serving
-        self._lstrip = [lstrip] * n  # per choice: leading blanks still to drop
-
-    def initial_texts(self, n: int) -> list[str]:
-        return [""] * n
-
-    def _text(self, i: int, text: str) -> str:
-        if self._lstrip[i]:
-            text = text.lstrip()
-            self._lstrip[i] = not text
-        return text
-
-    def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> ChatChoice:
-        return ChatChoice(i, AssistantMessage("assistant", self._text(i, text)),
-                          self._serving._chat_logprobs(lps),
-                          final.finish_reason if final else None)
-
-    def opening(self, i: int) -> ChatChunkChoice | None:
-        return ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None)
-
-    def delta(self, i: int, out: RequestOutput) -> ChatChunkChoice | None:
-        text = self._text(i, out.text)
-        if not (text or out.finished or out.logprobs):
-            return None
-        return ChatChunkChoice(i, ChatDelta(content=text or None),
-                               self._serving._chat_logprobs(out.logprobs), out.finish_reason)
-
-    def full(self, rid: str, created: int, model: str, choices: list,
-             usage: Usage) -> ChatCompletion:
-        return ChatCompletion(rid, "chat.completion", created, model, choices, usage)
-
-    def chunk(self, rid: str, created: int, model: str, choices: list,
-              usage: Usage | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(rid, "chat.completion.chunk", created, model, choices, usage)
 
 
 class _CompletionShape:
@@ -482,7 +598,7 @@ def prompt_list(value: object, param: str) -> list[str | list[int]]:
     return items
 
 
-def _usage(finals: list[RequestOutput | None], n: int = 1) -> Usage:
+def _usage(finals: Sequence[RequestOutput | None], n: int = 1) -> Usage:
     """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens summed."""
     prompt = sum(f.metrics.num_prompt_tokens for f in finals[::n] if f is not None)
     completion = sum(f.metrics.num_generated_tokens for f in finals if f is not None)

@@ -33,10 +33,53 @@ class ContentPart(_Request, kw_only=True):
     file: Any = None
 
 
+class FunctionCall(_Request, kw_only=True):
+    """A call an assistant made earlier in the conversation, as OpenAI sends it back."""
+
+    name: str
+    arguments: str  # JSON text (the template gets it parsed, as HF templates expect)
+
+
+class MessageToolCall(_Request, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+
+class FunctionDef(_Request, kw_only=True):
+    """A function tool. ``parameters`` is a JSON schema (None: the function takes none);
+    ``strict`` asks for arguments that follow it exactly (what a forced call always gets)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request, kw_only=True):
+    """A tool the model may call. Only ``function`` tools exist here; ``custom`` is declared
+    so that OpenAI's custom (free-text) tools get a 400 saying so."""
+
+    type: str
+    function: FunctionDef | None = None
+    custom: Any = None
+
+
+class ToolChoiceFunction(_Request, kw_only=True):
+    name: str
+
+
+class ToolChoiceNamed(_Request, kw_only=True):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class StreamOptions(_Request, kw_only=True):
@@ -52,6 +95,15 @@ class JsonSchemaFormat(_Request, kw_only=True):
 class ResponseFormat(_Request, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class LoraChoice(_Request, kw_only=True):
+    """llama-server's per-request adapter: by ``id`` (as GET /v1/lora_adapters lists it) or
+    by ``name``, at ``scale`` (default: the adapter's own)."""
+
+    id: NonNegativeInt | None = None
+    name: str | None = None
+    scale: float | None = None
 
 
 class _Sampling(_Request, kw_only=True):
@@ -80,6 +132,8 @@ class _Sampling(_Request, kw_only=True):
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
     # vLLM's extension: lower runs first (needs --scheduling-policy priority).
     priority: int = 0
+    # llama-server's: the LoRA adapters to run under (besides one named as ``model``).
+    lora: list[LoraChoice] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -88,12 +142,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: NonNegativeInt | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceNamed, None] = None
+    parallel_tool_calls: bool | None = None  # None: True, as OpenAI
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -131,9 +185,21 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
-class AssistantMessage(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCallOut
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None (JSON null) when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -153,11 +219,28 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # "" in a call's first delta, then pieces of the JSON text
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call: ``id``, ``type`` and the name in its first delta, only
+    ``index`` and an arguments piece in the following ones (OpenAI's chunk shape)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
-    """What a chunk adds: the role once, then content; ``{}`` for a chunk with only a reason."""
+    """What a chunk adds: the role once, then content or tool-call pieces; ``{}`` for a chunk
+    with only a reason."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -217,6 +300,7 @@ class ModelCard(msgspec.Struct):
     object: str
     created: int
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base
 
 
 class ModelList(msgspec.Struct):

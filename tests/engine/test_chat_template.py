@@ -12,6 +12,8 @@ from justllm.engine.chat_template import (
     TRANSCRIPT_PREAMBLE,
     AnswerText,
     ChatTemplate,
+    template_tool_format,
+    tool_fallback_text,
     with_template_stops,
 )
 from justllm.errors import InvalidRequestError
@@ -85,6 +87,89 @@ def test_jinja_file_and_bad_choices(tmp_path):
     bad.write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match="bad.jinja is not a valid Jinja template"):
         ChatTemplate.named(str(bad))
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather <now>.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALLED = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+TOOLS_JSON = ('{"type": "function", "function": {"name": "get_weather", "description": '
+              '"Weather <now>.", "parameters": {"type": "object", "properties": {"city": '
+              '{"type": "string"}}}}}')  # HF's tojson: keys in order, "<" as it is
+
+
+def test_builtins_know_their_tool_format():
+    formats = {n: (ChatTemplate.named(n).native_tools, ChatTemplate.named(n).tool_format)
+               for n in BUILTIN_TEMPLATES}
+    assert formats == {"chatml": (True, "hermes"), "llama3": (True, "llama3"),
+                       "gemma": (False, "generic"), "transcript": (False, "generic")}
+
+
+def test_chatml_renders_tools_hermes_style():
+    text = ChatTemplate.named("chatml").render([{"role": "system", "content": "Be brief."},
+                                                *CALLED], tools=TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert f"<tools>\n{TOOLS_JSON}\n</tools>" in text
+    assert text.endswith(
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert text.count("Be brief.") == 1  # the system message went into the tools turn
+
+
+def test_llama3_renders_tools_in_the_json_format():
+    text = ChatTemplate.named("llama3").render(CALLED, tools=TOOLS)
+    assert text.startswith("<|start_header_id|>system<|end_header_id|>\n\nYou have access to")
+    assert '{"name": function name, "parameters": dictionary' in text and TOOLS_JSON in text
+    assert text.endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+        "<|start_header_id|>ipython<|end_header_id|>\n\n18C<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_fallback_for_templates_without_tools():
+    fallback = tool_fallback_text(TOOLS)
+    assert '{"name": "get_weather", "description": "Weather <now>.", "parameters"' in fallback
+    assert '{"name": "<function name>", "arguments": {' in fallback and "JSON array" in fallback
+    assert "at most one" in tool_fallback_text(TOOLS, parallel=False)
+    transcript = ChatTemplate.named("transcript")
+    assert transcript.render(CALLED, tools=TOOLS) == (
+        fallback + "\n\nUser: Weather in Paris?\n"
+        'Assistant: {"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "Tool: 18C\nAssistant:")
+    # A model template that ignores tools: the same text, as a system message of its own...
+    plain = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}")
+    assert not plain.native_tools and plain.tool_format == "generic"
+    assert plain.render(CALLED[:1], tools=TOOLS) == (
+        f"system: {fallback}\nuser: Weather in Paris?\n")
+    # ...and one that drops tool messages gets each result as a user message.
+    chat_only = ChatTemplate("{% for m in messages if m['role'] in ('user', 'assistant') %}"
+                             "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert chat_only.render(CALLED).endswith("user: Result of get_weather: 18C\n")
+    # Without tools nothing changes.
+    assert plain.render(CALLED[:1]) == "user: Weather in Paris?\n"
+
+
+def test_a_model_templates_tool_format_comes_from_its_markers():
+    assert template_tool_format("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert template_tool_format("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
+    assert template_tool_format("<|start_header_id|>...<|python_tag|>") == "llama3"
+    assert template_tool_format("<|start_header_id|>{\"parameters\": ...}") == "llama3"
+    assert template_tool_format("{{ messages }}") == "generic"
+    mistral = ChatTemplate("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+                           "[/AVAILABLE_TOOLS]{% endif %}{% for m in messages %}[INST]"
+                           "{{ m['content'] }}[/INST]{% endfor %}{# [TOOL_CALLS] #}")
+    assert (mistral.native_tools, mistral.tool_format) == (True, "mistral")
+    assert mistral.render([{"role": "user", "content": "Hi"}], tools=TOOLS) == (
+        f"[AVAILABLE_TOOLS][{TOOLS_JSON}][/AVAILABLE_TOOLS][INST]Hi[/INST]")
 
 
 def test_answer_text_drops_leading_and_trailing_blanks():

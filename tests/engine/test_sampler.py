@@ -133,3 +133,37 @@ def test_top_k_and_top_p_on_a_large_vocabulary_draw_from_the_renormalised_set():
         assert set(toks.tolist()) <= set(best.tolist()), params
         got = np.array([(toks == b).mean() for b in best])
         assert np.abs(got - want).max() < 0.03, (params, got)
+
+
+class _OnlyThese:
+    """A constraint allowing a fixed set of tokens, counting full-row masks."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed, self.masks = allowed, 0
+
+    def mask(self, logits):
+        self.masks += 1
+        out = np.full_like(logits, -np.inf)
+        ids = sorted(self.allowed)
+        out[ids] = logits[ids]
+        return out
+
+    def allows(self, token: int) -> bool:
+        return token in self.allowed
+
+    def allowed_argmax(self, logits):
+        return int(np.argmax(self.mask(logits)))
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+def test_a_constrained_sampled_draw_masks_only_when_the_draw_is_refused():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    c = _OnlyThese({0, 1, 3})
+    s = RequestSampler(SamplingParams(temperature=1.0), 5, c)
+    toks = np.array([s.sample(logits_from_probs(p), [], []).token_id for _ in range(20000)])
+    got = np.bincount(toks, minlength=4) / toks.size
+    want = np.array([0.5, 0.3, 0.0, 0.05]) / 0.85  # exactly p restricted to what is allowed
+    assert np.abs(got - want).max() < 0.015 and got[2] == 0
+    assert 0.12 < c.masks / 20000 < 0.18  # a mask only for the ~15% of draws that were refused

@@ -1,0 +1,118 @@
+"""A chat answer as typed values: the whole result (``ChatResult``) or the stream's events
+(``ChatEvent``), with content and tool calls already apart. ``OpenAIServing.chat_result`` and
+``chat_events`` produce them; the OpenAI route renders them as JSON or SSE chunks, and the
+Anthropic and Responses routes translate them, so no route parses another's wire format.
+
+``ChoiceText`` is one choice's text on its way there: the leading blank a transcript's
+"Assistant:" leaves is dropped, and with tools the text goes through a ``CallSplitter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from justllm.server.schemas import Usage
+from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
+from justllm.server.tools.stream import CallSplitter
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str  # "call_<24 hex>" (9 letters and digits for Mistral-format models)
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    index: int
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str | None  # "stop", "length" or "tool_calls"
+    logprobs: list[Any] | None = None  # engine TokenLogprobs (only without tools)
+    stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    choices: list[ChoiceResult]
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int
+    text: str  # "" only when it carries logprobs
+    logprobs: list[Any] | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int  # the choice
+    call_index: int  # the call within the choice (OpenAI's tool_calls[].index)
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArguments:
+    index: int
+    call_index: int
+    arguments: str  # a piece of the call's JSON arguments
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    index: int
+    finish_reason: str
+    stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class StreamError:
+    message: str
+    code: str | None  # "shutting_down" when a shutdown aborted the request
+
+
+ChatEvent = Union[TextDelta, ToolCallStart, ToolCallArguments, ChoiceEnd, StreamEnd, StreamError]
+
+
+class ChoiceText:
+    """One choice's generated text -> content and calls (``fmt`` None: no tools, no parsing)."""
+
+    def __init__(self, *, lstrip: bool, fmt: str | None, names: frozenset[str] | None = None,
+                 parallel: bool = True) -> None:
+        self._lstrip = lstrip  # leading blanks still to drop
+        self._fmt, self._names, self._parallel = fmt, names, parallel
+        self._splitter = CallSplitter(fmt, names, parallel) if fmt else None
+
+    def _unlead(self, text: str) -> str:
+        if self._lstrip:
+            text = text.lstrip()
+            self._lstrip = not text
+        return text
+
+    def feed(self, piece: str) -> str:
+        """A streamed piece -> the content to show now."""
+        text = self._unlead(piece)
+        return self._splitter.feed(text) if self._splitter else text
+
+    def finish(self) -> tuple[str, tuple[ParsedCall, ...]]:
+        """At the stream's end: the content not shown yet, and the calls."""
+        if self._splitter is None:
+            return "", ()
+        rest, answer = self._splitter.finish()
+        return rest, answer.calls
+
+    def whole(self, text: str) -> ParsedAnswer:
+        """A whole (non-streamed) answer."""
+        text = self._unlead(text)
+        if self._fmt is None:
+            return ParsedAnswer(text)
+        return parse_answer(text, self._fmt, self._names, self._parallel)

@@ -1,0 +1,75 @@
+"""The grammar that forces a tool call (``tool_choice`` "required" or a named function).
+
+Two steps, so that llama.cpp's own JSON-schema converter does the hard part: ``call_schema``
+is one JSON schema for "a call of one of these functions" (``{"name": <that name>,
+"arguments": <its parameters schema>}`` per function, ``anyOf`` them), which the engine turns
+into GBNF (``AsyncEngine.json_grammar``); ``wrap_call_grammar`` then puts that call rule inside
+the family's wrapper (``<tool_call>..</tool_call>`` blocks, ``[TOOL_CALLS][..]``, a bare object
+or a JSON array), so a call written under it parses with the family's parser and its arguments
+validate against the function's schema.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from justllm.errors import InvalidRequestError
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                 "additionalProperties": False}
+_CALL_RULE = "justllm-tool-call"
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def arguments_key(fmt: str) -> str:
+    """What the family calls a call's arguments."""
+    return "parameters" if fmt == "llama3" else "arguments"
+
+
+def call_schema(functions: list[tuple[str, dict[str, Any] | None]], fmt: str) -> dict[str, Any]:
+    """One JSON schema for a call of any of ``functions`` ((name, parameters schema) pairs).
+    Definitions (``$defs``) of each parameters schema move to the top, where their
+    ``#/$defs/..`` references point once the schema is nested."""
+    key = arguments_key(fmt)
+    defs: dict[str, dict[str, Any]] = {k: {} for k in _DEF_KEYS}
+    alternatives = []
+    for name, parameters in functions:
+        params = dict(parameters) if parameters else dict(NO_PARAMETERS)
+        for k in _DEF_KEYS:
+            for def_name, definition in (params.pop(k, None) or {}).items():
+                if defs[k].setdefault(def_name, definition) != definition:
+                    raise InvalidRequestError(
+                        f"tools: two functions define {k}/{def_name} differently; forcing a "
+                        "call needs one grammar for all of them", param="tools")
+        alternatives.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, key: params},
+            "required": ["name", key], "additionalProperties": False})
+    schema: dict[str, Any] = (alternatives[0] if len(alternatives) == 1
+                              else {"anyOf": alternatives})
+    for k in _DEF_KEYS:
+        if defs[k]:
+            schema[k] = defs[k]
+    return schema
+
+
+def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:
+    """``call_gbnf`` (GBNF for one call object, its start rule ``root``) inside the family's
+    wrapper: one call, or with ``parallel`` one or more."""
+    body, n = re.subn(r"(?m)^root ::=", f"{_CALL_RULE} ::=", call_gbnf, count=1)
+    if n != 1:
+        raise ValueError("the call grammar has no root rule")
+    call = _CALL_RULE
+    if fmt == "hermes":
+        block = f'"<tool_call>\\n" {call} "\\n</tool_call>"'
+        root = f"{block} (\"\\n\" {block})*" if parallel else block
+    elif fmt == "mistral":
+        more = f' ("," " "? {call})*' if parallel else ""
+        root = f'"[TOOL_CALLS][" {call}{more} "]"'
+    elif fmt == "generic" and parallel:
+        root = f'{call} | "[" {call} ("," " "? {call})* "]"'
+    else:  # llama3 (one call per turn) and generic without parallel calls
+        root = call
+    # A transcript's "Assistant:" is followed by the model's own space.
+    return f'root ::= " "? ({root})\n{body}'

@@ -1,0 +1,231 @@
+"""A model's answer -> (content, tool calls), per tool-call format.
+
+The format is the one the prompt asked for (``ChatTemplate.tool_format``):
+
+- ``hermes`` (Hermes 2 Pro, Qwen 2.5/3, the ``chatml`` built-in): one
+  ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` block per call;
+- ``llama3`` (Llama 3.1/3.2/3.3, the ``llama3`` built-in): ``{"name": .., "parameters": {..}}``,
+  bare or after ``<|python_tag|>``, several separated by ``;`` or blank space;
+- ``mistral`` (Mistral Nemo/Small/Large): ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]``,
+  or the newer ``[TOOL_CALLS]name[ARGS]{..}`` per call;
+- ``generic`` (the fallback text of templates without tools): ``{"name": .., "arguments":
+  {..}}`` or a JSON array of them, possibly in a ```` ```json ```` fence.
+
+Text before the first call stays content. A call that does not parse (bad JSON, no name, a
+function that was not offered, arguments that are not an object) makes the whole answer
+content: the caller returns it as text, never as an error. Arguments are re-serialised as JSON
+text, so a streamed and a whole answer give the same string.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Match(Enum):
+    NO = 0
+    PARTIAL = 1  # the text ends inside what may still become a call marker
+    FULL = 2
+
+
+def _generic_starts() -> tuple[tuple[str, ...], ...]:
+    starts = []
+    for fence in ((), ("```json",), ("```",)):
+        for array in ((), ("[",)):
+            starts.append((*fence, *array, "{", '"name"', ":"))
+    return tuple(starts)
+
+
+# Where a call begins: sequences of literal pieces, blank space allowed between pieces.
+CALL_STARTS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "hermes": (("<tool_call>",),),
+    "mistral": (("[TOOL_CALLS]",),),
+    "llama3": (("<|python_tag|>",), ("{", '"name"', ":"),
+               ("{", '"type"', ":", '"function"', ",", '"name"', ":")),
+    "generic": _generic_starts(),
+}
+
+_DECODER = json.JSONDecoder(strict=False)  # a model may write raw newlines inside strings
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    content: str
+    calls: tuple[ParsedCall, ...] = ()
+
+
+class Malformed(ValueError):
+    """A call marker followed by something that is not a call."""
+
+
+def match_at(text: str, i: int, pieces: tuple[str, ...]) -> Match:
+    """Whether a call marker (``pieces``) starts at ``i``."""
+    for k, piece in enumerate(pieces):
+        if k:
+            i = _skip_blank(text, i)
+        seen = text[i:i + len(piece)]
+        if seen != piece[:len(seen)]:
+            return Match.NO
+        if len(seen) < len(piece):
+            return Match.PARTIAL
+        i += len(piece)
+    return Match.FULL
+
+
+def find_call_start(text: str, fmt: str, start: int = 0) -> tuple[Match, int]:
+    """The first position at or after ``start`` where a call marker begins (FULL) or may
+    still begin (PARTIAL); ``(NO, len(text))`` when there is none."""
+    patterns = CALL_STARTS[fmt]
+    firsts = {p[0][0] for p in patterns}
+    for i in range(start, len(text)):
+        if text[i] not in firsts:
+            continue
+        best = max((match_at(text, i, p) for p in patterns), key=lambda m: m.value)
+        if best is not Match.NO:
+            return best, i
+    return Match.NO, len(text)
+
+
+def first_full_start(text: str, fmt: str) -> int | None:
+    """Where the first complete call marker begins (a marker cut off at the end is text)."""
+    i = 0
+    while True:
+        m, at = find_call_start(text, fmt, i)
+        if m is Match.FULL:
+            return at
+        if m is Match.NO:
+            return None
+        i = at + 1
+
+
+def parse_answer(text: str, fmt: str, names: frozenset[str] | None = None,
+                 parallel: bool = True) -> ParsedAnswer:
+    """``text`` split into content and calls. ``names``: the functions that were offered (a
+    call to any other is malformed; None: any). ``parallel`` False keeps only the first call."""
+    at = first_full_start(text, fmt)
+    if at is None:
+        return ParsedAnswer(text)
+    try:
+        objs, end = _PARSERS[fmt](text, at)
+        calls = tuple(_checked(c, names) for c in objs)
+    except Malformed:
+        return ParsedAnswer(text)
+    if not calls:
+        return ParsedAnswer(text)
+    if not parallel:
+        calls = calls[:1]
+    head, tail = text[:at].rstrip(), text[end:].strip()
+    return ParsedAnswer(head + ("\n" if head and tail else "") + tail, calls)
+
+
+# ---- the formats ------------------------------------------------------------------------------
+
+def _skip_blank(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _json_at(text: str, i: int) -> tuple[Any, int]:
+    i = _skip_blank(text, i)
+    try:
+        return _DECODER.raw_decode(text, i)
+    except json.JSONDecodeError as e:
+        raise Malformed(str(e)) from None
+
+
+def _literal(text: str, i: int, lit: str) -> int:
+    """``i`` past ``lit`` (blank space before it skipped). At the end of the text ``lit`` may
+    be missing: generation stopped on it, or just before it."""
+    i = _skip_blank(text, i)
+    if text.startswith(lit, i):
+        return i + len(lit)
+    if i == len(text):
+        return i
+    raise Malformed(f"expected {lit!r}")
+
+
+def _hermes(text: str, i: int) -> tuple[list[Any], int]:
+    calls = []
+    while text.startswith("<tool_call>", i):
+        obj, i = _json_at(text, i + len("<tool_call>"))
+        calls.append(obj)
+        i = _skip_blank(text, _literal(text, i, "</tool_call>"))
+    return calls, i
+
+
+def _llama3(text: str, i: int) -> tuple[list[Any], int]:
+    if text.startswith("<|python_tag|>", i):
+        i += len("<|python_tag|>")
+    calls = []
+    while True:
+        obj, i = _json_at(text, i)
+        calls.append(obj)
+        j = _skip_blank(text, i)
+        if text.startswith(";", j):
+            j = _skip_blank(text, j + 1)
+        if not text.startswith("{", j):
+            return calls, i
+        i = j
+
+
+def _mistral(text: str, i: int) -> tuple[list[Any], int]:
+    calls: list[Any] = []
+    while text.startswith("[TOOL_CALLS]", i):
+        i = _skip_blank(text, i + len("[TOOL_CALLS]"))
+        if text.startswith(("[", "{"), i):  # a JSON list of calls (or one call)
+            value, i = _json_at(text, i)
+            calls.extend(value if isinstance(value, list) else [value])
+        else:  # name[ARGS]{arguments}
+            j = text.find("[ARGS]", i)
+            if j < 0:
+                raise Malformed("expected [ARGS]")
+            name = text[i:j].strip()
+            args, i = _json_at(text, j + len("[ARGS]"))
+            calls.append({"name": name, "arguments": args})
+        i = _skip_blank(text, i)
+    return calls, i
+
+
+def _generic(text: str, i: int) -> tuple[list[Any], int]:
+    fenced = text.startswith("```", i)
+    if fenced:
+        i += len("```json") if text.startswith("```json", i) else len("```")
+    value, i = _json_at(text, i)
+    if fenced:
+        i = _literal(text, i, "```")
+    return (value if isinstance(value, list) else [value]), i
+
+
+_PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "generic": _generic}
+
+
+def _checked(obj: Any, names: frozenset[str] | None) -> ParsedCall:
+    """One call object -> ParsedCall, or Malformed. Accepts ``arguments`` or ``parameters``
+    (an object, or JSON text of one; absent: no arguments) and Llama's ``"type": "function"``."""
+    if not isinstance(obj, dict):
+        raise Malformed("a call is not a JSON object")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name or (names is not None and name not in names):
+        raise Malformed(f"no function named {name!r} was offered")
+    extra = set(obj) - {"name", "arguments", "parameters", "type", "id"}
+    if extra:
+        raise Malformed(f"unexpected keys {sorted(extra)}")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise Malformed("arguments are not JSON") from None
+    if not isinstance(args, dict):
+        raise Malformed("arguments are not a JSON object")
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))

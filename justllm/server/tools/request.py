@@ -1,0 +1,160 @@
+"""A chat request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and tool messages,
+checked once and resolved into what serving needs (``ToolPlan``). Every refusal is an
+``InvalidRequestError`` naming the field, as OpenAI words them where it has one."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from justllm.errors import InvalidRequestError
+from justllm.server.schemas import ChatCompletionRequest, ChatMessage, Tool, ToolChoiceNamed
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool
+
+    def for_template(self) -> dict[str, Any]:
+        """The tool as chat templates get it (OpenAI's shape, without ``strict``)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters if self.parameters is not None else {
+            "type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the request asks of tools. ``mode``: "none" (no tools in the prompt, nothing
+    parsed), "auto" (tools in the prompt, the answer parsed), "required" (a call forced by a
+    grammar over ``functions``), or "named" (``forced`` is the one function it may call)."""
+
+    functions: tuple[Function, ...] = ()
+    mode: str = "none"
+    forced: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def enforced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.functions)
+
+    def callable(self) -> tuple[Function, ...]:
+        """The functions a forced call may name."""
+        return tuple(f for f in self.functions if self.forced in (None, f.name))
+
+    def for_template(self) -> list[dict[str, Any]] | None:
+        return [f.for_template() for f in self.functions] if self.active else None
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    functions = _functions(req.tools or [])
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if not functions:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice is only allowed when tools are given",
+                                      param="tool_choice")
+        return ToolPlan(parallel=parallel)
+    if isinstance(choice, ToolChoiceNamed):
+        name = choice.function.name
+        if name not in {f.name for f in functions}:
+            raise InvalidRequestError(f"tool_choice names the function '{name}', which is not "
+                                      "in tools", param="tool_choice")
+        plan = ToolPlan(functions, "named", name, parallel)
+    else:
+        plan = ToolPlan(functions, choice or "auto", None, parallel)
+    if plan.active:
+        if req.logprobs:
+            raise InvalidRequestError("logprobs cannot be combined with tools (the answer may "
+                                      "be a call, not text); send tool_choice 'none' or no "
+                                      "logprobs", param="logprobs")
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequestError("response_format cannot be combined with tools (both "
+                                      "constrain the whole answer); send tool_choice 'none' "
+                                      "or no response_format", param="response_format")
+    return plan
+
+
+def _functions(tools: list[Tool]) -> tuple[Function, ...]:
+    out: list[Function] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.type != "function":
+            raise InvalidRequestError(f"{where}.type: only function tools are supported (got "
+                                      f"'{tool.type}')", param=f"{where}.type")
+        if tool.function is None or tool.custom is not None:
+            raise InvalidRequestError(f"{where}: a function tool needs 'function' (and no "
+                                      "'custom')", param=f"{where}.function")
+        fn = tool.function
+        if not _NAME.fullmatch(fn.name):
+            raise InvalidRequestError(f"{where}.function.name: a function name is 1 to 64 "
+                                      "letters, digits, '_' or '-'",
+                                      param=f"{where}.function.name")
+        if any(f.name == fn.name for f in out):
+            raise InvalidRequestError(f"{where}.function.name: '{fn.name}' is given twice",
+                                      param=f"{where}.function.name")
+        params = fn.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise InvalidRequestError(f"{where}.function.parameters: the parameters schema "
+                                      "must describe a JSON object",
+                                      param=f"{where}.function.parameters")
+        out.append(Function(fn.name, fn.description, params, bool(fn.strict)))
+    return tuple(out)
+
+
+def message_dict(m: ChatMessage, i: int, content: str) -> dict[str, Any]:
+    """One history message as chat templates get it: an assistant's calls with their
+    arguments parsed (HF templates write them with ``tojson``), a tool result's call id."""
+    role = "system" if m.role == "developer" else m.role
+    message: dict[str, Any] = {"role": role, "content": content}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        if role != "assistant":
+            raise InvalidRequestError(f"messages[{i}].tool_calls: only assistant messages carry "
+                                      "tool calls", param=f"messages[{i}].tool_calls")
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        if role != "tool":
+            raise InvalidRequestError(f"messages[{i}].tool_call_id: only tool messages answer "
+                                      "a tool call", param=f"messages[{i}].tool_call_id")
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule: a tool message says which call it answers."""
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequestError(f"messages[{i}].tool_call_id: a tool message needs the "
+                                      "id of the call it answers",
+                                      param=f"messages[{i}].tool_call_id")
+
+
+def _arguments(text: str) -> Any:
+    """Arguments JSON text -> the object (kept as text when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

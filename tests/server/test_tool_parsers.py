@@ -1,0 +1,222 @@
+"""Tool-call parsing per family, whole and streamed, on outputs as models write them
+(formats from the model cards and llama.cpp's chat tests; the ``generic`` ones as the demo
+model writes them under the fallback), malformed ones included; the request checks and the
+forcing grammar's shape. Pure: no model."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from justllm.errors import InvalidRequestError
+from justllm.server.schemas import ChatCompletionRequest
+from justllm.server.tools.grammar import call_schema, wrap_call_grammar
+from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
+from justllm.server.tools.request import tool_plan
+from justllm.server.tools.stream import CallSplitter
+
+NAMES = frozenset({"get_weather", "get_time"})
+PARIS = ParsedCall("get_weather", '{"city": "Paris"}')
+ROME = ParsedCall("get_weather", '{"city": "Rome", "unit": "celsius"}')
+
+# (format, model output, expected content, expected calls)
+CASES = [
+    # Hermes 2 Pro / Qwen 2.5 / Qwen 3
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "", [PARIS]),
+    ("hermes", 'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+               '"arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>',
+     "Let me look that up.", [PARIS, ROME]),
+    # Hermes 2 Pro writes the arguments first; a stop on </tool_call> leaves it out
+    ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"}\n', "",
+     [PARIS]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+               '\n</tool_call>', "", [PARIS]),  # arguments as JSON text
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
+     "Done.", [ParsedCall("get_time", "{}")]),
+    ("hermes", "The weather is sunny.", "The weather is sunny.", []),
+    # Llama 3.1 / 3.2 / 3.3
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+     [PARIS]),
+    ("llama3", '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
+     "", [PARIS]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": '
+               '"get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}', "",
+     [PARIS, ROME]),
+    ("llama3", 'I will check. {"name": "get_weather", "parameters": {"city": "Paris"}}',
+     "I will check.", [PARIS]),
+    # Mistral Nemo / Small (a list), and the newer name[ARGS]{...} form
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
+                '"id": "a1b2c3d4e"}]', "", [PARIS]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]',
+     "", [PARIS, ROME]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
+                '{"city": "Rome", "unit": "celsius"}', "", [PARIS, ROME]),
+    # generic: the fallback's format, as the demo model writes it (and fenced, and a list)
+    ("generic", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
+    ("generic", 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     "Sure.", [PARIS]),
+    ("generic", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": '
+                '"get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]', "",
+     [PARIS, ROME]),
+    ("generic", '{"name": "get_weather", "arguments": {"city": "Paris\nFrance"}}', "",
+     [ParsedCall("get_weather", '{"city": "Paris\\nFrance"}')]),  # a raw newline in a string
+]
+
+# Outputs that look like calls but are not: every one comes back whole, as content.
+MALFORMED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '<tool_response>'),  # something else where </tool_call> belongs
+    ("hermes", '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"function": "get_weather"}\n</tool_call>'),
+    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")'),  # a built-in tool
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}, "confidence": 1}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}'),
+    ("mistral", "[TOOL_CALLS]get_weather{}"),
+    ("generic", '{"name": "get_weather", "arguments": {"city": }}'),
+    ("generic", '{"name": "Bob", "age": 3}'),  # JSON, but not a call
+    ("generic", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\nmore'),
+]
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES)
+def test_each_family_parses_whole(fmt, text, content, calls):
+    assert parse_answer(text, fmt, NAMES) == ParsedAnswer(content, tuple(calls))
+
+
+@pytest.mark.parametrize("fmt, text", MALFORMED)
+def test_a_malformed_call_is_content(fmt, text):
+    assert parse_answer(text, fmt, NAMES) == ParsedAnswer(text)
+
+
+def test_parallel_false_keeps_the_first_call_and_names_none_accepts_any():
+    text = '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]'
+    assert parse_answer(text, "generic", None, parallel=False).calls == (ParsedCall("a", "{}"),)
+    assert [c.name for c in parse_answer(text, "generic", None).calls] == ["a", "b"]
+    assert parse_answer(text, "generic", frozenset({"a"})).calls == ()  # b was not offered
+
+
+MARKERS = {"hermes": ("<tool_call>", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
+           "mistral": ("[TOOL_CALLS]", "["), "generic": ('"name"', "{", "```")}
+
+
+def _stream(fmt: str, text: str, size: int) -> tuple[list[str], str, ParsedAnswer]:
+    splitter = CallSplitter(fmt, NAMES)
+    shown = [splitter.feed(text[i:i + size]) for i in range(0, len(text), size)]
+    rest, answer = splitter.finish()
+    return shown, rest, answer
+
+
+@pytest.mark.parametrize("fmt, text", [(c[0], c[1]) for c in CASES] + MALFORMED)
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_streaming_agrees_with_the_whole_answer_and_leaks_no_marker(fmt, text, size):
+    shown, rest, answer = _stream(fmt, text, size)
+    whole = parse_answer(text, fmt, NAMES)
+    assert answer == whole
+    assert "".join(shown) + rest == whole.content
+    if whole.calls:  # no piece of a call marker was shown while it streamed
+        streamed = "".join(shown)
+        assert not any(m in streamed for m in MARKERS[fmt]), streamed
+
+
+def test_streaming_holds_back_only_what_may_start_a_call():
+    s = CallSplitter("hermes", NAMES)
+    assert [s.feed(p) for p in ("Hello", " <", "tool", "_c")] == ["Hello", "", "", ""]
+    assert s.feed("at is near") == " <tool_cat is near"  # not a marker after all: shown
+    assert s.feed("  ") == ""  # trailing blanks wait for what follows
+    assert s.finish() == ("  ", ParsedAnswer("Hello <tool_cat is near  "))
+    g = CallSplitter("generic", NAMES)
+    assert [g.feed(p) for p in ("a {", " \"na", "sty\" }")] == ["a", "", ' { "nasty" }']
+    end = CallSplitter("mistral", NAMES)
+    assert end.feed("ok [TOOL_") == "ok"
+    assert end.finish() == (" [TOOL_", ParsedAnswer("ok [TOOL_"))  # a cut-off marker is text
+
+
+# ---- grammar -----------------------------------------------------------------------------
+
+def test_call_schema_one_alternative_per_function_with_definitions_hoisted():
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    schema = call_schema([("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}),
+        ("add", {"type": "object", "$defs": {"Item": item},
+                 "properties": {"x": {"$ref": "#/$defs/Item"}}}),
+        ("noop", None)], "generic")
+    first, second, third = schema["anyOf"]
+    assert first["properties"]["name"] == {"const": "get_weather"}
+    assert first["required"] == ["name", "arguments"] and not first["additionalProperties"]
+    assert "$defs" not in second["properties"]["arguments"]
+    assert schema["$defs"] == {"Item": item}
+    assert third["properties"]["arguments"] == {"type": "object", "properties": {},
+                                                "additionalProperties": False}
+    llama = call_schema([("noop", None)], "llama3")  # one function: no anyOf
+    assert set(llama["properties"]) == {"name", "parameters"}
+    with pytest.raises(InvalidRequestError, match="define \\$defs/Item differently") as e:
+        call_schema([("a", {"$defs": {"Item": item}}), ("b", {"$defs": {"Item": {}}})],
+                    "generic")
+    assert e.value.param == "tools"
+
+
+def test_wrapped_grammar_per_family():
+    gbnf = 'root ::= "{" space "}" space\nspace ::= " "?\n'
+    hermes = wrap_call_grammar(gbnf, "hermes", parallel=True)
+    assert hermes.startswith('root ::= " "? ("<tool_call>\\n" justllm-tool-call "\\n</tool_call>"'
+                             ' ("\\n" "<tool_call>\\n" justllm-tool-call "\\n</tool_call>")*)\n')
+    assert "\njustllm-tool-call ::= \"{\" space" in hermes and "\nroot ::= \"{\"" not in hermes
+    assert wrap_call_grammar(gbnf, "generic", parallel=False).startswith(
+        'root ::= " "? (justllm-tool-call)\n')
+    assert wrap_call_grammar(gbnf, "mistral", parallel=False).startswith(
+        'root ::= " "? ("[TOOL_CALLS][" justllm-tool-call "]")\n')
+    assert wrap_call_grammar(gbnf, "llama3", parallel=True).startswith(
+        'root ::= " "? (justllm-tool-call)\n')  # Llama 3 calls one function per turn
+
+
+# ---- request checks ------------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _plan(**body):
+    return tool_plan(msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body},
+                                     ChatCompletionRequest))
+
+
+def test_tool_plan_modes():
+    assert _plan().mode == "none" and not _plan(tool_choice="none").active
+    auto = _plan(tools=[TOOL])
+    assert (auto.mode, auto.parallel, auto.names) == ("auto", True, frozenset({"get_weather"}))
+    assert auto.for_template() == [TOOL]
+    assert _plan(tools=[TOOL], tool_choice="none").for_template() is None
+    named = _plan(tools=[TOOL, {"type": "function", "function": {"name": "f"}}],
+                  tool_choice={"type": "function", "function": {"name": "f"}},
+                  parallel_tool_calls=False)
+    assert (named.mode, named.enforced, named.parallel) == ("named", True, False)
+    assert [f.name for f in named.callable()] == ["f"]
+    assert named.for_template()[1] == {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+     "tools[0].function.name"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL], "logprobs": True}, "logprobs"),
+    ({"tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_tool_plan_refusals(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        _plan(**body)
+    assert e.value.param == param

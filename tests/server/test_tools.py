@@ -1,0 +1,206 @@
+"""Tool calling on /v1/chat/completions through the real ``openai`` client against a real
+server on the demo model (a base model: its template gets the fallback text, and a forced call
+is what the grammar lets it write), and each family's forcing grammar on the real engine."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.backend import grammar_from_json_schema
+from justllm.engine.chat_template import ChatTemplate
+from justllm.server.tools.grammar import call_schema, wrap_call_grammar
+from justllm.server.tools.parse import parse_answer
+from tests.server.test_errors import assert_error, post
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather "
+                                      "in a city.", "parameters": WEATHER, "strict": True}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                      "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def assert_valid_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and len(call.id) == 29
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def test_required_call_validates_against_its_schema(client, server):
+    r = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=48, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    assert_valid_call(choice.message.tool_calls[0])
+    assert r.usage.completion_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_named_call_streams_in_openai_chunk_shape(server):
+    body = {"model": server.model, "messages": ASK, "tools": TOOLS, "max_tokens": 48,
+            "tool_choice": {"type": "function", "function": {"name": "add"}}, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    start, *pieces, end = deltas[1:]
+    call_id = start["tool_calls"][0]["id"]
+    assert start == {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                     "function": {"name": "add", "arguments": ""}}]}
+    assert pieces and all(d == {"tool_calls": [{"index": 0, "function": {
+        "arguments": d["tool_calls"][0]["function"]["arguments"]}}]} for d in pieces)
+    assert end == {} and reasons == [None] * (len(deltas) - 1) + ["tool_calls"]
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in pieces)
+    jsonschema.validate(json.loads(arguments), ADD)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] > 5
+
+
+def test_openai_client_stream_and_n_choices(client, server):
+    stream = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", n=2,
+        max_tokens=48, temperature=0, stream=True)
+    calls: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    reasons = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            assert not c.delta.content  # a forced call has no text
+            for d in c.delta.tool_calls or []:
+                call = calls[c.index].setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for choice in calls.values():
+        assert choice
+        for call in choice.values():
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_round_trip_with_a_tool_message(client, server):
+    first = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = first.choices[0].message
+    assert_valid_call(message.tool_calls[0])
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+              "content": "18 degrees and sunny"}
+    history = [*ASK, message, result]  # the client sends its own message object back
+    answer = client.chat.completions.create(model=server.model, messages=history, tools=TOOLS,
+                                            tool_choice="none", max_tokens=12, temperature=0)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    # The call and its result are in the prompt: without them it is shorter by their text.
+    bare = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS,
+                                          tool_choice="none", max_tokens=1)
+    assert answer.usage.prompt_tokens > bare.usage.prompt_tokens + 16
+
+
+def test_auto_and_none(client, server):
+    auto = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS,
+                                          max_tokens=24, temperature=0)
+    none = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS,
+                                          tool_choice="none", max_tokens=24, temperature=0)
+    # "none": the tools stay out of the prompt and the answer is text.
+    assert none.usage.prompt_tokens + 100 < auto.usage.prompt_tokens
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    choice = auto.choices[0]  # "auto": the model chooses; whatever it wrote is well-formed
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            assert_valid_call(call)
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+def test_a_cut_off_call_comes_back_as_text(client, server):
+    kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
+              max_tokens=6, temperature=0)
+    r = client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+    assert text.lstrip().startswith(("{", "[")) and '"name"' in text
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.tool_calls for c in streamed)
+
+
+def test_bad_tool_requests_get_openai_errors(server):
+    base = {"model": server.model, "messages": ASK}
+    cases = [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tools": [{"type": "custom", "custom": {"name": "grep"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "logprobs": True}, "logprobs"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"messages": [*ASK, {"role": "tool", "content": "18C"}]}, "messages[1].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages[0].tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ]
+    for extra, param in cases:
+        assert_error(post(server, "/v1/chat/completions", {**base, **extra}), 400, param)
+
+
+# ---- each family's forcing grammar on the real engine ---------------------------------------
+# (generic is the server's, above; greedy: a sampled request under a grammar masks the whole
+# vocabulary at every token, which is slow on a CPU)
+
+@pytest.mark.parametrize("template, fmt", [("chatml", "hermes"), ("llama3", "llama3"),
+                                           ("transcript", "mistral")])
+def test_each_familys_grammar_forces_a_valid_call(engine, template, fmt):
+    t = ChatTemplate.named(template)
+    tools = [tool for tool in TOOLS if tool["function"]["name"] == "get_weather"]
+    prompt = t.render(ASK, tools=tools)
+    schema = call_schema([("get_weather", WEATHER)], fmt)
+    grammar = wrap_call_grammar(grammar_from_json_schema(schema), fmt, parallel=False)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0,
+                                                    grammar=grammar, stop=t.stop))
+    text, finish = "", None
+    while finish is None:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.request_id == rid:
+                text += out.text
+                finish = out.finish_reason if out.finished else None
+    answer = parse_answer(text.lstrip(), fmt, frozenset({"get_weather"}))
+    assert finish == "stop" and len(answer.calls) == 1, text
+    jsonschema.validate(json.loads(answer.calls[0].arguments), WEATHER)
