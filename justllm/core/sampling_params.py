@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20
 MAX_DRAFT = 16  # draft tokens per step and request
 MAX_STOP = 32  # stop strings per request (a chat template's own included)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
+MAX_LORA_SCALE = 100.0  # |scale| of one adapter: beyond it nothing but noise comes out
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class SamplingParams:
     # Scheduling priority (vLLM's field): lower runs first; only with --scheduling-policy
     # priority (the engine refuses a non-zero value otherwise).
     priority: int = 0
+    # LoRA adapters to run under, by name, with their scales (the engine refuses names it has
+    # not loaded); empty: the base model. A mapping or pairs; kept as sorted pairs.
+    lora: tuple[tuple[str, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,17 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        lora = tuple(self.lora.items() if isinstance(self.lora, dict) else self.lora)
+        _check(all(isinstance(p, (tuple, list)) and len(p) == 2 for p in lora),
+               "lora must be (adapter name, scale) pairs", "lora")
+        _check(all(isinstance(n, str) and n for n, _ in lora), "lora adapter names must be "
+               "non-empty strings", "lora")
+        object.__setattr__(self, "lora", tuple(sorted((n, s) for n, s in lora)))
+        names = [n for n, _ in self.lora]
+        _check(len(set(names)) == len(names), "lora names an adapter twice", "lora")
+        _check(all(_is_num(s) and abs(s) <= MAX_LORA_SCALE for _, s in self.lora),
+               f"lora scales must be numbers in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]",
+               "lora")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens must be an integer >= 1", "max_tokens")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,

@@ -10,7 +10,10 @@ The scheduler is pure: ``schedule()`` returns a :class:`StepPlan`, the runner co
    served, or by priority) while a sequence id, a prefill slot, token budget and KV blocks for
    their whole prompt are free.
 
-All of it within ``n_batch`` tokens per step. When decode needs a block and none is free, the
+All of it within ``n_batch`` tokens per step, and for requests of one LoRA adapter set only
+(llama.cpp applies adapters per context): ``core/lora_groups.py`` picks the set, fairly, and a
+set that cannot make progress this step yields to the next. With one set (no adapters) every
+request is in it and nothing changes. When decode needs a block and none is free, the
 prefix cache is evicted first, then the policy's victim (FCFS: the newest running request) is
 preempted: its blocks and sequence id are released and it goes back to the queue, ahead of its
 peers, to be recomputed (prompt + output so far) when blocks free up.
@@ -19,11 +22,13 @@ peers, to be recomputed (prompt + output so far) when blocks free up.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from justllm.core.lora_groups import LoraGroups, oldest_by_set
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.policy import make_policy
-from justllm.core.request import FinishReason, Request, RequestStatus
+from justllm.core.request import FinishReason, LoraKey, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
 from justllm.kv.radix_cache import KVOp, RadixCache, common_prefix_len, freed_sequences
@@ -47,9 +52,12 @@ class SchedulerConfig:
     row_multiple: int = 1
     # Admission order and preemption victim (core/policy.py): "fcfs" or "priority".
     policy: str = "fcfs"
+    # Consecutive steps one LoRA adapter set may take while another set has work.
+    lora_max_steps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch"):
+        for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch",
+                     "lora_max_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_queue < 0:
@@ -76,6 +84,8 @@ class Scheduler:
         self._free_seq_ids: list[int] = list(range(n_ids - 1, -1, -1))
         # KV operations for the runner, in order, executed before the next batch.
         self._pending_ops: list[KVOp] = []
+        self.lora_groups = LoraGroups(config.lora_max_steps)
+        self._steps = 0  # schedule() calls: the clock of the adapter-set choice
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -86,6 +96,7 @@ class Scheduler:
         if self.pool.blocks_for(request.num_tokens) > self.pool.total_blocks:
             raise ValueError("request needs more KV blocks than the pool holds")
         request.status = RequestStatus.WAITING
+        request.queued_step = self._steps
         self.policy.enqueue(self.waiting, request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -134,6 +145,12 @@ class Scheduler:
         """Evict every unlocked prefix-cache entry (its KV is dropped at the next step)."""
         if self.cache is not None:
             self._take(self.cache.flush())
+
+    def flush_cache_trees(self, which: Callable[[LoraKey], bool]) -> None:
+        """Evict the prefix-cache entries of the adapter sets ``which`` accepts (an adapter
+        being unloaded: nothing can match them again)."""
+        if self.cache is not None:
+            self._take(self.cache.flush_trees(which))  # type: ignore[arg-type]
 
     # ---- KV moved in and out (prefill/decode disaggregation) ------------------------------
 
@@ -189,18 +206,44 @@ class Scheduler:
 
     def decoding(self) -> list[Request]:
         """Running requests whose next step is a decode (candidates for speculation), in the
-        policy's keep order: blocks go to them in this order, and a victim is always later."""
-        return [r for r in self.policy.keep_order(self.running) if r.num_uncomputed_tokens == 1]
+        policy's keep order: blocks go to them in this order, and a victim is always later.
+        Only those of the adapter set the next step will most likely serve."""
+        order = self._set_order()
+        first = order[0] if order else ()
+        return [r for r in self.policy.keep_order(self.running)
+                if r.num_uncomputed_tokens == 1 and r.lora == first]
+
+    def _set_order(self) -> list[LoraKey]:
+        sets = oldest_by_set((r.lora, r.queued_step)
+                             for r in (*self.running, *self.waiting))
+        return self.lora_groups.order(sets) if len(sets) > 1 else list(sets)
 
     def schedule(self, drafts: dict[str, DraftTree] | None = None) -> StepPlan:
         """Plan the next step. ``drafts`` maps request ids to draft tokens to verify after
         their last token; a draft is cut to what the step's token and output budgets, the free
-        KV blocks and the free sequence ids allow (speculation never preempts anyone)."""
-        cfg = self.config
+        KV blocks and the free sequence ids allow (speculation never preempts anyone).
+
+        Every chunk of the plan is of one adapter set: the first in ``LoraGroups`` order that
+        gets anything scheduled."""
+        self._steps += 1
         plan = StepPlan()
+        for key in self._set_order():
+            self._schedule_set(plan, drafts, key)
+            if plan.chunks:
+                self.lora_groups.served(key, self._steps)
+                break
+        plan.kv_ops = self._pending_ops
+        self._pending_ops = []
+        return plan
+
+    def _schedule_set(self, plan: StepPlan, drafts: dict[str, DraftTree] | None,
+                      key: LoraKey) -> None:
+        """Fill ``plan`` with the work of the requests of adapter set ``key``."""
+        cfg = self.config
         budget = cfg.n_batch
 
-        decoding = self.decoding()
+        decoding = [r for r in self.policy.keep_order(self.running)
+                    if r.num_uncomputed_tokens == 1 and r.lora == key]
         n_decode = min(len(decoding), cfg.max_decode, budget)
         # Drafts get what one token per decode and one row per prefill leave over.
         max_outputs = cfg.max_outputs or cfg.n_batch
@@ -232,16 +275,18 @@ class Scheduler:
         for req in self.running:
             if budget < 1 or n_prefill >= cfg.max_prefill:
                 break
-            if req.num_uncomputed_tokens > 1:
+            if req.num_uncomputed_tokens > 1 and req.lora == key:
                 budget -= self._schedule_prefill(req, plan, budget)
                 n_prefill += 1
 
-        while (self.waiting and budget >= 1 and n_prefill < cfg.max_prefill
-               and len(self.running) < cfg.max_seqs):
-            # When the head cannot start, nobody jumps the queue.
-            if not self._admit(self.waiting[0]):
+        waiting = [r for r in self.waiting if r.lora == key]
+        for req in waiting:
+            if budget < 1 or n_prefill >= cfg.max_prefill or len(self.running) >= cfg.max_seqs:
                 break
-            req = self.waiting.popleft()
+            # When the head (of this set) cannot start, nobody of its set jumps the queue.
+            if not self._admit(req):
+                break
+            self.waiting.remove(req)
             self.running.append(req)
             budget -= self._schedule_prefill(req, plan, budget)
             n_prefill += 1
@@ -250,9 +295,6 @@ class Scheduler:
             self._fill_row_group(plan, speculative, budget)
         if cfg.row_multiple > 1:
             plan.pad_rows = self._pad_rows(plan)
-        plan.kv_ops = self._pending_ops
-        self._pending_ops = []
-        return plan
 
     def update(self, plan: StepPlan, result: StepResult | None = None) -> list[Request]:
         """The runner computed ``plan`` and the engine sampled it into ``result``; returns the
@@ -270,7 +312,8 @@ class Scheduler:
             if (self.cache is not None and not req.prompt_cached and req.seq_id is not None
                     and req.num_computed_tokens >= req.num_prompt_tokens):
                 req.prompt_cached = True
-                self._take(self.cache.insert(req.prompt_token_ids, req.seq_id, live=True))
+                self._take(self.cache.insert(req.prompt_token_ids, req.seq_id, live=True,
+                                             key=req.lora))
         if result is None:
             return []
         for i, chunk in enumerate(plan.chunks):
@@ -429,7 +472,7 @@ class Scheduler:
         cache = self.cache
         # A request sent back after a KV error is recomputed whole: no match, no wait.
         match = cache.match(req.prompt_token_ids + req.output_token_ids,
-                            req.num_tokens - 1) if cache and not req.kv_errors else None
+                            req.num_tokens - 1, req.lora) if cache and not req.kv_errors else None
         matched = match.length if match else 0
         if match is not None and self._prefix_being_computed(req, matched):
             return False  # the same prefix is being computed: wait and share it
@@ -460,7 +503,7 @@ class Scheduler:
         """True if a running request is still prefilling a longer prefix this one shares
         (two requests with the same system prompt arriving together compute it once)."""
         for other in self.running:
-            if other.num_computed_tokens >= other.num_prompt_tokens:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.lora != req.lora:
                 continue
             k = common_prefix_len(req.prompt_token_ids, other.prompt_token_ids)
             if k >= matched + self.pool.block_size:
@@ -521,7 +564,7 @@ class Scheduler:
             # Cells past what we hand over (a step in flight when the request was aborted) go.
             self._pending_ops.append(KVOp.rm(req.seq_id, req.num_computed_tokens, -1))
             tokens = req.token_slice(0, req.num_computed_tokens)
-            self._take(self.cache.insert(tokens, req.seq_id, live=False))
+            self._take(self.cache.insert(tokens, req.seq_id, live=False, key=req.lora))
         else:
             self._pending_ops.append(KVOp.rm(req.seq_id))
             self._free_seq_ids.append(req.seq_id)

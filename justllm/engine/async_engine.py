@@ -21,6 +21,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
 from justllm.engine.engine import Engine, EngineStats, RequestMetrics, RequestOutput
+from justllm.engine.lora import LoadedLora
 from justllm.errors import EngineClosedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,36 @@ class AsyncEngine:
         and the seconds the import took on the engine thread."""
         await asyncio.to_thread(self.engine.kv_identity)
         return await self.call_on_engine_thread(_timed(lambda: self.engine.import_prefix(blob)))
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    @property
+    def lora_runtime(self) -> bool:
+        """Whether clients may load and unload adapters (``--enable-lora-runtime``)."""
+        return self.engine.config.lora_runtime
+
+    def lora_adapters(self) -> list[LoadedLora]:
+        return self.engine.lora_adapters()
+
+    async def load_lora(self, name: str, path: str, scale: float = 1.0) -> LoadedLora:
+        """Load an adapter: the file is checked off the engine thread, then llama.cpp loads it
+        between two steps."""
+        await asyncio.to_thread(self.engine.check_lora, name, path)
+        return await self.call_on_engine_thread(
+            lambda: self.engine.load_lora(name, path, scale))
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter: new requests for it are refused at once, the ones running finish,
+        then its cached KV is dropped and it is freed. Runs to the end even if the caller is
+        cancelled (a half-unloaded adapter would refuse requests forever)."""
+        lora_id = self.engine.begin_unload_lora(name)
+
+        async def finish() -> None:
+            while self.engine.lora_busy(lora_id):
+                await asyncio.sleep(0.02)
+            await self.call_on_engine_thread(lambda: self.engine.finish_unload_lora(lora_id))
+
+        await asyncio.shield(asyncio.ensure_future(finish()))
 
     def abort(self, request_id: str) -> bool:
         aborted = self.engine.abort(request_id)

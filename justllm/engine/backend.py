@@ -12,9 +12,12 @@ OpenMP build slows down badly. Tokenizing from another thread is fine.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +40,30 @@ def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 # A C callback must outlive every call into llama.cpp, so it lives at module level (immutable).
 _QUIET_LOG = C.llama_log_callback(_drop_log)
+
+
+@contextlib.contextmanager
+def _log_to(sink: Callable[[int, str], None], verbose: bool = False) -> Iterator[None]:
+    """Send llama.cpp's log to ``sink(level, text)`` during a call whose reason for failing
+    llama.cpp only logs (an adapter or a quantization it refuses), then back to the usual
+    sink. The log is process-wide: only for calls made on the one thread that calls llama.cpp
+    (or before any engine runs)."""
+    def forward(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        sink(level, text.decode("utf-8", "replace"))
+
+    callback = C.llama_log_callback(forward)
+    C.llama_log_set(callback, ctypes.c_void_p(0))
+    try:
+        yield
+    finally:
+        C.llama_log_set(None if verbose else _QUIET_LOG, ctypes.c_void_p(0))
+
+
+def _errors_of(lines: list[tuple[int, str]]) -> str:
+    """The last error llama.cpp logged, on one line, without its function-name prefix."""
+    errors = [t.strip() for level, t in lines if level == 4 and t.strip()]
+    text = errors[-1] if errors else "no reason given"
+    return re.sub(r"^\w+: ", "", text)
 
 
 class KVCacheFullError(EngineError):
@@ -146,6 +173,8 @@ class LlamaBackend:
         self._model = None
         self._ctx = None
         self._children: list[EmbeddingContext] = []
+        self._loras: list[LoraAdapter] = []
+        self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
         C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
         check_gguf_file(config.model_path)
         if config.gpu:
@@ -418,6 +447,42 @@ class LlamaBackend:
         """A token mask that follows a GBNF grammar (for structured output)."""
         return GrammarMatcher(self, gbnf)
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def load_lora(self, path: str) -> "LoraAdapter":
+        """Load a LoRA adapter GGUF for this model (``models/lora.py`` has checked what would
+        abort the process). llama.cpp refuses one made for another model (architecture,
+        tensor names or shapes): a ModelLoadError with its reason."""
+        lines: list[tuple[int, str]] = []
+        with _log_to(lambda level, text: lines.append((level, text)), self.config.verbose):
+            handle = C.llama_adapter_lora_init(self._model, path.encode())
+        if not handle:
+            reason = _errors_of(lines).removeprefix("failed to apply lora adapter: ")
+            raise ModelLoadError(f"LoRA adapter {path}: llama.cpp refused it: {reason}")
+        adapter = LoraAdapter(handle, path)
+        self._loras.append(adapter)
+        return adapter
+
+    def set_loras(self, adapters: tuple[tuple["LoraAdapter", float], ...]) -> None:
+        """Apply these adapters, with their scales, to every following decode of the context
+        (none: the base model). llama.cpp rebuilds its compute graph at the next decode."""
+        n = len(adapters)
+        if n:
+            handles = (C.llama_adapter_lora_p_ctypes * n)(*[a.handle for a, _ in adapters])
+            scales = (ctypes.c_float * n)(*[s for _, s in adapters])
+            C.llama_set_adapters_lora(self._ctx, handles, n, scales)
+        else:
+            C.llama_set_adapters_lora(self._ctx, None, 0, None)
+        self._lora_set = adapters
+
+    def free_lora(self, adapter: "LoraAdapter") -> None:
+        """Free an adapter; the context stops using it first (llama.cpp keeps a pointer)."""
+        if any(a is adapter for a, _ in self._lora_set):
+            self.set_loras(())
+        if adapter in self._loras:
+            self._loras.remove(adapter)
+            C.llama_adapter_lora_free(adapter.handle)
+
     def embedding_context(self, n_ctx: int = 2048) -> "EmbeddingContext":
         """A second context on the same weights, for mean-pooled sentence embeddings; closed
         with the backend."""
@@ -434,6 +499,10 @@ class LlamaBackend:
         if self._ctx:
             C.llama_free(self._ctx)
             self._ctx = None
+        for adapter in self._loras:  # after the context that points to them
+            C.llama_adapter_lora_free(adapter.handle)
+        self._loras.clear()
+        self._lora_set = ()
         if self._model:
             C.llama_model_free(self._model)
             self._model = None
@@ -443,6 +512,92 @@ class LlamaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """A loaded llama.cpp LoRA adapter; owned (and freed) by the backend that loaded it."""
+
+    handle: object
+    path: str
+
+
+# ---- quantization ---------------------------------------------------------------------------
+
+_PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+_SIZES = re.compile(r"(model|quant) size\s*=\s*([\d.]+) MiB")
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    """What llama.cpp reported: the tensors' bytes before and after, and (a dry run) whether
+    the real run would need an importance matrix."""
+
+    model_bytes: int
+    quant_bytes: int
+    needs_imatrix: bool
+
+
+def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
+                   allow_requantize: bool = False, dry_run: bool = False,
+                   imatrix: dict[str, np.ndarray] | None = None,
+                   metadata: dict[str, str | int] | None = None,
+                   progress: Callable[[int, int, str], None] | None = None) -> QuantizeResult:
+    """``llama_model_quantize`` from ``src`` to ``dst`` as llama.cpp file type ``ftype``.
+
+    ``dry_run`` computes only the sizes (and whether an importance matrix is needed), in
+    well under a second. ``imatrix``: tensor name -> importance values (``models/quantize.py``
+    reads the file); ``metadata``: keys written into the output (string or integer values);
+    ``progress(i, n, tensor)`` is called as each tensor starts. llama.cpp reports a refusal
+    (a requantization not allowed, a type that needs an imatrix) only in its log: a
+    ModelLoadError with its reason. Runs on the calling thread; no model or context is
+    involved, so it may run beside nothing else of llama.cpp in a CLI process."""
+    lines: list[tuple[int, str]] = []
+
+    def sink(level: int, text: str) -> None:
+        lines.append((level, text))
+        m = _PROGRESS.match(text) if progress is not None else None
+        if m:
+            progress(int(m.group(1)), int(m.group(2)), m.group(3))  # type: ignore[misc]
+
+    C.llama_backend_init()
+    params = C.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = ftype
+    params.allow_requantize = allow_requantize
+    params.dry_run = dry_run
+    keep: list[object] = []  # C arrays llama.cpp reads during the call
+    if imatrix:
+        entries = (C.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(imatrix.items()):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(arr)
+            entries[i].name = name.encode()
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        keep.append(entries)
+        params.imatrix = entries
+    if metadata:
+        overrides = (C.llama_model_kv_override * (len(metadata) + 1))()
+        for i, (key, value) in enumerate(metadata.items()):
+            o = overrides[i]
+            o.key = key.encode()[:127]
+            if isinstance(value, int):
+                o.tag = C.LLAMA_KV_OVERRIDE_TYPE_INT
+                o.value.val_i64 = value
+            else:
+                o.tag = C.LLAMA_KV_OVERRIDE_TYPE_STR
+                o.value.val_str = value.encode()[:127]
+        keep.append(overrides)
+        params.kv_overrides = overrides
+    with _log_to(sink):
+        rc = C.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ModelLoadError(f"llama.cpp could not quantize {src}: {_errors_of(lines)}")
+    text = "".join(t for _, t in lines)
+    sizes = {k: int(float(v) * 1024 * 1024) for k, v in _SIZES.findall(text)}
+    return QuantizeResult(sizes.get("model", 0), sizes.get("quant", 0),
+                          "will require an imatrix" in text)
 
 
 class EmbeddingContext:
@@ -545,6 +700,11 @@ class GrammarMatcher:
         if not np.isfinite(masked).any():
             raise EngineError("the grammar allows no further token")
         return masked
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar accepts ``token`` next (one candidate, no full-row pass)."""
+        one = self._apply(np.array([token], dtype=np.int32), np.zeros(1, dtype=np.float32))
+        return bool(np.isfinite(one[0]))
 
     def allowed_argmax(self, logits: np.ndarray) -> int:
         top = np.argpartition(-logits, self.PROBE)[:self.PROBE].astype(np.int32)

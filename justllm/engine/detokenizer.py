@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once found
 
     def add_token(self, token: int) -> None:
         if self.stopped:
@@ -33,9 +34,10 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, before: int) -> None:
         start = max(0, before - self._max_stop + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:at]
             self.stopped = True
 
     def take_new_text(self, final: bool = False) -> str:

@@ -23,6 +23,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
+from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
@@ -60,6 +61,8 @@ class RequestMetrics:
     num_computed_tokens: int = 0
     # Prompt tokens taken from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # The LoRA adapters it ran under ("a+b"; "" for the base model), for per-adapter metrics.
+    lora: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -78,6 +81,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     error: str | None = None
+    # The stop string that ended the request (finish_reason "stop" by a string, not a token):
+    # APIs that report which stop matched (Anthropic's stop_sequence) read it here.
+    stop: str | None = None
 
 
 @dataclass
@@ -100,6 +106,8 @@ class EngineStats:
     num_preemptions_total: int
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     spec: SpecStats = SpecStats()
+    lora_adapters: int = 0  # loaded
+    lora_switches: int = 0  # changes of the adapter set applied to the context
 
 
 class Engine:
@@ -146,6 +154,14 @@ class Engine:
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
         self._kv_identity: KVIdentity | None = None
+        self.loras = LoraRegistry(backend)
+        try:
+            for spec in config.lora:
+                self.loras.load(spec.name, spec.path, spec.scale)
+        except BaseException:
+            if owns_backend:
+                self.close()
+            raise
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -185,16 +201,19 @@ class Engine:
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            lora = self.loras.key_for(params.lora)
             req = Request(
                 request_id=request_id, prompt_token_ids=tokens, params=params,
                 arrival=next(self._arrivals),
                 max_total_tokens=self.max_request_tokens if params.max_tokens is None
-                else len(tokens) + params.max_tokens)
+                else len(tokens) + params.max_tokens, lora=lora)
             self.scheduler.add(req)
+            self.loras.acquire(lora)
             self._live[request_id] = _Live(
                 req, RequestSampler(params, seed, constraint),
                 IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
-                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens)))
+                RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
+                               lora=self.loras.label(lora)))
             if self.spec is not None:
                 self.spec.admit(request_id, params, self._steps)
         return request_id
@@ -241,12 +260,46 @@ class Engine:
                 generation_tokens_total=self._generation_tokens_total,
                 num_preemptions_total=self._preemptions_total,
                 prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats(),
-                spec=self.spec.stats if self.spec is not None else SpecStats())
+                spec=self.spec.stats if self.spec is not None else SpecStats(),
+                lora_adapters=len(self.loras.adapters()), lora_switches=self.loras.switches)
 
     def flush_prefix_cache(self) -> None:
         """Drop every cached prefix no running request uses; the KV goes at the next step."""
         with self._lock:
             self.scheduler.flush_cache()
+
+    # ---- LoRA adapters at run time --------------------------------------------------------
+    # ``load_lora`` and ``finish_unload_lora`` call llama.cpp: the engine thread's only
+    # (AsyncEngine runs them between steps).
+
+    def lora_adapters(self) -> list[LoadedLora]:
+        with self._lock:
+            return self.loras.adapters()
+
+    def check_lora(self, name: str, path: str) -> None:
+        """Everything about a new adapter that needs no llama.cpp (any thread)."""
+        with self._lock:
+            self.loras.check(name, path)
+
+    def load_lora(self, name: str, path: str, scale: float = 1.0) -> LoadedLora:
+        with self._lock:
+            return self.loras.load(name, path, scale)
+
+    def begin_unload_lora(self, name: str) -> int:
+        """New requests for ``name`` are refused from now on; its id, for ``lora_busy`` and
+        ``finish_unload_lora`` once its last request has ended."""
+        with self._lock:
+            return self.loras.begin_unload(name)
+
+    def lora_busy(self, lora_id: int) -> bool:
+        with self._lock:
+            return self.loras.busy(lora_id)
+
+    def finish_unload_lora(self, lora_id: int) -> None:
+        """Drop the adapter's cached KV (at the next step) and free it."""
+        with self._lock:
+            self.scheduler.flush_cache_trees(lambda key: any(i == lora_id for i, _ in key))
+            self.loras.finish_unload(lora_id)
 
     # ---- KV export and import (prefill/decode disaggregation) ----------------------------
     # Both call llama.cpp: the engine thread's only (AsyncEngine runs them between steps).
@@ -358,6 +411,8 @@ class Engine:
                 if plan.is_empty:
                     return []
                 n_tokens = self.runner.prepare(plan)
+                if plan.chunks:  # one adapter set per step (the scheduler's choice)
+                    self.loras.apply(plan.chunks[0].request.lora)
                 if self.config.check_kv:
                     self.check_kv(plan)
             logits = self.runner.decode(n_tokens)
@@ -514,7 +569,7 @@ class Engine:
             live.metrics.finished_time = now
         return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
                              reason.value if reason else None, out.logprobs or None,
-                             live.metrics)
+                             live.metrics, stop=live.detok.matched if reason else None)
 
     def _end_with_error(self, live: _Live, out: _Emitted, message: str,
                         result: StepResult) -> RequestOutput:
@@ -525,7 +580,9 @@ class Engine:
                              error=message)
 
     def _drop(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self.loras.release(live.request.lora)
         if self.spec is not None:
             self.spec.release(request_id)
 

@@ -91,6 +91,9 @@ class ModelSpec:
             if isinstance(value, bool):
                 if value:
                     args.append(f"--{key}")
+            elif isinstance(value, (list, tuple)):  # a repeatable flag: --lora A=.. --lora B=..
+                for item in value:
+                    args += [f"--{key}", str(item)]
             else:
                 args += [f"--{key}", str(value)]
         return args
@@ -251,6 +254,8 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
+    if "lora" in values:
+        values["lora"] = _lora_list(name, values["lora"])
     replicas = _replicas(name, entry)
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
@@ -258,6 +263,20 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
                                                      entry.get("ttl", DEFAULT_TTL)),
                      preload=pinned or bool(entry.get("preload", False)),
                      flags=tuple(sorted(values.items())), **replicas)
+
+
+def _lora_list(name: str, value: Any) -> tuple[str, ...]:
+    """A model's ``lora``: ``NAME=PATH[:SCALE]`` strings (one or a list, as ``--lora``), or
+    a mapping of adapter names to ``PATH[:SCALE]``. The runner checks the files."""
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and "=" in v for v in value):
+        raise ValueError(f"model '{name}': lora must be NAME=PATH[:SCALE] strings (a list) or "
+                         "a mapping of adapter names to PATH[:SCALE]")
+    return tuple(value)
 
 
 def load_config(data: Any, flags: Flags) -> GatewayConfig:

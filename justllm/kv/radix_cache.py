@@ -17,13 +17,18 @@ Holders:
 
 Nodes on a running request's matched path are locked (counts along the path); only unlocked,
 non-live leaves are evicted, in the order a pluggable :class:`EvictionPolicy` chooses.
+
+Trees: KV computed under one LoRA adapter set is not the KV another set (or the base model)
+would compute, so every lookup and insertion names a *tree key* (the scheduler's adapter set;
+``()`` for the base model) and each key has a tree of its own under its own root. The block
+accounting, holders and eviction are shared by all trees.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,6 +83,7 @@ class RadixNode:
     lock: int = 0
     last_access: int = 0
     referenced: bool = True  # for the clock policy
+    tree: Hashable = ()  # the key of the tree the node is in (its root's)
 
     @property
     def end(self) -> int:
@@ -149,7 +155,8 @@ class RadixCache:
         self.pool = pool
         self.max_blocks = max_blocks
         self.policy = policy or LRUPolicy()
-        self.root = RadixNode([], 0, None, -1)
+        self.root = RadixNode([], 0, None, -1)  # the base model's tree (key ``()``)
+        self._roots: dict[Hashable, RadixNode] = {(): self.root}
         # The cache's share of the pool: blocks_for(_owned_tokens) blocks, held as one.
         self._block_ids: list[int] = []
         self._owned_tokens = 0
@@ -162,9 +169,11 @@ class RadixCache:
 
     # ---- lookup ---------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], limit: int) -> Match:
-        """The longest cached prefix of ``tokens[:limit]`` (token granularity)."""
-        node, pos, path = self.root, 0, []
+    def match(self, tokens: list[int], limit: int, key: Hashable = ()) -> Match:
+        """The longest cached prefix of ``tokens[:limit]`` (token granularity) in tree ``key``."""
+        node, pos, path = self._roots.get(key), 0, []
+        if node is None:
+            return Match(0, [])
         tick = next(self._tick)
         while pos < limit:
             child = node.children.get(tokens[pos])
@@ -192,20 +201,20 @@ class RadixCache:
 
     def lock(self, node: RadixNode | None) -> None:
         """Lock ``node`` and every ancestor (a request's matched path)."""
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock += 1
             self._evictable.discard(node)
             node = node.parent
 
     def unlock(self, node: RadixNode | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock -= 1
             self._refresh(node)
             node = node.parent
 
     def _refresh(self, node: RadixNode) -> None:
         """Put ``node`` in or out of the evictable set after a change to it."""
-        if node is self.root:
+        if node.parent is None:  # a root
             return
         if not node.children and not node.lock and not node.live:
             self._evictable.add(node)
@@ -214,8 +223,10 @@ class RadixCache:
 
     # ---- insertion ------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], seq: int, *, live: bool) -> list[KVOp]:
-        """Record that ``seq`` holds ``tokens`` at positions ``0..len(tokens)``.
+    def insert(self, tokens: list[int], seq: int, *, live: bool,
+               key: Hashable = ()) -> list[KVOp]:
+        """Record that ``seq`` holds ``tokens`` at positions ``0..len(tokens)``, computed
+        under tree ``key``'s adapters.
 
         ``live``: ``seq`` is still running (its blocks count its cells); only new nodes are
         added. Otherwise ``seq`` is handed over: what other holders already cover is dropped
@@ -226,7 +237,10 @@ class RadixCache:
         then always ownable (see the module docstring), and a failure to own one is a bug.
         """
         ops: list[KVOp] = []
-        node, pos, n = self.root, 0, len(tokens)
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = RadixNode([], 0, None, -1, tree=key)
+        node, pos, n = root, 0, len(tokens)
         tick = next(self._tick)
         while pos < n:
             child = node.children.get(tokens[pos])
@@ -248,12 +262,15 @@ class RadixCache:
                 self._refresh(child)
             node, pos = child, pos + k
         if pos < n and (live or self._reserve(n - pos)):
-            new = RadixNode(tokens[pos:], pos, node, seq, live=live, last_access=tick)
+            new = RadixNode(tokens[pos:], pos, node, seq, live=live, last_access=tick,
+                            tree=key)
             node.children[tokens[pos]] = new
             self._holder_nodes[seq] = self._holder_nodes.get(seq, 0) + 1
             self._refresh(node)
             self._refresh(new)
             pos = n
+        if not root.children and root is not self.root:
+            self._roots.pop(key, None)
         if not live:
             if pos < n:
                 ops.append(KVOp.rm(seq, pos, -1))
@@ -290,7 +307,7 @@ class RadixCache:
         assert parent is not None
         head = RadixNode(node.tokens[:k], node.start, parent, node.holder,
                          {node.tokens[k]: node}, live=node.live, lock=node.lock,
-                         last_access=node.last_access)
+                         last_access=node.last_access, tree=node.tree)
         parent.children[node.tokens[0]] = head  # a head has a child: never evictable
         node.tokens = node.tokens[k:]
         node.start += k
@@ -305,12 +322,16 @@ class RadixCache:
         node is given up (a whole-sequence ``rm``: see :func:`freed_sequences`)."""
         if not self._evictable:
             return None
-        victim = self.policy.pick(list(self._evictable))
+        return self._evict(self.policy.pick(list(self._evictable)))
+
+    def _evict(self, victim: RadixNode) -> list[KVOp]:
         parent = victim.parent
         assert parent is not None
         del parent.children[victim.tokens[0]]
         self._evictable.discard(victim)
         self._refresh(parent)
+        if parent.parent is None and not parent.children and parent is not self.root:
+            self._roots.pop(parent.tree, None)  # an adapter set's tree that is empty now
         self._unreserve(len(victim.tokens))
         ops = [KVOp.rm(victim.holder, victim.start, victim.end)]
         left = self._holder_nodes[victim.holder] - 1
@@ -348,6 +369,16 @@ class RadixCache:
     def flush(self) -> list[KVOp]:
         return self._evict_while(lambda: True)
 
+    def flush_trees(self, which: Callable[[Hashable], bool]) -> list[KVOp]:
+        """Evict every unlocked entry of the trees whose key ``which`` accepts (an adapter
+        that is unloaded: its KV can never be matched again)."""
+        ops: list[KVOp] = []
+        while True:
+            candidates = [n for n in self._evictable if which(n.tree)]
+            if not candidates:
+                return ops
+            ops += self._evict(self.policy.pick(candidates))
+
     def _enforce_cap(self) -> list[KVOp]:
         if self.max_blocks is None:
             return []
@@ -357,7 +388,7 @@ class RadixCache:
     # ---- introspection --------------------------------------------------------------------
 
     def _nodes(self) -> Iterator[RadixNode]:
-        stack = list(self.root.children.values())
+        stack = [n for root in self._roots.values() for n in root.children.values()]
         while stack:
             n = stack.pop()
             yield n
@@ -398,10 +429,13 @@ class RadixCache:
             assert parent is not None
             if n.start != parent.end or not n.tokens:
                 problems.append(f"node {n.tokens[:4]}@{n.start} does not follow its parent")
-            if parent is not self.root and parent.lock < n.lock:
+            if parent.parent is not None and parent.lock < n.lock:
                 problems.append(f"node @{n.start} is locked more than its parent")
             if parent.children.get(n.tokens[0] if n.tokens else -1) is not n:
                 problems.append(f"node @{n.start} is not its parent's child")
+            if n.tree != parent.tree:
+                problems.append(f"node @{n.start} is in tree {n.tree!r}, its parent in "
+                                f"{parent.tree!r}")
         if counts != self._holder_nodes:
             problems.append(f"holder counts {self._holder_nodes} != nodes per holder {counts}")
         if owned != self._owned_tokens:
@@ -436,6 +470,10 @@ class RadixCache:
                 walk(child, depth + 1)
 
         walk(self.root, 0)
+        for key, root in self._roots.items():
+            if root is not self.root:
+                out.append(f"tree {key!r}:")
+                walk(root, 1)
         return out
 
 

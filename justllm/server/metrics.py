@@ -71,6 +71,9 @@ class _EngineCollector(Collector):
                       sp.num_accepted_tokens)
         yield gauge("justllm_spec_decode_acceptance_rate", "Accepted / draft tokens.",
                     sp.acceptance_rate)
+        yield gauge("justllm_lora_adapters", "LoRA adapters loaded.", s.lora_adapters)
+        yield counter("justllm_lora_switches", "Changes of the LoRA adapter set applied to the "
+                      "context (each step serves one set).", s.lora_switches)
 
 
 class ServerMetrics:
@@ -99,6 +102,15 @@ class ServerMetrics:
         self.pd_import_failures = Counter(
             "justllm_pd_import_failures", "Imports refused (computed locally instead).",
             lab + ["reason"], registry=r)
+        # Requests that ran under LoRA adapters, by adapter set ("a", or "a+b" for several).
+        lora = lab + ["lora_name"]
+        self.lora_requests = Counter("justllm_lora_requests", "Finished requests per LoRA "
+                                     "adapter set.", lora, registry=r)
+        self.lora_prompt_tokens = Counter("justllm_lora_prompt_tokens", "Prompt tokens of "
+                                          "finished requests per LoRA adapter set.", lora,
+                                          registry=r)
+        self.lora_generation_tokens = Counter("justllm_lora_generation_tokens", "Generated "
+                                              "tokens per LoRA adapter set.", lora, registry=r)
         self.pd_bytes = Counter("justllm_pd_bytes", "KV bytes exported or imported.",
                                 lab + ["direction"], registry=r)
         self.pd_seconds = Histogram("justllm_pd_transfer_seconds",
@@ -108,6 +120,10 @@ class ServerMetrics:
     def observe_finished(self, m: RequestMetrics, finish_reason: str | None) -> None:
         lab = self._model
         self.request_success.labels(lab, finish_reason or "abort").inc()
+        if m.lora:
+            self.lora_requests.labels(lab, m.lora).inc()
+            self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)
+            self.lora_generation_tokens.labels(lab, m.lora).inc(m.num_generated_tokens)
         if m.ttft is not None:
             self.ttft.labels(lab).observe(m.ttft)
         times = m.token_times

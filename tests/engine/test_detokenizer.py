@@ -47,3 +47,10 @@ def test_possible_stop_prefix_is_held_back_then_released():
 def test_final_flushes_held_text():
     pieces, d = run([1, 9], stop=("END",))
     assert "".join(pieces) == "Hel E"
+
+
+def test_the_stop_string_that_matched_is_kept():
+    _, d = run([1, 2, 7, 8], stop=("here", "ND", "END"))  # "END" and "ND" both end "Hello END"
+    assert d.matched == "END"  # the earliest in the text wins, as the text is cut there
+    _, d = run([1, 2, 9, 10], stop=("END",))
+    assert d.matched is None

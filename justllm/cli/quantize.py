@@ -1,0 +1,120 @@
+"""``justllm quantize``: re-quantize a GGUF with llama.cpp's own quantizer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli.errors import cli_errors
+
+
+def quantize(
+    model: Annotated[Optional[str], typer.Argument(help="The model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].", show_default=False)] = None,
+    type_name: Annotated[Optional[str], typer.Argument(metavar="TYPE", help="llama.cpp's type name, e.g. Q4_K_M, Q8_0, IQ4_XS, F16 (--list shows them all).", show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-<type>.gguf in the models directory, registered as a model).")] = None,
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Quantize a model that is quantized already (it loses more quality than quantizing its F16/BF16 original).")] = False,
+    imatrix: Annotated[Optional[str], typer.Option("--imatrix", help="Importance matrix from llama.cpp's llama-imatrix (GGUF or .dat): better low-bit quality; IQ1/IQ2 types need one.")] = None,
+    threads: Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: all cores).")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+    list_types: Annotated[bool, typer.Option("--list", help="List the quantization types with llama.cpp's descriptions, then exit.")] = False,
+) -> None:
+    """Quantize MODEL to TYPE through llama.cpp (llama_model_quantize).
+
+    The output goes to the models directory and shows in 'justllm models' with its type, unless
+    --output says where. A failed or interrupted run leaves no partial file."""
+    with cli_errors():
+        if list_types:
+            return _print_types()
+        if not model or not type_name:
+            raise ValueError("give MODEL and TYPE, e.g. justllm quantize gemma-3-270m Q8_0 "
+                             "(justllm quantize --list shows the types)")
+        from pathlib import Path
+
+        from justllm.models.quantize import default_output, prepare, quant_type
+        from justllm.models.source import resolve_model
+        from justllm.models.store import models_dir
+
+        qtype = quant_type(type_name)
+        src = Path(resolve_model(model))
+        if output:
+            dst = Path(output).expanduser()
+        else:
+            models_dir().mkdir(parents=True, exist_ok=True)
+            dst = default_output(src, qtype, models_dir())
+        job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
+                      imatrix=imatrix, threads=threads)
+        t0 = time.monotonic()
+        _run_with_progress(job)
+        console = Console(highlight=False)
+        from justllm.cli.models import _size
+
+        console.print(f"wrote {dst} ({qtype.name}, {_size(dst.stat().st_size)}; "
+                      f"{src.name} was {_size(src.stat().st_size)}) in "
+                      f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
+        if not output:
+            from justllm.models.refs import name_for_file
+            from justllm.models.registry import Registry
+
+            key, _, _ = Registry().tag(str(dst), name_for_file(dst.stem))
+            console.print(f"registered as {key} (justllm run {key.removesuffix(':latest')})",
+                          markup=False)
+
+
+def _print_types() -> None:
+    from rich.table import Table
+
+    from justllm.models.quantize import QUANT_TYPES
+
+    table = Table("TYPE", "DESCRIPTION (llama.cpp's)", "NOTE", box=None, pad_edge=False)
+    for t in QUANT_TYPES:
+        table.add_row(t.name, t.description, "needs --imatrix" if t.needs_imatrix else "")
+    Console(highlight=False).print(table)
+
+
+def _run_with_progress(job) -> None:
+    """``job.run()`` on a worker thread with a progress bar fed by llama.cpp's per-tensor log.
+    The main thread stays free for Ctrl-C: then the partial file is removed and the process
+    ends at once (the quantizer, in C, cannot be stopped, and it must not be left running
+    while the interpreter shuts down)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    result: dict[str, BaseException] = {}
+    with Progress(SpinnerColumn(), TextColumn(f"quantizing to {job.qtype.name}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("[dim]{task.fields[tensor]}"), transient=True,
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task("quantize", total=None, tensor="")
+
+        def on_tensor(i: int, n: int, name: str) -> None:
+            progress.update(task, completed=i - 1, total=n, tensor=name)
+
+        def work() -> None:
+            try:
+                job.run(on_tensor)
+            except BaseException as e:  # re-raised on the main thread
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name="justllm-quantize", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+        except KeyboardInterrupt:
+            job.abandon()
+            progress.stop()
+            Console(stderr=True).print("[yellow]interrupted[/yellow]: no output written")
+            os._exit(130)
+    if "error" in result:
+        raise result["error"]

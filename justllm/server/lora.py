@@ -1,0 +1,146 @@
+"""LoRA adapters over HTTP, as vLLM and llama-server expose them.
+
+- A request names an adapter as its ``model`` (vLLM: each adapter is a model in ``/v1/models``
+  whose ``parent`` is the base) and/or lists adapters in llama-server's ``lora`` field
+  (``[{"id" | "name", "scale"}]``, ids as ``GET /v1/lora_adapters`` gives them). The field adds
+  to, or rescales, the adapter named as ``model``; adapters it does not list are not applied
+  (llama-server applies every adapter loaded at start unless told otherwise; here the base
+  model is the default).
+- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
+  /v1/unload_lora_adapter`` ``{"lora_name"}`` (vLLM's routes and bodies), with
+  ``--enable-lora-runtime`` only (404 otherwise). Unloading waits for the adapter's running
+  requests; new ones are refused from the moment it starts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.datastructures import State
+
+from justllm.config import check_lora_name
+from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.lora import LoadedLora
+from justllm.errors import InvalidRequestError, ModelLoadError
+from justllm.server.errors import APIError
+from justllm.server.schemas import LoraChoice, ModelCard
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name (after its requests)
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name is what counts
+
+
+class LoraAdapterInfo(msgspec.Struct):
+    """One loaded adapter (llama-server's GET /lora-adapters shape, with the name)."""
+
+    id: int
+    name: str
+    path: str
+    scale: float
+
+
+def adapter(aengine: AsyncEngine, name: str | None) -> LoadedLora | None:
+    if not name:
+        return None
+    return next((a for a in aengine.lora_adapters() if a.name == name), None)
+
+
+def request_lora(aengine: AsyncEngine, model: str | None,
+                 choices: list[LoraChoice] | None) -> tuple[tuple[str, float], ...]:
+    """The ``(name, scale)`` adapters a request runs under: the one its ``model`` names, then
+    its ``lora`` entries (a 400 for one that names no loaded adapter)."""
+    loaded = aengine.lora_adapters()
+    chosen: dict[str, float] = {}
+    named = adapter(aengine, model)
+    if named is not None:
+        chosen[named.name] = named.scale
+    for i, c in enumerate(choices or []):
+        where = f"lora[{i}]"
+        if (c.id is None) == (c.name is None):
+            raise InvalidRequestError(f"{where}: give an adapter's id or its name",
+                                      param=where)
+        found = next((a for a in loaded if (a.id == c.id if c.name is None
+                                            else a.name == c.name)), None)
+        if found is None:
+            what = f"id {c.id}" if c.name is None else f"name '{c.name}'"
+            names = ", ".join(f"{a.id}: {a.name}" for a in loaded) or "none"
+            raise InvalidRequestError(f"{where}: no LoRA adapter with {what} is loaded "
+                                      f"(loaded: {names})", param=where)
+        chosen[found.name] = found.scale if c.scale is None else c.scale
+    return tuple(chosen.items())
+
+
+def adapter_cards(aengine: AsyncEngine, base: str, created: int) -> list[ModelCard]:
+    """``/v1/models`` entries for the adapters: each a model whose parent is the base."""
+    return [ModelCard(a.name, "model", created, "justllm", parent=base)
+            for a in aengine.lora_adapters()]
+
+
+def _runtime(state: State):
+    from justllm.server.app import _served  # app imports this module: imported late
+
+    served = _served(state)
+    if not served.aengine.lora_runtime:
+        raise APIError(404, "loading LoRA adapters at run time is off (start the server with "
+                            "--enable-lora-runtime)", type="not_found_error")
+    return served
+
+
+@post("/load_lora_adapter", status_code=200, summary="Load a LoRA adapter (vLLM's route)")
+async def load_lora_adapter(request: Request, state: State) -> Response:
+    from justllm.server.app import decode_request
+
+    served = _runtime(state)
+    body = await decode_request(request, LoadLoraRequest)
+    name = body.lora_name
+    try:
+        check_lora_name(name)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="lora_name") from None
+    if name == served.model_id:
+        raise InvalidRequestError(f"'{name}' is the base model's name", param="lora_name")
+    aengine = served.aengine
+    if body.load_inplace and adapter(aengine, name) is not None:
+        await aengine.unload_lora(name)
+    try:
+        await aengine.load_lora(name, body.lora_path)
+    except ModelLoadError as e:  # not an adapter, or not one for this model
+        raise InvalidRequestError(str(e), param="lora_path") from None
+    return Response(f"Success: LoRA adapter '{name}' added successfully.",
+                    media_type="text/plain")
+
+
+@post("/unload_lora_adapter", status_code=200, summary="Unload a LoRA adapter (vLLM's route)")
+async def unload_lora_adapter(request: Request, state: State) -> Response:
+    from justllm.server.app import decode_request
+
+    served = _runtime(state)
+    body = await decode_request(request, UnloadLoraRequest)
+    if adapter(served.aengine, body.lora_name) is None:
+        raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded",
+                       type="not_found_error", param="lora_name")
+    try:
+        await served.aengine.unload_lora(body.lora_name)
+    except InvalidRequestError:  # another unload of it came first
+        raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded",
+                       type="not_found_error", param="lora_name") from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                    media_type="text/plain")
+
+
+@get("/lora_adapters", summary="The loaded LoRA adapters, with the ids the `lora` field takes")
+async def list_lora_adapters(state: State) -> list[LoraAdapterInfo]:
+    from justllm.server.app import _served
+
+    return [LoraAdapterInfo(a.id, a.name, a.path, a.scale)
+            for a in _served(state).aengine.lora_adapters()]
+
+
+ROUTES = [load_lora_adapter, unload_lora_adapter, list_lora_adapters]

@@ -1,0 +1,149 @@
+"""``justllm quantize`` on the demo model through llama.cpp's real quantizer (seconds each)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from justllm.cli import app
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.llm import LLM
+from justllm.models.gguf import read_gguf_header
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    d = tmp_path / "models"
+    d.mkdir()
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(d))
+    return d
+
+
+def error_line(r) -> str:
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def files(d) -> list[str]:
+    """Everything in ``d`` (hidden files included) but the registry's lock file."""
+    return sorted(p.name for p in d.iterdir() if p.name != ".lock")
+
+
+def generates(path) -> bool:
+    llm = LLM(str(path), max_seqs=2, pool_blocks=32)
+    try:
+        (out,) = llm.generate("The capital of France is",
+                              SamplingParams(max_tokens=4, ignore_eos=True))
+        return len(out.token_ids) == 4
+    finally:
+        llm.close()
+
+
+def test_quantize_to_q8_0_into_the_models_directory(model_path, models_dir):
+    r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize"])
+    assert r.exit_code == 0, r.output
+    out = models_dir / "gemma-3-270m-q8_0.gguf"
+    assert f"wrote {out} (Q8_0" in r.stdout and "registered as gemma-3-270m-q8_0:latest" in r.stdout
+    assert read_gguf_header(out).integer("general.file_type") == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+    listed = runner.invoke(app, ["models"])
+    assert listed.stdout.splitlines()[1].split()[:1] == ["gemma-3-270m-q8_0:latest"]
+    assert "Q8_0" in listed.stdout.splitlines()[1].split()
+    assert generates(out)
+    assert [p.name for p in models_dir.glob(".*partial*")] == []
+
+
+def test_quantize_to_q4_0_at_a_path(model_path, models_dir, tmp_path):
+    out = tmp_path / "elsewhere" / "small.gguf"
+    out.parent.mkdir()
+    r = runner.invoke(app, ["quantize", model_path, "q4_0", "--allow-requantize", "-o", str(out),
+                            "--threads", "2"])
+    assert r.exit_code == 0, r.output
+    assert "registered" not in r.stdout  # --output: not added to the models directory
+    assert read_gguf_header(out).integer("general.file_type") == 2  # Q4_0
+    assert generates(out)
+    assert not list(models_dir.glob("*.gguf"))
+
+
+def test_list_shows_llama_cpps_types_and_descriptions():
+    r = runner.invoke(app, ["quantize", "--list"])
+    assert r.exit_code == 0
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.strip()}
+    assert "4.58G, +0.1754 ppl @ Llama-3-8B" in rows["Q4_K_M"]
+    assert "needs --imatrix" in rows["IQ2_XXS"] and "needs --imatrix" not in rows["IQ4_XS"]
+    assert {"Q2_K", "Q8_0", "F16", "BF16", "IQ4_NL"} <= rows.keys()
+
+
+def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_path,
+                                                    monkeypatch):
+    existing = tmp_path / "taken.gguf"
+    existing.write_bytes(b"x")
+    cases = [
+        (["Q9_9"], "unknown quantization type 'Q9_9'"),
+        (["Q8_0", "--allow-requantize", "-o", str(existing)], "already exists (--force"),
+        (["Q8_0"], "is quantized already (Q4_K_M)"),
+        (["IQ2_XXS", "--allow-requantize"], "IQ2_XXS needs an importance matrix"),
+        (["Q8_0", "--allow-requantize", "--imatrix", str(tmp_path / "no.dat")],
+         "imatrix file not found"),
+    ]
+    for args, words in cases:
+        r = runner.invoke(app, ["quantize", model_path, *args])
+        assert words in error_line(r), r.stderr
+    r = runner.invoke(app, ["quantize", str(tmp_path / "missing.gguf"), "Q8_0"])
+    assert "not found" in error_line(r)
+    r = runner.invoke(app, ["quantize", model_path])
+    assert "give MODEL and TYPE" in error_line(r)
+    monkeypatch.setattr("justllm.models.quantize._free_bytes", lambda d: 50_000_000)
+    r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize"])
+    assert "not enough disk space" in error_line(r) and "50 MB free" in r.stderr
+    assert files(models_dir) == [] and existing.read_bytes() == b"x"
+
+
+def write_legacy_imatrix(path, entries: dict[str, np.ndarray]) -> None:
+    """llama-imatrix's legacy .dat format: entries (name, ncall, values), chunks, dataset."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(entries)))
+        for name, values in entries.items():
+            raw = name.encode()
+            f.write(struct.pack("<i", len(raw)) + raw + struct.pack("<ii", 1, values.size))
+            f.write(values.astype("<f4").tobytes())
+        f.write(struct.pack("<i", 10) + struct.pack("<i", 4) + b"test")
+
+
+def test_a_failed_run_leaves_no_partial_file(model_path, models_dir, tmp_path):
+    """llama.cpp stops half-way (an importance matrix whose size does not fit a tensor, found
+    when that tensor's turn comes): one error line, nothing left in the models directory."""
+    bad = tmp_path / "bad.dat"
+    write_legacy_imatrix(bad, {"blk.3.attn_q.weight": np.ones(7, dtype=np.float32)})
+    r = runner.invoke(app, ["quantize", model_path, "Q4_0", "--allow-requantize", "--imatrix",
+                            str(bad)])
+    assert "imatrix size 7 is different from tensor size 640" in error_line(r)
+    assert files(models_dir) == []
+
+
+def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_path):
+    import gguf
+
+    path = tmp_path / "imatrix.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_type("imatrix")
+    w.add_tensor("blk.0.attn_q.weight.in_sum2", np.full((1, 640), 2.0, dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight.counts", np.full((1, 1), 2.0, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "q4km.gguf"
+    r = runner.invoke(app, ["quantize", model_path, "Q4_K_M", "--allow-requantize", "--imatrix",
+                            str(path), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    meta = read_gguf_header(out).metadata
+    assert meta["quantize.imatrix.file"] == str(path)
+    assert meta["quantize.imatrix.entries_count"] == 1
+    assert read_gguf_header(out).integer("general.file_type") == 15

@@ -1,0 +1,255 @@
+"""LoRA adapters on the real model through real llama.cpp.
+
+The adapters are written in the test (tests/lora_files.py): random rank-8 deltas on attn_q and
+attn_v of every other layer, large enough to change greedy output. Checked: an adapter changes
+the output and scale 0 is the base exactly; the base and two adapters served concurrently each
+match their solo runs (within batch-shape noise, as every batching test); KV computed under one
+adapter never serves another; unloading waits for the adapter's requests; broken adapters are a
+one-line error; and the randomised concurrent load of test_kv_stress.py with mixed adapters
+keeps llama.cpp's KV exactly what the scheduler believes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from justllm.config import EngineConfig, LoraSpec
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.engine import Engine
+from justllm.errors import InvalidRequestError, ModelLoadError
+from tests.engine.test_kv_stress import _idle, make_prompts
+from tests.helpers import PROMPTS, divergence_is_noise, run_alone
+from tests.lora_files import write_adapter
+
+GREEDY = SamplingParams(max_tokens=12, logprobs=5, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    return {"a": str(write_adapter(d / "a.gguf", seed=1)),
+            "b": str(write_adapter(d / "b.gguf", seed=2)),
+            "c": str(write_adapter(d / "c.gguf", seed=3))}
+
+
+@pytest.fixture(scope="module")
+def lora_engine(model_path, adapters):
+    eng = Engine(EngineConfig(model=model_path, max_seqs=12, pool_blocks=256, lora=(
+        LoraSpec("a", adapters["a"]), LoraSpec("b", adapters["b"], 0.8))))
+    yield eng
+    eng.close()
+
+
+def under(lora: dict[str, float], params: SamplingParams = GREEDY) -> SamplingParams:
+    return replace(params, lora=tuple(lora.items()))
+
+
+def tokens(engine: Engine, prompt: str, lora: dict[str, float]) -> list[int]:
+    return run_alone(engine, prompt, under(lora, SHORT))[0]
+
+
+def test_an_adapter_changes_greedy_output_and_scale_zero_is_the_base(lora_engine):
+    prompt = PROMPTS[0]
+    base = tokens(lora_engine, prompt, {})
+    a, b = tokens(lora_engine, prompt, {"a": 1.0}), tokens(lora_engine, prompt, {"b": 0.8})
+    assert a != base and b != base and a != b
+    assert tokens(lora_engine, prompt, {"a": 0.0}) == base
+    assert tokens(lora_engine, prompt, {"a": 1.0}) == a  # deterministic under an adapter
+    both = tokens(lora_engine, prompt, {"a": 1.0, "b": 0.8})
+    assert both not in (a, b, base)
+
+
+def test_base_and_two_adapters_concurrently_each_match_their_solo_run(lora_engine):
+    sets = [{}, {"a": 1.0}, {"b": 0.8}]
+    jobs = [(p, sets[i % 3]) for i, p in enumerate(PROMPTS[:6])]
+    alone = [run_alone(lora_engine, p, under(s)) for p, s in jobs]
+    ids = [lora_engine.add_request(p, under(s)) for p, s in jobs]
+    got: dict[str, tuple[list[int], list]] = {i: ([], []) for i in ids}
+    switches = lora_engine.stats().lora_switches
+    while lora_engine.has_unfinished():
+        for out in lora_engine.step():
+            assert out.error is None, out.error
+            got[out.request_id][0].extend(out.token_ids)
+            got[out.request_id][1].extend(out.logprobs or [])
+    exact = 0
+    for (ref, ref_lp), rid in zip(alone, ids):
+        toks, lps = got[rid]
+        assert len(toks) == GREEDY.max_tokens
+        ok, why = divergence_is_noise(ref, ref_lp, toks, lps)
+        assert ok, (rid, why)
+        exact += ref == toks
+    assert exact >= 4, f"only {exact}/6 identical to their solo run"
+    # three sets, taken in turns of at most --lora-max-steps (4) steps: switches happen, but
+    # far fewer than one per step
+    switched = lora_engine.stats().lora_switches - switches
+    assert 3 <= switched <= 3 * GREEDY.max_tokens // 4 + 3
+
+
+def test_kv_computed_under_one_adapter_never_serves_another(lora_engine):
+    prompt = " ".join(f"Line {i} of a shared system prompt." for i in range(12))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    lora_engine.flush_prefix_cache()
+
+    def cached(lora: dict[str, float]) -> tuple[int, list[int]]:
+        ids = [lora_engine.add_request(prompt, under(lora, params))]
+        out, toks = None, []
+        while lora_engine.has_unfinished():
+            for o in lora_engine.step():
+                toks += o.token_ids
+                out = o if o.finished else out
+        assert out is not None and ids
+        return out.metrics.num_cached_tokens, toks
+
+    hit_a, toks_a = cached({"a": 1.0})
+    assert hit_a == 0
+    hit_b, toks_b = cached({"b": 0.8})
+    assert hit_b == 0  # the same prompt, computed under a, is not b's
+    hit_base, _ = cached({})
+    assert hit_base == 0
+    assert cached({"a": 1.0}) == (len(lora_engine.tokenize(prompt)) - 1, toks_a)
+    assert cached({"b": 0.8})[1] == toks_b
+
+
+def test_unknown_adapters_are_refused_per_request(lora_engine):
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'zz'"):
+        lora_engine.add_request("Hi", under({"zz": 1.0}))
+    with pytest.raises(InvalidRequestError, match="scales"):
+        SamplingParams(lora=(("a", float("inf")),))
+    assert not lora_engine.has_unfinished()
+
+
+def test_unloading_waits_for_its_requests_and_drops_its_cache(model_path, adapters):
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128,
+                                 lora=(LoraSpec("a", adapters["a"]),)))
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog again and again"
+        first = run_alone(engine, prompt, under({"a": 1.0}, SamplingParams(max_tokens=3)))[0]
+        rid = engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=6)))
+        engine.step()
+        lora_id = engine.begin_unload_lora("a")
+        with pytest.raises(InvalidRequestError):  # refused from the start of the unload
+            engine.add_request(prompt, under({"a": 1.0}))
+        assert [a.name for a in engine.lora_adapters()] == []
+        while engine.lora_busy(lora_id):
+            for out in engine.step():
+                assert out.error is None and out.request_id == rid
+        engine.finish_unload_lora(lora_id)
+        engine.step()  # the dropped cache entries' KV goes
+        assert engine.stats().kv_blocks.used == engine.stats().prefix_cache.blocks == 0
+        # another file under the same name: a new adapter, no KV of the old one
+        engine.load_lora("a", adapters["c"])
+        rid = engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=3)))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert outs[-1].metrics.num_cached_tokens == 0
+        assert sum((o.token_ids for o in outs), []) != first
+        engine.check_kv()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("broken, message", [
+    (dict(arch="llama"), "made for a 'llama' model; this model is 'gemma3'"),
+    (dict(n_embd=512), "llama.cpp refused it: tensor 'blk.0.attn_q.weight' has incorrect "
+                       "shape"),
+    (dict(alpha_as_int=True), "adapter.lora.alpha must be a float32"),
+])
+def test_a_broken_adapter_is_a_one_line_error(model_path, tmp_path, broken, message):
+    bad = write_adapter(tmp_path / "bad.gguf", seed=4, **broken)
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32,
+                            lora=(LoraSpec("bad", str(bad)),)))
+    from justllm.cli import app
+
+    r = CliRunner().invoke(app, ["run", model_path, "--lora", f"bad={bad}", "-p", "Hi", "-n",
+                                 "1", "--pool-blocks", "32"])
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_the_model_file_itself_is_not_an_adapter(model_path):
+    with pytest.raises(ModelLoadError, match="not a LoRA adapter"):
+        Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32,
+                            lora=(LoraSpec("m", model_path),)))
+
+
+# ---- randomised concurrent load with mixed adapters --------------------------------------------
+
+async def _client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: int,
+                  results: dict) -> None:
+    await asyncio.sleep(rng.uniform(0, 4))
+    lora = rng.choice(((), (("a", 1.0),), (("b", 0.8),), (("a", 0.5), ("b", 0.8))))
+    params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
+                            seed=i, ignore_eos=True, lora=lora)
+    outs = []
+
+    async def consume(limit: int | None) -> None:
+        async with contextlib.aclosing(a.generate(prompt, params)) as gen:
+            async for out in gen:
+                outs.append(out)
+                if limit is not None and len(outs) >= limit:
+                    return
+
+    mode = rng.random()
+    if mode < 0.15:
+        task = asyncio.create_task(consume(None))
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        results["cancelled"] += 1
+    elif mode < 0.3:
+        await consume(rng.randint(1, 3))
+        results["left"] += 1
+    else:
+        await consume(None)
+        assert outs and outs[-1].finished
+        assert sum(len(o.token_ids) for o in outs) == params.max_tokens
+        results["completed"] += 1
+    assert not [o.error for o in outs if o.error]
+
+
+def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_path, adapters):
+    """test_kv_stress.py's load (shared prefixes, a small pool that evicts and preempts,
+    prompts past the sliding window, clients that leave) with each request under the base
+    model, adapter a, b or both: every step is KV-checked (tests/conftest.py), and when idle
+    the pool holds exactly the prefix cache."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
+                                 block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
+                                 lora=(LoraSpec("a", adapters["a"]),
+                                       LoraSpec("b", adapters["b"], 0.8)),
+                                 lora_max_steps=2))
+    assert engine.config.check_kv
+    a = AsyncEngine(engine)
+
+    async def drive() -> None:
+        rng = random.Random(7)
+        words = engine.tokenize(" apple river stone light")
+        prompts = make_prompts(rng, words[1:], words[0], 36)
+        results = {"cancelled": 0, "left": 0, "completed": 0}
+        await asyncio.gather(*[_client(a, random.Random(700 + i), p, i, results)
+                               for i, p in enumerate(prompts)])
+        assert results["completed"] >= 10, results
+        await _idle(a, engine)
+        await a.call_on_engine_thread(engine.check_kv)
+        stats = engine.stats()
+        assert stats.kv_blocks.used == stats.prefix_cache.blocks
+        assert stats.lora_switches > 3
+        await a.call_on_engine_thread(engine.flush_prefix_cache)
+        await _idle(a, engine)
+        assert engine.stats().kv_blocks.used == 0
+
+    try:
+        asyncio.run(drive())
+    finally:
+        a.close()

@@ -1,0 +1,178 @@
+"""LoRA adapters through a real ``justllm serve`` and the real ``openai`` client.
+
+Adapters are chosen as vLLM does (by name, as the ``model``) or with llama-server's per-request
+``lora`` field; ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them at run time
+behind ``--enable-lora-runtime``; ``/metrics`` counts requests and tokens per adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from justllm.gateway.config import Flags, load_config
+from tests.lora_files import write_adapter
+from tests.server.conftest import start_server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora-api")
+    return {"a": write_adapter(d / "a.gguf", seed=1), "b": write_adapter(d / "b.gguf", seed=2),
+            "c": write_adapter(d / "c.gguf", seed=3),
+            "wrong": write_adapter(d / "wrong.gguf", seed=4, n_embd=512)}
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_path, files):
+    s = start_server(model_path, "--max-seqs", "8", "--pool-blocks", "256",
+                     "--lora", f"a={files['a']}", "--lora", f"b={files['b']}:0.8",
+                     "--enable-lora-runtime")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(lora_server):
+    return openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def complete(client, model: str, lora: list | None = None, n: int = 8) -> str:
+    extra = {"ignore_eos": True} | ({"lora": lora} if lora is not None else {})
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0,
+                                  extra_body=extra)
+    assert r.choices[0].finish_reason == "length"
+    return r.choices[0].text
+
+
+def post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=120)
+
+
+def test_adapters_are_models_whose_parent_is_the_base(client, lora_server):
+    cards = {m.id: m for m in client.models.list().data}
+    base = lora_server.model
+    assert list(cards) == [base, "a", "b"]
+    assert cards["a"].parent == base and cards["b"].parent == base
+    assert getattr(cards[base], "parent", None) is None
+    listed = httpx.get(lora_server.url + "/v1/lora_adapters", timeout=30).json()
+    assert [(x["id"], x["name"], x["scale"]) for x in listed] == [(0, "a", 1.0), (1, "b", 0.8)]
+
+
+def test_an_adapter_is_chosen_by_model_name_or_by_the_lora_field(client, lora_server):
+    base = complete(client, lora_server.model)
+    a = complete(client, "a")
+    assert a != base
+    assert complete(client, lora_server.model, [{"name": "a"}]) == a
+    assert complete(client, lora_server.model, [{"id": 0, "scale": 1.0}]) == a
+    assert complete(client, "a", [{"name": "a", "scale": 0}]) == base  # rescaled to nothing
+    assert complete(client, "b") == complete(client, lora_server.model, [{"id": 1}])
+    chat = client.chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("model, lora, status, words", [
+    ("zz", None, 404, "the model 'zz' does not exist"),
+    (None, [{"id": 9}], 400, "lora[0]: no LoRA adapter with id 9"),
+    (None, [{"name": "a", "id": 0}], 400, "give an adapter's id or its name"),
+    (None, [{"name": "a", "scale": 1e9}], 400, "lora scales"),
+])
+def test_bad_adapter_choices(lora_server, model, lora, status, words):
+    body = {"model": model or lora_server.model, "prompt": PROMPT, "max_tokens": 2}
+    if lora is not None:
+        body["lora"] = lora
+    r = post(lora_server, "completions", body)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_per_adapter_metrics(client, lora_server):
+    complete(client, "a", n=3)
+    text = httpx.get(lora_server.url + "/metrics", timeout=30).text
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+             if ln.startswith("justllm_lora")}
+    model = lora_server.model
+    assert lines[f'justllm_lora_requests_total{{lora_name="a",model_name="{model}"}}'] >= 1
+    assert lines[f'justllm_lora_generation_tokens_total{{lora_name="a",model_name="{model}"}}'] \
+        >= 3
+    assert lines[f'justllm_lora_switches_total{{model_name="{model}"}}'] >= 1
+    assert lines[f'justllm_lora_adapters{{model_name="{model}"}}'] >= 2
+
+
+def test_runtime_load_and_refusals(client, lora_server, files):
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "c", "lora_path": str(files["c"])})
+    assert r.status_code == 200 and "added successfully" in r.text
+    assert "c" in [m.id for m in client.models.list().data]
+    assert complete(client, "c") not in (complete(client, "a"),
+                                         complete(client, lora_server.model))
+    for body, words in [
+        ({"lora_name": "c", "lora_path": str(files["c"])}, "is loaded already"),
+        ({"lora_name": "w", "lora_path": str(files["wrong"])}, "incorrect shape"),
+        ({"lora_name": "n", "lora_path": "/nonexistent.gguf"}, "file not found"),
+        ({"lora_name": lora_server.model, "lora_path": str(files["c"])}, "base model's name"),
+        ({"lora_name": "bad name", "lora_path": str(files["c"])}, "use letters"),
+    ]:
+        r = post(lora_server, "load_lora_adapter", body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "nope"})
+    assert r.status_code == 404
+
+
+def test_unloading_waits_for_the_adapters_requests(lora_server, files):
+    """A streaming request under the adapter runs to its end while the unload waits; requests
+    for the adapter are refused from the moment the unload starts."""
+    post(lora_server, "load_lora_adapter", {"lora_name": "d", "lora_path": str(files["c"])})
+
+    async def scenario() -> tuple[int, list[str], httpx.Response]:
+        async with httpx.AsyncClient(base_url=lora_server.url + "/v1", timeout=120) as http:
+            body = {"model": "d", "prompt": PROMPT, "max_tokens": 60, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/completions", json=body) as stream:
+                events = stream.aiter_lines()
+                first = await anext(events)
+                assert first.startswith("data: ")
+                unload = asyncio.create_task(http.post("/unload_lora_adapter",
+                                                       json={"lora_name": "d"}))
+                refused = None
+                while refused is None:  # the unload has begun once "d" is gone from the list
+                    await asyncio.sleep(0.01)
+                    ids = [m["id"] for m in (await http.get("/models")).json()["data"]]
+                    if "d" not in ids:
+                        refused = (await http.post("/completions", json={
+                            "model": "d", "prompt": PROMPT, "max_tokens": 2})).status_code
+                rest = [line async for line in events if line.startswith("data: ")]
+            return refused, [first] + rest, await unload
+
+    refused, events, unloaded = asyncio.run(scenario())
+    assert refused == 404
+    assert events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in events[-2].replace(" ", "")  # ran to max_tokens
+    assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+    r = post(lora_server, "completions", {"model": "d", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 404
+
+
+def test_runtime_routes_are_off_without_the_flag(server, files):
+    r = post(server, "load_lora_adapter", {"lora_name": "c", "lora_path": str(files["c"])})
+    assert r.status_code == 404 and "--enable-lora-runtime" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/lora_adapters", timeout=30).json() == []
+
+
+def test_models_yaml_passes_adapters_to_the_runner():
+    flags = Flags(frozenset({"lora", "max-seqs", "enable-lora-runtime"}))
+    config = load_config({"models": {
+        "chat": {"source": "m.gguf", "lora": ["a=/x/a.gguf", "b=/x/b.gguf:0.5"],
+                 "enable-lora-runtime": True},
+        "other": {"source": "m.gguf", "lora": {"c": "/x/c.gguf"}}}}, flags)
+    assert config.spec("chat").runner_args() == [
+        "--enable-lora-runtime", "--lora", "a=/x/a.gguf", "--lora", "b=/x/b.gguf:0.5"]
+    assert config.spec("other").runner_args() == ["--lora", "c=/x/c.gguf"]
+    with pytest.raises(ValueError, match="lora must be NAME=PATH"):
+        load_config({"models": {"x": {"source": "m.gguf", "lora": [3]}}}, flags)
