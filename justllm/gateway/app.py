@@ -29,6 +29,8 @@ from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
+from justllm.server.anthropic import anthropic_error
+from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception
 from justllm.server.ollama import keep_alive_seconds, ollama_error
@@ -251,10 +253,9 @@ async def _send(request: Request, replica: Replica, path: str,
     served_by = {"x-replica": replica.id}
     kind = response.headers.get("content-type", "")
     if kind.startswith(("text/event-stream", NDJSON)):
-        ndjson = kind.startswith(NDJSON)
         relay = _relay(response, request.app.state["supervisor"], state, keep_alive, done,
-                       ndjson)
-        if ndjson:  # Ollama's streams
+                       path)
+        if kind.startswith(NDJSON):  # Ollama's streams
             return Stream(relay, media_type=NDJSON, headers={"Content-Type": NDJSON,
                                                              **served_by})
         return sse_response(relay, served_by)
@@ -277,24 +278,36 @@ async def _send(request: Request, replica: Replica, path: str,
 
 async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
                  keep_alive: float | None, done: Callable[[], None],
-                 ndjson: bool = False) -> AsyncIterator[bytes]:
+                 path: str) -> AsyncIterator[bytes]:
     """A runner's SSE (or Ollama's NDJSON) stream, byte for byte; if the runner dies
-    mid-stream, a final error event and ``[DONE]`` (an ``{"error": ...}`` line). Closing it
-    (the client left) closes the runner's stream, which aborts."""
+    mid-stream, a final error in the stream's own API shape (:func:`_stream_failure`). Closing
+    it (the client left) closes the runner's stream, which aborts."""
     try:
         async for chunk in response.aiter_raw():
             yield chunk
     except httpx.HTTPError:
-        message = f"model '{state.spec.name}' stopped while streaming"
-        if ndjson:
-            yield msgspec.json.encode({"error": message}) + b"\n"
-        else:
-            yield (b"data: " + msgspec.json.encode(error_body(
-                message, "server_error", code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
+        yield _stream_failure(path, f"model '{state.spec.name}' stopped while streaming")
     finally:
         done()  # first: the await below may be cancelled (client gone)
         sup.end(state, keep_alive)
         await response.aclose()
+
+
+def _stream_failure(path: str, message: str) -> bytes:
+    """The last frame of a stream whose runner died, as each API's clients expect it: Ollama's
+    ``{"error": ...}`` line, Anthropic's and the Responses API's ``error`` event, else an
+    OpenAI error chunk and ``[DONE]``."""
+    if path.startswith("/api/"):
+        return msgspec.json.encode({"error": message}) + b"\n"
+    if path.startswith("/v1/messages"):
+        return b"event: error\ndata: " + msgspec.json.encode(
+            anthropic_error_body(500, message)) + b"\n\n"
+    if path.startswith("/v1/responses"):
+        return b"event: error\ndata: " + msgspec.json.encode(
+            {"type": "error", "code": "runner_failed", "message": message, "param": None,
+             "sequence_number": 0}) + b"\n\n"
+    return (b"data: " + msgspec.json.encode(error_body(
+        message, "server_error", code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
 
 
 @post("/chat/completions", status_code=200, summary="Chat completion, routed by model")
@@ -310,6 +323,26 @@ async def completions(request: Request) -> Any:
 @post("/embeddings", status_code=200, summary="Embeddings, routed by model")
 async def embeddings(request: Request) -> Any:
     return await _forward(request, "/v1/embeddings")
+
+
+# Anthropic's Messages API: forwarded like chat completions; the gateway's own errors (an
+# unknown model, a model that cannot load) in Anthropic's shape, as the runner's are.
+@post("/messages", status_code=200, summary="Anthropic: create a message, routed by model",
+      exception_handlers={Exception: anthropic_error})
+async def anthropic_messages(request: Request) -> Any:
+    return await _forward(request, "/v1/messages")
+
+
+@post("/messages/count_tokens", status_code=200,
+      summary="Anthropic: count a message's prompt tokens, routed by model",
+      exception_handlers={Exception: anthropic_error})
+async def anthropic_count_tokens(request: Request) -> Any:
+    return await _forward(request, "/v1/messages/count_tokens")
+
+
+@post("/responses", status_code=200, summary="OpenAI Responses (stateless), routed by model")
+async def responses(request: Request) -> Any:
+    return await _forward(request, "/v1/responses")
 
 
 NDJSON = "application/x-ndjson"
@@ -522,7 +555,9 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         await app.state["http"].aclose()
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
-                                            list_models], guards=[require_api_key])
+                                            list_models, anthropic_messages,
+                                            anthropic_count_tokens, responses],
+                guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[

@@ -89,13 +89,20 @@ def _served(state: State) -> Served:
 
 
 def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """``--api-key``: ``Authorization: Bearer KEY`` (OpenAI's clients, Ollama's) or
+    ``x-api-key: KEY`` (Anthropic's); either one that matches lets the request in."""
     key = connection.app.state.config.api_key
     if key is None:
         return
     auth = connection.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise NotAuthorizedException("invalid or missing API key (Authorization: Bearer KEY)")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return
+    x_api_key = connection.headers.get("x-api-key")
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), key.encode()):
+        return
+    raise NotAuthorizedException("invalid or missing API key (Authorization: Bearer KEY, or "
+                                 "x-api-key: KEY)")
 
 
 SSE_HEADERS = {
@@ -169,8 +176,11 @@ async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
 
 @get("/models", summary="List the served models")
 async def list_models(state: State) -> ModelList:
+    from justllm.server.lora import adapter_cards
+
     served = _served(state)
-    return ModelList("list", [ModelCard(served.model_id, "model", served.created, "justllm")])
+    return ModelList("list", [ModelCard(served.model_id, "model", served.created, "justllm")]
+                     + adapter_cards(served.aengine, served.model_id, served.created))
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading (or if it failed)",
@@ -238,10 +248,14 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             served.aengine.close()
             app.state["served"] = None
 
-    from justllm.server import ollama, pd  # they import this module's helpers: imported late
+    # they import this module's helpers: imported late
+    from justllm.server import anthropic, lora, ollama, pd, responses
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
-                                            list_models], guards=[require_api_key])
+                                            list_models, anthropic.messages,
+                                            anthropic.count_tokens, responses.create_response,
+                                            *lora.ROUTES],
+                guards=[require_api_key])
     return Litestar(
         route_handlers=[v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
                         metrics, pd.pd_router()],

@@ -2,9 +2,12 @@
 
 The routes reuse the OpenAI side's building blocks: the served ``OpenAIServing`` renders chats
 through the chat template (``chat_prompt``), ``AsyncEngine.submit`` runs the request,
-``EmbeddingServing`` computes embeddings. What is Ollama's own lives here: its request bodies
-(decoded strictly, as every body of this server), ``options`` -> ``SamplingParams`` with
-Ollama's defaults, NDJSON streaming, durations in nanoseconds, ``{"error": "..."}`` errors.
+``EmbeddingServing`` computes embeddings. A chat that offers tools is served whole by
+``OpenAIServing.chat_result`` / ``chat_events`` (``ollama_chat.py`` translates it both ways), so
+calls are parsed and forced exactly as on ``/v1/chat/completions``. What is Ollama's own lives
+here: its request bodies (decoded strictly, as every body of this server), ``options`` ->
+``SamplingParams`` with Ollama's defaults, NDJSON streaming, durations in nanoseconds,
+``{"error": "..."}`` errors.
 
 Every accepted field is honoured or refused with a 400 naming it, never silently ignored
 (Ollama itself ignores unknown fields): load-time options are accepted only at the server's own
@@ -23,7 +26,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, head, post
@@ -48,8 +51,18 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import APIError, to_api_error
+from justllm.server.ollama_chat import (
+    OllamaMessage,
+    ToolChoice,
+    answer,
+    answer_lines,
+    chat_messages,
+    created_at,
+    nanoseconds,
+    tool_request,
+)
 from justllm.server.openai_serving import MAX_REQUEST_STOP
-from justllm.server.schemas import ChatMessage, EmbeddingRequest
+from justllm.server.schemas import ChatCompletionRequest, ChatMessage, EmbeddingRequest, Tool
 
 _json = msgspec.json.Encoder()
 NDJSON = "application/x-ndjson"
@@ -130,15 +143,6 @@ class OllamaOptions(_Body):
     stop: list[str] | None = None
 
 
-class OllamaMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    images: list[str] | None = None
-    tool_calls: list[Any] | None = None
-    tool_name: str | None = None
-    thinking: str | None = None
-
-
 class _Generation(_Body):
     model: str
     stream: bool = True
@@ -152,7 +156,9 @@ class _Generation(_Body):
 
 class OllamaChatRequest(_Generation):
     messages: list[OllamaMessage] = []
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    # justllm's extension (Ollama has none): OpenAI's tool_choice; absent = "auto"
+    tool_choice: ToolChoice = None
 
 
 class OllamaGenerateRequest(_Generation):
@@ -367,14 +373,6 @@ def _no_images(images: list[str] | None, where: str) -> None:
 
 # ---- one generation ------------------------------------------------------------------------
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _ns(seconds: float) -> int:
-    return max(0, round(seconds * 1e9))
-
-
 @dataclass
 class _Job:
     """One chat or generate request on its way: how its chunks look and what it has so far."""
@@ -392,7 +390,7 @@ class _Job:
         return piece
 
     def chunk(self, text: str, done: bool, lps: list[TokenLogprob] | None = None) -> dict:
-        out: dict[str, Any] = {"model": self.name, "created_at": _now()}
+        out: dict[str, Any] = {"model": self.name, "created_at": created_at()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
@@ -408,12 +406,12 @@ class _Job:
         first = m.first_token_time or end
         return {**self.chunk(text, True, lps),
                 "done_reason": "length" if out.finish_reason == "length" else "stop",
-                "total_duration": _ns(time.perf_counter() - self.started),
+                "total_duration": nanoseconds(time.perf_counter() - self.started),
                 "load_duration": 0,  # the model was loaded when the server started
                 "prompt_eval_count": m.num_prompt_tokens,
-                "prompt_eval_duration": _ns(first - m.arrival_time),
+                "prompt_eval_duration": nanoseconds(first - m.arrival_time),
                 "eval_count": m.num_generated_tokens,
-                "eval_duration": _ns(end - first)}
+                "eval_duration": nanoseconds(end - first)}
 
     def error(self, out: RequestOutput) -> Exception:
         if not self.served.aengine.accepting:  # aborted by a shutdown: 503, retry later
@@ -490,7 +488,7 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str,
 def _loaded(name: str, chat: bool) -> dict:
     """Ollama's answer to a request with nothing to generate: it loads the model (here it
     already is)."""
-    body: dict[str, Any] = {"model": name, "created_at": _now()}
+    body: dict[str, Any] = {"model": name, "created_at": created_at()}
     if chat:
         body["message"] = {"role": "assistant", "content": ""}
     else:
@@ -506,21 +504,10 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     served = _served(state)
     req = await decode_request(request, OllamaChatRequest)
     _check_generation(req, served)
-    if req.tools:
-        raise InvalidRequestError("tools: tool calling is not supported yet", param="tools")
-    messages = []
-    for i, m in enumerate(req.messages):
-        _no_images(m.images, f"messages[{i}].images")
-        if m.tool_calls:
-            raise InvalidRequestError(f"messages[{i}].tool_calls: tool calling is not "
-                                      "supported yet", param=f"messages[{i}].tool_calls")
-        if m.tool_name:
-            raise InvalidRequestError(f"messages[{i}].tool_name: tool calling is not "
-                                      "supported yet", param=f"messages[{i}].tool_name")
-        if m.thinking:
-            raise InvalidRequestError(f'messages[{i}].thinking: "{req.model}" does not support '
-                                      "thinking", param=f"messages[{i}].thinking")
-        messages.append(ChatMessage(role=m.role, content=m.content))
+    messages = chat_messages(req.messages, req.model)
+    with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
+    if with_tools is not None:
+        return await _chat_with_tools(request, served, req, with_tools, started)
     params = _sampling(req.options, served, grammar=_grammar(req.format, served),
                        logprobs=_logprobs(req), template_stops=True)
     if not messages:
@@ -528,6 +515,40 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     prompt = served.completions.chat_prompt(messages)
     return await _run(request, served, req, prompt, params, chat=True, templated=True,
                       started=started)
+
+
+async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequest,
+                           chat: ChatCompletionRequest, started: float) -> Any:
+    """Served by the chat completion's tool machinery (``ollama_chat.py``), with Ollama's
+    sampling defaults and options."""
+    params = _sampling(req.options, served, grammar=None, logprobs=_logprobs(req),
+                       template_stops=False)
+    if params.repeat_last_n != DEFAULT_REPEAT_LAST_N:
+        raise InvalidRequestError(
+            f"options.repeat_last_n: with tools only the default ({DEFAULT_REPEAT_LAST_N}) "
+            "is supported", param="options.repeat_last_n")
+    if not req.messages:
+        return _loaded(req.model, chat=True)
+    chat = msgspec.structs.replace(
+        chat, max_tokens=params.max_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        repeat_penalty=params.repeat_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, seed=params.seed,
+        stop=list(params.stop) or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+    try:  # a refusal raises here, before any answer
+        if req.stream:
+            events = await served.completions.chat_events(chat)
+            return Stream(answer_lines(req.model, started, events), media_type=NDJSON,
+                          headers={"Content-Type": NDJSON})
+        result = await unless_disconnected(request, served.completions.chat_result(chat))
+    except InvalidRequestError as e:
+        if e.param != "max_tokens":
+            raise
+        raise InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
+                                  param="options.num_predict") from None
+    if isinstance(result, Response):
+        return result
+    return answer(req.model, started, result)
 
 
 @post("/generate", status_code=200, summary="Ollama: a completion of a prompt (NDJSON stream)")
@@ -608,7 +629,7 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
         return {"model": req.model, "embeddings": []}
     vectors, tokens = await _embed(served, req.model, req.input, req.dimensions)
     return {"model": req.model, "embeddings": vectors,
-            "total_duration": _ns(time.perf_counter() - started), "load_duration": 0,
+            "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
             "prompt_eval_count": tokens}
 
 
@@ -732,7 +753,7 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
     body: dict[str, Any] = {
         "modelfile": modelfile, "parameters": lines, "template": template.source,
         "details": facts.details, "model_info": facts.model_info,
-        "capabilities": ["completion"] + (["embedding"] if served.embeddings else []),
+        "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else []),
         "modified_at": _iso(datetime.fromtimestamp(served.created, UTC))}
     if facts.license is not None:
         body["license"] = facts.license

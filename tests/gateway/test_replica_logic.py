@@ -4,6 +4,8 @@ metrics, and the replica keys of models.yaml (no processes)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, wanted
@@ -228,3 +230,19 @@ def test_bad_pd_keys_are_one_clear_error(entry, message):
     with pytest.raises(ValueError) as e:
         model(**entry)
     assert message in str(e.value), str(e.value)
+
+
+def test_a_stream_whose_runner_died_ends_in_its_own_apis_error_shape():
+    from justllm.gateway.app import _stream_failure
+
+    ollama = json.loads(_stream_failure("/api/chat", "gone"))
+    assert ollama == {"error": "gone"}
+    event, data = _stream_failure("/v1/messages", "gone").decode().strip().split("\n")
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "api_error", "message": "gone"}}
+    event, data = _stream_failure("/v1/responses", "gone").decode().strip().split("\n")
+    assert event == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error"
+    chunk, done = _stream_failure("/v1/chat/completions", "gone").decode().strip().split("\n\n")
+    assert json.loads(chunk.removeprefix("data: "))["error"]["code"] == "runner_failed"
+    assert done == "data: [DONE]"

@@ -212,7 +212,7 @@ def test_tags_ps_show_version(client, server, model_path):
     assert '"<end_of_turn>"' in s.parameters and f"num_ctx {p.context_length}" in \
         " ".join(s.parameters.split())
     assert s.modelfile.startswith("# Modelfile") and "FROM " in s.modelfile
-    assert set(s.capabilities) == {"completion", "embedding"}
+    assert set(s.capabilities) == {"completion", "tools", "embedding"}
     assert client.show(server.model + ":latest").details == m.details
     assert httpx.get(server.url + "/api/version").json() == {"version": justllm.__version__}
 
@@ -296,9 +296,7 @@ def test_keep_alive_zero_is_refused(client, server):
 
 def test_unsupported_fields_are_a_400(client, server):
     msgs = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for call, says in [
-            (lambda: client.chat(model=server.model, messages=msgs, tools=[tool]), "tools"),
             (lambda: client.chat(model=server.model, messages=msgs, think=True), "thinking"),
             (lambda: client.chat(model=server.model, messages=[
                 {"role": "user", "content": "what is this?", "images": [b"\x89PNG"]}]),

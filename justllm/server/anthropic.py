@@ -1,0 +1,223 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) on ``justllm serve``.
+
+A translation layer onto chat completions: the request becomes a ``ChatCompletionRequest``
+(``anthropic_chat.py``), ``OpenAIServing.chat_result`` / ``chat_events`` serve it (so sampling,
+the chat template, tool-call parsing and grammars, metrics and aborts are the chat route's),
+and the typed result is written here as Anthropic's message or SSE event sequence. What is
+Anthropic's own lives in these two modules: content blocks, ``stop_reason``, the event names,
+and errors as ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.datastructures import State
+from litestar.params import JSONBody
+
+from justllm.server.anthropic_chat import to_chat
+from justllm.server.anthropic_schemas import (
+    AnthropicMessage,
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
+    Usage,
+)
+from justllm.server.app import (
+    Served,
+    _served,
+    decode_request,
+    sse_response,
+    unless_disconnected,
+)
+from justllm.server.errors import to_api_error
+from justllm.server.schemas import ChatCompletionRequest
+from justllm.server.tools.answer import (
+    ChatEvent,
+    ChatResult,
+    ChoiceEnd,
+    StreamEnd,
+    StreamError,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error(_: Request, exc: Exception) -> Response:
+    """Anthropic's error shape, with the status the OpenAI side would give (503 while the
+    model loads or the server stops: ``overloaded_error``; 429 when the queue is full)."""
+    e = to_api_error(exc)
+    return Response(error_body(e.status, e.message), status_code=e.status, headers=e.headers)
+
+
+# ---- the answer ------------------------------------------------------------------------------
+
+def prompt_tokens(served: Served, chat: ChatCompletionRequest) -> int:
+    """The rendered prompt's length in tokens, tools included (what usage reports)."""
+    return len(served.aengine.tokenize(served.completions.request_prompt(chat)))
+
+
+def _stop(finish: str | None, matched: object, stops: list[str] | None
+          ) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``. A stop string ends the choice with
+    ``stop_sequence`` only when it is one of the request's own (the chat template's end-of-turn
+    strings are stop strings too, and they mean ``end_turn``)."""
+    if finish == "stop" and isinstance(matched, str) and matched in (stops or ()):
+        return "stop_sequence", matched
+    return _STOP_REASONS.get(finish or "stop", "end_turn"), None
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call as a ``tool_use`` block. Its arguments are a JSON object's text (the chat side
+    returns anything else as content); should one not be, it is kept whole as ``arguments``."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        value = None
+    return {"type": "tool_use", "id": call.id, "name": call.name,
+            "input": value if isinstance(value, dict) else {"arguments": call.arguments}}
+
+
+def _message(mid: str, model: str, result: ChatResult, stops: list[str] | None
+             ) -> AnthropicMessage:
+    choice = result.choices[0]
+    content: list[dict[str, Any]] = []
+    if choice.content or not choice.tool_calls:
+        content.append({"type": "text", "text": choice.content or ""})
+    content += [_tool_use(c) for c in choice.tool_calls]
+    reason, sequence = _stop(choice.finish_reason, getattr(choice, "stop", None), stops)
+    return AnthropicMessage(mid, "message", "assistant", model, content, reason, sequence,
+                            Usage(result.usage.prompt_tokens, result.usage.completion_tokens))
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + _json.encode({"type": name, **payload}) \
+        + b"\n\n"
+
+
+class _Blocks:
+    """The content blocks of a streamed message: opened in turn, each closed before the next
+    (a text block first if there is text, then one ``tool_use`` block per call)."""
+
+    def __init__(self) -> None:
+        self.index = -1  # of the last block opened
+        self.open = False
+
+    def start(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self.stop()
+        self.index += 1
+        self.open = True
+        return [*frames, _event("content_block_start",
+                                {"index": self.index, "content_block": block})]
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def stop(self) -> list[bytes]:
+        if not self.open:
+            return []
+        self.open = False
+        return [_event("content_block_stop", {"index": self.index})]
+
+
+async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | None,
+                  events: AsyncGenerator[ChatEvent, None]) -> AsyncIterator[bytes]:
+    """Anthropic's event sequence for one streamed answer: ``message_start``, a ``ping``, each
+    content block started, filled (``text_delta``, ``input_json_delta``) and stopped,
+    ``message_delta`` with the stop reason and usage, ``message_stop``; or an ``error`` event
+    if the request fails on the way."""
+    start = AnthropicMessage(mid, "message", "assistant", model, [], None, None,
+                             Usage(input_tokens, 0))
+    yield _event("message_start", {"message": start})
+    yield _event("ping", {})
+    blocks, text_open = _Blocks(), False
+    reason, sequence, output_tokens = "end_turn", None, 0
+    async with aclosing(events):
+        async for ev in events:
+            if isinstance(ev, TextDelta) and ev.text:
+                if not text_open:
+                    text_open = True
+                    for frame in blocks.start({"type": "text", "text": ""}):
+                        yield frame
+                yield blocks.delta({"type": "text_delta", "text": ev.text})
+            elif isinstance(ev, ToolCallStart):
+                text_open = False
+                for frame in blocks.start({"type": "tool_use", "id": ev.id, "name": ev.name,
+                                           "input": {}}):
+                    yield frame
+            elif isinstance(ev, ToolCallArguments):
+                yield blocks.delta({"type": "input_json_delta", "partial_json": ev.arguments})
+            elif isinstance(ev, ChoiceEnd):
+                reason, sequence = _stop(ev.finish_reason, getattr(ev, "stop", None), stops)
+            elif isinstance(ev, StreamEnd):
+                input_tokens = ev.usage.prompt_tokens
+                output_tokens = ev.usage.completion_tokens
+            elif isinstance(ev, StreamError):
+                yield _event("error", error_body(503 if ev.code == "shutting_down" else 500,
+                                                 ev.message))
+                return
+    if blocks.index < 0:  # nothing was said: one empty text block, as the whole answer has
+        for frame in blocks.start({"type": "text", "text": ""}):
+            yield frame
+    for frame in blocks.stop():
+        yield frame
+    yield _event("message_delta", {
+        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}})
+    yield _event("message_stop", {})
+
+
+# ---- routes ----------------------------------------------------------------------------------
+
+@post("/messages", status_code=200, summary="Anthropic: create a message",
+      exception_handlers={Exception: anthropic_error})
+async def messages(data: JSONBody[MessagesRequest], request: Request, state: State) -> Any:
+    served = _served(state)
+    req = await decode_request(request, MessagesRequest)
+    served.completions.check_model(req.model)
+    chat = to_chat(req)
+    mid = f"msg_{uuid.uuid4().hex}"
+    log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
+    if req.stream:
+        input_tokens = prompt_tokens(served, chat)  # message_start says it, before the answer
+        events = await served.completions.chat_events(chat)
+        return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
+    result = await unless_disconnected(request, served.completions.chat_result(chat))
+    if isinstance(result, Response):
+        return result
+    return _message(mid, req.model, result, req.stop_sequences)
+
+
+@post("/messages/count_tokens", status_code=200,
+      summary="Anthropic: count the tokens of a message's prompt",
+      exception_handlers={Exception: anthropic_error})
+async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
+                       state: State) -> TokenCount:
+    served = _served(state)
+    req = await decode_request(request, CountTokensRequest)
+    served.completions.check_model(req.model)
+    return TokenCount(prompt_tokens(served, to_chat(req)))

@@ -1,0 +1,231 @@
+"""Ollama's ``/api/chat`` with tools, as the chat completion that serves it.
+
+The messages become chat messages: an assistant's ``tool_calls`` (``arguments`` an object) its
+OpenAI-shaped calls (``arguments`` as JSON text), a ``tool`` message the result of one of them.
+Ollama's history has no call ids (newer clients may send ``id`` and ``tool_call_id``), so each
+call gets one here and a tool message answers the oldest unanswered call of its ``tool_name``
+(or the oldest unanswered call). With tools offered, ``OpenAIServing.chat_result`` /
+``chat_events`` serve the request, so tool-call parsing, the forcing grammars and the prompt's
+tools are the chat route's; the answer is written back here in Ollama's shape: calls in
+``message.tool_calls`` with ``arguments`` as an object, ``done_reason`` "stop", and, when
+streaming, one line per call once it is complete, then the final ``done`` line.
+
+Ollama has no ``tool_choice``: tools offered means ``auto``. justllm accepts OpenAI's
+``tool_choice`` on ``/api/chat`` as an extension ("none", "auto", "required" or a named
+function), which forces a call through the same grammar as ``/v1/chat/completions``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import msgspec
+
+from justllm.errors import InvalidRequestError
+from justllm.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    MessageToolCall,
+    Tool,
+    ToolChoiceNamed,
+)
+from justllm.server.tools.answer import (
+    ChatEvent,
+    ChatResult,
+    ChoiceEnd,
+    StreamEnd,
+    StreamError,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from justllm.server.tools.request import tool_plan
+
+_json = msgspec.json.Encoder()
+ToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
+
+
+# ---- request bodies --------------------------------------------------------------------------
+
+class _Part(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A part of an Ollama body: unknown fields are refused, as in every body of this server."""
+
+
+class OllamaFunctionCall(_Part):
+    name: str
+    arguments: dict[str, Any] = {}
+    index: int | None = None  # newer Ollama numbers a response's calls
+
+
+class OllamaToolCall(_Part):
+    function: OllamaFunctionCall
+    id: str | None = None  # newer Ollama: the call's id, which a tool message may name
+    type: Literal["function"] | None = None
+
+
+class OllamaMessage(_Part):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None  # assistant messages
+    tool_name: str | None = None  # tool messages: the tool whose result this is
+    tool_call_id: str | None = None  # tool messages, newer Ollama: the call it answers
+    thinking: str | None = None
+
+
+# ---- request ---------------------------------------------------------------------------------
+
+def _refuse(where: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{where}: {why}", param=where)
+
+
+def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage]:
+    """The history as chat messages, every tool message tied to the call it answers. Call
+    ids made here are a counter's 9 digits: the same history renders the same prompt (so its
+    prefix is cached), and Mistral templates, which insist on 9 letters or digits, take them."""
+    out: list[ChatMessage] = []
+    pending: list[tuple[str, str]] = []  # (id, name) of the calls not answered yet, in order
+    made = 0
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.images:
+            raise _refuse(f"{where}.images", "this model reads text only and cannot take images")
+        if m.thinking:
+            raise _refuse(f"{where}.thinking", f'"{model}" does not support thinking')
+        if m.role != "tool":
+            for field in ("tool_name", "tool_call_id"):
+                if getattr(m, field) is not None:
+                    raise _refuse(f"{where}.{field}", "only tool messages carry it")
+        if m.tool_calls and m.role != "assistant":
+            raise _refuse(f"{where}.tool_calls", "only assistant messages carry tool calls")
+        if m.role == "tool":
+            answers, name = _answered(m, pending)
+            if answers is None:
+                made += 1
+            out.append(ChatMessage(role="tool", content=m.content,
+                                   tool_call_id=answers or f"{made:09d}", name=name))
+            continue
+        calls = []
+        for call in m.tool_calls or []:
+            if call.id is None:
+                made += 1
+            call_id = call.id or f"{made:09d}"
+            pending.append((call_id, call.function.name))
+            calls.append(MessageToolCall(id=call_id, function=FunctionCall(
+                name=call.function.name,
+                arguments=json.dumps(call.function.arguments, ensure_ascii=False))))
+        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls or None))
+    return out
+
+
+def _answered(m: OllamaMessage, pending: list[tuple[str, str]]
+              ) -> tuple[str | None, str | None]:
+    """The call a tool message answers (taken off ``pending``): the one it names by id, else
+    the oldest of its tool's name, else the oldest. (None, its name) when there is none."""
+    for k, (call_id, name) in enumerate(pending):
+        if m.tool_call_id is not None and call_id != m.tool_call_id:
+            continue
+        if m.tool_call_id is None and m.tool_name is not None and name != m.tool_name:
+            continue
+        del pending[k]
+        return call_id, m.tool_name or name
+    return m.tool_call_id, m.tool_name
+
+
+def tool_request(messages: list[ChatMessage], tools: list[Tool] | None, choice: ToolChoice,
+                 fmt: object) -> ChatCompletionRequest | None:
+    """The chat request (tools, tool choice and messages; sampling is the caller's) that serves
+    a request offering tools, checked; None when no tool is in play (none offered, or
+    ``tool_choice`` "none"), where the plain chat path serves it."""
+    chat = ChatCompletionRequest(messages=messages, tools=tools or None, tool_choice=choice)
+    if not tool_plan(chat).active:
+        return None
+    if fmt not in (None, ""):
+        raise _refuse("format", "format cannot be combined with tools (both constrain the "
+                                "whole answer); send no tools or no format")
+    return chat
+
+
+# ---- the answer ------------------------------------------------------------------------------
+
+def created_at() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def _call(call: ToolCall, index: int) -> dict[str, Any]:
+    """A call as Ollama writes it: ``arguments`` an object. (The chat side returns arguments
+    that are not an object's JSON as content; should one get here, it is kept whole.)"""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        value = None
+    return {"id": call.id, "function": {
+        "index": index, "name": call.name,
+        "arguments": value if isinstance(value, dict) else {"arguments": call.arguments}}}
+
+
+def _message(content: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _final(model: str, started: float, message: dict[str, Any], finish: str | None,
+           prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last line. The chat side reports no timings but the whole request's, so the
+    prompt's and the generation's own durations are left out (Ollama omits zeros too)."""
+    return {"model": model, "created_at": created_at(), "message": message,
+            "done_reason": "length" if finish == "length" else "stop", "done": True,
+            "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
+            "prompt_eval_count": prompt_tokens, "eval_count": completion_tokens}
+
+
+def answer(model: str, started: float, result: ChatResult) -> dict[str, Any]:
+    """The whole answer (``stream: false``)."""
+    choice = result.choices[0]
+    calls = [_call(c, k) for k, c in enumerate(choice.tool_calls)]
+    return _final(model, started, _message(choice.content or "", calls), choice.finish_reason,
+                  result.usage.prompt_tokens, result.usage.completion_tokens)
+
+
+async def answer_lines(model: str, started: float, events: AsyncGenerator[ChatEvent, None]
+                       ) -> AsyncIterator[bytes]:
+    """The NDJSON stream: a line per piece of text, a line per call once it is complete
+    (``content`` ""), then the ``done`` line; an ``{"error"}`` line if the request fails on
+    the way. Closing it aborts the request."""
+    def line(message: dict[str, Any]) -> bytes:
+        return _json.encode({"model": model, "created_at": created_at(), "message": message,
+                             "done": False}) + b"\n"
+
+    finish: str | None = None
+    start: ToolCallStart | None = None
+    async with aclosing(events):
+        async for ev in events:
+            if isinstance(ev, TextDelta) and ev.text:
+                yield line(_message(ev.text))
+            elif isinstance(ev, ToolCallStart):
+                start = ev
+            elif isinstance(ev, ToolCallArguments) and start is not None:
+                call = ToolCall(start.id, start.name, ev.arguments)
+                yield line(_message("", [_call(call, ev.call_index)]))
+            elif isinstance(ev, ChoiceEnd):
+                finish = ev.finish_reason
+            elif isinstance(ev, StreamEnd):
+                yield _json.encode(_final(model, started, _message(""), finish,
+                                          ev.usage.prompt_tokens,
+                                          ev.usage.completion_tokens)) + b"\n"
+            elif isinstance(ev, StreamError):
+                yield _json.encode({"error": ev.message}) + b"\n"
+                return

@@ -1,0 +1,218 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on ``justllm serve``, stateless.
+
+A translation layer onto chat completions: the request becomes a ``ChatCompletionRequest``
+(``responses_chat.py``), ``OpenAIServing.chat_result`` / ``chat_events`` serve it, and the
+typed answer is written here as a response object (a ``message`` item, then one
+``function_call`` item per call) or as the Responses event stream, every event numbered
+(``sequence_number``) and shaped as the openai SDK's typed events expect. Errors keep
+OpenAI's shape (``server/errors.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.datastructures import State
+from litestar.params import JSONBody
+
+from justllm.server.app import _served, decode_request, sse_response, unless_disconnected
+from justllm.server.responses_chat import to_chat
+from justllm.server.responses_schemas import (
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponseRequest,
+    ResponseUsage,
+)
+from justllm.server.schemas import Usage
+from justllm.server.tools.answer import (
+    ChatEvent,
+    ChatResult,
+    ChoiceEnd,
+    StreamEnd,
+    StreamError,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+)
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _skeleton(rid: str, model: str, req: ResponseRequest) -> ResponseObject:
+    """The response as it starts: in progress, nothing output yet, the request's settings."""
+    fmt = req.text.format if req.text and req.text.format else None
+    return ResponseObject(
+        id=rid, object="response", created_at=int(time.time()), status="in_progress",
+        model=model, output=[], usage=None, incomplete_details=None, error=None,
+        instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, tools=req.tools or [],
+        tool_choice=req.tool_choice or "auto",
+        parallel_tool_calls=req.parallel_tool_calls is not False, metadata=req.metadata or {},
+        user=req.user,
+        text={"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"},
+              "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
+        truncation="disabled")
+
+
+def _finish(resp: ResponseObject, finish: str | None, usage: Usage) -> ResponseObject:
+    """Completed, or incomplete when max_output_tokens cut the answer short."""
+    truncated = finish == "length"
+    resp.status = "incomplete" if truncated else "completed"
+    resp.incomplete_details = {"reason": "max_output_tokens"} if truncated else None
+    resp.usage = ResponseUsage(
+        usage.prompt_tokens, {"cached_tokens": 0, "cache_write_tokens": 0},
+        usage.completion_tokens, {"reasoning_tokens": 0}, usage.total_tokens)
+    return resp
+
+
+def _full(resp: ResponseObject, result: ChatResult) -> ResponseObject:
+    choice = result.choices[0]
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    if choice.content or not choice.tool_calls:
+        text = OutputText(choice.content or "", [], [])
+        resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
+    resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments, "completed")
+                    for c in choice.tool_calls]
+    return _finish(resp, choice.finish_reason, result.usage)
+
+
+class _Writer:
+    """The events of one streamed response: each numbered, each output item added, filled and
+    done in turn (the one open item is closed before the next is added)."""
+
+    def __init__(self, resp: ResponseObject) -> None:
+        self.resp = resp
+        self._seq = itertools.count()
+        self.item: OutputMessage | OutputFunctionCall | None = None  # the open one
+        self.text = ""  # the open message's text so far
+        self.truncated = False
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, **fields, "sequence_number": next(self._seq)}
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.resp.output) - 1
+
+    def add(self, item: OutputMessage | OutputFunctionCall) -> list[bytes]:
+        frames = self.close()
+        self.resp.output.append(item)
+        self.item = item
+        frames.append(self.event("response.output_item.added", output_index=self.index,
+                                 item=item))
+        if isinstance(item, OutputMessage):
+            self.text = ""
+            frames.append(self.event("response.content_part.added", item_id=item.id,
+                                     output_index=self.index, content_index=0,
+                                     part=OutputText("", [], [])))
+        return frames
+
+    def text_delta(self, piece: str) -> list[bytes]:
+        frames = [] if isinstance(self.item, OutputMessage) else self.add(
+            OutputMessage(_item_id("msg"), "in_progress", "assistant", []))
+        self.text += piece
+        assert self.item is not None
+        frames.append(self.event("response.output_text.delta", item_id=self.item.id,
+                                 output_index=self.index, content_index=0, delta=piece,
+                                 logprobs=[]))
+        return frames
+
+    def arguments_delta(self, piece: str) -> bytes:
+        assert isinstance(self.item, OutputFunctionCall)
+        self.item.arguments += piece
+        return self.event("response.function_call_arguments.delta", item_id=self.item.id,
+                          output_index=self.index, delta=piece)
+
+    def close(self) -> list[bytes]:
+        item, frames = self.item, []
+        if item is None:
+            return []
+        self.item = None
+        index = self.resp.output.index(item)
+        if isinstance(item, OutputMessage):
+            part = OutputText(self.text, [], [])
+            frames += [self.event("response.output_text.done", item_id=item.id,
+                                  output_index=index, content_index=0, text=self.text,
+                                  logprobs=[]),
+                       self.event("response.content_part.done", item_id=item.id,
+                                  output_index=index, content_index=0, part=part)]
+            item.content = [part]
+            item.status = "incomplete" if self.truncated else "completed"
+        else:
+            frames.append(self.event("response.function_call_arguments.done", item_id=item.id,
+                                     output_index=index, name=item.name,
+                                     arguments=item.arguments))
+            item.status = "completed"
+        frames.append(self.event("response.output_item.done", output_index=index, item=item))
+        return frames
+
+
+async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
+                  ) -> AsyncIterator[bytes]:
+    """The Responses event sequence for one streamed answer: created, in_progress, the output
+    items, then completed (or incomplete at max_output_tokens; or error and failed)."""
+    w = _Writer(resp)
+    yield w.event("response.created", response=resp)
+    yield w.event("response.in_progress", response=resp)
+    finish: str | None = None
+    async with aclosing(events):
+        async for ev in events:
+            frames: list[bytes] = []
+            if isinstance(ev, TextDelta) and ev.text:
+                frames = w.text_delta(ev.text)
+            elif isinstance(ev, ToolCallStart):
+                frames = w.add(OutputFunctionCall(_item_id("fc"), ev.id, ev.name, "",
+                                                  "in_progress"))
+            elif isinstance(ev, ToolCallArguments):
+                frames = [w.arguments_delta(ev.arguments)]
+            elif isinstance(ev, ChoiceEnd):
+                finish = ev.finish_reason
+                w.truncated = finish == "length"
+            elif isinstance(ev, StreamEnd):
+                if not resp.output:  # nothing was said: an empty message, as the whole has
+                    frames = w.add(OutputMessage(_item_id("msg"), "in_progress", "assistant",
+                                                 []))
+                frames += w.close()
+                _finish(resp, finish, ev.usage)
+                frames.append(w.event(f"response.{resp.status}", response=resp))
+            elif isinstance(ev, StreamError):
+                resp.status = "failed"
+                resp.error = {"code": "server_error", "message": ev.message}
+                frames = [w.event("error", code=ev.code or "server_error", message=ev.message,
+                                  param=None),
+                          w.event("response.failed", response=resp)]
+            for frame in frames:
+                yield frame
+
+
+@post("/responses", status_code=200, summary="Create a response (stateless)")
+async def create_response(data: JSONBody[ResponseRequest], request: Request,
+                          state: State) -> Any:
+    served = _served(state)
+    req = await decode_request(request, ResponseRequest)
+    chat = to_chat(req)
+    rid = _item_id("resp")
+    log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
+    resp = _skeleton(rid, req.model or served.model_id, req)
+    if req.stream:
+        return sse_response(_stream(resp, await served.completions.chat_events(chat)))
+    result = await unless_disconnected(request, served.completions.chat_result(chat))
+    if isinstance(result, Response):
+        return result
+    return _full(resp, result)

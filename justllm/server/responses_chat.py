@@ -1,0 +1,221 @@
+"""An OpenAI Responses request as the chat completion that serves it.
+
+``instructions`` becomes a system message; ``input`` (a string, or items) the conversation:
+message items as messages (``developer`` as system), ``function_call`` items as an
+assistant's ``tool_calls`` (consecutive calls, and the assistant text before them, are one
+assistant turn), ``function_call_output`` items as ``tool`` messages. Function tools and
+``tool_choice`` map one to one onto the chat request's; ``text.format`` is its
+``response_format``.
+
+Responses are not stored, so ``store: true``, ``previous_response_id`` and ``conversation``
+are refused, as is every other field this server cannot honour, with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from justllm.errors import InvalidRequestError
+from justllm.server.errors import _msgspec_param
+from justllm.server.responses_schemas import (
+    ContentPart,
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    Message,
+    ResponseRequest,
+)
+from justllm.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDef,
+    JsonSchemaFormat,
+    MessageToolCall,
+    ResponseFormat,
+    Tool,
+    ToolChoiceFunction,
+    ToolChoiceNamed,
+)
+from justllm.server.schemas import ContentPart as ChatPart
+from justllm.server.schemas import (
+    FunctionCall as ChatFunctionCall,
+)
+
+S = TypeVar("S", bound=msgspec.Struct)
+ChatToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
+
+_NOT_TEXT = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+# Request fields refused unless absent (or at the value that means "off"), and why.
+_REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
+    "previous_response_id": ((None,), "responses are not stored on this server; send the "
+                                      "whole conversation in input (store: false)"),
+    "store": ((None, False), "responses are not stored on this server; send store: false "
+                             "(or leave it out) and the whole conversation in input"),
+    "conversation": ((None,), "conversations are not stored on this server; send the whole "
+                              "conversation in input"),
+    "background": ((None, False), "background responses are not supported"),
+    "include": ((None, []), "no extra output data (reasoning, logprobs, sources) is available"),
+    "reasoning": ((None, {}), "this server has no reasoning control"),
+    "prompt": ((None,), "stored prompt templates are not supported"),
+    "max_tool_calls": ((None,), "max_tool_calls is not supported (parallel_tool_calls: false "
+                                "allows one call)"),
+    "top_logprobs": ((None, 0), "logprobs are not supported on /v1/responses (use "
+                                "/v1/chat/completions)"),
+    "context_management": ((None,), "context management is not supported"),
+    "truncation": ((None, "disabled"), "an input longer than the context is refused, not "
+                                       "truncated (send truncation: disabled)"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory only"),
+}
+
+
+def _convert(raw: dict[str, Any], cls: type[S], where: str) -> S:
+    """An item or tool, decoded strictly once its ``type`` is known; errors name the field."""
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        inner = _msgspec_param(str(e))  # the field, relative to the item
+        missing = re.search(r"missing required field `([^`]+)`", str(e))
+        if missing:
+            inner = f"{inner}.{missing.group(1)}" if inner else missing.group(1)
+        param = f"{where}.{inner}" if inner else where
+        detail = str(e).replace("`$.", f"`{where}.").replace("`$`", f"`{where}`")
+        raise InvalidRequestError(f"{param}: {detail}", param=param) from None
+
+
+def _text(part: ContentPart, role: str, where: str) -> str:
+    allowed = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
+    if part.type in allowed:
+        text = part.refusal if part.type == "refusal" else part.text
+        if text is None:
+            raise InvalidRequestError(f"{where}: a {part.type} part needs its text", param=where)
+        return text
+    kind = _NOT_TEXT.get(part.type)
+    if kind is not None:
+        raise InvalidRequestError(f"{where}: this model reads text only and cannot take {kind} "
+                                  f"(content part type '{part.type}')", param=where)
+    raise InvalidRequestError(f"{where}: content part type '{part.type}' is not supported in a "
+                              f"{role} message (only {' and '.join(allowed)})", param=where)
+
+
+def _message(m: Message, where: str) -> ChatMessage:
+    if isinstance(m.content, str):
+        return ChatMessage(role=m.role, content=m.content)
+    parts = [ChatPart(type="text", text=_text(p, m.role, f"{where}.content[{j}]"))
+             for j, p in enumerate(m.content)]
+    return ChatMessage(role=m.role, content=parts)
+
+
+def _call(out: list[ChatMessage], item: FunctionCall) -> None:
+    """A call the model made: added to the assistant turn it belongs to."""
+    call = MessageToolCall(id=item.call_id,
+                           function=ChatFunctionCall(name=item.name, arguments=item.arguments))
+    last = out[-1] if out else None
+    if last is not None and last.role == "assistant":
+        last.tool_calls = [*(last.tool_calls or []), call]
+    else:
+        out.append(ChatMessage(role="assistant", tool_calls=[call]))
+
+
+def _output(item: FunctionCallOutput, where: str, names: dict[str, str]) -> ChatMessage:
+    content = item.output
+    if isinstance(content, list):
+        content = "".join(_text(p, "tool", f"{where}.output[{j}]")
+                          for j, p in enumerate(content))
+    return ChatMessage(role="tool", content=content, tool_call_id=item.call_id,
+                       name=names.get(item.call_id))
+
+
+def _messages(req: ResponseRequest) -> list[ChatMessage]:
+    out = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    if not req.input:
+        raise InvalidRequestError("input must not be empty", param="input")
+    if isinstance(req.input, str):
+        return [*out, ChatMessage(role="user", content=req.input)]
+    names: dict[str, str] = {}  # call_id -> the function's name
+    for i, raw in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = raw.get("type", "message")
+        if kind == "message":
+            out.append(_message(_convert(raw, Message, where), where))
+        elif kind == "function_call":
+            call = _convert(raw, FunctionCall, where)
+            names[call.call_id] = call.name
+            _call(out, call)
+        elif kind == "function_call_output":
+            out.append(_output(_convert(raw, FunctionCallOutput, where), where, names))
+        else:
+            raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported "
+                                      "(message, function_call and function_call_output are)",
+                                      param=where)
+    return out
+
+
+def _tools(req: ResponseRequest) -> list[Tool] | None:
+    tools = []
+    for i, raw in enumerate(req.tools or []):
+        where = f"tools[{i}]"
+        if raw.get("type") != "function":
+            raise InvalidRequestError(f"{where}.type: only function tools are supported "
+                                      f"(not {raw.get('type')!r})", param=f"{where}.type")
+        t = _convert(raw, FunctionTool, where)
+        tools.append(Tool(type="function", function=FunctionDef(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)))
+    return tools or None
+
+
+_CHOICES: dict[str, ChatToolChoice] = {"none": "none", "auto": "auto", "required": "required"}
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> ChatToolChoice:
+    if choice is None:
+        return None
+    if isinstance(choice, str) and choice in _CHOICES:
+        return _CHOICES[choice]
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        named = _convert(choice, _NamedChoice, "tool_choice")
+        return ToolChoiceNamed(type="function", function=ToolChoiceFunction(name=named.name))
+    raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
+                              "{\"type\": \"function\", \"name\": ...} (only function tools "
+                              "exist here)", param="tool_choice")
+
+
+class _NamedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+
+
+def _response_format(req: ResponseRequest) -> ResponseFormat | None:
+    if req.text is None:
+        return None
+    if req.text.verbosity not in (None, "medium"):
+        raise InvalidRequestError("text.verbosity: this server has no verbosity control",
+                                  param="text.verbosity")
+    fmt = req.text.format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.schema is None:
+        raise InvalidRequestError("text.format: a json_schema format needs its schema",
+                                  param="text.format.schema")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict))
+
+
+def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
+    """The Responses request as the chat completion that serves it."""
+    for name, (off, why) in _REFUSED.items():
+        if getattr(req, name) not in off:
+            raise InvalidRequestError(f"{name}: {why}", param=name)
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise InvalidRequestError("stream_options.include_obfuscation: stream obfuscation is "
+                                  "not supported", param="stream_options.include_obfuscation")
+    return ChatCompletionRequest(
+        model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
+        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
+        user=req.user or req.safety_identifier, response_format=_response_format(req))

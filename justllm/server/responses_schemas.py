@@ -1,0 +1,191 @@
+"""Request and response bodies of OpenAI's Responses API, as msgspec structs.
+
+The request's ``input`` items and ``tools`` are typed per kind (``Message``, ``FunctionCall``,
+``FunctionCallOutput``, ``FunctionTool``) but decoded from plain objects by ``responses.py``,
+after it has read their ``type``: Responses defines some twenty item and tool kinds, and one
+this server does not implement (a web search, an image) should get a 400 that says so, not a
+union-decoding error. As everywhere in the server, unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+
+class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request body part: unknown fields are refused, never silently ignored."""
+
+
+class ContentPart(_Body, kw_only=True):
+    """A part of a message item's content: ``input_text`` (and, in an assistant's turn sent
+    back, ``output_text`` or ``refusal``). Images, files and audio are refused by name."""
+
+    type: str
+    text: str | None = None
+    annotations: list[Any] | None = None  # an output_text sent back: dropped with the turn
+    logprobs: list[Any] | None = None  # likewise
+    refusal: str | None = None
+    # declared to be refused by name
+    image_url: Any = None
+    file_id: Any = None
+    file_data: Any = None
+    file_url: Any = None
+    filename: Any = None
+    detail: Any = None
+    input_audio: Any = None
+    prompt_cache_breakpoint: Any = None
+
+
+class Message(_Body, kw_only=True):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[ContentPart]]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class FunctionCall(_Body, kw_only=True):
+    """A call the model made, sent back with its output in the next request."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Body, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[ContentPart]]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(_Body, kw_only=True):
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(_Body, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Body, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class StreamOptions(_Body, kw_only=True):
+    include_obfuscation: bool | None = None
+
+
+class ResponseRequest(_Body, kw_only=True):
+    model: str | None = None  # optional, as in vLLM: the served model when absent
+    # a string, or a list of items (objects with a ``type``; a message's may be left out)
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Responses are never stored; absent is taken as false (see README: OpenAI's default is
+    # true, but a stateless answer is all an absent flag can get here).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # echoed back on the response
+    user: str | None = None  # logged; router mode keeps a user on one replica
+    safety_identifier: str | None = None  # logged, as ``user``
+    text: TextConfig | None = None
+    service_tier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # A hint for OpenAI's prompt cache; justllm caches every prompt's prefix on its own.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # OpenAI fields justllm does not implement: refused unless absent (or off).
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    include: list[str] | None = None
+    reasoning: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    context_management: Any = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: str
+    role: str
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(msgspec.Struct):
+    """The response, whole (``status`` completed or incomplete) or, in a stream's first events,
+    as it starts (in_progress, no output yet)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[Union[OutputMessage, OutputFunctionCall]]
+    usage: ResponseUsage | None
+    incomplete_details: dict[str, str] | None
+    error: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: Union[str, dict[str, Any]]
+    parallel_tool_calls: bool
+    metadata: dict[str, str]
+    user: str | None
+    text: dict[str, Any]
+    truncation: str
+    store: bool = False
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool = False
+    service_tier: str = "default"

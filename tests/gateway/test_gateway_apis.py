@@ -1,0 +1,55 @@
+"""Anthropic's Messages API and OpenAI's Responses API through router mode, with the real
+clients and a real runner: requests reach their model's runner (streams relayed), and the
+gateway's own errors (an unknown model) have each API's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop, wait_gone
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, model_path):
+    gw = start_gateway(tmp_path, {
+        "alpha": {"source": model_path, "chat-template": "gemma", **RUNNER_FLAGS}})
+    try:
+        claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
+                                     timeout=120)
+        m = claude.messages.create(model="alpha", max_tokens=4, messages=HELLO)
+        assert m.type == "message" and m.content[0].text and m.usage.output_tokens <= 4
+        with claude.messages.stream(model="alpha", max_tokens=4, messages=HELLO) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert final.content[0].text == text and final.stop_reason in ("end_turn", "max_tokens")
+        count = claude.messages.count_tokens(model="alpha", messages=HELLO)
+        assert count.input_tokens == m.usage.input_tokens
+        with pytest.raises(anthropic.NotFoundError) as e:
+            claude.messages.create(model="gamma", max_tokens=4, messages=HELLO)
+        assert e.value.body["error"]["type"] == "not_found_error"
+        assert "gamma" in e.value.body["error"]["message"]
+        missing = httpx.post(gw.url + "/v1/messages", timeout=30,  # the runner's answer
+                             json={"model": "alpha", "messages": HELLO})
+        assert missing.status_code == 400
+        assert missing.json()["error"]["type"] == "invalid_request_error"
+
+        gpt = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
+                            timeout=120)
+        r = gpt.responses.create(model="alpha", input="Say hello.", max_output_tokens=4)
+        assert r.output_text and r.usage.output_tokens <= 4
+        events = list(gpt.responses.create(model="alpha", input="Say hello.", stream=True,
+                                           max_output_tokens=4))
+        assert events[0].type == "response.created"
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        with pytest.raises(openai.NotFoundError) as e2:
+            gpt.responses.create(model="gamma", input="Hi")
+        assert e2.value.body["code"] == "model_not_found"
+        pids = gw.runner_pids()
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    wait_gone(pids)

@@ -1,0 +1,266 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) through the real
+``anthropic`` client and raw httpx, against a real ``justllm serve``: whole and streamed
+messages (the SDK assembles the final message from the events), stop reasons, token counts,
+errors in Anthropic's shape, ``x-api-key``, and a tool_use round trip."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+KEY = "anthropic-test-key"
+GREEDY = {"temperature": 0}  # the SDK has no temperature argument: sent as extra_body
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=120,
+                               max_retries=0)
+
+
+def raw(server, path: str, body: object, **headers: str) -> httpx.Response:
+    return httpx.post(server.url + path, content=json.dumps(body), timeout=120,
+                      headers={"content-type": "application/json", **headers})
+
+
+def test_a_message(client, server):
+    m = client.messages.create(model=server.model, max_tokens=8, system="Be brief.",
+                               messages=HELLO, extra_body=GREEDY)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
+    assert m.model == server.model
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
+    assert 1 <= m.usage.output_tokens <= 8 and m.usage.input_tokens > 5
+
+
+def test_max_tokens_stops_with_max_tokens(client, server):
+    m = client.messages.create(model=server.model, max_tokens=3, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+
+
+def test_a_stop_sequence_is_reported(client, server):
+    stops = ["e", "a", "o", " "]
+    m = client.messages.create(model=server.model, max_tokens=40, stop_sequences=stops,
+                               extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence in stops
+    assert not any(s in m.content[0].text for s in stops)  # the stop itself is not shown
+    whole = client.messages.create(model=server.model, max_tokens=40, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert whole.content[0].text.startswith(m.content[0].text + m.stop_sequence)
+    with client.messages.stream(model=server.model, max_tokens=40, stop_sequences=stops,
+                                extra_body=GREEDY, messages=[
+                                    {"role": "user", "content": "Tell me a long story."}]) as s:
+        streamed = s.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", m.stop_sequence)
+    assert streamed.content[0].text == m.content[0].text
+
+
+def test_system_blocks_and_a_conversation(client, server):
+    m = client.messages.create(
+        model=server.model, max_tokens=4, extra_body=GREEDY,
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi."},
+                                               {"type": "text", "text": " Who are you?"}]},
+                  {"role": "assistant", "content": "A model."},
+                  {"role": "user", "content": "Say more."},
+                  {"role": "user", "content": "Please."}])  # combined with the turn before
+    assert m.content[0].text and m.usage.output_tokens <= 4
+
+
+def test_streaming_assembles_the_message(client, server):
+    with client.messages.stream(model=server.model, max_tokens=8, messages=HELLO,
+                                extra_body=GREEDY) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    whole = client.messages.create(model=server.model, max_tokens=8, messages=HELLO,
+                                   extra_body=GREEDY)
+    assert final.content[0].text == "".join(pieces) == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_event_sequence(client, server):
+    events = list(client.messages.create(model=server.model, max_tokens=5, messages=HELLO,
+                                         stream=True, extra_body=GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    body = [k for k in kinds[1:-2] if k != "ping"]
+    assert body[0] == "content_block_start" and body[-1] == "content_block_stop"
+    assert set(body[1:-1]) == {"content_block_delta"}
+    start = events[0].message
+    assert start.content == [] and start.stop_reason is None and start.usage.input_tokens > 5
+    assert all(e.delta.type == "text_delta" for e in events if e.type == "content_block_delta")
+    delta = events[-2]
+    assert delta.delta.stop_reason in ("end_turn", "max_tokens")
+    assert 1 <= delta.usage.output_tokens <= 5
+    r = httpx.post(server.url + "/v1/messages", timeout=60, json={
+        "model": server.model, "max_tokens": 2, "stream": True, "messages": HELLO})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.startswith("event: message_start\ndata: {")
+
+
+def test_count_tokens_is_what_a_message_reports(client, server):
+    kw = {"model": server.model, "system": "Be brief.",
+          "messages": [{"role": "user", "content": "Count these tokens, please."}]}
+    count = client.messages.count_tokens(**kw)
+    m = client.messages.create(max_tokens=1, **kw)
+    assert count.input_tokens == m.usage.input_tokens > 5
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str, says: str = "") -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert body["error"]["type"] == kind and says in body["error"]["message"], body
+
+
+def test_an_unknown_model_is_not_found(client, server):
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=4, messages=HELLO)
+    assert e.value.status_code == 404 and e.value.body["error"]["type"] == "not_found_error"
+    assert_anthropic_error(raw(server, "/v1/messages/count_tokens",
+                               {"model": "nope", "messages": HELLO}), 404, "not_found_error")
+
+
+def test_a_missing_max_tokens_is_a_bad_request(client, server):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.post("/v1/messages", body={"model": server.model, "messages": HELLO},
+                    cast_to=anthropic.types.Message)
+    assert e.value.status_code == 400
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in e.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "images"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ({"messages": []}, "messages"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -1}, "top_k"),
+    ({"temperature": -1}, "temperature"),
+    ({"stop_sequences": ["x"] * 17}, "stop"),
+    ({"colour": "red"}, "colour"),
+    ({"messages": [{"role": "user", "content": "Hi", "colour": "red"}]}, "colour"),
+    ({"messages": [{"role": "system", "content": "Hi"}]}, "role"),
+    ({"output_config": {"effort": "high"}}, "effort"),
+])
+def test_bad_requests_get_anthropics_error_shape(server, extra, says):
+    body = {"model": server.model, "max_tokens": 4, "messages": HELLO, **extra}
+    assert_anthropic_error(raw(server, "/v1/messages", body), 400, "invalid_request_error", says)
+
+
+def test_a_body_that_is_not_json_is_a_bad_request(server):
+    r = httpx.post(server.url + "/v1/messages", content=b"{not json", timeout=30)
+    assert_anthropic_error(r, 400, "invalid_request_error")
+
+
+# ---- the API key -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keyed(model_path):
+    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "64",
+                     "--chat-template", "gemma", "--api-key", KEY)
+    yield s
+    assert s.stop() == 0
+
+
+def test_x_api_key_and_bearer_are_both_accepted(keyed):
+    for c in (anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0),
+              anthropic.Anthropic(base_url=keyed.url, auth_token=KEY, max_retries=0)):
+        assert c.messages.create(model=keyed.model, max_tokens=1, messages=HELLO).content
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0).messages.create(
+            model=keyed.model, max_tokens=1, messages=HELLO)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    assert_anthropic_error(raw(keyed, "/v1/messages/count_tokens",
+                               {"model": keyed.model, "messages": HELLO}),
+                           401, "authentication_error")
+    ok = httpx.get(keyed.url + "/v1/models", headers={"x-api-key": KEY}, timeout=30)
+    assert ok.status_code == 200  # x-api-key opens every route the key guards
+
+
+# ---- tools -----------------------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_tool_use_round_trip(client, server):
+    """A named tool_choice makes even the tiny base model call the tool (a grammar holds it to
+    the schema); the call goes back with its tool_result, which the next prompt carries."""
+    m = client.messages.create(model=server.model, max_tokens=60, tools=[WEATHER],
+                               tool_choice={"type": "tool", "name": "get_weather"},
+                               messages=ASK, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert use.id
+    history = [*ASK, {"role": "assistant", "content": m.content}]
+
+    def turn(result: str) -> list:
+        return [*history, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
+
+    answer = client.messages.create(model=server.model, max_tokens=4, tools=[WEATHER],
+                                    messages=turn("Sunny, 21 C"), extra_body=GREEDY)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    short = client.messages.count_tokens(model=server.model, tools=[WEATHER],
+                                         messages=turn("Sunny"))
+    long = client.messages.count_tokens(model=server.model, tools=[WEATHER],
+                                        messages=turn("Sunny, 21 C, a light breeze from the west"))
+    assert long.input_tokens > short.input_tokens  # the result is in the prompt
+    assert answer.usage.input_tokens > m.usage.input_tokens
+    error = client.messages.count_tokens(model=server.model, tools=[WEATHER], messages=[
+        *history, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny", "is_error": True},
+            {"type": "text", "text": "Thanks."}]}])
+    assert error.input_tokens > short.input_tokens
+
+
+def test_a_streamed_tool_use(client, server):
+    with client.messages.stream(model=server.model, max_tokens=60, tools=[WEATHER],
+                                tool_choice={"type": "any"}, messages=ASK,
+                                extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type.startswith("content_block")]
+    assert kinds[0] == "content_block_start" and kinds[-1] == "content_block_stop"
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert starts[-1].content_block.type == "tool_use" and starts[-1].content_block.input == {}
+    pieces = [e.delta.partial_json for e in events
+              if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert json.loads("".join(pieces)) == final.content[-1].input
+    assert final.stop_reason == "tool_use" and final.content[-1].name == "get_weather"
+    assert isinstance(final.content[-1].input["city"], str)
+
+
+def test_tool_choice_none_and_bad_tools(client, server):
+    m = client.messages.create(model=server.model, max_tokens=3, tools=[WEATHER],
+                               tool_choice={"type": "none"}, messages=ASK)
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    for extra, says in [
+            ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
+            ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+            ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
+            ({"messages": [{"role": "user", "content": [
+                {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]},
+             "assistant")]:
+        body = {"model": server.model, "max_tokens": 4, "messages": ASK, **extra}
+        assert_anthropic_error(raw(server, "/v1/messages", body), 400, "invalid_request_error",
+                               says)

@@ -1,0 +1,195 @@
+"""OpenAI's Responses API (``/v1/responses``, stateless) through the real ``openai`` client
+against a real ``justllm serve``: text and streamed responses (the SDK's typed events and its
+stream helper), instructions, max_output_tokens, a function call round trip, and the 400s for
+what is not supported."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+HELLO = "Say hello."
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
+
+
+def test_a_text_response(client, server):
+    r = client.responses.create(model=server.model, input=HELLO, max_output_tokens=8,
+                                temperature=0, store=False, metadata={"run": "test"},
+                                user="tester")
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == server.model
+    assert r.status in ("completed", "incomplete") and r.error is None
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == r.status
+    assert item.content[0].type == "output_text" and item.content[0].annotations == []
+    assert r.output_text == item.content[0].text != ""
+    assert 1 <= r.usage.output_tokens <= 8 and r.usage.input_tokens > 3
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.metadata == {"run": "test"} and r.user == "tester"
+
+
+def test_message_items_and_instructions(client, server):
+    plain = client.responses.create(model=server.model, input=HELLO, max_output_tokens=1)
+    r = client.responses.create(
+        model=server.model, max_output_tokens=4, temperature=0,
+        instructions="Answer in one short sentence.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello.",
+                                                  "annotations": []}]},
+               {"type": "message", "role": "user", "content": HELLO}])
+    assert r.instructions == "Answer in one short sentence."
+    assert r.output_text and r.usage.input_tokens > plain.usage.input_tokens + 6
+    with_instructions = client.responses.create(model=server.model, input=HELLO,
+                                                max_output_tokens=1,
+                                                instructions="Answer in one short sentence.")
+    assert with_instructions.usage.input_tokens > plain.usage.input_tokens
+
+
+def test_max_output_tokens_makes_it_incomplete(client, server):
+    r = client.responses.create(model=server.model, input="Tell me a long story.",
+                                max_output_tokens=3, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+
+
+def test_streaming_events(client, server):
+    events = list(client.responses.create(model=server.model, input=HELLO, stream=True,
+                                          max_output_tokens=6, temperature=0))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{events[-1].response.status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text == events[-4].text
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    whole = client.responses.create(model=server.model, input=HELLO, max_output_tokens=6,
+                                    temperature=0)
+    assert whole.output_text == text and whole.usage.output_tokens == final.usage.output_tokens
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+
+def test_the_sdk_stream_helper_with_a_text_format(client, server):
+    """A JSON schema (``text.format``) ends the answer where the object closes: the response
+    completes, and the SDK parses it into the model it was given."""
+    with client.responses.stream(model=server.model, input=HELLO, max_output_tokens=40,
+                                 temperature=0, text_format=Verdict) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "".join(deltas)
+    assert isinstance(final.output_parsed, Verdict)
+    assert final.text.format.type == "json_schema"
+
+
+# ---- tools -----------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "strict": True,
+           "description": "Get the current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}}
+ASK = "What is the weather in Paris?"
+
+
+def test_a_function_call_round_trip(client, server):
+    """A forced tool_choice makes even the tiny base model call the function (a grammar holds
+    it to the schema); the call and its function_call_output go back in the next input."""
+    r = client.responses.create(model=server.model, input=ASK, tools=[WEATHER],
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                max_output_tokens=60, temperature=0)
+    assert r.status == "completed"
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id and call.status == "completed"
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    assert r.tool_choice.name == "get_weather" and r.tools[0].name == "get_weather"
+    follow = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=4,
+                                     temperature=0, input=[
+        {"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+    assert follow.output_text and follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_a_streamed_function_call(client, server):
+    events = list(client.responses.create(model=server.model, input=ASK, tools=[WEATHER],
+                                          tool_choice="required", max_output_tokens=60,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
+    pieces = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    final = events[-1].response.output[0]
+    assert pieces == events[-3].arguments == final.arguments
+    assert events[-3].item_id == final.id and final.name == "get_weather"
+    assert isinstance(json.loads(final.arguments)["city"], str)
+    with client.responses.stream(model=server.model, input=ASK, tools=[WEATHER],
+                                 tool_choice="required", max_output_tokens=60,
+                                 temperature=0) as stream:
+        parsed = stream.get_final_response().output[0]
+    assert parsed.parsed_arguments == json.loads(parsed.arguments)  # strict: the SDK parses
+
+
+# ---- what is refused -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                              "image_url": "https://x/y.png"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_unsupported_requests_are_a_400(client, server, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"model": server.model, "input": HELLO, **extra})
+    assert e.value.status_code == 400
+    assert e.value.body["type"] == "invalid_request_error", e.value.body
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_unknown_fields_are_a_400(client, server):
+    for extra, param in [({"colour": "red"}, "colour"),
+                         ({"input": [{"role": "user", "content": "Hi", "colour": "red"}]},
+                          "input[0].colour")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=server.model, input=HELLO, extra_body=extra)
+        assert param in e.value.body["message"], e.value.body
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="nope", input=HELLO)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_raw_framing(server):
+    r = httpx.post(server.url + "/v1/responses", timeout=60, content=json.dumps({
+        "input": HELLO, "max_output_tokens": 2, "stream": True}))
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.startswith("event: response.created\ndata: {")
