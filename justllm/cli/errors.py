@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from justllm.errors import JustLLMError
 
@@ -16,7 +17,9 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except (JustLLMError, ValueError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        # Escaped: a message may hold brackets (`pip install 'justllm[convert]'`).
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False,
+                                   soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         Console(stderr=True).print("[yellow]interrupted[/yellow]")

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from justllm.cli.convert import OUTTYPE_HELP, QUANTIZE_HELP, run_conversion
 from justllm.cli.errors import cli_errors
 from justllm.models.hub import pick_gguf, split_ref  # noqa: F401  (re-exported for callers and tests)
 
@@ -17,13 +18,25 @@ def pull(
              "bartowski/Qwen2.5-0.5B-Instruct-GGUF:Qwen2.5-0.5B-Instruct-Q4_K_M.gguf.")],
     tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="NAME[:TAG] to give it (default: the file name without .gguf, lowercased, :latest).")] = None,
     revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit.")] = "main",
-    force: Annotated[bool, typer.Option("--force", help="Download again even if the local copy is up to date.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Download again even if the local copy is up to date (with --convert: overwrite the converted file).")] = False,
+    convert: Annotated[bool, typer.Option("--convert", help="The repo is a safetensors model: download it and convert it to GGUF with llama.cpp's converter (needs justllm\\[convert]; see 'justllm convert').")] = False,
+    outtype: Annotated[str, typer.Option("--outtype", help="With --convert: " + OUTTYPE_HELP)] = "auto",
+    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help="With --convert: " + QUANTIZE_HELP)] = None,
 ) -> None:
     """Download a GGUF model from Hugging Face into the models directory and record it with the
     commit it resolved to and its sha256 (REPO alone picks its only .gguf file, or its Q4_K_M
     one; HF_ENDPOINT and HF_TOKEN are honoured). Pulling a newer revision moves the tag and
-    keeps the older version until 'justllm rm'."""
+    keeps the older version until 'justllm rm'. A repo with safetensors and no GGUF:
+    --convert converts it (as 'justllm convert REPO' does)."""
     with cli_errors():
+        if convert:
+            if ":" in model:
+                raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")
+            return run_conversion(model, outtype=outtype, quantize=quantize, output=None,
+                                  name=tag, revision=revision, force=force)
+        if quantize is not None or outtype != "auto":
+            raise ValueError("--outtype and --quantize go with --convert (to quantize a GGUF: "
+                             "justllm quantize)")
         from justllm.models.registry import Registry
 
         console = Console(highlight=False)

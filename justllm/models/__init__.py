@@ -7,5 +7,8 @@ over ``refs`` (``NAME[:TAG]`` and digests), ``manifest`` (one version on disk), 
 (sha256 remembered by size and mtime) and ``lease`` (running models' claims). ``store``: the
 GGUF files in the models directory. ``hub``: downloads through huggingface-hub (``justllm
 pull``). ``gguf``: the one GGUF check. ``draft``: ``justllm draft make``, a layer-truncated copy
-of a GGUF to use as a speculative draft.
+of a GGUF to use as a speculative draft. ``convert``: ``justllm convert``, a Hugging Face
+safetensors model to a GGUF through llama.cpp's own converter (``converter`` fetches it from the
+llama-cpp-python sdist and runs it in a child, ``converter_process``; ``hf_model`` reads and
+checks the model folder or repo listing).
 """

@@ -12,7 +12,7 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,10 @@ from justllm.errors import ModelLoadError
 PREFERRED_QUANT = "Q4_K_M"  # what `REPO` alone picks when a repo holds several quantizations
 HUB_DIR = "huggingface"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class SafetensorsRepoError(ModelLoadError):
+    """The repo holds no GGUF but a Hugging Face safetensors model (``pull --convert``)."""
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -43,6 +47,10 @@ def pick_gguf(repo: str, files: list[str]) -> str:
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf")
                    and not Path(f).name.lower().startswith("mmproj"))
     if not ggufs:
+        if any(f.lower().endswith(".safetensors") and "/" not in f for f in files):
+            raise SafetensorsRepoError(
+                f"no .gguf model file in {repo}, but it has safetensors weights: "
+                f"'justllm pull {repo} --convert' converts them to GGUF")
         raise ModelLoadError(f"no .gguf model file in {repo}")
     if len(ggufs) == 1:
         return ggufs[0]
@@ -189,3 +197,105 @@ def download(ref: str, *, root: Path, revision: str = "main", force: bool = Fals
     endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
     return _fetch(repo, file, revision, root, force=force, endpoint=endpoint, have=have,
                   console=console)
+
+
+# -- whole models (justllm convert, pull --convert) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class RepoListing:
+    """A repo's top-level files at one commit, with their sizes."""
+
+    repo: str
+    commit: str
+    files: dict[str, int]
+
+
+def _endpoint() -> str | None:
+    return (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
+
+
+@contextlib.contextmanager
+def hub_errors(repo: str, what: str, revision: str) -> Iterator[None]:
+    """Every hub or network failure inside the block as one ModelLoadError line."""
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    transport = tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
+    where = _endpoint() or "the Hugging Face Hub"
+    try:
+        yield
+    except GatedRepoError:
+        raise ModelLoadError(f"{repo} is gated: accept its terms on the hub, then log in "
+                             "(hf auth login, or set HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"repository '{repo}' not found on {where} (a private repo needs "
+                             "hf auth login, or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"revision '{revision}' not found in {repo}") from None
+    except LocalEntryNotFoundError as e:
+        raise ModelLoadError(f"cannot download {what} from {where}: "
+                             f"{_one_line(e.__cause__ or e)}") from None
+    except EntryNotFoundError:
+        raise ModelLoadError(f"{what} not found at revision '{revision}'") from None
+    except (OSError, ValueError, *transport) as e:
+        raise ModelLoadError(f"cannot download {what} from {where}: {_one_line(e)}") from None
+
+
+def list_repo(repo: str, revision: str = "main") -> RepoListing:
+    """The commit ``revision`` resolves to (asked through config.json, which a transformers
+    model has), then the top-level files at that commit, so the listing and the later
+    downloads see the same commit even if the branch moves meanwhile."""
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+
+    endpoint = _endpoint()
+    with hub_errors(repo, f"{repo}:config.json", revision):
+        meta = get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision,
+                                               endpoint=endpoint), endpoint=endpoint)
+        commit = meta.commit_hash or revision
+        files = {f.path: int(getattr(f, "size", 0) or 0)
+                 for f in HfApi(endpoint=endpoint).list_repo_tree(repo, revision=commit)
+                 if "/" not in f.path and hasattr(f, "size")}
+    return RepoListing(repo, commit, files)
+
+
+def download_files(listing: RepoListing, files: list[str]) -> Path:
+    """Download ``files`` of the listed commit into the hub library's own cache (a second
+    conversion of the same commit, say to another type, downloads nothing) and return the
+    folder that holds them: the commit's snapshot folder there."""
+    from huggingface_hub import hf_hub_download
+
+    endpoint = _endpoint()
+    folder: Path | None = None
+    for file in files:
+        with hub_errors(listing.repo, f"{listing.repo}:{file}", listing.commit):
+            got = Path(hf_hub_download(listing.repo, file, revision=listing.commit,
+                                       endpoint=endpoint))
+        folder = got.parent
+    if folder is None:
+        raise ModelLoadError(f"nothing to download from {listing.repo}")
+    return folder
+
+
+def cached_bytes(listing: RepoListing, files: list[str]) -> int:
+    """How many of those files' bytes are in the hub library's cache already."""
+    from huggingface_hub import try_to_load_from_cache
+
+    total = 0
+    for file in files:
+        found = try_to_load_from_cache(listing.repo, file, revision=listing.commit)
+        if isinstance(found, str):
+            total += listing.files.get(file, 0)
+    return total
+
+
+def hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)

@@ -33,9 +33,10 @@ SCHEMA = 1
 
 @dataclass(frozen=True)
 class Source:
-    """Where a version came from: a local file, or a file of a Hugging Face repo at a commit."""
+    """Where a version came from: a local file, a file of a Hugging Face repo at a commit, or a
+    conversion (``justllm convert``) of a repo at a commit or of a local folder (``file``)."""
 
-    kind: str  # "file" | "huggingface"
+    kind: str  # "file" | "huggingface" | "converted"
     repo: str | None = None
     file: str | None = None
     revision: str | None = None  # the commit the download resolved to
@@ -43,6 +44,9 @@ class Source:
     def __str__(self) -> str:
         if self.kind == "huggingface":
             return f"huggingface {self.repo}:{self.file} @ {self.revision}"
+        if self.kind == "converted":
+            return (f"converted from {self.repo} @ {self.revision}" if self.repo
+                    else f"converted from {self.file}")
         return self.kind
 
 

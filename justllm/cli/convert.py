@@ -1,0 +1,122 @@
+"""``justllm convert``: a Hugging Face safetensors model to GGUF with llama.cpp's own converter
+(also what ``justllm pull REPO --convert`` runs)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from justllm.cli.errors import cli_errors
+
+OUTTYPE_HELP = ("What the converter writes: f16, bf16, q8_0, f32, or auto (bf16 for a model "
+                "stored in bfloat16, else f16).")
+QUANTIZE_HELP = ("Then quantize to this llama.cpp type (Q4_K_M, Q8_0, ...; 'justllm quantize "
+                 "--list' shows them).")
+
+
+def convert(
+    source: Annotated[str, typer.Argument(help="A local Hugging Face model directory (config.json, tokenizer, *.safetensors) or a hub repo id OWNER/NAME.", show_default=False)],
+    outtype: Annotated[str, typer.Option("--outtype", help=OUTTYPE_HELP)] = "auto",
+    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help=QUANTIZE_HELP)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write the GGUF (default: NAME-TYPE.gguf in the models directory). It is registered either way.")] = None,
+    name: Annotated[Optional[str], typer.Option("--name", "-n", metavar="NAME[:TAG]", help="What to register it as (default: the file name without .gguf, :latest).")] = None,
+    revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit (a hub repo).")] = "main",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+) -> None:
+    """Convert a Hugging Face safetensors model to GGUF with llama.cpp's own converter, then
+    optionally quantize it, and add it to the models directory.
+
+    Needs the converter's dependencies: pip install 'justllm\\[convert]'. The converter
+    itself (matching the installed llama.cpp) is fetched from PyPI on first use. A hub repo's
+    files go to the Hugging Face cache; the revision is recorded. A failed or interrupted
+    conversion leaves no partial file."""
+    with cli_errors():
+        run_conversion(source, outtype=outtype, quantize=quantize, output=output, name=name,
+                       revision=revision, force=force)
+
+
+def run_conversion(source: str, *, outtype: str, quantize: str | None, output: str | None,
+                   name: str | None, revision: str, force: bool) -> None:
+    """Prepare (checks, downloads), convert with progress, register, and say what happened."""
+    from justllm.cli.models import _size
+    from justllm.models.convert import prepare, register
+
+    err = Console(stderr=True, highlight=False)
+    job = prepare(source, outtype=outtype, quantize=quantize, output=output, name=name,
+                  revision=revision, force=force, console=err)
+    origin = f"{job.repo} @ {job.commit[:12]}" if job.repo and job.commit else str(job.source_dir)
+    err.print(f"converting {origin} ({job.model.candidate_architectures()[0]}, about "
+              f"{_count(job.model.parameters)} parameters) to {job.output_type} with "
+              f"llama.cpp's converter (llama-cpp-python {job.converter.version})",
+              markup=False, soft_wrap=True)
+    t0 = time.monotonic()
+    _run_with_progress(job)
+    console = Console(highlight=False)
+    console.print(f"wrote {job.dst} ({job.output_type}, {_size(job.dst.stat().st_size)}) in "
+                  f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
+    key, m, before = register(job)
+    moved = f"; it was sha256:{before.short}, which is kept" if before else ""
+    console.print(f"registered as {key} (sha256:{m.short}; justllm run "
+                  f"{key.removesuffix(':latest')}){moved}", markup=False, soft_wrap=True)
+
+
+def _run_with_progress(job) -> None:
+    """``job.run()`` on a worker thread with a progress bar fed by the converter's output and
+    then the quantizer's. The main thread stays free for Ctrl-C: then the converter is stopped,
+    the temporary files removed, and the process ends at once (a quantization, in C, cannot be
+    stopped)."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        SpinnerColumn,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    labels = {"tensors": "converting: reading tensors", "writing": "converting: writing GGUF",
+              "quantizing": f"quantizing to {job.output_type}"}
+    result: dict[str, BaseException] = {}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TaskProgressColumn(), TextColumn("[dim]{task.fields[detail]}"),
+                  TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task("converting: starting llama.cpp's converter", total=None,
+                                 detail="")
+
+        def on_progress(stage: str, done: int, total: int | None) -> None:
+            detail = f"{done} tensors" if stage == "tensors" else (
+                f"tensor {done + 1}/{total}" if stage == "quantizing" else "")
+            progress.update(task, description=labels.get(stage, stage), completed=done,
+                            total=total, detail=detail)
+
+        def work() -> None:
+            try:
+                job.run(on_progress)
+            except BaseException as e:  # re-raised on the main thread
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name="justllm-convert", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+        except KeyboardInterrupt:
+            job.abandon()
+            progress.stop()
+            Console(stderr=True).print("[yellow]interrupted[/yellow]: no output written")
+            os._exit(130)
+    if "error" in result:
+        raise result["error"]
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

@@ -1,0 +1,356 @@
+"""``justllm convert``: a Hugging Face safetensors model to a GGUF in the models directory, by
+llama.cpp's own converter (``models/converter.py``), optionally quantized by llama.cpp's
+quantizer (``models/quantize.py``), then registered.
+
+``prepare`` refuses, before anything big is downloaded or written, what would fail: the
+converter's dependencies missing (the ``convert`` extra), no config, an architecture the
+converter does not know, no tokenizer, no safetensors weights, an output that exists, too
+little disk. For a hub repo it lists the commit, downloads the small files first, checks, and
+only then downloads the weights (into the hub library's cache, so converting the same commit
+again downloads nothing).
+
+``ConvertJob.run`` starts the converter as a child process (a crash there is a one-line error
+here) writing to a hidden temporary name beside the output; the output appears only by a
+rename at the end. With a quantization the converter's 16-bit file is that temporary and is
+removed after quantizing. ``abandon`` (Ctrl-C) stops the child and removes every temporary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from justllm.errors import ModelLoadError
+from justllm.models.converter import Converter, check_extra, converter_dir, fetch_converter
+from justllm.models.hf_model import HFModel, read_config, read_local, side_files
+from justllm.models.manifest import Manifest, Source
+from justllm.models.quantize import QuantizeJob, QuantType, quant_type
+
+OUTTYPES = ("auto", "f16", "bf16", "q8_0", "f32")
+_OUT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # per weight
+_FLOAT_QUANTS = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}
+_Q8_BYTES = 34 / 32  # no other quantization type is wider: the bound for an estimate
+_SLACK = 16 * 1024 * 1024
+
+# progress(stage, done, total): "tensors" as the converter plans each one (total unknown),
+# "writing" in percent, "quantizing" per tensor.
+Progress = Callable[[str, int, "int | None"], None]
+
+_TENSOR_LINE = re.compile(r"^INFO:hf-to-gguf:[^,\s]+,\s+torch\.\w+ --> \w+, shape")
+_WRITING = re.compile(r"^Writing:\s+(\d+)%")
+_ERROR_LINE = re.compile(r"^(?:ERROR:[\w.-]+:\s*(?P<log>.+)|(?P<exc>[\w.]*(?:Error|Exception|"
+                         r"Interrupt)(?::\s*.+)?))$")
+
+
+@dataclass
+class ConvertJob:
+    """A checked conversion, ready to run (``prepare`` makes it)."""
+
+    converter: Converter
+    model: HFModel
+    source_dir: Path  # the model's files on this machine (a hub commit's snapshot folder)
+    repo: str | None
+    commit: str | None
+    outtype: str  # what the converter writes: f16, bf16, q8_0 or f32 (auto resolved)
+    quant: QuantType | None
+    dst: Path
+    label: str  # the NAME:TAG the result is registered as
+    estimate_bytes: int
+    log_path: Path
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _quantize: QuantizeJob | None = field(default=None, repr=False)
+
+    @property
+    def output_type(self) -> str:
+        return self.quant.name if self.quant else self.outtype.upper()
+
+    @property
+    def intermediate(self) -> Path:
+        """The converter's output: hidden, not ``*.gguf``, so the registry never adopts it."""
+        return self.dst.with_name(f".{self.dst.name}.convert-{os.getpid()}")
+
+    def run(self, progress: Progress | None = None) -> Path:
+        report = progress or (lambda _stage, _done, _total: None)
+        try:
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self._convert(self.intermediate, report)
+            if self.quant is None:
+                os.replace(self.intermediate, self.dst)
+            else:
+                self._quantize_to_dst(report)
+        finally:
+            self.abandon()
+        return self.dst
+
+    def _convert(self, out: Path, report: Progress) -> None:
+        from justllm.models.gguf import read_gguf_header
+
+        cmd = [sys.executable, "-m", "justllm.models.converter_process", str(os.getpid()),
+               str(out), str(self.converter.script), str(self.source_dir), "--outfile",
+               str(out), "--outtype", self.outtype]
+        if self.repo is not None:  # else general.name would be the snapshot folder: a commit
+            cmd += ["--model-name", self.repo.rpartition("/")[2]]
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        env.update(PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8", HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                                 stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, env=env)
+            lines = _follow(proc, log, report)
+            code = proc.wait()
+        self._proc = None
+        if code != 0:
+            raise ModelLoadError(f"llama.cpp's converter failed: {_failure(lines, code)} "
+                                 f"(its log: {self.log_path})")
+        if not out.is_file():
+            raise ModelLoadError(f"llama.cpp's converter wrote no {out.name} (its log: "
+                                 f"{self.log_path})")
+        read_gguf_header(out)
+
+    def _quantize_to_dst(self, report: Progress) -> None:
+        from justllm.models.quantize import prepare as prepare_quantize
+
+        assert self.quant is not None
+        self._quantize = prepare_quantize(self.intermediate, self.quant, self.dst, force=True)
+        self._quantize.run(lambda i, n, _name: report("quantizing", i - 1, n))
+
+    def abandon(self) -> None:
+        """Stop the converter if it runs and remove every temporary file (the output, once
+        renamed into place, stays)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._proc = None
+        if self._quantize is not None:
+            self._quantize.abandon()
+        self.intermediate.unlink(missing_ok=True)
+
+
+def _follow(proc: subprocess.Popen, log, report: Progress) -> list[str]:
+    """Copy the converter's output to ``log`` as it comes, turning its per-tensor lines and
+    its writer's progress bar (tqdm, redrawn with ``\\r``) into ``report`` calls; returns the
+    last lines, for the error message."""
+    assert proc.stdout is not None
+    tail: list[str] = []
+    tensors = 0
+    pending = b""
+    fd = proc.stdout.fileno()
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        log.write(chunk)
+        pending += chunk
+        *parts, pending = re.split(rb"[\r\n]", pending)
+        for raw in parts:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            if _TENSOR_LINE.match(line):
+                tensors += 1
+                report("tensors", tensors, None)
+            elif m := _WRITING.match(line):
+                report("writing", int(m.group(1)), 100)
+            else:
+                tail = [*tail[-40:], line]
+    log.flush()
+    proc.stdout.close()
+    return tail
+
+
+def _failure(lines: list[str], code: int) -> str:
+    """The converter's own reason, one line: its last error log line or exception."""
+    for line in reversed(lines):
+        m = _ERROR_LINE.match(line)
+        if m:
+            return m.group("log") or m.group("exc")
+    if code < 0:
+        return f"killed by signal {-code}" + (" (out of memory?)" if code == -9 else "")
+    return lines[-1] if lines else f"exit code {code}"
+
+
+# -- preparing -------------------------------------------------------------------------------
+
+
+def converter_root() -> Path:
+    from justllm.models.source import cache_dir
+
+    return cache_dir() / "converter"
+
+
+def get_converter(console: Console) -> Converter:
+    """The converter matching the installed llama.cpp, fetched with a spinner the first time."""
+    from justllm.models.converter import SCRIPT, llama_cpp_version
+
+    root, version = converter_root(), llama_cpp_version()
+    if (converter_dir(root, version) / SCRIPT).is_file():
+        return fetch_converter(root, version=version)
+    console.print(f"fetching llama.cpp's converter from the llama-cpp-python {version} sdist "
+                  f"(once: it is kept in {root})", highlight=False, soft_wrap=True)
+    with console.status("pip download llama-cpp-python (about 80 MB)"):
+        return fetch_converter(root, version=version)
+
+
+def resolve_outtype(outtype: str, model: HFModel) -> str:
+    """``auto``: bf16 for a model stored in bfloat16 (f16 could overflow it), else f16; the
+    converter is then told the type, so the file's name and content agree."""
+    wanted = outtype.strip().lower()
+    if wanted not in OUTTYPES:
+        raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not '{outtype}'")
+    if wanted != "auto":
+        return wanted
+    return "bf16" if model.source_dtype == "bfloat16" else "f16"
+
+
+def estimate_bytes(model: HFModel, outtype: str, quant: QuantType | None) -> int:
+    """The converter's output (parameters x bytes per weight), plus the quantized copy that
+    sits beside it until the end; a little slack for metadata and vocabulary."""
+    params = model.parameters
+    total = params * _OUT_BYTES[outtype]
+    if quant is not None:
+        total += params * _FLOAT_QUANTS.get(quant.name, _Q8_BYTES)
+    return int(total * 1.02) + _SLACK
+
+
+def _free_bytes(path: Path) -> int:
+    """Free space where ``path`` is or would be (its nearest existing folder)."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return shutil.disk_usage(Path.cwd()).free
+
+
+def _device(path: Path) -> int:
+    for p in [path, *path.parents]:
+        if p.exists():
+            return p.stat().st_dev
+    return -1
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+def check_space(needs: list[tuple[Path, int, str]],
+                free_bytes: Callable[[Path], int] = _free_bytes) -> None:
+    """``needs``: (folder, bytes, what for); needs on one filesystem add up."""
+    by_device: dict[int, tuple[Path, int, list[str]]] = {}
+    for folder, n, what in needs:
+        dev = _device(folder)
+        where, total, whats = by_device.get(dev, (folder, 0, []))
+        by_device[dev] = (where, total + n, [*whats, what])
+    for where, total, whats in by_device.values():
+        free = free_bytes(where)
+        if free < total:
+            verb = "needs" if len(whats) == 1 else "need"
+            raise ModelLoadError(f"not enough disk space in {where}: {' and '.join(whats)} "
+                                 f"{verb} about {_gb(total)}, {_gb(free)} free")
+
+
+def default_output(model_name: str, type_name: str, repo: str | None,
+                   commit: str | None) -> Path:
+    """``NAME-TYPE.gguf`` in the models directory; from a hub repo, in that commit's folder
+    (where ``justllm pull`` puts files), so converting a newer revision keeps the older."""
+    from justllm.models.hub import revision_dir
+    from justllm.models.refs import name_for_file
+    from justllm.models.store import models_dir
+
+    file = f"{name_for_file(model_name)}-{type_name.lower()}.gguf"
+    if repo is not None and commit is not None:
+        return revision_dir(models_dir(), repo, commit) / file
+    return models_dir() / file
+
+
+def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
+            output: str | None = None, name: str | None = None, revision: str = "main",
+            force: bool = False, console: Console | None = None,
+            free_bytes: Callable[[Path], int] = _free_bytes) -> ConvertJob:
+    """Check everything and fetch what a conversion of ``source`` (a local model directory or
+    a hub repo id) needs; raises ValueError, ModelLoadError or MissingExtraError, one line
+    each. A hub repo's weights are downloaded here, last."""
+    from justllm.models import hub
+    from justllm.models.refs import DEFAULT_TAG, label, name_for_file, parse_ref
+    from justllm.models.source import cache_dir
+
+    console = console or Console(stderr=True)
+    wanted_label = label(*parse_ref(name)) if name else None
+    quant = quant_type(quantize) if quantize else None
+    if outtype.strip().lower() not in OUTTYPES:
+        raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not '{outtype}'")
+    if quant is not None and outtype.strip().lower() == "q8_0":
+        raise ValueError("--quantize starts from a 16-bit conversion: leave --outtype out "
+                         "(or give f16, bf16 or f32) with --quantize")
+    check_extra()
+
+    local = Path(source).expanduser()
+    listing: hub.RepoListing | None = None
+    if local.exists() or not hub.looks_like_repo(source) or ":" in source:
+        model = read_local(local)
+        source_dir, model_name = local.resolve(), local.resolve().name
+    else:
+        listing = hub.list_repo(source, revision)
+        where = f"{source} @ {listing.commit[:12]}"
+        if "config.json" not in listing.files:
+            raise ModelLoadError(f"{where} is not a Hugging Face model: it has no config.json")
+        small = side_files(list(listing.files))
+        source_dir = hub.download_files(listing, small)
+        model = HFModel(where, read_config(source_dir / "config.json", where), listing.files)
+        model_name = source.rpartition("/")[2]
+
+    converter = get_converter(console)
+    model.check(converter.architectures())
+    resolved = resolve_outtype(outtype, model)
+    type_name = quant.name if quant else resolved
+    repo, commit = (listing.repo, listing.commit) if listing else (None, None)
+    dst = Path(output).expanduser() if output else default_output(model_name, type_name,
+                                                                     repo, commit)
+    if dst.is_dir():
+        raise ValueError(f"--output {dst} is a directory; give a file path")
+    if dst.exists() and not force:
+        raise ValueError(f"{dst} already exists (--force overwrites it)")
+    if output and not dst.parent.is_dir():
+        raise ValueError(f"the output's directory {dst.parent} does not exist")
+    estimate = estimate_bytes(model, resolved, quant)
+    needs = [(dst.parent, estimate, "the GGUF")]
+    if listing is not None:
+        download = model.weights_bytes - hub.cached_bytes(listing, model.weights)
+        needs.append((hub.hub_cache_dir(), download, "the download"))
+    check_space(needs, free_bytes)
+    if listing is not None:
+        console.print(f"downloading {source} @ {listing.commit[:12]}: {len(model.weights)} "
+                      f"safetensors file(s), {_gb(model.weights_bytes)}", highlight=False,
+                      soft_wrap=True)
+        source_dir = hub.download_files(listing, model.weights)
+    return ConvertJob(converter, model, source_dir, repo, commit, resolved, quant, dst,
+                      wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG), estimate,
+                      cache_dir() / "convert.log")
+
+
+def register(job: ConvertJob) -> tuple[str, Manifest, Manifest | None]:
+    """Record the output in the registry (a file outside the models directory is registered
+    where it is), with where it came from, and point the job's NAME:TAG at it. Returns the
+    tag, the version and the version the tag pointed to before, if another."""
+    from justllm.models.registry import Registry
+
+    registry = Registry()
+    source = Source("converted", repo=job.repo,
+                    file=None if job.repo else str(job.source_dir), revision=job.commit)
+    m = registry.register(job.dst, source)
+    return registry.tag(m.digest, job.label)

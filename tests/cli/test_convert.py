@@ -1,0 +1,170 @@
+"""``justllm convert`` and ``justllm pull --convert`` end to end: a tiny random Llama made in
+the test (tests/models/tiny_hf.py), converted by llama.cpp's own converter (a child process,
+about 10 s each, mostly importing torch), quantized by llama.cpp, loaded by justllm's engine,
+which generates from it. Hub repos come from the stand-in hub (tests/models/fake_hub.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from justllm.cli import app
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.llm import LLM
+from justllm.models.gguf import read_gguf_header
+from justllm.models.registry import Registry
+from tests.models.fake_hub import FakeHub, serve_fake_hub
+from tests.models.tiny_hf import make_tiny_llama, model_files
+
+pytestmark = pytest.mark.convert
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "models"
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    with serve_fake_hub(tmp_path, monkeypatch) as fake:
+        yield fake
+
+
+def error_line(r) -> str:
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def generates(path: Path) -> list[int]:
+    llm = LLM(str(path), max_seqs=2, pool_blocks=16)
+    try:
+        (out,) = llm.generate("hello world", SamplingParams(max_tokens=4, ignore_eos=True))
+        return out.token_ids
+    finally:
+        llm.close()
+
+
+def leftovers(*dirs: Path) -> list[str]:
+    """Temporary files a conversion or quantization would leave behind."""
+    return [p.name for d in dirs if d.exists() for p in d.rglob(".*")
+            if ".convert-" in p.name or ".partial-" in p.name]
+
+
+def test_convert_a_local_model_to_q8_0_registers_it_and_it_generates(
+        tiny: Path, models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "tiny.gguf"
+    out.parent.mkdir()
+    r = runner.invoke(app, ["convert", str(tiny), "--outtype", "q8_0", "-o", str(out),
+                            "--name", "tiny:q8"])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out} (Q8_0, " in r.stdout and "registered as tiny:q8 (sha256:" in r.stdout
+    assert "converting " in r.stderr and "(LlamaForCausalLM, " in r.stderr
+    header = read_gguf_header(out)
+    assert header.integer("general.file_type") == 7 and header.architecture == "llama"
+    assert len(generates(out)) == 4
+    _, m = Registry(models).resolve("tiny:q8")
+    assert (m.path, m.quantization, m.source.kind, m.source.file) == (
+        out, "Q8_0", "converted", str(tiny.resolve()))
+    assert leftovers(out.parent, models) == []
+    # The same output again: refused without --force, nothing touched.
+    before = out.stat().st_mtime_ns
+    line = error_line(runner.invoke(app, ["convert", str(tiny), "--outtype", "q8_0", "-o",
+                                          str(out)]))
+    assert line == f"error: {out} already exists (--force overwrites it)"
+    assert out.stat().st_mtime_ns == before
+
+
+def test_pull_suggests_convert_then_converts_and_quantizes_a_safetensors_repo(
+        tiny: Path, models: Path, hub: FakeHub) -> None:
+    commit = hub.push("acme/Tiny-Llama", model_files(tiny) | {"README.md": b"# tiny\n"})
+    line = error_line(runner.invoke(app, ["pull", "acme/Tiny-Llama"]))
+    assert line == ("error: no .gguf model file in acme/Tiny-Llama, but it has safetensors "
+                    "weights: 'justllm pull acme/Tiny-Llama --convert' converts them to GGUF")
+    r = runner.invoke(app, ["pull", "acme/Tiny-Llama", "--convert", "--quantize", "Q4_0"])
+    assert r.exit_code == 0, r.output
+    out = models / "huggingface" / "acme" / "Tiny-Llama" / commit / "tiny-llama-q4_0.gguf"
+    assert f"wrote {out} (Q4_0, " in r.stdout
+    assert "registered as tiny-llama-q4_0:latest" in r.stdout
+    assert f"converting acme/Tiny-Llama @ {commit[:12]} (LlamaForCausalLM" in r.stderr
+    header = read_gguf_header(out)
+    assert header.integer("general.file_type") == 2  # Q4_0
+    assert header.metadata["general.name"] == "Tiny-Llama"  # not the snapshot folder's name
+    _, m = Registry(models).resolve("tiny-llama-q4_0")
+    assert (m.source.kind, m.source.repo, m.source.revision) == ("converted", "acme/Tiny-Llama",
+                                                                 commit)
+    assert len(generates(out)) == 4
+    assert leftovers(models) == [] and sorted(p.name for p in out.parent.iterdir()) == [
+        "tiny-llama-q4_0.gguf"]
+    # The small files were fetched before the weights, each once, all at the listed commit.
+    gets = [p for method, p in hub.requests if method == "GET" and "/resolve/" in p]
+    assert gets.index(f"/acme/Tiny-Llama/resolve/{commit}/config.json") < gets.index(
+        f"/acme/Tiny-Llama/resolve/{commit}/model.safetensors")
+    assert hub.gets("/model.safetensors") == 1
+    # `justllm rm` deletes the converted file and its commit folder.
+    r = runner.invoke(app, ["rm", "tiny-llama-q4_0"])
+    assert r.exit_code == 0, r.output
+    assert not out.parent.exists()
+
+
+def test_an_unsupported_architecture_is_refused_before_the_weights_are_downloaded(
+        tiny: Path, models: Path, hub: FakeHub) -> None:
+    files = model_files(tiny)
+    config = json.loads(files["config.json"]) | {"architectures": ["FrobnicatorForCausalLM"]}
+    hub.push("acme/frob", files | {"config.json": json.dumps(config).encode()})
+    line = error_line(runner.invoke(app, ["convert", "acme/frob"]))
+    assert line.startswith("error: architecture FrobnicatorForCausalLM is not supported by "
+                           "llama.cpp's converter (this llama.cpp converts: ")
+    assert "LlamaForCausalLM, " in line and "Qwen2ForCausalLM, " in line
+    assert hub.gets("/config.json") == 1 and hub.gets("/model.safetensors") == 0
+    assert not models.exists()
+
+
+def test_a_model_without_tokenizer_is_one_line(tiny: Path, models: Path, tmp_path: Path) -> None:
+    src = tmp_path / "no-tok"
+    src.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (src / name).write_bytes((tiny / name).read_bytes())
+    line = error_line(runner.invoke(app, ["convert", str(src)]))
+    assert line.startswith(f"error: no tokenizer in {src}: llama.cpp's converter needs")
+    line = error_line(runner.invoke(app, ["convert", str(tmp_path / "nowhere")]))
+    assert "nowhere is not found: give a Hugging Face model directory" in line
+    assert not models.exists()
+
+
+def test_without_the_convert_extra_one_line_names_it(tiny: Path, tmp_path: Path) -> None:
+    """The extra's absence simulated in a child process: ``sys.modules[name] = None`` makes an
+    import of ``name`` fail, as when it is not installed."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['sentencepiece'] = None\n"
+            "from justllm.cli import main; sys.argv = ['justllm', 'convert', sys.argv[1]]; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True,
+                       timeout=120, env={**__import__("os").environ,
+                                         "JUSTLLM_MODELS_DIR": str(tmp_path / "models")})
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == ("error: converting needs torch, sentencepiece (not installed): "
+                                "pip install 'justllm[convert]' (pipx: pipx install --force "
+                                "'justllm[convert]')")
+    assert not (tmp_path / "models").exists()
+
+
+def test_pull_convert_options_are_checked() -> None:
+    assert "--convert takes REPO" in error_line(
+        runner.invoke(app, ["pull", "acme/x:x.gguf", "--convert"]))
+    assert "--outtype and --quantize go with --convert" in error_line(
+        runner.invoke(app, ["pull", "acme/x", "--quantize", "Q4_0"]))

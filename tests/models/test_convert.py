@@ -1,0 +1,248 @@
+"""What ``justllm convert`` checks and fetches before llama.cpp's converter runs, and how it
+cleans up. The converter itself comes from the llama-cpp-python sdist on PyPI the first time
+(kept in the justllm cache after that); the end-to-end conversions are in
+tests/cli/test_convert.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from justllm.errors import ModelLoadError
+from justllm.models import convert as conv
+from justllm.models.converter import (
+    CONVERTER_FILES,
+    Converter,
+    fetch_converter,
+    supported_architectures,
+)
+from justllm.models.hf_model import HFModel, read_local, side_files
+from justllm.models.quantize import quant_type
+from tests.models.tiny_hf import make_tiny_llama
+
+pytestmark = pytest.mark.convert
+
+
+@pytest.fixture(scope="module")
+def converter() -> Converter:
+    from rich.console import Console
+
+    return conv.get_converter(Console(stderr=True))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "models"
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(d))
+    return d
+
+
+def _copy(src: Path, dst: Path, drop: tuple[str, ...] = (), config: dict | None = None) -> Path:
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.name not in drop:
+            (dst / p.name).write_bytes(p.read_bytes())
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(cfg | config))
+    return dst
+
+
+# -- the converter: fetched from the sdist, its registry read without importing it ------------
+
+
+def test_the_pinned_converter_supports_llama_and_qwen2(converter: Converter) -> None:
+    archs = converter.architectures()
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"} <= set(archs)
+    assert len(archs) > 100 and list(archs) == sorted(archs)
+    assert converter.script.is_file() and (converter.root / "gguf-py" / "gguf").is_dir()
+    assert not (converter.root / "ggml").exists()  # only the converter's files were extracted
+
+
+def _sdist(path: Path, files: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_fetch_extracts_only_the_converter_once(tmp_path: Path) -> None:
+    top = "llama_cpp_python-9.9.9/vendor/llama.cpp/"
+    registry = 'TEXT_MODEL_MAP: dict[str, str] = {"BLlama": "llama", "ALlama": "llama"}\n'
+    files = {top + "convert_hf_to_gguf.py": b"print('hi')\n",
+             top + "conversion/__init__.py": registry.encode(),
+             top + "conversion/__pycache__/x.pyc": b"junk",
+             top + "gguf-py/gguf/__init__.py": b"",
+             top + "gguf-py/tests/test_x.py": b"",
+             top + "models/templates/a.jinja": b"{{ x }}",
+             top + "models/ggml-vocab-x.gguf": b"big",
+             top + "ggml/src/ggml.c": b"int x;",
+             top + "../../escape.py": b"bad",
+             "llama_cpp_python-9.9.9/llama_cpp/llama.py": b""}
+    calls = []
+
+    def download(version: str, into: Path) -> Path:
+        calls.append(version)
+        return _sdist(into / "s.tar.gz", files)
+
+    root = tmp_path / "converter"
+    c = fetch_converter(root, version="9.9.9", download=download)
+    got = sorted(str(p.relative_to(c.root)) for p in c.root.rglob("*") if p.is_file())
+    assert got == ["conversion/__init__.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py",
+                   "models/templates/a.jinja"]
+    assert c.architectures() == ("ALlama", "BLlama") and c.version == "9.9.9"
+    assert fetch_converter(root, version="9.9.9", download=download).root == c.root
+    assert calls == ["9.9.9"]  # the second call found it
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "llama-cpp-python-9.9.9"]
+    assert not (tmp_path / "escape.py").exists() and "LICENSE" in CONVERTER_FILES
+
+
+def test_a_failed_fetch_leaves_nothing(tmp_path: Path) -> None:
+    def download(version: str, into: Path) -> Path:
+        return _sdist(into / "s.tar.gz", {"x/vendor/llama.cpp/README.md": b""})
+
+    with pytest.raises(ModelLoadError, match="holds no vendor/llama.cpp/convert_hf_to_gguf.py"):
+        fetch_converter(tmp_path, version="1.0", download=download)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+def test_older_converters_register_with_decorators(tmp_path: Path) -> None:
+    (tmp_path / "convert_hf_to_gguf.py").write_text(
+        '@ModelBase.register("LlamaForCausalLM", "MistralForCausalLM")\nclass A: pass\n'
+        '@ModelBase.register("Qwen2ForCausalLM")\nclass B(A): pass\n')
+    assert supported_architectures(tmp_path) == ("LlamaForCausalLM", "MistralForCausalLM",
+                                                 "Qwen2ForCausalLM")
+
+
+# -- checks before converting ------------------------------------------------------------------
+
+
+def test_a_model_directory_is_read_and_checked(tiny: Path, converter: Converter) -> None:
+    m = read_local(tiny)
+    assert m.weights == ["model.safetensors"] and m.has_tokenizer
+    assert m.candidate_architectures() == ["LlamaForCausalLM"] and m.source_dtype == "float32"
+    assert m.parameters == (tiny / "model.safetensors").stat().st_size // 4
+    m.check(converter.architectures())
+    assert side_files(["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
+                       "original/params.json", "chat_template.jinja", "README.md", "x.bin"]) == [
+        "README.md", "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer.model"]
+
+
+@pytest.mark.parametrize("drop, config, says", [
+    ((), {"architectures": ["FrobnicatorForCausalLM"]},
+     "architecture FrobnicatorForCausalLM is not supported by llama.cpp's converter (this "
+     "llama.cpp converts: "),
+    (("tokenizer.json",), None, "no tokenizer in "),
+    (("model.safetensors",), None, "no *.safetensors weights in "),
+    (("config.json",), None, "is not a Hugging Face model: it has no config.json"),
+    ((), {"architectures": []}, "config.json names no 'architectures'"),
+])
+def test_what_the_converter_would_fail_on_is_refused_first(
+        tiny: Path, tmp_path: Path, models: Path, converter: Converter,
+        drop: tuple[str, ...], config: dict | None, says: str) -> None:
+    src = _copy(tiny, tmp_path / "m", drop, config)
+    with pytest.raises(ModelLoadError) as e:
+        conv.prepare(str(src))
+    assert says in str(e.value) and "\n" not in str(e.value)
+    if "Frobnicator" in says:
+        assert "LlamaForCausalLM, " in str(e.value) and "Qwen2ForCausalLM" in str(e.value)
+    assert not models.exists()
+
+
+def test_prepare_plans_the_output_and_refuses_an_existing_one(tiny: Path, models: Path) -> None:
+    job = conv.prepare(str(tiny), outtype="auto")
+    assert (job.dst, job.outtype, job.quant, job.label) == (
+        models / "tiny-llama-f16.gguf", "f16", None, "tiny-llama-f16:latest")
+    job = conv.prepare(str(tiny), quantize="q4_k_m", name="Tiny:Q4")
+    assert (job.dst.name, job.outtype, job.output_type, job.label) == (
+        "tiny-llama-q4_k_m.gguf", "f16", "Q4_K_M", "tiny:q4")
+    models.mkdir()
+    (models / "tiny-llama-q8_0.gguf").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"tiny-llama-q8_0.gguf already exists \(--force "):
+        conv.prepare(str(tiny), outtype="q8_0")
+    assert conv.prepare(str(tiny), outtype="q8_0", force=True).dst.name == "tiny-llama-q8_0.gguf"
+    with pytest.raises(ValueError, match="--quantize starts from a 16-bit conversion"):
+        conv.prepare(str(tiny), outtype="q8_0", quantize="Q4_0")
+    with pytest.raises(ValueError, match="--outtype must be one of auto, f16, bf16, q8_0, f32"):
+        conv.prepare(str(tiny), outtype="q4")
+    with pytest.raises(ValueError, match="unknown quantization type 'Q9'"):
+        conv.prepare(str(tiny), quantize="Q9")
+
+
+def test_not_enough_disk_is_refused_with_the_estimate(tiny: Path, models: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"not enough disk space in .*: the GGUF needs about "
+                                             r"17 MB, 1 MB free"):
+        conv.prepare(str(tiny), free_bytes=lambda _p: 1_000_000)
+
+
+def test_needs_on_one_filesystem_add_up(tmp_path: Path) -> None:
+    needs = [(tmp_path / "models" / "x", 1_000_000_000, "the GGUF"),
+             (tmp_path / "hf-cache", 2_000_000_000, "the download")]
+    with pytest.raises(ModelLoadError, match=r"the GGUF and the download need about 3.0 GB, "
+                                             r"2.5 GB free"):
+        conv.check_space(needs, lambda _p: 2_500_000_000)
+    conv.check_space(needs, lambda _p: 3_000_000_000)
+
+
+def test_estimates_follow_bytes_per_weight() -> None:
+    model = HFModel("m", {"torch_dtype": "bfloat16"}, {"model.safetensors": 2_000_000_000})
+    assert model.parameters == 1_000_000_000
+    assert conv.resolve_outtype("auto", model) == "bf16"
+    assert conv.resolve_outtype("auto", HFModel("m", {"dtype": "float32"}, {})) == "f16"
+    gb = 1e9 * 1.02
+    assert conv.estimate_bytes(model, "bf16", None) == int(2 * gb) + conv._SLACK
+    assert conv.estimate_bytes(model, "q8_0", None) == int(34 / 32 * gb) + conv._SLACK
+    # The quantized copy is bounded by Q8_0's width while the 16-bit file is still there.
+    assert conv.estimate_bytes(model, "f16", quant_type("Q4_K_M")) == int(
+        (2 + 34 / 32) * gb) + conv._SLACK
+
+
+def test_converter_errors_become_one_line() -> None:
+    lines = ["INFO:hf-to-gguf:Loading model: x", "Traceback (most recent call last):",
+             'File "x.py", line 3, in <module>',
+             "NotImplementedError: BPE pre-tokenizer was not recognized - update it"]
+    assert conv._failure(lines, 1) == "NotImplementedError: BPE pre-tokenizer was not " \
+                                      "recognized - update it"
+    assert conv._failure(["ERROR:hf-to-gguf:Model Foo is not supported"], 1) == \
+        "Model Foo is not supported"
+    assert conv._failure(["INFO:x"], -9) == "killed by signal 9 (out of memory?)"
+    assert conv._failure([], 3) == "exit code 3"
+
+
+def test_an_abandoned_conversion_stops_the_converter_and_leaves_nothing(
+        tiny: Path, models: Path) -> None:
+    """What Ctrl-C does (cli/convert.py calls ``abandon`` from the main thread)."""
+    job = conv.prepare(str(tiny))
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            job.run()
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while job._proc is None and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc = job._proc
+    assert proc is not None
+    job.abandon()
+    worker.join(30)
+    assert not worker.is_alive() and proc.poll() is not None
+    assert errors and "llama.cpp's converter failed" in str(errors[0])
+    assert not models.exists() or [p.name for p in models.iterdir()] == []
