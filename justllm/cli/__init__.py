@@ -6,11 +6,14 @@ import typer
 
 from justllm.cli import bench as bench_cmd
 from justllm.cli import chat as chat_cmd
+from justllm.cli import cluster as cluster_cmd
 from justllm.cli import config as config_cmd
+from justllm.cli import convert as convert_cmd
 from justllm.cli import draft as draft_cmd
 from justllm.cli import models as models_cmd
 from justllm.cli import ps as ps_cmd
 from justllm.cli import pull as pull_cmd
+from justllm.cli import quantize as quantize_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
 from justllm.cli import top as top_cmd
@@ -36,8 +39,11 @@ app.command("pull")(pull_cmd.pull)
 app.command("show")(models_cmd.show)
 app.command("tag")(models_cmd.tag)
 app.command("rm")(models_cmd.rm)
+app.command("quantize")(quantize_cmd.quantize)
+app.command("convert")(convert_cmd.convert)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(draft_cmd.app, name="draft")
+app.add_typer(cluster_cmd.app, name="cluster")
 
 
 @app.callback()

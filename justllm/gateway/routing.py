@@ -35,6 +35,11 @@ the last poll to that replica's ``waiting``: with the bare snapshot, every reque
 next poll sees the same least loaded replica. A router is used from one event loop (not thread
 safe); ``forget_replica`` drops what it knows of a replica that died (a new process has an
 empty cache).
+
+The same policies serve Ray Serve (justllm/cluster/router.py): there a decision is made in two
+halves, ``propose`` (which replica; Ray gets the order :func:`ranked` gives) and ``commit``
+(what the policy remembers of it; again for another replica if Ray sends the request to a
+later one), and a replica's load comes from its own report (:func:`reported_load`).
 """
 
 from __future__ import annotations
@@ -381,6 +386,10 @@ class Router(Protocol):
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> Decision: ...
 
+    def propose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> Decision: ...
+
+    def commit(self, request: RouteRequest, decision: Decision) -> None: ...
+
     def forget_replica(self, replica: str) -> None: ...
 
 
@@ -395,6 +404,16 @@ class Policy:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> Decision:
+        decision = self.propose(request, replicas)
+        self.commit(request, decision)
+        return decision
+
+    def propose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> Decision:
+        """The decision ``choose`` makes, remembered nowhere (sessions, the prefix tree and
+        the counts are left as they are; round-robin's turn and power-of-two's draw do move):
+        for a caller that may carry out another one -- Ray Serve's RequestRouter ranks
+        replicas (see :func:`ranked`) and may send to a later one -- and calls ``commit``
+        with what it did."""
         available = [r for r in replicas if r.available]
         if not available:
             raise NoReplica(f"no replica can take the request ({len(replicas)} replicas, "
@@ -402,9 +421,13 @@ class Policy:
         session = request.session if self.config.sticky_sessions else None
         held = self._sessions.get(session) if session is not None else None
         if held is not None and any(r.id == held for r in available):
-            decision = Decision(held, "session")
-        else:
-            decision = self._pick(request, available, replicas)
+            return Decision(held, "session")
+        return self._pick(request, available, replicas)
+
+    def commit(self, request: RouteRequest, decision: Decision) -> None:
+        """``decision`` was carried out: the request's session follows it, the policy
+        remembers it (cache-aware: the prompt is now that replica's) and it is counted."""
+        session = request.session if self.config.sticky_sessions else None
         if session is not None:
             self._sessions[session] = decision.replica
             self._sessions.move_to_end(session)
@@ -412,7 +435,6 @@ class Policy:
                 self._sessions.popitem(last=False)
         self._routed(request, decision)
         self.counts[decision.reason] += 1
-        return decision
 
     def forget_replica(self, replica: str) -> None:
         for session in [s for s, r in self._sessions.items() if r == replica]:
@@ -500,6 +522,41 @@ def make_router(config: RoutingConfig | None = None, *, seed: int | None = None)
     """The configured policy; ``seed`` makes power-of-two's draws repeatable (tests)."""
     config = config or RoutingConfig()
     return POLICIES[config.policy](config, seed=seed)
+
+
+# ---- for callers that rank replicas (Ray Serve's RequestRouter, justllm/cluster/router.py) ----
+
+
+def ranked(decision: Decision, replicas: Sequence[ReplicaLoad]) -> list[str]:
+    """Every available replica in order of preference: the decision's first, then the others
+    least loaded first. A caller whose transport may find the first one full (Ray Serve's
+    ``max_ongoing_requests``) takes the next rather than waiting."""
+    rest = sorted((r for r in replicas if r.available and r.id != decision.replica),
+                  key=load_rank)
+    return [decision.replica, *(r.id for r in rest)]
+
+
+def reported_load(replica: str, stats: Any, ongoing: int | None = None) -> ReplicaLoad:
+    """A replica's load from what it reports of itself (``running``, ``waiting``,
+    ``kv_usage``, ``ttft_p50``; missing keys count as nothing) and, when the caller tracks
+    it, ``ongoing``: the requests the caller knows the replica has now, which is fresher than
+    a report some hundred ms old and replaces its running + waiting (as the gateway's own
+    in-flight count does a poll's)."""
+    stats = stats if isinstance(stats, dict) else {}
+
+    def number(key: str) -> float:
+        value = stats.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if ok and value >= 0 else 0.0
+
+    running, waiting = int(number("running")), int(number("waiting"))
+    if ongoing is not None:
+        running, waiting = min(running, ongoing), max(0, ongoing - min(running, ongoing))
+    ttft = stats.get("ttft_p50")
+    return ReplicaLoad(replica, running=running, waiting=waiting,
+                       kv_usage=min(1.0, number("kv_usage")),
+                       ttft_p50=float(ttft) if isinstance(ttft, (int, float)) and
+                       not isinstance(ttft, bool) else None)
 
 
 def _as_text(value: Any) -> str:

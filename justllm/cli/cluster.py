@@ -1,0 +1,158 @@
+"""``justllm cluster deploy | status | down``: models on a Ray cluster with Ray Serve.
+
+Ray is imported only inside the commands, so ``justllm --help`` works without the extra; a
+command without it says which one to install.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from justllm.cli.errors import cli_errors
+from justllm.errors import JustLLMError
+
+app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
+                       "'justllm\\[cluster]'): the cluster is RAY_ADDRESS, or a local Ray.",
+                  no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+
+AppName = Annotated[str, typer.Option("--name", help="The Serve application's name.", envvar="JUSTLLM_CLUSTER_APP")]
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """``cli_errors``, its message on one line and with its square brackets kept
+    (``justllm[cluster]``, Ray's ``[...]``: the red line is Rich markup)."""
+    with cli_errors():
+        try:
+            yield
+        except (JustLLMError, ValueError) as e:
+            one_line = " ".join(x.strip() for x in str(e).splitlines() if x.strip())
+            raise ValueError(escape(one_line)) from None
+
+
+def _cluster() -> ModuleType:
+    """justllm/cluster/deploy.py, or the one-line error that names the extra."""
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        missing = getattr(e, "name", None) or "ray"
+        raise ValueError(f"`justllm cluster` needs Ray Serve ({missing} is not installed): "
+                         "pip install 'justllm[cluster]'") from None
+    from justllm.cluster import deploy
+
+    return deploy
+
+
+@app.command("deploy")
+def deploy(
+    config_file: Annotated[str, typer.Argument(help="The models, as router mode's models.yaml: source, engine flags, replicas or min-replicas / max-replicas, target-ongoing, delays, gpus, routing.", metavar="CLUSTER_YAML", show_default=False)],
+    host: Annotated[str, typer.Option("--host", help="Address Ray Serve's HTTP proxies bind on every node (0.0.0.0: reachable from other machines).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 and /api.", envvar="JUSTLLM_API_KEY")] = None,
+    name: AppName = "justllm",
+) -> None:
+    """Deploy every model of CLUSTER_YAML as a Ray Serve deployment, behind one ingress that
+    speaks the OpenAI API; wait until their replicas are up. Onto RAY_ADDRESS, else the Ray
+    started on this machine, else a local Ray head started now (`cluster down` stops it)."""
+    with _errors():
+        cluster = _cluster()
+        from justllm.cli import options as o
+        from justllm.cluster.options import ClusterSettings, check_supported
+        from justllm.gateway.config import Flags, load_config
+
+        known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS))
+        config = load_config(_read_yaml(config_file), known)
+        warnings = check_supported(config)
+        settings = ClusterSettings(name, host, port, api_key)
+        where = cluster.find_cluster()
+        console = Console(stderr=True)
+        for warning in warnings:
+            console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+        if where is None:
+            console.print("justllm: no Ray cluster (RAY_ADDRESS is not set and none runs "
+                          "here): starting a local Ray head", highlight=False)
+            where = cluster.start_local()
+        names = ", ".join(m.name for m in config.models)
+        console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
+                      "(each replica loads its model on its node; this waits for them)",
+                      highlight=False)
+        cluster.deploy(config, settings, o.engine_config, where)
+        local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"
+                 if where.local is not None else "")
+        console.print(f"justllm: '{name}' runs on the Ray cluster at {where.address}{local}; "
+                      f"OpenAI API at http://{host}:{port}/v1, /metrics, /health",
+                      highlight=False)
+
+
+def _read_yaml(path: str) -> object:
+    """The file's YAML, or a one-line ValueError (where the YAML breaks)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"{path} is not valid YAML: {getattr(e, 'problem', None) or e}"
+                         f"{where}") from None
+
+
+@app.command("status")
+def status(
+    name: AppName = "justllm",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+) -> None:
+    """Per model: the deployment's state and, per replica, its node, health, load (running,
+    waiting), KV use, prefix-cache hit ratio and recent TTFT."""
+    with _errors():
+        body = _cluster().status(name)
+        if as_json:
+            print(json.dumps(body, indent=2))
+            return
+        console = Console() if sys.stdout.isatty() else Console(width=200)
+        local = " (local head)" if body["local"] else ""
+        console.print(f"app '{body['app']}' {body['status']} on the Ray cluster at "
+                      f"{body['address']}{local} · {body.get('url') or ''}", highlight=False)
+        table = Table("MODEL", "REPLICA", "NODE", "STATE", "RUNNING", "WAITING", "KV", "HIT",
+                      "TTFT", box=None, pad_edge=False)
+        for m in body["models"]:
+            for r in m["replicas"]:
+                table.add_row(
+                    m["model"], r["replica"], r["node_ip"] or r["node_id"][:8],
+                    "healthy" if r["healthy"] else "engine down", str(r["running"]),
+                    str(r["waiting"]), f"{r['kv_usage']:.0%}",
+                    "-" if r["hit_ratio"] is None else f"{r['hit_ratio']:.0%}",
+                    "-" if r["ttft_p50"] is None else f"{r['ttft_p50'] * 1000:.0f} ms")
+            reporting = len(m["replicas"])
+            running = m["replica_states"].get("RUNNING", 0)
+            if running > reporting:
+                table.add_row(m["model"], f"({running - reporting} more)", "-",
+                              "not reporting yet", "-", "-", "-", "-", "-")
+        console.print(table)
+        for m in body["models"]:
+            states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(m["replica_states"].items()))
+            note = f": {m['message']}" if m["message"] else ""
+            console.print(f"[dim]{m['model']}: {m['status'].lower()}, Ray replicas "
+                          f"{states or 'none'}{note}[/dim]", highlight=False)
+
+
+@app.command("down")
+def down(name: AppName = "justllm") -> None:
+    """Delete the app from the Ray cluster (and Ray Serve, when no other app is left); stop
+    the local Ray head if `justllm cluster deploy` started it."""
+    with _errors():
+        for line in _cluster().down(name):
+            Console(stderr=True).print(f"justllm: {line}", highlight=False)

@@ -1,0 +1,230 @@
+"""`justllm cluster deploy | status | down` against a Ray cluster: which cluster, the app built
+from models.yaml, and what is running.
+
+Which cluster: ``RAY_ADDRESS`` when set (as every Ray tool does); else the head `justllm
+cluster` started on this machine (justllm/cluster/local_ray.py); else the one ``ray start``
+last started here; else, for ``deploy`` only, a new local head. The app is detached: it runs
+on the cluster after this command exits, until ``down`` deletes it (and stops the local head
+if justllm started it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from justllm.cluster import deployments, local_ray
+from justllm.cluster.local_ray import LocalHead, RayUnavailable
+from justllm.cluster.options import (
+    BOARD,
+    INGRESS,
+    INGRESS_MAX_ONGOING,
+    STATS_PERIOD,
+    ClusterSettings,
+    deployment_name,
+    engine_flags,
+    model_options,
+    router_kwargs,
+)
+from justllm.cluster.router import JustLLMRouter
+from justllm.config import EngineConfig
+from justllm.errors import JustLLMError
+from justllm.gateway.config import GatewayConfig
+
+EngineConfigFactory = Callable[[str, dict[str, Any]], EngineConfig]
+
+
+class NothingDeployed(JustLLMError):
+    """No app of that name on the cluster (or no cluster at all)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster a command talks to, and whether justllm started it here."""
+
+    address: str
+    local: LocalHead | None = None
+
+
+def find_cluster() -> Cluster | None:
+    """The cluster to use (module docstring); None when there is none."""
+    named = os.environ.get("RAY_ADDRESS")
+    if named:
+        if named != "auto" and not local_ray.reachable(named):
+            raise RayUnavailable(f"cannot reach the Ray cluster at {named} (RAY_ADDRESS): "
+                                 "nothing answers there")
+        return Cluster(named)
+    head = local_ray.recorded()
+    if head is not None:
+        return Cluster(head.address, head)
+    found = local_ray.user_head_address()
+    return Cluster(found) if found is not None else None
+
+
+def start_local() -> Cluster:
+    """A new Ray head on this machine, recorded as justllm's (``down`` stops it)."""
+    head = local_ray.start_head()
+    return Cluster(head.address, head)
+
+
+@contextmanager
+def connected(cluster: Cluster) -> Iterator[None]:
+    """A driver connection to ``cluster`` for the block (Ray's and Serve's logs quiet)."""
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    try:
+        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                             ) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster,
+              engine_config: EngineConfigFactory, *,
+              request_router: type | None = JustLLMRouter) -> Any:
+    """The Serve application: a deployment per model, the stats board, the ingress.
+    ``engine_config(source, flags)`` resolves a model to an EngineConfig; it is sent to the
+    replicas and called there, so each resolves the model on its own node.
+    ``request_router=None``: Ray's default router (power of two choices), for comparison."""
+    url = f"http://{settings.host}:{settings.port}"
+    board = deployments.BOARD.options(name=BOARD).bind(
+        {"url": url, "address": cluster.address, "app": settings.app})
+    handles = {}
+    for spec in config.models:
+        routing: dict[str, Any] = {"request_routing_stats_period_s": STATS_PERIOD}
+        if request_router is not None:
+            routing |= {"request_router_class": request_router,
+                        "request_router_kwargs": router_kwargs(spec)}
+        router = RequestRouterConfig(**routing)
+        handles[spec.name] = deployments.MODEL.options(
+            **model_options(spec), request_router_config=router).bind(
+            spec.name, partial(engine_config, spec.source, engine_flags(spec)), board)
+    return deployments.INGRESS.options(
+        name=INGRESS, max_ongoing_requests=INGRESS_MAX_ONGOING).bind(
+        handles, dict(config.names), board, settings.api_key)
+
+
+def deploy(config: GatewayConfig, settings: ClusterSettings,
+           engine_config: EngineConfigFactory, cluster: Cluster, *,
+           request_router: type | None = JustLLMRouter) -> None:
+    """Deploy onto ``cluster`` (or redeploy: Ray updates an app of the same name in place)
+    and wait until every model's replicas are up. A local head justllm started, left with
+    nothing on it (the deploy failed), is stopped again."""
+    try:
+        with connected(cluster):
+            serve.start(http_options={"host": settings.host, "port": settings.port})
+            try:
+                serve.run(build_app(config, settings, cluster, engine_config,
+                                    request_router=request_router),
+                          name=settings.app, route_prefix="/")
+            except Exception as e:
+                if isinstance(e, JustLLMError):
+                    raise
+                why = _why_failed(settings.app) or cause(str(e))
+                raise JustLLMError(f"the deploy failed: {why}") from None
+    except BaseException:
+        if cluster.local is not None and not _has_apps(cluster):
+            local_ray.stop_head(cluster.local)
+        raise
+
+
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+
+def cause(text: str) -> str:
+    """What went wrong, from a Ray error's text (a traceback, colours, an actor's header): the
+    last ``SomeError: message`` line, else the first line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in text.splitlines()]
+    lines = [x for x in lines if x]
+    found = [m for x in lines if (m := _ERROR_LINE.match(x))]
+    if found:
+        return f"{found[-1].group(1)}: {found[-1].group(2)}"
+    return lines[0] if lines else "no reason given"
+
+
+def _why_failed(app: str) -> str | None:
+    """The first failed deployment of ``app`` and the cause Ray recorded for it."""
+    found = serve.status().applications.get(app)
+    for name, dep in (found.deployments.items() if found is not None else ()):
+        if dep.message and str(dep.status.value) in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return f"{name}: {cause(dep.message)}"
+    return found.message if found is not None and found.message else None
+
+
+def _has_apps(cluster: Cluster) -> bool:
+    try:
+        with connected(cluster):
+            return bool(serve.status().applications)
+    except Exception:
+        return False
+
+
+def status(app: str) -> dict[str, Any]:
+    """What the app runs: per model its deployment's state and replica counts and each
+    replica's last report (node, health, load, KV use, hit ratio, TTFT)."""
+    cluster = find_cluster()
+    if cluster is None:
+        raise NothingDeployed("nothing deployed: no Ray cluster (RAY_ADDRESS is not set and no "
+                              "local Ray runs here)")
+    with connected(cluster):
+        found = serve.status().applications.get(app)
+        if found is None:
+            raise NothingDeployed(f"nothing deployed as '{app}' on the Ray cluster at "
+                                  f"{cluster.address}")
+        board = serve.get_deployment_handle(BOARD, app_name=app)
+        snapshot = board.snapshot.remote().result(timeout_s=30)
+        info = board.about.remote().result(timeout_s=30)
+    models = []
+    for name, dep in found.deployments.items():
+        if not name.startswith("model-"):
+            continue
+        model = next((m for m, rows in snapshot.items() if deployment_name(m) == name),
+                     name.removeprefix("model-"))
+        rows = sorted((snapshot.get(model) or {}).values(), key=lambda r: r["stats"]["replica"])
+        models.append({"model": model, "deployment": name, "status": str(dep.status.value),
+                       "replica_states": {str(k): v for k, v in dep.replica_states.items()},
+                       "message": cause(dep.message) if dep.message else "",
+                       "replicas": [{**row["stats"], "age": row["age"]} for row in rows]})
+    return {"app": app, "status": str(found.status.value),
+            "message": cause(found.message) if found.message else "",
+            "address": cluster.address, "local": cluster.local is not None,
+            "url": info.get("url"), "models": models}
+
+
+def down(app: str) -> list[str]:
+    """Delete the app (and Serve, when no other app is left); stop the local head justllm
+    started. What was done, for the user."""
+    cluster = find_cluster()
+    if cluster is None:
+        raise NothingDeployed("nothing deployed: no Ray cluster (RAY_ADDRESS is not set and no "
+                              "local Ray runs here)")
+    done: list[str] = []
+    with connected(cluster):
+        apps = serve.status().applications
+        if app in apps:
+            serve.delete(app)
+            done.append(f"deleted the app '{app}'")
+        if not set(apps) - {app}:
+            serve.shutdown()
+    if cluster.local is not None:
+        local_ray.stop_head(cluster.local)
+        done.append(f"stopped the local Ray head at {cluster.address}")
+    if not done:
+        raise NothingDeployed(f"nothing deployed as '{app}' on the Ray cluster at "
+                              f"{cluster.address}")
+    return done

@@ -1,0 +1,137 @@
+"""The Ray Serve deployments of a justllm app: one per model (``ModelReplica``), the ingress
+(``ClusterIngress``) and the stats board (``StatsBoard``). Their options come from
+justllm/cluster/options.py at deploy time (justllm/cluster/deploy.py); what runs inside a
+model replica is justllm/cluster/host.py's, so this module is only the wiring to Ray.
+
+Why a stats board: Ray gives a replica's ``record_routing_stats`` to the routers only (each
+handle's), and nothing public lists a deployment's replicas with their stats. Each model
+replica posts its stats and its /metrics page to the board every ``STATS_PERIOD``; the
+ingress's /metrics and `justllm cluster status` read it. A replica that stops posting (it was
+killed) drops off after ``STALE`` seconds; one stopped by Ray says so first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+from litestar import Litestar
+from ray import serve
+from ray.serve import Deployment
+from ray.serve.handle import DeploymentHandle
+
+from justllm.cluster.asgi import Head
+from justllm.cluster.host import EngineHost, Identity
+from justllm.cluster.ingress import Ingress, create_ingress
+from justllm.cluster.options import STATS_PERIOD
+from justllm.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+STALE = 3 * STATS_PERIOD + 2.0  # seconds without a report before a replica leaves the board
+ROUTING_KEYS = ("running", "waiting", "kv_usage", "ttft_p50", "hit_ratio", "cache_blocks")
+
+
+class ModelReplica:
+    """One replica of one model: loads it once (resolved on this node), runs justllm's engine
+    on its own thread and the server's app in front of it."""
+
+    async def __init__(self, model: str,  # type: ignore[misc]  # Ray awaits it
+                       engine_config: Callable[[], EngineConfig],
+                       board: DeploymentHandle) -> None:
+        identity = Identity(model, serve.get_replica_context().replica_id.unique_id,
+                            ray.get_runtime_context().get_node_id(),
+                            ray.util.get_node_ip_address())
+        self.host = await asyncio.to_thread(EngineHost.load, identity, engine_config)
+        self._board = board
+        self._reporter = asyncio.get_running_loop().create_task(self._report())
+
+    async def http(self, method: str, path: str, query: str,
+                   headers: list[tuple[str, str]], body: bytes,
+                   route: Any = None) -> AsyncIterator[Head | bytes]:
+        """One HTTP request to justllm's app (``route`` is the RequestRouter's)."""
+        async for item in self.host.http(method, path, query, headers, body):
+            yield item
+
+    async def check_health(self) -> None:
+        await self.host.check_health()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats, _ = self.host.observe()
+        return {k: stats[k] for k in ROUTING_KEYS}
+
+    async def _report(self) -> None:
+        while True:
+            try:
+                stats, page = self.host.observe()
+                await self._board.report.remote(stats, page)
+            except Exception as e:  # the board restarts with Ray; the next report gets there
+                log.warning("stats report failed: %s", e)
+            await asyncio.sleep(STATS_PERIOD)
+
+    async def __del__(self) -> None:
+        """Ray stops this replica (scaled down, redeployed, the app deleted): no more reports,
+        off the board, the engine thread stopped and the model freed."""
+        if not hasattr(self, "host"):  # the model never loaded: nothing to stop
+            return
+        self._reporter.cancel()
+        identity = self.host.identity
+        try:
+            await asyncio.wait_for(
+                self._board.forget.remote(identity.model, identity.replica), 2.0)
+        except Exception:  # the board may be stopping too
+            pass
+        await asyncio.to_thread(self.host.close)
+
+
+class StatsBoard:
+    """The last report of every model replica (see the module's docstring), and what the
+    deploy said about the app (``info``: its URL, the Ray address)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # model -> replica -> row
+
+    async def report(self, stats: dict[str, Any], page: str) -> None:
+        rows = self._rows.setdefault(stats["model"], {})
+        rows[stats["replica"]] = {"stats": stats, "page": page, "at": time.monotonic()}
+
+    async def forget(self, model: str, replica: str) -> None:
+        self._rows.get(model, {}).pop(replica, None)
+
+    async def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """model -> replica -> {stats, page, age}: the replicas heard from in ``STALE`` s."""
+        now = time.monotonic()
+        for rows in self._rows.values():
+            for replica in [r for r, row in rows.items() if now - row["at"] > STALE]:
+                del rows[replica]
+        return {model: {r: {"stats": row["stats"], "page": row["page"],
+                            "age": round(now - row["at"], 2)} for r, row in rows.items()}
+                for model, rows in self._rows.items()}
+
+    async def about(self) -> dict[str, Any]:
+        return self.info
+
+
+class ClusterIngress:
+    """The HTTP face (justllm/cluster/ingress.py): a handle per model, names and aliases."""
+
+    def __init__(self, handles: dict[str, DeploymentHandle], names: dict[str, str],
+                 board: DeploymentHandle, api_key: str | None) -> None:
+        self.ingress = Ingress(handles, names, board, api_key)
+
+    def __serve_build_asgi_app__(self) -> Litestar:
+        return create_ingress(self.ingress)
+
+
+# The deployments, their per-model options given at deploy time (justllm/cluster/deploy.py).
+# The ingress and the board only relay and hold: no CPU of their own to reserve.
+MODEL: Deployment = serve.deployment()(ModelReplica)
+BOARD: Deployment = serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                     max_ongoing_requests=1000)(StatsBoard)
+INGRESS: Deployment = serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})(
+    serve.ingress()(ClusterIngress))

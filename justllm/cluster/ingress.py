@@ -1,0 +1,228 @@
+"""The cluster's HTTP face, run by the ingress deployment behind Ray Serve's HTTP proxies: the
+OpenAI routes (and Ollama's) forwarded by the body's ``model`` to that model's deployment, the
+model list, health, and one ``/metrics`` page for every replica.
+
+A thin Litestar app rather than the server's own behind ``serve.ingress``: the server's app
+holds an engine, and here there is none, only a handle per model. Each request becomes one
+streaming call of the model replica's ``http`` method (the whole request, bytes and headers),
+whose first item is the answer's status and headers and the rest its body chunks as the
+replica's app sends them; so an SSE stream is relayed event by event through Ray's object
+streaming (no buffering in the handle), and a client that leaves cancels the call, which
+aborts the request on the replica. The routing text is computed here once and passed beside
+the request for the RequestRouter (``route=``).
+
+A replica that dies before its answer began (or, for an answer that is not a stream, before
+it ended) costs the request nothing: it is sent once more, and Ray routes it to a live
+replica. A stream cut mid-way ends with an error event, as in router mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, Router, get, post
+from litestar.datastructures import State
+from litestar.response import Stream
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from justllm.cluster.asgi import Head, forwardable
+from justllm.cluster.metrics import render
+from justllm.gateway.routing import route_text
+from justllm.server.app import require_api_key, unless_disconnected
+from justllm.server.errors import APIError, error_body, handle_exception
+from justllm.server.ollama import ollama_error
+
+# The replica's process is gone or cannot be reached: nothing of the answer came from it.
+REPLICA_GONE = (RayActorError, ActorUnavailableError)
+NDJSON = "application/x-ndjson"
+STREAMS = ("text/event-stream", NDJSON)
+TRIES = 2  # a request whose replica died goes once more (a request that kills replicas: two)
+
+
+@dataclass
+class Ingress:
+    """What the handlers use: a deployment handle per model, names and aliases, the board."""
+
+    handles: dict[str, Any]  # model -> DeploymentHandle of its deployment
+    names: dict[str, str]  # model name or alias -> model
+    board: Any  # DeploymentHandle of the stats board
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def model(self, name: Any, ollama: bool) -> str:
+        """The model ``name`` means, or the error the gateway gives for it."""
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, "model must be a string", param="model")
+        found = self.names.get(name) if name else (
+            next(iter(self.handles)) if len(self.handles) == 1 else None)
+        if found is None and name and name.endswith(":latest"):  # Ollama clients add it
+            found = self.names.get(name.removesuffix(":latest"))
+        if found is not None:
+            return found
+        known = ", ".join(self.names)
+        if ollama:
+            raise APIError(404 if name else 400, f'model "{name}" not found' if name
+                           else "model is required", param="model")
+        raise APIError(404 if name else 400,
+                       f"the model '{name}' does not exist; this cluster has: {known}"
+                       if name else f"model is required (one of: {known})",
+                       type="not_found_error" if name else "invalid_request_error",
+                       param="model", code="model_not_found" if name else None)
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """What the server's API-key guard reads (``state.config.api_key``)."""
+
+    api_key: str | None = None
+
+
+def _ingress(state: State) -> Ingress:
+    return state["ingress"]
+
+
+async def forward(request: Request, path: str) -> Any:
+    ing = _ingress(request.app.state)
+    raw = await request.body()
+    try:
+        body = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    ollama = path.startswith("/api/")
+    key = "model" if "model" in body or not ollama else "name"
+    model = ing.model(body.get(key), ollama)
+    session = request.headers.get("x-session-id") or body.get("user")
+    route = (route_text(body), session if isinstance(session, str) else None)
+    body[key] = model  # an alias becomes the model's name, which its replicas serve under
+    content = msgspec.json.encode(body)
+    headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
+    call = ing.handles[model].options(stream=True).http
+    for attempt in range(1, TRIES + 1):
+        answer = call.remote("POST", path, request.url.query or "", headers, content,
+                             route=route)
+        try:
+            # A client that leaves while its answer is computed cancels it (an answer that is
+            # not a stream sends its head only when done): the replica aborts the request.
+            head = await unless_disconnected(request, answer.__anext__())
+            if isinstance(head, Response):
+                answer.cancel()
+                return head
+            if not isinstance(head, Head):
+                raise RuntimeError(f"model '{model}' answered without a head")
+            kind = head.header("content-type")
+            out = [(k, v) for k, v in head.headers if k != "content-type"]
+            if kind.startswith(STREAMS):
+                # Content-Type explicit: Litestar lets a handler's default (JSON) override a
+                # Stream's own media type (as server/app.py's sse_response says).
+                return Stream(_relay(answer, model, kind.startswith(NDJSON)),
+                              status_code=head.status, media_type=kind,
+                              headers={**dict(out), "Content-Type": kind})
+            chunks = await unless_disconnected(request, _collect(answer))
+            if isinstance(chunks, Response):
+                answer.cancel()
+                return chunks
+        except REPLICA_GONE as e:
+            answer.cancel()
+            if attempt == TRIES:
+                raise APIError(503, f"model '{model}' stopped answering: {type(e).__name__}",
+                               type="server_error", code="replica_failed",
+                               headers={"Retry-After": "2"}) from None
+            continue
+        except BaseException:
+            answer.cancel()  # the client left (or the ingress stops): the replica aborts
+            raise
+        return Response(b"".join(chunks), status_code=head.status, headers=dict(out),
+                        media_type=kind or None)
+    raise AssertionError("unreachable")
+
+
+async def _collect(answer: Any) -> list[bytes]:
+    return [chunk async for chunk in answer]
+
+
+async def _relay(answer: Any, model: str, ndjson: bool) -> AsyncIterator[bytes]:
+    """The replica's stream, chunk by chunk; if the replica dies mid-way, a final error event
+    and ``[DONE]`` (Ollama's: an ``{"error"}`` line). Closed early (the client left), it
+    cancels the call, and the replica aborts the request."""
+    try:
+        async for chunk in answer:
+            yield chunk
+    except REPLICA_GONE:
+        message = f"model '{model}' stopped while streaming"
+        if ndjson:
+            yield msgspec.json.encode({"error": message}) + b"\n"
+        else:
+            yield (b"data: " + msgspec.json.encode(error_body(
+                message, "server_error", code="replica_failed")) + b"\n\ndata: [DONE]\n\n")
+    finally:
+        answer.cancel()
+
+
+def _route(path: str, summary: str) -> Any:
+    async def handler(request: Request) -> Any:
+        return await forward(request, path)
+
+    # "/v1/chat/completions" is "/chat/completions" on the /v1 router
+    return post("/" + path.split("/", 2)[2], status_code=200, summary=summary,
+                name=path)(handler)
+
+
+@get("/models", summary="The cluster's models")
+async def list_models(state: State) -> dict:
+    ing = _ingress(state)
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": ing.created, "owned_by": "justllm",
+         "aliases": [a for a, n in ing.names.items() if n == m and a != m]}
+        for m in ing.handles]}
+
+
+@get("/tags", summary="Ollama: the cluster's models")
+async def ollama_tags(state: State) -> dict:
+    return {"models": [{"name": f"{m}:latest", "model": f"{m}:latest", "size": 0,
+                        "digest": "", "details": {"format": "gguf"}}
+                       for m in _ingress(state).handles]}
+
+
+@get("/health", summary="200 while the ingress is up")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@get("/metrics", summary="Prometheus metrics of every replica, labelled model_name and replica",
+     media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> Response:
+    ing = _ingress(state)
+    snapshot = await ing.board.snapshot.remote()
+    reports = {m: {r: e["stats"] for r, e in rows.items()} for m, rows in snapshot.items()}
+    pages = {m: {r: e["page"] for r, e in rows.items()} for m, rows in snapshot.items()}
+    return Response(render(reports, pages, list(ing.handles)),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+OPENAI = (("/v1/chat/completions", "Chat completion, routed by model"),
+          ("/v1/completions", "Text completion, routed by model"),
+          ("/v1/embeddings", "Embeddings, routed by model"))
+OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
+          ("/api/generate", "Ollama generate, routed by model"),
+          ("/api/embed", "Ollama embed, routed by model"),
+          ("/api/embeddings", "Ollama embeddings (legacy), routed by model"),
+          ("/api/show", "Ollama show, routed by model"))
+
+
+def create_ingress(ingress: Ingress) -> Litestar:
+    """The ingress's app. ``ingress.api_key``: /v1 and /api ask for it, as `justllm serve`."""
+    config = IngressConfig(ingress.api_key)
+    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models],
+                guards=[require_api_key])
+    api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
+                 guards=[require_api_key], exception_handlers={Exception: ollama_error})
+    return Litestar(route_handlers=[v1, api, health, metrics],
+                    state=State({"ingress": ingress, "config": config}),
+                    exception_handlers={Exception: handle_exception},
+                    openapi_config=None, debug=False)

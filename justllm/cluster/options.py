@@ -1,0 +1,126 @@
+"""models.yaml, as the gateway parses it, turned into Ray Serve deployment options: the one
+place where a justllm model entry meets Ray's vocabulary. Pure (no ``ray``), so the mapping is
+tested alone.
+
+    replicas: N                        -> num_replicas: N
+    min-replicas / max-replicas        -> autoscaling_config min_replicas / max_replicas
+    target-ongoing                     -> autoscaling_config target_ongoing_requests
+    upscale-delay / downscale-delay    -> autoscaling_config upscale_delay_s / downscale_delay_s
+    threads: N (engine flag)           -> ray_actor_options num_cpus: N (and N threads)
+    gpus: [...] or gpu: true           -> ray_actor_options num_gpus: 1 (Ray picks the device)
+    routing                            -> request_router_kwargs (justllm's RoutingConfig)
+    max-seqs + max-queue               -> max_ongoing_requests
+
+The autoscaler's rule is Ray's own (justllm's local autoscaler copies it), so the fields map
+one to one. A replica takes as many requests as its engine can hold (running + queued): beyond
+that Ray holds them in the router, which beats a 429 from the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from justllm.config import EngineConfig
+from justllm.gateway.config import GatewayConfig, ModelSpec
+
+APP_NAME = "justllm"
+INGRESS = "ingress"
+BOARD = "stats"
+STATS_PERIOD = 1.0  # seconds between a replica's reports (routing stats, the stats board)
+HEALTH_PERIOD = 5.0  # seconds between check_health calls
+HEALTH_TIMEOUT = 30.0  # Ray's default: a replica that does not answer for this long is dead
+DRAIN = 5.0  # seconds a stopping replica lets its requests run (`justllm serve`'s default)
+INGRESS_MAX_ONGOING = 10_000  # the ingress only relays: it never holds requests back
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """Where the app lives on the cluster and how it is reached."""
+
+    app: str = APP_NAME
+    host: str = "127.0.0.1"  # the Serve HTTP proxies bind here (0.0.0.0: every interface)
+    port: int = 8000  # Ray Serve's default
+    api_key: str | None = None  # the ingress asks for 'Authorization: Bearer KEY' on /v1
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.app):
+            raise ValueError(f"the app name must be letters, digits, '_', '.' or '-' "
+                             f"(got {self.app!r})")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+
+def deployment_name(model: str) -> str:
+    """A model's deployment: ``model-NAME`` with anything Ray's names refuse (``#``, ``/``,
+    ``:``...) as ``-``."""
+    return "model-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+
+
+def check_supported(config: GatewayConfig) -> list[str]:
+    """Refuse what has no meaning on Ray (a ValueError naming the model and the key); return
+    warnings for router-mode settings a cluster ignores."""
+    for m in config.models:
+        if m.urls:
+            raise ValueError(f"model '{m.name}': urls are router mode's (replicas elsewhere); "
+                             "on a Ray cluster every replica is a Ray actor: give replicas "
+                             "or min-replicas / max-replicas")
+        if m.pd:
+            raise ValueError(f"model '{m.name}': prefill-replicas / decode-replicas are not "
+                             "supported on a Ray cluster yet; give replicas")
+        if not m.source:
+            raise ValueError(f"model '{m.name}' needs a 'source'")
+    ignored = [name for name, value in (("max-loaded", config.max_loaded),
+                                        ("max-memory", config.max_memory)) if value]
+    return [f"{name} is router mode's: a Ray cluster ignores it (replicas stay loaded; "
+            "min-replicas: 0 lets Ray scale a model to zero)" for name in ignored]
+
+
+def engine_flags(spec: ModelSpec) -> dict[str, Any]:
+    """The model's engine flags under their parameter names (``max_seqs``), as the command line
+    hands them to ``engine_config``; a replica without ``threads`` gets one thread per CPU Ray
+    reserves for it (one), not every core of a node it shares."""
+    flags = {key.replace("-", "_"): value for key, value in spec.flags}
+    if not flags.get("threads"):
+        flags["threads"] = _cpus(flags)
+    return flags
+
+
+def _cpus(flags: dict[str, Any]) -> int:
+    threads = flags.get("threads")
+    return threads if isinstance(threads, int) and threads > 0 else 1
+
+
+def model_options(spec: ModelSpec) -> dict[str, Any]:
+    """The keyword arguments of ``Deployment.options`` for one model, but the request router
+    (a Ray class: see ``router_kwargs`` and justllm/cluster/deploy.py)."""
+    flags = engine_flags(spec)
+    defaults = EngineConfig()
+    holds = (int(flags.get("max_seqs", defaults.max_seqs))
+             + int(flags.get("max_queue", defaults.max_queue)))
+    options: dict[str, Any] = {
+        "name": deployment_name(spec.name),
+        "ray_actor_options": {"num_cpus": _cpus(flags),
+                              "num_gpus": 1 if spec.gpus or flags.get("gpu") else 0},
+        "max_ongoing_requests": max(1, holds),
+        "health_check_period_s": HEALTH_PERIOD,
+        "health_check_timeout_s": HEALTH_TIMEOUT,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": DRAIN,
+    }
+    scale = spec.autoscale
+    if scale is None:
+        options["num_replicas"] = spec.replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,
+            "target_ongoing_requests": scale.target_ongoing,
+            "upscale_delay_s": scale.upscale_delay, "downscale_delay_s": scale.downscale_delay}
+    return options
+
+
+def router_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """The model's routing options as the RequestRouter's ``initialize_state`` gets them
+    (JSON, as Ray requires): RoutingConfig's fields by name."""
+    return asdict(spec.routing)

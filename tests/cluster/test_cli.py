@@ -1,0 +1,107 @@
+"""`justllm cluster`'s edges, with no Ray cluster: one red line and exit 1 for a bad YAML, a
+model a cluster cannot run, an unreachable RAY_ADDRESS, nothing deployed, and Ray not
+installed (while `justllm --help` still works without it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from justllm.cli import app
+from justllm.gateway.runner import free_port
+
+runner = CliRunner()
+
+WITHOUT_RAY = ("import sys; sys.modules['ray'] = None; from justllm.cli import main; "
+               "sys.argv = ['justllm', *sys.argv[1:]]; main()")
+
+
+@pytest.fixture(autouse=True)
+def no_cluster(tmp_path, monkeypatch):
+    """No RAY_ADDRESS, no head recorded by justllm, no `ray start` here (Ray's own record)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray"))
+    monkeypatch.setenv("JUSTLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    return lines[0]
+
+
+def test_a_bad_yaml_is_one_line(tmp_path):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("models: [unclosed\n")
+    assert "is not valid YAML" in one_error_line(runner.invoke(app, ["cluster", "deploy",
+                                                                     str(bad)]))
+    bad.write_text("models:\n  m:\n    source: /m.gguf\n    bogus: 1\n")
+    assert "unknown key(s) bogus" in one_error_line(runner.invoke(app, ["cluster", "deploy",
+                                                                        str(bad)]))
+    missing = str(tmp_path / "missing.yaml")
+    assert "cannot read" in one_error_line(runner.invoke(app, ["cluster", "deploy", missing]))
+
+
+def test_a_model_with_urls_is_refused(tmp_path):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("models:\n  m:\n    urls: [http://10.0.0.7:8080]\n")
+    assert "urls are router mode's" in one_error_line(
+        runner.invoke(app, ["cluster", "deploy", str(cfg)]))
+
+
+def test_an_unreachable_ray_address_is_one_line_and_starts_nothing(tmp_path, monkeypatch,
+                                                                    model_path):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"models:\n  demo: {model_path}\n")
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    line = one_error_line(runner.invoke(app, ["cluster", "deploy", str(cfg)]))
+    assert f"cannot reach the Ray cluster at {address} (RAY_ADDRESS)" in line
+    assert not (tmp_path / "cache" / "cluster" / "local-ray.json").exists()
+    line = one_error_line(runner.invoke(app, ["cluster", "status"]))
+    assert "cannot reach the Ray cluster" in line
+
+
+@pytest.mark.parametrize("command", ["status", "down"])
+def test_nothing_deployed_is_one_line(command):
+    line = one_error_line(runner.invoke(app, ["cluster", command]))
+    assert "nothing deployed: no Ray cluster" in line
+
+
+def test_without_ray_help_works_and_cluster_names_the_extra():
+    r = subprocess.run([sys.executable, "-c", WITHOUT_RAY, "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "cluster" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-c", WITHOUT_RAY, "cluster", "status"],
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "pip install 'justllm[cluster]'" in lines[0]
+
+
+def test_status_shows_a_row_per_replica(monkeypatch):
+    from justllm.cluster import deploy
+
+    replica = {"replica": "abc123", "node_ip": "10.0.0.7", "node_id": "f00d", "healthy": True,
+               "running": 2, "waiting": 1, "kv_usage": 0.25, "hit_ratio": 0.8,
+               "ttft_p50": 0.05, "age": 0.4}
+    body = {"app": "justllm", "status": "RUNNING", "message": "", "address": "10.0.0.1:6379",
+            "local": False, "url": "http://10.0.0.1:8000", "models": [
+                {"model": "chat", "deployment": "model-chat", "status": "UPDATING",
+                 "replica_states": {"RUNNING": 2, "STARTING": 1}, "message": "", "replicas": [
+                     replica, {**replica, "replica": "def456", "healthy": False,
+                               "hit_ratio": None, "ttft_p50": None}]}]}
+    monkeypatch.setattr(deploy, "status", lambda app: body)
+    r = runner.invoke(app, ["cluster", "status"])
+    assert r.exit_code == 0, r.output
+    rows = [line.split() for line in r.output.splitlines()]
+    assert ["chat", "abc123", "10.0.0.7", "healthy", "2", "1", "25%", "80%", "50", "ms"] in rows
+    assert ["chat", "def456", "10.0.0.7", "engine", "down", "2", "1", "25%", "-", "-"] in rows
+    assert "chat: updating, Ray replicas running 2, starting 1" in r.output
+    r = runner.invoke(app, ["cluster", "status", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output) == body

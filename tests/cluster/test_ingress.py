@@ -1,0 +1,168 @@
+"""The ingress's app with fake deployment handles (no Ray cluster, no model): requests
+forwarded by model and alias with their routing text, answers and streams relayed, a replica
+that dies before its answer costs nothing (one more try), a stream cut mid-way ends with an
+error event, errors keep the OpenAI shape, the API key is asked for, /metrics from the board."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+from ray.exceptions import ActorDiedError
+
+from justllm.cluster.asgi import Head
+from justllm.cluster.ingress import Ingress, create_ingress
+
+JSON = Head(200, [("content-type", "application/json"), ("x-replica", "r1")])
+SSE = Head(200, [("content-type", "text/event-stream"), ("x-replica", "r2")])
+
+
+class Answer:
+    """A streaming call's answer: items, then maybe an error."""
+
+    def __init__(self, *items: Any, error: BaseException | None = None) -> None:
+        self.items = list(items)
+        self.error = error
+        self.cancelled = False
+
+    def __aiter__(self) -> Answer:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.items:
+            return self.items.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Handle:
+    """``handle.options(stream=True).http.remote(...)``: the next answer, the call recorded."""
+
+    def __init__(self, *answers: Answer) -> None:
+        self.answers = list(answers)
+        self.calls: list[dict] = []
+        self.http = self
+
+    def options(self, **_: Any) -> Handle:
+        return self
+
+    def remote(self, method: str, path: str, query: str, headers: list, body: bytes,
+               route: Any = None) -> Answer:
+        self.calls.append({"path": path, "query": query, "headers": dict(headers),
+                           "body": json.loads(body), "route": route})
+        return self.answers.pop(0)
+
+
+class Board:
+    def __init__(self, snapshot: dict) -> None:
+        self.snapshot = self
+        self.rows = snapshot
+
+    async def remote(self) -> dict:
+        return self.rows
+
+
+def client(handle: Handle, api_key: str | None = None, board: Board | None = None
+           ) -> TestClient:
+    ingress = Ingress({"demo": handle}, {"demo": "demo", "gpt-4o-mini": "demo"},
+                      board or Board({}), api_key)
+    return TestClient(create_ingress(ingress))
+
+
+def test_a_request_goes_to_its_models_deployment_with_its_routing_text():
+    handle = Handle(Answer(JSON, b'{"ok": ', b"true}"))
+    with client(handle) as c:
+        r = c.post("/v1/chat/completions?x=1", headers={"X-Session-Id": "s1",
+                                                        "Authorization": "Bearer k"},
+                   json={"model": "gpt-4o-mini",
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    assert r.headers["x-replica"] == "r1" and r.headers["content-type"] == "application/json"
+    (call,) = handle.calls
+    assert call["path"] == "/v1/chat/completions" and call["query"] == "x=1"
+    assert call["body"]["model"] == "demo"  # the alias, as the replicas serve it
+    assert call["route"] == ("<user>hi\n", "s1")
+    assert "authorization" not in call["headers"]  # the ingress's key stays at the ingress
+
+
+def test_a_stream_is_relayed_chunk_by_chunk():
+    handle = Handle(Answer(SSE, b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"))
+    with client(handle) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.text == "data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+def test_a_replica_that_dies_before_answering_costs_one_more_try():
+    dead = Answer(JSON, b'{"half', error=ActorDiedError())
+    handle = Handle(dead, Answer(JSON, b'{"ok": true}'))
+    with client(handle) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x"})
+    assert r.status_code == 200 and r.json() == {"ok": True} and dead.cancelled
+    assert len(handle.calls) == 2
+    handle = Handle(Answer(error=ActorDiedError()), Answer(error=ActorDiedError()))
+    with client(handle) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed"
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event():
+    handle = Handle(Answer(SSE, b"data: 1\n\n", error=ActorDiedError()))
+    with client(handle) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[0] == "data: 1" and events[-1] == "data: [DONE]"
+    assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": 5, "prompt": "x"}, 400, "model"),
+])
+def test_errors_keep_the_openai_shape(body, status, param):
+    with client(Handle()) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param
+        r = c.post("/v1/completions", content=b"{not json")
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = c.post("/api/generate", json={"model": "nope", "prompt": "x"})
+        assert r.status_code == 404 and "not found" in r.json()["error"]  # Ollama's shape
+
+
+def test_one_model_is_the_default_and_ollama_names_resolve():
+    handle = Handle(Answer(JSON, b"{}"), Answer(JSON, b"{}"))
+    with client(handle) as c:
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert c.post("/api/show", json={"name": "demo:latest"}).status_code == 200
+    assert handle.calls[0]["body"]["model"] == "demo"
+    assert handle.calls[1]["body"] == {"name": "demo"}
+
+
+def test_the_api_key_is_asked_for_on_v1_and_api_but_not_health_or_metrics():
+    with client(Handle(Answer(JSON, b"{}")), api_key="sekrit") as c:
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/api/tags").status_code == 401
+        ok = c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "demo"
+        assert ok.json()["data"][0]["aliases"] == ["gpt-4o-mini"]
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_come_from_the_board():
+    page = ('# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{model_name="demo"} 3.0\n')
+    board = Board({"demo": {"r1": {"stats": {"healthy": True, "running": 3, "waiting": 0,
+                                             "node_ip": "10.0.0.7"},
+                                   "page": page, "age": 0.5}}})
+    with client(Handle(), board=board) as c:
+        text = c.get("/metrics").text
+    assert 'vllm:num_requests_running{model_name="demo",replica="r1"} 3.0' in text
+    assert 'justllm_gateway_replica_up{model_name="demo",replica="r1",node="10.0.0.7"} 1' in text

@@ -1,0 +1,94 @@
+"""models.yaml -> Ray Serve deployment options (pure: no Ray): fixed replicas, the autoscaler's
+fields onto autoscaling_config, CPUs and GPUs per replica, how many requests a replica takes,
+the routing options for the RequestRouter, and what a cluster refuses or ignores."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.cli.options import ENGINE_FLAGS
+from justllm.cluster.options import (
+    ClusterSettings,
+    check_supported,
+    deployment_name,
+    engine_flags,
+    model_options,
+    router_kwargs,
+)
+from justllm.gateway.config import Flags, GatewayConfig, load_config
+from justllm.gateway.routing import RoutingConfig
+
+FLAGS = Flags(frozenset(f.name.replace("_", "-") for f in ENGINE_FLAGS))
+
+
+def config(**models) -> GatewayConfig:
+    return load_config({"models": models}, FLAGS)
+
+
+def test_fixed_replicas_map_to_num_replicas_with_one_cpu_and_one_thread_each():
+    spec = config(chat={"source": "/m.gguf", "replicas": 3, "max-seqs": 8}).spec("chat")
+    options = model_options(spec)
+    assert options["name"] == "model-chat"
+    assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    assert options["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
+    assert options["max_ongoing_requests"] == 8 + 256  # max-seqs + the default max-queue
+    assert options["health_check_period_s"] > 0 and options["graceful_shutdown_timeout_s"] > 0
+    assert engine_flags(spec) == {"max_seqs": 8, "threads": 1}  # as `engine_config` takes them
+
+
+def test_the_autoscaler_fields_map_one_to_one_onto_autoscaling_config():
+    spec = config(busy={"source": "/m.gguf", "min-replicas": 0, "max-replicas": 4,
+                        "target-ongoing": 3, "upscale-delay": 5, "downscale-delay": 120,
+                        "threads": 4}).spec("busy")
+    options = model_options(spec)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 0, "max_replicas": 4, "target_ongoing_requests": 3.0,
+        "upscale_delay_s": 5.0, "downscale_delay_s": 120.0}
+    assert options["ray_actor_options"]["num_cpus"] == 4  # threads: the CPUs Ray reserves
+    assert engine_flags(spec)["threads"] == 4
+
+
+def test_the_autoscaler_defaults_are_ray_serves():
+    options = model_options(config(m={"source": "/m.gguf", "max-replicas": 2}).spec("m"))
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2.0,
+        "upscale_delay_s": 30.0, "downscale_delay_s": 600.0}
+
+
+@pytest.mark.parametrize("entry", [{"gpus": [0, 1]}, {"gpu": True}])
+def test_gpus_or_gpu_offload_reserve_one_gpu_per_replica(entry):
+    options = model_options(config(m={"source": "/m.gguf", **entry}).spec("m"))
+    assert options["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_routing_options_reach_the_router_as_json_and_come_back_equal():
+    spec = config(m={"source": "/m.gguf", "routing": {"policy": "least-load",
+                                                      "balance-abs-threshold": 4}}).spec("m")
+    kwargs = router_kwargs(spec)
+    assert kwargs["policy"] == "least-load" and kwargs["balance_abs_threshold"] == 4
+    assert RoutingConfig(**kwargs) == spec.routing
+    assert router_kwargs(config(m="/m.gguf").spec("m"))["policy"] == "cache-aware"
+
+
+def test_deployment_names_take_only_what_ray_accepts():
+    assert deployment_name("gemma3:270m") == "model-gemma3-270m"
+    assert deployment_name("org/model#1") == "model-org-model-1"
+
+
+def test_router_mode_only_settings_are_refused_or_warned_about():
+    with pytest.raises(ValueError, match="urls are router mode's"):
+        check_supported(config(m={"urls": ["http://10.0.0.7:8080"]}))
+    with pytest.raises(ValueError, match="prefill-replicas / decode-replicas"):
+        check_supported(config(m={"source": "/m.gguf", "prefill-replicas": 1,
+                                   "decode-replicas": 1}))
+    warned = check_supported(load_config({"models": {"m": "/m.gguf"}, "max-loaded": 2}, FLAGS))
+    assert len(warned) == 1 and "max-loaded" in warned[0]
+    assert check_supported(config(m="/m.gguf")) == []
+
+
+def test_cluster_settings_are_checked():
+    with pytest.raises(ValueError, match="app name"):
+        ClusterSettings(app="my app")
+    with pytest.raises(ValueError, match="--port"):
+        ClusterSettings(port=0)

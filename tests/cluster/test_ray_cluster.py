@@ -1,0 +1,221 @@
+"""`justllm cluster` on a real local Ray (2 CPUs), started by `justllm cluster deploy` itself
+and stopped by `justllm cluster down`: the demo model with 2 replicas, the openai client
+streaming through the ingress, a shared prefix kept on one replica, a replica's actor killed
+under load (no request lost, Ray brings it back), and nothing of Ray left after `down`.
+
+The deploy and down run as processes of their own, as a user runs them: the app outlives the
+command that deployed it. Ray's temp directory and justllm's record of the head are private to
+this module, so a Ray someone else runs on the machine is neither used nor touched. About two
+minutes on 2 busy cores, most of it Ray starting and stopping (marked ``ray``:
+``pytest -m 'not ray'`` skips it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from justllm.cluster.local_ray import LocalHead, stop_head
+from justllm.gateway.runner import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+PREFIX_A = "The history of the Roman empire is long and full of wars and emperors. " * 40
+PREFIX_B = "Photosynthesis converts light into chemical energy inside green plants. " * 40
+KILLER = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+actor = ray.get_actor("SERVE_REPLICA::justllm#model-demo#" + sys.argv[2], namespace="serve")
+print("ready", flush=True)
+sys.stdin.readline()
+ray.kill(actor, no_restart=True)
+print("killed", flush=True)
+ray.shutdown()
+"""
+
+
+@dataclass
+class Deployed:
+    url: str
+    env: dict[str, str]
+    head: LocalHead
+    ray_tmp: str
+    record: Path
+
+
+def justllm(env: dict[str, str], *args: str, timeout: float = 300
+            ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "justllm", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def session(pid: int) -> list[str]:
+    """`ps` lines of the processes in ``pid``'s session: the head's Ray processes."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines()
+            if len(line.split()) > 1 and line.split()[1] == str(pid)]
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """``name``'s value per replica on the ingress's /metrics."""
+    found = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and 'replica="' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            found[replica] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def wait_for(what: str, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return value
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory, model_path) -> Iterator[Deployed]:
+    ray_tmp = tempfile.mkdtemp(prefix="jlray-", dir="/tmp")  # short: Ray's socket paths
+    cache = tmp_path_factory.mktemp("cluster-cache")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "JUSTLLM_CACHE_DIR": str(cache)}
+    env.pop("RAY_ADDRESS", None)
+    cfg = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
+    cfg.write_text(f"models:\n  demo:\n    source: {model_path}\n    replicas: 2\n"
+                   "    threads: 1\n    max-seqs: 8\n    pool-blocks: 256\n"
+                   "    aliases: [gpt-4o-mini]\n")
+    port = free_port()
+    record = cache / "cluster" / "local-ray.json"
+    head: LocalHead | None = None
+    try:
+        r = justllm(env, "cluster", "deploy", str(cfg), "--port", str(port))
+        if record.exists():
+            head = LocalHead(**json.loads(record.read_text()))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert head is not None and "runs on the Ray cluster" in r.stderr
+        yield Deployed(f"http://127.0.0.1:{port}", env, head, ray_tmp, record)
+    finally:
+        if record.exists():
+            justllm(env, "cluster", "down", timeout=180)
+        if head is not None and session(head.pid):
+            stop_head(head, grace=10)  # what down did not stop: by pid, then its session
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_the_openai_client_streams_through_the_ingress(deployed):
+    client = openai.OpenAI(base_url=deployed.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["demo"]
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=8, stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 4 and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    plain = client.completions.create(model="gpt-4o-mini", prompt="Once upon a time",
+                                      max_tokens=4)  # an alias
+    assert plain.model == "demo" and plain.usage is not None
+    assert plain.usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert httpx.get(deployed.url + "/health", timeout=30).status_code == 200
+
+
+def test_requests_sharing_a_prefix_go_to_the_same_replica(deployed):
+    url = deployed.url
+    hits = "justllm_prefix_cache_hits_total"
+    before = wait_for("both replicas on /metrics", lambda: (m := metric(url, hits)) and
+                      len(m) == 2 and m)
+
+    async def pairs() -> dict[str, set[str]]:
+        served: dict[str, set[str]] = {"A": set(), "B": set()}
+        async with httpx.AsyncClient(timeout=120) as http:
+            for i in range(3):
+                a, b = await asyncio.gather(*(http.post(url + "/v1/completions", json={
+                    "model": "demo", "prompt": prefix + f"Question {i}:", "max_tokens": 2})
+                    for prefix in (PREFIX_A, PREFIX_B)))
+                assert (a.status_code, b.status_code) == (200, 200), (a.text, b.text)
+                served["A"].add(a.headers["x-replica"])
+                served["B"].add(b.headers["x-replica"])
+        return served
+
+    served = asyncio.run(pairs())
+    assert len(served["A"]) == 1 and len(served["B"]) == 1 and served["A"] != served["B"]
+    # Each replica's prefix cache was hit by its prefix's 2nd and 3rd questions (the stats
+    # board holds each replica's page of at most a second ago).
+    wait_for("the hits on /metrics", lambda: {
+        r: n - before[r] for r, n in metric(url, hits).items()} == {
+        next(iter(served["A"])): 2, next(iter(served["B"])): 2}, timeout=15)
+    r = justllm(deployed.env, "cluster", "status", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    (model,) = json.loads(r.stdout)["models"]
+    assert model["model"] == "demo" and model["status"] == "HEALTHY"
+    assert {x["replica"] for x in model["replicas"]} == served["A"] | served["B"]
+    assert all(x["healthy"] and x["node_id"] and x["hit_ratio"] for x in model["replicas"])
+
+
+def test_a_killed_replica_loses_no_request_and_ray_brings_it_back(deployed):
+    url = deployed.url
+    replicas = wait_for("two replicas up", lambda: (
+        m := metric(url, "justllm_gateway_replica_up")) and sum(m.values()) == 2 and m)
+    victim = sorted(replicas)[0]
+    killer = subprocess.Popen([sys.executable, "-c", KILLER, deployed.head.address, victim],
+                              env=deployed.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert killer.stdout is not None and killer.stdin is not None
+        assert killer.stdout.readline().strip() == "ready"
+        words = ["Apple", "Bridge", "Cloud", "Dragon", "Engine", "Forest", "Garden", "Harbor",
+                 "Island", "Jungle"]
+
+        async def under_load() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=300) as http:
+                calls = [asyncio.create_task(http.post(url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"A story about the {word}:", "max_tokens": 48,
+                    "ignore_eos": True})) for word in words]
+                await asyncio.sleep(1.0)
+                killer.stdin.write("kill\n")  # type: ignore[union-attr]
+                killer.stdin.flush()  # type: ignore[union-attr]
+                await asyncio.to_thread(killer.stdout.readline)  # type: ignore[union-attr]
+                return await asyncio.gather(*calls)
+
+        answers = asyncio.run(under_load())
+    finally:
+        killer.kill()
+        killer.wait(timeout=30)
+    assert [a.status_code for a in answers] == [200] * len(answers), \
+        [a.text for a in answers if a.status_code != 200]
+    assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers)
+    assert victim not in {a.headers["x-replica"] for a in answers}
+    back = wait_for("Ray to replace the killed replica", lambda: (
+        m := metric(url, "justllm_gateway_replica_up")) and sum(m.values()) == 2 and
+        victim not in m and m, timeout=120)
+    assert len(back) == 2
+    r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "After:",
+                                                  "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200
+
+
+def test_down_deletes_the_app_and_leaves_no_ray_process(deployed):
+    assert session(deployed.head.pid), "the head should run until down"
+    r = justllm(deployed.env, "cluster", "down", timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "deleted the app 'justllm'" in r.stderr and "stopped the local Ray head" in r.stderr
+    assert not deployed.record.exists()
+    assert session(deployed.head.pid) == []
+    ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
+    assert deployed.ray_tmp not in ps and deployed.head.address.split(":")[1] not in ps
+    r = justllm(deployed.env, "cluster", "status", timeout=120)
+    assert r.returncode == 1 and "nothing deployed" in r.stderr
