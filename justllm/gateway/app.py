@@ -103,8 +103,9 @@ async def _forward(request: Request, path: str) -> Any:
             raise APIError(400, str(e), param="keep_alive") from None
     session = request.headers.get("x-session-id") or body.get("user")
     route = RouteRequest(route_text(body), session if isinstance(session, str) else None)
-    body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an alias
-    # becomes the runner's name
+    if body.get("model") not in state.spec.adapters:  # an adapter is the runner's own name
+        body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an
+        # alias becomes the runner's name
     content = msgspec.json.encode(body)
     try:
         await sup.acquire(state)
@@ -443,7 +444,10 @@ async def list_models(state: State) -> dict:
     created = int(state["started"])
     return {"object": "list", "data": [
         {"id": s.spec.name, "object": "model", "created": created, "owned_by": "justllm",
-         "status": s.status, "aliases": list(s.spec.aliases)} for s in sup.models.values()]}
+         "status": s.status, "aliases": list(s.spec.aliases)} for s in sup.models.values()] + [
+        {"id": a, "object": "model", "created": created, "owned_by": "justllm",
+         "status": s.status, "parent": s.spec.name} for s in sup.models.values()
+        for a in s.spec.adapters]}
 
 
 def _rss_mib(pid: int) -> float | None:

@@ -78,6 +78,13 @@ class ModelSpec:
     def pd(self) -> bool:
         return "prefill" in self.roles + self.url_roles
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the model's LoRA adapters (``lora: [NAME=PATH[:SCALE], ...]``): clients
+        send them as ``model``, and the runner serves them on this model."""
+        return tuple(v.split("=", 1)[0] for k, v_all in self.flags if k == "lora"
+                     for v in v_all)
+
     def role_of(self, index: int) -> str:
         return self.roles[index] if index < len(self.roles) else "both"
 
@@ -115,9 +122,9 @@ class GatewayConfig:
             raise ValueError("the gateway needs at least one model")
         names: dict[str, str] = {}
         for m in self.models:
-            for n in (m.name, *m.aliases):
+            for n in (m.name, *m.aliases, *m.adapters):
                 if n in names:
-                    raise ValueError(f"model name or alias '{n}' is used twice")
+                    raise ValueError(f"model name, alias or LoRA adapter '{n}' is used twice")
                 names[n] = m.name
         object.__setattr__(self, "names", names)
         if self.max_loaded < 0 or self.max_memory < 0 or self.load_timeout <= 0 or \

@@ -10,14 +10,25 @@ import openai
 import pytest
 
 from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop, wait_gone
+from tests.lora_files import write_adapter
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, model_path):
+    adapter = write_adapter(tmp_path / "a.gguf", seed=1)
     gw = start_gateway(tmp_path, {
-        "alpha": {"source": model_path, "chat-template": "gemma", **RUNNER_FLAGS}})
+        "alpha": {"source": model_path, "chat-template": "gemma", "lora": [f"sql={adapter}"],
+                  **RUNNER_FLAGS}})
     try:
+        # A LoRA adapter is a model name of its own: listed with its parent, routed to it.
+        listed = {m["id"]: m for m in httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]}
+        assert listed["sql"]["parent"] == "alpha"
+        texts = [httpx.post(gw.url + "/v1/completions", timeout=120, json={
+            "model": name, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0}).json()["choices"][0]["text"] for name in ("alpha", "sql")]
+        assert texts[0] != texts[1]  # the runner applied the adapter
+
         claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
                                      timeout=120)
         m = claude.messages.create(model="alpha", max_tokens=4, messages=HELLO)

@@ -176,3 +176,10 @@ def test_models_yaml_passes_adapters_to_the_runner():
     assert config.spec("other").runner_args() == ["--lora", "c=/x/c.gguf"]
     with pytest.raises(ValueError, match="lora must be NAME=PATH"):
         load_config({"models": {"x": {"source": "m.gguf", "lora": [3]}}}, flags)
+    # Router mode: an adapter's name is a model name the gateway routes to its base model
+    # (and passes on unchanged, so the runner applies the adapter); names never clash.
+    assert config.spec("chat").adapters == ("a", "b") and config.names["b"] == "chat"
+    assert config.names["c"] == "other"
+    with pytest.raises(ValueError, match="'chat' is used twice"):
+        load_config({"models": {"chat": {"source": "m.gguf"},
+                                "x": {"source": "m.gguf", "lora": ["chat=/x/a.gguf"]}}}, flags)
