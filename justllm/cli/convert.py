@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
+from justllm.cli.background import run_interruptible
 from justllm.cli.errors import cli_errors
 
 OUTTYPE_HELP = ("What the converter writes: f16, bf16, q8_0, f32, or auto (bf16 for a model "
@@ -81,7 +80,6 @@ def _run_with_progress(job) -> None:
 
     labels = {"tensors": "converting: reading tensors", "writing": "converting: writing GGUF",
               "quantizing": f"quantizing to {job.output_type}"}
-    result: dict[str, BaseException] = {}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TaskProgressColumn(), TextColumn("[dim]{task.fields[detail]}"),
                   TimeElapsedColumn(), transient=True,
@@ -95,24 +93,7 @@ def _run_with_progress(job) -> None:
             progress.update(task, description=labels.get(stage, stage), completed=done,
                             total=total, detail=detail)
 
-        def work() -> None:
-            try:
-                job.run(on_progress)
-            except BaseException as e:  # re-raised on the main thread
-                result["error"] = e
-
-        worker = threading.Thread(target=work, name="justllm-convert", daemon=True)
-        worker.start()
-        try:
-            while worker.is_alive():
-                worker.join(0.1)
-        except KeyboardInterrupt:
-            job.abandon()
-            progress.stop()
-            Console(stderr=True).print("[yellow]interrupted[/yellow]: no output written")
-            os._exit(130)
-    if "error" in result:
-        raise result["error"]
+        run_interruptible(lambda: job.run(on_progress), job.abandon, progress, "justllm-convert")
 
 
 def _count(n: int) -> str:

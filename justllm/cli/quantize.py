@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
+from justllm.cli.background import run_interruptible
 from justllm.cli.errors import cli_errors
 
 
@@ -90,7 +89,6 @@ def _run_with_progress(job) -> None:
         TimeElapsedColumn,
     )
 
-    result: dict[str, BaseException] = {}
     with Progress(SpinnerColumn(), TextColumn(f"quantizing to {job.qtype.name}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("[dim]{task.fields[tensor]}"), transient=True,
@@ -100,21 +98,4 @@ def _run_with_progress(job) -> None:
         def on_tensor(i: int, n: int, name: str) -> None:
             progress.update(task, completed=i - 1, total=n, tensor=name)
 
-        def work() -> None:
-            try:
-                job.run(on_tensor)
-            except BaseException as e:  # re-raised on the main thread
-                result["error"] = e
-
-        worker = threading.Thread(target=work, name="justllm-quantize", daemon=True)
-        worker.start()
-        try:
-            while worker.is_alive():
-                worker.join(0.1)
-        except KeyboardInterrupt:
-            job.abandon()
-            progress.stop()
-            Console(stderr=True).print("[yellow]interrupted[/yellow]: no output written")
-            os._exit(130)
-    if "error" in result:
-        raise result["error"]
+        run_interruptible(lambda: job.run(on_tensor), job.abandon, progress, "justllm-quantize")
