@@ -33,7 +33,7 @@ from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.metrics import render
 from justllm.gateway.routing import route_text
 from justllm.server.app import require_api_key, unless_disconnected
-from justllm.server.errors import APIError, error_body, handle_exception
+from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import ollama_error
 
 # The replica's process is gone or cannot be reached: nothing of the answer came from it.
@@ -88,12 +88,7 @@ def _ingress(state: State) -> Ingress:
 async def forward(request: Request, path: str) -> Any:
     ing = _ingress(request.app.state)
     raw = await request.body()
-    try:
-        body = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        raise APIError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
+    body = json_object(raw)
     ollama = path.startswith("/api/")
     key = "model" if "model" in body or not ollama else "name"
     model = ing.model(body.get(key), ollama)

@@ -32,7 +32,7 @@ from justllm.models.source import cache_dir
 from justllm.server.anthropic import anthropic_error
 from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
-from justllm.server.errors import APIError, error_body, handle_exception
+from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error
 
 # A runner that died before answering: the request is sent once more to its successor.
@@ -87,12 +87,7 @@ class _Refused(Exception):
 async def _forward(request: Request, path: str) -> Any:
     sup = _supervisor(request.app.state)
     raw = await request.body()
-    try:
-        body = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        raise APIError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
+    body = json_object(raw)
     ollama = path.startswith("/api/")
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None

@@ -94,3 +94,14 @@ def _msgspec_param(message: str) -> str | None:
 
 def handle_exception(_: Request, exc: Exception) -> Response:
     return _response(to_api_error(exc))
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object (the proxies' one parse before routing)."""
+    try:
+        body = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
