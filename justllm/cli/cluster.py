@@ -30,14 +30,13 @@ AppName = Annotated[str, typer.Option("--name", help="The Serve application's na
 
 @contextmanager
 def _errors() -> Iterator[None]:
-    """``cli_errors``, its message on one line and with its square brackets kept
-    (``justllm[cluster]``, Ray's ``[...]``: the red line is Rich markup)."""
+    """``cli_errors`` with its message on one line (Ray's errors span several)."""
     with cli_errors():
         try:
             yield
         except (JustLLMError, ValueError) as e:
             one_line = " ".join(x.strip() for x in str(e).splitlines() if x.strip())
-            raise ValueError(escape(one_line)) from None
+            raise ValueError(one_line) from None
 
 
 def _cluster() -> ModuleType:
