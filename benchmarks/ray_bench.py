@@ -5,11 +5,13 @@ Not a test. One machine: a private local Ray head, started and stopped here.
     python benchmarks/ray_bench.py --parts routing --pool-blocks 192 --json out.json
 
 Part "overhead": the same model, one replica, --concurrency streams: `justllm bench` (random
-prompts, greedy, --output-len tokens) straight to `justllm serve` and through the Ray ingress
-(HTTP proxy -> ingress replica -> model replica), taking turns for --rounds rounds with a fresh
-seed each (no prefix-cache hits across sides). Both engines run with the same flags; both stay
-loaded, so Ray's idle processes also run during the direct rounds. Prints the medians of output
-tok/s, TTFT p50 and ITL p50 and their ratio (the goal: Ray's tok/s within 10%).
+prompts, greedy, --output-len tokens) straight to `justllm serve`, --rounds rounds, before any
+Ray process runs; then the same rounds (same seeds) through the Ray ingress (HTTP proxy ->
+ingress replica -> model replica). Both engines run with the same flags. Not interleaved: with
+a Ray head up, even idle, a 2-thread llama.cpp on 2 cores loses most of its speed to Ray's
+background processes (its threads meet at barriers), which would charge Ray's cost to the
+direct side. Prints the medians of output tok/s, TTFT p50 and ITL p50 and their ratio (the
+goal: Ray's tok/s within 10%).
 
 Part "routing": 2 replicas (--threads each), the shared-prefix workload of
 benchmarks/routing_bench.py (its prefixes, questions, order and client), once with justllm's
@@ -78,35 +80,49 @@ def delete_app(cl, cluster, app: str) -> None:
         serve.delete(app)
 
 
-def overhead(args, cl, cluster, settings) -> dict:
-    flags = {"threads": args.overhead_threads, "max-seqs": args.concurrency}
+def overhead_flags(args) -> dict:
+    return {"threads": args.overhead_threads, "max-seqs": args.concurrency}
+
+
+def rounds(url: str, args, side: str) -> list[dict]:
+    httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+               timeout=300)  # first-request costs out of the rounds
+    out = []
+    for i in range(args.rounds):
+        out.append(bench(url, MODEL, args, seed=100 + i))
+        r = out[-1]
+        print(f"  {side} round {i + 1}/{args.rounds}: {r['output_throughput']:.1f} tok/s, "
+              f"TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 {r['median_itl_ms']:.1f} ms",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def direct_rounds(args) -> list[dict]:
+    """`justllm serve` alone, no Ray process on the machine."""
     log = tempfile.NamedTemporaryFile("w+b", prefix="ray-bench-serve-", suffix=".log",
                                       delete=False)
-    proc, direct = start_server([args.model, "--served-model-name", MODEL,
-                                 *(x for k, v in flags.items() for x in (f"--{k}", str(v)))], log)
-    rows: dict[str, list[dict]] = {"direct": [], "ray": []}
+    flags = overhead_flags(args)
+    proc, url = start_server([args.model, "--served-model-name", MODEL,
+                              *(x for k, v in flags.items() for x in (f"--{k}", str(v)))], log)
     try:
-        ray_url = deploy_app(cl, cluster, settings, {"source": args.model, "replicas": 1,
-                                                     **flags}, args.router_class)
-        for url in (direct, ray_url):  # warm both (first-request costs out of the rounds)
-            httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
-                                                      "max_tokens": 2}, timeout=300)
-        for i in range(args.rounds):
-            print(f"  round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-            rows["direct"].append(bench(direct, MODEL, args, seed=100 + 2 * i))
-            rows["ray"].append(bench(ray_url, MODEL, args, seed=101 + 2 * i))
-        delete_app(cl, cluster, settings.app)
+        return rounds(url, args, "direct")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
-    def med(side: str, key: str) -> float:
-        return statistics.median(r[key] for r in rows[side])
 
-    out = {}
-    for key in ("output_throughput", "median_ttft_ms", "median_itl_ms"):
-        out[key] = {"direct": med("direct", key), "ray": med("ray", key)}
-    return out
+def ray_rounds(args, cl, cluster, settings) -> list[dict]:
+    url = deploy_app(cl, cluster, settings, {"source": args.model, "replicas": 1,
+                                             **overhead_flags(args)}, args.router_class)
+    try:
+        return rounds(url, args, "ray")
+    finally:
+        delete_app(cl, cluster, settings.app)
+
+
+def medians(rows: dict[str, list[dict]]) -> dict:
+    return {key: {side: statistics.median(r[key] for r in runs) for side, runs in rows.items()}
+            for key in ("output_throughput", "median_ttft_ms", "median_itl_ms")}
 
 
 def routing(args, cl, cluster, settings) -> list[dict]:
@@ -183,6 +199,8 @@ def main() -> None:
     os.environ["RAY_TMPDIR"] = str(workdir / "ray")
     os.environ["JUSTLLM_CACHE_DIR"] = str(workdir / "cache")
     os.environ.pop("RAY_ADDRESS", None)
+    results: dict = {}
+    direct = direct_rounds(args) if "overhead" in parts else []
     cl, local_ray, args.router_class = cluster_module()
     from justllm.cluster.options import ClusterSettings
 
@@ -190,11 +208,10 @@ def main() -> None:
     t0 = time.perf_counter()
     cluster = cl.start_local()
     print(f"local Ray head up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    results: dict = {}
     try:
         if "overhead" in parts:
-            print("overhead ...", file=sys.stderr, flush=True)
-            results["overhead"] = overhead(args, cl, cluster, settings)
+            results["overhead"] = medians({"direct": direct, "ray": ray_rounds(
+                args, cl, cluster, settings)})
         if "routing" in parts:
             results["routing"] = routing(args, cl, cluster, settings)
     finally:
