@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from justllm.core.policy import SCHEDULING_POLICIES
@@ -106,8 +107,11 @@ class EngineConfig:
     # "priority"), and which cached prefix goes first (kv/radix_cache.py: "lru" or "clock").
     scheduling_policy: str = "fcfs"
     eviction_policy: str = "lru"
-    # Speculative decoding: "" (off) or a name in spec/methods.py (ngram, draft, tree).
+    # Speculative decoding: "" (off) or a name in ``spec_methods``: spec/methods.py's (ngram,
+    # draft, tree), or with plugins every registered one (Plugins.spec_methods).
     spec: str = ""
+    spec_methods: Mapping[str, SpecMethod] = field(default_factory=lambda: SPEC_METHODS,
+                                                   compare=False, repr=False)
     draft_model: str | None = None
     gamma: int = 4  # most draft tokens per request and step
     branch: int = 2  # tree: candidates at each of the first levels
@@ -147,8 +151,8 @@ class EngineConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}"
                              f" (got {self.eviction_policy!r})")
-        if self.spec and self.spec not in SPEC_METHODS:
-            raise ValueError(f"spec must be one of {', '.join(SPEC_METHODS)} "
+        if self.spec and self.spec not in self.spec_methods:
+            raise ValueError(f"spec must be one of {', '.join(self.spec_methods)} "
                              f"(got {self.spec!r})")
         if self.spec_method is not None and self.spec_method.draft_model and not self.draft_model:
             raise ValueError(f"--spec {self.spec} needs --draft-model (a small GGUF with the "
@@ -172,7 +176,7 @@ class EngineConfig:
 
     @property
     def spec_method(self) -> SpecMethod | None:
-        return SPEC_METHODS.get(self.spec) if self.spec else None
+        return self.spec_methods.get(self.spec) if self.spec else None
 
     @property
     def max_draft_nodes(self) -> int:

@@ -32,5 +32,5 @@ def test_ruff_is_clean():
 
 def test_mypy_is_clean_on_the_pure_layers_and_the_gateway():
     r = run(sys.executable, "-m", "mypy", "--no-incremental", "justllm/core", "justllm/kv",
-            "justllm/spec", "justllm/gateway")
+            "justllm/spec", "justllm/gateway", "justllm/plugins")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

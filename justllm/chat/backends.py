@@ -10,10 +10,20 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import httpx
 
+from justllm.core.record import RequestRecord
 from justllm.errors import JustLLMError
+
+
+class RequestSink(Protocol):
+    """``justllm.plugins.events.RequestEvents``: takes records without blocking."""
+
+    def __call__(self, record: RequestRecord) -> None: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
 
 
 @dataclass
@@ -32,11 +42,14 @@ class AnswerStats:
 class LocalChat:
     """The engine on this thread (the only caller of llama.cpp), stepped while streaming."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, events: RequestSink | None = None) -> None:
+        """``events``: where a record of each answer goes (plugins' on_request_finished)."""
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 
         self.engine = Engine(config)
+        self.events = events
+        self.engine.observe(events)
         try:
             self.template = ChatTemplate.from_backend(self.engine.backend, config.chat_template)
         except BaseException:
@@ -83,6 +96,8 @@ class LocalChat:
 
     def close(self) -> None:
         self.engine.close()
+        if self.events is not None:
+            self.events.close()
 
 
 class RemoteChat:

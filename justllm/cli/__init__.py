@@ -11,44 +11,58 @@ from justllm.cli import config as config_cmd
 from justllm.cli import convert as convert_cmd
 from justllm.cli import draft as draft_cmd
 from justllm.cli import models as models_cmd
+from justllm.cli import plugins as plugins_cmd
 from justllm.cli import ps as ps_cmd
 from justllm.cli import pull as pull_cmd
 from justllm.cli import quantize as quantize_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
 from justllm.cli import top as top_cmd
-
-app = typer.Typer(
-    name="justllm",
-    help="Serve GGUF language models from one command.",
-    context_settings={"help_option_names": ["-h", "--help"]},
-    no_args_is_help=True,
-    add_completion=True,
-    pretty_exceptions_enable=False,
-)
-app.command("run")(run_cmd.run)
-app.command("serve")(serve_cmd.serve)
-app.command("chat")(chat_cmd.chat)
-app.command("bench")(bench_cmd.bench)
-app.command("top")(top_cmd.top)
-app.command("ps")(ps_cmd.ps)
-app.command("logs")(ps_cmd.logs)
-app.command("models")(models_cmd.list_models)
-app.command("ls", hidden=True)(models_cmd.list_models)  # alias
-app.command("pull")(pull_cmd.pull)
-app.command("show")(models_cmd.show)
-app.command("tag")(models_cmd.tag)
-app.command("rm")(models_cmd.rm)
-app.command("quantize")(quantize_cmd.quantize)
-app.command("convert")(convert_cmd.convert)
-app.add_typer(config_cmd.app, name="config")
-app.add_typer(draft_cmd.app, name="draft")
-app.add_typer(cluster_cmd.app, name="cluster")
+from justllm.plugins import Plugins, load_plugins
 
 
-@app.callback()
-def _root() -> None:
-    """Serve GGUF language models from one command."""
+def build_app(plugins: Plugins | None = None) -> typer.Typer:
+    """The command line: the built-in commands, and ``plugins``' (register_commands)."""
+    app = typer.Typer(
+        name="justllm",
+        help="Serve GGUF language models from one command.",
+        context_settings={"help_option_names": ["-h", "--help"]},
+        no_args_is_help=True,
+        add_completion=True,
+        pretty_exceptions_enable=False,
+    )
+    app.command("run")(run_cmd.run)
+    app.command("serve")(serve_cmd.serve)
+    app.command("chat")(chat_cmd.chat)
+    app.command("bench")(bench_cmd.bench)
+    app.command("top")(top_cmd.top)
+    app.command("ps")(ps_cmd.ps)
+    app.command("logs")(ps_cmd.logs)
+    app.command("models")(models_cmd.list_models)
+    app.command("ls", hidden=True)(models_cmd.list_models)  # alias
+    app.command("pull")(pull_cmd.pull)
+    app.command("show")(models_cmd.show)
+    app.command("tag")(models_cmd.tag)
+    app.command("rm")(models_cmd.rm)
+    app.command("quantize")(quantize_cmd.quantize)
+    app.command("convert")(convert_cmd.convert)
+    app.command("plugins")(plugins_cmd.list_plugins)
+    app.add_typer(config_cmd.app, name="config")
+    app.add_typer(draft_cmd.app, name="draft")
+    app.add_typer(cluster_cmd.app, name="cluster")
+
+    @app.callback()
+    def _root() -> None:
+        """Serve GGUF language models from one command."""
+
+    if plugins is not None:
+        plugins.add_commands(app)
+    return app
+
+
+# The built-in commands, for Typer's CliRunner in tests (which may pass a Plugins as ``obj``);
+# main() builds the command line with the installed plugins' commands.
+app = build_app()
 
 
 def main() -> None:
@@ -59,8 +73,11 @@ def main() -> None:
 
     # Typer vendors click; its exception base class is reachable only through a public one.
     click_exception = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    plugins = load_plugins()  # a plugin that fails to load is one warning line, and skipped
+    cli = build_app(plugins)
+    plugins_cmd.warn_problems(plugins)
     try:
-        code = app(standalone_mode=False)
+        code = cli(standalone_mode=False, obj=plugins)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except click_exception as e:

@@ -8,12 +8,14 @@ import typer
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
+from justllm.cli.plugins import plugins_of
 from justllm.cli.run import print_notice
 
 _D = o.EngineConfig()
 
 
 def chat(
+    context: typer.Context,
     model: o.Model = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Chat with a running server instead of loading the model here.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
@@ -39,10 +41,12 @@ def chat(
                                  "server's own (serve --chat-template) applies")
             backend = RemoteChat(url, api_key)
         else:
+            plugins = plugins_of(context)
             backend = LocalChat(o.engine_config(model, {
                 "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1, "max_decode": 1,
                 "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
-                "chat_template": chat_template, "verbose": verbose}))
+                "chat_template": chat_template, "verbose": verbose}, plugins),
+                plugins.request_events())
             if backend.notice:
                 print_notice(backend.notice)
         try:

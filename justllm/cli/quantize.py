@@ -35,11 +35,11 @@ def quantize(
         from pathlib import Path
 
         from justllm.models.quantize import default_output, prepare, quant_type
-        from justllm.models.source import resolve_model
         from justllm.models.store import models_dir
+        from justllm.plugins import load_plugins
 
         qtype = quant_type(type_name)
-        src = Path(resolve_model(model))
+        src = Path(load_plugins().resolve_model(model))
         if output:
             dst = Path(output).expanduser()
         else:

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
+from justllm.cli.plugins import plugins_of
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import EngineError
 
@@ -22,6 +23,7 @@ MAX_USER_STOP = 16  # --stop strings; the chat template may add its own
 
 @o.engine_options
 def run(
+    context: typer.Context,
     model: o.Model = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without a chat template (and without its stop strings).")] = False,
@@ -37,6 +39,7 @@ def run(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
+    record_text: Annotated[bool, typer.Option("--record-text", help="The finished-request record (plugins' on_request_finished) carries the prompt and output text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
@@ -55,11 +58,14 @@ def run(
             ignore_eos=ignore_eos)
         if len(params.stop) > MAX_USER_STOP:
             raise ValueError(f"at most {MAX_USER_STOP} --stop strings")
-        config = o.engine_config(model, engine_flags or {})
+        plugins = plugins_of(context)
+        config = o.engine_config(model, engine_flags or {}, plugins)
         from justllm.engine.chat_template import ChatTemplate, with_template_stops
         from justllm.engine.engine import Engine
 
         engine = Engine(config)
+        events = plugins.request_events()
+        engine.observe(events, text=record_text)
         try:
             text_prompt = prompt
             if not raw:
@@ -73,6 +79,8 @@ def run(
             _stream(engine, text_prompt, params, answer=not raw)
         finally:
             engine.close()
+            if events is not None:
+                events.close()
 
 
 def print_notice(notice: str) -> None:

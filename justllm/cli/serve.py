@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 from typing import Annotated, Optional
 
@@ -12,11 +13,14 @@ from rich.console import Console
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
+from justllm.cli.plugins import plugins_of, warn_problems
 from justllm.errors import ModelLoadError
+from justllm.plugins import Plugins
 
 
 @o.engine_options
 def serve(
+    context: typer.Context,
     models: Annotated[Optional[list[str]], typer.Argument(
         help="A .gguf path, a model name or a Hugging Face REPO[:FILE] (default: the bundled "
              "demo model). Several: router mode, each in its own runner process.",
@@ -28,6 +32,7 @@ def serve(
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory, named by file stem.")] = None,
     role: Annotated[str, typer.Option("--role", help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
+    record_text: Annotated[bool, typer.Option("--record-text", help="Finished-request records (plugins' on_request_finished, e.g. justllm-request-log) carry the prompt and output text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: seconds the requests in flight may still run (new ones get 503); then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
@@ -45,8 +50,10 @@ def serve(
             if role != "both":
                 raise ValueError("--role is a runner's; in router mode give a model "
                                  "prefill-replicas and decode-replicas in models.yaml")
+            if record_text:  # the runners (our children) record text too
+                os.environ["JUSTLLM_RECORD_TEXT"] = "1"
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
-                                  shutdown_timeout, engine_flags or {})
+                                  shutdown_timeout, engine_flags or {}, plugins_of(context))
         model = models[0] if models else None
         _watch_parent()
 
@@ -59,7 +66,11 @@ def serve(
         from justllm.server.pd import ROLES
 
         flags = engine_flags or {}
-        config = o.engine_config(model, flags)
+        plugins = plugins_of(context)
+        seen = len(plugins.problems)
+        config = o.engine_config(model, flags, plugins)
+        routes, events = plugins.routes(), plugins.request_events()
+        warn_problems(plugins, seen)
         # Fail fast, before binding the port, on what can be checked without loading.
         check_gguf_file(config.model)
         if config.gpu:
@@ -71,8 +82,10 @@ def serve(
         if role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
-                                     model_name=served_model_name, role=role)
-        app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)))
+                                     model_name=served_model_name, role=role,
+                                     record_text=record_text)
+        app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
+                         routes=routes, events=events)
         Console(stderr=True).print(
             f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
@@ -94,7 +107,6 @@ def serve(
 def _watch_parent() -> None:
     """A runner started by a gateway (JUSTLLM_PARENT_PID) stops when the gateway is gone, even
     if it was SIGKILLed and could not stop its runners."""
-    import os
     import threading
     import time
 
@@ -112,7 +124,7 @@ def _watch_parent() -> None:
 
 def _serve_gateway(models: list[str], models_file: str | None, models_dir: str | None,
                    host: str, port: int, api_key: str | None, shutdown_timeout: float,
-                   flags: dict) -> None:
+                   flags: dict, plugins: Plugins) -> None:
     import asyncio
 
     import uvicorn
@@ -135,7 +147,9 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     # Engine flags given on this command line reach every runner (a model's entry wins).
     given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
              if f.name in flags and flags[f.name] != f.default}
-    known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS), given)
+    known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS), given,
+                  routing_policies=plugins.routing_policies,
+                  model_sources=plugins.model_sources())
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))

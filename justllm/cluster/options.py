@@ -122,5 +122,8 @@ def model_options(spec: ModelSpec) -> dict[str, Any]:
 
 def router_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """The model's routing options as the RequestRouter's ``initialize_state`` gets them
-    (JSON, as Ray requires): RoutingConfig's fields by name."""
-    return asdict(spec.routing)
+    (JSON, as Ray requires): RoutingConfig's fields by name. The cluster's router takes the
+    built-in policies only (a plugin's class would have to reach Ray's controller)."""
+    kwargs = asdict(spec.routing)
+    kwargs.pop("policy_class")
+    return kwargs

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from justllm.core.record import RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
@@ -113,6 +114,11 @@ class AsyncEngine:
             stream.abort()
 
     # ---- the model, as a server needs it ---------------------------------------------------
+
+    def observe(self, callback: Callable[[RequestRecord], None] | None, *,
+                model: str | None = None, text: bool = False) -> None:
+        """``Engine.observe``: a RequestRecord per request that leaves the engine."""
+        self.engine.observe(callback, model=model, text=text)
 
     @property
     def model_path(self) -> str:

@@ -10,14 +10,17 @@ calls llama.cpp compute.
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
+from justllm.core.record import RequestRecord
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
@@ -25,6 +28,7 @@ from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
+from justllm.engine.records import RequestObserver, request_record
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
@@ -52,6 +56,7 @@ class RequestMetrics:
     """Per-request counters; times are ``time.perf_counter()`` seconds."""
 
     arrival_time: float
+    scheduled_time: float | None = None  # first put in a step (the end of queueing)
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -94,6 +99,11 @@ class _Live:
     sampler: RequestSampler
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
+    # Only while a RequestObserver watches: why it ended with an error, and (when it records
+    # text) the prompt given as text and the output so far.
+    error: str | None = None
+    prompt: str | None = None
+    output: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,7 @@ class Engine:
                                     max_nodes=config.max_draft_nodes, p_min=config.draft_p_min)
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
+        self._observer: RequestObserver | None = None
         self._kv_identity: KVIdentity | None = None
         self.loras = LoraRegistry(backend)
         try:
@@ -162,6 +173,16 @@ class Engine:
             if owns_backend:
                 self.close()
             raise
+
+    def observe(self, callback: Callable[[RequestRecord], None] | None, *,
+                model: str | None = None, text: bool = False) -> None:
+        """Call ``callback`` with a RequestRecord whenever a request leaves the engine
+        (finished, aborted or failed); None stops. ``model``: the id records carry (default:
+        the GGUF file's stem); ``text``: records carry the prompt and the output text. The
+        callback runs under the engine's lock and must not block (plugins/events.py)."""
+        model = model or os.path.splitext(os.path.basename(self.backend.config.model_path))[0]
+        self._observer = (RequestObserver(callback, model, text) if callback is not None
+                          else None)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -209,11 +230,14 @@ class Engine:
                 else len(tokens) + params.max_tokens, lora=lora)
             self.scheduler.add(req)
             self.loras.acquire(lora)
-            self._live[request_id] = _Live(
+            live = self._live[request_id] = _Live(
                 req, RequestSampler(params, seed, constraint),
                 IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
                                lora=self.loras.label(lora)))
+            if self._observer is not None and self._observer.text:
+                live.prompt = prompt if isinstance(prompt, str) else None
+                live.output = []
             if self.spec is not None:
                 self.spec.admit(request_id, params, self._steps)
         return request_id
@@ -410,6 +434,7 @@ class Engine:
                 self._preemptions_total += len(plan.preempted)
                 if plan.is_empty:
                     return []
+                self._mark_scheduled(plan)
                 n_tokens = self.runner.prepare(plan)
                 if plan.chunks:  # one adapter set per step (the scheduler's choice)
                     self.loras.apply(plan.chunks[0].request.lora)
@@ -474,6 +499,13 @@ class Engine:
             with self._lock:
                 self.spec.record_misses(wants, drafts, self._steps)
         return drafts
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            live = self._live.get(chunk.request.request_id)
+            if live is not None and live.metrics.scheduled_time is None:
+                live.metrics.scheduled_time = now
 
     def _postprocess(self, plan: StepPlan, logits) -> tuple[list[RequestOutput], StepResult]:
         """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
@@ -564,6 +596,8 @@ class Engine:
                        result: StepResult) -> RequestOutput:
         req, reason = live.request, out.reason
         text = live.detok.take_new_text(final=reason is not None)
+        if live.output is not None:
+            live.output.append(text)
         if reason is not None:
             result.finished.append((req, reason))
             live.metrics.finished_time = now
@@ -575,14 +609,22 @@ class Engine:
                         result: StepResult) -> RequestOutput:
         req = live.request
         result.finished.append((req, FinishReason.ABORT))
-        return RequestOutput(req.request_id, live.detok.take_new_text(final=True),
-                             out.token_ids, True, "abort", out.logprobs or None, live.metrics,
-                             error=message)
+        live.error = message
+        text = live.detok.take_new_text(final=True)
+        if live.output is not None:
+            live.output.append(text)
+        return RequestOutput(req.request_id, text, out.token_ids, True, "abort",
+                             out.logprobs or None, live.metrics, error=message)
 
     def _drop(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
             self.loras.release(live.request.lora)
+            if self._observer is not None:
+                self._observer.callback(request_record(
+                    self._observer, live.request, live.metrics, error=live.error,
+                    prompt=live.prompt,
+                    output="".join(live.output) if live.output is not None else None))
         if self.spec is not None:
             self.spec.release(request_id)
 
@@ -616,6 +658,8 @@ class Engine:
         with self._lock:
             for req in requests:
                 live = self._live.get(req.request_id)
+                if live is not None:
+                    live.error = message
                 self._drop(req.request_id)
                 if live is None or req.finished:
                     continue

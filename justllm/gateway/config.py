@@ -26,13 +26,15 @@ validated once, before anything starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
-from justllm.gateway.routing import RoutingConfig, routing_config
+from justllm.gateway.routing import Policy, RoutingConfig, routing_config
+from justllm.models.source import ModelSource
 
 DEFAULT_TTL = 300.0
 _SCALE_KEYS = {"min-replicas", "max-replicas", "target-ongoing", "upscale-delay",
@@ -54,6 +56,12 @@ class Flags:
 
     names: frozenset[str]
     defaults: dict[str, Any] = field(default_factory=dict)
+    # The routing policies ``routing:`` may name (with plugins, Plugins.routing_policies);
+    # None: the built-in ones.
+    routing_policies: Mapping[str, type[Policy]] | None = None
+    # Where model sources are looked up for max-memory's estimate (Plugins.model_sources);
+    # None: the built-in ones.
+    model_sources: tuple[ModelSource, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class GatewayConfig:
     # Seconds between two reads of each replica's /metrics (load, KV use, hit ratio, TTFT).
     poll_interval: float = 0.25
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> model name
+    model_sources: tuple[ModelSource, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -148,7 +157,7 @@ def _count(where: str, value: Any, least: int = 0) -> int:
     return value
 
 
-def _replicas(name: str, entry: dict) -> dict[str, Any]:
+def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     """The replica keys of a model's entry as ModelSpec fields."""
     where = f"model '{name}'"
     urls = entry.get("urls") or []
@@ -164,7 +173,7 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
             isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
         raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1]")
     if _PD_KEYS & entry.keys():
-        return _pd_replicas(name, entry)
+        return _pd_replicas(name, entry, flags)
     if "prefill-min-tokens" in entry:
         raise ValueError(f"{where}: prefill-min-tokens needs prefill-replicas and "
                          "decode-replicas")
@@ -197,7 +206,7 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
         if replicas == 0 and not urls:
             raise ValueError(f"{where}: replicas must be >= 1 (or give urls)")
     try:
-        routing = routing_config(entry.get("routing"))
+        routing = routing_config(entry.get("routing"), flags.routing_policies)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": replicas, "gpus": tuple(gpus),
@@ -205,7 +214,7 @@ def _replicas(name: str, entry: dict) -> dict[str, Any]:
             "autoscale": autoscale, "roles": (), "url_roles": ("both",) * len(urls)}
 
 
-def _pd_replicas(name: str, entry: dict) -> dict[str, Any]:
+def _pd_replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     """``prefill-replicas`` and ``decode-replicas``: each a count of local replicas or a list
     of urls; with a prefill-capable and a decode-capable replica at least."""
     where = f"model '{name}'"
@@ -221,7 +230,7 @@ def _pd_replicas(name: str, entry: dict) -> dict[str, Any]:
     for key, role in (("prefill-replicas", "prefill"), ("decode-replicas", "decode")):
         value = entry[key]
         if isinstance(value, list):
-            got = _replicas(name, {"urls": value})["urls"]
+            got = _replicas(name, {"urls": value}, flags)["urls"]
             urls += got
             url_roles += [role] * len(got)
         else:
@@ -231,7 +240,7 @@ def _pd_replicas(name: str, entry: dict) -> dict[str, Any]:
     if roles and not entry.get("source"):
         raise ValueError(f"{where}: local replicas need a 'source'")
     try:
-        routing = routing_config(entry.get("routing"))
+        routing = routing_config(entry.get("routing"), flags.routing_policies)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": len(roles), "gpus": (), "urls": tuple(urls), "routing": routing,
@@ -263,7 +272,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
     if "lora" in values:
         values["lora"] = _lora_list(name, values["lora"])
-    replicas = _replicas(name, entry)
+    replicas = _replicas(name, entry, flags)
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
                      ttl=-1.0 if pinned else _number(f"model '{name}': ttl",
@@ -305,7 +314,8 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
         max_memory=max_memory,
         load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
         max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))),
-        poll_interval=_number("poll-interval", data.get("poll-interval", 0.25)))
+        poll_interval=_number("poll-interval", data.get("poll-interval", 0.25)),
+        model_sources=flags.model_sources)
 
 
 def read_config(path: str, flags: Flags) -> GatewayConfig:

@@ -9,12 +9,13 @@ from justllm.config import EngineConfig
 from justllm.gateway.config import ModelSpec
 from justllm.gateway.policy import memory_estimate
 from justllm.models.gguf import read_gguf_header
-from justllm.models.source import resolve_model
+from justllm.models.source import SOURCES, ModelSource, resolve_model
 
 
-def runner_memory(spec: ModelSpec) -> int:
-    """Estimated bytes for ``spec``'s runner (resolving its source: a pull may download)."""
-    path = Path(resolve_model(spec.source))
+def runner_memory(spec: ModelSpec, sources: tuple[ModelSource, ...] | None = None) -> int:
+    """Estimated bytes for ``spec``'s runner (resolving its source among ``sources``, the
+    built-in ones by default: a pull may download)."""
+    path = Path(resolve_model(spec.source, sources or SOURCES))
     header = read_gguf_header(path)
     arch = header.architecture
     flags = dict(spec.flags)

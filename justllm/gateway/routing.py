@@ -47,8 +47,8 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, get_args
 
 from justllm.errors import JustLLMError
@@ -138,9 +138,11 @@ class RoutingConfig:
     max_tree_chars: int = 262_144
     sticky_sessions: bool = True
     max_sessions: int = 10_000  # sessions remembered (least recently used forgotten)
+    # A plugin's policy class (routing_config looks its name up); None: POLICIES[policy].
+    policy_class: type[Policy] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.policy_class is None and self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)} "
                              f"(got {self.policy!r})")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
@@ -155,16 +157,19 @@ class RoutingConfig:
             raise ValueError("max-sessions must be >= 1")
 
 
-def routing_config(data: Any) -> RoutingConfig:
+def routing_config(data: Any, policies: Mapping[str, type[Policy]] | None = None
+                   ) -> RoutingConfig:
     """A model's ``routing:`` entry: nothing (the defaults), a policy name, or a mapping of the
-    options by their YAML names (``balance-abs-threshold: 16``)."""
+    options by their YAML names (``balance-abs-threshold: 16``). ``policies``: the names it may
+    use (with plugins, Plugins.routing_policies; default: the built-in POLICIES)."""
     if data is None:
         return RoutingConfig()
     if isinstance(data, str):
         data = {"policy": data}
     if not isinstance(data, dict):
         raise ValueError("routing must be a policy name or a mapping of options")
-    names = {f.name.replace("_", "-"): f.name for f in fields(RoutingConfig)}
+    names = {f.name.replace("_", "-"): f.name for f in fields(RoutingConfig)
+             if f.name != "policy_class"}
     unknown = sorted(str(k) for k in data if k not in names)
     if unknown:
         raise ValueError(f"routing: unknown key(s) {', '.join(unknown)} (known: "
@@ -182,7 +187,12 @@ def routing_config(data: Any) -> RoutingConfig:
             what = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, "text")
             raise ValueError(f"routing: {key} must be {what} (got {value!r})")
         values[names[key]] = float(value) if kind is float else value
-    return RoutingConfig(**values)
+    policies = POLICIES if policies is None else policies
+    policy = values.get("policy", RoutingConfig.policy)
+    if policy not in policies:
+        raise ValueError(f"routing policy must be one of {', '.join(policies)} "
+                         f"(got {policy!r})")
+    return RoutingConfig(**values, policy_class=policies[policy])
 
 
 # ---- the prefix tree --------------------------------------------------------------------------
@@ -395,7 +405,8 @@ class Router(Protocol):
 
 class Policy:
     """What every policy shares: availability, NoReplica, sticky sessions, counts. A policy
-    implements ``_pick`` over the available replicas (never empty)."""
+    implements ``pick`` over the available replicas (never empty); a plugin's policy too
+(``register_routing_policies``)."""
 
     def __init__(self, config: RoutingConfig | None = None, *, seed: int | None = None) -> None:
         self.config = config or RoutingConfig()
@@ -422,7 +433,7 @@ class Policy:
         held = self._sessions.get(session) if session is not None else None
         if held is not None and any(r.id == held for r in available):
             return Decision(held, "session")
-        return self._pick(request, available, replicas)
+        return self.pick(request, available, replicas)
 
     def commit(self, request: RouteRequest, decision: Decision) -> None:
         """``decision`` was carried out: the request's session follows it, the policy
@@ -440,7 +451,7 @@ class Policy:
         for session in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[session]
 
-    def _pick(self, request: RouteRequest, available: list[ReplicaLoad],
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
         raise NotImplementedError
 
@@ -453,7 +464,7 @@ class RoundRobin(Policy):
         super().__init__(config, seed=seed)
         self._next = 0  # index in the caller's list
 
-    def _pick(self, request: RouteRequest, available: list[ReplicaLoad],
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
         n = len(replicas)
         for step in range(n):
@@ -465,13 +476,13 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    def _pick(self, request: RouteRequest, available: list[ReplicaLoad],
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
         return Decision(min(available, key=load_rank).id, "least-load")
 
 
 class PowerOfTwo(Policy):
-    def _pick(self, request: RouteRequest, available: list[ReplicaLoad],
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
         pair = self._rng.sample(available, 2) if len(available) > 1 else available
         return Decision(min(pair, key=load_rank).id, "power-of-two")
@@ -490,7 +501,7 @@ class CacheAware(Policy):
         return (r.load - least.load > c.balance_abs_threshold
                 and r.load > c.balance_rel_threshold * least.load)
 
-    def _pick(self, request: RouteRequest, available: list[ReplicaLoad],
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
         least = min(available, key=load_rank)
         text = request.text[:self.config.max_prefix_chars]
@@ -521,7 +532,7 @@ POLICIES: dict[str, type[Policy]] = {
 def make_router(config: RoutingConfig | None = None, *, seed: int | None = None) -> Router:
     """The configured policy; ``seed`` makes power-of-two's draws repeatable (tests)."""
     config = config or RoutingConfig()
-    return POLICIES[config.policy](config, seed=seed)
+    return (config.policy_class or POLICIES[config.policy])(config, seed=seed)
 
 
 # ---- for callers that rank replicas (Ray Serve's RequestRouter, justllm/cluster/router.py) ----

@@ -68,7 +68,7 @@ class ModelState:
     def __post_init__(self) -> None:
         routing = self.spec.routing
         # PD: the prompt goes where its prefix is cached; generation where there is room.
-        self.router = make_router(replace(routing, policy="least-load")
+        self.router = make_router(replace(routing, policy="least-load", policy_class=None)
                                   if self.spec.pd else routing)
         self.prefill_router = make_router(routing)
         self.replicas = [Replica(url, remote=url, status="ready", role=role)
@@ -249,7 +249,8 @@ class Supervisor:
             return
         if not state.memory:
             try:
-                state.memory = await asyncio.to_thread(runner_memory, state.spec)
+                state.memory = await asyncio.to_thread(runner_memory, state.spec,
+                                                     self.config.model_sources)
             except (JustLLMError, OSError, ValueError) as e:
                 state.status, state.error = "failed", str(e)
                 state.failures = policy.MAX_FAILURES

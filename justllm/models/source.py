@@ -8,6 +8,7 @@ The colon means two things: ``name:tag`` (no ``/``) is a registry name, ``owner/
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -24,13 +25,22 @@ def cache_dir() -> Path:
 
 
 class ModelSource(Protocol):
-    """One place a model name can point to."""
+    """One place a model name can point to. A source may also list its models for ``justllm
+    models`` with a ``models() -> list[ListedModel]`` method (plugins' sources do)."""
 
     name: str
 
     def find(self, ref: str) -> Path | None:
         """The GGUF ``ref`` names here, or None when this source does not know it."""
         ...
+
+
+@dataclass(frozen=True)
+class ListedModel:
+    """A model a source lists: the reference that finds it (``ollama:llama3.2``), its file."""
+
+    name: str
+    path: Path
 
 
 class LocalPath:
@@ -92,9 +102,23 @@ class HuggingFaceRepo:
         return registry.pull(ref).manifest.path
 
 
-# Tried in this order; the first that knows a name wins.
-SOURCES: tuple[ModelSource, ...] = (LocalPath(), RegistryName(), ModelsDirectory(),
-                                    HuggingFaceRepo())
+class DemoName:
+    """``demo``: the bundled demo model (also what no model at all means)."""
+
+    name = "demo"
+
+    def find(self, ref: str) -> Path | None:
+        return demo_model_path() if ref == "demo" else None
+
+
+# The built-in sources with their priorities (plugins/builtins.py registers them; a plugin's
+# source goes among them by its own priority, 150 unless it says).
+BUILTIN_SOURCES: tuple[tuple[ModelSource, int], ...] = (
+    (LocalPath(), 100), (RegistryName(), 200), (ModelsDirectory(), 300),
+    (HuggingFaceRepo(), 400), (DemoName(), 500))
+# Tried in this order; the first that knows a name wins. The CLI resolves through every
+# plugin's sources too (Plugins.resolve_model).
+SOURCES: tuple[ModelSource, ...] = tuple(source for source, _ in BUILTIN_SOURCES)
 
 
 def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES) -> str:

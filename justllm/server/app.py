@@ -8,9 +8,9 @@ import hmac
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
@@ -22,6 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
 from litestar.response import Stream
 
+from justllm.core.record import RequestRecord
 from justllm.engine.async_engine import AsyncEngine
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
@@ -52,6 +53,20 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     embeddings: bool = True
     role: str = "both"  # prefill/decode disaggregation: which /pd endpoint it serves
+    # Finished-request records (plugins' on_request_finished) carry the prompt and output text.
+    record_text: bool = False
+
+
+class RequestEventSink(Protocol):
+    """Where finished-request records go (``justllm.plugins.events.RequestEvents``): calling
+    it never blocks; ``counts()`` per plugin (delivered, failed, dropped) for /metrics;
+    ``close()`` delivers what is queued at shutdown."""
+
+    def __call__(self, record: RequestRecord) -> None: ...
+
+    def counts(self) -> Mapping[str, Any]: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
 
 
 @dataclass
@@ -66,10 +81,14 @@ class Served:
     created: int
 
 
-def build_served(aengine: AsyncEngine, config: ServerConfig) -> Served:
+def build_served(aengine: AsyncEngine, config: ServerConfig,
+                 events: RequestEventSink | None = None) -> Served:
     model_path = aengine.model_path
     model_id = config.model_name or os.path.splitext(os.path.basename(model_path))[0]
-    metrics = ServerMetrics(aengine.stats, model_id)
+    metrics = ServerMetrics(aengine.stats, model_id,
+                            events.counts if events is not None else None)
+    if events is not None:
+        aengine.observe(events, model=model_id, text=config.record_text)
     template = aengine.chat_template()
     if template.notice:
         log.warning("%s", template.notice)
@@ -78,6 +97,12 @@ def build_served(aengine: AsyncEngine, config: ServerConfig) -> Served:
     embeddings = EmbeddingServing(aengine, model_id) if config.embeddings else None
     return Served(aengine, completions, embeddings, metrics, model_id,
                   int(os.path.getmtime(model_path)))
+
+
+def served(request: Request) -> Served:
+    """The loaded model for a route handler (a plugin's too: ``justllm.plugins.served``):
+    its ``aengine`` (submit, tokenize, ...) and ``model_id``; 503 while it is loading."""
+    return _served(request.app.state)
 
 
 def _served(state: State) -> Served:
@@ -216,15 +241,19 @@ def begin_shutdown(app: Litestar, grace: float) -> threading.Timer | None:
 
 
 def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
-               loader: Callable[[], AsyncEngine] | None = None) -> Litestar:
+               loader: Callable[[], AsyncEngine] | None = None,
+               routes: Sequence[BaseRouteHandler] = (),
+               events: RequestEventSink | None = None) -> Litestar:
     """The app for an engine that is ready (``aengine``), or one that ``loader`` builds on a
-    background thread at start-up (``/health`` answers 503 until it is ready).
+    background thread at start-up (``/health`` answers 503 until it is ready). ``routes``:
+    plugins' extra route handlers (behind ``--api-key`` like /v1); ``events``: where a record
+    of each finished request goes (plugins' ``on_request_finished``).
 
     On shutdown the engine is closed: in-flight requests are aborted and the model freed.
     """
     state = State({"config": config, "served": None})
     if aengine is not None:
-        state["served"] = build_served(aengine, config)
+        state["served"] = build_served(aengine, config, events)
 
     def load_in_background(app: Litestar) -> None:
         if loader is None or app.state.get("served") is not None:
@@ -232,7 +261,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
 
         def work() -> None:
             try:
-                app.state["served"] = build_served(loader(), config)
+                app.state["served"] = build_served(loader(), config, events)
             except Exception as e:  # the server stops; `justllm serve` exits 1 saying why
                 log.error("model loading failed: %s", e)
                 app.state["load_error"] = str(e)
@@ -247,6 +276,8 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
         if served is not None:
             served.aengine.close()
             app.state["served"] = None
+        if events is not None:
+            events.close()
 
     # they import this module's helpers: imported late
     from justllm.server import anthropic, lora, ollama, pd, responses
@@ -256,14 +287,26 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                                             anthropic.count_tokens, responses.create_response,
                                             *lora.ROUTES],
                 guards=[require_api_key])
-    return Litestar(
-        route_handlers=[v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
-                        metrics, pd.pd_router()],
-        state=state,
-        on_startup=[load_in_background],
-        on_shutdown=[close_engine],
-        exception_handlers={Exception: handle_exception},
-        request_max_body_size=config.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="justllm", version="0.1.0", path="/docs"),
-        debug=False,
-    )
+    handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
+                           metrics, pd.pd_router()]
+
+    def build(extra: Sequence[BaseRouteHandler]) -> Litestar:
+        return Litestar(
+            route_handlers=[*handlers, *([Router(path="/", route_handlers=list(extra),
+                                                 guards=[require_api_key])] if extra else [])],
+            state=state,
+            on_startup=[load_in_background],
+            on_shutdown=[close_engine],
+            exception_handlers={Exception: handle_exception},
+            request_max_body_size=config.max_body_bytes,
+            openapi_config=OpenAPIConfig(title="justllm", version="0.1.0", path="/docs"),
+            debug=False,
+        )
+
+    try:
+        return build(routes)
+    except Exception as e:  # e.g. a plugin's route on a path justllm serves: serve without
+        if not routes:
+            raise
+        log.warning("plugins' routes left out: %s", e)
+        return build(())

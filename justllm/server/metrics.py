@@ -7,7 +7,8 @@ requests finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -76,10 +77,30 @@ class _EngineCollector(Collector):
                       "context (each step serves one set).", s.lora_switches)
 
 
+class _PluginCollector(Collector):
+    """``on_request_finished`` deliveries per plugin and outcome (plugins/events.py)."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, Any]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator:
+        family = CounterMetricFamily(
+            "justllm_plugin_request_records", "Finished-request records handed to plugins' "
+            "on_request_finished, by outcome (delivered, failed: the plugin raised, dropped: "
+            "its queue was full).", labels=["plugin", "outcome"])
+        for plugin, c in self._counts().items():
+            for outcome in ("delivered", "failed", "dropped"):
+                family.add_metric([plugin, outcome], getattr(c, outcome))
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model: str,
+                 plugin_counts: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model))
+        if plugin_counts is not None:
+            self.registry.register(_PluginCollector(plugin_counts))
         lab = ["model_name"]
         r = self.registry
         self._model = model

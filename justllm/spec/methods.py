@@ -3,14 +3,16 @@
 A method declares whether a draft model (``--draft-model``) proposes, whether its drafts are
 trees (several candidates per level: extra sequence ids, verified in one batch), how many draft
 nodes a request may put in a step, and, for a method with no model, how to build its proposer.
-``EngineConfig`` validates ``--spec`` against this table and the engine builds the proposer from
-it (``engine/proposers.py``), so a new model-free method is one entry here.
+``EngineConfig`` validates ``--spec`` against its table of methods (these, and with plugins
+every one registered through ``register_spec_methods``) and the engine builds the proposer from
+it (``engine/proposers.py``), so a new model-free method is one entry here or in a plugin.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from justllm.spec.proposer import NgramProposer, Proposer
 
@@ -30,8 +32,9 @@ class SpecMethod:
         return branch + branch * branch * max(gamma - 1, 1) if gamma > 1 else branch
 
 
-SPEC_METHODS: dict[str, SpecMethod] = {m.name: m for m in (
+# Read-only: the built-in plugin registers these; plugins add theirs (Plugins.spec_methods).
+SPEC_METHODS: Mapping[str, SpecMethod] = MappingProxyType({m.name: m for m in (
     SpecMethod("ngram", draft_model=False, proposer=NgramProposer),
     SpecMethod("draft", draft_model=True),
     SpecMethod("tree", draft_model=True, tree=True),
-)}
+)})
