@@ -11,7 +11,10 @@ from justllm.config import EngineConfig
 # Every engine the tests start (in this process or as a server) checks after each step that
 # llama.cpp's KV is what the scheduler believes (justllm/core/kv_view.py).
 os.environ["JUSTLLM_CHECK_KV"] = "1"
-KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV"}
+# The core tests load no installed plugin (plugins/*/tests test theirs; tests/plugins registers
+# its own): a plugin in the venv must not change what they see.
+os.environ["JUSTLLM_PLUGINS"] = ""
+KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS"}
 
 
 @pytest.fixture(autouse=True)

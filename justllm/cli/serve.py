@@ -82,7 +82,8 @@ def serve(
         if role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
-                                     model_name=served_model_name, role=role,
+                                     model_name=served_model_name or plugins.served_name(model),
+                                     role=role,
                                      record_text=record_text)
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
                          routes=routes, events=events)

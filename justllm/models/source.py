@@ -26,7 +26,8 @@ def cache_dir() -> Path:
 
 class ModelSource(Protocol):
     """One place a model name can point to. A source may also list its models for ``justllm
-    models`` with a ``models() -> list[ListedModel]`` method (plugins' sources do)."""
+    models`` with a ``models() -> list[ListedModel]`` method, and name the model id a server
+    answers to with ``served_name(ref) -> str | None`` (plugins' sources do)."""
 
     name: str
 

@@ -61,8 +61,10 @@ class _Worker:
                 self.fn(record=record)
             except Exception as e:
                 self.counts.failed += 1
-                log.warning("plugin %s: on_request_finished failed: %s: %s", self.plugin,
-                            type(e).__name__, e)
+                n = self.counts.failed
+                if n == 1 or n % 1000 == 0:  # a broken plugin must not flood the log
+                    log.warning("plugin %s: on_request_finished failed (%d so far): %s: %s",
+                                self.plugin, n, type(e).__name__, e)
             else:
                 self.counts.delivered += 1
 

@@ -146,6 +146,19 @@ class Plugins:
 
         return resolve_model(model, self.model_sources())
 
+    def served_name(self, model: str | None) -> str | None:
+        """The model id ``justllm serve MODEL`` answers to when a source names it (a source's
+        optional ``served_name(ref)``: ``ollama:llama3.2`` -> ``llama3.2``, where the file is
+        ``sha256-...``); None: the file's stem."""
+        if model is None:
+            return None
+        for source in self.model_sources():
+            namer = getattr(source, "served_name", None)
+            name = namer(model) if namer is not None else None
+            if name:
+                return str(name)
+        return None
+
     def listed_models(self) -> list[tuple[str, ListedModel]]:
         """(source name, model) for each model a source with ``models()`` lists."""
         rows: list[tuple[str, ListedModel]] = []

@@ -1,0 +1,125 @@
+"""Plugins in a real ``justllm serve`` and a real engine: a model source, a speculation
+method, routes, and on_request_finished records (the sample plugin in ``site/``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.engine import Engine
+from justllm.plugins import load_plugins
+from tests.helpers import divergence_is_noise, run_alone
+from tests.plugins.test_loading import SITE
+from tests.server.conftest import start_server
+
+PERIODIC = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1"
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5)
+
+
+@pytest.fixture
+def sample(monkeypatch):
+    monkeypatch.syspath_prepend(str(SITE))
+    yield load_plugins({"JUSTLLM_PLUGINS": "justllm-sample"})
+
+
+@pytest.mark.model
+def test_a_plugin_speculation_method_is_lossless_and_its_drafts_are_accepted(sample, engine,
+                                                                          model_path):
+    with pytest.raises(ValueError, match="spec must be one of ngram, draft, tree "):
+        EngineConfig(model=model_path, spec="period")  # without the plugin's table
+    spec = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128, spec="period",
+                               spec_methods=sample.spec_methods))
+    try:
+        ref, ref_lp = run_alone(engine, PERIODIC, GREEDY)
+        got, got_lp = run_alone(spec, PERIODIC, GREEDY)
+        stats = spec.stats().spec
+    finally:
+        spec.close()
+    ok, why = divergence_is_noise(ref, ref_lp, got, got_lp)
+    assert ok, why
+    assert len(got) == 24
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+@pytest.mark.model
+def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_path, engine):
+    records = tmp_path / "records.jsonl"
+    env = {"PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
+           "JUSTLLM_SAMPLE_RECORDS": str(records)}
+    server = start_server("sample:demo", "--spec", "period", "--api-key", "k", "--record-text",
+                          "--max-seqs", "4", "--pool-blocks", "128", env=env)
+    auth = {"Authorization": "Bearer k"}
+    try:
+        assert server.model == "demo"  # the source's served_name, not the file's stem
+        # The plugin's route: behind --api-key like /v1, with the loaded model.
+        url = server.url + "/v1/sample/tokenize"
+        assert httpx.post(url, json={"text": "Hello world"}).status_code == 401
+        r = httpx.post(url, json={"text": "Hello world"}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"model": "demo", "tokens": engine.tokenize("Hello world")}
+        answers = []
+        for prompt in (PERIODIC, "The capital of France is"):
+            r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=120, json={
+                "model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        accepted = re.search(r"^vllm:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$",
+                             metrics, re.M)
+        assert accepted and float(accepted.group(1)) > 0  # the plugin's proposer drafted
+    finally:
+        assert server.stop() == 0
+    # Every request's record reached the plugin before the server exited.
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert [x["finish_reason"] for x in lines] == ["length", "length"]
+    for rec, answer, prompt in zip(lines, answers, (PERIODIC, "The capital of France is")):
+        assert rec["model"] == "demo"
+        assert rec["prompt_tokens"] == answer["usage"]["prompt_tokens"]
+        assert rec["completion_tokens"] == answer["usage"]["completion_tokens"] == 12
+        assert rec["prompt"] == prompt and rec["output"] == answer["choices"][0]["text"]
+        assert rec["params"] == {"max_tokens": 12, "temperature": 0.0}
+        assert rec["queued_seconds"] >= 0 and rec["prefill_seconds"] > 0
+        assert rec["decode_seconds"] > 0
+        assert rec["total_seconds"] == pytest.approx(
+            rec["queued_seconds"] + rec["prefill_seconds"] + rec["decode_seconds"], abs=1e-6)
+
+
+@pytest.mark.model
+def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_path):
+    records = tmp_path / "records.jsonl"
+    env = {"PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
+           "JUSTLLM_SAMPLE_RECORDS": str(records)}
+    server = start_server("sample:demo", "--max-seqs", "2", "--pool-blocks", "64", env=env)
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 200, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the client leaves after its first token
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 30  # the abort's record follows the client's leaving
+        while len(records.read_text().splitlines() if records.exists() else []) < 2:
+            assert time.monotonic() < deadline, "no record of the aborted request"
+            time.sleep(0.05)
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        assert server.stop() == 0
+    counts = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^justllm_plugin_request_records_total\{outcome="(\w+)",plugin="justllm-sample"\} '
+        r'(\S+)$', metrics, re.M)}
+    assert counts == {"delivered": 2.0, "failed": 0.0, "dropped": 0.0}
+    lines = sorted((json.loads(x) for x in records.read_text().splitlines()),
+                   key=lambda x: x["finish_reason"])
+    assert [x["finish_reason"] for x in lines] == ["abort", "length"]
+    assert all(x["prompt"] is None and x["output"] is None for x in lines)
+    assert 1 <= lines[0]["completion_tokens"] < 200
+    assert os.path.getsize(records) > 0
