@@ -29,6 +29,7 @@ from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
+from justllm.engine.row_sampling import RowJob, RowSampler, worth_a_worker
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
@@ -164,6 +165,7 @@ class Engine:
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
         self._observer: RequestObserver | None = None
+        self.row_sampler = RowSampler(config.threads if config.threads > 0 else 0)
         self._kv_identity: KVIdentity | None = None
         self.loras = LoraRegistry(backend)
         try:
@@ -513,6 +515,7 @@ class Engine:
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         result = StepResult()
+        presampled = self._presample(plan, logits)
         row = 0
         for i, chunk in enumerate(plan.chunks):
             req = chunk.request
@@ -527,14 +530,36 @@ class Engine:
             if chunk.draft is not None:
                 outputs.append(self._verify(live, chunk, rows, now, result, i))
             elif n_rows:
-                outputs.append(self._sample_one(live, rows[0], now, result))
+                outputs.append(self._sample_one(live, rows[0], now, result, presampled.get(i)))
         return outputs, result
 
-    def _sample_one(self, live: _Live, logits, now: float, result: StepResult) -> RequestOutput:
+    def _presample(self, plan: StepPlan, logits) -> dict:
+        """The step's sampled rows, side by side on the row sampler's threads
+        (engine/row_sampling.py); greedy and grammar rows are left to ``_sample_one``."""
+        jobs = []
+        row = 0
+        for i, chunk in enumerate(plan.chunks):
+            first, row = row, row + chunk.num_logits
+            live = self._live.get(chunk.request.request_id)
+            if (chunk.draft is None and chunk.num_logits and live is not None
+                    and chunk.request.status is RequestStatus.RUNNING
+                    and worth_a_worker(live.sampler)):
+                req = live.request
+                jobs.append(RowJob(i, live.sampler, logits[first], req.prompt_token_ids,
+                                   req.output_token_ids))
+        return self.row_sampler.sample(jobs) if len(jobs) > 1 else {}
+
+    def _sample_one(self, live: _Live, logits, now: float, result: StepResult,
+                    sampled: SampledToken | EngineError | None = None) -> RequestOutput:
+        """``sampled``: the row's token when ``_presample`` drew it (or its sampler's error)."""
         req = live.request
         out = _Emitted()
         try:
-            sampled = live.sampler.sample(logits, req.prompt_token_ids, req.output_token_ids)
+            if isinstance(sampled, EngineError):
+                raise sampled
+            if sampled is None:
+                sampled = live.sampler.sample(logits, req.prompt_token_ids,
+                                              req.output_token_ids)
         except EngineError as e:  # e.g. a grammar with no way forward: end this request only
             return self._end_with_error(live, out, str(e), result)
         self._emit(live, sampled, now, out)
@@ -674,6 +699,7 @@ class Engine:
     def close(self) -> None:
         if self.spec is not None:
             self.spec.close()
+        self.row_sampler.close()
         self.backend.close()
 
 
