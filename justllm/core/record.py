@@ -20,6 +20,9 @@ class RequestRecord:
     """One finished request. Times are seconds; ``None`` where the request never got there
     (aborted while queued: no prefill; no token: no decode)."""
 
+    # The API's response id (``chatcmpl-...``, ``cmpl-...``, ``msg_...``, ``resp_...``), with
+    # ``-0``, ``-1``... per choice when a request asked for several; ``req-N`` for requests
+    # with no response id (Ollama's API, ``justllm run``/``chat``).
     request_id: str
     model: str  # the id clients use (``justllm serve --model-name``, or the GGUF file's stem)
     finish_reason: str  # "stop", "length", "abort" (the client left) or "error"

@@ -164,12 +164,17 @@ class OpenAIServing:
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 
-    def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]]) -> list[RequestStream]:
-        """Submit every choice, or none: if one is refused the others are aborted."""
+    def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]],
+                rid: str | None = None) -> list[RequestStream]:
+        """Submit every choice, or none: if one is refused the others are aborted. ``rid``:
+        the API's response id, which the engine's requests take (``RID`` for one choice,
+        ``RID-0``, ``RID-1``... for several), so records and logs name what clients see."""
         streams: list[RequestStream] = []
+        ids = ([rid] if len(jobs) == 1 else [f"{rid}-{i}" for i in range(len(jobs))]
+               if rid else [None] * len(jobs))
         try:
-            for prompt, params in jobs:
-                streams.append(self.aengine.submit(prompt, params))
+            for (prompt, params), request_id in zip(jobs, ids):
+                streams.append(self.aengine.submit(prompt, params, request_id))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -280,9 +285,10 @@ class OpenAIServing:
                     "bytes": list(piece)}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _start_chat(self, req: ChatCompletionRequest
+    def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None
                     ) -> tuple[list[RequestStream], list[ChoiceText]]:
-        """Check ``req``, render it, submit its choices; their streams and text handlers."""
+        """Check ``req``, render it, submit its choices (as ``rid``, the response id); their
+        streams and text handlers."""
         self.check_model(req.model)
         self.check_supported(req)
         plan = tool_plan(req)
@@ -299,7 +305,7 @@ class OpenAIServing:
             (prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
                              grammar=grammar)) for i in range(req.n)]
         try:
-            streams = self._submit(jobs)
+            streams = self._submit(jobs, rid)
         except InvalidRequestError as e:  # the engine compiles the grammar
             if plan.enforced and e.param == "response_format":
                 raise InvalidRequestError(str(e), param="tools") from None
@@ -317,10 +323,11 @@ class OpenAIServing:
             call_id = f"call_{uuid.uuid4().hex[:24]}"
         return ToolCall(call_id, call.name, call.arguments)
 
-    async def chat_result(self, req: ChatCompletionRequest) -> ChatResult:
+    async def chat_result(self, req: ChatCompletionRequest, rid: str | None = None
+                          ) -> ChatResult:
         """``req`` answered whole (``req.stream`` is not read). Request errors raise before
-        anything runs."""
-        streams, answers = self._start_chat(req)
+        anything runs. ``rid``: the response id (the engine's request ids follow it)."""
+        streams, answers = self._start_chat(req, rid)
         texts, lps, finals = await self._collect(streams, [""] * len(streams))
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
@@ -332,11 +339,11 @@ class OpenAIServing:
                 None if calls or final is None else final.stop))
         return ChatResult(choices, _usage(finals, req.n))
 
-    async def chat_events(self, req: ChatCompletionRequest
+    async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None
                           ) -> AsyncGenerator[ChatEvent, None]:
         """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
         raise here, before anything is streamed; closing the iterator aborts the request."""
-        streams, answers = self._start_chat(req)
+        streams, answers = self._start_chat(req, rid)
         return self._events(streams, answers, req.n)
 
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
@@ -370,9 +377,9 @@ class OpenAIServing:
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await self.chat_events(req)
+            events = await self.chat_events(req, rid)
             return self._chat_sse(events, rid, created, req.n, include_usage)
-        result = await self.chat_result(req)
+        result = await self.chat_result(req, rid)
         choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
             for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
@@ -440,9 +447,10 @@ class OpenAIServing:
         jobs = [(p, self._params(req, req.max_tokens if req.max_tokens is not None else 16,
                                  req.logprobs, j))
                 for p in prompts for j in range(req.n)]
-        streams = self._submit(jobs)
-        echoes = [self._echo_text(p) if req.echo else "" for p in prompts for _ in range(req.n)]
-        return await self._respond(streams, _CompletionShape(self, echoes), req, req.n)
+        shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p in prompts
+                                        for _ in range(req.n)])
+        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        return await self._respond(self._submit(jobs, rid), shape, req, req.n, rid)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -452,8 +460,9 @@ class OpenAIServing:
     # ---- the scaffold of text completions' full and streamed responses ---------------------
 
     async def _respond(self, streams: list[RequestStream], shape: _Shape,
-                       req: CompletionRequest, n: int) -> TextCompletion | AsyncIterator[bytes]:
-        rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+                       req: CompletionRequest, n: int, rid: str
+                       ) -> TextCompletion | AsyncIterator[bytes]:
+        created = int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

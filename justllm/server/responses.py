@@ -211,8 +211,8 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
     resp = _skeleton(rid, req.model or served.model_id, req)
     if req.stream:
-        return sse_response(_stream(resp, await served.completions.chat_events(chat)))
-    result = await unless_disconnected(request, served.completions.chat_result(chat))
+        return sse_response(_stream(resp, await served.completions.chat_events(chat, rid)))
+    result = await unless_disconnected(request, served.completions.chat_result(chat, rid))
     if isinstance(result, Response):
         return result
     return _full(resp, result)

@@ -80,6 +80,7 @@ def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_pa
     lines = [json.loads(x) for x in records.read_text().splitlines()]
     assert [x["finish_reason"] for x in lines] == ["length", "length"]
     for rec, answer, prompt in zip(lines, answers, (PERIODIC, "The capital of France is")):
+        assert rec["request_id"] == answer["id"] and answer["id"].startswith("cmpl-")
         assert rec["model"] == "demo"
         assert rec["prompt_tokens"] == answer["usage"]["prompt_tokens"]
         assert rec["completion_tokens"] == answer["usage"]["completion_tokens"] == 12
@@ -103,11 +104,12 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # the client leaves after its first token
-        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "prompt": "Hi", "max_tokens": 3})
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2})
         assert r.status_code == 200
+        chat_id = r.json()["id"]
         deadline = time.monotonic() + 30  # the abort's record follows the client's leaving
-        while len(records.read_text().splitlines() if records.exists() else []) < 2:
+        while len(records.read_text().splitlines() if records.exists() else []) < 3:
             assert time.monotonic() < deadline, "no record of the aborted request"
             time.sleep(0.05)
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
@@ -116,10 +118,12 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
     counts = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^justllm_plugin_request_records_total\{outcome="(\w+)",plugin="justllm-sample"\} '
         r'(\S+)$', metrics, re.M)}
-    assert counts == {"delivered": 2.0, "failed": 0.0, "dropped": 0.0}
+    assert counts == {"delivered": 3.0, "failed": 0.0, "dropped": 0.0}
     lines = sorted((json.loads(x) for x in records.read_text().splitlines()),
-                   key=lambda x: x["finish_reason"])
-    assert [x["finish_reason"] for x in lines] == ["abort", "length"]
+                   key=lambda x: (x["finish_reason"], x["request_id"]))
+    assert [x["finish_reason"] for x in lines] == ["abort", "length", "length"]
+    assert chat_id.startswith("chatcmpl-")
+    assert [x["request_id"] for x in lines[1:]] == [f"{chat_id}-0", f"{chat_id}-1"]  # n = 2
     assert all(x["prompt"] is None and x["output"] is None for x in lines)
     assert 1 <= lines[0]["completion_tokens"] < 200
     assert os.path.getsize(records) > 0
