@@ -40,6 +40,15 @@ class Terminal:
         before, _, self.buffer = self.buffer.partition(text)
         return before
 
+    def read_some(self, n: int, timeout: float = 120) -> str:
+        """What has been printed, once it is ``n`` characters at least (left in the buffer)."""
+        deadline = time.monotonic() + timeout
+        while len(self.buffer) < n and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], deadline - time.monotonic())
+            if ready:
+                self.buffer += os.read(self.master, 65536).decode("utf-8", "replace")
+        return self.buffer
+
     def send(self, line: str) -> None:
         os.write(self.master, (line + "\n").encode())
 
@@ -82,8 +91,14 @@ def test_chat_against_a_server_in_a_terminal(server):
     assert "(conversation cleared)" in t.expect(">>> ")
     t.send("/set max_tokens 400")
     t.expect(">>> ")
-    t.send("Write a very long story.")
-    time.sleep(2.0)  # mid-answer
+    for _ in range(3):  # Ctrl-C once an answer is streaming (a short one may end first: again)
+        t.send("Write a very long story.")
+        t.expect("Write a very long story.\r\n")  # the terminal's echo
+        if ">>> " not in t.read_some(20):
+            break
+        t.expect(">>> ")
+    else:
+        pytest.fail("three answers ended within 20 characters")
     t.proc.send_signal(signal.SIGINT)  # what Ctrl-C does
     assert "(stopped)" in t.expect(">>> ")
     t.send("/nope")
