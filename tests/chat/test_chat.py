@@ -20,8 +20,12 @@ class Terminal:
 
     def __init__(self, *args: str) -> None:
         self.master, slave = pty.openpty()
+        # SIGINT back to its default: a test run started in the background (``cmd &`` without
+        # job control) ignores it, the child would inherit that, and Ctrl-C would do nothing.
         self.proc = subprocess.Popen([sys.executable, "-m", "justllm", *args], stdin=slave,
-                                     stdout=slave, stderr=slave, close_fds=True)
+                                     stdout=slave, stderr=slave, close_fds=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
         os.close(slave)
         self.buffer = ""
 
