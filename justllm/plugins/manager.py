@@ -123,17 +123,15 @@ class Plugins:
     def _sources(self) -> tuple[tuple[int, int, ModelSource], ...]:
         found: list[tuple[int, int, ModelSource]] = []
 
-        def entry(source: ModelSource, priority: int = DEFAULT_SOURCE_PRIORITY
-                  ) -> tuple[str, Any]:
+        def register(source: ModelSource, priority: int = DEFAULT_SOURCE_PRIORITY) -> None:
             if not isinstance(getattr(source, "name", None), str) or \
                     not callable(getattr(source, "find", None)):
                 raise TypeError("a model source needs a name and a find(ref) method")
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise TypeError(f"model source {source.name}: priority must be an integer")
-            found.append((priority, len(found), source))
-            return f"{source.name}#{len(found)}", source  # names need not be unique
+            found.append((priority, len(found), source))  # names need not be unique
 
-        self._named("register_model_sources", "model source", entry)
+        self._each("register_model_sources", register=register)
         return tuple(sorted(found, key=lambda t: (t[0], t[1])))
 
     def model_sources(self) -> tuple[ModelSource, ...]:
