@@ -5,21 +5,43 @@ Not a test: prints tok/s per concurrency and the share of each step spent outsid
 once every sequence has its first token. ``--temperature``/``--top-p`` sample instead of greedy
 (the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
 ``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
-can approach.
+can approach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
+(``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
+10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
+compare the two.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
-        [--temperature 0.8] [--top-p 0.95] [--raw] [--gpu] [--json FILE]
+        [--temperature 0.8] [--top-p 0.95] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
+
+
+def time_sampling(engine: Engine) -> None:
+    """Count the seconds the engine spends choosing tokens (``engine.sampling_seconds``): its
+    pooled rows and its one-by-one rows, detokenizing and stop checks included (they cost the
+    same greedy or sampled, so the difference between the two is the sampling)."""
+    engine.sampling_seconds = 0.0  # type: ignore[attr-defined]
+    for name in ("_presample", "_sample_one"):
+        inner = getattr(engine, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                engine.sampling_seconds += time.perf_counter() - t0  # type: ignore[attr-defined]
+        setattr(engine, name, timed)
 
 
 def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
@@ -33,6 +55,7 @@ def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
         started |= {o.request_id for o in engine.step()}
     t0 = time.perf_counter()
     d0 = engine.backend.decode_seconds
+    s0 = engine.sampling_seconds  # type: ignore[attr-defined]
     steps = produced = 0
     while engine.has_unfinished():
         produced += sum(len(o.token_ids) for o in engine.step())
@@ -40,6 +63,7 @@ def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
     wall = time.perf_counter() - t0
     in_llama = engine.backend.decode_seconds - d0
     assert all(i not in engine._live for i in ids)
+    engine.last_sampling_per_step = (engine.sampling_seconds - s0) / steps  # type: ignore
     return produced / wall, (wall - in_llama) / wall, wall / steps
 
 
@@ -68,6 +92,36 @@ def raw_decode(engine: Engine, n: int, tokens: int) -> float:
     return rate
 
 
+def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> list[dict]:
+    """Greedy and sampled rounds in turn at each level; medians, their ratio, and the extra
+    milliseconds a step spends when it samples (the per-step sampling time)."""
+    print(f"{'seqs':>5} {'greedy':>8} {'sampled':>8} {'ratio':>6} {'ms/step':>8} {'+ms':>6} "
+          f"{'choose ms':>9} {'greedy':>7}")
+    rows = []
+    for n in levels:
+        greedy, sampled = [], []
+        g_choose, s_choose = [], []
+        for _ in range(args.rounds):
+            greedy.append(measure(engine, n, args.tokens))
+            g_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
+            sampled.append(measure(engine, n, args.tokens, args.temperature, args.top_p))
+            s_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
+        g = statistics.median(r[0] for r in greedy)
+        s = statistics.median(r[0] for r in sampled)
+        g_step = statistics.median(r[2] for r in greedy)
+        s_step = statistics.median(r[2] for r in sampled)
+        ratios = [b[0] / a[0] for a, b in zip(greedy, sampled)]
+        rows.append({"seqs": n, "greedy_tok_s": g, "sampled_tok_s": s,
+                     "ratio": statistics.median(ratios), "ratios": ratios,
+                     "greedy_ms_per_step": 1000 * g_step, "sampled_ms_per_step": 1000 * s_step,
+                     "choose_ms_per_step": 1000 * statistics.median(s_choose),
+                     "greedy_choose_ms_per_step": 1000 * statistics.median(g_choose)})
+        print(f"{n:>5} {g:>8.1f} {s:>8.1f} {statistics.median(ratios):>6.3f} "
+              f"{1000 * s_step:>8.1f} {1000 * (s_step - g_step):>6.1f} "
+              f"{1000 * statistics.median(s_choose):>9.2f} {1000 * statistics.median(g_choose):>7.2f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
@@ -76,6 +130,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--vs-greedy", action="store_true",
+                    help="alternate greedy and sampled rounds; report medians and the ratio")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
     ap.add_argument("--raw", action="store_true", help="also time bare llama_decode (the limit)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
     ap.add_argument("--json", help="also write the rows to this file")
@@ -85,7 +142,17 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, max_seqs=seqs, max_decode=seqs,
                                  pool_blocks=max(1024, seqs * (args.tokens + 32) // 16 + 64),
                                  threads=args.threads, gpu=args.gpu or EngineConfig().gpu))
+    time_sampling(engine)
     measure(engine, 2, 4)  # warm-up
+    if args.vs_greedy:
+        rows = vs_greedy(engine, levels, args)
+        engine.close()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": engine.config.gpu, "tokens": args.tokens, "rounds": args.rounds,
+                           "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
+                          f, indent=1)
+        return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
           + (f" {'raw tok/s':>10} {'of raw':>7}" if args.raw else ""))
     rows = []

@@ -29,7 +29,7 @@ from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
-from justllm.engine.row_sampling import RowJob, RowSampler, worth_a_worker
+from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, worth_a_worker
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
@@ -165,7 +165,7 @@ class Engine:
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
         self._observer: RequestObserver | None = None
-        self.row_sampler = RowSampler(config.threads if config.threads > 0 else 0)
+        self.row_sampler = RowSampler(sampling_workers(config.gpu, config.threads))
         self._kv_identity: KVIdentity | None = None
         self.loras = LoraRegistry(backend)
         try:

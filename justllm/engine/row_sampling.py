@@ -1,11 +1,17 @@
 """Sampling a step's rows side by side on worker threads.
 
-A sampled (temperature > 0) row costs about a millisecond on a 262k vocabulary -- a float32 exp
-and a nucleus over every logit -- and the engine thread used to do them one after another while
-llama.cpp's threads sat idle between two decodes. numpy releases the GIL inside those passes,
-so the rows of one step run in parallel on a small pool, one row per task: each request's
-sampler (its random generator, its penalties) is touched by one task only, so every request
-draws exactly what it would have drawn alone, and seeds stay reproducible.
+A sampled (temperature > 0) row costs about half a millisecond on a 262k vocabulary (two
+full-row passes, engine/sampler.py), and the engine thread does them one after another between
+two decodes. numpy releases the GIL inside those passes, so the rows of one step can run in
+parallel on a small pool, one row per task: each request's sampler (its random generator, its
+penalties) is touched by one task only, so every request draws exactly what it would have drawn
+alone, and seeds stay reproducible.
+
+The pool only pays where cores are idle between decodes (:func:`sampling_workers`): with the
+model on a GPU, or when llama.cpp runs on fewer threads than there are cores. On a CPU build
+using every core it costs more than it gives: llama.cpp's OpenMP threads spin for a while after
+each decode, and the workers fight them for the cores (2 cores, 8 rows at temperature 0.8: 6.5
+ms a step on two workers, 5.4 ms on the engine thread alone).
 
 Greedy rows (an argmax) are not worth a hand-off, and grammar-constrained rows stay on the engine
 thread: their matcher lives in llama.cpp, which the engine calls from one thread only.
@@ -33,16 +39,25 @@ class RowJob:
     output_ids: list[int]
 
 
+def sampling_workers(gpu: bool, llama_threads: int, cores: int | None = None) -> int:
+    """Threads for the step's sampled rows: the cores llama.cpp leaves idle between decodes
+    (all of them with the model on a GPU), at most 8; 1 means on the engine thread."""
+    cores = cores or os.cpu_count() or 1
+    idle = cores if gpu else cores - (llama_threads or cores)
+    return max(1, min(idle, 8))
+
+
 def worth_a_worker(sampler: RequestSampler) -> bool:
     """A row that costs more than a hand-off and that a worker may sample (module docstring)."""
     return not sampler.params.greedy and sampler.constraint is None
 
 
 class RowSampler:
-    """The pool (started on first use, ``workers`` threads; 0: one per core, at most 8)."""
+    """The pool (started on first use, with ``workers`` threads; 1: none, rows are sampled on
+    the caller's thread)."""
 
-    def __init__(self, workers: int = 0) -> None:
-        self.workers = workers or min(os.cpu_count() or 1, 8)
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
 
     def sample(self, jobs: Sequence[RowJob]) -> dict[Hashable, SampledToken | EngineError]:

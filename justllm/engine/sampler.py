@@ -1,20 +1,26 @@
 """Token sampling over one logits row, in numpy.
 
 Greedy is ``np.argmax`` (docs/llama-cpp-facts.md: ~22 µs on the 262k vocabulary, ~15x faster than a llama.cpp
-sampler chain). Sampled decoding follows vLLM's order: penalties, temperature, top-k, top-p,
-min-p, then a draw from the request's own generator, so a seed reproduces a request alone.
+sampler chain). Sampled decoding applies penalties, temperature, top-k, min-p, top-p,
+then draws from the request's own generator, so a seed reproduces a request alone.
 
-Full-vocabulary passes are what a sampled token costs (one ``exp`` over 262k floats is ~0.4
-ms here), so each step makes as few as it can: the weights stay unnormalised (the draw scales
-its uniform by their total instead of dividing every weight), and top-k and the top-p nucleus
-are found among a few candidates that block maxima pick in one cheap pass
-(:func:`top_candidates`) rather than by partitioning the whole row (~4 ms). Candidate ids are
-kept in ascending order, so a draw depends on the distribution alone, not on how a partition
-happened to order its output.
+Full-vocabulary passes are what a sampled token costs (one ``exp`` over 262k floats is ~0.5
+ms here), so a draw makes two cheap ones -- the row's maximum, and a compare that keeps the
+*candidates*, the tokens within ``_CUT`` nats (after temperature) of the best -- and does
+everything else on those few thousand. Nothing is approximated: every other token weighs less
+than ``e**-_CUT`` of the best (together at most their count times that), and the sampler needs
+their exact weight when that bound could change the answer: when a top-p cut lands within the
+bound's reach of a boundary, or when a pure-temperature draw's uniform falls within it of the
+candidates' share (``_draw``). Then it weighs the whole row, as it used to on every token; on
+the demo model that is fewer than one draw in a thousand.
+
+Candidate ids are kept in ascending order, so a draw depends on the distribution alone, not
+on how a partition happened to order its output.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +29,11 @@ import numpy as np
 from justllm.core.sampling_params import SamplingParams
 from justllm.spec.verify import accept_or_resample
 
-_NUCLEUS_PROBES = (1024, 16384)
+_NUCLEUS_LEVELS = (np.float32(1e-2), np.float32(1e-4))
+# Candidates: tokens within _CUT nats of the best after temperature. Each other token weighs at
+# most _CUT_WEIGHT of the best (the 1.001 covers float32 rounding of the scaled logit).
+_CUT = 20.0
+_CUT_WEIGHT = math.exp(-_CUT) * 1.001
 _CDF_BLOCK = 4096
 
 
@@ -97,6 +107,49 @@ class RequestSampler:
         return accept_or_resample(dense, draft_token, q_row, self.rng)
 
     def _draw(self, x: np.ndarray) -> int:
+        """One token from the candidates (module docstring); the whole row only when the
+        weight left out could change the answer. Every branch that does not depend on the draw
+        may use any exact method; the branches that do keep one order of the tokens, so the
+        result is distributed exactly as the full softmax."""
+        p = self.params
+        if p.top_k and p.top_k < x.size:  # the k best: nothing else can be drawn
+            ids = top_candidates(x, p.top_k)
+            m = float(x[ids].max())
+            rest = 0.0
+        else:
+            m = float(x.max())
+            if 0.0 < p.min_p < _CUT_WEIGHT:
+                return self._draw_full(x)  # min-p may keep tokens outside the candidates
+            ids = np.flatnonzero(x >= np.float32(m - p.temperature * _CUT))
+            # The weight of everything else: a bound (exactly 0 once min-p has cut, since it
+            # keeps candidates only).
+            rest = 0.0 if p.min_p else (x.size - ids.size) * _CUT_WEIGHT
+        w = _weights(x[ids], m, p.temperature)
+        if p.min_p > 0.0:
+            keep = np.flatnonzero(w >= np.float32(p.min_p))  # p >= min_p * p_max
+            ids, w = ids[keep], w[keep]
+        if p.top_p < 1.0:
+            keep = _nucleus(w, p.top_p, rest)
+            if keep is None and rest:  # the left-out weight decides the cut: weigh it
+                rest = max(_total(x, m, p.temperature) - float(w.sum(dtype=np.float64)), 0.0)
+                keep = _nucleus(w, p.top_p, rest, exact=True)
+            if keep is None:
+                return self._draw_full(x)  # the nucleus reaches past the candidates
+            ids, w = ids[keep], w[keep]
+        elif rest:
+            # Pure temperature: first the candidates or the rest, by their shares, then a token
+            # within the side drawn. The rest's exact weight is needed only when the uniform
+            # lands within its bound of the candidates' share.
+            u = self.rng.random()
+            inside = float(w.sum(dtype=np.float64))
+            if u * (inside + rest) >= inside:
+                full = _weights(x, m, p.temperature)
+                if u * float(full.sum(dtype=np.float64)) >= inside:
+                    full[ids] = 0.0
+                    return inverse_cdf(full, self.rng.random())
+        return int(ids[inverse_cdf(w, self.rng.random())])
+
+    def _draw_full(self, x: np.ndarray) -> int:
         ids, w = self._distribution(x)
         choice = inverse_cdf(w, self.rng.random())
         return int(choice if ids is None else ids[choice])
@@ -109,16 +162,14 @@ class RequestSampler:
         if p.top_k and p.top_k < x.size:
             ids = top_candidates(x, p.top_k)
             x = x[ids]
-        # (x - max) / T in one buffer of our own, then exp in place: the best weight is 1.
-        w = np.subtract(x, x.max(), dtype=np.float32)
-        w *= np.float32(1.0 / p.temperature)
-        np.exp(w, out=w)
+        w = _weights(x, float(x.max()), p.temperature)
         if p.min_p > 0.0:
             keep = np.flatnonzero(w >= np.float32(p.min_p))  # p >= min_p * p_max
             ids = keep if ids is None else ids[keep]
             w = w[keep]
         if p.top_p < 1.0:
-            order = _nucleus(w, p.top_p)
+            order = _nucleus(w, p.top_p, 0.0, exact=True)
+            assert order is not None  # with nothing left out, the nucleus is within w
             ids = order if ids is None else ids[order]
             w = w[order]
         return ids, w
@@ -166,23 +217,43 @@ def inverse_cdf(probs: np.ndarray, u: float) -> int:
     return min(start + int(np.searchsorted(inner, rest, side="right")), n - 1)
 
 
-def _nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
-    """Indices of the smallest most-likely set whose mass reaches ``top_p`` of ``w``'s total,
-    ascending. The best 1k, then 16k candidates are tried before sorting everything: the
-    nucleus is usually small."""
-    need = top_p * float(w.sum(dtype=np.float64))
+def _weights(x: np.ndarray, m: float, temperature: float) -> np.ndarray:
+    """exp((x - m) / T) in a float32 buffer of our own (the best weight is 1 when m is x's
+    maximum)."""
+    w = np.subtract(x, np.float32(m), dtype=np.float32)
+    w *= np.float32(1.0 / temperature)
+    np.exp(w, out=w)
+    return w
+
+
+def _total(x: np.ndarray, m: float, temperature: float) -> float:
+    return float(_weights(x, m, temperature).sum(dtype=np.float64))
+
+
+def _nucleus(w: np.ndarray, top_p: float, rest: float, exact: bool = False) -> np.ndarray | None:
+    """Indices of the smallest most-likely set of ``w`` whose mass reaches ``top_p`` of the
+    total, ascending, where the total is ``w``'s sum plus some weight left out of ``w``: at most
+    ``rest``, or exactly ``rest`` if ``exact``. None when the bound leaves the cut undecided or
+    the set would reach past ``w``. The weights above 1% of the best, then above 0.01%, are
+    tried before sorting everything: the nucleus is usually small."""
+    inside = float(w.sum(dtype=np.float64))
+    low = top_p * (inside + (rest if exact else 0.0))
+    high = top_p * (inside + rest)
+    if high > inside:
+        return None
     order = None
-    for k in _NUCLEUS_PROBES:
-        if w.size <= k:
-            break
-        cand = top_candidates(w, k)
-        if w[cand].sum(dtype=np.float64) >= need:
+    for level in _NUCLEUS_LEVELS:  # the weights (the best is 1) at or above a level first
+        cand = np.flatnonzero(w >= level)
+        if cand.size < w.size and w[cand].sum(dtype=np.float64) >= high:
             order = cand[np.argsort(-w[cand], kind="stable")]
             break
     if order is None:
         order = np.argsort(-w, kind="stable")
-    cut = int(np.searchsorted(np.cumsum(w[order], dtype=np.float64), need)) + 1
-    keep = order[:min(cut, order.size)]
+    cdf = np.cumsum(w[order], dtype=np.float64)
+    cut = int(np.searchsorted(cdf, low))
+    if cut != int(np.searchsorted(cdf, high)):
+        return None
+    keep = order[:min(cut + 1, order.size)]
     keep.sort()
     return keep
 

@@ -91,3 +91,16 @@ def test_one_row_or_one_worker_stays_on_the_callers_thread():
 def test_only_sampled_rows_without_a_grammar_go_to_a_worker(params, worth):
     assert worth_a_worker(RequestSampler(params, 0)) is worth
     assert not worth_a_worker(RequestSampler(params, 0, constraint=object()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpu,llama_threads,cores,workers", [
+    (False, 0, 2, 1),  # llama.cpp on every core: rows on the engine thread
+    (False, 0, 16, 1),
+    (False, 2, 16, 8),  # 14 idle cores, at most 8
+    (False, 4, 6, 2),
+    (True, 0, 16, 8),  # the model on a GPU: every core idle between decodes
+    (True, 0, 1, 1)])
+def test_the_pool_takes_the_cores_llama_cpp_leaves_idle(gpu, llama_threads, cores, workers):
+    from justllm.engine.row_sampling import sampling_workers
+
+    assert sampling_workers(gpu, llama_threads, cores) == workers

@@ -167,3 +167,65 @@ def test_a_constrained_sampled_draw_masks_only_when_the_draw_is_refused():
     want = np.array([0.5, 0.3, 0.0, 0.05]) / 0.85  # exactly p restricted to what is allowed
     assert np.abs(got - want).max() < 0.015 and got[2] == 0
     assert 0.12 < c.masks / 20000 < 0.18  # a mask only for the ~15% of draws that were refused
+
+
+def exact_distribution(x, params):
+    """The sampling distribution written out the plain way: softmax at the temperature over
+    the whole row, then top-k, min-p, top-p (the order the sampler documents)."""
+    w = np.exp((x.astype(np.float64) - x.max()) / params.temperature)
+    keep = np.ones(x.size, dtype=bool)
+    if params.top_k:
+        keep[np.argsort(-w, kind="stable")[params.top_k:]] = False
+    if params.min_p:
+        keep &= w >= params.min_p * w.max()
+    if params.top_p < 1.0:
+        order = [i for i in np.argsort(-w, kind="stable") if keep[i]]
+        cdf = np.cumsum(w[order])
+        cut = int(np.searchsorted(cdf, params.top_p * cdf[-1])) + 1
+        keep[:] = False
+        keep[order[:cut]] = True
+    w = np.where(keep, w, 0.0)
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),  # the tail drawn as a region of its own
+    SamplingParams(temperature=0.7, top_p=0.9),  # cuts the bound leaves undecided
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.05),  # min-p within the candidates
+    SamplingParams(temperature=1.0, min_p=0.01),  # min-p below the cut: the whole row
+    SamplingParams(temperature=1.0, top_k=12, top_p=0.8)])
+def test_draws_from_the_candidates_are_distributed_exactly_as_the_whole_row(monkeypatch, params):
+    """With a cut of 2 nats, most of the mass lies outside the candidates, so every branch that
+    weighs the rest (and each of its orders of tokens) is taken many times: a wrong one shows as
+    a distribution off the exact one."""
+    import justllm.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_CUT", 2.0)
+    monkeypatch.setattr(sampler, "_CUT_WEIGHT", float(np.exp(-2.0)) * 1.001)
+    x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
+    want = exact_distribution(x, params)
+    got = np.bincount(draw(params, x, 40_000, seed=3), minlength=x.size) / 40_000
+    assert np.abs(got - want).max() < 0.01, (got - want).round(3)
+    assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+
+
+def test_the_whole_row_is_weighed_only_when_the_rest_could_change_the_draw(monkeypatch):
+    """On a 262k row shaped like the demo model's (a few likely tokens, a broad tail), a
+    top-p draw weighs only the candidates unless a cut lands within reach of the bound."""
+    import justllm.engine.sampler as sampler
+
+    weighed = []
+    whole = sampler._weights
+
+    def counting(x, m, t):
+        weighed.append(x.size)
+        return whole(x, m, t)
+
+    monkeypatch.setattr(sampler, "_weights", counting)
+    rng = np.random.default_rng(9)
+    x = (rng.normal(size=262_144) * 3.0).astype(np.float32)
+    x[rng.choice(x.size, 20, replace=False)] += 25.0
+    toks = draw(SamplingParams(temperature=0.8, top_p=0.95), x, 50)
+    assert np.all(x[toks] > x.max() - 30)
+    assert len(weighed) >= 50 and max(weighed) < 262_144
