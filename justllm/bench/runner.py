@@ -54,12 +54,37 @@ async def _metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
         return {}
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str | None, req: BenchRequest
-               ) -> RequestResult:
+def sampling_fields(temperature: float, top_p: float | None, top_k: int | None,
+                    min_p: float | None) -> dict[str, float]:
+    """The sampling fields every request carries; checked here, so a bad value is one line
+    rather than every request failing on the server."""
+    if not 0.0 <= temperature <= 2.0:
+        raise ValueError("--temperature must be in [0, 2]")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError("--top-p must be in (0, 1]")
+    if top_k is not None and top_k < 0:
+        raise ValueError("--top-k must be >= 0")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError("--min-p must be in [0, 1]")
+    fields: dict[str, float] = {"temperature": temperature}
+    for name, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)):
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def request_body(req: BenchRequest, model: str | None, sampling: dict[str, float]) -> dict:
+    """A streaming ``/v1/completions`` body: greedy unless ``sampling`` says otherwise (its
+    fields -- temperature, top_p, top_k, min_p -- are sent as given, and only those)."""
     body: dict = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body.update(sampling)
     if model:
         body["model"] = model
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
     res = RequestResult(ok=False)
     t0 = time.perf_counter()
     last = None
@@ -100,7 +125,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, req: Benc
 
 async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: int,
                        request_rate: float | None, model: str | None, api_key: str | None,
-                       seed: int, on_done: Callable[[], None] | None = None) -> RunResult:
+                       seed: int, on_done: Callable[[], None] | None = None,
+                       sampling: dict[str, float] | None = None) -> RunResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), headers=headers,
@@ -111,7 +137,7 @@ async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: i
 
         async def limited(req: BenchRequest) -> RequestResult:
             async with sem:
-                result = await _one(client, url, model, req)
+                result = await _one(client, url, request_body(req, model, sampling or {}))
             if on_done:
                 on_done()
             return result

@@ -29,6 +29,10 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON to this file.")] = None,
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="--max-seqs of the server bench starts itself.")] = 8,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature of every request (0: greedy).")] = 0.0,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="top_p of every request (default: not sent).", show_default=False)] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="top_k of every request (default: not sent; llama-server then applies its own 40).", show_default=False)] = None,
+    min_p: Annotated[Optional[float], typer.Option("--min-p", help="min_p of every request (default: not sent; llama-server then applies its own 0.05).", show_default=False)] = None,
 ) -> None:
     """Benchmark serving: request/token throughput, TTFT, TPOT, ITL and end-to-end latency
     (mean, median, p90, p99), errors, prefix-cache hit ratio and speculation acceptance."""
@@ -39,7 +43,7 @@ def bench(
 
         from justllm.bench import workloads as w
         from justllm.bench.report import summarize, table
-        from justllm.bench.runner import run_workload
+        from justllm.bench.runner import run_workload, sampling_fields
 
         if output_len is None and dataset is None and workload != "sharegpt":
             output_len = 128
@@ -47,6 +51,7 @@ def bench(
             raise ValueError("--num-requests, --concurrency, --output-len and --input-len must be >= 1")
         if request_rate is not None and request_rate <= 0:
             raise ValueError("--request-rate must be > 0")
+        sampling = sampling_fields(temperature, top_p, top_k, min_p)
         if dataset is not None:
             workload = "sharegpt"
         if workload == "random":
@@ -77,9 +82,9 @@ def bench(
                     task = progress.add_task(f"{target}", total=len(requests))
                     run = asyncio.run(run_workload(
                         target, requests, concurrency=concurrency, request_rate=request_rate,
-                        model=served_model, api_key=api_key, seed=seed,
+                        model=served_model, api_key=api_key, seed=seed, sampling=sampling,
                         on_done=lambda task=task: progress.advance(task)))
-                summaries.append(summarize(run))
+                summaries.append({**summarize(run), "sampling": sampling})
         finally:
             if server is not None:
                 server.stop()
@@ -90,3 +95,4 @@ def bench(
                               f"{s['first_error']}[/yellow]", highlight=False)
         if json_out is not None:
             json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
+

@@ -66,3 +66,24 @@ def test_bench_sharegpt_file_and_errors(server, tmp_path):
                                str(tmp_path / "dead.json")])
     assert dead.exit_code == 0
     assert json.loads((tmp_path / "dead.json").read_text())["failed"] == 2
+
+
+def test_bench_sends_the_sampling_fields_it_is_given_and_only_those(server, tmp_path):
+    from justllm.bench.runner import request_body
+    from justllm.bench.workloads import BenchRequest
+
+    req = BenchRequest("hi", 4)
+    assert request_body(req, None, {})["temperature"] == 0
+    body = request_body(req, "m", {"temperature": 0.8, "top_p": 0.95})
+    assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and body["model"] == "m"
+    assert "top_k" not in body and "min_p" not in body
+    out = tmp_path / "sampled.json"
+    r = runner.invoke(app, ["bench", "--url", server.url, "-n", "2", "-c", "2", "--output-len",
+                            "4", "--temperature", "0.8", "--top-p", "0.95", "--top-k", "40",
+                            "--min-p", "0.05", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["completed"] == 2 and data["total_output_tokens"] == 8
+    assert data["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+    bad = runner.invoke(app, ["bench", "--url", server.url, "--top-p", "0"])
+    assert bad.exit_code == 1 and bad.output.startswith("error: --top-p must be in (0, 1]")
