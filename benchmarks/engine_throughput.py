@@ -10,8 +10,13 @@ can approach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one 
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
 compare the two.
 
+``--prefill N`` also times the prefill of one N-token prompt (tok/s), which is what
+``--n-batch``, ``--n-ubatch`` and ``--flash-attn`` (the llama.cpp context knobs a GPU is tuned
+by) change most; the GPUs llama.cpp sees are printed first.
+
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
         [--temperature 0.8] [--top-p 0.95] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
+        [--n-batch 512] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
 
@@ -24,6 +29,7 @@ import time
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
+from justllm.engine.backend import gpu_devices
 from justllm.engine.engine import Engine
 
 
@@ -122,6 +128,28 @@ def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> li
     return rows
 
 
+def prefill(engine: Engine, n: int) -> float:
+    """tok/s of one ``n``-token prompt's prefill, in ``n_batch``-sized decodes (the engine must
+    be idle; the KV is cleared before and after)."""
+    b = engine.backend
+    engine.flush_prefix_cache()
+    b.clear_kv()
+    words = b.tokenize("Write a long story about the sea and the ships that sail on it. ")
+    tokens = (words * (n // len(words) + 1))[:n]
+    step = engine.config.n_batch
+    t0 = time.perf_counter()
+    for start in range(0, n, step):
+        chunk = tokens[start:start + step]
+        m = len(chunk)
+        b.batch_tokens[:m], b.batch_pos[:m] = chunk, range(start, start + m)
+        b.batch_seq[:m], b.batch_n_seq[:m], b.batch_logits[:m] = 0, 1, 0
+        b.batch_logits[m - 1] = 1
+        b.decode(m)
+    rate = n / (time.perf_counter() - t0)
+    b.clear_kv()
+    return rate
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
@@ -135,21 +163,40 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
     ap.add_argument("--raw", action="store_true", help="also time bare llama_decode (the limit)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
+    ap.add_argument("--n-batch", type=int, default=512, help="tokens per step (llama.cpp n_batch)")
+    ap.add_argument("--n-ubatch", type=int, default=0, help="llama.cpp's micro-batch; 0: n_batch")
+    ap.add_argument("--flash-attn", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prompt this long")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
+    gpus = gpu_devices()
+    for g in gpus:
+        print(f"GPU: {g.name}, {g.free_bytes / 2**30:.1f} of {g.total_bytes / 2**30:.1f} GiB free")
     levels = [int(x) for x in args.levels.split(",")]
     seqs = max(32, *levels)
     engine = Engine(EngineConfig(model=args.model, max_seqs=seqs, max_decode=seqs,
-                                 pool_blocks=max(1024, seqs * (args.tokens + 32) // 16 + 64),
-                                 threads=args.threads, gpu=args.gpu or EngineConfig().gpu))
+                                 pool_blocks=max(1024, seqs * (args.tokens + 32) // 16 + 64,
+                                                 args.prefill // 16 + 16),
+                                 threads=args.threads, gpu=args.gpu or EngineConfig().gpu,
+                                 n_batch=args.n_batch, n_ubatch=args.n_ubatch,
+                                 chunk_size=min(256, args.n_batch),
+                                 flash_attn=args.flash_attn))
     time_sampling(engine)
     measure(engine, 2, 4)  # warm-up
+    settings = {"n_batch": args.n_batch, "n_ubatch": engine.backend.n_ubatch,
+                "flash_attn": args.flash_attn, "gpus": [g.__dict__ for g in gpus]}
+    if args.prefill:
+        settings["prefill_tokens"] = args.prefill
+        settings["prefill_tok_s"] = rate = prefill(engine, args.prefill)
+        print(f"prefill of {args.prefill} tokens (n_batch {args.n_batch}, n_ubatch "
+              f"{engine.backend.n_ubatch}, flash attention {args.flash_attn}): {rate:.0f} tok/s")
     if args.vs_greedy:
         rows = vs_greedy(engine, levels, args)
         engine.close()
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"gpu": engine.config.gpu, "tokens": args.tokens, "rounds": args.rounds,
+                json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
+                           "rounds": args.rounds,
                            "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
                           f, indent=1)
         return
@@ -168,7 +215,7 @@ def main() -> None:
     engine.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": engine.config.gpu, "tokens": args.tokens,
+            json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
                        "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
                       f, indent=1)
 

@@ -11,8 +11,11 @@
 # 2. runs the model tests with JUSTLLM_GPU=1 (every engine and server the tests start offloads
 #    all layers: EngineConfig's default and `--gpu`'s environment variable);
 # 3. runs benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences, greedy with raw
-#    batched llama_decode at the same shapes (the limit) and sampled (temperature 0.8, top_p
-#    0.95), and benchmarks/spec_bench.py plain vs ngram (and draft with $GPU_CHECK_DRAFT);
+#    batched llama_decode at the same shapes (the limit), sampled (temperature 0.8, top_p
+#    0.95) against greedy in alternate rounds (the ratio and the per-step sampling time), the
+#    context knobs --gpu's defaults are to be settled by (n_batch 2048 with n_ubatch 512 or
+#    2048, flash attention auto or off: a 2048-token prefill and 32 streams each), and
+#    benchmarks/spec_bench.py plain vs ngram (and draft with $GPU_CHECK_DRAFT);
 # 4. prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
@@ -97,12 +100,24 @@ $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --toke
     --raw --json "$OUT/engine_throughput.json" | tee "$OUT/engine_throughput.txt"
 summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw):"
 summary "$(tail -n +2 "$OUT/engine_throughput.txt")"
-say "engine throughput sampled (temperature 0.8, top_p 0.95)"
+say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
-    --temperature 0.8 --top-p 0.95 --json "$OUT/engine_throughput_sampled.json" \
-    | tee "$OUT/engine_throughput_sampled.txt"
-summary "engine throughput, temperature 0.8 top_p 0.95:"
+    --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 \
+    --json "$OUT/engine_throughput_sampled.json" | tee "$OUT/engine_throughput_sampled.txt"
+summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step):"
 summary "$(tail -n +2 "$OUT/engine_throughput_sampled.txt")"
+
+say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
+KNOB_PREFILL=2048
+[ "$CPU_ONLY" = 1 ] && KNOB_PREFILL=256
+for UB in 512 2048; do
+    for FA in auto off; do
+        $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
+            --n-batch 2048 --n-ubatch "$UB" --flash-attn "$FA" --prefill "$KNOB_PREFILL" \
+            --json "$OUT/knobs_ub${UB}_fa${FA}.json" > "$OUT/knobs_ub${UB}_fa${FA}.txt" 2>&1
+        summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$OUT/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$OUT/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
+    done
+done
 
 say "speculative decoding: plain vs ngram${GPU_CHECK_DRAFT:+ vs draft}"
 METHODS=plain,ngram

@@ -96,6 +96,10 @@ class EngineConfig:
     max_prefill: int = 4
     max_decode: int = 32
     n_batch: int = 512
+    # llama.cpp's micro-batch (0: n_batch) and flash attention (auto | on | off): knobs for
+    # tuning a GPU (benchmarks/engine_throughput.py --n-ubatch / --flash-attn).
+    n_ubatch: int = 0
+    flash_attn: str = "auto"
     max_queue: int = 256
     threads: int = 0
     ctx: int = 0
@@ -137,7 +141,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
+        if self.flash_attn not in ("auto", "on", "off"):
+            raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
+        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks",
+                     "n_ubatch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:

@@ -79,6 +79,8 @@ class BackendConfig:
     model_path: str
     n_ctx: int
     n_batch: int = 512
+    n_ubatch: int = 0  # tokens llama.cpp computes at once; 0: n_batch
+    flash_attn: str = "auto"  # auto (llama.cpp decides per device) | on | off
     n_seq_max: int = 40
     n_outputs_max: int = 64
     n_threads: int = 0  # 0: all cores
@@ -144,6 +146,44 @@ def gpu_offload_supported() -> bool:
     return bool(C.llama_supports_gpu_offload())
 
 
+@dataclass(frozen=True)
+class GpuDevice:
+    name: str
+    free_bytes: int
+    total_bytes: int
+
+
+_GGML_DEV_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
+_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+
+
+def gpu_devices() -> list[GpuDevice]:
+    """The GPUs this llama.cpp build can use, with their free and total memory now (ggml's
+    device registry; empty on a CPU-only build)."""
+    lib = C._lib
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    C.llama_backend_init()  # loads the backends into the registry
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) != _GGML_DEV_GPU:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        name = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
+        out.append(GpuDevice(name, int(free.value), int(total.value)))
+    return out
+
+
 def require_gpu_offload() -> None:
     """Say clearly, before loading anything, that this llama-cpp-python build has no GPU."""
     if not gpu_offload_supported():
@@ -201,7 +241,8 @@ class LlamaBackend:
         cparams = C.llama_context_default_params()
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch
-        cparams.n_ubatch = config.n_batch
+        cparams.n_ubatch = min(config.n_ubatch or config.n_batch, config.n_batch)
+        cparams.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         cparams.n_seq_max = config.n_seq_max + self._twin
         # llama.cpp reserves an output row per sequence id at least (1 MiB each for a 262k
         # vocabulary), twins included; batches are still checked against config.n_outputs_max.
@@ -219,6 +260,7 @@ class LlamaBackend:
                 f"{config.model_path}")
         self._mem = C.llama_get_memory(self._ctx)
         self.n_ctx = int(C.llama_n_ctx(self._ctx))
+        self.n_ubatch = int(C._lib.llama_n_ubatch(self._ctx))
         self._pieces: dict[int, bytes] = {}
         # Time spent inside llama_decode, for benchmarks' "share of a step in Python".
         self.decode_seconds = 0.0

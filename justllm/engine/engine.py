@@ -130,6 +130,8 @@ class Engine:
                 model_path=resolve_model(config.model),
                 n_ctx=config.pool_tokens,
                 n_batch=config.n_batch,
+                n_ubatch=config.n_ubatch,
+                flash_attn=config.flash_attn,
                 n_seq_max=config.max_seqs + config.spare_seq_ids,
                 n_outputs_max=config.n_outputs + CPU_ROW_MULTIPLE,  # + the runner's padding
                 n_threads=config.threads,
