@@ -5,6 +5,7 @@ runner (loaded first if need be), the model list with status, load/unload, healt
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -278,21 +279,45 @@ async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
     """A runner's SSE (or Ollama's NDJSON) stream, byte for byte; if the runner dies
     mid-stream, a final error in the stream's own API shape (:func:`_stream_failure`). Closing
     it (the client left) closes the runner's stream, which aborts."""
+    numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
         async for chunk in response.aiter_raw():
+            if numbered is not None:
+                numbered.feed(chunk)
             yield chunk
     except httpx.HTTPError:
-        yield _stream_failure(path, f"model '{state.spec.name}' stopped while streaming")
+        yield _stream_failure(path, f"model '{state.spec.name}' stopped while streaming",
+                              numbered.next if numbered is not None else 0)
     finally:
         done()  # first: the await below may be cancelled (client gone)
         sup.end(state, keep_alive)
         await response.aclose()
 
 
-def _stream_failure(path: str, message: str) -> bytes:
+class SequenceNumbers:
+    """The Responses API numbers a stream's events; the gateway's own last event (a runner
+    that died) must take the number after the runner's last. Chunks are raw bytes, so a number
+    may be split between two: a short tail of the previous chunk is searched again."""
+
+    _FIELD = re.compile(rb'"sequence_number":(\d+)')
+
+    def __init__(self) -> None:
+        self.next = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        text = self._tail + chunk
+        found = self._FIELD.findall(text)
+        if found:
+            self.next = max(self.next, max(map(int, found)) + 1)
+        self._tail = text[-40:]
+
+
+def _stream_failure(path: str, message: str, sequence_number: int = 0) -> bytes:
     """The last frame of a stream whose runner died, as each API's clients expect it: Ollama's
-    ``{"error": ...}`` line, Anthropic's and the Responses API's ``error`` event, else an
-    OpenAI error chunk and ``[DONE]``."""
+    ``{"error": ...}`` line, Anthropic's and the Responses API's ``error`` event (numbered
+    ``sequence_number``, the one after the runner's last), else an OpenAI error chunk and
+    ``[DONE]``."""
     if path.startswith("/api/"):
         return msgspec.json.encode({"error": message}) + b"\n"
     if path.startswith("/v1/messages"):
@@ -301,7 +326,7 @@ def _stream_failure(path: str, message: str) -> bytes:
     if path.startswith("/v1/responses"):
         return b"event: error\ndata: " + msgspec.json.encode(
             {"type": "error", "code": "runner_failed", "message": message, "param": None,
-             "sequence_number": 0}) + b"\n\n"
+             "sequence_number": sequence_number}) + b"\n\n"
     return (b"data: " + msgspec.json.encode(error_body(
         message, "server_error", code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
 

@@ -99,20 +99,8 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
     """List (when no FILE), resolve the commit, download; every hub or network failure becomes
     a ModelLoadError."""
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
-    from huggingface_hub.utils import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
-    # The HTTP client's own error base (requests, httpx or httpx2 depending on the hub library's
-    # version): connection errors from it are not OSErrors everywhere.
-    transport = tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
-    where = endpoint or "the Hugging Face Hub"
-    try:
+    with hub_errors(repo, lambda: file, revision, endpoint):
         if file is None:
             file = pick_gguf(repo, HfApi(endpoint=endpoint).list_repo_files(repo, revision=revision))
         meta = get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),
@@ -128,22 +116,6 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
         got = Path(hf_hub_download(repo, file, revision=commit,
                                    local_dir=revision_dir(root, repo, commit),
                                    force_download=force, endpoint=endpoint))
-    except GatedRepoError:
-        raise ModelLoadError(f"{repo} is gated: accept its terms on the hub, then log in "
-                             "(hf auth login, or set HF_TOKEN)") from None
-    except RepositoryNotFoundError:
-        raise ModelLoadError(f"repository '{repo}' not found on {where} (a private repo needs "
-                             "hf auth login, or HF_TOKEN)") from None
-    except RevisionNotFoundError:
-        raise ModelLoadError(f"revision '{revision}' not found in {repo}") from None
-    except LocalEntryNotFoundError as e:  # the library's way of saying "the hub was unreachable"
-        raise ModelLoadError(f"cannot download {repo}:{file} from {where}: "
-                             f"{_one_line(e.__cause__ or e)}") from None
-    except EntryNotFoundError:
-        raise ModelLoadError(f"file '{file}' not found in {repo} at revision '{revision}'") from None
-    except (OSError, ValueError, *transport) as e:
-        raise ModelLoadError(f"cannot download {repo}:{file or '(listing)'} from {where}: "
-                             f"{_one_line(e)}") from None
     return Download(repo, file, commit, got, sha, reused=False)
 
 
@@ -216,8 +188,10 @@ def _endpoint() -> str | None:
 
 
 @contextlib.contextmanager
-def hub_errors(repo: str, what: str, revision: str) -> Iterator[None]:
-    """Every hub or network failure inside the block as one ModelLoadError line."""
+def hub_errors(repo: str, file: Callable[[], str | None], revision: str,
+               endpoint: str | None = None) -> Iterator[None]:
+    """Every hub or network failure inside the block as one ModelLoadError line. ``file``:
+    the file being fetched, asked only when something failed (None: the repo's listing)."""
     from huggingface_hub.utils import (
         EntryNotFoundError,
         GatedRepoError,
@@ -227,8 +201,10 @@ def hub_errors(repo: str, what: str, revision: str) -> Iterator[None]:
         RevisionNotFoundError,
     )
 
+    # The HTTP client's own error base (requests, httpx or httpx2 depending on the hub library's
+    # version): connection errors from it are not OSErrors everywhere.
     transport = tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
-    where = _endpoint() or "the Hugging Face Hub"
+    where = endpoint or _endpoint() or "the Hugging Face Hub"
     try:
         yield
     except GatedRepoError:
@@ -239,13 +215,15 @@ def hub_errors(repo: str, what: str, revision: str) -> Iterator[None]:
                              "hf auth login, or HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise ModelLoadError(f"revision '{revision}' not found in {repo}") from None
-    except LocalEntryNotFoundError as e:
-        raise ModelLoadError(f"cannot download {what} from {where}: "
+    except LocalEntryNotFoundError as e:  # the library's way of saying "the hub was unreachable"
+        raise ModelLoadError(f"cannot download {repo}:{file() or '(listing)'} from {where}: "
                              f"{_one_line(e.__cause__ or e)}") from None
     except EntryNotFoundError:
-        raise ModelLoadError(f"{what} not found at revision '{revision}'") from None
+        raise ModelLoadError(f"file '{file()}' not found in {repo} at revision "
+                             f"'{revision}'") from None
     except (OSError, ValueError, *transport) as e:
-        raise ModelLoadError(f"cannot download {what} from {where}: {_one_line(e)}") from None
+        raise ModelLoadError(f"cannot download {repo}:{file() or '(listing)'} from {where}: "
+                             f"{_one_line(e)}") from None
 
 
 def list_repo(repo: str, revision: str = "main") -> RepoListing:
@@ -255,7 +233,7 @@ def list_repo(repo: str, revision: str = "main") -> RepoListing:
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 
     endpoint = _endpoint()
-    with hub_errors(repo, f"{repo}:config.json", revision):
+    with hub_errors(repo, lambda: "config.json", revision):
         meta = get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision,
                                                endpoint=endpoint), endpoint=endpoint)
         commit = meta.commit_hash or revision
@@ -274,7 +252,7 @@ def download_files(listing: RepoListing, files: list[str]) -> Path:
     endpoint = _endpoint()
     folder: Path | None = None
     for file in files:
-        with hub_errors(listing.repo, f"{listing.repo}:{file}", listing.commit):
+        with hub_errors(listing.repo, lambda f=file: f, listing.commit):
             got = Path(hf_hub_download(listing.repo, file, revision=listing.commit,
                                        endpoint=endpoint))
         folder = got.parent

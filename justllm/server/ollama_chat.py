@@ -34,6 +34,7 @@ from justllm.server.schemas import (
     MessageToolCall,
     Tool,
     ToolChoiceNamed,
+    Usage,
 )
 from justllm.server.tools.answer import (
     ChatEvent,
@@ -42,6 +43,7 @@ from justllm.server.tools.answer import (
     StreamEnd,
     StreamError,
     TextDelta,
+    Timings,
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
@@ -183,13 +185,17 @@ def _message(content: str, calls: list[dict[str, Any]] | None = None) -> dict[st
 
 
 def _final(model: str, started: float, message: dict[str, Any], finish: str | None,
-           prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The last line. The chat side reports no timings but the whole request's, so the
-    prompt's and the generation's own durations are left out (Ollama omits zeros too)."""
-    return {"model": model, "created_at": created_at(), "message": message,
-            "done_reason": "length" if finish == "length" else "stop", "done": True,
-            "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
-            "prompt_eval_count": prompt_tokens, "eval_count": completion_tokens}
+           usage: Usage, timings: Timings | None) -> dict[str, Any]:
+    """The last line, with the prompt's and the generation's own durations when the chat side
+    measured them."""
+    out = {"model": model, "created_at": created_at(), "message": message,
+           "done_reason": "length" if finish == "length" else "stop", "done": True,
+           "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
+           "prompt_eval_count": usage.prompt_tokens, "eval_count": usage.completion_tokens}
+    if timings is not None:
+        out["prompt_eval_duration"] = nanoseconds(timings.prompt_seconds)
+        out["eval_duration"] = nanoseconds(timings.generation_seconds)
+    return out
 
 
 def answer(model: str, started: float, result: ChatResult) -> dict[str, Any]:
@@ -197,7 +203,7 @@ def answer(model: str, started: float, result: ChatResult) -> dict[str, Any]:
     choice = result.choices[0]
     calls = [_call(c, k) for k, c in enumerate(choice.tool_calls)]
     return _final(model, started, _message(choice.content or "", calls), choice.finish_reason,
-                  result.usage.prompt_tokens, result.usage.completion_tokens)
+                  result.usage, result.timings)
 
 
 async def answer_lines(model: str, started: float, events: AsyncGenerator[ChatEvent, None]
@@ -223,9 +229,8 @@ async def answer_lines(model: str, started: float, events: AsyncGenerator[ChatEv
             elif isinstance(ev, ChoiceEnd):
                 finish = ev.finish_reason
             elif isinstance(ev, StreamEnd):
-                yield _json.encode(_final(model, started, _message(""), finish,
-                                          ev.usage.prompt_tokens,
-                                          ev.usage.completion_tokens)) + b"\n"
+                yield _json.encode(_final(model, started, _message(""), finish, ev.usage,
+                                          ev.timings)) + b"\n"
             elif isinstance(ev, StreamError):
                 yield _json.encode({"error": ev.message}) + b"\n"
                 return

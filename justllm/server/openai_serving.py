@@ -55,6 +55,7 @@ from justllm.server.tools.answer import (
     StreamEnd,
     StreamError,
     TextDelta,
+    Timings,
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
@@ -337,7 +338,7 @@ class OpenAIServing:
                 i, parsed.content if parsed.content or not calls else None, calls,
                 "tool_calls" if calls else final.finish_reason if final else None, lps[i],
                 None if calls or final is None else final.stop))
-        return ChatResult(choices, _usage(finals, req.n))
+        return ChatResult(choices, _usage(finals, req.n), _timings(finals))
 
     async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None
                           ) -> AsyncGenerator[ChatEvent, None]:
@@ -369,7 +370,7 @@ class OpenAIServing:
                         yield ToolCallArguments(i, k, call.arguments)
                     yield ChoiceEnd(i, "tool_calls" if parsed else out.finish_reason or "stop",
                                     None if parsed else out.stop)
-        yield StreamEnd(_usage(finals, n))
+        yield StreamEnd(_usage(finals, n), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``."""
@@ -605,6 +606,16 @@ def prompt_list(value: object, param: str) -> list[str | list[int]]:
     if any(isinstance(x, str) and not x for x in items):
         raise InvalidRequestError(f"{param} must not contain empty strings", param=param)
     return items
+
+
+def _timings(finals: Sequence[RequestOutput | None]) -> Timings | None:
+    first = finals[0] if finals else None
+    if first is None:
+        return None
+    m = first.metrics
+    end = m.finished_time or time.perf_counter()
+    token = m.first_token_time or end
+    return Timings(max(0.0, token - m.arrival_time), max(0.0, end - token))
 
 
 def _usage(finals: Sequence[RequestOutput | None], n: int = 1) -> Usage:

@@ -246,3 +246,21 @@ def test_a_stream_whose_runner_died_ends_in_its_own_apis_error_shape():
     chunk, done = _stream_failure("/v1/chat/completions", "gone").decode().strip().split("\n\n")
     assert json.loads(chunk.removeprefix("data: "))["error"]["code"] == "runner_failed"
     assert done == "data: [DONE]"
+
+
+def test_the_gateways_last_responses_event_takes_the_number_after_the_runners_last():
+    from justllm.gateway.app import SequenceNumbers, _stream_failure
+
+    seq = SequenceNumbers()
+    assert seq.next == 0  # died before its first event: the error is event 0
+    frames = b"".join(b'event: response.output_text.delta\ndata: {"type":"response.output_text'
+                      b'.delta","delta":"x","sequence_number":%d}\n\n' % i for i in range(12))
+    cut = frames.index(b'"sequence_number":11') + len(b'"sequence_number":1')
+    seq.feed(frames[:cut])  # the last number split between two chunks: "1" | "1}"
+    assert seq.next == 11
+    seq.feed(frames[cut:])
+    assert seq.next == 12
+    seq.feed(b"data: ")  # a chunk without a number keeps it
+    assert seq.next == 12
+    _, data = _stream_failure("/v1/responses", "gone", seq.next).decode().strip().split("\n")
+    assert json.loads(data.removeprefix("data: "))["sequence_number"] == 12

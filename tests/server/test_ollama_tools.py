@@ -95,6 +95,8 @@ def test_a_forced_call_comes_back_with_arguments_as_an_object(server):
         assert_valid_call(call)
     assert answer.prompt_eval_count > 10 and answer.eval_count > 5
     assert answer.total_duration > 0 and answer.load_duration == 0
+    assert 0 < answer.prompt_eval_duration and 0 < answer.eval_duration
+    assert answer.prompt_eval_duration + answer.eval_duration <= answer.total_duration
 
 
 def test_a_forced_call_streams_as_one_line_per_call_then_done(server):
@@ -107,6 +109,7 @@ def test_a_forced_call_streams_as_one_line_per_call_then_done(server):
     *parts, last = lines
     assert last.done is True and last.done_reason == "stop" and last.message.content == ""
     assert not last.message.tool_calls and last.eval_count > 5
+    assert 0 < last.prompt_eval_duration and 0 < last.eval_duration < last.total_duration
     assert parts and all(p.done is False for p in parts)
     calls = [c for p in parts for c in p.message.tool_calls or []]
     assert calls and all(p.message.content == "" for p in parts if p.message.tool_calls)

@@ -35,9 +35,19 @@ class ChoiceResult:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """The first choice's prompt (arrival to first token) and generation (first to last
+    token) seconds: what Ollama reports as prompt_eval_duration and eval_duration."""
+
+    prompt_seconds: float
+    generation_seconds: float
+
+
+@dataclass(frozen=True)
 class ChatResult:
     choices: list[ChoiceResult]
     usage: Usage
+    timings: Timings | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class ChoiceEnd:
 @dataclass(frozen=True)
 class StreamEnd:
     usage: Usage
+    timings: Timings | None = None
 
 
 @dataclass(frozen=True)
