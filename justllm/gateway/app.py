@@ -489,6 +489,17 @@ def _replica_row(r: Replica) -> dict:
             "ttft_p50": r.ttft_p50, "restarts": r.restarts, "error": r.error}
 
 
+def _autoscale_status(s: ModelState) -> dict | None:
+    """The autoscaler's bounds, target and decisions: one pool's fields for a model without
+    PD; for a PD model, a mapping of each scaled role to its own."""
+    pools = {pool: {"min": c.min_replicas, "max": c.max_replicas,
+                    "target_ongoing": c.target_ongoing, "up": s.scaled[pool, "up"],
+                    "down": s.scaled[pool, "down"]} for pool, c in s.spec.scaled_pools}
+    if not pools:
+        return None
+    return pools["both"] if "both" in pools else pools
+
+
 @get("/models", summary="Models and their replicas in detail (justllm ps)")
 async def models_status(state: State) -> dict:
     sup = _supervisor(state)
@@ -497,7 +508,6 @@ async def models_status(state: State) -> dict:
     for s in sup.models.values():
         first = next((r for r in s.local if r.pid), None)
         idle = now - s.last_used if s.status == "loaded" and s.active == 0 else 0.0
-        scale = s.spec.autoscale
         rows.append({
             "model": s.spec.name, "aliases": list(s.spec.aliases), "status": s.status,
             "source": s.spec.source, "pid": first.pid if first else None,
@@ -510,10 +520,7 @@ async def models_status(state: State) -> dict:
             "estimate_mib": round(s.memory / 2**20) if s.memory else None,
             "log": str(sup.log_dir / log_name(s.spec.name)),
             "routing": s.spec.routing.policy, "decisions": dict(s.router.counts),
-            "autoscale": None if scale is None else {
-                "min": scale.min_replicas, "max": scale.max_replicas,
-                "target_ongoing": scale.target_ongoing, "up": s.scaled["up"],
-                "down": s.scaled["down"]},
+            "autoscale": _autoscale_status(s),
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,
                 "prefill_seconds": round(s.pd_seconds, 3),

@@ -22,6 +22,10 @@ validated once, before anything starts.
         gpus: [0, 1, 2, 3]    # replica i gets CUDA_VISIBLE_DEVICES=gpus[i % len]
         urls: [http://10.0.0.7:8080]   # replicas elsewhere (any `justllm serve`)
         routing: cache-aware  # or a mapping of the routing options
+      split:
+        source: /models/qwen.gguf
+        prefill-replicas: 1   # prefill/decode disaggregation: a count, a list of urls, or
+        decode-replicas: {min-replicas: 1, max-replicas: 3}   # the autoscaler's mapping
 """
 
 from __future__ import annotations
@@ -81,10 +85,19 @@ class ModelSpec:
     roles: tuple[str, ...] = ()
     url_roles: tuple[str, ...] = ()
     prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS
+    # PD: the autoscaler's settings for a role's local replicas (``prefill-replicas`` or
+    # ``decode-replicas`` given as a mapping of min-replicas, max-replicas, ...).
+    role_autoscale: tuple[tuple[str, AutoscaleConfig], ...] = ()
 
     @property
     def pd(self) -> bool:
         return "prefill" in self.roles + self.url_roles
+
+    @property
+    def scaled_pools(self) -> tuple[tuple[str, AutoscaleConfig], ...]:
+        """The autoscaled pools of local replicas, by role: ("both", the model's settings)
+        for a model without PD; a PD model's scaled roles, each with its own."""
+        return (("both", self.autoscale),) if self.autoscale is not None else self.role_autoscale
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -215,24 +228,31 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
 
 
 def _pd_replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
-    """``prefill-replicas`` and ``decode-replicas``: each a count of local replicas or a list
-    of urls; with a prefill-capable and a decode-capable replica at least."""
+    """``prefill-replicas`` and ``decode-replicas``: each a count of local replicas, a list of
+    urls, or a mapping of the autoscaler's keys (its local replicas then grow and shrink with
+    that role's load); with a prefill-capable and a decode-capable replica at least."""
     where = f"model '{name}'"
     if not _PD_KEYS <= entry.keys():
         raise ValueError(f"{where}: give both prefill-replicas and decode-replicas")
     clash = sorted(({"replicas", "urls", "gpus"} | _SCALE_KEYS) & entry.keys())
     if clash:
         raise ValueError(f"{where}: prefill-replicas / decode-replicas replace "
-                         f"{', '.join(clash)}")
+                         f"{', '.join(clash)} (to autoscale a role, give it a mapping: "
+                         "decode-replicas: {min-replicas: 1, max-replicas: 3})")
     roles: list[str] = []
     urls: list[str] = []
     url_roles: list[str] = []
+    scaled: list[tuple[str, AutoscaleConfig]] = []
     for key, role in (("prefill-replicas", "prefill"), ("decode-replicas", "decode")):
         value = entry[key]
         if isinstance(value, list):
             got = _replicas(name, {"urls": value}, flags)["urls"]
             urls += got
             url_roles += [role] * len(got)
+        elif isinstance(value, dict):
+            config = _role_autoscale(f"{where}: {key}", value)
+            scaled.append((role, config))
+            roles += [role] * config.min_replicas
         else:
             roles += [role] * _count(f"{where}: {key}", value, 1)
     if len(set(urls)) != len(urls):
@@ -245,9 +265,27 @@ def _pd_replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": len(roles), "gpus": (), "urls": tuple(urls), "routing": routing,
             "autoscale": None, "roles": tuple(roles), "url_roles": tuple(url_roles),
+            "role_autoscale": tuple(scaled),
             "prefill_min_tokens": _count(f"{where}: prefill-min-tokens",
                                          entry.get("prefill-min-tokens",
                                                    DEFAULT_PREFILL_MIN_TOKENS))}
+
+
+def _role_autoscale(where: str, value: dict) -> AutoscaleConfig:
+    """A PD role's autoscaler: the model-level keys, with min-replicas >= 1 (a role with no
+    replica would send every request the long way round; unloading is the ttl's business)."""
+    unknown = sorted(k for k in value if k not in _SCALE_KEYS)
+    if unknown or "max-replicas" not in value:
+        raise ValueError(f"{where}: a mapping of {', '.join(sorted(_SCALE_KEYS))} "
+                         f"(max-replicas required){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+    low = _count(f"{where}: min-replicas", value.get("min-replicas", 1), 1)
+    high = _count(f"{where}: max-replicas", value["max-replicas"], 1)
+    try:
+        return AutoscaleConfig(low, high, **{
+            k.replace("-", "_"): _number(f"{where}: {k}", v) for k, v in value.items()
+            if k not in ("min-replicas", "max-replicas")})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:

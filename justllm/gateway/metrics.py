@@ -104,7 +104,7 @@ def _replicas(sup: Supervisor) -> list[str]:
               f"# TYPE {name} counter"]
     lines += [f"{name}{_labels(s, reason=reason)} {s.router.counts[reason]}"
               for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
-              s.spec.autoscale is not None for reason in REASONS]
+              bool(s.spec.scaled_pools) for reason in REASONS]
     pd = [s for s in sup.models.values() if s.spec.pd]
     for name, kind, doc, value in [
             ("justllm_gateway_pd_transfers_total", "counter",
@@ -124,22 +124,31 @@ def _replicas(sup: Supervisor) -> list[str]:
               "reason.", f"# TYPE {name} counter"]
     lines += [f"{name}{_labels(s, reason=r)} {n}" for s in pd for r, n in
               sorted(s.pd_fallbacks.items())]
-    scaled = [s for s in sup.models.values() if s.spec.autoscale is not None]
+    # One series per autoscaled pool: a model's local replicas, or a PD model's prefill and
+    # decode replicas apart (label role).
+    pools = [(s, pool, config, {} if pool == "both" else {"role": pool})
+             for s in sup.models.values() for pool, config in s.spec.scaled_pools]
+
+    def local(s: ModelState, pool: str) -> list[Replica]:
+        return [r for r in s.local if r.role == pool]
+
     gauges = [("justllm_autoscaler_replicas", "Local replicas serving or starting.",
-               lambda s: sum(r.status not in ("stopping", "failed") for r in s.local)),
+               lambda s, pool, c: sum(r.status not in ("stopping", "failed")
+                                      for r in local(s, pool))),
               ("justllm_autoscaler_min_replicas", "The autoscaler's lower bound.",
-               lambda s: s.spec.autoscale.min_replicas),
+               lambda s, pool, c: c.min_replicas),
               ("justllm_autoscaler_max_replicas", "The autoscaler's upper bound.",
-               lambda s: s.spec.autoscale.max_replicas),
+               lambda s, pool, c: c.max_replicas),
               ("justllm_autoscaler_ongoing_requests", "Running + waiting over all replicas.",
-               lambda s: sum(r.load_total for r in s.local))]
-    for name, doc, value in gauges:
+               lambda s, pool, c: sum(r.load_total for r in local(s, pool)))]
+    for name, doc, of_pool in gauges:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
-        lines += [f"{name}{_labels(s)} {value(s)}" for s in scaled]
+        lines += [f"{name}{_labels(s, **role)} {of_pool(s, pool, c)}"
+                  for s, pool, c, role in pools]
     name = "justllm_autoscaler_decisions_total"
     lines += [f"# HELP {name} Scaling decisions, by direction.", f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(s, direction=d)} {s.scaled[d]}" for s in scaled
-              for d in ("up", "down")]
+    lines += [f"{name}{_labels(s, **role, direction=d)} {s.scaled[pool, d]}"
+              for s, pool, _, role in pools for d in ("up", "down")]
     return lines
 
 

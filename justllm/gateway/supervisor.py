@@ -55,8 +55,10 @@ class ModelState:
     load_seconds: list[float] = field(default_factory=list)
     memory: int = 0  # estimated bytes of one local runner (only with max-memory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    scale_pending: autoscale.Pending | None = None
-    scaled: Counter[str] = field(default_factory=Counter)  # autoscaler decisions by direction
+    # The autoscaler, per pool of local replicas (the role: "both" without PD): the wish it
+    # is waiting on, and its decisions by (pool, direction).
+    scale_pending: dict[str, autoscale.Pending] = field(default_factory=dict)
+    scaled: Counter[tuple[str, str]] = field(default_factory=Counter)
     next_id: int = 0  # the next local replica's id
 
     pd_transfers: int = 0  # requests whose prompt a prefill replica computed
@@ -78,7 +80,7 @@ class ModelState:
 
     @property
     def remote_only(self) -> bool:
-        return self.spec.replicas == 0 and self.spec.autoscale is None
+        return self.spec.replicas == 0 and not self.spec.scaled_pools
 
     @property
     def local(self) -> list[Replica]:
@@ -287,11 +289,13 @@ class Supervisor:
         state.router.forget_replica(replica.id)
         state.prefill_router.forget_replica(replica.id)
 
-    def _new_replica(self, state: ModelState) -> Replica:
+    def _new_replica(self, state: ModelState, role: str | None = None) -> Replica:
+        """A local replica: the ``role`` given (the autoscaler's pool), else the spec's for
+        its index."""
         rid = str(state.next_id)
         state.next_id += 1
         replica = Replica(rid, gpu=state.spec.gpu_of(int(rid)),
-                          role=state.spec.role_of(int(rid)))
+                          role=role or state.spec.role_of(int(rid)))
         state.replicas.append(replica)
         return replica
 
@@ -352,7 +356,7 @@ class Supervisor:
             state.load_seconds.append(time.monotonic() - t0)
             state.last_used = time.monotonic()
             state.keep_alive = None
-            state.scale_pending = None
+            state.scale_pending.clear()
             return
 
     @staticmethod
@@ -438,15 +442,27 @@ class Supervisor:
             return
 
     def _scale(self, state: ModelState, now: float) -> None:
-        config = state.spec.autoscale
-        if config is None or state.status != "loaded":
+        if state.status != "loaded":
             return
-        serving = [r for r in state.local if r.status not in ("stopping", "failed")]
+        for pool, config in state.spec.scaled_pools:
+            self._scale_pool(state, pool, config, now)
+
+    def _scale_pool(self, state: ModelState, pool: str, config: autoscale.AutoscaleConfig,
+                    now: float) -> None:
+        """One pool of local replicas (a PD model scales its prefill and decode replicas
+        apart, each by its own load) grown or shrunk as ``autoscale.decide`` says."""
+        serving = [r for r in state.local
+                   if r.role == pool and r.status not in ("stopping", "failed")]
         load = sum(r.load_total for r in serving)
-        decision, state.scale_pending = autoscale.decide(config, len(serving), load, now,
-                                                         state.scale_pending)
+        decision, pending = autoscale.decide(config, len(serving), load, now,
+                                             state.scale_pending.get(pool))
+        if pending is None:
+            state.scale_pending.pop(pool, None)
+        else:
+            state.scale_pending[pool] = pending
         if decision is None:
             return
+        what = state.spec.name if pool == "both" else f"{state.spec.name} ({pool})"
         if decision.direction == "up":
             count = decision.target - len(serving)
             if self.config.max_memory and state.memory:
@@ -455,10 +471,10 @@ class Supervisor:
                 count = min(count, (self.config.max_memory - used) // state.memory)
                 if count <= 0:
                     log.warning("autoscaler: model %s wants %d replicas; no room under "
-                                "max-memory", state.spec.name, decision.target)
+                                "max-memory", what, decision.target)
                     return
             for _ in range(count):
-                replica = self._new_replica(state)
+                replica = self._new_replica(state, pool)
                 self._restart(state, replica)
                 replica.status = "starting"
         else:
@@ -466,8 +482,8 @@ class Supervisor:
             victims = sorted(serving, key=lambda r: (r.load_total, -int(r.id)))
             for replica in victims[:len(serving) - decision.target]:
                 self._retire(state, replica)
-        state.scaled[decision.direction] += 1
-        log.warning("autoscaler: model %s %s to %d replicas: %s", state.spec.name,
+        state.scaled[pool, decision.direction] += 1
+        log.warning("autoscaler: model %s %s to %d replicas: %s", what,
                     decision.direction, decision.target, decision.reason)
 
     def _retire(self, state: ModelState, replica: Replica) -> None:

@@ -102,3 +102,49 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         rc, out = stop(gw)
     assert rc == 0, out
     wait_gone(pids)
+
+
+def test_a_pd_models_decode_replicas_scale_with_their_own_load(tmp_path, model_path):
+    """decode-replicas as the autoscaler's mapping: under load a second decode replica starts
+    and takes requests, the prefill replica stays alone; idle, the extra one is retired."""
+    gw = start_gateway(tmp_path, {"demo": {
+        "source": model_path, "prefill-replicas": 1, "preload": True,
+        "decode-replicas": {"min-replicas": 1, "max-replicas": 2, "target-ongoing": 1,
+                            "upscale-delay": 0.5, "downscale-delay": 2}, **FLAGS}})
+    try:
+        wait_for("both replicas", lambda: [(r["role"], r["status"]) for r in
+                                           replicas(gw, "demo").values()] ==
+                 [("prefill", "ready"), ("decode", "ready")])
+
+        async def load():
+            async with httpx.AsyncClient(timeout=300) as http:
+                calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"Story {i}:", "max_tokens": 200,
+                    "ignore_eos": True})) for i in range(4)]
+                grown = await asyncio.to_thread(wait_for, "a second decode replica", lambda: (
+                    r := replicas(gw, "demo")) and [(x["role"], x["status"]) for x in
+                                                    r.values()] ==
+                    [("prefill", "ready"), ("decode", "ready"), ("decode", "ready")] and r, 120)
+                more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                    "model": "demo", "prompt": f"Tale {i}:", "max_tokens": 8,
+                    "ignore_eos": True})) for i in range(4)]
+                return grown["2"]["pid"], await asyncio.gather(*calls, *more)
+
+        added, answers = asyncio.run(load())
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
+        assert "2" in {r.headers["x-replica"] for r in answers[4:]}
+        scale = gw.status()["demo"]["autoscale"]
+        assert list(scale) == ["decode"] and scale["decode"]["up"] == 1, scale
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        assert ('justllm_autoscaler_decisions_total{model_name="demo",role="decode",'
+                'direction="up"} 1') in text
+        # Idle: back to one decode replica; the prefill replica was never touched.
+        wait_for("one decode replica", lambda: list(replicas(gw, "demo")) == ["0", "1"], 60)
+        wait_gone([added])
+        assert gw.status()["demo"]["autoscale"]["decode"]["down"] == 1
+        pids = [r["pid"] for r in replicas(gw, "demo").values()]
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    assert "autoscaler: model demo (decode) up to 2 replicas" in out, out
+    wait_gone(pids)

@@ -210,6 +210,21 @@ def test_prefill_and_decode_replicas():
                     "prefill-min-tokens": 0}).prefill_min_tokens == 0
 
 
+def test_a_pd_roles_mapping_is_its_own_autoscaled_pool():
+    spec = model(**{"prefill-replicas": 1, "decode-replicas": {
+        "min-replicas": 2, "max-replicas": 4, "target-ongoing": 3, "upscale-delay": 1}})
+    assert spec.roles == ("prefill", "decode", "decode") and spec.replicas == 3
+    assert spec.autoscale is None
+    assert spec.scaled_pools == (("decode", AutoscaleConfig(2, 4, 3.0, 1.0)),)
+    both = model(**{"prefill-replicas": {"max-replicas": 2},
+                    "decode-replicas": {"max-replicas": 3}})
+    assert both.roles == ("prefill", "decode")
+    assert [p for p, _ in both.scaled_pools] == ["prefill", "decode"]
+    plain = model(**{"min-replicas": 1, "max-replicas": 2})
+    assert plain.scaled_pools == (("both", AutoscaleConfig(1, 2)),)
+    assert model(replicas=2).scaled_pools == ()
+
+
 def test_the_gateway_estimates_a_prompt_length_without_a_tokenizer():
     assert prompt_tokens_estimate({"prompt": [1, 2, 3]}, "1 2 3") == 3  # token ids: exact
     assert prompt_tokens_estimate({"prompt": [[5, 6], [7]]}, "") == 2  # a batch: its first
@@ -225,6 +240,17 @@ def test_the_gateway_estimates_a_prompt_length_without_a_tokenizer():
     ({"prefill-replicas": 1, "decode-replicas": 1, "prefill-min-tokens": -1},
      "prefill-min-tokens must be an integer >= 0"),
     ({"replicas": 2, "prefill-min-tokens": 64}, "prefill-min-tokens needs prefill-replicas"),
+    ({"prefill-replicas": 1, "decode-replicas": 1, "max-replicas": 3},
+     "to autoscale a role, give it a mapping"),
+    ({"prefill-replicas": 1, "decode-replicas": {"min-replicas": 1}}, "max-replicas required"),
+    ({"prefill-replicas": 1, "decode-replicas": {"max-replicas": 2, "replicas": 1}},
+     "unknown: replicas"),
+    ({"prefill-replicas": 1, "decode-replicas": {"min-replicas": 0, "max-replicas": 2}},
+     "min-replicas must be an integer >= 1"),
+    ({"prefill-replicas": 1, "decode-replicas": {"min-replicas": 3, "max-replicas": 2}},
+     "max-replicas >= max(1, min-replicas)"),
+    ({"prefill-replicas": {"max-replicas": 2, "target-ongoing": 0}, "decode-replicas": 1},
+     "prefill-replicas: target-ongoing must be > 0"),
 ])
 def test_bad_pd_keys_are_one_clear_error(entry, message):
     with pytest.raises(ValueError) as e:
