@@ -34,6 +34,7 @@ from justllm.cluster.options import (
     deployment_name,
     engine_flags,
     model_options,
+    model_roles,
     router_kwargs,
 )
 from justllm.cluster.router import JustLLMRouter
@@ -105,18 +106,24 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
     board = deployments.BOARD.options(name=BOARD).bind(
         {"url": url, "address": cluster.address, "app": settings.app})
     handles = {}
+    prefill = {}  # a PD model's prefill deployment, and its prefill-min-tokens
     for spec in config.models:
         routing: dict[str, Any] = {"request_routing_stats_period_s": STATS_PERIOD}
         if request_router is not None:
             routing |= {"request_router_class": request_router,
                         "request_router_kwargs": router_kwargs(spec)}
         router = RequestRouterConfig(**routing)
-        handles[spec.name] = deployments.MODEL.options(
-            **model_options(spec), request_router_config=router).bind(
-            spec.name, partial(engine_config, spec.source, engine_flags(spec)), board)
+        for role in model_roles(spec):
+            handle = deployments.MODEL.options(
+                **model_options(spec, role), request_router_config=router).bind(
+                spec.name, partial(engine_config, spec.source, engine_flags(spec)), board, role)
+            if role == "prefill":
+                prefill[spec.name] = (handle, spec.prefill_min_tokens)
+            else:
+                handles[spec.name] = handle
     return deployments.INGRESS.options(
         name=INGRESS, max_ongoing_requests=INGRESS_MAX_ONGOING).bind(
-        handles, dict(config.names), board, settings.api_key)
+        handles, dict(config.names), board, settings.api_key, prefill)
 
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,
@@ -193,10 +200,16 @@ def status(app: str) -> dict[str, Any]:
     for name, dep in found.deployments.items():
         if not name.startswith("model-"):
             continue
-        model = next((m for m, rows in snapshot.items() if deployment_name(m) == name),
-                     name.removeprefix("model-"))
-        rows = sorted((snapshot.get(model) or {}).values(), key=lambda r: r["stats"]["replica"])
+        # A PD model has two deployments: model-NAME-prefill and model-NAME (decode).
+        prefill = any(deployment_name(m) + "-prefill" == name for m in snapshot)
+        model = next((m for m in snapshot if deployment_name(m) + (
+            "-prefill" if prefill else "") == name), name.removeprefix("model-"))
+        rows = sorted((r for r in (snapshot.get(model) or {}).values()
+                       if (r["stats"].get("role") == "prefill") == prefill),
+                      key=lambda r: r["stats"]["replica"])
+        role = "prefill" if prefill else rows[0]["stats"].get("role", "both") if rows else "both"
         models.append({"model": model, "deployment": name, "status": str(dep.status.value),
+                       "role": role,
                        "replica_states": {str(k): v for k, v in dep.replica_states.items()},
                        "message": cause(dep.message) if dep.message else "",
                        "replicas": [{**row["stats"], "age": row["age"]} for row in rows]})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,14 +39,15 @@ ROUTING_KEYS = ("running", "waiting", "kv_usage", "ttft_p50", "hit_ratio", "cach
 
 class ModelReplica:
     """One replica of one model: loads it once (resolved on this node), runs justllm's engine
-    on its own thread and the server's app in front of it."""
+    on its own thread and the server's app in front of it. ``role``: a PD model's prefill or
+    decode deployment (the server's ``--role``), else "both"."""
 
     async def __init__(self, model: str,  # type: ignore[misc]  # Ray awaits it
                        engine_config: Callable[[], EngineConfig],
-                       board: DeploymentHandle) -> None:
+                       board: DeploymentHandle, role: str = "both") -> None:
         identity = Identity(model, serve.get_replica_context().replica_id.unique_id,
                             ray.get_runtime_context().get_node_id(),
-                            ray.util.get_node_ip_address())
+                            ray.util.get_node_ip_address(), role)
         self.host = await asyncio.to_thread(EngineHost.load, identity, engine_config)
         self._board = board
         self._reporter = asyncio.get_running_loop().create_task(self._report())
@@ -55,6 +57,40 @@ class ModelReplica:
                    route: Any = None) -> AsyncIterator[Head | bytes]:
         """One HTTP request to justllm's app (``route`` is the RequestRouter's)."""
         async for item in self.host.http(method, path, query, headers, body):
+            yield item
+
+    async def prefill(self, path: str, body: bytes, route: Any = None) -> bytes:
+        """A PD model's first half, on a prefill replica: the prompt computed and its KV
+        exported (``/pd/prefill``), returned whole. Ray keeps the result in its object store,
+        and the ingress passes the reference on to the decode replica's call, so the bytes go
+        from node to node (or through shared memory on one node), never through the ingress.
+        b"" when the replica refused: the decode replica then serves the request whole."""
+        head: Head | None = None
+        chunks: list[bytes] = []
+        async for item in self.host.http("POST", "/pd/prefill", f"path={path}",
+                                         [("content-type", "application/json")], body):
+            if isinstance(item, Head):
+                head = item
+            else:
+                chunks.append(item)
+        return b"".join(chunks) if head is not None and head.status == 200 else b""
+
+    async def pd_decode(self, method: str, path: str, query: str,
+                        headers: list[tuple[str, str]], body: bytes, kv: bytes,
+                        route: Any = None) -> AsyncIterator[Head | bytes]:
+        """A PD model's second half, on a decode replica: the request served with the prompt's
+        KV imported (``/pd/decode``: the request's length, the request, the KV), or whole
+        when the prefill replica gave none. The answer's head says which
+        (``x-pd: handed-over`` or ``prefill-refused``)."""
+        if kv:
+            target, query, content, how = ("/pd/decode", f"path={path}",
+                                           struct.pack("<I", len(body)) + body + kv,
+                                           "handed-over")
+        else:
+            target, content, how = path, body, "prefill-refused"
+        async for item in self.host.http(method, target, query, headers, content):
+            if isinstance(item, Head):
+                item = Head(item.status, [*item.headers, ("x-pd", how)])
             yield item
 
     async def check_health(self) -> None:
@@ -118,11 +154,13 @@ class StatsBoard:
 
 
 class ClusterIngress:
-    """The HTTP face (justllm/cluster/ingress.py): a handle per model, names and aliases."""
+    """The HTTP face (justllm/cluster/ingress.py): a handle per model, names and aliases; a
+    PD model's prefill deployment beside its decode one."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], names: dict[str, str],
-                 board: DeploymentHandle, api_key: str | None) -> None:
-        self.ingress = Ingress(handles, names, board, api_key)
+                 board: DeploymentHandle, api_key: str | None,
+                 prefill: dict[str, tuple[DeploymentHandle, int]] | None = None) -> None:
+        self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {})
 
     def __serve_build_asgi_app__(self) -> Litestar:
         return create_ingress(self.ingress)

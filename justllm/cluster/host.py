@@ -39,6 +39,7 @@ class Identity:
     replica: str
     node_id: str = ""
     node_ip: str = ""
+    role: str = "both"  # prefill/decode disaggregation: the server's --role
 
 
 class EngineHost:
@@ -50,7 +51,8 @@ class EngineHost:
         self.identity = identity
         self.aengine = aengine
         self.health_timeout = health_timeout
-        self.app = create_app(aengine, ServerConfig(model_name=identity.model))
+        self.app = create_app(aengine, ServerConfig(model_name=identity.model,
+                                                    role=identity.role))
         # The gateway's bookkeeping of a replica, fed the same /metrics page it would poll:
         # load, KV use, hit ratio and the recent TTFT are computed once, the same way.
         self.view = Replica(identity.replica)
@@ -103,6 +105,7 @@ class EngineHost:
         return {
             "model": self.identity.model, "replica": self.identity.replica,
             "node_id": self.identity.node_id, "node_ip": self.identity.node_ip,
+            "role": self.identity.role,
             "pid": os.getpid(), "started": self.started,
             "healthy": self.healthy and self.aengine.accepting,
             "running": view.running, "waiting": max(0, view.others - view.running),

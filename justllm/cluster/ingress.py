@@ -14,11 +14,19 @@ the request for the RequestRouter (``route=``).
 A replica that dies before its answer began (or, for an answer that is not a stream, before
 it ended) costs the request nothing: it is sent once more, and Ray routes it to a live
 replica. A stream cut mid-way ends with an error event, as in router mode.
+
+A PD model (prefill-replicas / decode-replicas) has two deployments. A completion or chat
+request whose prompt reaches prefill-min-tokens goes first to the prefill deployment's
+``prefill`` (cache-aware), whose result -- the prompt's KV -- stays in Ray's object store; the
+decode deployment's ``pd_decode`` is called with that reference, so Ray hands the bytes to the
+decode replica without the ingress ever holding them. Any failure of the first half (no KV,
+the prefill replica died) and the request is sent again to the decode deployment, whole.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +39,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.metrics import render
+from justllm.gateway.policy import prompt_tokens_estimate
 from justllm.gateway.routing import route_text
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
@@ -51,6 +60,10 @@ class Ingress:
     names: dict[str, str]  # model name or alias -> model
     board: Any  # DeploymentHandle of the stats board
     api_key: str | None = None
+    # PD models: the prefill deployment's handle and prefill-min-tokens; the hand-overs'
+    # outcomes by (model, outcome): handed_over, short_prompt, prefill_refused, prefill_failed.
+    prefill: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    pd: Counter[tuple[str, str]] = field(default_factory=Counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def model(self, name: Any, ollama: bool) -> str:
@@ -97,10 +110,17 @@ async def forward(request: Request, path: str) -> Any:
     body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
-    call = ing.handles[model].options(stream=True).http
-    for attempt in range(1, TRIES + 1):
-        answer = call.remote("POST", path, request.url.query or "", headers, content,
-                             route=route)
+    handle = ing.handles[model].options(stream=True)
+    kv = _prefill(ing, model, path, body, content, route)
+    attempt = 0
+    while attempt < TRIES:
+        if kv is not None:  # the decode replica takes the prefill's result from Ray
+            answer = handle.pd_decode.remote("POST", path, request.url.query or "", headers,
+                                             content, kv, route=route)
+        else:
+            attempt += 1
+            answer = handle.http.remote("POST", path, request.url.query or "", headers,
+                                        content, route=route)
         try:
             # A client that leaves while its answer is computed cancels it (an answer that is
             # not a stream sends its head only when done): the replica aborts the request.
@@ -110,6 +130,9 @@ async def forward(request: Request, path: str) -> Any:
                 return head
             if not isinstance(head, Head):
                 raise RuntimeError(f"model '{model}' answered without a head")
+            if kv is not None:
+                ing.pd[model, "handed_over" if head.header("x-pd") == "handed-over"
+                       else "prefill_refused"] += 1
             kind = head.header("content-type")
             out = [(k, v) for k, v in head.headers if k != "content-type"]
             if kind.startswith(STREAMS):
@@ -122,8 +145,15 @@ async def forward(request: Request, path: str) -> Any:
             if isinstance(chunks, Response):
                 answer.cancel()
                 return chunks
-        except REPLICA_GONE as e:
+        except Exception as e:
             answer.cancel()
+            if kv is not None:  # the hand-over failed before anything was sent: served whole
+                kv.cancel()
+                kv = None
+                ing.pd[model, "prefill_failed"] += 1
+                continue
+            if not isinstance(e, REPLICA_GONE):
+                raise
             if attempt == TRIES:
                 raise APIError(503, f"model '{model}' stopped answering: {type(e).__name__}",
                                type="server_error", code="replica_failed",
@@ -131,10 +161,51 @@ async def forward(request: Request, path: str) -> Any:
             continue
         except BaseException:
             answer.cancel()  # the client left (or the ingress stops): the replica aborts
+            if kv is not None:
+                kv.cancel()
             raise
         return Response(b"".join(chunks), status_code=head.status, headers=dict(out),
                         media_type=kind or None)
     raise AssertionError("unreachable")
+
+
+PD_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _prefill(ing: Ingress, model: str, path: str, body: dict, content: bytes,
+             route: tuple[str, str | None]) -> Any:
+    """A PD model's first half, started: the prefill deployment's call (its result, the KV,
+    is left in Ray's object store), or None to serve the request whole (not a PD model, not a
+    completion, or a prompt under prefill-min-tokens: cheaper computed where it is decoded)."""
+    found = ing.prefill.get(model)
+    if found is None or path not in PD_PATHS:
+        return None
+    handle, min_tokens = found
+    if prompt_tokens_estimate(body, route[0]) < min_tokens:
+        ing.pd[model, "short_prompt"] += 1
+        return None
+    return handle.prefill.remote(path, content, route=route)
+
+
+def pd_series(ing: Ingress) -> str:
+    """The hand-overs of PD models, as router mode names them."""
+    models = list(ing.prefill)
+    if not models:
+        return ""
+    lines = []
+    for name, doc, outcome in (
+            ("justllm_gateway_pd_transfers_total",
+             "Prompts a prefill replica computed and handed over.", "handed_over"),
+            ("justllm_gateway_pd_short_prompts_total",
+             "Prompts under prefill-min-tokens, computed on a decode replica.", "short_prompt")):
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+        lines += [f'{name}{{model_name="{m}"}} {ing.pd[m, outcome]}' for m in models]
+    name = "justllm_gateway_pd_fallbacks_total"
+    lines += [f"# HELP {name} Requests of a PD model served whole by a decode replica, by "
+              "reason.", f"# TYPE {name} counter"]
+    lines += [f'{name}{{model_name="{m}",reason="{r}"}} {ing.pd[m, r]}' for m in models
+              for r in ("prefill_refused", "prefill_failed")]
+    return "\n".join(lines) + "\n"
 
 
 async def _collect(answer: Any) -> list[bytes]:
@@ -196,7 +267,7 @@ async def metrics(state: State) -> Response:
     snapshot = await ing.board.snapshot.remote()
     reports = {m: {r: e["stats"] for r, e in rows.items()} for m, rows in snapshot.items()}
     pages = {m: {r: e["page"] for r, e in rows.items()} for m, rows in snapshot.items()}
-    return Response(render(reports, pages, list(ing.handles)),
+    return Response(render(reports, pages, list(ing.handles)) + pd_series(ing).encode(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -44,8 +44,13 @@ def own_series(reports: Reports, models: Sequence[str]) -> str:
             for replica, report in sorted((reports.get(model) or {}).items()):
                 v = value(report)
                 if v is not None:
+                    # replica_up also says the replica's role (prefill, decode, both), as in
+                    # router mode: `justllm top` counts a PD model's replicas by it.
+                    role = ({"role": str(report["role"])}
+                            if name == "justllm_gateway_replica_up" and "role" in report
+                            else {})
                     labels = _labels(model_name=model, replica=replica,
-                                     node=str(report.get("node_ip", "")))
+                                     node=str(report.get("node_ip", "")), **role)
                     lines.append(f"{name}{labels} {v}")
     return "\n".join(lines) + "\n"
 

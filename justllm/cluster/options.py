@@ -66,9 +66,6 @@ def check_supported(config: GatewayConfig) -> list[str]:
             raise ValueError(f"model '{m.name}': urls are router mode's (replicas elsewhere); "
                              "on a Ray cluster every replica is a Ray actor: give replicas "
                              "or min-replicas / max-replicas")
-        if m.pd:
-            raise ValueError(f"model '{m.name}': prefill-replicas / decode-replicas are not "
-                             "supported on a Ray cluster yet; give replicas")
         if not m.source:
             raise ValueError(f"model '{m.name}' needs a 'source'")
     ignored = [name for name, value in (("max-loaded", config.max_loaded),
@@ -92,15 +89,22 @@ def _cpus(flags: dict[str, Any]) -> int:
     return threads if isinstance(threads, int) and threads > 0 else 1
 
 
-def model_options(spec: ModelSpec) -> dict[str, Any]:
-    """The keyword arguments of ``Deployment.options`` for one model, but the request router
-    (a Ray class: see ``router_kwargs`` and justllm/cluster/deploy.py)."""
+def model_roles(spec: ModelSpec) -> tuple[str, ...]:
+    """The deployments of a model, by role: "both" (one), or a PD model's "prefill" and
+    "decode" (two, each with its own replica count or autoscaling)."""
+    return ("prefill", "decode") if spec.pd else ("both",)
+
+
+def model_options(spec: ModelSpec, role: str = "both") -> dict[str, Any]:
+    """The keyword arguments of ``Deployment.options`` for one model (for a PD model, for
+    one ``role``'s deployment: ``model-NAME-prefill`` or ``model-NAME``), but the request
+    router (a Ray class: see ``router_kwargs`` and justllm/cluster/deploy.py)."""
     flags = engine_flags(spec)
     defaults = EngineConfig()
     holds = (int(flags.get("max_seqs", defaults.max_seqs))
              + int(flags.get("max_queue", defaults.max_queue)))
     options: dict[str, Any] = {
-        "name": deployment_name(spec.name),
+        "name": deployment_name(spec.name) + ("-prefill" if role == "prefill" else ""),
         "ray_actor_options": {"num_cpus": _cpus(flags),
                               "num_gpus": 1 if spec.gpus or flags.get("gpu") else 0},
         "max_ongoing_requests": max(1, holds),
@@ -109,9 +113,10 @@ def model_options(spec: ModelSpec) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": 1.0,
         "graceful_shutdown_timeout_s": DRAIN,
     }
-    scale = spec.autoscale
+    scale = spec.autoscale if role == "both" else dict(spec.role_autoscale).get(role)
     if scale is None:
-        options["num_replicas"] = spec.replicas
+        options["num_replicas"] = (spec.replicas if role == "both"
+                                   else spec.roles.count(role))
     else:
         options["autoscaling_config"] = {
             "min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,

@@ -79,12 +79,30 @@ def test_deployment_names_take_only_what_ray_accepts():
 def test_router_mode_only_settings_are_refused_or_warned_about():
     with pytest.raises(ValueError, match="urls are router mode's"):
         check_supported(config(m={"urls": ["http://10.0.0.7:8080"]}))
-    with pytest.raises(ValueError, match="prefill-replicas / decode-replicas"):
-        check_supported(config(m={"source": "/m.gguf", "prefill-replicas": 1,
+    with pytest.raises(ValueError, match="urls are router mode's"):
+        check_supported(config(m={"source": "/m.gguf", "prefill-replicas": ["http://p:1"],
                                    "decode-replicas": 1}))
     warned = check_supported(load_config({"models": {"m": "/m.gguf"}, "max-loaded": 2}, FLAGS))
     assert len(warned) == 1 and "max-loaded" in warned[0]
     assert check_supported(config(m="/m.gguf")) == []
+
+
+def test_a_pd_model_is_two_deployments_each_with_its_own_count_or_autoscaling():
+    from justllm.cluster.options import model_roles
+
+    spec = config(m={"source": "/m.gguf", "prefill-replicas": 2, "decode-replicas": {
+        "min-replicas": 1, "max-replicas": 3, "target-ongoing": 4}}).spec("m")
+    assert check_supported(config(m={"source": "/m.gguf", "prefill-replicas": 1,
+                                     "decode-replicas": 1})) == []
+    assert model_roles(spec) == ("prefill", "decode")
+    prefill, decode = model_options(spec, "prefill"), model_options(spec, "decode")
+    assert prefill["name"] == "model-m-prefill" and prefill["num_replicas"] == 2
+    assert "autoscaling_config" not in prefill
+    assert decode["name"] == "model-m" and "num_replicas" not in decode
+    assert decode["autoscaling_config"]["max_replicas"] == 3
+    assert decode["autoscaling_config"]["target_ongoing_requests"] == 4
+    plain = config(m="/m.gguf").spec("m")
+    assert model_roles(plain) == ("both",) and model_options(plain)["name"] == "model-m"
 
 
 def test_cluster_settings_are_checked():
