@@ -128,9 +128,11 @@ def status(
         table = Table("MODEL", "REPLICA", "NODE", "STATE", "RUNNING", "WAITING", "KV", "HIT",
                       "TTFT", box=None, pad_edge=False)
         for m in body["models"]:
+            # A PD model's deployments: the role after the name ("demo (prefill)").
+            name = m["model"] if m.get("role", "both") == "both" else f"{m['model']} ({m['role']})"
             for r in m["replicas"]:
                 table.add_row(
-                    m["model"], r["replica"], r["node_ip"] or r["node_id"][:8],
+                    name, r["replica"], r["node_ip"] or r["node_id"][:8],
                     "healthy" if r["healthy"] else "engine down", str(r["running"]),
                     str(r["waiting"]), f"{r['kv_usage']:.0%}",
                     "-" if r["hit_ratio"] is None else f"{r['hit_ratio']:.0%}",
@@ -138,13 +140,14 @@ def status(
             reporting = len(m["replicas"])
             running = m["replica_states"].get("RUNNING", 0)
             if running > reporting:
-                table.add_row(m["model"], f"({running - reporting} more)", "-",
+                table.add_row(name, f"({running - reporting} more)", "-",
                               "not reporting yet", "-", "-", "-", "-", "-")
         console.print(table)
         for m in body["models"]:
             states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(m["replica_states"].items()))
             note = f": {m['message']}" if m["message"] else ""
-            console.print(f"[dim]{m['model']}: {m['status'].lower()}, Ray replicas "
+            label = m["model"] if m.get("role", "both") == "both" else f"{m['model']} ({m['role']})"
+            console.print(f"[dim]{label}: {m['status'].lower()}, Ray replicas "
                           f"{states or 'none'}{note}[/dim]", highlight=False)
 
 

@@ -117,6 +117,8 @@ def test_the_kv_goes_from_the_prefill_replica_to_the_decode_replica_through_ray(
     assert deployments["model-demo-prefill"]["role"] == "prefill"
     assert deployments["model-demo"]["role"] == "decode"
     assert [x["replica"] for x in deployments["model-demo-prefill"]["replicas"]] == [prefill]
+    r = justllm(env, "cluster", "status", timeout=120)
+    assert r.returncode == 0 and "demo (prefill)" in r.stdout and "demo (decode)" in r.stdout
 
     # The prefill replica killed: long prompts still complete (whole on the decode replica,
     # or handed over by the replica Ray starts in its place).
