@@ -12,7 +12,8 @@ than ``e**-_CUT`` of the best (together at most their count times that), and the
 their exact weight when that bound could change the answer: when a top-p cut lands within the
 bound's reach of a boundary, or when a pure-temperature draw's uniform falls within it of the
 candidates' share (``_draw``). Then it weighs the whole row, as it used to on every token; on
-the demo model that is fewer than one draw in a thousand.
+the demo model that is about one top-p draw in ten and one pure-temperature draw in a
+thousand. ``top_k`` alone never looks past the k best (:func:`top_candidates`).
 
 Candidate ids are kept in ascending order, so a draw depends on the distribution alone, not
 on how a partition happened to order its output.
