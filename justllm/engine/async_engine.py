@@ -234,9 +234,9 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as e:  # delivered to the awaiting coroutine
-                fut.get_loop().call_soon_threadsafe(_settle, fut, None, e)
+                _deliver(fut.get_loop(), _settle, fut, None, e)
             else:
-                fut.get_loop().call_soon_threadsafe(_settle, fut, result, None)
+                _deliver(fut.get_loop(), _settle, fut, result, None)
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -255,7 +255,7 @@ class AsyncEngine:
                 with self._sinks_lock:
                     sink = self._sinks.get(out.request_id)
                 if sink is not None:
-                    sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+                    _deliver(sink.loop, sink.queue.put_nowait, out)
         self._run_jobs()
 
     @property
@@ -277,7 +277,7 @@ class AsyncEngine:
             self.engine.abort(stream.request_id)
             end = RequestOutput(stream.request_id, "", [], True, "abort", None,
                                 RequestMetrics(arrival_time=0.0), error=message)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, end)
+            _deliver(stream.loop, stream.queue.put_nowait, end)
         self._wake.set()
         return len(pending)
 
@@ -289,6 +289,17 @@ class AsyncEngine:
         self._thread.join()
         self.abort_all()
         self.engine.close()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` on ``loop``'s thread; nothing when that loop has closed (whoever waited
+    there is gone). The engine thread serves every caller: one caller's closed loop must not
+    raise in it and stop it for all the others."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:

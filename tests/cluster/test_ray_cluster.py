@@ -1,11 +1,14 @@
 """`justllm cluster` on a real local Ray (2 CPUs), started by `justllm cluster deploy` itself
 and stopped by `justllm cluster down`: the demo model with 2 replicas, the openai client
 streaming through the ingress, a shared prefix kept on one replica, a replica's actor killed
-under load (no request lost, Ray brings it back), and nothing of Ray left after `down`.
+under load (no request lost, Ray brings it back); then the app redeployed in place as a PD
+model (one prefill and one decode replica: the KV goes from one to the other through Ray's
+object store, the prefill replica killed costs no request); and nothing of Ray left after
+`down`.
 
 The deploy and down run as processes of their own, as a user runs them: the app outlives the
 command that deployed it. Ray's temp directory and justllm's record of the head are private to
-this module, so a Ray someone else runs on the machine is neither used nor touched. About two
+this module, so a Ray someone else runs on the machine is neither used nor touched. About three
 minutes on 2 busy cores, most of it Ray starting and stopping (marked ``ray``:
 ``pytest -m 'not ray'`` skips it).
 """
@@ -45,6 +48,33 @@ ray.kill(actor, no_restart=True)
 print("killed", flush=True)
 ray.shutdown()
 """
+
+
+STORY = "Once upon a time there was a lighthouse keeper who counted the waves every night. "
+PD_KILLER = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+ray.kill(ray.get_actor("SERVE_REPLICA::justllm#model-demo-prefill#" + sys.argv[2],
+                       namespace="serve"), no_restart=True)
+ray.shutdown()
+"""
+
+
+def roles(url: str) -> dict[str, str]:
+    """replica -> role, from the replica_up series of the ingress's /metrics."""
+    found = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("justllm_gateway_replica_up{") and line.endswith(" 1"):
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            found[replica] = line.split('role="', 1)[1].split('"', 1)[0]
+    return found
+
+
+def counter(url: str, series: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} is not on /metrics")
 
 
 @dataclass
@@ -206,6 +236,69 @@ def test_a_killed_replica_loses_no_request_and_ray_brings_it_back(deployed):
     r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "After:",
                                                   "max_tokens": 2}, timeout=120)
     assert r.status_code == 200
+
+
+def test_a_pd_model_hands_the_kv_from_prefill_to_decode_through_ray(deployed, tmp_path,
+                                                                     model_path):
+    """The app redeployed in place as a PD model: one prefill and one decode replica."""
+    url, env, head = deployed.url, deployed.env, deployed.head
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"models:\n  demo:\n    source: {model_path}\n    prefill-replicas: 1\n"
+                   "    decode-replicas: 1\n    threads: 1\n    max-seqs: 4\n"
+                   "    pool-blocks: 256\n")
+    r = justllm(env, "cluster", "deploy", str(cfg), "--port", url.rsplit(":", 1)[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = wait_for("a prefill and a decode replica", lambda: (
+        r := roles(url)) and sorted(r.values()) == ["decode", "prefill"] and r, 120)
+    prefill = next(r for r, role in found.items() if role == "prefill")
+    decode = next(r for r, role in found.items() if role == "decode")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="demo", prompt=STORY * 8, max_tokens=12,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 12
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = client.completions.with_raw_response.create(
+        model="demo", prompt=STORY * 8 + "The keeper", max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert whole.headers["x-replica"] == decode and whole.headers["x-pd"] == "handed-over"
+    assert whole.parse().usage.completion_tokens == 6
+    short = client.completions.create(model="demo", prompt="The sea was", max_tokens=3,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 3
+    assert counter(url, 'justllm_gateway_pd_transfers_total{model_name="demo"}') == 2
+    assert counter(url, 'justllm_gateway_pd_short_prompts_total{model_name="demo"}') == 1
+    # The replicas' own pages (on the board within a second or two): two exports on the
+    # prefill replica, two imports on the decode replica, each a prefix-cache hit there.
+    wait_for("the hand-overs on the replicas' pages", lambda: (
+        metric(url, "justllm_pd_exports_total").get(prefill) == 2
+        and metric(url, "justllm_pd_imports_total").get(decode) == 2
+        and metric(url, "justllm_prefix_cache_hits_total").get(decode, 0) >= 2), 20)
+    r = justllm(env, "cluster", "status", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    deployments = {m["deployment"]: m for m in json.loads(r.stdout)["models"]}
+    assert deployments["model-demo-prefill"]["role"] == "prefill"
+    assert deployments["model-demo"]["role"] == "decode"
+    assert [x["replica"] for x in deployments["model-demo-prefill"]["replicas"]] == [prefill]
+    r = justllm(env, "cluster", "status", timeout=120)
+    assert r.returncode == 0 and "demo (prefill)" in r.stdout and "demo (decode)" in r.stdout
+
+    # The prefill replica killed: long prompts still complete (whole on the decode replica,
+    # or handed over by the replica Ray starts in its place).
+    subprocess.run([sys.executable, "-c", PD_KILLER, head.address, prefill], env=env, check=True,
+                   timeout=120, capture_output=True)
+    for i in range(2):
+        again = client.completions.create(model="demo", prompt=STORY * 8 + f"Day {i}:",
+                                          max_tokens=4, extra_body={"ignore_eos": True})
+        assert again.usage.completion_tokens == 4
+    total = (counter(url, 'justllm_gateway_pd_transfers_total{model_name="demo"}')
+             + counter(url, 'justllm_gateway_pd_fallbacks_total{model_name="demo",'
+                            'reason="prefill_failed"}')
+             + counter(url, 'justllm_gateway_pd_fallbacks_total{model_name="demo",'
+                            'reason="prefill_refused"}'))
+    assert total == 4
 
 
 def test_down_deletes_the_app_and_leaves_no_ray_process(deployed):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -136,3 +137,21 @@ def test_an_unexpected_step_error_ends_requests_with_an_error_not_a_hang(aengine
     # the engine keeps serving
     _, tokens, last = asyncio.run(collect(aengine, "Hello", SamplingParams(max_tokens=3, ignore_eos=True)))
     assert len(tokens) == 3 and last.error is None
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine_thread(aengine):
+    """A job (or a stream) whose caller's loop is gone by the time its answer is ready: the
+    answer is dropped, and the engine thread goes on serving everyone else (it used to die on
+    the closed loop's RuntimeError)."""
+    async def leave() -> None:
+        aengine.call_on_engine_thread(lambda: time.sleep(0.3))
+        aengine.call_on_engine_thread(lambda: None)  # answered after this loop has closed
+
+    asyncio.run(leave())
+    time.sleep(0.6)
+    assert aengine._thread.is_alive()
+
+    async def ask() -> int:
+        return await asyncio.wait_for(aengine.call_on_engine_thread(lambda: 42), 10)
+
+    assert asyncio.run(ask()) == 42
