@@ -39,7 +39,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.metrics import render
-from justllm.gateway.policy import prompt_tokens_estimate
+from justllm.gateway.policy import PD_PATHS, prompt_tokens_estimate
 from justllm.gateway.routing import route_text
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
@@ -126,7 +126,7 @@ async def forward(request: Request, path: str) -> Any:
             # not a stream sends its head only when done): the replica aborts the request.
             head = await unless_disconnected(request, answer.__anext__())
             if isinstance(head, Response):
-                answer.cancel()
+                _cancel(answer, kv)
                 return head
             if not isinstance(head, Head):
                 raise RuntimeError(f"model '{model}' answered without a head")
@@ -143,7 +143,7 @@ async def forward(request: Request, path: str) -> Any:
                               headers={**dict(out), "Content-Type": kind})
             chunks = await unless_disconnected(request, _collect(answer))
             if isinstance(chunks, Response):
-                answer.cancel()
+                _cancel(answer, kv)
                 return chunks
         except Exception as e:
             answer.cancel()
@@ -160,16 +160,11 @@ async def forward(request: Request, path: str) -> Any:
                                headers={"Retry-After": "2"}) from None
             continue
         except BaseException:
-            answer.cancel()  # the client left (or the ingress stops): the replica aborts
-            if kv is not None:
-                kv.cancel()
+            _cancel(answer, kv)  # the client left (or the ingress stops): the replica aborts
             raise
         return Response(b"".join(chunks), status_code=head.status, headers=dict(out),
                         media_type=kind or None)
     raise AssertionError("unreachable")
-
-
-PD_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def _prefill(ing: Ingress, model: str, path: str, body: dict, content: bytes,
@@ -206,6 +201,13 @@ def pd_series(ing: Ingress) -> str:
     lines += [f'{name}{{model_name="{m}",reason="{r}"}} {ing.pd[m, r]}' for m in models
               for r in ("prefill_refused", "prefill_failed")]
     return "\n".join(lines) + "\n"
+
+
+def _cancel(answer: Any, kv: Any) -> None:
+    """The client is gone: its call, and a PD model's prefill if it still runs."""
+    answer.cancel()
+    if kv is not None:
+        kv.cancel()
 
 
 async def _collect(answer: Any) -> list[bytes]:

@@ -24,7 +24,7 @@ from litestar.response import Stream
 from justllm import __version__
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
-from justllm.gateway.policy import prompt_tokens_estimate
+from justllm.gateway.policy import PD_PATHS, prompt_tokens_estimate
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
@@ -168,9 +168,6 @@ async def _forward(request: Request, path: str) -> Any:
             await handover.close()
         if not ended:
             sup.end(state, keep_alive)
-
-
-PD_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class _Handover:

@@ -88,6 +88,9 @@ def parse_size(value: object) -> int:
 
 
 CHARS_PER_TOKEN = 4  # the usual estimate for English text under BPE/SentencePiece vocabularies
+# The requests a PD model hands over from a prefill to a decode replica (the others, such as
+# embeddings, are served whole).
+PD_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def prompt_tokens_estimate(body: dict, text: str) -> int:
