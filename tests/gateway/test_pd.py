@@ -13,7 +13,13 @@ import httpx
 import openai
 
 from tests.gateway.test_gateway import start_gateway, stop, wait_gone
-from tests.gateway.test_replicas import FLAGS, replicas, runner_metric, wait_for
+from tests.gateway.test_replicas import (
+    FLAGS,
+    replicas,
+    runner_metric,
+    scale_up_under_load,
+    wait_for,
+)
 
 STORY = "Once upon a time there was a lighthouse keeper who counted the waves every night. "
 
@@ -116,21 +122,10 @@ def test_a_pd_models_decode_replicas_scale_with_their_own_load(tmp_path, model_p
                                            replicas(gw, "demo").values()] ==
                  [("prefill", "ready"), ("decode", "ready")])
 
-        async def load():
-            async with httpx.AsyncClient(timeout=300) as http:
-                calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
-                    "model": "demo", "prompt": f"Story {i}:", "max_tokens": 200,
-                    "ignore_eos": True})) for i in range(4)]
-                grown = await asyncio.to_thread(wait_for, "a second decode replica", lambda: (
-                    r := replicas(gw, "demo")) and [(x["role"], x["status"]) for x in
-                                                    r.values()] ==
-                    [("prefill", "ready"), ("decode", "ready"), ("decode", "ready")] and r, 120)
-                more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
-                    "model": "demo", "prompt": f"Tale {i}:", "max_tokens": 8,
-                    "ignore_eos": True})) for i in range(4)]
-                return grown["2"]["pid"], await asyncio.gather(*calls, *more)
-
-        added, answers = asyncio.run(load())
+        grown, answers = scale_up_under_load(
+            gw, "demo", "a second decode replica",
+            [("prefill", "ready"), ("decode", "ready"), ("decode", "ready")])
+        added = grown["2"]["pid"]
         assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
         assert "2" in {r.headers["x-replica"] for r in answers[4:]}
         scale = gw.status()["demo"]["autoscale"]

@@ -253,6 +253,27 @@ def _up(url: str) -> bool:
         return False
 
 
+def scale_up_under_load(gw: Gateway, model: str, what: str, wanted: list[tuple[str, str]]
+                        ) -> tuple[dict[str, dict], list[httpx.Response]]:
+    """Four long completions, kept running until the replicas' (role, status) are ``wanted``
+    (the autoscaler grew the model), then four short ones: the replicas at that moment, and
+    all eight answers (the short ones last)."""
+    async def load() -> tuple[dict[str, dict], list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                "model": model, "prompt": f"Story {i}:", "max_tokens": 200,
+                "ignore_eos": True})) for i in range(4)]
+            grown = await asyncio.to_thread(wait_for, what, lambda: (
+                r := replicas(gw, model)) and [(x["role"], x["status"]) for x in
+                                               r.values()] == wanted and r, 120)
+            more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+                "model": model, "prompt": f"Tale {i}:", "max_tokens": 8,
+                "ignore_eos": True})) for i in range(4)]
+            return grown, list(await asyncio.gather(*calls, *more))
+
+    return asyncio.run(load())
+
+
 def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
         tmp_path, model_path):
     gw = start_gateway(tmp_path, {"demo": {
@@ -262,21 +283,9 @@ def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
         wait_for("the first replica", lambda: [r["status"] for r in
                                                replicas(gw, "demo").values()] == ["ready"])
 
-        async def load():
-            async with httpx.AsyncClient(timeout=300) as http:
-                calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
-                    "model": "demo", "prompt": f"Story {i}:", "max_tokens": 200,
-                    "ignore_eos": True})) for i in range(4)]
-                # While the first four run, a second replica starts and joins the rotation.
-                both = await asyncio.to_thread(wait_for, "a second replica", lambda: (
-                    r := replicas(gw, "demo")) and [x["status"] for x in r.values()] ==
-                    ["ready", "ready"] and r, 120)
-                more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
-                    "model": "demo", "prompt": f"Tale {i}:", "max_tokens": 8,
-                    "ignore_eos": True})) for i in range(4)]
-                return both["1"]["pid"], await asyncio.gather(*calls, *more)
-
-        second, answers = asyncio.run(load())
+        grown, answers = scale_up_under_load(gw, "demo", "a second replica",
+                                             [("both", "ready")] * 2)
+        second = grown["1"]["pid"]
         assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
         assert "1" in {r.headers["x-replica"] for r in answers[4:]}
         # Idle: back to one replica after the downscale delay; the retired process is gone.
