@@ -73,6 +73,17 @@ def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
     return produced / wall, (wall - in_llama) / wall, wall / steps
 
 
+def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
+    """One bare llama_decode of ``tokens`` at positions ``start``... in sequence ``seq``, the
+    last token's logits asked for (and returned)."""
+    b = engine.backend
+    m = len(tokens)
+    b.batch_tokens[:m], b.batch_pos[:m] = tokens, range(start, start + m)
+    b.batch_seq[:m], b.batch_n_seq[:m], b.batch_logits[:m] = seq, 1, 0
+    b.batch_logits[m - 1] = 1
+    return b.decode(m)
+
+
 def raw_decode(engine: Engine, n: int, tokens: int) -> float:
     """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
     ``tokens`` steps of one token each (argmax), every row's logits read. The engine must be
@@ -83,10 +94,7 @@ def raw_decode(engine: Engine, n: int, tokens: int) -> float:
     prompt = b.tokenize("Write a long story about the sea.")[:8]
     m = len(prompt)
     for s in range(n):
-        b.batch_tokens[:m], b.batch_pos[:m] = prompt, range(m)
-        b.batch_seq[:m], b.batch_n_seq[:m], b.batch_logits[:m] = s, 1, 0
-        b.batch_logits[m - 1] = 1
-        last = int(b.decode(m)[0].argmax())
+        last = int(decode_prompt(engine, s, prompt, 0)[0].argmax())
     nxt = [last] * n
     t0 = time.perf_counter()
     for step in range(tokens):
@@ -139,12 +147,7 @@ def prefill(engine: Engine, n: int) -> float:
     step = engine.config.n_batch
     t0 = time.perf_counter()
     for start in range(0, n, step):
-        chunk = tokens[start:start + step]
-        m = len(chunk)
-        b.batch_tokens[:m], b.batch_pos[:m] = chunk, range(start, start + m)
-        b.batch_seq[:m], b.batch_n_seq[:m], b.batch_logits[:m] = 0, 1, 0
-        b.batch_logits[m - 1] = 1
-        b.decode(m)
+        decode_prompt(engine, 0, tokens[start:start + step], start)
     rate = n / (time.perf_counter() - t0)
     b.clear_kv()
     return rate

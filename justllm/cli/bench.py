@@ -95,4 +95,3 @@ def bench(
                               f"{s['first_error']}[/yellow]", highlight=False)
         if json_out is not None:
             json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
-

@@ -109,6 +109,13 @@ def _read_yaml(path: str) -> object:
                          f"{where}") from None
 
 
+def _deployment_label(m: dict) -> str:
+    """A model as `cluster status` shows it: a PD model's deployments with their role after
+    the name ("demo (prefill)")."""
+    role = m.get("role", "both")
+    return m["model"] if role == "both" else f"{m['model']} ({role})"
+
+
 @app.command("status")
 def status(
     name: AppName = "justllm",
@@ -128,8 +135,7 @@ def status(
         table = Table("MODEL", "REPLICA", "NODE", "STATE", "RUNNING", "WAITING", "KV", "HIT",
                       "TTFT", box=None, pad_edge=False)
         for m in body["models"]:
-            # A PD model's deployments: the role after the name ("demo (prefill)").
-            name = m["model"] if m.get("role", "both") == "both" else f"{m['model']} ({m['role']})"
+            name = _deployment_label(m)
             for r in m["replicas"]:
                 table.add_row(
                     name, r["replica"], r["node_ip"] or r["node_id"][:8],
@@ -146,8 +152,7 @@ def status(
         for m in body["models"]:
             states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(m["replica_states"].items()))
             note = f": {m['message']}" if m["message"] else ""
-            label = m["model"] if m.get("role", "both") == "both" else f"{m['model']} ({m['role']})"
-            console.print(f"[dim]{label}: {m['status'].lower()}, Ray replicas "
+            console.print(f"[dim]{_deployment_label(m)}: {m['status'].lower()}, Ray replicas "
                           f"{states or 'none'}{note}[/dim]", highlight=False)
 
 

@@ -113,18 +113,15 @@ class RequestSampler:
         may use any exact method; the branches that do keep one order of the tokens, so the
         result is distributed exactly as the full softmax."""
         p = self.params
-        if p.top_k and p.top_k < x.size:  # the k best: nothing else can be drawn
-            ids = top_candidates(x, p.top_k)
-            m = float(x[ids].max())
-            rest = 0.0
-        else:
-            m = float(x.max())
-            if 0.0 < p.min_p < _CUT_WEIGHT:
-                return self._draw_full(x)  # min-p may keep tokens outside the candidates
-            ids = np.flatnonzero(x >= np.float32(m - p.temperature * _CUT))
-            # The weight of everything else: a bound (exactly 0 once min-p has cut, since it
-            # keeps candidates only).
-            rest = 0.0 if p.min_p else (x.size - ids.size) * _CUT_WEIGHT
+        if (p.top_k and p.top_k < x.size) or 0.0 < p.min_p < _CUT_WEIGHT:
+            # Top-k already works on the k best alone; a min-p this small may keep tokens
+            # outside the candidates.
+            return self._draw_full(x)
+        m = float(x.max())
+        ids = np.flatnonzero(x >= np.float32(m - p.temperature * _CUT))
+        # The weight of everything else: a bound (exactly 0 once min-p has cut, since it keeps
+        # candidates only).
+        rest = 0.0 if p.min_p else (x.size - ids.size) * _CUT_WEIGHT
         w = _weights(x[ids], m, p.temperature)
         if p.min_p > 0.0:
             keep = np.flatnonzero(w >= np.float32(p.min_p))  # p >= min_p * p_max

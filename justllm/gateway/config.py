@@ -199,15 +199,8 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
         if urls:
             raise ValueError(f"{where}: the autoscaler scales local replicas; a model with "
                              "urls has a fixed set (give replicas instead)")
-        low = _count(f"{where}: min-replicas", scaled.get("min-replicas", 1))
-        high = _count(f"{where}: max-replicas", scaled.get("max-replicas", max(low, 1)), 1)
-        try:
-            autoscale = AutoscaleConfig(
-                low, high, **{k.replace("-", "_"): _number(f"{where}: {k}", v)
-                              for k, v in scaled.items() if k not in ("min-replicas",
-                                                                      "max-replicas")})
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+        autoscale = _autoscale_config(where, scaled)
+        low = autoscale.min_replicas
         if low >= 1 and "ttl" in entry:
             raise ValueError(f"{where}: ttl unloads an idle model; with min-replicas >= 1 it "
                              "stays loaded (min-replicas: 0 scales to zero after ttl)")
@@ -278,11 +271,17 @@ def _role_autoscale(where: str, value: dict) -> AutoscaleConfig:
     if unknown or "max-replicas" not in value:
         raise ValueError(f"{where}: a mapping of {', '.join(sorted(_SCALE_KEYS))} "
                          f"(max-replicas required){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
-    low = _count(f"{where}: min-replicas", value.get("min-replicas", 1), 1)
-    high = _count(f"{where}: max-replicas", value["max-replicas"], 1)
+    return _autoscale_config(where, value, least_min=1)
+
+
+def _autoscale_config(where: str, scaled: dict, least_min: int = 0) -> AutoscaleConfig:
+    """The autoscaler's keys (``_SCALE_KEYS``) checked: min-replicas (default 1, at least
+    ``least_min``), max-replicas (default max(min-replicas, 1)) and the options."""
+    low = _count(f"{where}: min-replicas", scaled.get("min-replicas", 1), least_min)
+    high = _count(f"{where}: max-replicas", scaled.get("max-replicas", max(low, 1)), 1)
     try:
         return AutoscaleConfig(low, high, **{
-            k.replace("-", "_"): _number(f"{where}: {k}", v) for k, v in value.items()
+            k.replace("-", "_"): _number(f"{where}: {k}", v) for k, v in scaled.items()
             if k not in ("min-replicas", "max-replicas")})
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None

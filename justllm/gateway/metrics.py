@@ -129,18 +129,15 @@ def _replicas(sup: Supervisor) -> list[str]:
     pools = [(s, pool, config, {} if pool == "both" else {"role": pool})
              for s in sup.models.values() for pool, config in s.spec.scaled_pools]
 
-    def local(s: ModelState, pool: str) -> list[Replica]:
-        return [r for r in s.local if r.role == pool]
-
     gauges = [("justllm_autoscaler_replicas", "Local replicas serving or starting.",
                lambda s, pool, c: sum(r.status not in ("stopping", "failed")
-                                      for r in local(s, pool))),
+                                      for r in s.pool(pool))),
               ("justllm_autoscaler_min_replicas", "The autoscaler's lower bound.",
                lambda s, pool, c: c.min_replicas),
               ("justllm_autoscaler_max_replicas", "The autoscaler's upper bound.",
                lambda s, pool, c: c.max_replicas),
               ("justllm_autoscaler_ongoing_requests", "Running + waiting over all replicas.",
-               lambda s, pool, c: sum(r.load_total for r in local(s, pool)))]
+               lambda s, pool, c: sum(r.load_total for r in s.pool(pool)))]
     for name, doc, of_pool in gauges:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
         lines += [f"{name}{_labels(s, **role)} {of_pool(s, pool, c)}"

@@ -86,6 +86,10 @@ class ModelState:
     def local(self) -> list[Replica]:
         return [r for r in self.replicas if r.local]
 
+    def pool(self, role: str) -> list[Replica]:
+        """The local replicas of one autoscaled pool (``ModelSpec.scaled_pools``)."""
+        return [r for r in self.local if r.role == role]
+
     @property
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.routable] if self.status == "loaded" else []
@@ -451,8 +455,7 @@ class Supervisor:
                     now: float) -> None:
         """One pool of local replicas (a PD model scales its prefill and decode replicas
         apart, each by its own load) grown or shrunk as ``autoscale.decide`` says."""
-        serving = [r for r in state.local
-                   if r.role == pool and r.status not in ("stopping", "failed")]
+        serving = [r for r in state.pool(pool) if r.status not in ("stopping", "failed")]
         load = sum(r.load_total for r in serving)
         decision, pending = autoscale.decide(config, len(serving), load, now,
                                              state.scale_pending.get(pool))

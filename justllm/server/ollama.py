@@ -63,6 +63,7 @@ from justllm.server.ollama_chat import (
 )
 from justllm.server.openai_serving import MAX_REQUEST_STOP
 from justllm.server.schemas import ChatCompletionRequest, ChatMessage, EmbeddingRequest, Tool
+from justllm.server.tools.answer import Timings
 
 _json = msgspec.json.Encoder()
 NDJSON = "application/x-ndjson"
@@ -402,16 +403,15 @@ class _Job:
 
     def final(self, text: str, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict:
         m = out.metrics
-        end = m.finished_time or time.perf_counter()
-        first = m.first_token_time or end
+        timings = Timings.of(m)
         return {**self.chunk(text, True, lps),
                 "done_reason": "length" if out.finish_reason == "length" else "stop",
                 "total_duration": nanoseconds(time.perf_counter() - self.started),
                 "load_duration": 0,  # the model was loaded when the server started
                 "prompt_eval_count": m.num_prompt_tokens,
-                "prompt_eval_duration": nanoseconds(first - m.arrival_time),
+                "prompt_eval_duration": nanoseconds(timings.prompt_seconds),
                 "eval_count": m.num_generated_tokens,
-                "eval_duration": nanoseconds(end - first)}
+                "eval_duration": nanoseconds(timings.generation_seconds)}
 
     def error(self, out: RequestOutput) -> Exception:
         if not self.served.aengine.accepting:  # aborted by a shutdown: 503, retry later

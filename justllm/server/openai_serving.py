@@ -610,12 +610,7 @@ def prompt_list(value: object, param: str) -> list[str | list[int]]:
 
 def _timings(finals: Sequence[RequestOutput | None]) -> Timings | None:
     first = finals[0] if finals else None
-    if first is None:
-        return None
-    m = first.metrics
-    end = m.finished_time or time.perf_counter()
-    token = m.first_token_time or end
-    return Timings(max(0.0, token - m.arrival_time), max(0.0, end - token))
+    return None if first is None else Timings.of(first.metrics)
 
 
 def _usage(finals: Sequence[RequestOutput | None], n: int = 1) -> Usage:

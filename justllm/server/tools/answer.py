@@ -9,9 +9,11 @@ Anthropic and Responses routes translate them, so no route parses another's wire
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Union
 
+from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
 from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import CallSplitter
@@ -41,6 +43,14 @@ class Timings:
 
     prompt_seconds: float
     generation_seconds: float
+
+    @classmethod
+    def of(cls, m: RequestMetrics) -> Timings:
+        """A request's: from its arrival to its first token, and from there to its end (now,
+        while it runs)."""
+        end = m.finished_time or time.perf_counter()
+        first = m.first_token_time or end
+        return cls(max(0.0, first - m.arrival_time), max(0.0, end - first))
 
 
 @dataclass(frozen=True)
