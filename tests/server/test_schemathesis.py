@@ -32,7 +32,7 @@ def schemathesis(server, tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [ST, "--no-color", "run", server.url + "/docs/openapi.json", "--checks",
          "not_a_server_error", "--no-shrink", "--request-timeout", "60", "--seed", "7",
-         "--workers", "2", *args],
+         "--workers", "1", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
