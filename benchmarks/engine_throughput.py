@@ -16,7 +16,7 @@ by) change most; the GPUs llama.cpp sees are printed first.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
         [--temperature 0.8] [--top-p 0.95] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
-        [--n-batch 512] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
+        [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
 
@@ -166,8 +166,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
     ap.add_argument("--raw", action="store_true", help="also time bare llama_decode (the limit)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
-    ap.add_argument("--n-batch", type=int, default=512, help="tokens per step (llama.cpp n_batch)")
-    ap.add_argument("--n-ubatch", type=int, default=0, help="llama.cpp's micro-batch; 0: n_batch")
+    ap.add_argument("--n-batch", type=int, default=0,
+                    help="tokens per step (llama.cpp n_batch); 0: the device's default")
+    ap.add_argument("--n-ubatch", type=int, default=0,
+                    help="llama.cpp's micro-batch; 0: the device's default")
     ap.add_argument("--flash-attn", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--prefill", type=int, default=0, help="also time one prompt this long")
     ap.add_argument("--json", help="also write the rows to this file")
@@ -182,16 +184,16 @@ def main() -> None:
                                                  args.prefill // 16 + 16),
                                  threads=args.threads, gpu=args.gpu or EngineConfig().gpu,
                                  n_batch=args.n_batch, n_ubatch=args.n_ubatch,
-                                 chunk_size=min(256, args.n_batch),
                                  flash_attn=args.flash_attn))
     time_sampling(engine)
     measure(engine, 2, 4)  # warm-up
-    settings = {"n_batch": args.n_batch, "n_ubatch": engine.backend.n_ubatch,
+    settings = {"n_batch": engine.config.n_batch, "n_ubatch": engine.backend.n_ubatch,
+                "chunk_size": engine.config.chunk_size,
                 "flash_attn": args.flash_attn, "gpus": [g.__dict__ for g in gpus]}
     if args.prefill:
         settings["prefill_tokens"] = args.prefill
         settings["prefill_tok_s"] = rate = prefill(engine, args.prefill)
-        print(f"prefill of {args.prefill} tokens (n_batch {args.n_batch}, n_ubatch "
+        print(f"prefill of {args.prefill} tokens (n_batch {engine.config.n_batch}, n_ubatch "
               f"{engine.backend.n_ubatch}, flash attention {args.flash_attn}): {rate:.0f} tok/s")
     if args.vs_greedy:
         rows = vs_greedy(engine, levels, args)

@@ -85,6 +85,18 @@ if [ -z "$MODEL" ]; then
         || { echo "no model: pass MODEL.gguf or set GPU_CHECK_MODEL"; exit 1; }
 fi
 summary "model: $MODEL"
+# What --gpu's defaults come to for this model here (the KV pool from the free VRAM; a CPU
+# dry run pretends 8 GiB are free).
+$PY - "$MODEL" <<'EOF' | tee -a "$OUT/summary.txt"
+import sys
+from justllm.config import EngineConfig
+from justllm.engine.backend import gpu_devices
+from justllm.engine.vram import with_vram_pool
+free = sum(d.free_bytes for d in gpu_devices()) or 8 * 2**30
+c = with_vram_pool(EngineConfig(model=sys.argv[1], gpu=True), free_bytes=free)
+print(f"--gpu defaults: n_batch {c.n_batch}, n_ubatch {c.n_ubatch}, chunk {c.chunk_size}, "
+      f"KV pool {c.pool_tokens} tokens ({free / 2**30:.1f} GiB free)")
+EOF
 
 # ---- 2. the model tests on the GPU ------------------------------------------------------
 say "tests with JUSTLLM_GPU=$JUSTLLM_GPU: $TESTS"

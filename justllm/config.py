@@ -23,6 +23,26 @@ MAX_SEQ_IDS = 128
 
 
 @dataclass(frozen=True)
+class DeviceDefaults:
+    """What 0 (the default) means for the step's size and the KV pool on one kind of device.
+
+    CPU: steps of 512 tokens computed at once (a larger micro-batch did not pay on CPU), prompt
+    chunks of 256 so decoding rows keep their pace while prompts prefill, and a pool of 16k
+    tokens. GPU: llama-server's 2048-token batch in 512-token micro-batches, chunks of 512 (four
+    prefilling prompts fill a step), and the pool as large as free VRAM allows (0 here; see
+    engine/vram.py)."""
+
+    n_batch: int
+    n_ubatch: int  # 0: n_batch
+    chunk_size: int
+    pool_blocks: int
+
+
+CPU_DEFAULTS = DeviceDefaults(n_batch=512, n_ubatch=0, chunk_size=256, pool_blocks=1024)
+GPU_DEFAULTS = DeviceDefaults(n_batch=2048, n_ubatch=512, chunk_size=512, pool_blocks=0)
+
+
+@dataclass(frozen=True)
 class LoraSpec:
     """A LoRA adapter to load with the model: requests name it (as their ``model``, or in
     ``lora``) and run under it at ``scale`` unless they give their own."""
@@ -82,7 +102,10 @@ class EngineConfig:
     """Everything the engine needs; CLI flags map one to one onto these fields.
 
     ``pool_blocks * block_size`` is the KV pool in tokens and the llama.cpp context size, shared
-    by all sequences. ``ctx`` caps one request (prompt + output); 0 means the smaller of the
+    by all sequences. Zero in ``pool_blocks``, ``n_batch``, ``chunk_size`` and ``n_ubatch`` means
+    the default for the device (:data:`CPU_DEFAULTS`, :data:`GPU_DEFAULTS`), settled here, but
+    for a GPU's pool, which the engine sizes from free VRAM once it knows the model
+    (engine/vram.py); until then ``pool_blocks`` stays 0. ``ctx`` caps one request (prompt + output); 0 means the smaller of the
     pool and the model's training context. ``spare_seq_ids`` are llama.cpp sequence ids above
     ``max_seqs`` kept for features that need extra ids (prefix-cache holders, speculation).
     ``prefix_cache`` shares KV between requests with a common prefix (radix tree).
@@ -90,14 +113,14 @@ class EngineConfig:
 
     model: str | None = None
     max_seqs: int = 32
-    pool_blocks: int = 1024
+    pool_blocks: int = 0
     block_size: int = 16
-    chunk_size: int = 256
+    chunk_size: int = 0
     max_prefill: int = 4
     max_decode: int = 32
-    n_batch: int = 512
-    # llama.cpp's micro-batch (0: n_batch) and flash attention (auto | on | off): knobs for
-    # tuning a GPU (benchmarks/engine_throughput.py --n-ubatch / --flash-attn).
+    n_batch: int = 0
+    # llama.cpp's micro-batch and flash attention (auto | on | off: auto lets llama.cpp use it
+    # where the device supports it).
     n_ubatch: int = 0
     flash_attn: str = "auto"
     max_queue: int = 256
@@ -135,16 +158,29 @@ class EngineConfig:
     lora_max_steps: int = 4
 
     def __post_init__(self) -> None:
-        positive = ("max_seqs", "pool_blocks", "block_size", "chunk_size", "max_prefill",
-                    "max_decode", "n_batch", "lora_max_steps")
+        for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: the default; got {value!r})")
+        device = GPU_DEFAULTS if self.gpu else CPU_DEFAULTS
+        n_batch = self.n_batch or device.n_batch
+        object.__setattr__(self, "n_batch", n_batch)
+        # Defaults give way to an explicit --n-batch below them.
+        object.__setattr__(self, "chunk_size", self.chunk_size or min(device.chunk_size, n_batch))
+        object.__setattr__(self, "n_ubatch", self.n_ubatch or min(device.n_ubatch or n_batch,
+                                                                  n_batch))
+        if not self.pool_blocks and not self.gpu:
+            object.__setattr__(self, "pool_blocks", device.pool_blocks)
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch})")
+        positive = ("max_seqs", "block_size", "max_prefill", "max_decode", "lora_max_steps")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
-        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks",
-                     "n_ubatch"):
+        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:
@@ -204,6 +240,9 @@ class EngineConfig:
 
     @property
     def pool_tokens(self) -> int:
+        if not self.pool_blocks:
+            raise ValueError("the KV pool of a --gpu engine is sized from free VRAM when the "
+                             "engine starts (engine/vram.py); it has no size before that")
         return self.pool_blocks * self.block_size
 
     def scheduler_config(self) -> SchedulerConfig:

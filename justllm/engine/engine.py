@@ -32,6 +32,7 @@ from justllm.engine.records import RequestObserver, request_record
 from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, worth_a_worker
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
+from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
@@ -123,6 +124,8 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None) -> None:
+        if not config.pool_blocks:  # a --gpu engine, its pool not given
+            config = with_vram_pool(config)
         self.config = config
         owns_backend = backend is None
         if backend is None:

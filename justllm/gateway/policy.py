@@ -52,13 +52,12 @@ def to_unload_for(models: list[Loaded], max_loaded: int, loading: int = 1,
 RUNTIME_OVERHEAD = 256 * 2**20
 
 
-def memory_estimate(file_bytes: int, pool_tokens: int, n_layer: int, n_head_kv: int,
-                    key_length: int, value_length: int, logit_rows: int, n_vocab: int) -> int:
+def memory_estimate(file_bytes: int, pool_tokens: int, kv_bytes_per_token: int,
+                    logit_rows: int, n_vocab: int) -> int:
     """A runner's memory: the weights (the file), an F16 KV cache for the whole pool, the
     float32 logits buffer, and the runtime. An estimate, on the safe side (sliding-window
     layers are counted as full)."""
-    kv = pool_tokens * n_layer * n_head_kv * (key_length + value_length) * 2
-    return file_bytes + kv + logit_rows * n_vocab * 4 + RUNTIME_OVERHEAD
+    return file_bytes + pool_tokens * kv_bytes_per_token + logit_rows * n_vocab * 4 + RUNTIME_OVERHEAD
 
 
 def restart_delay(failures: int) -> float | None:

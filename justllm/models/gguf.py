@@ -63,6 +63,39 @@ class GGUFHeader:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's memory depends on beyond its weights, from its GGUF header."""
+
+    n_layer: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """An F16 K and V cache entry in every layer (sliding-window layers counted as full:
+        the engine keeps their whole window, llama.cpp's ``swa_full``)."""
+        return self.n_layer * self.n_head_kv * (self.key_length + self.value_length) * 2
+
+    @classmethod
+    def of(cls, header: GGUFHeader) -> ModelShape:
+        arch = header.architecture
+        n_embd = header.integer(f"{arch}.embedding_length") or 0
+        n_head = header.integer(f"{arch}.attention.head_count") or 1
+        head_dim = n_embd // n_head
+        return cls(n_layer=header.integer(f"{arch}.block_count") or 0,
+                   n_head_kv=header.integer(f"{arch}.attention.head_count_kv") or n_head,
+                   key_length=header.integer(f"{arch}.attention.key_length") or head_dim,
+                   value_length=header.integer(f"{arch}.attention.value_length") or head_dim,
+                   n_embd=n_embd,
+                   n_vocab=header.array_lengths.get("tokenizer.ggml.tokens", 0),
+                   n_ctx_train=header.integer(f"{arch}.context_length") or 0)
+
+
 class _Corrupt(Exception):
     pass
 

@@ -63,8 +63,8 @@ def test_bad_chat_template_is_one_line_before_the_model_loads(tmp_path):
 
 
 def test_run_raw_prompt_from_stdin(model_path):
-    r = runner.invoke(app, ["run", model_path, "--raw", "-n", "3", "--pool-blocks", "64"],
-                      input="The moon is")
+    r = runner.invoke(app, ["run", model_path, "--raw", "-n", "3", "--pool-blocks", "64",
+                            "--n-ubatch", "2", "--flash-attn", "off"], input="The moon is")
     assert r.exit_code == 0, r.output
     assert "prompt 4 tok" in r.output  # BOS + 3 tokens, no chat template
     assert NOTICE not in r.output
@@ -76,6 +76,8 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
         ["run", model_path, "-p", "hi", "--max-tokens", "0"],
         ["run", model_path, "-p", "hi", "--chunk-size", "4096"],
         ["run", model_path, "-p", "hi", "--temperature", "-1"],
+        ["run", model_path, "-p", "hi", "--n-batch", "256", "--n-ubatch", "512"],
+        ["run", model_path, "-p", "hi", "--flash-attn", "yes"],
     ]
     if not gpu_offload_supported():  # a CPU build must say so in one line
         cases += [["run", model_path, "-p", "hi", "--gpu"], ["serve", model_path, "--gpu"]]

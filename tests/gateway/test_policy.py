@@ -56,6 +56,9 @@ def test_memory_estimate_of_the_demo_model_is_close_to_what_a_runner_uses(model_
     assert 700 * 2**20 < default < 1100 * 2**20
     # 960 blocks x 16 tokens x 18 layers x 1 KV head x (256 + 256) x 2 bytes less KV
     assert default - small == 960 * 16 * 18 * 512 * 2
+    # A --gpu runner's KV cache is in VRAM: none of it counts against max-memory.
+    gpu = runner_memory(ModelSpec("demo", model_path, flags=(("gpu", True),)))
+    assert default - gpu == 1024 * 16 * 18 * 512 * 2
 
 
 @pytest.mark.parametrize("value, size", [("8GB", 8 * 10**9), ("512MiB", 512 * 2**20),

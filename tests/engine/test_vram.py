@@ -1,0 +1,59 @@
+"""A --gpu engine's KV pool from free VRAM (engine/vram.py): the demo model's real header and
+file sizes, the free memory given (no GPU on the CI machine), and the real device query on
+whatever build this is."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.errors import GPUUnavailableError, ModelLoadError
+from justllm.kv.sizing import MAX_POOL_TOKENS
+
+GIB = 2**30
+
+
+def test_the_pool_grows_with_free_memory_up_to_the_cap(model_path):
+    from justllm.engine.vram import with_vram_pool
+
+    config = EngineConfig(model=model_path, gpu=True)
+    pools = [with_vram_pool(config, free_bytes=n * GIB).pool_blocks for n in (3, 6, 200)]
+    assert 0 < pools[0] < pools[1] < pools[2]
+    # The demo model: 18 layers, 1 KV head, 256 + 256 wide: 18 KiB a token in F16.
+    assert pools[1] - pools[0] == pytest.approx(0.9 * 3 * GIB / 18432 / 16, abs=2)
+    assert pools[2] * 16 == MAX_POOL_TOKENS
+    assert with_vram_pool(replace(config, pool_blocks=64), free_bytes=GIB).pool_blocks == 64
+
+
+def test_a_draft_model_takes_its_share(model_path):
+    from justllm.engine.vram import with_vram_pool
+
+    alone = EngineConfig(model=model_path, gpu=True)
+    drafted = EngineConfig(model=model_path, gpu=True, spec="draft", draft_model=model_path)
+    assert (with_vram_pool(drafted, free_bytes=4 * GIB).pool_blocks
+            < with_vram_pool(alone, free_bytes=4 * GIB).pool_blocks)
+
+
+def test_too_little_memory_is_a_clear_error(model_path):
+    from justllm.engine.vram import with_vram_pool
+
+    config = EngineConfig(model=model_path, gpu=True)
+    weights = Path(model_path).stat().st_size
+    with pytest.raises(ModelLoadError, match="leaves no room for a KV cache.*--pool-blocks"):
+        with_vram_pool(config, free_bytes=weights)
+
+
+def test_the_device_query_on_this_build(model_path):
+    from justllm.engine.backend import gpu_offload_supported
+    from justllm.engine.engine import Engine
+    from justllm.engine.vram import with_vram_pool
+
+    config = EngineConfig(model=model_path, gpu=True)
+    if gpu_offload_supported():  # a GPU build: the pool comes from the real free memory
+        assert with_vram_pool(config).pool_blocks > 0
+    else:  # a CPU build says so before sizing anything, through the engine as well
+        with pytest.raises(GPUUnavailableError, match="CPU-only"):
+            with_vram_pool(config)
+        with pytest.raises(GPUUnavailableError, match="CPU-only"):
+            Engine(config)
