@@ -118,7 +118,11 @@ class RequestSampler:
             # outside the candidates.
             return self._draw_full(x)
         m = float(x.max())
-        ids = np.flatnonzero(x >= np.float32(m - p.temperature * _CUT))
+        # Min-p keeps the weights of at least min_p (the best is 1): none lies further than
+        # ln(1/min_p) nats from the best, so with min-p the candidates need go no further (the
+        # margin covers float32 rounding; the min-p test below decides).
+        cut = min(_CUT, -math.log(p.min_p) * 1.001 + 1e-3) if p.min_p else _CUT
+        ids = np.flatnonzero(x >= np.float32(m - p.temperature * cut))
         # The weight of everything else: a bound (exactly 0 once min-p has cut, since it keeps
         # candidates only).
         rest = 0.0 if p.min_p else (x.size - ids.size) * _CUT_WEIGHT

@@ -229,3 +229,30 @@ def test_the_whole_row_is_weighed_only_when_the_rest_could_change_the_draw(monke
     toks = draw(SamplingParams(temperature=0.8, top_p=0.95), x, 50)
     assert np.all(x[toks] > x.max() - 30)
     assert len(weighed) >= 50 and max(weighed) < 262_144
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, min_p=0.2),
+                                    SamplingParams(temperature=0.6, min_p=0.05, top_p=0.7)])
+def test_min_p_draws_weigh_only_what_min_p_keeps_and_stay_exact(monkeypatch, params):
+    """With min-p the candidates stop at ln(1/min_p) nats from the best (after temperature),
+    not at the general cut: few tokens are weighed, and the draws are still the exact
+    distribution (a token just within the min-p boundary included)."""
+    import justllm.engine.sampler as sampler
+
+    weighed = []
+    whole = sampler._weights
+
+    def counting(x, m, t):
+        weighed.append(x.size)
+        return whole(x, m, t)
+
+    monkeypatch.setattr(sampler, "_weights", counting)
+    x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
+    x[7] = x.max() + params.temperature * np.log(params.min_p) + 1e-4  # just within the cut
+    want = exact_distribution(x, params)
+    got = np.bincount(draw(params, x, 40_000, seed=3), minlength=x.size) / 40_000
+    assert np.abs(got - want).max() < 0.01, (got - want).round(3)
+    assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+    within = int(np.count_nonzero(x >= x.max() + params.temperature * np.log(params.min_p)
+                                  - 1e-3))
+    assert max(weighed) <= within + 1 < x.size
