@@ -2,7 +2,7 @@
 
 Not a test: prints tok/s per concurrency and the share of each step spent outside llama_decode
 (Python: scheduling, batch filling, sampling, detokenizing). Prefill is excluded: timing starts
-once every sequence has its first token. ``--temperature``/``--top-p`` sample instead of greedy
+once every sequence has its first token. ``--temperature``/``--top-p``/``--top-k``/``--min-p`` sample instead of greedy
 (the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
 ``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
 can approach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
@@ -15,7 +15,7 @@ compare the two.
 by) change most; the GPUs llama.cpp sees are printed first.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
-        [--temperature 0.8] [--top-p 0.95] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
+        [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
         [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
@@ -50,10 +50,11 @@ def time_sampling(engine: Engine) -> None:
         setattr(engine, name, timed)
 
 
-def measure(engine: Engine, n: int, tokens: int, temperature: float = 0.0,
-            top_p: float = 1.0) -> tuple[float, float, float]:
-    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=temperature,
-                            top_p=top_p, seed=1)
+def measure(engine: Engine, n: int, tokens: int,
+            sampling: dict | None = None) -> tuple[float, float, float]:
+    """tok/s, Python's share of the wall time and seconds per step of ``n`` sequences of
+    ``tokens`` tokens each; ``sampling``: SamplingParams fields (none: greedy)."""
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, seed=1, **(sampling or {}))
     ids = [engine.add_request(f"Request {i}: write a long story about the sea.", params)
            for i in range(n)]
     started: set[str] = set()
@@ -106,6 +107,11 @@ def raw_decode(engine: Engine, n: int, tokens: int) -> float:
     return rate
 
 
+def sampling_of(args: argparse.Namespace) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "min_p": args.min_p}
+
+
 def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> list[dict]:
     """Greedy and sampled rounds in turn at each level; medians, their ratio, and the extra
     milliseconds a step spends when it samples (the per-step sampling time)."""
@@ -118,7 +124,7 @@ def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> li
         for _ in range(args.rounds):
             greedy.append(measure(engine, n, args.tokens))
             g_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
-            sampled.append(measure(engine, n, args.tokens, args.temperature, args.top_p))
+            sampled.append(measure(engine, n, args.tokens, sampling_of(args)))
             s_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
         g = statistics.median(r[0] for r in greedy)
         s = statistics.median(r[0] for r in sampled)
@@ -161,6 +167,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
+    ap.add_argument("--min-p", type=float, default=0.0, help="0: off")
     ap.add_argument("--vs-greedy", action="store_true",
                     help="alternate greedy and sampled rounds; report medians and the ratio")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
@@ -202,14 +210,14 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
                            "rounds": args.rounds,
-                           "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
+                           **sampling_of(args), "rows": rows},
                           f, indent=1)
         return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
           + (f" {'raw tok/s':>10} {'of raw':>7}" if args.raw else ""))
     rows = []
     for n in levels:
-        rate, py_share, step = measure(engine, n, args.tokens, args.temperature, args.top_p)
+        rate, py_share, step = measure(engine, n, args.tokens, sampling_of(args))
         row = {"seqs": n, "tok_s": rate, "python_share": py_share, "ms_per_step": 1000 * step}
         line = f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}"
         if args.raw:
@@ -221,7 +229,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
-                       "temperature": args.temperature, "top_p": args.top_p, "rows": rows},
+                       **sampling_of(args), "rows": rows},
                       f, indent=1)
 
 

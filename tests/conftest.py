@@ -33,6 +33,23 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def cli_draft6(model_path, tmp_path_factory):
+    """``justllm draft make --layers 6`` of the demo model next to a (symlinked, writable)
+    source, written once for the session (about 10 s: the gguf reader walks the 262k-token
+    vocabulary): (source, draft, the CLI's output). tests/models/test_draft.py checks it,
+    tests/spec speculates with it."""
+    from typer.testing import CliRunner
+
+    from justllm.cli import app
+
+    src = tmp_path_factory.mktemp("draft") / "gemma.gguf"
+    os.symlink(model_path, src)
+    result = CliRunner().invoke(app, ["draft", "make", str(src), "--layers", "6"])
+    assert result.exit_code == 0, result.output
+    return src, src.with_name("gemma-draft-L6.gguf"), result.output
+
+
+@pytest.fixture(scope="session")
 def engine(model_path):
     """One shared engine; tests must leave it idle (every request finished or aborted)."""
     from justllm.engine.engine import Engine

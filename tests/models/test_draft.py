@@ -1,8 +1,7 @@
 """``justllm draft make``: exact copies checked on a tiny hand-built GGUF (instant to parse),
-and a 6-of-18-layer draft of the demo model, written once per module (about 10 s on 2 cores:
-the gguf reader walks its 262k-token vocabulary), that llama.cpp loads with the same vocabulary."""
+and a 6-of-18-layer draft of the demo model, written once per session (tests/conftest.py's
+``cli_draft6``, shared with tests/spec), that llama.cpp loads with the same vocabulary."""
 
-import os
 import struct
 
 import gguf
@@ -84,14 +83,10 @@ def test_tiny_draft_refuses_bad_requests(tiny, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "tiny.gguf"]  # no .part left
 
 
-@pytest.fixture(scope="module")
-def made(model_path, tmp_path_factory):
+@pytest.fixture
+def made(cli_draft6):
     """The CLI's success path with the default output: next to a (writable) source."""
-    src = tmp_path_factory.mktemp("draft") / "gemma.gguf"
-    os.symlink(model_path, src)
-    result = runner.invoke(app, ["draft", "make", str(src), "--layers", "6"])
-    assert result.exit_code == 0, result.output
-    return src, src.with_name("gemma-draft-L6.gguf"), result.output
+    return cli_draft6
 
 
 def one_line_error(result) -> str:

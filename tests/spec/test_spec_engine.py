@@ -25,7 +25,6 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import LlamaBackend
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError
-from justllm.models.draft import make_draft
 from tests.helpers import NEAR_TIE_NATS, divergence_is_noise, run_alone
 
 N = 20  # tokens per request
@@ -76,10 +75,9 @@ def tree(model_path):
 
 
 @pytest.fixture(scope="module")
-def draft6_path(model_path, tmp_path_factory) -> Path:
-    """A 6-of-18-layer draft of the demo model (~10 s to write)."""
-    dst = tmp_path_factory.mktemp("draft6") / "gemma-draft-L6.gguf"
-    return make_draft(Path(model_path), dst, 6).path
+def draft6_path(cli_draft6) -> Path:
+    """A 6-of-18-layer draft of the demo model (`justllm draft make`, once per session)."""
+    return cli_draft6[1]
 
 
 @pytest.fixture(scope="module")
