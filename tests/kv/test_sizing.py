@@ -1,6 +1,12 @@
 """The GPU pool's size policy (kv/sizing.py): pure arithmetic, so plain numbers."""
 
-from justllm.kv.sizing import MAX_POOL_TOKENS, VRAM_SHARE, compute_reserve, vram_pool_blocks
+from justllm.kv.sizing import (
+    MAX_POOL_TOKENS,
+    VRAM_SHARE,
+    compute_reserve,
+    pool_cap,
+    vram_pool_blocks,
+)
 
 GIB = 2**30
 
@@ -13,9 +19,11 @@ def test_the_pool_takes_the_share_of_free_memory_left_after_weights_and_reserve(
     assert blocks == int((0.9 * 10 * GIB - 3 * GIB) // 2**17) // 16 == 3072
 
 
-def test_the_pool_is_capped_by_what_the_sequences_can_use_and_by_the_global_cap():
-    assert vram_pool_blocks(100 * GIB, 0, 0, 1024, 16, max_tokens=32 * 4096) == 32 * 4096 // 16
-    assert vram_pool_blocks(1000 * GIB, 0, 0, 1024, 16, max_tokens=10**9) == MAX_POOL_TOKENS // 16
+def test_the_pool_is_capped_at_the_training_context_within_a_floor_and_a_ceiling():
+    assert vram_pool_blocks(100 * GIB, 0, 0, 1024, 16, max_tokens=32768) == 32768 // 16
+    assert pool_cap(32768, 16384) == 32768  # the training context (llama-server's n_ctx)
+    assert pool_cap(2048, 16384) == 16384  # a short-context model still gets the CPU's pool
+    assert pool_cap(1 << 20, 16384) == MAX_POOL_TOKENS  # a 1M-token model does not
 
 
 def test_nothing_fits_is_zero_blocks():
