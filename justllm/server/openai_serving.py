@@ -130,6 +130,11 @@ class OpenAIServing:
         if adapter(self.aengine, name) is None:
             check_model(name, self.model_id)
 
+    def answer_model(self, name: str | None) -> str:
+        """The ``model`` an answer names: the adapter the request named as its model (as vLLM
+        answers), else the served model."""
+        return name if name and adapter(self.aengine, name) is not None else self.model_id
+
     @staticmethod
     def check_supported(req: msgspec.Struct) -> None:
         """400 for an OpenAI field set to a value justllm would otherwise have to ignore."""
@@ -379,19 +384,20 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await self.chat_events(req, rid)
-            return self._chat_sse(events, rid, created, req.n, include_usage)
+            return self._chat_sse(events, rid, created, req.n, include_usage,
+                                  self.answer_model(req.model))
         result = await self.chat_result(req, rid)
         choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
             for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
             for c in result.choices]
-        return ChatCompletion(rid, "chat.completion", created, self.model_id, choices,
-                              result.usage)
+        return ChatCompletion(rid, "chat.completion", created, self.answer_model(req.model),
+                              choices, result.usage)
 
     async def _chat_sse(self, events: AsyncGenerator[ChatEvent, None], rid: str, created: int, n: int,
-                        include_usage: bool) -> AsyncIterator[bytes]:
+                        include_usage: bool, model: str) -> AsyncIterator[bytes]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-            return sse(ChatCompletionChunk(rid, "chat.completion.chunk", created, self.model_id,
+            return sse(ChatCompletionChunk(rid, "chat.completion.chunk", created, model,
                                            choices, usage))
 
         def delta(i: int, d: ChatDelta, lps: dict | None = None,
@@ -463,23 +469,24 @@ class OpenAIServing:
     async def _respond(self, streams: list[RequestStream], shape: _Shape,
                        req: CompletionRequest, n: int, rid: str
                        ) -> TextCompletion | AsyncIterator[bytes]:
-        created = int(time.time())
+        created, model = int(time.time()), self.answer_model(req.model)
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(streams, shape, rid, created, include_usage, n)
-        return await self._full(streams, shape, rid, created, n)
+            return self._stream(streams, shape, rid, created, include_usage, n, model)
+        return await self._full(streams, shape, rid, created, n, model)
 
     async def _full(self, streams: list[RequestStream], shape: _Shape, rid: str, created: int,
-                    n: int) -> TextCompletion:
+                    n: int, model: str) -> TextCompletion:
         texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)))
         choices = [shape.choice(i, texts[i], lps[i], finals[i]) for i in range(len(streams))]
-        return shape.full(rid, created, self.model_id, choices, _usage(finals, n))
+        return shape.full(rid, created, model, choices, _usage(finals, n))
 
     async def _stream(self, streams: list[RequestStream], shape: _Shape, rid: str,
-                      created: int, include_usage: bool, n: int) -> AsyncIterator[bytes]:
+                      created: int, include_usage: bool, n: int,
+                      model: str) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Usage | None = None) -> bytes:
-            return sse(shape.chunk(rid, created, self.model_id, choices, usage))
+            return sse(shape.chunk(rid, created, model, choices, usage))
 
         finals: list[RequestOutput | None] = [None] * len(streams)
         for i in range(len(streams)):

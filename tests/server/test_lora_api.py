@@ -76,6 +76,18 @@ def test_an_adapter_is_chosen_by_model_name_or_by_the_lora_field(client, lora_se
     chat = client.chat.completions.create(
         model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
     assert chat.choices[0].message.content is not None
+    # Answers name the model the request named: the adapter (as vLLM's), else the base.
+    assert chat.model == "b"
+    assert client.completions.create(model="a", prompt=PROMPT, max_tokens=1).model == "a"
+    assert client.completions.create(model=lora_server.model, prompt=PROMPT, max_tokens=1,
+                                     extra_body={"lora": [{"name": "a"}]}).model == \
+        lora_server.model
+    streamed = [c.model for c in client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True)]
+    assert streamed and set(streamed) == {"a"}
+    streamed = [c.model for c in client.completions.create(
+        model="b", prompt=PROMPT, max_tokens=2, stream=True)]
+    assert streamed and set(streamed) == {"b"}
 
 
 @pytest.mark.parametrize("model, lora, status, words", [
