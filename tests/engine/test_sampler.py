@@ -210,19 +210,25 @@ def test_draws_from_the_candidates_are_distributed_exactly_as_the_whole_row(monk
     assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
 
 
-def test_the_whole_row_is_weighed_only_when_the_rest_could_change_the_draw(monkeypatch):
-    """On a 262k row shaped like the demo model's (a few likely tokens, a broad tail), a
-    top-p draw weighs only the candidates unless a cut lands within reach of the bound."""
+@pytest.fixture
+def weighed(monkeypatch) -> list[int]:
+    """The sizes of the rows the sampler computes weights of, one entry per call."""
     import justllm.engine.sampler as sampler
 
-    weighed = []
+    sizes: list[int] = []
     whole = sampler._weights
 
     def counting(x, m, t):
-        weighed.append(x.size)
+        sizes.append(x.size)
         return whole(x, m, t)
 
     monkeypatch.setattr(sampler, "_weights", counting)
+    return sizes
+
+
+def test_the_whole_row_is_weighed_only_when_the_rest_could_change_the_draw(weighed):
+    """On a 262k row shaped like the demo model's (a few likely tokens, a broad tail), a
+    top-p draw weighs only the candidates unless a cut lands within reach of the bound."""
     rng = np.random.default_rng(9)
     x = (rng.normal(size=262_144) * 3.0).astype(np.float32)
     x[rng.choice(x.size, 20, replace=False)] += 25.0
@@ -233,20 +239,10 @@ def test_the_whole_row_is_weighed_only_when_the_rest_could_change_the_draw(monke
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, min_p=0.2),
                                     SamplingParams(temperature=0.6, min_p=0.05, top_p=0.7)])
-def test_min_p_draws_weigh_only_what_min_p_keeps_and_stay_exact(monkeypatch, params):
+def test_min_p_draws_weigh_only_what_min_p_keeps_and_stay_exact(weighed, params):
     """With min-p the candidates stop at ln(1/min_p) nats from the best (after temperature),
     not at the general cut: few tokens are weighed, and the draws are still the exact
     distribution (a token just within the min-p boundary included)."""
-    import justllm.engine.sampler as sampler
-
-    weighed = []
-    whole = sampler._weights
-
-    def counting(x, m, t):
-        weighed.append(x.size)
-        return whole(x, m, t)
-
-    monkeypatch.setattr(sampler, "_weights", counting)
     x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
     x[7] = x.max() + params.temperature * np.log(params.min_p) + 1e-4  # just within the cut
     want = exact_distribution(x, params)
