@@ -48,7 +48,7 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
     for ubatch, fa in ((0, "auto"), (32, "on"), (32, "off")):
         llm = LLM(model_path, pool_blocks=64, n_ubatch=ubatch, flash_attn=fa, max_seqs=2)
         try:
-            assert llm.engine.backend.n_ubatch == (ubatch or llm.engine.config.n_batch)
+            assert llm.engine.backend.n_ubatch == (ubatch or llm.engine.config.n_ubatch)
             out = llm.generate([prompt], params)[0]
             assert len(out.token_ids) == 6
             firsts.append(out.token_ids[0])
