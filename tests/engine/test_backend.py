@@ -58,5 +58,5 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
     assert (gpu_devices() == []) is (not gpu_offload_supported())  # a CPU build sees no GPU
     with pytest.raises(ValueError, match="flash_attn must be auto, on or off"):
         EngineConfig(flash_attn="yes")
-    with pytest.raises(ValueError, match="n_ubatch must be >= 0"):
+    with pytest.raises(ValueError, match="n_ubatch must be an integer >= 0"):
         EngineConfig(n_ubatch=-1)
