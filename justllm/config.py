@@ -29,8 +29,8 @@ class DeviceDefaults:
     CPU: steps of 512 tokens computed at once (a larger micro-batch did not pay on CPU), prompt
     chunks of 256 so decoding rows keep their pace while prompts prefill, and a pool of 16k
     tokens. GPU: llama-server's 2048-token batch in 512-token micro-batches, chunks of 512 (four
-    prefilling prompts fill a step), and the pool as large as free VRAM allows (0 here; see
-    engine/vram.py)."""
+    prefilling prompts fill a step), and the pool the model's training context as free VRAM
+    allows (0 here; see engine/vram.py and kv/sizing.py)."""
 
     n_batch: int
     n_ubatch: int  # 0: n_batch
@@ -102,11 +102,11 @@ class EngineConfig:
     """Everything the engine needs; CLI flags map one to one onto these fields.
 
     ``pool_blocks * block_size`` is the KV pool in tokens and the llama.cpp context size, shared
-    by all sequences. Zero in ``pool_blocks``, ``n_batch``, ``chunk_size`` and ``n_ubatch`` means
-    the default for the device (:data:`CPU_DEFAULTS`, :data:`GPU_DEFAULTS`), settled here, but
-    for a GPU's pool, which the engine sizes from free VRAM once it knows the model
-    (engine/vram.py); until then ``pool_blocks`` stays 0. ``ctx`` caps one request (prompt + output); 0 means the smaller of the
-    pool and the model's training context. ``spare_seq_ids`` are llama.cpp sequence ids above
+    by all sequences. Zero in ``pool_blocks``, ``n_batch``, ``chunk_size`` and ``n_ubatch``
+    means the default for the device (:data:`CPU_DEFAULTS`, :data:`GPU_DEFAULTS`), settled
+    here, but for a GPU's pool, which the engine sizes from free VRAM once it knows the model
+    (engine/vram.py); until then ``pool_blocks`` stays 0. ``ctx`` caps one request (prompt +
+    output); 0 means the smaller of the pool and the model's training context. ``spare_seq_ids`` are llama.cpp sequence ids above
     ``max_seqs`` kept for features that need extra ids (prefix-cache holders, speculation).
     ``prefix_cache`` shares KV between requests with a common prefix (radix tree).
     """
