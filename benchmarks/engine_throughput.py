@@ -2,8 +2,8 @@
 
 Not a test: prints tok/s per concurrency and the share of each step spent outside llama_decode
 (Python: scheduling, batch filling, sampling, detokenizing). Prefill is excluded: timing starts
-once every sequence has its first token. ``--temperature``/``--top-p``/``--top-k``/``--min-p`` sample instead of greedy
-(the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
+once every sequence has its first token. ``--temperature``/``--top-p``/``--top-k``/``--min-p``
+sample instead of greedy (the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
 ``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
 can approach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
@@ -15,8 +15,8 @@ compare the two.
 by) change most; the GPUs llama.cpp sees are printed first.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
-        [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05] [--vs-greedy] [--rounds 5] [--raw] [--gpu]
-        [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
+        [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05] [--vs-greedy]
+        [--rounds 5] [--raw] [--gpu] [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
 
@@ -206,12 +206,7 @@ def main() -> None:
     if args.vs_greedy:
         rows = vs_greedy(engine, levels, args)
         engine.close()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
-                           "rounds": args.rounds,
-                           **sampling_of(args), "rows": rows},
-                          f, indent=1)
+        write_json(args, engine, settings, rows, rounds=args.rounds)
         return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
           + (f" {'raw tok/s':>10} {'of raw':>7}" if args.raw else ""))
@@ -226,11 +221,16 @@ def main() -> None:
         rows.append(row)
         print(line)
     engine.close()
+    write_json(args, engine, settings, rows)
+
+
+def write_json(args: argparse.Namespace, engine: Engine, settings: dict, rows: list[dict],
+               **extra: object) -> None:
+    """The run's settings, sampling and rows to ``--json``'s file, when given."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens,
-                       **sampling_of(args), "rows": rows},
-                      f, indent=1)
+            json.dump({"gpu": engine.config.gpu, **settings, "tokens": args.tokens, **extra,
+                       **sampling_of(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ if [ "$CPU_ONLY" = 1 ]; then
     LEVELS=1,8 TOKENS=16 TESTS="tests/engine/test_engine.py"
 else
     GPU=$(nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader | head -1)
-    ARCH=$(echo "$GPU" | cut -d, -f2 | tr -d ' .')
+    ARCH=$(gpu_arch)
     summary "gpu: $GPU (CUDA architecture $ARCH)"
     [ -n "$SDIST" ] || { echo "no llama-cpp-python sdist: run gpu_pack.sh, or set LLAMA_SDIST"; exit 1; }
     [ -e "$GPU_DIR/build.started" ] || { say "building $SDIST with CUDA for sm_$ARCH on $(nproc) cores"; start_build; }
@@ -112,7 +112,7 @@ else
     if [ "$(cat "$GPU_DIR/build.rc" 2>/dev/null)" != 0 ]; then
         tail -30 "$GPU_DIR/build.log"; echo "the CUDA build failed or did not finish"; exit 1
     fi
-    summary "build: $(cat "$GPU_DIR/build.seconds") s (in the background from the first call)"
+    summary "build: $(cat "$GPU_DIR/build.seconds") s"
     export PYTHONPATH=/tmp/gpu-site:$PYTHONPATH
     LEVELS=1,8,32,64 TOKENS=128
     TESTS="tests/engine/test_backend.py tests/engine/test_engine.py tests/engine/test_sampler.py

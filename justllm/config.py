@@ -106,8 +106,9 @@ class EngineConfig:
     means the default for the device (:data:`CPU_DEFAULTS`, :data:`GPU_DEFAULTS`), settled
     here, but for a GPU's pool, which the engine sizes from free VRAM once it knows the model
     (engine/vram.py); until then ``pool_blocks`` stays 0. ``ctx`` caps one request (prompt +
-    output); 0 means the smaller of the pool and the model's training context. ``spare_seq_ids`` are llama.cpp sequence ids above
-    ``max_seqs`` kept for features that need extra ids (prefix-cache holders, speculation).
+    output); 0 means the smaller of the pool and the model's training context.
+    ``spare_seq_ids`` are llama.cpp sequence ids above ``max_seqs`` kept for features that
+    need extra ids (prefix-cache holders, speculation).
     ``prefix_cache`` shares KV between requests with a common prefix (radix tree).
     """
 

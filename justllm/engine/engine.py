@@ -124,8 +124,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None) -> None:
-        if not config.pool_blocks:  # a --gpu engine, its pool not given
-            config = with_vram_pool(config)
+        config = with_vram_pool(config)  # a --gpu engine's pool, when not given
         self.config = config
         owns_backend = backend is None
         if backend is None:

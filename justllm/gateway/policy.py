@@ -57,7 +57,8 @@ def memory_estimate(file_bytes: int, pool_tokens: int, kv_bytes_per_token: int,
     """A runner's memory: the weights (the file), an F16 KV cache for the whole pool, the
     float32 logits buffer, and the runtime. An estimate, on the safe side (sliding-window
     layers are counted as full)."""
-    return file_bytes + pool_tokens * kv_bytes_per_token + logit_rows * n_vocab * 4 + RUNTIME_OVERHEAD
+    return (file_bytes + pool_tokens * kv_bytes_per_token + logit_rows * n_vocab * 4
+            + RUNTIME_OVERHEAD)
 
 
 def restart_delay(failures: int) -> float | None:
