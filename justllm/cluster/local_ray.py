@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from justllm.errors import JustLLMError
-from justllm.gateway.runner import free_port
+from justllm.gateway.runner import free_ports
 from justllm.models.source import cache_dir
 
 STARTED = "Ray runtime started"
@@ -110,15 +110,16 @@ def _ray_command() -> str:
 
 def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalHead:
     """Start a head on 127.0.0.1 and record it; returns once Ray says it runs."""
-    port = free_port()
+    flags = ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+    # Distinct: Ray refuses to start when two of its components are given the same port.
+    port, *others = free_ports(1 + len(flags))
     log = record_path().with_name("local-ray.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     args = [_ray_command(), "start", "--head", "--block", "--port", str(port),
             "--include-dashboard=false", "--disable-usage-stats", "--log-color", "false"]
-    for flag in ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port",
-                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-                 "--metrics-export-port"):
-        args += [flag, str(free_port())]
+    for flag, other in zip(flags, others):
+        args += [flag, str(other)]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     with open(log, "wb") as out:
