@@ -7,12 +7,17 @@ from justllm.errors import EngineError
 
 def test_guards(engine):
     b = engine.backend
+    # The engine is shared: tests before may have left cached prefixes in its sequences.
+    engine.flush_prefix_cache()
+    engine.runner.apply_kv_ops(engine.scheduler.take_kv_ops())
+    assert b.seq_pos_max(0) == -1
     with pytest.raises(EngineError):
         b.decode(b.config.n_batch + 1)  # more tokens than n_batch
     with pytest.raises(EngineError):
         b.decode(0)  # empty batch
     b.batch_tokens[:2] = [2, 100]
     b.batch_pos[:2] = [0, 1]
+    b.batch_n_seq[:2] = 1  # one sequence each (the shared engine's last batch may have had more)
     b.batch_seq[:2] = [b.config.n_seq_max, 0]  # sequence id out of range
     b.batch_logits[:2] = [0, 1]
     with pytest.raises(EngineError):
