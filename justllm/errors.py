@@ -20,6 +20,11 @@ class InvalidRequestError(JustLLMError, ValueError):
         self.param = param
 
 
+class HandoverError(InvalidRequestError):
+    """A prefill replica's hand-over (first tokens, random state) does not fit the request it
+    came with; the decode replica then serves the request whole."""
+
+
 class QueueFullError(JustLLMError):
     """The waiting queue is at ``max_queue``; the caller should retry later."""
 

@@ -60,8 +60,8 @@ class ModelReplica:
             yield item
 
     async def prefill(self, path: str, body: bytes, route: Any = None) -> bytes:
-        """A PD model's first half, on a prefill replica: the prompt computed and its KV
-        exported (``/pd/prefill``), returned whole. Ray keeps the result in its object store,
+        """A PD model's first half, on a prefill replica: the prompt computed, its first token
+        drawn and its KV exported (``/pd/prefill``: the hand-over), returned whole. Ray keeps the result in its object store,
         and the ingress passes the reference on to the decode replica's call, so the bytes go
         from node to node (or through shared memory on one node), never through the ingress.
         b"" when the replica refused: the decode replica then serves the request whole."""
@@ -78,8 +78,8 @@ class ModelReplica:
     async def pd_decode(self, method: str, path: str, query: str,
                         headers: list[tuple[str, str]], body: bytes, kv: bytes,
                         route: Any = None) -> AsyncIterator[Head | bytes]:
-        """A PD model's second half, on a decode replica: the request served with the prompt's
-        KV imported (``/pd/decode``: the request's length, the request, the KV), or whole
+        """A PD model's second half, on a decode replica: the request served from the
+        hand-over (``/pd/decode``: the request's length, the request, the hand-over), or whole
         when the prefill replica gave none. The answer's head says which
         (``x-pd: handed-over`` or ``prefill-refused``)."""
         if kv:

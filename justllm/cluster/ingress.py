@@ -17,9 +17,10 @@ replica. A stream cut mid-way ends with an error event, as in router mode.
 
 A PD model (prefill-replicas / decode-replicas) has two deployments. A completion or chat
 request whose prompt reaches prefill-min-tokens goes first to the prefill deployment's
-``prefill`` (cache-aware), whose result -- the prompt's KV -- stays in Ray's object store; the
-decode deployment's ``pd_decode`` is called with that reference, so Ray hands the bytes to the
-decode replica without the ingress ever holding them. Any failure of the first half (no KV,
+``prefill`` (cache-aware), whose result -- the hand-over: the first token and the prompt's
+KV -- stays in Ray's object store; the decode deployment's ``pd_decode`` is called with that
+reference, so Ray hands the bytes to the decode replica without the ingress ever holding
+them. Any failure of the first half (no KV,
 the prefill replica died) and the request is sent again to the decode deployment, whole.
 """
 

@@ -21,7 +21,7 @@ from justllm.core.record import RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
-from justllm.engine.engine import Engine, EngineStats, RequestMetrics, RequestOutput
+from justllm.engine.engine import Engine, EngineStats, Handover, RequestMetrics, RequestOutput
 from justllm.engine.lora import LoadedLora
 from justllm.errors import EngineClosedError, InvalidRequestError
 
@@ -86,27 +86,42 @@ class AsyncEngine:
         self._thread.start()
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> "RequestStream":
+               request_id: str | None = None, *, handover: bool = False,
+               resume: Handover | None = None) -> "RequestStream":
         """Queue a request now; validation and queue-full errors raise here, synchronously, so a
-        server can answer with the right status before it starts a response."""
+        server can answer with the right status before it starts a response. ``handover`` and
+        ``resume``: prefill/decode disaggregation (``Engine.add_request``,
+        ``Engine.resume_request``); a resumed request's given tokens are its first output,
+        ready at once."""
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         loop = asyncio.get_running_loop()
         with self._sinks_lock:
-            request_id = self.engine.add_request(prompt, params, request_id)
+            first = None
+            if resume is not None:
+                first = self.engine.resume_request(prompt, params or SamplingParams(), resume,
+                                                   request_id)
+                request_id = first.request_id
+            else:
+                request_id = self.engine.add_request(prompt, params, request_id,
+                                                     handover=handover)
             stream = RequestStream(self, request_id, loop)
-            self._sinks[request_id] = stream
+            if first is not None:
+                stream.queue.put_nowait(first)
+            if first is None or not first.finished:
+                self._sinks[request_id] = stream
         self._wake.set()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, handover: bool = False,
+                       resume: Handover | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as steps produce them; the last one has ``finished``.
 
         Leaving the loop early (with ``contextlib.aclosing``) or cancelling the task aborts the
         request and frees its KV within one step.
         """
-        stream = self.submit(prompt, params, request_id)
+        stream = self.submit(prompt, params, request_id, handover=handover, resume=resume)
         try:
             async for out in stream:
                 yield out

@@ -33,7 +33,7 @@ from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, wo
 from justllm.engine.runner import Runner
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.engine.vram import with_vram_pool
-from justllm.errors import EngineError, InvalidRequestError, KVConsistencyError
+from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.radix_cache import KVOp, RadixCache, make_eviction_policy
@@ -77,6 +77,18 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class Handover:
+    """A request's first tokens, drawn by one engine (a PD prefill replica) for another to go on
+    from (``Engine.resume_request``) exactly as if it had drawn them itself: the tokens, their
+    logprobs when the request asked for them, and the request's random generator as it was
+    after the draw (numpy's PCG64 state), so a seed draws the same answer either way."""
+
+    token_ids: tuple[int, ...]
+    rng_state: dict
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the new text and tokens since the last output."""
 
@@ -91,6 +103,9 @@ class RequestOutput:
     # The stop string that ended the request (finish_reason "stop" by a string, not a token):
     # APIs that report which stop matched (Anthropic's stop_sequence) read it here.
     stop: str | None = None
+    # On the final output of a request added with ``handover=True``: where another engine
+    # goes on from (prefill/decode disaggregation).
+    handover: Handover | None = None
 
 
 @dataclass
@@ -106,6 +121,8 @@ class _Live:
     error: str | None = None
     prompt: str | None = None
     output: list[str] | None = None
+    handover: bool = False  # its final output carries a Handover
+    resumed: bool = False  # its first tokens came in a Handover
 
 
 @dataclass(frozen=True)
@@ -207,8 +224,33 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises InvalidRequestError or QueueFullError for this request only."""
+                    request_id: str | None = None, *, handover: bool = False) -> str:
+        """Queue a request; raises InvalidRequestError or QueueFullError for this request only.
+        ``handover``: the request draws one token (``max_tokens`` 1) and its final output
+        carries a Handover for another engine to go on from (``resume_request``)."""
+        if handover and (params is None or params.max_tokens != 1):
+            raise InvalidRequestError("a request handed over draws one token (max_tokens 1)",
+                                      param="max_tokens")
+        request_id, _ = self._add(prompt, params, request_id, handover=handover)
+        return request_id
+
+    def resume_request(self, prompt: str | list[int], params: SamplingParams,
+                       resume: Handover, request_id: str | None = None) -> RequestOutput:
+        """Queue a request whose first tokens another engine drew (``resume``, from a request
+        added there with ``handover=True``): they are this request's first output, returned
+        here at once, before any step; the sampler goes on from the random state after them
+        and the grammar from after them. The output is final when they already end the
+        request (an end-of-generation token, a stop string, ``max_tokens``). Raises
+        HandoverError when ``resume`` does not fit the request."""
+        if not resume.token_ids:
+            raise HandoverError("a hand-over needs its tokens")
+        _, first = self._add(prompt, params, request_id, resume=resume)
+        assert first is not None
+        return first
+
+    def _add(self, prompt: str | list[int], params: SamplingParams | None,
+             request_id: str | None, *, handover: bool = False,
+             resume: Handover | None = None) -> tuple[str, RequestOutput | None]:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -225,6 +267,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint = self.backend.grammar(params.grammar) if params.grammar else None
+        sampler = RequestSampler(params, seed, constraint)
+        if resume is not None:
+            self._check_resume(resume, sampler)
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -234,19 +279,61 @@ class Engine:
                 arrival=next(self._arrivals),
                 max_total_tokens=self.max_request_tokens if params.max_tokens is None
                 else len(tokens) + params.max_tokens, lora=lora)
-            self.scheduler.add(req)
-            self.loras.acquire(lora)
-            live = self._live[request_id] = _Live(
-                req, RequestSampler(params, seed, constraint),
-                IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
+            live = _Live(
+                req, sampler, IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
-                               lora=self.loras.label(lora)))
+                               lora=self.loras.label(lora)),
+                handover=handover, resumed=resume is not None)
             if self._observer is not None and self._observer.text:
                 live.prompt = prompt if isinstance(prompt, str) else None
                 live.output = []
-            if self.spec is not None:
+            self.scheduler.add(req)
+            self.loras.acquire(lora)
+            self._live[request_id] = live
+            first = self._resumed_output(live, resume) if resume is not None else None
+            if first is not None and first.finished:  # its given tokens ended it
+                self.scheduler.abort(request_id)
+                req.finish_reason = FinishReason(first.finish_reason)
+                self._drop(request_id)
+            elif self.spec is not None:
                 self.spec.admit(request_id, params, self._steps)
-        return request_id
+        return request_id, first
+
+    def _check_resume(self, resume: Handover, sampler: RequestSampler) -> None:
+        """The hand-over's tokens in the vocabulary and allowed by the request's grammar (which
+        then stands after them), its random state a PCG64 state (the sampler takes it), and
+        its logprobs there when the request asks for them."""
+        n_vocab = self.backend.n_vocab
+        if not all(isinstance(t, int) and 0 <= t < n_vocab for t in resume.token_ids):
+            raise HandoverError(f"the hand-over's token ids must be in [0, {n_vocab})")
+        if sampler.params.logprobs is not None and (
+                resume.logprobs is None or len(resume.logprobs) != len(resume.token_ids)):
+            raise HandoverError("the request asks for logprobs; the hand-over has none")
+        try:
+            sampler.rng.bit_generator.state = resume.rng_state
+        except (TypeError, ValueError, KeyError) as e:
+            raise HandoverError(f"the hand-over's random state is not PCG64's: {e}") from None
+        c = sampler.constraint
+        if c is None:
+            return
+        for t in resume.token_ids:
+            if not c.allows(t):
+                raise HandoverError(f"the hand-over's token {t} is not allowed by the "
+                                    "request's grammar")
+            c.accept(t)
+
+    def _resumed_output(self, live: _Live, resume: Handover) -> RequestOutput:
+        """A resumed request's first output: its given tokens, emitted as if sampled now."""
+        now = time.perf_counter()
+        out = _Emitted()
+        lps = resume.logprobs if live.request.params.logprobs is not None else None
+        for i, token in enumerate(resume.token_ids):
+            lp = lps[i] if lps else None
+            self._emit(live, SampledToken(token, lp.logprob if lp else None,
+                                          lp.top if lp else None), now, out)
+            if out.reason is not None:
+                break
+        return self._finish_output(live, out, now, StepResult())
 
     def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
         """The prompt, and the prompt plus ``max_tokens`` when given, must fit one request's
@@ -512,6 +599,8 @@ class Engine:
             live = self._live.get(chunk.request.request_id)
             if live is not None and live.metrics.scheduled_time is None:
                 live.metrics.scheduled_time = now
+                if live.resumed:  # its first token came before its prompt met the cache
+                    live.metrics.num_cached_tokens = chunk.request.num_cached_tokens
 
     def _postprocess(self, plan: StepPlan, logits) -> tuple[list[RequestOutput], StepResult]:
         """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
@@ -630,9 +719,14 @@ class Engine:
         if reason is not None:
             result.finished.append((req, reason))
             live.metrics.finished_time = now
+        handover = None
+        if reason is not None and live.handover:
+            handover = Handover(tuple(req.output_token_ids), live.sampler.rng.bit_generator.state,
+                                tuple(out.logprobs) if out.logprobs else None)
         return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
                              reason.value if reason else None, out.logprobs or None,
-                             live.metrics, stop=live.detok.matched if reason else None)
+                             live.metrics, stop=live.detok.matched if reason else None,
+                             handover=handover)
 
     def _end_with_error(self, live: _Live, out: _Emitted, message: str,
                         result: StepResult) -> RequestOutput:

@@ -69,8 +69,10 @@ def pack(identity: KVIdentity, tokens: list[int], chunks: list[bytes],
 def unpack(blob: bytes | memoryview) -> tuple[KVHeader, list[memoryview]]:
     """The header and the chunks of ``blob``, checked whole (sizes, types, checksum)."""
     view = memoryview(blob)
-    if len(view) < 8 or bytes(view[:4]) != MAGIC:
+    if bytes(view[:4]) != MAGIC[:len(view)]:
         raise KVTransferError("not justllm KV data (bad magic)")
+    if len(view) < 8:
+        raise KVTransferError(f"KV data truncated: {len(view)} bytes")
     (n,) = struct.unpack("<I", view[4:8])
     if n > MAX_HEADER or len(view) < 8 + n:
         raise KVTransferError(f"KV data truncated: a {n}-byte header, {len(view) - 8} bytes "

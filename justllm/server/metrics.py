@@ -121,7 +121,9 @@ class ServerMetrics:
             "justllm_pd_prefills_aborted", "Prompts whose prefill stopped because the "
             "gateway (its client) left.", lab, registry=r)
         self.pd_import_failures = Counter(
-            "justllm_pd_import_failures", "Imports refused (computed locally instead).",
+            "justllm_pd_import_failures", "Hand-overs refused: the KV (reason refused or "
+            "truncated: the prompt computed here) or the first tokens (handover: the request "
+            "served whole here).",
             lab + ["reason"], registry=r)
         # Requests that ran under LoRA adapters, by adapter set ("a", or "a+b" for several).
         lora = lab + ["lora_name"]

@@ -22,8 +22,8 @@ import msgspec
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
 from justllm.engine.chat_template import ChatTemplate, with_template_stops
-from justllm.engine.engine import RequestOutput, TokenLogprob
-from justllm.errors import EngineClosedError, InvalidRequestError
+from justllm.engine.engine import Handover, RequestOutput, TokenLogprob
+from justllm.errors import EngineClosedError, HandoverError, InvalidRequestError
 from justllm.server.errors import APIError, error_body
 from justllm.server.lora import adapter, request_lora
 from justllm.server.metrics import ServerMetrics
@@ -90,6 +90,9 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
+
+
+Job = tuple[str | list[int], SamplingParams]  # one choice: its prompt and sampling
 
 
 @dataclass(frozen=True)
@@ -170,17 +173,22 @@ class OpenAIServing:
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 
-    def _submit(self, jobs: list[tuple[str | list[int], SamplingParams]],
-                rid: str | None = None) -> list[RequestStream]:
+    def _submit(self, jobs: list[Job], rid: str | None = None,
+                resume: Sequence[Handover] | None = None) -> list[RequestStream]:
         """Submit every choice, or none: if one is refused the others are aborted. ``rid``:
         the API's response id, which the engine's requests take (``RID`` for one choice,
-        ``RID-0``, ``RID-1``... for several), so records and logs name what clients see."""
+        ``RID-0``, ``RID-1``... for several), so records and logs name what clients see.
+        ``resume``: each choice's first tokens, drawn by a PD prefill replica (server/pd.py)."""
         streams: list[RequestStream] = []
         ids = ([rid] if len(jobs) == 1 else [f"{rid}-{i}" for i in range(len(jobs))]
                if rid else [None] * len(jobs))
+        if resume is not None and len(resume) != len(jobs):
+            raise HandoverError(f"the hand-over has {len(resume)} choice(s); the request "
+                                f"asks for {len(jobs)}")
         try:
-            for (prompt, params), request_id in zip(jobs, ids):
-                streams.append(self.aengine.submit(prompt, params, request_id))
+            for i, ((prompt, params), request_id) in enumerate(zip(jobs, ids)):
+                streams.append(self.aengine.submit(
+                    prompt, params, request_id, resume=resume[i] if resume else None))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -291,10 +299,8 @@ class OpenAIServing:
                     "bytes": list(piece)}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None
-                    ) -> tuple[list[RequestStream], list[ChoiceText]]:
-        """Check ``req``, render it, submit its choices (as ``rid``, the response id); their
-        streams and text handlers."""
+    def chat_jobs(self, req: ChatCompletionRequest) -> tuple[list[Job], ToolPlan]:
+        """Check ``req`` and render it: each choice's prompt and sampling, and its tool plan."""
         self.check_model(req.model)
         self.check_supported(req)
         plan = tool_plan(req)
@@ -307,11 +313,17 @@ class OpenAIServing:
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs: list[tuple[str | list[int], SamplingParams]] = [
-            (prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
-                             grammar=grammar)) for i in range(req.n)]
+        return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
+                                 grammar=grammar)) for i in range(req.n)], plan
+
+    def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
+                    resume: Sequence[Handover] | None = None
+                    ) -> tuple[list[RequestStream], list[ChoiceText]]:
+        """Check ``req``, render it, submit its choices (as ``rid``, the response id); their
+        streams and text handlers."""
+        jobs, plan = self.chat_jobs(req)
         try:
-            streams = self._submit(jobs, rid)
+            streams = self._submit(jobs, rid, resume)
         except InvalidRequestError as e:  # the engine compiles the grammar
             if plan.enforced and e.param == "response_format":
                 raise InvalidRequestError(str(e), param="tools") from None
@@ -329,11 +341,11 @@ class OpenAIServing:
             call_id = f"call_{uuid.uuid4().hex[:24]}"
         return ToolCall(call_id, call.name, call.arguments)
 
-    async def chat_result(self, req: ChatCompletionRequest, rid: str | None = None
-                          ) -> ChatResult:
+    async def chat_result(self, req: ChatCompletionRequest, rid: str | None = None,
+                          resume: Sequence[Handover] | None = None) -> ChatResult:
         """``req`` answered whole (``req.stream`` is not read). Request errors raise before
         anything runs. ``rid``: the response id (the engine's request ids follow it)."""
-        streams, answers = self._start_chat(req, rid)
+        streams, answers = self._start_chat(req, rid, resume)
         texts, lps, finals = await self._collect(streams, [""] * len(streams))
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
@@ -345,11 +357,12 @@ class OpenAIServing:
                 None if calls or final is None else final.stop))
         return ChatResult(choices, _usage(finals, req.n), _timings(finals))
 
-    async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None
+    async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
+                          resume: Sequence[Handover] | None = None
                           ) -> AsyncGenerator[ChatEvent, None]:
         """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
         raise here, before anything is streamed; closing the iterator aborts the request."""
-        streams, answers = self._start_chat(req, rid)
+        streams, answers = self._start_chat(req, rid, resume)
         return self._events(streams, answers, req.n)
 
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
@@ -377,16 +390,18 @@ class OpenAIServing:
                                     None if parsed else out.stop)
         yield StreamEnd(_usage(finals, n), _timings(finals))
 
-    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
-        """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``."""
+    async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None
+                   ) -> ChatCompletion | AsyncIterator[bytes]:
+        """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
+        ``resume``: each choice's first tokens, drawn by a PD prefill replica."""
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await self.chat_events(req, rid)
+            events = await self.chat_events(req, rid, resume)
             return self._chat_sse(events, rid, created, req.n, include_usage,
                                   self.answer_model(req.model))
-        result = await self.chat_result(req, rid)
+        result = await self.chat_result(req, rid, resume)
         choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
             for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
@@ -445,19 +460,23 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    async def completions(self, req: CompletionRequest) -> TextCompletion | AsyncIterator[bytes]:
+    def completion_jobs(self, req: CompletionRequest) -> list[Job]:
+        """Check ``req``: each choice's prompt and sampling (prompts times ``n``)."""
         self.check_model(req.model)
         self.check_supported(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
-        prompts = self._completion_prompts(req.prompt)
-        jobs = [(p, self._params(req, req.max_tokens if req.max_tokens is not None else 16,
+        return [(p, self._params(req, req.max_tokens if req.max_tokens is not None else 16,
                                  req.logprobs, j))
-                for p in prompts for j in range(req.n)]
-        shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p in prompts
-                                        for _ in range(req.n)])
+                for p in self._completion_prompts(req.prompt) for j in range(req.n)]
+
+    async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None
+                          ) -> TextCompletion | AsyncIterator[bytes]:
+        """The OpenAI route; ``resume`` as for ``chat``."""
+        jobs = self.completion_jobs(req)
+        shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs])
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        return await self._respond(self._submit(jobs, rid), shape, req, req.n, rid)
+        return await self._respond(self._submit(jobs, rid, resume), shape, req, req.n, rid)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

@@ -2,22 +2,30 @@
 (the gateway calls them; clients never do).
 
 ``POST /pd/prefill?path=/v1/chat/completions`` (role ``prefill`` or ``both``), body: the
-client's OpenAI request. The prompt is rendered exactly as the route would (chat template
-included), computed, and answered as ``application/octet-stream``: the KV transfer bytes of
-``kv/transfer.py`` (header, checksum, llama.cpp state), streamed in 1 MiB pieces.
+client's OpenAI request. The prompt is rendered exactly as the route would (chat template and
+tools included), computed, and each choice's first token drawn with the request's own
+sampling. The answer (``application/octet-stream``, streamed in 1 MiB pieces) is the
+*hand-over*: a u32 little-endian length, that many bytes of JSON (per choice: the token, its
+logprobs when asked for, the sampler's random state after the draw), then the prompt's KV as
+``kv/transfer.py`` packs it (header, checksum, llama.cpp state).
 
 ``POST /pd/decode?path=...`` (role ``decode`` or ``both``), body: a u32 little-endian length,
-the client's request (JSON), then those bytes. The KV is imported into the prefix cache and
-the request served as the route serves it, so its prompt is a cache hit and only its last
-token is computed here. An import that is refused (another model, a bad checksum, a truncated
-transfer, no room) is counted and the prompt computed here instead: slower, never lost.
+the client's request (JSON), then the hand-over. The KV is imported into the prefix cache and
+the request served as the route serves it, going on from the prefill replica's first tokens:
+they are its first output, sent at once, and the next token is drawn from the random state
+the prefill replica left (a seed answers the same as without PD). Only that token's KV is
+computed here. A KV import that is refused (another model, a bad checksum, a truncated
+transfer, no room) is counted and the prompt computed here; a hand-over that does not fit the
+request (or did not arrive whole) is counted and the request served whole: slower, never lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 import msgspec
@@ -27,9 +35,11 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.errors import InvalidRequestError
+from justllm.engine.engine import Handover, TokenLogprob
+from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVTransferError
 from justllm.server.errors import APIError
+from justllm.server.openai_serving import Job
 from justllm.server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -54,44 +64,95 @@ def _role_allows(state: State, role: str) -> None:
                        code="wrong_role")
 
 
-async def _prompt_tokens(state: State, req: ChatCompletionRequest | CompletionRequest
-                         ) -> list[int]:
-    """The tokens the route itself would compute for the request (one prompt)."""
-    from justllm.server.app import _served
+class _Logprob(msgspec.Struct, frozen=True):
+    logprob: float
+    top: list[tuple[int, float]]
 
-    served = _served(state)
+
+class _Choice(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    rng: dict[str, Any]
+    logprobs: list[_Logprob] | None = None
+
+
+class _Head(msgspec.Struct, frozen=True):
+    choices: list[_Choice]
+
+
+def handover_bytes(handovers: list[Handover]) -> bytes:
+    """The hand-over's head: its length (u32 LE) and JSON; the KV follows it."""
+    head = msgspec.json.encode(_Head([_Choice(
+        list(h.token_ids), h.rng_state,
+        None if h.logprobs is None else [_Logprob(lp.logprob, list(lp.top))
+                                         for lp in h.logprobs]) for h in handovers]))
+    return struct.pack("<I", len(head)) + head
+
+
+def read_handover(data: memoryview) -> tuple[list[Handover] | None, memoryview]:
+    """The hand-over's choices and the KV after them. None for the choices when the head did
+    not arrive whole (the KV is then empty: its import is refused as truncated) or is not
+    one."""
+    if len(data) < 4:
+        return None, data[:0]
+    (n,) = struct.unpack("<I", data[:4])
+    if len(data) < 4 + n:
+        return None, data[:0]
+    try:
+        head = msgspec.json.decode(data[4:4 + n], type=_Head)
+    except msgspec.DecodeError:
+        return None, data[4 + n:]
+    return [Handover(tuple(c.tokens), c.rng, None if c.logprobs is None else tuple(
+        TokenLogprob(t, lp.logprob, tuple(lp.top))
+        for t, lp in zip(c.tokens, c.logprobs))) for c in head.choices], data[4 + n:]
+
+
+def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[Job]:
+    """The request's choices as the route would submit them (one prompt)."""
     serving = served.completions
-    serving.check_model(req.model)
     if isinstance(req, ChatCompletionRequest):
-        return served.aengine.tokenize(serving.chat_prompt(req.messages))
-    prompts = serving._completion_prompts(req.prompt)
-    if len(prompts) != 1:
-        raise InvalidRequestError("a batch of prompts is not disaggregated", param="prompt")
-    prompt = prompts[0]
-    return served.aengine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        jobs, _ = serving.chat_jobs(req)
+    else:
+        jobs = serving.completion_jobs(req)
+        if len({str(p) for p, _ in jobs}) != 1:
+            raise InvalidRequestError("a batch of prompts is not disaggregated", param="prompt")
+    if any(params.lora for _, params in jobs):
+        # Its KV is the adapter's; the transfer header names the model file only.
+        raise APIError(409, "requests for a LoRA adapter are served whole, not disaggregated",
+                       code="not_disaggregated")
+    return jobs
 
 
-@post("/prefill", status_code=200, summary="Compute a request's prompt and export its KV",
-      include_in_schema=False)
+@post("/prefill", status_code=200, include_in_schema=False,
+      summary="Compute a request's prompt, draw its first token, export its KV")
 async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream | Response:
     from justllm.server.app import _served, unless_disconnected
 
     _role_allows(state, "prefill")
     served = _served(state)
-    tokens = await _prompt_tokens(state, _request(path, await request.body()))
+    jobs = _jobs(served, _request(path, await request.body()))
+    aengine = served.aengine
 
-    async def compute() -> None:
-        async for _ in served.aengine.generate(tokens, SamplingParams(max_tokens=1,
-                                                                      temperature=0.0)):
-            pass  # the prompt is now in the prefix cache
+    async def first(prompt: str | list[int], params: SamplingParams) -> Handover:
+        async for out in aengine.generate(prompt, replace(params, max_tokens=1),
+                                          handover=True):
+            if out.error:
+                raise APIError(503, f"the prompt could not be computed: {out.error}",
+                               type="server_error", code="prefill_failed")
+            if out.handover is not None:
+                return out.handover
+        raise APIError(503, "the prompt's first token was not drawn", type="server_error",
+                       code="prefill_failed")
 
-    # The gateway closes the connection when its client leaves: the prompt is aborted then.
-    left = await unless_disconnected(request, compute())
-    if isinstance(left, Response):
+    # The choices share the prompt; the gateway closes the connection when its client leaves,
+    # and the prompt is aborted then.
+    drawn = await unless_disconnected(request, asyncio.gather(*(first(*j) for j in jobs)))
+    if isinstance(drawn, Response):
         served.metrics.pd_prefills_aborted.labels(served.model_id).inc()
-        return left
+        return drawn
+    prompt = jobs[0][0]
+    tokens = aengine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     try:
-        blob, seconds = await served.aengine.export_prefix(tokens)
+        blob, seconds = await aengine.export_prefix(tokens)
     except KVTransferError as e:
         raise APIError(503, f"the prompt could not be exported: {e}", type="server_error",
                        code="kv_export_failed") from None
@@ -99,14 +160,16 @@ async def prefill(request: Request, state: State, path: Annotated[str | None, Pa
     metrics.pd_seconds.labels(model, "export").observe(seconds)
     metrics.pd_exports.labels(model).inc()
     metrics.pd_bytes.labels(model, "export").inc(len(blob))
+    head = handover_bytes(list(drawn))
 
     async def pieces() -> AsyncIterator[bytes]:
+        yield head
         for at in range(0, len(blob), PIECE):
             yield blob[at:at + PIECE]
 
     return Stream(pieces(), media_type="application/octet-stream",
                   headers={"Content-Type": "application/octet-stream",
-                           "Content-Length": str(len(blob))})
+                           "Content-Length": str(len(head) + len(blob))})
 
 
 @post("/decode", status_code=200, summary="Import a prompt's KV and serve the request",
@@ -125,8 +188,9 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
     view = memoryview(body)
     req = _request(path, view[4:4 + n])
     metrics, model = served.metrics, served.model_id
+    resume, kv = read_handover(view[4 + n:])
     try:
-        _, seconds = await served.aengine.import_prefix(view[4 + n:])
+        _, seconds = await served.aengine.import_prefix(kv)
     except KVTransferError as e:
         reason = "truncated" if "truncated" in str(e) else "refused"
         metrics.pd_import_failures.labels(model, reason).inc()
@@ -134,11 +198,22 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
     else:
         metrics.pd_seconds.labels(model, "import").observe(seconds)
         metrics.pd_imports.labels(model).inc()
-        metrics.pd_bytes.labels(model, "import").inc(len(body) - 4 - n)
+        metrics.pd_bytes.labels(model, "import").inc(len(kv))
+    if resume is None:
+        metrics.pd_import_failures.labels(model, "handover").inc()
+        log.warning("no hand-over came with the KV, serving the request whole")
     serving = served.completions
-    work = serving.chat(req) if isinstance(req, ChatCompletionRequest) else \
-        serving.completions(req)
-    result = await unless_disconnected(request, work)
+
+    def serve(resume: list[Handover] | None) -> Any:
+        return serving.chat(req, resume) if isinstance(req, ChatCompletionRequest) else \
+            serving.completions(req, resume)
+
+    try:
+        result = await unless_disconnected(request, serve(resume))
+    except HandoverError as e:  # a prefill replica's draw this request cannot go on from
+        metrics.pd_import_failures.labels(model, "handover").inc()
+        log.warning("hand-over refused, serving the request whole: %s", e)
+        result = await unless_disconnected(request, serve(None))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 

@@ -271,9 +271,11 @@ def test_a_pd_model_hands_the_kv_from_prefill_to_decode_through_ray(deployed, tm
     assert counter(url, 'justllm_gateway_pd_transfers_total{model_name="demo"}') == 2
     assert counter(url, 'justllm_gateway_pd_short_prompts_total{model_name="demo"}') == 1
     # The replicas' own pages (on the board within a second or two): two exports on the
-    # prefill replica, two imports on the decode replica, each a prefix-cache hit there.
+    # prefill replica, two imports on the decode replica, each a prefix-cache hit there; the
+    # prefill replica drew each answer's first token.
     wait_for("the hand-overs on the replicas' pages", lambda: (
         metric(url, "justllm_pd_exports_total").get(prefill) == 2
+        and metric(url, "vllm:generation_tokens_total").get(prefill) == 2
         and metric(url, "justllm_pd_imports_total").get(decode) == 2
         and metric(url, "justllm_prefix_cache_hits_total").get(decode, 0) >= 2), 20)
     r = justllm(env, "cluster", "status", "--json", timeout=120)

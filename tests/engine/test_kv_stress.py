@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -95,9 +96,10 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
 
 def test_kv_imports_under_random_concurrent_load_keep_kv_consistent(model_path):
     """Prefill/decode hand-overs while the same random load runs: a second engine computes
-    prompts of the workload (prefixes of every length) and exports them; each blob is
-    imported into the loaded engine at a random moment, beside requests that share, evict and
-    preempt. Imports that find no room are refused; every step is KV-checked."""
+    prompts of the workload (prefixes of every length), draws their first tokens and exports
+    them; each blob is imported into the loaded engine at a random moment, beside requests
+    that share, evict and preempt, and the request goes on there from its first token (some
+    leave early). Imports that find no room are refused; every step is KV-checked."""
     config = dict(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80, block_size=16,
                   spare_seq_ids=6, chunk_size=64, n_batch=128)
     engine, source = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
@@ -111,10 +113,14 @@ def test_kv_imports_under_random_concurrent_load_keep_kv_consistent(model_path):
 
 async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Random,
                            prompts: list[list[int]], results: dict) -> None:
-    for _ in range(10):
+    for i in range(10):
         prompt = rng.choice(prompts)[:rng.randint(2, 400)]
-        async for _out in source.generate(prompt, SamplingParams(max_tokens=1)):
-            pass
+        params = SamplingParams(max_tokens=rng.randint(1, 8),
+                                temperature=rng.choice((0.0, 0.8)), seed=i, ignore_eos=True)
+        handover = None
+        async for out in source.generate(prompt, replace(params, max_tokens=1), handover=True):
+            handover = out.handover or handover
+        assert handover is not None
         blob, _ = await source.export_prefix(prompt)
         await asyncio.sleep(rng.uniform(0, 0.4))
         try:
@@ -125,6 +131,19 @@ async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Rand
         else:
             assert 0 < cached <= len(prompt)
             results["imported"] += 1
+        # The request goes on from the hand-over (whether its KV fitted or not); some leave.
+        leave = rng.random() < 0.3
+        outs = []
+        async with contextlib.aclosing(a.generate(prompt, params, resume=handover)) as gen:
+            async for out in gen:
+                outs.append(out)
+                if leave and len(outs) >= 2:
+                    break
+        assert not [o.error for o in outs if o.error]
+        assert outs[0].token_ids[:1] == list(handover.token_ids)
+        if not leave:
+            assert sum(len(o.token_ids) for o in outs) == params.max_tokens
+        results["resumed"] += 1
 
 
 async def _drive(a: AsyncEngine, engine: Engine, seed: int,
@@ -133,7 +152,8 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     words = engine.tokenize(" apple river stone light")
     bos, vocab = words[0], words[1:]
     prompts = make_prompts(rng, vocab, bos, 36)
-    results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0}
+    results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
+               "resumed": 0}
     clients = [one_client(a, random.Random(seed * 100 + i), p, i, results)
                for i, p in enumerate(prompts)]
     if transfers is not None:
@@ -141,7 +161,7 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     await asyncio.gather(*clients)
     assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
     if transfers is not None:
-        assert results["imported"] >= 5, results
+        assert results["imported"] >= 5 and results["resumed"] == 10, results
 
     await _idle(a, engine)
     await a.call_on_engine_thread(engine.check_kv)

@@ -5,11 +5,15 @@ refused before llama.cpp sees it, leaving the engine serving."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.engine import Engine
+from justllm.engine.backend import JSON_GRAMMAR
+from justllm.engine.engine import Engine, Handover
+from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
 from tests.helpers import run_alone
 
@@ -163,4 +167,105 @@ def test_a_prefix_longer_than_the_sliding_window_is_whole_for_every_shorter_pref
     assert imported[0] == reference[0]
     settled(decode)
     decode.flush_prefix_cache()
+    settled(decode)
+
+
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, logprobs=3,
+                         ignore_eos=True)
+
+
+def drawn_first(engine: Engine, prompt: str, params: SamplingParams) -> Handover:
+    """What a prefill replica draws: the request's first token, handed over."""
+    rid = engine.add_request(prompt, replace(params, max_tokens=1), handover=True)
+    while True:
+        for out in engine.step():
+            assert out.request_id == rid and out.error is None, out
+            if out.finished:
+                assert out.handover is not None and out.handover.token_ids == tuple(
+                    out.token_ids)
+                return out.handover
+
+
+def rest_of(engine: Engine, rid: str) -> tuple[list[int], list]:
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid and out.error is None, out
+            tokens += out.token_ids
+            logprobs += out.logprobs or []
+    return tokens, logprobs
+
+
+def test_a_request_resumed_from_a_handover_answers_exactly_as_it_would_whole(pair, model_path):
+    """The prefill engine draws the first token with the request's own sampling (seeded); the
+    decode engine imports the KV, emits that token at once (before any step), and draws the
+    rest from the random state the prefill engine left: token for token and logprob for
+    logprob what one engine answers alone with the same seed."""
+    prefill, decode = pair
+    decode.flush_prefix_cache()
+    prefill.flush_prefix_cache()
+    handover = drawn_first(prefill, PROMPT, SAMPLED)
+    assert handover.logprobs is not None and len(handover.logprobs) == 1
+    blob = prefill.export_prefix(prefill.tokenize(PROMPT))
+    n = decode.import_prefix(blob)
+    settled(decode)
+
+    first = decode.resume_request(PROMPT, SAMPLED, handover)
+    assert first.token_ids == list(handover.token_ids) and not first.finished
+    assert first.logprobs == list(handover.logprobs) and first.text
+    before = decode.stats().prefix_cache.hit_tokens
+    tokens, logprobs = rest_of(decode, first.request_id)
+    assert decode.stats().prefix_cache.hit_tokens - before == n  # only the given token computed
+    settled(decode)
+
+    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128))
+    try:
+        reference = run_alone(local, PROMPT, SAMPLED)
+    finally:
+        local.close()
+    assert first.token_ids + tokens == reference[0]
+    assert [lp.logprob for lp in first.logprobs + logprobs] == \
+        [lp.logprob for lp in reference[1]]
+    # The seed matters: another draws another answer (so the equality above is no accident).
+    other = run_alone(prefill, PROMPT, replace(SAMPLED, seed=8, logprobs=None))
+    assert other[0] != reference[0]
+
+
+def test_a_handover_that_ends_the_request_finishes_it_at_once(pair):
+    prefill, decode = pair
+    handover = drawn_first(prefill, PROMPT, SAMPLED)
+    done = decode.resume_request(PROMPT, replace(SAMPLED, max_tokens=1), handover)
+    assert done.finished and done.finish_reason == "length" and done.token_ids == list(
+        handover.token_ids)
+    eos = next(iter(decode._eog))
+    stop = decode.resume_request(PROMPT, replace(SAMPLED, ignore_eos=False, logprobs=None),
+                                 Handover((eos,), handover.rng_state))
+    assert stop.finished and stop.finish_reason == "stop" and stop.token_ids == [eos]
+    assert not decode.has_unfinished() and not decode._live
+    settled(decode)
+
+
+def test_a_handover_that_does_not_fit_the_request_is_refused(pair):
+    prefill, decode = pair
+    good = drawn_first(prefill, PROMPT, SAMPLED)
+    word = decode.tokenize(" zebra")[0]
+    cases = {
+        "must be in": (SAMPLED, Handover((decode.backend.n_vocab,), good.rng_state,
+                                         good.logprobs)),
+        "not PCG64": (SAMPLED, Handover(good.token_ids, {"bit_generator": "MT19937"},
+                                        good.logprobs)),
+        "asks for logprobs": (SAMPLED, Handover(good.token_ids, good.rng_state)),
+        "needs its tokens": (SAMPLED, Handover((), good.rng_state)),
+        "not allowed by the request's grammar": (
+            replace(SAMPLED, grammar=JSON_GRAMMAR, logprobs=None),
+            Handover((word,), good.rng_state)),
+    }
+    for expected, (params, bad) in cases.items():
+        with pytest.raises(HandoverError, match=expected):
+            decode.resume_request(PROMPT, params, bad)
+    assert not decode.has_unfinished() and not decode._live
+    with pytest.raises(InvalidRequestError, match="max_tokens 1"):
+        decode.add_request(PROMPT, SAMPLED, handover=True)
+    tokens, _ = run_alone(decode, "The capital of France is", GREEDY)
+    assert len(tokens) == 16
     settled(decode)

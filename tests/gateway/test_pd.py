@@ -57,6 +57,8 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         assert status["pd"]["short_prompts"] == 1
         assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 2
         assert runner_metric(gw, "justllm_pd_imports_total", "demo", "1") == 2
+        # The prefill replica drew each answer's first token; the decode replica went on.
+        assert runner_metric(gw, "vllm:generation_tokens_total", "demo", "0") == 2
         # The decode replica found each imported prompt in its prefix cache.
         assert runner_metric(gw, "justllm_prefix_cache_hits_total", "demo", "1") == 2
         text = httpx.get(gw.url + "/metrics", timeout=30).text

@@ -22,7 +22,9 @@ def test_a_packed_blob_comes_back_in_its_chunks():
 
 
 @pytest.mark.parametrize(("damage", "message"), [
-    (lambda b: b[:3], "bad magic"),
+    (lambda b: b[:3], "truncated: 3 bytes"),  # cut short inside the magic
+    (lambda b: b"", "truncated: 0 bytes"),
+    (lambda b: b"JLX", "bad magic"),
     (lambda b: b"NOPE" + b[4:], "bad magic"),
     (lambda b: b[:4] + struct.pack("<I", 10**9) + b[8:], "truncated"),
     (lambda b: b[:-1], "truncated"),
