@@ -21,6 +21,17 @@ class Loaded:
     memory: int = 0  # estimated bytes (memory_estimate)
 
 
+def start_key(flags: dict[str, object], gpu: int | None) -> str | None:
+    """Which runners must start one after another: a ``--gpu`` runner without a pool size
+    sizes its KV pool from the GPU's free memory as it starts, so two starting at once on one
+    GPU would both count the same memory (the later one's context allocation then fails).
+    The key names the GPU (``CUDA_VISIBLE_DEVICES``, or every GPU the runner sees); None:
+    start at once."""
+    if not flags.get("gpu") or flags.get("pool-blocks"):
+        return None
+    return "all" if gpu is None else str(gpu)
+
+
 def expired(models: list[Loaded], now: float) -> list[str]:
     """Idle models whose time to live has passed."""
     return [m.name for m in models

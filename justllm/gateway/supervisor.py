@@ -135,6 +135,9 @@ class Supervisor:
         self._http = httpx.AsyncClient(trust_env=False)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
+        # (policy.start_key).
+        self._gpu_starts: dict[str, asyncio.Lock] = {}
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -310,6 +313,16 @@ class Supervisor:
                                        replica.gpu, replica.role)
         return replica.runner
 
+    async def _spawn_ready(self, state: ModelState, replica: Replica) -> RunnerProcess:
+        """Start the replica's runner and wait until it answers (raises as ``wait_ready``);
+        after any other runner sizing its pool from the same GPU has started."""
+        key = policy.start_key(dict(state.spec.flags), replica.gpu)
+        lock = self._gpu_starts.setdefault(key, asyncio.Lock()) if key else None
+        async with lock or contextlib.nullcontext():
+            runner = self._spawn(state, replica)
+            await runner.wait_ready(self._http, self.config.load_timeout)
+        return runner
+
     async def _start(self, state: ModelState) -> None:
         """Start the model's first replicas together; loaded once at least one answers (the
         others are retried with backoff), failed after MAX_FAILURES rounds with none."""
@@ -329,8 +342,7 @@ class Supervisor:
             starting = [self._new_replica(state) for _ in range(state.spec.replicas)]
             try:
                 results = await asyncio.gather(
-                    *(self._spawn(state, r).wait_ready(self._http, self.config.load_timeout)
-                      for r in starting), return_exceptions=True)
+                    *(self._spawn_ready(state, r) for r in starting), return_exceptions=True)
             except BaseException:
                 for r in starting:
                     self._drop_replica(state, r)
@@ -430,13 +442,13 @@ class Supervisor:
             await asyncio.sleep(delay)
             if self._closing or replica not in state.replicas:
                 return
-            runner = self._spawn(state, replica)
             try:
-                await runner.wait_ready(self._http, self.config.load_timeout)
+                runner = await self._spawn_ready(state, replica)
             except (RuntimeError, TimeoutError) as e:
                 replica.failures += 1
                 replica.error = str(e)
-                runner.kill_now()
+                if replica.runner is not None:
+                    replica.runner.kill_now()
                 continue
             if replica not in state.replicas or self._closing:  # unloaded meanwhile
                 runner.kill_now()
