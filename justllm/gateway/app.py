@@ -22,6 +22,7 @@ from litestar.datastructures import State
 from litestar.response import Stream
 
 from justllm import __version__
+from justllm.gateway import lora
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
 from justllm.gateway.policy import PD_PATHS, prompt_tokens_estimate
@@ -99,7 +100,7 @@ async def _forward(request: Request, path: str) -> Any:
             raise APIError(400, str(e), param="keep_alive") from None
     session = request.headers.get("x-session-id") or body.get("user")
     route = RouteRequest(route_text(body), session if isinstance(session, str) else None)
-    if body.get("model") not in state.spec.adapters:  # an adapter is the runner's own name
+    if not state.has_adapter(body.get("model")):  # an adapter is the runner's own name
         body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an
         # alias becomes the runner's name
     content = msgspec.json.encode(body)
@@ -464,7 +465,7 @@ async def list_models(state: State) -> dict:
          "status": s.status, "aliases": list(s.spec.aliases)} for s in sup.models.values()] + [
         {"id": a, "object": "model", "created": created, "owned_by": "justllm",
          "status": s.status, "parent": s.spec.name} for s in sup.models.values()
-        for a in s.spec.adapters]}
+        for a in (*s.spec.adapters, *s.runtime_lora)]}
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -517,6 +518,7 @@ async def models_status(state: State) -> dict:
             "estimate_mib": round(s.memory / 2**20) if s.memory else None,
             "log": str(sup.log_dir / log_name(s.spec.name)),
             "routing": s.spec.routing.policy, "decisions": dict(s.router.counts),
+            "lora": [*s.spec.adapters, *s.runtime_lora],
             "autoscale": _autoscale_status(s),
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,
@@ -584,7 +586,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, anthropic_messages,
-                                            anthropic_count_tokens, responses],
+                                            anthropic_count_tokens, responses,
+                                            *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model],
                    guards=[require_api_key])

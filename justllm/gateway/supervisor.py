@@ -21,6 +21,7 @@ import httpx
 from justllm.errors import JustLLMError
 from justllm.gateway import autoscale, policy
 from justllm.gateway.config import GatewayConfig, ModelSpec
+from justllm.gateway.lora import apply_runtime_lora
 from justllm.gateway.memory import runner_memory
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import Router, RouteRequest, make_router
@@ -66,6 +67,9 @@ class ModelState:
     pd_seconds: float = 0.0  # prefill + transfer through the gateway, summed
     pd_short_prompts: int = 0  # prompts under prefill-min-tokens, computed on a decode replica
     pd_fallbacks: Counter[str] = field(default_factory=Counter)  # served whole, by reason
+    # LoRA adapters loaded at run time through the gateway (gateway/lora.py): name -> the
+    # body each replica is sent, again whenever one starts.
+    runtime_lora: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         routing = self.spec.routing
@@ -77,6 +81,11 @@ class ModelState:
                          for url, role in zip(self.spec.urls, self.spec.url_roles)]
         if self.remote_only:  # nothing to load here: in service while a replica answers
             self.status = "loaded"
+
+    def has_adapter(self, name: object) -> bool:
+        """``name`` is one of the model's LoRA adapters (from models.yaml or run time): the
+        runner's own name for it, passed on as the request's ``model``."""
+        return isinstance(name, str) and (name in self.spec.adapters or name in self.runtime_lora)
 
     @property
     def remote_only(self) -> bool:
@@ -145,7 +154,14 @@ class Supervisor:
         if name is None:
             return next(iter(self.models.values())) if len(self.models) == 1 else None
         model = self.config.names.get(name)
-        return self.models[model] if model is not None else None
+        if model is not None:
+            return self.models[model]
+        return next((s for s in self.models.values() if name in s.runtime_lora), None)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client the supervisor talks to its replicas with."""
+        return self._http
 
     def end(self, state: ModelState, keep_alive: float | None = None) -> None:
         """A request on ``state`` ended; ``keep_alive`` (Ollama's) overrides the model's ttl
@@ -315,12 +331,14 @@ class Supervisor:
 
     async def _spawn_ready(self, state: ModelState, replica: Replica) -> RunnerProcess:
         """Start the replica's runner and wait until it answers (raises as ``wait_ready``);
-        after any other runner sizing its pool from the same GPU has started."""
+        after any other runner sizing its pool from the same GPU has started. Before it takes
+        requests it loads the LoRA adapters loaded at run time through the gateway."""
         key = policy.start_key(dict(state.spec.flags), replica.gpu)
         lock = self._gpu_starts.setdefault(key, asyncio.Lock()) if key else None
         async with lock or contextlib.nullcontext():
             runner = self._spawn(state, replica)
             await runner.wait_ready(self._http, self.config.load_timeout)
+        await apply_runtime_lora(self._http, state, runner.url, replica.id)
         return runner
 
     async def _start(self, state: ModelState) -> None:

@@ -1,0 +1,167 @@
+"""LoRA adapters loaded at run time through the router-mode gateway: vLLM's
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, forwarded to every replica of
+the adapter's base model. The gateway keeps what was loaded (``ModelState.runtime_lora``), so
+a replica that starts later -- restarted, added by the autoscaler, or the model loaded again
+after its ttl -- gets the adapter before it takes requests (``Supervisor._spawn_ready``), and
+the adapter's name is a model name of the gateway (routed to its base model) until unloaded.
+
+Only for models whose runners take runtime loads (``enable-lora-runtime: true`` in
+``models.yaml``); the bodies are vLLM's, plus ``model`` (the base model) when the gateway
+serves more than one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+import msgspec
+from litestar import Request, Response, post
+from litestar.datastructures import State
+
+from justllm.config import check_lora_name
+from justllm.errors import InvalidRequestError
+from justllm.server.errors import APIError
+
+if TYPE_CHECKING:
+    from justllm.gateway.replica import Replica
+    from justllm.gateway.supervisor import ModelState
+
+log = logging.getLogger(__name__)
+_JSON = {"content-type": "application/json"}
+
+
+class GatewayLoadLora(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str  # a path on the replicas' machine(s)
+    load_inplace: bool = False
+    model: str | None = None  # the base model: needed when the gateway serves several
+
+
+class GatewayUnloadLora(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name is what counts
+
+
+async def send(http: httpx.AsyncClient, url: str, route: str,
+               body: bytes) -> httpx.Response | str:
+    """One runtime-LoRA call to one replica: its answer, or why there was none."""
+    try:
+        return await http.post(f"{url}/v1/{route}", content=body, headers=_JSON, timeout=120)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: str,
+                             replica: str) -> None:
+    """Load the model's runtime adapters into a replica that just started (logged, not
+    raised, when one does not load: the file may have gone since)."""
+    for name, body in list(state.runtime_lora.items()):
+        answer = await send(http, url, "load_lora_adapter", body)
+        if isinstance(answer, str) or answer.status_code != 200:
+            why = answer if isinstance(answer, str) else answer.text
+            log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did not "
+                        "load: %s", state.spec.name, replica, name, why)
+
+
+def _ready(state: ModelState) -> list[Replica]:
+    return [r for r in state.replicas if r.status == "ready" and r.url]
+
+
+def _refusal(answer: httpx.Response | str, replica: Replica) -> Response:
+    """A replica's refusal, passed on as it came (the runner's OpenAI-shaped error)."""
+    if isinstance(answer, str):
+        raise APIError(502, f"replica {replica.id} did not answer: {answer}",
+                       type="server_error", code="replica_failed")
+    return Response(answer.content, status_code=answer.status_code,
+                    media_type=answer.headers.get("content-type", "application/json"))
+
+
+@post("/load_lora_adapter", status_code=200,
+      summary="Load a LoRA adapter on every replica of its base model (vLLM's route)")
+async def load_lora_adapter(request: Request, state: State) -> Response:
+    from justllm.gateway.app import _model, _supervisor, _unavailable
+    from justllm.gateway.supervisor import ModelUnavailable
+    from justllm.server.app import decode_request
+
+    sup = _supervisor(state)
+    req = await decode_request(request, GatewayLoadLora)
+    name = req.lora_name
+    try:
+        check_lora_name(name)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="lora_name") from None
+    target = _model(sup, req.model)
+    if not dict(target.spec.flags).get("enable-lora-runtime"):
+        raise APIError(404, f"loading LoRA adapters at run time is off for model "
+                            f"'{target.spec.name}' (set enable-lora-runtime: true in its "
+                            "models.yaml entry)", type="not_found_error")
+    owner = sup.resolve(name)
+    if owner is not None and (owner is not target or name not in target.runtime_lora):
+        raise InvalidRequestError(f"'{name}' is already a model, alias or LoRA adapter name "
+                                  "of this gateway", param="lora_name")
+    if name in target.runtime_lora and not req.load_inplace:
+        raise InvalidRequestError(f"a LoRA adapter named '{name}' is already loaded "
+                                  "(load_inplace: true replaces it)", param="lora_name")
+    try:
+        await sup.acquire(target)  # loaded now if it was not
+    except ModelUnavailable as e:
+        raise _unavailable(e) from None
+    try:
+        body = msgspec.json.encode({"lora_name": name, "lora_path": req.lora_path,
+                                    "load_inplace": req.load_inplace})
+        before = target.runtime_lora.get(name)
+        target.runtime_lora[name] = body  # replicas that start from now on load it too
+        replicas = _ready(target)
+        answers = await asyncio.gather(*(send(sup.http, r.url or "", "load_lora_adapter", body)
+                                         for r in replicas))
+        refused = next(((r, a) for r, a in zip(replicas, answers)
+                        if isinstance(a, str) or a.status_code != 200), None)
+        if refused is not None:  # none keeps it (or all keep the one it was to replace)
+            undo = before or msgspec.json.encode({"lora_name": name})
+            route = "load_lora_adapter" if before else "unload_lora_adapter"
+            await asyncio.gather(*(send(sup.http, r.url or "", route, undo)
+                                   for r, a in zip(replicas, answers)
+                                   if not isinstance(a, str) and a.status_code == 200))
+            if before is None:
+                del target.runtime_lora[name]
+            else:
+                target.runtime_lora[name] = before
+            return _refusal(refused[1], refused[0])
+    finally:
+        sup.end(target)
+    log.info("model %s: LoRA adapter %s loaded at run time on %d replica(s)",
+             target.spec.name, name, len(replicas))
+    return Response(f"Success: LoRA adapter '{name}' added successfully.",
+                    media_type="text/plain")
+
+
+@post("/unload_lora_adapter", status_code=200,
+      summary="Unload a LoRA adapter from every replica of its base model (vLLM's route)")
+async def unload_lora_adapter(request: Request, state: State) -> Response:
+    from justllm.gateway.app import _supervisor
+    from justllm.server.app import decode_request
+
+    sup = _supervisor(state)
+    req = await decode_request(request, GatewayUnloadLora)
+    name = req.lora_name
+    owner = next((s for s in sup.models.values() if name in s.runtime_lora), None)
+    if owner is None:
+        static = any(name in s.spec.adapters for s in sup.models.values())
+        raise APIError(400 if static else 404,
+                       f"the LoRA adapter '{name}' comes from models.yaml: remove it there"
+                       if static else f"no LoRA adapter named '{name}' was loaded at run time",
+                       type="invalid_request_error" if static else "not_found_error",
+                       param="lora_name")
+    del owner.runtime_lora[name]  # no new request is routed to it from now on
+    await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
+                                msgspec.json.encode({"lora_name": name}))
+                           for r in _ready(owner)))
+    log.info("model %s: LoRA adapter %s unloaded", owner.spec.name, name)
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.",
+                    media_type="text/plain")
+
+
+ROUTES = [load_lora_adapter, unload_lora_adapter]
