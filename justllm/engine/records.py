@@ -37,6 +37,9 @@ def request_record(observer: RequestObserver, req: Request, metrics, *, error: s
     now = time.perf_counter()
     end = metrics.finished_time or now
     first, scheduled = metrics.first_token_time, metrics.scheduled_time
+    if first is not None and scheduled is not None and first < scheduled:
+        scheduled = first  # resumed from a PD hand-over: its prefill (and first token) was
+        # on the prefill replica; here it waited for nothing before that token
     reason = "error" if error else (req.finish_reason.value if req.finish_reason else "abort")
     return RequestRecord(
         request_id=req.request_id, model=observer.model, finish_reason=reason,

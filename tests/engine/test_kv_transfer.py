@@ -269,3 +269,23 @@ def test_a_handover_that_does_not_fit_the_request_is_refused(pair):
     tokens, _ = run_alone(decode, "The capital of France is", GREEDY)
     assert len(tokens) == 16
     settled(decode)
+
+
+def test_a_resumed_requests_record_puts_its_prefill_on_the_prefill_replica(pair):
+    """Its first token came before it was scheduled here: no queueing or prefill time on this
+    engine, and the phases still add up to the total."""
+    prefill, decode = pair
+    handover = drawn_first(prefill, PROMPT, SAMPLED)
+    records = []
+    decode.observe(records.append)
+    try:
+        first = decode.resume_request(PROMPT, replace(SAMPLED, max_tokens=4), handover)
+        rest_of(decode, first.request_id)
+    finally:
+        decode.observe(None)
+    (rec,) = records
+    assert rec.completion_tokens == 4 and rec.prefill_seconds == 0.0
+    assert rec.queued_seconds == pytest.approx(0.0, abs=0.05)
+    assert rec.queued_seconds + rec.prefill_seconds + rec.decode_seconds == pytest.approx(
+        rec.total_seconds, abs=1e-6)
+    settled(decode)
