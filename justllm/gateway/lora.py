@@ -56,14 +56,29 @@ async def send(http: httpx.AsyncClient, url: str, route: str,
 
 async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: str,
                              replica: str) -> None:
-    """Load the model's runtime adapters into a replica that just started (logged, not
-    raised, when one does not load: the file may have gone since)."""
-    for name, body in list(state.runtime_lora.items()):
-        answer = await send(http, url, "load_lora_adapter", body)
-        if isinstance(answer, str) or answer.status_code != 200:
-            why = answer if isinstance(answer, str) else answer.text
-            log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did not "
-                        "load: %s", state.spec.name, replica, name, why)
+    """Load the model's runtime adapters into a replica that just started, before it is in
+    the rotation (logged, not raised, when one does not load: the file may have gone since).
+    Loads and unloads through the gateway meanwhile skip it (it is not ready yet), so it
+    catches up with them here until it holds exactly the gateway's set."""
+    applied: set[str] = set()
+    while True:
+        missing = [n for n in state.runtime_lora if n not in applied]
+        gone = [n for n in applied if n not in state.runtime_lora]
+        if not missing and not gone:
+            return
+        for name in missing:
+            body = state.runtime_lora.get(name)
+            if body is None:  # unloaded while the ones before were loading
+                continue
+            applied.add(name)
+            answer = await send(http, url, "load_lora_adapter", body)
+            if isinstance(answer, str) or answer.status_code != 200:
+                why = answer if isinstance(answer, str) else answer.text
+                log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did "
+                            "not load: %s", state.spec.name, replica, name, why)
+        for name in gone:
+            applied.discard(name)
+            await send(http, url, "unload_lora_adapter", msgspec.json.encode({"lora_name": name}))
 
 
 def _ready(state: ModelState) -> list[Replica]:
