@@ -21,9 +21,9 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.datastructures import State
 
-from justllm.config import check_lora_name
 from justllm.errors import InvalidRequestError
 from justllm.server.errors import APIError
+from justllm.server.lora import LoadLoraRequest, UnloadLoraRequest, checked_name
 
 if TYPE_CHECKING:
     from justllm.gateway.replica import Replica
@@ -33,16 +33,11 @@ log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
-class GatewayLoadLora(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    lora_name: str
-    lora_path: str  # a path on the replicas' machine(s)
-    load_inplace: bool = False
-    model: str | None = None  # the base model: needed when the gateway serves several
+class GatewayLoadLora(LoadLoraRequest, kw_only=True, forbid_unknown_fields=True):
+    """A runner's load body (``lora_path``: a path on the replicas' machines) and the base
+    model, needed when the gateway serves several."""
 
-
-class GatewayUnloadLora(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    lora_name: str
-    lora_int_id: int | None = None  # vLLM's; the name is what counts
+    model: str | None = None
 
 
 async def send(http: httpx.AsyncClient, url: str, route: str,
@@ -103,11 +98,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
 
     sup = _supervisor(state)
     req = await decode_request(request, GatewayLoadLora)
-    name = req.lora_name
-    try:
-        check_lora_name(name)
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param="lora_name") from None
+    name = checked_name(req.lora_name)
     target = _model(sup, req.model)
     if not dict(target.spec.flags).get("enable-lora-runtime"):
         raise APIError(404, f"loading LoRA adapters at run time is off for model "
@@ -160,7 +151,7 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     from justllm.server.app import decode_request
 
     sup = _supervisor(state)
-    req = await decode_request(request, GatewayUnloadLora)
+    req = await decode_request(request, UnloadLoraRequest)
     name = req.lora_name
     owner = next((s for s in sup.models.values() if name in s.runtime_lora), None)
     if owner is None:

@@ -83,6 +83,15 @@ def adapter_cards(aengine: AsyncEngine, base: str, created: int) -> list[ModelCa
             for a in aengine.lora_adapters()]
 
 
+def checked_name(name: str) -> str:
+    """A runtime load's ``lora_name``, or the 400 saying what is wrong with it."""
+    try:
+        check_lora_name(name)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="lora_name") from None
+    return name
+
+
 def _runtime(state: State):
     from justllm.server.app import _served  # app imports this module: imported late
 
@@ -99,11 +108,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
 
     served = _runtime(state)
     body = await decode_request(request, LoadLoraRequest)
-    name = body.lora_name
-    try:
-        check_lora_name(name)
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param="lora_name") from None
+    name = checked_name(body.lora_name)
     if name == served.model_id:
         raise InvalidRequestError(f"'{name}' is the base model's name", param="lora_name")
     aengine = served.aengine
