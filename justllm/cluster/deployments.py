@@ -81,16 +81,16 @@ class ModelReplica:
         """A PD model's second half, on a decode replica: the request served from the
         hand-over (``/pd/decode``: the request's length, the request, the hand-over), or whole
         when the prefill replica gave none. The answer's head says which
-        (``x-pd: handed-over`` or ``prefill-refused``)."""
+        (``x-pd``: the decode replica's ``handed-over``, ``kv-refused`` or
+        ``handover-refused``, or ``prefill-refused``)."""
         if kv:
-            target, query, content, how = ("/pd/decode", f"path={path}",
-                                           struct.pack("<I", len(body)) + body + kv,
-                                           "handed-over")
+            target, query, content = ("/pd/decode", f"path={path}",
+                                      struct.pack("<I", len(body)) + body + kv)
         else:
-            target, content, how = path, body, "prefill-refused"
+            target, content = path, body
         async for item in self.host.http(method, target, query, headers, content):
-            if isinstance(item, Head):
-                item = Head(item.status, [*item.headers, ("x-pd", how)])
+            if isinstance(item, Head) and not kv:
+                item = Head(item.status, [*item.headers, ("x-pd", "prefill-refused")])
             yield item
 
     async def check_health(self) -> None:

@@ -245,7 +245,9 @@ async def _send(request: Request, replica: Replica, path: str,
     response = await http.send(http.build_request(
         "POST", f"{replica.url}{path}", content=content,
         headers={"content-type": "application/json"}), stream=True)
-    served_by = {"x-replica": replica.id}
+    # Which replica served it, and what the runner says of it: PD's X-PD, a 503's Retry-After.
+    served_by = {"x-replica": replica.id, **{k: v for k, v in response.headers.items()
+                                             if k.lower() in ("x-pd", "retry-after")}}
     kind = response.headers.get("content-type", "")
     if kind.startswith(("text/event-stream", NDJSON)):
         relay = _relay(response, request.app.state["supervisor"], state, keep_alive, done,
@@ -263,8 +265,7 @@ async def _send(request: Request, replica: Replica, path: str,
         return data
     answer = Response(data, status_code=response.status_code,
                       media_type=response.headers.get("content-type", "application/json"),
-                      headers={**served_by, **{k: v for k, v in response.headers.items()
-                                               if k.lower() == "retry-after"}})
+                      headers=served_by)
     if response.status_code in (429, 503):
         raise _Refused(answer)
     done()

@@ -11,7 +11,8 @@ logprobs when asked for, the sampler's random state after the draw), then the pr
 
 ``POST /pd/decode?path=...`` (role ``decode`` or ``both``), body: a u32 little-endian length,
 the client's request (JSON), then the hand-over. The KV is imported into the prefix cache and
-the request served as the route serves it, going on from the prefill replica's first tokens:
+the request served as the route serves it (its ``X-PD`` header says how: ``handed-over``,
+``kv-refused`` or ``handover-refused``), going on from the prefill replica's first tokens:
 they are its first output, sent at once, and the next token is drawn from the random state
 the prefill replica left (a seed answers the same as without PD). Only that token's KV is
 computed here. A KV import that is refused (another model, a bad checksum, a truncated
@@ -189,12 +190,14 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
     req = _request(path, view[4:4 + n])
     metrics, model = served.metrics, served.model_id
     resume, kv = read_handover(view[4 + n:])
+    how = "handed-over"  # the answer's X-PD: what came of the hand-over
     try:
         _, seconds = await served.aengine.import_prefix(kv)
     except KVTransferError as e:
         reason = "truncated" if "truncated" in str(e) else "refused"
         metrics.pd_import_failures.labels(model, reason).inc()
         log.warning("KV import refused, computing the prompt here: %s", e)
+        how = "kv-refused"
     else:
         metrics.pd_seconds.labels(model, "import").observe(seconds)
         metrics.pd_imports.labels(model).inc()
@@ -202,6 +205,7 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
     if resume is None:
         metrics.pd_import_failures.labels(model, "handover").inc()
         log.warning("no hand-over came with the KV, serving the request whole")
+        how = "handover-refused"
     serving = served.completions
 
     def serve(resume: list[Handover] | None) -> Any:
@@ -214,7 +218,11 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
         metrics.pd_import_failures.labels(model, "handover").inc()
         log.warning("hand-over refused, serving the request whole: %s", e)
         result = await unless_disconnected(request, serve(None))
-    return sse_response(result) if isinstance(result, AsyncIterator) else result
+        how = "handover-refused"
+    headers = {"X-PD": how}
+    if isinstance(result, AsyncIterator):
+        return sse_response(result, headers)
+    return result if isinstance(result, Response) else Response(result, headers=headers)
 
 
 def pd_router() -> Router:

@@ -45,6 +45,7 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
             model="demo", max_tokens=8, temperature=0,
             messages=[{"role": "user", "content": STORY * 6 + "What did he count?"}])
         assert chat.headers["x-replica"] == "1"  # the decode replica answered
+        assert chat.headers["x-pd"] == "handed-over"
         answer = chat.parse()
         assert answer.choices[0].message.content and answer.usage.completion_tokens <= 8
 

@@ -48,7 +48,7 @@ def test_the_decode_half_goes_on_from_the_prefill_halfs_first_tokens(server):
     assert len(header.tokens) > 60
 
     r = decode(server, "/v1/completions", body, handover)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.headers["x-pd"] == "handed-over", r.text
     answer = r.json()
     for c, choice in zip(choices, answer["choices"]):
         first = choice["logprobs"]["token_logprobs"][0]
@@ -61,6 +61,7 @@ def test_the_decode_half_goes_on_from_the_prefill_halfs_first_tokens(server):
     handover = prefill(server, "/v1/completions", stream)
     (only,), _ = read_handover(memoryview(handover))
     r = decode(server, "/v1/completions", stream, handover)
+    assert r.headers["x-pd"] == "handed-over"
     chunks = [json.loads(line[6:])["choices"][0]
               for line in r.text.splitlines() if line.startswith("data: {")]
     sent = [lp for c in chunks if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
@@ -87,14 +88,14 @@ def test_hand_overs_that_do_not_fit_are_counted_and_the_request_served_whole(ser
         "<I", handover[:4])[0]:]
     before = {k: failures(server, k) for k in ("handover", "refused", "truncated")}
     cases = [
-        (two, {"handover"}),  # two choices' first tokens for a request of one
-        (garbage, {"handover"}),  # a head that is not one: the KV is still imported
-        (handover[:2], {"handover", "truncated"}),  # cut short inside the head
-        (handover[:-1000], {"truncated"}),  # the first token came; the KV is cut short
+        (two, {"handover"}, "handover-refused"),  # two choices' first tokens for one
+        (garbage, {"handover"}, "handover-refused"),  # not a head: the KV is still imported
+        (handover[:2], {"handover", "truncated"}, "handover-refused"),  # cut inside the head
+        (handover[:-1000], {"truncated"}, "kv-refused"),  # the token came; the KV cut short
     ]
-    for sent, reasons in cases:
+    for sent, reasons, how in cases:
         r = decode(server, "/v1/completions", body, sent)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.headers["x-pd"] == how, (how, r.text)
         assert r.json()["usage"]["completion_tokens"] == 4
         for reason in before:
             counted = before[reason] + (reason in reasons)
