@@ -214,19 +214,30 @@ class AsyncEngine:
     def lora_adapters(self) -> list[LoadedLora]:
         return self.engine.lora_adapters()
 
-    async def load_lora(self, name: str, path: str, scale: float = 1.0) -> LoadedLora:
+    async def load_lora(self, name: str, path: str, scale: float = 1.0, *,
+                        replace: bool = False) -> LoadedLora:
         """Load an adapter: the file is checked off the engine thread, then llama.cpp loads it
-        between two steps."""
-        await asyncio.to_thread(self.engine.check_lora, name, path)
-        return await self.call_on_engine_thread(
-            lambda: self.engine.load_lora(name, path, scale))
+        between two steps. ``replace``: it takes the place of the adapter of that name, if
+        any, at once for new requests; the old one is freed once its running requests have
+        ended (a file llama.cpp refuses leaves the old one as it was)."""
+        await asyncio.to_thread(self.engine.check_lora, name, path, replace)
+        if not replace:
+            return await self.call_on_engine_thread(
+                lambda: self.engine.load_lora(name, path, scale))
+        lora, old = await self.call_on_engine_thread(
+            lambda: self.engine.replace_lora(name, path, scale))
+        if old is not None:
+            await self._finish_unload(old)
+        return lora
 
     async def unload_lora(self, name: str) -> None:
         """Unload an adapter: new requests for it are refused at once, the ones running finish,
         then its cached KV is dropped and it is freed. Runs to the end even if the caller is
         cancelled (a half-unloaded adapter would refuse requests forever)."""
-        lora_id = self.engine.begin_unload_lora(name)
+        await self._finish_unload(self.engine.begin_unload_lora(name))
 
+    async def _finish_unload(self, lora_id: int) -> None:
+        """Once the adapter's last request has ended: drop its cached KV and free it."""
         async def finish() -> None:
             while self.engine.lora_busy(lora_id):
                 await asyncio.sleep(0.02)

@@ -393,14 +393,22 @@ class Engine:
         with self._lock:
             return self.loras.adapters()
 
-    def check_lora(self, name: str, path: str) -> None:
-        """Everything about a new adapter that needs no llama.cpp (any thread)."""
+    def check_lora(self, name: str, path: str, replacing: bool = False) -> None:
+        """Everything about a new adapter that needs no llama.cpp (any thread); ``replacing``:
+        its name may be taken (by the adapter it replaces)."""
         with self._lock:
-            self.loras.check(name, path)
+            self.loras.check(name, path, replacing)
 
     def load_lora(self, name: str, path: str, scale: float = 1.0) -> LoadedLora:
         with self._lock:
             return self.loras.load(name, path, scale)
+
+    def replace_lora(self, name: str, path: str, scale: float = 1.0
+                     ) -> tuple[LoadedLora, int | None]:
+        """Load an adapter in place of the one of its name (``LoraRegistry.replace``): the
+        old one's id, to ``finish_unload_lora`` once it is no longer busy."""
+        with self._lock:
+            return self.loras.replace(name, path, scale)
 
     def begin_unload_lora(self, name: str) -> int:
         """New requests for ``name`` are refused from now on; its id, for ``lora_busy`` and

@@ -47,22 +47,34 @@ class LoraRegistry:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def check(self, name: str, path: str) -> None:
+    def check(self, name: str, path: str, replacing: bool = False) -> None:
         """What can be checked without llama.cpp (off the engine thread): the name is free
-        and the file is an adapter for this model's architecture."""
-        if name in self._by_name:
+        (unless ``replacing``) and the file is an adapter for this model's architecture."""
+        if name in self._by_name and not replacing:
             raise InvalidRequestError(f"a LoRA adapter named '{name}' is loaded already",
                                       param="lora_name")
         check_lora_file(path, self.architecture)
 
     def load(self, name: str, path: str, scale: float = 1.0) -> LoadedLora:
         """Load an adapter (ModelLoadError if the file or llama.cpp refuses it)."""
-        self.check(name, path)
+        lora, _ = self.replace(name, path, scale, replacing=False)
+        return lora
+
+    def replace(self, name: str, path: str, scale: float = 1.0, *,
+                replacing: bool = True) -> tuple[LoadedLora, int | None]:
+        """Load an adapter under ``name`` in place of the one loaded under it, if any, which
+        takes no new request from now on (``begin_unload``): its id, to free once its requests
+        have ended. Nothing changes when the file or llama.cpp refuses the new one."""
+        self.check(name, path, replacing)
         adapter = self.backend.load_lora(path)
+        old = self._by_name.get(name)
         lora = LoadedLora(next(self._ids), name, path, scale, adapter)
         self._by_name[name] = lora
         self._by_id[lora.id] = lora
-        return lora
+        if old is None:
+            return lora, None
+        old.unloading = True
+        return lora, old.id
 
     def adapters(self) -> list[LoadedLora]:
         """Loaded adapters, being-unloaded ones left out, in load order."""
@@ -139,4 +151,5 @@ class LoraRegistry:
             self._applied = ()
         self.backend.free_lora(lora.adapter)
         del self._by_id[lora_id]
-        del self._by_name[lora.name]
+        if self._by_name.get(lora.name) is lora:  # not replaced by a newer one of its name
+            del self._by_name[lora.name]

@@ -126,8 +126,11 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
         refused = next(((r, a) for r, a in zip(replicas, answers)
                         if isinstance(a, str) or a.status_code != 200), None)
         if refused is not None:  # none keeps it (or all keep the one it was to replace)
-            undo = before or msgspec.json.encode({"lora_name": name})
-            route = "load_lora_adapter" if before else "unload_lora_adapter"
+            if before is None:
+                route, undo = "unload_lora_adapter", msgspec.json.encode({"lora_name": name})
+            else:  # the one it was to replace, back in its place
+                route = "load_lora_adapter"
+                undo = msgspec.json.encode({**msgspec.json.decode(before), "load_inplace": True})
             await asyncio.gather(*(send(sup.http, r.url or "", route, undo)
                                    for r, a in zip(replicas, answers)
                                    if not isinstance(a, str) and a.status_code == 200))

@@ -112,10 +112,8 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     if name == served.model_id:
         raise InvalidRequestError(f"'{name}' is the base model's name", param="lora_name")
     aengine = served.aengine
-    if body.load_inplace and adapter(aengine, name) is not None:
-        await aengine.unload_lora(name)
-    try:
-        await aengine.load_lora(name, body.lora_path)
+    try:  # in place: the adapter it replaces stays unless the new file passes its checks
+        await aengine.load_lora(name, body.lora_path, replace=body.load_inplace)
     except ModelLoadError as e:  # not an adapter, or not one for this model
         raise InvalidRequestError(str(e), param="lora_path") from None
     return Response(f"Success: LoRA adapter '{name}' added successfully.",

@@ -157,6 +157,43 @@ def test_unloading_waits_for_its_requests_and_drops_its_cache(model_path, adapte
         engine.close()
 
 
+def test_an_adapter_replaced_in_place_finishes_its_requests_and_then_goes(model_path, adapters,
+                                                                         tmp_path):
+    """``load_inplace``: the new file takes the name at once for new requests; requests
+    already running under the old one finish under it, and it is freed after them. A file
+    llama.cpp refuses changes nothing."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128,
+                                 lora=(LoraSpec("a", adapters["a"]),)))
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog again and again"
+        old = run_alone(engine, prompt, under({"a": 1.0}, SamplingParams(max_tokens=6)))[0]
+        bad = str(write_adapter(tmp_path / "bad.gguf", seed=9, n_embd=512))
+        with pytest.raises(ModelLoadError, match="incorrect shape"):
+            engine.replace_lora("a", bad)
+        assert [(a.name, a.path) for a in engine.lora_adapters()] == [("a", adapters["a"])]
+
+        running = engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=6)))
+        started = engine.step()  # its prompt and first token
+        lora, old_id = engine.replace_lora("a", adapters["c"])
+        assert old_id is not None and [a.id for a in engine.lora_adapters()] == [lora.id]
+        fresh = engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=6)))
+        got: dict[str, list[int]] = {running: started[0].token_ids, fresh: []}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None
+                got[out.request_id] += out.token_ids
+            if not engine.lora_busy(old_id):
+                engine.finish_unload_lora(old_id)  # once: the id is gone after it
+                old_id = -1
+        assert got[running] == old and got[fresh] != old  # each under its own weights
+        assert [a.name for a in engine.lora_adapters()] == ["a"]
+        assert engine.loras.get("a") is lora
+        engine.runner.apply_kv_ops(engine.scheduler.take_kv_ops())  # the old one's cache goes
+        engine.check_kv()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("broken, message", [
     (dict(arch="llama"), "made for a 'llama' model; this model is 'gemma3'"),
     (dict(n_embd=512), "llama.cpp refused it: tensor 'blk.0.attn_q.weight' has incorrect "

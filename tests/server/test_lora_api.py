@@ -136,6 +136,20 @@ def test_runtime_load_and_refusals(client, lora_server, files):
     r = post(lora_server, "unload_lora_adapter", {"lora_name": "nope"})
     assert r.status_code == 404
 
+    # load_inplace: a file that fails its checks leaves the adapter it was to replace loaded;
+    # a good one takes its place.
+    before = complete(client, "c")
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "c", "load_inplace": True,
+                                                "lora_path": str(files["wrong"])})
+    assert r.status_code == 400 and "incorrect shape" in r.text, r.text
+    assert complete(client, "c") == before
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "c", "load_inplace": True,
+                                                "lora_path": str(files["b"])})
+    assert r.status_code == 200, r.text
+    paths = {a["name"]: a["path"] for a in httpx.get(f"{lora_server.url}/v1/lora_adapters",
+                                                    timeout=30).json()}
+    assert paths["c"] == str(files["b"]) and complete(client, "c") != before
+
 
 def test_unloading_waits_for_the_adapters_requests(lora_server, files):
     """A streaming request under the adapter runs to its end while the unload waits; requests
