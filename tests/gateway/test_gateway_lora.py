@@ -69,6 +69,12 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert answer["model"] == "sql" and answer["choices"][0]["text"] != base
         r = httpx.post(gw.url + "/v1/load_lora_adapter", json=load)
         assert r.status_code == 400 and "load_inplace" in r.text, r.text
+        # In place with a file the runners refuse: every replica keeps the adapter it had.
+        r = httpx.post(gw.url + "/v1/load_lora_adapter", timeout=120, json={
+            **load, "load_inplace": True, "lora_path": str(files["wrong"])})
+        assert r.status_code == 400, r.text
+        assert all(adapters_on(p) == ["sql"] for p in replicas(gw, "demo").values())
+        assert complete(gw, "sql").json()["choices"] == answer["choices"]
 
         # A replica killed: the one started in its place loads the adapter before it serves.
         victim = replicas(gw, "demo")["1"]
