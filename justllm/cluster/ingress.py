@@ -132,8 +132,10 @@ async def forward(request: Request, path: str) -> Any:
             if not isinstance(head, Head):
                 raise RuntimeError(f"model '{model}' answered without a head")
             if kv is not None:
-                ing.pd[model, "handed_over" if head.header("x-pd") == "handed-over"
-                       else "prefill_refused"] += 1
+                # The KV went over unless the prefill replica gave none (what the decode
+                # replica made of it is its own import-failure count, as in router mode).
+                ing.pd[model, "prefill_refused" if head.header("x-pd") in ("", "prefill-refused")
+                       else "handed_over"] += 1
             kind = head.header("content-type")
             out = [(k, v) for k, v in head.headers if k != "content-type"]
             if kind.startswith(STREAMS):
