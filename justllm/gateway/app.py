@@ -113,7 +113,9 @@ async def _forward(request: Request, path: str) -> Any:
     try:
         plain, target = content, path
         sent: bytes | AsyncIterator[bytes] = content
-        if state.spec.pd and path in PD_PATHS:
+        # A LoRA request is served whole (its KV is the adapter's; prefill replicas refuse it).
+        if state.spec.pd and path in PD_PATHS and not (state.has_adapter(body.get("model"))
+                                                       or body.get("lora")):
             if prompt_tokens_estimate(body, route.text) < state.spec.prefill_min_tokens:
                 state.pd_short_prompts += 1  # computed on the decode replica: cheaper
             else:

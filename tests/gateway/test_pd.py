@@ -20,15 +20,17 @@ from tests.gateway.test_replicas import (
     scale_up_under_load,
     wait_for,
 )
+from tests.lora_files import write_adapter
 
 STORY = "Once upon a time there was a lighthouse keeper who counted the waves every night. "
 
 
 def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill(
         tmp_path, model_path):
+    adapter = write_adapter(tmp_path / "sql.gguf", seed=1)
     gw = start_gateway(tmp_path, {"demo": {
         "source": model_path, "prefill-replicas": 1, "decode-replicas": 1, "preload": True,
-        "chat-template": "gemma", **FLAGS}})
+        "chat-template": "gemma", "lora": {"sql": str(adapter)}, **FLAGS}})
     try:
         wait_for("both replicas", lambda: [(r["role"], r["status"]) for r in
                                            replicas(gw, "demo").values()] ==
@@ -53,6 +55,10 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         short = client.completions.create(model="demo", prompt="The sea was", max_tokens=3,
                                           temperature=0, extra_body={"ignore_eos": True})
         assert short.usage.completion_tokens == 3
+        # A LoRA request goes to the decode replica whole (its KV is the adapter's).
+        lora = client.completions.create(model="sql", prompt=STORY * 8, max_tokens=3,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert lora.model == "sql" and lora.usage.completion_tokens == 3
         status = gw.status()["demo"]
         assert status["pd"]["transfers"] == 2 and status["pd"]["fallbacks"] == {}, status["pd"]
         assert status["pd"]["short_prompts"] == 1
