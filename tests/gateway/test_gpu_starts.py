@@ -32,6 +32,7 @@ class StandIn:
 
     def __init__(self, spec, log_dir, drain, replica, gpu, role) -> None:
         self.name = f"{spec.name}/{replica}@{gpu}"
+        self.url = "http://127.0.0.1:9"  # never called: no LoRA adapter is loaded at run time
 
     async def wait_ready(self, http, timeout) -> None:
         loop = asyncio.get_running_loop()
