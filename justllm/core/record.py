@@ -16,6 +16,19 @@ RECORDED_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
 
 
 @dataclass(frozen=True)
+class RequestOrigin:
+    """What the server knew of a request when it reached the engine, for its record: the API
+    it came through (``openai.chat``, ``openai.completions``, ``anthropic.messages``,
+    ``openai.responses``, ``ollama.chat``, ``ollama.generate``), whether the answer streamed,
+    and the client's W3C ``traceparent`` header as sent (a tracing plugin continues its
+    trace)."""
+
+    api: str | None = None
+    stream: bool | None = None
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     """One finished request. Times are seconds; ``None`` where the request never got there
     (aborted while queued: no prefill; no token: no decode)."""
@@ -42,6 +55,10 @@ class RequestRecord:
     # output text as the client got it.
     prompt: str | None = None
     output: str | None = None
+    # Where it came from (RequestOrigin); None for requests without a server (``justllm run``).
+    api: str | None = None
+    stream: bool | None = None
+    traceparent: str | None = None
 
     @property
     def ttft_seconds(self) -> float | None:

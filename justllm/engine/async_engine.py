@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from justllm.core.record import RequestRecord
+from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
@@ -87,12 +87,13 @@ class AsyncEngine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, handover: bool = False,
-               resume: Handover | None = None) -> "RequestStream":
+               resume: Handover | None = None,
+               origin: RequestOrigin | None = None) -> "RequestStream":
         """Queue a request now; validation and queue-full errors raise here, synchronously, so a
         server can answer with the right status before it starts a response. ``handover`` and
         ``resume``: prefill/decode disaggregation (``Engine.add_request``,
         ``Engine.resume_request``); a resumed request's given tokens are its first output,
-        ready at once."""
+        ready at once. ``origin``: what the server knew of it, for its record."""
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -100,11 +101,11 @@ class AsyncEngine:
             first = None
             if resume is not None:
                 first = self.engine.resume_request(prompt, params or SamplingParams(), resume,
-                                                   request_id)
+                                                   request_id, origin=origin)
                 request_id = first.request_id
             else:
                 request_id = self.engine.add_request(prompt, params, request_id,
-                                                     handover=handover)
+                                                     handover=handover, origin=origin)
             stream = RequestStream(self, request_id, loop)
             if first is not None:
                 stream.queue.put_nowait(first)
@@ -115,13 +116,15 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, handover: bool = False,
-                       resume: Handover | None = None) -> AsyncIterator[RequestOutput]:
+                       resume: Handover | None = None,
+                       origin: RequestOrigin | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as steps produce them; the last one has ``finished``.
 
         Leaving the loop early (with ``contextlib.aclosing``) or cancelling the task aborts the
         request and frees its KV within one step.
         """
-        stream = self.submit(prompt, params, request_id, handover=handover, resume=resume)
+        stream = self.submit(prompt, params, request_id, handover=handover, resume=resume,
+                             origin=origin)
         try:
             async for out in stream:
                 yield out

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
-from justllm.core.record import RequestRecord
+from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
@@ -123,6 +123,7 @@ class _Live:
     output: list[str] | None = None
     handover: bool = False  # its final output carries a Handover
     resumed: bool = False  # its first tokens came in a Handover
+    origin: RequestOrigin | None = None  # for its record
 
 
 @dataclass(frozen=True)
@@ -224,18 +225,21 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, handover: bool = False) -> str:
+                    request_id: str | None = None, *, handover: bool = False,
+                    origin: RequestOrigin | None = None) -> str:
         """Queue a request; raises InvalidRequestError or QueueFullError for this request only.
         ``handover``: the request draws one token (``max_tokens`` 1) and its final output
-        carries a Handover for another engine to go on from (``resume_request``)."""
+        carries a Handover for another engine to go on from (``resume_request``).
+        ``origin``: what its server knew of it, for its record."""
         if handover and (params is None or params.max_tokens != 1):
             raise InvalidRequestError("a request handed over draws one token (max_tokens 1)",
                                       param="max_tokens")
-        request_id, _ = self._add(prompt, params, request_id, handover=handover)
+        request_id, _ = self._add(prompt, params, request_id, handover=handover, origin=origin)
         return request_id
 
     def resume_request(self, prompt: str | list[int], params: SamplingParams,
-                       resume: Handover, request_id: str | None = None) -> RequestOutput:
+                       resume: Handover, request_id: str | None = None, *,
+                       origin: RequestOrigin | None = None) -> RequestOutput:
         """Queue a request whose first tokens another engine drew (``resume``, from a request
         added there with ``handover=True``): they are this request's first output, returned
         here at once, before any step; the sampler goes on from the random state after them
@@ -244,13 +248,14 @@ class Engine:
         HandoverError when ``resume`` does not fit the request."""
         if not resume.token_ids:
             raise HandoverError("a hand-over needs its tokens")
-        _, first = self._add(prompt, params, request_id, resume=resume)
+        _, first = self._add(prompt, params, request_id, resume=resume, origin=origin)
         assert first is not None
         return first
 
     def _add(self, prompt: str | list[int], params: SamplingParams | None,
              request_id: str | None, *, handover: bool = False,
-             resume: Handover | None = None) -> tuple[str, RequestOutput | None]:
+             resume: Handover | None = None, origin: RequestOrigin | None = None
+             ) -> tuple[str, RequestOutput | None]:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -283,7 +288,7 @@ class Engine:
                 req, sampler, IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
                                lora=self.loras.label(lora)),
-                handover=handover, resumed=resume is not None)
+                handover=handover, resumed=resume is not None, origin=origin)
             if self._observer is not None and self._observer.text:
                 live.prompt = prompt if isinstance(prompt, str) else None
                 live.output = []
@@ -755,7 +760,8 @@ class Engine:
                 self._observer.callback(request_record(
                     self._observer, live.request, live.metrics, error=live.error,
                     prompt=live.prompt,
-                    output="".join(live.output) if live.output is not None else None))
+                    output="".join(live.output) if live.output is not None else None,
+                    origin=live.origin))
         if self.spec is not None:
             self.spec.release(request_id)
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from justllm.core.record import RECORDED_PARAMS, RequestRecord
+from justllm.core.record import RECORDED_PARAMS, RequestOrigin, RequestRecord
 from justllm.core.request import Request
 from justllm.core.sampling_params import SamplingParams
 
@@ -32,8 +32,10 @@ def recorded_params(params: SamplingParams) -> dict[str, object]:
 
 
 def request_record(observer: RequestObserver, req: Request, metrics, *, error: str | None,
-                   prompt: str | None, output: str | None) -> RequestRecord:
+                   prompt: str | None, output: str | None,
+                   origin: RequestOrigin | None = None) -> RequestRecord:
     """``metrics`` is the request's RequestMetrics (perf_counter times)."""
+    origin = origin or RequestOrigin()
     now = time.perf_counter()
     end = metrics.finished_time or now
     first, scheduled = metrics.first_token_time, metrics.scheduled_time
@@ -52,4 +54,5 @@ def request_record(observer: RequestObserver, req: Request, metrics, *, error: s
         decode_seconds=None if first is None else end - first,
         total_seconds=end - metrics.arrival_time, error=error, lora=metrics.lora,
         params=recorded_params(req.params),
-        prompt=prompt if observer.text else None, output=output if observer.text else None)
+        prompt=prompt if observer.text else None, output=output if observer.text else None,
+        api=origin.api, stream=origin.stream, traceparent=origin.traceparent)

@@ -204,6 +204,13 @@ class _Handover:
         await self.response.aclose()
 
 
+def _runner_headers(request: Request) -> dict[str, str]:
+    """What a runner is sent besides the body: its type, and the client's W3C trace context
+    (``traceparent``, ``tracestate``) so the runner's records continue the client's trace."""
+    return {"content-type": "application/json",
+            **{k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}}
+
+
 async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
                    path: str, content: bytes) -> _Handover | None:
     """A PD model's first half: a prefill replica (cache-aware) computes the prompt and answers
@@ -221,7 +228,7 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
     try:
         response = await http.send(http.build_request(
             "POST", f"{replica.url}/pd/prefill?path={path}", content=content,
-            headers={"content-type": "application/json"}), stream=True)
+            headers=_runner_headers(request)), stream=True)
     except httpx.HTTPError as e:
         if isinstance(e, _NOT_ANSWERED):
             sup.replica_failed(state, replica, f"{type(e).__name__}: {e}")
@@ -246,7 +253,7 @@ async def _send(request: Request, replica: Replica, path: str,
     http: httpx.AsyncClient = request.app.state["http"]
     response = await http.send(http.build_request(
         "POST", f"{replica.url}{path}", content=content,
-        headers={"content-type": "application/json"}), stream=True)
+        headers=_runner_headers(request)), stream=True)
     # Which replica served it, and what the runner says of it: PD's X-PD, a 503's Retry-After.
     served_by = {"x-replica": replica.id, **{k: v for k, v in response.headers.items()
                                              if k.lower() in ("x-pd", "retry-after")}}

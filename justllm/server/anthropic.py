@@ -34,6 +34,7 @@ from justllm.server.app import (
     Served,
     _served,
     decode_request,
+    origin,
     sse_response,
     unless_disconnected,
 )
@@ -204,9 +205,11 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
     if req.stream:
         input_tokens = prompt_tokens(served, chat)  # message_start says it, before the answer
-        events = await served.completions.chat_events(chat, mid)
+        events = await served.completions.chat_events(
+            chat, mid, origin=origin(request, "anthropic.messages", True))
         return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
-    result = await unless_disconnected(request, served.completions.chat_result(chat, mid))
+    result = await unless_disconnected(request, served.completions.chat_result(
+        chat, mid, origin=origin(request, "anthropic.messages", False)))
     if isinstance(result, Response):
         return result
     return _message(mid, req.model, result, req.stop_sequences)

@@ -22,7 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
 from litestar.response import Stream
 
-from justllm.core.record import RequestRecord
+from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.engine.async_engine import AsyncEngine
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
@@ -140,6 +140,12 @@ def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = No
     return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
+def origin(request: Request, api: str, stream: bool) -> RequestOrigin:
+    """What a route knows of a request, for its record (``RequestOrigin``): its API, whether
+    it streams, and the client's ``traceparent`` header."""
+    return RequestOrigin(api, stream, request.headers.get("traceparent"))
+
+
 async def decode_request(request: Request, cls: type[T]) -> T:
     """The body as ``cls``, decoded strictly. Litestar converts bodies in msgspec's lax mode,
     where ``"5"`` and ``1e10`` pass for integers; a request field must have its own type."""
@@ -178,7 +184,8 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
                            state: State) -> Any:
     serving = _served(state).completions
     body = await decode_request(request, ChatCompletionRequest)
-    result = await unless_disconnected(request, serving.chat(body))
+    result = await unless_disconnected(request, serving.chat(
+        body, traceparent=request.headers.get("traceparent")))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
@@ -186,7 +193,8 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
 async def completions(data: JSONBody[CompletionRequest], request: Request, state: State) -> Any:
     serving = _served(state).completions
     body = await decode_request(request, CompletionRequest)
-    result = await unless_disconnected(request, serving.completions(body))
+    result = await unless_disconnected(request, serving.completions(
+        body, traceparent=request.headers.get("traceparent")))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 

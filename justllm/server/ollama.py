@@ -47,6 +47,7 @@ from justllm.server.app import (
     Served,
     _served,
     decode_request,
+    origin,
     require_api_key,
     unless_disconnected,
 )
@@ -474,7 +475,8 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str,
     lstrip = templated and served.completions.template.name == "transcript"
     job = _Job(served, req.model, chat, started, lstrip)
     try:  # a refusal raises here, before any answer
-        stream = served.aengine.submit(prompt, params)
+        stream = served.aengine.submit(prompt, params, origin=origin(
+            request, "ollama.chat" if chat else "ollama.generate", req.stream))
     except InvalidRequestError as e:
         if e.param != "max_tokens":
             raise
@@ -537,10 +539,12 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         stop=list(params.stop) or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     try:  # a refusal raises here, before any answer
         if req.stream:
-            events = await served.completions.chat_events(chat)
+            events = await served.completions.chat_events(
+                chat, origin=origin(request, "ollama.chat", True))
             return Stream(answer_lines(req.model, started, events), media_type=NDJSON,
                           headers={"Content-Type": NDJSON})
-        result = await unless_disconnected(request, served.completions.chat_result(chat))
+        result = await unless_disconnected(request, served.completions.chat_result(
+            chat, origin=origin(request, "ollama.chat", False)))
     except InvalidRequestError as e:
         if e.param != "max_tokens":
             raise

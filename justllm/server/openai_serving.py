@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from justllm.core.record import RequestOrigin
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
 from justllm.engine.chat_template import ChatTemplate, with_template_stops
@@ -174,11 +175,13 @@ class OpenAIServing:
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 
     def _submit(self, jobs: list[Job], rid: str | None = None,
-                resume: Sequence[Handover] | None = None) -> list[RequestStream]:
+                resume: Sequence[Handover] | None = None,
+                origin: RequestOrigin | None = None) -> list[RequestStream]:
         """Submit every choice, or none: if one is refused the others are aborted. ``rid``:
         the API's response id, which the engine's requests take (``RID`` for one choice,
         ``RID-0``, ``RID-1``... for several), so records and logs name what clients see.
-        ``resume``: each choice's first tokens, drawn by a PD prefill replica (server/pd.py)."""
+        ``resume``: each choice's first tokens, drawn by a PD prefill replica (server/pd.py);
+        ``origin``: what the route knew of the request, for the records."""
         streams: list[RequestStream] = []
         ids = ([rid] if len(jobs) == 1 else [f"{rid}-{i}" for i in range(len(jobs))]
                if rid else [None] * len(jobs))
@@ -188,7 +191,8 @@ class OpenAIServing:
         try:
             for i, ((prompt, params), request_id) in enumerate(zip(jobs, ids)):
                 streams.append(self.aengine.submit(
-                    prompt, params, request_id, resume=resume[i] if resume else None))
+                    prompt, params, request_id, resume=resume[i] if resume else None,
+                    origin=origin))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -317,13 +321,14 @@ class OpenAIServing:
                                  grammar=grammar)) for i in range(req.n)], plan
 
     def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
-                    resume: Sequence[Handover] | None = None
+                    resume: Sequence[Handover] | None = None,
+                    origin: RequestOrigin | None = None
                     ) -> tuple[list[RequestStream], list[ChoiceText]]:
         """Check ``req``, render it, submit its choices (as ``rid``, the response id); their
         streams and text handlers."""
         jobs, plan = self.chat_jobs(req)
         try:
-            streams = self._submit(jobs, rid, resume)
+            streams = self._submit(jobs, rid, resume, origin)
         except InvalidRequestError as e:  # the engine compiles the grammar
             if plan.enforced and e.param == "response_format":
                 raise InvalidRequestError(str(e), param="tools") from None
@@ -342,10 +347,11 @@ class OpenAIServing:
         return ToolCall(call_id, call.name, call.arguments)
 
     async def chat_result(self, req: ChatCompletionRequest, rid: str | None = None,
-                          resume: Sequence[Handover] | None = None) -> ChatResult:
+                          resume: Sequence[Handover] | None = None,
+                          origin: RequestOrigin | None = None) -> ChatResult:
         """``req`` answered whole (``req.stream`` is not read). Request errors raise before
         anything runs. ``rid``: the response id (the engine's request ids follow it)."""
-        streams, answers = self._start_chat(req, rid, resume)
+        streams, answers = self._start_chat(req, rid, resume, origin)
         texts, lps, finals = await self._collect(streams, [""] * len(streams))
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
@@ -358,11 +364,12 @@ class OpenAIServing:
         return ChatResult(choices, _usage(finals, req.n), _timings(finals))
 
     async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
-                          resume: Sequence[Handover] | None = None
+                          resume: Sequence[Handover] | None = None,
+                          origin: RequestOrigin | None = None
                           ) -> AsyncGenerator[ChatEvent, None]:
         """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
         raise here, before anything is streamed; closing the iterator aborts the request."""
-        streams, answers = self._start_chat(req, rid, resume)
+        streams, answers = self._start_chat(req, rid, resume, origin)
         return self._events(streams, answers, req.n)
 
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
@@ -390,18 +397,20 @@ class OpenAIServing:
                                     None if parsed else out.stop)
         yield StreamEnd(_usage(finals, n), _timings(finals))
 
-    async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None
-                   ) -> ChatCompletion | AsyncIterator[bytes]:
+    async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,
+                   traceparent: str | None = None) -> ChatCompletion | AsyncIterator[bytes]:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
-        ``resume``: each choice's first tokens, drawn by a PD prefill replica."""
+        ``resume``: each choice's first tokens, drawn by a PD prefill replica;
+        ``traceparent``: the client's trace context, for the records."""
+        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await self.chat_events(req, rid, resume)
+            events = await self.chat_events(req, rid, resume, origin)
             return self._chat_sse(events, rid, created, req.n, include_usage,
                                   self.answer_model(req.model))
-        result = await self.chat_result(req, rid, resume)
+        result = await self.chat_result(req, rid, resume, origin)
         choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
             for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
@@ -470,13 +479,16 @@ class OpenAIServing:
                                  req.logprobs, j))
                 for p in self._completion_prompts(req.prompt) for j in range(req.n)]
 
-    async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None
+    async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
+                          traceparent: str | None = None
                           ) -> TextCompletion | AsyncIterator[bytes]:
-        """The OpenAI route; ``resume`` as for ``chat``."""
+        """The OpenAI route; ``resume`` and ``traceparent`` as for ``chat``."""
         jobs = self.completion_jobs(req)
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs])
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        return await self._respond(self._submit(jobs, rid, resume), shape, req, req.n, rid)
+        origin = RequestOrigin("openai.completions", bool(req.stream), traceparent)
+        return await self._respond(self._submit(jobs, rid, resume, origin), shape, req, req.n,
+                                   rid)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

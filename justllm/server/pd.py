@@ -126,16 +126,19 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
 @post("/prefill", status_code=200, include_in_schema=False,
       summary="Compute a request's prompt, draw its first token, export its KV")
 async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream | Response:
-    from justllm.server.app import _served, unless_disconnected
+    from justllm.server.app import _served, origin, unless_disconnected
 
     _role_allows(state, "prefill")
     served = _served(state)
-    jobs = _jobs(served, _request(path, await request.body()))
+    req = _request(path, await request.body())
+    jobs = _jobs(served, req)
     aengine = served.aengine
+    api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
+    came = origin(request, api, bool(req.stream))  # the records of the first tokens
 
     async def first(prompt: str | list[int], params: SamplingParams) -> Handover:
         async for out in aengine.generate(prompt, replace(params, max_tokens=1),
-                                          handover=True):
+                                          handover=True, origin=came):
             if out.error:
                 raise APIError(503, f"the prompt could not be computed: {out.error}",
                                type="server_error", code="prefill_failed")
@@ -208,9 +211,11 @@ async def decode(request: Request, state: State, path: Annotated[str | None, Par
         how = "handover-refused"
     serving = served.completions
 
+    traceparent = request.headers.get("traceparent")
+
     def serve(resume: list[Handover] | None) -> Any:
-        return serving.chat(req, resume) if isinstance(req, ChatCompletionRequest) else \
-            serving.completions(req, resume)
+        return serving.chat(req, resume, traceparent) if isinstance(
+            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent)
 
     try:
         result = await unless_disconnected(request, serve(resume))

@@ -23,7 +23,13 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from justllm.server.app import _served, decode_request, sse_response, unless_disconnected
+from justllm.server.app import (
+    _served,
+    decode_request,
+    origin,
+    sse_response,
+    unless_disconnected,
+)
 from justllm.server.responses_chat import to_chat
 from justllm.server.responses_schemas import (
     OutputFunctionCall,
@@ -211,8 +217,10 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
     resp = _skeleton(rid, req.model or served.model_id, req)
     if req.stream:
-        return sse_response(_stream(resp, await served.completions.chat_events(chat, rid)))
-    result = await unless_disconnected(request, served.completions.chat_result(chat, rid))
+        return sse_response(_stream(resp, await served.completions.chat_events(
+            chat, rid, origin=origin(request, "openai.responses", True))))
+    result = await unless_disconnected(request, served.completions.chat_result(
+        chat, rid, origin=origin(request, "openai.responses", False)))
     if isinstance(result, Response):
         return result
     return _full(resp, result)

@@ -48,6 +48,9 @@ def test_a_plugin_speculation_method_is_lossless_and_its_drafts_are_accepted(sam
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
 @pytest.mark.model
 def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_path, engine):
     records = tmp_path / "records.jsonl"
@@ -65,8 +68,9 @@ def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_pa
         assert r.status_code == 200, r.text
         assert r.json() == {"model": "demo", "tokens": engine.tokenize("Hello world")}
         answers = []
-        for prompt in (PERIODIC, "The capital of France is"):
-            r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=120, json={
+        traced = {**auth, "traceparent": TRACEPARENT}  # the first request's client traces it
+        for prompt, headers in ((PERIODIC, traced), ("The capital of France is", auth)):
+            r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=120, json={
                 "model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0})
             assert r.status_code == 200, r.text
             answers.append(r.json())
@@ -90,6 +94,8 @@ def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_pa
         assert rec["decode_seconds"] > 0
         assert rec["total_seconds"] == pytest.approx(
             rec["queued_seconds"] + rec["prefill_seconds"] + rec["decode_seconds"], abs=1e-6)
+        assert rec["api"] == "openai.completions" and rec["stream"] is False
+    assert [rec["traceparent"] for rec in lines] == [TRACEPARENT, None]
 
 
 @pytest.mark.model
@@ -125,5 +131,31 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
     assert chat_id.startswith("chatcmpl-")
     assert [x["request_id"] for x in lines[1:]] == [f"{chat_id}-0", f"{chat_id}-1"]  # n = 2
     assert all(x["prompt"] is None and x["output"] is None for x in lines)
+    assert [(x["api"], x["stream"]) for x in lines] == [
+        ("openai.completions", True), ("openai.chat", False), ("openai.chat", False)]
     assert 1 <= lines[0]["completion_tokens"] < 200
     assert os.path.getsize(records) > 0
+
+
+@pytest.mark.model
+def test_the_gateway_passes_the_clients_trace_context_to_the_runner(tmp_path, model_path):
+    """Router mode: the runner's record carries the traceparent the client sent the gateway
+    (a tracing plugin continues the client's trace from it), and the API it came through."""
+    from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
+
+    records = tmp_path / "records.jsonl"
+    gw = start_gateway(tmp_path, {"demo": {"source": model_path, **RUNNER_FLAGS}}, env={
+        "PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
+        "JUSTLLM_SAMPLE_RECORDS": str(records)})
+    try:
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=120, headers={
+            "traceparent": TRACEPARENT, "tracestate": "vendor=1"}, json={
+            "model": "demo", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    (rec,) = [json.loads(x) for x in records.read_text().splitlines()]
+    assert rec["request_id"] == r.json()["id"]
+    assert (rec["api"], rec["stream"], rec["traceparent"]) == ("openai.chat", False,
+                                                                TRACEPARENT)

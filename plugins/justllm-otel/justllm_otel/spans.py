@@ -18,16 +18,19 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
     from justllm.plugins import RequestRecord
     from opentelemetry.util.types import AttributeValue
 
-# The record does not say whether the request came through a chat API or a plain completion
-# API: the engine sees a prompt string either way (a chat request's template is rendered before
-# it reaches the engine). "chat" would be wrong for /v1/completions and "text_completion" names
-# OpenAI's legacy Completions API, wrong for chat requests; "generate_content" is the
-# conventions' well-known value for a model generating content without naming an API shape.
+# gen_ai.operation.name by the API a request came through (record.api): the conventions'
+# "chat" for the chat APIs, "text_completion" for the plain completion ones.
+OPERATIONS = {"openai.chat": "chat", "anthropic.messages": "chat", "openai.responses": "chat",
+              "ollama.chat": "chat", "openai.completions": "text_completion",
+              "ollama.generate": "text_completion"}
+# Without one (a request from ``justllm run``, or an API added later): the conventions'
+# well-known value for a model generating content without naming an API shape.
 OPERATION = "generate_content"
 # gen_ai.provider.name (which replaced gen_ai.system): the conventions' list has no value for a
 # self-hosted server, and a custom value is allowed; it tells backends these are justllm's spans.
@@ -55,9 +58,10 @@ def record_spans(tracer: trace.Tracer, record: RequestRecord, *, content: bool =
     the record carries (``gen_ai.input.messages`` / ``gen_ai.output.messages``)."""
     start = round(record.arrived_at * 1e9)
     end = start + _ns(record.total_seconds)
-    # A root span: the record carries no trace context of the client's to continue. SERVER
-    # kind: this process served the request (the conventions' CLIENT kind is the caller's side).
-    root = tracer.start_span(f"{OPERATION} {record.model}", context=Context(),
+    # A child of the client's span when the request carried a W3C traceparent (an invalid one
+    # is ignored: a root span then). SERVER kind: this process served the request (the
+    # conventions' CLIENT kind is the caller's side).
+    root = tracer.start_span(f"{operation(record)} {record.model}", context=client_context(record),
                              kind=SpanKind.SERVER, attributes=request_attributes(record, content),
                              start_time=start)
     if record.error:
@@ -69,6 +73,18 @@ def record_spans(tracer: trace.Tracer, record: RequestRecord, *, content: bool =
                                   start_time=min(start + _ns(begin), end))
         child.end(end_time=min(start + _ns(finish), end))
     root.end(end_time=end)
+
+
+def operation(record: RequestRecord) -> str:
+    return OPERATIONS.get(record.api or "", OPERATION)
+
+
+def client_context(record: RequestRecord) -> Context:
+    """The client's trace context from the request's traceparent header, else a fresh one."""
+    if not record.traceparent:
+        return Context()
+    return TraceContextTextMapPropagator().extract({"traceparent": record.traceparent},
+                                                   context=Context())
 
 
 def phase_offsets(record: RequestRecord) -> Iterator[tuple[str, float, float]]:
@@ -86,7 +102,7 @@ def phase_offsets(record: RequestRecord) -> Iterator[tuple[str, float, float]]:
 def request_attributes(record: RequestRecord, content: bool = False) -> dict[str, AttributeValue]:
     """The request span's attributes; those with no value in the record are left out."""
     attrs: dict[str, AttributeValue] = {
-        "gen_ai.operation.name": OPERATION,
+        "gen_ai.operation.name": operation(record),
         "gen_ai.provider.name": PROVIDER,
         "gen_ai.request.model": record.model,
         "gen_ai.response.model": record.model,
@@ -108,6 +124,10 @@ def request_attributes(record: RequestRecord, content: bool = False) -> dict[str
             attrs[key] = value
     if record.lora:
         attrs["justllm.lora"] = record.lora
+    if record.api:
+        attrs["justllm.api"] = record.api
+    if record.stream is not None:
+        attrs["justllm.stream"] = record.stream
     if record.ttft_seconds is not None:
         # Not gen_ai.response.time_to_first_chunk: that one is the client's, measured to the
         # first streamed chunk; this is the server's, arrival to the first generated token.

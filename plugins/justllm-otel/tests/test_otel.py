@@ -217,6 +217,30 @@ def test_error_record_gets_error_status_and_exact_times(exporter):
     assert (prefill.start_time, prefill.end_time) == (start + 10_000_000, start + 30_000_000)
 
 
+TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{SPAN_ID}-01"
+
+
+def test_a_request_with_a_traceparent_continues_the_clients_trace(exporter):
+    justllm_otel.plugin.on_request_finished(record=a_record(
+        api="openai.chat", stream=True, traceparent=TRACEPARENT))
+    justllm_otel.plugin.on_request_finished(record=a_record(
+        request_id="req-y", api="openai.completions", stream=False, traceparent="00-nonsense"))
+    spans = finished_spans(exporter)
+    chat = next(s for s in spans if s.attributes.get("gen_ai.response.id") == "req-x")
+    assert chat.name == "chat tiny" and chat.attributes["gen_ai.operation.name"] == "chat"
+    assert chat.attributes["justllm.api"] == "openai.chat"
+    assert chat.attributes["justllm.stream"] is True
+    assert format(chat.context.trace_id, "032x") == TRACE_ID  # the client's trace
+    assert chat.parent is not None and format(chat.parent.span_id, "016x") == SPAN_ID
+    assert chat.parent.is_remote
+    check_phases(spans, chat, list(PHASES))
+    # A traceparent that does not parse: a trace of its own.
+    plain = next(s for s in spans if s.attributes.get("gen_ai.response.id") == "req-y")
+    assert plain.name == "text_completion tiny" and plain.parent is None
+    assert plain.attributes["justllm.stream"] is False
+
+
 def test_message_content_only_with_the_opt_in(monkeypatch):
     record = a_record(prompt="<start_of_turn>user\nHi<end_of_turn>", output="Hello there")
     for value, expect in (("", False), ("false", False), ("true", True), ("TRUE", True)):
@@ -353,7 +377,8 @@ def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        answer = httpx.post(url + "/v1/completions", timeout=60, json={
+        answer = httpx.post(url + "/v1/completions", timeout=60, headers={
+            "traceparent": TRACEPARENT}, json={
             "model": "demo", "prompt": "The capital of France is", "max_tokens": 5,
             "temperature": 0.7, "top_p": 0.95, "seed": 11}).json()
         assert not receiver.requests  # batched, not sent yet
@@ -371,14 +396,18 @@ def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
 
     assert {path for path, _ in receiver.requests} == {"/v1/traces"}
     received = receiver.spans()
-    roots = [(res, scope, s) for res, scope, s in received if not s.parent_span_id]
+    # The request span continues the client's trace, as a child of its span.
+    roots = [(res, scope, s) for res, scope, s in received
+             if s.parent_span_id.hex() == SPAN_ID]
     assert len(roots) == 1 and len(received) == 4
     resource, scope, root = roots[0]
+    assert root.trace_id.hex() == TRACE_ID
     assert resource["service.name"] == "justllm"
     assert resource["deployment.environment.name"] == "test"
     assert scope == "justllm_otel"
-    assert root.name == "generate_content demo"
+    assert root.name == "text_completion demo"
     attrs = attributes(root.attributes)
+    assert attrs["justllm.api"] == "openai.completions" and attrs["justllm.stream"] is False
     usage = answer["usage"]
     assert attrs["gen_ai.provider.name"] == "justllm"
     assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "demo"
