@@ -123,7 +123,8 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
                 handles[spec.name] = handle
     return deployments.INGRESS.options(
         name=INGRESS, max_ongoing_requests=INGRESS_MAX_ONGOING).bind(
-        handles, dict(config.names), board, settings.api_key, prefill)
+        handles, dict(config.names), board, settings.api_key, prefill,
+        frozenset(a for m in config.models for a in m.adapters))
 
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,

@@ -159,8 +159,10 @@ class ClusterIngress:
 
     def __init__(self, handles: dict[str, DeploymentHandle], names: dict[str, str],
                  board: DeploymentHandle, api_key: str | None,
-                 prefill: dict[str, tuple[DeploymentHandle, int]] | None = None) -> None:
-        self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {})
+                 prefill: dict[str, tuple[DeploymentHandle, int]] | None = None,
+                 adapters: frozenset[str] = frozenset()) -> None:
+        self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {},
+                               adapters=adapters)
 
     def __serve_build_asgi_app__(self) -> Litestar:
         return create_ingress(self.ingress)

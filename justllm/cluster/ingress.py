@@ -66,6 +66,9 @@ class Ingress:
     prefill: dict[str, tuple[Any, int]] = field(default_factory=dict)
     pd: Counter[tuple[str, str]] = field(default_factory=Counter)
     created: int = field(default_factory=lambda: int(time.time()))
+    # LoRA adapter names (models.yaml's lora): a request names one as its model, and it goes
+    # to its base model's deployment under that name (the replica applies the adapter).
+    adapters: frozenset[str] = frozenset()
 
     def model(self, name: Any, ollama: bool) -> str:
         """The model ``name`` means, or the error the gateway gives for it."""
@@ -108,11 +111,14 @@ async def forward(request: Request, path: str) -> Any:
     model = ing.model(body.get(key), ollama)
     session = request.headers.get("x-session-id") or body.get("user")
     route = (route_text(body), session if isinstance(session, str) else None)
-    body[key] = model  # an alias becomes the model's name, which its replicas serve under
+    lora = body.get(key) in ing.adapters or bool(body.get("lora"))
+    if body.get(key) not in ing.adapters:
+        body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
     handle = ing.handles[model].options(stream=True)
-    kv = _prefill(ing, model, path, body, content, route)
+    kv = None if lora else _prefill(ing, model, path, body, content, route)  # a LoRA
+    # request's KV is the adapter's: served whole
     attempt = 0
     while attempt < TRIES:
         if kv is not None:  # the decode replica takes the prefill's result from Ray

@@ -91,6 +91,22 @@ def test_a_request_goes_to_its_models_deployment_with_its_routing_text():
     assert "authorization" not in call["headers"]  # the ingress's key stays at the ingress
 
 
+def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
+    """An adapter (models.yaml's lora) is asked for by name: its base model's deployment gets
+    the name unchanged (the replica applies the adapter; the base model's name would serve the
+    base model), and a PD model serves it whole (its KV is the adapter's)."""
+    handle, prefill = Handle(Answer(JSON, b"{}"), Answer(JSON, b"{}")), Handle()
+    ingress = Ingress({"demo": handle}, {"demo": "demo", "sql": "demo"}, Board({}),
+                      prefill={"demo": (prefill, 0)}, adapters=frozenset({"sql"}))
+    with TestClient(create_ingress(ingress)) as c:
+        assert c.post("/v1/completions", json={"model": "sql", "prompt": "x"}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "demo", "prompt": "x",
+                                               "lora": [{"name": "sql"}]}).status_code == 200
+    assert [call["body"]["model"] for call in handle.calls] == ["sql", "demo"]
+    assert prefill.calls == [] and [call["path"] for call in handle.calls] == [
+        "/v1/completions", "/v1/completions"]
+
+
 def test_a_stream_is_relayed_chunk_by_chunk():
     handle = Handle(Answer(SSE, b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"))
     with client(handle) as c:
