@@ -255,8 +255,11 @@ async def list_models(state: State) -> dict:
     ing = _ingress(state)
     return {"object": "list", "data": [
         {"id": m, "object": "model", "created": ing.created, "owned_by": "justllm",
-         "aliases": [a for a, n in ing.names.items() if n == m and a != m]}
-        for m in ing.handles]}
+         "aliases": [a for a, n in ing.names.items()
+                     if n == m and a != m and a not in ing.adapters]}
+        for m in ing.handles] + [
+        {"id": a, "object": "model", "created": ing.created, "owned_by": "justllm",
+         "parent": ing.names[a]} for a in sorted(ing.adapters)]}
 
 
 @get("/tags", summary="Ollama: the cluster's models")

@@ -105,6 +105,10 @@ def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
     assert [call["body"]["model"] for call in handle.calls] == ["sql", "demo"]
     assert prefill.calls == [] and [call["path"] for call in handle.calls] == [
         "/v1/completions", "/v1/completions"]
+    with TestClient(create_ingress(ingress)) as c:  # listed as a model whose parent is the base
+        cards = c.get("/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent"), m.get("aliases")) for m in cards] == [
+        ("demo", None, []), ("sql", "demo", None)]
 
 
 def test_a_stream_is_relayed_chunk_by_chunk():
