@@ -61,9 +61,10 @@ class ModelReplica:
 
     async def prefill(self, path: str, body: bytes, route: Any = None) -> bytes:
         """A PD model's first half, on a prefill replica: the prompt computed, its first token
-        drawn and its KV exported (``/pd/prefill``: the hand-over), returned whole. Ray keeps the result in its object store,
-        and the ingress passes the reference on to the decode replica's call, so the bytes go
-        from node to node (or through shared memory on one node), never through the ingress.
+        drawn and its KV exported (``/pd/prefill``: the hand-over), returned whole. Ray keeps
+        the result in its object store, and the ingress passes the reference on to the decode
+        replica's call, so the bytes go from node to node (or through shared memory on one
+        node), never through the ingress.
         b"" when the replica refused: the decode replica then serves the request whole."""
         head: Head | None = None
         chunks: list[bytes] = []

@@ -20,8 +20,8 @@ request whose prompt reaches prefill-min-tokens goes first to the prefill deploy
 ``prefill`` (cache-aware), whose result -- the hand-over: the first token and the prompt's
 KV -- stays in Ray's object store; the decode deployment's ``pd_decode`` is called with that
 reference, so Ray hands the bytes to the decode replica without the ingress ever holding
-them. Any failure of the first half (no KV,
-the prefill replica died) and the request is sent again to the decode deployment, whole.
+them. Any failure of the first half (no KV, the prefill replica died) and the request is
+sent again to the decode deployment, whole. LoRA requests are served whole.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.metrics import render
-from justllm.gateway.policy import PD_PATHS, prompt_tokens_estimate
+from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
 from justllm.gateway.routing import route_text
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
@@ -111,14 +111,13 @@ async def forward(request: Request, path: str) -> Any:
     model = ing.model(body.get(key), ollama)
     session = request.headers.get("x-session-id") or body.get("user")
     route = (route_text(body), session if isinstance(session, str) else None)
-    lora = body.get(key) in ing.adapters or bool(body.get("lora"))
-    if body.get(key) not in ing.adapters:
+    lora = lora_request(body, ing.adapters)  # served whole: its KV is the adapter's
+    if body.get(key) not in ing.adapters:  # an adapter keeps its name: the replica applies it
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
     handle = ing.handles[model].options(stream=True)
-    kv = None if lora else _prefill(ing, model, path, body, content, route)  # a LoRA
-    # request's KV is the adapter's: served whole
+    kv = None if lora else _prefill(ing, model, path, body, content, route)
     attempt = 0
     while attempt < TRIES:
         if kv is not None:  # the decode replica takes the prefill's result from Ray

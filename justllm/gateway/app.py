@@ -25,7 +25,7 @@ from justllm import __version__
 from justllm.gateway import lora
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
-from justllm.gateway.policy import PD_PATHS, prompt_tokens_estimate
+from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
@@ -113,9 +113,7 @@ async def _forward(request: Request, path: str) -> Any:
     try:
         plain, target = content, path
         sent: bytes | AsyncIterator[bytes] = content
-        # A LoRA request is served whole (its KV is the adapter's; prefill replicas refuse it).
-        if state.spec.pd and path in PD_PATHS and not (state.has_adapter(body.get("model"))
-                                                       or body.get("lora")):
+        if state.spec.pd and path in PD_PATHS and not lora_request(body, state.adapters):
             if prompt_tokens_estimate(body, route.text) < state.spec.prefill_min_tokens:
                 state.pd_short_prompts += 1  # computed on the decode replica: cheaper
             else:
@@ -475,7 +473,7 @@ async def list_models(state: State) -> dict:
          "status": s.status, "aliases": list(s.spec.aliases)} for s in sup.models.values()] + [
         {"id": a, "object": "model", "created": created, "owned_by": "justllm",
          "status": s.status, "parent": s.spec.name} for s in sup.models.values()
-        for a in (*s.spec.adapters, *s.runtime_lora)]}
+        for a in s.adapters]}
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -528,7 +526,7 @@ async def models_status(state: State) -> dict:
             "estimate_mib": round(s.memory / 2**20) if s.memory else None,
             "log": str(sup.log_dir / log_name(s.spec.name)),
             "routing": s.spec.routing.policy, "decisions": dict(s.router.counts),
-            "lora": [*s.spec.adapters, *s.runtime_lora],
+            "lora": list(s.adapters),
             "autoscale": _autoscale_status(s),
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,

@@ -49,6 +49,14 @@ async def send(http: httpx.AsyncClient, url: str, route: str,
         return f"{type(e).__name__}: {e}"
 
 
+def _ok(answer: httpx.Response | str) -> bool:
+    return not isinstance(answer, str) and answer.status_code == 200
+
+
+def _unload_body(name: str) -> bytes:
+    return msgspec.json.encode({"lora_name": name})
+
+
 async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: str,
                              replica: str) -> None:
     """Load the model's runtime adapters into a replica that just started, before it is in
@@ -67,13 +75,13 @@ async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: st
                 continue
             applied.add(name)
             answer = await send(http, url, "load_lora_adapter", body)
-            if isinstance(answer, str) or answer.status_code != 200:
+            if not _ok(answer):
                 why = answer if isinstance(answer, str) else answer.text
                 log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did "
                             "not load: %s", state.spec.name, replica, name, why)
         for name in gone:
             applied.discard(name)
-            await send(http, url, "unload_lora_adapter", msgspec.json.encode({"lora_name": name}))
+            await send(http, url, "unload_lora_adapter", _unload_body(name))
 
 
 def _ready(state: ModelState) -> list[Replica]:
@@ -123,17 +131,15 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
         replicas = _ready(target)
         answers = await asyncio.gather(*(send(sup.http, r.url or "", "load_lora_adapter", body)
                                          for r in replicas))
-        refused = next(((r, a) for r, a in zip(replicas, answers)
-                        if isinstance(a, str) or a.status_code != 200), None)
+        refused = next(((r, a) for r, a in zip(replicas, answers) if not _ok(a)), None)
         if refused is not None:  # none keeps it (or all keep the one it was to replace)
             if before is None:
-                route, undo = "unload_lora_adapter", msgspec.json.encode({"lora_name": name})
+                route, undo = "unload_lora_adapter", _unload_body(name)
             else:  # the one it was to replace, back in its place
                 route = "load_lora_adapter"
                 undo = msgspec.json.encode({**msgspec.json.decode(before), "load_inplace": True})
             await asyncio.gather(*(send(sup.http, r.url or "", route, undo)
-                                   for r, a in zip(replicas, answers)
-                                   if not isinstance(a, str) and a.status_code == 200))
+                                   for r, a in zip(replicas, answers) if _ok(a)))
             if before is None:
                 del target.runtime_lora[name]
             else:
@@ -166,8 +172,7 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
                        param="lora_name")
     del owner.runtime_lora[name]  # no new request is routed to it from now on
     await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
-                                msgspec.json.encode({"lora_name": name}))
-                           for r in _ready(owner)))
+                                _unload_body(name)) for r in _ready(owner)))
     log.info("model %s: LoRA adapter %s unloaded", owner.spec.name, name)
     return Response(f"Success: LoRA adapter '{name}' removed successfully.",
                     media_type="text/plain")

@@ -5,6 +5,7 @@ when an idle model expires, and how long to wait before restarting a runner. (Ol
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 MAX_FAILURES = 3  # consecutive failed starts before a model is reported failed
@@ -19,6 +20,13 @@ class Loaded:
     last_used: float  # when its last request ended (or it loaded)
     ttl: float  # idle seconds before it unloads; < 0 never
     memory: int = 0  # estimated bytes (memory_estimate)
+
+
+def lora_request(body: dict, adapters: Collection[str]) -> bool:
+    """The request runs under a LoRA adapter: it names one as its ``model``, or lists some in
+    llama-server's ``lora`` field. Such a request is not disaggregated (PD): its KV is the
+    adapter's, and prefill replicas refuse it."""
+    return body.get("model") in adapters or bool(body.get("lora"))
 
 
 def start_key(flags: dict[str, object], gpu: int | None) -> str | None:

@@ -82,10 +82,15 @@ class ModelState:
         if self.remote_only:  # nothing to load here: in service while a replica answers
             self.status = "loaded"
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The model's LoRA adapter names: from models.yaml, then those loaded at run time."""
+        return (*self.spec.adapters, *self.runtime_lora)
+
     def has_adapter(self, name: object) -> bool:
-        """``name`` is one of the model's LoRA adapters (from models.yaml or run time): the
-        runner's own name for it, passed on as the request's ``model``."""
-        return isinstance(name, str) and (name in self.spec.adapters or name in self.runtime_lora)
+        """``name`` is one of the model's LoRA adapters: the runner's own name for it, passed
+        on as the request's ``model``."""
+        return name in self.adapters
 
     @property
     def remote_only(self) -> bool:

@@ -11,6 +11,7 @@ from justllm.gateway.policy import (
     MAX_FAILURES,
     Loaded,
     expired,
+    lora_request,
     parse_size,
     restart_delay,
     to_unload_for,
@@ -134,3 +135,11 @@ def test_models_on_the_command_line_are_named_by_stem_or_ref():
     assert [m.name for m in cfg.models] == ["qwen-q4", "llama3:8b", "file"]
     with pytest.raises(ValueError, match="used twice"):
         list_config(["/a/x.gguf", "/b/x.gguf"], FLAGS)
+
+
+def test_lora_requests_are_known_by_model_name_or_the_lora_field():
+    adapters = ("sql", "chat")
+    assert lora_request({"model": "sql"}, adapters)
+    assert lora_request({"model": "demo", "lora": [{"name": "sql"}]}, adapters)
+    assert not lora_request({"model": "demo", "lora": []}, adapters)
+    assert not lora_request({"model": "demo"}, adapters) and not lora_request({}, ())
