@@ -5,7 +5,10 @@ Not a test: prints tok/s per concurrency and the share of each step spent outsid
 once every sequence has its first token. ``--temperature``/``--top-p``/``--top-k``/``--min-p``
 sample instead of greedy (the per-token sampling cost shows as a larger Python share); ``--raw`` also times bare batched
 ``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
-can approach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
+can approach, twice: reading every row's logits and taking the argmax in numpy (as the engine
+does), and with the argmax taken inside the graph (llama.cpp's backend sampling: no logits
+leave the device). On a GPU the gap between the two is what reading whole 262k-wide rows back
+costs. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
 compare the two.
@@ -85,10 +88,12 @@ def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
     return b.decode(m)
 
 
-def raw_decode(engine: Engine, n: int, tokens: int) -> float:
+def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False) -> float:
     """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
-    ``tokens`` steps of one token each (argmax), every row's logits read. The engine must be
-    idle; its prefix cache is flushed and the KV cleared before and after."""
+    ``tokens`` steps of one token each (argmax), every row's logits read (``in_graph``: the
+    argmax taken inside the graph instead, so no logits leave the device). One more step
+    before the clock starts warms up (in the graph: llama.cpp reserves its graphs again). The
+    engine must be idle; its prefix cache is flushed and the KV cleared before and after."""
     b = engine.backend
     engine.flush_prefix_cache()  # its holders keep KV: gone, so clearing desyncs nothing
     b.clear_kv()
@@ -97,13 +102,24 @@ def raw_decode(engine: Engine, n: int, tokens: int) -> float:
     for s in range(n):
         last = int(decode_prompt(engine, s, prompt, 0)[0].argmax())
     nxt = [last] * n
-    t0 = time.perf_counter()
-    for step in range(tokens):
-        b.batch_tokens[:n], b.batch_pos[:n] = nxt, m + step
-        b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = range(n), 1, 1
-        nxt = b.decode(n).argmax(axis=1).tolist()
-    rate = n * tokens / (time.perf_counter() - t0)
-    b.clear_kv()
+    if in_graph:
+        b.set_argmax_in_graph(range(n))
+    try:
+        t0 = time.perf_counter()
+        for step in range(tokens + 1):
+            if step == 1:
+                t0 = time.perf_counter()
+            b.batch_tokens[:n], b.batch_pos[:n] = nxt, m + step
+            b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = range(n), 1, 1
+            if in_graph:
+                b.decode(n)
+                nxt = b.argmax_tokens(n)
+            else:
+                nxt = b.decode(n).argmax(axis=1).tolist()
+        rate = n * tokens / (time.perf_counter() - t0)
+    finally:
+        b.set_argmax_in_graph([])
+        b.clear_kv()
     return rate
 
 
@@ -209,7 +225,7 @@ def main() -> None:
         write_json(args, engine, settings, rows, rounds=args.rounds)
         return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
-          + (f" {'raw tok/s':>10} {'of raw':>7}" if args.raw else ""))
+          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9}" if args.raw else ""))
     rows = []
     for n in levels:
         rate, py_share, step = measure(engine, n, args.tokens, sampling_of(args))
@@ -217,7 +233,8 @@ def main() -> None:
         line = f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}"
         if args.raw:
             row["raw_tok_s"] = raw = raw_decode(engine, n, args.tokens)
-            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}%"
+            row["raw_in_graph_tok_s"] = graph = raw_decode(engine, n, args.tokens, in_graph=True)
+            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f}"
         rows.append(row)
         print(line)
     engine.close()

@@ -17,7 +17,7 @@ import ctypes
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,6 +215,7 @@ class LlamaBackend:
         self._children: list[EmbeddingContext] = []
         self._loras: list[LoraAdapter] = []
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
+        self._argmax_chains: dict[int, object] = {}  # seq id -> its llama_sampler chain
         C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
         check_gguf_file(config.model_path)
         if config.gpu:
@@ -326,8 +327,50 @@ class LlamaBackend:
             raise EngineError(f"llama_decode failed with code {rc}")
         if n_out == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
+        if self._argmax_chains:
+            rows = self.batch_seq[:n_tokens][self.batch_logits[:n_tokens] != 0]
+            if all(int(s) in self._argmax_chains for s in rows):
+                # llama.cpp copied no logits out (every row was chosen in the graph)
+                return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    # ---- argmax inside the graph (llama.cpp's backend sampling) ---------------------------
+
+    def set_argmax_in_graph(self, seq_ids: Sequence[int]) -> None:
+        """Choose the next token of each of ``seq_ids`` inside the decode graph (an argmax, on
+        the device that holds the output layer), and of no other sequence; ``[]`` turns it off.
+
+        llama.cpp's backend sampling (experimental in this llama.cpp): a decode whose output
+        rows all belong to such sequences copies no logits out of the device, and ``decode``
+        returns no rows; :meth:`argmax_tokens` reads the tokens. The engine samples from the
+        logits and does not use it; ``benchmarks/engine_throughput.py --raw`` does, to measure
+        what reading whole 262k-wide rows back costs on a GPU. Each change makes llama.cpp
+        reserve its graphs again (docs/llama-cpp-facts.md)."""
+        wanted = {int(s) for s in seq_ids}
+        if any(not 0 <= s < self.config.n_seq_max for s in wanted):
+            raise EngineError("sequence id out of range")
+        if self._twin:  # llama.cpp copies logits out for a row any of whose sequences lacks one
+            wanted |= {s + self._twin for s in wanted}
+        for s in sorted(set(self._argmax_chains) - wanted):
+            C.llama_set_sampler(self._ctx, s, None)
+            C.llama_sampler_free(self._argmax_chains.pop(s))
+        for s in sorted(wanted - set(self._argmax_chains)):
+            # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
+            chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+            if not C.llama_set_sampler(self._ctx, s, chain):
+                C.llama_sampler_free(chain)
+                raise EngineError("this llama.cpp build cannot choose tokens inside the graph")
+            self._argmax_chains[s] = chain
+
+    def argmax_tokens(self, n_out: int) -> list[int]:
+        """The tokens the last decode chose in the graph for its first ``n_out`` output rows
+        (each must belong to a sequence of :meth:`set_argmax_in_graph`)."""
+        tokens = [int(C.llama_get_sampled_token_ith(self._ctx, i)) for i in range(n_out)]
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise EngineError("an output row was not chosen in the graph")
+        return tokens
 
     def _add_twins(self, n_tokens: int) -> None:
         """Give each token of the batch the twins of its sequence ids too."""
@@ -541,6 +584,9 @@ class LlamaBackend:
         if self._ctx:
             C.llama_free(self._ctx)
             self._ctx = None
+        for chain in self._argmax_chains.values():  # the context only borrowed them
+            C.llama_sampler_free(chain)
+        self._argmax_chains.clear()
         for adapter in self._loras:  # after the context that points to them
             C.llama_adapter_lora_free(adapter.handle)
         self._loras.clear()

@@ -65,3 +65,65 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
         EngineConfig(flash_attn="yes")
     with pytest.raises(ValueError, match="n_ubatch must be an integer >= 0"):
         EngineConfig(n_ubatch=-1)
+
+
+def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
+    """llama.cpp's backend sampling, as benchmarks/engine_throughput.py --raw uses it: the
+    tokens chosen inside the graph are the argmax of the logits the same batches give, no
+    logits come back when every row was chosen there, a batch with a row that was not gets
+    its logits (and that row no graph token), and turning it off restores the logits."""
+    import numpy as np
+
+    from justllm.config import EngineConfig
+    from justllm.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=64))
+    b = engine.backend
+    try:
+        prompts = [b.tokenize("The lighthouse keeper"), b.tokenize("Once upon a time, the")]
+
+        def run(in_graph: bool, steps: int = 5) -> list[list[int]]:
+            b.clear_kv()
+            b.set_argmax_in_graph([])  # the prompts' last rows: read as logits
+            firsts = []
+            for seq, ids in enumerate(prompts):
+                n = len(ids)
+                b.batch_tokens[:n], b.batch_pos[:n] = ids, range(n)
+                b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = seq, 1, 0
+                b.batch_logits[n - 1] = 1
+                firsts.append(int(b.decode(n)[0].argmax()))
+            if in_graph:
+                b.set_argmax_in_graph([0, 1])
+            nxt, out = firsts, []
+            for step in range(steps):
+                b.batch_tokens[:2] = nxt
+                b.batch_pos[:2] = [len(p) + step for p in prompts]
+                b.batch_seq[:2], b.batch_n_seq[:2], b.batch_logits[:2] = [0, 1], 1, 1
+                logits = b.decode(2)
+                if in_graph:
+                    assert logits.shape == (0, b.n_vocab)  # nothing copied out
+                    nxt = b.argmax_tokens(2)
+                else:
+                    nxt = [int(i) for i in np.asarray(logits).argmax(axis=1)]
+                out.append(nxt)
+            return out
+
+        in_numpy = run(False)
+        assert run(True) == in_numpy
+        b.set_argmax_in_graph([0, 1])  # the same sequences again: kept as they are
+        # One row chosen in the graph, one not: every row's logits come back, and only the
+        # first row has a graph token.
+        b.set_argmax_in_graph([0])
+        b.batch_tokens[:2] = in_numpy[-1]
+        b.batch_pos[:2] = [len(p) + 5 for p in prompts]
+        b.batch_seq[:2], b.batch_n_seq[:2], b.batch_logits[:2] = [0, 1], 1, 1
+        logits = np.asarray(b.decode(2))
+        assert logits.shape == (2, b.n_vocab)
+        assert b.argmax_tokens(1) == [int(logits[0].argmax())]
+        with pytest.raises(EngineError, match="not chosen in the graph"):
+            b.argmax_tokens(2)
+        with pytest.raises(EngineError, match="out of range"):
+            b.set_argmax_in_graph([b.config.n_seq_max])
+        assert run(False) == in_numpy  # off again: the logits as before
+    finally:
+        engine.close()
