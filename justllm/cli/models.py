@@ -77,13 +77,15 @@ def _listed_row(model: ListedModel) -> tuple[str, ...]:
 
 
 def show(
-    name: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models', or a path.")],
+    context: typer.Context,
+    name: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models', a path, or a plugin's model (e.g. ollama:NAME).")],
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
 ) -> None:
     """Show a model's manifest (digest, tags, source, revision) and its GGUF metadata."""
     with cli_errors():
         from pathlib import Path
 
+        from justllm.cli.plugins import plugins_of
         from justllm.models.refs import InvalidRefError
         from justllm.models.registry import Registry, UnknownModelError
         from justllm.models.store import ModelStore, describe
@@ -98,9 +100,13 @@ def show(
                 path = manifest.path
             except (UnknownModelError, InvalidRefError):
                 found = ModelStore().find(name)  # a relative path in the models directory
-                if found is None:
-                    raise
-                path, title = found, found.name
+                title = found.name if found is not None else name
+                if found is None:  # a plugin's source (ollama:NAME), or the registry's error
+                    plugin_file = plugins_of(context).plugin_model(name)
+                    if plugin_file is None:
+                        raise
+                    found = Path(plugin_file)
+                path = found
                 manifest = registry.manifest_for_path(path)
         info = describe(path)
         console = Console(highlight=False)
@@ -127,31 +133,51 @@ def show(
 
 
 def tag(
-    source: Annotated[str, typer.Argument(help="A path to a .gguf file, a NAME[:TAG] or a digest.")],
+    context: typer.Context,
+    source: Annotated[str, typer.Argument(help="A path to a .gguf file, a NAME[:TAG], a digest, or a plugin's model (e.g. ollama:NAME).")],
     target: Annotated[str, typer.Argument(help="The NAME[:TAG] to point at it (TAG: latest).")],
 ) -> None:
-    """Name a local GGUF file or an existing version: NAME:TAG then points to it (a tag that
-    pointed elsewhere moves; the version it left stays). A file is registered where it is,
-    not copied."""
+    """Name a local GGUF file, an existing version or a plugin's model (its file): NAME:TAG
+    then points to it (a tag that pointed elsewhere moves; the version it left stays). A
+    file is registered where it is, not copied."""
     with cli_errors():
+        from justllm.cli.plugins import plugins_of
+        from justllm.errors import ModelLoadError
         from justllm.models.registry import Registry
 
-        key, m, before = Registry().tag(source, target)
+        registry = Registry()
+        try:
+            key, m, before = registry.tag(source, target)
+        except ModelLoadError:  # not a file or a version: a plugin's model, or this error
+            plugin_file = plugins_of(context).plugin_model(source)
+            if plugin_file is None:
+                raise
+            key, m, before = registry.tag(plugin_file, target)
         moved = f" (moved from sha256:{before.short}, which is kept)" if before else ""
         Console(highlight=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
                                        markup=False, soft_wrap=True)
 
 
 def rm(
+    context: typer.Context,
     ref: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models'.")],
 ) -> None:
     """Remove a tag, or a version by its digest (with every tag on it). A version no tag points
     to any more goes, and its file too when it lives in the models directory. A version a
-    running model holds is refused."""
+    running model holds is refused. A plugin's model (ollama:NAME) is not justllm's to remove."""
     with cli_errors():
+        from justllm.cli.plugins import plugins_of
+        from justllm.errors import ModelLoadError
         from justllm.models.registry import Registry
 
-        r = Registry().remove(ref)
+        try:
+            r = Registry().remove(ref)
+        except ModelLoadError:
+            plugin_file = plugins_of(context).plugin_model(ref)
+            if plugin_file is None:
+                raise
+            raise ModelLoadError(f"{ref} is a plugin's model ({plugin_file}), not in justllm's "
+                                 "registry: remove it with the tool that stored it") from None
         console = Console(highlight=False)
         if r.manifest is None:
             console.print(f"untagged {r.what} (it pointed to no version)", markup=False)

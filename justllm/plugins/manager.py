@@ -144,6 +144,21 @@ class Plugins:
 
         return resolve_model(model, self.model_sources())
 
+    def plugin_model(self, ref: str) -> str | None:
+        """The file a plugin's own model source (not a built-in one) gives ``ref``, asked in
+        the sources' order; None when none knows it. For the commands that look a name up in
+        the registry and the models directory themselves (``show``, ``tag``) and must not
+        download, as the built-in Hugging Face source would."""
+        from justllm.models.source import BUILTIN_SOURCES
+
+        builtin = {id(source) for source, _ in BUILTIN_SOURCES}
+        for source in self.model_sources():
+            if id(source) not in builtin:
+                found = source.find(ref)
+                if found is not None:
+                    return str(found)
+        return None
+
     def served_name(self, model: str | None) -> str | None:
         """The model id ``justllm serve MODEL`` answers to when a source names it (a source's
         optional ``served_name(ref)``: ``ollama:llama3.2`` -> ``llama3.2``, where the file is

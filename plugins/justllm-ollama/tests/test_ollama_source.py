@@ -264,6 +264,32 @@ def test_models_lists_ollama_models_from_their_gguf_headers(store, tmp_path):
     assert rows["ollama:gemma3:270m"][1:] == ["-", "253.1", "MB", "Q4_K_M", "gemma3", "32768"]
 
 
+def test_show_and_tag_take_an_ollama_name(store, tmp_path):
+    """show reads the blob's GGUF header; tag registers the blob where it is under a name of
+    justllm's own, which then resolves without the plugin's prefix; rm refuses to remove it;
+    a missing model is the plugin's one-line error."""
+    r = justllm(tmp_path, "show", "ollama:gemma3:270m")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("ollama:gemma3:270m")
+    assert f"path: {blob(store)}" in r.stdout
+    assert "architecture: gemma3" in r.stdout
+    r = justllm(tmp_path, "tag", "ollama:someone/tiny", "tiny:v1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("tiny:v1 -> sha256:") and str(blob(store)) in r.stdout
+    r = justllm(tmp_path, "show", "tiny:v1")
+    assert r.returncode == 0, r.stderr
+    assert "tags: tiny:v1" in r.stdout and f"path: {blob(store)}" in r.stdout
+    r = justllm(tmp_path, "rm", "ollama:gemma3:270m")  # Ollama's store is not ours
+    assert r.returncode == 1 and blob(store).is_file()
+    assert r.stderr.startswith("error: ollama:gemma3:270m is a plugin's model"), r.stderr
+    for command in (("show", "ollama:missing"), ("tag", "ollama:missing", "x:1"),
+                    ("rm", "ollama:missing")):
+        r = justllm(tmp_path, *command)
+        assert r.returncode == 1
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "ollama model missing:latest not found" in lines[0], r.stderr
+
+
 def test_plugins_lists_the_plugin_and_its_hook(store, tmp_path):
     r = justllm(tmp_path, "plugins", "--json")
     assert r.returncode == 0, r.stderr
