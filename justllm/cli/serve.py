@@ -156,7 +156,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
               else list_config(models, known))
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),
-                         default_log_dir())
+                         default_log_dir(), plugins.routes())
     names = ", ".join(m.name for m in config.models)
     Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "
                                f"(runner logs in {default_log_dir()})", highlight=False)

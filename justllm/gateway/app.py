@@ -8,7 +8,7 @@ import logging
 import re
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -575,7 +575,34 @@ async def metrics(state: State) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Path) -> Litestar:
+def plugin_forwarders(handlers: Sequence[Any], taken: set[str]) -> list[Any]:
+    """A gateway route for each POST route plugins add to ``justllm serve`` (``register_routes``;
+    the runners have them): the JSON body's ``model`` picks the runner, as for
+    /v1/completions, and the runner's answer comes back as it is. Routes of other methods have
+    no body to route by and stay the runners' own; a path the gateway has (``taken``) is its."""
+    out = []
+    for handler in handlers:
+        if "POST" not in getattr(handler, "http_methods", ()):
+            continue
+        for path in sorted(getattr(handler, "paths", ())):
+            if path not in taken:
+                taken.add(path)
+                out.append(_forwarder(path))
+    return out
+
+
+def _forwarder(path: str) -> Any:
+    async def plugin_route(request: Request) -> Any:
+        return await _forward(request, path)
+
+    return post(path, status_code=200, summary="A plugin's route, routed by model",
+                name=f"plugin:{path}", guards=[require_api_key])(plugin_route)
+
+
+def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Path,
+                   plugin_routes: Sequence[Any] = ()) -> Litestar:
+    """``plugin_routes``: the route handlers plugins add to runners (``Plugins.routes()``),
+    forwarded by model (:func:`plugin_forwarders`)."""
     state = State({"config": settings, "gateway": config, "started": time.time()})
 
     async def start(app: Litestar) -> None:
@@ -603,8 +630,10 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,
         ollama_ps, ollama_version], guards=[require_api_key],
         exception_handlers={Exception: ollama_error})
-    return Litestar(route_handlers=[v1, admin, api, ollama_root, ollama_root_head, health,
-                                    metrics], state=state,
+    own = [v1, admin, api, ollama_root, ollama_root_head, health, metrics]
+    taken = {route.path for router in (v1, admin, api) for route in router.routes}
+    forwarders = plugin_forwarders(plugin_routes, taken | {"/", "/health", "/metrics"})
+    return Litestar(route_handlers=[*own, *forwarders], state=state,
                     on_startup=[start], on_shutdown=[stop],
                     exception_handlers={Exception: handle_exception},
                     request_max_body_size=settings.max_body_bytes, debug=False)

@@ -138,9 +138,12 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
 
 
 @pytest.mark.model
-def test_the_gateway_passes_the_clients_trace_context_to_the_runner(tmp_path, model_path):
+def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, model_path,
+                                                                     engine):
     """Router mode: the runner's record carries the traceparent the client sent the gateway
-    (a tracing plugin continues the client's trace from it), and the API it came through."""
+    (a tracing plugin continues the client's trace from it), and the API it came through. A
+    plugin's POST route reaches the runner of the body's model; an unknown model is the
+    gateway's 404."""
     from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
 
     records = tmp_path / "records.jsonl"
@@ -152,6 +155,12 @@ def test_the_gateway_passes_the_clients_trace_context_to_the_runner(tmp_path, mo
             "traceparent": TRACEPARENT, "tracestate": "vendor=1"}, json={
             "model": "demo", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200, r.text
+        url = gw.url + "/v1/sample/tokenize"
+        t = httpx.post(url, timeout=60, json={"model": "demo", "text": "Hello world"})
+        assert t.status_code == 200, t.text
+        assert t.json() == {"model": "demo", "tokens": engine.tokenize("Hello world")}
+        t = httpx.post(url, timeout=60, json={"model": "nope", "text": "Hello world"})
+        assert t.status_code == 404 and t.json()["error"]["code"] == "model_not_found"
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
