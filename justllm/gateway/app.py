@@ -630,7 +630,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,
         ollama_ps, ollama_version], guards=[require_api_key],
         exception_handlers={Exception: ollama_error})
-    own = [v1, admin, api, ollama_root, ollama_root_head, health, metrics]
+    own: list[Any] = [v1, admin, api, ollama_root, ollama_root_head, health, metrics]
     taken = {route.path for router in (v1, admin, api) for route in router.routes}
     forwarders = plugin_forwarders(plugin_routes, taken | {"/", "/health", "/metrics"})
     return Litestar(route_handlers=[*own, *forwarders], state=state,
