@@ -31,7 +31,8 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode("utf-8", "replace").strip().splitlines()
+                out = proc.stderr.read() if proc.stderr is not None else b""
+                err = out.decode("utf-8", "replace").strip().splitlines()
                 raise JustLLMError(f"the local server failed: {err[-1] if err else proc.returncode}")
             try:
                 if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:

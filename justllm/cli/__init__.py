@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from justllm.cli import bench as bench_cmd
@@ -72,7 +74,8 @@ def main() -> None:
     from rich.console import Console
 
     # Typer vendors click; its exception base class is reachable only through a public one.
-    click_exception = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    click_exception: Any = next(
+        c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     plugins = load_plugins()  # a plugin that fails to load is one warning line, and skipped
     cli = build_app(plugins)
     plugins_cmd.warn_problems(plugins)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -83,7 +84,7 @@ def bench(
                     run = asyncio.run(run_workload(
                         target, requests, concurrency=concurrency, request_rate=request_rate,
                         model=served_model, api_key=api_key, seed=seed, sampling=sampling,
-                        on_done=lambda task=task: progress.advance(task)))
+                        on_done=partial(progress.advance, task)))
                 summaries.append({**summarize(run), "sampling": sampling})
         finally:
             if server is not None:

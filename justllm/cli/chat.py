@@ -39,16 +39,17 @@ def chat(
             if chat_template:
                 raise ValueError("--chat-template is for a model loaded here; with --url the "
                                  "server's own (serve --chat-template) applies")
-            backend = RemoteChat(url, api_key)
+            backend: LocalChat | RemoteChat = RemoteChat(url, api_key)
         else:
             plugins = plugins_of(context)
-            backend = LocalChat(o.engine_config(model, {
+            local = LocalChat(o.engine_config(model, {
                 "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1, "max_decode": 1,
                 "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
                 "chat_template": chat_template, "verbose": verbose}, plugins),
                 plugins.request_events())
-            if backend.notice:
-                print_notice(backend.notice)
+            if local.notice:
+                print_notice(local.notice)
+            backend = local
         try:
             ChatSession(backend, system=system,
                         options={"temperature": temperature, "max_tokens": max_tokens}).run()

@@ -45,6 +45,7 @@ def show(
             if param.name in ("model", "config_file") or not param.opts:
                 continue
             envvar = param.envvar if isinstance(param.envvar, str) else None
+            value: object
             if envvar and envvar in os.environ:
                 value, source = os.environ[envvar], f"env {envvar}"
             elif param.name in file_values:

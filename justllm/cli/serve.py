@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 from typing import Annotated, Optional
@@ -69,10 +70,11 @@ def serve(
         plugins = plugins_of(context)
         seen = len(plugins.problems)
         config = o.engine_config(model, flags, plugins)
+        model_path = config.model or ""  # engine_config resolved it to a file's path
         routes, events = plugins.routes(), plugins.request_events()
         warn_problems(plugins, seen)
         # Fail fast, before binding the port, on what can be checked without loading.
-        check_gguf_file(config.model)
+        check_gguf_file(model_path)
         if config.gpu:
             require_gpu_offload()
         if not 0 < port < 65536:
@@ -95,11 +97,11 @@ def serve(
         # uvicorn's own limit is a backstop: by then begin_shutdown has ended every request.
         server = _Server(uvicorn.Config(app, host=host, port=port,
                                         log_level="info" if config.verbose else "warning",
-                                        timeout_graceful_shutdown=shutdown_timeout + 5),
+                                        timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 5),
                          on_exit=lambda: begin_shutdown(app, shutdown_timeout))
         app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
         # A lease on the model's registered version: `justllm rm` refuses it while we serve.
-        with lease_for_path(config.model):
+        with lease_for_path(model_path):
             server.run()
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
@@ -169,7 +171,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
 
     # Runners drain for shutdown_timeout; uvicorn's own limit is a backstop beyond it.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=shutdown_timeout + 10),
+                                    timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10),
                      on_exit=stop_runners)
     try:
         server.run()

@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
@@ -282,7 +283,7 @@ class LlamaBackend:
         i32p = ctypes.POINTER(ctypes.c_int32)
         base, row = self.batch_seqs.ctypes.data, self.batch_seqs.strides[0]
         self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + row * i, i32p) for i in range(n)])
-        b = C.llama_batch()
+        b: Any = C.llama_batch()  # llama_cpp annotates its pointer fields as arrays
         b.token = self.batch_tokens.ctypes.data_as(i32p)
         b.embd = None
         b.pos = self.batch_pos.ctypes.data_as(i32p)
@@ -553,7 +554,8 @@ class LlamaBackend:
         (none: the base model). llama.cpp rebuilds its compute graph at the next decode."""
         n = len(adapters)
         if n:
-            handles = (C.llama_adapter_lora_p_ctypes * n)(*[a.handle for a, _ in adapters])
+            handles = (C.llama_adapter_lora_p_ctypes * n)(
+                *[a.handle for a, _ in adapters])  # type: ignore[misc]  # handles: pointers
             scales = (ctypes.c_float * n)(*[s for _, s in adapters])
             C.llama_set_adapters_lora(self._ctx, handles, n, scales)
         else:
@@ -668,7 +670,7 @@ def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
     if metadata:
         overrides = (C.llama_model_kv_override * (len(metadata) + 1))()
         for i, (key, value) in enumerate(metadata.items()):
-            o = overrides[i]
+            o: Any = overrides[i]  # a union's fields: llama_cpp annotates the union as a value
             o.key = key.encode()[:127]
             if isinstance(value, int):
                 o.tag = C.LLAMA_KV_OVERRIDE_TYPE_INT
@@ -768,9 +770,10 @@ class GrammarMatcher:
             raise InvalidRequestError("the grammar could not be parsed", param="response_format")
         n = backend.n_vocab
         self._data = np.zeros(n, dtype=_TOKEN_DATA)
-        self._arr = C.llama_token_data_array()
-        self._arr.data = ctypes.cast(self._data.ctypes.data, C.llama_token_data_p)
-        self._arr.sorted = False
+        arr: Any = C.llama_token_data_array()  # llama_cpp annotates its pointer as an array
+        arr.data = ctypes.cast(self._data.ctypes.data, C.llama_token_data_p)
+        arr.sorted = False
+        self._arr = arr
 
     def _apply(self, ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
         k = ids.size

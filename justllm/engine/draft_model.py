@@ -20,7 +20,7 @@ import math
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -160,7 +160,8 @@ class DraftModelProposer:
         out_trees = {}
         for (w, _slot), ns in zip(jobs, nodes):
             if ns:
-                q = np.stack([n.q for n in ns]) if ns[0].q is not None else None
+                qs = [n.q for n in ns if n.q is not None]  # all of them (sampled) or none
+                q = np.stack(qs) if qs else None
                 out_trees[w.request_id] = DraftTree(
                     tuple(n.token for n in ns), tuple(n.parent for n in ns), q)
         return out_trees
@@ -183,7 +184,7 @@ class DraftModelProposer:
         branches = self.branch if self.tree and depth <= TREE_LEVELS else 1
         if branches == 1:
             token = int(np.argmax(row))
-            if w.p_min > 0 and math.exp(with_logprobs(row, token, 0).logprob) < w.p_min:
+            if w.p_min > 0 and math.exp(cast(float, with_logprobs(row, token, 0).logprob)) < w.p_min:
                 return []
             nodes.append(_Node(token, n, parent_seq, pos))
             return [(j, len(nodes) - 1)]

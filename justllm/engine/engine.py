@@ -734,7 +734,8 @@ class Engine:
             live.metrics.finished_time = now
         handover = None
         if reason is not None and live.handover:
-            handover = Handover(tuple(req.output_token_ids), live.sampler.rng.bit_generator.state,
+            rng_state = dict(live.sampler.rng.bit_generator.state)
+            handover = Handover(tuple(req.output_token_ids), rng_state,
                                 tuple(out.logprobs) if out.logprobs else None)
         return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
                              reason.value if reason else None, out.logprobs or None,

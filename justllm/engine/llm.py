@@ -32,17 +32,18 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
+        batch: list[str | list[int]] = (
+            [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts))  # type: ignore[arg-type]  # a list of prompts
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        texts = {i: [] for i in ids}
-        tokens = {i: [] for i in ids}
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, plist)]
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob] | None] = {i: None for i in ids}
         done: dict[str, CompletionOutput] = {}
-        index = dict(zip(ids, prompts))
+        index = dict(zip(ids, batch))
         while len(done) < len(ids):
             for out in self.engine.step():
                 texts[out.request_id].append(out.text)

@@ -131,13 +131,13 @@ class RequestSampler:
             keep = np.flatnonzero(w >= np.float32(p.min_p))  # p >= min_p * p_max
             ids, w = ids[keep], w[keep]
         if p.top_p < 1.0:
-            keep = _nucleus(w, p.top_p, rest)
-            if keep is None and rest:  # the left-out weight decides the cut: weigh it
+            nucleus = _nucleus(w, p.top_p, rest)
+            if nucleus is None and rest:  # the left-out weight decides the cut: weigh it
                 rest = max(_total(x, m, p.temperature) - float(w.sum(dtype=np.float64)), 0.0)
-                keep = _nucleus(w, p.top_p, rest, exact=True)
-            if keep is None:
+                nucleus = _nucleus(w, p.top_p, rest, exact=True)
+            if nucleus is None:
                 return self._draw_full(x)  # the nucleus reaches past the candidates
-            ids, w = ids[keep], w[keep]
+            ids, w = ids[nucleus], w[nucleus]
         elif rest:
             # Pure temperature: first the candidates or the rest, by their shares, then a token
             # within the side drawn. The rest's exact weight is needed only when the uniform

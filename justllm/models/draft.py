@@ -101,7 +101,7 @@ def _read(src: Path):
     class _PlainViewReader(gguf.GGUFReader):
         def _get(self, *args: Any, **kwargs: Any) -> np.ndarray:
             if type(self.data) is np.memmap:
-                self.data = self.data.view(np.ndarray)
+                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # gguf: a memmap
             return super()._get(*args, **kwargs)
 
     try:

@@ -14,6 +14,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -202,8 +203,10 @@ def hub_errors(repo: str, file: Callable[[], str | None], revision: str,
     )
 
     # The HTTP client's own error base (requests, httpx or httpx2 depending on the hub library's
-    # version): connection errors from it are not OSErrors everywhere.
-    transport = tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
+    # version): connection errors from it are not OSErrors everywhere. Caught with OSError and
+    # ValueError.
+    transport: tuple[type[Exception], ...] = (OSError, ValueError, *(
+        c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError"))
     where = endpoint or _endpoint() or "the Hugging Face Hub"
     try:
         yield
@@ -221,7 +224,7 @@ def hub_errors(repo: str, file: Callable[[], str | None], revision: str,
     except EntryNotFoundError:
         raise ModelLoadError(f"file '{file()}' not found in {repo} at revision "
                              f"'{revision}'") from None
-    except (OSError, ValueError, *transport) as e:
+    except transport as e:
         raise ModelLoadError(f"cannot download {repo}:{file() or '(listing)'} from {where}: "
                              f"{_one_line(e)}") from None
 
@@ -252,7 +255,7 @@ def download_files(listing: RepoListing, files: list[str]) -> Path:
     endpoint = _endpoint()
     folder: Path | None = None
     for file in files:
-        with hub_errors(listing.repo, lambda f=file: f, listing.commit):
+        with hub_errors(listing.repo, partial(str, file), listing.commit):
             got = Path(hf_hub_download(listing.repo, file, revision=listing.commit,
                                        endpoint=endpoint))
         folder = got.parent

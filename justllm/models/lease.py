@@ -29,7 +29,8 @@ class Lease:
     """One held lease; ``release()`` (or the end of the process) gives it up."""
 
     def __init__(self, file: Path, fd: int) -> None:
-        self.file, self._fd = file, fd
+        self.file = file
+        self._fd: int | None = fd
 
     def release(self) -> None:
         if self._fd is None:

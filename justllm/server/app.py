@@ -120,7 +120,7 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     if key is None:
         return
     auth = connection.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
+    scheme, _sep, token = auth.partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
         return
     x_api_key = connection.headers.get("x-api-key")

@@ -21,12 +21,12 @@ import math
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, head, post
@@ -428,7 +428,7 @@ def _logprob(served: Served, lp: TokenLogprob) -> dict:
     return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
-async def _outputs(job: _Job, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
     """The request's outputs; a finished one is counted in the metrics. Closing the iterator
     (client gone, task cancelled) aborts the request."""
     try:
@@ -612,7 +612,9 @@ async def _embed(served: Served, name: str, inputs: str | list[str], dimensions:
                                   "with embeddings disabled", param="model")
     result = await served.embeddings.create(
         EmbeddingRequest(input=inputs, dimensions=dimensions))
-    return [list(e.embedding) for e in result.data], result.usage.prompt_tokens
+    # floats: the request asked for no base64
+    return ([list(cast(list[float], e.embedding)) for e in result.data],
+            result.usage.prompt_tokens)
 
 
 @post("/embed", status_code=200, summary="Ollama: embeddings of one or more inputs")
@@ -694,7 +696,7 @@ def _human_count(n: int) -> str:
 
 
 async def _facts(state: State, served: Served) -> _ModelFacts:
-    facts = state.get("ollama_facts")
+    facts: _ModelFacts | None = state.get("ollama_facts")
     if facts is None:
         facts = await asyncio.to_thread(_read_facts, served.aengine.model_path)
         state["ollama_facts"] = facts

@@ -170,7 +170,7 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty or 0.0,
             repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(req.logit_bias),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 

@@ -194,7 +194,7 @@ def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list
     if len(b) < 2 or not math.isinf(b[-1][0]):
         return None
     # Counts must not decrease; Prometheus fixes small inconsistencies the same way.
-    counts = []
+    counts: list[float] = []
     for _, c in b:
         counts.append(max(c, counts[-1]) if counts else c)
     total = counts[-1]

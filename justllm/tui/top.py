@@ -119,6 +119,9 @@ class TopApp(App[None]):
     def __init__(self, url: str = DEFAULT_URL, interval: float = 1.0,
                  api_key: str | None = None, history: int = 120,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # Until on_mount the widgets a watcher updates do not exist (App.is_mounted is another
+        # thing: whether a given widget is mounted).
+        self._widgets_ready = False
         super().__init__()
         if interval <= 0:
             raise ValueError("the interval must be > 0 seconds")
@@ -185,6 +188,7 @@ class TopApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._widgets_ready = True
         self.sub_title = self.url
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # A hung server must not pile up polls: one in flight at most, and it gives up in time.
@@ -291,7 +295,7 @@ class TopApp(App[None]):
         self.selected = event.row_key.value
 
     def watch_selected(self, selected: str | None) -> None:
-        if not self.is_mounted:
+        if not self._widgets_ready:
             return
         self._show(self.snapshot)
         self._show_status()
@@ -300,7 +304,7 @@ class TopApp(App[None]):
         self.paused = not self.paused
 
     def watch_paused(self, paused: bool) -> None:
-        if not self.is_mounted:
+        if not self._widgets_ready:
             return
         self.query_one("#paused").display = paused
         if self._timer is not None:
@@ -316,7 +320,7 @@ class TopApp(App[None]):
         self._show_status()
 
     def _show_status(self) -> None:
-        if not self.is_mounted:
+        if not self._widgets_ready:
             return
         widget = self.query_one("#status", Static)
         widget.set_class(self.reachable is True, "ok")
@@ -329,7 +333,7 @@ class TopApp(App[None]):
         widget.update(Text(icon + self.status + view))
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if self.is_mounted:
+        if self._widgets_ready:
             self._show(snap)
             self._show_status()  # whether it names the view depends on the page
 
