@@ -593,7 +593,7 @@ def plugin_forwarders(handlers: Sequence[Any], taken: set[str]) -> list[Any]:
 
 def _forwarder(path: str) -> Any:
     async def plugin_route(request: Request) -> Any:
-        return await _forward(request, path)
+        return await _forward(request, request.url.path)  # path parameters filled in
 
     return post(path, status_code=200, summary="A plugin's route, routed by model",
                 name=f"plugin:{path}", guards=[require_api_key])(plugin_route)

@@ -159,6 +159,10 @@ def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, m
         t = httpx.post(url, timeout=60, json={"model": "demo", "text": "Hello world"})
         assert t.status_code == 200, t.text
         assert t.json() == {"model": "demo", "tokens": engine.tokenize("Hello world")}
+        c = httpx.post(gw.url + "/v1/sample/count/to", timeout=60,
+                       json={"model": "demo", "text": "to be or not to be"})
+        assert c.status_code == 200, c.text
+        assert c.json() == {"word": "to", "count": 2}  # the path parameter reached the runner
         t = httpx.post(url, timeout=60, json={"model": "nope", "text": "Hello world"})
         assert t.status_code == 404 and t.json()["error"]["code"] == "model_not_found"
     finally:

@@ -105,9 +105,16 @@ async def tokenize(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     return {"model": model.model_id, "tokens": model.aengine.tokenize(data["text"])}
 
 
+@post("/v1/sample/count/{word:str}", status_code=200)
+async def count(request: Request, word: str, data: dict[str, Any]) -> dict[str, Any]:
+    """How often ``word`` is in the body's text (a route with a path parameter)."""
+    return {"word": word, "count": data["text"].split().count(word)}
+
+
 @hookimpl
 def register_routes(app_builder: Any) -> None:
     app_builder.add(tokenize)
+    app_builder.add(count)
 
 
 @hookimpl
