@@ -100,13 +100,13 @@ def show(
                 path = manifest.path
             except (UnknownModelError, InvalidRefError):
                 found = ModelStore().find(name)  # a relative path in the models directory
-                title = found.name if found is not None else name
-                if found is None:  # a plugin's source (ollama:NAME), or the registry's error
+                if found is not None:
+                    path, title = found, found.name
+                else:  # a plugin's source (ollama:NAME), or the registry's error
                     plugin_file = plugins_of(context).plugin_model(name)
                     if plugin_file is None:
                         raise
-                    found = Path(plugin_file)
-                path = found
+                    path, title = Path(plugin_file), name
                 manifest = registry.manifest_for_path(path)
         info = describe(path)
         console = Console(highlight=False)

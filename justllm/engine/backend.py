@@ -329,9 +329,12 @@ class LlamaBackend:
         if n_out == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         if self._argmax_chains:
-            rows = self.batch_seq[:n_tokens][self.batch_logits[:n_tokens] != 0]
-            if all(int(s) in self._argmax_chains for s in rows):
-                # llama.cpp copied no logits out (every row was chosen in the graph)
+            # llama.cpp copies no logits out when every sequence of every output row (twins
+            # included) has a chain (its needs_raw_logits)
+            out = self.batch_logits[:n_tokens] != 0
+            ids = self.batch_seqs[:n_tokens][out]
+            listed = np.arange(ids.shape[1]) < self.batch_n_seq[:n_tokens][out][:, None]
+            if all(int(s) in self._argmax_chains for s in ids[listed]):
                 return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))

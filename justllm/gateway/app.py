@@ -631,8 +631,10 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         ollama_ps, ollama_version], guards=[require_api_key],
         exception_handlers={Exception: ollama_error})
     own: list[Any] = [v1, admin, api, ollama_root, ollama_root_head, health, metrics]
-    taken = {route.path for router in (v1, admin, api) for route in router.routes}
-    forwarders = plugin_forwarders(plugin_routes, taken | {"/", "/health", "/metrics"})
+    taken = {path for handler in own for path in (
+        [route.path for route in handler.routes] if isinstance(handler, Router)
+        else handler.paths)}
+    forwarders = plugin_forwarders(plugin_routes, taken)
     return Litestar(route_handlers=[*own, *forwarders], state=state,
                     on_startup=[start], on_shutdown=[stop],
                     exception_handlers={Exception: handle_exception},

@@ -147,8 +147,8 @@ class Plugins:
     def plugin_model(self, ref: str) -> str | None:
         """The file a plugin's own model source (not a built-in one) gives ``ref``, asked in
         the sources' order; None when none knows it. For the commands that look a name up in
-        the registry and the models directory themselves (``show``, ``tag``) and must not
-        download, as the built-in Hugging Face source would."""
+        the registry and the models directory themselves (``show``, ``tag``, ``rm``) and must
+        not download, as the built-in Hugging Face source would."""
         from justllm.models.source import BUILTIN_SOURCES
 
         builtin = {id(source) for source, _ in BUILTIN_SOURCES}
