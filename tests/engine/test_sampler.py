@@ -252,3 +252,37 @@ def test_min_p_draws_weigh_only_what_min_p_keeps_and_stay_exact(weighed, params)
     within = int(np.count_nonzero(x >= x.max() + params.temperature * np.log(params.min_p)
                                   - 1e-3))
     assert max(weighed) <= within + 1 < x.size
+
+
+def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniform(monkeypatch):
+    """A top-p draw from the candidates is not just distributed like the whole row's: for the
+    same uniform it is the same token, including when the bound leaves the cut undecided and
+    the sampler tries every cut the bound allows instead of weighing the rest. A short cut
+    makes that case common (and weighing the rest too)."""
+    import justllm.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_CUT", 12.0)
+    monkeypatch.setattr(sampler, "_CUT_WEIGHT", float(np.exp(-12.0)) * 1.001)
+    undecided = {"tried": 0, "weighed": 0}
+    nucleus, total = sampler._nucleus, sampler._total
+
+    def counting_nucleus(w, top_p, rest, exact=False):
+        found = nucleus(w, top_p, rest, exact)
+        undecided["tried"] += found is not None and found.first != found.last
+        return found
+
+    def counting_total(*args):
+        undecided["weighed"] += 1
+        return total(*args)
+
+    monkeypatch.setattr(sampler, "_nucleus", counting_nucleus)
+    monkeypatch.setattr(sampler, "_total", counting_total)
+    rng = np.random.default_rng(11)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    fast, whole = RequestSampler(params, 5), RequestSampler(params, 5)
+    for _ in range(300):
+        x = (rng.normal(size=4096) * 2.0).astype(np.float32)
+        x[rng.choice(x.size, 8, replace=False)] += rng.uniform(4.0, 9.0, size=8).astype(np.float32)
+        assert fast._draw(x) == whole._draw_full(x)
+    # both ways out of an undecided cut were taken, many times
+    assert undecided["tried"] > 100 and 20 < undecided["weighed"] < undecided["tried"] - 20
