@@ -249,8 +249,11 @@ async def _send(request: Request, replica: Replica, path: str,
     ``done``); raises _Refused for a 429/503 another replica may not give. The answer says
     which replica served it (``X-Replica``)."""
     http: httpx.AsyncClient = request.app.state["http"]
+    # The client's query string goes with the request to the path it asked for (a plugin's
+    # route may read it); PD's hand-over paths carry their own.
+    query = request.url.query if path == request.url.path else ""
     response = await http.send(http.build_request(
-        "POST", f"{replica.url}{path}", content=content,
+        "POST", f"{replica.url}{path}", content=content, params=query or None,
         headers=_runner_headers(request)), stream=True)
     # Which replica served it, and what the runner says of it: PD's X-PD, a 503's Retry-After.
     served_by = {"x-replica": replica.id, **{k: v for k, v in response.headers.items()

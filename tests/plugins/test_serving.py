@@ -142,8 +142,8 @@ def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, m
                                                                      engine):
     """Router mode: the runner's record carries the traceparent the client sent the gateway
     (a tracing plugin continues the client's trace from it), and the API it came through. A
-    plugin's POST route reaches the runner of the body's model; an unknown model is the
-    gateway's 404."""
+    plugin's POST route reaches the runner of the body's model, with its path parameters and
+    query string; an unknown model is the gateway's 404."""
     from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
 
     records = tmp_path / "records.jsonl"
@@ -163,6 +163,10 @@ def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, m
                        json={"model": "demo", "text": "to be or not to be"})
         assert c.status_code == 200, c.text
         assert c.json() == {"word": "to", "count": 2}  # the path parameter reached the runner
+        c = httpx.post(gw.url + "/v1/sample/count/to?lower=true", timeout=60,
+                       json={"model": "demo", "text": "To be or not to be"})
+        assert c.status_code == 200, c.text
+        assert c.json() == {"word": "to", "count": 2}  # and so did the query string
         t = httpx.post(url, timeout=60, json={"model": "nope", "text": "Hello world"})
         assert t.status_code == 404 and t.json()["error"]["code"] == "model_not_found"
     finally:

@@ -106,9 +106,12 @@ async def tokenize(request: Request, data: dict[str, Any]) -> dict[str, Any]:
 
 
 @post("/v1/sample/count/{word:str}", status_code=200)
-async def count(request: Request, word: str, data: dict[str, Any]) -> dict[str, Any]:
-    """How often ``word`` is in the body's text (a route with a path parameter)."""
-    return {"word": word, "count": data["text"].split().count(word)}
+async def count(request: Request, word: str, data: dict[str, Any],
+                lower: bool = False) -> dict[str, Any]:
+    """How often ``word`` is in the body's text (a route with a path parameter, and a query
+    parameter: ``?lower=true`` counts regardless of case)."""
+    words = data["text"].lower().split() if lower else data["text"].split()
+    return {"word": word, "count": words.count(word)}
 
 
 @hookimpl
