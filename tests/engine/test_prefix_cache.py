@@ -92,9 +92,9 @@ def test_fully_cached_prompt_recomputes_only_its_last_token(cached):
 def test_eviction_under_a_small_pool_keeps_requests_correct(model_path):
     params = SamplingParams(max_tokens=24, logprobs=5, ignore_eos=True)
     prompts = [f"Story {i}: " + " ".join(f"word{i}_{j}" for j in range(40)) for i in range(8)]
-    plain = make(model_path, prefix_cache=False, pool_blocks=64)
+    plain = make(model_path, prefix_cache=False, pool_blocks=160)  # all 8 at once, no eviction
     try:
-        reference = [run_collect(plain, [p], params)[0] for p in prompts]
+        reference = run_collect(plain, prompts, params)
     finally:
         plain.close()
     small = make(model_path, pool_blocks=40, max_seqs=4)
@@ -112,15 +112,19 @@ def test_eviction_under_a_small_pool_keeps_requests_correct(model_path):
 
 
 def test_prefix_cache_cap_and_off_switch(model_path):
+    # Two unrelated prompts of more than 4 blocks each: together past the cap, so the older
+    # is evicted (an entry goes whole) and the newer stays.
+    prompts = [" ".join(f"{word}{i}" for i in range(40)) for word in ("alpha", "beta")]
     capped = make(model_path, prefix_cache_blocks=8)
     try:
-        run_collect(capped, [SYSTEM + q for q in QUESTIONS[:2]], SamplingParams(max_tokens=2))
-        assert capped.stats().prefix_cache.blocks <= 8
+        for prompt in prompts:
+            run_collect(capped, [prompt], SamplingParams(max_tokens=2))
+        assert 4 < capped.stats().prefix_cache.blocks <= 8
     finally:
         capped.close()
     off = make(model_path, prefix_cache=False)
     try:
-        run_collect(off, [SYSTEM, SYSTEM], SamplingParams(max_tokens=2))
+        run_collect(off, [prompts[0], prompts[0]], SamplingParams(max_tokens=2))
         s = off.stats()
         assert s.prefix_cache.hits == 0 and s.kv_blocks.used == 0
     finally:
