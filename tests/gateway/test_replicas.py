@@ -254,22 +254,34 @@ def _up(url: str) -> bool:
 
 
 def scale_up_under_load(gw: Gateway, model: str, what: str, wanted: list[tuple[str, str]]
-                        ) -> tuple[dict[str, dict], list[httpx.Response]]:
-    """Four long completions, kept running until the replicas' (role, status) are ``wanted``
-    (the autoscaler grew the model), then four short ones: the replicas at that moment, and
-    all eight answers (the short ones last)."""
-    async def load() -> tuple[dict[str, dict], list[httpx.Response]]:
+                        ) -> tuple[dict[str, dict], list[int], list[httpx.Response]]:
+    """Four long streamed completions, kept running until the replicas' (role, status) are
+    ``wanted`` (the autoscaler grew the model), then four short ones; the long ones are closed
+    once the short ones are answered (what they would still generate proves nothing more).
+    The replicas at that moment, the long ones' statuses and the short ones' answers."""
+    async def load() -> tuple[dict[str, dict], list[int], list[httpx.Response]]:
         async with httpx.AsyncClient(timeout=300) as http:
-            calls = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
-                "model": model, "prompt": f"Story {i}:", "max_tokens": 200,
-                "ignore_eos": True})) for i in range(4)]
+            done = asyncio.Event()
+
+            async def long(i: int) -> int:
+                async with http.stream("POST", gw.url + "/v1/completions", json={
+                        "model": model, "prompt": f"Story {i}:", "max_tokens": 400,
+                        "ignore_eos": True, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        if done.is_set():
+                            break
+                    return r.status_code
+
+            calls = [asyncio.create_task(long(i)) for i in range(4)]
             grown = await asyncio.to_thread(wait_for, what, lambda: (
                 r := replicas(gw, model)) and [(x["role"], x["status"]) for x in
                                                r.values()] == wanted and r, 120)
-            more = [asyncio.create_task(http.post(gw.url + "/v1/completions", json={
+            assert not any(c.done() for c in calls)  # the load was still there
+            short = await asyncio.gather(*(http.post(gw.url + "/v1/completions", json={
                 "model": model, "prompt": f"Tale {i}:", "max_tokens": 8,
-                "ignore_eos": True})) for i in range(4)]
-            return grown, list(await asyncio.gather(*calls, *more))
+                "ignore_eos": True}) for i in range(4)))
+            done.set()
+            return grown, list(await asyncio.gather(*calls)), list(short)
 
     return asyncio.run(load())
 
@@ -283,11 +295,12 @@ def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
         wait_for("the first replica", lambda: [r["status"] for r in
                                                replicas(gw, "demo").values()] == ["ready"])
 
-        grown, answers = scale_up_under_load(gw, "demo", "a second replica",
-                                             [("both", "ready")] * 2)
+        grown, statuses, answers = scale_up_under_load(gw, "demo", "a second replica",
+                                                       [("both", "ready")] * 2)
         second = grown["1"]["pid"]
-        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
-        assert "1" in {r.headers["x-replica"] for r in answers[4:]}
+        assert statuses == [200] * 4
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+        assert "1" in {r.headers["x-replica"] for r in answers}
         # Idle: back to one replica after the downscale delay; the retired process is gone.
         wait_for("one replica", lambda: list(replicas(gw, "demo")) == ["0"], 60)
         wait_gone([second])
