@@ -138,22 +138,14 @@ class RequestSampler:
         if p.top_p < 1.0:
             u = self.rng.random()
             found = _nucleus(w, p.top_p, rest)
-            if found is not None and found.first != found.last:
-                # The bound leaves the cut undecided. Often it does not matter: u draws the
-                # same token from each nucleus the bound allows (then that is the token the
-                # exact nucleus draws too); else weigh the rest.
-                token = found.pick(w, found.first, u)
-                if found.last - found.first > _MAX_CUTS or any(
-                        found.pick(w, k, u) != token for k in found.others()):
-                    found = None
-                else:
-                    return int(ids[token])
-            if found is None and rest:  # the left-out weight decides the draw: weigh it
+            token = found.agreed(w, u) if found is not None else None
+            if token is None and rest:  # the left-out weight decides the draw: weigh it
                 rest = max(_total(x, m, p.temperature) - float(w.sum(dtype=np.float64)), 0.0)
                 found = _nucleus(w, p.top_p, rest, exact=True)
-            if found is None:
+                token = found.agreed(w, u) if found is not None else None  # one cut: decided
+            if token is None:
                 return self._draw_full(x, u)  # the nucleus reaches past the candidates
-            return int(ids[found.pick(w, found.first, u)])
+            return int(ids[token])
         elif rest:
             # Pure temperature: first the candidates or the rest, by their shares, then a token
             # within the side drawn. The rest's exact weight is needed only when the uniform
@@ -259,9 +251,6 @@ class _Cut:
     first: int
     last: int
 
-    def others(self) -> range:
-        return range(self.first + 1, self.last + 1)
-
     def members(self, k: int) -> np.ndarray:
         """The nucleus if the cut is at ``k``, ascending."""
         return np.sort(self.order[:min(k + 1, self.order.size)])
@@ -271,6 +260,17 @@ class _Cut:
         inverse CDF in ascending index order)."""
         keep = self.members(k)
         return int(keep[inverse_cdf(w[keep], u)])
+
+    def agreed(self, w: np.ndarray, u: float) -> int | None:
+        """The token ``u`` draws if the cut is known, or if it draws the same one from every
+        nucleus the cut allows (then that is the exact nucleus's token too: a bound that leaves
+        the cut undecided often does not matter); None when they differ, or when there are
+        more than ``_MAX_CUTS`` to try."""
+        if self.last - self.first > _MAX_CUTS:
+            return None
+        token = self.pick(w, self.first, u)
+        same = all(self.pick(w, k, u) == token for k in range(self.first + 1, self.last + 1))
+        return token if same else None
 
 
 def _nucleus(w: np.ndarray, top_p: float, rest: float, exact: bool = False) -> _Cut | None:
