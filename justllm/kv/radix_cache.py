@@ -16,7 +16,9 @@ Holders:
   until eviction removes its last node.
 
 Nodes on a running request's matched path are locked (counts along the path); only unlocked,
-non-live leaves are evicted, in the order a pluggable :class:`EvictionPolicy` chooses.
+non-live leaves are evicted, in the order a pluggable :class:`EvictionPolicy` chooses. Evicting
+for a number of blocks (room in the pool, or the cache's cap) takes whole leaves but the last,
+which loses only the tail that is too much.
 
 Trees: KV computed under one LoRA adapter set is not the KV another set (or the base model)
 would compute, so every lookup and insertion names a *tree key* (the scheduler's adapter set;
@@ -342,19 +344,35 @@ class RadixCache:
             ops.append(KVOp.rm(victim.holder))
         return ops
 
-    def _evict_while(self, keep_going: Callable[[], bool]) -> list[KVOp]:
-        """Evict leaves while ``keep_going()`` and something can still go."""
+    def _shrink_to(self, blocks: int) -> list[KVOp]:
+        """Evict until the cache holds at most ``blocks`` blocks (or nothing more can go).
+
+        The last victim loses only the tail that is too much (vLLM frees a prefix's blocks
+        from its end too): a prefix longer than the room left keeps the head that fits, so one
+        long system prompt past ``--prefix-cache-blocks`` still saves most of its prefill
+        instead of emptying the cache."""
         ops: list[KVOp] = []
-        while keep_going():
-            more = self.evict_one()
-            if more is None:
-                break
-            ops += more
+        while self.num_blocks > blocks and self._evictable:
+            victim = self.policy.pick(list(self._evictable))
+            excess = self._owned_tokens - max(blocks, 0) * self.pool.block_size
+            if excess < len(victim.tokens):
+                ops += self._trim(victim, len(victim.tokens) - excess)
+            else:
+                ops += self._evict(victim)
         return ops
 
+    def _trim(self, leaf: RadixNode, keep: int) -> list[KVOp]:
+        """Drop all but the first ``keep`` (>= 1) tokens of an evictable leaf."""
+        end = leaf.end
+        self._unreserve(len(leaf.tokens) - keep)
+        del leaf.tokens[keep:]
+        return [KVOp.rm(leaf.holder, leaf.end, end)]
+
     def evict_blocks(self, needed: int) -> list[KVOp]:
-        """Evict until the pool has ``needed`` free blocks or nothing more can go."""
-        return self._evict_while(lambda: not self.pool.can_allocate(needed))
+        """Evict until the pool has ``needed`` free blocks or nothing more can go (the last
+        prefix evicted may keep its head: :meth:`_shrink_to`)."""
+        short = needed - self.pool.num_free
+        return self._shrink_to(self.num_blocks - short) if short > 0 else []
 
     def evict_holder(self) -> list[KVOp]:
         """Evict until some holder sequence id is given up (or nothing more can go)."""
@@ -367,7 +385,7 @@ class RadixCache:
         return ops
 
     def flush(self) -> list[KVOp]:
-        return self._evict_while(lambda: True)
+        return self._shrink_to(0)
 
     def flush_trees(self, which: Callable[[Hashable], bool]) -> list[KVOp]:
         """Evict every unlocked entry of the trees whose key ``which`` accepts (an adapter
@@ -382,8 +400,7 @@ class RadixCache:
     def _enforce_cap(self) -> list[KVOp]:
         if self.max_blocks is None:
             return []
-        cap = self.max_blocks
-        return self._evict_while(lambda: self.num_blocks > cap)
+        return self._shrink_to(self.max_blocks)
 
     # ---- introspection --------------------------------------------------------------------
 

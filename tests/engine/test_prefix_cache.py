@@ -113,13 +113,18 @@ def test_eviction_under_a_small_pool_keeps_requests_correct(model_path):
 
 def test_prefix_cache_cap_and_off_switch(model_path):
     # Two unrelated prompts of more than 4 blocks each: together past the cap, so the older
-    # is evicted (an entry goes whole) and the newer stays.
+    # loses its tail, down to what fits, and keeps its head; the newer stays whole.
     prompts = [" ".join(f"{word}{i}" for i in range(40)) for word in ("alpha", "beta")]
     capped = make(model_path, prefix_cache_blocks=8)
     try:
         for prompt in prompts:
             run_collect(capped, [prompt], SamplingParams(max_tokens=2))
-        assert 4 < capped.stats().prefix_cache.blocks <= 8
+        assert capped.stats().prefix_cache.blocks == 8
+        n_alpha = len(capped.tokenize(prompts[0]))
+        assert n_alpha > 4 * capped.config.block_size
+        again = run_collect(capped, [prompts[0]], SamplingParams(max_tokens=2))[0][2]
+        assert 1 < again.num_cached_tokens < n_alpha - 1  # more than the shared BOS
+        assert capped.stats().prefix_cache.blocks == 8
     finally:
         capped.close()
     off = make(model_path, prefix_cache=False)

@@ -94,13 +94,38 @@ def test_pool_too_full_drops_the_uncached_tail():
     assert c.dump() == []
 
 
-def test_cap_on_cache_blocks_evicts_lru():
+def test_cap_on_cache_blocks_evicts_lru_and_the_last_victim_keeps_its_head():
     c = cache(max_blocks=2)
     c.insert([1, 2, 3, 4], seq=1, live=False)
     c.insert([5, 6, 7, 8], seq=2, live=False)
     ops = c.insert([9, 10], seq=3, live=False)
-    assert ops == [KVOp.rm(1, 0, 4), KVOp.rm(1)]
-    assert c.num_blocks == 2
+    assert ops == [KVOp.rm(1, 2, 4)]  # 10 tokens, room for 8: the LRU prefix loses 2
+    assert c.num_blocks == 2 and c.match([1, 2, 3], limit=3).length == 2
+    ops = c.insert([11, 12, 13, 14, 15, 16], seq=4, live=False)
+    # 14 tokens, 6 too many: [1, 2] was just matched, so [5..8] and [9, 10] go whole.
+    assert ops == [KVOp.rm(2, 0, 4), KVOp.rm(2), KVOp.rm(3, 0, 2), KVOp.rm(3)]
+    assert c.num_blocks == 2 and c.num_tokens == 8 and c.check() == []
+
+
+def test_a_prefix_longer_than_the_cap_keeps_the_head_that_fits():
+    c = cache(max_blocks=3)
+    ops = c.insert(list(range(1, 21)), seq=1, live=False)  # 20 tokens, room for 12
+    assert ops == [KVOp.rm(1, 12, 20)]
+    assert c.match(list(range(1, 21)), limit=19).length == 12
+    assert c.num_blocks == 3 and c.check() == []
+
+
+def test_evicting_for_blocks_frees_what_is_asked_and_no_more():
+    c = cache(blocks=8, bs=4)
+    c.insert(list(range(1, 25)), seq=1, live=False)  # 6 blocks
+    c.pool.allocate(2)  # a running request's
+    ops = c.evict_blocks(3)  # 0 free, 3 needed: the prefix loses its last 3 blocks
+    assert ops == [KVOp.rm(1, 12, 24)]
+    assert c.pool.num_free == 3 and c.match(list(range(1, 25)), limit=23).length == 12
+    assert c.evict_blocks(3) == []  # already free
+    ops = c.evict_blocks(7)  # more than the cache holds: all of it goes
+    assert ops == [KVOp.rm(1, 0, 12), KVOp.rm(1)] and c.pool.num_free == 6
+    assert c.check() == []
 
 
 def test_flush_and_evict_for_blocks_and_holders():
