@@ -79,6 +79,16 @@ class LoraSpec:
 _LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+-]{0,127}")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (``taskset``, a container's cpuset,
+    a test worker's share), where ``os.cpu_count()`` counts the whole machine; llama.cpp's
+    threads beyond the mask would only wait for each other."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity masks on this platform (macOS)
+        return os.cpu_count() or 1
+
+
 def check_lora_name(name: str) -> None:
     """An adapter name is a model id clients send: letters, digits and ``._/@+-``."""
     if not isinstance(name, str) or not _LORA_NAME.fullmatch(name):

@@ -17,6 +17,36 @@ os.environ["JUSTLLM_PLUGINS"] = ""
 KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS"}
 
 
+# The slowest files (measured), collected first: pytest-xdist hands out whole files in
+# collection order (--dist loadfile), so starting with the longest ones leaves no worker alone
+# with a long file at the end. Other files keep their order.
+SLOW_FIRST = (
+    "tests/cluster/test_ray_cluster.py", "tests/engine/test_kv_stress.py",
+    "tests/server/test_schemathesis.py", "tests/gateway/test_gateway.py",
+    "tests/engine/test_prefix_cache.py", "tests/engine/test_engine.py",
+    "tests/gateway/test_replicas.py", "tests/spec/test_spec_engine.py",
+    "tests/server/test_soak.py", "tests/gateway/test_pd.py", "tests/server/test_reliability.py",
+    "tests/test_architecture.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker runs on its own share of the CPUs (the processes it
+    starts inherit it), and llama.cpp's threads follow that share (config.usable_cpus): two
+    workers' threads on the same cores would spin waiting for each other."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        share = cpus[int(worker.removeprefix("gw")) % len(cpus)::int(count)]
+        os.sched_setaffinity(0, share or cpus)
+
+
 @pytest.fixture(autouse=True)
 def _no_user_config(tmp_path_factory, monkeypatch):
     """A user's ~/.config/justllm/config.yaml must not change what the tests run."""

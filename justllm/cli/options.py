@@ -37,7 +37,7 @@ NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before new ones are refused.", envvar="JUSTLLM_MAX_QUEUE")]
 NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp computes at once within a step (0: the whole step on CPU, 512 with --gpu).", envvar="JUSTLLM_N_UBATCH")]
 FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
-Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: all cores).", envvar="JUSTLLM_THREADS")]
+Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
 Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]

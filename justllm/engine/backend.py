@@ -25,6 +25,7 @@ import numpy as np
 from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
+from justllm.config import usable_cpus
 from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
 from justllm.models.gguf import check_gguf_file
 
@@ -84,7 +85,7 @@ class BackendConfig:
     flash_attn: str = "auto"  # auto (llama.cpp decides per device) | on | off
     n_seq_max: int = 40
     n_outputs_max: int = 64
-    n_threads: int = 0  # 0: all cores
+    n_threads: int = 0  # 0: every core in the affinity mask (config.usable_cpus)
     gpu: bool = False
     verbose: bool = False
     # Keep every cell of a sliding-window model's KV until it is removed on purpose (twin
@@ -239,7 +240,7 @@ class LlamaBackend:
         swa = self.n_swa > 0
         self._twin = config.n_seq_max if config.keep_swa_cells and swa else 0
 
-        threads = config.n_threads or os.cpu_count() or 1
+        threads = config.n_threads or usable_cpus()
         cparams = C.llama_context_default_params()
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch
@@ -263,6 +264,7 @@ class LlamaBackend:
         self._mem = C.llama_get_memory(self._ctx)
         self.n_ctx = int(C.llama_n_ctx(self._ctx))
         self.n_ubatch = int(C._lib.llama_n_ubatch(self._ctx))
+        self.n_threads = int(C.llama_n_threads(self._ctx))
         self._pieces: dict[int, bytes] = {}
         # Time spent inside llama_decode, for benchmarks' "share of a step in Python".
         self.decode_seconds = 0.0
@@ -709,7 +711,7 @@ class EmbeddingContext:
         cparams.n_batch = n_ctx
         cparams.n_ubatch = n_ctx
         cparams.n_seq_max = 1
-        threads = backend.config.n_threads or os.cpu_count() or 1
+        threads = backend.config.n_threads or usable_cpus()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.embeddings = True

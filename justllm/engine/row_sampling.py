@@ -19,13 +19,13 @@ thread: their matcher lives in llama.cpp, which the engine calls from one thread
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from justllm.config import usable_cpus
 from justllm.engine.sampler import RequestSampler, SampledToken
 from justllm.errors import EngineError
 
@@ -42,7 +42,7 @@ class RowJob:
 def sampling_workers(gpu: bool, llama_threads: int, cores: int | None = None) -> int:
     """Threads for the step's sampled rows: the cores llama.cpp leaves idle between decodes
     (all of them with the model on a GPU), at most 8; 1 means on the engine thread."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cpus()
     idle = cores if gpu else cores - (llama_threads or cores)
     return max(1, min(idle, 8))
 

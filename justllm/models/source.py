@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from filelock import FileLock
+
 from justllm.errors import ModelLoadError
 
 DEMO_HINT = ("no model given and the demo model is not installed: "
@@ -148,13 +150,32 @@ def demo_model_path() -> Path:
         raise ModelLoadError(DEMO_HINT) from None
     target = cache_dir() / "models" / demo.MODEL_NAME
     verified = target.with_name(target.name + ".sha256")
-    if target.is_file() and verified.is_file() and verified.read_text().strip() == stamp(target, demo.EXPECTED_SHA256):
+    if _demo_is_whole(target, verified, demo.EXPECTED_SHA256):
         return target
-    try:
-        demo.assemble(target, overwrite=True)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not assemble the demo model into {target}: {e}") from e
-    if sha256_file(target) != demo.EXPECTED_SHA256:
-        raise ModelLoadError(f"the demo model at {target} failed its sha256 check")
-    verified.write_text(stamp(target, demo.EXPECTED_SHA256))
+    # Two processes starting at once on a fresh machine (two `serve`s, two test workers): one
+    # assembles while the other waits, and the file is assembled beside the target and renamed
+    # into place, so nobody ever reads a half-written model.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(f".{target.name}.lock")):
+        if _demo_is_whole(target, verified, demo.EXPECTED_SHA256):
+            return target
+        part = target.with_name(f".{target.name}.part")
+        try:
+            demo.assemble(part, overwrite=True)
+            if sha256_file(part) != demo.EXPECTED_SHA256:
+                raise ModelLoadError(f"the demo model assembled at {part} failed its sha256 "
+                                     "check")
+            os.replace(part, target)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"could not assemble the demo model into {target}: {e}") from e
+        finally:
+            part.unlink(missing_ok=True)
+        verified.write_text(stamp(target, demo.EXPECTED_SHA256))
     return target
+
+
+def _demo_is_whole(target: Path, verified: Path, sha: str) -> bool:
+    from justllm.models.digests import stamp
+
+    return (target.is_file() and verified.is_file()
+            and verified.read_text().strip() == stamp(target, sha))

