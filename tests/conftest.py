@@ -17,15 +17,16 @@ os.environ["JUSTLLM_PLUGINS"] = ""
 KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS"}
 
 
-# The slowest files (measured), collected first: pytest-xdist hands out whole files in
-# collection order (--dist loadfile), so starting with the longest ones leaves no worker alone
-# with a long file at the end. Other files keep their order.
+# The slowest files (measured under xdist, slowest first), collected first: pytest-xdist hands
+# out whole files in collection order (--dist loadfile; its own reordering by test count is
+# turned off in pytest_configure), so the long ones start at once and no worker is left alone
+# with one at the end. Other files keep their order.
 SLOW_FIRST = (
-    "tests/cluster/test_ray_cluster.py", "tests/engine/test_kv_stress.py",
-    "tests/server/test_schemathesis.py", "tests/gateway/test_gateway.py",
-    "tests/engine/test_prefix_cache.py", "tests/engine/test_engine.py",
-    "tests/gateway/test_replicas.py", "tests/spec/test_spec_engine.py",
-    "tests/server/test_soak.py", "tests/gateway/test_pd.py", "tests/server/test_reliability.py",
+    "tests/cluster/test_ray_cluster.py", "tests/engine/test_prefix_cache.py",
+    "tests/engine/test_kv_stress.py", "tests/gateway/test_gateway.py",
+    "tests/gateway/test_replicas.py", "tests/server/test_schemathesis.py",
+    "tests/engine/test_engine.py", "tests/gateway/test_pd.py", "tests/server/test_soak.py",
+    "tests/spec/test_spec_engine.py", "tests/server/test_reliability.py",
     "tests/test_architecture.py",
 )
 
@@ -39,6 +40,8 @@ def pytest_configure(config):
     """Under pytest-xdist each worker runs on its own share of the CPUs (the processes it
     starts inherit it), and llama.cpp's threads follow that share (config.usable_cpus): two
     workers' threads on the same cores would spin waiting for each other."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep SLOW_FIRST's order
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
         "PYTEST_XDIST_WORKER_COUNT")
     if worker and count and hasattr(os, "sched_setaffinity"):
