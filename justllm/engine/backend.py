@@ -711,7 +711,7 @@ class EmbeddingContext:
         cparams.n_batch = n_ctx
         cparams.n_ubatch = n_ctx
         cparams.n_seq_max = 1
-        threads = backend.config.n_threads or usable_cpus()
+        threads = backend.n_threads  # what the backend's context was given
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.embeddings = True

@@ -58,7 +58,7 @@ class DigestCache:
         known = read_json(self.file, {}).get(stored_path(path, self.root))
         if (hit := _matches(path, known)) is not None:
             return hit
-        return _matches(path, _read_sidecar(path))
+        return stamped_sha(path)
 
     def digest(self, path: Path) -> str:
         """``path``'s sha256 hex, hashing it only when it changed since it was last hashed."""
@@ -75,6 +75,16 @@ class DigestCache:
             for key in [k for k in table if not (self.root / k).exists()]:
                 del table[key]
             write_json(self.file, table)
+
+
+def stamped_sha(path: Path) -> str | None:
+    """The hex the stamp beside ``path`` records, if the file has not changed since."""
+    return _matches(path, _read_sidecar(path))
+
+
+def write_sidecar(path: Path, sha: str) -> None:
+    """Stamp ``path`` (hashed to ``sha``) beside it."""
+    sidecar(path).write_text(stamp(path, sha))
 
 
 def _read_sidecar(path: Path) -> str | None:

