@@ -124,7 +124,8 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
     return deployments.INGRESS.options(
         name=INGRESS, max_ongoing_requests=INGRESS_MAX_ONGOING).bind(
         handles, dict(config.names), board, settings.api_key, prefill,
-        frozenset(a for m in config.models for a in m.adapters))
+        frozenset(a for m in config.models for a in m.adapters),
+        frozenset(m.name for m in config.models if dict(m.flags).get("enable-lora-runtime")))
 
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,

@@ -7,7 +7,9 @@ Why a stats board: Ray gives a replica's ``record_routing_stats`` to the routers
 handle's), and nothing public lists a deployment's replicas with their stats. Each model
 replica posts its stats and its /metrics page to the board every ``STATS_PERIOD``; the
 ingress's /metrics and `justllm cluster status` read it. A replica that stops posting (it was
-killed) drops off after ``STALE`` seconds; one stopped by Ray says so first.
+killed) drops off after ``STALE`` seconds; one stopped by Ray says so first. The board also
+holds which LoRA adapters loaded at run time are current (justllm/cluster/lora.py), and answers
+each report with them, so a replica drops the ones unloaded or replaced.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import ray
 from litestar import Litestar
 from ray import serve
@@ -28,8 +31,11 @@ from ray.serve.handle import DeploymentHandle
 from justllm.cluster.asgi import Head
 from justllm.cluster.host import EngineHost, Identity
 from justllm.cluster.ingress import Ingress, create_ingress
+from justllm.cluster.lora import MAX_RUNTIME_ADAPTERS, RuntimeAdapters, stale_adapters
 from justllm.cluster.options import STATS_PERIOD
 from justllm.config import EngineConfig
+from justllm.errors import InvalidRequestError, JustLLMError
+from justllm.server.errors import error_body
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +56,66 @@ class ModelReplica:
                             ray.util.get_node_ip_address(), role)
         self.host = await asyncio.to_thread(EngineHost.load, identity, engine_config)
         self._board = board
-        self._reporter = asyncio.get_running_loop().create_task(self._report())
+        self._loop = asyncio.get_running_loop()
+        # LoRA adapters loaded at run time: the file of each key asked for, and the key each
+        # name holds now (justllm/cluster/lora.py).
+        self._files: dict[str, tuple[str, str]] = {}
+        self._held: dict[str, str] = {}
+        self._reporter = self._loop.create_task(self._report())
 
     async def http(self, method: str, path: str, query: str,
                    headers: list[tuple[str, str]], body: bytes,
-                   route: Any = None) -> AsyncIterator[Head | bytes]:
-        """One HTTP request to justllm's app (``route`` is the RequestRouter's)."""
+                   route: Any = None, lora: tuple[str, str] | None = None
+                   ) -> AsyncIterator[Head | bytes]:
+        """One HTTP request to justllm's app (``route`` is the RequestRouter's). ``lora``:
+        the (name, path) of the adapter loaded at run time that the request names, loaded
+        first if this replica does not hold it (Ray's multiplexed model id is its key)."""
+        if lora is not None:
+            try:
+                await self._runtime_adapter(*lora)
+            except Exception as e:  # the file changed or went since the ingress checked it
+                yield Head(400, [("content-type", "application/json")])
+                yield msgspec.json.encode(error_body(
+                    f"the LoRA adapter '{lora[0]}' could not be loaded: {e}",
+                    "invalid_request_error", param="model"))
+                return
         async for item in self.host.http(method, path, query, headers, body):
             yield item
+
+    async def load_adapter(self, name: str, path: str) -> str:
+        """The ingress's check of a LoRA adapter loaded at run time (the call's multiplexed
+        model id is its key): "" once this replica holds it, else why llama.cpp or the file
+        checks refused it."""
+        try:
+            await self._runtime_adapter(name, path)
+        except JustLLMError as e:
+            return str(e)
+        return ""
+
+    async def _runtime_adapter(self, name: str, path: str) -> None:
+        key = serve.get_multiplexed_model_id()
+        self._files[key] = (name, path)
+        await self._adapter(key)
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_RUNTIME_ADAPTERS)
+    async def _adapter(self, key: str) -> HeldAdapter:
+        """Ray's loader for a multiplexed model id: the adapter's file loaded under its name
+        (in place of an older load of that name)."""
+        name, path = self._files.pop(key)
+        await self.host.aengine.load_lora(name, path, replace=True)
+        self._held[name] = key
+        return HeldAdapter(self, name, key)
+
+    async def drop_adapter(self, name: str, key: str) -> None:
+        """Unload ``name`` if it still holds ``key`` (Ray evicted it, or the ingress unloaded
+        or replaced it)."""
+        if self._held.get(name) != key:
+            return
+        del self._held[name]
+        try:
+            await self.host.aengine.unload_lora(name)
+        except InvalidRequestError:  # already being unloaded
+            pass
 
     async def prefill(self, path: str, body: bytes, route: Any = None) -> bytes:
         """A PD model's first half, on a prefill replica: the prompt computed, its first token
@@ -105,7 +163,9 @@ class ModelReplica:
         while True:
             try:
                 stats, page = self.host.observe()
-                await self._board.report.remote(stats, page)
+                current = await self._board.report.remote(stats, page)
+                for name in stale_adapters(self._held, current):
+                    await self.drop_adapter(name, self._held[name])
             except Exception as e:  # the board restarts with Ray; the next report gets there
                 log.warning("stats report failed: %s", e)
             await asyncio.sleep(STATS_PERIOD)
@@ -125,6 +185,26 @@ class ModelReplica:
         await asyncio.to_thread(self.host.close)
 
 
+class HeldAdapter:
+    """What Ray's multiplexing keeps for a LoRA adapter a replica holds; Ray calls
+    ``__del__`` when it evicts it (from a worker thread: the unload runs on the replica's
+    loop)."""
+
+    def __init__(self, replica: ModelReplica, name: str, key: str) -> None:
+        self.replica, self.name, self.key = replica, name, key
+        self._dropped = False
+
+    def __del__(self) -> None:
+        if self._dropped:
+            return
+        self._dropped = True
+        try:
+            asyncio.run_coroutine_threadsafe(
+                self.replica.drop_adapter(self.name, self.key), self.replica._loop)
+        except RuntimeError:  # the replica's loop is closed: the engine went with it
+            pass
+
+
 class StatsBoard:
     """The last report of every model replica (see the module's docstring), and what the
     deploy said about the app (``info``: its URL, the Ray address)."""
@@ -132,10 +212,20 @@ class StatsBoard:
     def __init__(self, info: dict[str, Any]) -> None:
         self.info = info
         self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # model -> replica -> row
+        self._runtime: dict[str, list[str]] | None = None  # model -> current adapter keys
 
-    async def report(self, stats: dict[str, Any], page: str) -> None:
+    async def report(self, stats: dict[str, Any], page: str) -> list[str] | None:
+        """Take a replica's report; answer the keys of the LoRA adapters loaded at run time
+        that its model's replicas may keep (None: not known since the board started)."""
         rows = self._rows.setdefault(stats["model"], {})
         rows[stats["replica"]] = {"stats": stats, "page": page, "at": time.monotonic()}
+        if self._runtime is None:
+            return None
+        return self._runtime.get(stats["model"], [])
+
+    async def set_runtime(self, current: dict[str, list[str]]) -> None:
+        """The ingress's registry of LoRA adapters loaded at run time, model -> keys."""
+        self._runtime = current
 
     async def forget(self, model: str, replica: str) -> None:
         self._rows.get(model, {}).pop(replica, None)
@@ -161,9 +251,10 @@ class ClusterIngress:
     def __init__(self, handles: dict[str, DeploymentHandle], names: dict[str, str],
                  board: DeploymentHandle, api_key: str | None,
                  prefill: dict[str, tuple[DeploymentHandle, int]] | None = None,
-                 adapters: frozenset[str] = frozenset()) -> None:
+                 adapters: frozenset[str] = frozenset(),
+                 lora_runtime: frozenset[str] = frozenset()) -> None:
         self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {},
-                               adapters=adapters)
+                               adapters=adapters, runtime=RuntimeAdapters(lora_runtime))
 
     def __serve_build_asgi_app__(self) -> Litestar:
         return create_ingress(self.ingress)

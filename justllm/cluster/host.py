@@ -112,6 +112,7 @@ class EngineHost:
             "kv_usage": round(view.kv_usage, 4),
             "hit_ratio": None if view.hit_ratio is None else round(view.hit_ratio, 4),
             "cache_blocks": int(snap.cache_blocks or 0), "ttft_p50": view.ttft_p50,
+            "adapters": sorted(a.name for a in self.aengine.lora_adapters()),
         }, page
 
     def close(self) -> None:

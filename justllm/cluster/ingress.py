@@ -22,6 +22,10 @@ KV -- stays in Ray's object store; the decode deployment's ``pd_decode`` is call
 reference, so Ray hands the bytes to the decode replica without the ingress ever holding
 them. Any failure of the first half (no KV, the prefill replica died) and the request is
 sent again to the decode deployment, whole. LoRA requests are served whole.
+
+LoRA adapters loaded at run time (justllm/cluster/lora.py) are model names here too: a request
+naming one goes to its base model's deployment with the adapter's key as Ray's multiplexed
+model id, and the replica loads the adapter first if it does not hold it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from litestar.datastructures import State
 from litestar.response import Stream
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from justllm.cluster import lora as runtime_lora
 from justllm.cluster.asgi import Head, forwardable
+from justllm.cluster.lora import RuntimeAdapters
 from justllm.cluster.metrics import render
 from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
 from justllm.gateway.routing import route_text
@@ -69,6 +75,7 @@ class Ingress:
     # LoRA adapter names (models.yaml's lora): a request names one as its model, and it goes
     # to its base model's deployment under that name (the replica applies the adapter).
     adapters: frozenset[str] = frozenset()
+    runtime: RuntimeAdapters = field(default_factory=RuntimeAdapters)
 
     def model(self, name: Any, ollama: bool) -> str:
         """The model ``name`` means, or the error the gateway gives for it."""
@@ -78,6 +85,8 @@ class Ingress:
             next(iter(self.handles)) if len(self.handles) == 1 else None)
         if found is None and name and name.endswith(":latest"):  # Ollama clients add it
             found = self.names.get(name.removesuffix(":latest"))
+        if found is None and name in self.runtime.loaded:
+            found = self.runtime.loaded[name].model
         if found is not None:
             return found
         known = ", ".join(self.names)
@@ -111,12 +120,19 @@ async def forward(request: Request, path: str) -> Any:
     model = ing.model(body.get(key), ollama)
     session = request.headers.get("x-session-id") or body.get("user")
     route = (route_text(body), session if isinstance(session, str) else None)
-    lora = lora_request(body, ing.adapters)  # served whole: its KV is the adapter's
-    if body.get(key) not in ing.adapters:  # an adapter keeps its name: the replica applies it
+    named = body.get(key)
+    runtime = ing.runtime.loaded.get(named) if isinstance(named, str) else None
+    # Served whole: its KV is the adapter's.
+    lora = runtime is not None or lora_request(body, ing.adapters)
+    if body.get(key) not in ing.adapters and runtime is None:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
-    handle = ing.handles[model].options(stream=True)
+    if runtime is None:
+        handle, extra = ing.handles[model].options(stream=True), {}
+    else:  # Ray prefers the replicas that hold it; the one chosen loads it if it does not
+        handle = ing.handles[model].options(stream=True, multiplexed_model_id=runtime.key)
+        extra = {"lora": (runtime.name, runtime.path)}
     kv = None if lora else _prefill(ing, model, path, body, content, route)
     attempt = 0
     while attempt < TRIES:
@@ -126,7 +142,7 @@ async def forward(request: Request, path: str) -> Any:
         else:
             attempt += 1
             answer = handle.http.remote("POST", path, request.url.query or "", headers,
-                                        content, route=route)
+                                        content, route=route, **extra)
         try:
             # A client that leaves while its answer is computed cancels it (an answer that is
             # not a stream sends its head only when done): the replica aborts the request.
@@ -258,7 +274,9 @@ async def list_models(state: State) -> dict:
                      if n == m and a != m and a not in ing.adapters]}
         for m in ing.handles] + [
         {"id": a, "object": "model", "created": ing.created, "owned_by": "justllm",
-         "parent": ing.names[a]} for a in sorted(ing.adapters)]}
+         "parent": ing.names[a]} for a in sorted(ing.adapters)] + [
+        {"id": a.name, "object": "model", "created": ing.created, "owned_by": "justllm",
+         "parent": a.model} for a in sorted(ing.runtime.loaded.values(), key=lambda a: a.name)]}
 
 
 @get("/tags", summary="Ollama: the cluster's models")
@@ -297,7 +315,8 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
 def create_ingress(ingress: Ingress) -> Litestar:
     """The ingress's app. ``ingress.api_key``: /v1 and /api ask for it, as `justllm serve`."""
     config = IngressConfig(ingress.api_key)
-    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models],
+    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models]
+                + runtime_lora.ROUTES,
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})

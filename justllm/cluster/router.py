@@ -21,6 +21,11 @@ burst is routed before any of it is sent, every request sees the same loads, and
 goes to one replica.
 A replica that leaves the set (stopped, or killed and replaced by a new one with a new id) is
 forgotten: a new process has an empty cache.
+
+A request for a LoRA adapter loaded at run time carries Ray's multiplexed model id
+(justllm/cluster/lora.py): the policy then chooses among the replicas that hold the adapter,
+if any does, and the others are ranked after them (one of them loads it when the holders are
+full). This is what Ray's own routers do with multiplexing, with justllm's policy inside.
 """
 
 from __future__ import annotations
@@ -65,6 +70,16 @@ def route_of(pending: PendingRequest | None) -> RouteRequest:
     return RouteRequest()
 
 
+def multiplexed_holders(candidates: list[Any], pending: PendingRequest | None) -> set[str]:
+    """The replicas that hold the request's multiplexed model (a LoRA adapter loaded at run
+    time); none when the request names none or no replica holds it yet."""
+    model_id = pending.metadata.multiplexed_model_id if pending is not None else ""
+    if not model_id:
+        return set()
+    return {r.replica_id.unique_id for r in candidates
+            if model_id in getattr(r, "multiplexed_model_ids", ())}
+
+
 class JustLLMRouter(RequestRouter):
     """Ranks a model's replicas with justllm's routing policy (``request_router_kwargs``:
     the model's RoutingConfig fields)."""
@@ -90,6 +105,7 @@ class JustLLMRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id if pending_request else None
         if key is not None:
             self._drop(key)  # asked again (no replica had room): this one counts anew
+        holders = multiplexed_holders(candidate_replicas, pending_request)
         loads = []
         for rid, r in by_id.items():
             load = reported_load(rid, r.routing_stats,
@@ -97,7 +113,8 @@ class JustLLMRouter(RequestRouter):
             loads.append(replace(load, waiting=load.waiting + self._pending[rid]))
         request = route_of(pending_request)
         try:
-            decision = self.policy.propose(request, loads)
+            decision = self.policy.propose(
+                request, [x for x in loads if x.id in holders] or loads)
         except NoReplica:
             return []
         self.policy.commit(request, decision)
@@ -107,7 +124,9 @@ class JustLLMRouter(RequestRouter):
             self._pending[decision.replica] += 1
             while len(self._proposals) > MAX_PROPOSALS:
                 self._drop(next(iter(self._proposals)))
-        return [[by_id[rid]] for rid in ranked(decision, loads)]
+        order = ranked(decision, loads)
+        order = [r for r in order if r in holders] + [r for r in order if r not in holders]
+        return [[by_id[rid]] for rid in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:

@@ -33,6 +33,7 @@ import pytest
 
 from justllm.cluster.local_ray import LocalHead, stop_head
 from justllm.gateway.runner import free_port
+from tests.lora_files import write_adapter
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -126,7 +127,7 @@ def deployed(tmp_path_factory, model_path) -> Iterator[Deployed]:
     cfg = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
     cfg.write_text(f"models:\n  demo:\n    source: {model_path}\n    replicas: 2\n"
                    "    threads: 1\n    max-seqs: 8\n    pool-blocks: 256\n"
-                   "    aliases: [gpt-4o-mini]\n")
+                   "    aliases: [gpt-4o-mini]\n    enable-lora-runtime: true\n")
     port = free_port()
     record = cache / "cluster" / "local-ray.json"
     head: LocalHead | None = None
@@ -236,6 +237,66 @@ def test_a_killed_replica_loses_no_request_and_ray_brings_it_back(deployed):
     r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "After:",
                                                   "max_tokens": 2}, timeout=120)
     assert r.status_code == 200
+
+
+def held_adapters(env: dict[str, str]) -> dict[str, list[str]]:
+    """replica -> the LoRA adapters it holds, from `justllm cluster status --json`."""
+    r = justllm(env, "cluster", "status", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    (model,) = json.loads(r.stdout)["models"]
+    return {x["replica"]: x["adapters"] for x in model["replicas"]}
+
+
+def test_a_lora_adapter_loaded_at_run_time_is_multiplexed_onto_the_replicas(deployed, tmp_path):
+    """vLLM's load/unload routes on the ingress: one replica checks the file, requests naming
+    the adapter are served under it by whichever replica holds it, a load in place
+    changes the answers, an unload ends the name and the replicas drop it; a bad file is a 400
+    and harms nothing."""
+    url, env = deployed.url, deployed.env
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    def answer(model: str) -> float:
+        """The logprob of the first token (the same token under the base model and both
+        adapters here): an adapter moves it by 0.1 to 0.4, while a prompt computed whole or
+        taken from the prefix cache differs by 0.03 at most under these random adapters."""
+        r = client.completions.create(model=model, prompt=STORY, max_tokens=1, temperature=0,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+        return r.choices[0].logprobs.token_logprobs[0]
+
+    def load(name: str, path: Path, **extra) -> httpx.Response:
+        return httpx.post(url + "/v1/load_lora_adapter", timeout=120,
+                          json={"lora_name": name, "lora_path": str(path), **extra})
+
+    base = answer("demo")
+    assert load("keeper", write_adapter(tmp_path / "a.gguf", seed=11)).status_code == 200
+    tuned = [answer("keeper") for _ in range(4)]  # the same from any replica that holds it
+    assert all(abs(t - base) > 0.08 for t in tuned), (base, tuned)
+    assert max(tuned) - min(tuned) < 0.05, tuned
+    cards = {m["id"]: m.get("parent") for m in client.models.list().model_dump()["data"]}
+    assert cards["keeper"] == "demo"
+    wait_for("the adapter on the status", lambda: "keeper" in sum(
+        held_adapters(env).values(), []), 30)
+
+    bad = tmp_path / "bad.gguf"
+    write_adapter(bad, seed=3, n_embd=512)  # not for this model
+    r = load("broken", bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert httpx.post(url + "/v1/completions", json={"model": "broken", "prompt": "x"},
+                      timeout=60).status_code == 404
+
+    again = load("keeper", write_adapter(tmp_path / "b.gguf", seed=12), load_inplace=True)
+    assert again.status_code == 200
+    replaced = answer("keeper")
+    assert abs(replaced - tuned[0]) > 0.2 and abs(replaced - base) > 0.2, (base, tuned, replaced)
+    assert answer("demo") == base  # the base model is untouched by any of it
+
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "keeper"}, timeout=60)
+    assert r.status_code == 200
+    gone = httpx.post(url + "/v1/completions", json={"model": "keeper", "prompt": "x",
+                                                     "max_tokens": 1}, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    wait_for("the replicas to drop the adapter", lambda: not any(
+        held_adapters(env).values()), 60)
 
 
 def test_a_pd_model_hands_the_kv_from_prefill_to_decode_through_ray(deployed, tmp_path,

@@ -35,6 +35,7 @@ class FakeReplica:
     replica_id: ReplicaID
     routing_stats: dict = field(default_factory=dict)
     max_ongoing_requests: int = 100
+    multiplexed_model_ids: set = field(default_factory=set)
 
 
 def replica(name: str, **stats) -> FakeReplica:
@@ -53,9 +54,11 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
         loop.close()
 
 
-def request(key: str, text: str = "", session: str | None = None) -> PendingRequest:
+def request(key: str, text: str = "", session: str | None = None,
+            model_id: str = "") -> PendingRequest:
     return PendingRequest(args=[], kwargs={"route": (text, session)},
-                          metadata=RequestMetadata(request_id=key, internal_request_id=key))
+                          metadata=RequestMetadata(request_id=key, internal_request_id=key,
+                                                   multiplexed_model_id=model_id))
 
 
 def router(**routing) -> JustLLMRouter:
@@ -188,3 +191,22 @@ def test_no_replica_gives_no_ranking_and_the_route_comes_from_the_call():
     assert route_of(None) == RouteRequest()
     odd = PendingRequest(args=[], kwargs={"route": 5}, metadata=RequestMetadata("x", "x"))
     assert route_of(odd) == RouteRequest()
+
+
+def test_a_runtime_adapters_requests_go_to_the_replicas_that_hold_it_first():
+    """Ray's multiplexed model id (a LoRA adapter loaded at run time): the policy chooses among
+    the replicas holding it, even past a shared prefix elsewhere or a lighter load; the others
+    follow in the ranking (one of them loads it when the holders are full). No holder yet, or
+    no adapter: the policy over every replica, as before."""
+    r = router()
+    replicas = [replica("r0"), replica("r1", running=3), replica("r2")]
+    replicas[1].multiplexed_model_ids = {"sql@1"}
+    first = request("a", SYSTEM_A + "Q1")
+    assert choose(r, replicas, first)[0] in ("r0", "r2")
+    routed(r, first, choose(r, replicas, first)[0])
+    ranks = choose(r, replicas, request("b", SYSTEM_A + "Q2", model_id="sql@1"))
+    assert ranks[0] == "r1" and sorted(ranks[1:]) == ["r0", "r2"]
+    replicas[2].multiplexed_model_ids = {"sql@1"}
+    assert choose(r, replicas, request("c", "x", model_id="sql@1"))[0] == "r2"  # less loaded
+    fresh = choose(r, replicas, request("d", SYSTEM_A + "Q3", model_id="other@2"))
+    assert fresh[0] == choose(r, replicas, request("e", SYSTEM_A + "Q4"))[0]
