@@ -94,14 +94,17 @@ class ModelReplica:
 
     async def _runtime_adapter(self, name: str, path: str) -> None:
         key = serve.get_multiplexed_model_id()
-        self._files[key] = (name, path)
-        await self._adapter(key)
+        self._files[key] = (name, path)  # for Ray's loader, if it does not hold the key
+        try:
+            await self._adapter(key)
+        finally:
+            self._files.pop(key, None)
 
     @serve.multiplexed(max_num_models_per_replica=MAX_RUNTIME_ADAPTERS)
     async def _adapter(self, key: str) -> HeldAdapter:
         """Ray's loader for a multiplexed model id: the adapter's file loaded under its name
         (in place of an older load of that name)."""
-        name, path = self._files.pop(key)
+        name, path = self._files[key]
         await self.host.aengine.load_lora(name, path, replace=True)
         self._held[name] = key
         return HeldAdapter(self, name, key)
@@ -163,9 +166,12 @@ class ModelReplica:
         while True:
             try:
                 stats, page = self.host.observe()
+                # Only what was held before the board answered: an adapter loaded meanwhile
+                # may be newer than the board's answer.
+                held = dict(self._held)
                 current = await self._board.report.remote(stats, page)
-                for name in stale_adapters(self._held, current):
-                    await self.drop_adapter(name, self._held[name])
+                for name in stale_adapters(held, current):
+                    await self.drop_adapter(name, held[name])
             except Exception as e:  # the board restarts with Ray; the next report gets there
                 log.warning("stats report failed: %s", e)
             await asyncio.sleep(STATS_PERIOD)
