@@ -122,7 +122,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
 ) -> None:
     """Per model: the deployment's state and, per replica, its node, health, load (running,
-    waiting), KV use, prefix-cache hit ratio and recent TTFT."""
+    waiting), KV use, prefix-cache hit ratio, recent TTFT and the LoRA adapters it holds."""
     with _errors():
         body = _cluster().status(name)
         if as_json:
@@ -133,7 +133,7 @@ def status(
         console.print(f"app '{body['app']}' {body['status']} on the Ray cluster at "
                       f"{body['address']}{local} · {body.get('url') or ''}", highlight=False)
         table = Table("MODEL", "REPLICA", "NODE", "STATE", "RUNNING", "WAITING", "KV", "HIT",
-                      "TTFT", box=None, pad_edge=False)
+                      "TTFT", "ADAPTERS", box=None, pad_edge=False)
         for m in body["models"]:
             name = _deployment_label(m)
             for r in m["replicas"]:
@@ -142,12 +142,13 @@ def status(
                     "healthy" if r["healthy"] else "engine down", str(r["running"]),
                     str(r["waiting"]), f"{r['kv_usage']:.0%}",
                     "-" if r["hit_ratio"] is None else f"{r['hit_ratio']:.0%}",
-                    "-" if r["ttft_p50"] is None else f"{r['ttft_p50'] * 1000:.0f} ms")
+                    "-" if r["ttft_p50"] is None else f"{r['ttft_p50'] * 1000:.0f} ms",
+                    ",".join(r.get("adapters") or []) or "-")
             reporting = len(m["replicas"])
             running = m["replica_states"].get("RUNNING", 0)
             if running > reporting:
                 table.add_row(name, f"({running - reporting} more)", "-",
-                              "not reporting yet", "-", "-", "-", "-", "-")
+                              "not reporting yet", "-", "-", "-", "-", "-", "-")
         console.print(table)
         for m in body["models"]:
             states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(m["replica_states"].items()))

@@ -94,14 +94,18 @@ def test_status_shows_a_row_per_replica(monkeypatch):
             "local": False, "url": "http://10.0.0.1:8000", "models": [
                 {"model": "chat", "deployment": "model-chat", "status": "UPDATING",
                  "replica_states": {"RUNNING": 2, "STARTING": 1}, "message": "", "replicas": [
-                     replica, {**replica, "replica": "def456", "healthy": False,
-                               "hit_ratio": None, "ttft_p50": None}]}]}
+                     {**replica, "adapters": ["pirate", "sql"]},
+                     {**replica, "replica": "def456", "healthy": False,
+                      "hit_ratio": None, "ttft_p50": None}]}]}
     monkeypatch.setattr(deploy, "status", lambda app: body)
     r = runner.invoke(app, ["cluster", "status"])
     assert r.exit_code == 0, r.output
     rows = [line.split() for line in r.output.splitlines()]
-    assert ["chat", "abc123", "10.0.0.7", "healthy", "2", "1", "25%", "80%", "50", "ms"] in rows
-    assert ["chat", "def456", "10.0.0.7", "engine", "down", "2", "1", "25%", "-", "-"] in rows
+    assert ["chat", "abc123", "10.0.0.7", "healthy", "2", "1", "25%", "80%", "50", "ms",
+            "pirate,sql"] in rows
+    # a replica of an older justllm reports no adapters
+    assert ["chat", "def456", "10.0.0.7", "engine", "down", "2", "1", "25%", "-", "-",
+            "-"] in rows
     assert "chat: updating, Ray replicas running 2, starting 1" in r.output
     r = runner.invoke(app, ["cluster", "status", "--json"])
     assert r.exit_code == 0 and json.loads(r.output) == body
