@@ -476,8 +476,7 @@ class Scheduler:
         matched = match.length if match else 0
         if match is not None and self._prefix_being_computed(req, matched):
             return False  # the same prefix is being computed: wait and share it
-        if cache and match:
-            cache.lock(match.last)  # keep our prefix while evicting for room
+        node = cache.hold(match) if cache and match else None  # kept while evicting for room
         needed = self.pool.blocks_for(req.num_tokens - matched)
         if cache and not self.pool.can_allocate(needed):
             self._take(cache.evict_blocks(needed))
@@ -485,7 +484,7 @@ class Scheduler:
             self._take(cache.evict_holder())
         if not self.pool.can_allocate(needed) or not self._free_seq_ids:
             if cache and match:
-                cache.unlock(match.last)
+                cache.unlock(node)
             return False
         req.block_ids = self.pool.allocate(needed)
         req.seq_id = self._free_seq_ids.pop()
@@ -494,7 +493,7 @@ class Scheduler:
         req.num_cached_tokens = matched
         req.prompt_cached = False
         if cache and match:
-            req.cache_node = match.last
+            req.cache_node = node
             self._pending_ops += match.copy_ops(req.seq_id)
             cache.record_lookup(req.num_tokens, matched)
         return True

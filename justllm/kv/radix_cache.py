@@ -201,6 +201,18 @@ class RadixCache:
         else:
             self._misses += 1
 
+    def hold(self, match: Match) -> RadixNode | None:
+        """Lock a request's matched path and return the node to unlock when it is done. A
+        match that ends inside its last node first cuts that node there (SGLang splits on a
+        match too), so the request pins exactly the tokens it reuses: locking the whole node
+        would pin its tail as well, and a long cached prompt of which a request shares only
+        the first few tokens could then never be evicted to make that request room."""
+        last = match.last
+        if last is not None and match.length < last.end:
+            match.nodes[-1] = last = self._split(last, match.length - last.start)
+        self.lock(last)
+        return last
+
     def lock(self, node: RadixNode | None) -> None:
         """Lock ``node`` and every ancestor (a request's matched path)."""
         while node is not None and node.parent is not None:

@@ -176,3 +176,28 @@ def test_everything_free_after_all_finish():
     assert all(r.finished for r in reqs)
     assert all(len(r.output_token_ids) == 6 for r in reqs)
     assert s.pool.usage().free == 8
+
+
+def test_a_request_sharing_a_few_tokens_of_a_long_cached_prompt_is_admitted():
+    """The cache holds one long finished prompt; a request that shares its first 3 tokens and
+    needs nearly the whole pool: the cache gives up all but those 3 tokens and the request
+    runs (the whole cached node used to stay locked, nothing could be evicted, and the engine
+    spun on an empty plan for ever)."""
+    from justllm.kv.radix_cache import RadixCache
+
+    pool = BlockPool(20, 4)
+    s = Scheduler(SchedulerConfig(chunk_size=64, n_batch=64), pool, RadixCache(pool))
+    first = make_req(0, 60, max_tokens=1)
+    s.add(first)
+    run_step(s)
+    s.finish(first, FinishReason.LENGTH)  # its 60 computed tokens go to the cache
+    assert s.cache.stats().blocks == 15 and pool.num_free == 5
+    second = Request("r1", [1, 2, 3] + list(range(100, 165)), SamplingParams(max_tokens=1),
+                     arrival=1, max_total_tokens=69)
+    s.add(second)
+    plan = run_step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["r1"]
+    # 17 blocks for its 65 new tokens: the cache keeps 3 of its 15 (the 3 shared tokens and
+    # the head of the rest that fits), as much as the pool can spare.
+    assert second.num_cached_tokens == 3 and len(second.block_ids) == 17
+    assert s.cache.stats().blocks == 3 and pool.num_free == 0

@@ -197,3 +197,24 @@ def test_held_and_live_ranges():
     c.insert([1, 2, 3, 4, 5], seq=0, live=True)
     assert c.held_ranges() == {4: [(0, 3)]}
     assert c.live_ranges() == {0: [(3, 5)]}
+
+
+def test_holding_a_match_that_ends_inside_a_node_pins_only_the_matched_tokens():
+    """A request that shares the first 3 tokens of a long cached prompt holds those 3: the rest
+    of the node can still be evicted to make it room (locking the whole node pinned it all,
+    and such a request could never be admitted)."""
+    c = cache(blocks=12, bs=4)
+    long = list(range(1, 41))  # 10 blocks, one node
+    c.insert(long, seq=1, live=False)
+    match = c.match([1, 2, 3, 99, 98], limit=4)
+    assert match.length == 3
+    node = c.hold(match)
+    assert node is match.last and (node.start, node.end) == (0, 3)
+    assert match.copy_ops(5) == [KVOp.cp(1, 5, 0, 3)]
+    ops = c.evict_blocks(11)  # 2 free, 11 needed: all but the held head goes
+    assert ops == [KVOp.rm(1, 4, 40)] and c.pool.num_free == 11
+    assert c.match(long, limit=40).length == 4  # the head's block keeps 4 tokens
+    c.unlock(node)
+    assert c.check() == []
+    whole = c.match(long, limit=40)  # a match to a node's end cuts nothing
+    assert c.hold(whole) is whole.last and whole.last.end == 4
