@@ -480,10 +480,18 @@ class Scheduler:
         needed = self.pool.blocks_for(req.num_tokens - matched)
         if cache and not self.pool.can_allocate(needed):
             self._take(cache.evict_blocks(needed))
+        if cache and node is not None and not self.running and not self.pool.can_allocate(needed):
+            # Nothing runs that could free room, and the shared head's own block is what is
+            # missing (its tokens round up to a block of the cache's, the rest to one of the
+            # request's): start without the match rather than never.
+            cache.unlock(node)
+            node, matched = None, 0
+            needed = self.pool.blocks_for(req.num_tokens)
+            self._take(cache.evict_blocks(needed))
         if cache and not self._free_seq_ids:
             self._take(cache.evict_holder())
         if not self.pool.can_allocate(needed) or not self._free_seq_ids:
-            if cache and match:
+            if node is not None:
                 cache.unlock(node)
             return False
         req.block_ids = self.pool.allocate(needed)
@@ -494,7 +502,8 @@ class Scheduler:
         req.prompt_cached = False
         if cache and match:
             req.cache_node = node
-            self._pending_ops += match.copy_ops(req.seq_id)
+            if node is not None:
+                self._pending_ops += match.copy_ops(req.seq_id)
             cache.record_lookup(req.num_tokens, matched)
         return True
 

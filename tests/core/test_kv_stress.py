@@ -74,7 +74,7 @@ def drive(seed: int, steps: int = 400, pool_blocks: int = 24, block_size: int = 
         if step < steps - 60 and rng.random() < 0.5:  # arrivals stop so the run drains
             for _ in range(rng.randint(1, 3)):
                 prompt = random_prompt(rng, earlier)
-                if pool.blocks_for(len(prompt) + 8) > pool_blocks - 2:  # up to nearly all
+                if pool.blocks_for(len(prompt) + 8) > pool_blocks:  # up to the whole pool
                     continue
                 earlier.append(prompt)
                 req = Request(f"r{n}", prompt, SamplingParams(max_tokens=8), n,

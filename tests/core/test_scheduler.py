@@ -201,3 +201,24 @@ def test_a_request_sharing_a_few_tokens_of_a_long_cached_prompt_is_admitted():
     # the head of the rest that fits), as much as the pool can spare.
     assert second.num_cached_tokens == 3 and len(second.block_ids) == 17
     assert s.cache.stats().blocks == 3 and pool.num_free == 0
+
+
+def test_a_lone_request_that_needs_the_whole_pool_starts_without_its_shared_token():
+    """The shared head's block is what is missing: a 79-token prompt whose first token (a BOS)
+    is cached needs 20 blocks for the other 78, and the cache's block for the BOS makes 21 of
+    20. With nothing running to free room, it starts without the match rather than never."""
+    from justllm.kv.radix_cache import RadixCache
+
+    pool = BlockPool(20, 4)
+    s = Scheduler(SchedulerConfig(chunk_size=64, n_batch=128), pool, RadixCache(pool))
+    first = make_req(0, 60, max_tokens=1)
+    s.add(first)
+    run_step(s)
+    s.finish(first, FinishReason.LENGTH)
+    second = Request("r1", [1] + list(range(100, 178)), SamplingParams(max_tokens=1),
+                     arrival=1, max_total_tokens=80)
+    s.add(second)
+    plan = run_step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["r1"]
+    assert second.num_cached_tokens == 0 and len(second.block_ids) == 20
+    assert s.cache.stats().blocks == 0 and pool.num_free == 0
