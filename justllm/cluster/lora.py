@@ -32,7 +32,15 @@ from litestar.datastructures import State
 from justllm.errors import InvalidRequestError
 from justllm.gateway.lora import GatewayLoadLora
 from justllm.server.errors import APIError
-from justllm.server.lora import UnloadLoraRequest, checked_name
+from justllm.server.lora import (
+    UnloadLoraRequest,
+    already_loaded,
+    checked_name,
+    name_taken,
+    not_loaded_at_run_time,
+    runtime_off,
+    success,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +126,13 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     name = checked_name(req.lora_name)
     model = ing.model(req.model, False)
     if model not in ing.runtime.models:
-        raise APIError(404, f"loading LoRA adapters at run time is off for model '{model}' "
-                            "(set enable-lora-runtime: true in its cluster.yaml entry)",
-                       type="not_found_error")
+        raise runtime_off(model, "cluster.yaml")
     before = ing.runtime.loaded.get(name)
     if (name in ing.names or name in ing.adapters
             or (before is not None and before.model != model)):
-        raise InvalidRequestError(f"'{name}' is already a model, alias or LoRA adapter name "
-                                  "of this cluster", param="lora_name")
+        raise name_taken(name, "cluster")
     if before is not None and not req.load_inplace:
-        raise InvalidRequestError(f"a LoRA adapter named '{name}' is already loaded "
-                                  "(load_inplace: true replaces it)", param="lora_name")
+        raise already_loaded(name)
     adapter = ing.runtime.propose(name, model, req.lora_path)
     try:
         await _publish(ing)
@@ -149,8 +153,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     ing.runtime.commit(adapter)
     await _publish(ing)  # the replaced key, if any, is dropped by the replicas that hold it
     log.info("model %s: LoRA adapter %s loaded at run time (%s)", model, name, adapter.key)
-    return Response(f"Success: LoRA adapter '{name}' added successfully.",
-                    media_type="text/plain")
+    return success(name, "added")
 
 
 @post("/unload_lora_adapter", status_code=200,
@@ -162,16 +165,10 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     req = await decode_request(request, UnloadLoraRequest)
     name = req.lora_name
     if ing.runtime.unload(name) is None:
-        static = name in ing.adapters
-        raise APIError(400 if static else 404,
-                       f"the LoRA adapter '{name}' comes from cluster.yaml: remove it there"
-                       if static else f"no LoRA adapter named '{name}' was loaded at run time",
-                       type="invalid_request_error" if static else "not_found_error",
-                       param="lora_name")
+        raise not_loaded_at_run_time(name, name in ing.adapters, "cluster.yaml")
     await _publish(ing)  # no request is routed to it from now on; replicas drop it
     log.info("LoRA adapter %s unloaded", name)
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.",
-                    media_type="text/plain")
+    return success(name, "removed")
 
 
 ROUTES = [load_lora_adapter, unload_lora_adapter]

@@ -491,7 +491,7 @@ class Scheduler:
         if cache and not self._free_seq_ids:
             self._take(cache.evict_holder())
         if not self.pool.can_allocate(needed) or not self._free_seq_ids:
-            if node is not None:
+            if cache and node is not None:
                 cache.unlock(node)
             return False
         req.block_ids = self.pool.allocate(needed)

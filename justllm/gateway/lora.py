@@ -21,9 +21,17 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.datastructures import State
 
-from justllm.errors import InvalidRequestError
 from justllm.server.errors import APIError
-from justllm.server.lora import LoadLoraRequest, UnloadLoraRequest, checked_name
+from justllm.server.lora import (
+    LoadLoraRequest,
+    UnloadLoraRequest,
+    already_loaded,
+    checked_name,
+    name_taken,
+    not_loaded_at_run_time,
+    runtime_off,
+    success,
+)
 
 if TYPE_CHECKING:
     from justllm.gateway.replica import Replica
@@ -109,16 +117,12 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     name = checked_name(req.lora_name)
     target = _model(sup, req.model)
     if not dict(target.spec.flags).get("enable-lora-runtime"):
-        raise APIError(404, f"loading LoRA adapters at run time is off for model "
-                            f"'{target.spec.name}' (set enable-lora-runtime: true in its "
-                            "models.yaml entry)", type="not_found_error")
+        raise runtime_off(target.spec.name, "models.yaml")
     owner = sup.resolve(name)
     if owner is not None and (owner is not target or name not in target.runtime_lora):
-        raise InvalidRequestError(f"'{name}' is already a model, alias or LoRA adapter name "
-                                  "of this gateway", param="lora_name")
+        raise name_taken(name, "gateway")
     if name in target.runtime_lora and not req.load_inplace:
-        raise InvalidRequestError(f"a LoRA adapter named '{name}' is already loaded "
-                                  "(load_inplace: true replaces it)", param="lora_name")
+        raise already_loaded(name)
     try:
         await sup.acquire(target)  # loaded now if it was not
     except ModelUnavailable as e:
@@ -149,8 +153,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
         sup.end(target)
     log.info("model %s: LoRA adapter %s loaded at run time on %d replica(s)",
              target.spec.name, name, len(replicas))
-    return Response(f"Success: LoRA adapter '{name}' added successfully.",
-                    media_type="text/plain")
+    return success(name, "added")
 
 
 @post("/unload_lora_adapter", status_code=200,
@@ -164,18 +167,13 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     name = req.lora_name
     owner = next((s for s in sup.models.values() if name in s.runtime_lora), None)
     if owner is None:
-        static = any(name in s.spec.adapters for s in sup.models.values())
-        raise APIError(400 if static else 404,
-                       f"the LoRA adapter '{name}' comes from models.yaml: remove it there"
-                       if static else f"no LoRA adapter named '{name}' was loaded at run time",
-                       type="invalid_request_error" if static else "not_found_error",
-                       param="lora_name")
+        raise not_loaded_at_run_time(
+            name, any(name in s.spec.adapters for s in sup.models.values()), "models.yaml")
     del owner.runtime_lora[name]  # no new request is routed to it from now on
     await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
                                 _unload_body(name)) for r in _ready(owner)))
     log.info("model %s: LoRA adapter %s unloaded", owner.spec.name, name)
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.",
-                    media_type="text/plain")
+    return success(name, "removed")
 
 
 ROUTES = [load_lora_adapter, unload_lora_adapter]

@@ -92,6 +92,40 @@ def checked_name(name: str) -> str:
     return name
 
 
+def success(name: str, done: str) -> Response:
+    """vLLM's answer to a load (``done`` "added") or an unload ("removed")."""
+    return Response(f"Success: LoRA adapter '{name}' {done} successfully.",
+                    media_type="text/plain")
+
+
+def runtime_off(model: str, where: str) -> APIError:
+    """A runtime load for a model whose replicas do not take them (``where``: the file that
+    turns it on)."""
+    return APIError(404, f"loading LoRA adapters at run time is off for model '{model}' (set "
+                         f"enable-lora-runtime: true in its {where} entry)",
+                    type="not_found_error")
+
+
+def name_taken(name: str, of: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{name}' is already a model, alias or LoRA adapter name of "
+                               f"this {of}", param="lora_name")
+
+
+def already_loaded(name: str) -> InvalidRequestError:
+    return InvalidRequestError(f"a LoRA adapter named '{name}' is already loaded "
+                               "(load_inplace: true replaces it)", param="lora_name")
+
+
+def not_loaded_at_run_time(name: str, static: bool, where: str) -> APIError:
+    """An unload of a name that no runtime load gave: a 400 for an adapter of the config file
+    (``where``), a 404 otherwise."""
+    if static:
+        return APIError(400, f"the LoRA adapter '{name}' comes from {where}: remove it there",
+                        param="lora_name")
+    return APIError(404, f"no LoRA adapter named '{name}' was loaded at run time",
+                    type="not_found_error", param="lora_name")
+
+
 def _runtime(state: State):
     from justllm.server.app import _served  # app imports this module: imported late
 
@@ -116,8 +150,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
         await aengine.load_lora(name, body.lora_path, replace=body.load_inplace)
     except ModelLoadError as e:  # not an adapter, or not one for this model
         raise InvalidRequestError(str(e), param="lora_path") from None
-    return Response(f"Success: LoRA adapter '{name}' added successfully.",
-                    media_type="text/plain")
+    return success(name, "added")
 
 
 @post("/unload_lora_adapter", status_code=200, summary="Unload a LoRA adapter (vLLM's route)")
@@ -134,8 +167,7 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     except InvalidRequestError:  # another unload of it came first
         raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded",
                        type="not_found_error", param="lora_name") from None
-    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
-                    media_type="text/plain")
+    return success(body.lora_name, "removed")
 
 
 @get("/lora_adapters", summary="The loaded LoRA adapters, with the ids the `lora` field takes")

@@ -2,11 +2,13 @@
 
 import pytest
 
+from justllm.core.plan import StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler, SchedulerConfig
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
+from justllm.kv.radix_cache import RadixCache
 
 
 def make_req(i: int, n_prompt: int, max_tokens: int = 100) -> Request:
@@ -178,47 +180,40 @@ def test_everything_free_after_all_finish():
     assert s.pool.usage().free == 8
 
 
-def test_a_request_sharing_a_few_tokens_of_a_long_cached_prompt_is_admitted():
-    """The cache holds one long finished prompt; a request that shares its first 3 tokens and
-    needs nearly the whole pool: the cache gives up all but those 3 tokens and the request
-    runs (the whole cached node used to stay locked, nothing could be evicted, and the engine
-    spun on an empty plan for ever)."""
-    from justllm.kv.radix_cache import RadixCache
-
-    pool = BlockPool(20, 4)
-    s = Scheduler(SchedulerConfig(chunk_size=64, n_batch=64), pool, RadixCache(pool))
-    first = make_req(0, 60, max_tokens=1)
-    s.add(first)
-    run_step(s)
-    s.finish(first, FinishReason.LENGTH)  # its 60 computed tokens go to the cache
-    assert s.cache.stats().blocks == 15 and pool.num_free == 5
-    second = Request("r1", [1, 2, 3] + list(range(100, 165)), SamplingParams(max_tokens=1),
-                     arrival=1, max_total_tokens=69)
-    s.add(second)
-    plan = run_step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["r1"]
-    # 17 blocks for its 65 new tokens: the cache keeps 3 of its 15 (the 3 shared tokens and
-    # the head of the rest that fits), as much as the pool can spare.
-    assert second.num_cached_tokens == 3 and len(second.block_ids) == 17
-    assert s.cache.stats().blocks == 3 and pool.num_free == 0
-
-
-def test_a_lone_request_that_needs_the_whole_pool_starts_without_its_shared_token():
-    """The shared head's block is what is missing: a 79-token prompt whose first token (a BOS)
-    is cached needs 20 blocks for the other 78, and the cache's block for the BOS makes 21 of
-    20. With nothing running to free room, it starts without the match rather than never."""
-    from justllm.kv.radix_cache import RadixCache
-
+def after_a_cached_prompt(prompt: list[int]) -> tuple[Scheduler, Request, StepPlan]:
+    """A 20-block pool of 4-token blocks whose cache holds one finished 60-token prompt
+    (tokens 1..60: 15 blocks); then a request for ``prompt`` and the step planned for it."""
     pool = BlockPool(20, 4)
     s = Scheduler(SchedulerConfig(chunk_size=64, n_batch=128), pool, RadixCache(pool))
     first = make_req(0, 60, max_tokens=1)
     s.add(first)
     run_step(s)
-    s.finish(first, FinishReason.LENGTH)
-    second = Request("r1", [1] + list(range(100, 178)), SamplingParams(max_tokens=1),
-                     arrival=1, max_total_tokens=80)
+    s.finish(first, FinishReason.LENGTH)  # its 60 computed tokens go to the cache
+    assert s.cache is not None and s.cache.stats().blocks == 15 and pool.num_free == 5
+    second = Request("r1", prompt, SamplingParams(max_tokens=1), arrival=1,
+                     max_total_tokens=len(prompt) + 1)
     s.add(second)
-    plan = run_step(s)
+    return s, second, run_step(s)
+
+
+def test_a_request_sharing_a_few_tokens_of_a_long_cached_prompt_is_admitted():
+    """A request that shares the first 3 tokens of the cached prompt and needs nearly the
+    whole pool: the cache gives up what it must and the request runs (the whole cached node
+    used to stay locked, nothing could be evicted, and the engine spun on an empty plan for
+    ever)."""
+    s, second, plan = after_a_cached_prompt([1, 2, 3] + list(range(100, 165)))
+    assert [c.request.request_id for c in plan.chunks] == ["r1"]
+    # 17 blocks for its 65 new tokens: the cache keeps 3 of its 15 (the 3 shared tokens and
+    # the head of the rest that fits), as much as the pool can spare.
+    assert second.num_cached_tokens == 3 and len(second.block_ids) == 17
+    assert s.cache is not None and s.cache.stats().blocks == 3 and s.pool.num_free == 0
+
+
+def test_a_lone_request_that_needs_the_whole_pool_starts_without_its_shared_token():
+    """The shared head's block is what is missing: a 79-token prompt whose first token is
+    cached needs 20 blocks for the other 78, and the cache's block for that token makes 21 of
+    20. With nothing running to free room, it starts without the match rather than never."""
+    s, second, plan = after_a_cached_prompt([1] + list(range(100, 178)))
     assert [c.request.request_id for c in plan.chunks] == ["r1"]
     assert second.num_cached_tokens == 0 and len(second.block_ids) == 20
-    assert s.cache.stats().blocks == 0 and pool.num_free == 0
+    assert s.cache is not None and s.cache.stats().blocks == 0 and s.pool.num_free == 0
