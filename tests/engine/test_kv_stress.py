@@ -94,6 +94,24 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
         a.close()
 
 
+@pytest.mark.parametrize("spec, seed", [("ngram", 1), ("tree", 4)])
+def test_speculation_under_random_concurrent_load_keeps_kv_consistent(model_path, spec, seed):
+    """The same load with speculation: drafts are verified beside prefills, cut to the free
+    blocks, rejected or accepted while other requests share, evict, preempt and leave; a tree
+    puts each extra leaf in a sequence id of its own and copies the winner back (the demo
+    model drafts for itself, so most drafts are accepted). Every step is KV-checked."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
+                                 block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
+                                 spec=spec, draft_model=model_path if spec == "tree" else None))
+    a = AsyncEngine(engine)
+    try:
+        asyncio.run(_drive(a, engine, seed))
+        stats = engine.stats().spec
+        assert stats is not None and stats.num_drafts > 5 and stats.num_accepted_tokens > 0
+    finally:
+        a.close()
+
+
 def test_kv_imports_under_random_concurrent_load_keep_kv_consistent(model_path):
     """Prefill/decode hand-overs while the same random load runs: a second engine computes
     prompts of the workload (prefixes of every length), draws their first tokens and exports
