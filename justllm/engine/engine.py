@@ -10,6 +10,7 @@ calls llama.cpp compute.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -44,6 +45,9 @@ from justllm.spec.controller import SpecController, SpecStats
 from justllm.spec.verify import walk_draft
 
 KV_TYPE = "f16"  # llama.cpp's default cache type, which the backend keeps
+
+log = logging.getLogger(__name__)
+STUCK = "the request could not be scheduled (an engine bug: see the server log)"
 
 
 @dataclass(frozen=True)
@@ -538,14 +542,16 @@ class Engine:
             with self._lock:  # planned and put in the batch before an abort can interleave
                 plan = self.scheduler.schedule(drafts)
                 self._preemptions_total += len(plan.preempted)
-                if plan.is_empty:
-                    return []
-                self._mark_scheduled(plan)
-                n_tokens = self.runner.prepare(plan)
-                if plan.chunks:  # one adapter set per step (the scheduler's choice)
-                    self.loras.apply(plan.chunks[0].request.lora)
-                if self.config.check_kv:
-                    self.check_kv(plan)
+                stuck = self._stuck_head() if plan.is_empty else None
+                if not plan.is_empty:
+                    self._mark_scheduled(plan)
+                    n_tokens = self.runner.prepare(plan)
+                    if plan.chunks:  # one adapter set per step (the scheduler's choice)
+                        self.loras.apply(plan.chunks[0].request.lora)
+                    if self.config.check_kv:
+                        self.check_kv(plan)
+            if plan.is_empty:
+                return [] if stuck is None else self._fail([stuck], STUCK)
             logits = self.runner.decode(n_tokens)
         except KVCacheFullError:
             self._undo(plan)
@@ -779,6 +785,22 @@ class Engine:
                 self._preemptions_total += 1
                 return []
         return self._fail_plan(plan, "the KV cache is full")
+
+    def _stuck_head(self) -> Request | None:
+        """After an empty plan (the engine's lock held): the head of the queue if nothing runs,
+        since nothing will then change by itself and it would wait for ever (and the engine
+        thread spin). No such case is known (the last, a prefix-cache lock that pinned too
+        much, is fixed); should one come, that request ends with an error and the others go
+        on, rather than a hang."""
+        s = self.scheduler
+        if s.running or not s.waiting:
+            return None
+        head = s.waiting[0]
+        log.error("request %s cannot be scheduled with nothing running (%d tokens, %d of %d "
+                  "KV blocks free, prefix cache %d blocks): ended with an error",
+                  head.request_id, head.num_tokens, self.pool.num_free, self.pool.total_blocks,
+                  self.cache.num_blocks if self.cache is not None else 0)
+        return head
 
     def _fail_plan(self, plan: StepPlan, message: str) -> list[RequestOutput]:
         """llama.cpp refused the batch: end the requests in it with an error, keep serving."""

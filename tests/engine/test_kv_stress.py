@@ -249,3 +249,31 @@ def test_a_shared_sequence_out_of_step_fails_alone(model_path):
     victim, outs, errors = _run_with_a_sequence_out_of_step(model_path, prefix_cache=True)
     assert list(errors) == [victim.request_id]
     assert all(len(t) == 6 for rid, t in outs.items() if rid != victim.request_id), outs
+
+
+def test_a_request_that_cannot_be_scheduled_with_nothing_running_ends_with_an_error(
+        model_path, monkeypatch, caplog):
+    """The guard against livelock: should the queue's head never start while nothing runs (a
+    scheduler bug, such as the prefix-cache lock that pinned a whole cached prompt), it ends
+    with an error and is logged, instead of the engine spinning on empty plans for ever; the
+    engine then serves as before."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=64))
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        ids = [engine.add_request(f"Story {i}: once upon a time", params) for i in range(2)]
+        real = engine.scheduler._admit
+        monkeypatch.setattr(engine.scheduler, "_admit", lambda req: False)
+        errors = {}
+        for _ in range(4):
+            errors |= {o.request_id: o.error for o in engine.step() if o.error}
+        assert sorted(errors) == sorted(ids) and not engine.has_unfinished()
+        assert all("could not be scheduled" in e for e in errors.values())
+        assert "cannot be scheduled with nothing running" in caplog.text
+        monkeypatch.setattr(engine.scheduler, "_admit", real)
+        again = engine.add_request("Story 3: once upon a time", params)
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for o in engine.step() if o.request_id == again for t in o.token_ids]
+        assert len(tokens) == 3
+    finally:
+        engine.close()
