@@ -121,10 +121,10 @@ async def forward(request: Request, path: str) -> Any:
     session = request.headers.get("x-session-id") or body.get("user")
     route = (route_text(body), session if isinstance(session, str) else None)
     named = body.get(key)
-    runtime = ing.runtime.loaded.get(named) if isinstance(named, str) else None
+    runtime = ing.runtime.requested(named, body.get("lora"))
     # Served whole: its KV is the adapter's.
     lora = runtime is not None or lora_request(body, ing.adapters)
-    if body.get(key) not in ing.adapters and runtime is None:
+    if named not in ing.adapters and named not in ing.runtime.loaded:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))

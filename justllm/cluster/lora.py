@@ -90,6 +90,22 @@ class RuntimeAdapters:
     def unload(self, name: str) -> RuntimeAdapter | None:
         return self.loaded.pop(name, None)
 
+    def requested(self, model: Any, choices: Any) -> RuntimeAdapter | None:
+        """The adapter loaded at run time that a request runs under: named as its ``model``,
+        or by name in llama-server's ``lora`` field. Ray routes a request by one multiplexed
+        model id, so naming two is the client's 400 (ids in ``lora`` are each replica's own
+        and mean nothing here: adapters loaded at run time are named)."""
+        found = [self.loaded[model]] if isinstance(model, str) and model in self.loaded else []
+        for c in choices if isinstance(choices, list) else ():
+            name = c.get("name") if isinstance(c, dict) else None
+            if isinstance(name, str) and name in self.loaded and self.loaded[name] not in found:
+                found.append(self.loaded[name])
+        if len(found) > 1:
+            raise InvalidRequestError(
+                "a request on a Ray cluster runs under at most one LoRA adapter loaded at run "
+                f"time (named: {', '.join(a.name for a in found)})", param="lora")
+        return found[0] if found else None
+
     def current(self) -> dict[str, list[str]]:
         """model -> the keys its replicas may keep (loaded and pending), for the board."""
         found: dict[str, list[str]] = {m: [] for m in self.models}

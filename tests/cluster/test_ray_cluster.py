@@ -272,6 +272,10 @@ def test_a_lora_adapter_loaded_at_run_time_is_multiplexed_onto_the_replicas(depl
     tuned = [answer("keeper") for _ in range(4)]  # the same from any replica that holds it
     assert all(abs(t - base) > 0.08 for t in tuned), (base, tuned)
     assert max(tuned) - min(tuned) < 0.05, tuned
+    by_field = client.completions.create(  # llama-server's lora field names it too
+        model="demo", prompt=STORY, max_tokens=1, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "lora": [{"name": "keeper"}]})
+    assert abs(by_field.choices[0].logprobs.token_logprobs[0] - tuned[0]) < 0.05
     cards = {m["id"]: m.get("parent") for m in client.models.list().model_dump()["data"]}
     assert cards["keeper"] == "demo"
     wait_for("the adapter on the status", lambda: "keeper" in sum(

@@ -188,3 +188,33 @@ def test_refusals_are_the_clients_errors_and_register_nothing():
                                                   "model": "demo"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed"
     assert ingress.runtime.loaded == {} and board.runtime[-1] == {"demo": []}
+
+
+def test_the_lora_field_may_name_one_runtime_adapter():
+    """llama-server's ``lora`` field naming an adapter loaded at run time routes the request
+    as naming it as ``model`` does (the base model's name then goes to the replica, an alias
+    as the model's name); two such adapters are the client's 400, since Ray routes a request
+    by one multiplexed model id."""
+    handle = Handle()
+    c, ingress, _ = cluster(handle)
+    with c:
+        for name, path in (("pirate", "/p.gguf"), ("poet", "/q.gguf")):
+            assert c.post("/v1/load_lora_adapter", json={
+                "lora_name": name, "lora_path": path, "model": "demo"}).status_code == 200
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x",
+                                            "lora": [{"name": "poet", "scale": 0.5}]})
+        assert r.status_code == 200
+        r = c.post("/v1/completions", json={"model": "pirate", "prompt": "x",
+                                            "lora": [{"name": "pirate"}]})
+        assert r.status_code == 200
+        for two in ({"model": "pirate", "lora": [{"name": "poet"}]},
+                    {"model": "demo", "lora": [{"name": "poet"}, {"name": "pirate"}]}):
+            r = c.post("/v1/completions", json={"prompt": "x", **two})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+            assert "at most one LoRA adapter loaded at run time" in r.json()["error"]["message"]
+    poet, pirate = ingress.runtime.loaded["poet"], ingress.runtime.loaded["pirate"]
+    by_field, by_both = handle.calls
+    assert by_field["model_id"] == poet.key and by_field["lora"] == ("poet", "/q.gguf")
+    assert by_field["body"]["model"] == "demo" and by_field["body"]["lora"] == [
+        {"name": "poet", "scale": 0.5}]
+    assert by_both["model_id"] == pirate.key and by_both["body"]["model"] == "pirate"
