@@ -21,7 +21,7 @@ ingress, as a runtime load lives in a vLLM server: a redeploy forgets it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -67,7 +67,7 @@ class RuntimeAdapters:
     models: frozenset[str] = frozenset()
     loaded: dict[str, RuntimeAdapter] = field(default_factory=dict)
     pending: dict[str, RuntimeAdapter] = field(default_factory=dict)  # being checked
-    _versions: Any = field(default_factory=lambda: count(1))
+    _versions: Iterator[int] = field(default_factory=lambda: count(1))
 
     def propose(self, name: str, model: str, path: str) -> RuntimeAdapter:
         """A new load (or a load in place of ``name``), pending until ``commit``: its key is

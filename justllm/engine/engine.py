@@ -542,15 +542,16 @@ class Engine:
             with self._lock:  # planned and put in the batch before an abort can interleave
                 plan = self.scheduler.schedule(drafts)
                 self._preemptions_total += len(plan.preempted)
-                stuck = self._stuck_head() if plan.is_empty else None
-                if not plan.is_empty:
+                if plan.is_empty:
+                    stuck = self._stuck_head()
+                else:
                     self._mark_scheduled(plan)
                     n_tokens = self.runner.prepare(plan)
                     if plan.chunks:  # one adapter set per step (the scheduler's choice)
                         self.loras.apply(plan.chunks[0].request.lora)
                     if self.config.check_kv:
                         self.check_kv(plan)
-            if plan.is_empty:
+            if plan.is_empty:  # answered outside the lock: _fail takes it
                 return [] if stuck is None else self._fail([stuck], STUCK)
             logits = self.runner.decode(n_tokens)
         except KVCacheFullError:

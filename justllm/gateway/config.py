@@ -106,6 +106,11 @@ class ModelSpec:
         return tuple(v.split("=", 1)[0] for k, v_all in self.flags if k == "lora"
                      for v in v_all)
 
+    @property
+    def lora_runtime(self) -> bool:
+        """Its replicas take LoRA adapters loaded at run time (``enable-lora-runtime``)."""
+        return bool(dict(self.flags).get("enable-lora-runtime"))
+
     def role_of(self, index: int) -> str:
         return self.roles[index] if index < len(self.roles) else "both"
 

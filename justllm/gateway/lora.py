@@ -116,7 +116,7 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     req = await decode_request(request, GatewayLoadLora)
     name = checked_name(req.lora_name)
     target = _model(sup, req.model)
-    if not dict(target.spec.flags).get("enable-lora-runtime"):
+    if not target.spec.lora_runtime:
         raise runtime_off(target.spec.name, "models.yaml")
     owner = sup.resolve(name)
     if owner is not None and (owner is not target or name not in target.runtime_lora):
