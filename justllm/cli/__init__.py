@@ -20,6 +20,7 @@ from justllm.cli import quantize as quantize_cmd
 from justllm.cli import run as run_cmd
 from justllm.cli import serve as serve_cmd
 from justllm.cli import top as top_cmd
+from justllm.cli.group import OneLineSummaries
 from justllm.plugins import Plugins, load_plugins
 
 
@@ -32,6 +33,7 @@ def build_app(plugins: Plugins | None = None) -> typer.Typer:
         no_args_is_help=True,
         add_completion=True,
         pretty_exceptions_enable=False,
+        cls=OneLineSummaries,
     )
     app.command("run")(run_cmd.run)
     app.command("serve")(serve_cmd.serve)

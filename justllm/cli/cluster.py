@@ -19,11 +19,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from justllm.cli.errors import cli_errors
+from justllm.cli.group import OneLineSummaries
 from justllm.errors import JustLLMError
 
 app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
                        "'justllm\\[cluster]'): the cluster is RAY_ADDRESS, or a local Ray.",
-                  no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+                  no_args_is_help=True, cls=OneLineSummaries,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 AppName = Annotated[str, typer.Option("--name", help="The Serve application's name.", envvar="JUSTLLM_CLUSTER_APP")]
 

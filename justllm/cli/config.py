@@ -10,9 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from justllm.cli.errors import cli_errors
+from justllm.cli.group import OneLineSummaries
 
 app = typer.Typer(help="Show configuration.", no_args_is_help=True,
-                  context_settings={"help_option_names": ["-h", "--help"]})
+                  cls=OneLineSummaries, context_settings={"help_option_names": ["-h", "--help"]})
 
 
 @app.command("show")

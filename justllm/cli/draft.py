@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 
 from justllm.cli.errors import cli_errors
+from justllm.cli.group import OneLineSummaries
 
 app = typer.Typer(help="Build draft models for speculative decoding.", no_args_is_help=True,
-                  context_settings={"help_option_names": ["-h", "--help"]})
+                  cls=OneLineSummaries, context_settings={"help_option_names": ["-h", "--help"]})
 
 
 @app.command("make")

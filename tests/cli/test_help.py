@@ -1,0 +1,44 @@
+"""Help text: what ``--help`` shows is what the code says, unbroken and unswallowed."""
+
+import typer
+import typer.testing
+from rich.text import Text
+
+from justllm.cli import build_app
+from justllm.plugins import load_plugins
+
+
+def _walk(cmd, ctx):
+    """Every command under ``cmd`` (Typer's own vendored click types: no isinstance)."""
+    yield cmd, ctx
+    if hasattr(cmd, "list_commands"):
+        for name in cmd.list_commands(ctx):
+            sub = cmd.get_command(ctx, name)
+            yield from _walk(sub, sub.context_class(sub, info_name=name, parent=ctx))
+
+
+def _every_command():
+    root = typer.main.get_command(build_app(load_plugins()))  # the installed plugins' too
+    return list(_walk(root, root.context_class(root, info_name="justllm")))
+
+
+def test_the_command_lists_show_each_summary_as_one_paragraph():
+    """Typer's rich help kept a docstring's line breaks in a group's command list, so a
+    wrapped docstring came out broken mid-sentence ('--models' alone on a line)."""
+    listed = [c for c, _ in _every_command() if c.help and "\n" in c.help.split("\n\n")[0]]
+    assert listed, "no wrapped docstring to check"
+    for cmd in listed:
+        assert "\n" not in cmd.short_help and cmd.short_help.startswith(cmd.help.split()[0])
+    out = typer.testing.CliRunner().invoke(build_app(), ["--help"], env={"COLUMNS": "300"}).output
+    assert "Several MODELs, --models or --models-dir: router mode" in out
+
+
+def test_no_help_text_loses_a_bracketed_word_to_rich_markup():
+    """Rich reads '[demo]' as a style tag and drops it: 'justllm[demo]' showed as 'justllm'.
+    A bracket that is text must be escaped (\\[)."""
+    texts = []
+    for cmd, _ in _every_command():
+        texts += [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+    assert any("\\[" in t for t in texts)  # the escaped ones are among those checked
+    for t in texts:
+        assert Text.from_markup(t).plain == t.replace("\\[", "["), t
