@@ -48,7 +48,7 @@ from justllm.cluster.lora import RuntimeAdapters
 from justllm.cluster.metrics import render
 from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
 from justllm.gateway.routing import route_text
-from justllm.server.app import require_api_key, unless_disconnected
+from justllm.server.app import one_model, require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import ollama_error
 
@@ -279,6 +279,11 @@ async def list_models(state: State) -> dict:
          "parent": a.model} for a in sorted(ing.runtime.loaded.values(), key=lambda a: a.name)]}
 
 
+@get("/models/{model_id:path}", summary="One of the cluster's models")
+async def retrieve_model(model_id: str, state: State) -> dict:
+    return one_model((await list_models.fn(state=state))["data"], model_id)
+
+
 @get("/tags", summary="Ollama: the cluster's models")
 async def ollama_tags(state: State) -> dict:
     return {"models": [{"name": f"{m}:latest", "model": f"{m}:latest", "size": 0,
@@ -315,7 +320,7 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
 def create_ingress(ingress: Ingress) -> Litestar:
     """The ingress's app. ``ingress.api_key``: /v1 and /api ask for it, as `justllm serve`."""
     config = IngressConfig(ingress.api_key)
-    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models]
+    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models, retrieve_model]
                 + runtime_lora.ROUTES,
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],

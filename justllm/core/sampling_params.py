@@ -20,7 +20,8 @@ class SamplingParams:
     ``max_tokens=None`` generates until the request's context is full (``--ctx``); a number
     whose sum with the prompt exceeds it is refused when the request is added.
     ``temperature == 0`` means greedy (argmax). ``top_k == 0`` means no top-k cut. ``seed``
-    makes a sampled request reproducible on its own. ``stop`` strings are searched in the
+    makes a sampled request reproducible on its own: any 64-bit integer, signed or not (vLLM
+    takes int64, OpenAI any integer), kept modulo 2**64 (the generator's seeds are unsigned). ``stop`` strings are searched in the
     detokenized text (across token boundaries) and are not part of the output.
     ``logit_bias`` adds a bias to a token's logit before sampling, greedy included (OpenAI's
     semantics: -100 in effect bans a token, 100 forces it).
@@ -90,7 +91,10 @@ class SamplingParams:
                "presence_penalty must be a number in [-2, 2]", "presence_penalty")
         _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty must be a number in [-2, 2]", "frequency_penalty")
-        _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               "seed must be an integer in [-2**63, 2**64)", "seed")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", self.seed % 2**64)
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be non-empty strings", "stop")
         _check(len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings", "stop")

@@ -33,7 +33,7 @@ from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server.anthropic import anthropic_error
 from justllm.server.anthropic import error_body as anthropic_error_body
-from justllm.server.app import require_api_key, sse_response, unless_disconnected
+from justllm.server.app import one_model, require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error
 
@@ -479,6 +479,11 @@ async def list_models(state: State) -> dict:
         for a in s.adapters]}
 
 
+@get("/models/{model_id:path}", summary="One model (or LoRA adapter), with its status")
+async def retrieve_model(model_id: str, state: State) -> dict:
+    return one_model((await list_models.fn(state=state))["data"], model_id)
+
+
 def _rss_mib(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -623,7 +628,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         await app.state["http"].aclose()
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
-                                            list_models, anthropic_messages,
+                                            list_models, retrieve_model, anthropic_messages,
                                             anthropic_count_tokens, responses,
                                             *lora.ROUTES],
                 guards=[require_api_key])

@@ -216,6 +216,23 @@ async def list_models(state: State) -> ModelList:
                      + adapter_cards(served.aengine, served.model_id, served.created))
 
 
+@get("/models/{model_id:path}", summary="One served model (or LoRA adapter)")
+async def retrieve_model(model_id: str, state: State) -> dict:
+    listing = await list_models.fn(state=state)
+    return one_model(msgspec.to_builtins(listing.data), model_id)
+
+
+def one_model(cards: list[dict], model_id: str) -> dict:
+    """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): the card of
+    ``/v1/models`` whose id, or one of whose aliases, is ``model_id``; else OpenAI's 404."""
+    model_id = model_id.lstrip("/")  # a path parameter keeps its leading slash
+    for card in cards:
+        if card["id"] == model_id or model_id in card.get("aliases", ()):
+            return card
+    raise APIError(404, f"the model '{model_id}' does not exist", type="not_found_error",
+                   param="model", code="model_not_found")
+
+
 @get("/health", summary="200 when the model is loaded, 503 while loading (or if it failed)",
      include_in_schema=True)
 async def health(state: State) -> Response:
@@ -291,7 +308,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
     from justllm.server import anthropic, lora, ollama, pd, responses
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
-                                            list_models, anthropic.messages,
+                                            list_models, retrieve_model, anthropic.messages,
                                             anthropic.count_tokens, responses.create_response,
                                             *lora.ROUTES],
                 guards=[require_api_key])

@@ -92,8 +92,13 @@ def _msgspec_param(message: str) -> str | None:
     return path or None
 
 
-def handle_exception(_: Request, exc: Exception) -> Response:
-    return _response(to_api_error(exc))
+def handle_exception(request: Request, exc: Exception) -> Response:
+    """The app's last resort, in OpenAI's shape; under ``/api/`` (no route matched: a 404 or
+    405 the Ollama router never saw) in Ollama's, ``{"error": "message"}``."""
+    e = to_api_error(exc)
+    if request.scope["path"].startswith("/api/"):
+        return Response({"error": e.message}, status_code=e.status, headers=e.headers)
+    return _response(e)
 
 
 def json_object(raw: bytes) -> dict:

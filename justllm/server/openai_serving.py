@@ -26,6 +26,7 @@ from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import Handover, RequestOutput, TokenLogprob
 from justllm.errors import EngineClosedError, HandoverError, InvalidRequestError
 from justllm.server.errors import APIError, error_body
+from justllm.server.json_schema import check_strict
 from justllm.server.lora import adapter, request_lora
 from justllm.server.metrics import ServerMetrics
 from justllm.server.schemas import (
@@ -156,7 +157,7 @@ class OpenAIServing:
                 ) -> SamplingParams:
         if not 1 <= req.n <= self.limits.max_n:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
-        seed = req.seed + n_index if req.seed is not None else None
+        seed = (req.seed + n_index) % 2**64 if req.seed is not None else None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > MAX_REQUEST_STOP:
             raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
@@ -265,6 +266,8 @@ class OpenAIServing:
             if isinstance(content, list):
                 content = "".join(_text_part(part, f"messages[{i}].content[{j}]")
                                   for j, part in enumerate(content))
+            if m.refusal:
+                content = f"{content}\n{m.refusal}" if content else m.refusal
             plain.append(message_dict(m, i, content or ""))
         return self.template.render(plain, add_generation_prompt=True,
                                     tools=plan.for_template(), parallel_tool_calls=plan.parallel)
@@ -278,6 +281,8 @@ class OpenAIServing:
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema",
                                       param="response_format")
+        if fmt.json_schema.strict:
+            check_strict(fmt.json_schema.schema, "response_format")
         return self.aengine.json_grammar(fmt.json_schema.schema)
 
     def _tool_grammar(self, plan: ToolPlan) -> str:
@@ -402,6 +407,7 @@ class OpenAIServing:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
         ``resume``: each choice's first tokens, drawn by a PD prefill replica;
         ``traceparent``: the client's trace context, for the records."""
+        check_chat_request(req)
         origin = RequestOrigin("openai.chat", bool(req.stream), traceparent)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
@@ -483,6 +489,12 @@ class OpenAIServing:
                           traceparent: str | None = None
                           ) -> TextCompletion | AsyncIterator[bytes]:
         """The OpenAI route; ``resume`` and ``traceparent`` as for ``chat``."""
+        check_stream_options(req)
+        if req.echo and req.logprobs is not None:
+            # OpenAI and vLLM then give the prompt's tokens logprobs too; the engine computes
+            # logits only for the rows it samples from.
+            raise InvalidRequestError("echo with logprobs is not supported (the prompt's "
+                                      "logprobs are not computed)", param="logprobs")
         jobs = self.completion_jobs(req)
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs])
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
@@ -596,12 +608,59 @@ _NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",
              "input_audio": "audio", "audio": "audio", "file": "files", "input_file": "files"}
 
 
+def check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """OpenAI's rule: ``stream_options`` only with ``stream: true`` (else it would be
+    ignored)."""
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                  param="stream_options")
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    """What OpenAI refuses in a chat request and the shared chat path would otherwise ignore:
+    ``top_logprobs`` without ``logprobs``, ``stream_options`` without ``stream``, and
+    (:func:`check_messages`) message fields."""
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    check_stream_options(req)
+    check_messages(req.messages)
+
+
+_NOT_IN_HISTORY = {
+    "audio": "this server makes no audio, so an audio reply cannot be part of the history",
+    "function_call": "the deprecated function_call is not supported: send tool_calls",
+    "annotations": "annotations (citations) are not supported",
+}
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Each message has what its role needs (OpenAI's rules: content, except for an assistant
+    message with tool calls or a refusal), and the assistant-only fields this server cannot
+    honour are null or empty (``model_dump()`` of an SDK message sends them so)."""
+    for i, m in enumerate(messages):
+        for name, why in _NOT_IN_HISTORY.items():
+            if getattr(m, name):
+                raise InvalidRequestError(f"messages[{i}].{name}: {why}",
+                                          param=f"messages[{i}].{name}")
+        if m.refusal is not None and m.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}].refusal: only assistant messages carry "
+                                      "a refusal", param=f"messages[{i}].refusal")
+        if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.refusal)):
+            needs = " (or tool_calls)" if m.role == "assistant" else ""
+            raise InvalidRequestError(f"messages[{i}].content: a {m.role} message needs "
+                                      f"content{needs}", param=f"messages[{i}].content")
+
+
 def _text_part(part: ContentPart, where: str) -> str:
     """The text of a content part; 400 for any other kind (this model reads text only)."""
     if part.type == "text":
         if part.text is None:
             raise InvalidRequestError(f"{where}: a text part needs 'text'", param=where)
         return part.text
+    if part.type == "refusal":  # an assistant's, as OpenAI returns it: what it said
+        if part.refusal is None:
+            raise InvalidRequestError(f"{where}: a refusal part needs 'refusal'", param=where)
+        return part.refusal
     kind = _NOT_TEXT.get(part.type)
     if kind is not None:
         raise InvalidRequestError(
@@ -652,9 +711,11 @@ def _timings(finals: Sequence[RequestOutput | None]) -> Timings | None:
 
 
 def _usage(finals: Sequence[RequestOutput | None], n: int = 1) -> Usage:
-    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens summed."""
+    """Prompt tokens once per prompt (its ``n`` choices share it), those of them the prefix
+    cache held, completion tokens summed."""
     prompt = sum(f.metrics.num_prompt_tokens for f in finals[::n] if f is not None)
+    cached = sum(f.metrics.num_cached_tokens for f in finals[::n] if f is not None)
     completion = sum(f.metrics.num_generated_tokens for f in finals if f is not None)
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, {"cached_tokens": cached})
 
 

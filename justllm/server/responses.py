@@ -81,7 +81,8 @@ def _finish(resp: ResponseObject, finish: str | None, usage: Usage) -> ResponseO
     resp.status = "incomplete" if truncated else "completed"
     resp.incomplete_details = {"reason": "max_output_tokens"} if truncated else None
     resp.usage = ResponseUsage(
-        usage.prompt_tokens, {"cached_tokens": 0, "cache_write_tokens": 0},
+        usage.prompt_tokens, {"cached_tokens": (usage.prompt_tokens_details or {}).get(
+            "cached_tokens", 0), "cache_write_tokens": 0},
         usage.completion_tokens, {"reasoning_tokens": 0}, usage.total_tokens)
     return resp
 

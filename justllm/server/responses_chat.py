@@ -20,6 +20,7 @@ import msgspec
 
 from justllm.errors import InvalidRequestError
 from justllm.server.errors import _msgspec_param
+from justllm.server.json_schema import check_strict
 from justllm.server.responses_schemas import (
     ContentPart,
     FunctionCall,
@@ -202,6 +203,8 @@ def _response_format(req: ResponseRequest) -> ResponseFormat | None:
     if fmt.schema is None:
         raise InvalidRequestError("text.format: a json_schema format needs its schema",
                                   param="text.format.schema")
+    if fmt.strict:
+        check_strict(fmt.schema, "text.format.schema")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
         name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict))
 

@@ -16,6 +16,7 @@ from msgspec import Meta
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # an int64, as vLLM takes it
 
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -28,6 +29,7 @@ class ContentPart(_Request, kw_only=True):
 
     type: str
     text: str | None = None
+    refusal: str | None = None  # a "refusal" part: an assistant's refusal, read as its text
     image_url: Any = None
     input_audio: Any = None
     file: Any = None
@@ -52,6 +54,14 @@ class ChatMessage(_Request, kw_only=True):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    # What the OpenAI SDK sends back with an assistant message (``message.model_dump()``):
+    # ``refusal`` is read as the assistant's text; the others must be null/empty (checked by
+    # ``openai_serving.check_messages``: this server makes no audio, deprecated function calls
+    # or citations, so a history holding any came from elsewhere and cannot be honoured).
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
 
 
 class FunctionDef(_Request, kw_only=True):
@@ -118,7 +128,7 @@ class _Sampling(_Request, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repeat_penalty: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Union[str, list[str], None] = None
     n: PositiveInt = 1
     stream: bool = False
@@ -183,6 +193,8 @@ class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's: {"cached_tokens": the prompt tokens taken from the prefix cache}
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 class FunctionCallOut(msgspec.Struct):

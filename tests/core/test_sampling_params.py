@@ -14,6 +14,8 @@ from justllm.errors import InvalidRequestError
     ({"min_p": 2}, "min_p"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"seed": "x"}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"logprobs": 50}, "logprobs"),
     ({"max_tokens": True}, "max_tokens"),
@@ -41,3 +43,10 @@ def test_max_tokens_none_means_to_the_context_and_logit_bias_is_normalised():
     assert SamplingParams(max_tokens=None).max_tokens is None
     assert SamplingParams(logit_bias={7: -100, 9: 2.5}).logit_bias == ((7, -100), (9, 2.5))
     assert SamplingParams(logit_bias=[(7, 1)]).logit_bias == ((7, 1),)
+
+
+def test_a_negative_seed_is_a_64_bit_seed_like_any_other():
+    """A negative seed reached numpy's generator as is, which refuses it: a 500."""
+    assert SamplingParams(seed=-1).seed == 2**64 - 1
+    assert SamplingParams(seed=-2**63).seed == 2**63
+    assert SamplingParams(seed=5).seed == 5

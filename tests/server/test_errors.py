@@ -120,3 +120,83 @@ def test_priority_needs_priority_scheduling(server):
     assert_error(post(server, "/v1/completions", {**body, "priority": 3}), 400, "priority")
     assert_error(post(server, "/v1/completions", {**body, "priority": "high"}), 400, "priority")
     assert post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200
+
+
+def test_fields_openai_refuses_are_refused_not_ignored(server):
+    """Each of these was accepted and then ignored (or, for a negative seed, a 500)."""
+    m, hi = server.model, [{"role": "user", "content": "hi"}]
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    assert_error(post(server, chat, {"model": m, "messages": hi, "top_logprobs": 3}), 400,
+                 "top_logprobs")
+    for path, body in ((chat, {"messages": hi}), (comp, {"prompt": "hi"})):
+        assert_error(post(server, path, {"model": m, **body, "max_tokens": 2,
+                                         "stream_options": {"include_usage": True}}),
+                     400, "stream_options")
+    # The prompt's logprobs are not computed, so echo cannot give them (OpenAI and vLLM do).
+    assert_error(post(server, comp, {"model": m, "prompt": "hi", "echo": True, "logprobs": 1}),
+                 400, "logprobs")
+    assert_error(post(server, comp, {"model": m, "prompt": "hi", "seed": 2**63}), 400, "seed")
+    for seed in (-1, -2**63):
+        r = post(server, comp, {"model": m, "prompt": "hi", "max_tokens": 2, "seed": seed,
+                                "temperature": 1, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_a_strict_schema_asking_what_the_grammar_cannot_enforce_is_refused(server):
+    """The grammar passes over minimum/maximum: the demo model answered 1000000000000000 to
+    a strict integer in [5, 7]. strict: true now refuses the schema; strict: false follows the
+    rest of it."""
+    m, hi = server.model, [{"role": "user", "content": "A number:"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5}},
+              "required": ["n"]}
+
+    def fmt(strict):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                       "strict": strict}}
+    r = post(server, "/v1/chat/completions", {"model": m, "messages": hi, "max_tokens": 40,
+                                               "response_format": fmt(True)})
+    assert_error(r, 400, "response_format")
+    assert "#/properties/n: minimum" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"model": m, "messages": hi, "max_tokens": 40,
+                                               "temperature": 0, "response_format": fmt(False)})
+    assert r.status_code == 200 and "n" in json.loads(r.json()["choices"][0]["message"]["content"])
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": hi, "tools": [tool]}),
+                 400, "tools[0].function.parameters")
+    r = post(server, "/v1/responses", {"model": m, "input": "A number:", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": schema, "strict": True}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+
+def test_history_messages_are_checked_as_openai_checks_them(server):
+    m = server.model
+    for message, param in (
+            ({"role": "user"}, "messages[0].content"),
+            ({"role": "user", "content": None}, "messages[0].content"),
+            ({"role": "assistant"}, "messages[0].content"),
+            ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "messages[0].audio"),
+            ({"role": "assistant", "content": None, "function_call": {"name": "f",
+                                                                      "arguments": "{}"}},
+             "messages[0].function_call"),
+            ({"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},
+             "messages[0].annotations"),
+            ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal")):
+        r = post(server, "/v1/chat/completions",
+                 {"model": m, "messages": [message, {"role": "user", "content": "hi"}]})
+        assert_error(r, 400, param)
+    # An assistant's refusal (a field or a content part) is what it said.
+    for said in ({"content": None, "refusal": "I cannot."},
+                 {"content": [{"type": "refusal", "refusal": "I cannot."}]}):
+        r = post(server, "/v1/chat/completions", {"model": m, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", **said},
+            {"role": "user", "content": "why"}]})
+        assert r.status_code == 200, r.text
+
+
+def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
+    r = httpx.get(f"{server.url}/v1/models/{server.model}", timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == server.model
+    assert_error(httpx.get(f"{server.url}/v1/models/org/gpt-9", timeout=60), 404, "model")
+    # Under /api/ a route that does not exist answers in Ollama's shape, as its routes do.
+    for r in (post(server, "/api/nothing", {}), httpx.get(server.url + "/api/chat", timeout=60)):
+        assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text

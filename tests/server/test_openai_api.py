@@ -117,11 +117,14 @@ def test_chat_n_seed_stop_logprobs(client, exact_client, server):
 
 def test_completions(client, server):
     r = client.completions.create(model=server.model, prompt="The capital of France is",
-                                  max_tokens=5, temperature=0, logprobs=2, echo=True)
+                                  max_tokens=5, temperature=0, echo=True)
     c = r.choices[0]
     assert c.text.startswith("The capital of France is") and len(c.text) > 24
-    assert len(c.logprobs.tokens) == 5 and len(c.logprobs.top_logprobs[0]) == 2
     assert r.usage.completion_tokens == 5
+    lp = client.completions.create(model=server.model, prompt="The capital of France is",
+                                   max_tokens=5, temperature=0, logprobs=2).choices[0]
+    assert len(lp.logprobs.tokens) == 5 and len(lp.logprobs.top_logprobs[0]) == 2
+    assert "".join(lp.logprobs.tokens) == lp.text == c.text[len("The capital of France is"):]
     multi = client.completions.create(model=server.model, prompt=["One,", "Two,"], n=2,
                                       max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in multi.choices] == [0, 1, 2, 3]
@@ -270,3 +273,22 @@ def test_prefix_cache_hits_show_in_metrics(client, server):
     assert metric(server, "vllm:prefix_cache_hits_total") >= tokens0 + 300  # the system prompt
     assert 0 < metric(server, "justllm_prefix_cache_hit_ratio") <= 1
     assert metric(server, "justllm_prefix_cache_blocks") > 0
+
+
+def test_an_sdk_history_and_model_retrieval_and_cached_tokens(client, server):
+    """A history built the usual SDK way (``message.model_dump()`` carries refusal, audio,
+    function_call and annotations as null) was a 400; ``models.retrieve`` was a 404; usage
+    named no cached tokens."""
+    assert client.models.retrieve(server.model).id == server.model
+    msgs = [{"role": "user", "content": "Name three colours, one two three four five six "
+                                        "seven eight nine ten eleven twelve thirteen."}]
+    first = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4,
+                                           temperature=0)
+    again = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4,
+                                           temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # at least a block
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    msgs += [first.choices[0].message.model_dump(), {"role": "user", "content": "More."}]
+    assert msgs[1]["refusal"] is None and "annotations" in msgs[1]
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4)
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens

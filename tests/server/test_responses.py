@@ -36,6 +36,14 @@ def test_a_text_response(client, server):
     assert r.metadata == {"run": "test"} and r.user == "tester"
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client, server):
+    """input_tokens_details.cached_tokens was always 0."""
+    text = "Tell me about the sea, " * 6
+    client.responses.create(model=server.model, input=text, max_output_tokens=2)
+    again = client.responses.create(model=server.model, input=text, max_output_tokens=2)
+    assert 16 <= again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+
+
 def test_message_items_and_instructions(client, server):
     plain = client.responses.create(model=server.model, input=HELLO, max_output_tokens=1)
     r = client.responses.create(

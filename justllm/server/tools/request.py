@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from justllm.errors import InvalidRequestError
+from justllm.server.json_schema import check_strict
 from justllm.server.schemas import ChatCompletionRequest, ChatMessage, Tool, ToolChoiceNamed
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -116,6 +117,8 @@ def _functions(tools: list[Tool]) -> tuple[Function, ...]:
             raise InvalidRequestError(f"{where}.function.parameters: the parameters schema "
                                       "must describe a JSON object",
                                       param=f"{where}.function.parameters")
+        if fn.strict:
+            check_strict(params, f"{where}.function.parameters")
         out.append(Function(fn.name, fn.description, params, bool(fn.strict)))
     return tuple(out)
 

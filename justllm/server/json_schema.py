@@ -1,0 +1,65 @@
+"""What a JSON schema asks that the grammar built from it (llama-cpp-python's converter,
+``engine/backend.grammar_from_json_schema``) does not enforce.
+
+The converter turns types, ``required``, ``enum``/``const``, ``additionalProperties``, string
+and array lengths, ``pattern``, the ``date``/``time``/``date-time``/``uuid`` formats,
+``anyOf``/``oneOf``/``allOf`` and ``$ref`` into grammar rules, and passes over the rest. A
+``strict`` schema (OpenAI's promise that the output follows it exactly) that uses any of the
+rest is refused, naming what and where; without ``strict`` the schema is followed as far as
+the grammar goes (the README says which keywords).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from justllm.errors import InvalidRequestError
+
+_UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+               "uniqueItems", "minProperties", "maxProperties", "not", "if", "then", "else",
+               "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas",
+               "dependencies", "contains", "minContains", "maxContains",
+               "unevaluatedProperties", "unevaluatedItems")
+_FORMATS = re.compile(r"date|time|date-time|uuid[1-5]?")
+_NAMED = ("properties", "$defs", "definitions")  # name -> schema
+_LISTED = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
+_ONE = ("items", "additionalProperties")  # a schema (or, for old-draft items, a list)
+
+
+def unenforced(schema: Any, path: str = "#") -> list[str]:
+    """Where ``schema`` uses what the grammar does not enforce: ``"PATH: keyword"`` each."""
+    if not isinstance(schema, dict):
+        return []
+    out = [f"{path}: {k}" for k in _UNENFORCED if k in schema]
+    fmt = schema.get("format")
+    if fmt is not None and not _FORMATS.fullmatch(str(fmt)):
+        out.append(f"{path}: format {fmt!r}")
+    if ("pattern" in schema or fmt is not None) and ("minLength" in schema
+                                                     or "maxLength" in schema):
+        out.append(f"{path}: minLength/maxLength beside {'pattern' if 'pattern' in schema else 'format'}")
+    for key in _NAMED:
+        for name, sub in (schema.get(key) or {}).items():
+            out += unenforced(sub, f"{path}/{key}/{name}")
+    for key in _LISTED:
+        for i, sub in enumerate(schema.get(key) or []):
+            out += unenforced(sub, f"{path}/{key}/{i}")
+    for key in _ONE:
+        sub = schema.get(key)
+        if isinstance(sub, list):  # an old draft's items: one schema per position
+            for i, one in enumerate(sub):
+                out += unenforced(one, f"{path}/{key}/{i}")
+        else:
+            out += unenforced(sub, f"{path}/{key}")
+    return out
+
+
+def check_strict(schema: Any, param: str) -> None:
+    """400 naming ``param`` when a strict ``schema`` asks what the grammar cannot enforce."""
+    found = unenforced(schema)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise InvalidRequestError(
+            f"{param}: strict is true, but the output grammar cannot enforce "
+            f"{'; '.join(found[:3])}{more} (send strict: false to have the rest of the schema "
+            "followed)", param=param)
