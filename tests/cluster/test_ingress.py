@@ -107,6 +107,8 @@ def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
         "/v1/completions", "/v1/completions"]
     with TestClient(create_ingress(ingress)) as c:  # listed as a model whose parent is the base
         cards = c.get("/v1/models").json()["data"]
+        assert c.get("/v1/models/sql").json() == cards[1]
+        assert c.get("/v1/models/nope").json()["error"]["code"] == "model_not_found"
     assert [(m["id"], m.get("parent"), m.get("aliases")) for m in cards] == [
         ("demo", None, []), ("sql", "demo", None)]
 

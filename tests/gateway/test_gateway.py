@@ -124,6 +124,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         listed = httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]
         assert {m["id"]: m["status"] for m in listed} == {
             "alpha": "unloaded", "beta": "unloaded", "broken": "unloaded"}
+        one = httpx.get(gw.url + "/v1/models/beta", timeout=30)  # the SDK's models.retrieve
+        assert one.status_code == 200 and one.json()["id"] == "beta"
+        assert httpx.get(gw.url + "/v1/models/gamma", timeout=30).status_code == 404
         assert gw.runner_pids() == []
 
         # Requests for both models at once, with room for one: every one succeeds, the
