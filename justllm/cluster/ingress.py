@@ -46,7 +46,12 @@ from justllm.cluster import lora as runtime_lora
 from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.lora import RuntimeAdapters
 from justllm.cluster.metrics import render
-from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
+from justllm.gateway.policy import (
+    PD_PATHS,
+    lora_request,
+    prompt_tokens_estimate,
+    session_key,
+)
 from justllm.gateway.routing import route_text
 from justllm.server.app import one_model, require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
@@ -118,8 +123,7 @@ async def forward(request: Request, path: str) -> Any:
     ollama = path.startswith("/api/")
     key = "model" if "model" in body or not ollama else "name"
     model = ing.model(body.get(key), ollama)
-    session = request.headers.get("x-session-id") or body.get("user")
-    route = (route_text(body), session if isinstance(session, str) else None)
+    route = (route_text(body), session_key(request.headers.get("x-session-id"), body))
     named = body.get(key)
     runtime = ing.runtime.requested(named, body.get("lora"))
     # Served whole: its KV is the adapter's.

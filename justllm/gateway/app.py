@@ -25,7 +25,12 @@ from justllm import __version__
 from justllm.gateway import lora
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
-from justllm.gateway.policy import PD_PATHS, lora_request, prompt_tokens_estimate
+from justllm.gateway.policy import (
+    PD_PATHS,
+    lora_request,
+    prompt_tokens_estimate,
+    session_key,
+)
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
@@ -98,8 +103,8 @@ async def _forward(request: Request, path: str) -> Any:
             keep_alive = keep_alive_seconds(body.pop("keep_alive"))
         except ValueError as e:
             raise APIError(400, str(e), param="keep_alive") from None
-    session = request.headers.get("x-session-id") or body.get("user")
-    route = RouteRequest(route_text(body), session if isinstance(session, str) else None)
+    route = RouteRequest(route_text(body), session_key(request.headers.get("x-session-id"),
+                                                       body))
     if not state.has_adapter(body.get("model")):  # an adapter is the runner's own name
         body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an
         # alias becomes the runner's name

@@ -123,3 +123,17 @@ def prompt_tokens_estimate(body: dict, text: str) -> int:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def session_key(header: str | None, body: dict) -> str | None:
+    """What keeps a client's requests on one replica (sticky sessions, so its prefix cache
+    keeps serving it): the ``X-Session-Id`` header, else the body's ``prompt_cache_key``
+    (OpenAI's hint for exactly this), ``user``, ``safety_identifier`` (OpenAI's newer name for
+    ``user``) or Anthropic's ``metadata.user_id``; None when none is a string."""
+    metadata = body.get("metadata")
+    for key in (header, body.get("prompt_cache_key"), body.get("user"),
+                body.get("safety_identifier"),
+                metadata.get("user_id") if isinstance(metadata, dict) else None):
+        if isinstance(key, str) and key:
+            return key
+    return None

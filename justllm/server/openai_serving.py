@@ -410,7 +410,8 @@ class OpenAIServing:
         check_chat_request(req)
         origin = RequestOrigin("openai.chat", bool(req.stream), traceparent)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream, req.user)
+        log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream,
+                 req.user or req.safety_identifier)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await self.chat_events(req, rid, resume, origin)
@@ -513,7 +514,8 @@ class OpenAIServing:
                        req: CompletionRequest, n: int, rid: str
                        ) -> TextCompletion | AsyncIterator[bytes]:
         created, model = int(time.time()), self.answer_model(req.model)
-        log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream, req.user)
+        log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream,
+                 req.user or req.safety_identifier)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(streams, shape, rid, created, include_usage, n, model)

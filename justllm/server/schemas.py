@@ -137,6 +137,10 @@ class _Sampling(_Request, kw_only=True):
     # token id (a decimal string, as JSON object keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id: logged with the request (--verbose)
+    safety_identifier: str | None = None  # OpenAI's newer name for ``user``: the same use
+    # OpenAI's hint for its prompt cache: router mode keeps requests that share one on one
+    # replica (gateway/policy.session_key); one server caches every prefix anyway.
+    prompt_cache_key: str | None = None
     # Speculative decoding per request, named as llama-server names them (0 turns it off).
     speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")

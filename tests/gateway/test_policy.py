@@ -14,6 +14,7 @@ from justllm.gateway.policy import (
     lora_request,
     parse_size,
     restart_delay,
+    session_key,
     to_unload_for,
 )
 from justllm.server.ollama import keep_alive_seconds
@@ -143,3 +144,13 @@ def test_lora_requests_are_known_by_model_name_or_the_lora_field():
     assert lora_request({"model": "demo", "lora": [{"name": "sql"}]}, adapters)
     assert not lora_request({"model": "demo", "lora": []}, adapters)
     assert not lora_request({"model": "demo"}, adapters) and not lora_request({}, ())
+
+
+def test_the_session_key_that_keeps_a_client_on_one_replica():
+    assert session_key("s1", {"user": "u", "prompt_cache_key": "k"}) == "s1"
+    assert session_key(None, {"user": "u", "prompt_cache_key": "k"}) == "k"
+    assert session_key(None, {"user": "u", "safety_identifier": "s"}) == "u"
+    assert session_key(None, {"safety_identifier": "s"}) == "s"
+    assert session_key(None, {"metadata": {"user_id": "a"}}) == "a"  # Anthropic's
+    assert session_key(None, {"user": 5, "metadata": "x"}) is None
+    assert session_key("", {"user": ""}) is None

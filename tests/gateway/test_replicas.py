@@ -90,19 +90,18 @@ def test_prefixes_stay_on_their_replica_and_a_killed_replica_loses_no_request(
         text = httpx.get(gw.url + "/metrics", timeout=30).text
         assert 'justllm_gateway_routing_decisions_total{model_name="demo",reason="prefix"} 4' \
             in text
-        # A session (X-Session-Id, or the OpenAI user field) stays on its replica whatever
-        # its prompts: a conversation's KV is there.
-        for session in ({"headers": {"X-Session-Id": "s1"}}, {"user": "u1"}):
+        # A session (X-Session-Id, the OpenAI user field, or its prompt_cache_key) stays on its
+        # replica whatever its prompts: a conversation's KV is there.
+        for headers, fields in (({"X-Session-Id": "s1"}, {}), ({}, {"user": "u1"}),
+                                ({}, {"prompt_cache_key": "k1"})):
             homes = set()
             for word in ("Zebra", "Quartz", "Violin"):
-                r = httpx.post(gw.url + "/v1/completions", timeout=120,
-                               headers=session.get("headers", {}), json={
-                                   "model": "demo", "prompt": f"{word} facts:", "max_tokens": 1,
-                                   **({"user": session["user"]} if "user" in session else {})})
+                r = httpx.post(gw.url + "/v1/completions", timeout=120, headers=headers, json={
+                    "model": "demo", "prompt": f"{word} facts:", "max_tokens": 1, **fields})
                 assert r.status_code == 200, r.text
                 homes.add(r.headers["x-replica"])
-            assert len(homes) == 1, (session, homes)
-        assert gw.status()["demo"]["decisions"]["session"] == 4
+            assert len(homes) == 1, (headers, fields, homes)
+        assert gw.status()["demo"]["decisions"]["session"] == 6
         assert 'justllm_gateway_replica_up{model_name="demo",replica="1",role="both"} 1' in text
 
         # kill -9 one replica under load: every request still succeeds with all its tokens.
