@@ -86,6 +86,9 @@ def _tool_result(block: Block, where: str, names: dict[str, str]) -> ChatMessage
     """A ``tool_result`` block as a ``tool`` message; an error result says it is one."""
     if not block.tool_use_id:
         raise _refuse(f"{where}.tool_use_id", "a tool_result block needs the id of its tool_use")
+    if block.tool_use_id not in names:  # Anthropic's rule: it answers an earlier tool_use
+        raise _refuse(f"{where}.tool_use_id", f"no earlier tool_use block has the id "
+                                              f"'{block.tool_use_id}'")
     content = block.content
     if isinstance(content, list):
         content = "".join(_text(b, f"{where}.content[{k}]") for k, b in enumerate(content))
@@ -118,6 +121,8 @@ def _append(out: list[ChatMessage], m: ChatMessage) -> None:
 
 def _turn(m: Message, i: int, out: list[ChatMessage], names: dict[str, str]) -> None:
     where = f"messages[{i}].content"
+    if not m.content:  # Anthropic refuses an empty turn too
+        raise _refuse(where, "a message needs content (a non-empty string or blocks)")
     blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
     parts: list[ContentPart] = []
     calls: list[MessageToolCall] = []
@@ -168,6 +173,8 @@ def _tool(tool: Tool, i: int) -> ChatTool:
         raise _refuse(f"{where}.allowed_callers", "only direct calls exist here")
     if tool.defer_loading:
         raise _refuse(f"{where}.defer_loading", "deferred tool loading is not supported")
+    if tool.input_schema is None:
+        raise _refuse(f"{where}.input_schema", "a client tool needs its input_schema")
     return ChatTool(type="function", function=FunctionDef(
         name=tool.name, description=tool.description, parameters=tool.input_schema,
         strict=tool.strict))

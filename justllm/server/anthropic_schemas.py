@@ -115,7 +115,7 @@ class _Prompt(_Body, kw_only=True):
 
 class MessagesRequest(_Prompt, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
-    temperature: float | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None  # Anthropic's range
     top_p: float | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stop_sequences: list[str] | None = None

@@ -157,6 +157,14 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"messages": [{"role": "user", "content": "Hi", "colour": "red"}]}, "colour"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, "role"),
     ({"output_config": {"effort": "high"}}, "effort"),
+    # Anthropic refuses these too (they were accepted):
+    ({"temperature": 1.5}, "temperature"),
+    ({"messages": [{"role": "user", "content": ""}]}, "content"),
+    ({"messages": [{"role": "user", "content": []}]}, "content"),
+    ({"tools": [{"name": "f"}]}, "input_schema"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_nowhere", "content": "42"}]}]},
+     "toolu_nowhere"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server, extra, says):
     body = {"model": server.model, "max_tokens": 4, "messages": HELLO, **extra}
