@@ -88,7 +88,10 @@ def main() -> None:
     except click_exception as e:
         ctx = getattr(e, "ctx", None)
         if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-            print(ctx.get_help())
+            # Its message is the help; Typer's rich formatter already printed it while making
+            # it (and left the message empty), so print only what is left to print.
+            if e.format_message():
+                print(e.format_message())
             sys.exit(0)
         Console(stderr=True).print(f"[red]error:[/red] {e.format_message()}", highlight=False,
                                    soft_wrap=True)

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from typing import Annotated, Optional
 
 import typer
@@ -89,6 +90,7 @@ def serve(
                                      record_text=record_text)
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
                          routes=routes, events=events)
+        sock = listening_socket(host, port)
         Console(stderr=True).print(
             f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
@@ -102,7 +104,7 @@ def serve(
         app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
         # A lease on the model's registered version: `justllm rm` refuses it while we serve.
         with lease_for_path(model_path):
-            server.run()
+            server.run(sockets=[sock])
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
 
@@ -160,6 +162,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                                                  shutdown_timeout=shutdown_timeout),
                          default_log_dir(), plugins.routes())
     names = ", ".join(m.name for m in config.models)
+    sock = listening_socket(host, port)
     Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "
                                f"(runner logs in {default_log_dir()})", highlight=False)
 
@@ -174,9 +177,29 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                                     timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10),
                      on_exit=stop_runners)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         all_runners_stopped(app)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything says it serves: a port in use or a host
+    that is not this machine's is one error line, not a banner and then uvicorn's log line
+    and exit code 3."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror.lower()}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _make_server_class():

@@ -33,6 +33,9 @@ def test_help_alias():
     r = justllm("-h")
     assert r.returncode == 0 and "serve" in r.stdout and "run" in r.stdout
     assert justllm("serve", "-h").stdout.count("--max-seqs") == 1
+    for group in ([], ["config"], ["cluster"]):  # no command: the help, once (it came twice)
+        r = justllm(*group)
+        assert r.returncode == 0 and r.stdout.count("Usage:") == 1, group
 
 
 def test_config_file_sets_defaults_and_cli_wins(tmp_path, model_path):
@@ -83,3 +86,21 @@ def test_default_config_file_is_read(tmp_path, monkeypatch, model_path):
     assert "generation 3 tok" in r.output
     r = runner.invoke(app, ["config", "show"])
     assert any(line.split()[:3] == ["--pool-blocks", "64", "file"] for line in r.output.splitlines())
+
+
+def test_a_port_in_use_is_one_line_before_any_banner(model_path, tmp_path):
+    """serve printed "serving ... on http://..." and then uvicorn's bind error, exit 3."""
+    import socket
+
+    other = tmp_path / "other.gguf"  # a second model name for router mode
+    other.symlink_to(model_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args in (["serve", model_path, "--port", str(port)],
+                     ["serve", model_path, str(other), "--port", str(port)]):  # router mode
+            r = justllm(*args)
+            lines = [line for line in r.stderr.splitlines() if line.strip()]
+            assert r.returncode == 1 and len(lines) == 1, r.stderr
+            assert lines[0] == f"error: cannot listen on 127.0.0.1:{port}: address already in use"
