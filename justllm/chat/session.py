@@ -6,6 +6,9 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from justllm.core.sampling_params import SamplingParams
+from justllm.errors import InvalidRequestError
+
 HELP = """commands:
   /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty)
   /system TEXT           set the system message (and clear the history)
@@ -14,6 +17,11 @@ HELP = """commands:
   /bye                   leave (Ctrl-D too)
   \"\"\"                    start and end a multi-line message
 Ctrl-C stops the current answer."""
+
+def check_options(options: dict) -> None:
+    """InvalidRequestError naming the first sampling option out of its range."""
+    SamplingParams(**options)
+
 
 _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
              "max_tokens": int, "seed": int, "repeat_penalty": float}
@@ -87,13 +95,21 @@ class ChatSession:
                 self._say(f"usage: /set {'|'.join(_SETTABLE)} VALUE")
                 return
             try:
-                self.options[key] = _SETTABLE[key](value.strip())
+                options = {**self.options, key: _SETTABLE[key](value.strip())}
+                check_options(options)
+            except InvalidRequestError as e:  # out of its range: said now, not at each message
+                self._say(f"not a valid {key}: {e}")
+                return
             except ValueError:
                 self._say(f"not a valid {key}: {value.strip()}")
                 return
+            self.options = options
             self._say(f"({key} = {self.options[key]})")
         elif name == "/stats":
             s = self.backend.last
+            if not s.generated_tokens:
+                self._say("(no answer yet)")
+                return
             self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok, "
                       f"{s.tokens_per_second:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms")
         else:

@@ -48,8 +48,11 @@ def bench(
 
         if output_len is None and dataset is None and workload != "sharegpt":
             output_len = 128
-        if num_requests < 1 or concurrency < 1 or (output_len or 1) < 1 or input_len < 1:
+        if (num_requests < 1 or concurrency < 1 or (output_len is not None and output_len < 1)
+                or input_len < 1):
             raise ValueError("--num-requests, --concurrency, --output-len and --input-len must be >= 1")
+        if json_out is not None and not json_out.parent.is_dir():  # found out before the run
+            raise ValueError(f"--json: the directory {json_out.parent} does not exist")
         if request_rate is not None and request_rate <= 0:
             raise ValueError("--request-rate must be > 0")
         sampling = sampling_fields(temperature, top_p, top_k, min_p)
@@ -95,4 +98,10 @@ def bench(
                 console.print(f"[yellow]{s['url']}: {s['failed']} failed; first error: "
                               f"{s['first_error']}[/yellow]", highlight=False)
         if json_out is not None:
-            json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
+            try:
+                json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
+            except OSError as e:
+                raise ValueError(f"--json: cannot write {json_out}: {e.strerror}") from None
+        dead = [s["url"] for s in summaries if s["completed"] == 0]
+        if dead:  # nothing measured: a benchmark that failed, whatever the table shows
+            raise ValueError(f"every request failed at {', '.join(dead)}")

@@ -33,8 +33,10 @@ def chat(
     /stats, /bye; Ctrl-C stops the current answer, not the program."""
     with cli_errors():
         from justllm.chat.backends import LocalChat, RemoteChat
-        from justllm.chat.session import ChatSession
+        from justllm.chat.session import ChatSession, check_options
 
+        options = {"temperature": temperature, "max_tokens": max_tokens}
+        check_options(options)  # before a model loads: every message would fail
         if url:
             if chat_template:
                 raise ValueError("--chat-template is for a model loaded here; with --url the "
@@ -51,7 +53,6 @@ def chat(
                 print_notice(local.notice)
             backend = local
         try:
-            ChatSession(backend, system=system,
-                        options={"temperature": temperature, "max_tokens": max_tokens}).run()
+            ChatSession(backend, system=system, options=options).run()
         finally:
             backend.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -18,6 +19,10 @@ def top(
     with cli_errors():
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--url must start with http:// or https://, got {url!r}")
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # Textual would draw its screen into the pipe and never end.
+            raise ValueError("justllm top needs a terminal; for the figures in a script, "
+                             f"read {url.rstrip('/')}/metrics (or justllm ps for a gateway)")
         from justllm.tui.top import TopApp
 
         TopApp(url=url, interval=interval, api_key=api_key).run()

@@ -64,8 +64,14 @@ def test_bench_sharegpt_file_and_errors(server, tmp_path):
     assert bad.exit_code == 1 and bad.output.startswith("error: unknown workload")
     dead = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "-n", "2", "--json",
                                str(tmp_path / "dead.json")])
-    assert dead.exit_code == 0
+    # Nothing measured is a failed benchmark (it exited 0), its results still written.
+    assert dead.exit_code == 1 and "every request failed at http://127.0.0.1:9" in dead.output
     assert json.loads((tmp_path / "dead.json").read_text())["failed"] == 2
+    # Found out before a run: --output-len 0 (it became 128), a --json in no directory (the
+    # run's results were lost to a traceback at the end).
+    for args in (["--output-len", "0"], ["--json", str(tmp_path / "nowhere" / "x.json")]):
+        r = runner.invoke(app, ["bench", "--url", server.url, "-n", "1", *args])
+        assert r.exit_code == 1 and r.output.startswith("error: --"), r.output
 
 
 def test_bench_sends_the_sampling_fields_it_is_given_and_only_those(server, tmp_path):

@@ -114,12 +114,22 @@ def test_chat_against_a_server_in_a_terminal(server):
 def test_chat_in_process_with_pipes(model_path):
     r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "4",
                         "--system", "Be brief.", "--pool-blocks", "64"],
-                       input="Hi!\n/stats\n/system\n/bye\n", capture_output=True, text=True,
-                       timeout=300)
+                       input="/stats\n/set top_p 5\n/set top_p 0.9\nHi!\n/stats\n/system\n/bye\n",
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "generation 4 tok" in r.stdout
+    assert "(no answer yet)" in r.stdout and "generation 4 tok" in r.stdout
+    # A value out of range is refused at /set (it was taken, and then every message failed).
+    assert "not a valid top_p: top_p must be a number in (0, 1]" in r.stdout
+    assert "(top_p = 0.9)" in r.stdout
     assert "(system message removed)" in r.stdout
     assert r.stderr.count("this model has no chat template and looks like a base model") == 1
+
+
+def test_chat_refuses_a_sampling_value_out_of_range_before_loading(model_path):
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "--temperature",
+                        "-1"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and r.stderr.strip() == "error: temperature must be a number in [0, 100]"
 
 
 def test_chat_bad_url_is_one_line(tmp_path):

@@ -140,6 +140,9 @@ def test_cli_command_help_and_bad_url():
     result = CliRunner().invoke(cli, ["--url", "localhost:8080"])
     assert result.exit_code == 1
     assert "--url must start with http:// or https://" in result.output
+    # Without a terminal (CliRunner's pipes) it says so: Textual drew into the pipe for ever.
+    result = CliRunner().invoke(cli, ["--url", "http://127.0.0.1:9"])
+    assert result.exit_code == 1 and "justllm top needs a terminal" in result.output
 
 
 class StubMetrics:
