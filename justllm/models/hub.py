@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -63,6 +64,19 @@ def pick_gguf(repo: str, files: list[str]) -> str:
                          f"choose one with {repo}:FILE")
 
 
+def _resolvable(endpoint: str | None) -> None:
+    """A repo's listing goes through huggingface_hub's backoff, five retries over ~25 s with a
+    warning line each, even when the hub's name does not resolve (no network): that is known
+    in a moment, so it is asked first (an OSError, which ``hub_errors`` makes one line)."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(endpoint or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise OSError(f"{host}: {e.strerror}") from None
+
+
 def _one_line(e: BaseException) -> str:
     """An exception (and the cause the hub library wraps network errors in) as one line."""
     text = " ".join(str(e).split()) or type(e).__name__
@@ -103,6 +117,7 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
 
     with hub_errors(repo, lambda: file, revision, endpoint):
         if file is None:
+            _resolvable(endpoint)
             file = pick_gguf(repo, HfApi(endpoint=endpoint).list_repo_files(repo, revision=revision))
         meta = get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),
                                     endpoint=endpoint)
@@ -146,10 +161,11 @@ def remove_download(path: Path, root: Path) -> None:
 
 
 def looks_like_repo(ref: str) -> bool:
-    """``owner/name`` or ``owner/name:file.gguf`` that is not a local path."""
+    """``owner/name`` or ``owner/name:file.gguf`` that is not a local path (``dir/x.gguf``
+    that does not exist is a mistyped path, not a repo)."""
     repo = ref.partition(":")[0]
     return (repo.count("/") == 1 and not repo.startswith(("/", ".", "~"))
-            and not Path(ref).exists())
+            and not (ref == repo and repo.lower().endswith(".gguf")) and not Path(ref).exists())
 
 
 def download(ref: str, *, root: Path, revision: str = "main", force: bool = False,
@@ -219,14 +235,17 @@ def hub_errors(repo: str, file: Callable[[], str | None], revision: str,
     except RevisionNotFoundError:
         raise ModelLoadError(f"revision '{revision}' not found in {repo}") from None
     except LocalEntryNotFoundError as e:  # the library's way of saying "the hub was unreachable"
-        raise ModelLoadError(f"cannot download {repo}:{file() or '(listing)'} from {where}: "
+        raise ModelLoadError(f"{_what(repo, file())} {where}: "
                              f"{_one_line(e.__cause__ or e)}") from None
     except EntryNotFoundError:
         raise ModelLoadError(f"file '{file()}' not found in {repo} at revision "
                              f"'{revision}'") from None
     except transport as e:
-        raise ModelLoadError(f"cannot download {repo}:{file() or '(listing)'} from {where}: "
-                             f"{_one_line(e)}") from None
+        raise ModelLoadError(f"{_what(repo, file())} {where}: {_one_line(e)}") from None
+
+
+def _what(repo: str, file: str | None) -> str:
+    return f"cannot download {repo}:{file} from" if file else f"cannot list {repo} on"
 
 
 def list_repo(repo: str, revision: str = "main") -> RepoListing:
@@ -237,6 +256,7 @@ def list_repo(repo: str, revision: str = "main") -> RepoListing:
 
     endpoint = _endpoint()
     with hub_errors(repo, lambda: "config.json", revision):
+        _resolvable(endpoint)
         meta = get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision,
                                                endpoint=endpoint), endpoint=endpoint)
         commit = meta.commit_hash or revision

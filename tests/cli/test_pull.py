@@ -225,8 +225,26 @@ def test_unreachable_hub_is_one_line(hub: FakeHub, monkeypatch: pytest.MonkeyPat
     import huggingface_hub.utils._http as hf_http
     monkeypatch.setattr(hf_http.time, "sleep", lambda _s: None)
     line = _error_line(runner.invoke(app, ["pull", ref]))
-    assert "cannot download acme/tiny-GGUF:" in line and dead in line
+    said = "cannot list acme/tiny-GGUF on" if ":" not in ref else "cannot download acme/tiny-GGUF:"
+    assert said in line and dead in line
     assert ModelStore(_models(tmp_path)).paths() == []
+
+
+def test_a_hub_that_does_not_resolve_fails_at_once_and_a_missing_path_is_not_a_repo(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Offline, a repo's listing waited out the hub library's five retries (~25 s, a warning
+    line each); a mistyped dir/model.gguf was taken for a repo and did the same."""
+    import huggingface_hub.utils._http as hf_http
+
+    isolate_hub_library(monkeypatch, tmp_path, "http://no-such-host.invalid")
+    slept: list[float] = []
+    monkeypatch.setattr(hf_http.time, "sleep", slept.append)
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF"]))
+    assert line.startswith("error: cannot list acme/tiny-GGUF on http://no-such-host.invalid")
+    assert slept == []  # not retried
+    r = runner.invoke(app, ["run", str(Path("nodir") / "model.gguf"), "-p", "hi"])
+    assert r.exit_code == 1 and "model not found: nodir/model.gguf" in r.output
+    assert slept == []
 
 
 def test_split_ref_and_pick_gguf() -> None:
