@@ -102,6 +102,6 @@ def bench(
                 json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
             except OSError as e:
                 raise ValueError(f"--json: cannot write {json_out}: {e.strerror}") from None
-        dead = [s["url"] for s in summaries if s["completed"] == 0]
+        dead = [str(s["url"]) for s in summaries if s["completed"] == 0]
         if dead:  # nothing measured: a benchmark that failed, whatever the table shows
             raise ValueError(f"every request failed at {', '.join(dead)}")

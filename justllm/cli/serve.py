@@ -62,7 +62,7 @@ def serve(
         from justllm.engine.async_engine import AsyncEngine
         from justllm.engine.backend import require_gpu_offload
         from justllm.engine.engine import Engine
-        from justllm.models.gguf import check_gguf_file
+        from justllm.models.gguf import read_gguf_header
         from justllm.models.registry import lease_for_path
         from justllm.server.app import ServerConfig, begin_shutdown, create_app
         from justllm.server.pd import ROLES
@@ -75,7 +75,7 @@ def serve(
         routes, events = plugins.routes(), plugins.request_events()
         warn_problems(plugins, seen)
         # Fail fast, before binding the port, on what can be checked without loading.
-        check_gguf_file(model_path)
+        read_gguf_header(model_path)  # not a GGUF, or truncated
         if config.gpu:
             require_gpu_offload()
         if not 0 < port < 65536:
@@ -197,7 +197,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror.lower()}") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -27,7 +27,7 @@ from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.config import usable_cpus
 from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
-from justllm.models.gguf import check_gguf_file
+from justllm.models.gguf import check_gguf_file, read_gguf_header
 
 JSON_GRAMMAR: str = _grammar.JSON_GBNF
 
@@ -219,7 +219,9 @@ class LlamaBackend:
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
         self._argmax_chains: dict[int, object] = {}  # seq id -> its llama_sampler chain
         C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
-        check_gguf_file(config.model_path)
+        # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
+        # (which logs its own lines and then fails without saying why).
+        read_gguf_header(config.model_path)
         if config.gpu:
             require_gpu_offload()
         limit = MAX_MEMORY_SEQ_ID // 2 if config.keep_swa_cells else MAX_MEMORY_SEQ_ID

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from justllm.errors import JustLLMError, ModelLoadError
+from justllm.models.gguf import read_gguf_header
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
@@ -58,8 +59,9 @@ def make_draft(src: Path, dst: Path, layers: int, *, force: bool = False) -> Dra
     src, dst = Path(src), Path(dst)
     if layers < 1:
         raise ValueError(f"layers must be at least 1 (got {layers})")
-    if not src.is_file():
-        raise ModelLoadError(f"model file not found: {src}")
+    read_gguf_header(src)  # missing, not a GGUF or truncated: one clear error, not numpy's
+    if not dst.parent.is_dir():  # as quantize refuses (it was created, parents and all)
+        raise ValueError(f"the output's directory {dst.parent} does not exist")
     if dst.resolve() == src.resolve():
         raise ValueError(f"the draft would overwrite its source {src}; pick another output path")
     if dst.exists() and not force:

@@ -104,3 +104,20 @@ def test_a_port_in_use_is_one_line_before_any_banner(model_path, tmp_path):
             lines = [line for line in r.stderr.splitlines() if line.strip()]
             assert r.returncode == 1 and len(lines) == 1, r.stderr
             assert lines[0] == f"error: cannot listen on 127.0.0.1:{port}: address already in use"
+
+
+def test_a_truncated_model_is_one_line_on_every_command_that_loads_it(model_path, tmp_path):
+    """run and serve let llama.cpp find out (its own log lines, then a vague error); draft
+    make failed inside numpy; quantize and tag already said what was wrong."""
+    cut = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as f:
+        cut.write_bytes(f.read(20_000_000))  # past the header, short of the tensors
+    for args in (["run", str(cut), "-p", "hi"], ["serve", str(cut), "--port", "1"],
+                 ["draft", "make", str(cut), "-l", "2"]):
+        r = justllm(*args)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 1 and len(lines) == 1, (args, r.stderr)
+        assert lines[0].startswith(f"error: {cut} is truncated: 20000000 bytes"), lines
+    r = justllm("draft", "make", model_path, "-l", "2", "-o", str(tmp_path / "no" / "d.gguf"))
+    assert r.returncode == 1 and "does not exist" in r.stderr
+    assert not (tmp_path / "no").exists()  # it was created, and the draft written there

@@ -175,6 +175,6 @@ def test_cli_not_a_gguf_and_missing_model(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all" * 4)
     msg = one_line_error(runner.invoke(app, ["draft", "make", str(bad), "-l", "2"]))
-    assert msg.startswith(f"error: {bad} is not a readable GGUF file")
+    assert msg == f"error: {bad} is not a GGUF file (no GGUF magic at its start)"
     msg = one_line_error(runner.invoke(app, ["draft", "make", str(tmp_path / "nope.gguf"), "-l", "2"]))
     assert msg.startswith("error: model not found")
