@@ -212,6 +212,9 @@ class EngineConfig:
             raise ValueError(f"--spec {self.spec} needs --draft-model (a small GGUF with the "
                              "same vocabulary: make one with `justllm draft make`, or pass the "
                              "model itself)")
+        if self.draft_model and not (self.spec_method and self.spec_method.draft_model):
+            raise ValueError(f"--draft-model is for a method that drafts with it (--spec draft "
+                             f"or tree), not {'--spec ' + self.spec if self.spec else 'none'}")
         if not 1 <= self.gamma <= MAX_DRAFT:
             raise ValueError(f"gamma must be in [1, {MAX_DRAFT}] (got {self.gamma})")
         if not 1 <= self.branch <= 4:

@@ -34,3 +34,15 @@ def test_zero_means_the_devices_default_and_explicit_values_win(monkeypatch):
         EngineConfig(n_batch=256, n_ubatch=512)
     with pytest.raises(ValueError, match="pool_blocks must be an integer >= 0"):
         EngineConfig(pool_blocks=-1)
+
+
+def test_a_draft_model_alone_means_draft_speculation_and_is_refused_where_nothing_drafts(
+        model_path):
+    """--draft-model without --spec was checked and then not used."""
+    from justllm.cli.options import engine_config
+
+    assert engine_config(model_path, {"draft_model": model_path}).spec == "draft"
+    assert engine_config(model_path, {"draft_model": model_path, "spec": "tree"}).spec == "tree"
+    for spec in ("", "ngram"):
+        with pytest.raises(ValueError, match="--draft-model is for a method that drafts"):
+            EngineConfig(model=model_path, spec=spec, draft_model=model_path)

@@ -70,6 +70,9 @@ def bench(
         else:
             raise ValueError(f"unknown workload '{workload}' (random, shared-prefix, sharegpt)")
 
+        if url is not None and model is not None:
+            raise ValueError("MODEL is for the server bench starts itself; --url measures the "
+                             "model that server serves")
         console = Console(stderr=True)
         server = None
         if url is None:

@@ -44,7 +44,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own l
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
 PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows).", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
 Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels), or a plugin's method (justllm plugins). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
-DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one).", envvar="JUSTLLM_DRAFT_MODEL")]
+DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one); alone it means --spec draft.", envvar="JUSTLLM_DRAFT_MODEL")]
 Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
 Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
 SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
@@ -186,6 +186,8 @@ def engine_config(model: str | None, flags: dict[str, Any],
     v["lora_runtime"] = v.pop("enable_lora_runtime")
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
+    if draft_model and not spec:
+        spec = "draft"  # as llama-server's -md: a draft model alone turns drafting on
     return EngineConfig(model=path, prefix_cache=not no_prefix_cache, spec=spec or "",
                         spec_methods=plugins.spec_methods,
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)

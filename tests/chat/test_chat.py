@@ -132,6 +132,14 @@ def test_chat_refuses_a_sampling_value_out_of_range_before_loading(model_path):
     assert r.returncode == 1 and r.stderr.strip() == "error: temperature must be a number in [0, 100]"
 
 
+def test_chat_with_url_refuses_what_only_a_local_model_would_use(model_path):
+    for extra in ([model_path], ["--gpu"], ["--ctx", "512"]):  # they were dropped
+        r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url",
+                            "http://127.0.0.1:9", *extra], capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 1 and "for a model loaded here" in r.stderr, (extra, r.stderr)
+
+
 def test_chat_bad_url_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", "http://127.0.0.1:9"],
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
