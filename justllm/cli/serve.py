@@ -140,7 +140,13 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         create_gateway,
         default_log_dir,
     )
-    from justllm.gateway.config import Flags, directory_config, list_config, read_config
+    from justllm.gateway.config import (
+        Flags,
+        check_sources,
+        directory_config,
+        list_config,
+        read_config,
+    )
 
     if sum(map(bool, (models, models_file, models_dir))) > 1:
         raise ValueError("router mode takes several MODELs, --models FILE or --models-dir DIR: "
@@ -158,6 +164,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))
+    check_sources(config)
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),
                          default_log_dir(), plugins.routes())

@@ -30,11 +30,13 @@ validated once, before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from justllm.config import EngineConfig
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -314,6 +316,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
     if "lora" in values:
         values["lora"] = _lora_list(name, values["lora"])
+    _check_engine_flags(name, values)
     replicas = _replicas(name, entry, flags)
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
@@ -321,6 +324,35 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
                                                      entry.get("ttl", DEFAULT_TTL)),
                      preload=pinned or bool(entry.get("preload", False)),
                      flags=tuple(sorted(values.items())), **replicas)
+
+
+def check_sources(config: GatewayConfig) -> None:
+    """Every source that is a path (``x.gguf``, not ``REPO:FILE``) names a file: asked when
+    the gateway starts (it started, and the model failed at its first request)."""
+    for m in config.models:
+        if m.source.lower().endswith(".gguf") and ":" not in m.source:
+            if not Path(m.source).expanduser().is_file():
+                raise ValueError(f"model '{m.name}': source {m.source} is not a file")
+
+
+# EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.
+# (The others are resolved by the runner: the model, draft, LoRA files and the template.)
+_CHECKED_FLAGS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
+    "model", "spec", "spec_methods", "draft_model", "lora", "chat_template"}
+
+
+def _check_engine_flags(name: str, values: dict[str, Any]) -> None:
+    """An engine flag with a value the runner would refuse (``max-seqs: -3``) is refused now."""
+    given = {key: v for k, v in values.items()
+             if (key := k.replace("-", "_")) in _CHECKED_FLAGS}
+    try:
+        EngineConfig(model=name, **given)
+    except ValueError as e:
+        raise ValueError(f"model '{name}': {e}") from None
+    except TypeError:  # a comparison with a value of the wrong type
+        wrong = ", ".join(f"{k.replace('_', '-')}: {v!r}" for k, v in given.items())
+        raise ValueError(f"model '{name}': an engine flag has a value of the wrong type "
+                         f"({wrong})") from None
 
 
 def _lora_list(name: str, value: Any) -> tuple[str, ...]:

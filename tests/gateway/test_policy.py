@@ -154,3 +154,19 @@ def test_the_session_key_that_keeps_a_client_on_one_replica():
     assert session_key(None, {"metadata": {"user_id": "a"}}) == "a"  # Anthropic's
     assert session_key(None, {"user": 5, "metadata": "x"}) is None
     assert session_key("", {"user": ""}) is None
+
+
+def test_a_model_whose_runner_would_refuse_its_flags_or_find_no_file_is_refused_at_start(
+        tmp_path):
+    """The gateway started with these; the model failed at its first request."""
+    from justllm.gateway.config import check_sources
+
+    for entry, says in (({"max-seqs": -3}, "max_seqs must be an integer >= 1"),
+                        ({"ctx": "big"}, "an engine flag has a value of the wrong type")):
+        with pytest.raises(ValueError, match=says):
+            load_config({"models": {"m": {"source": "demo", **entry}}}, FLAGS)
+    there = tmp_path / "there.gguf"
+    there.write_bytes(b"GGUF")
+    check_sources(load_config({"models": {"a": str(there), "b": "acme/x:y.gguf"}}, FLAGS))
+    with pytest.raises(ValueError, match="model 'c': source .*gone.gguf is not a file"):
+        check_sources(load_config({"models": {"c": str(tmp_path / "gone.gguf")}}, FLAGS))
