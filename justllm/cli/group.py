@@ -9,14 +9,17 @@ from typer.core import TyperGroup
 
 
 class OneLineSummaries(TyperGroup):
-    """A group whose command list shows each command's first docstring paragraph as one
-    paragraph. Typer's rich help keeps the docstring's line breaks there (only its markdown mode
-    joins them, and that mode swallows ``<stem>``-style placeholders), so wrapped docstrings
-    came out broken mid-sentence."""
+    """A group whose commands' help shows each docstring paragraph as one paragraph, in the
+    group's command list and in the command's own ``--help``. Typer's rich help keeps a
+    docstring's line breaks (only its markdown mode joins them, and that mode swallows
+    ``<stem>``-style placeholders), so wrapped docstrings came out broken mid-sentence. A
+    paragraph that starts with click's ``\\b`` keeps its lines."""
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         command = super().get_command(ctx, cmd_name)
-        if command is not None and command.short_help is None and command.help:
-            first = inspect.cleandoc(command.help).split("\n\n")[0]
-            command.short_help = " ".join(first.split())
+        if command is not None and command.help and command.short_help is None:
+            paragraphs = [p if p.startswith("\b") else " ".join(p.split())
+                          for p in inspect.cleandoc(command.help).split("\n\n")]
+            command.help = "\n\n".join(paragraphs)
+            command.short_help = paragraphs[0]
         return command

@@ -123,7 +123,7 @@ def show(
                       f"quantization: {info.quantization}\narchitecture: {info.architecture}\n"
                       f"context length: {info.context_length or '?'}", markup=False)
         console.print("chat template: " + ("yes (--template to print it)" if info.chat_template
-                                           else "none (justllm uses the family's default)"))
+                                           else "none (chats are sent as a plain 'User:/Assistant:' transcript; --chat-template chooses another)"))
         table = Table("KEY", "VALUE", box=None, pad_edge=False)
         for key in sorted(info.metadata):
             if key not in ("desc", "tokenizer.chat_template"):

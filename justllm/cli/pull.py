@@ -34,9 +34,11 @@ def pull(
                 raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")
             return run_conversion(model, outtype=outtype, quantize=quantize, output=None,
                                   name=tag, revision=revision, force=force)
-        if quantize is not None or outtype != "auto":
-            raise ValueError("--outtype and --quantize go with --convert (to quantize a GGUF: "
-                             "justllm quantize)")
+        given = [n for n, v in (("--outtype", outtype != "auto"), ("--quantize", quantize))
+                 if v]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with "
+                             "--convert (to quantize a GGUF: justllm quantize)")
         from justllm.models.registry import Registry
 
         console = Console(highlight=False)

@@ -166,5 +166,7 @@ def test_without_the_convert_extra_one_line_names_it(tiny: Path, tmp_path: Path)
 def test_pull_convert_options_are_checked() -> None:
     assert "--convert takes REPO" in error_line(
         runner.invoke(app, ["pull", "acme/x:x.gguf", "--convert"]))
-    assert "--outtype and --quantize go with --convert" in error_line(
+    assert "error: --quantize goes with --convert" in error_line(  # named what was given
         runner.invoke(app, ["pull", "acme/x", "--quantize", "Q4_0"]))
+    assert "error: --outtype and --quantize go with --convert" in error_line(
+        runner.invoke(app, ["pull", "acme/x", "--quantize", "Q4_0", "--outtype", "f16"]))

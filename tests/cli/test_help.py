@@ -23,12 +23,19 @@ def _every_command():
 
 
 def test_the_command_lists_show_each_summary_as_one_paragraph():
-    """Typer's rich help kept a docstring's line breaks in a group's command list, so a
-    wrapped docstring came out broken mid-sentence ('--models' alone on a line)."""
-    listed = [c for c, _ in _every_command() if c.help and "\n" in c.help.split("\n\n")[0]]
-    assert listed, "no wrapped docstring to check"
-    for cmd in listed:
+    """Typer's rich help kept a docstring's line breaks in a group's command list and in a
+    command's own help, so a wrapped docstring came out broken mid-sentence ('--models' alone
+    on a line)."""
+    import inspect
+
+    from justllm.cli import models
+
+    assert "\n" in inspect.cleandoc(models.list_models.__doc__).split("\n\n")[1]  # wrapped
+    helped = [c for c, _ in _every_command() if c.help and c.short_help]
+    assert len(helped) > 20
+    for cmd in helped:
         assert "\n" not in cmd.short_help and cmd.short_help.startswith(cmd.help.split()[0])
+        assert all("\n" not in p for p in cmd.help.split("\n\n")), cmd.name
     out = typer.testing.CliRunner().invoke(build_app(), ["--help"], env={"COLUMNS": "300"}).output
     assert "Several MODELs, --models or --models-dir: router mode" in out
 

@@ -51,6 +51,9 @@ def test_show_and_names_resolve_for_run(models_dir):
     assert f"digest: sha256:{DEMO}" in r.stdout and "tags: tiny-gemma:latest" in r.stdout
     assert "source: file" in r.stdout and "added: " in r.stdout
     assert "general.architecture" in r.output and "Q4_K_M" in r.output
+    # What run and chat do with it (it said "the family's default", which nothing uses).
+    assert "chat template: none (chats are sent as a plain 'User:/Assistant:' transcript" \
+        in " ".join(r.output.split())
     r = runner.invoke(app, ["show", "tiny-gemma:latest", "--template"])
     assert "no chat template" in r.output
     r = runner.invoke(app, ["show", str(models_dir / "tiny-gemma.gguf")])
