@@ -6,6 +6,7 @@ knows, a tokenizer, safetensors weights) run before a single weight is downloade
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 from dataclasses import dataclass
@@ -94,9 +95,12 @@ class HFModel:
             raise ModelLoadError(f"{self.where}: config.json names no 'architectures', so "
                                  "llama.cpp's converter cannot tell what model it is")
         if not any(a in supported for a in candidates):
+            # The nearest names, not all ~270 of them (a line of some 10,000 characters).
+            near = difflib.get_close_matches(candidates[0], supported, n=5, cutoff=0.5)
             raise ModelLoadError(
                 f"architecture {candidates[0]} is not supported by llama.cpp's converter "
-                f"(this llama.cpp converts: {', '.join(supported)})")
+                f"(it converts {len(supported)} architectures"
+                + (f"; the nearest: {', '.join(near)})" if near else ")"))
         if not self.has_tokenizer:
             raise ModelLoadError(f"no tokenizer in {self.where}: llama.cpp's converter needs "
                                  "the model's tokenizer files (tokenizer.json or tokenizer.model) "
