@@ -42,9 +42,12 @@ def show(
             file_values = {str(k).replace("-", "_"): v for k, v in data.items()}
         command = typer.main.get_command(_single(serve))
         table = Table("OPTION", "VALUE", "SOURCE", box=None, pad_edge=False)
+        ctx = command.context_class(command)
+        bad: list[str] = []
         for param in command.params:
-            if param.name in ("model", "config_file") or not param.opts:
-                continue
+            if (param.name in ("models", "config_file", "install_completion",
+                               "show_completion") or not param.opts):
+                continue  # serve's MODELs and the shell-completion helpers are no settings
             envvar = param.envvar if isinstance(param.envvar, str) else None
             value: object
             if envvar and envvar in os.environ:
@@ -53,12 +56,19 @@ def show(
                 value, source = file_values.pop(param.name), "file"
             else:
                 value, source = param.default, "default"
+            if source != "default" and value is not None:
+                try:  # what serve would refuse is said here too
+                    param.process_value(ctx, value)
+                except typer.BadParameter as e:
+                    bad.append(f"{param.opts[0]} ({source}): {e.message}")
             if param.name == "api_key" and value:
                 value = "***"
             table.add_row(param.opts[0], str(value), source)
         Console().print(table)
         if file_values:
             raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(file_values))}")
+        if bad:
+            raise ValueError("invalid: " + "; ".join(bad))
 
 
 def _single(fn):

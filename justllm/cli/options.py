@@ -83,7 +83,7 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
         raise typer.BadParameter(f"{value} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
-    known = {p.name for p in ctx.command.params}
+    known = {p.name: p for p in ctx.command.params}
     defaults = {}
     for key, val in data.items():
         name = str(key).replace("-", "_")
@@ -92,6 +92,11 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
         if name == "lora":  # one NAME=PATH[:SCALE], a list of them, or name -> PATH[:SCALE]
             val = [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
                 [val] if isinstance(val, str) else val
+        try:  # checked here, so that the error names the file (click's names an env var)
+            if val is not None:
+                known[name].process_value(ctx, val)
+        except typer.BadParameter as e:
+            raise typer.BadParameter(f"{value}: {key}: {e.message}") from None
         defaults[name] = val
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value

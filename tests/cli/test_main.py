@@ -75,6 +75,15 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     cfg.write_text("bogus: 1\n")
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 1 and "unknown option(s) bogus" in r.output
+    assert "--install-completion" not in r.output and "\nmodels " not in r.output
+    # A value serve would refuse is refused here too (it was listed, exit 0), and serve's
+    # own error names the file (it named an environment variable nobody had set).
+    cfg.write_text("port: abc\n")
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 1 and "invalid: --port (file): Input should be a valid integer" in r.output
+    r = justllm("serve", "--config", str(cfg))
+    assert r.returncode == 1 and f"{cfg}: port: Input should be a valid integer" in r.stderr
+    assert "JUSTLLM_PORT" not in r.stderr
 
 
 def test_default_config_file_is_read(tmp_path, monkeypatch, model_path):
