@@ -41,11 +41,11 @@ def chat(
             if chat_template:
                 raise ValueError("--chat-template is for a model loaded here; with --url the "
                                  "server's own (serve --chat-template) applies")
-            local = [name for name, given in (
+            local_only = [name for name, given in (
                 ("MODEL", model is not None), ("--gpu", gpu), ("--pool-blocks", pool_blocks != 256),
                 ("--threads", threads != _D.threads), ("--ctx", ctx != _D.ctx)) if given]
-            if local:
-                raise ValueError(f"{', '.join(local)}: for a model loaded here; --url chats "
+            if local_only:
+                raise ValueError(f"{', '.join(local_only)}: for a model loaded here; --url chats "
                                  "with the server's model")
             backend: LocalChat | RemoteChat = RemoteChat(url, api_key)
         else:
