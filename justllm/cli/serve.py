@@ -190,18 +190,16 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before anything says it serves: a port in use or a host
-    that is not this machine's is one error line, not a banner and then uvicorn's log line
-    and exit code 3."""
+    """The server's socket, bound as uvicorn binds one (IPv6 when the host has a colon), but
+    before anything says it serves: a port in use or a host that is not this machine's is one
+    error line, not a banner and then uvicorn's log line and exit code 3."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock.bind((host, port))
     except socket.gaierror as e:
+        sock.close()
         raise ValueError(f"--host {host}: {e.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-    try:
-        sock.bind(address)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}") from None
