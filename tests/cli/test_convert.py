@@ -130,8 +130,8 @@ def test_an_unsupported_architecture_is_refused_before_the_weights_are_downloade
     hub.push("acme/frob", files | {"config.json": json.dumps(config).encode()})
     line = error_line(runner.invoke(app, ["convert", "acme/frob"]))
     assert line.startswith("error: architecture FrobnicatorForCausalLM is not supported by "
-                           "llama.cpp's converter (this llama.cpp converts: ")
-    assert "LlamaForCausalLM, " in line and "Qwen2ForCausalLM, " in line
+                           "llama.cpp's converter (it converts ")
+    assert "architectures; the nearest: " in line and len(line) < 400
     assert hub.gets("/config.json") == 1 and hub.gets("/model.safetensors") == 0
     assert not models.exists()
 

@@ -213,8 +213,8 @@ def test_not_a_gguf_and_corrupt_gguf(tmp_path, model_path):
     corrupt = tmp_path / "corrupt.gguf"
     with open(model_path, "rb") as f:
         corrupt.write_bytes(f.read(1 << 20))  # a truncated copy
-    with pytest.raises(ModelLoadError, match="could not load"):
-        Engine(EngineConfig(model=str(corrupt)))
+    with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):  # read first,
+        Engine(EngineConfig(model=str(corrupt)))  # not left to llama.cpp ("could not load")
     with pytest.raises(ModelLoadError, match="not found"):
         Engine(EngineConfig(model=str(tmp_path / "missing.gguf")))
 
