@@ -128,9 +128,10 @@ def test_fields_openai_refuses_are_refused_not_ignored(server):
     chat, comp = "/v1/chat/completions", "/v1/completions"
     assert_error(post(server, chat, {"model": m, "messages": hi, "top_logprobs": 3}), 400,
                  "top_logprobs")
-    for path, body in ((chat, {"messages": hi}), (comp, {"prompt": "hi"})):
-        assert_error(post(server, path, {"model": m, **body, "max_tokens": 2,
-                                         "stream_options": {"include_usage": True}}),
+    for path, body, options in ((chat, {"messages": hi}, {"include_usage": True}),
+                                (comp, {"prompt": "hi"}, {"include_usage": True}),
+                                ("/v1/responses", {"input": "hi"}, {})):
+        assert_error(post(server, path, {"model": m, **body, "stream_options": options}),
                      400, "stream_options")
     # The prompt's logprobs are not computed, so echo cannot give them (OpenAI and vLLM do).
     assert_error(post(server, comp, {"model": m, "prompt": "hi", "echo": True, "logprobs": 1}),
