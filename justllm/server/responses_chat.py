@@ -122,6 +122,9 @@ def _call(out: list[ChatMessage], item: FunctionCall) -> None:
 
 
 def _output(item: FunctionCallOutput, where: str, names: dict[str, str]) -> ChatMessage:
+    if item.call_id not in names:  # OpenAI's rule: it answers a function_call given earlier
+        raise InvalidRequestError(f"{where}.call_id: no earlier function_call item has the "
+                                  f"call_id '{item.call_id}'", param=f"{where}.call_id")
     content = item.output
     if isinstance(content, list):
         content = "".join(_text(p, "tool", f"{where}.output[{j}]")

@@ -168,6 +168,8 @@ def test_a_streamed_function_call(client, server):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "42"}]},
+     "input[0].call_id"),  # answering no function_call given earlier (it was accepted)
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
