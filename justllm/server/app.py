@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-from litestar import Litestar, Request, Response, Router, get, post
+from litestar import Litestar, Request, Response, Router, get, head, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.exceptions import NotAuthorizedException
+from litestar.exceptions import NotAuthorizedException, ServiceUnavailableException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
@@ -243,6 +243,13 @@ async def health(state: State) -> Response:
     return Response({"status": "ok", "role": state["config"].role}, status_code=200)
 
 
+@head("/health", summary="/health's status without its body (uptime monitors send HEAD)",
+      include_in_schema=False)
+async def health_head(state: State) -> None:
+    if state.get("served") is None:  # Litestar's HEAD handlers return nothing: a 503 is raised
+        raise ServiceUnavailableException()
+
+
 @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
 async def metrics(state: State) -> Response:
     served = state.get("served")
@@ -313,6 +320,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                                             *lora.ROUTES],
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
+                           health_head,
                            metrics, pd.pd_router()]
 
     def build(extra: Sequence[BaseRouteHandler]) -> Litestar:

@@ -195,6 +195,7 @@ def test_history_messages_are_checked_as_openai_checks_them(server):
 
 
 def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
+    assert httpx.head(server.url + "/health", timeout=60).status_code == 200  # it was a 405
     r = httpx.get(f"{server.url}/v1/models/{server.model}", timeout=60)
     assert r.status_code == 200 and r.json()["id"] == server.model
     assert_error(httpx.get(f"{server.url}/v1/models/org/gpt-9", timeout=60), 404, "model")
