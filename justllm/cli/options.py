@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from justllm.config import EngineConfig, LoraSpec
+from justllm.config import EngineConfig, LoraSpec, usable_cpus
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
@@ -193,6 +193,13 @@ def engine_config(model: str | None, flags: dict[str, Any],
     v["lora"] = lora_specs(v["lora"], path)
     if draft_model and not spec:
         spec = "draft"  # as llama-server's -md: a draft model alone turns drafting on
+    if v["threads"] and not v["gpu"] and v["threads"] > usable_cpus():
+        from rich.console import Console
+
+        Console(stderr=True).print(  # allowed, as llama-server allows it, but said
+            f"[yellow]warning:[/yellow] --threads {v['threads']} is more than the "
+            f"{usable_cpus()} cores this process may use: llama.cpp's threads then wait for "
+            "each other and decoding slows down sharply", highlight=False, soft_wrap=True)
     return EngineConfig(model=path, prefix_cache=not no_prefix_cache, spec=spec or "",
                         spec_methods=plugins.spec_methods,
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)
