@@ -64,6 +64,9 @@ def to_api_error(exc: Exception) -> APIError:
                  if isinstance(d, dict)]
         message = exc.detail if not parts else f"{exc.detail}: " + "; ".join(parts)
         first = detail[0] if detail and isinstance(detail[0], dict) else {}
+        if first.get("key") == "data" and first.get("message") == "'data'":
+            # Litestar's way of saying there is no body at all (its KeyError on "data")
+            return APIError(400, "the request body is empty: send a JSON object")
         param = first.get("key")
         m = re.search(r"field `([^`]+)`", str(first.get("message", "")))
         if m:  # a missing or unknown field, in the object at ``key`` ("data": the body)

@@ -30,6 +30,9 @@ def test_bad_requests(server):
     m = server.model
     ok_msgs = [{"role": "user", "content": "hi"}]
     assert_error(post(server, "/v1/chat/completions", b"{not json"), 400)
+    r = post(server, "/v1/chat/completions", b"")  # it said "data: 'data'"
+    assert_error(r, 400)
+    assert r.json()["error"]["message"] == "the request body is empty: send a JSON object"
     assert_error(post(server, "/v1/chat/completions", {"model": m}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {"model": 5, "messages": ok_msgs}), 400, "model")
     assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": "hi"}), 400)
