@@ -55,6 +55,9 @@ def bench(
             raise ValueError(f"--json: the directory {json_out.parent} does not exist")
         if request_rate is not None and request_rate <= 0:
             raise ValueError("--request-rate must be > 0")
+        if url is not None and model is not None:
+            raise ValueError("MODEL is for the server bench starts itself; --url measures the "
+                             "model that server serves")
         sampling = sampling_fields(temperature, top_p, top_k, min_p)
         if dataset is not None:
             workload = "sharegpt"
@@ -70,9 +73,6 @@ def bench(
         else:
             raise ValueError(f"unknown workload '{workload}' (random, shared-prefix, sharegpt)")
 
-        if url is not None and model is not None:
-            raise ValueError("MODEL is for the server bench starts itself; --url measures the "
-                             "model that server serves")
         console = Console(stderr=True)
         server = None
         if url is None:

@@ -12,6 +12,7 @@ from justllm.cli.plugins import plugins_of
 from justllm.cli.run import print_notice
 
 _D = o.EngineConfig()
+_POOL_BLOCKS = 256  # a chat holds one conversation: a small pool
 
 
 def chat(
@@ -22,7 +23,7 @@ def chat(
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (/set temperature to change).")] = 0.7,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for --url.")] = None,
-    pool_blocks: o.PoolBlocks = 256,
+    pool_blocks: o.PoolBlocks = _POOL_BLOCKS,
     threads: o.Threads = _D.threads,
     ctx: o.Ctx = _D.ctx,
     gpu: o.Gpu = False,
@@ -42,7 +43,7 @@ def chat(
                 raise ValueError("--chat-template is for a model loaded here; with --url the "
                                  "server's own (serve --chat-template) applies")
             local_only = [name for name, given in (
-                ("MODEL", model is not None), ("--gpu", gpu), ("--pool-blocks", pool_blocks != 256),
+                ("MODEL", model is not None), ("--gpu", gpu), ("--pool-blocks", pool_blocks != _POOL_BLOCKS),
                 ("--threads", threads != _D.threads), ("--ctx", ctx != _D.ctx)) if given]
             if local_only:
                 raise ValueError(f"{', '.join(local_only)}: for a model loaded here; --url chats "

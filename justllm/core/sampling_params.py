@@ -21,8 +21,9 @@ class SamplingParams:
     whose sum with the prompt exceeds it is refused when the request is added.
     ``temperature == 0`` means greedy (argmax). ``top_k == 0`` means no top-k cut. ``seed``
     makes a sampled request reproducible on its own: any 64-bit integer, signed or not (vLLM
-    takes int64, OpenAI any integer), kept modulo 2**64 (the generator's seeds are unsigned). ``stop`` strings are searched in the
-    detokenized text (across token boundaries) and are not part of the output.
+    takes int64, OpenAI any integer), kept modulo 2**64 (the generator's seeds are unsigned).
+    ``stop`` strings are searched in the detokenized text (across token boundaries) and are not
+    part of the output.
     ``logit_bias`` adds a bias to a token's logit before sampling, greedy included (OpenAI's
     semantics: -100 in effect bans a token, 100 forces it).
     """

@@ -99,9 +99,12 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     """The app's last resort, in OpenAI's shape; under ``/api/`` (no route matched: a 404 or
     405 the Ollama router never saw) in Ollama's, ``{"error": "message"}``."""
     e = to_api_error(exc)
-    if request.scope["path"].startswith("/api/"):
-        return Response({"error": e.message}, status_code=e.status, headers=e.headers)
-    return _response(e)
+    return ollama_response(e) if request.scope["path"].startswith("/api/") else _response(e)
+
+
+def ollama_response(e: APIError) -> Response:
+    """Ollama's error shape, ``{"error": "message"}``, with the status the OpenAI side gives."""
+    return Response({"error": e.message}, status_code=e.status, headers=e.headers)
 
 
 def json_object(raw: bytes) -> dict:

@@ -51,7 +51,7 @@ from justllm.server.app import (
     require_api_key,
     unless_disconnected,
 )
-from justllm.server.errors import APIError, to_api_error
+from justllm.server.errors import APIError, ollama_response, to_api_error
 from justllm.server.ollama_chat import (
     OllamaMessage,
     ToolChoice,
@@ -805,8 +805,7 @@ async def root_head() -> None:
 def ollama_error(_: Request, exc: Exception) -> Response:
     """Ollama's error shape, ``{"error": "message"}``, with the status the OpenAI side would
     give."""
-    e = to_api_error(exc)
-    return Response({"error": e.message}, status_code=e.status, headers=e.headers)
+    return ollama_response(to_api_error(exc))
 
 
 def ollama_router() -> Router:

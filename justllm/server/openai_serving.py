@@ -610,9 +610,16 @@ _NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",
              "input_audio": "audio", "audio": "audio", "file": "files", "input_file": "files"}
 
 
-def check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """OpenAI's rule: ``stream_options`` only with ``stream: true`` (else it would be
-    ignored)."""
+class _Streamed(Protocol):
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def stream_options(self) -> object: ...
+
+
+def check_stream_options(req: _Streamed) -> None:
+    """OpenAI's rule, on chat, completions and responses: ``stream_options`` only with
+    ``stream: true`` (else it would be ignored)."""
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true",
                                   param="stream_options")

@@ -21,6 +21,7 @@ import msgspec
 from justllm.errors import InvalidRequestError
 from justllm.server.errors import _msgspec_param
 from justllm.server.json_schema import check_strict
+from justllm.server.openai_serving import check_stream_options
 from justllm.server.responses_schemas import (
     ContentPart,
     FunctionCall,
@@ -217,9 +218,7 @@ def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
     for name, (off, why) in _REFUSED.items():
         if getattr(req, name) not in off:
             raise InvalidRequestError(f"{name}: {why}", param=name)
-    if req.stream_options is not None and not req.stream:  # it would be ignored (OpenAI: 400)
-        raise InvalidRequestError("stream_options is only allowed when stream is true",
-                                  param="stream_options")
+    check_stream_options(req)
     if req.stream_options is not None and req.stream_options.include_obfuscation:
         raise InvalidRequestError("stream_options.include_obfuscation: stream obfuscation is "
                                   "not supported", param="stream_options.include_obfuscation")
