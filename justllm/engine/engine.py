@@ -172,6 +172,11 @@ class Engine:
         self.runner = Runner(backend)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
         self.max_request_tokens = min(config.ctx, limit) if config.ctx else limit
+        if config.ctx > limit:
+            # llama-server warns and goes past the training context; here a request stops at it
+            log.warning("--ctx %d is more than the %s (%d tokens): a request may have at most %d",
+                        config.ctx, "model's training context" if limit < config.pool_tokens
+                        else "KV pool", limit, limit)
         self._eog = backend.eog_token_ids()
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()

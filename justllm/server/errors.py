@@ -7,7 +7,7 @@ import re
 
 import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from justllm.errors import EngineClosedError, InvalidRequestError, JustLLMError, QueueFullError
 
@@ -72,6 +72,11 @@ def to_api_error(exc: Exception) -> APIError:
         if m:  # a missing or unknown field, in the object at ``key`` ("data": the body)
             param = m.group(1) if param in (None, "data") else f"{param}.{m.group(1)}"
         return APIError(400, message, param=param)
+    if isinstance(exc, HTTPException) and isinstance(exc.__cause__, SerializationException):
+        # Litestar's parse of the body: msgspec's message alone ("Input data was truncated")
+        # does not say that the JSON is what is wrong
+        said = str(exc.detail)
+        return APIError(400, said if "JSON" in said else f"the body is not valid JSON: {said}")
     if isinstance(exc, HTTPException):
         kind = {401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error"}.get(

@@ -283,7 +283,10 @@ class OpenAIServing:
                                       param="response_format")
         if fmt.json_schema.strict:
             check_strict(fmt.json_schema.schema, "response_format")
-        return self.aengine.json_grammar(fmt.json_schema.schema)
+        try:
+            return self.aengine.json_grammar(fmt.json_schema.schema)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=SCHEMA_PARAM) from None
 
     def _tool_grammar(self, plan: ToolPlan) -> str:
         """GBNF that admits only calls of the plan's callable functions, in the template's
@@ -610,9 +613,13 @@ _NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",
              "input_audio": "audio", "audio": "audio", "file": "files", "input_file": "files"}
 
 
+# Where a response_format's schema is, for errors the grammar converter raises on it.
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
 class _Streamed(Protocol):
     @property
-    def stream(self) -> bool: ...
+    def stream(self) -> bool | None: ...
     @property
     def stream_options(self) -> object: ...
 

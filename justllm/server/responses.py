@@ -23,6 +23,7 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from justllm.errors import InvalidRequestError
 from justllm.server.app import (
     _served,
     decode_request,
@@ -30,6 +31,7 @@ from justllm.server.app import (
     sse_response,
     unless_disconnected,
 )
+from justllm.server.openai_serving import SCHEMA_PARAM
 from justllm.server.responses_chat import to_chat
 from justllm.server.responses_schemas import (
     OutputFunctionCall,
@@ -217,11 +219,17 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     rid = _item_id("resp")
     log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
     resp = _skeleton(rid, req.model or served.model_id, req)
-    if req.stream:
-        return sse_response(_stream(resp, await served.completions.chat_events(
-            chat, rid, origin=origin(request, "openai.responses", True))))
-    result = await unless_disconnected(request, served.completions.chat_result(
-        chat, rid, origin=origin(request, "openai.responses", False)))
+    try:
+        if req.stream:
+            return sse_response(_stream(resp, await served.completions.chat_events(
+                chat, rid, origin=origin(request, "openai.responses", True))))
+        result = await unless_disconnected(request, served.completions.chat_result(
+            chat, rid, origin=origin(request, "openai.responses", False)))
+    except InvalidRequestError as e:
+        if e.param != SCHEMA_PARAM:
+            raise
+        # the chat request's response_format is this request's text.format
+        raise InvalidRequestError(str(e), param="text.format.schema") from None
     if isinstance(result, Response):
         return result
     return _full(resp, result)

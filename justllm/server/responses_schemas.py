@@ -103,7 +103,7 @@ class ResponseRequest(_Body, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: absent, as OpenAI takes it
     stream_options: StreamOptions | None = None
     # Responses are never stored; absent is taken as false (see README: OpenAI's default is
     # true, but a stateless answer is all an absent flag can get here).

@@ -130,8 +130,10 @@ class _Sampling(_Request, kw_only=True):
     repeat_penalty: float | None = None
     seed: Seed | None = None
     stop: Union[str, list[str], None] = None
-    n: PositiveInt = 1
-    stream: bool = False
+    # OpenAI's nullable fields take null as absent (some clients send every field): ``n`` is
+    # read through the property below, the booleans as truth values.
+    n_choices: PositiveInt | None = msgspec.field(default=None, name="n")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     # token id (a decimal string, as JSON object keys are) -> bias in [-100, 100]
@@ -149,11 +151,16 @@ class _Sampling(_Request, kw_only=True):
     # llama-server's: the LoRA adapters to run under (besides one named as ``model``).
     lora: list[LoraChoice] | None = None
 
+    @property
+    def n(self) -> int:
+        """The choices asked for (``n``; 1 when absent or null)."""
+        return 1 if self.n_choices is None else self.n_choices
+
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: NonNegativeInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
@@ -176,7 +183,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     # a string, a list of strings, a token array or a list of token arrays (checked by the
     # serving code: msgspec cannot tell apart unions of several list types)
     prompt: Union[str, list[Any]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: NonNegativeInt | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     suffix: str | None = None  # fill-in-the-middle

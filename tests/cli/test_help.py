@@ -49,3 +49,21 @@ def test_no_help_text_loses_a_bracketed_word_to_rich_markup():
     assert any("\\[" in t for t in texts)  # the escaped ones are among those checked
     for t in texts:
         assert Text.from_markup(t).plain == t.replace("\\[", "["), t
+
+
+def test_arguments_read_in_capitals_and_flags_show_no_value():
+    """Usage lines mixed '{model}' with 'TYPE' and 'MODEL', and every flag showed a '<bool>'
+    value that it does not take."""
+    runner = typer.testing.CliRunner()
+    app = build_app()
+    out = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "200"}).output
+    assert "Usage: justllm quantize [OPTIONS] [MODEL] [TYPE]" in out
+    assert "<bool>" not in out and "--force" in out and "<int>" in out  # valued options keep theirs
+    out = runner.invoke(app, ["draft", "make", "--help"], env={"COLUMNS": "200"}).output
+    assert "{MODEL}" in out and "<bool>" not in out
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert "<bool>" not in out and "--help" in out
+    for cmd, ctx in _every_command():
+        for p in cmd.get_params(ctx):
+            if p.param_type_name == "argument":
+                assert p.metavar and p.metavar.isupper(), (cmd.name, p.name)

@@ -263,3 +263,14 @@ def test_max_tokens_must_fit_the_context(engine):
     engine.abort(rid)
     engine.step()
     assert_idle_and_free(engine)
+
+
+def test_a_ctx_beyond_the_pool_is_said_and_capped(model_path, caplog):
+    """--ctx past what the engine can hold was capped without a word."""
+    e = Engine(EngineConfig(model=model_path, max_seqs=1, pool_blocks=8, ctx=100_000))
+    try:
+        limit = e.max_request_tokens
+        assert limit == 8 * e.config.block_size
+        assert f"--ctx 100000 is more than the KV pool ({limit} tokens)" in caplog.text
+    finally:
+        e.close()

@@ -30,6 +30,9 @@ def test_bad_requests(server):
     m = server.model
     ok_msgs = [{"role": "user", "content": "hi"}]
     assert_error(post(server, "/v1/chat/completions", b"{not json"), 400)
+    r = post(server, "/v1/completions", b'{"prompt": "hi",')  # it said "Input data was truncated"
+    assert_error(r, 400)
+    assert r.json()["error"]["message"] == "the body is not valid JSON: Input data was truncated"
     r = post(server, "/v1/chat/completions", b"")  # it said "data: 'data'"
     assert_error(r, 400)
     assert r.json()["error"]["message"] == "the request body is empty: send a JSON object"
@@ -170,6 +173,18 @@ def test_a_strict_schema_asking_what_the_grammar_cannot_enforce_is_refused(serve
     r = post(server, "/v1/responses", {"model": m, "input": "A number:", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": schema, "strict": True}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+    # A schema the grammar converter cannot read names the field it came in (Responses said
+    # response_format, a field it does not have).
+    bad = {"type": "strnig"}
+    r = post(server, "/v1/chat/completions", {"model": m, "messages": hi, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad}}})
+    assert_error(r, 400, "response_format.json_schema.schema")
+    assert "unsupported JSON schema" in r.json()["error"]["message"]
+    for stream in (False, True):
+        r = post(server, "/v1/responses", {"model": m, "input": "A number:", "stream": stream,
+                                           "text": {"format": {"type": "json_schema", "name": "x",
+                                                               "schema": bad}}})
+        assert_error(r, 400, "text.format.schema")
 
 
 def test_history_messages_are_checked_as_openai_checks_them(server):
@@ -205,3 +220,25 @@ def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
     # Under /api/ a route that does not exist answers in Ollama's shape, as its routes do.
     for r in (post(server, "/api/nothing", {}), httpx.get(server.url + "/api/chat", timeout=60)):
         assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+
+
+def test_openai_nullable_fields_take_null_as_absent(server):
+    """Clients that serialise every field send ``"n": null``, ``"stream": null``: OpenAI reads
+    them as absent (they were 400s here)."""
+    m = server.model
+    r = post(server, "/v1/completions", {"model": m, "prompt": "Hi", "max_tokens": 2, "n": None,
+                                         "stream": None, "echo": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["text"]
+    r = post(server, "/v1/chat/completions", {"model": m, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2, "n": None, "stream": None,
+                                              "logprobs": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = post(server, "/v1/responses", {"model": m, "input": "hi", "max_output_tokens": 2,
+                                       "stream": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response"
+    r = post(server, "/v1/completions", {"model": m, "prompt": "Hi", "max_tokens": 2, "n": 2})
+    assert len(r.json()["choices"]) == 2  # a number still counts
+    assert_error(post(server, "/v1/completions", {"model": m, "prompt": "Hi", "n": 0}), 400, "n")
