@@ -177,7 +177,6 @@ class Engine:
             log.warning("--ctx %d is more than the %s (%d tokens): a request may have at most %d",
                         config.ctx, "model's training context" if limit < config.pool_tokens
                         else "KV pool", limit, limit)
-        self._eog = backend.eog_token_ids()
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
@@ -726,7 +725,7 @@ class Engine:
             self._prompt_tokens_total += req.num_prompt_tokens
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
-        if token in params.stop_token_ids or (token in self._eog and not params.ignore_eos):
+        if token in params.stop_token_ids or (not params.ignore_eos and self.backend.is_eog(token)):
             out.reason = FinishReason.STOP
             return
         live.detok.add_token(token)

@@ -237,7 +237,7 @@ def test_a_handover_that_ends_the_request_finishes_it_at_once(pair):
     done = decode.resume_request(PROMPT, replace(SAMPLED, max_tokens=1), handover)
     assert done.finished and done.finish_reason == "length" and done.token_ids == list(
         handover.token_ids)
-    eos = next(iter(decode._eog))
+    eos = next(t for t in range(decode.backend.n_vocab) if decode.backend.is_eog(t))
     stop = decode.resume_request(PROMPT, replace(SAMPLED, ignore_eos=False, logprobs=None),
                                  Handover((eos,), handover.rng_state))
     assert stop.finished and stop.finish_reason == "stop" and stop.token_ids == [eos]
