@@ -140,8 +140,12 @@ BUILTIN_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     "chatml": (CHATML_TEMPLATE, ("<|im_end|>",)),
     "gemma": (GEMMA_TEMPLATE, ("<end_of_turn>",)),
     "llama3": (LLAMA3_TEMPLATE, ("<|eot_id|>",)),
-    # The earliest match ends the text: "\n\nUser:" keeps a blank line out of the answer.
-    "transcript": (TRANSCRIPT_TEMPLATE, ("\nUser:", "\n\nUser:")),
+    # Any speaker's new line ends the answer: a base model writes the next turns itself, an
+    # invented "Tool:" result after a call among them. The earliest match ends the text:
+    # "\n\nUser:" keeps a blank line out of the answer.
+    "transcript": (TRANSCRIPT_TEMPLATE, tuple(f"{gap}{who}:" for who in
+                                              ("User", "Tool", "Assistant", "System")
+                                              for gap in ("\n", "\n\n"))),
 }
 # A template file gets the stop strings of the turn markers it uses.
 _TURN_ENDS = tuple(stop for _, stops in BUILTIN_TEMPLATES.values() for stop in stops

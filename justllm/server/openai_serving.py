@@ -90,6 +90,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "metadata": ((None, {}), "metadata is only kept with stored completions, and none are"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
+    "verbosity": ((None, "medium"), "this server has no verbosity control"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
 
@@ -473,7 +474,9 @@ class OpenAIServing:
             text = self._token_text(lp.token_id)
             tokens.append(text)
             values.append(lp.logprob)
-            tops.append({self._token_text(t): v for t, v in lp.top})
+            top = {self._token_text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)  # OpenAI's: the sampled token is always among them
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
@@ -630,6 +633,9 @@ def check_stream_options(req: _Streamed) -> None:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true",
                                   param="stream_options")
+    if getattr(req.stream_options, "include_obfuscation", None):
+        raise InvalidRequestError("stream_options.include_obfuscation: stream obfuscation is "
+                                  "not supported", param="stream_options.include_obfuscation")
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
@@ -658,6 +664,10 @@ def check_messages(messages: list[ChatMessage]) -> None:
             if getattr(m, name):
                 raise InvalidRequestError(f"messages[{i}].{name}: {why}",
                                           param=f"messages[{i}].{name}")
+        if m.parsed is not None and (m.role != "assistant" or m.content is None):
+            raise InvalidRequestError(f"messages[{i}].parsed: only an assistant message with "
+                                      "the content it was parsed from carries it",
+                                      param=f"messages[{i}].parsed")
         if m.refusal is not None and m.role != "assistant":
             raise InvalidRequestError(f"messages[{i}].refusal: only assistant messages carry "
                                       "a refusal", param=f"messages[{i}].refusal")

@@ -219,9 +219,6 @@ def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
         if getattr(req, name) not in off:
             raise InvalidRequestError(f"{name}: {why}", param=name)
     check_stream_options(req)
-    if req.stream_options is not None and req.stream_options.include_obfuscation:
-        raise InvalidRequestError("stream_options.include_obfuscation: stream obfuscation is "
-                                  "not supported", param="stream_options.include_obfuscation")
     return ChatCompletionRequest(
         model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=_tools(req),

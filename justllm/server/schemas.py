@@ -40,12 +40,15 @@ class FunctionCall(_Request, kw_only=True):
 
     name: str
     arguments: str  # JSON text (the template gets it parsed, as HF templates expect)
+    # The SDK's parse of ``arguments`` (``.parse()`` with pydantic tools): ``arguments`` is read.
+    parsed_arguments: Any = None
 
 
 class MessageToolCall(_Request, kw_only=True):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: NonNegativeInt | None = None  # kept by clients that gather a stream's call deltas
 
 
 class ChatMessage(_Request, kw_only=True):
@@ -62,6 +65,8 @@ class ChatMessage(_Request, kw_only=True):
     audio: Any = None
     function_call: Any = None
     annotations: list[Any] | None = None
+    # The SDK's parse of an assistant's ``content`` (``.parse()``): ``content`` is read.
+    parsed: Any = None
 
 
 class FunctionDef(_Request, kw_only=True):
@@ -94,6 +99,7 @@ class ToolChoiceNamed(_Request, kw_only=True):
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # only off: there is nothing to pad here
 
 
 class JsonSchemaFormat(_Request, kw_only=True):
@@ -143,6 +149,7 @@ class _Sampling(_Request, kw_only=True):
     # OpenAI's hint for its prompt cache: router mode keeps requests that share one on one
     # replica (gateway/policy.session_key); one server caches every prefix anyway.
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # how long OpenAI keeps its cache: a hint
     # Speculative decoding per request, named as llama-server names them (0 turns it off).
     speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
@@ -177,6 +184,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

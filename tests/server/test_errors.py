@@ -242,3 +242,18 @@ def test_openai_nullable_fields_take_null_as_absent(server):
     r = post(server, "/v1/completions", {"model": m, "prompt": "Hi", "max_tokens": 2, "n": 2})
     assert len(r.json()["choices"]) == 2  # a number still counts
     assert_error(post(server, "/v1/completions", {"model": m, "prompt": "Hi", "n": 0}), 400, "n")
+
+
+def test_openai_fields_at_their_off_value_are_accepted_on_chat(server):
+    """``verbosity: "medium"``, ``stream_options.include_obfuscation: false`` and
+    ``prompt_cache_retention`` were unknown fields on chat while /v1/responses took them."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "verbosity": "medium", "prompt_cache_retention": "in_memory"}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            **body, "stream": True, "stream_options": {"include_obfuscation": False,
+                                                       "include_usage": True}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert '"usage":{' in lines[-2]

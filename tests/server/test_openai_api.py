@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -125,6 +126,16 @@ def test_completions(client, server):
                                    max_tokens=5, temperature=0, logprobs=2).choices[0]
     assert len(lp.logprobs.tokens) == 5 and len(lp.logprobs.top_logprobs[0]) == 2
     assert "".join(lp.logprobs.tokens) == lp.text == c.text[len("The capital of France is"):]
+    # The sampled token is always among top_logprobs, as OpenAI gives it (it was left out
+    # when it was not among the most likely): logprobs 0 is the sampled token alone.
+    for n_top in (0, 1):
+        drawn = client.completions.create(model=server.model, prompt="Once", max_tokens=8,
+                                          temperature=1.5, seed=5, logprobs=n_top).choices[0]
+        for token, value, top in zip(drawn.logprobs.tokens, drawn.logprobs.token_logprobs,
+                                     drawn.logprobs.top_logprobs):
+            assert top[token] == value and len(top) <= n_top + 1
+        if n_top == 0:
+            assert all(len(top) == 1 for top in drawn.logprobs.top_logprobs)
     multi = client.completions.create(model=server.model, prompt=["One,", "Two,"], n=2,
                                       max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in multi.choices] == [0, 1, 2, 3]
@@ -292,3 +303,28 @@ def test_an_sdk_history_and_model_retrieval_and_cached_tokens(client, server):
     assert msgs[1]["refusal"] is None and "annotations" in msgs[1]
     r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4)
     assert r.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_base_model_does_not_answer_for_the_tool(exact_client):
+    """On the transcript template the demo model wrote a call, then an invented "Tool: sunny"
+    line and an "Assistant:" answer of its own, which came back as content beside the call."""
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    history = []
+    for city in ("Paris", "Rome", "Berlin"):
+        call = {"id": f"call_{city}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        history += [{"role": "user", "content": f"weather in {city}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": f"call_{city}", "content": "sunny"},
+                    {"role": "assistant", "content": "It is sunny."}]
+    history.append({"role": "user", "content": "weather in Madrid?"})
+    client = exact_client  # the transcript template, as a base model gets by default
+    kw = dict(model=client.models.list().data[0].id, messages=history, tools=weather,
+              max_tokens=60, temperature=0)
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert message.tool_calls and json.loads(message.tool_calls[0].function.arguments) == {
+        "city": "Madrid"}
+    assert not message.content or "Tool:" not in message.content, message.content
+    raw = client.chat.completions.create(**{**kw, "tool_choice": "none"}).choices[0]
+    assert "\nTool:" not in raw.message.content and raw.finish_reason == "stop"

@@ -125,6 +125,38 @@ def test_a_round_trip_with_a_tool_message(client, server):
     assert answer.usage.prompt_tokens > bare.usage.prompt_tokens + 16
 
 
+def test_messages_from_the_sdks_parse_helpers_go_back_as_they_are(client, server):
+    """``.parse()`` adds ``parsed`` to its message and ``parsed_arguments`` to each call; a
+    streamed call carries its ``index``. Sent back as the history, each was a 400."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        city: str
+
+    parsed = client.chat.completions.parse(
+        model=server.model, messages=ASK, max_tokens=24, temperature=0, response_format=City)
+    message = parsed.choices[0].message
+    assert message.parsed is not None
+    again = client.chat.completions.create(model=server.model, max_tokens=2, messages=[
+        *ASK, message, {"role": "user", "content": "And Rome?"}])
+    assert again.choices[0].message.content is not None
+    called = client.chat.completions.parse(
+        model=server.model, messages=ASK, max_tokens=48, temperature=0,
+        tools=[openai.pydantic_function_tool(City)], tool_choice="required")
+    message = called.choices[0].message
+    assert message.tool_calls[0].function.parsed_arguments is not None
+    dumped = message.model_dump()
+    dumped["tool_calls"][0]["index"] = 0  # as a client accumulating stream deltas keeps it
+    answer = client.chat.completions.create(model=server.model, max_tokens=2, messages=[
+        *ASK, dumped, {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                       "content": "sunny"}])
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    for bad, param in (({"parsed": {"x": 1}, "content": None}, "messages[1].parsed"),):
+        r = post(server, "/v1/chat/completions", {"model": server.model, "messages": [
+            *ASK, {"role": "assistant", **bad}]})
+        assert_error(r, 400, param)
+
+
 def test_auto_and_none(client, server):
     auto = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS,
                                           max_tokens=24, temperature=0)
