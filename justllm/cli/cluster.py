@@ -71,7 +71,7 @@ def deploy(
         from justllm.cluster.options import ClusterSettings, check_supported
         from justllm.gateway.config import Flags, load_config
 
-        known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS))
+        known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES)
         config = load_config(_read_yaml(config_file), known)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key)

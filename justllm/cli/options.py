@@ -143,6 +143,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("lora_max_steps", LoraMaxSteps, _D.lora_max_steps),
     EngineFlag("verbose", Verbose, False),
 )
+# Their names in models.yaml, and those of them that take no value.
+YAML_FLAGS = frozenset(f.name.replace("_", "-") for f in ENGINE_FLAGS)
+YAML_SWITCHES = frozenset(f.name.replace("_", "-") for f in ENGINE_FLAGS
+                          if isinstance(f.default, bool))
 
 
 def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -37,6 +37,9 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
                           trust_env=False)
         except httpx.HTTPError as e:
             raise ValueError(f"cannot reach {url}: {e}") from None
+        if r.status_code == 401:
+            raise ValueError(f"{url} wants an API key: pass --api-key (or set JUSTLLM_API_KEY)"
+                             if not api_key else f"{url} refused the API key given")
         if r.status_code != 200 or "data" not in r.json():
             raise ValueError(f"{url} is not a router-mode gateway (GET /models answered "
                              f"{r.status_code}); `justllm ps` needs `justllm serve --models`")
@@ -84,11 +87,11 @@ def logs(
     """Show a router-mode runner's log (one file per model replica, on this machine)."""
     with cli_errors():
         from justllm.gateway.app import default_log_dir
-        from justllm.gateway.runner import log_name
+        from justllm.gateway.runner import log_model, log_name
 
         path = default_log_dir() / log_name(model, replica)
-        if "/" in model + replica or not path.is_file():
-            known = sorted(p.stem for p in default_log_dir().glob("*.log"))
+        if not path.is_file():
+            known = sorted(log_model(p) for p in default_log_dir().glob("*.log"))
             raise ValueError(f"no log for model '{model}' in {default_log_dir()} (logs: "
                              f"{', '.join(known) or 'none yet'})")
         _print_tail(path, lines)

@@ -35,7 +35,7 @@ def serve(
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory, named by file stem.")] = None,
     role: Annotated[str, typer.Option("--role", help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
     record_text: Annotated[bool, typer.Option("--record-text", help="Finished-request records (plugins' on_request_finished, e.g. justllm-request-log) carry the prompt and output text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
-    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: seconds the requests in flight may still run (new ones get 503); then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: the server stops accepting connections, and the requests in flight may still run this many seconds; then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
@@ -158,7 +158,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     # Engine flags given on this command line reach every runner (a model's entry wins).
     given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
              if f.name in flags and flags[f.name] != f.default}
-    known = Flags(frozenset(f.name.replace("_", "-") for f in o.ENGINE_FLAGS), given,
+    known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
                   routing_policies=plugins.routing_policies,
                   model_sources=plugins.model_sources())
     config = (read_config(models_file, known) if models_file

@@ -105,9 +105,10 @@ async def _forward(request: Request, path: str) -> Any:
             raise APIError(400, str(e), param="keep_alive") from None
     route = RouteRequest(route_text(body), session_key(request.headers.get("x-session-id"),
                                                        body))
-    if not state.has_adapter(body.get("model")):  # an adapter is the runner's own name
-        body["model" if "model" in body or not ollama else "name"] = state.spec.name  # an
-        # alias becomes the runner's name
+    named = not state.has_adapter(body.get("model"))  # an adapter is the runner's own name
+    name_key = "model" if "model" in body or not ollama else "name"
+    if named:
+        body[name_key] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
     try:
         await sup.acquire(state)
@@ -148,8 +149,14 @@ async def _forward(request: Request, path: str) -> Any:
                 state.pd_fallbacks["decode_failed"] += 1
                 await handover.close()
                 handover, target, sent = None, path, plain
+            this = sent
+            if named and replica.remote is not None and replica.polled is None:
+                await sup.poll(state, replica)  # the name it serves, before its first request
+            if named and replica.serves not in (None, state.spec.name) and sent is plain:
+                # a remote server of this model under another name: asked by its own
+                this = msgspec.json.encode({**body, name_key: replica.serves})
             try:
-                answer = await _send(request, replica, target, sent, state, keep_alive,
+                answer = await _send(request, replica, target, this, state, keep_alive,
                                      partial(sup.done, replica))
             except _NOT_ANSWERED as e:
                 # Nothing reached the client: the request goes to another replica (or to

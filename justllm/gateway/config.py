@@ -31,6 +31,7 @@ validated once, before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,9 @@ class Flags:
     # Where model sources are looked up for max-memory's estimate (Plugins.model_sources);
     # None: the built-in ones.
     model_sources: tuple[ModelSource, ...] | None = None
+    # The flags that take no value (``gpu``): YAML must give them true or false (``gpu:
+    # "false"`` would have added --gpu; ``no-prefix-cache: 1`` made its 1 a second MODEL).
+    switches: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,14 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
+    for key, value in entry.items():
+        if key in known and (key in flags.switches) != isinstance(value, bool):
+            raise ValueError(f"model '{name}': {key} must be "
+                             f"{'true or false' if key in flags.switches else 'a value'}"
+                             f" (got {value!r})")
+    if not isinstance(entry.get("preload", False), bool):
+        raise ValueError(f"model '{name}': preload must be true or false "
+                         f"(got {entry['preload']!r})")
     if "lora" in values:
         values["lora"] = _lora_list(name, values["lora"])
     _check_engine_flags(name, values)
@@ -322,7 +334,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
                      ttl=-1.0 if pinned else _number(f"model '{name}': ttl",
                                                      entry.get("ttl", DEFAULT_TTL)),
-                     preload=pinned or bool(entry.get("preload", False)),
+                     preload=pinned or entry.get("preload", False),
                      flags=tuple(sorted(values.items())), **replicas)
 
 
@@ -348,7 +360,10 @@ def _check_engine_flags(name: str, values: dict[str, Any]) -> None:
     try:
         EngineConfig(model=name, **given)
     except ValueError as e:
-        raise ValueError(f"model '{name}': {e}") from None
+        said = str(e)
+        for key in given:  # in models.yaml's spelling: max_seqs is max-seqs there
+            said = re.sub(rf"\b{key}\b", key.replace("_", "-"), said)
+        raise ValueError(f"model '{name}': {said}") from None
     except TypeError:  # a comparison with a value of the wrong type
         wrong = ", ".join(f"{k.replace('_', '-')}: {v!r}" for k, v in given.items())
         raise ValueError(f"model '{name}': an engine flag has a value of the wrong type "

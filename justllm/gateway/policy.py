@@ -80,6 +80,16 @@ def memory_estimate(file_bytes: int, pool_tokens: int, kv_bytes_per_token: int,
             + RUNTIME_OVERHEAD)
 
 
+# A runner not answering within this long (or load-timeout, if longer) counts as a failed
+# start. It is not load-timeout itself: that is how long a request waits, and the load goes
+# on without the request (a model may take longer to load than a client cares to wait).
+RUNNER_START_LIMIT = 600.0
+
+
+def start_limit(load_timeout: float) -> float:
+    return max(load_timeout, RUNNER_START_LIMIT)
+
+
 def restart_delay(failures: int) -> float | None:
     """Seconds before starting a runner again after ``failures`` consecutive failures
     (exponential: 0.5, 1, 2 s); None once there have been MAX_FAILURES."""

@@ -40,6 +40,7 @@ class Replica:
     restarts: int = 0
     error: str | None = None
     polled: float | None = None  # when its last page was read
+    serves: str | None = None  # the model name its pages carry (a remote one may differ)
     _ttft: deque[tuple[float, Histogram]] = field(default_factory=deque, repr=False)
 
     @property
@@ -81,6 +82,8 @@ class Replica:
         """What a ``/metrics`` page of this replica says (one model per runner page)."""
         now = time.monotonic() if now is None else now
         self.polled = now
+        if page.models:
+            self.serves = page.models[0]
         total = int((page.running or 0) + (page.waiting or 0))
         self.running = int(page.running or 0)
         self.others = max(0, total - self.in_flight)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import httpx
 
@@ -34,19 +35,32 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def last_error_line(log: Path) -> str:
-    """The runner's last 'error:' line (the CLI's one-line errors), else its last line."""
+def last_error_line(log: Path, start: int = 0) -> str:
+    """The runner's last 'error:' line (the CLI's one-line errors, without the prefix), else
+    its last line; of what it wrote from byte ``start`` on (its own run: the file holds the
+    runs before it too, whose errors are not its own)."""
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        with log.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return "no log"
-    errors = [ln for ln in lines if ln.startswith("error:")]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln.removeprefix("error:").strip() for ln in lines if ln.startswith("error:")]
     return (errors or lines or ["exited without output"])[-1]
 
 
 def log_name(model: str, replica: str = "0") -> str:
-    """A runner's log file: ``MODEL.log`` for the first replica, ``MODEL@N.log`` for others."""
-    return f"{model}.log" if replica == "0" else f"{model}@{replica}.log"
+    """A runner's log file: ``MODEL.log`` for the first replica, ``MODEL@N.log`` for others;
+    percent-encoded, so that ``org/model`` is one file in the log directory and ``../x``
+    cannot leave it (:func:`log_model` reads the name back)."""
+    name = model if replica == "0" else f"{model}@{replica}"
+    return quote(name, safe="@:+=,") + ".log"
+
+
+def log_model(path: Path) -> str:
+    """The model (and ``@N`` replica) a log file is named after."""
+    return unquote(path.stem)
 
 
 class RunnerProcess:
@@ -66,10 +80,15 @@ class RunnerProcess:
             log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
                       f"{' '.join(cmd)}\n".encode())
             log.flush()
+            self.log_start = log.tell()  # where this run's output begins
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, "JUSTLLM_PARENT_PID": str(os.getpid()),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})})
+
+    def last_error(self) -> str:
+        """What this run of the runner last said went wrong (:func:`last_error_line`)."""
+        return last_error_line(self.log_path, self.log_start)
 
     @property
     def pid(self) -> int:
@@ -84,7 +103,7 @@ class RunnerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(last_error_line(self.log_path))
+                raise RuntimeError(self.last_error())
             try:
                 if (await http.get(self.url + "/health", timeout=2)).status_code == 200:
                     return

@@ -25,7 +25,7 @@ from justllm.gateway.lora import apply_runtime_lora
 from justllm.gateway.memory import runner_memory
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import Router, RouteRequest, make_router
-from justllm.gateway.runner import RunnerProcess, last_error_line
+from justllm.gateway.runner import RunnerProcess
 from justllm.tui.metrics import parse as parse_metrics
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ class ModelState:
     load_seconds: list[float] = field(default_factory=list)
     memory: int = 0  # estimated bytes of one local runner (only with max-memory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The load in progress, shared by the requests that wait for it: one that stops waiting
+    # (load-timeout, a disconnect) leaves it running, so a slow model still loads.
+    load_task: asyncio.Future[None] | None = None
+    detached: int = 0  # unloads so far: a start that sees this change was unloaded meanwhile
     # The autoscaler, per pool of local replicas (the role: "both" without PD): the wish it
     # is waiting on, and its decisions by (pool, direction).
     scale_pending: dict[str, autoscale.Pending] = field(default_factory=dict)
@@ -199,7 +203,10 @@ class Supervisor:
                                        "models to load; retry later", code="too_many_waiting")
             self.waiting += 1
             try:
-                await asyncio.wait_for(self._load(state), self.config.load_timeout)
+                if state.load_task is None or state.load_task.done():
+                    state.load_task = asyncio.ensure_future(self._load(state))
+                    state.load_task.add_done_callback(_retrieve)
+                await asyncio.wait_for(asyncio.shield(state.load_task), self.config.load_timeout)
             except TimeoutError:
                 raise ModelUnavailable(f"model '{state.spec.name}' did not load within "
                                        f"{self.config.load_timeout:.0f} s",
@@ -220,9 +227,12 @@ class Supervisor:
                 raise ModelUnavailable(f"model '{state.spec.name}' has no replica that can "
                                        f"serve: {state.error or 'all failed'}",
                                        code="model_failed")
-            if time.monotonic() > deadline or self._closing:
-                raise ModelUnavailable(f"no replica of model '{state.spec.name}' is healthy",
-                                       code="no_healthy_replica")
+            down = state.remote_only and all(r.status == "unhealthy" for r in state.replicas)
+            if time.monotonic() > deadline or self._closing or down:
+                # (servers elsewhere that do not answer: no restart here to wait for)
+                why = f": {state.replicas[0].error}" if down and state.replicas[0].error else ""
+                raise ModelUnavailable(f"no replica of model '{state.spec.name}' is healthy"
+                                       f"{why}", code="no_healthy_replica")
             await asyncio.sleep(0.05)
 
     def route(self, state: ModelState, request: RouteRequest, skip: set[str],
@@ -342,13 +352,15 @@ class Supervisor:
         lock = self._gpu_starts.setdefault(key, asyncio.Lock()) if key else None
         async with lock or contextlib.nullcontext():
             runner = self._spawn(state, replica)
-            await runner.wait_ready(self._http, self.config.load_timeout)
+            await runner.wait_ready(self._http, policy.start_limit(self.config.load_timeout))
         await apply_runtime_lora(self._http, state, runner.url, replica.id)
         return runner
 
     async def _start(self, state: ModelState) -> None:
         """Start the model's first replicas together; loaded once at least one answers (the
-        others are retried with backoff), failed after MAX_FAILURES rounds with none."""
+        others are retried with backoff), failed after MAX_FAILURES rounds with none; given up
+        when the model is unloaded meanwhile."""
+        detached = state.detached
         while True:
             if self._closing:  # shutting down: no new runners (close() stops the others)
                 state.status = "unloaded"
@@ -359,6 +371,9 @@ class Supervisor:
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: "
                                        f"{state.error}", code="model_failed")
             await asyncio.sleep(delay)
+            if state.detached != detached:
+                raise ModelUnavailable(f"model '{state.spec.name}' was unloaded while it "
+                                       "loaded; retry to load it again", code="model_unloaded")
             state.status = "loading"
             t0 = time.monotonic()
             state.next_id = 0
@@ -371,6 +386,13 @@ class Supervisor:
                     self._drop_replica(state, r)
                 state.status = "unloaded"
                 raise
+            if state.detached != detached:  # unloaded (or shutting down) while it started
+                for r in starting:
+                    self._drop_replica(state, r)
+                if self._closing:
+                    raise ModelUnavailable("the server is shutting down", code="shutting_down")
+                raise ModelUnavailable(f"model '{state.spec.name}' was unloaded while it "
+                                       "loaded; retry to load it again", code="model_unloaded")
             for r, result in zip(starting, results):
                 if isinstance(result, BaseException):
                     r.error, r.failures = str(result), 1
@@ -401,7 +423,8 @@ class Supervisor:
     @staticmethod
     def _drop_replica(state: ModelState, replica: Replica) -> None:
         """A replica that never served: forgotten, its process killed."""
-        state.replicas.remove(replica)
+        if replica in state.replicas:  # an unload may have taken it out already
+            state.replicas.remove(replica)
         Supervisor._forget(state, replica)
         if replica.runner is not None:
             replica.runner.kill_now()
@@ -410,6 +433,7 @@ class Supervisor:
         """Mark the model unloaded at once, its local replicas gone; the caller stops the
         runners returned."""
         runners = [r.runner for r in state.local if r.runner is not None]
+        state.detached += 1
         for r in state.local:
             r.status = "stopping"
             self._forget(state, r)
@@ -568,7 +592,7 @@ class Supervisor:
                     rc = replica.runner.proc.returncode
                     replica.error = (f"runner killed by signal {-rc}" if rc < 0 else
                                      f"runner exited with {rc}: "
-                                     f"{last_error_line(replica.runner.log_path)}")
+                                     f"{replica.runner.last_error()}")
                     log.warning("model %s replica %s: %s; restarting", state.spec.name,
                                 replica.id, replica.error)
                     replica.restarts += 1
@@ -579,11 +603,12 @@ class Supervisor:
     async def _poll_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(self.config.poll_interval)
-            polls = [self._poll(s, r) for s in self.models.values() if s.status == "loaded"
+            polls = [self.poll(s, r) for s in self.models.values() if s.status == "loaded"
                      for r in s.replicas if r.status in ("ready", "unhealthy") and r.alive()]
             await asyncio.gather(*polls)
 
-    async def _poll(self, state: ModelState, replica: Replica) -> None:
+    async def poll(self, state: ModelState, replica: Replica) -> None:
+        """Read the replica's /metrics page: its load, cache, TTFT and the name it serves."""
         url = replica.url
         try:
             r = await self._http.get(f"{url}/metrics", timeout=max(1.0, self.config.poll_interval * 4))
@@ -607,6 +632,7 @@ class Supervisor:
         self._closing = True
         for task in self._tasks:
             task.cancel()
+        # (loads in progress end on their own: the unloads below take their replicas away)
         await asyncio.gather(*(self.unload(s) for s in self.models.values()),
                              return_exceptions=True)
         await self._http.aclose()
@@ -617,3 +643,10 @@ class Supervisor:
             for r in s.local:
                 if r.runner is not None:
                     r.runner.kill_now()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """A load's outcome is its waiters' to report; with none left, it is not an error of the
+    event loop's ("exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()

@@ -130,3 +130,30 @@ def test_a_truncated_model_is_one_line_on_every_command_that_loads_it(model_path
     r = justllm("draft", "make", model_path, "-l", "2", "-o", str(tmp_path / "no" / "d.gguf"))
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert not (tmp_path / "no").exists()  # it was created, and the draft written there
+
+
+def test_ps_says_when_the_gateway_wants_an_api_key():
+    """It said the gateway was 'not a router-mode gateway (GET /models answered 401)'."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Locked(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(401)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "invalid api key"}}')
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Locked)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        r = runner.invoke(app, ["ps", "--url", url], env={"JUSTLLM_API_KEY": ""})
+        assert r.exit_code == 1 and "wants an API key: pass --api-key" in r.output, r.output
+        r = runner.invoke(app, ["ps", "--url", url, "--api-key", "wrong"])
+        assert r.exit_code == 1 and "refused the API key given" in r.output, r.output
+    finally:
+        server.shutdown()

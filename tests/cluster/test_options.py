@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from justllm.cli.options import ENGINE_FLAGS
+from justllm.cli.options import YAML_FLAGS, YAML_SWITCHES
 from justllm.cluster.options import (
     ClusterSettings,
     check_supported,
@@ -18,7 +18,7 @@ from justllm.cluster.options import (
 from justllm.gateway.config import Flags, GatewayConfig, load_config
 from justllm.gateway.routing import RoutingConfig
 
-FLAGS = Flags(frozenset(f.name.replace("_", "-") for f in ENGINE_FLAGS))
+FLAGS = Flags(YAML_FLAGS, switches=YAML_SWITCHES)
 
 
 def config(**models) -> GatewayConfig:

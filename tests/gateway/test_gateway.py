@@ -349,3 +349,48 @@ def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path
     assert both.returncode == 1 and "one of them" in both.stderr
     named = justllm("serve", model_path, "x.gguf", "--served-model-name", "m", env={})
     assert named.returncode == 1 and "--served-model-name" in named.stderr
+
+
+def test_a_load_outlasting_load_timeout_goes_on(tmp_path, model_path):
+    """A waiter's load-timeout cancelled the load itself, so a model slower to load than the
+    timeout never loaded (each request started it again). A name with a '/' had no log."""
+    gw = start_gateway(tmp_path, {"org/slow": {"source": model_path, **RUNNER_FLAGS}},
+                       **{"load-timeout": 0.3})
+    try:
+        r = complete(gw, "org/slow")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+        m = gw.wait_status("org/slow", "loaded")
+        assert m["loads"] == 1
+        assert complete(gw, "org/slow").status_code == 200
+        log = gw.logs / "org%2Fslow.log"
+        assert log.read_text().count(" starting: ") == 1  # started once, not once a request
+        assert Path(m["log"]) == log
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+
+
+def test_an_unload_while_a_request_waits_for_the_load_is_a_503(tmp_path, model_path):
+    """It was a 500 (a ValueError in the supervisor), and the load was retried as a failure."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}})
+    try:
+        async def race() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as h:
+                waiting = asyncio.ensure_future(h.post(gw.url + "/v1/completions", json={
+                    "model": "alpha", "prompt": "Hi", "max_tokens": 2}))
+                while gw.status()["alpha"]["status"] != "loading":
+                    await asyncio.sleep(0.02)
+                await h.post(gw.url + "/models/unload", json={"model": "alpha"})
+                return await waiting
+
+        r = asyncio.run(race())
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "model_unloaded", r.text
+        m = gw.wait_status("alpha", "unloaded")
+        assert m["error"] is None and m["pid"] is None and m["loads"] == 0
+        assert complete(gw, "alpha").status_code == 200  # and it loads again on request
+        assert gw.status()["alpha"]["loads"] == 1
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    assert "Traceback" not in out, out

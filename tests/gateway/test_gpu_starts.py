@@ -14,7 +14,7 @@ from justllm.gateway import supervisor as sup
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.policy import start_key
 
-FLAGS = Flags(frozenset({"gpu", "pool-blocks"}), {})
+FLAGS = Flags(frozenset({"gpu", "pool-blocks"}), {}, switches=frozenset({"gpu"}))
 
 
 def test_only_gpu_runners_without_a_pool_size_start_in_turn():

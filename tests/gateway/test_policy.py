@@ -19,7 +19,8 @@ from justllm.gateway.policy import (
 )
 from justllm.server.ollama import keep_alive_seconds
 
-FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks"}), {"ctx": 512})
+FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks"}), {"ctx": 512},
+              switches=frozenset({"gpu"}))
 
 
 def test_expired_only_idle_models_past_their_ttl():
@@ -161,7 +162,7 @@ def test_a_model_whose_runner_would_refuse_its_flags_or_find_no_file_is_refused_
     """The gateway started with these; the model failed at its first request."""
     from justllm.gateway.config import check_sources
 
-    for entry, says in (({"max-seqs": -3}, "max_seqs must be an integer >= 1"),
+    for entry, says in (({"max-seqs": -3}, "max-seqs must be an integer >= 1"),
                         ({"ctx": "big"}, "an engine flag has a value of the wrong type")):
         with pytest.raises(ValueError, match=says):
             load_config({"models": {"m": {"source": "demo", **entry}}}, FLAGS)
@@ -170,3 +171,40 @@ def test_a_model_whose_runner_would_refuse_its_flags_or_find_no_file_is_refused_
     check_sources(load_config({"models": {"a": str(there), "b": "acme/x:y.gguf"}}, FLAGS))
     with pytest.raises(ValueError, match="model 'c': source .*gone.gguf is not a file"):
         check_sources(load_config({"models": {"c": str(tmp_path / "gone.gguf")}}, FLAGS))
+
+
+def test_switches_take_true_or_false_and_other_flags_a_value():
+    """``gpu: "false"`` added --gpu, ``no-prefix-cache: 1`` made its 1 a second MODEL (so the
+    runner went into router mode), ``preload: "no"`` preloaded, ``max-seqs: true`` gave a
+    bare --max-seqs: all were accepted at start-up."""
+    for entry, says in (({"gpu": "false"}, "gpu must be true or false"),
+                        ({"gpu": 1}, "gpu must be true or false"),
+                        ({"max-seqs": True}, "max-seqs must be a value"),
+                        ({"preload": "no"}, "preload must be true or false")):
+        with pytest.raises(ValueError, match=f"model 'm': {says}"):
+            load_config({"models": {"m": {"source": "demo", **entry}}}, FLAGS)
+    spec = load_config({"models": {"m": {"source": "demo", "gpu": True, "preload": False}}},
+                       FLAGS).models[0]
+    assert "--gpu" in spec.runner_args() and not spec.preload
+    assert "--gpu" not in load_config({"models": {"m": {"source": "demo", "gpu": False}}},
+                                      FLAGS).models[0].runner_args()
+
+
+def test_the_error_a_runner_reports_is_the_one_of_its_own_start(tmp_path):
+    """The log file holds every start of the model; an earlier run's error was reported as
+    the failure of the current one (with its 'error:' prefix doubled in the message)."""
+    from justllm.gateway.runner import last_error_line, log_model, log_name
+
+    log = tmp_path / "m.log"
+    log.write_text("--- starting\nerror: an old failure\n--- starting\n")
+    start = log.stat().st_size
+    with log.open("a") as f:
+        f.write("loading\nlistening\n")
+    assert last_error_line(log) == "an old failure"
+    assert last_error_line(log, start) == "listening"
+    with log.open("a") as f:
+        f.write("error: this one\n")
+    assert last_error_line(log, start) == "this one"
+    assert log_name("org/m") == "org%2Fm.log" and log_name("../x", "1") == "..%2Fx@1.log"
+    assert log_model(tmp_path / log_name("org/m:q4", "2")) == "org/m:q4@2"
+

@@ -149,7 +149,7 @@ def test_relayed_series_get_a_replica_label_and_families_merge():
 
 # ---- models.yaml ------------------------------------------------------------------------------
 
-FLAGS = Flags(frozenset({"max-seqs", "gpu"}))
+FLAGS = Flags(frozenset({"max-seqs", "gpu"}), switches=frozenset({"gpu"}))
 
 
 def model(**entry):

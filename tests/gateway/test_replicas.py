@@ -199,7 +199,8 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
     port = free_port()
     remote = subprocess.Popen(
         [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port),
-         "--served-model-name", "demo", "--max-seqs", "4", "--pool-blocks", "64",
+         # another name than the gateway's: the gateway asks it by its own (this was a 404)
+         "--served-model-name", "elsewhere", "--max-seqs", "4", "--pool-blocks", "64",
          "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     remote_url = f"http://127.0.0.1:{port}"
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -210,7 +211,7 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
             "demo": {"source": model_path, "replicas": 1, "preload": True,
                      "urls": [remote_url, overloaded, dead_url], "routing": "round-robin",
                      **FLAGS},
-            "busy": {"urls": [overloaded]}})
+            "busy": {"urls": [overloaded]}, "gone": {"urls": [dead_url]}})
         wait_for("the local replica", lambda: replicas(gw, "demo")["0"]["status"] == "ready")
         served = []
         for i in range(8):
@@ -234,6 +235,13 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
             "model": "busy", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
         assert r.json()["error"]["code"] == "overloaded"
+        # A model whose only replica is down: a 503 at once (it waited load-timeout, 120 s).
+        wait_for("the dead replica", lambda: replicas(gw, "gone")[dead_url]["status"]
+                 == "unhealthy")
+        r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "gone", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+        assert "did not answer" in r.json()["error"]["message"]  # the reason, given at once
         rc, out = stop(gw)
         gw = None
         assert rc == 0, out

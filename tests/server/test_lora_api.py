@@ -192,7 +192,8 @@ def test_runtime_routes_are_off_without_the_flag(server, files):
 
 
 def test_models_yaml_passes_adapters_to_the_runner():
-    flags = Flags(frozenset({"lora", "max-seqs", "enable-lora-runtime"}))
+    flags = Flags(frozenset({"lora", "max-seqs", "enable-lora-runtime"}),
+                  switches=frozenset({"enable-lora-runtime"}))
     config = load_config({"models": {
         "chat": {"source": "m.gguf", "lora": ["a=/x/a.gguf", "b=/x/b.gguf:0.5"],
                  "enable-lora-runtime": True},
