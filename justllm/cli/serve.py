@@ -32,7 +32,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
-    models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory, named by file stem.")] = None,
+    models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory and below, named by file stem (a split model by its name, from its first part).")] = None,
     role: Annotated[str, typer.Option("--role", help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
     record_text: Annotated[bool, typer.Option("--record-text", help="Finished-request records (plugins' on_request_finished, e.g. justllm-request-log) carry the prompt and output text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: the server stops accepting connections, and the requests in flight may still run this many seconds; then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,

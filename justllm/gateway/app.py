@@ -40,7 +40,7 @@ from justllm.server.anthropic import anthropic_error
 from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import one_model, require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
-from justllm.server.ollama import keep_alive_seconds, ollama_error
+from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 
 # A runner that died before answering: the request is sent once more to its successor.
 _NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
@@ -103,6 +103,13 @@ async def _forward(request: Request, path: str) -> Any:
             keep_alive = keep_alive_seconds(body.pop("keep_alive"))
         except ValueError as e:
             raise APIError(400, str(e), param="keep_alive") from None
+    if keep_alive == 0 and ollama and not state.remote_only:
+        done = unloaded(body.get("model") or body.get("name") or state.spec.name, path, body)
+        if done is not None:  # Ollama's "unload this model": done without loading it
+            state.keep_alive = 0.0
+            if state.active == 0:
+                await sup.unload(state)
+            return done
     route = RouteRequest(route_text(body), session_key(request.headers.get("x-session-id"),
                                                        body))
     named = not state.has_adapter(body.get("model"))  # an adapter is the runner's own name

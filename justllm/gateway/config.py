@@ -419,19 +419,29 @@ def read_config(path: str, flags: Flags) -> GatewayConfig:
     return load_config(data, flags)
 
 
+# llama.cpp's gguf-split file names: NAME-00001-of-00003
+_SPLIT = re.compile(r"^(.+)-(\d{5})-of-\d{5}$")
+
+
 def directory_config(directory: str, flags: Flags) -> GatewayConfig:
-    """Every GGUF in ``directory`` (and below) as a model named by its file stem
-    (llama-server's --models-dir); of several files with one stem, the newest."""
+    """Every GGUF in ``directory`` (and below; ``.gguf`` in any case) as a model named by its
+    file stem (llama-server's --models-dir); of several files with one stem, the newest. A
+    split model (``NAME-00001-of-00003.gguf`` ...) is one model, NAME, loaded from its first
+    part (llama.cpp finds the others beside it)."""
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"--models-dir {directory} is not a directory")
-    paths = sorted(p for p in root.rglob("*.gguf") if p.is_file())
+    paths = sorted(p for p in root.rglob("*") if p.suffix.lower() == ".gguf" and p.is_file())
     if not paths:
         raise ValueError(f"no .gguf files in {directory}")
     newest: dict[str, Path] = {}  # one model per name: two revisions of a file -> the newer
     for p in paths:
-        if p.stem not in newest or p.stat().st_mtime > newest[p.stem].stat().st_mtime:
-            newest[p.stem] = p
+        split = _SPLIT.match(p.stem)
+        if split and int(split.group(2)) != 1:
+            continue  # a later part of a split model
+        name = split.group(1) if split else p.stem
+        if name not in newest or p.stat().st_mtime > newest[name].stat().st_mtime:
+            newest[name] = p
     return GatewayConfig(tuple(model_spec(name, str(p), flags)
                                for name, p in sorted(newest.items())))
 

@@ -487,15 +487,24 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str,
     return await unless_disconnected(request, _collect(job, stream, req.logprobs))
 
 
-def _loaded(name: str, chat: bool) -> dict:
+def _loaded(name: str, chat: bool, reason: str = "load") -> dict:
     """Ollama's answer to a request with nothing to generate: it loads the model (here it
-    already is)."""
+    already is), or with ``keep_alive`` 0 unloads it (``reason`` "unload": router mode)."""
     body: dict[str, Any] = {"model": name, "created_at": created_at()}
     if chat:
         body["message"] = {"role": "assistant", "content": ""}
     else:
         body["response"] = ""
-    return {**body, "done_reason": "load", "done": True}
+    return {**body, "done_reason": reason, "done": True}
+
+
+def unloaded(name: str, path: str, body: dict) -> dict | None:
+    """Ollama's answer to ``keep_alive`` 0 with nothing to generate (an empty ``prompt``, or
+    no ``messages``): the model is unloaded, not run; None for any other request."""
+    chat = path == "/api/chat"
+    if path not in ("/api/chat", "/api/generate") or body.get("messages" if chat else "prompt"):
+        return None
+    return _loaded(name, chat, "unload")
 
 
 # ---- generation routes ---------------------------------------------------------------------

@@ -35,6 +35,14 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
         assert answer.done and answer.response
         gw.wait_status("beta", "unloaded", timeout=30)
         assert gw.status()["alpha"]["status"] == "loaded"
+        # keep_alive 0 with nothing to generate: Ollama's "unload" (answered "load", and an
+        # unloaded model was loaded first to be unloaded).
+        loads = gw.status()["beta"]["loads"]
+        for path, body in (("/api/generate", {"model": "beta"}),
+                           ("/api/chat", {"model": "beta", "messages": []})):
+            r = httpx.post(gw.url + path, json={**body, "keep_alive": 0}, timeout=60).json()
+            assert r["done"] and r["done_reason"] == "unload", r
+        assert gw.status()["beta"]["loads"] == loads and gw.status()["beta"]["status"] == "unloaded"
 
         vectors = client.embed(model="alpha", input=["one", "two"]).embeddings
         assert len(vectors) == 2 and len(vectors[0]) > 100
@@ -47,6 +55,10 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
             "model": "alpha", "prompt": "Hi", "keep_alive": "soon"})
         assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
         pids = gw.runner_pids()
+        r = httpx.post(gw.url + "/api/generate", json={"model": "alpha", "keep_alive": 0},
+                       timeout=60).json()
+        assert r["done_reason"] == "unload" and r["response"] == ""
+        gw.wait_status("alpha", "unloaded", timeout=30)
     finally:
         rc, out = stop(gw)
     assert rc == 0, out

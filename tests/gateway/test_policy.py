@@ -125,6 +125,13 @@ def test_models_dir_names_models_by_file_stem(tmp_path):
     cfg = directory_config(str(tmp_path), FLAGS)
     assert [m.name for m in cfg.models] == ["a", "b"]
     assert cfg.spec("a").source == str(tmp_path / "rev2" / "a.gguf")
+    # A split model is one model, from its first part; a capitalised suffix is a GGUF too.
+    for part in (1, 2, 3):
+        (tmp_path / "sub" / f"big-0000{part}-of-00003.gguf").write_bytes(b"x")
+    (tmp_path / "LOUD.GGUF").write_bytes(b"x")
+    cfg = directory_config(str(tmp_path), FLAGS)
+    assert [m.name for m in cfg.models] == ["LOUD", "a", "b", "big"]
+    assert cfg.spec("big").source == str(tmp_path / "sub" / "big-00001-of-00003.gguf")
     with pytest.raises(ValueError, match="not a directory"):
         directory_config(str(tmp_path / "none"), FLAGS)
     (tmp_path / "empty").mkdir()
