@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
+from litestar.params import FromPath
 from litestar.response import Stream
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -53,7 +54,8 @@ from justllm.gateway.policy import (
     session_key,
 )
 from justllm.gateway.routing import route_text
-from justllm.server.app import one_model, require_api_key, unless_disconnected
+from justllm.server import model_cards
+from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import ollama_error
 
@@ -270,7 +272,11 @@ def _route(path: str, summary: str) -> Any:
 
 
 @get("/models", summary="The cluster's models")
-async def list_models(state: State) -> dict:
+async def list_models(request: Request, state: State) -> dict:
+    return model_cards.listing(request, _model_cards(state))
+
+
+def _model_cards(state: State) -> dict:
     ing = _ingress(state)
     return {"object": "list", "data": [
         {"id": m, "object": "model", "created": ing.created, "owned_by": "justllm",
@@ -284,8 +290,9 @@ async def list_models(state: State) -> dict:
 
 
 @get("/models/{model_id:path}", summary="One of the cluster's models")
-async def retrieve_model(model_id: str, state: State) -> dict:
-    return one_model((await list_models.fn(state=state))["data"], model_id)
+async def retrieve_model(model_id: FromPath[str], request: Request, state: State) -> dict:
+    return model_cards.card(request, model_cards.one_model(_model_cards(state)["data"],
+                                                           model_id))
 
 
 @get("/tags", summary="Ollama: the cluster's models")

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, head, post
 from litestar.datastructures import State
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from justllm import __version__
@@ -36,9 +37,10 @@ from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
+from justllm.server import model_cards
 from justllm.server.anthropic import anthropic_error
 from justllm.server.anthropic import error_body as anthropic_error_body
-from justllm.server.app import one_model, require_api_key, sse_response, unless_disconnected
+from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 
@@ -487,7 +489,11 @@ async def ollama_root_head() -> None:
 
 
 @get("/models", summary="Every model, with its status (loaded, loading, unloaded, failed)")
-async def list_models(state: State) -> dict:
+async def list_models(request: Request, state: State) -> dict:
+    return model_cards.listing(request, _model_cards(state))
+
+
+def _model_cards(state: State) -> dict:
     sup = _supervisor(state)
     created = int(state["started"])
     return {"object": "list", "data": [
@@ -499,8 +505,9 @@ async def list_models(state: State) -> dict:
 
 
 @get("/models/{model_id:path}", summary="One model (or LoRA adapter), with its status")
-async def retrieve_model(model_id: str, state: State) -> dict:
-    return one_model((await list_models.fn(state=state))["data"], model_id)
+async def retrieve_model(model_id: FromPath[str], request: Request, state: State) -> dict:
+    return model_cards.card(request, model_cards.one_model(_model_cards(state)["data"],
+                                                           model_id))
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -634,11 +641,12 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
 
     async def start(app: Litestar) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
+        sup = Supervisor(config, log_dir, settings.shutdown_timeout)
         app.state["http"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10),
-                                              trust_env=False, limits=httpx.Limits(
+                                              trust_env=False, auth=sup.runner_auth,
+                                              limits=httpx.Limits(
                                                   max_connections=None,
                                                   max_keepalive_connections=64))
-        sup = Supervisor(config, log_dir, settings.shutdown_timeout)
         app.state["supervisor"] = sup
         sup.start()
 

@@ -65,7 +65,10 @@ def log_model(path: Path) -> str:
 
 class RunnerProcess:
     def __init__(self, spec: ModelSpec, log_dir: Path, shutdown_timeout: float = 5.0,
-                 replica: str = "0", gpu: int | None = None, role: str = "both") -> None:
+                 replica: str = "0", gpu: int | None = None, role: str = "both",
+                 api_key: str | None = None) -> None:
+        """``api_key``: the key the runner asks of its clients (the gateway's own, never the
+        user's: a JUSTLLM_API_KEY in the gateway's environment is not inherited)."""
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,7 +86,9 @@ class RunnerProcess:
             self.log_start = log.tell()  # where this run's output begins
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "JUSTLLM_PARENT_PID": str(os.getpid()),
+                env={**{k: v for k, v in os.environ.items() if k != "JUSTLLM_API_KEY"},
+                     "JUSTLLM_PARENT_PID": str(os.getpid()),
+                     **({"JUSTLLM_API_KEY": api_key} if api_key else {}),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})})
 
     def last_error(self) -> str:

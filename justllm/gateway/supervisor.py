@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -150,7 +152,12 @@ class Supervisor:
         self.waiting = 0  # requests waiting for a load
         self.unloads = 0
         self._room = asyncio.Condition()
-        self._http = httpx.AsyncClient(trust_env=False)
+        # Runners ask every client for this key (the runner's --api-key, in its environment):
+        # a runner's port is open to every user of the machine, and the gateway's own key, if
+        # any, must not be bypassed there. RunnerAuth sends it, to local runners only.
+        self.runner_key = secrets.token_urlsafe(24)
+        self.runner_auth = RunnerAuth(self)
+        self._http = httpx.AsyncClient(trust_env=False, auth=self.runner_auth)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
@@ -341,7 +348,7 @@ class Supervisor:
         replica.reset()
         replica.status = "starting"
         replica.runner = RunnerProcess(state.spec, self.log_dir, self.drain, replica.id,
-                                       replica.gpu, replica.role)
+                                       replica.gpu, replica.role, api_key=self.runner_key)
         return replica.runner
 
     async def _spawn_ready(self, state: ModelState, replica: Replica) -> RunnerProcess:
@@ -650,3 +657,18 @@ def _retrieve(task: asyncio.Future[None]) -> None:
     event loop's ("exception was never retrieved")."""
     if not task.cancelled():
         task.exception()
+
+
+class RunnerAuth(httpx.Auth):
+    """``Authorization: Bearer`` the runners' key on requests to this supervisor's local
+    runners; nothing added for anyone else (remote replicas never see it)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        origin = f"http://{request.url.host}:{request.url.port}"
+        if any(r.runner is not None and r.runner.url == origin
+               for s in self.supervisor.models.values() for r in s.local):
+            request.headers["authorization"] = f"Bearer {self.supervisor.runner_key}"
+        yield request

@@ -19,11 +19,12 @@ from litestar.datastructures import State
 from litestar.exceptions import NotAuthorizedException, ServiceUnavailableException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.engine.async_engine import AsyncEngine
+from justllm.server import model_cards
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
@@ -207,30 +208,24 @@ async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
     return await served.embeddings.create(await decode_request(request, EmbeddingRequest))
 
 
-@get("/models", summary="List the served models")
-async def list_models(state: State) -> ModelList:
+def _model_cards(state: State) -> dict[str, Any]:
     from justllm.server.lora import adapter_cards
 
     served = _served(state)
-    return ModelList("list", [ModelCard(served.model_id, "model", served.created, "justllm")]
-                     + adapter_cards(served.aengine, served.model_id, served.created))
+    return msgspec.to_builtins(ModelList(
+        "list", [ModelCard(served.model_id, "model", served.created, "justllm")]
+        + adapter_cards(served.aengine, served.model_id, served.created)))
+
+
+@get("/models", summary="List the served models (in Anthropic's shape with anthropic-version)")
+async def list_models(request: Request, state: State) -> dict:
+    return model_cards.listing(request, _model_cards(state))
 
 
 @get("/models/{model_id:path}", summary="One served model (or LoRA adapter)")
-async def retrieve_model(model_id: str, state: State) -> dict:
-    listing = await list_models.fn(state=state)
-    return one_model(msgspec.to_builtins(listing.data), model_id)
-
-
-def one_model(cards: list[dict], model_id: str) -> dict:
-    """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): the card of
-    ``/v1/models`` whose id, or one of whose aliases, is ``model_id``; else OpenAI's 404."""
-    model_id = model_id.lstrip("/")  # a path parameter keeps its leading slash
-    for card in cards:
-        if card["id"] == model_id or model_id in card.get("aliases", ()):
-            return card
-    raise APIError(404, f"the model '{model_id}' does not exist", type="not_found_error",
-                   param="model", code="model_not_found")
+async def retrieve_model(model_id: FromPath[str], request: Request, state: State) -> dict:
+    return model_cards.card(request, model_cards.one_model(_model_cards(state)["data"],
+                                                           model_id))
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading (or if it failed)",

@@ -64,6 +64,13 @@ def wait_gone(pids: list[int], timeout: float = 30) -> None:
     assert not [p for p in pids if alive(p)], "runner processes left behind"
 
 
+def runner_key(pid: int) -> str:
+    """The key a runner asks its clients for (the gateway's, in the runner's environment)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.split(b"=", 1)[1].decode() for e in environ
+                if e.startswith(b"JUSTLLM_API_KEY="))
+
+
 def start_gateway(tmp_path: Path, models: dict, env: dict | None = None, **top) -> Gateway:
     config = tmp_path / "models.yaml"
     config.write_text(json.dumps({**top, "models": models}))  # JSON is YAML
@@ -394,3 +401,36 @@ def test_an_unload_while_a_request_waits_for_the_load_is_a_503(tmp_path, model_p
         rc, out = stop(gw)
     assert rc == 0, out
     assert "Traceback" not in out, out
+
+
+def test_runners_ask_for_the_gateways_key(tmp_path, model_path):
+    """A gateway given its key in JUSTLLM_API_KEY answered every request 401: its runners
+    inherited the variable and asked the gateway for it. With --api-key instead, the runners
+    were open to anyone on the machine, the gateway's key bypassed on their ports."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}},
+                       env={"JUSTLLM_API_KEY": "sekret"})
+    try:
+        key = {"Authorization": "Bearer sekret"}
+        r = httpx.post(gw.url + "/v1/completions", headers=key, timeout=120, json={
+            "model": "alpha", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert httpx.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "alpha", "prompt": "Hi", "max_tokens": 2}).status_code == 401
+        models = httpx.get(gw.url + "/models", headers=key, timeout=30).json()["data"]
+        runner = models[0]["url"]
+        for headers in ({}, key):  # neither no key nor the gateway's own opens a runner
+            r = httpx.post(runner + "/v1/completions", headers=headers, timeout=60, json={
+                "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 401, r.text
+        inner = {"Authorization": f"Bearer {runner_key(models[0]['pid'])}"}
+        assert inner != key
+        assert httpx.post(runner + "/v1/completions", headers=inner, timeout=60, json={
+            "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        pids = [m["pid"] for m in httpx.get(gw.url + "/models", timeout=30, headers={
+            "Authorization": "Bearer sekret"}).json()["data"] if m["pid"]]
+        gw.proc.send_signal(signal.SIGTERM)
+        rc = gw.proc.wait(timeout=60)
+        wait_gone(pids)
+    assert rc == 0
+

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from tests.gateway.test_gateway import start_gateway, stop, wait_gone
+from tests.gateway.test_gateway import runner_key, start_gateway, stop, wait_gone
 from tests.gateway.test_replicas import FLAGS, replicas, wait_for
 from tests.lora_files import write_adapter
 
@@ -19,7 +19,9 @@ PROMPT = "The capital of France is"
 
 
 def adapters_on(replica: dict) -> list[str]:
-    return [a["name"] for a in httpx.get(replica["url"] + "/v1/lora_adapters", timeout=30).json()]
+    key = runner_key(replica["pid"])  # a runner asks for the gateway's key
+    return [a["name"] for a in httpx.get(replica["url"] + "/v1/lora_adapters", timeout=30,
+                                         headers={"Authorization": f"Bearer {key}"}).json()]
 
 
 def complete(gw, model: str) -> httpx.Response:

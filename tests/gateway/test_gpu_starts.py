@@ -30,7 +30,7 @@ class StandIn:
 
     log: list[tuple[str, str, float]] = []
 
-    def __init__(self, spec, log_dir, drain, replica, gpu, role) -> None:
+    def __init__(self, spec, log_dir, drain, replica, gpu, role, api_key=None) -> None:
         self.name = f"{spec.name}/{replica}@{gpu}"
         self.url = "http://127.0.0.1:9"  # never called: no LoRA adapter is loaded at run time
 

@@ -272,3 +272,39 @@ def test_tool_choice_none_and_bad_tools(client, server):
         body = {"model": server.model, "max_tokens": 4, "messages": ASK, **extra}
         assert_anthropic_error(raw(server, "/v1/messages", body), 400, "invalid_request_error",
                                says)
+
+
+def test_models_list_and_retrieve_in_anthropics_shape(client, server):
+    """The Anthropic SDK's models.list()/retrieve() got OpenAI's cards: no type, display_name
+    or created_at (``m.created_at.isoformat()`` raised)."""
+    page = client.models.list()
+    ids = [m.id for m in page.data]
+    assert ids[0] == server.model and page.has_more is False
+    m = client.models.retrieve(server.model)
+    assert m.type == "model" and m.display_name == server.model and m.created_at.year >= 2025
+    assert client.models.list(limit=1).data[0].id == server.model
+    r = httpx.get(server.url + "/v1/models?limit=0", headers={"anthropic-version": "2023-06-01"},
+                  timeout=30)
+    assert r.status_code == 400
+    r = httpx.get(server.url + "/v1/models", timeout=30).json()  # OpenAI's, without the header
+    assert r["object"] == "list" and r["data"][0]["object"] == "model"
+
+
+def test_anthropics_model_pages():
+    from justllm.server.model_cards import anthropic_page
+
+    cards = [{"id": name, "created": 0} for name in "abcde"]
+
+    def ids(**query):
+        page = anthropic_page({k: str(v) for k, v in query.items()}, cards)
+        return [m["id"] for m in page["data"]], page["has_more"], page["first_id"]
+
+    assert ids() == (list("abcde"), False, "a")
+    assert ids(limit=2) == (["a", "b"], True, "a")
+    assert ids(limit=2, after_id="b") == (["c", "d"], True, "c")
+    assert ids(limit=2, after_id="c") == (["d", "e"], False, "d")
+    assert ids(limit=2, before_id="d") == (["b", "c"], True, "b")
+    assert ids(limit=5, before_id="c") == (["a", "b"], False, "a")
+    for bad in ({"limit": "x"}, {"limit": "1001"}, {"after_id": "zz"}):
+        with pytest.raises(Exception, match="limit|after_id"):
+            anthropic_page(bad, cards)
