@@ -27,12 +27,12 @@ import logging
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from litestar import Request, Response, Router, post
 from litestar.datastructures import State
-from litestar.params import Parameter
+from litestar.params import FromQuery
 from litestar.response import Stream
 
 from justllm.core.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
 
 @post("/prefill", status_code=200, include_in_schema=False,
       summary="Compute a request's prompt, draw its first token, export its KV")
-async def prefill(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Stream | Response:
+async def prefill(request: Request, state: State, path: FromQuery[str | None] = None) -> Stream | Response:
     from justllm.server.app import _served, origin, unless_disconnected
 
     _role_allows(state, "prefill")
@@ -178,7 +178,7 @@ async def prefill(request: Request, state: State, path: Annotated[str | None, Pa
 
 @post("/decode", status_code=200, summary="Import a prompt's KV and serve the request",
       include_in_schema=False)
-async def decode(request: Request, state: State, path: Annotated[str | None, Parameter(query="path")] = None) -> Any:
+async def decode(request: Request, state: State, path: FromQuery[str | None] = None) -> Any:
     from justllm.server.app import _served, sse_response, unless_disconnected
 
     _role_allows(state, "decode")
