@@ -379,8 +379,7 @@ class Supervisor:
                                        f"{state.error}", code="model_failed")
             await asyncio.sleep(delay)
             if state.detached != detached:
-                raise ModelUnavailable(f"model '{state.spec.name}' was unloaded while it "
-                                       "loaded; retry to load it again", code="model_unloaded")
+                raise _unloaded_meanwhile(state)
             state.status = "loading"
             t0 = time.monotonic()
             state.next_id = 0
@@ -398,8 +397,7 @@ class Supervisor:
                     self._drop_replica(state, r)
                 if self._closing:
                     raise ModelUnavailable("the server is shutting down", code="shutting_down")
-                raise ModelUnavailable(f"model '{state.spec.name}' was unloaded while it "
-                                       "loaded; retry to load it again", code="model_unloaded")
+                raise _unloaded_meanwhile(state)
             for r, result in zip(starting, results):
                 if isinstance(result, BaseException):
                     r.error, r.failures = str(result), 1
@@ -650,6 +648,12 @@ class Supervisor:
             for r in s.local:
                 if r.runner is not None:
                     r.runner.kill_now()
+
+
+def _unloaded_meanwhile(state: ModelState) -> ModelUnavailable:
+    """What a request waiting for a load gets when the model is unloaded during it."""
+    return ModelUnavailable(f"model '{state.spec.name}' was unloaded while it loaded; retry "
+                            "to load it again", code="model_unloaded")
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:

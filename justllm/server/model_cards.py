@@ -36,31 +36,25 @@ def anthropic_page(query: Mapping[str, str], cards: list[dict[str, Any]]) -> dic
         limit = 0
     if not 1 <= limit <= 1000:
         raise APIError(400, "limit must be an integer in [1, 1000]", param="limit")
-    start, end = 0, len(cards)
-    for name in ("after_id", "before_id"):
-        at = query.get(name)
-        if at is not None:
-            if at not in ids:
-                raise APIError(400, f"{name}: no model '{at}'", param=name)
-            if name == "after_id":
-                start = ids.index(at) + 1
-            else:
-                end = ids.index(at)
-    chosen = cards[start:end]
-    # before_id pages backwards: the models just before it
-    chosen = chosen[-limit:] if "before_id" in query and "after_id" not in query else chosen[:limit]
+    after, before = query.get("after_id"), query.get("before_id")
+    for name, at in (("after_id", after), ("before_id", before)):
+        if at is not None and at not in ids:
+            raise APIError(400, f"{name}: no model '{at}'", param=name)
+    window = cards[ids.index(after) + 1 if after is not None else 0:
+                   ids.index(before) if before is not None else len(cards)]
+    # before_id alone pages backwards: the models just before it
+    chosen = window[-limit:] if before is not None and after is None else window[:limit]
     data = [anthropic_card(c) for c in chosen]
-    if "before_id" in query and "after_id" not in query:
-        more = end - len(chosen) > start
-    else:
-        more = start + len(chosen) < end
+    more = len(chosen) < len(window)
     return {"data": data, "has_more": more, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
 
 
 def listing(request: Request, openai: dict[str, Any]) -> dict[str, Any]:
     """``GET /v1/models``: OpenAI's listing as given, or Anthropic's page of it."""
-    return anthropic_page(request.query_params, openai["data"]) if speaks_anthropic(request) else openai
+    if speaks_anthropic(request):
+        return anthropic_page(request.query_params, openai["data"])
+    return openai
 
 
 def card(request: Request, openai: dict[str, Any]) -> dict[str, Any]:
