@@ -40,8 +40,19 @@ def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         os.write(2, text)
 
 
+def _whole_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp log sink for ``verbose`` runs: every line to stderr, as llama.cpp's own
+    default does (these bindings do not take NULL for it)."""
+    os.write(2, text)
+
+
 # A C callback must outlive every call into llama.cpp, so it lives at module level (immutable).
 _QUIET_LOG = C.llama_log_callback(_drop_log)
+_VERBOSE_LOG = C.llama_log_callback(_whole_log)
+
+
+def _usual_log(verbose: bool) -> Any:
+    return _VERBOSE_LOG if verbose else _QUIET_LOG
 
 
 @contextlib.contextmanager
@@ -58,7 +69,7 @@ def _log_to(sink: Callable[[int, str], None], verbose: bool = False) -> Iterator
     try:
         yield
     finally:
-        C.llama_log_set(None if verbose else _QUIET_LOG, ctypes.c_void_p(0))
+        C.llama_log_set(_usual_log(verbose), ctypes.c_void_p(0))
 
 
 def _errors_of(lines: list[tuple[int, str]]) -> str:
@@ -218,7 +229,7 @@ class LlamaBackend:
         self._loras: list[LoraAdapter] = []
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
         self._argmax_chains: dict[int, object] = {}  # seq id -> its llama_sampler chain
-        C.llama_log_set(None if config.verbose else _QUIET_LOG, ctypes.c_void_p(0))
+        C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
         read_gguf_header(config.model_path)

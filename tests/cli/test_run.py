@@ -1,5 +1,8 @@
 """``justllm run`` through Typer's CliRunner, on the real model."""
 
+import subprocess
+import sys
+
 from typer.testing import CliRunner
 
 from justllm.cli import app
@@ -121,3 +124,17 @@ def test_speculation_flag_errors_are_one_line(tmp_path, model_path):
         assert r.exit_code == 1, (extra, r.output)
         lines = [line for line in r.output.splitlines() if line.strip()]
         assert len(lines) == 1 and needle in lines[0], (extra, r.output)
+
+
+def test_verbose_shows_llama_cpps_own_log(model_path):
+    """--verbose crashed with a ctypes traceback: these bindings take no NULL log sink."""
+    r = subprocess.run([sys.executable, "-m", "justllm", "run", model_path, "--verbose", "-p", "Hi",
+                        "-n", "2", "--pool-blocks", "64"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "llama_model_loader: loaded meta data" in r.stderr and "Traceback" not in r.stderr
+    assert "generation 2 tok" in r.stderr
+    quiet = subprocess.run([sys.executable, "-m", "justllm", "run", model_path, "-p", "Hi",
+                            "-n", "2", "--pool-blocks", "64"], capture_output=True, text=True,
+                           timeout=300)
+    assert quiet.returncode == 0 and "llama_model_loader" not in quiet.stderr, quiet.stderr
