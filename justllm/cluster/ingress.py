@@ -58,6 +58,8 @@ from justllm.server import model_cards
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import ollama_error
+from justllm.server.request_id import HEADER as REQUEST_ID
+from justllm.server.request_id import add_request_id, request_id
 
 # The replica's process is gone or cannot be reached: nothing of the answer came from it.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
@@ -133,7 +135,9 @@ async def forward(request: Request, path: str) -> Any:
     if named not in ing.adapters and named not in ing.runtime.loaded:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
-    headers = forwardable(list(request.headers.items()), drop=frozenset({"authorization"}))
+    headers = [*forwardable(list(request.headers.items()),
+                            drop=frozenset({"authorization", REQUEST_ID})),
+               (REQUEST_ID, request_id(request.scope))]
     if runtime is None:
         handle, extra = ing.handles[model].options(stream=True), {}
     else:  # Ray prefers the replicas that hold it; the one chosen loads it if it does not
@@ -339,4 +343,4 @@ def create_ingress(ingress: Ingress) -> Litestar:
     return Litestar(route_handlers=[v1, api, health, metrics],
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
-                    openapi_config=None, debug=False)
+                    before_send=[add_request_id], openapi_config=None, debug=False)

@@ -43,6 +43,8 @@ from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
+from justllm.server.request_id import HEADER as REQUEST_ID
+from justllm.server.request_id import add_request_id, request_id
 
 # A runner that died before answering: the request is sent once more to its successor.
 _NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
@@ -224,9 +226,10 @@ class _Handover:
 
 
 def _runner_headers(request: Request) -> dict[str, str]:
-    """What a runner is sent besides the body: its type, and the client's W3C trace context
-    (``traceparent``, ``tracestate``) so the runner's records continue the client's trace."""
-    return {"content-type": "application/json",
+    """What a runner is sent besides the body: its type, the request's ``X-Request-Id``, and
+    the client's W3C trace context (``traceparent``, ``tracestate``) so the runner's records
+    continue the client's trace."""
+    return {"content-type": "application/json", REQUEST_ID: request_id(request.scope),
             **{k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}}
 
 
@@ -673,6 +676,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
     return Litestar(route_handlers=[*own, *forwarders], state=state,
                     on_startup=[start], on_shutdown=[stop],
                     exception_handlers={Exception: handle_exception},
+                    before_send=[add_request_id],
                     request_max_body_size=settings.max_body_bytes, debug=False)
 
 

@@ -31,6 +31,8 @@ validated once, before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
 from justllm.models.source import ModelSource
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 300.0
 _SCALE_KEYS = {"min-replicas", "max-replicas", "target-ongoing", "upscale-delay",
@@ -431,7 +435,12 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"--models-dir {directory} is not a directory")
-    paths = sorted(p for p in root.rglob("*") if p.suffix.lower() == ".gguf" and p.is_file())
+    found = sorted(p for p in root.rglob("*") if p.suffix.lower() == ".gguf")
+    for p in found:
+        if p.is_symlink() and not p.exists():
+            log.warning("--models-dir: %s is a link to %s, which does not exist: left out", p,
+                        os.readlink(p))
+    paths = [p for p in found if p.is_file()]
     if not paths:
         raise ValueError(f"no .gguf files in {directory}")
     newest: dict[str, Path] = {}  # one model per name: two revisions of a file -> the newer

@@ -29,6 +29,7 @@ from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import OpenAIServing, ServingLimits
+from justllm.server.request_id import add_request_id, request_id
 from justllm.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -186,7 +187,7 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
     serving = _served(state).completions
     body = await decode_request(request, ChatCompletionRequest)
     result = await unless_disconnected(request, serving.chat(
-        body, traceparent=request.headers.get("traceparent")))
+        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope)))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
@@ -195,7 +196,7 @@ async def completions(data: JSONBody[CompletionRequest], request: Request, state
     serving = _served(state).completions
     body = await decode_request(request, CompletionRequest)
     result = await unless_disconnected(request, serving.completions(
-        body, traceparent=request.headers.get("traceparent")))
+        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope)))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
@@ -326,6 +327,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             on_startup=[load_in_background],
             on_shutdown=[close_engine],
             exception_handlers={Exception: handle_exception},
+            before_send=[add_request_id],
             request_max_body_size=config.max_body_bytes,
             openapi_config=OpenAPIConfig(title="justllm", version="0.1.0", path="/docs"),
             debug=False,

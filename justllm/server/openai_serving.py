@@ -407,15 +407,17 @@ class OpenAIServing:
         yield StreamEnd(_usage(finals, n), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,
-                   traceparent: str | None = None) -> ChatCompletion | AsyncIterator[bytes]:
+                   traceparent: str | None = None, request_id: str | None = None
+                   ) -> ChatCompletion | AsyncIterator[bytes]:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
         ``resume``: each choice's first tokens, drawn by a PD prefill replica;
-        ``traceparent``: the client's trace context, for the records."""
+        ``traceparent``: the client's trace context, for the records; ``request_id``: the
+        HTTP request's ``X-Request-Id``, logged beside the response id."""
         check_chat_request(req)
         origin = RequestOrigin("openai.chat", bool(req.stream), traceparent)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        log.info("%s: %d choice(s), stream=%s, user=%s", rid, req.n, req.stream,
-                 req.user or req.safety_identifier)
+        log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, req.n,
+                 req.stream, req.user or req.safety_identifier, request_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await self.chat_events(req, rid, resume, origin)
@@ -493,9 +495,9 @@ class OpenAIServing:
                 for p in self._completion_prompts(req.prompt) for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
-                          traceparent: str | None = None
+                          traceparent: str | None = None, request_id: str | None = None
                           ) -> TextCompletion | AsyncIterator[bytes]:
-        """The OpenAI route; ``resume`` and ``traceparent`` as for ``chat``."""
+        """The OpenAI route; ``resume``, ``traceparent`` and ``request_id`` as for ``chat``."""
         check_stream_options(req)
         if req.echo and req.logprobs is not None:
             # OpenAI and vLLM then give the prompt's tokens logprobs too; the engine computes
@@ -507,7 +509,7 @@ class OpenAIServing:
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         origin = RequestOrigin("openai.completions", bool(req.stream), traceparent)
         return await self._respond(self._submit(jobs, rid, resume, origin), shape, req, req.n,
-                                   rid)
+                                   rid, request_id)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -517,11 +519,11 @@ class OpenAIServing:
     # ---- the scaffold of text completions' full and streamed responses ---------------------
 
     async def _respond(self, streams: list[RequestStream], shape: _Shape,
-                       req: CompletionRequest, n: int, rid: str
+                       req: CompletionRequest, n: int, rid: str, request_id: str | None
                        ) -> TextCompletion | AsyncIterator[bytes]:
         created, model = int(time.time()), self.answer_model(req.model)
-        log.info("%s: %d choice(s), stream=%s, user=%s", rid, len(streams), req.stream,
-                 req.user or req.safety_identifier)
+        log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, len(streams),
+                 req.stream, req.user or req.safety_identifier, request_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(streams, shape, rid, created, include_usage, n, model)

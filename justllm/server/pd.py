@@ -41,6 +41,7 @@ from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVTransferError
 from justllm.server.errors import APIError
 from justllm.server.openai_serving import Job
+from justllm.server.request_id import request_id
 from justllm.server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -211,11 +212,11 @@ async def decode(request: Request, state: State, path: FromQuery[str | None] = N
         how = "handover-refused"
     serving = served.completions
 
-    traceparent = request.headers.get("traceparent")
+    traceparent, rid = request.headers.get("traceparent"), request_id(request.scope)
 
     def serve(resume: list[Handover] | None) -> Any:
-        return serving.chat(req, resume, traceparent) if isinstance(
-            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent)
+        return serving.chat(req, resume, traceparent, rid) if isinstance(
+            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent, rid)
 
     try:
         result = await unless_disconnected(request, serve(resume))

@@ -89,6 +89,22 @@ def test_a_request_goes_to_its_models_deployment_with_its_routing_text():
     assert call["body"]["model"] == "demo"  # the alias, as the replicas serve it
     assert call["route"] == ("<user>hi\n", "s1")
     assert "authorization" not in call["headers"]  # the ingress's key stays at the ingress
+    # The replica gets the id the ingress answers with (one it made, as none was sent).
+    assert call["headers"]["x-request-id"] == r.headers["x-request-id"]
+    assert r.headers["x-request-id"].startswith("req_")
+
+
+def test_a_clients_request_id_goes_to_the_replica_and_comes_back():
+    handle = Handle(Answer(Head(200, [("content-type", "application/json"),
+                                      ("x-request-id", "trace-7")]), b"{}"))
+    with client(handle) as c:
+        r = c.post("/v1/completions", headers={"X-Request-Id": "trace-7"},
+                   json={"model": "demo", "prompt": "x"})
+        missing = c.post("/v1/completions", headers={"X-Request-Id": "trace-8"},
+                         json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["trace-7"]
+    assert handle.calls[0]["headers"]["x-request-id"] == "trace-7"
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "trace-8"
 
 
 def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():

@@ -407,13 +407,20 @@ def test_runners_ask_for_the_gateways_key(tmp_path, model_path):
     """A gateway given its key in JUSTLLM_API_KEY answered every request 401: its runners
     inherited the variable and asked the gateway for it. With --api-key instead, the runners
     were open to anyone on the machine, the gateway's key bypassed on their ports."""
-    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}},
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS,
+                                            "verbose": True}},
                        env={"JUSTLLM_API_KEY": "sekret"})
     try:
         key = {"Authorization": "Bearer sekret"}
-        r = httpx.post(gw.url + "/v1/completions", headers=key, timeout=120, json={
-            "model": "alpha", "prompt": "Hi", "max_tokens": 2})
+        r = httpx.post(gw.url + "/v1/completions", headers={**key, "X-Request-Id": "trace-9"},
+                       timeout=120, json={"model": "alpha", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+        # The request's id comes back, and went to the runner, which logs it (--verbose).
+        assert r.headers["x-request-id"] == "trace-9"
+        deadline = time.monotonic() + 30
+        while "x-request-id=trace-9" not in (gw.logs / "alpha.log").read_text():
+            assert time.monotonic() < deadline, "the runner did not log the request's id"
+            time.sleep(0.2)
         assert httpx.post(gw.url + "/v1/completions", timeout=60, json={
             "model": "alpha", "prompt": "Hi", "max_tokens": 2}).status_code == 401
         models = httpx.get(gw.url + "/models", headers=key, timeout=30).json()["data"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -115,7 +116,7 @@ def test_config_errors_say_what_is_wrong(data, says):
     assert says in str(e.value)
 
 
-def test_models_dir_names_models_by_file_stem(tmp_path):
+def test_models_dir_names_models_by_file_stem(tmp_path, caplog):
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.gguf").write_bytes(b"x")
     (tmp_path / "sub" / "b.gguf").write_bytes(b"x")
@@ -132,6 +133,13 @@ def test_models_dir_names_models_by_file_stem(tmp_path):
     cfg = directory_config(str(tmp_path), FLAGS)
     assert [m.name for m in cfg.models] == ["LOUD", "a", "b", "big"]
     assert cfg.spec("big").source == str(tmp_path / "sub" / "big-00001-of-00003.gguf")
+    # A link to nothing is left out, and said.
+    (tmp_path / "gone.gguf").symlink_to(tmp_path / "moved" / "gone.gguf")
+    with caplog.at_level(logging.WARNING, logger="justllm.gateway.config"):
+        cfg = directory_config(str(tmp_path), FLAGS)
+    assert "gone" not in [m.name for m in cfg.models]
+    assert f"{tmp_path / 'gone.gguf'} is a link to {tmp_path / 'moved' / 'gone.gguf'}, which " \
+        "does not exist" in caplog.text
     with pytest.raises(ValueError, match="not a directory"):
         directory_config(str(tmp_path / "none"), FLAGS)
     (tmp_path / "empty").mkdir()

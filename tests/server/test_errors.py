@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 
@@ -220,6 +221,27 @@ def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
     # Under /api/ a route that does not exist answers in Ollama's shape, as its routes do.
     for r in (post(server, "/api/nothing", {}), httpx.get(server.url + "/api/chat", timeout=60)):
         assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+
+
+def test_every_answer_names_its_request_in_x_request_id(server):
+    """As OpenAI's API and vLLM do: the client's X-Request-Id comes back, or one is made."""
+    m, ok = server.model, {"model": server.model, "prompt": "Hi", "max_tokens": 1}
+    made = [post(server, "/v1/completions", ok).headers["x-request-id"] for _ in range(2)]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in made) and made[0] != made[1]
+    mine = {"X-Request-Id": "trace-42"}
+    answers = [post(server, "/v1/completions", ok, headers=mine),
+               post(server, "/v1/chat/completions", {"model": m, "max_tokens": 1, "stream": True,
+                                                     "messages": [{"role": "user", "content": "hi"}]},
+                    headers=mine),
+               post(server, "/v1/completions", {"model": m}, headers=mine),  # a 400
+               post(server, "/v1/nothing", {}, headers=mine),  # a 404
+               httpx.get(server.url + "/health", headers=mine, timeout=60)]
+    assert [r.status_code for r in answers] == [200, 200, 400, 404, 200]
+    assert all(r.headers.get_list("x-request-id") == ["trace-42"] for r in answers)
+    # One that could not be sent back as it came (too long, or with a space) is replaced.
+    for bad in ("x" * 129, "two words"):
+        r = post(server, "/v1/completions", ok, headers={"X-Request-Id": bad})
+        assert r.status_code == 200 and r.headers["x-request-id"].startswith("req_")
 
 
 def test_openai_nullable_fields_take_null_as_absent(server):
