@@ -84,8 +84,10 @@ def _model(sup: Supervisor, name: Any, ollama: bool = False) -> ModelState:
 
 
 def _unavailable(e: ModelUnavailable) -> APIError:
+    """The 503; with ``Retry-After`` unless the model has failed, which only ``POST
+    /models/load`` (or a restart) tries again: clients that honour it would wait in vain."""
     return APIError(503, str(e), type="server_error", code=e.code,
-                    headers={"Retry-After": "2"})
+                    headers={} if e.code == "model_failed" else {"Retry-After": "2"})
 
 
 class _Refused(Exception):

@@ -177,6 +177,7 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "model_failed" and "broken" in err["message"], err
+        assert "retry-after" not in r.headers  # it stays failed until POST /models/load
         assert "error:" in err["message"] or "gguf" in err["message"].lower(), err
         assert gw.status()["broken"]["status"] == "failed"
         assert complete(gw, "alpha").status_code == 200
