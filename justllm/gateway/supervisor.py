@@ -284,6 +284,9 @@ class Supervisor:
             if state.status == "failed" and policy.restart_delay(state.failures) is None:
                 raise ModelUnavailable(f"model '{state.spec.name}' failed to load: "
                                        f"{state.error}", code="model_failed")
+            # A new load starts with the model's ttl; an Ollama keep_alive sent while it loads
+            # (0: unload once idle) holds after it, as the last keep_alive does in Ollama.
+            state.keep_alive = None
             await self._estimate(state)
             await self._make_room(state)
             await self._start(state)
@@ -421,7 +424,6 @@ class Supervisor:
             state.loads += 1
             state.load_seconds.append(time.monotonic() - t0)
             state.last_used = time.monotonic()
-            state.keep_alive = None
             state.scale_pending.clear()
             return
 

@@ -398,6 +398,25 @@ def test_an_unload_while_a_request_waits_for_the_load_is_a_503(tmp_path, model_p
         assert m["error"] is None and m["pid"] is None and m["loads"] == 0
         assert complete(gw, "alpha").status_code == 200  # and it loads again on request
         assert gw.status()["alpha"]["loads"] == 1
+
+        # Ollama's "unload" (keep_alive 0, nothing to generate) while a request waits for the
+        # load: the request is served, then the model unloads. The load forgot it.
+        httpx.post(gw.url + "/models/unload", json={"model": "alpha"}, timeout=60)
+        gw.wait_status("alpha", "unloaded")
+
+        async def unload_while_loading() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as h:
+                waiting = asyncio.ensure_future(h.post(gw.url + "/v1/completions", json={
+                    "model": "alpha", "prompt": "Hi", "max_tokens": 2}))
+                while gw.status()["alpha"]["status"] != "loading":
+                    await asyncio.sleep(0.02)
+                unload = await h.post(gw.url + "/api/generate", json={"model": "alpha",
+                                                                      "keep_alive": 0})
+                return await waiting, unload
+
+        r, unload = asyncio.run(unload_while_loading())
+        assert r.status_code == 200 and unload.json()["done_reason"] == "unload", r.text
+        gw.wait_status("alpha", "unloaded", timeout=30)
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
