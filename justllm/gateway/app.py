@@ -43,11 +43,13 @@ from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, error_body, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
+from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
 
 # A runner that died before answering: the request is sent once more to its successor.
 _NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+LOAD_SCOPE_KEY = "justllm.load_seconds"  # how long this request waited for its model's load
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,13 @@ async def _forward(request: Request, path: str) -> Any:
     if named:
         body[name_key] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
+    waited = time.monotonic() if not state.routable else None
     try:
         await sup.acquire(state)
     except ModelUnavailable as e:
         raise _unavailable(e) from None
+    if waited is not None:  # for the runner's Ollama answers (load_duration)
+        request.scope[LOAD_SCOPE_KEY] = time.monotonic() - waited  # type: ignore[literal-required]
     ended = False
     handover: _Handover | None = None
     try:
@@ -228,10 +233,13 @@ class _Handover:
 
 
 def _runner_headers(request: Request) -> dict[str, str]:
-    """What a runner is sent besides the body: its type, the request's ``X-Request-Id``, and
-    the client's W3C trace context (``traceparent``, ``tracestate``) so the runner's records
-    continue the client's trace."""
+    """What a runner is sent besides the body: its type, the request's ``X-Request-Id``, how
+    long it waited for the model to load (Ollama's ``load_duration``), and the client's W3C
+    trace context (``traceparent``, ``tracestate``) so the runner's records continue the
+    client's trace."""
+    loaded_in = request.scope.get(LOAD_SCOPE_KEY)
     return {"content-type": "application/json", REQUEST_ID: request_id(request.scope),
+            **({LOAD_SECONDS_HEADER: f"{loaded_in:.6f}"} if loaded_in else {}),
             **{k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}}
 
 

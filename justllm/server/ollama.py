@@ -20,7 +20,6 @@ import asyncio
 import math
 import os
 import re
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from justllm.server.app import (
 )
 from justllm.server.errors import APIError, ollama_response, to_api_error
 from justllm.server.ollama_chat import (
+    Arrival,
     OllamaMessage,
     ToolChoice,
     answer,
@@ -382,7 +382,7 @@ class _Job:
     served: Served
     name: str  # the model as the client named it (echoed back, as Ollama does)
     chat: bool
-    started: float  # perf_counter at arrival
+    arrival: Arrival
     lstrip: bool  # leading blanks still to drop
 
     def text(self, piece: str) -> str:
@@ -407,8 +407,7 @@ class _Job:
         timings = Timings.of(m)
         return {**self.chunk(text, True, lps),
                 "done_reason": "length" if out.finish_reason == "length" else "stop",
-                "total_duration": nanoseconds(time.perf_counter() - self.started),
-                "load_duration": 0,  # the model was loaded when the server started
+                **self.arrival.durations(),
                 "prompt_eval_count": m.num_prompt_tokens,
                 "prompt_eval_duration": nanoseconds(timings.prompt_seconds),
                 "eval_count": m.num_generated_tokens,
@@ -470,10 +469,10 @@ async def _collect(job: _Job, stream: RequestStream, want_logprobs: bool) -> dic
 
 
 async def _run(request: Request, served: Served, req: _Generation, prompt: str,
-               params: SamplingParams, *, chat: bool, templated: bool, started: float) -> Any:
+               params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival) -> Any:
     # After a transcript's "Assistant:" the model writes the separating space itself.
     lstrip = templated and served.completions.template.name == "transcript"
-    job = _Job(served, req.model, chat, started, lstrip)
+    job = _Job(served, req.model, chat, arrival, lstrip)
     try:  # a refusal raises here, before any answer
         stream = served.aengine.submit(prompt, params, origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
@@ -511,25 +510,25 @@ def unloaded(name: str, path: str, body: dict) -> dict | None:
 
 @post("/chat", status_code=200, summary="Ollama: the next message of a chat (NDJSON stream)")
 async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State) -> Any:
-    started = time.perf_counter()
+    arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaChatRequest)
     _check_generation(req, served)
     messages = chat_messages(req.messages, req.model)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
-        return await _chat_with_tools(request, served, req, with_tools, started)
+        return await _chat_with_tools(request, served, req, with_tools, arrival)
     params = _sampling(req.options, served, grammar=_grammar(req.format, served),
                        logprobs=_logprobs(req), template_stops=True)
     if not messages:
         return _loaded(req.model, chat=True)
     prompt = served.completions.chat_prompt(messages)
     return await _run(request, served, req, prompt, params, chat=True, templated=True,
-                      started=started)
+                      arrival=arrival)
 
 
 async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequest,
-                           chat: ChatCompletionRequest, started: float) -> Any:
+                           chat: ChatCompletionRequest, arrival: Arrival) -> Any:
     """Served by the chat completion's tool machinery (``ollama_chat.py``), with Ollama's
     sampling defaults and options."""
     params = _sampling(req.options, served, grammar=None, logprobs=_logprobs(req),
@@ -550,7 +549,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         if req.stream:
             events = await served.completions.chat_events(
                 chat, origin=origin(request, "ollama.chat", True))
-            return Stream(answer_lines(req.model, started, events), media_type=NDJSON,
+            return Stream(answer_lines(req.model, arrival, events), media_type=NDJSON,
                           headers={"Content-Type": NDJSON})
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, origin=origin(request, "ollama.chat", False)))
@@ -561,12 +560,12 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
                                   param="options.num_predict") from None
     if isinstance(result, Response):
         return result
-    return answer(req.model, started, result)
+    return answer(req.model, arrival, result)
 
 
 @post("/generate", status_code=200, summary="Ollama: a completion of a prompt (NDJSON stream)")
 async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, state: State) -> Any:
-    started = time.perf_counter()
+    arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaGenerateRequest)
     _check_generation(req, served)
@@ -599,7 +598,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
             turn.insert(0, ChatMessage(role="system", content=req.system))
         prompt = served.completions.chat_prompt(turn)
     return await _run(request, served, req, prompt, params, chat=False,
-                      templated=not req.raw, started=started)
+                      templated=not req.raw, arrival=arrival)
 
 
 # ---- embeddings ------------------------------------------------------------------------------
@@ -628,7 +627,7 @@ async def _embed(served: Served, name: str, inputs: str | list[str], dimensions:
 
 @post("/embed", status_code=200, summary="Ollama: embeddings of one or more inputs")
 async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: State) -> Any:
-    started = time.perf_counter()
+    arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaEmbedRequest)
     _check_model(req.model, served)
@@ -643,8 +642,7 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
     if req.input in ("", []):
         return {"model": req.model, "embeddings": []}
     vectors, tokens = await _embed(served, req.model, req.input, req.dimensions)
-    return {"model": req.model, "embeddings": vectors,
-            "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
+    return {"model": req.model, "embeddings": vectors, **arrival.durations(),
             "prompt_eval_count": tokens}
 
 

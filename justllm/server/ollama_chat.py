@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -165,6 +166,34 @@ def nanoseconds(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
+# Router mode's gateway tells its runner how long the request waited for the model to load
+# (seconds), so that Ollama's load_duration says it and total_duration counts it.
+LOAD_SECONDS_HEADER = "x-justllm-load-seconds"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When an Ollama request arrived (``perf_counter``), counting from before its model
+    loaded when it had to wait for that (router mode), and how long the load took: a single
+    server's model is loaded before any request."""
+
+    at: float
+    load_seconds: float = 0.0
+
+    @classmethod
+    def now(cls, headers: Mapping[str, str]) -> Arrival:
+        try:
+            waited = float(headers.get(LOAD_SECONDS_HEADER, 0))
+        except ValueError:
+            waited = 0.0
+        waited = waited if 0 < waited < 86400 else 0.0  # nan, inf and nonsense: none
+        return cls(time.perf_counter() - waited, waited)
+
+    def durations(self) -> dict[str, int]:
+        return {"total_duration": nanoseconds(time.perf_counter() - self.at),
+                "load_duration": nanoseconds(self.load_seconds)}
+
+
 def _call(call: ToolCall, index: int) -> dict[str, Any]:
     """A call as Ollama writes it: ``arguments`` an object. (The chat side returns arguments
     that are not an object's JSON as content; should one get here, it is kept whole.)"""
@@ -184,13 +213,13 @@ def _message(content: str, calls: list[dict[str, Any]] | None = None) -> dict[st
     return message
 
 
-def _final(model: str, started: float, message: dict[str, Any], finish: str | None,
+def _final(model: str, arrival: Arrival, message: dict[str, Any], finish: str | None,
            usage: Usage, timings: Timings | None) -> dict[str, Any]:
     """The last line, with the prompt's and the generation's own durations when the chat side
     measured them."""
     out = {"model": model, "created_at": created_at(), "message": message,
            "done_reason": "length" if finish == "length" else "stop", "done": True,
-           "total_duration": nanoseconds(time.perf_counter() - started), "load_duration": 0,
+           **arrival.durations(),
            "prompt_eval_count": usage.prompt_tokens, "eval_count": usage.completion_tokens}
     if timings is not None:
         out["prompt_eval_duration"] = nanoseconds(timings.prompt_seconds)
@@ -198,15 +227,15 @@ def _final(model: str, started: float, message: dict[str, Any], finish: str | No
     return out
 
 
-def answer(model: str, started: float, result: ChatResult) -> dict[str, Any]:
+def answer(model: str, arrival: Arrival, result: ChatResult) -> dict[str, Any]:
     """The whole answer (``stream: false``)."""
     choice = result.choices[0]
     calls = [_call(c, k) for k, c in enumerate(choice.tool_calls)]
-    return _final(model, started, _message(choice.content or "", calls), choice.finish_reason,
+    return _final(model, arrival, _message(choice.content or "", calls), choice.finish_reason,
                   result.usage, result.timings)
 
 
-async def answer_lines(model: str, started: float, events: AsyncGenerator[ChatEvent, None]
+async def answer_lines(model: str, arrival: Arrival, events: AsyncGenerator[ChatEvent, None]
                        ) -> AsyncIterator[bytes]:
     """The NDJSON stream: a line per piece of text, a line per call once it is complete
     (``content`` ""), then the ``done`` line; an ``{"error"}`` line if the request fails on
@@ -229,7 +258,7 @@ async def answer_lines(model: str, started: float, events: AsyncGenerator[ChatEv
             elif isinstance(ev, ChoiceEnd):
                 finish = ev.finish_reason
             elif isinstance(ev, StreamEnd):
-                yield _json.encode(_final(model, started, _message(""), finish, ev.usage,
+                yield _json.encode(_final(model, arrival, _message(""), finish, ev.usage,
                                           ev.timings)) + b"\n"
             elif isinstance(ev, StreamError):
                 yield _json.encode({"error": ev.message}) + b"\n"

@@ -26,13 +26,16 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
                                  messages=[{"role": "user", "content": "Say hello."}],
                                  options={"num_predict": 6, "temperature": 0}))
         assert parts[-1].done and parts[-1].eval_count <= 6
+        # It waited for alpha to load: load_duration says how long (it was 0 through the
+        # gateway), and total_duration counts it.
+        assert 1e8 < parts[-1].load_duration < parts[-1].total_duration < 120e9
         assert "".join(p.message.content for p in parts)
         assert [m.model for m in client.ps().models] == ["alpha:latest"]
 
         # keep_alive 0: the model is unloaded once the request is done (Ollama's meaning).
         answer = client.generate(model="beta", prompt="The sky is", keep_alive=0,
                                  options={"num_predict": 4, "temperature": 0})
-        assert answer.done and answer.response
+        assert answer.done and answer.response and answer.load_duration > 1e8
         gw.wait_status("beta", "unloaded", timeout=30)
         assert gw.status()["alpha"]["status"] == "loaded"
         # keep_alive 0 with nothing to generate: Ollama's "unload" (answered "load", and an
@@ -44,8 +47,10 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
             assert r["done"] and r["done_reason"] == "unload", r
         assert gw.status()["beta"]["loads"] == loads and gw.status()["beta"]["status"] == "unloaded"
 
-        vectors = client.embed(model="alpha", input=["one", "two"]).embeddings
+        embedded = client.embed(model="alpha", input=["one", "two"])
+        vectors = embedded.embeddings
         assert len(vectors) == 2 and len(vectors[0]) > 100
+        assert embedded.load_duration == 0  # alpha was loaded already
         assert client.show("alpha").details.format == "gguf"
 
         with pytest.raises(ollama.ResponseError) as e:

@@ -18,6 +18,7 @@ import pytest
 
 import justllm
 from justllm.bench.soak import metric
+from justllm.server.ollama_chat import LOAD_SECONDS_HEADER, Arrival
 from tests.server.conftest import start_server
 
 KEY = "ollama-test-key"
@@ -393,3 +394,14 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     # the client left while its answer was being generated
     wait_running(server, lambda n: n == 0)
     assert finished(server) == done  # aborted, not run to its end
+
+
+def test_the_load_time_router_mode_reports_becomes_load_duration():
+    loaded = Arrival.now({LOAD_SECONDS_HEADER: "2.5"})
+    assert loaded.load_seconds == 2.5
+    durations = loaded.durations()
+    assert durations["load_duration"] == 2_500_000_000
+    assert durations["total_duration"] >= durations["load_duration"]
+    for nonsense in ("nan", "inf", "-1", "soon", "1e9"):
+        assert Arrival.now({LOAD_SECONDS_HEADER: nonsense}).load_seconds == 0.0
+    assert Arrival.now({}).durations()["load_duration"] == 0
