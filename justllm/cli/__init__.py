@@ -93,7 +93,7 @@ def main() -> None:
             if e.format_message():
                 print(e.format_message())
             sys.exit(0)
-        Console(stderr=True).print(f"[red]error:[/red] {e.format_message()}", highlight=False,
+        Console(stderr=True, emoji=False).print(f"[red]error:[/red] {e.format_message()}", highlight=False,
                                    soft_wrap=True)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

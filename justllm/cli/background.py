@@ -32,7 +32,7 @@ def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
     except KeyboardInterrupt:
         abandon()
         progress.stop()
-        Console(stderr=True).print("[yellow]interrupted[/yellow]: no output written")
+        Console(stderr=True, emoji=False).print("[yellow]interrupted[/yellow]: no output written")
         os._exit(130)
     if "error" in result:
         raise result["error"]

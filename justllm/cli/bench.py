@@ -73,7 +73,7 @@ def bench(
         else:
             raise ValueError(f"unknown workload '{workload}' (random, shared-prefix, sharegpt)")
 
-        console = Console(stderr=True)
+        console = Console(stderr=True, emoji=False)
         server = None
         if url is None:
             from justllm.bench.local_server import LocalServer
@@ -95,7 +95,7 @@ def bench(
         finally:
             if server is not None:
                 server.stop()
-        Console().print(table(summaries))
+        Console(emoji=False).print(table(summaries))
         for s in summaries:
             if s["first_error"]:
                 console.print(f"[yellow]{s['url']}: {s['failed']} failed; first error: "

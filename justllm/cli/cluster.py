@@ -76,7 +76,7 @@ def deploy(
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key)
         where = cluster.find_cluster()
-        console = Console(stderr=True)
+        console = Console(stderr=True, emoji=False)
         for warning in warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
         if where is None:
@@ -130,7 +130,7 @@ def status(
         if as_json:
             print(json.dumps(body, indent=2))
             return
-        console = Console() if sys.stdout.isatty() else Console(width=200)
+        console = Console(emoji=False) if sys.stdout.isatty() else Console(width=200, emoji=False)
         local = " (local head)" if body["local"] else ""
         console.print(f"app '{body['app']}' {body['status']} on the Ray cluster at "
                       f"{body['address']}{local} · {body.get('url') or ''}", highlight=False)
@@ -165,4 +165,4 @@ def down(name: AppName = "justllm") -> None:
     the local Ray head if `justllm cluster deploy` started it."""
     with _errors():
         for line in _cluster().down(name):
-            Console(stderr=True).print(f"justllm: {line}", highlight=False)
+            Console(stderr=True, emoji=False).print(f"justllm: {line}", highlight=False)

@@ -64,7 +64,7 @@ def show(
             if param.name == "api_key" and value:
                 value = "***"
             table.add_row(param.opts[0], str(value), source)
-        Console().print(table)
+        Console(emoji=False).print(table)
         if file_values:
             raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(file_values))}")
         if bad:

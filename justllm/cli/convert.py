@@ -45,7 +45,7 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
     from justllm.cli.models import _size
     from justllm.models.convert import prepare, register
 
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     job = prepare(source, outtype=outtype, quantize=quantize, output=output, name=name,
                   revision=revision, force=force, console=err)
     origin = f"{job.repo} @ {job.commit[:12]}" if job.repo and job.commit else str(job.source_dir)
@@ -55,7 +55,7 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
               markup=False, soft_wrap=True)
     t0 = time.monotonic()
     _run_with_progress(job)
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     console.print(f"wrote {job.dst} ({job.output_type}, {_size(job.dst.stat().st_size)}) in "
                   f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
     key, m, before = register(job)
@@ -83,7 +83,7 @@ def _run_with_progress(job) -> None:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TaskProgressColumn(), TextColumn("[dim]{task.fields[detail]}"),
                   TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True)) as progress:
+                  console=Console(stderr=True, emoji=False)) as progress:
         task = progress.add_task("converting: starting llama.cpp's converter", total=None,
                                  detail="")
 

@@ -34,6 +34,6 @@ def make(
         src = Path(load_plugins().resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
         info = make_draft(src, dst, layers, force=force)
-        Console().print(
+        Console(emoji=False).print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
             f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)

@@ -18,9 +18,9 @@ def cli_errors() -> Iterator[None]:
         yield
     except (JustLLMError, ValueError) as e:
         # Escaped: a message may hold brackets (`pip install 'justllm[convert]'`).
-        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False,
+        Console(stderr=True, emoji=False).print(f"[red]error:[/red] {escape(str(e))}", highlight=False,
                                    soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        Console(stderr=True).print("[yellow]interrupted[/yellow]")
+        Console(stderr=True, emoji=False).print("[yellow]interrupted[/yellow]")
         raise typer.Exit(130) from None

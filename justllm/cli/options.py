@@ -200,7 +200,7 @@ def engine_config(model: str | None, flags: dict[str, Any],
     if v["threads"] and not v["gpu"] and v["threads"] > usable_cpus():
         from rich.console import Console
 
-        Console(stderr=True).print(  # allowed, as llama-server allows it, but said
+        Console(stderr=True, emoji=False).print(  # allowed, as llama-server allows it, but said
             f"[yellow]warning:[/yellow] --threads {v['threads']} is more than the "
             f"{usable_cpus()} cores this process may use: llama.cpp's threads then wait for "
             "each other and decoding slows down sharply", highlight=False, soft_wrap=True)

@@ -23,7 +23,7 @@ def plugins_of(context: typer.Context | None) -> Plugins:
 def warn_problems(plugins: Plugins, seen: int = 0) -> int:
     """Print the plugins' problems from ``seen`` on, one yellow line each, on stderr; returns
     how many there are now."""
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)
     for line in plugins.problems[seen:]:
         console.print(f"[yellow]warning:[/yellow] {escape(line)}", highlight=False,
                       soft_wrap=True)
@@ -49,7 +49,7 @@ def list_plugins(
             print(json.dumps([{"name": p.name, "version": p.version, "hooks": list(p.hooks)}
                               for p in infos], indent=2))
             return
-        console = Console()
+        console = Console(emoji=False)
         if not infos:
             console.print("no plugins loaded (JUSTLLM_PLUGINS chooses them; see "
                           "plugins/README.md to write one)", highlight=False)

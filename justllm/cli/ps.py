@@ -70,7 +70,7 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
                     "-" if rep["ttft_p50"] is None else f"{rep['ttft_p50'] * 1000:.0f} ms",
                     idle, unload, str(rep["restarts"]))
         # Piped (scripts, tests): wide enough that no cell is cut to "fail…".
-        console = Console() if sys.stdout.isatty() else Console(width=200)
+        console = Console(emoji=False) if sys.stdout.isatty() else Console(width=200, emoji=False)
         console.print(table)
         console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
                       f"max loaded: {body['max_loaded'] or 'no limit'}; max memory: "

@@ -84,7 +84,7 @@ def run(
 
 
 def print_notice(notice: str) -> None:
-    Console(stderr=True).print(f"[dim]note: {escape(notice)}[/dim]", highlight=False,
+    Console(stderr=True, emoji=False).print(f"[dim]note: {escape(notice)}[/dim]", highlight=False,
                                soft_wrap=True)
 
 
@@ -115,14 +115,14 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
     gen_time = end - (m.first_token_time or end)
     gen_rate = (m.num_generated_tokens - 1) / gen_time if gen_time > 0 else 0.0
     prompt_rate = m.num_prompt_tokens / ttft if ttft > 0 else 0.0
-    Console(stderr=True).print(
+    Console(stderr=True, emoji=False).print(
         f"[dim]prompt {m.num_prompt_tokens} tok, {prompt_rate:.1f} tok/s · "
         f"generation {m.num_generated_tokens} tok, {gen_rate:.1f} tok/s · "
         f"TTFT {ttft * 1000:.0f} ms · total {end - start:.2f} s · "
         f"finish: {last.finish_reason}[/dim]", highlight=False)
     spec = engine.stats().spec
     if spec.num_drafts:
-        Console(stderr=True).print(
+        Console(stderr=True, emoji=False).print(
             f"[dim]speculation: {spec.num_drafts} drafts, {spec.num_accepted_tokens} of "
             f"{spec.num_draft_tokens} draft tokens accepted "
             f"({spec.acceptance_rate:.0%})[/dim]", highlight=False)

@@ -91,7 +91,7 @@ def serve(
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
                          routes=routes, events=events)
         sock = listening_socket(host, port)
-        Console(stderr=True).print(
+        Console(stderr=True, emoji=False).print(
             f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
         if not config.verbose:
@@ -170,7 +170,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                          default_log_dir(), plugins.routes())
     names = ", ".join(m.name for m in config.models)
     sock = listening_socket(host, port)
-    Console(stderr=True).print(f"justllm: router mode on http://{host}:{port} for {names} "
+    Console(stderr=True, emoji=False).print(f"justllm: router mode on http://{host}:{port} for {names} "
                                f"(runner logs in {default_log_dir()})", highlight=False)
 
     def stop_runners() -> None:  # on the first signal: runners drain while clients finish

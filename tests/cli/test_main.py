@@ -27,6 +27,9 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path):
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.stderr)
+    # What the user typed is said as typed: rich turned ':thumbsup:' into an emoji.
+    r = justllm("run", "-p", "x", str(tmp_path / "q:thumbsup:.gguf"))
+    assert r.returncode == 1 and "q:thumbsup:.gguf" in r.stderr, r.stderr
 
 
 def test_help_alias():
