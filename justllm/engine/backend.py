@@ -16,6 +16,8 @@ import contextlib
 import ctypes
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +55,35 @@ _VERBOSE_LOG = C.llama_log_callback(_whole_log)
 
 def _usual_log(verbose: bool) -> Any:
     return _VERBOSE_LOG if verbose else _QUIET_LOG
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C during a long llama.cpp call made on the main thread (a model load, a
+    quantization): held until the call returns, then raised as KeyboardInterrupt. Python runs
+    a signal's handler at the next Python code, and during such a call that is one of our C
+    callbacks (the log sink, load progress); a KeyboardInterrupt raised there is printed and
+    dropped by ctypes, and the command carried on. Yields whether one came, so that a
+    callback that can stop the work (load progress) stops it. Elsewhere (another thread, or a
+    SIGINT handler not Python's own, such as the server's), nothing changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: False
+        return
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if came:
+            raise KeyboardInterrupt
+
+
+def _progress(stop: Callable[[], bool]) -> Any:
+    """A load-progress callback that stops the load once ``stop()`` (llama.cpp then returns no
+    model). The caller keeps it alive for the load."""
+    return C.llama_progress_callback(lambda progress, user_data: not stop())
 
 
 @contextlib.contextmanager
@@ -242,7 +273,14 @@ class LlamaBackend:
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = -1 if config.gpu else 0
-        self._model = C.llama_model_load_from_file(config.model_path.encode(), mparams)
+        try:
+            with _ctrl_c_held() as interrupted:
+                mparams.progress_callback = progress = _progress(interrupted)
+                self._model = C.llama_model_load_from_file(config.model_path.encode(), mparams)
+                del progress
+        except KeyboardInterrupt:
+            self.close()
+            raise
         if not self._model:
             raise ModelLoadError(
                 f"llama.cpp could not load {config.model_path} (corrupt or unsupported GGUF)")
@@ -268,7 +306,12 @@ class LlamaBackend:
         cparams.kv_unified = True
         cparams.swa_full = True  # else partial prefixes of SWA layers lose their early cells
         cparams.no_perf = True
-        self._ctx = C.llama_init_from_model(self._model, cparams)
+        try:
+            with _ctrl_c_held():
+                self._ctx = C.llama_init_from_model(self._model, cparams)
+        except KeyboardInterrupt:
+            self.close()
+            raise
         if not self._ctx:
             self.close()
             raise ModelLoadError(
@@ -697,7 +740,7 @@ def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
                 o.value.val_str = value.encode()[:127]
         keep.append(overrides)
         params.kv_overrides = overrides
-    with _log_to(sink):
+    with _ctrl_c_held(), _log_to(sink):
         rc = C.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise ModelLoadError(f"llama.cpp could not quantize {src}: {_errors_of(lines)}")

@@ -1,5 +1,7 @@
 """The backend refuses what would abort the process, with an exception instead."""
 
+import ctypes
+import signal
 import subprocess
 import sys
 
@@ -144,3 +146,31 @@ def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
         assert run(False) == in_numpy  # off again: the logits as before
     finally:
         engine.close()
+
+
+def test_ctrl_c_while_llama_cpp_loads_a_model_stops_the_load(model_path, monkeypatch):
+    """Ctrl-C lands in one of our C callbacks while llama.cpp works, since that is the only
+    Python code running then; a KeyboardInterrupt raised there was printed and dropped by
+    ctypes, and the command went on (loaded the model, quantized it). The signal here comes
+    from the log sink itself, as it would during a load."""
+    from justllm.engine import backend
+
+    def sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)
+
+    sent: list[bool] = []
+    signalling = backend.C.llama_log_callback(sink)
+    monkeypatch.setattr(backend, "_usual_log", lambda verbose: signalling)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a command
+    try:
+        config = backend.BackendConfig(model_path, n_ctx=256, n_seq_max=1)
+        with pytest.raises(KeyboardInterrupt):
+            backend.LlamaBackend(config)
+        assert sent and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        monkeypatch.undo()
+        with backend.LlamaBackend(config) as b:  # and the next load is a load as usual
+            assert b.n_vocab > 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
