@@ -223,6 +223,9 @@ class Engine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
             return self.backend.tokenize(prompt)
+        if not isinstance(prompt, list | tuple):  # bytes would pass for token ids
+            raise InvalidRequestError(f"a prompt is a str or a list of token ids, not "
+                                      f"{type(prompt).__name__}", param="prompt")
         if not prompt:
             raise InvalidRequestError("prompt is empty", param="prompt")
         n_vocab = self.backend.n_vocab

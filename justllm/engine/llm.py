@@ -38,7 +38,19 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, plist)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist):
+                ids.append(self.engine.add_request(p, sp))
+            return self._run(ids, batch)
+        except BaseException:
+            # A refused prompt (or Ctrl-C) ends the whole call: its requests are aborted, so
+            # the engine is left as it was (they stayed queued and broke every later call).
+            for i in ids:
+                self.engine.abort(i)
+            raise
+
+    def _run(self, ids: list[str], batch: list[str | list[int]]) -> list[CompletionOutput]:
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob] | None] = {i: None for i in ids}
@@ -46,6 +58,8 @@ class LLM:
         index = dict(zip(ids, batch))
         while len(done) < len(ids):
             for out in self.engine.step():
+                if out.request_id not in texts:  # another caller's request on this engine
+                    continue
                 texts[out.request_id].append(out.text)
                 tokens[out.request_id].extend(out.token_ids)
                 if out.logprobs is not None:
