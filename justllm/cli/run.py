@@ -51,6 +51,9 @@ def run(
             prompt = sys.stdin.read()
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        if raw and system:
+            raise ValueError("--system goes into the chat template, which --raw leaves out: "
+                             "put it in the prompt")
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
@@ -60,6 +63,9 @@ def run(
             raise ValueError(f"at most {MAX_USER_STOP} --stop strings")
         plugins = plugins_of(context)
         config = o.engine_config(model, engine_flags or {}, plugins)
+        # The prompt runs under every --lora adapter at its scale, as llama-cli applies them
+        # (a server lets each request choose).
+        params = replace(params, lora=tuple((a.name, a.scale) for a in config.lora))
         from justllm.engine.chat_template import ChatTemplate, with_template_stops
         from justllm.engine.engine import Engine
 
@@ -113,16 +119,19 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
     end = m.finished_time or time.perf_counter()
     ttft = m.ttft or 0.0
     gen_time = end - (m.first_token_time or end)
-    gen_rate = (m.num_generated_tokens - 1) / gen_time if gen_time > 0 else 0.0
+    # The decode rate: the tokens after the first over the time after it (one token has none).
+    gen_rate = (f", {(m.num_generated_tokens - 1) / gen_time:.1f} tok/s"
+                if m.num_generated_tokens > 1 and gen_time > 0 else "")
     prompt_rate = m.num_prompt_tokens / ttft if ttft > 0 else 0.0
+    # soft_wrap: one line whatever the width (a log or a pipe got it cut at 80 columns).
     Console(stderr=True, emoji=False).print(
         f"[dim]prompt {m.num_prompt_tokens} tok, {prompt_rate:.1f} tok/s · "
-        f"generation {m.num_generated_tokens} tok, {gen_rate:.1f} tok/s · "
+        f"generation {m.num_generated_tokens} tok{gen_rate} · "
         f"TTFT {ttft * 1000:.0f} ms · total {end - start:.2f} s · "
-        f"finish: {last.finish_reason}[/dim]", highlight=False)
+        f"finish: {last.finish_reason}[/dim]", highlight=False, soft_wrap=True)
     spec = engine.stats().spec
     if spec.num_drafts:
         Console(stderr=True, emoji=False).print(
             f"[dim]speculation: {spec.num_drafts} drafts, {spec.num_accepted_tokens} of "
             f"{spec.num_draft_tokens} draft tokens accepted "
-            f"({spec.acceptance_rate:.0%})[/dim]", highlight=False)
+            f"({spec.acceptance_rate:.0%})[/dim]", highlight=False, soft_wrap=True)

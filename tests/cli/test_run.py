@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from justllm.cli import app
 from justllm.engine.backend import gpu_offload_supported
+from tests.lora_files import write_adapter
 
 runner = CliRunner()
 
@@ -20,6 +21,11 @@ def test_run_streams_and_summarises(model_path):
     assert r.exit_code == 0, r.output
     assert "generation 4 tok" in r.output and "TTFT" in r.output and "tok/s" in r.output
     assert "finish: length" in r.output
+    # One line, whatever the width (it was cut at 80 columns into a pipe).
+    assert any(line.startswith("prompt ") and "finish: length" in line
+               for line in r.stderr.splitlines()), r.stderr
+    one = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "1", "--pool-blocks", "64"])
+    assert one.exit_code == 0 and "generation 1 tok ·" in one.stderr, one.stderr  # no 0.0 tok/s
 
 
 def test_first_question_on_the_demo_model_gets_a_sensible_answer(model_path):
@@ -138,3 +144,20 @@ def test_verbose_shows_llama_cpps_own_log(model_path):
                             "-n", "2", "--pool-blocks", "64"], capture_output=True, text=True,
                            timeout=300)
     assert quiet.returncode == 0 and "llama_model_loader" not in quiet.stderr, quiet.stderr
+
+
+def test_run_applies_its_lora_adapters_and_refuses_a_system_message_with_raw(model_path,
+                                                                             tmp_path):
+    """--lora loaded the adapter and never applied it (the same text as without); --system
+    with --raw was dropped without a word."""
+    adapter = write_adapter(tmp_path / "a.gguf", seed=3)
+    args = ["run", model_path, "--raw", "-p", "The capital of France is", "-n", "12",
+            "--temperature", "0", "--pool-blocks", "64"]
+    plain = runner.invoke(app, args)
+    zero = runner.invoke(app, [*args, "--lora", f"a={adapter}:0"])
+    tuned = runner.invoke(app, [*args, "--lora", f"a={adapter}:3"])
+    assert plain.exit_code == zero.exit_code == tuned.exit_code == 0, tuned.output
+    assert zero.stdout == plain.stdout  # scale 0: the base model's own text
+    assert tuned.stdout != plain.stdout
+    r = runner.invoke(app, [*args, "--system", "You are a pirate"])
+    assert r.exit_code == 1 and "--system" in r.output and "--raw" in r.output
