@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any
 
 import typer
@@ -71,9 +74,8 @@ app = build_app()
 
 def main() -> None:
     """The console script: usage errors too become one red line and exit code 1."""
-    import sys
-
     from rich.console import Console
+    from rich.markup import escape
 
     # Typer vendors click; its exception base class is reachable only through a public one.
     click_exception: Any = next(
@@ -85,6 +87,16 @@ def main() -> None:
         code = cli(standalone_mode=False, obj=plugins)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
+    except BrokenPipeError:  # the reader left (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        sys.exit(1)
+    except OSError as e:  # the system refused what a command did (a full disk)
+        with contextlib.suppress(OSError):
+            Console(stderr=True, emoji=False).print(
+                f"[red]error:[/red] {escape(e.strerror or str(e))}"
+                + (f": {escape(str(e.filename))}" if e.filename else ""),
+                highlight=False, soft_wrap=True)
+        sys.exit(1)
     except click_exception as e:
         ctx = getattr(e, "ctx", None)
         if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:

@@ -160,3 +160,21 @@ def test_ps_says_when_the_gateway_wants_an_api_key():
         assert r.exit_code == 1 and "refused the API key given" in r.output, r.output
     finally:
         server.shutdown()
+
+
+def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(model_path):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "justllm", "run", model_path, "--raw", "-p",
+                            "Hi", "-n", "4", "--pool-blocks", "64"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: No space left on device" in r.stderr
+    reader = subprocess.Popen([sys.executable, "-m", "justllm", "run", model_path, "--raw", "-p",
+                               "Once upon a time", "-n", "64", "--ignore-eos",
+                               "--pool-blocks", "64"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout is not None and reader.stderr is not None
+    reader.stdout.read(1)
+    reader.stdout.close()  # `| head -c 1`
+    err = reader.stderr.read().decode()
+    assert reader.wait(timeout=300) == 1 and "Traceback" not in err and "error" not in err, err
