@@ -24,12 +24,12 @@ def bench(
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals per second (default: all at once, bounded by --concurrency).")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Words per random prompt / question.")] = 64,
     prefix_len: Annotated[int, typer.Option("--prefix-len", help="Words in the shared prefix (shared-prefix workload).")] = 1000,
-    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Tokens to generate per request (default 128; sharegpt: the length of the recorded reply).", show_default=False)] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Tokens to generate per request (default 128; sharegpt: the recorded reply's length in words).", show_default=False)] = None,
     served_model: Annotated[Optional[str], typer.Option("--model-name", help="The model id to send (default: none; the server's own).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for the endpoint(s).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON to this file.")] = None,
-    max_seqs: Annotated[int, typer.Option("--max-seqs", help="--max-seqs of the server bench starts itself.")] = 8,
+    max_seqs: Annotated[Optional[int], typer.Option("--max-seqs", help="--max-seqs of the server bench starts itself (default 8; not with --url).", show_default=False)] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature of every request (0: greedy).")] = 0.0,
     top_p: Annotated[Optional[float], typer.Option("--top-p", help="top_p of every request (default: not sent).", show_default=False)] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="top_k of every request (default: not sent; llama-server then applies its own 40).", show_default=False)] = None,
@@ -58,6 +58,9 @@ def bench(
         if url is not None and model is not None:
             raise ValueError("MODEL is for the server bench starts itself; --url measures the "
                              "model that server serves")
+        if url is not None and max_seqs is not None:
+            raise ValueError("--max-seqs is for the server bench starts itself; --url measures "
+                             "a server as it was started")
         sampling = sampling_fields(temperature, top_p, top_k, min_p)
         if dataset is not None:
             workload = "sharegpt"
@@ -79,12 +82,12 @@ def bench(
             from justllm.bench.local_server import LocalServer
 
             console.print("starting a local justllm server for the benchmark…")
-            server = LocalServer.start(model, max_seqs=max_seqs)
+            server = LocalServer.start(model, max_seqs=max_seqs or 8)
             url = server.url
         summaries = []
         try:
             for target in [url] + ([vs] if vs else []):
-                target = target.rstrip("/")
+                target = base_url(target)
                 with Progress(console=console, transient=True) as progress:
                     task = progress.add_task(f"{target}", total=len(requests))
                     run = asyncio.run(run_workload(
@@ -99,7 +102,7 @@ def bench(
         for s in summaries:
             if s["first_error"]:
                 console.print(f"[yellow]{s['url']}: {s['failed']} failed; first error: "
-                              f"{s['first_error']}[/yellow]", highlight=False)
+                              f"{s['first_error']}[/yellow]", highlight=False, soft_wrap=True)
         if json_out is not None:
             try:
                 json_out.write_text(json.dumps(summaries if vs else summaries[0], indent=2))
@@ -108,3 +111,10 @@ def bench(
         dead = [str(s["url"]) for s in summaries if s["completed"] == 0]
         if dead:  # nothing measured: a benchmark that failed, whatever the table shows
             raise ValueError(f"every request failed at {', '.join(dead)}")
+
+
+def base_url(url: str) -> str:
+    """The server's root: an OpenAI-style base URL (``http://host:8080/v1``, as OpenAI's
+    clients are given it) is accepted too; bench adds ``/v1/...`` and ``/metrics`` itself."""
+    url = url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url

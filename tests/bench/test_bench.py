@@ -70,9 +70,14 @@ def test_bench_sharegpt_file_and_errors(server, tmp_path):
     # Found out before a run: --output-len 0 (it became 128), a --json in no directory (the
     # run's results were lost to a traceback at the end).
     for args in (["--output-len", "0"], ["--json", str(tmp_path / "nowhere" / "x.json")],
-                 ["x.gguf"]):  # a MODEL with --url was dropped
+                 ["x.gguf"], ["--max-seqs", "4"]):  # with --url both were dropped
         r = runner.invoke(app, ["bench", "--url", server.url, "-n", "1", *args])
         assert r.exit_code == 1 and r.output.startswith("error: "), r.output
+    # An OpenAI-style base URL, as clients are given it (it was a 404 on every request).
+    r = runner.invoke(app, ["bench", "--url", server.url + "/v1/", "-n", "1", "--output-len", "2",
+                            "--json", str(tmp_path / "v1.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "v1.json").read_text())["completed"] == 1
 
 
 def test_bench_sends_the_sampling_fields_it_is_given_and_only_those(server, tmp_path):
