@@ -64,7 +64,12 @@ def serve(
         from justllm.engine.engine import Engine
         from justllm.models.gguf import read_gguf_header
         from justllm.models.registry import lease_for_path
-        from justllm.server.app import ServerConfig, begin_shutdown, create_app
+        from justllm.server.app import (
+            ServerConfig,
+            begin_shutdown,
+            create_app,
+            served_model_id,
+        )
         from justllm.server.pd import ROLES
 
         flags = engine_flags or {}
@@ -88,6 +93,12 @@ def serve(
                                      model_name=served_model_name or plugins.served_name(model),
                                      role=role,
                                      record_text=record_text)
+        model_id = served_model_id(model_path, server_config.model_name)
+        if any(a.name == model_id for a in config.lora):
+            # Clients choose an adapter by naming it as their model: the base model would be
+            # out of reach (/v1/load_lora_adapter refuses the name the same way).
+            raise ValueError(f"--lora {model_id}=…: '{model_id}' is the base model's name; "
+                             "give the adapter another")
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
                          routes=routes, events=events)
         sock = listening_socket(host, port)

@@ -83,10 +83,15 @@ class Served:
     created: int
 
 
+def served_model_id(model_path: str, model_name: str | None) -> str:
+    """The id clients use for the model: ``--served-model-name``, else the file's stem."""
+    return model_name or os.path.splitext(os.path.basename(model_path))[0]
+
+
 def build_served(aengine: AsyncEngine, config: ServerConfig,
                  events: RequestEventSink | None = None) -> Served:
     model_path = aengine.model_path
-    model_id = config.model_name or os.path.splitext(os.path.basename(model_path))[0]
+    model_id = served_model_id(model_path, config.model_name)
     metrics = ServerMetrics(aengine.stats, model_id,
                             events.counts if events is not None else None)
     if events is not None:

@@ -8,6 +8,8 @@ behind ``--enable-lora-runtime``; ``/metrics`` counts requests and tokens per ad
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -210,3 +212,13 @@ def test_models_yaml_passes_adapters_to_the_runner():
     with pytest.raises(ValueError, match="'chat' is used twice"):
         load_config({"models": {"chat": {"source": "m.gguf"},
                                 "x": {"source": "m.gguf", "lora": ["chat=/x/a.gguf"]}}}, flags)
+
+
+def test_an_adapter_named_as_the_base_model_is_refused_at_start(model_path, files):
+    """It hid the base model: a request for the base model's name got the adapter."""
+    r = subprocess.run([sys.executable, "-m", "justllm", "serve", model_path,
+                        "--served-model-name", "demo", "--lora", f"demo={files['c']}",
+                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == ("error: --lora demo=…: 'demo' is the base model's name; give "
+                                "the adapter another")
