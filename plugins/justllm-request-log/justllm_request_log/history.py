@@ -62,6 +62,9 @@ def history(
         wanted = store.Search(model=model, query=query, limit=count,
                               since=parse_since(since) if since is not None else None)
         retention = store.Retention.from_env() if prune else None
+        if db.exists() and not db.is_file():
+            raise ValueError(f"{db} is not a file: JUSTLLM_REQUEST_LOG names the database "
+                             "file itself")
         if not db.is_file():
             if as_json and not prune:
                 print("[]")

@@ -366,6 +366,9 @@ def test_history_without_a_database(db: Path) -> None:
     assert history_json() == []
     assert history("--path").stdout.strip() == str(db)
     assert not db.exists()
+    db.mkdir(parents=True)  # a directory given for the file: said, not "nothing logged yet"
+    done = history()
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {db} is not a file"), done
 
 
 def test_newer_schema_is_refused(db: Path) -> None:
