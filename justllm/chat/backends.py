@@ -1,7 +1,9 @@
 """Where the chat's answers come from: an in-process engine or an OpenAI-compatible server.
 
 Both stream text pieces and record the speed of the last answer; closing the stream early
-(Ctrl-C) aborts the request, so the model stops computing at once.
+(Ctrl-C) aborts the request, so the model stops computing at once. Both raise ContextFull,
+before any text, for a conversation that does not fit the model's context, so that the chat
+can leave out its oldest exchanges and ask again.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ class RequestSink(Protocol):
     def close(self, timeout: float = 5.0) -> None: ...
 
 
+class ContextFull(JustLLMError):
+    """The conversation plus the answer's ``max_tokens`` does not fit the model's context;
+    refused before any work, so asking again with fewer messages is safe."""
+
+
 @dataclass
 class AnswerStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     ttft: float = 0.0
     seconds: float = 0.0
+    complete: bool = True  # False: stopped or failed before its end (figures so far, if any)
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,14 +72,24 @@ class LocalChat:
         return self.template.notice
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
-        """The answer's text pieces, without its leading and trailing blanks."""
+        """The answer's text pieces, without its leading and trailing blanks. ContextFull is
+        the engine's own refusal of a prompt that does not fit (add_request counts it with the
+        model's tokenizer before queuing anything): the same check, and the same words, as a
+        server's 400."""
         from justllm.core.sampling_params import SamplingParams
         from justllm.engine.chat_template import AnswerText, with_template_stops
+        from justllm.errors import InvalidRequestError
 
         params = SamplingParams(**options)
         params = replace(params, stop=with_template_stops(params.stop, self.template))
         prompt = self.template.render(messages, add_generation_prompt=True)
-        rid = self.engine.add_request(prompt, params)
+        self.last = AnswerStats(complete=False)  # until its first output
+        try:
+            rid = self.engine.add_request(prompt, params)
+        except InvalidRequestError as e:
+            if about_context(e.param, str(e)):
+                raise ContextFull(str(e)) from None
+            raise
         start = time.perf_counter()
         done = False
         answer = AnswerText()
@@ -84,7 +102,8 @@ class LocalChat:
                         raise JustLLMError(out.error)
                     m = out.metrics
                     self.last = AnswerStats(m.num_prompt_tokens, m.num_generated_tokens,
-                                            m.ttft or 0.0, time.perf_counter() - start)
+                                            m.ttft or 0.0, time.perf_counter() - start,
+                                            complete=out.finished)
                     done = out.finished
                     text = answer.feed(out.text)
                     if text:
@@ -100,11 +119,48 @@ class LocalChat:
             self.events.close()
 
 
+def about_context(param: str | None, message: str) -> bool:
+    """A refusal for the context length: this engine's names ``param`` prompt or max_tokens
+    and says "context" (another of its refusals of a prompt does not)."""
+    return param in ("prompt", "max_tokens", "messages") and "context" in message
+
+
+def remote_base(url: str) -> str:
+    """The server's root: OpenAI clients are configured with ``.../v1``, and this client adds
+    ``/v1/...`` itself."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url
+
+
+def encodable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: undecodable input bytes (surrogate escapes) become "?",
+    as the local engine's tokenizer turns them (encode with errors="replace")."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def refusal(status: int, body: bytes) -> JustLLMError:
+    """The error for a non-200 answer: ContextFull for a 400 about the context length (this
+    server's says so with ``param`` prompt or max_tokens; OpenAI's has the code
+    context_length_exceeded), else one line with the server's message."""
+    msg = body.decode("utf-8", "replace")
+    error: dict = {}
+    try:
+        error = json.loads(msg)["error"]
+        msg = error["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    if status == 400 and isinstance(error, dict) and (
+            error.get("code") == "context_length_exceeded"
+            or about_context(error.get("param"), str(msg))):
+        return ContextFull(f"the server answered {status}: {msg}")
+    return JustLLMError(f"the server answered {status}: {msg}")
+
+
 class RemoteChat:
     """``/v1/chat/completions`` with streaming on a running server."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = remote_base(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(600, connect=10), headers=headers,
                                    trust_env=False)
@@ -119,35 +175,43 @@ class RemoteChat:
         self.model = self.model or r.json()["data"][0]["id"]
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
+        """The answer's text pieces. A network failure, or an answer that is not the server's
+        stream, is one JustLLMError; until the final chunk's usage, ``last`` says that this
+        answer has no figures (a stopped one must not show the previous answer's)."""
+        messages = [{**m, "content": encodable(m["content"])} for m in messages]
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, **options}
         if body.get("seed") is None:
             body.pop("seed", None)
+        self.last = AnswerStats(complete=False)
         start = time.perf_counter()
         first = None
-        pieces = 0
-        with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                msg = r.read().decode("utf-8", "replace")
-                try:
-                    msg = json.loads(msg)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
-                raise JustLLMError(f"the server answered {r.status_code}: {msg}")
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                data = json.loads(line[6:])
-                if data.get("usage"):
-                    u = data["usage"]
-                    self.last = AnswerStats(u["prompt_tokens"], u["completion_tokens"],
-                                            (first or start) - start, time.perf_counter() - start)
-                for choice in data.get("choices", []):
-                    text = choice.get("delta", {}).get("content")
-                    if text:
-                        first = first or time.perf_counter()
-                        pieces += 1
-                        yield text
+        try:
+            with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise refusal(r.status_code, r.read())
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    data = json.loads(line[6:])
+                    if data.get("usage"):
+                        u = data["usage"]
+                        self.last = AnswerStats(u["prompt_tokens"], u["completion_tokens"],
+                                                (first or start) - start,
+                                                time.perf_counter() - start)
+                    for choice in data.get("choices", []):
+                        text = choice.get("delta", {}).get("content")
+                        if text:
+                            first = first or time.perf_counter()
+                            yield text
+        except httpx.ConnectError as e:
+            raise JustLLMError(f"cannot reach {self.url}: {e}") from None
+        except httpx.HTTPError as e:
+            raise JustLLMError(f"the connection to {self.url} failed: {e or type(e).__name__}"
+                               ) from None
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a chat chunk
+            raise JustLLMError(f"{self.url} sent something that is not a chat stream: {e}"
+                               ) from None
 
     def close(self) -> None:
         self.client.close()

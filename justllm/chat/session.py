@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import closing
 from typing import TextIO
 
+from justllm.chat.backends import ContextFull
 from justllm.core.sampling_params import SamplingParams
-from justllm.errors import InvalidRequestError
+from justllm.errors import InvalidRequestError, JustLLMError
 
 HELP = """commands:
   /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty)
@@ -37,18 +39,26 @@ class ChatSession:
         self.read = read
         self.out = out
 
-    def messages(self) -> list[dict]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+    def messages(self, skip: int = 0) -> list[dict]:
+        """The system message and the conversation without its first ``skip`` messages."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history[skip:]
 
     def _say(self, text: str = "") -> None:
         self.out.write(text + "\n")
         self.out.flush()
 
+    def _note(self, text: str) -> None:
+        """A line about the chat itself, not the model's: dim on a terminal."""
+        dim = getattr(self.out, "isatty", lambda: False)()
+        self._say(f"\x1b[2m{text}\x1b[0m" if dim else text)
+
     def _read_message(self) -> str | None:
         """One message; None at end of input."""
         try:
             line = self.read(">>> ")
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
+            self._say()
             return None
         if not line.strip().startswith('"""'):
             return line
@@ -108,20 +118,23 @@ class ChatSession:
         elif name == "/stats":
             s = self.backend.last
             if not s.generated_tokens:
-                self._say("(no answer yet)")
+                self._say("(no answer yet)" if s.complete else
+                          "(no figures for the last answer: it did not finish)")
                 return
             self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok, "
-                      f"{s.tokens_per_second:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms")
+                      f"{s.tokens_per_second:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms"
+                      + ("" if s.complete else " (stopped before its end)"))
         else:
             self._say(f"unknown command {name} (/? for help)")
 
     def _answer(self, text: str) -> None:
-        from justllm.errors import JustLLMError
-
+        """Stream the answer to ``text``. A failed turn (an error line) leaves the history as
+        it was; a stopped one (Ctrl-C) keeps what was said."""
         self.history.append({"role": "user", "content": text})
-        answer = []
+        answer: list[str] = []
+        pieces = self._fitting_answer()
         try:
-            for piece in self.backend.stream(self.messages(), self.options):
+            for piece in pieces:
                 answer.append(piece)
                 self.out.write(piece)
                 self.out.flush()
@@ -130,6 +143,38 @@ class ChatSession:
             self._say("\n(stopped)")
         except JustLLMError as e:
             self.history.pop()
-            self._say(f"\nerror: {e}")
+            self._say(("\n" if answer else "") + f"error: {e}")  # after a partial answer
             return
+        finally:
+            pieces.close()  # aborts an answer still running, at once
         self.history.append({"role": "assistant", "content": "".join(answer)})
+
+    def _fitting_answer(self) -> Generator[str, None, None]:
+        """The answer's pieces, asked with as much of the conversation as fits the model's
+        context: while the backend refuses it as too long (ContextFull, before any work: the
+        engine's token count, or a server's 400), the oldest user/assistant exchange is left
+        out and the request asked again. Asking is the one check that works for both backends,
+        and for any server, without a tokenizer here; a refusal costs the engine or server
+        one tokenization.
+        Exchanges left out are forgotten once the answer starts (and said, once); if even the
+        new message alone does not fit, the ContextFull goes up and the history stays whole."""
+        skip = 0
+        while True:
+            pieces = self.backend.stream(self.messages(skip), self.options)
+            try:
+                first = next(pieces, None)
+                break
+            except ContextFull:
+                if skip + 1 >= len(self.history):  # only the new message is left
+                    raise
+                skip += 2
+        with closing(pieces):
+            if skip:
+                del self.history[:skip]
+                n = skip // 2
+                which = "oldest exchange" if n == 1 else f"{n} oldest exchanges"
+                self._note(f"(left out the {which} of the conversation to fit the model's "
+                           "context)")
+            if first is not None:
+                yield first
+            yield from pieces

@@ -13,6 +13,32 @@ from justllm.cli.run import print_notice
 
 _D = o.EngineConfig()
 _POOL_BLOCKS = 256  # a chat holds one conversation: a small pool
+PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help=f"KV pool size in blocks of {_D.block_size} tokens ({_POOL_BLOCKS}: {_POOL_BLOCKS * _D.block_size} tokens). It bounds the conversation (so does --ctx, the smaller wins): beyond it the oldest exchanges are left out. 0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights.", envvar="JUSTLLM_POOL_BLOCKS")]
+# Options for a model loaded here, by parameter name: with --url they would do nothing.
+LOCAL_ONLY = {"model": "MODEL", "pool_blocks": "--pool-blocks", "threads": "--threads",
+              "ctx": "--ctx", "gpu": "--gpu", "chat_template": "--chat-template",
+              "verbose": "--verbose"}
+
+
+def given(context: typer.Context, name: str) -> bool:
+    """Given on the command line: a JUSTLLM_* variable (set for `serve`, say) is the
+    environment's, not a request to this command, and is not refused. (Compared by name:
+    Typer vendors its own click, whose ParameterSource is not click's.)"""
+    source = context.get_parameter_source(name)
+    return getattr(source, "name", None) == "COMMANDLINE"
+
+
+def check_flags(context: typer.Context, url: str | None) -> None:
+    """ValueError for options that would be silently ignored: with --url every option for a
+    model loaded here (the server's own settings apply), without it --api-key."""
+    if url:
+        ignored = [flag for name, flag in LOCAL_ONLY.items() if given(context, name)]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: for a model loaded here; --url chats with "
+                             "the server's model, as `serve` set it up")
+    elif given(context, "api_key"):
+        raise ValueError("--api-key is the key of a server (--url); a model loaded here "
+                         "needs none")
 
 
 def chat(
@@ -23,7 +49,7 @@ def chat(
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (/set temperature to change).")] = 0.7,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for --url.")] = None,
-    pool_blocks: o.PoolBlocks = _POOL_BLOCKS,
+    pool_blocks: PoolBlocks = _POOL_BLOCKS,
     threads: o.Threads = _D.threads,
     ctx: o.Ctx = _D.ctx,
     gpu: o.Gpu = False,
@@ -34,20 +60,13 @@ def chat(
     /stats, /bye; Ctrl-C stops the current answer, not the program."""
     with cli_errors():
         from justllm.chat.backends import LocalChat, RemoteChat
+        from justllm.chat.line_editing import line_editing
         from justllm.chat.session import ChatSession, check_options
 
+        check_flags(context, url)
         options = {"temperature": temperature, "max_tokens": max_tokens}
         check_options(options)  # before a model loads: every message would fail
         if url:
-            if chat_template:
-                raise ValueError("--chat-template is for a model loaded here; with --url the "
-                                 "server's own (serve --chat-template) applies")
-            local_only = [name for name, given in (
-                ("MODEL", model is not None), ("--gpu", gpu), ("--pool-blocks", pool_blocks != _POOL_BLOCKS),
-                ("--threads", threads != _D.threads), ("--ctx", ctx != _D.ctx)) if given]
-            if local_only:
-                raise ValueError(f"{', '.join(local_only)}: for a model loaded here; --url chats "
-                                 "with the server's model")
             backend: LocalChat | RemoteChat = RemoteChat(url, api_key)
         else:
             plugins = plugins_of(context)
@@ -60,6 +79,7 @@ def chat(
                 print_notice(local.notice)
             backend = local
         try:
-            ChatSession(backend, system=system, options=options).run()
+            with line_editing():
+                ChatSession(backend, system=system, options=options).run()
         finally:
             backend.close()

@@ -9,21 +9,27 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.server.conftest import start_server
 
+LEFT, UP = "\x1b[D", "\x1b[A"  # what a terminal sends for the arrow keys
+
 
 class Terminal:
-    """A child process on a pseudo-terminal; ``expect`` reads until a text shows up."""
+    """A child process on a pseudo-terminal; ``expect`` reads until a text shows up.
+    ``cache_dir``: its JUSTLLM_CACHE_DIR, where the chat keeps its input history (never the
+    user's own)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, cache_dir: Path) -> None:
         self.master, slave = pty.openpty()
+        env = {**os.environ, "JUSTLLM_CACHE_DIR": str(cache_dir), "TERM": "xterm"}
         # SIGINT back to its default: a test run started in the background (``cmd &`` without
         # job control) ignores it, the child would inherit that, and Ctrl-C would do nothing.
         self.proc = subprocess.Popen([sys.executable, "-m", "justllm", *args], stdin=slave,
-                                     stdout=slave, stderr=slave, close_fds=True,
+                                     stdout=slave, stderr=slave, close_fds=True, env=env,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                       signal.SIG_DFL))
         os.close(slave)
@@ -56,6 +62,10 @@ class Terminal:
     def send(self, line: str) -> None:
         os.write(self.master, (line + "\n").encode())
 
+    def keys(self, keys: str) -> None:
+        """Keystrokes as they are, without Enter."""
+        os.write(self.master, keys.encode())
+
     def close(self) -> int:
         try:
             return self.proc.wait(timeout=60)
@@ -73,8 +83,9 @@ def server(model_path):
     assert s.stop() == 0
 
 
-def test_chat_against_a_server_in_a_terminal(server):
-    t = Terminal("chat", "--url", server.url, "-n", "400", "--temperature", "0")
+def test_chat_against_a_server_in_a_terminal(server, tmp_path):
+    t = Terminal("chat", "--url", server.url, "-n", "400", "--temperature", "0",
+                 cache_dir=tmp_path)
     t.expect(">>> ")
     t.send("/set max_tokens 6")
     assert "(max_tokens = 6)" in t.expect(">>> ")
@@ -105,6 +116,10 @@ def test_chat_against_a_server_in_a_terminal(server):
         pytest.fail("three answers ended within 20 characters")
     t.proc.send_signal(signal.SIGINT)  # what Ctrl-C does
     assert "(stopped)" in t.expect(">>> ")
+    # The server counts tokens only at the end: none for a stopped answer, and never the
+    # figures of the answer before it.
+    t.send("/stats")
+    assert "(no figures for the last answer: it did not finish)" in t.expect(">>> ")
     t.send("/nope")
     assert "unknown command" in t.expect(">>> ")
     t.send("/bye")
@@ -176,3 +191,150 @@ def test_local_chat_on_the_demo_model_answers_and_stops_at_the_next_turn(model_p
     assert "4" in answers[1] and len(answers) == 2
     assert "User:" not in out.getvalue()
     assert backend.last.generated_tokens < 24  # stopped at the stop string, not by the limit
+
+
+def test_chat_edits_lines_and_keeps_a_private_history_in_a_terminal(server, tmp_path):
+    t = Terminal("chat", "--url", server.url, cache_dir=tmp_path)
+    t.expect(">>> ")
+    t.send(f"/clr{LEFT}ea")  # an arrow key edits the line; it used to be part of the message
+    assert "(conversation cleared)" in t.expect(">>> ")
+    t.send(UP)  # the line before, again
+    assert "(conversation cleared)" in t.expect(">>> ")
+    t.keys("\x04")  # Ctrl-D
+    assert t.close() == 0
+    history = tmp_path / "chat_history"
+    assert "/clear" in history.read_text() and history.stat().st_mode & 0o777 == 0o600
+    again = Terminal("chat", "--url", server.url, cache_dir=tmp_path)
+    again.expect(">>> ")
+    again.send(UP)  # the last session's last line
+    assert "(conversation cleared)" in again.expect(">>> ")
+    again.send("/bye")
+    assert again.close() == 0
+
+
+def test_chat_url_may_end_in_v1_as_openai_clients_are_configured(server):
+    from justllm.chat.backends import RemoteChat
+
+    for url in (server.url + "/v1", server.url + "/v1/"):
+        backend = RemoteChat(url)  # it asked for .../v1/v1/models
+        try:
+            assert backend.model == server.model
+            assert "".join(backend.stream([{"role": "user", "content": "Hi"}],
+                                          {"max_tokens": 2, "temperature": 0}))
+        finally:
+            backend.close()
+
+
+def test_remote_chat_leaves_out_old_turns_and_survives_errors(model_path):
+    """Against a server whose context holds 80 tokens: old exchanges are left out when the
+    conversation outgrows it; a message too long even alone, undecodable input and a server
+    gone are each one error line (or none), and the conversation stays as it was."""
+    import io
+
+    from justllm.chat.backends import RemoteChat
+    from justllm.chat.session import ChatSession
+
+    s = start_server(model_path, "--ctx", "80", "--max-seqs", "1", "--pool-blocks", "64")
+    backend = None
+    try:
+        backend = RemoteChat(s.url)
+        out = io.StringIO()
+        seen: list[list[dict]] = []  # the history at each prompt
+        questions = ["What is the capital of France?", "And of Germany?", "And of Spain?",
+                     "And of Italy?", "And of Portugal?"]
+        lines = iter([*questions, "word " * 100, "caf\udce9 \udcff", "stop the server"])
+
+        def read(prompt: str) -> str:
+            seen.append(list(session.history))
+            line = next(lines, None)
+            if line is None:
+                raise EOFError
+            if line == "stop the server":
+                assert s.stop() == 0
+                return "And of Italy?"
+            out.write(f"[{line[:20]}]\n")
+            return line
+
+        session = ChatSession(backend, system="Be brief.",
+                              options={"temperature": 0.0, "max_tokens": 16}, read=read,
+                              out=out)
+        session.run()  # nothing escapes it
+    finally:
+        if backend is not None:
+            backend.close()
+        s.stop()
+    said = out.getvalue()
+    assert "maximum context length" not in said.split("[word")[0], said
+    assert said.count("(left out the oldest exchange of the conversation to fit the model's "
+                      "context)") >= 1
+    errors = [line for line in said.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, said
+    assert errors[0].startswith("error: the server answered 400: ")
+    assert errors[1].startswith(f"error: cannot reach {s.url}")
+    k = len(questions)
+    assert seen[k + 1] == seen[k]  # the message that fits in no context: history kept
+    assert seen[k + 1][-2]["content"] == "And of Portugal?"
+    assert seen[k + 2][-2]["content"] == "caf\udce9 \udcff"  # answered, not refused
+    assert seen[k + 3] == seen[k + 2]  # the server gone: history kept
+
+
+def test_an_openai_context_length_refusal_is_recognised():
+    from justllm.chat.backends import ContextFull, refusal
+
+    openai = (b'{"error": {"message": "This model\'s maximum context length is 8192 tokens.",'
+              b' "type": "invalid_request_error", "param": "messages",'
+              b' "code": "context_length_exceeded"}}')
+    assert isinstance(refusal(400, openai), ContextFull)
+    other = b'{"error": {"message": "top_p must be a number in (0, 1]", "param": "top_p"}}'
+    e = refusal(400, other)
+    assert not isinstance(e, ContextFull)
+    assert str(e) == "the server answered 400: top_p must be a number in (0, 1]"
+
+
+def test_local_chat_leaves_out_old_turns_to_fit_the_context(model_path):
+    long = "word " * 100
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "--ctx", "80",
+                        "-n", "16", "--temperature", "0"],
+                       input=("What is the capital of France?\nAnd of Germany?\nAnd of Spain?\n"
+                              f"{long}\nAnd of Italy?\n"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    # Every message fits but the one that cannot fit alone: one line for it, then on.
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(">>> error: the prompt has "), out
+    assert "(left out the oldest exchange of the conversation to fit the model's context)" in out
+    assert out.endswith(">>> \n")  # end of input: the shell's prompt on a line of its own
+    assert out.count(">>> ") == 6
+
+
+def test_chat_refuses_options_it_would_ignore(model_path):
+    def chat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "justllm", "chat", *args],
+                              capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+
+    url = ["--url", "http://127.0.0.1:9"]
+    for extra in (["--verbose"], ["--threads", "2"], ["--pool-blocks", "256"],
+                  ["--chat-template", "gemma"]):  # --verbose was taken and did nothing
+        r = chat(*url, *extra)
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {extra[0]}: for a model "
+                                                         "loaded here"), (extra, r.stderr)
+    r = chat("--api-key", "K", model_path)  # a key for no server
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "error: --api-key is the key of a server (--url); a model loaded here needs none")
+    # The environment is not the command line: JUSTLLM_* set for `serve` are no mistake.
+    r = chat(*url, env={"JUSTLLM_CTX": "512", "JUSTLLM_THREADS": "1"})
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot reach"), r.stderr
+    r = chat(model_path, "--pool-blocks", "64", env={"JUSTLLM_API_KEY": "K"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_chat_help_for_pool_blocks_is_about_chat():
+    import typer
+
+    from justllm.cli import app
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["chat"].params}
+    help_text = params["pool_blocks"].help
+    assert params["pool_blocks"].default == 256 and "(256: 4096 tokens)" in help_text
