@@ -41,9 +41,9 @@ def list_models(context: typer.Context) -> None:
         listed = plugins.listed_models()
         warn_problems(plugins, seen)
         for problem in problems:
-            Console(stderr=True).print(f"[yellow]skipped:[/yellow] {escape(problem)}",
+            Console(stderr=True, emoji=False).print(f"[yellow]skipped:[/yellow] {escape(problem)}",
                                        highlight=False, soft_wrap=True)
-        console = Console()
+        console = Console(emoji=False)
         if not rows and not listed:
             console.print(f"no models in {registry.root} (justllm pull REPO[:FILE] downloads "
                           "one; justllm run/serve with no model assembles the demo model there)",
@@ -109,7 +109,7 @@ def show(
                     path, title = Path(plugin_file), name
                 manifest = registry.manifest_for_path(path)
         info = describe(path)
-        console = Console(highlight=False)
+        console = Console(highlight=False, emoji=False)
         if template:
             console.print(info.chat_template or "(none: the GGUF carries no chat template)",
                           markup=False)
@@ -154,7 +154,7 @@ def tag(
                 raise
             key, m, before = registry.tag(plugin_file, target)
         moved = f" (moved from sha256:{before.short}, which is kept)" if before else ""
-        Console(highlight=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
+        Console(highlight=False, emoji=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
                                        markup=False, soft_wrap=True)
 
 
@@ -178,7 +178,7 @@ def rm(
                 raise
             raise ModelLoadError(f"{ref} is a plugin's model ({plugin_file}), not in justllm's "
                                  "registry: remove it with the tool that stored it") from None
-        console = Console(highlight=False)
+        console = Console(highlight=False, emoji=False)
         if r.manifest is None:
             console.print(f"untagged {r.what} (it pointed to no version)", markup=False)
             return

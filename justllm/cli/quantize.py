@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -11,11 +13,14 @@ from rich.console import Console
 from justllm.cli.background import run_interruptible
 from justllm.cli.errors import cli_errors
 
+if TYPE_CHECKING:
+    from justllm.models.quantize import QuantType
+
 
 def quantize(
     model: Annotated[Optional[str], typer.Argument(help="The model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].", show_default=False)] = None,
     type_name: Annotated[Optional[str], typer.Argument(metavar="TYPE", help="llama.cpp's type name, e.g. Q4_K_M, Q8_0, IQ4_XS, F16 (--list shows them all).", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-<type>.gguf in the models directory, registered as a model).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-<type>.gguf in the models directory, registered as a model); a directory (an existing one, or one ending in '/', made if need be) gets <stem>-<type>.gguf inside.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Quantize a model that is quantized already (it loses more quality than quantizing its F16/BF16 original).")] = False,
     imatrix: Annotated[Optional[str], typer.Option("--imatrix", help="Importance matrix from llama.cpp's llama-imatrix (GGUF or .dat): better low-bit quality; IQ1/IQ2 types need one.")] = None,
     threads: Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: all cores).")] = 0,
@@ -32,36 +37,65 @@ def quantize(
         if not model or not type_name:
             raise ValueError("give MODEL and TYPE, e.g. justllm quantize gemma-3-270m Q8_0 "
                              "(justllm quantize --list shows the types)")
-        from pathlib import Path
-
-        from justllm.models.quantize import default_output, prepare, quant_type
-        from justllm.models.store import models_dir
+        from justllm.models.quantize import prepare, quant_type
         from justllm.plugins import load_plugins
 
         qtype = quant_type(type_name)
         src = Path(load_plugins().resolve_model(model))
-        if output:
-            dst = Path(output).expanduser()
-        else:
-            models_dir().mkdir(parents=True, exist_ok=True)
-            dst = default_output(src, qtype, models_dir())
+        dst, make_dir = _output_path(output, src, qtype)
         job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
-                      imatrix=imatrix, threads=threads)
+                      imatrix=imatrix, threads=threads, make_dir=make_dir)
         t0 = time.monotonic()
         _run_with_progress(job)
-        console = Console(highlight=False)
+        console = Console(highlight=False, emoji=False)
         from justllm.cli.models import _size
 
         console.print(f"wrote {dst} ({qtype.name}, {_size(dst.stat().st_size)}; "
                       f"{src.name} was {_size(src.stat().st_size)}) in "
                       f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
-        if not output:
-            from justllm.models.refs import name_for_file
-            from justllm.models.registry import Registry
+        _register(console, dst, registered=not output)
 
-            key, _, _ = Registry().tag(str(dst), name_for_file(dst.stem))
-            console.print(f"registered as {key} (justllm run {key.removesuffix(':latest')})",
-                          markup=False)
+
+def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path, bool]:
+    """Where the output goes, and whether its directory is still to be made: the models
+    directory by default; ``-o DIR/`` (trailing slash) or an existing ``-o DIR`` means the
+    default file name in that directory, not a file called DIR."""
+    from justllm.models.quantize import default_output
+    from justllm.models.store import models_dir
+
+    if not output:
+        models_dir().mkdir(parents=True, exist_ok=True)
+        return default_output(src, qtype, models_dir()), False
+    path = Path(output).expanduser()
+    if path.is_dir() or output.endswith(("/", os.sep)):
+        return default_output(src, qtype, path), not path.is_dir()
+    return path, False
+
+
+def _register(console: Console, dst: Path, *, registered: bool) -> None:
+    """Bring the registry in line with the disk: a registered file that was overwritten
+    (--force) has its old version dropped and its tags moved to the new one; the default
+    output is then tagged ``<stem>-<type>:latest``, saying when that tag moved from another
+    version."""
+    from justllm.models.manifest import Source
+    from justllm.models.refs import name_for_file
+    from justllm.models.registry import Registry
+
+    registry = Registry()
+    rewritten = registry.rewritten(dst, Source("file"))
+    if rewritten is not None and rewritten.dropped:
+        old = ", ".join(f"sha256:{m.short}" for m in rewritten.dropped)
+        verb = "points" if len(rewritten.moved) == 1 else "point"
+        moved = (f"; {', '.join(rewritten.moved)} now {verb} to sha256:"
+                 f"{rewritten.manifest.short}" if rewritten.moved else "")
+        console.print(f"replaced {old} (its file was overwritten){moved}", markup=False,
+                      soft_wrap=True)
+    if not registered:
+        return
+    key, _, before = registry.tag(str(dst), name_for_file(dst.stem))
+    moved_from = f"; moved from sha256:{before.short}, which is kept" if before else ""
+    console.print(f"registered as {key} (justllm run {key.removesuffix(':latest')}){moved_from}",
+                  markup=False, soft_wrap=True)
 
 
 def _print_types() -> None:
@@ -72,7 +106,7 @@ def _print_types() -> None:
     table = Table("TYPE", "DESCRIPTION (llama.cpp's)", "NOTE", box=None, pad_edge=False)
     for t in QUANT_TYPES:
         table.add_row(t.name, t.description, "needs --imatrix" if t.needs_imatrix else "")
-    Console(highlight=False).print(table)
+    Console(highlight=False, emoji=False).print(table)
 
 
 def _run_with_progress(job) -> None:
@@ -92,7 +126,7 @@ def _run_with_progress(job) -> None:
     with Progress(SpinnerColumn(), TextColumn(f"quantizing to {job.qtype.name}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("[dim]{task.fields[tensor]}"), transient=True,
-                  console=Console(stderr=True)) as progress:
+                  console=Console(stderr=True, emoji=False)) as progress:
         task = progress.add_task("quantize", total=None, tensor="")
 
         def on_tensor(i: int, n: int, name: str) -> None:

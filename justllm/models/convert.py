@@ -40,6 +40,18 @@ _FLOAT_QUANTS = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}
 _Q8_BYTES = 34 / 32  # no other quantization type is wider: the bound for an estimate
 _SLACK = 16 * 1024 * 1024
 
+class AlreadyConverted(ValueError):
+    """The output is there already, and it is the registered result of this very conversion
+    (the same repo, commit and type): ``pull --convert`` again has nothing to do, as a plain
+    ``pull`` of a file that is here has nothing to download."""
+
+    def __init__(self, dst: Path, manifest: Manifest, label: str) -> None:
+        super().__init__(f"{dst} already exists (--force overwrites it): it is "
+                         f"{manifest.source}, as {manifest.quantization} (sha256:"
+                         f"{manifest.short})")
+        self.dst, self.manifest, self.label = dst, manifest, label
+
+
 # progress(stage, done, total): "tensors" as the converter plans each one (total unknown),
 # "writing" in percent, "quantizing" per tensor.
 Progress = Callable[[str, int, "int | None"], None]
@@ -286,11 +298,11 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     a hub repo id) needs; raises ValueError, ModelLoadError or MissingExtraError, one line
     each. A hub repo's weights are downloaded here, last."""
     from justllm.models import hub
-    from justllm.models.refs import DEFAULT_TAG, label, name_for_file, parse_ref
+    from justllm.models.refs import DEFAULT_TAG, label, name_for_file, new_ref
     from justllm.models.source import cache_dir
 
-    console = console or Console(stderr=True)
-    wanted_label = label(*parse_ref(name)) if name else None
+    console = console or Console(stderr=True, emoji=False)
+    wanted_label = label(*new_ref(name)) if name else None
     quant = quant_type(quantize) if quantize else None
     if outtype.strip().lower() not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not '{outtype}'")
@@ -323,7 +335,11 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
                                                                      repo, commit)
     if dst.is_dir():
         raise ValueError(f"--output {dst} is a directory; give a file path")
+    job_label = wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG)
     if dst.exists() and not force:
+        done = converted_here(dst, repo, commit, type_name)
+        if done is not None:
+            raise AlreadyConverted(dst, done, job_label)
         raise ValueError(f"{dst} already exists (--force overwrites it)")
     if output and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
@@ -339,8 +355,24 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
                       soft_wrap=True)
         source_dir = hub.download_files(listing, model.weights)
     return ConvertJob(converter, model, source_dir, repo, commit, resolved, quant, dst,
-                      wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG), estimate,
-                      cache_dir() / "convert.log")
+                      job_label, estimate, cache_dir() / "convert.log")
+
+
+def converted_here(dst: Path, repo: str | None, commit: str | None,
+                   type_name: str) -> Manifest | None:
+    """The registered version at ``dst`` when it is the conversion of ``repo`` at ``commit``
+    to ``type_name`` and the file still holds its bytes; None otherwise (a local folder's
+    files can change under the same name, so only a hub commit counts)."""
+    from justllm.models.registry import Registry
+
+    if repo is None or commit is None:
+        return None
+    registry = Registry()
+    m = registry.manifest_for_path(dst)
+    if m is None or (m.source.kind, m.source.repo, m.source.revision, m.quantization) != (
+            "converted", repo, commit, type_name.upper()):
+        return None
+    return m if registry.digests.digest(dst) == m.hex else None
 
 
 def register(job: ConvertJob) -> tuple[str, Manifest, Manifest | None]:
@@ -352,5 +384,6 @@ def register(job: ConvertJob) -> tuple[str, Manifest, Manifest | None]:
     registry = Registry()
     source = Source("converted", repo=job.repo,
                     file=None if job.repo else str(job.source_dir), revision=job.commit)
-    m = registry.register(job.dst, source)
+    rewritten = registry.rewritten(job.dst, source)  # --force over a registered file
+    m = rewritten.manifest if rewritten is not None else registry.register(job.dst, source)
     return registry.tag(m.digest, job.label)

@@ -38,7 +38,7 @@ def stamp(path: Path, sha: str) -> str:
 
 def _matches(path: Path, recorded: str | None) -> str | None:
     """The hex of ``recorded`` when its size and mtime are still those of ``path``."""
-    if not recorded:
+    if not recorded or not isinstance(recorded, str):
         return None
     sha = recorded.split(" ", 1)[0]
     try:
@@ -55,10 +55,16 @@ class DigestCache:
 
     def cached(self, path: Path) -> str | None:
         """The remembered hex for ``path`` if the file has not changed since, else None."""
-        known = read_json(self.file, {}).get(stored_path(path, self.root))
+        known = self._table().get(stored_path(path, self.root))
         if (hit := _matches(path, known)) is not None:
             return hit
         return stamped_sha(path)
+
+    def _table(self) -> dict:
+        """``digests.json``; one edited into something else is only a cache lost (the files
+        are hashed again and it is written anew), not an error."""
+        table = read_json(self.file, {})
+        return table if isinstance(table, dict) else {}
 
     def digest(self, path: Path) -> str:
         """``path``'s sha256 hex, hashing it only when it changed since it was last hashed."""
@@ -70,7 +76,7 @@ class DigestCache:
 
     def remember(self, path: Path, sha: str) -> None:
         with self._lock():
-            table = read_json(self.file, {})
+            table = self._table()
             table[stored_path(path, self.root)] = stamp(path, sha)
             for key in [k for k in table if not (self.root / k).exists()]:
                 del table[key]

@@ -1,12 +1,18 @@
 """The one check that a file is a GGUF before llama.cpp (or a download, or the registry) is
 trusted with it.
 
-``check_gguf_file`` only looks at the magic (cheap, before every load). ``read_gguf_header``
+``check_gguf_file`` looks at the magic and ``general.type`` (cheap, before every load).
+``read_gguf_header``
 reads the whole header without llama.cpp: the scalar metadata the registry records
 (architecture, file type, context length) and where the last tensor's data ends, so a truncated
 download or copy is refused with its size, not found later by llama.cpp. Array values (the
 vocabulary: 262k strings in Gemma 3) are skipped by their lengths, never decoded, so a header
 reads in about 0.1 s.
+
+Both refuse a LoRA adapter (``general.type = adapter``) where a model is expected: llama.cpp
+would fail on it with several lines about missing keys, after the registry had named it or the
+quantizer had half-read it. ``read_gguf_header(path, adapter=True)`` is the adapter's own reader
+(models/lora.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ MAX_DIMS = 8  # ggml has 4; anything past 8 is a corrupt header, not a bigger te
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+ADAPTER_TYPE = "adapter"  # general.type of a LoRA adapter (llama.cpp's convert_lora_to_gguf.py)
 
 
 def gguf_magic(path: Path) -> bytes:
@@ -38,12 +45,44 @@ def gguf_magic(path: Path) -> bytes:
 
 
 def check_gguf_file(path: str | Path) -> None:
-    """Fail with a clear message before llama.cpp sees a file that is not a GGUF."""
+    """Fail with a clear message before llama.cpp sees a file that is not a GGUF model (not a
+    GGUF, or a LoRA adapter)."""
+    _check_magic(path)
+    if _general_type(Path(path)) == ADAPTER_TYPE:
+        raise adapter_error(path)
+
+
+def adapter_error(path: str | Path) -> ModelLoadError:
+    """What a LoRA adapter given as a model is told: how it is used instead."""
+    return ModelLoadError(f"{path} is a LoRA adapter, not a model: use --lora NAME={path}")
+
+
+def _check_magic(path: str | Path) -> None:
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"model file not found: {path}")
     if gguf_magic(p) != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+
+
+def _general_type(p: Path) -> object | None:
+    """``general.type`` (``model``, ``adapter``...), read key by key until it comes (writers
+    put it second, so a model's vocabulary is not walked); None when there is none or the
+    header cannot be read (``read_gguf_header`` and llama.cpp say why)."""
+    try:
+        with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            (little,) = struct.unpack_from("<I", buf, 4)
+            r = _Reader(buf, "<" if little & 0xFFFF else ">")
+            r.pos = 8
+            _tensor_count, kv_count = r.scalar("Q"), r.scalar("Q")
+            for _ in range(min(kv_count, len(buf))):
+                key = r.string()
+                value = r.value(r.scalar("I"))
+                if key == b"general.type":
+                    return value
+    except (OSError, ValueError, struct.error, _Corrupt):
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -153,12 +192,13 @@ class _Reader:
         return None
 
 
-def read_gguf_header(path: str | Path) -> GGUFHeader:
+def read_gguf_header(path: str | Path, *, adapter: bool = False) -> GGUFHeader:
     """The header of a GGUF (v2 or v3, either byte order), checked to the last byte its tensors
     need. Any problem is a ModelLoadError naming the file: not a GGUF, a header that makes no
-    sense, or a file shorter than its tensors (a truncated download or copy)."""
+    sense, a file shorter than its tensors (a truncated download or copy), or a LoRA adapter
+    where a model is wanted (``adapter=True``: an adapter is what is wanted)."""
     p = Path(path)
-    check_gguf_file(p)
+    _check_magic(path)
     try:
         with p.open("rb") as f:
             size = p.stat().st_size
@@ -177,6 +217,8 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     if header.data_end > size:
         raise ModelLoadError(f"{path} is truncated: {size} bytes, but its tensors need "
                              f"{header.data_end}")
+    if not adapter and header.metadata.get("general.type") == ADAPTER_TYPE:
+        raise adapter_error(path)
     return header
 
 

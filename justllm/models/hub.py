@@ -174,7 +174,7 @@ def download(ref: str, *, root: Path, revision: str = "main", force: bool = Fals
     """Download ``REPO[:FILE]`` at ``revision`` into ``root/huggingface/REPO/COMMIT/``, unless
     ``have(sha256)`` names a local file with the bytes the hub lists for it (not with
     ``force``). The file is not checked here: the registry checks it and records it."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, emoji=False)
     repo, file = split_ref(ref)
     if file is not None and not file.lower().endswith(".gguf"):
         raise ModelLoadError(f"'{file}' is not a .gguf file (justllm serves GGUF models only)")

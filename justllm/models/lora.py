@@ -44,7 +44,7 @@ def check_lora_file(path: str | Path, architecture: str) -> LoraFileInfo:
     if not found:
         raise ModelLoadError(f"{where}: file not found")
     try:
-        header = read_gguf_header(p)
+        header = read_gguf_header(p, adapter=True)
     except ModelLoadError as e:
         raise ModelLoadError(f"{where}: {e}") from None
     kind = header.metadata.get("general.type")

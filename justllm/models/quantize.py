@@ -11,6 +11,8 @@ interrupted leaves no partial GGUF (and nothing the models directory would adopt
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 import shutil
@@ -202,15 +204,31 @@ class QuantizeJob:
     allow_requantize: bool
     imatrix: Imatrix | None
     estimate_bytes: int
+    make_dir: bool = False  # the output's directory is made by run() (and removed on failure)
 
     @property
     def partial(self) -> Path:
         return self.dst.with_name(f".{self.dst.name}.partial-{os.getpid()}")
 
+    def sweep(self) -> None:
+        """Remove what earlier runs writing this output left when they were killed (SIGKILL,
+        a crash): temporary files of processes that are gone."""
+        for old in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.partial-*"):
+            pid = old.name.rpartition("-")[2]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                old.unlink(missing_ok=True)
+
     def run(self, progress: Callable[[int, int, str], None] | None = None) -> Path:
         from justllm.engine.backend import quantize_model
 
         tmp = self.partial
+        self.sweep()
+        if self.make_dir:
+            try:
+                self.dst.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ModelLoadError(f"cannot make the output's directory {self.dst.parent}: "
+                                     f"{e.strerror or e}") from None
         try:
             quantize_model(str(self.src), str(tmp), self.qtype.ftype, threads=self.threads,
                            allow_requantize=self.allow_requantize,
@@ -224,6 +242,9 @@ class QuantizeJob:
 
     def abandon(self) -> None:
         self.partial.unlink(missing_ok=True)
+        if self.make_dir and not self.dst.exists():
+            with contextlib.suppress(OSError):  # only when empty: nothing but what run() made
+                self.dst.parent.rmdir()
 
 
 def _imatrix_metadata(imatrix: Imatrix | None) -> dict[str, str | int] | None:
@@ -240,9 +261,11 @@ def _imatrix_metadata(imatrix: Imatrix | None) -> dict[str, str | int] | None:
 
 def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
             allow_requantize: bool = False, imatrix: str | None = None, threads: int = 0,
-            free_bytes: Callable[[Path], int] | None = None) -> QuantizeJob:
+            free_bytes: Callable[[Path], int] | None = None,
+            make_dir: bool = False) -> QuantizeJob:
     """Check everything a quantization of ``src`` into ``dst`` needs; raises ValueError or
-    ModelLoadError (one line each) for anything that would make it fail."""
+    ModelLoadError (one line each) for anything that would make it fail. ``make_dir``: the
+    output's directory may be missing (``-o newdir/``); the job makes it when it runs."""
     from justllm.engine.backend import quantize_model
     from justllm.models.store import quantization_name
 
@@ -257,7 +280,7 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
         raise ValueError(f"--output {dst} is a directory; give a file path")
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
-    if not dst.parent.is_dir():
+    if not make_dir and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
     file_type = header.integer("general.file_type")
     if file_type is not None and file_type not in _FLOAT_FILE_TYPES and not allow_requantize:
@@ -277,13 +300,28 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     free = (free_bytes or _free_bytes)(dst.parent)
     if free < estimate + _DISK_SLACK:
         raise ValueError(f"not enough disk space in {dst.parent}: the output needs about "
-                         f"{_mb(estimate)}, {_mb(free)} free")
-    return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate)
+                         f"{_mb(estimate + _DISK_SLACK)} ({_mb(estimate)} estimated plus "
+                         f"{_mb(_DISK_SLACK)} kept free), {_mb(free)} free")
+    return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir)
 
 
 def _free_bytes(directory: Path) -> int:
-    return shutil.disk_usage(directory).free
+    """Free space where ``directory`` is, or would be (its nearest existing folder)."""
+    for d in (directory, *directory.parents):
+        if d.is_dir():
+            return shutil.disk_usage(d).free
+    return shutil.disk_usage(Path.cwd()).free
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -4,6 +4,8 @@ A name never holds ``/``: ``owner/repo:file.gguf`` is a Hugging Face ``REPO[:FIL
 ``name:tag`` a registry name, so the colon means one thing or the other by the slash alone.
 Names and tags are lowercased (``Qwen:Q4`` and ``qwen:q4`` are one model). A digest is
 ``sha256:<hex>``, or a bare hex prefix of at least 12 characters when no model has that name.
+So a new name may not read as a digest (``new_ref``): a tag ``sha256:0b6d7a9d554b`` would be
+listed like a name but resolved, and removed, as another model's digest.
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ def parse_ref(ref: str) -> tuple[str, str]:
     return name, tag
 
 
+def new_ref(ref: str) -> tuple[str, str]:
+    """``parse_ref`` for a name about to be made (``tag``, ``pull --tag``, ``convert --name``):
+    a name that would read as a digest is refused, since the digest would win over it."""
+    name, tag = parse_ref(ref)
+    if reads_as_digest(name):
+        raise InvalidRefError(f"'{ref}' cannot be a model name: it reads as a digest "
+                              f"({DIGEST_PREFIX}<hex>, or {MIN_DIGEST_CHARS} to 64 hex digits, "
+                              "names a version); pick a name with other letters")
+    return name, tag
+
+
+def reads_as_digest(name: str) -> bool:
+    """Whether ``name`` (a NAME without its tag) would be taken for a digest: ``sha256`` (the
+    start of ``sha256:<hex>``) or a bare hex prefix."""
+    return name == DIGEST_PREFIX.rstrip(":") or _HEX.fullmatch(name) is not None
+
+
 def label(name: str, tag: str) -> str:
     return f"{name}:{tag}"
 
@@ -64,6 +83,9 @@ def could_be_name(ref: str) -> bool:
 
 def name_for_file(stem: str) -> str:
     """The name a GGUF file gets in the registry: its stem lowercased, every run of characters
-    a name cannot hold turned into ``-`` (``Qwen2.5 Coder+Q4`` -> ``qwen2.5-coder-q4``)."""
+    a name cannot hold turned into ``-`` (``Qwen2.5 Coder+Q4`` -> ``qwen2.5-coder-q4``); a stem
+    that would read as a digest (``0b6d7a9d554b``, ``sha256``) gets ``model-`` before it."""
     name = _NOT_NAME.sub("-", stem.lower()).lstrip("._-")[:128].rstrip("-")
+    if reads_as_digest(name):
+        return f"model-{name}"
     return name or "model"

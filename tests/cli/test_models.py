@@ -136,3 +136,93 @@ def test_rm_and_errors(models_dir, model_path):
     assert Path(model_path).is_file()  # the link went, not what it points to
     r = runner.invoke(app, ["models"])
     assert "no models in" in r.output
+
+
+def test_a_name_that_reads_as_a_digest_is_refused(models_dir):
+    """``tag X sha256:<12 hex>`` was accepted; ``rm`` of it then deleted the model whose digest
+    that is, and the tag itself could never be removed."""
+    other = models_dir / "other.gguf"
+    tiny_gguf(other)
+    assert runner.invoke(app, ["models"]).exit_code == 0
+    other_digest = Registry().manifest_for_path(other).short
+    tags = (models_dir / "tags.json").read_text()
+    for target in (f"sha256:{other_digest}", other_digest, "sha256"):
+        line = error_line(runner.invoke(app, ["tag", "tiny-gemma", target]))
+        assert line.startswith(f"error: '{target}' cannot be a model name: it reads as a "
+                               "digest"), line
+    assert (models_dir / "tags.json").read_text() == tags
+    # A tag made by an older justllm: rm removes that tag, not the version the digest names.
+    bogus = f"sha256:{other_digest}"
+    Registry()._write_tags(json.loads(tags) | {bogus: f"sha256:{Registry().resolve('tiny-gemma')[1].hex}"})
+    r = runner.invoke(app, ["rm", bogus])
+    assert r.exit_code == 0, r.output
+    assert " ".join(r.stdout.split()) == (f"untagged {bogus}; its version sha256:{DEMO} is "
+                                          "still tiny-gemma:latest")
+    assert other.is_file() and (models_dir / "tags.json").read_text() == tags
+
+
+def test_a_digest_mismatch_hint_gives_a_name_not_a_digest(models_dir):
+    """Named by its digest, a changed file's error said "'justllm tag FILE sha256:...'
+    registers the new content": a tag that reads as a digest. It names the version's tag."""
+    path = models_dir / "m.gguf"
+    tiny_gguf(path)
+    for name in ("m:v1", "m:v2"):
+        assert runner.invoke(app, ["tag", str(path), name]).exit_code == 0
+    short = Registry().resolve("m:v1")[1].short
+    tiny_gguf(path, seed=5)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    line = error_line(runner.invoke(app, ["show", f"sha256:{short}"]))
+    assert line.endswith(f"'justllm tag {path} m:v1' registers the new content (then the "
+                         "same for m:v2)"), line
+    line = error_line(runner.invoke(app, ["show", "m:v2"]))
+    assert line.endswith(f"'justllm tag {path} m:v2' registers the new content"), line
+
+
+def test_a_damaged_registry_file_is_one_line_naming_it(models_dir):
+    assert runner.invoke(app, ["models"]).exit_code == 0
+    tags = models_dir / "tags.json"
+    good = tags.read_text()
+    tags.write_text('{"t1:latest": 5}')
+    for args in (["models"], ["run", "t1", "-p", "x"], ["rm", "t1"]):
+        line = error_line(runner.invoke(app, args))
+        assert line == (f"error: the registry file {tags} is damaged: 't1:latest' points to 5, "
+                        "not sha256:<64 hex digits> (fix or delete that entry)"), args
+    tags.write_text(good)
+    # A manifest emptied by hand (a file outside the models directory, which is not adopted
+    # again): the model no longer vanishes from the listing without a word.
+    other = models_dir.parent / "other.gguf"
+    tiny_gguf(other)
+    assert runner.invoke(app, ["tag", str(other), "o"]).exit_code == 0
+    manifest = models_dir / "manifests" / f"sha256-{Registry().resolve('o')[1].hex}.json"
+    manifest.write_text("{}")
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0 and [row[0] for row in rows(r.stdout)] == ["tiny-gemma:latest"]
+    assert " ".join(r.stderr.split()) == (
+        f"skipped: the manifest {manifest} is damaged (not a manifest); o:latest points to it "
+        "('justllm rm o:latest' drops the tag, or tag the file again)")
+    line = error_line(runner.invoke(app, ["show", "o"]))
+    assert f"whose manifest {manifest} is damaged (not a manifest)" in line
+    # A damaged digest cache is only a cache: it is rebuilt.
+    for p in (models_dir / "manifests").iterdir():
+        p.unlink()
+    tags.unlink()
+    (models_dir / "digests.json").write_text("[1, 2]")
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0 and rows(r.stdout)[0][:2] == ["tiny-gemma:latest", DEMO], r.output
+
+
+def test_a_lora_adapter_is_no_model(models_dir, tmp_path):
+    """An adapter was accepted by ``tag``, and ``run``/``show`` failed with llama.cpp's own
+    lines; ``--lora`` still takes it."""
+    from tests.lora_files import write_adapter
+
+    adapter = write_adapter(tmp_path.parent / "sql-lora.gguf", seed=1)
+    says = f"error: {adapter} is a LoRA adapter, not a model: use --lora NAME={adapter}"
+    for args in (["tag", str(adapter), "x"], ["show", str(adapter)],
+                 ["run", str(adapter), "-p", "x"]):
+        assert error_line(runner.invoke(app, args)) == says, args
+    assert "x:latest" not in Registry().tags()
+    r = runner.invoke(app, ["run", "tiny-gemma", "--lora", f"sql={adapter}", "--raw", "-p", "Hi",
+                            "-n", "2", "--pool-blocks", "32"])
+    assert r.exit_code == 0 and "generation 2 tok" in r.output, r.output

@@ -286,3 +286,39 @@ def test_run_accepts_a_hub_repo_as_the_model(hub: FakeHub, tmp_path: Path) -> No
         assert "could not load" in r.output or "could not read" in r.output
     assert _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q4_K_M.gguf").is_file()
     assert hub.gets(".gguf") == 1 and Registry(_models(tmp_path)).find("tiny-q4_k_m") is not None
+
+
+def test_a_tag_that_reads_as_a_digest_is_refused_first(hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    for tag in ("sha256:123456789012", "123456789012"):
+        line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF", "--tag", tag]))
+        assert line.startswith(f"error: '{tag}' cannot be a model name: it reads as a digest")
+    assert hub.requests == [] and not _models(tmp_path).exists()
+
+
+@pytest.mark.convert
+def test_pull_convert_again_is_already_here_unless_the_file_is_another(
+        hub: FakeHub, tmp_path: Path) -> None:
+    """A second ``pull REPO --convert --quantize Q8_0`` said the output "already exists" and
+    failed, where a second plain pull says "already here". It is already here when the file is
+    the registered conversion of that commit to that type; any other file is still refused."""
+    from tests.models.tiny_hf import make_tiny_llama, model_files
+
+    tiny = make_tiny_llama(tmp_path / "hf" / "tiny-llama")
+    commit = hub.push("acme/Tiny-Llama", model_files(tiny))
+    args = ["pull", "acme/Tiny-Llama", "--convert", "--quantize", "Q8_0"]
+    assert runner.invoke(app, args).exit_code == 0
+    out = _models(tmp_path) / "huggingface" / "acme" / "Tiny-Llama" / commit / "tiny-llama-q8_0.gguf"
+    written, digest = out.stat().st_mtime_ns, Registry(_models(tmp_path)).resolve("tiny-llama-q8_0")[1]
+    r = runner.invoke(app, [*args, "--tag", "tiny:q8"])
+    assert r.exit_code == 0, r.output
+    assert "converting" not in r.stderr and out.stat().st_mtime_ns == written
+    assert " ".join(r.stdout.split()) == (
+        f"converted from acme/Tiny-Llama @ {commit} (Q8_0) is already here: {out} registered "
+        f"as tiny:q8 (sha256:{digest.short}; justllm run tiny:q8)")
+    assert Registry(_models(tmp_path)).tags() == {"tiny-llama-q8_0:latest": digest.digest,
+                                                  "tiny:q8": digest.digest}
+    out.write_bytes(GGUF)  # another file in its place: not this conversion any more
+    line = _error_line(runner.invoke(app, args))
+    assert line == f"error: {out} already exists (--force overwrites it)"
+    assert out.read_bytes() == GGUF

@@ -4,8 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from justllm.engine.backend import BackendConfig, LlamaBackend
 from justllm.errors import ModelLoadError
-from justllm.models.gguf import read_gguf_header
+from justllm.models.gguf import check_gguf_file, read_gguf_header
+from justllm.models.lora import check_lora_file
+from tests.lora_files import write_adapter
 from tests.models.ggufs import tiny_gguf
 
 
@@ -36,3 +39,23 @@ def test_corrupt_and_truncated_ggufs_are_one_line_errors_naming_the_file(tmp_pat
     with pytest.raises(ModelLoadError) as e:
         read_gguf_header(path)
     assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_lora_adapter_is_refused_as_a_model_and_read_as_an_adapter(tmp_path, model_path):
+    """An adapter passed where a model goes got as far as llama.cpp, which failed in several
+    lines ("key not found in model: gemma3.context_length"); now one line says what to do.
+    Where an adapter is wanted (--lora) it is read as before."""
+    adapter = write_adapter(tmp_path / "sql-lora.gguf", seed=1)
+    says = f"{adapter} is a LoRA adapter, not a model: use --lora NAME={adapter}"
+    for check in (check_gguf_file, read_gguf_header):
+        with pytest.raises(ModelLoadError) as e:
+            check(adapter)
+        assert str(e.value) == says
+    assert read_gguf_header(adapter, adapter=True).metadata["general.type"] == "adapter"
+    info = check_lora_file(adapter, "gemma3")
+    assert (info.rank, info.architecture) == (8, "gemma3")
+    check_gguf_file(model_path)  # a model (general.type = model) passes
+    tiny_gguf(tmp_path / "t.gguf")
+    check_gguf_file(tmp_path / "t.gguf")  # no general.type at all passes too
+    with pytest.raises(ModelLoadError, match="is a LoRA adapter, not a model"):
+        LlamaBackend(BackendConfig(model_path=str(adapter), n_ctx=256))

@@ -7,6 +7,7 @@ from justllm.models.refs import (
     could_be_name,
     is_explicit_digest,
     name_for_file,
+    new_ref,
     parse_digest,
     parse_ref,
 )
@@ -43,3 +44,19 @@ def test_the_colon_rule_and_names_for_files():
     assert name_for_file("gemma-3-270m-q4_k_m") == "gemma-3-270m-q4_k_m"
     assert name_for_file("__x__") == "x__" and name_for_file("+++") == "model"
     assert parse_ref(name_for_file("a:b/c d")) == ("a-b-c-d", "latest")
+
+
+def test_a_new_name_may_not_read_as_a_digest():
+    """A tag ``sha256:0b6d7a9d554b`` was accepted: listed as a name, but ``rm`` took it for the
+    digest of another model and deleted that one."""
+    for bad in ("sha256:0b6d7a9d554b", "SHA256:latest", "sha256", "0b6d7a9d554b", HEX,
+                f"{HEX[:20]}:v1"):
+        with pytest.raises(InvalidRefError, match=r"cannot be a model name: it reads as a "
+                                                  r"digest"):
+            new_ref(bad)
+    assert parse_ref("sha256:latest") == ("sha256", "latest")  # reading stays as it was
+    for good in ("x:0b6d7a9d554b", "sha256-x", "0b6d7a9d554", "0b6d7a9d554g", "q:sha256"):
+        assert new_ref(good) == parse_ref(good)
+    # Names made from file names never read as digests either.
+    assert name_for_file("0B6D7A9D554B") == "model-0b6d7a9d554b"
+    assert name_for_file("sha256") == "model-sha256" and name_for_file("sha256-ab") == "sha256-ab"

