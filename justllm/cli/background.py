@@ -4,6 +4,7 @@ the work runs on a thread so the main thread stays free for Ctrl-C."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
 
@@ -11,11 +12,20 @@ from rich.console import Console
 from rich.progress import Progress
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived (a supervisor, ``kill``, ``timeout``)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
                       progress: Progress, name: str) -> None:
-    """``work()`` on a daemon thread; its exception is raised here. On Ctrl-C, ``abandon()``
-    (remove temporary files, stop children) and exit 130 at once: a llama.cpp call in C
-    cannot be stopped, so the process ends under it."""
+    """``work()`` on a daemon thread; its exception is raised here. On Ctrl-C or SIGTERM,
+    ``abandon()`` (remove temporary files, stop children) and exit 130 (143) at once: a
+    llama.cpp call in C cannot be stopped, so the process ends under it. (SIGTERM's default
+    ended the process without ``abandon()``, leaving the temporary output behind.)"""
     result: dict[str, BaseException] = {}
 
     def run() -> None:
@@ -25,14 +35,20 @@ def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
             result["error"] = e
 
     worker = threading.Thread(target=run, name=name, daemon=True)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     worker.start()
     try:
         while worker.is_alive():
             worker.join(0.1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as e:
         abandon()
         progress.stop()
-        Console(stderr=True, emoji=False).print("[yellow]interrupted[/yellow]: no output written")
-        os._exit(130)
+        how = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+        Console(stderr=True, emoji=False).print(f"[yellow]{how}[/yellow]: no output written")
+        os._exit(130 if isinstance(e, KeyboardInterrupt) else 143)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if "error" in result:
         raise result["error"]

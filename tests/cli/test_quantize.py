@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import struct
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,3 +151,97 @@ def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_p
     assert meta["quantize.imatrix.file"] == str(path)
     assert meta["quantize.imatrix.entries_count"] == 1
     assert read_gguf_header(out).integer("general.file_type") == 15
+
+
+def table(models_dir) -> list[list[str]]:
+    """``justllm models`` rows: NAME, DIGEST, QUANT."""
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0, r.output
+    return [[row[0], row[1], row[4]] for row in (line.split() for line in
+                                                r.stdout.splitlines()[1:])]
+
+
+def test_force_over_a_registered_file_replaces_its_version(model_path, models_dir):
+    """``--force`` onto a registered file left its old version listed (old digest and type),
+    and every use of it failed with a digest mismatch; the default output left the old version
+    as <untagged>. The registry follows the disk: the old version goes, its tags follow the
+    file. A tag quantize moves from another version is reported, as tag and pull do."""
+    from justllm.models.registry import Registry
+
+    q8 = models_dir / "gemma-3-270m-q8_0.gguf"
+    assert runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize"]).exit_code == 0
+    assert runner.invoke(app, ["tag", "gemma-3-270m-q8_0", "mine"]).exit_code == 0
+    old = Registry().resolve("mine")[1].short
+    r = runner.invoke(app, ["quantize", model_path, "Q4_0", "--allow-requantize", "-o", str(q8),
+                            "--force"])
+    assert r.exit_code == 0, r.output
+    new = Registry().resolve("mine")[1].short
+    assert " ".join(r.stdout.split()).endswith(
+        f"replaced sha256:{old} (its file was overwritten); gemma-3-270m-q8_0:latest, "
+        f"mine:latest now point to sha256:{new}")
+    assert table(models_dir) == [["gemma-3-270m-q8_0:latest", new, "Q4_0"],
+                                 ["mine:latest", new, "Q4_0"]]
+    assert runner.invoke(app, ["show", "mine"]).exit_code == 0
+    # --force onto the default output: no <untagged> row for the bytes that are gone.
+    r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize", "--force"])
+    assert r.exit_code == 0, r.output
+    assert f"replaced sha256:{new} (its file was overwritten)" in " ".join(r.stdout.split())
+    rows = table(models_dir)
+    assert [row[0] for row in rows] == ["gemma-3-270m-q8_0:latest", "mine:latest"]
+    assert {row[2] for row in rows} == {"Q8_0"} and rows[0][1] == rows[1][1] == old
+    # The default output's tag pointed to another version (kept): quantize says it moved.
+    assert runner.invoke(app, ["tag", model_path, "gemma-3-270m-q4_0"]).exit_code == 0
+    r = runner.invoke(app, ["quantize", model_path, "Q4_0", "--allow-requantize"])
+    assert r.exit_code == 0, r.output
+    assert " ".join(r.stdout.split()).endswith(
+        "registered as gemma-3-270m-q4_0:latest (justllm run gemma-3-270m-q4_0); moved from "
+        "sha256:a5fd3b62230a, which is kept")
+
+
+def test_output_directory_and_the_disk_space_it_needs(model_path, models_dir, tmp_path,
+                                                      monkeypatch):
+    """``-o newdir/`` wrote a file called newdir; an existing directory was refused. Both get
+    the default file name inside. The disk check said "needs about 0 MB, 1 MB free", hiding
+    the margin it also keeps free."""
+    import justllm.models.quantize as quantize_module
+
+    real = quantize_module._free_bytes
+    monkeypatch.setattr(quantize_module, "_free_bytes", lambda d: 1_000_000)
+    r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize", "-o",
+                            f"{tmp_path / 'newdir'}/"])
+    line = error_line(r)
+    assert f"not enough disk space in {tmp_path / 'newdir'}: the output needs about " in line
+    assert " MB estimated plus 17 MB kept free), 1 MB free" in line
+    assert not (tmp_path / "newdir").exists()
+    monkeypatch.setattr(quantize_module, "_free_bytes", real)
+    for output in (f"{tmp_path / 'newdir'}/", str(tmp_path / "newdir")):
+        r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize", "--force",
+                                "-o", output])
+        assert r.exit_code == 0, r.output
+        out = tmp_path / "newdir" / "gemma-3-270m-q8_0.gguf"
+        assert f"wrote {out} (Q8_0" in " ".join(r.stdout.split())
+        assert read_gguf_header(out).integer("general.file_type") == 7
+    assert files(models_dir) == []
+
+
+def test_sigterm_leaves_no_temporary_file_and_killed_runs_are_swept(model_path, tmp_path):
+    """SIGTERM's default ended the process with its hidden .partial file left beside the
+    output; one left by a killed run (SIGKILL) is removed by the next run to that output."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f".out.gguf.partial-{gone.pid}"
+    stale.write_bytes(b"half a model")
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "quantize", model_path, "Q8_0",
+                             "--allow-requantize", "-o", str(tmp_path / "out.gguf")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while stale.exists() or not list(tmp_path.glob(".out.gguf.partial-*")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)  # it is writing its own now, the stale one swept
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "terminated: no output written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
