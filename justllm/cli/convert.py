@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from justllm.cli.background import run_interruptible
 from justllm.cli.errors import cli_errors
+
+if TYPE_CHECKING:
+    from justllm.models.convert import AlreadyConverted
 
 OUTTYPE_HELP = ("What the converter writes: f16, bf16, q8_0, f32, or auto (bf16 for a model "
                 "stored in bfloat16, else f16).")
@@ -43,11 +46,14 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
                    name: str | None, revision: str, force: bool) -> None:
     """Prepare (checks, downloads), convert with progress, register, and say what happened."""
     from justllm.cli.models import _size
-    from justllm.models.convert import prepare, register
+    from justllm.models.convert import AlreadyConverted, prepare, register
 
     err = Console(stderr=True, highlight=False, emoji=False)
-    job = prepare(source, outtype=outtype, quantize=quantize, output=output, name=name,
-                  revision=revision, force=force, console=err)
+    try:
+        job = prepare(source, outtype=outtype, quantize=quantize, output=output, name=name,
+                      revision=revision, force=force, console=err)
+    except AlreadyConverted as done:
+        return _already_converted(done)
     origin = f"{job.repo} @ {job.commit[:12]}" if job.repo and job.commit else str(job.source_dir)
     err.print(f"converting {origin} ({job.model.candidate_architectures()[0]}, about "
               f"{_count(job.model.parameters)} parameters) to {job.output_type} with "
@@ -101,3 +107,18 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+def _already_converted(done: AlreadyConverted) -> None:
+    """A repeated conversion (``convert`` or ``pull --convert``): the output is this very
+    conversion, registered, so it is only (re)tagged, as a repeated plain pull only records
+    the tag."""
+    from justllm.models.registry import Registry
+
+    key, m, before = Registry().tag(done.manifest.digest, done.label)
+    console = Console(highlight=False, emoji=False)
+    console.print(f"{m.source} ({m.quantization}) is already here: {done.dst}", markup=False,
+                  soft_wrap=True)
+    moved = f"; it was sha256:{before.short}, which is kept" if before else ""
+    console.print(f"registered as {key} (sha256:{m.short}; justllm run "
+                  f"{key.removesuffix(':latest')}){moved}", markup=False, soft_wrap=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -10,9 +10,6 @@ from rich.console import Console
 from justllm.cli.convert import OUTTYPE_HELP, QUANTIZE_HELP, run_conversion
 from justllm.cli.errors import cli_errors
 from justllm.models.hub import pick_gguf, split_ref  # noqa: F401  (re-exported for callers and tests)
-
-if TYPE_CHECKING:
-    from justllm.models.convert import AlreadyConverted
 
 
 def pull(
@@ -35,13 +32,8 @@ def pull(
         if convert:
             if ":" in model:
                 raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")
-            from justllm.models.convert import AlreadyConverted
-
-            try:
-                return run_conversion(model, outtype=outtype, quantize=quantize, output=None,
-                                      name=tag, revision=revision, force=force)
-            except AlreadyConverted as done:
-                return _already_converted(done)
+            return run_conversion(model, outtype=outtype, quantize=quantize, output=None,
+                                  name=tag, revision=revision, force=force)
         given = [n for n, v in (("--outtype", outtype != "auto"), ("--quantize", quantize))
                  if v]
         if given:
@@ -58,17 +50,3 @@ def pull(
             console.print(f"{p.label} was sha256:{p.previous.short}: that version is kept "
                           f"('justllm rm sha256:{p.previous.short}' removes it)", markup=False,
                           soft_wrap=True)
-
-
-def _already_converted(done: AlreadyConverted) -> None:
-    """A repeated ``pull --convert``: the output is this very conversion, registered, so it is
-    only (re)tagged, as a repeated plain pull only records the tag."""
-    from justllm.models.registry import Registry
-
-    key, m, before = Registry().tag(done.manifest.digest, done.label)
-    console = Console(highlight=False, emoji=False)
-    console.print(f"{m.source} ({m.quantization}) is already here: {done.dst}", markup=False,
-                  soft_wrap=True)
-    moved = f"; it was sha256:{before.short}, which is kept" if before else ""
-    console.print(f"registered as {key} (sha256:{m.short}; justllm run "
-                  f"{key.removesuffix(':latest')}){moved}", markup=False, soft_wrap=True)

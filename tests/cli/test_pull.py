@@ -318,6 +318,10 @@ def test_pull_convert_again_is_already_here_unless_the_file_is_another(
         f"as tiny:q8 (sha256:{digest.short}; justllm run tiny:q8)")
     assert Registry(_models(tmp_path)).tags() == {"tiny-llama-q8_0:latest": digest.digest,
                                                   "tiny:q8": digest.digest}
+    # `justllm convert REPO` again is the same (it failed as the pull did).
+    r = runner.invoke(app, ["convert", "acme/Tiny-Llama", "--quantize", "Q8_0"])
+    assert r.exit_code == 0 and "is already here" in r.stdout, r.output
+    assert out.stat().st_mtime_ns == written
     out.write_bytes(GGUF)  # another file in its place: not this conversion any more
     line = _error_line(runner.invoke(app, args))
     assert line == f"error: {out} already exists (--force overwrites it)"
