@@ -66,15 +66,31 @@ def pick_gguf(repo: str, files: list[str]) -> str:
 
 def _resolvable(endpoint: str | None) -> None:
     """A repo's listing goes through huggingface_hub's backoff, five retries over ~25 s with a
-    warning line each, even when the hub's name does not resolve (no network): that is known
-    in a moment, so it is asked first (an OSError, which ``hub_errors`` makes one line)."""
+    warning line each, even when the hub's name does not resolve (no network) or nothing
+    listens there (a mirror that is down): that is known in a moment, so it is asked first
+    (an OSError, which ``hub_errors`` makes one line). Through a proxy only the name is
+    checked; a connection that is slow, not refused, is left to the hub library."""
     from urllib.parse import urlsplit
+    from urllib.request import getproxies
 
-    host = urlsplit(endpoint or "https://huggingface.co").hostname or "huggingface.co"
+    parts = urlsplit(endpoint or "https://huggingface.co")
+    host = parts.hostname or "huggingface.co"
     try:
-        socket.getaddrinfo(host, None)
+        port = parts.port or (80 if parts.scheme == "http" else 443)
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise OSError(f"{host}: {e.strerror}") from None
+    except ValueError:  # a port that is not one: the hub library says what is wrong
+        return
+    if getproxies():
+        return
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            pass
+    except ConnectionRefusedError:
+        raise OSError(f"{host}:{port}: connection refused") from None
+    except OSError:
+        return
 
 
 def _one_line(e: BaseException) -> str:

@@ -245,6 +245,14 @@ def test_a_hub_that_does_not_resolve_fails_at_once_and_a_missing_path_is_not_a_r
     r = runner.invoke(app, ["run", str(Path("nodir") / "model.gguf"), "-p", "hi"])
     assert r.exit_code == 1 and "model not found: nodir/model.gguf" in r.output
     assert slept == []
+    # A mirror that is down (nothing listens): refused at once, not retried either.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    isolate_hub_library(monkeypatch, tmp_path, closed)
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF"]))
+    assert line.startswith(f"error: cannot list acme/tiny-GGUF on {closed}") and "refused" in line
+    assert slept == []
 
 
 def test_split_ref_and_pick_gguf() -> None:
