@@ -172,7 +172,12 @@ class RemoteChat:
             raise JustLLMError(f"cannot reach {self.url}: {e}") from None
         if r.status_code != 200:
             raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}")
-        self.model = self.model or r.json()["data"][0]["id"]
+        if self.model is None:
+            try:
+                self.model = str(r.json()["data"][0]["id"])
+            except (ValueError, LookupError, TypeError):
+                raise JustLLMError(f"{self.url}/v1/models did not list a model as an "
+                                   "OpenAI-compatible server does") from None
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
         """The answer's text pieces. A network failure, or an answer that is not the server's

@@ -225,6 +225,34 @@ def test_chat_url_may_end_in_v1_as_openai_clients_are_configured(server):
             backend.close()
 
 
+def test_a_url_that_is_no_openai_server_is_one_error(tmp_path):
+    """/v1/models answering 200 without OpenAI's listing was a KeyError traceback."""
+    import http.server
+    import threading
+
+    from justllm.chat.backends import RemoteChat
+    from justllm.errors import JustLLMError
+
+    class Plain(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(JustLLMError, match="did not list a model"):
+            RemoteChat(f"http://127.0.0.1:{httpd.server_port}")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_remote_chat_leaves_out_old_turns_and_survives_errors(model_path):
     """Against a server whose context holds 80 tokens: old exchanges are left out when the
     conversation outgrows it; a message too long even alone, undecodable input and a server
