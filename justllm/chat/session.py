@@ -121,8 +121,9 @@ class ChatSession:
                 self._say("(no answer yet)" if s.complete else
                           "(no figures for the last answer: it did not finish)")
                 return
-            self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok, "
-                      f"{s.tokens_per_second:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms"
+            rate = (f", {s.tokens_per_second:.1f} tok/s" if s.generated_tokens > 1 else "")
+            self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok"
+                      f"{rate} · TTFT {s.ttft * 1000:.0f} ms"
                       + ("" if s.complete else " (stopped before its end)"))
         else:
             self._say(f"unknown command {name} (/? for help)")

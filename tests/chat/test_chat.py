@@ -138,6 +138,10 @@ def test_chat_in_process_with_pipes(model_path):
     assert "(top_p = 0.9)" in r.stdout
     assert "(system message removed)" in r.stdout
     assert r.stderr.count("this model has no chat template and looks like a base model") == 1
+    one = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "1",
+                          "--pool-blocks", "64"], input="Hi!\n/stats\n/bye\n",
+                         capture_output=True, text=True, timeout=300)
+    assert "generation 1 tok · TTFT" in one.stdout, one.stdout  # not "0.0 tok/s"
 
 
 def test_chat_refuses_a_sampling_value_out_of_range_before_loading(model_path):
