@@ -59,6 +59,7 @@ class _Node:
 
 class DraftModelProposer:
     costly = True
+    uses_p_min = True  # a request's speculative.p_min is its cut-off (SpecController.check)
 
     def __init__(self, backend: LlamaBackend, n_slots: int, *, tree: bool = False,
                  branch: int = 2) -> None:

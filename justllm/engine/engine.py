@@ -276,6 +276,7 @@ class Engine:
                 "--scheduling-policy priority)", param="priority")
         tokens = self.tokenize(prompt)
         self._check_fits(len(tokens), params)
+        self._check_speculation(params)
         n_vocab = self.backend.n_vocab
         if any(t >= n_vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {n_vocab})",
@@ -314,6 +315,16 @@ class Engine:
             elif self.spec is not None:
                 self.spec.admit(request_id, params, self._steps)
         return request_id, first
+
+    def _check_speculation(self, params: SamplingParams) -> None:
+        """A request's speculation fields are honoured or refused: without --spec there is
+        nothing to tune (``n_max`` 0, speculation off, is what it gets anyway)."""
+        if self.spec is not None:
+            self.spec.check(params)
+        elif params.spec_n_max or params.spec_p_min is not None:
+            field = "speculative.n_max" if params.spec_n_max else "speculative.p_min"
+            raise InvalidRequestError(f"{field}: this server does not speculate (start it "
+                                      "with --spec)", param=field)
 
     def _check_resume(self, resume: Handover, sampler: RequestSampler) -> None:
         """The hand-over's tokens in the vocabulary and allowed by the request's grammar (which

@@ -12,6 +12,7 @@ class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # prompt tokens found (not recomputed)
     blocks: int = 0  # KV blocks the cache holds
+    idle_blocks: int = 0  # of those, the ones no running request uses (evictable on demand)
 
     @property
     def hit_ratio(self) -> float:

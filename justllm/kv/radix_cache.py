@@ -481,10 +481,18 @@ class RadixCache:
     def num_tokens(self) -> int:
         return sum(len(n.tokens) for n in self._nodes())
 
+    def idle_blocks(self) -> int:
+        """The blocks of the cache's share that no running request uses: its owned nodes that
+        no request's matched path locks (a lock counts up the whole path, so an unlocked node
+        has no locked node below it). They are freed on demand, so vLLM counts such blocks
+        as free in its KV usage."""
+        busy = sum(len(n.tokens) for n in self._nodes() if not n.live and n.lock)
+        return max(0, self.num_blocks - self.pool.blocks_for(busy))
+
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(hits=self._hits, misses=self._misses,
                                 queried_tokens=self._queried, hit_tokens=self._hit_tokens,
-                                blocks=self.num_blocks)
+                                blocks=self.num_blocks, idle_blocks=self.idle_blocks())
 
     def dump(self, fmt: Callable[[RadixNode], str] | None = None) -> list[str]:
         """The tree as indented lines (tests and debugging)."""

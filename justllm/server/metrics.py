@@ -43,8 +43,12 @@ class _EngineCollector(Collector):
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                    s.kv_blocks.used_fraction)
+        # As vLLM counts it: blocks running requests use. The prefix cache's blocks that no
+        # request uses are freed on demand, so they count as free (an idle server read 100%).
+        in_use = s.kv_blocks.used - s.prefix_cache.idle_blocks
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks running requests use "
+                    "(0-1; the prefix cache's idle blocks count as free, as in vLLM).",
+                    in_use / s.kv_blocks.total if s.kv_blocks.total else 0.0)
         # Counted by the engine as tokens are computed and generated, aborted requests included.
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
@@ -63,6 +67,8 @@ class _EngineCollector(Collector):
                       pc.misses)
         yield gauge("justllm_prefix_cache_hit_ratio", "Hits / (hits + misses).", pc.hit_ratio)
         yield gauge("justllm_prefix_cache_blocks", "KV blocks held by the prefix cache.", pc.blocks)
+        yield gauge("justllm_prefix_cache_idle_blocks", "Prefix-cache blocks no running request "
+                    "uses (freed on demand).", pc.idle_blocks)
         sp = s.spec
         yield counter("vllm:spec_decode_num_drafts", "Drafts verified (one per request and step).",
                       sp.num_drafts)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from justllm.core.plan import DraftTree
 from justllm.core.request import Request
 from justllm.core.sampling_params import SamplingParams
+from justllm.errors import InvalidRequestError
 from justllm.spec.proposer import DraftRequest, Proposer
 from justllm.spec.window import SpecWindow
 
@@ -51,6 +52,18 @@ class SpecController:
         # Acceptance rate of recent drafts (an exponential average; None before any): new
         # requests start in backoff when it is poor.
         self._recent: float | None = None
+
+    def check(self, params: SamplingParams) -> None:
+        """Refuse a request's speculation fields that this server cannot honour (they were
+        capped, or ignored, without a word)."""
+        if params.spec_n_max is not None and params.spec_n_max > self.max_nodes:
+            raise InvalidRequestError(
+                f"speculative.n_max: at most {self.max_nodes} draft tokens on this server "
+                f"(got {params.spec_n_max})", param="speculative.n_max")
+        if params.spec_p_min is not None and not getattr(self.proposer, "uses_p_min", False):
+            raise InvalidRequestError(
+                "speculative.p_min is a draft model's cut-off: this server's speculation has "
+                "none (--spec draft or tree)", param="speculative.p_min")
 
     def admit(self, request_id: str, params: SamplingParams, step: int) -> None:
         """A new request: give it a window unless it turned speculation off."""

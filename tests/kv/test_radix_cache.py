@@ -218,3 +218,18 @@ def test_holding_a_match_that_ends_inside_a_node_pins_only_the_matched_tokens():
     assert c.check() == []
     whole = c.match(long, limit=40)  # a match to a node's end cuts nothing
     assert c.hold(whole) is whole.last and whole.last.end == 4
+
+
+def test_idle_blocks_are_the_cached_blocks_no_running_request_uses():
+    """vLLM's KV usage counts such blocks as free; an idle server's usage read 100%."""
+    c = cache()
+    c.insert([1, 2, 3, 4, 5, 6, 7, 8], seq=1, live=False)  # a finished request: 2 blocks
+    c.insert([9, 10, 11, 12], seq=2, live=False)  # another: 1 block
+    assert c.num_blocks == 3 and c.idle_blocks() == 3
+    held = c.hold(c.match([1, 2, 3, 4, 5, 6, 99], limit=7))  # a running request reuses 6
+    assert c.idle_blocks() == 1  # its 6 tokens take 2 blocks; the other request's block is idle
+    assert c.stats().idle_blocks == 1
+    c.insert([20, 21, 22, 23], seq=3, live=True)  # a live node is its request's own block
+    assert c.idle_blocks() == 1
+    c.unlock(held)
+    assert c.idle_blocks() == 3 and c.check() == []

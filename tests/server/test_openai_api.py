@@ -284,6 +284,11 @@ def test_prefix_cache_hits_show_in_metrics(client, server):
     assert metric(server, "vllm:prefix_cache_hits_total") >= tokens0 + 300  # the system prompt
     assert 0 < metric(server, "justllm_prefix_cache_hit_ratio") <= 1
     assert metric(server, "justllm_prefix_cache_blocks") > 0
+    # Idle, the cache's blocks are all idle and KV usage is 0, as vLLM reports it (it read
+    # the cache's share, so an idle server drifted to 100%).
+    assert metric(server, "justllm_prefix_cache_idle_blocks") == metric(
+        server, "justllm_prefix_cache_blocks")
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
 
 
 def test_an_sdk_history_and_model_retrieval_and_cached_tokens(client, server):

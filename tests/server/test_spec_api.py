@@ -46,9 +46,20 @@ def test_speculation_shows_in_metrics_and_can_be_turned_off_per_request(spec_ser
 
 
 @pytest.mark.parametrize("field,value", [("speculative.n_max", -1), ("speculative.n_max", 99),
-                                         ("speculative.p_min", 1.5)])
+                                         ("speculative.p_min", 1.5),
+                                         ("speculative.n_max", 5),  # above --gamma 4
+                                         ("speculative.p_min", 0.5)])  # n-gram: no cut-off
 def test_bad_speculation_fields_are_400(spec_server, field, value):
     r = complete(spec_server, **{field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["type"] == "invalid_request_error"
+
+
+def test_speculation_fields_on_a_server_without_speculation(server):
+    """They were accepted and ignored; 0 (no drafts) is what such a server does anyway."""
+    for field, value in (("speculative.n_max", 3), ("speculative.p_min", 0.3)):
+        r = complete(server, **{field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "--spec" in r.json()["error"]["message"]
+    assert complete(server, **{"speculative.n_max": 0, "max_tokens": 2}).status_code == 200

@@ -451,7 +451,8 @@ def test_sampled_speculation_is_valid_and_reproducible(name, request):
 def test_per_request_spec_n_max(ngram, reference):
     ref = reference(REPETITIVE)
     runs = {}
-    for n_max in (0, 1, 16):
+    gamma = ngram.config.gamma
+    for n_max in (0, 1, gamma):
         params = SamplingParams(max_tokens=N, logprobs=5, ignore_eos=True, spec_n_max=n_max)
         ngram.flush_prefix_cache()
         before = ngram.stats().spec
@@ -459,11 +460,15 @@ def test_per_request_spec_n_max(ngram, reference):
         runs[n_max] = delta(ngram, before), steps
         ok, why = divergence_is_noise(ref[0], ref[1], tokens, logprobs)
         assert ok, f"spec_n_max={n_max}: {why}"
-    (d0, steps0), (d1, _), (d16, _) = runs[0], runs[1], runs[16]
+    (d0, steps0), (d1, _), (dg, _) = runs[0], runs[1], runs[gamma]
     assert d0 == (0, 0, 0) and steps0 == N  # off for this request: plain decoding
     assert d1[0] > 0 and d1[1] == d1[0]  # one draft token per step
-    gamma = ngram.config.gamma  # a request cannot ask for more than the engine's --gamma
-    assert d16[0] > 0 and d16[0] < d16[1] <= gamma * d16[0]
+    assert dg[0] > 0 and dg[0] < dg[1] <= gamma * dg[0]
+    # More than the engine's --gamma was capped without a word; n-gram drafts take no p_min.
+    for refused in (dict(spec_n_max=gamma + 1), dict(spec_p_min=0.5)):
+        with pytest.raises(InvalidRequestError, match="speculative") as e:
+            ngram.add_request(REPETITIVE, SamplingParams(max_tokens=2, **refused))
+        assert e.value.param in ("speculative.n_max", "speculative.p_min")
     assert_kv_clean(ngram)
 
 
