@@ -12,6 +12,9 @@ own counter, so switching views never joins two counters into a fake peak.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -105,6 +108,8 @@ class TopApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        # As in top and htop (Textual's own Ctrl-C only says to press Ctrl-Q).
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("p", "toggle_pause", "Pause/resume"),
         Binding("a", "all_models", "All models"),
         Binding("m", "next_model", "Next model"),
@@ -198,10 +203,25 @@ class TopApp(App[None]):
         self._show_status()
         self._timer = self.set_interval(self.interval, self.poll)
         self.poll()
+        self._exit_on_signals(add=True)
 
     async def on_unmount(self) -> None:
+        self._exit_on_signals(add=False)
         if self._client is not None:
             await self._client.aclose()
+
+    def _exit_on_signals(self, *, add: bool) -> None:
+        """SIGTERM (``timeout``, ``kill``) and SIGHUP (a closed pane or terminal) end the app
+        as ``q`` does, so the terminal gets its screen and mouse back; their default ended
+        the process with the alternate screen and mouse reporting left on. Where the loop
+        cannot take signal handlers (not the main thread), nothing changes."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                if add:
+                    loop.add_signal_handler(sig, self.exit)
+                else:
+                    loop.remove_signal_handler(sig)
 
     def poll(self) -> None:
         if self.paused or self._in_flight:

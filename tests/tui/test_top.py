@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -121,8 +123,38 @@ async def _down() -> None:
         assert _ratio(app) == "-"
         assert _text(app, "#ttft-p99").split() == ["TTFT", "p99", "-"]
         assert _text(app, "#spec").split() == ["spec", "accept", "-"]
-        await pilot.press("q")
-    assert app.return_code == 0
+        await pilot.press("ctrl+c")  # quits, as in top (Textual's own only said to press ^q)
+        await pilot.pause()
+    assert app.return_code == 0 and not app.is_running
+
+
+def test_sigterm_ends_top_and_gives_the_terminal_back(tmp_path):
+    """Its default ended the process with the alternate screen and mouse reporting on."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "top", "--url",
+                             f"http://127.0.0.1:{free_port()}"], stdin=follower, stdout=follower,
+                            stderr=follower, env={**os.environ, "TERM": "xterm-256color"})
+    os.close(follower)
+    out = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"cannot reach" not in out:  # running, its first poll shown
+            assert time.monotonic() < deadline, out[-300:]
+            out += os.read(leader, 65536)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with contextlib.suppress(OSError):
+            while chunk := os.read(leader, 65536):
+                out += chunk
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert b"\x1b[?1049l" in out  # the screen given back
 
 
 def test_cli_command_help_and_bad_url():
