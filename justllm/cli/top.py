@@ -15,7 +15,7 @@ def top(
     interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.", min=0.05)] = 1.0,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Sent as 'Authorization: Bearer KEY'.")] = None,
 ) -> None:
-    """Watch a running server: requests, KV blocks, prefix-cache hit ratio, tokens/s, TTFT (q quits, p pauses); a gateway adds a row per model (enter shows one, a all)."""
+    """Watch a running server: requests, KV blocks, prefix-cache hit ratio, tokens/s, TTFT (q or Ctrl-C quits, p pauses); a gateway adds a row per model (enter shows one, a all)."""
     with cli_errors():
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--url must start with http:// or https://, got {url!r}")
