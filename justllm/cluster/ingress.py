@@ -30,11 +30,12 @@ model id, and the replica loads the adapter first if it does not hold it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
@@ -170,9 +171,16 @@ async def forward(request: Request, path: str) -> Any:
             kind = head.header("content-type")
             out = [(k, v) for k, v in head.headers if k != "content-type"]
             if kind.startswith(STREAMS):
+                # Its first chunk before the client gets anything: a replica that dies while
+                # the request waits there for its turn has sent headers only, and the
+                # request goes once more, as one that is not a stream does.
+                first = await unless_disconnected(request, _first_chunk(answer))
+                if isinstance(first, Response):
+                    _cancel(answer, kv)
+                    return first
                 # Content-Type explicit: Litestar lets a handler's default (JSON) override a
                 # Stream's own media type (as server/app.py's sse_response says).
-                return Stream(_relay(answer, model, kind.startswith(NDJSON)),
+                return Stream(_relay(answer, model, kind.startswith(NDJSON), first),
                               status_code=head.status, media_type=kind,
                               headers={**dict(out), "Content-Type": kind})
             chunks = await unless_disconnected(request, _collect(answer))
@@ -180,9 +188,8 @@ async def forward(request: Request, path: str) -> Any:
                 _cancel(answer, kv)
                 return chunks
         except Exception as e:
-            answer.cancel()
+            _cancel(answer, kv)
             if kv is not None:  # the hand-over failed before anything was sent: served whole
-                kv.cancel()
                 kv = None
                 ing.pd[model, "prefill_failed"] += 1
                 continue
@@ -238,21 +245,36 @@ def pd_series(ing: Ingress) -> str:
 
 
 def _cancel(answer: Any, kv: Any) -> None:
-    """The client is gone: its call, and a PD model's prefill if it still runs."""
-    answer.cancel()
-    if kv is not None:
-        kv.cancel()
+    """The client is gone, or the call failed: its call, and a PD model's prefill if it still
+    runs. Ray's cancel of a call whose replica died raises that death again; nothing is left
+    to cancel then (it escaped the fallback to serving the request whole as a 500)."""
+    for call in (answer, kv):
+        if call is not None:
+            with contextlib.suppress(Exception):
+                call.cancel()
+
+
+async def _first_chunk(answer: Any) -> bytes | None:
+    """A stream's first chunk (None: it ended with none)."""
+    try:
+        return cast(bytes, await answer.__anext__())
+    except StopAsyncIteration:
+        return None
 
 
 async def _collect(answer: Any) -> list[bytes]:
     return [chunk async for chunk in answer]
 
 
-async def _relay(answer: Any, model: str, ndjson: bool) -> AsyncIterator[bytes]:
-    """The replica's stream, chunk by chunk; if the replica dies mid-way, a final error event
-    and ``[DONE]`` (Ollama's: an ``{"error"}`` line). Closed early (the client left), it
-    cancels the call, and the replica aborts the request."""
+async def _relay(answer: Any, model: str, ndjson: bool,
+                 first: bytes | None) -> AsyncIterator[bytes]:
+    """The replica's stream, chunk by chunk (``first`` already read); if the replica dies
+    mid-way, a final error event and ``[DONE]`` (Ollama's: an ``{"error"}`` line). Closed
+    early (the client left), it cancels the call, and the replica aborts the request."""
     try:
+        if first is None:
+            return
+        yield first
         async for chunk in answer:
             yield chunk
     except REPLICA_GONE:
@@ -263,7 +285,7 @@ async def _relay(answer: Any, model: str, ndjson: bool) -> AsyncIterator[bytes]:
             yield (b"data: " + msgspec.json.encode(error_body(
                 message, "server_error", code="replica_failed")) + b"\n\ndata: [DONE]\n\n")
     finally:
-        answer.cancel()
+        _cancel(answer, None)
 
 
 def _route(path: str, summary: str) -> Any:

@@ -294,8 +294,21 @@ async def _send(request: Request, replica: Replica, path: str,
                                              if k.lower() in ("x-pd", "retry-after")}}
     kind = response.headers.get("content-type", "")
     if kind.startswith(("text/event-stream", NDJSON)):
-        relay = _relay(response, request.app.state["supervisor"], state, keep_alive, done,
-                       path)
+        # Its first chunk before the client gets anything: a runner that dies while the
+        # request waits there for its turn has sent headers only, and the request goes to
+        # another replica (the caller's retry), as one that is not a stream does.
+        chunks = response.aiter_raw()
+        try:
+            first = await unless_disconnected(request, anext(chunks, b""))
+        except BaseException:
+            await response.aclose()
+            raise
+        if isinstance(first, Response):  # the client left; the runner aborts on our close
+            await response.aclose()
+            done()
+            return first
+        relay = _relay(response, chunks, first, request.app.state["supervisor"], state,
+                       keep_alive, done, path)
         if kind.startswith(NDJSON):  # Ollama's streams
             return Stream(relay, media_type=NDJSON, headers={"Content-Type": NDJSON,
                                                              **served_by})
@@ -316,15 +329,16 @@ async def _send(request: Request, replica: Replica, path: str,
     return answer
 
 
-async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
-                 keep_alive: float | None, done: Callable[[], None],
-                 path: str) -> AsyncIterator[bytes]:
-    """A runner's SSE (or Ollama's NDJSON) stream, byte for byte; if the runner dies
-    mid-stream, a final error in the stream's own API shape (:func:`_stream_failure`). Closing
-    it (the client left) closes the runner's stream, which aborts."""
+async def _relay(response: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
+                 sup: Supervisor, state: ModelState, keep_alive: float | None,
+                 done: Callable[[], None], path: str) -> AsyncIterator[bytes]:
+    """A runner's SSE (or Ollama's NDJSON) stream, byte for byte (``first``, then the rest of
+    ``chunks``); if the runner dies mid-stream, a final error in the stream's own API shape
+    (:func:`_stream_failure`). Closing it (the client left) closes the runner's stream, which
+    aborts."""
     numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in _prepend(first, chunks):
             if numbered is not None:
                 numbered.feed(chunk)
             yield chunk
@@ -335,6 +349,13 @@ async def _relay(response: httpx.Response, sup: Supervisor, state: ModelState,
         done()  # first: the await below may be cancelled (client gone)
         sup.end(state, keep_alive)
         await response.aclose()
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 class SequenceNumbers:

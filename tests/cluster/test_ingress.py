@@ -22,10 +22,12 @@ SSE = Head(200, [("content-type", "text/event-stream"), ("x-replica", "r2")])
 class Answer:
     """A streaming call's answer: items, then maybe an error."""
 
-    def __init__(self, *items: Any, error: BaseException | None = None) -> None:
+    def __init__(self, *items: Any, error: BaseException | None = None,
+                 cancel_raises: bool = False) -> None:
         self.items = list(items)
         self.error = error
         self.cancelled = False
+        self.cancel_raises = cancel_raises  # as Ray's does for a call whose replica died
 
     def __aiter__(self) -> Answer:
         return self
@@ -39,6 +41,8 @@ class Answer:
 
     def cancel(self) -> None:
         self.cancelled = True
+        if self.cancel_raises and self.error is not None:
+            raise self.error
 
 
 class Handle:
@@ -148,6 +152,43 @@ def test_a_replica_that_dies_before_answering_costs_one_more_try():
     with client(handle) as c:
         r = c.post("/v1/completions", json={"model": "demo", "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed"
+
+
+def test_a_stream_whose_replica_dies_before_its_first_chunk_goes_once_more():
+    """A stream queued on a replica that died had its headers sent and ended in an error
+    event; one that has sent nothing yet is tried again, as a plain request is."""
+    dead = Answer(SSE, error=ActorDiedError(), cancel_raises=True)
+    handle = Handle(dead, Answer(SSE, b"data: 1\n\n", b"data: [DONE]\n\n"))
+    with client(handle) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x", "stream": True})
+    assert r.status_code == 200 and r.text == "data: 1\n\ndata: [DONE]\n\n"
+    assert len(handle.calls) == 2 and dead.cancelled
+
+
+class _Calls:
+    """``handle.prefill`` / ``handle.pd_decode``: ``remote(...)`` gives the next answer."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.answers.pop(0)
+
+
+def test_a_pd_decode_whose_prefill_replica_died_is_served_whole():
+    """Ray's cancel of the dead call raised the death again, which escaped the fallback: a
+    500, where router mode served the request whole."""
+    kv = Answer(error=ActorDiedError(), cancel_raises=True)
+    prefill = Handle()
+    prefill.prefill = _Calls(kv)  # type: ignore[attr-defined]
+    handle = Handle(Answer(JSON, b'{"ok": true}'))
+    handle.pd_decode = _Calls(Answer(error=ActorDiedError(), cancel_raises=True))  # type: ignore[attr-defined]
+    ingress = Ingress({"demo": handle}, {"demo": "demo"}, Board({}),
+                      prefill={"demo": (prefill, 0)})
+    with TestClient(create_ingress(ingress)) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "a long prompt"})
+    assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+    assert ingress.pd["demo", "prefill_failed"] == 1 and kv.cancelled
 
 
 def test_a_stream_cut_mid_way_ends_with_an_error_event():

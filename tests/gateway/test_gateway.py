@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -461,3 +462,49 @@ def test_runners_ask_for_the_gateways_key(tmp_path, model_path):
         wait_gone(pids)
     assert rc == 0
 
+
+
+def test_a_stream_queued_on_a_runner_that_dies_goes_to_its_successor(tmp_path, model_path):
+    """A stream waiting on a runner for its turn has had headers and nothing else; when the
+    runner died it ended in an error event, where a request that is not a stream goes to the
+    new runner. Now it goes too."""
+    gw = start_gateway(tmp_path, {"solo": {"source": model_path, **RUNNER_FLAGS,
+                                           "max-seqs": 1}})
+    try:
+        assert complete(gw, "solo").status_code == 200
+        victim = gw.status()["solo"]["pid"]
+
+        def stream(max_tokens: int, lines: list[str], started: threading.Event) -> None:
+            with httpx.stream("POST", gw.url + "/v1/completions", timeout=300, json={
+                    "model": "solo", "prompt": "Tell a story.", "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}) as r:
+                lines.append(str(r.status_code))
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        first, queued = [], []
+        running, never = threading.Event(), threading.Event()
+        a = threading.Thread(target=stream, args=(400, first, running))
+        a.start()
+        assert running.wait(120)  # the runner's only sequence is taken
+        b = threading.Thread(target=stream, args=(4, queued, never))
+        b.start()
+        deadline = time.monotonic() + 60
+        while gw.status()["solo"]["active"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # B waits on the runner
+        assert not never.is_set()
+        os.kill(victim, signal.SIGKILL)
+        a.join(300)
+        b.join(300)
+        assert json.loads(first[-2][6:])["error"]["code"] == "runner_failed"  # it had started
+        assert queued[0] == "200" and queued[-1] == "data: [DONE]", queued
+        texts = [json.loads(line[6:]) for line in queued[1:-1]]
+        assert all("error" not in t for t in texts) and len(texts) == 4, texts
+        assert gw.status()["solo"]["pid"] not in (None, victim)
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
