@@ -10,6 +10,7 @@ if justllm started it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -136,7 +137,11 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
     nothing on it (the deploy failed), is stopped again."""
     try:
         with connected(cluster):
-            serve.start(http_options={"host": settings.host, "port": settings.port})
+            try:
+                serve.start(http_options={"host": settings.host, "port": settings.port})
+            except Exception as e:  # the port is taken, say (it was a traceback)
+                raise JustLLMError(f"Ray Serve cannot listen on {settings.host}:"
+                                   f"{settings.port}: {cause(str(e))}") from None
             try:
                 serve.run(build_app(config, settings, cluster, engine_config,
                                     request_router=request_router),
@@ -145,7 +150,8 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                 if isinstance(e, JustLLMError):
                     raise
                 why = _why_failed(settings.app) or cause(str(e))
-                raise JustLLMError(f"the deploy failed: {why}") from None
+                raise JustLLMError(f"the deploy failed: {why}"
+                                   f"{_clear_failed(settings.app, cluster)}") from None
     except BaseException:
         if cluster.local is not None and not _has_apps(cluster):
             local_ray.stop_head(cluster.local)
@@ -173,6 +179,19 @@ def _why_failed(app: str) -> str | None:
         if dep.message and str(dep.status.value) in ("DEPLOY_FAILED", "UNHEALTHY"):
             return f"{name}: {cause(dep.message)}"
     return found.message if found is not None and found.message else None
+
+
+def _clear_failed(app: str, cluster: Cluster) -> str:
+    """After a failed deploy: the failed app alone on a local head justllm started is
+    deleted (the head is then stopped: nothing is left on it); anywhere else it stays, and
+    the message says how to remove it (it was left, head and all, without a word)."""
+    apps = serve.status().applications
+    if cluster.local is not None and set(apps) <= {app}:
+        with contextlib.suppress(Exception):
+            serve.delete(app)
+            return ""
+    return (f" (the failed app stays on the cluster, answering nothing: 'justllm cluster "
+            f"down --name {app}' removes it)")
 
 
 def _has_apps(cluster: Cluster) -> bool:
