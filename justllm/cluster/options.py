@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from justllm.config import EngineConfig
-from justllm.gateway.config import GatewayConfig, ModelSpec
+from justllm.gateway.config import DEFAULT_TTL, GatewayConfig, ModelSpec
 
 APP_NAME = "justllm"
 INGRESS = "ingress"
@@ -70,8 +70,22 @@ def check_supported(config: GatewayConfig) -> list[str]:
             raise ValueError(f"model '{m.name}' needs a 'source'")
     ignored = [name for name, value in (("max-loaded", config.max_loaded),
                                         ("max-memory", config.max_memory)) if value]
-    return [f"{name} is router mode's: a Ray cluster ignores it (replicas stay loaded; "
-            "min-replicas: 0 lets Ray scale a model to zero)" for name in ignored]
+    warnings = [f"{name} is router mode's: a Ray cluster ignores it (replicas stay loaded; "
+                "min-replicas: 0 lets Ray scale a model to zero)" for name in ignored]
+    # Router mode's loading and polling: Ray keeps replicas up and routes by its own stats.
+    defaults = GatewayConfig.__dataclass_fields__
+    for key in ("load_timeout", "max_waiting", "poll_interval"):
+        if getattr(config, key) != defaults[key].default:
+            warnings.append(f"{key.replace('_', '-')} is router mode's: a Ray cluster ignores "
+                            "it (Ray starts every replica at deploy and keeps it up)")
+    for m in config.models:
+        given = [name for name, set_ in (
+            ("ttl", m.ttl != DEFAULT_TTL and m.autoscale is None), ("preload", m.preload))
+            if set_]
+        warnings += [f"model '{m.name}': {name} is router mode's: a Ray cluster ignores it "
+                     "(replicas stay loaded; min-replicas: 0 lets Ray scale a model to zero)"
+                     for name in given]
+    return warnings
 
 
 def engine_flags(spec: ModelSpec) -> dict[str, Any]:

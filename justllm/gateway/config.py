@@ -208,9 +208,14 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     scaled = {k: entry[k] for k in _SCALE_KEYS if k in entry}
     autoscale = None
     if scaled:
+        tuning = ", ".join(sorted(scaled.keys() - {"min-replicas", "max-replicas"}))
         if "replicas" in entry:
-            raise ValueError(f"{where}: give replicas (a fixed count) or min-replicas / "
-                             "max-replicas (the autoscaler), not both")
+            raise ValueError(f"{where}: give replicas (a fixed count) or the autoscaler's "
+                             f"keys ({', '.join(sorted(scaled))}), not both")
+        if not {"min-replicas", "max-replicas"} & scaled.keys():
+            # Alone they made an autoscaler of one replica, always loaded.
+            raise ValueError(f"{where}: {tuning} tune the autoscaler, which needs its bounds: "
+                             "max-replicas (and min-replicas, default 1)")
         if urls:
             raise ValueError(f"{where}: the autoscaler scales local replicas; a model with "
                              "urls has a fixed set (give replicas instead)")

@@ -85,6 +85,13 @@ def test_router_mode_only_settings_are_refused_or_warned_about():
     warned = check_supported(load_config({"models": {"m": "/m.gguf"}, "max-loaded": 2}, FLAGS))
     assert len(warned) == 1 and "max-loaded" in warned[0]
     assert check_supported(config(m="/m.gguf")) == []
+    # These were ignored without a word.
+    warned = check_supported(load_config({
+        "models": {"m": {"source": "/m.gguf", "ttl": 60, "preload": True}},
+        "load-timeout": 5, "max-waiting": 3, "poll-interval": 2}, FLAGS))
+    assert [w.split(" is ")[0] for w in warned] == [
+        "load-timeout", "max-waiting", "poll-interval", "model 'm': ttl", "model 'm': preload"]
+    assert all("a Ray cluster ignores it" in w for w in warned)
 
 
 def test_a_pd_model_is_two_deployments_each_with_its_own_count_or_autoscaling():

@@ -185,7 +185,10 @@ def test_replica_keys_of_a_model():
     ({"urls": ["http://a:1", "http://a:1"]}, "listed twice"),
     ({"gpus": [0, "1"]}, "device numbers"),
     ({"routing": "fastest"}, "routing policy must be one of"),
-    ({"target-ongoing": 0}, "target-ongoing must be > 0"),
+    ({"max-replicas": 2, "target-ongoing": 0}, "target-ongoing must be > 0"),
+    # Alone these made an autoscaler of one replica, always loaded, without a word.
+    ({"upscale-delay": 3}, "upscale-delay tune the autoscaler, which needs its bounds"),
+    ({"replicas": 2, "target-ongoing": 3}, "the autoscaler's keys (target-ongoing), not both"),
 ])
 def test_bad_replica_keys_are_one_clear_error(entry, message):
     with pytest.raises(ValueError, match=None) as e:
