@@ -93,9 +93,10 @@ class Replica:
             self._ttft.append((now, page.ttft))
             while len(self._ttft) > 2 and now - self._ttft[1][0] >= TTFT_WINDOW:
                 self._ttft.popleft()
-            recent = recent_quantile(self._ttft[0][1], page.ttft, 0.5)
-            if recent is not None:  # no first token in the window: keep the last figure
-                self.ttft_p50 = recent
+            # None once no first token came in the window: an idle replica has no recent TTFT
+            # (keeping the last figure kept a replica slow once penalised in routing ties,
+            # and showed a "last 30 s" median from long ago).
+            self.ttft_p50 = recent_quantile(self._ttft[0][1], page.ttft, 0.5)
 
     def reset(self) -> None:
         """A new process: nothing polled yet, no cache."""

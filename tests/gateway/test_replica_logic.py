@@ -109,8 +109,10 @@ def test_recent_ttft_is_the_median_of_the_first_tokens_since_the_window_began():
         .replace("seconds_count{model_name=\"m\"} 4.0", "seconds_count{model_name=\"m\"} 8.0")
     r.observe(parse(slow), now=1.0)
     assert 0.1 < r.ttft_p50 <= 1.0  # the four new ones were all slow
-    r.observe(parse(slow), now=2.0)  # nothing new: the last figure stays
+    r.observe(parse(slow), now=2.0)  # nothing new, but the slow ones are in the window
     assert 0.1 < r.ttft_p50 <= 1.0
+    r.observe(parse(slow), now=40.0)  # none in the last 30 s: no recent figure (it stayed)
+    assert r.ttft_p50 is None
     before = Histogram(((0.1, 4.0), (float("inf"), 4.0)), count=4)
     after = Histogram(((0.1, 1.0), (float("inf"), 1.0)), count=1)  # restarted: counts fell
     assert recent_quantile(before, after, 0.5) == pytest.approx(0.05)
