@@ -126,10 +126,9 @@ def about_context(param: str | None, message: str) -> bool:
 
 
 def remote_base(url: str) -> str:
-    """The server's root: OpenAI clients are configured with ``.../v1``, and this client adds
-    ``/v1/...`` itself."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1") if url.endswith("/v1") else url
+    """The server's root: OpenAI clients are configured with ``.../v1``, and the chat and
+    ``justllm bench`` add ``/v1/...`` (and ``/metrics``) themselves."""
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def encodable(text: str) -> str:

@@ -45,6 +45,7 @@ def bench(
         from justllm.bench import workloads as w
         from justllm.bench.report import summarize, table
         from justllm.bench.runner import run_workload, sampling_fields
+        from justllm.chat.backends import remote_base
 
         if output_len is None and dataset is None and workload != "sharegpt":
             output_len = 128
@@ -87,7 +88,7 @@ def bench(
         summaries = []
         try:
             for target in [url] + ([vs] if vs else []):
-                target = base_url(target)
+                target = remote_base(target)  # a server's root or its OpenAI base URL
                 with Progress(console=console, transient=True) as progress:
                     task = progress.add_task(f"{target}", total=len(requests))
                     run = asyncio.run(run_workload(
@@ -111,10 +112,3 @@ def bench(
         dead = [str(s["url"]) for s in summaries if s["completed"] == 0]
         if dead:  # nothing measured: a benchmark that failed, whatever the table shows
             raise ValueError(f"every request failed at {', '.join(dead)}")
-
-
-def base_url(url: str) -> str:
-    """The server's root: an OpenAI-style base URL (``http://host:8080/v1``, as OpenAI's
-    clients are given it) is accepted too; bench adds ``/v1/...`` and ``/metrics`` itself."""
-    url = url.rstrip("/")
-    return url[:-len("/v1")] if url.endswith("/v1") else url

@@ -14,6 +14,7 @@ from justllm.cli.errors import cli_errors
 
 if TYPE_CHECKING:
     from justllm.models.convert import AlreadyConverted
+    from justllm.models.manifest import Manifest
 
 OUTTYPE_HELP = ("What the converter writes: f16, bf16, q8_0, f32, or auto (bf16 for a model "
                 "stored in bfloat16, else f16).")
@@ -64,10 +65,7 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
     console = Console(highlight=False, emoji=False)
     console.print(f"wrote {job.dst} ({job.output_type}, {_size(job.dst.stat().st_size)}) in "
                   f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
-    key, m, before = register(job)
-    moved = f"; it was sha256:{before.short}, which is kept" if before else ""
-    console.print(f"registered as {key} (sha256:{m.short}; justllm run "
-                  f"{key.removesuffix(':latest')}){moved}", markup=False, soft_wrap=True)
+    _say_registered(console, *register(job))
 
 
 def _run_with_progress(job) -> None:
@@ -119,6 +117,11 @@ def _already_converted(done: AlreadyConverted) -> None:
     console = Console(highlight=False, emoji=False)
     console.print(f"{m.source} ({m.quantization}) is already here: {done.dst}", markup=False,
                   soft_wrap=True)
+    _say_registered(console, key, m, before)
+
+
+def _say_registered(console: Console, key: str, m: Manifest, before: Manifest | None) -> None:
+    """The tag a conversion is known by now (and the version it moved from, kept)."""
     moved = f"; it was sha256:{before.short}, which is kept" if before else ""
     console.print(f"registered as {key} (sha256:{m.short}; justllm run "
                   f"{key.removesuffix(':latest')}){moved}", markup=False, soft_wrap=True)

@@ -68,23 +68,21 @@ def check_supported(config: GatewayConfig) -> list[str]:
                              "or min-replicas / max-replicas")
         if not m.source:
             raise ValueError(f"model '{m.name}' needs a 'source'")
-    ignored = [name for name, value in (("max-loaded", config.max_loaded),
-                                        ("max-memory", config.max_memory)) if value]
-    warnings = [f"{name} is router mode's: a Ray cluster ignores it (replicas stay loaded; "
-                "min-replicas: 0 lets Ray scale a model to zero)" for name in ignored]
+    def ignored(name: str, why: str = "replicas stay loaded; min-replicas: 0 lets Ray scale a "
+                "model to zero") -> str:
+        return f"{name} is router mode's: a Ray cluster ignores it ({why})"
+
+    warnings = [ignored(name) for name, value in (("max-loaded", config.max_loaded),
+                                                  ("max-memory", config.max_memory)) if value]
     # Router mode's loading and polling: Ray keeps replicas up and routes by its own stats.
     defaults = GatewayConfig.__dataclass_fields__
-    for key in ("load_timeout", "max_waiting", "poll_interval"):
-        if getattr(config, key) != defaults[key].default:
-            warnings.append(f"{key.replace('_', '-')} is router mode's: a Ray cluster ignores "
-                            "it (Ray starts every replica at deploy and keeps it up)")
+    warnings += [ignored(key.replace("_", "-"), "Ray starts every replica at deploy and keeps "
+                         "it up") for key in ("load_timeout", "max_waiting", "poll_interval")
+                 if getattr(config, key) != defaults[key].default]
     for m in config.models:
-        given = [name for name, set_ in (
+        warnings += [ignored(f"model '{m.name}': {name}") for name, given in (
             ("ttl", m.ttl != DEFAULT_TTL and m.autoscale is None), ("preload", m.preload))
-            if set_]
-        warnings += [f"model '{m.name}': {name} is router mode's: a Ray cluster ignores it "
-                     "(replicas stay loaded; min-replicas: 0 lets Ray scale a model to zero)"
-                     for name in given]
+            if given]
     return warnings
 
 

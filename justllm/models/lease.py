@@ -69,7 +69,7 @@ def holders(root: Path, hex_digest: str) -> list[int]:
 
 def _held(file: Path, pid: int) -> bool:
     if fcntl is None:
-        if not (alive := _pid_alive(pid)):
+        if not (alive := pid_alive(pid)):
             file.unlink(missing_ok=True)
         return alive
     try:
@@ -87,7 +87,8 @@ def _held(file: Path, pid: int) -> bool:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts)."""
     if pid <= 0:
         return False
     try:

@@ -25,6 +25,7 @@ import numpy as np
 
 from justllm.errors import ModelLoadError
 from justllm.models.gguf import read_gguf_header
+from justllm.models.lease import pid_alive
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class QuantizeJob:
         a crash): temporary files of processes that are gone."""
         for old in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.partial-*"):
             pid = old.name.rpartition("-")[2]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 old.unlink(missing_ok=True)
 
     def run(self, progress: Callable[[int, int, str], None] | None = None) -> Path:
@@ -315,13 +316,3 @@ def _free_bytes(directory: Path) -> int:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

@@ -59,6 +59,11 @@ from justllm.models.refs import (
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
+def _manifest_state(file: Path) -> str:
+    """What is wrong with a manifest that did not read as one."""
+    return "is damaged (not a manifest)" if file.exists() else "is missing"
+
+
 class UnknownModelError(ModelLoadError):
     """No tag has this name (other sources may still know it: a stem, a path)."""
 
@@ -186,7 +191,7 @@ class Registry:
         for hex_digest in sorted((files - manifests.keys()) | dangling.keys()):
             keys = dangling.get(hex_digest, [])
             file = self._manifest_file(hex_digest)
-            state = "is damaged (not a manifest)" if file.exists() else "is missing"
+            state = _manifest_state(file)
             said = f"; {', '.join(keys)} point{'s' if len(keys) == 1 else ''} to it" \
                 if keys else ""
             fix = f"'justllm rm {keys[0]}' drops the tag" if keys else "delete it"
@@ -253,7 +258,7 @@ class Registry:
         m = self.manifest(tags[key].removeprefix(DIGEST_PREFIX))
         if m is None:
             file = self._manifest_file(tags[key].removeprefix(DIGEST_PREFIX))
-            state = "is damaged (not a manifest)" if file.exists() else "is missing"
+            state = _manifest_state(file)
             raise ModelLoadError(f"{key} points to {tags[key][:19]}, whose manifest {file} "
                                  f"{state} ('justllm rm {key}' drops the tag)")
         self.verify(m, key)
