@@ -20,6 +20,7 @@ from rich.table import Table
 
 from justllm.cli.errors import cli_errors
 from justllm.cli.group import OneLineSummaries
+from justllm.cluster.options import SCHEDULE_TIMEOUT
 from justllm.errors import JustLLMError
 
 app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
@@ -61,6 +62,7 @@ def deploy(
     port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 and /api.", envvar="JUSTLLM_API_KEY")] = None,
     name: AppName = "justllm",
+    schedule_timeout: Annotated[float, typer.Option("--schedule-timeout", help="Seconds to wait for replicas that no node has the CPUs or GPUs for, before the deploy fails (0: wait for ever, for a cluster whose autoscaler adds nodes).", min=0)] = SCHEDULE_TIMEOUT,
 ) -> None:
     """Deploy every model of CLUSTER_YAML as a Ray Serve deployment, behind one ingress that
     speaks the OpenAI API; wait until their replicas are up. Onto RAY_ADDRESS, else the Ray
@@ -87,7 +89,10 @@ def deploy(
         console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
                       "(each replica loads its model on its node; this waits for them)",
                       highlight=False)
-        cluster.deploy(config, settings, o.engine_config, where)
+        cluster.deploy(config, settings, o.engine_config, where,
+                       schedule_timeout=schedule_timeout,
+                       on_wait=lambda why: console.print(
+                           f"[yellow]waiting:[/yellow] {escape(why)}", highlight=False))
         local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"
                  if where.local is not None else "")
         console.print(f"justllm: '{name}' runs on the Ray cluster at {where.address}{local}; "

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from justllm.cluster.options import (
     BOARD,
     INGRESS,
     INGRESS_MAX_ONGOING,
+    SCHEDULE_TIMEOUT,
     STATS_PERIOD,
     ClusterSettings,
     deployment_name,
@@ -131,10 +133,13 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,
            engine_config: EngineConfigFactory, cluster: Cluster, *,
-           request_router: type | None = JustLLMRouter) -> None:
+           request_router: type | None = JustLLMRouter,
+           schedule_timeout: float = SCHEDULE_TIMEOUT,
+           on_wait: Callable[[str], None] = lambda message: None) -> None:
     """Deploy onto ``cluster`` (or redeploy: Ray updates an app of the same name in place)
-    and wait until every model's replicas are up. A local head justllm started, left with
-    nothing on it (the deploy failed), is stopped again."""
+    and wait until every model's replicas are up (``wait_running``: ``on_wait`` hears why a
+    replica waits for a node). A local head justllm started, left with nothing on it (the
+    deploy failed), is stopped again."""
     try:
         with connected(cluster):
             try:
@@ -142,20 +147,101 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
             except Exception as e:  # the port is taken, say (it was a traceback)
                 raise JustLLMError(f"Ray Serve cannot listen on {settings.host}:"
                                    f"{settings.port}: {cause(str(e))}") from None
+            _check_listening(settings)
             try:
-                serve.run(build_app(config, settings, cluster, engine_config,
-                                    request_router=request_router),
-                          name=settings.app, route_prefix="/")
+                # Not serve.run: it waits without end for replicas no node can hold.
+                serve._run(build_app(config, settings, cluster, engine_config,
+                                     request_router=request_router),
+                           name=settings.app, route_prefix="/", _blocking=False)
+                wait_running(settings.app, schedule_timeout, on_wait)
             except Exception as e:
-                if isinstance(e, JustLLMError):
+                if isinstance(e, JustLLMError) and not isinstance(e, DeployFailed):
                     raise
-                why = _why_failed(settings.app) or cause(str(e))
+                why = (str(e) if isinstance(e, DeployFailed)
+                       else _why_failed(settings.app) or cause(str(e)))
                 raise JustLLMError(f"the deploy failed: {why}"
                                    f"{_clear_failed(settings.app, cluster)}") from None
     except BaseException:
         if cluster.local is not None and not _has_apps(cluster):
             local_ray.stop_head(cluster.local)
         raise
+
+
+class DeployFailed(JustLLMError):
+    """The app did not come up: why, for "the deploy failed: ..."."""
+
+
+_POLL = 0.5
+# Ray Serve's controller says so in the deployment's message once a replica has waited 30 s
+# for a node (ray/serve/_private/deployment_state.py).
+_UNPLACED = re.compile(r"has (\d+) replicas that have taken more than [\d.]+s to be scheduled"
+                       r".*?Resources required for each replica: (\{.*?\}), total resources "
+                       r"available: (\{.*?\})", re.S)
+
+
+def unplaced(message: str) -> tuple[int, str, str] | None:
+    """From a deployment's message: (replicas waiting for a node, what each needs, what the
+    cluster has free), or None when the message says nothing of the kind."""
+    found = _UNPLACED.search(message)
+    return (int(found.group(1)), found.group(2), found.group(3)) if found else None
+
+
+def wait_running(app: str, schedule_timeout: float, on_wait: Callable[[str], None], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+    """Until ``app`` runs. A DeployFailed when a deployment failed, or when replicas still
+    wait for a node after ``schedule_timeout`` seconds (no node has the CPUs or GPUs one
+    asks for: with ``gpu: true`` on a cluster without GPUs, say; serve.run waited for ever,
+    and requests with it). A cluster whose autoscaler adds nodes may need longer; 0 waits
+    without end. ``on_wait`` hears each deployment's wait once."""
+    start = clock()
+    told: set[str] = set()
+    while True:
+        found = serve.status().applications.get(app)
+        if found is None:
+            raise DeployFailed(f"the app '{app}' was deleted while it deployed")
+        state = str(found.status.value)
+        if state == "RUNNING":
+            return
+        if state == "DEPLOY_FAILED":  # as serve.run: an unhealthy replica is retried
+            raise DeployFailed(_why_failed(app) or "Ray gave no reason")
+        waiting = [(name, why) for name, dep in found.deployments.items()
+                   if dep.message and (why := unplaced(dep.message))]
+        for name, (count, needs, free) in waiting:
+            if name not in told:
+                told.add(name)
+                on_wait(f"{name}: {count} replica(s) wait for a node with {needs}; the "
+                        f"cluster has {free} (waiting up to {schedule_timeout:g} s: "
+                        "--schedule-timeout)" if schedule_timeout else
+                        f"{name}: {count} replica(s) wait for a node with {needs}; the "
+                        f"cluster has {free}")
+        if waiting and schedule_timeout and clock() - start >= schedule_timeout:
+            name, (count, needs, free) = waiting[0]
+            raise DeployFailed(f"{name}: {count} replica(s) found no node in "
+                               f"{schedule_timeout:g} s: each needs {needs}, the cluster has "
+                               f"{free} (a cluster that adds nodes may need a longer "
+                               "--schedule-timeout)")
+        sleep(_POLL)
+
+
+def serve_address() -> tuple[str, int]:
+    """Where the cluster's Serve proxies listen. Set when Serve first starts: serve.start
+    with other options keeps them, with only a log line (ray/serve/_private/api.py)."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    return str(config.host), int(config.port)
+
+
+def _check_listening(settings: ClusterSettings) -> None:
+    """A deploy asking for another --host or --port than Serve already has is refused (the
+    app would answer on the old address while the command named the new one)."""
+    host, port = serve_address()
+    if (host, port) != (settings.host, settings.port):
+        raise JustLLMError(
+            f"Ray Serve on this cluster already listens on {host}:{port} (it keeps the address "
+            f"it started with): deploy with --host {host} --port {port}, or 'justllm cluster "
+            "down' every app first to move it")
 
 
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$")

@@ -5,6 +5,7 @@ on a real cluster in test_ray_cluster.py."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +26,17 @@ def ray_faked(monkeypatch):
     monkeypatch.setattr(d, "connected", lambda cluster: contextlib.nullcontext())
     monkeypatch.setattr(d, "build_app", lambda *a, **k: "app")
     monkeypatch.setattr(d.local_ray, "stop_head", lambda head: done.append("head stopped"))
-    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications=dict(apps)))
+    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
+        name: app_status(state) for name, state in apps.items()}))
     monkeypatch.setattr(d.serve, "delete", lambda name: apps.pop(name))
+    monkeypatch.setattr(d, "serve_address", lambda: ("127.0.0.1", 8000))  # Ray Serve's default
     return apps, done
+
+
+def app_status(state, deployments=None):
+    """An app's entry in ``serve.status().applications``, as Ray Serve's overview has it."""
+    return SimpleNamespace(status=SimpleNamespace(value=state), message="",
+                           deployments=deployments or {})
 
 
 def test_a_port_in_use_is_one_error_line(ray_faked, monkeypatch):
@@ -41,6 +50,22 @@ def test_a_port_in_use_is_one_error_line(ray_faked, monkeypatch):
     assert ray_faked[1] == ["head stopped"]  # the head this deploy started: nothing on it
 
 
+def test_another_port_than_serve_listens_on_is_refused(ray_faked, monkeypatch):
+    """Ray Serve keeps the address it started with: a redeploy with a new --port said the app
+    was at the new port while it answered on the old one."""
+    apps, done = ray_faked
+    apps["justllm"] = "RUNNING"
+    ran: list[str] = []
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", lambda *a, **k: ran.append("deployed"))
+    with pytest.raises(JustLLMError) as e:
+        d.deploy(None, ClusterSettings(port=9000), None, d.Cluster(HEAD.address))
+    assert str(e.value).startswith("Ray Serve on this cluster already listens on "
+                                   "127.0.0.1:8000 (it keeps the address it started with): "
+                                   "deploy with --host 127.0.0.1 --port 8000")
+    assert ran == [] and apps == {"justllm": "RUNNING"} and done == []
+
+
 @pytest.mark.parametrize("local, other_app", [(True, False), (True, True), (False, False)])
 def test_a_failed_app_is_removed_only_when_it_is_all_there_is(ray_faked, monkeypatch, local,
                                                               other_app):
@@ -49,12 +74,11 @@ def test_a_failed_app_is_removed_only_when_it_is_all_there_is(ray_faked, monkeyp
     if other_app:
         apps["other"] = "RUNNING"
 
-    def fail(app, name, route_prefix):
+    def fail(app, name, route_prefix, _blocking):
         apps[name] = "DEPLOY_FAILED"
-        raise RuntimeError("ModelLoadError: not a readable GGUF file")
 
     monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
-    monkeypatch.setattr(d.serve, "run", fail)
+    monkeypatch.setattr(d.serve, "_run", fail)
     monkeypatch.setattr(d, "_why_failed", lambda app: "model-bad: ModelLoadError: not a GGUF")
     cluster = d.Cluster(HEAD.address, HEAD if local else None)
     with pytest.raises(JustLLMError) as e:
@@ -66,3 +90,73 @@ def test_a_failed_app_is_removed_only_when_it_is_all_there_is(ray_faked, monkeyp
     else:
         assert apps["justllm"] == "DEPLOY_FAILED" and done == []
         assert "'justllm cluster down --name justllm' removes it" in str(e.value)
+
+
+# Ray Serve's controller message, as ray/serve/_private/deployment_state.py words it.
+UNPLACED = ("Deployment 'model-demo' in application 'justllm' has 2 replicas that have taken "
+            "more than 30s to be scheduled. This may be due to waiting for the cluster to "
+            "auto-scale or for a runtime environment to be installed. Resources required for "
+            "each replica: {'CPU': 1.0, 'GPU': 1.0}, total resources available: "
+            "{'CPU': 2.0}. Use `ray status` for more details.")
+
+
+def test_rays_message_about_unplaced_replicas_is_read():
+    assert d.unplaced(UNPLACED) == (2, "{'CPU': 1.0, 'GPU': 1.0}", "{'CPU': 2.0}")
+    assert d.unplaced("Deployment 'model-demo' has 1 replicas that have taken more than 30s "
+                      "to initialize.") is None
+
+
+class Clock:
+    """time.monotonic and time.sleep for the wait: sleeping moves the clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_replicas_no_node_can_hold_fail_the_deploy_after_the_timeout(ray_faked, monkeypatch):
+    """``gpu: true`` on a cluster without GPUs: serve.run waited for ever, and every request
+    with it. Now the wait is said once, the deploy fails after --schedule-timeout naming the
+    deployment and the resources, and the app it left is removed (it was alone on the head
+    this deploy started)."""
+    apps, done = ray_faked
+    clock = Clock()
+    pending = {"model-demo": SimpleNamespace(message=UNPLACED),
+               "ingress": SimpleNamespace(message="")}
+    statuses = iter([app_status("DEPLOYING")] * 3)
+    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
+        name: next(statuses, app_status("DEPLOYING", pending)) for name in apps}))
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", lambda app, name, route_prefix, _blocking:
+                        apps.__setitem__(name, "DEPLOYING"))
+    monkeypatch.setattr(d, "wait_running", partial(d.wait_running, clock=clock,
+                                                   sleep=clock.sleep))
+    heard: list[str] = []
+    with pytest.raises(JustLLMError) as e:
+        d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD),
+                 schedule_timeout=45, on_wait=heard.append)
+    assert str(e.value) == ("the deploy failed: model-demo: 2 replica(s) found no node in 45 s: "
+                            "each needs {'CPU': 1.0, 'GPU': 1.0}, the cluster has "
+                            "{'CPU': 2.0} (a cluster that adds nodes may need a longer "
+                            "--schedule-timeout)")
+    assert 45 <= clock.now < 46
+    assert heard == ["model-demo: 2 replica(s) wait for a node with {'CPU': 1.0, 'GPU': 1.0}; "
+                     "the cluster has {'CPU': 2.0} (waiting up to 45 s: --schedule-timeout)"]
+    assert "justllm" not in apps and done == ["head stopped"]
+
+
+def test_without_a_schedule_timeout_the_deploy_waits_until_the_replicas_run(monkeypatch):
+    clock = Clock()
+    pending = {"model-demo": SimpleNamespace(message=UNPLACED)}
+    statuses = iter([app_status("DEPLOYING", pending)] * 2000 + [app_status("RUNNING")])
+    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(
+        applications={"justllm": next(statuses)}))
+    heard: list[str] = []
+    d.wait_running("justllm", 0, heard.append, clock=clock, sleep=clock.sleep)
+    assert clock.now == 1000 and next(statuses, None) is None
+    assert len(heard) == 1 and "waiting up to" not in heard[0]
