@@ -43,6 +43,7 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
+        self.arrival = time.perf_counter()  # as RequestMetrics.arrival_time (an abort's e2e)
         self._owner = owner
 
     def __aiter__(self) -> "RequestStream":

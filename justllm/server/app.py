@@ -101,7 +101,7 @@ def build_served(aengine: AsyncEngine, config: ServerConfig,
         log.warning("%s", template.notice)
     completions = OpenAIServing(aengine, model_id, template, metrics,
                                 ServingLimits(max_n=config.max_n))
-    embeddings = EmbeddingServing(aengine, model_id) if config.embeddings else None
+    embeddings = EmbeddingServing(aengine, model_id, metrics) if config.embeddings else None
     return Served(aengine, completions, embeddings, metrics, model_id,
                   int(os.path.getmtime(model_path)))
 

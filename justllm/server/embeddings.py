@@ -7,11 +7,13 @@ thread (docs/llama-cpp-facts.md: one OS thread runs llama.cpp compute), between 
 from __future__ import annotations
 
 import base64
+import time
 
 import numpy as np
 
 from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
+from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import check_model, prompt_list
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
@@ -19,9 +21,11 @@ MAX_INPUTS = 256
 
 
 class EmbeddingServing:
-    def __init__(self, aengine: AsyncEngine, model_id: str) -> None:
+    def __init__(self, aengine: AsyncEngine, model_id: str,
+                 metrics: ServerMetrics | None = None) -> None:
         self.aengine = aengine
         self.model_id = model_id
+        self.metrics = metrics
 
     def _inputs(self, data: EmbeddingRequest) -> list[list[int]]:
         items = prompt_list(data.input, "input")
@@ -39,6 +43,7 @@ class EmbeddingServing:
 
     async def create(self, data: EmbeddingRequest) -> EmbeddingList:
         check_model(data.model, self.model_id)
+        start = time.perf_counter()
         token_lists = self._inputs(data)
         vectors = await self.aengine.embed(token_lists)
         if data.dimensions is not None:
@@ -53,4 +58,6 @@ class EmbeddingServing:
                                       if data.encoding_format == "base64" else v.tolist())
             items.append(Embedding("embedding", i, emb))
         n = sum(len(t) for t in token_lists)
+        if self.metrics is not None:
+            self.metrics.observe_embeddings(n, time.perf_counter() - start)
         return EmbeddingList("list", items, self.model_id, EmbeddingUsage(n, n))

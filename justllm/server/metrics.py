@@ -7,6 +7,7 @@ requests finish.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,9 +23,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model: str,
+                 embedded_tokens: Callable[[], int] = lambda: 0) -> None:
         self._stats = stats
         self._model = model
+        self._embedded_tokens = embedded_tokens  # /v1/embeddings' (not the engine's)
 
     def collect(self) -> Iterator:
         s = self._stats()
@@ -50,7 +53,8 @@ class _EngineCollector(Collector):
                     "(0-1; the prefix cache's idle blocks count as free, as in vLLM).",
                     in_use / s.kv_blocks.total if s.kv_blocks.total else 0.0)
         # Counted by the engine as tokens are computed and generated, aborted requests included.
-        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed (embedding inputs too).",
+                      s.prompt_tokens_total + self._embedded_tokens())
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.",
                       s.num_preemptions_total)
@@ -104,7 +108,8 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model: str,
                  plugin_counts: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, model))
+        self._embedded_tokens = 0  # tokens of /v1/embeddings inputs (a second context's)
+        self.registry.register(_EngineCollector(stats, model, lambda: self._embedded_tokens))
         if plugin_counts is not None:
             self.registry.register(_PluginCollector(plugin_counts))
         lab = ["model_name"]
@@ -146,9 +151,12 @@ class ServerMetrics:
                                     "Export or import time (llama.cpp state and checks).",
                                     lab + ["direction"], buckets=_ITL_BUCKETS, registry=r)
 
-    def observe_finished(self, m: RequestMetrics, finish_reason: str | None) -> None:
+    def observe_finished(self, m: RequestMetrics, finish_reason: str | None,
+                         error: bool = False) -> None:
+        """A request the engine ended: ``finish_reason`` stop or length, else error or abort
+        (as vLLM labels them)."""
         lab = self._model
-        self.request_success.labels(lab, finish_reason or "abort").inc()
+        self.request_success.labels(lab, finish_reason or ("error" if error else "abort")).inc()
         if m.lora:
             self.lora_requests.labels(lab, m.lora).inc()
             self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)
@@ -160,6 +168,19 @@ class ServerMetrics:
             self.itl.labels(lab).observe(b - a)
         if m.finished_time is not None:
             self.e2e.labels(lab).observe(m.finished_time - m.arrival_time)
+
+    def observe_embeddings(self, tokens: int, seconds: float) -> None:
+        """An embeddings request that was answered: counted as vLLM counts a pooling request
+        (a finished request, its latency, its input in the prompt tokens)."""
+        self._embedded_tokens += tokens
+        self.request_success.labels(self._model, "stop").inc()
+        self.e2e.labels(self._model).observe(seconds)
+
+    def observe_aborted(self, arrival: float) -> None:
+        """A request whose client left before it ended (vLLM's ``abort``): counted, with its
+        latency until then (``arrival``: perf_counter time)."""
+        self.request_success.labels(self._model, "abort").inc()
+        self.e2e.labels(self._model).observe(time.perf_counter() - arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

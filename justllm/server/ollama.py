@@ -430,12 +430,17 @@ def _logprob(served: Served, lp: TokenLogprob) -> dict:
 async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
     """The request's outputs; a finished one is counted in the metrics. Closing the iterator
     (client gone, task cancelled) aborts the request."""
+    ended = False  # not stream.finished: a cancelled wait for the next output sets that
     try:
         async for out in stream:
-            if out.finished and not out.error:
-                job.served.metrics.observe_finished(out.metrics, out.finish_reason)
+            if out.finished:
+                ended = True
+                job.served.metrics.observe_finished(out.metrics, out.finish_reason,
+                                                    bool(out.error))
             yield out
     finally:
+        if not ended:  # the client left
+            job.served.metrics.observe_aborted(stream.arrival)
         stream.abort()
 
 

@@ -212,18 +212,21 @@ class OpenAIServing:
                 queue.put_nowait((i, out))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(streams)
+        ended: set[int] = set()  # choices whose last output was taken (and counted)
         try:
-            while remaining:
+            while len(ended) < len(streams):
                 i, out = await queue.get()
                 if out.finished:
-                    remaining -= 1
-                    self.metrics.observe_finished(out.metrics, out.finish_reason)
+                    ended.add(i)
+                    self.metrics.observe_finished(out.metrics, out.finish_reason,
+                                                  bool(out.error))
                 yield i, out
         finally:
             for t in tasks:
                 t.cancel()
-            for s in streams:
+            for i, s in enumerate(streams):
+                if i not in ended:  # the client left before this choice ended
+                    self.metrics.observe_aborted(s.arrival)
                 s.abort()
 
     async def _collect(self, streams: list[RequestStream], texts: list[str]

@@ -50,11 +50,13 @@ def running(server) -> float:
                   "vllm:num_requests_running")
 
 
-def finished(server) -> float:
-    """Requests that ran to their end (an aborted one is not counted)."""
+def finished(server, reason: str | None = None) -> float:
+    """Requests that ran to their end (stop or length), or that ended for ``reason``."""
     text = httpx.get(server.url + "/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+               if line.startswith("vllm:request_success_total{") and (
+                   f'finished_reason="{reason}"' in line if reason else
+                   'finished_reason="stop"' in line or 'finished_reason="length"' in line))
 
 
 def wait_running(server, want) -> None:
@@ -367,7 +369,7 @@ def test_ndjson_framing(server):
 
 def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     wait_running(server, lambda n: n == 0)
-    done = finished(server)
+    done, aborted = finished(server), finished(server, "abort")
     with httpx.stream("POST", server.url + "/api/generate", timeout=60, content=json.dumps({
             # greedy, this raw prompt runs on for hundreds of tokens
             "model": server.model, "prompt": "Once upon a time", "raw": True,
@@ -378,11 +380,12 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
         assert running(server) == 1
     wait_running(server, lambda n: n == 0)
     assert finished(server) == done  # aborted, not run to its end
+    assert finished(server, "abort") == aborted + 1  # and counted so, as vLLM does
 
 
 def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     wait_running(server, lambda n: n == 0)
-    done = finished(server)
+    done, aborted = finished(server), finished(server, "abort")
     body = json.dumps({  # greedy, this chat runs on for hundreds of tokens
         "model": server.model, "stream": False, "options": {"num_predict": -1, "temperature": 0},
         "messages": [{"role": "user", "content": "Tell me a long story."}]}).encode()
@@ -394,6 +397,7 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     # the client left while its answer was being generated
     wait_running(server, lambda n: n == 0)
     assert finished(server) == done  # aborted, not run to its end
+    assert finished(server, "abort") == aborted + 1  # and counted so, as vLLM does
 
 
 def test_the_load_time_router_mode_reports_becomes_load_duration():

@@ -153,7 +153,12 @@ def test_completions(client, server):
 def test_embeddings(client, server):
     texts = ["The cat sits on the mat.", "A cat is sitting on a mat.",
              "Quarterly revenue rose by eight percent."]
+    prompt0 = metric(server, "vllm:prompt_tokens_total")
+    e2e0 = metric(server, "vllm:e2e_request_latency_seconds_count")
     r = client.embeddings.create(model=server.model, input=texts)
+    # counted as vLLM counts a pooling request (it was not counted at all)
+    assert metric(server, "vllm:prompt_tokens_total") == prompt0 + r.usage.prompt_tokens
+    assert metric(server, "vllm:e2e_request_latency_seconds_count") == e2e0 + 1
     vecs = np.array([d.embedding for d in r.data])
     assert vecs.shape == (3, 640)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
@@ -212,6 +217,13 @@ def test_16_concurrent_streams_complete(server):
     assert request_blocks(server) == 0
 
 
+def aborted_requests(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{")
+               and 'finished_reason="abort"' in line)
+
+
 def request_blocks(server) -> float:
     """KV blocks held by requests (the rest belong to the prefix cache)."""
     return metric(server, "justllm_kv_blocks_used") - metric(server, "justllm_prefix_cache_blocks")
@@ -220,6 +232,7 @@ def request_blocks(server) -> float:
 def test_disconnect_mid_stream_frees_kv(server):
     body = {"model": server.model, "messages": [{"role": "user", "content": "Write a long essay."}],
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    aborted = aborted_requests(server)
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -235,6 +248,8 @@ def test_disconnect_mid_stream_frees_kv(server):
         time.sleep(0.05)
     assert metric(server, "vllm:num_requests_running") == 0
     assert request_blocks(server) == 0
+    # counted as vLLM counts a request its client left (it was not counted at all)
+    assert aborted_requests(server) == aborted + 1
 
 
 def test_openapi_schema_lists_the_routes(server):
