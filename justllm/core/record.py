@@ -26,6 +26,7 @@ class RequestOrigin:
     api: str | None = None
     stream: bool | None = None
     traceparent: str | None = None
+    http_request_id: str | None = None  # the answer's X-Request-Id (the client's, or made)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class RequestRecord:
     api: str | None = None
     stream: bool | None = None
     traceparent: str | None = None
+    # The HTTP request's X-Request-Id, as the answer carried it (the client's own, else one
+    # the server made): what a client or a proxy log knows the request by.
+    http_request_id: str | None = None
 
     @property
     def ttft_seconds(self) -> float | None:

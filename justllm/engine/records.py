@@ -55,4 +55,5 @@ def request_record(observer: RequestObserver, req: Request, metrics, *, error: s
         total_seconds=end - metrics.arrival_time, error=error, lora=metrics.lora,
         params=recorded_params(req.params),
         prompt=prompt if observer.text else None, output=output if observer.text else None,
-        api=origin.api, stream=origin.stream, traceparent=origin.traceparent)
+        api=origin.api, stream=origin.stream, traceparent=origin.traceparent,
+        http_request_id=origin.http_request_id)

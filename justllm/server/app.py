@@ -149,8 +149,9 @@ def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = No
 
 def origin(request: Request, api: str, stream: bool) -> RequestOrigin:
     """What a route knows of a request, for its record (``RequestOrigin``): its API, whether
-    it streams, and the client's ``traceparent`` header."""
-    return RequestOrigin(api, stream, request.headers.get("traceparent"))
+    it streams, the client's ``traceparent`` header and the X-Request-Id."""
+    return RequestOrigin(api, stream, request.headers.get("traceparent"),
+                         request_id(request.scope))
 
 
 async def decode_request(request: Request, cls: type[T]) -> T:

@@ -415,9 +415,9 @@ class OpenAIServing:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
         ``resume``: each choice's first tokens, drawn by a PD prefill replica;
         ``traceparent``: the client's trace context, for the records; ``request_id``: the
-        HTTP request's ``X-Request-Id``, logged beside the response id."""
+        HTTP request's ``X-Request-Id``, logged beside the response id and recorded."""
         check_chat_request(req)
-        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent)
+        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent, request_id)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, req.n,
                  req.stream, req.user or req.safety_identifier, request_id)
@@ -510,7 +510,8 @@ class OpenAIServing:
         jobs = self.completion_jobs(req)
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs])
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        origin = RequestOrigin("openai.completions", bool(req.stream), traceparent)
+        origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
+                               request_id)
         return await self._respond(self._submit(jobs, rid, resume, origin), shape, req, req.n,
                                    rid, request_id)
 

@@ -128,6 +128,8 @@ def request_attributes(record: RequestRecord, content: bool = False) -> dict[str
         attrs["justllm.api"] = record.api
     if record.stream is not None:
         attrs["justllm.stream"] = record.stream
+    if record.http_request_id:  # the conventions' header attribute: a list of its values
+        attrs["http.request.header.x-request-id"] = (record.http_request_id,)
     if record.ttft_seconds is not None:
         # Not gen_ai.response.time_to_first_chunk: that one is the client's, measured to the
         # first streamed chunk; this is the server's, arrival to the first generated token.

@@ -231,6 +231,7 @@ def test_a_request_with_a_traceparent_continues_the_clients_trace(exporter):
     assert chat.name == "chat tiny" and chat.attributes["gen_ai.operation.name"] == "chat"
     assert chat.attributes["justllm.api"] == "openai.chat"
     assert chat.attributes["justllm.stream"] is True
+    assert "http.request.header.x-request-id" not in chat.attributes  # none recorded
     assert format(chat.context.trace_id, "032x") == TRACE_ID  # the client's trace
     assert chat.parent is not None and format(chat.parent.span_id, "016x") == SPAN_ID
     assert chat.parent.is_remote
@@ -378,7 +379,7 @@ def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
                 pass
             time.sleep(0.1)
         answer = httpx.post(url + "/v1/completions", timeout=60, headers={
-            "traceparent": TRACEPARENT}, json={
+            "traceparent": TRACEPARENT, "X-Request-Id": "trace-7"}, json={
             "model": "demo", "prompt": "The capital of France is", "max_tokens": 5,
             "temperature": 0.7, "top_p": 0.95, "seed": 11}).json()
         assert not receiver.requests  # batched, not sent yet
@@ -408,6 +409,7 @@ def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
     assert root.name == "text_completion demo"
     attrs = attributes(root.attributes)
     assert attrs["justllm.api"] == "openai.completions" and attrs["justllm.stream"] is False
+    assert attrs["http.request.header.x-request-id"] == ("trace-7",)
     usage = answer["usage"]
     assert attrs["gen_ai.provider.name"] == "justllm"
     assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "demo"

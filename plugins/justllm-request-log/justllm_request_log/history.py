@@ -46,6 +46,7 @@ def history(
     model: Annotated[Optional[str], typer.Option("--model", help="Only this model's requests (the id clients send).")] = None,
     query: Annotated[Optional[str], typer.Option("-q", "--query", help="Only requests whose prompt or output contains TEXT (case-insensitive; text is recorded with 'justllm serve --record-text').")] = None,
     since: Annotated[Optional[str], typer.Option("--since", help="Only requests that arrived since: a duration ago (30m, 2h, 7d, 1w) or an ISO date or time.")] = None,
+    request_id: Annotated[Optional[str], typer.Option("--id", help="Only the request with this X-Request-Id (the header its answer carried) or response id (chatcmpl-..., cmpl-...).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array of the rows, every column.")] = False,
     path: Annotated[bool, typer.Option("--path", help="Print the database's path and exit.")] = False,
     prune: Annotated[bool, typer.Option("--prune", help="Apply the retention limits now (JUSTLLM_REQUEST_LOG_MAX_ROWS, JUSTLLM_REQUEST_LOG_MAX_DAYS) and give the space back.")] = False,
@@ -59,7 +60,7 @@ def history(
             return
         if count < 0:
             raise ValueError(f"--count must be 0 (all) or more, got {count}")
-        wanted = store.Search(model=model, query=query, limit=count,
+        wanted = store.Search(model=model, query=query, limit=count, request_id=request_id,
                               since=parse_since(since) if since is not None else None)
         retention = store.Retention.from_env() if prune else None
         if db.exists() and not db.is_file():

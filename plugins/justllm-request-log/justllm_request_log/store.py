@@ -37,7 +37,7 @@ BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another process's write to e
 COLUMNS = ("request_id", "model", "finish_reason", "error", "prompt_tokens",
            "completion_tokens", "cached_tokens", "arrived_at", "arrived_iso", "queued_seconds",
            "prefill_seconds", "decode_seconds", "total_seconds", "ttft_seconds", "lora",
-           "params", "prompt", "output", "pid")
+           "params", "prompt", "output", "pid", "http_request_id")
 
 
 class RequestLogError(JustLLMError):
@@ -161,9 +161,15 @@ def _v1(conn: sqlite3.Connection) -> None:
             conn.execute(sql)
 
 
+def _v2(conn: sqlite3.Connection) -> None:
+    """The HTTP request's X-Request-Id (rows written before it have NULL)."""
+    conn.execute("ALTER TABLE requests ADD COLUMN http_request_id TEXT")
+    conn.execute("CREATE INDEX requests_http_request_id ON requests (http_request_id)")
+
+
 # Migration i takes a database from user_version i to i + 1. Append, never edit: a database
 # that is at version n runs MIGRATIONS[n:].
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -235,7 +241,8 @@ def row_of(record: RequestRecord, pid: int | None = None) -> tuple[Any, ...]:
             record.queued_seconds, record.prefill_seconds, record.decode_seconds,
             record.total_seconds, record.ttft_seconds, record.lora,
             json.dumps(dict(record.params), sort_keys=True, default=str),
-            record.prompt, record.output, os.getpid() if pid is None else pid)
+            record.prompt, record.output, os.getpid() if pid is None else pid,
+            record.http_request_id)
 
 
 _INSERT = (f"INSERT INTO requests ({', '.join(COLUMNS)}) "
@@ -310,6 +317,9 @@ class Search:
     model: str | None = None
     query: str | None = None  # a substring of the prompt or output text
     since: float | None = None  # Unix time
+    # A request's X-Request-Id, or its response id (``chatcmpl-...``; a request with several
+    # choices has a row per choice, ``ID-0``, ``ID-1``...).
+    request_id: str | None = None
     limit: int = 20
 
 
@@ -328,6 +338,10 @@ def search(conn: sqlite3.Connection, s: Search) -> list[dict[str, Any]]:
     if s.since is not None:
         where.append("arrived_at >= ?")
         args.append(s.since)
+    if s.request_id is not None:
+        where.append("(http_request_id = ? OR request_id = ? OR request_id GLOB ?)")
+        args += [s.request_id, s.request_id,
+                 re.sub(r"([*?\[])", r"[\1]", s.request_id) + "-[0-9]*"]
     if s.query:
         # FTS5 when the database has the index; trigrams cannot match fewer than three
         # characters, so a shorter query (and a database without the index) uses LIKE.

@@ -250,10 +250,11 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
         completion = client.post("/v1/completions", json={
             "model": server.model, "prompt": "The capital of France is", "max_tokens": 8,
         }).json()
-        chat = client.post("/v1/chat/completions", json={
+        chat_answer = client.post("/v1/chat/completions", headers={"X-Request-Id": "trace-42"}, json={
             "model": server.model, "max_tokens": 8,
             "messages": [{"role": "user", "content": "Say hello to Zanzibar."}],
-        }).json()
+        })
+        chat = chat_answer.json()
         with client.stream("POST", "/v1/completions", json={
             "model": server.model, "prompt": "Count to a thousand: 1, 2,", "max_tokens": 400,
             "ignore_eos": True, "stream": True,
@@ -283,6 +284,12 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
 
     found = history_json("-q", "zanzibar")  # any case
     assert [r["id"] for r in found] == [talk["id"]]
+    # the X-Request-Id the answer carried: the client's own, else the server's
+    assert chat_answer.headers["x-request-id"] == talk["http_request_id"] == "trace-42"
+    assert plain["http_request_id"].startswith("req_")
+    assert [r["id"] for r in history_json("--id", "trace-42")] == [talk["id"]]
+    assert [r["id"] for r in history_json("--id", completion["id"])] == [plain["id"]]
+    assert history_json("--id", "trace-4") == []
     assert history_json("-q", "no such text anywhere") == []
     assert len(history_json("--model", server.model)) == 3
     assert history_json("--model", "another-model") == []
@@ -380,6 +387,27 @@ def test_newer_schema_is_refused(db: Path) -> None:
         on_request_finished(record(1))
     done = history()
     assert done.returncode == 1 and "newer" in done.stderr
+
+
+def test_a_first_version_database_is_migrated_and_keeps_its_rows(db: Path) -> None:
+    """Version 2 added the X-Request-Id column; a version 1 log is brought up to date."""
+    db.parent.mkdir()
+    conn = sqlite3.connect(db)
+    store.MIGRATIONS[0](conn)
+    conn.execute("PRAGMA user_version = 1")
+    old = dict(zip(store.COLUMNS, store.row_of(record(1)), strict=True))
+    del old["http_request_id"]
+    conn.execute(f"INSERT INTO requests ({', '.join(old)}) VALUES "
+                 f"({', '.join('?' * len(old))})", list(old.values()))
+    conn.commit()
+    conn.close()
+    on_request_finished(record(2))
+    rows = history_json()
+    assert [r["request_id"] for r in rows] == ["r2", "r1"]
+    assert rows[1]["http_request_id"] is None
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION == 2
+    conn.close()
 
 
 def test_default_path_follows_xdg_state_home(tmp_path: Path) -> None:
