@@ -15,6 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HISTORY_LINES = 1000
+NO_HISTORY = "JUSTLLM_NOHISTORY"  # set (1, true, yes, on): no history is read or written
+
+
+def keeps_history() -> bool:
+    """False when JUSTLLM_NOHISTORY asks for no history (as OLLAMA_NOHISTORY does)."""
+    return os.environ.get(NO_HISTORY, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def history_file() -> Path:
@@ -28,14 +34,18 @@ def history_file() -> Path:
 def line_editing() -> Iterator[None]:
     """Editing and history for ``input()`` while the block runs, when stdin is a terminal (a
     pipe's lines are read as they are). The history is loaded from ``history_file()`` and
-    saved back at the end, the file made private (0600): it holds what was typed. A history
-    that cannot be read or written is left alone, silently: editing still works."""
+    saved back at the end, the file made private (0600): it holds what was typed; with
+    JUSTLLM_NOHISTORY set, neither. A history that cannot be read or written is left alone,
+    silently: editing still works."""
     if not sys.stdin.isatty():
         yield
         return
     try:
         import readline
     except ImportError:  # a Python built without it (Windows): plain input()
+        yield
+        return
+    if not keeps_history():  # the up arrow still recalls this session's lines
         yield
         return
     path = history_file()

@@ -23,9 +23,9 @@ class Terminal:
     ``cache_dir``: its JUSTLLM_CACHE_DIR, where the chat keeps its input history (never the
     user's own)."""
 
-    def __init__(self, *args: str, cache_dir: Path) -> None:
+    def __init__(self, *args: str, cache_dir: Path, env: dict[str, str] | None = None) -> None:
         self.master, slave = pty.openpty()
-        env = {**os.environ, "JUSTLLM_CACHE_DIR": str(cache_dir), "TERM": "xterm"}
+        env = {**os.environ, "JUSTLLM_CACHE_DIR": str(cache_dir), "TERM": "xterm", **(env or {})}
         # SIGINT back to its default: a test run started in the background (``cmd &`` without
         # job control) ignores it, the child would inherit that, and Ctrl-C would do nothing.
         self.proc = subprocess.Popen([sys.executable, "-m", "justllm", *args], stdin=slave,
@@ -214,6 +214,25 @@ def test_chat_edits_lines_and_keeps_a_private_history_in_a_terminal(server, tmp_
     assert "(conversation cleared)" in again.expect(">>> ")
     again.send("/bye")
     assert again.close() == 0
+
+
+def test_justllm_nohistory_keeps_no_history(server, tmp_path):
+    """As OLLAMA_NOHISTORY: the up arrow recalls this session's lines, and nothing is read
+    or written."""
+    history = tmp_path / "chat_history"
+    history.write_text("/clear\n")
+    history.chmod(0o600)
+    t = Terminal("chat", "--url", server.url, cache_dir=tmp_path, env={"JUSTLLM_NOHISTORY": "1"})
+    t.expect(">>> ")
+    t.send(UP)  # the file's line is not offered: an empty line
+    assert "(conversation cleared)" not in t.expect(">>> ")
+    t.send("/clear")
+    assert "(conversation cleared)" in t.expect(">>> ")
+    t.send(UP)  # this session's line is
+    assert "(conversation cleared)" in t.expect(">>> ")
+    t.send("/bye")
+    assert t.close() == 0
+    assert history.read_text() == "/clear\n"  # nothing written
 
 
 def test_chat_url_may_end_in_v1_as_openai_clients_are_configured(server):
