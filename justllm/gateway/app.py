@@ -5,7 +5,6 @@ runner (loaded first if need be), the model list with status, load/unload, healt
 from __future__ import annotations
 
 import logging
-import re
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,13 +34,13 @@ from justllm.gateway.policy import (
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
+from justllm.gateway.streams import SequenceNumbers, stream_failure
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server import model_cards
 from justllm.server.anthropic import anthropic_error
-from justllm.server.anthropic import error_body as anthropic_error_body
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
-from justllm.server.errors import APIError, error_body, handle_exception, json_object
+from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_id import HEADER as REQUEST_ID
@@ -184,7 +183,7 @@ async def _forward(request: Request, path: str) -> Any:
                 failed += 1
                 if failed == 2:
                     raise APIError(503, f"model '{state.spec.name}' stopped answering",
-                                   type="server_error", code="runner_failed",
+                                   type="server_error", code="replica_failed",
                                    headers={"Retry-After": "2"}) from None
                 continue
             except _Refused as e:
@@ -334,7 +333,7 @@ async def _relay(response: httpx.Response, chunks: AsyncIterator[bytes], first: 
                  done: Callable[[], None], path: str) -> AsyncIterator[bytes]:
     """A runner's SSE (or Ollama's NDJSON) stream, byte for byte (``first``, then the rest of
     ``chunks``); if the runner dies mid-stream, a final error in the stream's own API shape
-    (:func:`_stream_failure`). Closing it (the client left) closes the runner's stream, which
+    (:func:`stream_failure`). Closing it (the client left) closes the runner's stream, which
     aborts."""
     numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
@@ -343,7 +342,7 @@ async def _relay(response: httpx.Response, chunks: AsyncIterator[bytes], first: 
                 numbered.feed(chunk)
             yield chunk
     except httpx.HTTPError:
-        yield _stream_failure(path, f"model '{state.spec.name}' stopped while streaming",
+        yield stream_failure(path, f"model '{state.spec.name}' stopped while streaming",
                               numbered.next if numbered is not None else 0)
     finally:
         done()  # first: the await below may be cancelled (client gone)
@@ -356,43 +355,6 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield first
     async for chunk in rest:
         yield chunk
-
-
-class SequenceNumbers:
-    """The Responses API numbers a stream's events; the gateway's own last event (a runner
-    that died) must take the number after the runner's last. Chunks are raw bytes, so a number
-    may be split between two: a short tail of the previous chunk is searched again."""
-
-    _FIELD = re.compile(rb'"sequence_number":(\d+)')
-
-    def __init__(self) -> None:
-        self.next = 0
-        self._tail = b""
-
-    def feed(self, chunk: bytes) -> None:
-        text = self._tail + chunk
-        found = self._FIELD.findall(text)
-        if found:
-            self.next = max(self.next, max(map(int, found)) + 1)
-        self._tail = text[-40:]
-
-
-def _stream_failure(path: str, message: str, sequence_number: int = 0) -> bytes:
-    """The last frame of a stream whose runner died, as each API's clients expect it: Ollama's
-    ``{"error": ...}`` line, Anthropic's and the Responses API's ``error`` event (numbered
-    ``sequence_number``, the one after the runner's last), else an OpenAI error chunk and
-    ``[DONE]``."""
-    if path.startswith("/api/"):
-        return msgspec.json.encode({"error": message}) + b"\n"
-    if path.startswith("/v1/messages"):
-        return b"event: error\ndata: " + msgspec.json.encode(
-            anthropic_error_body(500, message)) + b"\n\n"
-    if path.startswith("/v1/responses"):
-        return b"event: error\ndata: " + msgspec.json.encode(
-            {"type": "error", "code": "runner_failed", "message": message, "param": None,
-             "sequence_number": sequence_number}) + b"\n\n"
-    return (b"data: " + msgspec.json.encode(error_body(
-        message, "server_error", code="runner_failed")) + b"\n\ndata: [DONE]\n\n")
 
 
 @post("/chat/completions", status_code=200, summary="Chat completion, routed by model")

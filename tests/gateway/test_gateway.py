@@ -276,7 +276,7 @@ def test_models_side_by_side_a_killed_runner_and_a_killed_gateway(tmp_path, mode
                 if len(lines) == 3:
                     os.kill(victim, signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][6:])["error"]["code"] == "runner_failed"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "replica_failed"
         gw.wait_status("alpha", "loaded")
         assert complete(gw, "alpha").status_code == 200
         # A client that leaves a stream through the gateway aborts the runner's request.
@@ -500,7 +500,7 @@ def test_a_stream_queued_on_a_runner_that_dies_goes_to_its_successor(tmp_path, m
         os.kill(victim, signal.SIGKILL)
         a.join(300)
         b.join(300)
-        assert json.loads(first[-2][6:])["error"]["code"] == "runner_failed"  # it had started
+        assert json.loads(first[-2][6:])["error"]["code"] == "replica_failed"  # it had started
         assert queued[0] == "200" and queued[-1] == "data: [DONE]", queued
         texts = [json.loads(line[6:]) for line in queued[1:-1]]
         assert all("error" not in t for t in texts) and len(texts) == 4, texts

@@ -264,23 +264,23 @@ def test_bad_pd_keys_are_one_clear_error(entry, message):
 
 
 def test_a_stream_whose_runner_died_ends_in_its_own_apis_error_shape():
-    from justllm.gateway.app import _stream_failure
+    from justllm.gateway.streams import stream_failure
 
-    ollama = json.loads(_stream_failure("/api/chat", "gone"))
+    ollama = json.loads(stream_failure("/api/chat", "gone"))
     assert ollama == {"error": "gone"}
-    event, data = _stream_failure("/v1/messages", "gone").decode().strip().split("\n")
+    event, data = stream_failure("/v1/messages", "gone").decode().strip().split("\n")
     assert event == "event: error"
     assert json.loads(data.removeprefix("data: ")) == {
         "type": "error", "error": {"type": "api_error", "message": "gone"}}
-    event, data = _stream_failure("/v1/responses", "gone").decode().strip().split("\n")
+    event, data = stream_failure("/v1/responses", "gone").decode().strip().split("\n")
     assert event == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error"
-    chunk, done = _stream_failure("/v1/chat/completions", "gone").decode().strip().split("\n\n")
-    assert json.loads(chunk.removeprefix("data: "))["error"]["code"] == "runner_failed"
+    chunk, done = stream_failure("/v1/chat/completions", "gone").decode().strip().split("\n\n")
+    assert json.loads(chunk.removeprefix("data: "))["error"]["code"] == "replica_failed"
     assert done == "data: [DONE]"
 
 
 def test_the_gateways_last_responses_event_takes_the_number_after_the_runners_last():
-    from justllm.gateway.app import SequenceNumbers, _stream_failure
+    from justllm.gateway.streams import SequenceNumbers, stream_failure
 
     seq = SequenceNumbers()
     assert seq.next == 0  # died before its first event: the error is event 0
@@ -293,5 +293,5 @@ def test_the_gateways_last_responses_event_takes_the_number_after_the_runners_la
     assert seq.next == 12
     seq.feed(b"data: ")  # a chunk without a number keeps it
     assert seq.next == 12
-    _, data = _stream_failure("/v1/responses", "gone", seq.next).decode().strip().split("\n")
+    _, data = stream_failure("/v1/responses", "gone", seq.next).decode().strip().split("\n")
     assert json.loads(data.removeprefix("data: "))["sequence_number"] == 12
