@@ -1,6 +1,7 @@
 """The cluster's HTTP face, run by the ingress deployment behind Ray Serve's HTTP proxies: the
-OpenAI routes (and Ollama's) forwarded by the body's ``model`` to that model's deployment, the
-model list, health, and one ``/metrics`` page for every replica.
+OpenAI routes (Responses too), Anthropic's Messages and Ollama's, forwarded by the body's
+``model`` to that model's deployment, the model list, health, and one ``/metrics`` page for
+every replica.
 
 A thin Litestar app rather than the server's own behind ``serve.ingress``: the server's app
 holds an engine, and here there is none, only a handle per model. Each request becomes one
@@ -55,9 +56,11 @@ from justllm.gateway.policy import (
     session_key,
 )
 from justllm.gateway.routing import route_text
+from justllm.gateway.streams import SequenceNumbers, stream_failure
 from justllm.server import model_cards
+from justllm.server.anthropic import anthropic_error
 from justllm.server.app import require_api_key, unless_disconnected
-from justllm.server.errors import APIError, error_body, handle_exception, json_object
+from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
@@ -137,7 +140,7 @@ async def forward(request: Request, path: str) -> Any:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body)
     headers = [*forwardable(list(request.headers.items()),
-                            drop=frozenset({"authorization", REQUEST_ID})),
+                            drop=frozenset({"authorization", "x-api-key", REQUEST_ID})),
                (REQUEST_ID, request_id(request.scope))]
     if runtime is None:
         handle, extra = ing.handles[model].options(stream=True), {}
@@ -180,7 +183,7 @@ async def forward(request: Request, path: str) -> Any:
                     return first
                 # Content-Type explicit: Litestar lets a handler's default (JSON) override a
                 # Stream's own media type (as server/app.py's sse_response says).
-                return Stream(_relay(answer, model, kind.startswith(NDJSON), first),
+                return Stream(_relay(answer, model, path, first),
                               status_code=head.status, media_type=kind,
                               headers={**dict(out), "Content-Type": kind})
             chunks = await unless_disconnected(request, _collect(answer))
@@ -266,35 +269,37 @@ async def _collect(answer: Any) -> list[bytes]:
     return [chunk async for chunk in answer]
 
 
-async def _relay(answer: Any, model: str, ndjson: bool,
+async def _relay(answer: Any, model: str, path: str,
                  first: bytes | None) -> AsyncIterator[bytes]:
     """The replica's stream, chunk by chunk (``first`` already read); if the replica dies
-    mid-way, a final error event and ``[DONE]`` (Ollama's: an ``{"error"}`` line). Closed
-    early (the client left), it cancels the call, and the replica aborts the request."""
+    mid-way, a last frame in the stream's own API shape, as router mode ends it
+    (gateway/streams.py). Closed early (the client left), it cancels the call, and the replica
+    aborts the request."""
+    numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
         if first is None:
             return
+        if numbered is not None:
+            numbered.feed(first)
         yield first
         async for chunk in answer:
+            if numbered is not None:
+                numbered.feed(chunk)
             yield chunk
     except REPLICA_GONE:
-        message = f"model '{model}' stopped while streaming"
-        if ndjson:
-            yield msgspec.json.encode({"error": message}) + b"\n"
-        else:
-            yield (b"data: " + msgspec.json.encode(error_body(
-                message, "server_error", code="replica_failed")) + b"\n\ndata: [DONE]\n\n")
+        yield stream_failure(path, f"model '{model}' stopped while streaming",
+                             numbered.next if numbered is not None else 0)
     finally:
         _cancel(answer, None)
 
 
-def _route(path: str, summary: str) -> Any:
+def _route(path: str, summary: str, **options: Any) -> Any:
     async def handler(request: Request) -> Any:
         return await forward(request, path)
 
     # "/v1/chat/completions" is "/chat/completions" on the /v1 router
     return post("/" + path.split("/", 2)[2], status_code=200, summary=summary,
-                name=path)(handler)
+                name=path, **options)(handler)
 
 
 @get("/models", summary="The cluster's models")
@@ -346,7 +351,11 @@ async def metrics(state: State) -> Response:
 
 OPENAI = (("/v1/chat/completions", "Chat completion, routed by model"),
           ("/v1/completions", "Text completion, routed by model"),
-          ("/v1/embeddings", "Embeddings, routed by model"))
+          ("/v1/embeddings", "Embeddings, routed by model"),
+          ("/v1/responses", "OpenAI Responses (stateless), routed by model"))
+ANTHROPIC = (("/v1/messages", "Anthropic: create a message, routed by model"),
+             ("/v1/messages/count_tokens", "Anthropic: count a message's tokens, routed by "
+                                           "model"))
 OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
           ("/api/generate", "Ollama generate, routed by model"),
           ("/api/embed", "Ollama embed, routed by model"),
@@ -358,7 +367,8 @@ def create_ingress(ingress: Ingress) -> Litestar:
     """The ingress's app. ``ingress.api_key``: /v1 and /api ask for it, as `justllm serve`."""
     config = IngressConfig(ingress.api_key)
     v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models, retrieve_model]
-                + runtime_lora.ROUTES,
+                + [_route(p, s, exception_handlers={Exception: anthropic_error})
+                   for p, s in ANTHROPIC] + runtime_lora.ROUTES,
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})

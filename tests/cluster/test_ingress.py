@@ -200,6 +200,57 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event():
     assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
 
 
+def test_anthropic_and_responses_requests_go_to_the_models_deployment():
+    """Router mode forwards /v1/messages, count_tokens and /v1/responses; the cluster answered
+    them 404. The client's x-api-key (Anthropic's SDK) stays at the ingress."""
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(3)])
+    with client(handle, api_key="sekrit") as c:
+        for path, body in (("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/messages/count_tokens", {"model": "demo", "messages": []}),
+                           ("/v1/responses", {"model": "demo", "input": "hi"})):
+            r = c.post(path, json=body, headers={"x-api-key": "sekrit"})
+            assert r.status_code == 200, (path, r.text)
+    assert [call["path"] for call in handle.calls] == [
+        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"]
+    assert handle.calls[0]["body"]["model"] == "demo"
+    assert handle.calls[0]["route"][0] == "<user>hi\n"
+    assert handle.calls[2]["route"][0] == "hi"
+    assert all("x-api-key" not in call["headers"] for call in handle.calls)
+
+
+def test_anthropic_errors_keep_anthropics_shape():
+    with client(Handle(), api_key="sekrit") as c:
+        r = c.post("/v1/messages", json={"model": "demo", "max_tokens": 4, "messages": []})
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "authentication_error"
+        r = c.post("/v1/messages", headers={"x-api-key": "sekrit"}, json={
+            "model": "nope", "max_tokens": 4, "messages": []})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("path, body, last", [
+    ("/v1/messages", {"max_tokens": 9, "messages": []}, "anthropic"),
+    ("/v1/responses", {"input": "x"}, "responses"),
+])
+def test_a_stream_cut_mid_way_ends_in_its_apis_own_shape(path, body, last):
+    first = (b'event: response.created\ndata: {"type":"response.created",'
+             b'"sequence_number":0}\n\n' if last == "responses"
+             else b'event: message_start\ndata: {"type":"message_start"}\n\n')
+    handle = Handle(Answer(SSE, first, error=ActorDiedError()))
+    with client(handle) as c:
+        r = c.post(path, json={"model": "demo", "stream": True, **body})
+    event, data = [e for e in r.text.split("\n\n") if e][-1].split("\n")
+    assert event == "event: error"
+    error = json.loads(data.removeprefix("data: "))
+    if last == "responses":  # numbered after the replica's last event, as router mode does
+        assert error["type"] == "error" and error["sequence_number"] == 1
+        assert error["code"] == "replica_failed"
+    else:
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "[DONE]" not in r.text
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "x"}, 404, "model"),
     ({"model": 5, "prompt": "x"}, 400, "model"),
