@@ -92,9 +92,11 @@ def _unavailable(e: ModelUnavailable) -> APIError:
 
 
 class _Refused(Exception):
-    """A replica answered 429 or 503 before anything reached the client: try another."""
+    """A replica answered 429 or 503 before anything reached the client: try another. Its
+    answer, or the error to give if none takes it (a remote replica that refused the
+    gateway's key)."""
 
-    def __init__(self, response: Response) -> None:
+    def __init__(self, response: Response | APIError) -> None:
         self.response = response
 
 
@@ -148,12 +150,14 @@ async def _forward(request: Request, path: str) -> Any:
                     handover, target = got, f"/pd/decode?path={path}"
                     sent = handover.body(content)
         skip: set[str] = set()  # replicas that refused this request (429, 503)
-        refused: Response | None = None
+        refused: Response | APIError | None = None
         failed = 0  # replicas that died under this request before answering
         while True:
             try:
                 replica = sup.route(state, route, skip)
             except NoReplica:
+                if isinstance(refused, APIError):
+                    raise refused from None
                 if refused is not None:  # every replica refused it: the last refusal
                     return refused
                 try:
@@ -324,6 +328,13 @@ async def _send(request: Request, replica: Replica, path: str,
                       headers=served_by)
     if response.status_code in (429, 503):
         raise _Refused(answer)
+    if response.status_code in (401, 403) and replica.remote is not None:
+        # The replica's key, not the client's: passed on, the client read it as its own.
+        raise _Refused(APIError(502, f"the replica {replica.id} of model '{state.spec.name}' "
+                                f"refused the gateway (HTTP {response.status_code}): give the "
+                                "model the api-key that replica was started with "
+                                "(models.yaml)", type="server_error",
+                                code="replica_unauthorized"))
     done()
     return answer
 

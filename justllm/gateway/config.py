@@ -21,6 +21,7 @@ validated once, before anything starts.
         target-ongoing: 4     # requests in flight per replica it aims at
         gpus: [0, 1, 2, 3]    # replica i gets CUDA_VISIBLE_DEVICES=gpus[i % len]
         urls: [http://10.0.0.7:8080]   # replicas elsewhere (any `justllm serve`)
+        api-key: ${BUSY_KEY}  # what the urls ask for (--api-key there); $VAR: from the env
         routing: cache-aware  # or a mapping of the routing options
       split:
         source: /models/qwen.gguf
@@ -55,7 +56,7 @@ _PD_KEYS = {"prefill-replicas", "decode-replicas"}
 # on the decode replica: a hand-over costs more than their prefill saves.
 DEFAULT_PREFILL_MIN_TOKENS = 128
 _MODEL_KEYS = {"source", "aliases", "ttl", "preload", "replicas", "gpus", "urls", "routing",
-               "prefill-min-tokens", *_SCALE_KEYS, *_PD_KEYS}
+               "prefill-min-tokens", "api-key", *_SCALE_KEYS, *_PD_KEYS}
 _TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting",
              "poll-interval"}
 
@@ -98,6 +99,8 @@ class ModelSpec:
     # PD: the autoscaler's settings for a role's local replicas (``prefill-replicas`` or
     # ``decode-replicas`` given as a mapping of min-replicas, max-replicas, ...).
     role_autoscale: tuple[tuple[str, AutoscaleConfig], ...] = ()
+    # The key the urls ask for (their --api-key), sent to them only; kept out of repr (logs).
+    url_api_key: str | None = field(default=None, repr=False)
 
     @property
     def pd(self) -> bool:
@@ -339,12 +342,38 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
         values["lora"] = _lora_list(name, values["lora"])
     _check_engine_flags(name, values)
     replicas = _replicas(name, entry, flags)
+    replicas["url_api_key"] = _url_api_key(name, entry.get("api-key"), replicas["urls"])
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
                      ttl=-1.0 if pinned else _number(f"model '{name}': ttl",
                                                      entry.get("ttl", DEFAULT_TTL)),
                      preload=pinned or entry.get("preload", False),
                      flags=tuple(sorted(values.items())), **replicas)
+
+
+_ENV_REF = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def _url_api_key(name: str, value: Any, urls: tuple[str, ...]) -> str | None:
+    """A model's ``api-key``: the key its remote replicas (``urls``) were started with, as a
+    literal or ``$VAR`` / ``${VAR}``, read from the gateway's environment (so the file need
+    not hold it)."""
+    where = f"model '{name}': api-key"
+    if value is None:
+        return None
+    if not urls:
+        raise ValueError(f"{where} is the key of the model's urls (remote replicas); it has "
+                         "none (local replicas get a key of their own)")
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where} must be a string (the urls' --api-key, or $VAR)")
+    ref = _ENV_REF.fullmatch(value.strip())
+    if ref is None:
+        return value.strip()
+    var = ref.group(1) or ref.group(2)
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise ValueError(f"{where} names the environment variable {var}, which is not set")
+    return key
 
 
 def check_sources(config: GatewayConfig) -> None:

@@ -667,7 +667,8 @@ def _retrieve(task: asyncio.Future[None]) -> None:
 
 class RunnerAuth(httpx.Auth):
     """``Authorization: Bearer`` the runners' key on requests to this supervisor's local
-    runners; nothing added for anyone else (remote replicas never see it)."""
+    runners (remote replicas never see it); a model's own ``api-key`` on requests to its
+    ``urls``; nothing for anyone else."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
@@ -677,4 +678,17 @@ class RunnerAuth(httpx.Auth):
         if any(r.runner is not None and r.runner.url == origin
                for s in self.supervisor.models.values() for r in s.local):
             request.headers["authorization"] = f"Bearer {self.supervisor.runner_key}"
+        else:
+            key = remote_key(self.supervisor.config, str(request.url))
+            if key is not None:
+                request.headers["authorization"] = f"Bearer {key}"
         yield request
+
+
+def remote_key(config: GatewayConfig, url: str) -> str | None:
+    """The ``api-key`` of the model whose ``urls`` (or PD url lists) ``url`` is under."""
+    for spec in config.models:
+        if spec.url_api_key is not None and any(
+                url == u or url.startswith(u + "/") for u in spec.urls):
+            return spec.url_api_key
+    return None

@@ -100,6 +100,22 @@ def test_config_from_yaml_data():
     assert cfg.spec("coder").ttl == 300 and cfg.spec("coder").runner_args() == ["--ctx", "512"]
 
 
+def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkeypatch):
+    from justllm.gateway.supervisor import remote_key
+
+    monkeypatch.setenv("JUSTLLM_TEST_KEY", "from-env")
+    cfg = load_config({"models": {
+        "a": {"urls": ["http://h:1", "http://h:2/"], "api-key": "${JUSTLLM_TEST_KEY}"},
+        "b": {"prefill-replicas": ["http://p:1"], "decode-replicas": ["http://d:1"],
+              "api-key": "plain"},
+        "c": {"urls": ["http://h:3"]}}}, FLAGS)
+    assert remote_key(cfg, "http://h:2/v1/completions") == "from-env"
+    assert remote_key(cfg, "http://d:1/metrics") == remote_key(cfg, "http://p:1") == "plain"
+    assert remote_key(cfg, "http://h:3/v1") is None  # no key: nothing is sent
+    assert remote_key(cfg, "http://h:10/v1") is None  # not a url of a (prefix match)
+    assert "from-env" not in repr(cfg.spec("a"))
+
+
 @pytest.mark.parametrize("data, says", [
     ({"models": {}}, "at least one model"),
     ({"models": {"a": {"aliases": ["x"]}}}, "needs a 'source'"),
@@ -109,6 +125,10 @@ def test_config_from_yaml_data():
     ({"models": {"a": "/a"}, "max-memory": "lots"}, "max-memory"),
     ({"models": {"a": "/a"}, "max-models": 2}, "unknown key(s) max-models"),
     ([1, 2], "must be a mapping"),
+    ({"models": {"a": {"source": "/a", "api-key": "k"}}}, "api-key is the key of the model's urls"),
+    ({"models": {"a": {"urls": ["http://h:1"], "api-key": 5}}}, "api-key must be a string"),
+    ({"models": {"a": {"urls": ["http://h:1"], "api-key": "${JUSTLLM_TEST_UNSET}"}}},
+     "names the environment variable JUSTLLM_TEST_UNSET, which is not set"),
 ])
 def test_config_errors_say_what_is_wrong(data, says):
     with pytest.raises(ValueError) as e:

@@ -201,7 +201,8 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
         [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port),
          # another name than the gateway's: the gateway asks it by its own (this was a 404)
          "--served-model-name", "elsewhere", "--max-seqs", "4", "--pool-blocks", "64",
-         "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--threads", "1", "--api-key", "remote-key"],  # the model's api-key (a 401 without)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     remote_url = f"http://127.0.0.1:{port}"
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     gw = None
@@ -210,8 +211,10 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
         gw = start_gateway(tmp_path, {
             "demo": {"source": model_path, "replicas": 1, "preload": True,
                      "urls": [remote_url, overloaded, dead_url], "routing": "round-robin",
-                     **FLAGS},
-            "busy": {"urls": [overloaded]}, "gone": {"urls": [dead_url]}})
+                     "api-key": "remote-key", **FLAGS},
+            "busy": {"urls": [overloaded]}, "gone": {"urls": [dead_url]},
+            # the same server under another name, with no api-key
+            "locked": {"urls": [f"http://localhost:{port}"]}})
         wait_for("the local replica", lambda: replicas(gw, "demo")["0"]["status"] == "ready")
         served = []
         for i in range(8):
@@ -235,6 +238,12 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
             "model": "busy", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
         assert r.json()["error"]["code"] == "overloaded"
+        # A remote replica that asks for a key the model does not give: the gateway's error,
+        # not the replica's 401 (the client read that as a wrong key of its own).
+        r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "locked", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "replica_unauthorized"
+        assert "api-key" in r.json()["error"]["message"]
         # A model whose only replica is down: a 503 at once (it waited load-timeout, 120 s).
         wait_for("the dead replica", lambda: replicas(gw, "gone")[dead_url]["status"]
                  == "unhealthy")
