@@ -272,6 +272,8 @@ def _clear_failed(app: str, cluster: Cluster) -> str:
     deleted (the head is then stopped: nothing is left on it); anywhere else it stays, and
     the message says how to remove it (it was left, head and all, without a word)."""
     apps = serve.status().applications
+    if app not in apps:  # refused before Ray made it (a route prefix in use, say)
+        return ""
     if cluster.local is not None and set(apps) <= {app}:
         with contextlib.suppress(Exception):
             serve.delete(app)
@@ -328,7 +330,8 @@ def status(app: str) -> dict[str, Any]:
 
 def down(app: str) -> list[str]:
     """Delete the app (and Serve, when no other app is left); stop the local head justllm
-    started. What was done, for the user."""
+    started once nothing else runs on it. What was done, for the user. An app that is not
+    there is a NothingDeployed, and the others keep running."""
     cluster = find_cluster()
     if cluster is None:
         raise NothingDeployed("nothing deployed: no Ray cluster (RAY_ADDRESS is not set and no "
@@ -336,14 +339,21 @@ def down(app: str) -> list[str]:
     done: list[str] = []
     with connected(cluster):
         apps = serve.status().applications
+        others = sorted(set(apps) - {app})
         if app in apps:
             serve.delete(app)
             done.append(f"deleted the app '{app}'")
-        if not set(apps) - {app}:
-            serve.shutdown()
-    if cluster.local is not None:
+            if not others:
+                serve.shutdown()
+        elif others:  # a mistyped --name stopped the local head under every other app
+            raise NothingDeployed(f"nothing deployed as '{app}' on the Ray cluster at "
+                                  f"{cluster.address} (it runs: {', '.join(others)})")
+    if cluster.local is not None and not others:
         local_ray.stop_head(cluster.local)
         done.append(f"stopped the local Ray head at {cluster.address}")
+    elif cluster.local is not None:
+        done.append(f"the local Ray head at {cluster.address} keeps running: it serves "
+                    f"{', '.join(others)}")
     if not done:
         raise NothingDeployed(f"nothing deployed as '{app}' on the Ray cluster at "
                               f"{cluster.address}")

@@ -5,6 +5,7 @@ on a real cluster in test_ray_cluster.py."""
 from __future__ import annotations
 
 import contextlib
+import re
 from functools import partial
 from types import SimpleNamespace
 
@@ -160,3 +161,53 @@ def test_without_a_schedule_timeout_the_deploy_waits_until_the_replicas_run(monk
     d.wait_running("justllm", 0, heard.append, clock=clock, sleep=clock.sleep)
     assert clock.now == 1000 and next(statuses, None) is None
     assert len(heard) == 1 and "waiting up to" not in heard[0]
+
+
+@pytest.mark.parametrize("apps, name, says, stopped", [
+    # The app asked for, alone on the head justllm started: it and the head go.
+    ({"justllm": "RUNNING"}, "justllm", ["deleted the app 'justllm'",
+                                          "stopped the local Ray head at 127.0.0.1:1"], True),
+    # Another app is left: the head stays (it was stopped under it).
+    ({"justllm": "RUNNING", "other": "RUNNING"}, "other", [
+        "deleted the app 'other'",
+        "the local Ray head at 127.0.0.1:1 keeps running: it serves justllm"], False),
+    # A name that is not there: nothing is touched (the head was stopped, and 'down' said so).
+    ({"justllm": "RUNNING"}, "typo", "nothing deployed as 'typo' on the Ray cluster at "
+                                     "127.0.0.1:1 (it runs: justllm)", False),
+    # Nothing at all on the head justllm started: it is stopped.
+    ({}, "justllm", ["stopped the local Ray head at 127.0.0.1:1"], True),
+])
+def test_down_stops_the_local_head_only_when_nothing_else_runs_there(ray_faked, monkeypatch,
+                                                                      apps, name, says,
+                                                                      stopped):
+    running, done = ray_faked
+    running.update(apps)
+    monkeypatch.setattr(d, "find_cluster", lambda: d.Cluster(HEAD.address, HEAD))
+    monkeypatch.setattr(d.serve, "shutdown", lambda: done.append("serve shut down"))
+    if isinstance(says, str):
+        with pytest.raises(d.NothingDeployed, match=re.escape(says)):
+            d.down(name)
+        assert running == apps
+    else:
+        assert d.down(name) == says
+        assert name not in running
+    assert ("head stopped" in done) == stopped
+    assert ("serve shut down" in done) == (stopped and bool(apps))
+
+
+def test_an_app_ray_refused_to_create_is_not_said_to_stay(ray_faked, monkeypatch):
+    """A second app at the route prefix '/' is refused before Ray makes it; the line said the
+    failed app stayed on the cluster and that 'down --name' removed it."""
+    apps, done = ray_faked
+    apps["justllm"] = "RUNNING"
+
+    def refuse(app, name, route_prefix, _blocking):
+        raise RuntimeError('RayServeException: Prefix / is being used by application "justllm".')
+
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", refuse)
+    with pytest.raises(JustLLMError) as e:
+        d.deploy(None, ClusterSettings(app="other"), None, d.Cluster(HEAD.address, HEAD))
+    assert str(e.value) == ('the deploy failed: RayServeException: Prefix / is being used by '
+                            'application "justllm".')
+    assert apps == {"justllm": "RUNNING"} and done == []
