@@ -92,6 +92,15 @@ def _stop(finish: str | None, matched: object, stops: list[str] | None
     return _STOP_REASONS.get(finish or "stop", "end_turn"), None
 
 
+def tool_use_id(call_id: str) -> str:
+    """A call's id as Anthropic writes one, ``toolu_...``: the chat side's ``call_<hex>`` with
+    the prefix changed, or ``toolu_`` before a Mistral-format call's 9 letters and digits
+    (``anthropic_chat._chat_id`` takes those off again when the call comes back)."""
+    if call_id.startswith("toolu_"):
+        return call_id
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     """A call as a ``tool_use`` block. Its arguments are a JSON object's text (the chat side
     returns anything else as content); should one not be, it is kept whole as ``arguments``."""
@@ -99,7 +108,7 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
         value = json.loads(call.arguments)
     except ValueError:
         value = None
-    return {"type": "tool_use", "id": call.id, "name": call.name,
+    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
             "input": value if isinstance(value, dict) else {"arguments": call.arguments}}
 
 
@@ -167,8 +176,8 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                 yield blocks.delta({"type": "text_delta", "text": ev.text})
             elif isinstance(ev, ToolCallStart):
                 text_open = False
-                for frame in blocks.start({"type": "tool_use", "id": ev.id, "name": ev.name,
-                                           "input": {}}):
+                for frame in blocks.start({"type": "tool_use", "id": tool_use_id(ev.id),
+                                           "name": ev.name, "input": {}}):
                     yield frame
             elif isinstance(ev, ToolCallArguments):
                 yield blocks.delta({"type": "input_json_delta", "partial_json": ev.arguments})

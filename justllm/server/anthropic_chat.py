@@ -14,12 +14,16 @@ its own; ``metadata.user_id`` is the chat request's ``user``.
 from __future__ import annotations
 
 import json
+import re
+from itertools import groupby
 from typing import Literal
 
 import msgspec
 
 from justllm.errors import InvalidRequestError
 from justllm.server.anthropic_schemas import Block, Message, MessagesRequest, Tool, _Prompt
+from justllm.server.json_schema import check_strict, unenforced
+from justllm.server.openai_serving import MAX_REQUEST_STOP
 from justllm.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -48,6 +52,17 @@ _REFUSED = (("thinking", "extended thinking is not supported by this server"),
             ("container", "containers (code execution) are not supported"),
             ("inference_geo", "there is one inference location"),
             ("diagnostics", "prompt-cache diagnostics are not supported"))
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool's name (the chat side's rule too)
+# A call id this server made for a Mistral-format template (9 letters and digits), as this
+# route returns it (``anthropic.tool_use_id``); the chat side gets the 9 back.
+_MISTRAL_ID = re.compile(r"toolu_([A-Za-z0-9]{9})")
+
+
+def _chat_id(tool_use_id: str) -> str:
+    """A ``tool_use`` id as the chat side knows it: the same, except that the ``toolu_`` put
+    before a Mistral-format call's id is taken off again (its templates insist on the 9)."""
+    m = _MISTRAL_ID.fullmatch(tool_use_id)
+    return m.group(1) if m else tool_use_id
 
 
 def _refuse(where: str, why: str) -> InvalidRequestError:
@@ -59,6 +74,8 @@ def _text(block: Block, where: str) -> str:
     if block.type == "text":
         if block.text is None:
             raise _refuse(where, "a text block needs 'text'")
+        if not block.text:  # Anthropic's rule
+            raise _refuse(f"{where}.text", "text content blocks must be non-empty")
         if block.citations:
             raise _refuse(f"{where}.citations", "citations are not supported")
         return block.text
@@ -95,14 +112,14 @@ def _tool_result(block: Block, where: str, names: dict[str, str]) -> ChatMessage
     text = content or ""
     if block.is_error:
         text = f"Error: {text}"
-    return ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id,
+    return ChatMessage(role="tool", content=text, tool_call_id=_chat_id(block.tool_use_id),
                        name=names.get(block.tool_use_id))
 
 
 def _tool_call(block: Block, where: str) -> MessageToolCall:
     if not block.id or not block.name or block.input is None:
         raise _refuse(where, "a tool_use block needs id, name and input")
-    return MessageToolCall(id=block.id, function=FunctionCall(
+    return MessageToolCall(id=_chat_id(block.id), function=FunctionCall(
         name=block.name, arguments=json.dumps(block.input, ensure_ascii=False)))
 
 
@@ -158,7 +175,43 @@ def _messages(req: _Prompt) -> list[ChatMessage]:
     names: dict[str, str] = {}  # tool_use id -> the tool's name
     for i, m in enumerate(req.messages):
         _turn(m, i, out, names)
+    if names and not req.tools:  # a tool_result answers a tool_use: names has it
+        raise _refuse("tools", "requests which include `tool_use` or `tool_result` blocks "
+                               "must define tools")
+    _check_pairs(req.messages)
     return out
+
+
+def _check_pairs(messages: list[Message]) -> None:
+    """Anthropic's pairing of tool blocks, turn by turn (consecutive messages of one role are
+    one turn, as Anthropic combines them): the user turn right after an assistant turn with
+    ``tool_use`` blocks has a ``tool_result`` for each of them, and a ``tool_result`` answers
+    a ``tool_use`` of the assistant turn right before it."""
+    asked: list[str] = []  # the tool_use ids of the assistant turn before
+    for role, group in groupby(enumerate(messages), key=lambda e: e[1].role):
+        turn = list(group)
+        blocks = [(f"messages[{i}].content[{j}]", b) for i, m in turn
+                  if not isinstance(m.content, str) for j, b in enumerate(m.content)]
+        if role == "assistant":
+            asked = [b.id or "" for _, b in blocks if b.type == "tool_use"]
+            continue
+        answered = set()
+        for where, b in blocks:
+            if b.type != "tool_result":
+                continue
+            if b.tool_use_id not in asked:
+                raise _refuse(f"{where}.tool_use_id", f"unexpected tool_use_id "
+                                                      f"'{b.tool_use_id}': each tool_result block "
+                                                      "must answer a tool_use block of the "
+                                                      "assistant turn right before it")
+            answered.add(b.tool_use_id)
+        missing = [u for u in asked if u not in answered]
+        if missing:
+            raise _refuse(f"messages[{turn[0][0]}].content", "`tool_use` ids were found "
+                          f"without `tool_result` blocks immediately after: "
+                          f"{', '.join(missing)}. Each `tool_use` block must have a "
+                          "corresponding `tool_result` block in the next message")
+        asked = []
 
 
 def _tool(tool: Tool, i: int) -> ChatTool:
@@ -173,8 +226,15 @@ def _tool(tool: Tool, i: int) -> ChatTool:
         raise _refuse(f"{where}.allowed_callers", "only direct calls exist here")
     if tool.defer_loading:
         raise _refuse(f"{where}.defer_loading", "deferred tool loading is not supported")
+    if not _NAME.fullmatch(tool.name):
+        raise _refuse(f"{where}.name", "a tool name is 1 to 64 letters, digits, '_' or '-'")
     if tool.input_schema is None:
         raise _refuse(f"{where}.input_schema", "a client tool needs its input_schema")
+    if tool.input_schema.get("type", "object") != "object":
+        raise _refuse(f"{where}.input_schema", "the input schema must describe a JSON object "
+                                               "(type 'object')")
+    if tool.strict:
+        check_strict(tool.input_schema, f"{where}.input_schema")
     return ChatTool(type="function", function=FunctionDef(
         name=tool.name, description=tool.description, parameters=tool.input_schema,
         strict=tool.strict))
@@ -183,11 +243,20 @@ def _tool(tool: Tool, i: int) -> ChatTool:
 def _tools(req: _Prompt) -> tuple[list[ChatTool] | None, ChatToolChoice, bool | None]:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of the chat request."""
     tools = [_tool(t, i) for i, t in enumerate(req.tools or [])] or None
+    seen: set[str] = set()
+    for i, t in enumerate(req.tools or []):
+        if t.name in seen:
+            raise _refuse(f"tools[{i}].name", f"tool names must be unique: '{t.name}' is "
+                                              "given twice")
+        seen.add(t.name)
     choice = req.tool_choice
     if choice is None:
         return tools, None, None
     if choice.type == "tool" and not choice.name:
         raise _refuse("tool_choice.name", "tool_choice of type 'tool' needs the tool's name")
+    if choice.type == "tool" and choice.name not in seen:
+        raise _refuse("tool_choice.name", f"tool_choice names the tool '{choice.name}', which "
+                                          "is not in tools")
     if choice.type != "tool" and choice.name is not None:
         raise _refuse("tool_choice.name", f"tool_choice of type '{choice.type}' takes no name")
     mapped: ChatToolChoice = (
@@ -200,7 +269,17 @@ def _response_format(req: _Prompt) -> ResponseFormat | None:
     fmt = req.output_config.format if req.output_config else None
     if fmt is None:
         return None
-    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=fmt.schema))
+    # Anthropic's structured output is always strict: a keyword the grammar would pass over
+    # is refused, never silently dropped.
+    found = unenforced(fmt.schema)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise _refuse("output_config.format.schema",
+                      f"structured output follows its schema exactly, but the output grammar "
+                      f"cannot enforce {'; '.join(found[:3])}{more} (leave it out of the "
+                      "schema, or say it in the prompt)")
+    return ResponseFormat(type="json_schema",
+                          json_schema=JsonSchemaFormat(schema=fmt.schema, strict=True))
 
 
 def to_chat(req: _Prompt) -> ChatCompletionRequest:
@@ -211,11 +290,22 @@ def to_chat(req: _Prompt) -> ChatCompletionRequest:
     if req.output_config is not None and req.output_config.effort is not None:
         raise _refuse("output_config.effort", "this server has no effort control")
     tools, choice, parallel = _tools(req)
+    fmt = _response_format(req)
+    if fmt is not None and tools and choice != "none":
+        raise _refuse("output_config.format", "structured output cannot be combined with tools "
+                                              "on this server (both constrain the whole "
+                                              "answer): send tool_choice {\"type\": \"none\"} "
+                                              "or no output_config.format")
     chat = ChatCompletionRequest(model=req.model, messages=_messages(req), tools=tools,
                                  tool_choice=choice, parallel_tool_calls=parallel,
-                                 response_format=_response_format(req))
+                                 response_format=fmt)
     if not isinstance(req, MessagesRequest):
         return chat
+    stops = req.stop_sequences or []
+    if not all(stops):
+        raise _refuse("stop_sequences", "stop sequences must be non-empty strings")
+    if len(stops) > MAX_REQUEST_STOP:
+        raise _refuse("stop_sequences", f"at most {MAX_REQUEST_STOP} stop sequences")
     return msgspec.structs.replace(
         chat, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, stop=req.stop_sequences,

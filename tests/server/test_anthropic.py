@@ -218,7 +218,7 @@ def test_a_tool_use_round_trip(client, server):
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and isinstance(use.input["city"], str)
-    assert use.id
+    assert use.id.startswith("toolu_")  # Anthropic's ids (the chat side's are call_...)
     history = [*ASK, {"role": "assistant", "content": m.content}]
 
     def turn(result: str) -> list:
@@ -255,6 +255,8 @@ def test_a_streamed_tool_use(client, server):
               if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
     assert json.loads("".join(pieces)) == final.content[-1].input
     assert final.stop_reason == "tool_use" and final.content[-1].name == "get_weather"
+    assert starts[-1].content_block.id == final.content[-1].id
+    assert final.content[-1].id.startswith("toolu_")
     assert isinstance(final.content[-1].input["city"], str)
 
 
@@ -308,3 +310,100 @@ def test_anthropics_model_pages():
     for bad in ({"limit": "x"}, {"limit": "1001"}, {"after_id": "zz"}):
         with pytest.raises(Exception, match="limit|after_id"):
             anthropic_page(bad, cards)
+
+
+# ---- the review's defects: Anthropic's own rules and names -----------------------------------
+
+USE = {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {"city": "Paris"}}
+USE_B = {**USE, "id": "toolu_b"}
+
+
+def _result(use_id: str) -> dict:
+    return {"type": "tool_result", "tool_use_id": use_id, "content": "Sunny"}
+
+
+def _history(*turns: list) -> list:
+    roles = ["user", "assistant"]
+    return [{"role": roles[k % 2], "content": c} for k, c in enumerate(turns)]
+
+
+MINIMUM = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1000}},
+           "required": ["n"]}
+
+
+@pytest.mark.parametrize("extra, says", [
+    # structured output is always strict: what the grammar cannot enforce is refused
+    ({"output_config": {"format": {"type": "json_schema", "schema": MINIMUM}}},
+     "output_config.format.schema: structured output follows its schema exactly, but the "
+     "output grammar cannot enforce #/properties/n: minimum"),
+    # a strict tool too, named as Anthropic names it
+    ({"tools": [{**WEATHER, "strict": True, "input_schema": MINIMUM}]},
+     "tools[0].input_schema: strict is true, but the output grammar cannot enforce "
+     "#/properties/n: minimum"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages[0].content[0].text: text content blocks must be non-empty"),
+    ({"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]},
+     "system[1].text: text content blocks must be non-empty"),
+    ({"tools": [WEATHER], "messages": _history(ASK[0]["content"], [USE], "Thanks.")},
+     "`tool_use` ids were found without `tool_result` blocks immediately after: toolu_a"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE, USE_B], [_result("toolu_a")])},
+     "immediately after: toolu_b"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [_result("toolu_a")], "Sure.", [_result("toolu_a")])},
+     "unexpected tool_use_id 'toolu_a'"),
+    ({"messages": _history(ASK[0]["content"], [USE], [_result("toolu_a")])},
+     "requests which include `tool_use` or `tool_result` blocks must define tools"),
+    ({"stop_sequences": [""]}, "stop_sequences: stop sequences must be non-empty strings"),
+    ({"stop_sequences": ["x"] * 17}, "stop_sequences: at most 16"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].name: tool names must be unique"),
+    ({"tools": [WEATHER, {**WEATHER, "name": "bad name"}]}, "tools[1].name: a tool name"),
+    ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
+    ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema",
+                                                       "schema": {"type": "object"}}}},
+     "output_config.format: structured output cannot be combined with tools"),
+])
+def test_anthropics_rules_and_names(server, extra, says):
+    """Each was accepted (or refused naming OpenAI's fields: ``stop``,
+    ``tools[1].function.name``, ``tools[0].function.parameters``)."""
+    body = {"model": server.model, "max_tokens": 4, "messages": HELLO, **extra}
+    r = raw(server, "/v1/messages", body)
+    assert_anthropic_error(r, 400, "invalid_request_error", says)
+    assert "function" not in r.json()["error"]["message"]
+    if "stop_sequences" not in extra:  # the prompt's rules hold for a token count too
+        del body["max_tokens"]
+        assert_anthropic_error(raw(server, "/v1/messages/count_tokens", body), 400,
+                               "invalid_request_error", says)
+
+
+def test_tool_results_may_span_the_next_turn(client, server):
+    """The user turn after the calls answers each, over consecutive user messages (one turn,
+    as Anthropic combines them); a strict tool without unenforced keywords is taken."""
+    count = client.messages.count_tokens(
+        model=server.model, tools=[{**WEATHER, "strict": True}],
+        messages=[*ASK, {"role": "assistant", "content": [USE, USE_B]},
+                  {"role": "user", "content": [_result("toolu_b")]},
+                  {"role": "user", "content": [_result("toolu_a"), {"type": "text",
+                                                                    "text": "And?"}]}])
+    assert count.input_tokens > 5
+
+
+def test_structured_output_without_unenforced_keywords(client, server):
+    m = client.messages.create(
+        model=server.model, max_tokens=6, messages=HELLO, extra_body={
+            **GREEDY, "output_config": {"format": {"type": "json_schema", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"}},
+                "required": ["n"]}}}})
+    assert m.content[0].text.lstrip().startswith("{")
+
+
+def test_tool_use_ids_round_trip():
+    from justllm.server.anthropic import tool_use_id
+    from justllm.server.anthropic_chat import _chat_id
+
+    assert tool_use_id("call_0123456789abcdef01234567") == "toolu_0123456789abcdef01234567"
+    assert tool_use_id("toolu_x") == "toolu_x"
+    # a Mistral-format template's 9 letters and digits come back to the chat side whole
+    assert tool_use_id("a1B2c3D4e") == "toolu_a1B2c3D4e"
+    assert _chat_id("toolu_a1B2c3D4e") == "a1B2c3D4e"
+    assert _chat_id("toolu_0123456789abcdef01234567") == "toolu_0123456789abcdef01234567"
