@@ -41,6 +41,13 @@ def _response(e: APIError) -> Response:
                     headers=e.headers)
 
 
+def _unmangled(key: str) -> str:
+    """A body field's path as Litestar reports it, mended: it strips every ``data.`` from the
+    path (litestar/_signature/model.py), so ``metadata.user_id`` came out ``metauser_id``.
+    ``metadata`` is the one field of these APIs whose name ends in ``data``."""
+    return re.sub(r"(^|\.)meta(?!data)(?=\w)", r"\1metadata.", key)
+
+
 def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -59,9 +66,10 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, RecursionError):  # msgspec's JSON decoder on deeply nested input
         return APIError(400, "the JSON body is nested too deeply")
     if isinstance(exc, ValidationException):
-        detail = exc.extra if isinstance(exc.extra, list) else []
-        parts = [f"{d.get('key', '')}: {d.get('message', '')}".strip(": ") for d in detail
-                 if isinstance(d, dict)]
+        detail = [{**d, "key": _unmangled(d["key"])} if isinstance(d.get("key"), str) else d
+                  for d in (exc.extra if isinstance(exc.extra, list) else [])
+                  if isinstance(d, dict)]
+        parts = [f"{d.get('key', '')}: {d.get('message', '')}".strip(": ") for d in detail]
         message = exc.detail if not parts else f"{exc.detail}: " + "; ".join(parts)
         first = detail[0] if detail and isinstance(detail[0], dict) else {}
         if first.get("key") == "data" and first.get("message") == "'data'":
@@ -102,9 +110,15 @@ def _msgspec_param(message: str) -> str | None:
 
 def handle_exception(request: Request, exc: Exception) -> Response:
     """The app's last resort, in OpenAI's shape; under ``/api/`` (no route matched: a 404 or
-    405 the Ollama router never saw) in Ollama's, ``{"error": "message"}``."""
+    405 the Ollama router never saw) in Ollama's, ``{"error": "message"}``; under
+    ``/v1/messages`` or for Anthropic's SDK (it sends ``anthropic-version``), Anthropic's."""
+    path = request.scope["path"]
+    if path.startswith("/v1/messages") or "anthropic-version" in request.headers:
+        from justllm.server.anthropic import anthropic_error  # it builds on this module
+
+        return anthropic_error(request, exc)
     e = to_api_error(exc)
-    return ollama_response(e) if request.scope["path"].startswith("/api/") else _response(e)
+    return ollama_response(e) if path.startswith("/api/") else _response(e)
 
 
 def ollama_response(e: APIError) -> Response:

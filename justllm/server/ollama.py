@@ -58,6 +58,7 @@ from justllm.server.ollama_chat import (
     answer,
     answer_lines,
     chat_messages,
+    check_last_message,
     created_at,
     nanoseconds,
     tool_request,
@@ -520,6 +521,7 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     req = await decode_request(request, OllamaChatRequest)
     _check_generation(req, served)
     messages = chat_messages(req.messages, req.model)
+    check_last_message(req.messages)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
         return await _chat_with_tools(request, served, req, with_tools, arrival)

@@ -89,6 +89,15 @@ def _refuse(where: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{where}: {why}", param=where)
 
 
+def check_last_message(messages: list[OllamaMessage]) -> None:
+    """Ollama continues a last assistant message; rendered as a closed turn it would be
+    answered anew instead, so it is refused (as /v1/messages refuses a prefill)."""
+    if messages and messages[-1].role == "assistant":
+        raise _refuse(f"messages[{len(messages) - 1}]", "the last message is the assistant's: "
+                      "continuing an assistant message is not supported (end with a user or "
+                      "tool message)")
+
+
 def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage]:
     """The history as chat messages, every tool message tied to the call it answers. Call
     ids made here are a counter's 9 digits: the same history renders the same prompt (so its

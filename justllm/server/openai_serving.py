@@ -663,9 +663,23 @@ _NOT_IN_HISTORY = {
 
 def check_messages(messages: list[ChatMessage]) -> None:
     """Each message has what its role needs (OpenAI's rules: content, except for an assistant
-    message with tool calls or a refusal), and the assistant-only fields this server cannot
-    honour are null or empty (``model_dump()`` of an SDK message sends them so)."""
+    message with tool calls or a refusal; a content list is not empty; a tool message answers
+    a call an earlier assistant message made), and the assistant-only fields this server
+    cannot honour are null or empty (``model_dump()`` of an SDK message sends them so)."""
+    calls: set[str] = set()  # the tool call ids the messages so far made
     for i, m in enumerate(messages):
+        if isinstance(m.content, list) and not m.content:
+            raise InvalidRequestError(f"messages[{i}].content: an empty list (give at least "
+                                      "one part, or a string)", param=f"messages[{i}].content")
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in calls:
+            # OpenAI: "messages with role 'tool' must be a response to a preceding message
+            # with 'tool_calls'"; the template would render an answer to nothing
+            raise InvalidRequestError(
+                f"messages[{i}].tool_call_id: no earlier assistant message made a tool call "
+                f"with the id {m.tool_call_id!r}" if calls else
+                f"messages[{i}]: a tool message must answer an earlier assistant message's "
+                "tool_calls", param=f"messages[{i}].tool_call_id")
+        calls.update(c.id for c in m.tool_calls or ())
         for name, why in _NOT_IN_HISTORY.items():
             if getattr(m, name):
                 raise InvalidRequestError(f"messages[{i}].{name}: {why}",

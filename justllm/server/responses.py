@@ -210,6 +210,11 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
                 yield frame
 
 
+# The chat request's fields that an error may name, as a Responses request names them.
+_PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
+
+
 @post("/responses", status_code=200, summary="Create a response (stateless)")
 async def create_response(data: JSONBody[ResponseRequest], request: Request,
                           state: State) -> Any:
@@ -226,10 +231,12 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
-        if e.param != SCHEMA_PARAM:
+        # The chat request's fields, as this request names them (its response_format is
+        # text.format; its max_tokens, max_output_tokens; its prompt, the input).
+        param = _PARAMS.get(e.param or "")
+        if param is None:
             raise
-        # the chat request's response_format is this request's text.format
-        raise InvalidRequestError(str(e), param="text.format.schema") from None
+        raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
     if isinstance(result, Response):
         return result
     return _full(resp, result)

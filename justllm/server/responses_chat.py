@@ -106,6 +106,9 @@ def _text(part: ContentPart, role: str, where: str) -> str:
 def _message(m: Message, where: str) -> ChatMessage:
     if isinstance(m.content, str):
         return ChatMessage(role=m.role, content=m.content)
+    if not m.content:  # OpenAI: "expected an array with minimum length 1"
+        raise InvalidRequestError(f"{where}.content: an empty list (give at least one part, "
+                                  "or a string)", param=f"{where}.content")
     parts = [ChatPart(type="text", text=_text(p, m.role, f"{where}.content[{j}]"))
              for j, p in enumerate(m.content)]
     return ChatMessage(role=m.role, content=parts)
@@ -207,14 +210,35 @@ def _response_format(req: ResponseRequest) -> ResponseFormat | None:
     if fmt.schema is None:
         raise InvalidRequestError("text.format: a json_schema format needs its schema",
                                   param="text.format.schema")
+    if not fmt.name:  # OpenAI requires it (chat's response_format too)
+        raise InvalidRequestError("text.format: a json_schema format needs its name",
+                                  param="text.format.name")
     if fmt.strict:
         check_strict(fmt.schema, "text.format.schema")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
-        name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict))
+        name=fmt.name, schema=fmt.schema, strict=fmt.strict))
+
+
+# OpenAI's limits on metadata: 16 pairs, keys up to 64 characters, values up to 512.
+_METADATA_PAIRS, _METADATA_KEY, _METADATA_VALUE = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > _METADATA_PAIRS:
+        raise InvalidRequestError(f"metadata: at most {_METADATA_PAIRS} pairs (got "
+                                  f"{len(metadata)})", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > _METADATA_KEY or len(value) > _METADATA_VALUE:
+            raise InvalidRequestError(f"metadata.{key[:_METADATA_KEY]}: keys are at most "
+                                      f"{_METADATA_KEY} characters and values at most "
+                                      f"{_METADATA_VALUE}", param=f"metadata.{key[:_METADATA_KEY]}")
 
 
 def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
     """The Responses request as the chat completion that serves it."""
+    check_metadata(req.metadata)
     for name, (off, why) in _REFUSED.items():
         if getattr(req, name) not in off:
             raise InvalidRequestError(f"{name}: {why}", param=name)

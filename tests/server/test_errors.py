@@ -200,7 +200,8 @@ def test_history_messages_are_checked_as_openai_checks_them(server):
              "messages[0].function_call"),
             ({"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},
              "messages[0].annotations"),
-            ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal")):
+            ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal"),
+            ({"role": "user", "content": []}, "messages[0].content")):  # OpenAI's 400 too
         r = post(server, "/v1/chat/completions",
                  {"model": m, "messages": [message, {"role": "user", "content": "hi"}]})
         assert_error(r, 400, param)
@@ -213,6 +214,16 @@ def test_history_messages_are_checked_as_openai_checks_them(server):
         assert r.status_code == 200, r.text
 
 
+def test_a_metadata_fields_error_names_it(server):
+    """Litestar strips every 'data.' from a field's path: Anthropic's 'metadata.user_id'
+    read 'metauser_id'."""
+    r = post(server, "/v1/messages", {"model": server.model, "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": "hi"}],
+                                      "metadata": {"user_id": 5}})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "metadata.user_id: Expected `str | null`, got `int`" in r.json()["error"]["message"]
+
+
 def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
     assert httpx.head(server.url + "/health", timeout=60).status_code == 200  # it was a 405
     r = httpx.get(f"{server.url}/v1/models/{server.model}", timeout=60)
@@ -221,6 +232,14 @@ def test_retrieving_a_model_and_ollama_routes_that_do_not_exist(server):
     # Under /api/ a route that does not exist answers in Ollama's shape, as its routes do.
     for r in (post(server, "/api/nothing", {}), httpx.get(server.url + "/api/chat", timeout=60)):
         assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+    # Under /v1/messages, and for Anthropic's SDK (anthropic-version), in Anthropic's shape.
+    for r, status, kind in (
+            (httpx.get(server.url + "/v1/messages", timeout=60), 405, "invalid_request_error"),
+            (post(server, "/v1/messages/batches", {}), 404, "not_found_error"),
+            (httpx.get(server.url + "/v1/models/nope", timeout=60,
+                       headers={"anthropic-version": "2023-06-01"}), 404, "not_found_error")):
+        assert r.status_code == status and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == kind, r.text
 
 
 def test_every_answer_names_its_request_in_x_request_id(server):

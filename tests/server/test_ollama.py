@@ -109,6 +109,14 @@ def test_chat_history_and_stop(client, server):
     assert_final(r, 30)
 
 
+def test_a_last_assistant_message_is_refused_not_answered_anew(server):
+    """Ollama continues it; it was closed as a turn and answered anew (a 200)."""
+    r = raw(server, "/api/chat", {"model": server.model, "stream": False, "messages": [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"}]})
+    assert r.status_code == 400 and "continuing an assistant message" in r.json()["error"]
+
+
 def test_generate_streaming_and_not(client, server):
     parts = list(client.generate(model=server.model, prompt="The sky is", stream=True,
                                  options={"num_predict": 5}))

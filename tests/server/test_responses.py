@@ -174,6 +174,14 @@ def test_a_streamed_function_call(client, server):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"truncation": "auto"}, "truncation"),
+    # found by a review: each was a 200, or named the chat request's field
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "text.format.name"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "word " * 40000}, "input"),
 ])
 def test_unsupported_requests_are_a_400(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:

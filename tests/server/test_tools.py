@@ -204,6 +204,14 @@ def test_bad_tool_requests_get_openai_errors(server):
             "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
           "tool_choice": "required"}, "tools"),
         ({"messages": [*ASK, {"role": "tool", "content": "18C"}]}, "messages[1].tool_call_id"),
+        # a tool message answering no call (OpenAI: "must be a response to a preceding
+        # message with 'tool_calls'"); both were answered
+        ({"messages": [*ASK, {"role": "tool", "tool_call_id": "c1", "content": "18C"}]},
+         "messages[1].tool_call_id"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{
+            "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c2", "content": "18C"}]},
+         "messages[2].tool_call_id"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{
             "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
          "messages[0].tool_calls"),
