@@ -128,7 +128,8 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
         name=INGRESS, max_ongoing_requests=INGRESS_MAX_ONGOING).bind(
         handles, dict(config.names), board, settings.api_key, prefill,
         frozenset(a for m in config.models for a in m.adapters),
-        frozenset(m.name for m in config.models if m.lora_runtime))
+        frozenset(m.name for m in config.models if m.lora_runtime),
+        {m.name: len(m.adapters) for m in config.models})
 
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,

@@ -258,9 +258,11 @@ class ClusterIngress:
                  board: DeploymentHandle, api_key: str | None,
                  prefill: dict[str, tuple[DeploymentHandle, int]] | None = None,
                  adapters: frozenset[str] = frozenset(),
-                 lora_runtime: frozenset[str] = frozenset()) -> None:
+                 lora_runtime: frozenset[str] = frozenset(),
+                 fixed_lora: dict[str, int] | None = None) -> None:
         self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {},
-                               adapters=adapters, runtime=RuntimeAdapters(lora_runtime))
+                               adapters=adapters, runtime=RuntimeAdapters(lora_runtime),
+                               fixed_lora=fixed_lora or {})
 
     def __serve_build_asgi_app__(self) -> Litestar:
         return create_ingress(self.ingress)

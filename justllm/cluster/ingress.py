@@ -54,6 +54,8 @@ from justllm.gateway.policy import (
     lora_request,
     prompt_tokens_estimate,
     session_key,
+    unstable_lora_id,
+    unstable_lora_id_message,
 )
 from justllm.gateway.routing import route_text
 from justllm.gateway.streams import SequenceNumbers, stream_failure
@@ -89,6 +91,9 @@ class Ingress:
     # to its base model's deployment under that name (the replica applies the adapter).
     adapters: frozenset[str] = frozenset()
     runtime: RuntimeAdapters = field(default_factory=RuntimeAdapters)
+    # Per model, how many adapters models.yaml gives it: ids below that are the same on every
+    # replica (gateway/policy.unstable_lora_id).
+    fixed_lora: dict[str, int] = field(default_factory=dict)
 
     def model(self, name: Any, ollama: bool) -> str:
         """The model ``name`` means, or the error the gateway gives for it."""
@@ -133,6 +138,10 @@ async def forward(request: Request, path: str) -> Any:
     model = ing.model(body.get(key), ollama)
     route = (route_text(body), session_key(request.headers.get("x-session-id"), body))
     named = body.get(key)
+    fixed = ing.fixed_lora.get(model, 0)
+    unstable = unstable_lora_id(body, fixed)
+    if unstable is not None:
+        raise APIError(400, unstable_lora_id_message(unstable, model, fixed), param="lora")
     runtime = ing.runtime.requested(named, body.get("lora"))
     # Served whole: its KV is the adapter's.
     lora = runtime is not None or lora_request(body, ing.adapters)

@@ -30,6 +30,8 @@ from justllm.gateway.policy import (
     lora_request,
     prompt_tokens_estimate,
     session_key,
+    unstable_lora_id,
+    unstable_lora_id_message,
 )
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
@@ -121,6 +123,11 @@ async def _forward(request: Request, path: str) -> Any:
             return done
     route = RouteRequest(route_text(body), session_key(request.headers.get("x-session-id"),
                                                        body))
+    fixed = len(state.spec.adapters)
+    unstable = unstable_lora_id(body, fixed)
+    if unstable is not None:
+        raise APIError(400, unstable_lora_id_message(unstable, state.spec.name, fixed),
+                       param="lora")
     named = not state.has_adapter(body.get("model"))  # an adapter is the runner's own name
     name_key = "model" if "model" in body or not ollama else "name"
     if named:

@@ -29,6 +29,28 @@ def lora_request(body: dict, adapters: Collection[str]) -> bool:
     return body.get("model") in adapters or bool(body.get("lora"))
 
 
+def unstable_lora_id(body: dict, fixed: int) -> int | None:
+    """The first adapter id in the ``lora`` field that replicas may not agree on, or None.
+    Every replica loads models.yaml's ``fixed`` adapters first, in order, so ids below that
+    name the same adapter everywhere; adapters loaded at run time get the next ids in the
+    order each replica loaded them, which a restart or a late start changes (a request by id
+    then ran under another adapter on another replica)."""
+    entries = body.get("lora")
+    for entry in entries if isinstance(entries, list) else ():
+        value = entry.get("id") if isinstance(entry, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= fixed:
+            return value
+    return None
+
+
+def unstable_lora_id_message(lora_id: int, model: str, fixed: int) -> str:
+    """Why a request's ``lora`` id (``unstable_lora_id``) is refused."""
+    which = (f"is not one of models.yaml's adapters of '{model}' (ids 0-{fixed - 1}, the same "
+             "on every replica)" if fixed else f"names no adapter: '{model}' has none in models.yaml")
+    return (f"lora: id {lora_id} {which}; an adapter loaded at run time has its own id on "
+            'each replica: choose it by name ({"name": ...})')
+
+
 def start_key(flags: dict[str, object], gpu: int | None) -> str | None:
     """Which runners must start one after another: a ``--gpu`` runner without a pool size
     sizes its KV pool from the GPU's free memory as it starts, so two starting at once on one

@@ -200,6 +200,19 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event():
     assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
 
 
+def test_a_lora_id_replicas_may_not_agree_on_is_refused():
+    """Ids past models.yaml's adapters are each replica's own (runtime loads, in its order)."""
+    handle = Handle(Answer(JSON, b"{}"))
+    ingress = Ingress({"demo": handle}, {"demo": "demo"}, Board({}), fixed_lora={"demo": 1})
+    with TestClient(create_ingress(ingress)) as c:
+        ok = c.post("/v1/completions", json={"model": "demo", "prompt": "x", "lora": [{"id": 0}]})
+        assert ok.status_code == 200
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x", "lora": [{"id": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+    assert "choose it by name" in r.json()["error"]["message"]
+    assert len(handle.calls) == 1
+
+
 def test_anthropic_and_responses_requests_go_to_the_models_deployment():
     """Router mode forwards /v1/messages, count_tokens and /v1/responses; the cluster answered
     them 404. The client's x-api-key (Anthropic's SDK) stays at the ingress."""

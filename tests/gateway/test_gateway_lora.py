@@ -87,6 +87,16 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         for _ in range(4):  # whichever replica answers
             assert complete(gw, "sql").json()["choices"][0]["text"] == \
                 answer["choices"][0]["text"]
+        # By name the field is the same adapter on every replica; by id it was whatever each
+        # replica loaded under that id (a restart reorders them): refused.
+        r = httpx.post(gw.url + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "lora": [{"name": "sql"}]})
+        assert r.json()["choices"][0]["text"] == answer["choices"][0]["text"], r.text
+        r = httpx.post(gw.url + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": PROMPT, "max_tokens": 6, "lora": [{"id": 0}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
+        assert "choose it by name" in r.json()["error"]["message"]
 
         r = httpx.post(gw.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"},
                        timeout=120)

@@ -243,3 +243,13 @@ def test_the_error_a_runner_reports_is_the_one_of_its_own_start(tmp_path):
     assert log_name("org/m") == "org%2Fm.log" and log_name("../x", "1") == "..%2Fx@1.log"
     assert log_model(tmp_path / log_name("org/m:q4", "2")) == "org/m:q4@2"
 
+
+
+def test_lora_ids_past_models_yamls_adapters_are_the_ones_replicas_may_disagree_on():
+    from justllm.gateway.policy import unstable_lora_id
+
+    assert unstable_lora_id({"lora": [{"id": 0}, {"id": 1, "scale": 0.5}]}, 2) is None
+    assert unstable_lora_id({"lora": [{"name": "x"}, {"id": 2}]}, 2) == 2
+    assert unstable_lora_id({"lora": [{"id": 0}]}, 0) == 0
+    assert unstable_lora_id({"prompt": "no lora"}, 0) is None
+    assert unstable_lora_id({"lora": "not a list: the runner says so"}, 0) is None
