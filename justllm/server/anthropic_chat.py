@@ -279,7 +279,8 @@ def _response_format(req: _Prompt) -> ResponseFormat | None:
                       f"cannot enforce {'; '.join(found[:3])}{more} (leave it out of the "
                       "schema, or say it in the prompt)")
     return ResponseFormat(type="json_schema",
-                          json_schema=JsonSchemaFormat(schema=fmt.schema, strict=True))
+                          json_schema=JsonSchemaFormat(name="output", schema=fmt.schema,
+                                                       strict=True))
 
 
 def to_chat(req: _Prompt) -> ChatCompletionRequest:

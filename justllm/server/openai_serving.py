@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import string
 import time
@@ -278,6 +279,10 @@ class OpenAIServing:
 
     def _grammar(self, req: ChatCompletionRequest) -> str | None:
         fmt = req.response_format
+        if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+            raise InvalidRequestError(f"response_format.json_schema: only with type "
+                                      f"'json_schema' (the type is '{fmt.type}')",
+                                      param="response_format.json_schema")
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
@@ -285,6 +290,10 @@ class OpenAIServing:
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema",
                                       param="response_format")
+        if not fmt.json_schema.name or not _SCHEMA_NAME.fullmatch(fmt.json_schema.name):
+            raise InvalidRequestError(  # OpenAI's rule (and vLLM's: the name is required)
+                "response_format.json_schema.name: required, 1 to 64 letters, digits, '_' "
+                "or '-'", param="response_format.json_schema.name")
         if fmt.json_schema.strict:
             check_strict(fmt.json_schema.schema, "response_format")
         try:
@@ -624,6 +633,7 @@ _NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",
 
 # Where a response_format's schema is, for errors the grammar converter raises on it.
 SCHEMA_PARAM = "response_format.json_schema.schema"
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class _Streamed(Protocol):

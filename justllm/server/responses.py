@@ -212,6 +212,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
 
 # The chat request's fields that an error may name, as a Responses request names them.
 _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens",
+           "response_format.json_schema.name": "text.format.name",
            "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
 
 

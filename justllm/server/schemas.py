@@ -103,7 +103,7 @@ class StreamOptions(_Request, kw_only=True):
 
 
 class JsonSchemaFormat(_Request, kw_only=True):
-    name: str = "response"
+    name: str | None = None  # required, as OpenAI and vLLM require it (checked with the type)
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 

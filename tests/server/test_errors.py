@@ -188,6 +188,28 @@ def test_a_strict_schema_asking_what_the_grammar_cannot_enforce_is_refused(serve
         assert_error(r, 400, "text.format.schema")
 
 
+def test_response_format_fields_are_honoured_or_refused(server):
+    """A json_schema beside another type was dropped, and a schema without its name (OpenAI's
+    and vLLM's 400) was served."""
+    m, hi = server.model, [{"role": "user", "content": "A number:"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    for fmt, param in (
+            ({"type": "text", "json_schema": {"name": "x", "schema": schema}},
+             "response_format.json_schema"),
+            ({"type": "json_object", "json_schema": {"name": "x", "schema": schema}},
+             "response_format.json_schema"),
+            ({"type": "json_schema", "json_schema": {"schema": schema}},
+             "response_format.json_schema.name"),
+            ({"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}},
+             "response_format.json_schema.name")):
+        r = post(server, "/v1/chat/completions", {"model": m, "messages": hi, "max_tokens": 4,
+                                                   "response_format": fmt})
+        assert_error(r, 400, param)
+    r = post(server, "/v1/responses", {"model": m, "input": "A number:", "text": {"format": {
+        "type": "json_schema", "name": "a b", "schema": schema}}})
+    assert_error(r, 400, "text.format.name")
+
+
 def test_history_messages_are_checked_as_openai_checks_them(server):
     m = server.model
     for message, param in (
