@@ -223,5 +223,11 @@ def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpe
     specs = tuple(LoraSpec.parse(str(x)) for x in values)
     arch = read_gguf_header(model_path).architecture
     for spec in specs:
+        head, colon, tail = spec.path.rpartition(":")
+        if colon and not os.path.exists(spec.path) and os.path.isfile(head):
+            # parse() keeps a tail that is no number in the path (paths may have colons), so
+            # a mistyped scale read as a missing file
+            raise ValueError(f"--lora {spec.name}={spec.path}: '{tail}' is not a scale (a "
+                             f"number, as in NAME=PATH[:SCALE]), and {head} is the file")
         check_lora_file(spec.path, arch)
     return specs

@@ -161,3 +161,6 @@ def test_run_applies_its_lora_adapters_and_refuses_a_system_message_with_raw(mod
     assert tuned.stdout != plain.stdout
     r = runner.invoke(app, [*args, "--system", "You are a pirate"])
     assert r.exit_code == 1 and "--system" in r.output and "--raw" in r.output
+    # A scale that is no number: it said the file (PATH:abc) was not found.
+    r = runner.invoke(app, [*args, "--lora", f"a={adapter}:abc"])
+    assert r.exit_code == 1 and "'abc' is not a scale" in r.output, r.output
