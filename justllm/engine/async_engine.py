@@ -19,7 +19,12 @@ import numpy as np
 
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.backend import JSON_GRAMMAR, EmbeddingContext, grammar_from_json_schema
+from justllm.engine.backend import (
+    JSON_GRAMMAR,
+    EmbeddingContext,
+    grammar_from_json_schema,
+    without_trailing_space,
+)
 from justllm.engine.chat_template import ChatTemplate
 from justllm.engine.engine import Engine, EngineStats, Handover, RequestMetrics, RequestOutput
 from justllm.engine.lora import LoadedLora
@@ -169,8 +174,9 @@ class AsyncEngine:
 
     @staticmethod
     def json_grammar(schema: dict | None = None) -> str:
-        """GBNF for any JSON value, or for JSON matching ``schema``."""
-        return JSON_GRAMMAR if schema is None else grammar_from_json_schema(schema)
+        """GBNF for a JSON object, or for JSON matching ``schema``; nothing after it."""
+        return without_trailing_space(JSON_GRAMMAR if schema is None
+                                      else grammar_from_json_schema(schema))
 
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """Mean-pooled, normalised embeddings, computed on the engine thread between steps in a

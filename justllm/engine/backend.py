@@ -136,6 +136,36 @@ class BackendConfig:
     keep_swa_cells: bool = False
 
 
+_GBNF_RULE = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.M)
+
+
+def without_trailing_space(gbnf: str) -> str:
+    """``gbnf`` with no whitespace allowed after its top-level value. llama-cpp-python's JSON
+    grammars end every value with an optional space (``ws``/``space``), the top one too, so a
+    model could end a JSON answer with a space (or a newline) before it stopped; OpenAI's
+    structured outputs end at the closing brace. The root's body (or, for ``root ::= NAME``, a
+    copy of NAME's, as ``NAME-top``) loses its last ``ws``/``space``; a grammar of another
+    shape is returned as it is."""
+    starts = list(_GBNF_RULE.finditer(gbnf))
+    spans = {m.group(1): (m.start(), m.end(), starts[i + 1].start() if i + 1 < len(starts)
+                          else len(gbnf)) for i, m in enumerate(starts)}
+    if "root" not in spans:
+        return gbnf
+    r_start, r_body, r_end = spans["root"]
+    name = gbnf[r_body:r_end].strip()
+    top = name if name in spans else "root"
+    _, body_start, body_end = spans[top]
+    code = "\n".join(line for line in gbnf[body_start:body_end].splitlines()
+                     if not line.lstrip().startswith("#"))
+    cut = re.search(r"\s(?:ws|space)\s*$", code)
+    if cut is None:
+        return gbnf
+    body = code[:cut.start()].strip()
+    if top == "root":
+        return f"{gbnf[:r_start]}root ::= {body}\n{gbnf[r_end:]}"
+    return f"{gbnf[:r_start]}root ::= {name}-top\n{gbnf[r_end:]}\n{name}-top ::= {body}\n"
+
+
 def grammar_from_json_schema(schema: dict) -> str:
     """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter)."""
     import json

@@ -271,6 +271,9 @@ def test_response_format_json_object_and_schema(client, exact_client, server):
         max_tokens=200, temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"  # the grammar let EOS through once complete
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # it ends at the closing brace, as OpenAI's does (the grammar let a space or a newline
+    # and up to 20 blanks follow, and the demo model took them)
+    assert r.choices[0].message.content.endswith("}")
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -279,6 +282,7 @@ def test_response_format_json_object_and_schema(client, exact_client, server):
         max_tokens=60, temperature=0.7, seed=3,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     doc = json.loads(r.choices[0].message.content)
+    assert r.choices[0].message.content.endswith("}")
     assert set(doc) == {"name", "age"}
     assert isinstance(doc["name"], str) and isinstance(doc["age"], int)
     bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
