@@ -208,14 +208,13 @@ def wait_running(app: str, schedule_timeout: float, on_wait: Callable[[str], Non
             raise DeployFailed(_why_failed(app) or "Ray gave no reason")
         waiting = [(name, why) for name, dep in found.deployments.items()
                    if dep.message and (why := unplaced(dep.message))]
+        limit = (f" (waiting up to {schedule_timeout:g} s: --schedule-timeout)"
+                 if schedule_timeout else "")
         for name, (count, needs, free) in waiting:
             if name not in told:
                 told.add(name)
                 on_wait(f"{name}: {count} replica(s) wait for a node with {needs}; the "
-                        f"cluster has {free} (waiting up to {schedule_timeout:g} s: "
-                        "--schedule-timeout)" if schedule_timeout else
-                        f"{name}: {count} replica(s) wait for a node with {needs}; the "
-                        f"cluster has {free}")
+                        f"cluster has {free}{limit}")
         if waiting and schedule_timeout and clock() - start >= schedule_timeout:
             name, (count, needs, free) = waiting[0]
             raise DeployFailed(f"{name}: {count} replica(s) found no node in "
