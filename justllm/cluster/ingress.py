@@ -58,9 +58,8 @@ from justllm.gateway.policy import (
     unstable_lora_id_message,
 )
 from justllm.gateway.routing import route_text
-from justllm.gateway.streams import SequenceNumbers, stream_failure
+from justllm.gateway.streams import relayed
 from justllm.server import model_cards
-from justllm.server.anthropic import anthropic_error
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.ollama import ollama_error
@@ -284,31 +283,21 @@ async def _relay(answer: Any, model: str, path: str,
     mid-way, a last frame in the stream's own API shape, as router mode ends it
     (gateway/streams.py). Closed early (the client left), it cancels the call, and the replica
     aborts the request."""
-    numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
-        if first is None:
-            return
-        if numbered is not None:
-            numbered.feed(first)
-        yield first
-        async for chunk in answer:
-            if numbered is not None:
-                numbered.feed(chunk)
-            yield chunk
-    except REPLICA_GONE:
-        yield stream_failure(path, f"model '{model}' stopped while streaming",
-                             numbered.next if numbered is not None else 0)
+        if first is not None:  # None: the stream ended before its first chunk
+            async for chunk in relayed(first, answer, path, REPLICA_GONE, model):
+                yield chunk
     finally:
         _cancel(answer, None)
 
 
-def _route(path: str, summary: str, **options: Any) -> Any:
+def _route(path: str, summary: str) -> Any:
     async def handler(request: Request) -> Any:
         return await forward(request, path)
 
     # "/v1/chat/completions" is "/chat/completions" on the /v1 router
     return post("/" + path.split("/", 2)[2], status_code=200, summary=summary,
-                name=path, **options)(handler)
+                name=path)(handler)
 
 
 @get("/models", summary="The cluster's models")
@@ -375,9 +364,8 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
 def create_ingress(ingress: Ingress) -> Litestar:
     """The ingress's app. ``ingress.api_key``: /v1 and /api ask for it, as `justllm serve`."""
     config = IngressConfig(ingress.api_key)
-    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI] + [list_models, retrieve_model]
-                + [_route(p, s, exception_handlers={Exception: anthropic_error})
-                   for p, s in ANTHROPIC] + runtime_lora.ROUTES,
+    v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI + ANTHROPIC]
+                + [list_models, retrieve_model] + runtime_lora.ROUTES,
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# response_format json_object's grammar (made once: it is the same for every request).
+_JSON_OBJECT = without_trailing_space(JSON_GRAMMAR)
+
 class RequestStream:
     """The outputs of one submitted request, as an async iterator.
 
@@ -175,8 +178,9 @@ class AsyncEngine:
     @staticmethod
     def json_grammar(schema: dict | None = None) -> str:
         """GBNF for a JSON object, or for JSON matching ``schema``; nothing after it."""
-        return without_trailing_space(JSON_GRAMMAR if schema is None
-                                      else grammar_from_json_schema(schema))
+        if schema is None:
+            return _JSON_OBJECT
+        return without_trailing_space(grammar_from_json_schema(schema))
 
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """Mean-pooled, normalised embeddings, computed on the engine thread between steps in a

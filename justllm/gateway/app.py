@@ -36,11 +36,10 @@ from justllm.gateway.policy import (
 from justllm.gateway.replica import Replica
 from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
-from justllm.gateway.streams import SequenceNumbers, stream_failure
+from justllm.gateway.streams import relayed
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server import model_cards
-from justllm.server.anthropic import anthropic_error
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
@@ -351,28 +350,15 @@ async def _relay(response: httpx.Response, chunks: AsyncIterator[bytes], first: 
                  done: Callable[[], None], path: str) -> AsyncIterator[bytes]:
     """A runner's SSE (or Ollama's NDJSON) stream, byte for byte (``first``, then the rest of
     ``chunks``); if the runner dies mid-stream, a final error in the stream's own API shape
-    (:func:`stream_failure`). Closing it (the client left) closes the runner's stream, which
+    (``streams.relayed``). Closing it (the client left) closes the runner's stream, which
     aborts."""
-    numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
     try:
-        async for chunk in _prepend(first, chunks):
-            if numbered is not None:
-                numbered.feed(chunk)
+        async for chunk in relayed(first, chunks, path, httpx.HTTPError, state.spec.name):
             yield chunk
-    except httpx.HTTPError:
-        yield stream_failure(path, f"model '{state.spec.name}' stopped while streaming",
-                              numbered.next if numbered is not None else 0)
     finally:
         done()  # first: the await below may be cancelled (client gone)
         sup.end(state, keep_alive)
         await response.aclose()
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in rest:
-        yield chunk
 
 
 @post("/chat/completions", status_code=200, summary="Chat completion, routed by model")
@@ -391,16 +377,15 @@ async def embeddings(request: Request) -> Any:
 
 
 # Anthropic's Messages API: forwarded like chat completions; the gateway's own errors (an
-# unknown model, a model that cannot load) in Anthropic's shape, as the runner's are.
-@post("/messages", status_code=200, summary="Anthropic: create a message, routed by model",
-      exception_handlers={Exception: anthropic_error})
+# unknown model, a model that cannot load) in Anthropic's shape, as the runner's are
+# (errors.handle_exception, by the path).
+@post("/messages", status_code=200, summary="Anthropic: create a message, routed by model")
 async def anthropic_messages(request: Request) -> Any:
     return await _forward(request, "/v1/messages")
 
 
 @post("/messages/count_tokens", status_code=200,
-      summary="Anthropic: count a message's prompt tokens, routed by model",
-      exception_handlers={Exception: anthropic_error})
+      summary="Anthropic: count a message's prompt tokens, routed by model")
 async def anthropic_count_tokens(request: Request) -> Any:
     return await _forward(request, "/v1/messages/count_tokens")
 

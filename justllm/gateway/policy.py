@@ -46,7 +46,8 @@ def unstable_lora_id(body: dict, fixed: int) -> int | None:
 def unstable_lora_id_message(lora_id: int, model: str, fixed: int) -> str:
     """Why a request's ``lora`` id (``unstable_lora_id``) is refused."""
     which = (f"is not one of models.yaml's adapters of '{model}' (ids 0-{fixed - 1}, the same "
-             "on every replica)" if fixed else f"names no adapter: '{model}' has none in models.yaml")
+             "on every replica)" if fixed else
+             f"names no adapter: '{model}' has none in models.yaml")
     return (f"lora: id {lora_id} {which}; an adapter loaded at run time has its own id on "
             'each replica: choose it by name ({"name": ...})')
 

@@ -1,10 +1,11 @@
-"""The end of a stream cut mid-way by a replica that died, as each API's clients expect it:
-shared by router mode's gateway and the cluster's ingress, which relay the replicas' streams
-byte for byte and add this last frame themselves."""
+"""A replica's stream as its client gets it, and its end when the replica dies mid-way, as each
+API's clients expect it: shared by router mode's gateway and the cluster's ingress, which
+relay the replicas' streams byte for byte and add this last frame themselves."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -31,11 +32,32 @@ class SequenceNumbers:
         self._tail = text[-40:]
 
 
+async def relayed(first: bytes, rest: AsyncIterator[bytes], path: str,
+                  gone: type[BaseException] | tuple[type[BaseException], ...],
+                  model: str) -> AsyncIterator[bytes]:
+    """``first`` (already read, to retry a stream whose replica died before it), then the
+    rest of the replica's stream (``path``'s API); if it raises ``gone`` (the replica died),
+    :func:`stream_failure`'s last frame, numbered after the replica's last event."""
+    numbered = SequenceNumbers() if path.startswith("/v1/responses") else None
+    try:
+        if first:
+            if numbered is not None:
+                numbered.feed(first)
+            yield first
+        async for chunk in rest:
+            if numbered is not None:
+                numbered.feed(chunk)
+            yield chunk
+    except gone:
+        yield stream_failure(path, f"model '{model}' stopped while streaming",
+                             numbered.next if numbered is not None else 0)
+
+
 def stream_failure(path: str, message: str, sequence_number: int = 0) -> bytes:
-    """The last frame of a stream whose runner (or Ray replica) died, as each API's clients expect it: Ollama's
-    ``{"error": ...}`` line, Anthropic's and the Responses API's ``error`` event (numbered
-    ``sequence_number``, the one after the runner's last), else an OpenAI error chunk and
-    ``[DONE]``."""
+    """The last frame of a stream whose replica (a runner, or a Ray replica) died, as each
+    API's clients expect it: Ollama's ``{"error": ...}`` line, Anthropic's and the Responses
+    API's ``error`` event (numbered ``sequence_number``, the one after the replica's last),
+    else an OpenAI error chunk and ``[DONE]``."""
     if path.startswith("/api/"):
         return msgspec.json.encode({"error": message}) + b"\n"
     if path.startswith("/v1/messages"):

@@ -203,8 +203,8 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
 
 # ---- routes ----------------------------------------------------------------------------------
 
-@post("/messages", status_code=200, summary="Anthropic: create a message",
-      exception_handlers={Exception: anthropic_error})
+# Errors in Anthropic's shape: errors.handle_exception answers so under /v1/messages.
+@post("/messages", status_code=200, summary="Anthropic: create a message")
 async def messages(data: JSONBody[MessagesRequest], request: Request, state: State) -> Any:
     served = _served(state)
     req = await decode_request(request, MessagesRequest)
@@ -225,8 +225,7 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
 
 
 @post("/messages/count_tokens", status_code=200,
-      summary="Anthropic: count the tokens of a message's prompt",
-      exception_handlers={Exception: anthropic_error})
+      summary="Anthropic: count the tokens of a message's prompt")
 async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
                        state: State) -> TokenCount:
     served = _served(state)

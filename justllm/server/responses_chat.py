@@ -210,9 +210,6 @@ def _response_format(req: ResponseRequest) -> ResponseFormat | None:
     if fmt.schema is None:
         raise InvalidRequestError("text.format: a json_schema format needs its schema",
                                   param="text.format.schema")
-    if not fmt.name:  # OpenAI requires it (chat's response_format too)
-        raise InvalidRequestError("text.format: a json_schema format needs its name",
-                                  param="text.format.name")
     if fmt.strict:
         check_strict(fmt.schema, "text.format.schema")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
