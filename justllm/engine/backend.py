@@ -28,6 +28,7 @@ from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.config import usable_cpus
+from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
 from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
 from justllm.models.gguf import check_gguf_file, read_gguf_header
 
@@ -166,12 +167,27 @@ def without_trailing_space(gbnf: str) -> str:
     return f"{gbnf[:r_start]}root ::= {name}-top\n{gbnf[r_end:]}\n{name}-top ::= {body}\n"
 
 
+class _SchemaConverter(_grammar.SchemaConverter):
+    """llama-cpp-python's converter, plus integer bounds (engine/int_range.py)."""
+
+    def visit(self, schema: Any, name: str) -> str:
+        if not bounded_integer(schema):
+            return super().visit(schema, name)
+        rule_name = name + "-" if name in _grammar.RESERVED_NAMES else name or "root"
+        return self._add_rule(rule_name, integer_rule(*integer_bounds(schema)))
+
+
 def grammar_from_json_schema(schema: dict) -> str:
-    """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter)."""
+    """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter, which
+    ``json_schema_to_gbnf`` runs the same way, with integer bounds added)."""
     import json
 
     try:
-        return _grammar.json_schema_to_gbnf(json.dumps(schema))
+        converter = _SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                     raw_pattern=False)
+        copy = json.loads(json.dumps(schema))  # resolve_refs rewrites the schema in place
+        converter.visit(converter.resolve_refs(copy, "stdin"), "")
+        return converter.format_grammar()
     except Exception as e:  # the converter raises plain exceptions on schemas it cannot handle
         raise InvalidRequestError(f"unsupported JSON schema: {e}",
                                   param="response_format") from e

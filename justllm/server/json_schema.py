@@ -3,7 +3,8 @@
 
 The converter turns types, ``required``, ``enum``/``const``, ``additionalProperties``, string
 and array lengths, ``pattern``, the ``date``/``time``/``date-time``/``uuid`` formats,
-``anyOf``/``oneOf``/``allOf`` and ``$ref`` into grammar rules, and passes over the rest. A
+``anyOf``/``oneOf``/``allOf`` and ``$ref`` into grammar rules (and ours adds a plain integer's
+bounds, engine/int_range.py), and passes over the rest. A
 ``strict`` schema (OpenAI's promise that the output follows it exactly) that uses any of the
 rest is refused, naming what and where; without ``strict`` the schema is followed as far as
 the grammar goes (the README says which keywords).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from justllm.engine.int_range import BOUNDS, bounded_integer
 from justllm.errors import InvalidRequestError
 
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -31,7 +33,8 @@ def unenforced(schema: Any, path: str = "#") -> list[str]:
     """Where ``schema`` uses what the grammar does not enforce: ``"PATH: keyword"`` each."""
     if not isinstance(schema, dict):
         return []
-    out = [f"{path}: {k}" for k in _UNENFORCED if k in schema]
+    skip = BOUNDS if bounded_integer(schema) else ()  # the grammar spells the range
+    out = [f"{path}: {k}" for k in _UNENFORCED if k in schema and k not in skip]
     fmt = schema.get("format")
     if fmt is not None and not _FORMATS.fullmatch(str(fmt)):
         out.append(f"{path}: format {fmt!r}")

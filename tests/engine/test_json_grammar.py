@@ -29,3 +29,13 @@ def test_a_root_naming_a_rule_gets_a_copy_of_it_without_the_space():
 def test_a_grammar_of_another_shape_is_left_as_it_is():
     for gbnf in ('root ::= "a" | "b"\n', 'start ::= "x" ws\nws ::= " "?\n'):
         assert without_trailing_space(gbnf) == gbnf
+
+
+def test_an_integers_bounds_become_its_rule_wherever_it_is():
+    gbnf = grammar_from_json_schema({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 5, "maximum": 7},
+        "xs": {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 0}}}})
+    assert rule(gbnf, "n") == "n ::= ([5-7]) space"
+    assert rule(gbnf, "xs-item") == 'xs-item ::= ("-" [1-9] | "-" [1-9] [0-9]{1,15}) space'
+    root = grammar_from_json_schema({"type": "integer", "minimum": 10, "maximum": 12})
+    assert rule(without_trailing_space(root), "root") == 'root ::= ("1" [0-2])'

@@ -327,19 +327,19 @@ def _history(*turns: list) -> list:
     return [{"role": roles[k % 2], "content": c} for k, c in enumerate(turns)]
 
 
-MINIMUM = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1000}},
+MULTIPLE = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 1000}},
            "required": ["n"]}
 
 
 @pytest.mark.parametrize("extra, says", [
     # structured output is always strict: what the grammar cannot enforce is refused
-    ({"output_config": {"format": {"type": "json_schema", "schema": MINIMUM}}},
+    ({"output_config": {"format": {"type": "json_schema", "schema": MULTIPLE}}},
      "output_config.format.schema: structured output follows its schema exactly, but the "
-     "output grammar cannot enforce #/properties/n: minimum"),
+     "output grammar cannot enforce #/properties/n: multipleOf"),
     # a strict tool too, named as Anthropic names it
-    ({"tools": [{**WEATHER, "strict": True, "input_schema": MINIMUM}]},
+    ({"tools": [{**WEATHER, "strict": True, "input_schema": MULTIPLE}]},
      "tools[0].input_schema: strict is true, but the output grammar cannot enforce "
-     "#/properties/n: minimum"),
+     "#/properties/n: multipleOf"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
      "messages[0].content[0].text: text content blocks must be non-empty"),
     ({"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]},

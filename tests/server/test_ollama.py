@@ -157,13 +157,15 @@ def test_format_json_and_schema(exact):
                options={"temperature": 0, "num_predict": 200})
     assert r.done_reason == "stop"  # the grammar let the end of turn through once complete
     assert isinstance(json.loads(r.message.content), dict)
-    schema = {"type": "object", "properties": {"age": {"type": "integer"}},
+    # an integer's bounds are enforced, as Ollama's (llama.cpp's) converter does
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 200,
+                                                       "maximum": 260}},
               "required": ["age"], "additionalProperties": False}
     r = c.generate(model=server.model, prompt="Person: ", format=schema,
                    options={"temperature": 0, "num_predict": 60})
     assert r.done_reason == "stop"
     doc = json.loads(r.response)
-    assert set(doc) == {"age"} and isinstance(doc["age"], int)
+    assert set(doc) == {"age"} and isinstance(doc["age"], int) and 200 <= doc["age"] <= 260
 
 
 def test_logprobs(client, server):

@@ -291,6 +291,38 @@ def test_response_format_json_object_and_schema(client, exact_client, server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
 
 
+def test_an_integers_bounds_are_enforced_strict_or_not(client, server):
+    """llama-cpp-python's converter passed over minimum/maximum: the demo model answered
+    1000000000000000 to an integer in [5, 7]. They are grammar rules now (engine/int_range.py),
+    so sampled answers stay in range, and strict: true accepts them."""
+    import json
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 5, "maximum": 7},
+        "m": {"type": "integer", "exclusiveMinimum": -120, "exclusiveMaximum": -99}},
+        "required": ["n", "m"], "additionalProperties": False}
+    seen = set()
+    for strict in (True, False):
+        r = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Two numbers:"}],
+            max_tokens=40, temperature=1.5, n=4, seed=11,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "nums", "schema": schema, "strict": strict}})
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice
+            doc = json.loads(choice.message.content)
+            assert 5 <= doc["n"] <= 7 and -120 < doc["m"] < -99, doc
+            seen.add(doc["m"])
+    assert len(seen) > 1  # sampled: the range, not one spelling, is what holds
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "integer", "minimum": 3, "maximum": 2}}}})
+    assert bad.status_code == 400, bad.text
+    assert "no integer satisfies the schema's bounds (minimum 3, maximum 2)" in \
+        bad.json()["error"]["message"]
+
+
 def test_prefix_cache_hits_show_in_metrics(client, server):
     system = " ".join(f"Guideline {i}: be concise." for i in range(60))
     hits0 = metric(server, "justllm_prefix_cache_hits_total")
