@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from justllm.config import EngineConfig
+from justllm.config import EngineConfig, LoraSpec
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -118,6 +118,11 @@ class ModelSpec:
         send them as ``model``, and the runner serves them on this model."""
         return tuple(v.split("=", 1)[0] for k, v_all in self.flags if k == "lora"
                      for v in v_all)
+
+    @property
+    def lora_specs(self) -> tuple[LoraSpec, ...]:
+        """The model's adapters as its runners load them (checked when models.yaml is read)."""
+        return tuple(LoraSpec.parse(v) for k, v_all in self.flags if k == "lora" for v in v_all)
 
     @property
     def lora_runtime(self) -> bool:
@@ -419,6 +424,11 @@ def _lora_list(name: str, value: Any) -> tuple[str, ...]:
             isinstance(v, str) and "=" in v for v in value):
         raise ValueError(f"model '{name}': lora must be NAME=PATH[:SCALE] strings (a list) or "
                          "a mapping of adapter names to PATH[:SCALE]")
+    for v in value:  # a bad name or scale now, not from every replica as it starts
+        try:
+            LoraSpec.parse(v)
+        except ValueError as e:
+            raise ValueError(f"model '{name}': {e}") from None
     return tuple(value)
 
 

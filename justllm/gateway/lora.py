@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
-from litestar import Request, Response, post
+from litestar import Request, Response, get, post
 from litestar.datastructures import State
 
 from justllm.server.errors import APIError
@@ -176,4 +176,30 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     return success(name, "removed")
 
 
-ROUTES = [load_lora_adapter, unload_lora_adapter]
+class GatewayLoraInfo(msgspec.Struct):
+    """One adapter of the gateway: a runner's ``GET /v1/lora_adapters`` entry and its base
+    model. ``id`` is what the ``lora`` field takes for it: a models.yaml adapter's, the same on
+    every replica; null for one loaded at run time, which each replica numbers in its own
+    order (such an id is refused: choose it by name)."""
+
+    id: int | None
+    name: str
+    path: str
+    scale: float
+    model: str
+
+
+@get("/lora_adapters", summary="Every model's LoRA adapters, with the ids the `lora` field takes")
+async def list_lora_adapters(state: State) -> list[GatewayLoraInfo]:
+    from justllm.gateway.app import _supervisor
+
+    out = []
+    for s in _supervisor(state).models.values():
+        out += [GatewayLoraInfo(i, a.name, a.path, a.scale, s.spec.name)
+                for i, a in enumerate(s.spec.lora_specs)]
+        out += [GatewayLoraInfo(None, name, msgspec.json.decode(body)["lora_path"], 1.0,
+                                s.spec.name) for name, body in s.runtime_lora.items()]
+    return out
+
+
+ROUTES = [load_lora_adapter, unload_lora_adapter, list_lora_adapters]

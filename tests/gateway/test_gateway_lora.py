@@ -67,6 +67,9 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert all(adapters_on(p) == ["sql"] for p in replicas(gw, "demo").values())
         models = {m["id"]: m for m in httpx.get(gw.url + "/v1/models").json()["data"]}
         assert models["sql"]["parent"] == "demo"
+        # no id: each replica numbers run-time adapters in its own order (refused below)
+        assert httpx.get(gw.url + "/v1/lora_adapters").json() == [
+            {"id": None, "name": "sql", "path": str(files["a"]), "scale": 1.0, "model": "demo"}]
         answer = complete(gw, "sql").json()
         assert answer["model"] == "sql" and answer["choices"][0]["text"] != base
         r = httpx.post(gw.url + "/v1/load_lora_adapter", json=load)
@@ -103,6 +106,7 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert r.status_code == 200, r.text
         assert all(adapters_on(p) == [] for p in replicas(gw, "demo").values())
         assert "sql" not in {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
+        assert httpx.get(gw.url + "/v1/lora_adapters").json() == []
         assert complete(gw, "sql").status_code == 404
         r = httpx.post(gw.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert r.status_code == 404, r.text

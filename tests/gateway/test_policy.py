@@ -20,7 +20,7 @@ from justllm.gateway.policy import (
 )
 from justllm.server.ollama import keep_alive_seconds
 
-FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks"}), {"ctx": 512},
+FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks", "lora"}), {"ctx": 512},
               switches=frozenset({"gpu"}))
 
 
@@ -98,6 +98,11 @@ def test_config_from_yaml_data():
     assert cfg.max_loaded == 1 and cfg.names["gpt-4o-mini"] == "chat"
     assert chat.runner_args() == ["--ctx", "512", "--gpu", "--max-seqs", "4"]
     assert cfg.spec("coder").ttl == 300 and cfg.spec("coder").runner_args() == ["--ctx", "512"]
+    lora = load_config({"models": {"a": {"source": "/a", "lora": [
+        "sql=/l/sql.gguf", "py=/l/a:b.gguf:0.5"]}}}, FLAGS).spec("a")
+    assert lora.adapters == ("sql", "py")
+    assert [(a.name, a.path, a.scale) for a in lora.lora_specs] == [
+        ("sql", "/l/sql.gguf", 1.0), ("py", "/l/a:b.gguf", 0.5)]
 
 
 def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkeypatch):
@@ -129,6 +134,11 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
     ({"models": {"a": {"urls": ["http://h:1"], "api-key": 5}}}, "api-key must be a string"),
     ({"models": {"a": {"urls": ["http://h:1"], "api-key": "${JUSTLLM_TEST_UNSET}"}}},
      "names the environment variable JUSTLLM_TEST_UNSET, which is not set"),
+    # an adapter's name or scale when models.yaml is read, not from each replica as it starts
+    ({"models": {"a": {"source": "/a", "lora": ["bad name=/l.gguf"]}}},
+     "model 'a': LoRA adapter name 'bad name'"),
+    ({"models": {"a": {"source": "/a", "lora": {"sql": "/l.gguf:1e9"}}}},
+     "model 'a': LoRA adapter 'sql': scale must be a number"),
 ])
 def test_config_errors_say_what_is_wrong(data, says):
     with pytest.raises(ValueError) as e:
