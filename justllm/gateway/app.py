@@ -127,8 +127,11 @@ async def _forward(request: Request, path: str) -> Any:
     if unstable is not None:
         raise APIError(400, unstable_lora_id_message(unstable, state.spec.name, fixed),
                        param="lora")
-    named = not state.has_adapter(body.get("model"))  # an adapter is the runner's own name
     name_key = "model" if "model" in body or not ollama else "name"
+    asked = body.get(name_key)
+    if ollama and isinstance(asked, str):
+        asked = asked.removesuffix(":latest")  # the tag Ollama clients add
+    named = not state.has_adapter(asked)  # an adapter is the runner's own name
     if named:
         body[name_key] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
@@ -451,6 +454,11 @@ async def ollama_tags(state: State) -> dict:
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
                        "modified_at": _iso(mtime), "size": size, "digest": "",
                        "details": {"format": "gguf"}})
+        # its LoRA adapters, as models made with Ollama's ADAPTER (a runner's /api/show has
+        # the details)
+        models += [{"name": _tag(a), "model": _tag(a), "modified_at": _iso(mtime), "size": 0,
+                    "digest": "", "details": {"format": "gguf", "parent_model": _tag(s.spec.name)}}
+                   for a in s.adapters]
     return {"models": models}
 
 

@@ -17,6 +17,7 @@ value; ``keep_alive`` 0 (unload) is refused, since a single-model server never u
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import re
@@ -38,6 +39,7 @@ from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
+from justllm.engine.lora import LoadedLora
 from justllm.errors import EngineClosedError, InvalidRequestError
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import file_digest
@@ -51,6 +53,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import APIError, ollama_response, to_api_error
+from justllm.server.lora import adapter
 from justllm.server.ollama_chat import (
     Arrival,
     OllamaMessage,
@@ -209,12 +212,22 @@ def _not_found(name: str) -> APIError:
                     type="not_found_error", param="model", code="model_not_found")
 
 
-def _check_model(name: str, served: Served) -> None:
-    """``name`` must be the served model, bare or with the ``:latest`` tag Ollama clients add."""
+def _check_model(name: str, served: Served, adapters: bool = True) -> LoadedLora | None:
+    """``name`` must be the served model or, where ``adapters``, one of its LoRA adapters (as
+    an Ollama model made with ``ADAPTER``), bare or with the ``:latest`` tag Ollama clients
+    add. The adapter it names, if it names one."""
     if not name:
         raise InvalidRequestError("model is required", param="model")
-    if name not in (served.model_id, f"{served.model_id}:latest"):
+    if name in (served.model_id, f"{served.model_id}:latest"):
+        return None
+    found = adapter(served.aengine, name.removesuffix(":latest"))
+    if found is None:
         raise _not_found(name)
+    if not adapters:
+        raise InvalidRequestError(
+            f"'{name}' is a LoRA adapter of {served.model_id}; embeddings come from the base "
+            f"model: send model '{served.model_id}'", param="model")
+    return found
 
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
@@ -287,8 +300,10 @@ def _show(value: object) -> str:
 
 
 def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
-              logprobs: int | None, template_stops: bool) -> SamplingParams:
-    """``options`` as SamplingParams, with Ollama's defaults for what is not set."""
+              logprobs: int | None, template_stops: bool,
+              lora: LoadedLora | None = None) -> SamplingParams:
+    """``options`` as SamplingParams, with Ollama's defaults for what is not set (and the
+    request's adapter, at its own scale)."""
     o = o or OllamaOptions()
     _check_load_options(o, served)
     for name, (off, why) in _OFF_OPTIONS.items():
@@ -315,14 +330,16 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
     template = served.completions.template
     try:
         return _params(o, n, last_n, with_template_stops(stop, template) if template_stops
-                       else stop, grammar, logprobs)
+                       else stop, grammar, logprobs,
+                       () if lora is None else ((lora.name, lora.scale),))
     except InvalidRequestError as e:  # named as the client named it: options.temperature
         raise InvalidRequestError(f"options.{e}",
                                   param=f"options.{e.param}" if e.param else None) from None
 
 
 def _params(o: OllamaOptions, n: int | None, last_n: int, stop: tuple[str, ...],
-            grammar: str | None, logprobs: int | None) -> SamplingParams:
+            grammar: str | None, logprobs: int | None,
+            lora: tuple[tuple[str, float], ...]) -> SamplingParams:
     return SamplingParams(
         max_tokens=n if n is not None and n >= 1 else None,
         temperature=DEFAULT_TEMPERATURE if o.temperature is None else o.temperature,
@@ -334,7 +351,7 @@ def _params(o: OllamaOptions, n: int | None, last_n: int, stop: tuple[str, ...],
         presence_penalty=o.presence_penalty or 0.0,
         frequency_penalty=o.frequency_penalty or 0.0,
         seed=o.seed if o.seed is not None and o.seed >= 0 else None,  # -1: random, as Ollama's
-        stop=stop, logprobs=logprobs, grammar=grammar)
+        stop=stop, logprobs=logprobs, grammar=grammar, lora=lora)
 
 
 def _grammar(fmt: str | dict[str, Any] | None, served: Served) -> str | None:
@@ -361,11 +378,13 @@ def _logprobs(req: _Generation) -> int | None:
     return (top or 0) if req.logprobs else None
 
 
-def _check_generation(req: _Generation, served: Served) -> None:
-    _check_model(req.model, served)
+def _check_generation(req: _Generation, served: Served) -> LoadedLora | None:
+    """The request's checks; the adapter its model names, if it names one."""
+    lora = _check_model(req.model, served)
     _check_keep_alive(req.keep_alive)
     if req.think not in (None, False):
         raise InvalidRequestError(f'"{req.model}" does not support thinking', param="think")
+    return lora
 
 
 def _no_images(images: list[str] | None, where: str) -> None:
@@ -519,14 +538,16 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaChatRequest)
-    _check_generation(req, served)
+    lora = _check_generation(req, served)
     messages = chat_messages(req.messages, req.model)
     check_last_message(req.messages)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
+        if lora is not None:  # the chat path applies the adapter its model names
+            with_tools = msgspec.structs.replace(with_tools, model=lora.name)
         return await _chat_with_tools(request, served, req, with_tools, arrival)
     params = _sampling(req.options, served, grammar=_grammar(req.format, served),
-                       logprobs=_logprobs(req), template_stops=True)
+                       logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
         return _loaded(req.model, chat=True)
     prompt = served.completions.chat_prompt(messages)
@@ -575,7 +596,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
     arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaGenerateRequest)
-    _check_generation(req, served)
+    lora = _check_generation(req, served)
     _no_images(req.images, "images")
     if req.suffix:
         raise InvalidRequestError("suffix: fill-in-the-middle is not supported", param="suffix")
@@ -594,7 +615,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         raise InvalidRequestError("system: a raw prompt is sent as it is, without a system "
                                   "message; put it in the prompt", param="system")
     params = _sampling(req.options, served, grammar=_grammar(req.format, served),
-                       logprobs=_logprobs(req), template_stops=not req.raw)
+                       logprobs=_logprobs(req), template_stops=not req.raw, lora=lora)
     if not req.prompt:
         return _loaded(req.model, chat=False)
     if req.raw:
@@ -637,7 +658,7 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
     arrival = Arrival.now(request.headers)
     served = _served(state)
     req = await decode_request(request, OllamaEmbedRequest)
-    _check_model(req.model, served)
+    _check_model(req.model, served, adapters=False)
     _check_keep_alive(req.keep_alive)
     _check_embedding_options(req.options, served)
     if req.truncate:
@@ -658,7 +679,7 @@ async def embeddings(data: JSONBody[OllamaEmbeddingsRequest], request: Request,
                      state: State) -> Any:
     served = _served(state)
     req = await decode_request(request, OllamaEmbeddingsRequest)
-    _check_model(req.model, served)
+    _check_model(req.model, served, adapters=False)
     _check_keep_alive(req.keep_alive)
     _check_embedding_options(req.options, served)
     if not req.prompt:
@@ -726,28 +747,50 @@ def _iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-@get("/tags", summary="Ollama: the models this server has (the one it serves)")
+def _adapter_tag(a: LoadedLora) -> str:
+    return a.name if ":" in a.name else f"{a.name}:latest"
+
+
+def _listed(served: Served, facts: _ModelFacts) -> list[dict[str, Any]]:
+    """The served model and its LoRA adapters as Ollama lists models; an adapter as a model
+    made with ``ADAPTER`` is: the base model's details with it as ``parent_model``, its size
+    the adapter file's, its digest one of the base model's digest, the adapter's path and
+    scale (what the adapter model is)."""
+    base = _tag(served)
+    out: list[dict[str, Any]] = [
+        {"name": base, "model": base, "modified_at": served.created, "size": facts.size,
+            "digest": facts.digest, "details": facts.details}]
+    for a in served.aengine.lora_adapters():
+        try:
+            st = os.stat(a.path)
+            size, mtime = st.st_size, st.st_mtime
+        except OSError:
+            size, mtime = 0, served.created
+        digest = hashlib.sha256(f"{facts.digest}\n{a.path}\n{a.scale}".encode()).hexdigest()
+        out.append({"name": _adapter_tag(a), "model": _adapter_tag(a), "modified_at": mtime,
+                    "size": size, "digest": digest,
+                    "details": {**facts.details, "parent_model": base}})
+    for m in out:
+        m["modified_at"] = _iso(datetime.fromtimestamp(m["modified_at"], UTC))
+    return out
+
+
+@get("/tags", summary="Ollama: the models this server has (the one it serves, its adapters)")
 async def tags(state: State) -> Any:
     served = _served(state)
-    facts = await _facts(state, served)
-    name = _tag(served)
-    return {"models": [{
-        "name": name, "model": name,
-        "modified_at": _iso(datetime.fromtimestamp(served.created, UTC)),
-        "size": facts.size, "digest": facts.digest, "details": facts.details}]}
+    return {"models": _listed(served, await _facts(state, served))}
 
 
-@get("/ps", summary="Ollama: the models loaded now (the one it serves, for as long as it runs)")
+@get("/ps", summary="Ollama: the models loaded now (the one it serves and its adapters, for "
+                    "as long as it runs)")
 async def ps(state: State) -> Any:
     served = _served(state)
-    facts = await _facts(state, served)
-    name = _tag(served)
     # Never unloaded: Ollama's own "forever" is now + the longest Go duration (292 years).
-    forever = datetime.now(UTC) + timedelta(days=292 * 365)
-    return {"models": [{
-        "name": name, "model": name, "size": facts.size, "digest": facts.digest,
-        "details": facts.details, "expires_at": _iso(forever),
-        "context_length": served.aengine.max_request_tokens}]}
+    forever = _iso(datetime.now(UTC) + timedelta(days=292 * 365))
+    return {"models": [
+        {k: v for k, v in m.items() if k != "modified_at"}
+        | {"expires_at": forever, "context_length": served.aengine.max_request_tokens}
+        for m in _listed(served, await _facts(state, served))]}
 
 
 @post("/show", status_code=200, summary="Ollama: what is known of a model")
@@ -755,7 +798,7 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
     served = _served(state)
     req = await decode_request(request, OllamaShowRequest)
     name = req.model or req.name
-    _check_model(name, served)
+    lora = _check_model(name, served)
     if req.verbose:
         raise InvalidRequestError("verbose: the GGUF's array values (the vocabulary) are not "
                                   "listed; leave verbose out", param="verbose")
@@ -767,12 +810,14 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
                   ("repeat_last_n", DEFAULT_REPEAT_LAST_N),
                   *(("stop", msgspec.json.encode(s).decode()) for s in template.stop)]
     lines = "\n".join(f"{k:<30} {v}" for k, v in parameters)
+    adapter_line = "" if lora is None else f"ADAPTER {os.path.abspath(lora.path)}\n"
     modelfile = (f"# Modelfile generated by justllm {__version__}\n"
-                 f"FROM {os.path.abspath(served.aengine.model_path)}\n"
+                 f"FROM {os.path.abspath(served.aengine.model_path)}\n{adapter_line}"
                  + "\n".join(f"PARAMETER {k} {v}" for k, v in parameters))
+    details = facts.details if lora is None else {**facts.details, "parent_model": _tag(served)}
     body: dict[str, Any] = {
         "modelfile": modelfile, "parameters": lines, "template": template.source,
-        "details": facts.details, "model_info": facts.model_info,
+        "details": details, "model_info": facts.model_info,
         "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else []),
         "modified_at": _iso(datetime.fromtimestamp(served.created, UTC))}
     if facts.license is not None:

@@ -24,10 +24,23 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         # A LoRA adapter is a model name of its own: listed with its parent, routed to it.
         listed = {m["id"]: m for m in httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]}
         assert listed["sql"]["parent"] == "alpha"
+        # with the id the lora field takes for it, as a runner lists them
+        assert httpx.get(gw.url + "/v1/lora_adapters", timeout=30).json() == [
+            {"id": 0, "name": "sql", "path": str(adapter), "scale": 1.0, "model": "alpha"}]
         texts = [httpx.post(gw.url + "/v1/completions", timeout=120, json={
             "model": name, "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0}).json()["choices"][0]["text"] for name in ("alpha", "sql")]
         assert texts[0] != texts[1]  # the runner applied the adapter
+        # on Ollama's routes too, as a model made with ADAPTER
+        tags = {m["name"]: m for m in
+                httpx.get(gw.url + "/api/tags", timeout=30).json()["models"]}
+        assert tags["sql:latest"]["details"]["parent_model"] == "alpha:latest"
+        r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+            "model": "sql:latest", "prompt": "The capital of France is", "raw": True,
+            "stream": False, "options": {"temperature": 0, "num_predict": 8,
+                                         "repeat_penalty": 1.0}})
+        assert r.status_code == 200 and r.json()["model"] == "sql:latest", r.text
+        assert r.json()["response"] and texts[1].startswith(r.json()["response"])
 
         claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
                                      timeout=120)

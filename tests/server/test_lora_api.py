@@ -92,6 +92,45 @@ def test_an_adapter_is_chosen_by_model_name_or_by_the_lora_field(client, lora_se
     assert streamed and set(streamed) == {"b"}
 
 
+def test_ollama_routes_take_an_adapter_as_a_model(client, lora_server, files):
+    """As a model made with Ollama's ADAPTER: listed with the base as its parent_model, shown
+    with an ADAPTER line, and generating under the adapter."""
+    base, url = lora_server.model, lora_server.url
+
+    def generate(model: str) -> dict:
+        r = httpx.post(url + "/api/generate", timeout=120, json={
+            "model": model, "prompt": PROMPT, "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    a = generate("a")
+    assert a["model"] == "a" and a["response"]
+    assert complete(client, "a").startswith(a["response"])  # the adapter was applied
+    assert generate("a:latest")["response"] == a["response"]
+    assert generate(base)["response"] != a["response"]
+    r = httpx.post(url + "/api/chat", timeout=120, json={
+        "model": "b", "stream": False, "messages": [{"role": "user", "content": "Hi"}],
+        "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.json()["model"] == "b", r.text
+    tags = {m["name"]: m for m in httpx.get(url + "/api/tags", timeout=30).json()["models"]}
+    assert list(tags) == [f"{base}:latest", "a:latest", "b:latest"]
+    assert tags["a:latest"]["details"]["parent_model"] == f"{base}:latest"
+    assert tags["a:latest"]["size"] == files["a"].stat().st_size
+    assert tags["a:latest"]["digest"] != tags["b:latest"]["digest"] != tags[f"{base}:latest"]
+    ps = httpx.get(url + "/api/ps", timeout=30).json()["models"]
+    assert [m["name"] for m in ps] == list(tags)
+    shown = httpx.post(url + "/api/show", json={"model": "a"}, timeout=30).json()
+    assert shown["details"]["parent_model"] == f"{base}:latest"
+    assert f"ADAPTER {files['a']}" in shown["modelfile"]
+    assert "ADAPTER" not in httpx.post(url + "/api/show", json={"model": base},
+                                       timeout=30).json()["modelfile"]
+    r = httpx.post(url + "/api/embed", json={"model": "a", "input": "x"}, timeout=30)
+    assert r.status_code == 400 and f"send model '{base}'" in r.json()["error"], r.text
+    r = httpx.post(url + "/api/generate", json={"model": "zz", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and 'model "zz" not found' in r.json()["error"], r.text
+
+
 @pytest.mark.parametrize("model, lora, status, words", [
     ("zz", None, 404, "the model 'zz' does not exist"),
     (None, [{"id": 9}], 400, "lora[0]: no LoRA adapter with id 9"),
