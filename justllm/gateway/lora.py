@@ -118,6 +118,11 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
     target = _model(sup, req.model)
     if not target.spec.lora_runtime:
         raise runtime_off(target.spec.name, "models.yaml")
+    static = next((s for s in sup.models.values() if name in s.spec.adapters), None)
+    if static is not None:  # a replica loads these at start, so they stay as they are
+        raise APIError(400, f"the LoRA adapter '{name}' comes from models.yaml (model "
+                            f"'{static.spec.name}'): change it there; loads here, in place "
+                            "or not, are for other names", param="lora_name")
     owner = sup.resolve(name)
     if owner is not None and (owner is not target or name not in target.runtime_lora):
         raise name_taken(name, "gateway")

@@ -42,7 +42,7 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
     gw = start_gateway(tmp_path, {
         "demo": {"source": model_path, "replicas": 2, "preload": True,
                  "enable-lora-runtime": True, **FLAGS},
-        "plain": {"source": model_path, **FLAGS}})
+        "plain": {"source": model_path, "lora": [f"fixed={files['a']}"], **FLAGS}})
     pids: list[int] = []
     try:
         wait_for("both replicas", lambda: [r["status"] for r in replicas(gw, "demo").values()]
@@ -55,6 +55,11 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert r.status_code == 404 and "enable-lora-runtime" in r.text, r.text
         r = httpx.post(gw.url + "/v1/load_lora_adapter", json={**load, "lora_name": "plain"})
         assert r.status_code == 400 and "already a model" in r.text, r.text
+        for inplace in (False, True):  # models.yaml's adapters are changed there
+            r = httpx.post(gw.url + "/v1/load_lora_adapter", json={
+                **load, "lora_name": "fixed", "load_inplace": inplace})
+            assert r.status_code == 400, r.text
+            assert "'fixed' comes from models.yaml (model 'plain')" in r.json()["error"]["message"]
         # Not an adapter for this model: the runner's 400, and no replica keeps it.
         r = httpx.post(gw.url + "/v1/load_lora_adapter", timeout=120,
                        json={**load, "lora_path": str(files["wrong"])})
@@ -68,8 +73,11 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         models = {m["id"]: m for m in httpx.get(gw.url + "/v1/models").json()["data"]}
         assert models["sql"]["parent"] == "demo"
         # no id: each replica numbers run-time adapters in its own order (refused below)
+        fixed = {"id": 0, "name": "fixed", "path": str(files["a"]), "scale": 1.0,
+                 "model": "plain"}
         assert httpx.get(gw.url + "/v1/lora_adapters").json() == [
-            {"id": None, "name": "sql", "path": str(files["a"]), "scale": 1.0, "model": "demo"}]
+            {"id": None, "name": "sql", "path": str(files["a"]), "scale": 1.0, "model": "demo"},
+            fixed]
         answer = complete(gw, "sql").json()
         assert answer["model"] == "sql" and answer["choices"][0]["text"] != base
         r = httpx.post(gw.url + "/v1/load_lora_adapter", json=load)
@@ -106,7 +114,7 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert r.status_code == 200, r.text
         assert all(adapters_on(p) == [] for p in replicas(gw, "demo").values())
         assert "sql" not in {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
-        assert httpx.get(gw.url + "/v1/lora_adapters").json() == []
+        assert httpx.get(gw.url + "/v1/lora_adapters").json() == [fixed]
         assert complete(gw, "sql").status_code == 404
         r = httpx.post(gw.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert r.status_code == 404, r.text
