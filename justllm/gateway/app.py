@@ -76,7 +76,8 @@ def _model(sup: Supervisor, name: Any, ollama: bool = False) -> ModelState:
                        f'model "{name}" not found, try pulling it first' if name
                        else "model is required", param="model")
     if found is None:
-        known = ", ".join(sup.config.names)
+        known = ", ".join([*sup.config.names, *(a for s in sup.models.values()
+                                                for a in s.runtime_lora)])
         raise APIError(404 if name else 400,
                        f"the model '{name}' does not exist; this server has: {known}"
                        if name else f"model is required (one of: {known})",

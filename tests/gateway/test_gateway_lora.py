@@ -72,6 +72,9 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         assert all(adapters_on(p) == ["sql"] for p in replicas(gw, "demo").values())
         models = {m["id"]: m for m in httpx.get(gw.url + "/v1/models").json()["data"]}
         assert models["sql"]["parent"] == "demo"
+        r = complete(gw, "zz")  # a 404 names what there is, run-time adapters too
+        assert r.status_code == 404 and r.json()["error"]["message"].endswith(
+            "this server has: demo, plain, fixed, sql"), r.text
         # no id: each replica numbers run-time adapters in its own order (refused below)
         fixed = {"id": 0, "name": "fixed", "path": str(files["a"]), "scale": 1.0,
                  "model": "plain"}
