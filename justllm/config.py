@@ -184,14 +184,15 @@ class EngineConfig:
             object.__setattr__(self, "pool_blocks", device.pool_blocks)
         if self.n_ubatch > self.n_batch:
             raise ValueError(f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch})")
-        positive = ("max_seqs", "block_size", "max_prefill", "max_decode", "lora_max_steps")
+        positive = ("max_seqs", "block_size", "max_prefill", "max_decode", "lora_max_steps",
+                    "max_queue")  # (a queue of 0 would refuse every request)
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
-        for name in ("max_queue", "threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
+        for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:

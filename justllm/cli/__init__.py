@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -59,12 +59,31 @@ def build_app(plugins: Plugins | None = None) -> typer.Typer:
     app.add_typer(cluster_cmd.app, name="cluster")
 
     @app.callback()
-    def _root() -> None:
+    def _root(version: Annotated[bool, typer.Option(
+            "--version", "-v", callback=_print_version, is_eager=True,
+            help="Print justllm's version (and llama-cpp-python's) and exit.")] = False) -> None:
         """Serve GGUF language models from one command."""
 
     if plugins is not None:
         plugins.add_commands(app)
     return app
+
+
+def _print_version(value: bool) -> None:
+    """``--version``, as ``ollama -v`` and ``llama-server --version``: read from the installed
+    packages' metadata, without loading llama.cpp."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from justllm import __version__
+
+    try:
+        llama = version("llama-cpp-python")
+    except PackageNotFoundError:
+        llama = "not installed"
+    print(f"justllm {__version__} (llama-cpp-python {llama})")
+    raise typer.Exit()
 
 
 # The built-in commands, for Typer's CliRunner in tests (which may pass a Plugins as ``obj``);

@@ -25,8 +25,10 @@ def show(
     with cli_errors():
         import yaml
 
-        from justllm.cli.options import default_config_file
+        from justllm.cli.options import ENGINE_FLAGS, config_values, default_config_file
         from justllm.cli.serve import serve
+        from justllm.config import EngineConfig
+        from justllm.plugins import load_plugins
 
         file_values: dict[str, object] = {}
         if not config_file and default_config_file().is_file():
@@ -44,6 +46,7 @@ def show(
         table = Table("OPTION", "VALUE", "SOURCE", box=None, pad_edge=False)
         ctx = command.context_class(command)
         bad: list[str] = []
+        engine = {f.name: f.default for f in ENGINE_FLAGS}
         for param in command.params:
             if (param.name in ("models", "config_file", "install_completion",
                                "show_completion") or not param.opts):
@@ -52,13 +55,16 @@ def show(
             value: object
             if envvar and envvar in os.environ:
                 value, source = os.environ[envvar], f"env {envvar}"
+                file_values.pop(param.name, None)  # known, and overridden
             elif param.name in file_values:
                 value, source = file_values.pop(param.name), "file"
             else:
                 value, source = param.default, "default"
             if source != "default" and value is not None:
                 try:  # what serve would refuse is said here too
-                    param.process_value(ctx, value)
+                    converted = param.process_value(ctx, value)
+                    if param.name in engine:
+                        engine[param.name] = converted
                 except typer.BadParameter as e:
                     bad.append(f"{param.opts[0]} ({source}): {e.message}")
             if param.name == "api_key" and value:
@@ -67,6 +73,12 @@ def show(
         Console(emoji=False).print(table)
         if file_values:
             raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(file_values))}")
+        if not bad:  # the engine's own checks, as serve and run make them (ranges, choices)
+            try:
+                EngineConfig(model="", spec_methods=load_plugins().spec_methods,
+                             **config_values(engine) | {"lora": ()})
+            except ValueError as e:
+                bad.append(str(e))
         if bad:
             raise ValueError("invalid: " + "; ".join(bad))
 

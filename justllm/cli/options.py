@@ -84,11 +84,14 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
     known = {p.name: p for p in ctx.command.params}
+    elsewhere = _other_commands_options(ctx)
     defaults = {}
     for key, val in data.items():
         name = str(key).replace("-", "_")
+        if name not in known and name in elsewhere:
+            continue  # another command's (serve's port in a file run reads too)
         if name not in known or name == "config":
-            raise typer.BadParameter(f"{value}: unknown option '{key}'")
+            raise typer.BadParameter(f"{value}: unknown option '{key}'", param_hint="--config")
         if name == "lora":  # one NAME=PATH[:SCALE], a list of them, or name -> PATH[:SCALE]
             val = [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
                 [val] if isinstance(val, str) else val
@@ -96,10 +99,24 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
             if val is not None:
                 known[name].process_value(ctx, val)
         except typer.BadParameter as e:
-            raise typer.BadParameter(f"{value}: {key}: {e.message}") from None
+            raise typer.BadParameter(f"{value}: {key}: {e.message}",
+                                     param_hint="--config") from None
         defaults[name] = val
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def _other_commands_options(ctx: typer.Context) -> frozenset[str]:
+    """The option names of every justllm command: one config file serves them all, so each
+    command passes over the keys another one takes and refuses only those none does."""
+    names: set[str] = set()
+    stack: list[Any] = [ctx.find_root().command]
+    while stack:  # (duck-typed: Typer's commands need not be the click package's classes)
+        command = stack.pop()
+        names.update(p.name for p in command.params
+                     if p.name and getattr(p, "param_type_name", "") == "option")
+        stack.extend(getattr(command, "commands", {}).values())
+    return frozenset(names)
 
 
 ConfigFile = Annotated[Optional[str], typer.Option(
@@ -186,17 +203,12 @@ def engine_config(model: str | None, flags: dict[str, Any],
     plugins = plugins if plugins is not None else load_plugins()
     resolve_model = plugins.resolve_model
 
-    v = {f.name: f.default for f in ENGINE_FLAGS} | flags
-    no_prefix_cache, spec, draft_model = (v.pop("no_prefix_cache"), v.pop("spec"),
-                                          v.pop("draft_model"))
-    v["chat_template"] = v["chat_template"] or None
+    v = config_values(flags)
     if v["chat_template"] is not None:
         ChatTemplate.named(v["chat_template"])
-    v["lora_runtime"] = v.pop("enable_lora_runtime")
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
-    if draft_model and not spec:
-        spec = "draft"  # as llama-server's -md: a draft model alone turns drafting on
+    draft_model = v.pop("draft_model")
     if v["threads"] and not v["gpu"] and v["threads"] > usable_cpus():
         from rich.console import Console
 
@@ -204,9 +216,20 @@ def engine_config(model: str | None, flags: dict[str, Any],
             f"[yellow]warning:[/yellow] --threads {v['threads']} is more than the "
             f"{usable_cpus()} cores this process may use: llama.cpp's threads then wait for "
             "each other and decoding slows down sharply", highlight=False, soft_wrap=True)
-    return EngineConfig(model=path, prefix_cache=not no_prefix_cache, spec=spec or "",
-                        spec_methods=plugins.spec_methods,
+    return EngineConfig(model=path, spec_methods=plugins.spec_methods,
                         draft_model=resolve_model(draft_model) if draft_model else None, **v)
+
+
+def config_values(flags: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig's keyword values for these flag values (missing ones take their defaults),
+    the model, the draft model and ``--lora`` not yet resolved to files."""
+    v = {f.name: f.default for f in ENGINE_FLAGS} | flags
+    v["prefix_cache"] = not v.pop("no_prefix_cache")
+    v["lora_runtime"] = v.pop("enable_lora_runtime")
+    v["chat_template"] = v["chat_template"] or None
+    # as llama-server's -md: a draft model alone turns drafting on
+    v["spec"] = v["spec"] or ("draft" if v["draft_model"] else "")
+    return v
 
 
 def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpec, ...]:

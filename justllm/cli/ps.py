@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -40,10 +40,13 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
         if r.status_code == 401:
             raise ValueError(f"{url} wants an API key: pass --api-key (or set JUSTLLM_API_KEY)"
                              if not api_key else f"{url} refused the API key given")
-        if r.status_code != 200 or "data" not in r.json():
+        body = _gateway_listing(r)
+        if body is None:
+            hint = (" (give the gateway's address without /v1: ps reads its own /models)"
+                    if url.rstrip("/").endswith("/v1") else "")
             raise ValueError(f"{url} is not a router-mode gateway (GET /models answered "
-                             f"{r.status_code}); `justllm ps` needs `justllm serve --models`")
-        body = r.json()
+                             f"{r.status_code}, not with the gateway's model list){hint}; "
+                             "`justllm ps` needs `justllm serve --models`")
         table = Table("MODEL", "REPLICA", "STATUS", "PID", "MEMORY", "LOAD", "KV", "HIT",
                       "TTFT", "IDLE", "UNLOAD IN", "RESTARTS", box=None, pad_edge=False)
         for m in body["data"]:
@@ -117,3 +120,17 @@ def _follow(path: Path) -> None:
                     time.sleep(0.25)
         except KeyboardInterrupt:
             return
+
+
+def _gateway_listing(r: Any) -> dict | None:
+    """The gateway's ``GET /models`` answer, or None for anything else (an OpenAI ``/v1/models``
+    list has ``data`` too, but no status per model)."""
+    try:
+        body = r.json() if r.status_code == 200 else None
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        return None
+    if not all(isinstance(m, dict) and {"model", "status", "ttl"} <= m.keys() for m in body["data"]):
+        return None
+    return body

@@ -60,8 +60,8 @@ class SchedulerConfig:
                      "lora_max_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
         if self.chunk_size > self.n_batch:
             raise ValueError("chunk_size must be <= n_batch")
         if self.n_seq_ids and self.n_seq_ids < self.max_seqs:

@@ -22,7 +22,8 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path):
     bad.write_text("bogus: 1\n")
     for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
                  ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
-                 ["serve", "--port", "notaport"]):
+                 ["serve", "--port", "notaport"],
+                 ["run", "-p", "x", "--max-queue", "0"]):  # (it refused the prompt, loaded)
         r = justllm(*args)
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -89,9 +90,36 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     assert "JUSTLLM_PORT" not in r.stderr
 
 
+def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_does(
+        tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max-seqs: 16\n")
+    monkeypatch.setenv("JUSTLLM_MAX_SEQS", "5")
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output  # it called the file's max-seqs an unknown option
+    assert any(line.split()[:3] == ["--max-seqs", "5", "env"] for line in r.output.splitlines())
+    monkeypatch.delenv("JUSTLLM_MAX_SEQS")
+    cfg.write_text("max-seqs: -4\n")  # listed, exit 0; serve and run refuse it
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 1 and "max_seqs must be an integer >= 1 (got -4)" in r.output
+
+
+def test_version():
+    from importlib.metadata import version
+
+    from justllm import __version__
+
+    for flag in ("--version", "-v"):
+        r = justllm(flag)
+        assert r.returncode == 0 and r.stdout.strip() == (
+            f"justllm {__version__} (llama-cpp-python {version('llama-cpp-python')})"), r
+
+
 def test_default_config_file_is_read(tmp_path, monkeypatch, model_path):
     (tmp_path / "justllm").mkdir()
-    (tmp_path / "justllm" / "config.yaml").write_text("max-tokens: 3\npool-blocks: 64\n")
+    # one file for every command: run passes over serve's keys (it refused to start)
+    (tmp_path / "justllm" / "config.yaml").write_text(
+        "max-tokens: 3\npool-blocks: 64\nport: 9000\napi-key: sekret\n")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is"])
     assert r.exit_code == 0, r.output
@@ -135,29 +163,51 @@ def test_a_truncated_model_is_one_line_on_every_command_that_loads_it(model_path
     assert not (tmp_path / "no").exists()  # it was created, and the draft written there
 
 
-def test_ps_says_when_the_gateway_wants_an_api_key():
-    """It said the gateway was 'not a router-mode gateway (GET /models answered 401)'."""
+def _answering(status: int, body: bytes):
+    """A local HTTP server answering every GET with ``status`` and ``body``."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    class Locked(BaseHTTPRequestHandler):
+    class Fixed(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(401)
+            self.send_response(status)
             self.send_header("content-type", "application/json")
             self.end_headers()
-            self.wfile.write(b'{"error": {"message": "invalid api key"}}')
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Locked)
+    server = HTTPServer(("127.0.0.1", 0), Fixed)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_ps_says_when_the_gateway_wants_an_api_key():
+    """It said the gateway was 'not a router-mode gateway (GET /models answered 401)'."""
+    server = _answering(401, b'{"error": {"message": "invalid api key"}}')
     try:
         url = f"http://127.0.0.1:{server.server_port}"
         r = runner.invoke(app, ["ps", "--url", url], env={"JUSTLLM_API_KEY": ""})
         assert r.exit_code == 1 and "wants an API key: pass --api-key" in r.output, r.output
         r = runner.invoke(app, ["ps", "--url", url, "--api-key", "wrong"])
         assert r.exit_code == 1 and "refused the API key given" in r.output, r.output
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("body", [
+    b'{"object": "list", "data": [{"id": "m", "object": "model"}]}',  # an OpenAI /v1/models
+    b"<html>hello</html>", b"[1, 2]"])
+def test_ps_against_a_server_that_is_no_gateway_is_one_line(body):
+    """An OpenAI base URL (`--url http://host:8080/v1`) was a KeyError traceback."""
+    server = _answering(200, body)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        r = justllm("ps", "--url", url)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert "is not a router-mode gateway" in lines[0] and "without /v1" in lines[0]
     finally:
         server.shutdown()
 
