@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -18,7 +19,7 @@ app = typer.Typer(help="Build draft models for speculative decoding.", no_args_i
 def make(
     model: Annotated[str, typer.Argument(help="The target model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].")],
     layers: Annotated[int, typer.Option("--layers", "-l", help="Transformer blocks to keep (1 to the model's count minus one).")],
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-draft-L<N>.gguf next to the model, or in the models directory).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-draft-L<N>.gguf next to the model, or in the models directory; -o DIR/ or an existing DIR: that name in DIR).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write the model's first N layers as a draft GGUF with the same vocabulary.
@@ -33,6 +34,8 @@ def make(
 
         src = Path(load_plugins().resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
+        if output and (dst.is_dir() or output.endswith(("/", os.sep))):
+            dst = default_draft_path(src, layers, dst)  # -o DIR/: the default name there
         info = make_draft(src, dst, layers, force=force)
         Console(emoji=False).print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "

@@ -35,10 +35,13 @@ class DraftInfo:
     size_bytes: int
 
 
-def default_draft_path(src: Path, layers: int) -> Path:
-    """``<stem>-draft-L<N>.gguf`` next to the source, or in the models directory when the
-    source's directory is not writable (a read-only download cache, a system path)."""
+def default_draft_path(src: Path, layers: int, directory: Path | None = None) -> Path:
+    """``<stem>-draft-L<N>.gguf`` in ``directory``; by default next to the source, or in the
+    models directory when the source's directory is not writable (a read-only download cache,
+    a system path)."""
     name = f"{src.stem}-draft-L{layers}.gguf"
+    if directory is not None:
+        return directory / name
     if os.access(src.parent, os.W_OK):
         return src.parent / name
     from justllm.models.store import models_dir

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -161,6 +162,14 @@ def test_a_truncated_model_is_one_line_on_every_command_that_loads_it(model_path
     r = justllm("draft", "make", model_path, "-l", "2", "-o", str(tmp_path / "no" / "d.gguf"))
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert not (tmp_path / "no").exists()  # it was created, and the draft written there
+    # -o DIR/ is the default name in DIR (it wrote a file called DIR), as quantize's -o
+    for out, made in ((f"{tmp_path}/drafts/", False), (str(tmp_path), True)):
+        r = justllm("draft", "make", model_path, "-l", "2", "-o", out)
+        assert (r.returncode == 0) == made, r.stderr
+        if made:
+            assert (tmp_path / f"{Path(model_path).stem}-draft-L2.gguf").is_file()
+        else:
+            assert "does not exist" in r.stderr and not (tmp_path / "drafts").exists()
 
 
 def _answering(status: int, body: bytes):
