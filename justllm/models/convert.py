@@ -326,8 +326,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         model = HFModel(where, read_config(source_dir / "config.json", where), listing.files)
         model_name = source.rpartition("/")[2]
 
-    converter = get_converter(console)
-    model.check(converter.architectures())
+    model.check_files()  # the cheap checks before the converter is fetched (it is 77 MB)
     resolved = resolve_outtype(outtype, model)
     type_name = quant.name if quant else resolved
     repo, commit = (listing.repo, listing.commit) if listing else (None, None)
@@ -349,6 +348,8 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         download = model.weights_bytes - hub.cached_bytes(listing, model.weights)
         needs.append((hub.hub_cache_dir(), download, "the download"))
     check_space(needs, free_bytes)
+    converter = get_converter(console)
+    model.check_architecture(converter.architectures())
     if listing is not None:
         console.print(f"downloading {source} @ {listing.commit[:12]}: {len(model.weights)} "
                       f"safetensors file(s), {_gb(model.weights_bytes)}", highlight=False,

@@ -87,13 +87,26 @@ class HFModel:
 
     def check(self, supported: tuple[str, ...]) -> None:
         """One-line errors for what would make llama.cpp's converter fail for certain."""
+        self.check_files()
+        self.check_architecture(supported)
+
+    def check_files(self) -> None:
+        """What can be checked before llama.cpp's converter is fetched: weights, a named
+        architecture, a tokenizer."""
         if not self.weights:
             raise ModelLoadError(f"no *.safetensors weights in {self.where} (justllm converts "
                                  "safetensors models)")
-        candidates = self.candidate_architectures()
-        if not candidates:
+        if not self.candidate_architectures():
             raise ModelLoadError(f"{self.where}: config.json names no 'architectures', so "
                                  "llama.cpp's converter cannot tell what model it is")
+        if not self.has_tokenizer:
+            raise ModelLoadError(f"no tokenizer in {self.where}: llama.cpp's converter needs "
+                                 "the model's tokenizer files (tokenizer.json or tokenizer.model) "
+                                 "beside config.json")
+
+    def check_architecture(self, supported: tuple[str, ...]) -> None:
+        """The architecture is one llama.cpp's converter (which lists ``supported``) converts."""
+        candidates = self.candidate_architectures()
         if not any(a in supported for a in candidates):
             # The nearest names, not all ~270 of them (a line of some 10,000 characters).
             near = difflib.get_close_matches(candidates[0], supported, n=5, cutoff=0.5)
@@ -101,10 +114,6 @@ class HFModel:
                 f"architecture {candidates[0]} is not supported by llama.cpp's converter "
                 f"(it converts {len(supported)} architectures"
                 + (f"; the nearest: {', '.join(near)})" if near else ")"))
-        if not self.has_tokenizer:
-            raise ModelLoadError(f"no tokenizer in {self.where}: llama.cpp's converter needs "
-                                 "the model's tokenizer files (tokenizer.json or tokenizer.model) "
-                                 "beside config.json")
 
 
 def read_config(path: Path, where: str) -> dict[str, Any]:

@@ -161,6 +161,24 @@ def test_what_the_converter_would_fail_on_is_refused_first(
     assert not models.exists()
 
 
+@pytest.mark.parametrize("drop, config", [
+    (("model.safetensors",), None), (("tokenizer.json",), None), ((), {"architectures": []}),
+    ((), None)])  # the last: an output that exists
+def test_the_cheap_checks_come_before_the_converter_is_fetched(
+        tiny: Path, tmp_path: Path, models: Path, monkeypatch: pytest.MonkeyPatch,
+        drop: tuple[str, ...], config: dict | None) -> None:
+    """It fetched the converter (77 MB, 12 s online; an error offline) before looking at the
+    directory or the output."""
+    monkeypatch.setattr(conv, "get_converter",
+                        lambda console: pytest.fail("the converter was fetched"))
+    src = _copy(tiny, tmp_path / "m", drop, config)
+    if not drop and config is None:
+        models.mkdir()
+        (models / "m-f16.gguf").write_bytes(b"x")
+    with pytest.raises((ModelLoadError, ValueError)):
+        conv.prepare(str(src), outtype="f16")
+
+
 def test_prepare_plans_the_output_and_refuses_an_existing_one(tiny: Path, models: Path) -> None:
     job = conv.prepare(str(tiny), outtype="auto")
     assert (job.dst, job.outtype, job.quant, job.label) == (
