@@ -25,6 +25,7 @@ MAX_USER_STOP = 16  # --stop strings; the chat template may add its own
 def run(
     context: typer.Context,
     model: o.Model = None,
+    text: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt, after the model (as `ollama run MODEL PROMPT`); or -p.", show_default=False)] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without a chat template (and without its stop strings).")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message (chat template only).")] = None,
@@ -45,6 +46,12 @@ def run(
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
     with cli_errors():
+        if text is not None and prompt is not None:
+            raise ValueError("give the prompt once: after the model or with -p, not both")
+        prompt = text if prompt is None else prompt
+        if prompt is None and model is not None and looks_like_a_prompt(model):
+            raise ValueError(f"'{model}' is no model file or name; the prompt goes after the "
+                             "model (justllm run MODEL PROMPT) or in -p")
         if prompt is None:
             if sys.stdin is None or sys.stdin.isatty():
                 raise ValueError("no prompt: pass -p TEXT or pipe text on stdin")
@@ -87,6 +94,14 @@ def run(
             engine.close()
             if events is not None:
                 events.close()
+
+
+def looks_like_a_prompt(model: str) -> bool:
+    """Words with spaces that are no file: what ``ollama run``'s habit, a prompt without a
+    model, puts where the model goes."""
+    import os
+
+    return " " in model.strip() and not os.path.exists(os.path.expanduser(model))
 
 
 def print_notice(notice: str) -> None:
