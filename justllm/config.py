@@ -76,6 +76,15 @@ class LoraSpec:
         return LoraSpec(name.strip(), os.path.expanduser(path if colon else rest), scale)
 
 
+def yaml_problem(path: object, e: Exception) -> str:
+    """A YAML parse error as one line: what is wrong and where (PyYAML's own message spans
+    several lines, with a copy of the offending line)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+    problem = getattr(e, "problem", None) or " ".join(str(e).split())
+    return f"{path} is not valid YAML: {problem}{where}"
+
+
 _LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@+-]{0,127}")
 
 

@@ -21,6 +21,7 @@ from rich.table import Table
 from justllm.cli.errors import cli_errors
 from justllm.cli.group import OneLineSummaries
 from justllm.cluster.options import SCHEDULE_TIMEOUT
+from justllm.config import yaml_problem
 from justllm.errors import JustLLMError
 
 app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
@@ -110,10 +111,7 @@ def _read_yaml(path: str) -> object:
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ValueError(f"{path} is not valid YAML: {getattr(e, 'problem', None) or e}"
-                         f"{where}") from None
+        raise ValueError(yaml_problem(path, e)) from None
 
 
 def _deployment_label(m: dict) -> str:

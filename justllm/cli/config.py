@@ -27,7 +27,7 @@ def show(
 
         from justllm.cli.options import ENGINE_FLAGS, config_values, default_config_file
         from justllm.cli.serve import serve
-        from justllm.config import EngineConfig
+        from justllm.config import EngineConfig, yaml_problem
         from justllm.plugins import load_plugins
 
         file_values: dict[str, object] = {}
@@ -37,8 +37,10 @@ def show(
             try:
                 with open(config_file, encoding="utf-8") as f:
                     data = yaml.safe_load(f) or {}
-            except (OSError, yaml.YAMLError) as e:
-                raise ValueError(f"cannot read {config_file}: {e}") from None
+            except OSError as e:
+                raise ValueError(f"cannot read {config_file}: {e.strerror}") from None
+            except yaml.YAMLError as e:
+                raise ValueError(yaml_problem(config_file, e)) from None
             if not isinstance(data, dict):
                 raise ValueError(f"{config_file} must hold a mapping of option names to values")
             file_values = {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from justllm.config import EngineConfig, LoraSpec, usable_cpus
+from justllm.config import EngineConfig, LoraSpec, usable_cpus, yaml_problem
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
@@ -80,7 +80,7 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
     except OSError as e:
         raise typer.BadParameter(f"cannot read {value}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise typer.BadParameter(f"{value} is not valid YAML: {e}") from None
+        raise typer.BadParameter(yaml_problem(value, e), param_hint="--config") from None
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
     known = {p.name: p for p in ctx.command.params}

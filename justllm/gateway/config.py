@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from justllm.config import EngineConfig, LoraSpec
+from justllm.config import EngineConfig, LoraSpec, yaml_problem
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -463,7 +463,7 @@ def read_config(path: str, flags: Flags) -> GatewayConfig:
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"{path} is not valid YAML: {e}") from None
+        raise ValueError(yaml_problem(path, e)) from None
     return load_config(data, flags)
 
 

@@ -21,10 +21,15 @@ def justllm(*args, **kw):
 def test_usage_errors_are_one_line_and_exit_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("bogus: 1\n")
+    broken = tmp_path / "broken.yaml"  # PyYAML's message spans four lines
+    broken.write_text("a: [1,\nb: 2\n")
     for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
                  ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
                  ["serve", "--port", "notaport"],
-                 ["run", "-p", "x", "--max-queue", "0"]):  # (it refused the prompt, loaded)
+                 ["run", "-p", "x", "--max-queue", "0"],  # (it refused the prompt, loaded)
+                 ["run", "-p", "x", "--config", str(broken)], ["config", "show", "--config",
+                                                               str(broken)],
+                 ["serve", "--models", str(broken)]):
         r = justllm(*args)
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
