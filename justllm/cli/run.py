@@ -119,13 +119,18 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
     engine.add_request(prompt, params, request_id="run")
     last = None
     trim = AnswerText() if answer else None
-    while engine.has_unfinished():
-        for o_ in engine.step():
-            if o_.error:
-                raise EngineError(o_.error)
-            out.write(trim.feed(o_.text) if trim else o_.text)
-            out.flush()
-            last = o_
+    try:
+        while engine.has_unfinished():
+            for o_ in engine.step():
+                if o_.error:
+                    raise EngineError(o_.error)
+                out.write(trim.feed(o_.text) if trim else o_.text)
+                out.flush()
+                last = o_
+    except KeyboardInterrupt:
+        out.write("\n")  # "interrupted" on a line of its own, not after the partial text
+        out.flush()
+        raise
     out.write("\n")
     out.flush()
     if last is None:

@@ -177,3 +177,20 @@ def test_run_applies_its_lora_adapters_and_refuses_a_system_message_with_raw(mod
     # A scale that is no number: it said the file (PATH:abc) was not found.
     r = runner.invoke(app, [*args, "--lora", f"a={adapter}:abc"])
     assert r.exit_code == 1 and "'abc' is not a scale" in r.output, r.output
+
+
+def test_ctrl_c_ends_the_partial_answer_with_a_newline(model_path):
+    """'interrupted' came straight after the partial text, on its line."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "justllm", "run", model_path, "--raw", "-p",
+                          "Once upon a time", "-n", "2000", "--ignore-eos", "--pool-blocks",
+                          "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = p.stdout.read(8)  # generation has begun
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and first, err
+    assert (first + rest).endswith(b"\n") and b"interrupted" in err, (first + rest, err)
