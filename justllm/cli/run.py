@@ -68,6 +68,7 @@ def run(
             ignore_eos=ignore_eos)
         if len(params.stop) > MAX_USER_STOP:
             raise ValueError(f"at most {MAX_USER_STOP} --stop strings")
+        _refuse_server_flags(context)
         plugins = plugins_of(context)
         config = o.engine_config(model, engine_flags or {}, plugins)
         # The prompt runs under every --lora adapter at its scale, as llama-cli applies them
@@ -94,6 +95,23 @@ def run(
             engine.close()
             if events is not None:
                 events.close()
+
+
+# Engine flags that mean something only to a server: refused when typed for run's one prompt
+# (a config file or JUSTLLM_* variable shared with serve may set them: those are passed over).
+_SERVER_FLAGS = {
+    "enable_lora_runtime": "--enable-lora-runtime is for serve (adapters loaded over HTTP); "
+                           "run applies --lora adapters",
+    "scheduling_policy": "--scheduling-policy orders a server's many requests; run has one",
+    "max_queue": "--max-queue bounds a server's waiting requests; run has one",
+}
+
+
+def _refuse_server_flags(context: typer.Context) -> None:
+    for name, why in _SERVER_FLAGS.items():
+        # (by name: Typer's ParameterSource is its vendored click's, not the click package's)
+        if getattr(context.get_parameter_source(name), "name", None) == "COMMANDLINE":
+            raise ValueError(why)
 
 
 def looks_like_a_prompt(model: str) -> bool:

@@ -26,7 +26,7 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path):
     for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
                  ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
                  ["serve", "--port", "notaport"],
-                 ["run", "-p", "x", "--max-queue", "0"],  # (it refused the prompt, loaded)
+                 ["serve", "--max-queue", "0"],  # (it refused every request, loaded)
                  ["run", "-p", "x", "--config", str(broken)], ["config", "show", "--config",
                                                                str(broken)],
                  ["serve", "--models", str(broken)]):

@@ -194,3 +194,15 @@ def test_ctrl_c_ends_the_partial_answer_with_a_newline(model_path):
         p.kill()
     assert p.returncode == 130 and first, err
     assert (first + rest).endswith(b"\n") and b"interrupted" in err, (first + rest, err)
+
+
+def test_server_flags_typed_for_run_are_refused_and_shared_settings_passed_over(model_path):
+    """They were accepted and meant nothing (--max-queue 0 loaded the model, then refused the
+    prompt)."""
+    for flag in (["--enable-lora-runtime"], ["--scheduling-policy", "priority"],
+                 ["--max-queue", "0"]):
+        r = runner.invoke(app, ["run", model_path, "-p", "Hi", *flag])
+        assert r.exit_code == 1 and f"{flag[0]} " in r.output and "run" in r.output, r.output
+    r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "1", "--pool-blocks", "64"],
+                      env={"JUSTLLM_SCHEDULING_POLICY": "priority", "JUSTLLM_MAX_QUEUE": "4"})
+    assert r.exit_code == 0, r.output
