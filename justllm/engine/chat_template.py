@@ -315,15 +315,33 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, parallel_tool_calls: bool = True,
-               **extra: Any) -> str:
+               continue_final: bool = False, **extra: Any) -> str:
         """The prompt for ``messages``, as HF's ``apply_chat_template`` and llama.cpp's
         ``--jinja`` render it: ``tools`` in OpenAI's shape (``{"type": "function", "function":
         {...}}``), an assistant's earlier calls as ``tool_calls`` (arguments parsed),
         results as ``tool`` messages. A template without a tool format of its own gets the
         fallback instead (``tool_fallback_text``, earlier calls written in that format);
-        ``parallel_tool_calls`` only words that text."""
+        ``parallel_tool_calls`` only words that text.
+
+        ``continue_final``: the last message is the assistant's, and the prompt ends where its
+        text does, so the model goes on with it (a "prefill", as HF's
+        ``continue_final_message``): the turn is rendered with a marker after the text and cut
+        at the marker, which works whatever the template writes around a turn."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if continue_final:
+            last = messages[-1]
+            if last.get("role") != "assistant" or last.get("tool_calls"):
+                raise InvalidRequestError("continuing the final message needs an assistant "
+                                          "message without tool calls last", param="messages")
+            marked = [*messages[:-1], {**last, "content": (last.get("content") or "") + _MARK}]
+            text = self.render(marked, add_generation_prompt=False, tools=tools,
+                               parallel_tool_calls=parallel_tool_calls, **extra)
+            if text.count(_MARK) != 1:
+                raise InvalidRequestError(
+                    "this chat template does not write the assistant's message as it is, so "
+                    "it cannot be continued", param="messages")
+            return text[:text.index(_MARK)]
         if not self.native_tools and (tools or any(
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
@@ -372,6 +390,7 @@ class ChatTemplate:
 
 
 _PROBE_NAME = "justllm_probe_7f3a"
+_MARK = "<<justllm-continue-7f3a>>"  # where a continued assistant message ends
 _PROBE_TOOL = {"type": "function", "function": {
     "name": _PROBE_NAME, "description": "A probe.",
     "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}

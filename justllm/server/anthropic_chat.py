@@ -168,9 +168,7 @@ def _messages(req: _Prompt) -> list[ChatMessage]:
     if not req.messages:
         raise _refuse("messages", "at least one message is required")
     if req.messages[-1].role == "assistant":
-        raise _refuse("messages", "the last message is the assistant's: continuing a "
-                                  "prefilled assistant turn is not supported (end with a user "
-                                  "message)")
+        _check_prefill(req.messages[-1], len(req.messages) - 1)
     out = _system(req)
     names: dict[str, str] = {}  # tool_use id -> the tool's name
     for i, m in enumerate(req.messages):
@@ -180,6 +178,18 @@ def _messages(req: _Prompt) -> list[ChatMessage]:
                                "must define tools")
     _check_pairs(req.messages)
     return out
+
+
+def _check_prefill(m: Message, i: int) -> None:
+    """A last assistant message is a prefill: the answer continues its text (Anthropic's
+    rules: text only, and no trailing whitespace)."""
+    blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+    if any(b.type != "text" for b in blocks):
+        raise _refuse(f"messages[{i}].content", "a prefilled assistant turn (the last message) "
+                                               "continues text: it can hold text blocks only")
+    text = blocks[-1].text if blocks else None
+    if text is not None and text != text.rstrip():
+        raise _refuse("messages", "final assistant content cannot end with trailing whitespace")
 
 
 def _check_pairs(messages: list[Message]) -> None:
@@ -297,9 +307,14 @@ def to_chat(req: _Prompt) -> ChatCompletionRequest:
                                               "on this server (both constrain the whole "
                                               "answer): send tool_choice {\"type\": \"none\"} "
                                               "or no output_config.format")
+    prefill = bool(req.messages) and req.messages[-1].role == "assistant"
+    if prefill and tools and choice != "none":
+        raise _refuse("messages", "a prefilled assistant turn cannot be combined with tools on "
+                                  "this server (the tool call format starts the answer): send "
+                                  "tool_choice {\"type\": \"none\"} or end with a user message")
     chat = ChatCompletionRequest(model=req.model, messages=_messages(req), tools=tools,
                                  tool_choice=choice, parallel_tool_calls=parallel,
-                                 response_format=fmt)
+                                 response_format=fmt, continue_final_message=prefill)
     if not isinstance(req, MessagesRequest):
         return chat
     stops = req.stop_sequences or []

@@ -61,7 +61,7 @@ from justllm.server.ollama_chat import (
     answer,
     answer_lines,
     chat_messages,
-    check_last_message,
+    continues_last_message,
     created_at,
     nanoseconds,
     tool_request,
@@ -540,7 +540,7 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     req = await decode_request(request, OllamaChatRequest)
     lora = _check_generation(req, served)
     messages = chat_messages(req.messages, req.model)
-    check_last_message(req.messages)
+    continued = continues_last_message(req.messages, req.tools)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
         if lora is not None:  # the chat path applies the adapter its model names
@@ -550,7 +550,7 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
                        logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
         return _loaded(req.model, chat=True)
-    prompt = served.completions.chat_prompt(messages)
+    prompt = served.completions.chat_prompt(messages, continue_final=continued)
     return await _run(request, served, req, prompt, params, chat=True, templated=True,
                       arrival=arrival)
 

@@ -89,13 +89,21 @@ def _refuse(where: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{where}: {why}", param=where)
 
 
-def check_last_message(messages: list[OllamaMessage]) -> None:
-    """Ollama continues a last assistant message; rendered as a closed turn it would be
-    answered anew instead, so it is refused (as /v1/messages refuses a prefill)."""
-    if messages and messages[-1].role == "assistant":
-        raise _refuse(f"messages[{len(messages) - 1}]", "the last message is the assistant's: "
-                      "continuing an assistant message is not supported (end with a user or "
-                      "tool message)")
+def continues_last_message(messages: list[OllamaMessage], tools: object) -> bool:
+    """Whether the answer continues a last assistant message, as Ollama's does (rendered as a
+    closed turn, it would be answered anew). Not with tools: their call format starts the
+    answer."""
+    if not messages or messages[-1].role != "assistant":
+        return False
+    last = messages[-1]
+    if last.tool_calls:
+        raise _refuse(f"messages[{len(messages) - 1}]", "the last message holds tool calls: "
+                      "send their results (tool messages) next")
+    if tools:
+        raise _refuse(f"messages[{len(messages) - 1}]", "continuing an assistant message "
+                      "cannot be combined with tools on this server (end with a user or tool "
+                      "message, or send no tools)")
+    return True
 
 
 def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage]:

@@ -254,15 +254,17 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> str:
-        """The prompt for ``messages`` without tools."""
-        return self._render(messages, ToolPlan())
+    def chat_prompt(self, messages: list[ChatMessage], continue_final: bool = False) -> str:
+        """The prompt for ``messages`` without tools (``continue_final``: it ends inside the
+        last, assistant, message, which the answer continues)."""
+        return self._render(messages, ToolPlan(), continue_final)
 
     def request_prompt(self, req: ChatCompletionRequest) -> str:
         """The prompt ``req`` is answered from, its tools included (what usage counts)."""
-        return self._render(req.messages, tool_plan(req))
+        return self._render(req.messages, tool_plan(req), req.continue_final_message)
 
-    def _render(self, messages: list[ChatMessage], plan: ToolPlan) -> str:
+    def _render(self, messages: list[ChatMessage], plan: ToolPlan,
+                continue_final: bool = False) -> str:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         plain = []
@@ -275,7 +277,8 @@ class OpenAIServing:
                 content = f"{content}\n{m.refusal}" if content else m.refusal
             plain.append(message_dict(m, i, content or ""))
         return self.template.render(plain, add_generation_prompt=True,
-                                    tools=plan.for_template(), parallel_tool_calls=plan.parallel)
+                                    tools=plan.for_template(), parallel_tool_calls=plan.parallel,
+                                    continue_final=continue_final)
 
     def _grammar(self, req: ChatCompletionRequest) -> str | None:
         fmt = req.response_format
@@ -331,7 +334,7 @@ class OpenAIServing:
         plan = tool_plan(req)
         check_tool_messages(req.messages)
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
-        prompt = self._render(req.messages, plan)
+        prompt = self._render(req.messages, plan, req.continue_final_message)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
@@ -662,6 +665,27 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     check_stream_options(req)
     check_messages(req.messages)
+    check_continuation(req)
+
+
+def check_continuation(req: ChatCompletionRequest) -> None:
+    """vLLM's ``continue_final_message`` (the answer goes on from the last, assistant,
+    message) with its ``add_generation_prompt``, which must then be false: a generation
+    prompt opens a new turn. Without it, ``add_generation_prompt`` may only be true."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot "
+                                      "both be true", param="add_generation_prompt")
+        if not req.messages or req.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                      param="continue_final_message")
+        if tool_plan(req).active:
+            raise InvalidRequestError("continue_final_message cannot be combined with tools "
+                                      "(send tool_choice: none or no tools)",
+                                      param="continue_final_message")
+    elif req.add_generation_prompt is False:
+        raise InvalidRequestError("add_generation_prompt: false is only supported with "
+                                  "continue_final_message: true", param="add_generation_prompt")
 
 
 _NOT_IN_HISTORY = {

@@ -173,6 +173,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceNamed, None] = None
     parallel_tool_calls: bool | None = None  # None: True, as OpenAI
+    # vLLM's: the answer continues the last (assistant) message; add_generation_prompt then
+    # false (vLLM refuses both true), else left out or true
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     functions: list[Any] | None = None
     function_call: Any = None

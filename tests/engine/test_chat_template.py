@@ -203,3 +203,22 @@ def test_demo_model_answers_through_the_transcript(engine):
         text, finish = _answer(engine, t.render([{"role": "user", "content": question}]), params)
         assert expected in text and finish == "stop", (question, text)
         assert "User:" not in text and not text.endswith("\n"), (question, text)
+
+
+@pytest.mark.parametrize("name", ["transcript", "gemma", "chatml", "llama3"])
+def test_continuing_the_final_message_ends_the_prompt_inside_it(name):
+    t = ChatTemplate.named(name)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    prompt = t.render(chat, continue_final=True)
+    closed = t.render(chat, add_generation_prompt=False)
+    assert prompt.endswith("Hello, I am") and closed.startswith(prompt) and closed != prompt
+
+
+def test_a_final_message_that_cannot_be_continued_is_a_400():
+    t = ChatTemplate("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="cannot be continued"):
+        t.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                 continue_final=True)
+    with pytest.raises(InvalidRequestError, match="an assistant message without tool calls"):
+        ChatTemplate.named("chatml").render([{"role": "user", "content": "Hi"}],
+                                            continue_final=True)

@@ -146,8 +146,15 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "images"),
-    ({"messages": [{"role": "user", "content": "Hi"},
-                   {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ({"messages": [{"role": "user", "content": "Hi"},  # Anthropic's rule for a prefill
+                   {"role": "assistant", "content": "The answer is "}]}, "trailing whitespace"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}]}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "none"}}, "text blocks only"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+     "cannot be combined with tools"),
     ({"messages": []}, "messages"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_k": -1}, "top_k"),
@@ -169,6 +176,23 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
 def test_bad_requests_get_anthropics_error_shape(server, extra, says):
     body = {"model": server.model, "max_tokens": 4, "messages": HELLO, **extra}
     assert_anthropic_error(raw(server, "/v1/messages", body), 400, "invalid_request_error", says)
+
+
+def test_a_prefilled_assistant_turn_is_continued(client, server):
+    """Anthropic's prefill: the answer goes on from the last assistant message and holds only
+    the new text (it was refused)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "The capital"},
+                                              {"type": "text", "text": " of France is"}]}]
+    m = client.messages.create(model=server.model, max_tokens=6, messages=msgs,
+                               extra_body=GREEDY)
+    said = m.content[0].text
+    assert "Paris" in said and not said.lstrip().startswith("The capital"), said
+    assert client.messages.count_tokens(model=server.model, messages=msgs).input_tokens == \
+        m.usage.input_tokens
+    with client.messages.stream(model=server.model, max_tokens=6, messages=msgs,
+                                extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == said
 
 
 def test_a_body_that_is_not_json_is_a_bad_request(server):

@@ -109,12 +109,24 @@ def test_chat_history_and_stop(client, server):
     assert_final(r, 30)
 
 
-def test_a_last_assistant_message_is_refused_not_answered_anew(server):
-    """Ollama continues it; it was closed as a turn and answered anew (a 200)."""
-    r = raw(server, "/api/chat", {"model": server.model, "stream": False, "messages": [
-        {"role": "user", "content": "What is the capital of France?"},
-        {"role": "assistant", "content": "The capital of France is"}]})
-    assert r.status_code == 400 and "continuing an assistant message" in r.json()["error"]
+def test_a_last_assistant_message_is_continued(server):
+    """As Ollama does (it was closed as a turn and answered anew, then refused): the same
+    text as a chat completion with vLLM's continue_final_message, and only the new text."""
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    r = raw(server, "/api/chat", {"model": server.model, "stream": False, "messages": history,
+                                  "options": {"temperature": 0, "num_predict": 6,
+                                              "repeat_penalty": 1.0}})
+    assert r.status_code == 200, r.text
+    said = r.json()["message"]["content"]
+    assert "Paris" in said and not said.lstrip().startswith("The capital"), said
+    chat = raw(server, "/v1/chat/completions", {
+        "model": server.model, "messages": history, "temperature": 0, "max_tokens": 6,
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert chat.json()["choices"][0]["message"]["content"] == said, chat.text
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = raw(server, "/api/chat", {"model": server.model, "messages": history, "tools": [tool]})
+    assert r.status_code == 400 and "cannot be combined with tools" in r.json()["error"]
 
 
 def test_generate_streaming_and_not(client, server):

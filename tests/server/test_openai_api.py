@@ -323,6 +323,33 @@ def test_an_integers_bounds_are_enforced_strict_or_not(client, server):
         bad.json()["error"]["message"]
 
 
+def test_continue_final_message_as_vllm(client, server):
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(
+        model=server.model, messages=history, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    said = r.choices[0].message.content
+    assert "Paris" in said and not said.lstrip().startswith("The capital"), said
+    anew = client.chat.completions.create(model=server.model, messages=history, max_tokens=6,
+                                          temperature=0)  # a closed turn, answered anew
+    assert anew.choices[0].message.content != said
+    for extra, param, says in [
+        ({"continue_final_message": True, "add_generation_prompt": True},
+         "add_generation_prompt", "cannot both be true"),
+        ({"continue_final_message": True, "messages": history[:1]},
+         "continue_final_message", "needs an assistant message last"),
+        ({"add_generation_prompt": False}, "add_generation_prompt",
+         "only supported with continue_final_message"),
+        ({"continue_final_message": True, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}]}, "continue_final_message",
+         "cannot be combined with tools")]:
+        bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": server.model, "messages": history, "max_tokens": 2, **extra})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert says in bad.json()["error"]["message"]
+
+
 def test_prefix_cache_hits_show_in_metrics(client, server):
     system = " ".join(f"Guideline {i}: be concise." for i in range(60))
     hits0 = metric(server, "justllm_prefix_cache_hits_total")
