@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -9,8 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from justllm.cli.errors import cli_errors
+from justllm.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    from justllm.models.manifest import Manifest
+    from justllm.models.registry import Entry, Registry
     from justllm.models.source import ListedModel
 
 
@@ -49,16 +53,30 @@ def list_models(context: typer.Context) -> None:
                           "one; justllm run/serve with no model assembles the demo model there)",
                           highlight=False)
             return
-        table = Table("NAME", "DIGEST", "SIZE", "QUANT", "ARCH", "CONTEXT", box=None,
-                      pad_edge=False)
-        for row in rows:
-            m = row.manifest
-            table.add_row(row.label or "<untagged>", m.short,
-                          _size(m.size) if m.path.is_file() else "missing", m.quantization,
-                          m.architecture, str(m.context_length or "?"))
-        for _, model in listed:
-            table.add_row(*_listed_row(model))
-        console.print(table, highlight=False)
+        _print_table(console, [_entry_row(row) for row in rows]
+                     + [_listed_row(model) for _, model in listed])
+
+
+def _entry_row(row: Entry) -> tuple[str, ...]:
+    m = row.manifest
+    return (row.label or "<untagged>", m.short, _size(m.size) if m.path.is_file() else "missing",
+            m.quantization, m.architecture, str(m.context_length or "?"))
+
+
+def _print_table(console: Console, cells: list[tuple[str, ...]]) -> None:
+    """The listing at its full width, one line per model, on a terminal or piped: rich would
+    shrink a table wider than the console with '…', and a NAME or DIGEST cut so is nothing to
+    copy into run, rm or tag. A terminal narrower than the table wraps its lines, as it does
+    ``ollama list``'s."""
+    from rich.measure import Measurement
+
+    table = Table("NAME", "DIGEST", "SIZE", "QUANT", "ARCH", "CONTEXT", box=None,
+                  pad_edge=False)
+    for c in cells:
+        table.add_row(*c)
+    full = Measurement.get(console, console.options.update_width(1_000_000), table)
+    console.width = max(console.width, full.maximum)
+    console.print(table, highlight=False)
 
 
 def _listed_row(model: ListedModel) -> tuple[str, ...]:
@@ -78,36 +96,32 @@ def _listed_row(model: ListedModel) -> tuple[str, ...]:
 
 def show(
     context: typer.Context,
-    name: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models', a path, or a plugin's model (e.g. ollama:NAME).")],
+    name: Annotated[str, typer.Argument(help="NAME[:TAG] or a digest from 'justllm models', a path, demo (the bundled demo model), or a plugin's model (e.g. ollama:NAME).")],
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
 ) -> None:
     """Show a model's manifest (digest, tags, source, revision) and its GGUF metadata."""
     with cli_errors():
-        from pathlib import Path
-
-        from justllm.cli.plugins import plugins_of
+        from justllm.models.gguf import read_gguf_header
         from justllm.models.refs import InvalidRefError
         from justllm.models.registry import Registry, UnknownModelError
-        from justllm.models.store import ModelStore, describe
+        from justllm.models.source import LocalPath
+        from justllm.models.store import describe
 
         registry = Registry()
-        path = Path(name).expanduser()
-        if path.is_file():
-            manifest, title = registry.manifest_for_path(path), path.name
+        manifest = None
+        path = LocalPath().find(name)  # an existing path wins, and a folder is refused, as in run
+        if path is not None:
+            title = path.name
         else:
             try:
                 title, manifest = registry.resolve(name)
                 path = manifest.path
-            except (UnknownModelError, InvalidRefError):
-                found = ModelStore().find(name)  # a relative path in the models directory
-                if found is not None:
-                    path, title = found, found.name
-                else:  # a plugin's source (ollama:NAME), or the registry's error
-                    plugin_file = plugins_of(context).plugin_model(name)
-                    if plugin_file is None:
-                        raise
-                    path, title = Path(plugin_file), name
-                manifest = registry.manifest_for_path(path)
+            except (UnknownModelError, InvalidRefError) as e:
+                path, title = _unregistered(context, name, e)
+        # A truncated or foreign file: the header check's one line, as run gives, before
+        # llama.cpp reads the metadata (it logs its own lines, then fails without saying why).
+        read_gguf_header(path)
+        manifest = manifest or _manifest_of(registry, path)
         info = describe(path)
         console = Console(highlight=False, emoji=False)
         if template:
@@ -132,6 +146,40 @@ def show(
         console.print(table)
 
 
+def _manifest_of(registry: Registry, path: Path) -> Manifest | None:
+    """The version of the file at ``path``. One in the models directory that no version names
+    yet is adopted first, as naming it by its stem would (the demo model, named ``demo``,
+    before anything listed it)."""
+    from justllm.models.manifest import is_inside
+    from justllm.models.refs import name_for_file
+
+    m = registry.manifest_for_path(path)
+    if m is None and is_inside(path, registry.root):
+        registry.adopt(name_for_file(path.stem))
+        m = registry.manifest_for_path(path)
+    return m
+
+
+def _unregistered(context: typer.Context, name: str,
+                  error: ModelLoadError) -> tuple[Path, str]:
+    """(file, title) of a model that is no registry name, found as run finds it but never
+    downloaded: a relative path in the models directory, a plugin's model (ollama:NAME), the
+    demo model (``demo``). None of those: that no file is there when ``name`` can only be a
+    path (as run says), else ``error``, the registry's."""
+    from justllm.cli.plugins import plugins_of
+    from justllm.models.source import DemoName, ModelsDirectory, names_a_file
+
+    found = ModelsDirectory().find(name)
+    if found is not None:
+        return found, found.name
+    for source in (plugins_of(context).plugin_model, DemoName().find):
+        if (file := source(name)) is not None:
+            return Path(file), name
+    if names_a_file(name):
+        raise ModelLoadError(f"model file not found: {name}")
+    raise error
+
+
 def tag(
     context: typer.Context,
     source: Annotated[str, typer.Argument(help="A path to a .gguf file, a NAME[:TAG], a digest, or a plugin's model (e.g. ollama:NAME).")],
@@ -142,7 +190,6 @@ def tag(
     file is registered where it is, not copied."""
     with cli_errors():
         from justllm.cli.plugins import plugins_of
-        from justllm.errors import ModelLoadError
         from justllm.models.registry import Registry
 
         registry = Registry()
@@ -167,17 +214,20 @@ def rm(
     running model holds is refused. A plugin's model (ollama:NAME) is not justllm's to remove."""
     with cli_errors():
         from justllm.cli.plugins import plugins_of
-        from justllm.errors import ModelLoadError
-        from justllm.models.registry import Registry
+        from justllm.models.registry import Registry, UnknownModelError
 
+        registry = Registry()
         try:
-            r = Registry().remove(ref)
-        except ModelLoadError:
+            r = registry.remove(ref)
+        except ModelLoadError as e:
             plugin_file = plugins_of(context).plugin_model(ref)
-            if plugin_file is None:
-                raise
-            raise ModelLoadError(f"{ref} is a plugin's model ({plugin_file}), not in justllm's "
-                                 "registry: remove it with the tool that stored it") from None
+            if plugin_file is not None:
+                raise ModelLoadError(f"{ref} is a plugin's model ({plugin_file}), not in "
+                                     "justllm's registry: remove it with the tool that stored "
+                                     "it") from None
+            if isinstance(e, UnknownModelError) and ref.strip().lower() == "demo":
+                raise _demo_is_no_name(registry) from None
+            raise
         console = Console(highlight=False, emoji=False)
         if r.manifest is None:
             console.print(f"untagged {r.what} (it pointed to no version)", markup=False)
@@ -192,3 +242,20 @@ def rm(
         file = (f"; deleted {r.deleted_file}" if r.deleted_file else
                 f"; kept {r.kept_file} ({r.kept_because})" if r.kept_file else "")
         console.print(f"removed {what}{file}", markup=False, soft_wrap=True)
+
+
+def _demo_is_no_name(registry: Registry) -> ModelLoadError:
+    """``rm demo``: ``demo`` is what run, serve and show call the bundled demo model, not one
+    of its registry names (removing every name on its version by that word would be a
+    surprise); the error gives the name that removes it."""
+    from justllm.models.source import demo_file
+
+    file = demo_file()
+    m = _manifest_of(registry, file) if file is not None and file.is_file() else None
+    if m is None:
+        return ModelLoadError("'demo' names the bundled demo model, which is not in the models "
+                              "directory: nothing to remove")
+    tags = registry.labels(m.digest)
+    name = tags[0] if len(tags) == 1 else f"sha256:{m.short}"  # (the version, every tag on it)
+    return ModelLoadError(f"'demo' names the bundled demo model, not a tag: 'justllm rm "
+                          f"{name}' removes it (run or serve with no model assembles it again)")

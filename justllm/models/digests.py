@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from justllm.errors import ModelLoadError
-from justllm.models.manifest import read_json, stored_path, write_json
+from justllm.models.manifest import DamagedFileError, read_json, stored_path, write_json
 
 
 def sha256_file(path: Path) -> str:
@@ -63,7 +63,10 @@ class DigestCache:
     def _table(self) -> dict:
         """``digests.json``; one edited into something else is only a cache lost (the files
         are hashed again and it is written anew), not an error."""
-        table = read_json(self.file, {})
+        try:
+            table = read_json(self.file, {})
+        except DamagedFileError:  # cut short: as lost
+            return {}
         return table if isinstance(table, dict) else {}
 
     def digest(self, path: Path) -> str:

@@ -31,13 +31,41 @@ class SafetensorsRepoError(ModelLoadError):
     """The repo holds no GGUF but a Hugging Face safetensors model (``pull --convert``)."""
 
 
+LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def is_local_path(ref: str) -> bool:
+    """Whether ``ref`` is written as a local path: ``/``, ``./``, ``../`` or ``~`` at its start,
+    which no hub repo id has."""
+    return ref.strip().startswith(LOCAL_PREFIXES) or Path(ref.strip()).is_absolute()
+
+
 def split_ref(ref: str) -> tuple[str, str | None]:
-    """``REPO[:FILE]`` -> ``(repo, file or None)``; hub repo ids never contain ``:``."""
+    """``REPO[:FILE]`` -> ``(repo, file or None)``; hub repo ids never contain ``:``. A local
+    path is refused here, before any request: its ``/`` would be stripped, and the hub asked
+    for a repo named after the path."""
+    refuse_local(ref)
     repo, sep, file = ref.partition(":")
     repo, file = repo.strip().strip("/"), file.strip().strip("/")
     if not repo or (sep and not file):
         raise ModelLoadError(f"expected REPO or REPO:FILE, got '{ref}'")
     return repo, file or None
+
+
+def refuse_local(ref: str) -> None:
+    """A path given where a hub ``REPO[:FILE]`` is wanted (``justllm pull FILE``): one line that
+    says how a local file is used instead."""
+    path = Path(ref.strip()).expanduser()
+    if path.is_file():
+        raise ModelLoadError(f"{ref} is a local file, not a Hugging Face REPO[:FILE]: register "
+                             f"it with 'justllm tag {ref} NAME' (or run it directly)")
+    if not is_local_path(ref):
+        return  # (a folder named like OWNER/NAME, as a git clone of the repo is, is no answer)
+    if path.is_dir():
+        raise ModelLoadError(f"{ref} is a local folder, not a Hugging Face REPO[:FILE] "
+                             f"('justllm convert {ref}' converts a safetensors model there)")
+    raise ModelLoadError(f"{ref} is a local path, not a Hugging Face REPO[:FILE], and no file "
+                         "is there")
 
 
 def pick_gguf(repo: str, files: list[str]) -> str:

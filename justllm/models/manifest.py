@@ -101,13 +101,25 @@ def stored_path(path: Path, root: Path) -> str:
     return str(path.absolute())
 
 
+class DamagedFileError(ModelLoadError):
+    """A registry file that was read but is not JSON (cut short, edited by hand): a damaged
+    manifest is skipped and reported like one that holds the wrong JSON, not a failure of
+    every command that lists the versions."""
+
+
 def read_json(path: Path, default: Any) -> Any:
+    """``path``'s JSON, or ``default`` when there is no such file. A file that cannot be read
+    is a ModelLoadError; one that reads but is no JSON a DamagedFileError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
     except FileNotFoundError:
         return default
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise ModelLoadError(f"cannot read the registry file {path} ({e})") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # cut short, edited by hand, not UTF-8
+        raise DamagedFileError(f"cannot read the registry file {path} ({e})") from None
 
 
 def write_json(path: Path, data: Any) -> None:

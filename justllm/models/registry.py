@@ -34,6 +34,7 @@ from justllm.models.gguf import read_gguf_header
 from justllm.models.hub import HUB_DIR, Download
 from justllm.models.lease import acquire_lease, holders
 from justllm.models.manifest import (
+    DamagedFileError,
     Manifest,
     Source,
     file_lock,
@@ -161,10 +162,13 @@ class Registry:
         return self.root / "manifests" / f"sha256-{hex_digest}.json"
 
     def manifest(self, hex_digest: str) -> Manifest | None:
-        data = read_json(self._manifest_file(hex_digest), None)
+        """Version ``hex_digest``'s manifest; None when it is missing or damaged (no JSON, as
+        a file cut short; or JSON that is no manifest): the listing reports those, and
+        ``rm`` of a tag pointing to one still drops the tag."""
         try:
+            data = read_json(self._manifest_file(hex_digest), None)
             return None if data is None else Manifest.from_json(data, self.root)
-        except (KeyError, TypeError, ValueError):
+        except (DamagedFileError, KeyError, TypeError, ValueError):
             return None
 
     def manifests(self) -> dict[str, Manifest]:
@@ -254,7 +258,7 @@ class Registry:
             self.adopt(name, raise_for=name)
             tags = self.tags()
         if key not in tags:
-            raise self._unknown(key, tags)
+            raise self._unknown(key, tags, hex_prefix)
         m = self.manifest(tags[key].removeprefix(DIGEST_PREFIX))
         if m is None:
             file = self._manifest_file(tags[key].removeprefix(DIGEST_PREFIX))
@@ -306,12 +310,18 @@ class Registry:
             raise ModelLoadError(f"no version sha256:{hex_prefix} (see 'justllm models')")
         return found[0] if found else None
 
-    def _unknown(self, key: str, tags: dict[str, str]) -> ModelLoadError:
+    def _unknown(self, key: str, tags: dict[str, str],
+                 hex_prefix: str | None = None) -> ModelLoadError:
+        """No tag ``key``; ``hex_prefix``: the bare hex it also read as, which no version's
+        digest starts with either (both readings are said: 12 hex digits are how ``justllm
+        models`` shows a digest)."""
         name = key.partition(":")[0]
         same = sorted(k.partition(":")[2] for k in tags if k.partition(":")[0] == name)
+        nor = f" and no version sha256:{hex_prefix}" if hex_prefix else ""
         if same:
-            return ModelLoadError(f"no model named '{key}' ({name} has tags: {', '.join(same)})")
-        return UnknownModelError(f"no model named '{key}' (see 'justllm models')")
+            return ModelLoadError(f"no model named '{key}'{nor} ({name} has tags: "
+                                  f"{', '.join(same)})")
+        return UnknownModelError(f"no model named '{key}'{nor} (see 'justllm models')")
 
     # -- registering -----------------------------------------------------------------------
 
@@ -517,7 +527,7 @@ class Registry:
             tags.clear()
             tags.update(self.tags())
         if key not in tags:
-            raise self._unknown(key, tags)
+            raise self._unknown(key, tags, hex_prefix)
         return self.manifest(tags[key].removeprefix(DIGEST_PREFIX)), key, [key]
 
     def _remove_file(self, m: Manifest) -> tuple[Path | None, Path | None, str | None]:

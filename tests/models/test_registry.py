@@ -342,3 +342,39 @@ def test_leases_in_this_process(root, tmp_path):
     with pytest.raises(ModelLoadError, match=r"^no version sha256:\w{12} to hold$"):
         with reg.lease(m.digest):
             pass
+
+
+
+def test_a_manifest_that_is_no_json_reads_as_damaged(root, tmp_path):
+    """A manifest cut short raised "cannot read the registry file" from every listing; it is a
+    damaged version (left out, and said) like one that is JSON but no manifest."""
+    from justllm.models.manifest import DamagedFileError, Source, read_json
+
+    tiny_gguf(tmp_path / "a.gguf")
+    registry = Registry(root)
+    m = registry.register(tmp_path / "a.gguf", Source("file"))
+    file = root / "manifests" / f"sha256-{m.hex}.json"
+    for data in (f'{{"digest": "sha256:{m.hex[:2]}'.encode(), b"\xff{}", b"{}"):
+        file.write_bytes(data)
+        assert registry.manifest(m.hex) is None and registry.manifests() == {}, data
+    cut = tmp_path / "cut.json"
+    cut.write_text("[")
+    with pytest.raises(DamagedFileError, match=f"cannot read the registry file {cut}"):
+        read_json(cut, None)
+    file.unlink()
+    file.mkdir()  # unreadable is not damaged: the error says why
+    with pytest.raises(ModelLoadError, match="Is a directory") as e:
+        registry.manifests()
+    assert not isinstance(e.value, DamagedFileError)
+
+
+def test_a_digest_cache_cut_short_is_a_cache_lost(root, tmp_path):
+    """It made show and tag fail with 'cannot read the registry file .../digests.json'."""
+    from justllm.models.manifest import Source
+
+    tiny_gguf(tmp_path / "a.gguf")
+    registry = Registry(root)
+    m = registry.register(tmp_path / "a.gguf", Source("file"))
+    cache = next(root.rglob("digests.json"))
+    cache.write_text('{"' + str(tmp_path))
+    assert registry.digests.digest(tmp_path / "a.gguf") == m.hex  # hashed again
