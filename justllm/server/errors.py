@@ -62,7 +62,7 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, msgspec.ValidationError):  # the strict decoding of a request body
         return APIError(400, str(exc), param=_msgspec_param(str(exc)))
     if isinstance(exc, (msgspec.DecodeError, UnicodeError)):
-        return APIError(400, f"the body is not valid JSON: {exc}")
+        return APIError(400, f"the body is not valid JSON: {_decode_problem(str(exc))}")
     if isinstance(exc, RecursionError):  # msgspec's JSON decoder on deeply nested input
         return APIError(400, "the JSON body is nested too deeply")
     if isinstance(exc, ValidationException):
@@ -83,7 +83,7 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, HTTPException) and isinstance(exc.__cause__, SerializationException):
         # Litestar's parse of the body: msgspec's message alone ("Input data was truncated")
         # does not say that the JSON is what is wrong
-        said = str(exc.detail)
+        said = _decode_problem(str(exc.detail))
         return APIError(400, said if "JSON" in said else f"the body is not valid JSON: {said}")
     if isinstance(exc, HTTPException):
         kind = {401: "authentication_error", 404: "not_found_error",
@@ -124,6 +124,16 @@ def handle_exception(request: Request, exc: Exception) -> Response:
 def ollama_response(e: APIError) -> Response:
     """Ollama's error shape, ``{"error": "message"}``, with the status the OpenAI side gives."""
     return Response({"error": e.message}, status_code=e.status, headers=e.headers)
+
+
+def _decode_problem(text: str) -> str:
+    """msgspec's message, except the one it gives for an unpaired surrogate escape as well as
+    for a body cut short: both readings said (a client's JSON encoder writes such escapes for
+    text that went wrong upstream)."""
+    if text == "Input data was truncated":
+        return ("it is cut short, or a string holds an unpaired UTF-16 surrogate escape (such "
+                "as \\ud800), which is no character")
+    return text
 
 
 def json_object(raw: bytes) -> dict:
