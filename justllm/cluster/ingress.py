@@ -137,6 +137,10 @@ async def forward(request: Request, path: str) -> Any:
     model = ing.model(body.get(key), ollama)
     route = (route_text(body), session_key(request.headers.get("x-session-id"), body))
     named = body.get(key)
+    if ollama and isinstance(named, str) and named.endswith(":latest"):
+        bare = named.removesuffix(":latest")  # the tag Ollama clients add, to an adapter too
+        if bare in ing.adapters or bare in ing.runtime.loaded:
+            named = body[key] = bare
     fixed = ing.fixed_lora.get(model, 0)
     unstable = unstable_lora_id(body, fixed)
     if unstable is not None:
@@ -324,11 +328,13 @@ async def retrieve_model(model_id: FromPath[str], request: Request, state: State
                                                            model_id))
 
 
-@get("/tags", summary="Ollama: the cluster's models")
+@get("/tags", summary="Ollama: the cluster's models (and LoRA adapters, with their base)")
 async def ollama_tags(state: State) -> dict:
-    return {"models": [{"name": f"{m}:latest", "model": f"{m}:latest", "size": 0,
-                        "digest": "", "details": {"format": "gguf"}}
-                       for m in _ingress(state).handles]}
+    cards = _model_cards(state)["data"]  # an adapter as a model made with Ollama's ADAPTER
+    return {"models": [{"name": f"{c['id']}:latest", "model": f"{c['id']}:latest", "size": 0,
+                        "digest": "", "details": {"format": "gguf"} | (
+                            {"parent_model": f"{c['parent']}:latest"} if "parent" in c else {})}
+                       for c in cards]}
 
 
 @get("/health", summary="200 while the ingress is up")

@@ -17,6 +17,7 @@ from justllm.cluster.ingress import Ingress, create_ingress
 
 JSON = Head(200, [("content-type", "application/json"), ("x-replica", "r1")])
 SSE = Head(200, [("content-type", "text/event-stream"), ("x-replica", "r2")])
+NDJSON_HEAD = Head(200, [("content-type", "application/x-ndjson")])
 
 
 class Answer:
@@ -122,15 +123,23 @@ def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
         assert c.post("/v1/completions", json={"model": "sql", "prompt": "x"}).status_code == 200
         assert c.post("/v1/completions", json={"model": "demo", "prompt": "x",
                                                "lora": [{"name": "sql"}]}).status_code == 200
-    assert [call["body"]["model"] for call in handle.calls] == ["sql", "demo"]
+        # an Ollama client's NAME:latest names the adapter too (it became the base model)
+        handle.answers.append(Answer(NDJSON_HEAD, b'{"done": true}\n'))
+        assert c.post("/api/generate", json={"model": "sql:latest", "prompt": "x",
+                                             "stream": False}).status_code == 200
+    assert [call["body"]["model"] for call in handle.calls] == ["sql", "demo", "sql"]
     assert prefill.calls == [] and [call["path"] for call in handle.calls] == [
-        "/v1/completions", "/v1/completions"]
+        "/v1/completions", "/v1/completions", "/api/generate"]
     with TestClient(create_ingress(ingress)) as c:  # listed as a model whose parent is the base
         cards = c.get("/v1/models").json()["data"]
         assert c.get("/v1/models/sql").json() == cards[1]
         assert c.get("/v1/models/nope").json()["error"]["code"] == "model_not_found"
     assert [(m["id"], m.get("parent"), m.get("aliases")) for m in cards] == [
         ("demo", None, []), ("sql", "demo", None)]
+    with TestClient(create_ingress(ingress)) as c:
+        tags = c.get("/api/tags").json()["models"]
+    assert [(m["name"], m["details"].get("parent_model")) for m in tags] == [
+        ("demo:latest", None), ("sql:latest", "demo:latest")]
 
 
 def test_a_stream_is_relayed_chunk_by_chunk():
