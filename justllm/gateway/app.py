@@ -88,9 +88,11 @@ def _model(sup: Supervisor, name: Any, ollama: bool = False) -> ModelState:
 
 def _unavailable(e: ModelUnavailable) -> APIError:
     """The 503; with ``Retry-After`` unless the model has failed, which only ``POST
-    /models/load`` (or a restart) tries again: clients that honour it would wait in vain."""
+    /models/load`` (or a restart) tries again, or can never fit (``max-memory``): clients that
+    honour it would wait in vain."""
+    final = e.code in ("model_failed", "model_too_large")
     return APIError(503, str(e), type="server_error", code=e.code,
-                    headers={} if e.code == "model_failed" else {"Retry-After": "2"})
+                    headers={} if final else {"Retry-After": "2"})
 
 
 class _Refused(Exception):

@@ -160,6 +160,10 @@ class Supervisor:
         self._http = httpx.AsyncClient(trust_env=False, auth=self.runner_auth)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._closed: asyncio.Future[None] | None = None
+        # Every runner started and maybe still running, replica or not: what kill_all kills
+        # (an unload takes a runner off its model before it has stopped).
+        self._started: list[RunnerProcess] = []
         # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
         # (policy.start_key).
         self._gpu_starts: dict[str, asyncio.Lock] = {}
@@ -352,6 +356,7 @@ class Supervisor:
         replica.status = "starting"
         replica.runner = RunnerProcess(state.spec, self.log_dir, self.drain, replica.id,
                                        replica.gpu, replica.role, api_key=self.runner_key)
+        self._started = [r for r in self._started if r.alive()] + [replica.runner]
         return replica.runner
 
     async def _spawn_ready(self, state: ModelState, replica: Replica) -> RunnerProcess:
@@ -636,6 +641,14 @@ class Supervisor:
             log.info("model %s replica %s is healthy again", state.spec.name, replica.id)
 
     async def close(self) -> None:
+        """Stop every runner (SIGTERM, SIGKILL after the drain). A second call (the signal
+        handler's, then the server's shutdown) waits for the first: it used to find nothing
+        left to stop and let the server exit while the first still waited on a runner."""
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         self._closing = True
         for task in self._tasks:
             task.cancel()
@@ -645,11 +658,10 @@ class Supervisor:
         await self._http.aclose()
 
     def kill_all(self) -> None:
-        """Last resort (the event loop is gone): SIGKILL every runner."""
-        for s in self.models.values():
-            for r in s.local:
-                if r.runner is not None:
-                    r.runner.kill_now()
+        """Last resort (the event loop is gone): SIGKILL every runner still running, those an
+        unload was stopping too."""
+        for runner in self._started:
+            runner.kill_now()
 
 
 def _unloaded_meanwhile(state: ModelState) -> ModelUnavailable:

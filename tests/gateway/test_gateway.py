@@ -325,11 +325,35 @@ def test_a_model_larger_than_max_memory_is_refused_without_starting(tmp_path, mo
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "model_too_large" and "max-memory" in err["message"], err
+        assert "retry-after" not in r.headers  # it can never fit: a retrying client loops
         assert gw.status()["alpha"]["pid"] is None and gw.runner_pids() == []
         assert gw.status()["alpha"]["estimate_mib"] > 300
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
+
+
+def test_a_runner_that_ignores_sigterm_is_killed_when_the_gateway_stops(tmp_path, model_path):
+    """A stopped (SIGSTOP) runner outlived the gateway: the signal handler's close took the
+    runners off their models, and the server's own close then found nothing left to stop."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, "preload": True,
+                                            **RUNNER_FLAGS}})
+    pids: list[int] = []
+    try:
+        gw.wait_status("alpha", "loaded", 120)
+        pids = gw.runner_pids()
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(timeout=60) == 0
+        wait_gone(pids, timeout=10)
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if gw.proc.poll() is None:
+            gw.proc.kill()
 
 
 def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
