@@ -79,7 +79,8 @@ def check_supported(config: GatewayConfig) -> list[str]:
     # Router mode's loading and polling: Ray keeps replicas up and routes by its own stats.
     defaults = GatewayConfig.__dataclass_fields__
     warnings += [ignored(key.replace("_", "-"), "Ray starts every replica at deploy and keeps "
-                         "it up") for key in ("load_timeout", "max_waiting", "poll_interval")
+                         "it up; its own health checks restart a replica") for key in (
+                             "load_timeout", "max_waiting", "poll_interval", "health_timeout")
                  if getattr(config, key) != defaults[key].default]
     for m in config.models:
         warnings += [ignored(f"model '{m.name}': {name}") for name, given in (

@@ -6,6 +6,7 @@ validated once, before anything starts.
     load-timeout: 120        # seconds a request waits for its model to load
     max-waiting: 64          # requests waiting for loads, beyond which a 503 answers
     poll-interval: 0.25      # seconds between reads of each replica's /metrics
+    health-timeout: 30       # seconds a local runner may not answer them before it is restarted
     models:
       chat:
         source: gemma-3-270m-q4_k_m:latest   # a registry name, a path or REPO:FILE
@@ -58,7 +59,7 @@ DEFAULT_PREFILL_MIN_TOKENS = 128
 _MODEL_KEYS = {"source", "aliases", "ttl", "preload", "replicas", "gpus", "urls", "routing",
                "prefill-min-tokens", "api-key", *_SCALE_KEYS, *_PD_KEYS}
 _TOP_KEYS = {"models", "max-loaded", "max-memory", "load-timeout", "max-waiting",
-             "poll-interval"}
+             "poll-interval", "health-timeout"}
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ class GatewayConfig:
     max_waiting: int = 64
     # Seconds between two reads of each replica's /metrics (load, KV use, hit ratio, TTFT).
     poll_interval: float = 0.25
+    # Seconds a local runner may fail its /metrics polls before it is restarted (a hung
+    # process: Ray Serve's health_check_timeout_s, whose default this is).
+    health_timeout: float = 30.0
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> model name
     model_sources: tuple[ModelSource, ...] | None = field(default=None, compare=False)
 
@@ -172,10 +176,14 @@ class GatewayConfig:
                     raise ValueError(f"model name, alias or LoRA adapter '{n}' is used twice")
                 names[n] = m.name
         object.__setattr__(self, "names", names)
-        if self.max_loaded < 0 or self.max_memory < 0 or self.load_timeout <= 0 or \
-                self.max_waiting < 1 or not 0.01 <= self.poll_interval <= 60:
-            raise ValueError("max-loaded must be >= 0, load-timeout > 0, max-waiting >= 1, "
-                             "poll-interval in [0.01, 60] seconds")
+        for bad, rule in ((self.max_loaded < 0, "max-loaded must be >= 0"),
+                          (self.load_timeout <= 0, "load-timeout must be > 0 seconds"),
+                          (self.max_waiting < 1, "max-waiting must be >= 1"),
+                          (not 0.01 <= self.poll_interval <= 60,
+                           "poll-interval must be in [0.01, 60] seconds"),
+                          (self.health_timeout < 1, "health-timeout must be >= 1 second")):
+            if bad:
+                raise ValueError(rule)
 
     def spec(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
@@ -452,6 +460,7 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
         load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
         max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))),
         poll_interval=_number("poll-interval", data.get("poll-interval", 0.25)),
+        health_timeout=_number("health-timeout", data.get("health-timeout", 30)),
         model_sources=flags.model_sources)
 
 

@@ -37,6 +37,7 @@ class Replica:
     hit_ratio: float | None = None
     ttft_p50: float | None = None
     failures: int = 0  # consecutive failed starts (local) or polls
+    unhealthy_since: float = 0.0  # (monotonic) when its polls stopped being answered
     restarts: int = 0
     error: str | None = None
     polled: float | None = None  # when its last page was read

@@ -631,8 +631,21 @@ class Supervisor:
             replica.failures += 1
             if replica.failures >= 2 and replica.status == "ready":
                 replica.status = "unhealthy"
+                replica.unhealthy_since = time.monotonic()
                 replica.error = f"{url}/metrics did not answer"
                 log.warning("model %s replica %s is unhealthy", state.spec.name, replica.id)
+            elif (replica.status == "unhealthy" and replica.local and time.monotonic()
+                  - replica.unhealthy_since >= self.config.health_timeout):
+                # A hung runner (alive, answering nothing): requests would wait for it for
+                # ever; Ray Serve replaces such a replica too. (A remote one cannot be.)
+                replica.error = (f"{url}/metrics did not answer for "
+                                 f"{self.config.health_timeout:g} s")
+                log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id,
+                            replica.error)
+                replica.failures = 0  # (they count failed starts from here)
+                replica.restarts += 1
+                state.restarts += 1
+                self._restart(state, replica)
             return
         replica.observe(page)
         replica.failures = 0

@@ -88,9 +88,9 @@ def test_router_mode_only_settings_are_refused_or_warned_about():
     # These were ignored without a word.
     warned = check_supported(load_config({
         "models": {"m": {"source": "/m.gguf", "ttl": 60, "preload": True}},
-        "load-timeout": 5, "max-waiting": 3, "poll-interval": 2}, FLAGS))
+        "load-timeout": 5, "max-waiting": 3, "poll-interval": 2, "health-timeout": 9}, FLAGS))
     assert [w.split(" is ")[0] for w in warned] == [
-        "load-timeout", "max-waiting", "poll-interval", "model 'm': ttl", "model 'm': preload"]
+        "load-timeout", "max-waiting", "poll-interval", "health-timeout", "model 'm': ttl", "model 'm': preload"]
     assert all("a Ray cluster ignores it" in w for w in warned)
 
 

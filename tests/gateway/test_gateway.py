@@ -356,6 +356,29 @@ def test_a_runner_that_ignores_sigterm_is_killed_when_the_gateway_stops(tmp_path
             gw.proc.kill()
 
 
+def test_a_hung_runner_is_restarted_and_the_request_waiting_for_it_is_served(tmp_path,
+                                                                             model_path):
+    """A runner that answers nothing (SIGSTOP) was marked unhealthy and kept for ever: a
+    request for its model waited until the client gave up."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, "preload": True,
+                                            **RUNNER_FLAGS}}, **{"health-timeout": 2})
+    hung: list[int] = []
+    try:
+        gw.wait_status("alpha", "loaded", 120)
+        hung = gw.runner_pids()
+        os.kill(hung[0], signal.SIGSTOP)
+        r = complete(gw, "alpha")  # waits while the replica is unhealthy, then restarted
+        assert r.status_code == 200, r.text
+        wait_gone(hung, timeout=10)
+        assert gw.status()["alpha"]["restarts"] >= 1 and gw.runner_pids() != hung
+    finally:
+        for pid in hung:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        rc, out = stop(gw)
+    assert rc == 0, out
+
+
 def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "justllm", "serve", model_path, "llama3:8b",

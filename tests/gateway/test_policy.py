@@ -129,6 +129,10 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
     ({"models": {"a": {"source": "/a", "ttl": "long"}}}, "ttl must be a number"),
     ({"models": {"a": "/a"}, "max-memory": "lots"}, "max-memory"),
     ({"models": {"a": "/a"}, "max-models": 2}, "unknown key(s) max-models"),
+    # each rule alone (one line said all five whichever was broken)
+    ({"models": {"a": "/a"}, "max-loaded": -1}, "max-loaded must be >= 0"),
+    ({"models": {"a": "/a"}, "load-timeout": 0}, "load-timeout must be > 0 seconds"),
+    ({"models": {"a": "/a"}, "health-timeout": 0}, "health-timeout must be >= 1 second"),
     ([1, 2], "must be a mapping"),
     ({"models": {"a": {"source": "/a", "api-key": "k"}}}, "api-key is the key of the model's urls"),
     ({"models": {"a": {"urls": ["http://h:1"], "api-key": 5}}}, "api-key must be a string"),
