@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from justllm.core.policy import SCHEDULING_POLICIES
 from justllm.core.sampling_params import MAX_DRAFT, MAX_LORA_SCALE
@@ -76,7 +77,41 @@ class LoraSpec:
         return LoraSpec(name.strip(), os.path.expanduser(path if colon else rest), scale)
 
 
-def yaml_problem(path: object, e: Exception) -> str:
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """A YAML file, parsed safely, with a key given twice in one mapping refused (PyYAML keeps
+    the last without a word: a models.yaml with two entries of one name lost the first, as a
+    second ``max-loaded`` did the first). Any problem is a one-line ValueError: the file
+    cannot be read, or what is wrong in it and where."""
+    import yaml
+
+    class _Unique(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            try:
+                twice = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: construct_mapping says so
+                continue
+            if twice:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key '{key}' is given twice", key_node.start_mark)
+        return loader.construct_mapping(node)
+
+    _Unique.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_Unique)  # noqa: S506 (a SafeLoader)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(_yaml_problem(path, e)) from None
+
+
+def _yaml_problem(path: object, e: Exception) -> str:
     """A YAML parse error as one line: what is wrong and where (PyYAML's own message spans
     several lines, with a copy of the offending line)."""
     mark = getattr(e, "problem_mark", None)

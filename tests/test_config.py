@@ -58,3 +58,21 @@ def test_more_threads_than_cores_is_said(model_path, capsys):
     engine_config(model_path, {"threads": usable_cpus() + 1})
     assert f"--threads {usable_cpus() + 1} is more than the {usable_cpus()} cores" in \
         " ".join(capsys.readouterr().err.split())
+
+
+def test_read_yaml_refuses_a_key_given_twice(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word: a models.yaml with two entries
+    of one name silently lost the first (and its aliases)."""
+    from justllm.config import read_yaml
+
+    f = tmp_path / "m.yaml"
+    f.write_text("max-loaded: 1\nmodels:\n  a: {source: /x}\n  b: /y\n")
+    assert read_yaml(f) == {"max-loaded": 1, "models": {"a": {"source": "/x"}, "b": "/y"}}
+    for text, said in (("max-loaded: 1\nmax-loaded: 0\n", "'max-loaded' is given twice (line 2, column 1)"),
+                       ("models:\n  a: {source: /x}\n  a: {source: /y}\n", "'a' is given twice (line 3, column 3)")):
+        f.write_text(text)
+        with pytest.raises(ValueError) as e:
+            read_yaml(f)
+        assert str(e.value) == f"{f} is not valid YAML: the key {said}"
+    with pytest.raises(ValueError, match="cannot read .*: No such file"):
+        read_yaml(tmp_path / "none.yaml")

@@ -21,7 +21,7 @@ from rich.table import Table
 from justllm.cli.errors import cli_errors
 from justllm.cli.group import OneLineSummaries
 from justllm.cluster.options import SCHEDULE_TIMEOUT
-from justllm.config import yaml_problem
+from justllm.config import read_yaml
 from justllm.errors import JustLLMError
 
 app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
@@ -75,7 +75,7 @@ def deploy(
         from justllm.gateway.config import Flags, load_config
 
         known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES)
-        config = load_config(_read_yaml(config_file), known)
+        config = load_config(read_yaml(config_file), known)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key)
         where = cluster.find_cluster()
@@ -101,17 +101,6 @@ def deploy(
                       highlight=False)
 
 
-def _read_yaml(path: str) -> object:
-    """The file's YAML, or a one-line ValueError (where the YAML breaks)."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(yaml_problem(path, e)) from None
 
 
 def _deployment_label(m: dict) -> str:

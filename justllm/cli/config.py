@@ -23,24 +23,16 @@ def show(
     """Print every serve option's value with its source: cli default, environment, or file.
     Precedence: command line > environment (JUSTLLM_*) > file > built-in default."""
     with cli_errors():
-        import yaml
-
         from justllm.cli.options import ENGINE_FLAGS, config_values, default_config_file
         from justllm.cli.serve import serve
-        from justllm.config import EngineConfig, yaml_problem
+        from justllm.config import EngineConfig, read_yaml
         from justllm.plugins import load_plugins
 
         file_values: dict[str, object] = {}
         if not config_file and default_config_file().is_file():
             config_file = str(default_config_file())
         if config_file:
-            try:
-                with open(config_file, encoding="utf-8") as f:
-                    data = yaml.safe_load(f) or {}
-            except OSError as e:
-                raise ValueError(f"cannot read {config_file}: {e.strerror}") from None
-            except yaml.YAMLError as e:
-                raise ValueError(yaml_problem(config_file, e)) from None
+            data = read_yaml(config_file) or {}
             if not isinstance(data, dict):
                 raise ValueError(f"{config_file} must hold a mapping of option names to values")
             file_values = {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from justllm.config import EngineConfig, LoraSpec, usable_cpus, yaml_problem
+from justllm.config import EngineConfig, LoraSpec, read_yaml, usable_cpus
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
@@ -72,15 +72,10 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
         if not default.is_file():
             return value
         value = str(default)
-    import yaml
-
     try:
-        with open(value, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise typer.BadParameter(f"cannot read {value}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise typer.BadParameter(yaml_problem(value, e), param_hint="--config") from None
+        data = read_yaml(value) or {}
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
     known = {p.name: p for p in ctx.command.params}

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from justllm.config import EngineConfig, LoraSpec, yaml_problem
+from justllm.config import EngineConfig, LoraSpec, read_yaml
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -465,15 +465,7 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
 
 
 def read_config(path: str, flags: Flags) -> GatewayConfig:
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(yaml_problem(path, e)) from None
-    return load_config(data, flags)
+    return load_config(read_yaml(path), flags)
 
 
 # llama.cpp's gguf-split file names: NAME-00001-of-00003
