@@ -90,14 +90,17 @@ class Replica:
         self.others = max(0, total - self.in_flight)
         self.kv_usage = page.kv_usage or 0.0
         self.hit_ratio = page.hit_ratio
-        if page.ttft is not None:
-            self._ttft.append((now, page.ttft))
-            while len(self._ttft) > 2 and now - self._ttft[1][0] >= TTFT_WINDOW:
-                self._ttft.popleft()
-            # None once no first token came in the window: an idle replica has no recent TTFT
-            # (keeping the last figure kept a replica slow once penalised in routing ties,
-            # and showed a "last 30 s" median from long ago).
-            self.ttft_p50 = recent_quantile(self._ttft[0][1], page.ttft, 0.5)
+        # A page without the histogram has had no first token yet: an empty reading, so the
+        # first one that has it counts whole against it (the first reading used to be its
+        # own baseline at the next poll, and the window's first request was lost).
+        ttft = page.ttft if page.ttft is not None else _NO_TTFT
+        self._ttft.append((now, ttft))
+        while len(self._ttft) > 2 and now - self._ttft[1][0] >= TTFT_WINDOW:
+            self._ttft.popleft()
+        # None once no first token came in the window: an idle replica has no recent TTFT
+        # (keeping the last figure kept a replica slow once penalised in routing ties,
+        # and showed a "last 30 s" median from long ago).
+        self.ttft_p50 = recent_quantile(self._ttft[0][1], ttft, 0.5)
 
     def reset(self) -> None:
         """A new process: nothing polled yet, no cache."""
@@ -105,6 +108,9 @@ class Replica:
         self.kv_usage = 0.0
         self.hit_ratio = self.ttft_p50 = self.polled = None
         self._ttft.clear()
+
+
+_NO_TTFT = Histogram(())
 
 
 def recent_quantile(before: Histogram, after: Histogram, q: float) -> float | None:

@@ -118,6 +118,21 @@ def test_recent_ttft_is_the_median_of_the_first_tokens_since_the_window_began():
     assert recent_quantile(before, after, 0.5) == pytest.approx(0.05)
 
 
+def test_the_first_request_of_a_new_runner_stays_in_its_recent_ttft():
+    """A runner's page has no TTFT histogram before its first request; the first page that has
+    one was its own baseline at the next poll, so the median went back to none."""
+    no_ttft = "\n".join(line for line in PAGE.splitlines() if "time_to_first_token" not in line)
+    r = Replica("0")
+    r.observe(parse(no_ttft), now=0.0)
+    assert r.ttft_p50 is None
+    r.observe(parse(PAGE), now=1.0)
+    assert r.ttft_p50 == pytest.approx(0.05)
+    r.observe(parse(PAGE), now=2.0)  # a new reading, the same counts
+    assert r.ttft_p50 == pytest.approx(0.05)
+    r.observe(parse(PAGE), now=40.0)
+    assert r.ttft_p50 is None
+
+
 # ---- what a request is routed by -------------------------------------------------------------
 
 
