@@ -79,7 +79,7 @@ def deploy(
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key)
         where = cluster.find_cluster()
-        console = Console(stderr=True, emoji=False)
+        console = Console(stderr=True, emoji=False, soft_wrap=True)
         for warning in warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
         if where is None:
@@ -157,4 +157,4 @@ def down(name: AppName = "justllm") -> None:
     the local Ray head if `justllm cluster deploy` started it."""
     with _errors():
         for line in _cluster().down(name):
-            Console(stderr=True, emoji=False).print(f"justllm: {line}", highlight=False)
+            Console(stderr=True, emoji=False, soft_wrap=True).print(f"justllm: {line}", highlight=False)

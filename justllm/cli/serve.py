@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
@@ -103,8 +104,9 @@ def serve(
                          routes=routes, events=events)
         sock = listening_socket(host, port)
         Console(stderr=True, emoji=False).print(
-            f"justllm: serving [bold]{config.model}[/bold] on http://{host}:{port} "
-            f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False)
+            f"justllm: serving [bold]{escape(config.model)}[/bold] on http://{host}:{port} "
+            f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False,
+            soft_wrap=True)  # one line in a log: a path or URL cut in two is not grep's
         if not config.verbose:
             logging.getLogger("justllm").setLevel(logging.WARNING)
         # uvicorn's own limit is a backstop: by then begin_shutdown has ended every request.
@@ -182,7 +184,8 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     names = ", ".join(m.name for m in config.models)
     sock = listening_socket(host, port)
     Console(stderr=True, emoji=False).print(f"justllm: router mode on http://{host}:{port} for {names} "
-                               f"(runner logs in {default_log_dir()})", highlight=False)
+                               f"(runner logs in {default_log_dir()})", highlight=False,
+                               soft_wrap=True)
 
     def stop_runners() -> None:  # on the first signal: runners drain while clients finish
         sup = app.state.get("supervisor")

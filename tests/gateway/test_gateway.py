@@ -331,6 +331,10 @@ def test_a_model_larger_than_max_memory_is_refused_without_starting(tmp_path, mo
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
+    # one line into a pipe or a log, whatever its length (it was cut at 80 columns)
+    first = out.splitlines()[0]
+    assert first.startswith("justllm: router mode on http://127.0.0.1:") and \
+        first.endswith(f"(runner logs in {tmp_path / 'cache' / 'logs'})"), out
 
 
 def test_a_runner_that_ignores_sigterm_is_killed_when_the_gateway_stops(tmp_path, model_path):
