@@ -104,7 +104,7 @@ def serve(
                          routes=routes, events=events)
         sock = listening_socket(host, port)
         Console(stderr=True, emoji=False).print(
-            f"justllm: serving [bold]{escape(config.model)}[/bold] on http://{host}:{port} "
+            f"justllm: serving [bold]{escape(str(config.model))}[/bold] on http://{host}:{port} "
             f"(OpenAI API at /v1, /health, /metrics, docs at /docs)", highlight=False,
             soft_wrap=True)  # one line in a log: a path or URL cut in two is not grep's
         if not config.verbose:
@@ -113,13 +113,16 @@ def serve(
         server = _Server(uvicorn.Config(app, host=host, port=port,
                                         log_level="info" if config.verbose else "warning",
                                         timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 5),
-                         on_exit=lambda: begin_shutdown(app, shutdown_timeout))
+                         on_exit=lambda: begin_shutdown(app, shutdown_timeout),
+                         on_force=lambda: begin_shutdown(app, 0.0))
         app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
         # A lease on the model's registered version: `justllm rm` refuses it while we serve.
         with lease_for_path(model_path):
             server.run(sockets=[sock])
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
+        if server.forced:
+            raise typer.Exit(130)
 
 
 def _watch_parent() -> None:
@@ -196,11 +199,13 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     # Runners drain for shutdown_timeout; uvicorn's own limit is a backstop beyond it.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10),
-                     on_exit=stop_runners)
+                     on_exit=stop_runners, on_force=lambda: all_runners_stopped(app, wait=False))
     try:
         server.run(sockets=[sock])
     finally:
         all_runners_stopped(app)
+    if server.forced:
+        raise typer.Exit(130)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -227,14 +232,23 @@ def _make_server_class():
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which turns a clean stop
         into a traceback or a non-zero exit; here a signal only asks the server to stop, and
-        the first one also starts the drain (``on_exit``)."""
+        the first one also starts the drain (``on_exit``). A second one ends the drain now
+        (``on_force``: every request ended as a shutdown ends it, without uvicorn's forced
+        exit, which cancelled streams mid-token and printed tracebacks) and the command
+        exits 130 (``forced``); a third is uvicorn's forced exit."""
 
-        def __init__(self, config, on_exit=None) -> None:
+        def __init__(self, config, on_exit=None, on_force=None) -> None:
             super().__init__(config)
             self._on_exit = on_exit
+            self._on_force = on_force
             self._timer = None
+            self.forced = False
 
         def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
+            if self.should_exit and not self.forced and self._on_force is not None:
+                self.forced = True
+                self._on_force()
+                return
             if not self.should_exit and self._on_exit is not None:
                 self._timer = self._on_exit()
             super().handle_exit(sig, frame)
@@ -254,5 +268,5 @@ def _make_server_class():
     return Server
 
 
-def _Server(config, on_exit=None):  # noqa: N802  (a class factory: uvicorn is imported lazily)
-    return _make_server_class()(config, on_exit)
+def _Server(config, on_exit=None, on_force=None):  # noqa: N802  (a class factory: uvicorn is imported lazily)
+    return _make_server_class()(config, on_exit, on_force)

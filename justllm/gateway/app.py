@@ -692,9 +692,10 @@ def default_log_dir() -> Path:
     return cache_dir() / "logs"
 
 
-def all_runners_stopped(app: Litestar) -> None:
-    """After the event loop ended (or on an unexpected exit): nothing may outlive us."""
+def all_runners_stopped(app: Litestar, wait: bool = True) -> None:
+    """After the event loop ended (or on an unexpected exit): nothing may outlive us. From a
+    signal handler (a second Ctrl-C), ``wait=False``."""
     sup = app.state.get("supervisor")
     if sup is not None:
-        sup.kill_all()
+        sup.kill_all(wait)
 

@@ -134,7 +134,10 @@ class RunnerProcess:
             self.proc.kill()
         self.proc.wait()
 
-    def kill_now(self) -> None:
+    def kill_now(self, wait: bool = True) -> None:
+        """SIGKILL; ``wait=False`` from a signal handler, which may have interrupted this very
+        thread inside a wait for the process (its lock would never be released)."""
         if self.alive():
             self.proc.kill()
-        self.proc.wait()
+        if wait:
+            self.proc.wait()

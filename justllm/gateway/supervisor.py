@@ -670,11 +670,11 @@ class Supervisor:
                              return_exceptions=True)
         await self._http.aclose()
 
-    def kill_all(self) -> None:
-        """Last resort (the event loop is gone): SIGKILL every runner still running, those an
-        unload was stopping too."""
+    def kill_all(self, wait: bool = True) -> None:
+        """Last resort (the event loop is gone, or a second Ctrl-C: then without waiting):
+        SIGKILL every runner still running, those an unload was stopping too."""
         for runner in self._started:
-            runner.kill_now()
+            runner.kill_now(wait)
 
 
 def _unloaded_meanwhile(state: ModelState) -> ModelUnavailable:

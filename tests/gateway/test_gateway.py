@@ -383,6 +383,39 @@ def test_a_hung_runner_is_restarted_and_the_request_waiting_for_it_is_served(tmp
     assert rc == 0, out
 
 
+def test_a_second_ctrl_c_stops_the_gateway_and_its_runners_now(tmp_path, model_path):
+    """It cancelled streams mid-token without a final event, printed tracebacks, exited 0."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, "preload": True,
+                                            **RUNNER_FLAGS}})
+    pids: list[int] = []
+    try:
+        gw.wait_status("alpha", "loaded", 120)
+        pids = gw.runner_pids()
+        events: list[str] = []
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=120, json={
+                "model": "alpha", "prompt": "Tell me a long story.", "max_tokens": 900,
+                "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:  # streaming: Ctrl-C, then again (twice in all)
+                    gw.proc.send_signal(signal.SIGINT)
+                    time.sleep(0.5)
+                    gw.proc.send_signal(signal.SIGINT)
+        assert gw.proc.wait(timeout=30) == 130
+        out = gw.proc.stdout.read().decode()
+        assert "Traceback" not in out, out
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        wait_gone(pids, timeout=10)
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if gw.proc.poll() is None:
+            gw.proc.kill()
+
+
 def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "justllm", "serve", model_path, "llama3:8b",

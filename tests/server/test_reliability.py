@@ -344,6 +344,38 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def test_a_second_ctrl_c_ends_the_drain_now_with_the_final_event_and_exit_130(model_path):
+    """uvicorn's forced exit cut streams mid-token (no shutting_down event, no [DONE]),
+    printed tracebacks and exited 0."""
+    import signal
+
+    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "128",
+                     "--shutdown-timeout", "60")
+    try:
+        events: list[str] = []
+        with httpx.stream("POST", s.url + COMPLETIONS, timeout=120, json={
+                "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}) as r:
+            t0 = None
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3 and t0 is None:  # streaming: Ctrl-C, then again
+                    s.proc.send_signal(signal.SIGINT)
+                    time.sleep(1.0)
+                    t0 = time.monotonic()
+                    s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(timeout=30)
+        assert t0 is not None and time.monotonic() - t0 < 20  # not the 60 s drain
+        log = s.proc.stdout.read().decode()
+        assert rc == 130 and "Traceback" not in log, (rc, log)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
 def test_sigterm_under_load_drains_then_aborts_and_exits_cleanly(model_path):
     grace = 4.0
     s = start_server(model_path, "--max-seqs", "8", "--pool-blocks", "160",
