@@ -174,6 +174,9 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     # Engine flags given on this command line reach every runner (a model's entry wins).
     given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
              if f.name in flags and flags[f.name] != f.default}
+    if given.get("lora"):  # an adapter of every model would be one name several times
+        raise ValueError("--lora in router mode: an adapter belongs to one model; give it in "
+                         "that model's models.yaml entry (lora: [NAME=PATH[:SCALE]])")
     known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
                   routing_policies=plugins.routing_policies,
                   model_sources=plugins.model_sources())

@@ -29,11 +29,16 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path):
                  ["serve", "--max-queue", "0"],  # (it refused every request, loaded)
                  ["run", "-p", "x", "--config", str(broken)], ["config", "show", "--config",
                                                                str(broken)],
-                 ["serve", "--models", str(broken)]):
+                 ["serve", "--models", str(broken)],
+                 # (it said the adapter name 'x' was used twice: given once, copied to both)
+                 ["serve", str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "--lora",
+                  "x=/nope.gguf"]):
         r = justllm(*args)
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.stderr)
+        if "--lora" in args:
+            assert "an adapter belongs to one model" in lines[0], lines
     # What the user typed is said as typed: rich turned ':thumbsup:' into an emoji.
     r = justllm("run", "-p", "x", str(tmp_path / "q:thumbsup:.gguf"))
     assert r.returncode == 1 and "q:thumbsup:.gguf" in r.stderr, r.stderr
