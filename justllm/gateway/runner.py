@@ -108,7 +108,9 @@ class RunnerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(self.last_error())
+                rc = self.proc.returncode
+                raise RuntimeError(f"runner killed by signal {-rc}" if rc < 0
+                                   else self.last_error())
             try:
                 if (await http.get(self.url + "/health", timeout=2)).status_code == 200:
                     return

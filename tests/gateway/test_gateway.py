@@ -592,3 +592,24 @@ def test_a_stream_queued_on_a_runner_that_dies_goes_to_its_successor(tmp_path, m
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
+
+
+def test_a_runner_killed_while_it_starts_says_so(tmp_path, model_path):
+    """It was 'exited without output' (the model then failed with that reason); once up, the
+    same kill already said 'runner killed by signal 9'."""
+    import asyncio
+
+    from justllm.gateway.config import load_config
+    from justllm.gateway.runner import RunnerProcess
+    from tests.gateway.test_policy import FLAGS
+
+    spec = load_config({"models": {"a": {"source": model_path}}}, FLAGS).spec("a")
+    runner = RunnerProcess(spec, tmp_path / "logs")
+    runner.proc.kill()
+
+    async def ready() -> None:
+        async with httpx.AsyncClient() as http:
+            await runner.wait_ready(http, 60)
+
+    with pytest.raises(RuntimeError, match="runner killed by signal 9"):
+        asyncio.run(ready())
