@@ -95,8 +95,10 @@ def logs(
         path = default_log_dir() / log_name(model, replica)
         if not path.is_file():
             known = sorted(log_model(p) for p in default_log_dir().glob("*.log"))
-            raise ValueError(f"no log for model '{model}' in {default_log_dir()} (logs: "
-                             f"{', '.join(known) or 'none yet'})")
+            which = f"model '{model}'" + (f" replica {replica}" if replica != "0" else "")
+            raise ValueError(f"no log for {which} in {default_log_dir()} (logs: "
+                             f"{', '.join(known) or 'none yet'}; a model's own name, not an "
+                             "alias)")
         _print_tail(path, lines)
         if follow:
             _follow(path)

@@ -203,6 +203,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         nolog = subprocess.run([sys.executable, "-m", "justllm", "logs", "gamma"],
                                capture_output=True, text=True, env=env, timeout=60)
         assert nolog.returncode == 1 and "no log for model 'gamma'" in nolog.stderr
+        nolog = subprocess.run([sys.executable, "-m", "justllm", "logs", "alpha", "-r", "3"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert nolog.returncode == 1 and "no log for model 'alpha' replica 3" in nolog.stderr
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
