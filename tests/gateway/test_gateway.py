@@ -65,6 +65,15 @@ def wait_gone(pids: list[int], timeout: float = 30) -> None:
     assert not [p for p in pids if alive(p)], "runner processes left behind"
 
 
+def kill_left(gw: Gateway, pids: list[int]) -> None:
+    """A test that stops the gateway itself cleans up after a failure: runners, gateway."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if gw.proc.poll() is None:
+        gw.proc.kill()
+
+
 def runner_key(pid: int) -> str:
     """The key a runner asks its clients for (the gateway's, in the runner's environment)."""
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -356,11 +365,7 @@ def test_a_runner_that_ignores_sigterm_is_killed_when_the_gateway_stops(tmp_path
         assert gw.proc.wait(timeout=60) == 0
         wait_gone(pids, timeout=10)
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if gw.proc.poll() is None:
-            gw.proc.kill()
+        kill_left(gw, pids)
 
 
 def test_a_hung_runner_is_restarted_and_the_request_waiting_for_it_is_served(tmp_path,
@@ -412,11 +417,7 @@ def test_a_second_ctrl_c_stops_the_gateway_and_its_runners_now(tmp_path, model_p
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
         wait_gone(pids, timeout=10)
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if gw.proc.poll() is None:
-            gw.proc.kill()
+        kill_left(gw, pids)
 
 
 def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
