@@ -185,7 +185,9 @@ def test_ctrl_c_ends_the_partial_answer_with_a_newline(model_path):
 
     p = subprocess.Popen([sys.executable, "-m", "justllm", "run", model_path, "--raw", "-p",
                           "Once upon a time", "-n", "2000", "--ignore-eos", "--pool-blocks",
-                          "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                          "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         # a test worker may ignore SIGINT, and its children inherit that
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = p.stdout.read(8)  # generation has begun
         p.send_signal(signal.SIGINT)
