@@ -101,8 +101,6 @@ def deploy(
                       highlight=False)
 
 
-
-
 def _deployment_label(m: dict) -> str:
     """A model as `cluster status` shows it: a PD model's deployments with their role after
     the name ("demo (prefill)")."""

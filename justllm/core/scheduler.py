@@ -57,11 +57,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "n_batch",
-                     "lora_max_steps"):
+                     "lora_max_steps", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
         if self.chunk_size > self.n_batch:
             raise ValueError("chunk_size must be <= n_batch")
         if self.n_seq_ids and self.n_seq_ids < self.max_seqs:

@@ -95,6 +95,12 @@ class RunnerProcess:
         """What this run of the runner last said went wrong (:func:`last_error_line`)."""
         return last_error_line(self.log_path, self.log_start)
 
+    def killed_by(self) -> str | None:
+        """"runner killed by signal N" once a signal ended it (its log then says nothing of
+        why); None while it runs or after it exited by itself."""
+        rc = self.proc.returncode
+        return f"runner killed by signal {-rc}" if rc is not None and rc < 0 else None
+
     @property
     def pid(self) -> int:
         return self.proc.pid
@@ -108,9 +114,7 @@ class RunnerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                rc = self.proc.returncode
-                raise RuntimeError(f"runner killed by signal {-rc}" if rc < 0
-                                   else self.last_error())
+                raise RuntimeError(self.killed_by() or self.last_error())
             try:
                 if (await http.get(self.url + "/health", timeout=2)).status_code == 200:
                     return

@@ -271,13 +271,17 @@ class Supervisor:
         replica.error = error
         self._forget(state, replica)
         if replica.local:
-            replica.restarts += 1
-            state.restarts += 1
-            log.warning("model %s replica %s failed a request (%s); restarting",
-                        state.spec.name, replica.id, error)
-            self._restart(state, replica)
+            self._restart_failed(state, replica, f"failed a request ({error})")
         else:
             replica.status = "unhealthy"
+
+    def _restart_failed(self, state: ModelState, replica: Replica, why: str) -> None:
+        """A local replica that failed (a request, its process, its polls): counted, logged
+        with ``why``, restarted."""
+        replica.restarts += 1
+        state.restarts += 1
+        log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id, why)
+        self._restart(state, replica)
 
     # ---- loading and unloading -------------------------------------------------------------
 
@@ -600,16 +604,11 @@ class Supervisor:
                 await self.unload(self.models[name])
             for state in loaded:
                 for replica in state.died:
-                    assert replica.runner is not None
-                    rc = replica.runner.proc.returncode
-                    replica.error = (f"runner killed by signal {-rc}" if rc < 0 else
-                                     f"runner exited with {rc}: "
-                                     f"{replica.runner.last_error()}")
-                    log.warning("model %s replica %s: %s; restarting", state.spec.name,
-                                replica.id, replica.error)
-                    replica.restarts += 1
-                    state.restarts += 1
-                    self._restart(state, replica)
+                    runner = replica.runner
+                    assert runner is not None
+                    replica.error = runner.killed_by() or (
+                        f"runner exited with {runner.proc.returncode}: {runner.last_error()}")
+                    self._restart_failed(state, replica, replica.error)
                 self._scale(state, now)
 
     async def _poll_loop(self) -> None:
@@ -640,12 +639,8 @@ class Supervisor:
                 # ever; Ray Serve replaces such a replica too. (A remote one cannot be.)
                 replica.error = (f"{url}/metrics did not answer for "
                                  f"{self.config.health_timeout:g} s")
-                log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id,
-                            replica.error)
                 replica.failures = 0  # (they count failed starts from here)
-                replica.restarts += 1
-                state.restarts += 1
-                self._restart(state, replica)
+                self._restart_failed(state, replica, replica.error)
             return
         replica.observe(page)
         replica.failures = 0

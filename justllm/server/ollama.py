@@ -747,6 +747,10 @@ def _iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _iso_time(t: float) -> str:
+    return _iso(datetime.fromtimestamp(t, UTC))
+
+
 def _adapter_tag(a: LoadedLora) -> str:
     return a.name if ":" in a.name else f"{a.name}:latest"
 
@@ -758,8 +762,8 @@ def _listed(served: Served, facts: _ModelFacts) -> list[dict[str, Any]]:
     scale (what the adapter model is)."""
     base = _tag(served)
     out: list[dict[str, Any]] = [
-        {"name": base, "model": base, "modified_at": served.created, "size": facts.size,
-            "digest": facts.digest, "details": facts.details}]
+        {"name": base, "model": base, "modified_at": _iso_time(served.created),
+         "size": facts.size, "digest": facts.digest, "details": facts.details}]
     for a in served.aengine.lora_adapters():
         try:
             st = os.stat(a.path)
@@ -767,11 +771,9 @@ def _listed(served: Served, facts: _ModelFacts) -> list[dict[str, Any]]:
         except OSError:
             size, mtime = 0, served.created
         digest = hashlib.sha256(f"{facts.digest}\n{a.path}\n{a.scale}".encode()).hexdigest()
-        out.append({"name": _adapter_tag(a), "model": _adapter_tag(a), "modified_at": mtime,
-                    "size": size, "digest": digest,
+        out.append({"name": _adapter_tag(a), "model": _adapter_tag(a),
+                    "modified_at": _iso_time(mtime), "size": size, "digest": digest,
                     "details": {**facts.details, "parent_model": base}})
-    for m in out:
-        m["modified_at"] = _iso(datetime.fromtimestamp(m["modified_at"], UTC))
     return out
 
 
@@ -819,7 +821,7 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
         "modelfile": modelfile, "parameters": lines, "template": template.source,
         "details": details, "model_info": facts.model_info,
         "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else []),
-        "modified_at": _iso(datetime.fromtimestamp(served.created, UTC))}
+        "modified_at": _iso_time(served.created)}
     if facts.license is not None:
         body["license"] = facts.license
     return body
