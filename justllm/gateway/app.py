@@ -44,6 +44,7 @@ from justllm.server.app import require_api_key, sse_response, unless_disconnecte
 from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
+from justllm.server.request_checks import check_without_model
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
 
@@ -139,6 +140,8 @@ async def _forward(request: Request, path: str) -> Any:
         body[name_key] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
     waited = time.monotonic() if not state.routable else None
+    if waited is not None:  # refused before a load it would only waste (or an eviction)
+        check_without_model(path, raw)
     try:
         await sup.acquire(state)
     except ModelUnavailable as e:

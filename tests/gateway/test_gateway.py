@@ -192,6 +192,26 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert gw.status()["broken"]["status"] == "failed"
         assert complete(gw, "alpha").status_code == 200
 
+        # A body no model could serve is refused before any load, in its API's shape: beta
+        # stays unloaded and alpha, the one model max-loaded allows, keeps its runner.
+        alpha_pid, beta_loads = gw.status()["alpha"]["pid"], gw.status()["beta"]["loads"]
+        r = complete(gw, "beta", temperature="hot")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "beta", "messages": [{"role": "tool", "content": "4", "tool_call_id": "c"}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0].tool_call_id", r.text
+        r = httpx.post(gw.url + "/v1/messages", timeout=60, json={
+            "model": "beta", "messages": [{"role": "user", "content": "Hi"}]})  # no max_tokens
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert "max_tokens" in r.json()["error"]["message"], r.text
+        r = httpx.post(gw.url + "/api/generate", timeout=60,
+                       json={"model": "beta", "prompt": "Hi", "options": ["fast"]})
+        assert r.status_code == 400 and "options" in r.json()["error"], r.text
+        after = gw.status()
+        assert after["beta"]["status"] == "unloaded" and after["beta"]["loads"] == beta_loads
+        assert after["alpha"]["pid"] == alpha_pid and after["alpha"]["status"] == "loaded"
+
         r = complete(gw, "nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         text = httpx.get(gw.url + "/metrics", timeout=30).text

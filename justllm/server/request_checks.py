@@ -1,0 +1,59 @@
+"""The checks of a request body that need no model, by route.
+
+Router mode runs these before it loads a model for a request (``gateway/app.py``): a body no
+model could serve is refused at once, in the route's own error shape, instead of starting a
+runner -- and, under ``max-loaded``, evicting a model other clients are using -- only to be
+refused by it. Ollama checks a body's JSON before it schedules a load in the same way.
+
+These are the route's own first checks (the strict decoding, then the field rules that read
+nothing but the request); the route runs them again where the model is, with the rest.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from justllm.server import anthropic_chat, responses_chat
+from justllm.server.anthropic_schemas import CountTokensRequest, MessagesRequest
+from justllm.server.ollama import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from justllm.server.openai_serving import OpenAIServing, check_chat_request, check_stream_options
+from justllm.server.responses_schemas import ResponseRequest
+from justllm.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+
+def check_without_model(path: str, raw: bytes) -> None:
+    """Raise what the route at ``path`` raises first for ``raw`` (msgspec's errors,
+    ``InvalidRequestError``), without a model. A path not listed here is not checked."""
+    match path:
+        case "/v1/chat/completions":
+            chat = msgspec.json.decode(raw, type=ChatCompletionRequest)
+            check_chat_request(chat)
+            OpenAIServing.check_supported(chat)
+        case "/v1/completions":
+            completion = msgspec.json.decode(raw, type=CompletionRequest)
+            check_stream_options(completion)
+            OpenAIServing.check_supported(completion)
+        case "/v1/embeddings":
+            msgspec.json.decode(raw, type=EmbeddingRequest)
+        case "/v1/messages":
+            anthropic_chat.to_chat(msgspec.json.decode(raw, type=MessagesRequest))
+        case "/v1/messages/count_tokens":
+            anthropic_chat.to_chat(msgspec.json.decode(raw, type=CountTokensRequest))
+        case "/v1/responses":
+            responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest))
+        case "/api/chat":
+            msgspec.json.decode(raw, type=OllamaChatRequest)
+        case "/api/generate":
+            msgspec.json.decode(raw, type=OllamaGenerateRequest)
+        case "/api/embed":
+            msgspec.json.decode(raw, type=OllamaEmbedRequest)
+        case "/api/embeddings":
+            msgspec.json.decode(raw, type=OllamaEmbeddingsRequest)
+        case "/api/show":
+            msgspec.json.decode(raw, type=OllamaShowRequest)
