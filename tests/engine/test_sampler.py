@@ -286,3 +286,50 @@ def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniform(monk
         assert fast._draw(x) == whole._draw_full(x)
     # both ways out of an undecided cut were taken, many times
     assert undecided["tried"] > 100 and 20 < undecided["weighed"] < undecided["tried"] - 20
+
+
+def test_pure_temperature_draws_in_nested_regions_are_exact_on_every_path(monkeypatch):
+    """Pure temperature decides the region of the draw from a bound first (the near tokens
+    alone weighed), then from the candidates within the cut, then from the whole row. With a
+    3-nat cut on 40 tokens each way is taken hundreds of times, and the draws are the exact
+    distribution all the same."""
+    import justllm.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_CUT", 3.0)
+    monkeypatch.setattr(sampler, "_CUT_WEIGHT", float(np.exp(-3.0)) * 1.001)
+    weighed: list[int] = []
+    whole = sampler._weights
+
+    def counting(x, m, t):
+        weighed.append(x.size)
+        return whole(x, m, t)
+
+    monkeypatch.setattr(sampler, "_weights", counting)
+    x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+    s = RequestSampler(params, 3)
+    paths, toks = [], []
+    for _ in range(40_000):
+        weighed.clear()
+        toks.append(s.sample(x, [], []).token_id)
+        paths.append(len(weighed))  # 1: near tokens only, 2: and the band, 3: the whole row
+    counts = np.bincount(paths, minlength=4)
+    assert counts[1] > 10_000 and counts[2] > 1_000 and counts[3] > 5_000, counts
+    got = np.bincount(toks, minlength=x.size) / len(toks)
+    want = exact_distribution(x, params)
+    assert np.abs(got - want).max() < 0.01, (got - want).round(3)
+    assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+
+
+def test_a_pure_temperature_draw_weighs_the_near_tokens_not_every_candidate(weighed):
+    """On a 262k row shaped like the demo model's (a few likely tokens, a broad tail) a
+    temperature-1 draw weighs the tokens within 12 nats of the best, not the thousands within
+    the 18-nat cut, nor the whole row: two compares count the band between."""
+    rng = np.random.default_rng(9)
+    x = (rng.normal(size=262_144) * 3.0).astype(np.float32)
+    x[rng.choice(x.size, 20, replace=False)] = x.max() + rng.uniform(6.0, 9.0, size=20)
+    near = int(np.count_nonzero(x >= x.max() - 12.0))
+    assert int(np.count_nonzero(x >= x.max() - 18.0)) > 20 * near
+    toks = draw(SamplingParams(temperature=1.0), x, 200)
+    assert np.all(x[toks] >= x.max() - 18.0)
+    assert len(weighed) >= 200 and sum(size > near for size in weighed) <= 10, weighed
