@@ -280,7 +280,7 @@ def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniform(monk
     rng = np.random.default_rng(11)
     params = SamplingParams(temperature=0.8, top_p=0.95)
     fast, whole = RequestSampler(params, 5), RequestSampler(params, 5)
-    for _ in range(300):
+    for _ in range(900):
         x = (rng.normal(size=4096) * 2.0).astype(np.float32)
         x[rng.choice(x.size, 8, replace=False)] += rng.uniform(4.0, 9.0, size=8).astype(np.float32)
         assert fast._draw(x) == whole._draw_full(x)
@@ -333,3 +333,26 @@ def test_a_pure_temperature_draw_weighs_the_near_tokens_not_every_candidate(weig
     toks = draw(SamplingParams(temperature=1.0), x, 200)
     assert np.all(x[toks] >= x.max() - 18.0)
     assert len(weighed) >= 200 and sum(size > near for size in weighed) <= 10, weighed
+
+
+def test_a_cut_holds_only_where_every_nucleus_it_allows_draws_the_same_token():
+    """``holds`` answers for all the cuts a bound leaves open at once (a wide range was left
+    to the whole row before): when it says yes, each nucleus draws that token for the uniform,
+    and it says yes for most draws."""
+    from justllm.engine.sampler import _nucleus
+
+    rng = np.random.default_rng(4)
+    held = tried = 0
+    for _ in range(400):
+        w = np.exp(rng.normal(size=300) * 2.0).astype(np.float32)
+        w /= w.max()
+        found = _nucleus(w, 0.9, float(rng.uniform(0.0, 0.3)) * float(w.sum()))
+        if found is None or found.last - found.first < 2:
+            continue
+        u = rng.random()
+        token = found.pick(w, found.first, u)
+        tried += 1
+        if found.holds(w, u, token):
+            held += 1
+            assert all(found.pick(w, k, u) == token for k in range(found.first, found.last + 1))
+    assert tried > 100 and held > tried // 2, (held, tried)
