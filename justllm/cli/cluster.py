@@ -61,7 +61,7 @@ def deploy(
     config_file: Annotated[str, typer.Argument(help="The models, as router mode's models.yaml: source, engine flags, replicas or min-replicas / max-replicas, target-ongoing, delays, gpus, routing.", metavar="CLUSTER_YAML", show_default=False)],
     host: Annotated[str, typer.Option("--host", help="Address Ray Serve's HTTP proxies bind on every node (0.0.0.0: reachable from other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 and /api.", envvar="JUSTLLM_API_KEY")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on /v1 and /api routes ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
     name: AppName = "justllm",
     schedule_timeout: Annotated[float, typer.Option("--schedule-timeout", help="Seconds to wait for replicas that no node has the CPUs or GPUs for, before the deploy fails (0: wait for ever, for a cluster whose autoscaler adds nodes).", min=0)] = SCHEDULE_TIMEOUT,
 ) -> None:

@@ -34,9 +34,18 @@ def make(
 
         src = Path(load_plugins().resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
+        made = None
         if output and (dst.is_dir() or output.endswith(("/", os.sep))):
+            if not dst.is_dir():  # -o DIR/ makes DIR, as quantize does
+                made = dst
+                dst.mkdir(parents=True)
             dst = default_draft_path(src, layers, dst)  # -o DIR/: the default name there
-        info = make_draft(src, dst, layers, force=force)
+        try:
+            info = make_draft(src, dst, layers, force=force)
+        except BaseException:
+            if made is not None and not any(made.iterdir()):
+                made.rmdir()  # nothing written: no empty directory left behind
+            raise
         Console(emoji=False).print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
             f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)

@@ -30,7 +30,7 @@ def serve(
         show_default=False, metavar="MODEL")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", envvar="JUSTLLM_API_KEY")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on /v1 and /api routes ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory and below, named by file stem (a split model by its name, from its first part).")] = None,

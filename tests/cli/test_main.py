@@ -172,14 +172,14 @@ def test_a_truncated_model_is_one_line_on_every_command_that_loads_it(model_path
     r = justllm("draft", "make", model_path, "-l", "2", "-o", str(tmp_path / "no" / "d.gguf"))
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert not (tmp_path / "no").exists()  # it was created, and the draft written there
-    # -o DIR/ is the default name in DIR (it wrote a file called DIR), as quantize's -o
-    for out, made in ((f"{tmp_path}/drafts/", False), (str(tmp_path), True)):
+    # -o DIR/ is the default name in DIR (it wrote a file called DIR), the directory made if
+    # need be, as quantize's -o; a draft that fails leaves no directory
+    r = justllm("draft", "make", model_path, "-l", "99", "-o", f"{tmp_path}/drafts/")
+    assert r.returncode == 1 and not (tmp_path / "drafts").exists(), r.stderr
+    for out in (f"{tmp_path}/drafts/", str(tmp_path)):
         r = justllm("draft", "make", model_path, "-l", "2", "-o", out)
-        assert (r.returncode == 0) == made, r.stderr
-        if made:
-            assert (tmp_path / f"{Path(model_path).stem}-draft-L2.gguf").is_file()
-        else:
-            assert "does not exist" in r.stderr and not (tmp_path / "drafts").exists()
+        assert r.returncode == 0, r.stderr
+        assert (Path(out) / f"{Path(model_path).stem}-draft-L2.gguf").is_file()
 
 
 def _answering(status: int, body: bytes):

@@ -127,6 +127,9 @@ def test_ollama_routes_take_an_adapter_as_a_model(client, lora_server, files):
                                        timeout=30).json()["modelfile"]
     r = httpx.post(url + "/api/embed", json={"model": "a", "input": "x"}, timeout=30)
     assert r.status_code == 400 and f"send model '{base}'" in r.json()["error"], r.text
+    r = httpx.post(url + "/v1/embeddings", json={"model": "a", "input": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert f"send model '{base}'" in r.json()["error"]["message"], r.text
     r = httpx.post(url + "/api/generate", json={"model": "zz", "prompt": "x"}, timeout=30)
     assert r.status_code == 404 and 'model "zz" not found' in r.json()["error"], r.text
 
