@@ -739,7 +739,11 @@ class Engine:
             self._prompt_tokens_total += req.num_prompt_tokens
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
-        if token in params.stop_token_ids or (not params.ignore_eos and self.backend.is_eog(token)):
+        if token in params.stop_token_ids or (
+                # a grammar offers the end only once it is complete: the answer ends there,
+                # ignore_eos or not (else every later token would be another end)
+                (not params.ignore_eos or live.sampler.constraint is not None)
+                and self.backend.is_eog(token)):
             out.reason = FinishReason.STOP
             return
         live.detok.add_token(token)

@@ -285,6 +285,15 @@ def test_response_format_json_object_and_schema(client, exact_client, server):
     assert r.choices[0].message.content.endswith("}")
     assert set(doc) == {"name", "age"}
     assert isinstance(doc["name"], str) and isinstance(doc["age"], int)
+    # ignore_eos does not run on past a complete answer: the grammar then offers only the
+    # end, and took every later step as another empty token until max_tokens
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=60, temperature=0, extra_body={"ignore_eos": True},
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+    assert r.usage.completion_tokens < 60
     bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": server.model, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
