@@ -288,7 +288,7 @@ def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniform(monk
     assert undecided["tried"] > 100 and 20 < undecided["weighed"] < undecided["tried"] - 20
 
 
-def test_pure_temperature_draws_in_nested_regions_are_exact_on_every_path(monkeypatch):
+def test_pure_temperature_draws_in_nested_regions_are_exact_on_every_path(monkeypatch, weighed):
     """Pure temperature decides the region of the draw from a bound first (the near tokens
     alone weighed), then from the candidates within the cut, then from the whole row. With a
     3-nat cut on 40 tokens each way is taken hundreds of times, and the draws are the exact
@@ -297,14 +297,6 @@ def test_pure_temperature_draws_in_nested_regions_are_exact_on_every_path(monkey
 
     monkeypatch.setattr(sampler, "_CUT", 3.0)
     monkeypatch.setattr(sampler, "_CUT_WEIGHT", float(np.exp(-3.0)) * 1.001)
-    weighed: list[int] = []
-    whole = sampler._weights
-
-    def counting(x, m, t):
-        weighed.append(x.size)
-        return whole(x, m, t)
-
-    monkeypatch.setattr(sampler, "_weights", counting)
     x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
     params = SamplingParams(temperature=1.0)
     s = RequestSampler(params, 3)
