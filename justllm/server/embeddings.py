@@ -13,7 +13,7 @@ import numpy as np
 
 from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
-from justllm.server.lora import adapter
+from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import check_model, prompt_list
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
@@ -44,9 +44,7 @@ class EmbeddingServing:
 
     async def create(self, data: EmbeddingRequest) -> EmbeddingList:
         if adapter(self.aengine, data.model) is not None:  # listed in /v1/models: not a 404
-            raise InvalidRequestError(
-                f"'{data.model}' is a LoRA adapter of {self.model_id}; embeddings come from the "
-                f"base model: send model '{self.model_id}'", param="model")
+            raise no_adapter_embeddings(data.model or "", self.model_id)
         check_model(data.model, self.model_id)
         start = time.perf_counter()
         token_lists = self._inputs(data)

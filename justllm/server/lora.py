@@ -52,6 +52,13 @@ def adapter(aengine: AsyncEngine, name: str | None) -> LoadedLora | None:
     return next((a for a in aengine.lora_adapters() if a.name == name), None)
 
 
+def no_adapter_embeddings(name: str, base: str) -> InvalidRequestError:
+    """The 400 for embeddings asked of an adapter (``/v1/embeddings``, Ollama's): they come
+    from the base model."""
+    return InvalidRequestError(f"'{name}' is a LoRA adapter of {base}; embeddings come from the "
+                               f"base model: send model '{base}'", param="model")
+
+
 def request_lora(aengine: AsyncEngine, model: str | None,
                  choices: list[LoraChoice] | None) -> tuple[tuple[str, float], ...]:
     """The ``(name, scale)`` adapters a request runs under: the one its ``model`` names, then

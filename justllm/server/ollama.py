@@ -53,7 +53,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import APIError, ollama_response, to_api_error
-from justllm.server.lora import adapter
+from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.ollama_chat import (
     Arrival,
     OllamaMessage,
@@ -224,9 +224,7 @@ def _check_model(name: str, served: Served, adapters: bool = True) -> LoadedLora
     if found is None:
         raise _not_found(name)
     if not adapters:
-        raise InvalidRequestError(
-            f"'{name}' is a LoRA adapter of {served.model_id}; embeddings come from the base "
-            f"model: send model '{served.model_id}'", param="model")
+        raise no_adapter_embeddings(name, served.model_id)
     return found
 
 
