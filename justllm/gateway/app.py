@@ -141,7 +141,7 @@ async def _forward(request: Request, path: str) -> Any:
     content = msgspec.json.encode(body)
     waited = time.monotonic() if not state.routable else None
     if waited is not None:  # refused before a load it would only waste (or an eviction)
-        check_without_model(path, raw)
+        check_without_model(path, content)  # (without the gateway's own keep_alive)
     try:
         await sup.acquire(state)
     except ModelUnavailable as e:

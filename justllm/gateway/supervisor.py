@@ -136,8 +136,14 @@ class ModelState:
         return self.keep_alive if self.keep_alive is not None else self.spec.ttl
 
     def view(self) -> policy.Loaded:
+        """The model as the policies see it; while it loads, with every replica it is about
+        to start (they exist only once their start begins: two multi-replica models loading
+        at once were each counted as one runner, and both fitted under max-memory)."""
+        runners = len(self.local)
+        if self.status == "loading":
+            runners = max(runners, self.spec.replicas)
         return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl,
-                             self.memory * max(1, len(self.local)))
+                             self.memory * max(1, runners))
 
     def replica(self, rid: str) -> Replica:
         return next(r for r in self.replicas if r.id == rid)
@@ -164,6 +170,10 @@ class Supervisor:
         # Every runner started and maybe still running, replica or not: what kill_all kills
         # (an unload takes a runner off its model before it has stopped).
         self._started: list[RunnerProcess] = []
+        # Runners stopping (unloaded, evicted, scaled down) and the model each served: they
+        # hold their place under max-loaded and max-memory until they exit (a model unloaded
+        # mid-request drains for up to --shutdown-timeout, and a new one started beside it).
+        self._stopping: dict[RunnerProcess, ModelState] = {}
         # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
         # (policy.start_key).
         self._gpu_starts: dict[str, asyncio.Lock] = {}
@@ -191,7 +201,7 @@ class Supervisor:
         if keep_alive is not None and not state.remote_only:
             state.keep_alive = keep_alive
         if state.active == 0 and state.ttl == 0:
-            asyncio.ensure_future(self.unload(state))
+            self._unload_soon(state)
         asyncio.ensure_future(self._notify_room())
 
     async def _notify_room(self) -> None:
@@ -327,8 +337,8 @@ class Supervisor:
         unloaded) without yielding to another load, so two loads never claim one place."""
         async with self._room:
             while True:
-                loaded = [s.view() for s in self.models.values() if s is not state
-                          and not s.remote_only and s.status in ("loaded", "loading")]
+                loaded = [s.view() for s in self._holding() if s is not state]
+                loaded += self._stopping_views()
                 victims = policy.to_unload_for(loaded, self.config.max_loaded,
                                                max_memory=self.config.max_memory,
                                                need=state.memory * state.spec.replicas)
@@ -445,10 +455,28 @@ class Supervisor:
         if replica.runner is not None:
             replica.runner.kill_now()
 
+    def _holding(self) -> list[ModelState]:
+        """The models that hold runners here (or are about to)."""
+        return [s for s in self.models.values()
+                if not s.remote_only and s.status in ("loaded", "loading")]
+
+    def _stopping_views(self) -> list[policy.Loaded]:
+        """The runners still stopping, as busy models (never victims): one per model, with
+        their memory."""
+        counts = Counter(state.spec.name for state in self._stopping.values())
+        return [policy.Loaded(f"{name} (stopping)", 1, 0.0, -1.0, self.models[name].memory * n)
+                for name, n in counts.items()]
+
+    def memory_used(self) -> int:
+        """max-memory's view: the estimates of the runners loaded, loading and stopping."""
+        return sum(m.memory for m in [*(s.view() for s in self._holding()),
+                                      *self._stopping_views()])
+
     def _detach(self, state: ModelState) -> list[RunnerProcess]:
         """Mark the model unloaded at once, its local replicas gone; the caller stops the
-        runners returned."""
+        runners returned (they hold their place until they exit)."""
         runners = [r.runner for r in state.local if r.runner is not None]
+        self._stopping.update((runner, state) for runner in runners)
         state.detached += 1
         for r in state.local:
             r.status = "stopping"
@@ -462,10 +490,24 @@ class Supervisor:
         return runners
 
     async def _stop_all(self, runners: list[RunnerProcess]) -> None:
-        await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
-        self.unloads += len(runners)
+        """Stop ``runners`` (registered in ``_stopping``), each given its drain; their places
+        free once they have exited."""
+        try:
+            await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
+        finally:
+            for runner in runners:
+                if not runner.alive():
+                    self._stopping.pop(runner, None)
+            self.unloads += len(runners)
+            if runners:
+                await self._notify_room()
+
+    def _unload_soon(self, state: ModelState) -> None:
+        """``unload`` without waiting for the runners to stop: the model is unloaded now,
+        their places free when they exit (the watch loop goes on meanwhile)."""
+        runners = self._detach(state)
         if runners:
-            await self._notify_room()
+            self._tasks.append(asyncio.ensure_future(self._stop_all(runners)))
 
     async def unload(self, state: ModelState) -> bool:
         """Stop the model's runners (they drain their requests first); False if none ran."""
@@ -544,9 +586,8 @@ class Supervisor:
         if decision.direction == "up":
             count = decision.target - len(serving)
             if self.config.max_memory and state.memory:
-                used = sum(s.view().memory for s in self.models.values()
-                           if s.status == "loaded" and not s.remote_only)
-                count = min(count, (self.config.max_memory - used) // state.memory)
+                count = min(count, (self.config.max_memory - self.memory_used())
+                            // state.memory)
                 if count <= 0:
                     log.warning("autoscaler: model %s wants %d replicas; no room under "
                                 "max-memory", what, decision.target)
@@ -576,6 +617,7 @@ class Supervisor:
             if replica in state.replicas:
                 state.replicas.remove(replica)
             if replica.runner is not None:
+                self._stopping[replica.runner] = state
                 await self._stop_all([replica.runner])
 
         self._tasks.append(asyncio.ensure_future(retire()))
@@ -601,7 +643,7 @@ class Supervisor:
             loaded = [s for s in self.models.values()
                       if s.status == "loaded" and not s.remote_only]
             for name in policy.expired([s.view() for s in loaded], now):
-                await self.unload(self.models[name])
+                self._unload_soon(self.models[name])
             for state in loaded:
                 for replica in state.died:
                     runner = replica.runner
@@ -628,13 +670,16 @@ class Supervisor:
             page = None
         if page is None or page.empty:
             replica.failures += 1
+            now = time.monotonic()
             if replica.failures >= 2 and replica.status == "ready":
                 replica.status = "unhealthy"
-                replica.unhealthy_since = time.monotonic()
+                # silent since its last answer (it used to count from this second failed
+                # poll, which a hung runner's poll takes its whole timeout to reach)
+                replica.unhealthy_since = now if replica.polled is None else replica.polled
                 replica.error = f"{url}/metrics did not answer"
                 log.warning("model %s replica %s is unhealthy", state.spec.name, replica.id)
-            elif (replica.status == "unhealthy" and replica.local and time.monotonic()
-                  - replica.unhealthy_since >= self.config.health_timeout):
+            if (replica.status == "unhealthy" and replica.local
+                    and now - replica.unhealthy_since >= self.config.health_timeout):
                 # A hung runner (alive, answering nothing): requests would wait for it for
                 # ever; Ray Serve replaces such a replica too. (A remote one cannot be.)
                 replica.error = (f"{url}/metrics did not answer for "
@@ -662,6 +707,9 @@ class Supervisor:
             task.cancel()
         # (loads in progress end on their own: the unloads below take their replicas away)
         await asyncio.gather(*(self.unload(s) for s in self.models.values()),
+                             return_exceptions=True)
+        # (and those an unload, an eviction or the autoscaler had begun to stop)
+        await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in list(self._stopping)),
                              return_exceptions=True)
         await self._http.aclose()
 

@@ -6,6 +6,7 @@ ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +64,15 @@ def wait_gone(pids: list[int], timeout: float = 30) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "runner processes left behind"
+
+
+def live_children(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still running (its runners)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in found if alive(p)]
 
 
 def kill_left(gw: Gateway, pids: list[int]) -> None:
@@ -171,9 +181,41 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert r.status_code == 200 and r.json()["model"] == "alpha"
         assert gw.status()["alpha"]["status"] == "loaded"
 
-        # keep_alive 0 (Ollama's): unloaded as soon as the request is done.
+        # An unloaded model's place is free once its runner has exited: a request for beta
+        # made while alpha's runner drains a stream waits for it (it used to start beside).
+        counts: list[int] = []
+        watched = threading.Event()
+
+        def watch() -> None:
+            while not watched.is_set():
+                counts.append(len(live_children(gw.proc.pid)))
+                time.sleep(0.02)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with httpx.stream("POST", gw.url + "/v1/completions", timeout=120, json={
+                    "model": "alpha", "prompt": "Count:", "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                unload = threading.Thread(target=httpx.post, args=(gw.url + "/models/unload",),
+                                          kwargs={"json": {"model": "alpha"}, "timeout": 60})
+                unload.start()
+                gw.wait_status("alpha", "unloaded", timeout=10)  # at once; its runner drains
+                r = complete(gw, "beta")
+                for _ in lines:
+                    pass
+            unload.join()
+        finally:
+            watched.set()
+            watcher.join()
+        assert r.status_code == 200, r.text
+        assert max(counts) == 1, f"two runners alive at once under max-loaded 1: {counts}"
+
+        # keep_alive 0 (Ollama's): unloaded as soon as the request is done. (alpha is not
+        # loaded here: the gateway's own field used to fail the checks made before a load.)
         r = complete(gw, "alpha", keep_alive=0)
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
         gw.wait_status("alpha", "unloaded", timeout=30)
         r = complete(gw, "alpha", keep_alive="soon")
         assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"

@@ -1,0 +1,116 @@
+"""The supervisor's bookkeeping, without processes: what a loading model and a stopping runner
+count against max-loaded and max-memory, and when a silent replica counts as hung. (The same
+rules with real runners: tests/gateway/test_gateway.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import httpx
+
+from justllm.gateway.config import Flags, load_config
+from justllm.gateway.replica import Replica
+from justllm.gateway.supervisor import Supervisor
+
+FLAGS = Flags(frozenset({"max-seqs"}))
+MIB = 2**20
+
+
+def supervisor(tmp_path, models: dict, **top) -> Supervisor:
+    config = load_config({**top, "models": {name: {"source": "x.gguf", **entry}
+                                            for name, entry in models.items()}}, FLAGS)
+    return Supervisor(config, tmp_path)
+
+
+class DrainingRunner:
+    """A runner process that drains until ``exit`` is set."""
+
+    def __init__(self) -> None:
+        self.exit = asyncio.Event()
+
+    def alive(self) -> bool:
+        return not self.exit.is_set()
+
+    async def stop(self, grace: float) -> None:
+        await self.exit.wait()
+
+
+def test_a_loading_model_counts_every_replica_it_is_about_to_start(tmp_path):
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"r": {"replicas": 2},
+                                    "pd": {"prefill-replicas": 1, "decode-replicas": 2}})
+        for state in sup.models.values():
+            state.memory = 100 * MIB
+        r, pd = sup.models["r"], sup.models["pd"]
+        assert r.view().memory == 100 * MIB  # unloaded: as one runner, for a load's need
+        r.status = pd.status = "loading"  # places claimed; no replica started yet
+        assert (r.view().memory, pd.view().memory) == (200 * MIB, 300 * MIB)
+        assert sup.memory_used() == 500 * MIB
+    asyncio.run(main())
+
+
+def test_two_multi_replica_models_loading_at_once_never_exceed_max_memory(tmp_path):
+    """Both loads fitted: each saw the other as one runner while it loaded (4 runners under
+    a limit of 3)."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"r1": {"replicas": 2}, "r2": {"replicas": 2}},
+                         **{"max-memory": 300 * MIB})
+        r1, r2 = sup.models["r1"], sup.models["r2"]
+        r1.memory = r2.memory = 100 * MIB
+        r1.active = r2.active = 1  # both wanted by a request
+        await sup._make_room(r1)
+        assert r1.status == "loading"
+        second = asyncio.ensure_future(sup._make_room(r2))
+        await asyncio.sleep(0.2)
+        assert not second.done() and r2.status == "unloaded"  # waits for r1 to go idle
+        second.cancel()
+    asyncio.run(main())
+
+
+def test_a_stopping_runner_holds_its_place_until_it_exits(tmp_path):
+    """An unloaded model's runners drain; a model started meanwhile ran beside them, past
+    max-loaded."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"alpha": {}, "beta": {}}, **{"max-loaded": 1})
+        alpha, beta = sup.models["alpha"], sup.models["beta"]
+        runner = DrainingRunner()
+        sup._stopping[runner] = alpha  # what _detach records for alpha's runner
+        stopping = asyncio.ensure_future(sup._stop_all([runner]))
+        load = asyncio.ensure_future(sup._make_room(beta))
+        await asyncio.sleep(0.2)
+        assert not load.done() and beta.status == "unloaded"
+        runner.exit.set()  # it exits: its place is free, the waiting load goes on
+        await asyncio.wait_for(asyncio.gather(stopping, load), 5)
+        assert beta.status == "loading" and not sup._stopping and sup.unloads == 1
+    asyncio.run(main())
+
+
+def test_a_silent_replica_is_restarted_health_timeout_after_its_last_answer(tmp_path):
+    """The count began at the second failed poll (a hung runner's poll takes its whole
+    timeout), so a runner silent for health-timeout seconds ran on for seconds more."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"alpha": {}}, **{"health-timeout": 5})
+        state = sup.models["alpha"]
+        replica = Replica("0", status="ready")
+        state.replicas.append(replica)
+
+        async def silent(*_, **__):
+            raise httpx.ReadTimeout("no answer")
+        sup._http = SimpleNamespace(get=silent, aclose=sup._http.aclose)
+        replica.polled = time.monotonic() - 2  # answered 2 s ago
+        await sup.poll(state, replica)
+        await sup.poll(state, replica)
+        assert replica.status == "unhealthy" and replica.restarts == 0  # 2 s: not hung yet
+        replica.polled = replica.unhealthy_since = time.monotonic() - 6
+        other = Replica("1", status="ready", failures=1)
+        other.polled = time.monotonic() - 6  # silent as long: hung at its second failure
+        state.replicas.append(other)
+        await sup.poll(state, replica)
+        await sup.poll(state, other)
+        assert replica.status == other.status == "restarting"
+        assert replica.restarts == other.restarts == 1
+        assert "did not answer for 5 s" in other.error
+        await sup.close()
+    asyncio.run(main())
