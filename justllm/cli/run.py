@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from dataclasses import replace
@@ -134,7 +135,9 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
 
     out = sys.stdout
     start = time.perf_counter()
-    engine.add_request(prompt, params, request_id="run")
+    # Its own id, as a server's completion has (a plugin's record of it, justllm history
+    # --id, told every run apart by time alone: each was "run").
+    engine.add_request(prompt, params, request_id=f"run-{secrets.token_hex(8)}")
     last = None
     trim = AnswerText() if answer else None
     try:

@@ -301,6 +301,19 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
     assert "abort" in table.stdout
 
 
+def test_each_justllm_run_is_its_own_request(db: Path) -> None:
+    """Every run was recorded as request "run": ``history --id run`` found them all."""
+    for prompt in ("The capital of France is", "Two plus two is"):
+        done = subprocess.run([JUSTLLM, "run", str(demo_model_path()), "-p", prompt, "--raw",
+                               "-n", "2", "--pool-blocks", "64", "--record-text"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    logged = history_json()
+    ids = [r["request_id"] for r in logged]
+    assert len(set(ids)) == 2 and all(i.startswith("run-") for i in ids), ids
+    assert [r["prompt"] for r in history_json("--id", ids[0])] == ["Two plus two is"]
+
+
 def test_unwritable_log_does_not_break_serving(tmp_path: Path, db: Path, serve: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "not-a-directory"
