@@ -63,6 +63,7 @@ def deploy(
     port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on /v1 and /api routes ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
     name: AppName = "justllm",
+    route_prefix: Annotated[str, typer.Option("--route-prefix", help="Where the app's routes begin on Ray Serve's proxies (/v1, /api, /metrics, /health under it): several apps, each deployed with its own --name and prefix, share one cluster.")] = "/",
     schedule_timeout: Annotated[float, typer.Option("--schedule-timeout", help="Seconds to wait for replicas that no node has the CPUs or GPUs for, before the deploy fails (0: wait for ever, for a cluster whose autoscaler adds nodes).", min=0)] = SCHEDULE_TIMEOUT,
 ) -> None:
     """Deploy every model of CLUSTER_YAML as a Ray Serve deployment, behind one ingress that
@@ -77,7 +78,7 @@ def deploy(
         known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES)
         config = load_config(read_yaml(config_file), known)
         warnings = check_supported(config)
-        settings = ClusterSettings(name, host, port, api_key)
+        settings = ClusterSettings(name, host, port, api_key, route_prefix)
         where = cluster.find_cluster()
         console = Console(stderr=True, emoji=False, soft_wrap=True)
         for warning in warnings:
@@ -97,7 +98,7 @@ def deploy(
         local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"
                  if where.local is not None else "")
         console.print(f"justllm: '{name}' runs on the Ray cluster at {where.address}{local}; "
-                      f"OpenAI API at http://{host}:{port}/v1, /metrics, /health",
+                      f"OpenAI API at {settings.url}/v1, /metrics, /health",
                       highlight=False)
 
 

@@ -105,7 +105,7 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
     ``engine_config(source, flags)`` resolves a model to an EngineConfig; it is sent to the
     replicas and called there, so each resolves the model on its own node.
     ``request_router=None``: Ray's default router (power of two choices), for comparison."""
-    url = f"http://{settings.host}:{settings.port}"
+    url = settings.url
     board = deployments.BOARD.options(name=BOARD).bind(
         {"url": url, "address": cluster.address, "app": settings.app})
     handles = {}
@@ -153,7 +153,8 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                 # Not serve.run: it waits without end for replicas no node can hold.
                 serve._run(build_app(config, settings, cluster, engine_config,
                                      request_router=request_router),
-                           name=settings.app, route_prefix="/", _blocking=False)
+                           name=settings.app, route_prefix=settings.route_prefix,
+                           _blocking=False)
                 wait_running(settings.app, schedule_timeout, on_wait)
             except Exception as e:
                 if isinstance(e, JustLLMError) and not isinstance(e, DeployFailed):

@@ -45,13 +45,26 @@ class ClusterSettings:
     host: str = "127.0.0.1"  # the Serve HTTP proxies bind here (0.0.0.0: every interface)
     port: int = 8000  # Ray Serve's default
     api_key: str | None = None  # the ingress asks for 'Authorization: Bearer KEY' on /v1
+    # Where the app's routes begin on the proxies (Ray Serve's route_prefix): several apps
+    # share a cluster's proxies, each under its own prefix.
+    route_prefix: str = "/"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.app):
             raise ValueError(f"the app name must be letters, digits, '_', '.' or '-' "
                              f"(got {self.app!r})")
+        if not re.fullmatch(r"/|(/[A-Za-z0-9_.~-]+)+", self.route_prefix):
+            raise ValueError("--route-prefix must be '/' or '/' and path segments of letters, "
+                             f"digits, '_', '.', '~' or '-', without a trailing '/' (got "
+                             f"{self.route_prefix!r})")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the app (its /v1, /api, /metrics and /health are under it)."""
+        prefix = "" if self.route_prefix == "/" else self.route_prefix
+        return f"http://{self.host}:{self.port}{prefix}"
 
 
 def deployment_name(model: str) -> str:

@@ -117,3 +117,9 @@ def test_cluster_settings_are_checked():
         ClusterSettings(app="my app")
     with pytest.raises(ValueError, match="--port"):
         ClusterSettings(port=0)
+    for prefix in ("team", "/team/", "/a b", "/{x}", "//", ""):
+        with pytest.raises(ValueError, match="--route-prefix"):
+            ClusterSettings(route_prefix=prefix)
+    assert ClusterSettings().url == "http://127.0.0.1:8000"
+    assert ClusterSettings(route_prefix="/team/a-1", port=9000).url == \
+        "http://127.0.0.1:9000/team/a-1"

@@ -397,6 +397,33 @@ def test_a_pd_model_hands_the_kv_from_prefill_to_decode_through_ray(deployed, tm
     assert total == 4
 
 
+def test_the_app_redeployed_under_a_route_prefix_answers_there_alone(deployed, tmp_path,
+                                                                      model_path):
+    """--route-prefix: the app's routes begin there on Ray Serve's proxies (each app of a
+    shared cluster under its own prefix); the ingress reads the path below it."""
+    url, env = deployed.url, deployed.env
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text(f"models:\n  demo:\n    source: {model_path}\n    threads: 1\n"
+                   "    max-seqs: 4\n    pool-blocks: 64\n")
+    r = justllm(env, "cluster", "deploy", str(cfg), "--port", url.rsplit(":", 1)[1],
+                "--route-prefix", "/team/a")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"OpenAI API at {url}/team/a/v1" in r.stderr, r.stderr
+    client = openai.OpenAI(base_url=url + "/team/a/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(model="demo", prompt="The sea was", max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 3
+    assert [m.id for m in client.models.list()] == ["demo"]
+    assert httpx.get(url + "/team/a/health", timeout=30).status_code == 200
+    assert "vllm:num_requests_running" in httpx.get(url + "/team/a/metrics", timeout=30).text
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 404  # not under "/" now
+    r = justllm(env, "cluster", "status", "--json", timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["url"] == url + "/team/a", r.stdout
+    r = justllm(env, "cluster", "deploy", str(cfg), "--route-prefix", "team")
+    assert r.returncode == 1 and "--route-prefix must be" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_down_deletes_the_app_and_leaves_no_ray_process(deployed):
     assert session(deployed.head.pid), "the head should run until down"
     r = justllm(deployed.env, "cluster", "down", timeout=180)
