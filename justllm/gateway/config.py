@@ -1,7 +1,7 @@
 """The gateway's configuration: ``models.yaml`` (or a list of models, or a directory) parsed and
 validated once, before anything starts.
 
-    max-loaded: 2            # most runners at once; the least recently used idle one goes
+    max-loaded: 2            # most models loaded at once; the least recently used idle one goes
     max-memory: 8GB          # most estimated runner memory at once (weights + KV + logits)
     load-timeout: 120        # seconds a request waits for its model to load
     max-waiting: 64          # requests waiting for loads, beyond which a 503 answers

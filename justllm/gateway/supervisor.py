@@ -174,6 +174,7 @@ class Supervisor:
         # hold their place under max-loaded and max-memory until they exit (a model unloaded
         # mid-request drains for up to --shutdown-timeout, and a new one started beside it).
         self._stopping: dict[RunnerProcess, ModelState] = {}
+        self._stops: set[asyncio.Future[None]] = set()  # the stops of those (``_stop``)
         # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
         # (policy.start_key).
         self._gpu_starts: dict[str, asyncio.Lock] = {}
@@ -305,9 +306,13 @@ class Supervisor:
             # A new load starts with the model's ttl; an Ollama keep_alive sent while it loads
             # (0: unload once idle) holds after it, as the last keep_alive does in Ollama.
             state.keep_alive = None
+            # An unload from here on abandons this load, even one made while it waits for
+            # room (it used to be seen only once the runners started, and a model unloaded
+            # while an eviction drained then started beside the next one, past the limits).
+            detached = state.detached
             await self._estimate(state)
-            await self._make_room(state)
-            await self._start(state)
+            await self._make_room(state, detached)
+            await self._start(state, detached)
 
     async def _estimate(self, state: ModelState) -> None:
         """With max-memory: the runner's estimated memory, once (a model that can never fit
@@ -332,11 +337,14 @@ class Supervisor:
                 f"({limit / 2**30:.2f} GiB): lower its pool-blocks or replicas, or raise "
                 "max-memory", code="model_too_large")
 
-    async def _make_room(self, state: ModelState) -> None:
+    async def _make_room(self, state: ModelState, detached: int) -> None:
         """Claim a place under max-loaded: decided and marked (this model loading, the victims
-        unloaded) without yielding to another load, so two loads never claim one place."""
+        unloaded) without yielding to another load, so two loads never claim one place. An
+        unload while it waits abandons the load."""
         async with self._room:
             while True:
+                if state.detached != detached:
+                    raise _unloaded_meanwhile(state)
                 loaded = [s.view() for s in self._holding() if s is not state]
                 loaded += self._stopping_views()
                 victims = policy.to_unload_for(loaded, self.config.max_loaded,
@@ -385,11 +393,10 @@ class Supervisor:
         await apply_runtime_lora(self._http, state, runner.url, replica.id)
         return runner
 
-    async def _start(self, state: ModelState) -> None:
+    async def _start(self, state: ModelState, detached: int) -> None:
         """Start the model's first replicas together; loaded once at least one answers (the
         others are retried with backoff), failed after MAX_FAILURES rounds with none; given up
-        when the model is unloaded meanwhile."""
-        detached = state.detached
+        when the model is unloaded meanwhile (``state.detached`` no longer ``detached``)."""
         while True:
             if self._closing:  # shutting down: no new runners (close() stops the others)
                 state.status = "unloaded"
@@ -487,27 +494,39 @@ class Supervisor:
         if state.status != "failed":
             state.status = "unloaded"
         state.keep_alive = None
+        if state.load_task is not None and not state.load_task.done():
+            # its load may be waiting for room: it gives up now (_make_room)
+            asyncio.ensure_future(self._notify_room())
         return runners
 
-    async def _stop_all(self, runners: list[RunnerProcess]) -> None:
-        """Stop ``runners`` (registered in ``_stopping``), each given its drain; their places
-        free once they have exited."""
-        try:
-            await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
-        finally:
-            for runner in runners:
-                if not runner.alive():
+    def _stop(self, runners: list[RunnerProcess]) -> asyncio.Future[None]:
+        """Stop ``runners`` (registered in ``_stopping``), each given its drain, on a task of
+        the supervisor's own: a caller that stops waiting (a client gone from POST
+        /models/unload) leaves the stop going, so their places always free when they exit."""
+        async def stop() -> None:
+            try:
+                await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
+            finally:
+                for runner in runners:
                     self._stopping.pop(runner, None)
-            self.unloads += len(runners)
-            if runners:
+                self.unloads += len(runners)
                 await self._notify_room()
+        task = asyncio.ensure_future(stop())
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+        task.add_done_callback(_retrieve)
+        return task
+
+    async def _stop_all(self, runners: list[RunnerProcess]) -> None:
+        if runners:
+            await asyncio.shield(self._stop(runners))
 
     def _unload_soon(self, state: ModelState) -> None:
         """``unload`` without waiting for the runners to stop: the model is unloaded now,
         their places free when they exit (the watch loop goes on meanwhile)."""
         runners = self._detach(state)
         if runners:
-            self._tasks.append(asyncio.ensure_future(self._stop_all(runners)))
+            self._stop(runners)
 
     async def unload(self, state: ModelState) -> bool:
         """Stop the model's runners (they drain their requests first); False if none ran."""
@@ -709,8 +728,7 @@ class Supervisor:
         await asyncio.gather(*(self.unload(s) for s in self.models.values()),
                              return_exceptions=True)
         # (and those an unload, an eviction or the autoscaler had begun to stop)
-        await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in list(self._stopping)),
-                             return_exceptions=True)
+        await asyncio.gather(*self._stops, return_exceptions=True)
         await self._http.aclose()
 
     def kill_all(self, wait: bool = True) -> None:

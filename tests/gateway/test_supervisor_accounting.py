@@ -9,10 +9,11 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.replica import Replica
-from justllm.gateway.supervisor import Supervisor
+from justllm.gateway.supervisor import ModelUnavailable, Supervisor
 
 FLAGS = Flags(frozenset({"max-seqs"}))
 MIB = 2**20
@@ -60,9 +61,9 @@ def test_two_multi_replica_models_loading_at_once_never_exceed_max_memory(tmp_pa
         r1, r2 = sup.models["r1"], sup.models["r2"]
         r1.memory = r2.memory = 100 * MIB
         r1.active = r2.active = 1  # both wanted by a request
-        await sup._make_room(r1)
+        await sup._make_room(r1, 0)
         assert r1.status == "loading"
-        second = asyncio.ensure_future(sup._make_room(r2))
+        second = asyncio.ensure_future(sup._make_room(r2, 0))
         await asyncio.sleep(0.2)
         assert not second.done() and r2.status == "unloaded"  # waits for r1 to go idle
         second.cancel()
@@ -78,12 +79,57 @@ def test_a_stopping_runner_holds_its_place_until_it_exits(tmp_path):
         runner = DrainingRunner()
         sup._stopping[runner] = alpha  # what _detach records for alpha's runner
         stopping = asyncio.ensure_future(sup._stop_all([runner]))
-        load = asyncio.ensure_future(sup._make_room(beta))
+        load = asyncio.ensure_future(sup._make_room(beta, 0))
         await asyncio.sleep(0.2)
         assert not load.done() and beta.status == "unloaded"
+        stopping.cancel()  # the unload's client went away: the stop goes on without it
+        await asyncio.sleep(0.1)
+        assert not load.done() and runner in sup._stopping
         runner.exit.set()  # it exits: its place is free, the waiting load goes on
-        await asyncio.wait_for(asyncio.gather(stopping, load), 5)
+        await asyncio.wait_for(load, 5)
         assert beta.status == "loading" and not sup._stopping and sup.unloads == 1
+    asyncio.run(main())
+
+
+def test_a_model_unloaded_while_its_load_waits_for_room_is_not_started(tmp_path):
+    """Unloaded while its eviction of another model drained, a model was started all the
+    same, and the next model beside it: two runners under max-loaded 1."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"alpha": {}, "beta": {}, "gamma": {}},
+                         **{"max-loaded": 1})
+        alpha, beta, gamma = (sup.models[n] for n in ("alpha", "beta", "gamma"))
+        started: list[str] = []
+
+        async def spawn_ready(state, replica):
+            started.append(state.spec.name)
+            replica.runner = None
+        sup._spawn_ready = spawn_ready
+        draining = DrainingRunner()
+        alpha.status = "loaded"
+        alpha.replicas.append(Replica("0", runner=draining, status="ready"))
+
+        # beta evicts idle alpha and waits for its runner to exit; it is unloaded meanwhile
+        beta.load_task = load = asyncio.ensure_future(sup._load(beta))
+        await asyncio.sleep(0.2)
+        assert beta.status == "loading" and draining in sup._stopping
+        assert not await sup.unload(beta)  # (no runner of its own yet)
+        draining.exit.set()
+        with pytest.raises(ModelUnavailable) as e:
+            await asyncio.wait_for(load, 5)
+        assert e.value.code == "model_unloaded" and beta.status == "unloaded"
+
+        # gamma waits for busy beta... which is unloaded while gamma waits: gamma is the
+        # one that gives up at once, and its place is never claimed
+        beta.status, beta.active = "loaded", 1
+        gamma.load_task = load = asyncio.ensure_future(sup._load(gamma))
+        await asyncio.sleep(0.2)
+        assert not load.done() and gamma.status == "unloaded"
+        await sup.unload(gamma)
+        with pytest.raises(ModelUnavailable) as e:
+            await asyncio.wait_for(load, 5)
+        assert e.value.code == "model_unloaded" and gamma.status == "unloaded"
+        assert started == []
+        await sup.close()
     asyncio.run(main())
 
 
