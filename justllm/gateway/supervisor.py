@@ -355,7 +355,13 @@ class Supervisor:
                 await self._room.wait()  # every model is busy: wait for one to go idle
             state.status = "loading"
             stopping = [r for name in victims for r in self._detach(self.models[name])]
-        await self._stop_all(stopping)
+        if not stopping:
+            return
+        stop = self._stop(stopping)  # the victims drain; an unload of this model ends the wait
+        while not stop.done():
+            if state.detached != detached:
+                raise _unloaded_meanwhile(state)
+            await asyncio.wait({stop}, timeout=0.1)
 
     @staticmethod
     def _forget(state: ModelState, replica: Replica) -> None:

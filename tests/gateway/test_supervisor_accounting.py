@@ -113,10 +113,13 @@ def test_a_model_unloaded_while_its_load_waits_for_room_is_not_started(tmp_path)
         await asyncio.sleep(0.2)
         assert beta.status == "loading" and draining in sup._stopping
         assert not await sup.unload(beta)  # (no runner of its own yet)
-        draining.exit.set()
-        with pytest.raises(ModelUnavailable) as e:
+        with pytest.raises(ModelUnavailable) as e:  # at once, while alpha still drains
             await asyncio.wait_for(load, 5)
         assert e.value.code == "model_unloaded" and beta.status == "unloaded"
+        assert draining in sup._stopping  # alpha's place is held until its runner exits
+        draining.exit.set()
+        await asyncio.sleep(0.1)
+        assert not sup._stopping
 
         # gamma waits for busy beta... which is unloaded while gamma waits: gamma is the
         # one that gives up at once, and its place is never claimed
