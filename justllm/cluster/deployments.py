@@ -23,14 +23,13 @@ from typing import Any
 
 import msgspec
 import ray
-from litestar import Litestar
 from ray import serve
 from ray.serve import Deployment
 from ray.serve.handle import DeploymentHandle
 
 from justllm.cluster.asgi import Head
 from justllm.cluster.host import EngineHost, Identity
-from justllm.cluster.ingress import Ingress, create_ingress
+from justllm.cluster.ingress import Ingress, create_ingress, disconnect_when_cancelled
 from justllm.cluster.lora import MAX_RUNTIME_ADAPTERS, RuntimeAdapters, stale_adapters
 from justllm.cluster.options import STATS_PERIOD
 from justllm.config import EngineConfig
@@ -264,8 +263,8 @@ class ClusterIngress:
                                adapters=adapters, runtime=RuntimeAdapters(lora_runtime),
                                fixed_lora=fixed_lora or {})
 
-    def __serve_build_asgi_app__(self) -> Litestar:
-        return create_ingress(self.ingress)
+    def __serve_build_asgi_app__(self) -> Any:
+        return disconnect_when_cancelled(create_ingress(self.ingress))
 
 
 # The deployments, their per-model options given at deploy time (justllm/cluster/deploy.py).

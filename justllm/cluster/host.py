@@ -80,13 +80,16 @@ class EngineHost:
     async def check_health(self) -> None:
         """Raises :class:`EngineUnhealthy` unless the engine thread runs a job between two
         steps within ``health_timeout`` (so a thread that died, or hangs in a step, fails)."""
-        self.healthy = False
+        # (healthy stays as it was while the check waits: a busy step is no failure, and
+        # replica_up flickered to 0 on replicas serving requests)
         if not self.aengine.accepting:
+            self.healthy = False
             raise EngineUnhealthy("the engine is closed")
         try:
             await asyncio.wait_for(self.aengine.call_on_engine_thread(lambda: None),
                                    self.health_timeout)
         except TimeoutError:
+            self.healthy = False
             raise EngineUnhealthy(f"the engine thread has not come round for "
                                   f"{self.health_timeout:g} s (dead or stuck)") from None
         self.healthy = True

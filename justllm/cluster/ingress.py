@@ -43,7 +43,7 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import Stream
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 
 from justllm.cluster import lora as runtime_lora
 from justllm.cluster.asgi import Head, forwardable
@@ -365,6 +365,22 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
           ("/api/embed", "Ollama embed, routed by model"),
           ("/api/embeddings", "Ollama embeddings (legacy), routed by model"),
           ("/api/show", "Ollama show, routed by model"))
+
+
+def disconnect_when_cancelled(app: Any) -> Any:
+    """``app`` (an ASGI app) told of a client that left as ASGI says: Ray Serve's ``receive``
+    raises TaskCancelledError when its proxy stops relaying a request's messages (the client
+    disconnected) where it means ``http.disconnect``. Litestar, listening for the disconnect
+    during a stream, let it escape after the response had started: an ERROR traceback in the
+    ingress's log for some ordinary disconnects."""
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        async def receive_or_disconnect() -> Any:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+        await app(scope, receive_or_disconnect if scope["type"] == "http" else receive, send)
+    return wrapped
 
 
 def create_ingress(ingress: Ingress) -> Litestar:

@@ -5,15 +5,16 @@ error event, errors keep the OpenAI shape, the API key is asked for, /metrics fr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 from litestar.testing import TestClient
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, TaskCancelledError
 
 from justllm.cluster.asgi import Head
-from justllm.cluster.ingress import Ingress, create_ingress
+from justllm.cluster.ingress import Ingress, create_ingress, disconnect_when_cancelled
 
 JSON = Head(200, [("content-type", "application/json"), ("x-replica", "r1")])
 SSE = Head(200, [("content-type", "text/event-stream"), ("x-replica", "r2")])
@@ -207,6 +208,24 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event():
     events = [e for e in r.text.split("\n\n") if e]
     assert events[0] == "data: 1" and events[-1] == "data: [DONE]"
     assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
+
+
+def test_rays_cancelled_receive_reaches_the_app_as_a_disconnect():
+    """Ray Serve's receive raises TaskCancelledError once its proxy stops relaying the
+    request's messages (the client left); the app, listening for the disconnect while it
+    streamed, let it escape after the response had started."""
+    heard: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        heard.append(await receive())
+
+    async def cancelled() -> Any:
+        raise TaskCancelledError()
+
+    asyncio.run(disconnect_when_cancelled(app)({"type": "http"}, cancelled, None))
+    assert heard == [{"type": "http.disconnect"}]
+    with pytest.raises(TaskCancelledError):  # only HTTP requests have a disconnect message
+        asyncio.run(disconnect_when_cancelled(app)({"type": "lifespan"}, cancelled, None))
 
 
 def test_a_lora_id_replicas_may_not_agree_on_is_refused():
