@@ -524,6 +524,12 @@ class Engine:
                                   "this model needs its sliding window")
         backend = self.backend
         with self._lock:
+            held = self.cache.match(tokens, len(tokens)).length
+            if held == len(tokens):
+                # Here already (an earlier hand-over of the same prompt, or a request): nothing
+                # to load. It used to ask room for the whole prompt again, which requests
+                # sharing that very prefix held, and refused the import.
+                return held
             if not self.scheduler.make_room(len(tokens)):
                 raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
                                       "requests hold the pool")

@@ -160,6 +160,7 @@ async def _forward(request: Request, path: str) -> Any:
                 got = await unless_disconnected(
                     request, _prefill(request, sup, state, route, path, content))
                 if isinstance(got, Response):  # the client left: the prefill was aborted
+                    state.pd_aborted += 1
                     return got
                 if got is not None:  # the decode replica imports the KV, then serves
                     handover, target = got, f"/pd/decode?path={path}"
@@ -578,7 +579,8 @@ async def models_status(state: State) -> dict:
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,
                 "prefill_seconds": round(s.pd_seconds, 3),
-                "short_prompts": s.pd_short_prompts, "fallbacks": dict(s.pd_fallbacks)},
+                "short_prompts": s.pd_short_prompts, "aborted": s.pd_aborted,
+                "fallbacks": dict(s.pd_fallbacks)},
             "replicas": [_replica_row(r) for r in s.replicas]})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
             "max_loaded": sup.config.max_loaded,

@@ -116,7 +116,10 @@ def _replicas(sup: Supervisor) -> list[str]:
              "relayed to the decode replica.", lambda s: round(s.pd_seconds, 6)),
             ("justllm_gateway_pd_short_prompts_total", "counter",
              "Prompts under prefill-min-tokens, computed on a decode replica.",
-             lambda s: s.pd_short_prompts)]:
+             lambda s: s.pd_short_prompts),
+            ("justllm_gateway_pd_aborted_total", "counter",
+             "Requests whose client left while a prefill replica computed the prompt.",
+             lambda s: s.pd_aborted)]:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
         lines += [f"{name}{_labels(s)} {value(s)}" for s in pd]
     name = "justllm_gateway_pd_fallbacks_total"

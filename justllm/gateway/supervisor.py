@@ -73,6 +73,7 @@ class ModelState:
     pd_seconds: float = 0.0  # prefill + transfer through the gateway, summed
     pd_short_prompts: int = 0  # prompts under prefill-min-tokens, computed on a decode replica
     pd_fallbacks: Counter[str] = field(default_factory=Counter)  # served whole, by reason
+    pd_aborted: int = 0  # clients that left while their prompt was prefilled
     # LoRA adapters loaded at run time through the gateway (gateway/lora.py): name -> the
     # body each replica is sent, again whenever one starts.
     runtime_lora: dict[str, bytes] = field(default_factory=dict)

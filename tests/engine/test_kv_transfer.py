@@ -139,6 +139,18 @@ def test_no_room_is_refused_before_llama_cpp_is_touched(model_path, pair):
             tiny.close()
         assert small.import_prefix(blob) == n  # with the request gone, it fits
         settled(small)
+        # A request sharing the imported prefix holds it and most of the pool: the same
+        # prefix handed over again is here already, not "no room" (it was refused).
+        rid = small.add_request(PROMPT + " And then", SamplingParams(max_tokens=60,
+                                                                      ignore_eos=True))
+        small.step()
+        assert small.stats().kv_blocks.free * small.pool.block_size < n
+        blocks = small.stats().prefix_cache.blocks
+        assert small.import_prefix(blob) == n
+        assert small.stats().prefix_cache.blocks == blocks
+        small.abort(rid)
+        small.step()
+        settled(small)
     finally:
         small.close()
 

@@ -89,7 +89,11 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
             gw, "vllm:num_requests_running", "demo", "0") == 0)
         assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 2
         assert runner_metric(gw, "justllm_pd_imports_total", "demo", "1") == 2
+        # counted once at the gateway too (it was in no series there)
+        wait_for("the gateway's count", lambda: gw.status()["demo"]["pd"]["aborted"] == 1)
         assert gw.status()["demo"]["pd"]["transfers"] == 2
+        assert 'justllm_gateway_pd_aborted_total{model_name="demo"} 1' in httpx.get(
+            gw.url + "/metrics", timeout=30).text
 
         # kill -9 the prefill replica while it computes a long prompt: the request is served
         # whole by the decode replica instead, with every token.
