@@ -346,9 +346,7 @@ class Supervisor:
             while True:
                 if state.detached != detached:
                     raise _unloaded_meanwhile(state)
-                loaded = [s.view() for s in self._holding() if s is not state]
-                loaded += self._stopping_views()
-                victims = policy.to_unload_for(loaded, self.config.max_loaded,
+                victims = policy.to_unload_for(self._places(besides=state), self.config.max_loaded,
                                                max_memory=self.config.max_memory,
                                                need=state.memory * state.spec.replicas)
                 if victims is not None:
@@ -469,22 +467,20 @@ class Supervisor:
         if replica.runner is not None:
             replica.runner.kill_now()
 
-    def _holding(self) -> list[ModelState]:
-        """The models that hold runners here (or are about to)."""
-        return [s for s in self.models.values()
-                if not s.remote_only and s.status in ("loaded", "loading")]
-
-    def _stopping_views(self) -> list[policy.Loaded]:
-        """The runners still stopping, as busy models (never victims): one per model, with
-        their memory."""
+    def _places(self, besides: ModelState | None = None) -> list[policy.Loaded]:
+        """What holds places under max-loaded and max-memory, as the policies see it: the
+        models loaded or loading here (but ``besides``), and the runners still stopping as
+        busy models (never victims), one per model with their memory."""
+        held = [s.view() for s in self.models.values() if s is not besides
+                and not s.remote_only and s.status in ("loaded", "loading")]
         counts = Counter(state.spec.name for state in self._stopping.values())
-        return [policy.Loaded(f"{name} (stopping)", 1, 0.0, -1.0, self.models[name].memory * n)
-                for name, n in counts.items()]
+        return held + [policy.Loaded(f"{name} (stopping)", 1, 0.0, -1.0,
+                                     self.models[name].memory * n)
+                       for name, n in counts.items()]
 
     def memory_used(self) -> int:
         """max-memory's view: the estimates of the runners loaded, loading and stopping."""
-        return sum(m.memory for m in [*(s.view() for s in self._holding()),
-                                      *self._stopping_views()])
+        return sum(place.memory for place in self._places())
 
     def _detach(self, state: ModelState) -> list[RunnerProcess]:
         """Mark the model unloaded at once, its local replicas gone; the caller stops the
