@@ -295,13 +295,15 @@ async def _relay(answer: Any, model: str, path: str,
         _cancel(answer, None)
 
 
-def _route(path: str, summary: str) -> Any:
+def _route(path: str, summary: str, root: bool = False) -> Any:
+    """A handler forwarding ``path`` by model, for the router of its prefix (``root``: the
+    root's)."""
     async def handler(request: Request) -> Any:
         return await forward(request, path)
 
     # "/v1/chat/completions" is "/chat/completions" on the /v1 router
-    return post("/" + path.split("/", 2)[2], status_code=200, summary=summary,
-                name=path)(handler)
+    return post(path if root else "/" + path.split("/", 2)[2], status_code=200,
+                summary=summary, name=path)(handler)
 
 
 @get("/models", summary="The cluster's models")
@@ -365,6 +367,8 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
           ("/api/embed", "Ollama embed, routed by model"),
           ("/api/embeddings", "Ollama embeddings (legacy), routed by model"),
           ("/api/show", "Ollama show, routed by model"))
+TOKENS = (("/tokenize", "Tokenize (vLLM's or llama-server's body), routed by model"),
+          ("/detokenize", "The text of token ids, routed by model"))
 
 
 def disconnect_when_cancelled(app: Any) -> Any:
@@ -391,7 +395,9 @@ def create_ingress(ingress: Ingress) -> Litestar:
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})
-    return Litestar(route_handlers=[v1, api, health, metrics],
+    tokens = Router(path="/", route_handlers=[_route(p, s, root=True) for p, s in TOKENS],
+                    guards=[require_api_key])
+    return Litestar(route_handlers=[v1, api, tokens, health, metrics],
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
                     before_send=[add_request_id], openapi_config=None, debug=False)

@@ -163,12 +163,31 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.backend.tokenize(text)
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True
+                 ) -> list[int]:
+        """``text``'s tokens; by default as a prompt is tokenized (BOS added, special tokens'
+        text read as those tokens). The vocabulary is read-only: any thread may call this."""
+        return self.engine.backend.tokenize(text, add_special=add_special,
+                                            parse_special=parse_special)
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes of one token (a piece of UTF-8 that may end mid-character)."""
-        return self.engine.backend.token_to_piece(token)
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (special tokens as their text); 400 for an id outside the
+        vocabulary."""
+        n_vocab = self.n_vocab
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens[{bad}]: {tokens[bad]} is not a token id (they are "
+                                      f"in [0, {n_vocab}))", param="tokens")
+        return self.engine.backend.detokenize(tokens)
+
+    def token_text(self, token: int) -> str:
+        """A token's text in the vocabulary (``▁Hello``), as Hugging Face tokenizers list it."""
+        return self.engine.backend.token_text(token)
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (a piece of UTF-8 that may end mid-character); control
+        tokens as nothing, or as their text with ``special``."""
+        return self.engine.backend.token_to_piece(token, special=special)
 
     def chat_template(self) -> ChatTemplate:
         """The chat template requests are rendered with: ``--chat-template``, else the model's

@@ -585,18 +585,39 @@ class LlamaBackend:
                 raise EngineError("tokenization failed")
         return list(buf[:n])
 
-    def token_to_piece(self, token: int) -> bytes:
-        """The bytes of one token (control tokens render as nothing)."""
-        piece = self._pieces.get(token)
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (control tokens render as nothing, or as their text with
+        ``special``; only the first kind is cached: decoding asks for it every token)."""
+        piece = None if special else self._pieces.get(token)
         if piece is None:
             buf = ctypes.create_string_buffer(64)
-            n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+                n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
             piece = buf.raw[:max(n, 0)]
-            self._pieces[token] = piece
+            if not special:
+                self._pieces[token] = piece
         return piece
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` as llama.cpp writes it back, special tokens as their text
+        (``<bos>``), which is what vLLM's and llama-server's /detokenize give. Ids must be in
+        the vocabulary (the caller checks)."""
+        arr = (ctypes.c_int32 * max(len(tokens), 1))(*tokens)
+        cap = 8 * len(tokens) + 16
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(cap)
+            n = C.llama_detokenize(self._vocab, arr, len(tokens), buf, cap, False, True)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            cap = -n
+        raise EngineError("detokenization failed")
+
+    def token_text(self, token: int) -> str:
+        """A token's text in the vocabulary (SentencePiece's ``▁`` for a space), what a
+        Hugging Face tokenizer's ``convert_ids_to_tokens`` gives."""
+        return (C.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
         """An end-of-generation token (llama.cpp's set: EOS, EOT and the like). Asked per

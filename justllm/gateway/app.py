@@ -405,6 +405,18 @@ async def responses(request: Request) -> Any:
     return await _forward(request, "/v1/responses")
 
 
+# vLLM's and llama-server's token routes, at the root as on a runner.
+@post("/tokenize", status_code=200,
+      summary="Tokenize (vLLM's or llama-server's body), routed by model")
+async def tokenize(request: Request) -> Any:
+    return await _forward(request, "/tokenize")
+
+
+@post("/detokenize", status_code=200, summary="The text of token ids, routed by model")
+async def detokenize(request: Request) -> Any:
+    return await _forward(request, "/detokenize")
+
+
 NDJSON = "application/x-ndjson"
 
 
@@ -674,7 +686,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             anthropic_count_tokens, responses,
                                             *lora.ROUTES],
                 guards=[require_api_key])
-    admin = Router(path="/", route_handlers=[models_status, load_model, unload_model],
+    admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
+                                             tokenize, detokenize],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,

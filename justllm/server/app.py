@@ -314,7 +314,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             events.close()
 
     # they import this module's helpers: imported late
-    from justllm.server import anthropic, lora, ollama, pd, responses
+    from justllm.server import anthropic, lora, ollama, pd, responses, tokenize
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, retrieve_model, anthropic.messages,
@@ -323,7 +323,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
                            health_head,
-                           metrics, pd.pd_router()]
+                           metrics, pd.pd_router(), tokenize.tokenize_router()]
 
     def build(extra: Sequence[BaseRouteHandler]) -> Litestar:
         return Litestar(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from justllm.server import anthropic_chat, responses_chat
+from justllm.server import anthropic_chat, responses_chat, tokenize
 from justllm.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from justllm.server.ollama import (
     OllamaChatRequest,
@@ -24,7 +24,13 @@ from justllm.server.ollama import (
 )
 from justllm.server.openai_serving import OpenAIServing, check_chat_request, check_stream_options
 from justllm.server.responses_schemas import ResponseRequest
-from justllm.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from justllm.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 
 
 def check_without_model(path: str, raw: bytes) -> None:
@@ -45,6 +51,10 @@ def check_without_model(path: str, raw: bytes) -> None:
             anthropic_chat.to_chat(msgspec.json.decode(raw, type=MessagesRequest))
         case "/v1/messages/count_tokens":
             anthropic_chat.to_chat(msgspec.json.decode(raw, type=CountTokensRequest))
+        case "/tokenize":
+            tokenize.check_tokenize(msgspec.json.decode(raw, type=TokenizeRequest))
+        case "/detokenize":
+            msgspec.json.decode(raw, type=DetokenizeRequest)
         case "/v1/responses":
             responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest))
         case "/api/chat":

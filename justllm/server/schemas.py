@@ -210,6 +210,34 @@ class EmbeddingRequest(_Request, kw_only=True):
     user: str | None = None  # logged with the request (--verbose)
 
 
+
+class TokenizeRequest(_Request, kw_only=True):
+    """``POST /tokenize``, in vLLM's two forms (``prompt``, or ``messages`` rendered as the chat
+    routes render them) or llama-server's (``content``); exactly one of the three."""
+
+    model: str | None = None
+    prompt: str | None = None  # vLLM's completion form
+    messages: list[ChatMessage] | None = None  # vLLM's chat form, with these fields
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceNamed, None] = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # vLLM's name; default true for a prompt
+    return_token_strs: bool | None = False
+    content: str | None = None  # llama-server's form, with these fields
+    add_special: bool | None = None  # default false, as llama-server
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    """``POST /detokenize``: vLLM's and llama-server's (the same body)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses -------------------------------------------------------------------------------
 
 class Usage(msgspec.Struct):

@@ -260,6 +260,22 @@ def test_anthropic_and_responses_requests_go_to_the_models_deployment():
     assert all("x-api-key" not in call["headers"] for call in handle.calls)
 
 
+def test_token_routes_go_to_the_models_deployment():
+    """/tokenize and /detokenize sit at the root, as on a runner, behind the API key."""
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(2)])
+    with client(handle, api_key="sekrit") as c:
+        assert c.post("/tokenize", json={"model": "demo", "prompt": "hi"}).status_code == 401
+        for path, body in (("/tokenize", {"model": "gpt-4o-mini", "prompt": "hi"}),
+                           ("/detokenize", {"model": "demo", "tokens": [2]})):
+            r = c.post(path, json=body, headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code == 200, (path, r.text)
+        r = c.post("/tokenize", json={"model": "nope", "prompt": "hi"},
+                   headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 404, r.text
+    assert [call["path"] for call in handle.calls] == ["/tokenize", "/detokenize"]
+    assert handle.calls[0]["body"]["model"] == "demo"  # an alias is the model's name
+
+
 def test_anthropic_errors_keep_anthropics_shape():
     with client(Handle(), api_key="sekrit") as c:
         r = c.post("/v1/messages", json={"model": "demo", "max_tokens": 4, "messages": []})

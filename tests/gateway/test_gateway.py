@@ -250,6 +250,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         r = httpx.post(gw.url + "/api/generate", timeout=60,
                        json={"model": "beta", "prompt": "Hi", "options": ["fast"]})
         assert r.status_code == 400 and "options" in r.json()["error"], r.text
+        r = httpx.post(gw.url + "/tokenize", timeout=60,
+                       json={"model": "beta", "prompt": "Hi", "content": "Hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
         after = gw.status()
         assert after["beta"]["status"] == "unloaded" and after["beta"]["loads"] == beta_loads
         assert after["alpha"]["pid"] == alpha_pid and after["alpha"]["status"] == "loaded"

@@ -52,6 +52,17 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         assert final.content[0].text == text and final.stop_reason in ("end_turn", "max_tokens")
         count = claude.messages.count_tokens(model="alpha", messages=HELLO)
         assert count.input_tokens == m.usage.input_tokens
+        # vLLM's and llama-server's token routes, by model (an adapter's name too)
+        chat = httpx.post(gw.url + "/v1/chat/completions", timeout=120, json={
+            "model": "alpha", "messages": HELLO, "max_tokens": 1}).json()["usage"]
+        tokens = httpx.post(gw.url + "/tokenize", timeout=60,
+                            json={"model": "sql", "messages": HELLO}).json()
+        assert tokens["count"] == chat["prompt_tokens"], tokens
+        back = httpx.post(gw.url + "/detokenize", timeout=60,
+                          json={"model": "alpha", "tokens": tokens["tokens"]})
+        assert back.status_code == 200 and "Say hello." in back.json()["content"], back.text
+        r = httpx.post(gw.url + "/detokenize", timeout=60, json={"model": "gamma", "tokens": []})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         with pytest.raises(anthropic.NotFoundError) as e:
             claude.messages.create(model="gamma", max_tokens=4, messages=HELLO)
         assert e.value.body["error"]["type"] == "not_found_error"

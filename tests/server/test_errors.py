@@ -107,6 +107,10 @@ def test_api_key_and_queue_full(model_path):
         auth = {"Authorization": "Bearer sekret"}
         assert httpx.post(s.url + "/v1/completions", json=body, headers=auth,
                           timeout=60).status_code == 200
+        for path, other in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [2]})):
+            assert_error(httpx.post(s.url + path, json=other, timeout=60), 401)
+            assert httpx.post(s.url + path, json=other, headers=auth,
+                              timeout=60).status_code == 200
 
         long = {"model": s.model, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
 
