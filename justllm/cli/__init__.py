@@ -91,6 +91,15 @@ def _print_version(value: bool) -> None:
 app = build_app()
 
 
+def _run_and_warn(cli: Any, plugins: Any) -> Any:
+    """The command, then any plugin problem it found that it did not print itself (a model
+    source that failed while a name was looked up)."""
+    try:
+        return cli(standalone_mode=False, obj=plugins)
+    finally:
+        plugins_cmd.warn_problems(plugins)
+
+
 def main() -> None:
     """The console script: usage errors too become one red line and exit code 1."""
     from rich.console import Console
@@ -103,7 +112,7 @@ def main() -> None:
     cli = build_app(plugins)
     plugins_cmd.warn_problems(plugins)
     try:
-        code = cli(standalone_mode=False, obj=plugins)
+        code = _run_and_warn(cli, plugins)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except BrokenPipeError:  # the reader left (| head): stop quietly, as other tools do

@@ -41,9 +41,8 @@ def list_models(context: typer.Context) -> None:
         registry = Registry()
         rows, problems = registry.entries()
         plugins = plugins_of(context)
-        seen = len(plugins.problems)
         listed = plugins.listed_models()
-        warn_problems(plugins, seen)
+        warn_problems(plugins)
         for problem in problems:
             Console(stderr=True, emoji=False).print(f"[yellow]skipped:[/yellow] {escape(problem)}",
                                        highlight=False, soft_wrap=True)

@@ -20,14 +20,15 @@ def plugins_of(context: typer.Context | None) -> Plugins:
     return found if found is not None else load_plugins()
 
 
-def warn_problems(plugins: Plugins, seen: int = 0) -> int:
-    """Print the plugins' problems from ``seen`` on, one yellow line each, on stderr; returns
-    how many there are now."""
+def warn_problems(plugins: Plugins) -> None:
+    """Print the plugins' problems not printed yet, one yellow line each, on stderr (main()
+    prints the loading ones, a command those its own work found, and main() again, at the
+    end, any found later, such as a model source that failed)."""
     console = Console(stderr=True, emoji=False)
-    for line in plugins.problems[seen:]:
+    for line in plugins.problems[plugins.shown:]:
         console.print(f"[yellow]warning:[/yellow] {escape(line)}", highlight=False,
                       soft_wrap=True)
-    return len(plugins.problems)
+    plugins.shown = len(plugins.problems)
 
 
 def list_plugins(
@@ -40,10 +41,9 @@ def list_plugins(
     for none) chooses which are loaded."""
     with cli_errors():
         plugins = plugins_of(context)
-        seen = len(plugins.problems)  # main() printed these already
         plugins.model_sources(), plugins.spec_methods, plugins.routing_policies  # noqa: B018
         plugins.routes()
-        warn_problems(plugins, seen)
+        warn_problems(plugins)
         infos = plugins.info(include_builtin=all_)
         if as_json:
             print(json.dumps([{"name": p.name, "version": p.version, "hooks": list(p.hooks)}

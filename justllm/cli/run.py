@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
-from justllm.cli.plugins import plugins_of
+from justllm.cli.plugins import plugins_of, warn_problems
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import EngineError
 
@@ -72,6 +72,8 @@ def run(
         _refuse_server_flags(context)
         plugins = plugins_of(context)
         config = o.engine_config(model, engine_flags or {}, plugins)
+        events = plugins.request_events()
+        warn_problems(plugins)  # what resolving the model and --spec found wrong in plugins
         # The prompt runs under every --lora adapter at its scale, as llama-cli applies them
         # (a server lets each request choose).
         params = replace(params, lora=tuple((a.name, a.scale) for a in config.lora))
@@ -79,7 +81,6 @@ def run(
         from justllm.engine.engine import Engine
 
         engine = Engine(config)
-        events = plugins.request_events()
         engine.observe(events, text=record_text)
         try:
             text_prompt = prompt

@@ -75,11 +75,10 @@ def serve(
 
         flags = engine_flags or {}
         plugins = plugins_of(context)
-        seen = len(plugins.problems)
         config = o.engine_config(model, flags, plugins)
         model_path = config.model or ""  # engine_config resolved it to a file's path
-        routes, events = plugins.routes(), plugins.request_events()
-        warn_problems(plugins, seen)
+        routes, events = plugins.route_list(), plugins.request_events()
+        warn_problems(plugins)
         # Fail fast, before binding the port, on what can be checked without loading.
         read_gguf_header(model_path)  # not a GGUF, or truncated
         if config.gpu:
@@ -101,7 +100,7 @@ def serve(
             raise ValueError(f"--lora {model_id}=…: '{model_id}' is the base model's name; "
                              "give the adapter another")
         app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
-                         routes=routes, events=events)
+                         routes=routes.handlers, events=events, route_owners=routes.owners)
         sock = listening_socket(host, port)
         Console(stderr=True, emoji=False).print(
             f"justllm: serving [bold]{escape(str(config.model))}[/bold] on http://{host}:{port} "
@@ -177,16 +176,19 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     if given.get("lora"):  # an adapter of every model would be one name several times
         raise ValueError("--lora in router mode: an adapter belongs to one model; give it in "
                          "that model's models.yaml entry (lora: [NAME=PATH[:SCALE]])")
+    policies, sources, routes = (plugins.routing_policies, plugins.model_sources(),
+                                 plugins.routes())
+    warn_problems(plugins)  # a policy, source or route a plugin failed to register
     known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
-                  routing_policies=plugins.routing_policies,
-                  model_sources=plugins.model_sources())
+                  routing_policies=policies, model_sources=sources)
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))
     check_sources(config)
+    warn_problems(plugins)  # a model source that failed while the models were resolved
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),
-                         default_log_dir(), plugins.routes())
+                         default_log_dir(), routes)
     names = ", ".join(m.name for m in config.models)
     sock = listening_socket(host, port)
     Console(stderr=True, emoji=False).print(f"justllm: router mode on http://{host}:{port} for {names} "

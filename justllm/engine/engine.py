@@ -191,7 +191,8 @@ class Engine:
                 backend.close()
             raise
         self.spec = (SpecController(proposer, gamma=config.gamma,
-                                    max_nodes=config.max_draft_nodes, p_min=config.draft_p_min)
+                                    max_nodes=config.max_draft_nodes, p_min=config.draft_p_min,
+                                    n_vocab=backend.n_vocab)
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
         self._observer: RequestObserver | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from justllm.errors import ModelLoadError
 from justllm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -22,7 +23,15 @@ def make_proposer(config: EngineConfig, target: LlamaBackend) -> Proposer | None
     if method is None:
         return None
     if method.proposer is not None:
-        return method.proposer()
+        try:
+            made = method.proposer()
+        except Exception as e:  # a plugin's factory: one line, not a traceback
+            raise ModelLoadError(f"--spec {method.name}: its proposer could not be made: "
+                                 f"{type(e).__name__}: {e}") from None
+        if not callable(getattr(made, "propose", None)):
+            raise ModelLoadError(f"--spec {method.name}: its proposer factory gave a "
+                                 f"{type(made).__name__}, which has no propose() method")
+        return made
     from justllm.engine.draft_model import DraftModelProposer
 
     return DraftModelProposer.load(config, target)

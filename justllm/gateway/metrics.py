@@ -104,7 +104,8 @@ def _replicas(sup: Supervisor) -> list[str]:
               f"# TYPE {name} counter"]
     lines += [f"{name}{_labels(s, reason=reason)} {s.router.counts[reason]}"
               for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
-              bool(s.spec.scaled_pools) for reason in REASONS]
+              bool(s.spec.scaled_pools)  # a plugin policy's own reasons too
+              for reason in [*REASONS, *sorted(set(s.router.counts) - set(REASONS))]]
     pd = [s for s in sup.models.values() if s.spec.pd]
     for name, kind, doc, value in [
             ("justllm_gateway_pd_transfers_total", "counter",

@@ -44,6 +44,7 @@ later one), and a replica's load comes from its own report (:func:`reported_load
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections import Counter, OrderedDict
@@ -53,8 +54,10 @@ from typing import Any, Literal, Protocol, get_args
 
 from justllm.errors import JustLLMError
 
+log = logging.getLogger(__name__)
+
 Reason = Literal["prefix", "load", "fallback", "session", "round-robin", "least-load",
-                 "power-of-two"]
+                 "power-of-two", "policy-failed"]
 REASONS: tuple[Reason, ...] = get_args(Reason)  # every reason, so /metrics can show zeros
 KV_STEPS = 10  # KV usage ranks in steps of 10%: 41% and 43% are equally full
 
@@ -411,6 +414,7 @@ class Policy:
     def __init__(self, config: RoutingConfig | None = None, *, seed: int | None = None) -> None:
         self.config = config or RoutingConfig()
         self.counts: Counter[str] = Counter()
+        self.failures = 0  # times ``pick`` raised or chose no available replica
         self._rng = random.Random(seed)
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica
 
@@ -433,7 +437,26 @@ class Policy:
         held = self._sessions.get(session) if session is not None else None
         if held is not None and any(r.id == held for r in available):
             return Decision(held, "session")
-        return self.pick(request, available, replicas)
+        try:
+            decision = self.pick(request, available, replicas)
+        except Exception as e:  # a plugin's policy: its model keeps serving
+            return self._failed(available, f"{type(e).__name__}: {e}")
+        if not isinstance(decision, Decision) or all(r.id != decision.replica
+                                                     for r in available):
+            return self._failed(available, f"it chose {decision!r}, not one of the available "
+                                           f"replicas ({', '.join(r.id for r in available)})")
+        return decision
+
+    def _failed(self, available: list[ReplicaLoad], why: str) -> Decision:
+        """``pick`` raised or chose no available replica: the least loaded one serves the
+        request (reason ``policy-failed``, counted in /metrics), and the first failure and
+        every 1000th after it are logged."""
+        self.failures += 1
+        if self.failures == 1 or self.failures % 1000 == 0:
+            log.warning("routing policy %s failed (%d so far): %s; the least loaded replica "
+                        "serves the request", type(self).__name__, self.failures, why)
+        best = min(available, key=lambda r: (r.running + r.waiting, r.kv_usage))
+        return Decision(best.id, "policy-failed")
 
     def commit(self, request: RouteRequest, decision: Decision) -> None:
         """``decision`` was carried out: the request's session follows it, the policy

@@ -59,7 +59,7 @@ class _Worker:
                 return
             try:
                 self.fn(record=record)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit() would end this thread
                 self.counts.failed += 1
                 n = self.counts.failed
                 if n == 1 or n % 1000 == 0:  # a broken plugin must not flood the log

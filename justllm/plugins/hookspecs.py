@@ -49,9 +49,10 @@ def register_routing_policies(register: Callable[..., None]) -> None:
 
 @hookspec
 def register_routes(app_builder: Any) -> None:
-    """Extra HTTP routes on ``justllm serve`` (one model): ``app_builder.add(handler)`` with a
-    Litestar route handler (``@litestar.post("/v1/rerank")``). Handlers reach the model
-    through ``served(request)`` (``justllm.plugins.served``)."""
+    """Extra HTTP routes on ``justllm serve`` (on every runner in router mode, whose gateway
+    forwards the POST ones by model): ``app_builder.add(handler)`` with a Litestar route
+    handler (``@litestar.post("/v1/rerank")``). Handlers reach the model through
+    ``served(request)`` (``justllm.plugins.served``)."""
 
 
 @hookspec

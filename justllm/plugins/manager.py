@@ -11,13 +11,14 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from justllm.errors import JustLLMError
 from justllm.plugins import builtins, hookspecs
 from justllm.plugins.events import RequestEvents
 
@@ -39,14 +40,24 @@ class PluginInfo:
     hooks: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass
 class RouteList:
-    """What ``register_routes`` gets: ``add(handler)`` appends a Litestar route handler."""
+    """What ``register_routes`` gets: ``add(handler)`` appends a Litestar route handler.
+    ``owners`` says which plugin added each (by the handler's id), for the warnings about a
+    route left out."""
 
     handlers: list[Any]
+    owners: dict[int, str] = field(default_factory=dict)
+    plugin: str = ""  # whose hook runs now
 
     def add(self, handler: Any) -> None:
+        from litestar.handlers import BaseRouteHandler
+
+        if not isinstance(handler, BaseRouteHandler):
+            raise TypeError(f"app_builder.add takes a Litestar route handler "
+                            f"(@litestar.get/post/...), not {type(handler).__name__}")
         self.handlers.append(handler)
+        self.owners[id(handler)] = self.plugin
 
 
 class Plugins:
@@ -59,6 +70,7 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(builtins, name=BUILTIN)
         self.problems: list[str] = []
+        self.shown = 0  # how many of the problems the command line has printed
         self._versions: dict[str, str] = {BUILTIN: _version("justllm")}
 
     def register(self, plugin: object, name: str | None = None, version: str = "") -> str:
@@ -86,15 +98,29 @@ class Plugins:
 
     # ---- calling a hook ---------------------------------------------------------------------
 
+    def _impls(self, hook: str) -> list[Any]:
+        """``hook``'s implementations in registration order: built-ins first, so a plugin
+        cannot take a built-in name. (pluggy's own list puts ``trylast`` ones first and
+        ``tryfirst`` ones last, which would let a plugin's ``trylast`` go before the
+        built-ins.)"""
+        order = {name: i for i, (name, _) in enumerate(self.pm.list_name_plugin())}
+        return sorted(getattr(self.pm.hook, hook).get_hookimpls(),
+                      key=lambda impl: order.get(impl.plugin_name, len(order)))
+
+    def _call(self, impl: Any, hook: str, **kwargs: Any) -> None:
+        """One implementation, with the arguments it names (pluggy lets an implementation
+        leave out those it does not use); one that raises, or exits, is reported."""
+        try:
+            impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+        except (Exception, SystemExit) as e:
+            self.problems.append(f"plugin {impl.plugin_name}: {hook} failed: "
+                                 f"{type(e).__name__}: {e}")
+
     def _each(self, hook: str, **kwargs: Any) -> None:
-        """Call every implementation of ``hook`` in registration order (built-ins first, so a
-        plugin cannot take a built-in name); one that raises is reported and skipped."""
-        for impl in getattr(self.pm.hook, hook).get_hookimpls():
-            try:
-                impl.function(**kwargs)
-            except Exception as e:
-                self.problems.append(f"plugin {impl.plugin_name}: {hook} failed: "
-                                     f"{type(e).__name__}: {e}")
+        """Call every implementation of ``hook`` in registration order (:meth:`_impls`); one
+        that raises is reported and skipped."""
+        for impl in self._impls(hook):
+            self._call(impl, hook, **kwargs)
 
     def _named(self, hook: str, what: str, entry: Callable[..., tuple[str, Any]]
                ) -> dict[str, Any]:
@@ -102,7 +128,7 @@ class Plugins:
         turns register's arguments into (name, thing) and raises on bad ones."""
         table: dict[str, Any] = {}
         owners: dict[str, str] = {}
-        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+        for impl in self._impls(hook):
             def register(*args: Any, _plugin: str = impl.plugin_name, **kw: Any) -> None:
                 name, thing = entry(*args, **kw)
                 if name in table:
@@ -110,11 +136,7 @@ class Plugins:
                                          f"already (by {owners[name]}); ignored")
                     return
                 table[name], owners[name] = thing, _plugin
-            try:
-                impl.function(register=register)
-            except Exception as e:
-                self.problems.append(f"plugin {impl.plugin_name}: {hook} failed: "
-                                     f"{type(e).__name__}: {e}")
+            self._call(impl, hook, register=register)
         return table
 
     # ---- the registries -----------------------------------------------------------------------
@@ -131,7 +153,12 @@ class Plugins:
                 raise TypeError(f"model source {source.name}: priority must be an integer")
             found.append((priority, len(found), source))  # names need not be unique
 
-        self._each("register_model_sources", register=register)
+        for impl in self._impls("register_model_sources"):
+            before = len(found)
+            self._call(impl, "register_model_sources", register=register)
+            if impl.plugin_name != BUILTIN:  # a plugin's source may fail: it is skipped
+                found[before:] = [(p, i, GuardedSource(src, impl.plugin_name, self.problems))
+                                  for p, i, src in found[before:]]
         return tuple(sorted(found, key=lambda t: (t[0], t[1])))
 
     def model_sources(self) -> tuple[ModelSource, ...]:
@@ -213,17 +240,38 @@ class Plugins:
                                             entry))
 
     def add_commands(self, cli: Any) -> None:
-        self._each("register_commands", cli=cli)
+        """Each plugin's commands; one with the name of a command there already (a built-in
+        one, or an earlier plugin's) is left out with a problem line."""
+        for impl in self._impls("register_commands"):
+            taken = _command_names(cli)
+            commands, groups = len(cli.registered_commands), len(cli.registered_groups)
+            self._call(impl, "register_commands", cli=cli)
+            for registered, start in ((cli.registered_commands, commands),
+                                      (cli.registered_groups, groups)):
+                for info in list(registered[start:]):
+                    name = _command_name(info)
+                    if name in taken:
+                        registered.remove(info)
+                        self.problems.append(f"plugin {impl.plugin_name}: the command '{name}' "
+                                             "exists already; left out")
+                    taken.add(name)
 
     def routes(self) -> list[Any]:
+        return self.route_list().handlers
+
+    def route_list(self) -> RouteList:
+        """The plugins' route handlers, with the plugin that added each."""
         routes = RouteList([])
-        self._each("register_routes", app_builder=routes)
-        return routes.handlers
+        for impl in self._impls("register_routes"):
+            routes.plugin = impl.plugin_name
+            self._call(impl, "register_routes", app_builder=routes)
+        return routes
 
     def request_events(self) -> RequestEvents | None:
         """The ``on_request_finished`` dispatcher, or None when no plugin implements it."""
-        impls = [(impl.plugin_name, impl.function)
-                 for impl in self.pm.hook.on_request_finished.get_hookimpls()]
+        impls = [(impl.plugin_name, impl.function if "record" in impl.argnames
+                  else _ignoring_record(impl.function))
+                 for impl in self._impls("on_request_finished")]
         return RequestEvents(impls) if impls else None
 
     def info(self, include_builtin: bool = False) -> list[PluginInfo]:
@@ -234,6 +282,70 @@ class Plugins:
             hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
             out.append(PluginInfo(name, self._versions.get(name, ""), hooks))
         return sorted(out, key=lambda p: (p.name != BUILTIN, p.name))
+
+
+def _command_name(info: Any) -> str:
+    """The name Typer gives a registered command or group (its own, else its function's)."""
+    if info.name:
+        return str(info.name)
+    typer_instance = getattr(info, "typer_instance", None)
+    if typer_instance is not None and typer_instance.info.name:
+        return str(typer_instance.info.name)
+    callback = info.callback
+    return callback.__name__.lower().replace("_", "-") if callback is not None else ""
+
+
+def _command_names(cli: Any) -> set[str]:
+    return {_command_name(i) for i in [*cli.registered_commands, *cli.registered_groups]}
+
+
+def _ignoring_record(fn: Callable[..., object]) -> Callable[..., object]:
+    """An ``on_request_finished`` that takes no argument, called as the others are."""
+    return lambda record: fn()
+
+
+class GuardedSource:
+    """A plugin's model source whose failures skip it: ``find`` or ``served_name`` raising
+    anything but the errors meant for the user (``JustLLMError`` such as ``ModelLoadError``,
+    ``ValueError``: a reference that is the source's but broken), or ``find`` giving
+    something that is not a path, is a problem line (once per source) and counts as "not
+    mine", so the other sources still answer (``models`` is guarded where it is listed)."""
+
+    def __init__(self, source: Any, plugin: str, problems: list[str]) -> None:
+        self.source, self.plugin, self._problems = source, plugin, problems
+        self.name = source.name
+        self._reported = False
+        if callable(getattr(source, "models", None)):
+            self.models = source.models
+        if callable(getattr(source, "served_name", None)):
+            self.served_name = self._served_name
+
+    def _failed(self, what: str, why: str) -> None:
+        line = f"plugin {self.plugin}: model source {self.name}: {what} {why}; skipped"
+        if not self._reported:
+            self._reported = True
+            self._problems.append(line)
+
+    def find(self, ref: str) -> Any:
+        try:
+            found = self.source.find(ref)
+        except (JustLLMError, ValueError):  # "yours, but broken": the user's error line
+            raise
+        except (Exception, SystemExit) as e:
+            self._failed("find", f"failed: {type(e).__name__}: {e}")
+            return None
+        if found is not None and not isinstance(found, str | os.PathLike):
+            self._failed("find", f"gave a {type(found).__name__}, not a path")
+            return None
+        return found
+
+    def _served_name(self, ref: str) -> str | None:
+        try:
+            name = self.source.served_name(ref)
+        except (Exception, SystemExit) as e:
+            self._failed("served_name", f"failed: {type(e).__name__}: {e}")
+            return None
+        return name if isinstance(name, str) else None
 
 
 def _version(distribution: str) -> str:
@@ -252,6 +364,7 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> Plugins:
     allowed = environ.get(ENV)
     wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
     seen: set[str] = set()
+    loaded: set[tuple[str, str]] = set()
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
                      key=lambda ep: ep.name):
         dist = ep.dist.name if ep.dist is not None else ep.name
@@ -259,13 +372,17 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> Plugins:
         if wanted is not None and not names & wanted:
             continue
         seen |= names
-        if plugins.pm.get_plugin(dist) is not None:
+        if (dist, ep.name) in loaded:
             continue  # one distribution installed twice on the path
+        loaded.add((dist, ep.name))
+        # A distribution's first entry point is registered under its name; any other one
+        # under DIST:ENTRY_POINT.
+        name = dist if plugins.pm.get_plugin(dist) is None else f"{dist}:{ep.name}"
         try:
-            plugins.register(ep.load(), name=dist,
+            plugins.register(ep.load(), name=name,
                              version=ep.dist.version if ep.dist is not None else "")
-        except Exception as e:
-            plugins.problems.append(f"plugin {dist} failed to load: {type(e).__name__}: {e}")
+        except (Exception, SystemExit) as e:  # sys.exit() in a plugin's import too
+            plugins.problems.append(f"plugin {name} failed to load: {type(e).__name__}: {e}")
     for missing in sorted((wanted or set()) - seen):
         plugins.problems.append(f"{ENV} names {missing}, which is not installed")
     return plugins

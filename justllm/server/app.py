@@ -277,11 +277,14 @@ def begin_shutdown(app: Litestar, grace: float) -> threading.Timer | None:
 def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                loader: Callable[[], AsyncEngine] | None = None,
                routes: Sequence[BaseRouteHandler] = (),
-               events: RequestEventSink | None = None) -> Litestar:
+               events: RequestEventSink | None = None,
+               route_owners: Mapping[int, str] | None = None) -> Litestar:
     """The app for an engine that is ready (``aengine``), or one that ``loader`` builds on a
     background thread at start-up (``/health`` answers 503 until it is ready). ``routes``:
-    plugins' extra route handlers (behind ``--api-key`` like /v1); ``events``: where a record
-    of each finished request goes (plugins' ``on_request_finished``).
+    plugins' extra route handlers (behind ``--api-key`` like /v1; one that cannot be added,
+    such as a path justllm serves, is left out with a warning naming its plugin, from
+    ``route_owners``: handler id -> plugin); ``events``: where a record of each finished
+    request goes (plugins' ``on_request_finished``).
 
     On shutdown the engine is closed: in-flight requests are aborted and the model freed.
     """
@@ -341,8 +344,24 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
 
     try:
         return build(routes)
-    except Exception as e:  # e.g. a plugin's route on a path justllm serves: serve without
+    except Exception:  # e.g. a plugin's route on a path justllm serves: serve without it
         if not routes:
             raise
-        log.warning("plugins' routes left out: %s", e)
-        return build(())
+    kept: list[BaseRouteHandler] = []
+    for handler in routes:  # one at a time: only the routes that cannot be added are left out
+        try:
+            build([*kept, handler])
+        except Exception as e:
+            owner = (route_owners or {}).get(id(handler))
+            log.warning("%sthe route %s is left out: %s", f"plugin {owner}: " if owner else "",
+                        ", ".join(sorted(getattr(handler, "paths", ()))) or handler,
+                        _cause(e))
+        else:
+            kept.append(handler)
+    return build(kept)
+
+
+def _cause(e: Exception) -> str:
+    """Litestar's message for a route it cannot add, without the status it prefixes."""
+    text = str(e)
+    return text.split(": ", 1)[1] if text[:4].rstrip(":").isdigit() else text

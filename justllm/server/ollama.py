@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import re
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -491,13 +492,20 @@ async def _collect(job: _Job, stream: RequestStream, want_logprobs: bool) -> dic
     raise APIError(500, "the request ended without a result", type="server_error")
 
 
+def ollama_id() -> str:
+    """The id of an Ollama request in logs and records (Ollama's answers carry none): unique
+    across restarts, as the other APIs' response ids are (the engine's own ``req-N`` counts
+    from 1 in every process, so a request log kept them apart badly)."""
+    return f"ollama-{uuid.uuid4().hex}"
+
+
 async def _run(request: Request, served: Served, req: _Generation, prompt: str,
                params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival) -> Any:
     # After a transcript's "Assistant:" the model writes the separating space itself.
     lstrip = templated and served.completions.template.name == "transcript"
     job = _Job(served, req.model, chat, arrival, lstrip)
     try:  # a refusal raises here, before any answer
-        stream = served.aengine.submit(prompt, params, origin=origin(
+        stream = served.aengine.submit(prompt, params, ollama_id(), origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
     except InvalidRequestError as e:
         if e.param != "max_tokens":
@@ -574,11 +582,11 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
     try:  # a refusal raises here, before any answer
         if req.stream:
             events = await served.completions.chat_events(
-                chat, origin=origin(request, "ollama.chat", True))
+                chat, ollama_id(), origin=origin(request, "ollama.chat", True))
             return Stream(answer_lines(req.model, arrival, events), media_type=NDJSON,
                           headers={"Content-Type": NDJSON})
         result = await unless_disconnected(request, served.completions.chat_result(
-            chat, origin=origin(request, "ollama.chat", False)))
+            chat, ollama_id(), origin=origin(request, "ollama.chat", False)))
     except InvalidRequestError as e:
         if e.param != "max_tokens":
             raise

@@ -10,6 +10,7 @@ draft costs in the batch is the scheduler's, and how a draft is made is the prop
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.errors import InvalidRequestError
 from justllm.spec.proposer import DraftRequest, Proposer
 from justllm.spec.window import SpecWindow
+
+log = logging.getLogger(__name__)
 
 RECENT_WEIGHT = 0.05  # of each verified draft in the recent acceptance rate
 
@@ -42,8 +45,11 @@ class SpecController:
     ``spec_n_max`` overrides it, 0 turns speculation off for it); ``max_nodes``: the most any
     request may put in a step (a tree's nodes); ``p_min``: the default draft-model cut-off."""
 
-    def __init__(self, proposer: Proposer, *, gamma: int, max_nodes: int, p_min: float) -> None:
+    def __init__(self, proposer: Proposer, *, gamma: int, max_nodes: int, p_min: float,
+                 n_vocab: int) -> None:
         self.proposer = proposer
+        self.n_vocab = n_vocab
+        self.failures = 0  # proposer calls that raised or gave something unusable
         self.gamma = gamma
         self.max_nodes = max_nodes
         self.p_min = p_min
@@ -74,7 +80,10 @@ class SpecController:
 
     def release(self, request_id: str) -> None:
         self._windows.pop(request_id, None)
-        self.proposer.release(request_id)
+        try:
+            self.proposer.release(request_id)
+        except Exception as e:  # a plugin's proposer: the request is gone all the same
+            self._failed(f"release raised {type(e).__name__}: {e}")
 
     def wants(self, decoding: Iterable[Request], step: int) -> list[DraftRequest]:
         """The requests about to decode whose window is open at ``step``, with their depth."""
@@ -91,8 +100,47 @@ class SpecController:
         return out
 
     def propose(self, wants: list[DraftRequest]) -> dict[str, DraftTree]:
-        """Run the proposer (outside the engine lock: a draft model decodes)."""
-        return self.proposer.propose(wants) if wants else {}
+        """Run the proposer (outside the engine lock: a draft model decodes). A plugin's
+        proposer may fail: if it raises, or gives something that is not a draft for a request
+        that asked (a ``DraftTree`` of ids in the vocabulary, parents before children, no
+        deeper than the request may go), that step goes without those drafts: a wrong
+        proposer costs speed, never a request (the first failure and every 1000th after it
+        are logged)."""
+        if not wants:
+            return {}
+        try:
+            drafts = self.proposer.propose(wants)
+        except Exception as e:
+            self._failed(f"raised {type(e).__name__}: {e}")
+            return {}
+        if not isinstance(drafts, dict):
+            self._failed(f"gave a {type(drafts).__name__}, not a dict of drafts")
+            return {}
+        asked = {w.request_id: w for w in wants}
+        good = {rid: d for rid, d in drafts.items()
+                if rid in asked and self._sound(d, max(asked[rid].k, asked[rid].k_max,
+                                                       self.max_nodes))}
+        if len(good) < len(drafts):
+            self._failed(f"gave {len(drafts) - len(good)} draft(s) that are not DraftTrees "
+                         f"of token ids in [0, {self.n_vocab}) for requests that asked")
+        return good
+
+    def _sound(self, draft: object, most: int) -> bool:
+        if not isinstance(draft, DraftTree) or not 0 < len(draft.tokens) <= most:
+            return False
+        if len(draft.parents) != len(draft.tokens) or not all(
+                isinstance(p, int) and -1 <= p < i for i, p in enumerate(draft.parents)):
+            return False
+        if draft.q is not None and len(draft.q) != len(draft.tokens):  # type: ignore[arg-type]
+            return False
+        return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.n_vocab
+                   for t in draft.tokens)
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 1000 == 0:
+            log.warning("speculation: the proposer %s (%d failure(s) so far); those steps "
+                        "decode without its drafts", why, self.failures)
 
     def record_misses(self, wants: list[DraftRequest], drafts: dict[str, DraftTree],
                       step: int) -> None:

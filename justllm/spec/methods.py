@@ -20,7 +20,7 @@ from justllm.spec.proposer import NgramProposer, Proposer
 @dataclass(frozen=True)
 class SpecMethod:
     name: str
-    draft_model: bool  # a second GGUF proposes (engine/draft_model.py)
+    draft_model: bool = False  # a second GGUF proposes (engine/draft_model.py)
     tree: bool = False  # ``branch`` candidates at each of the first two levels
     proposer: Callable[[], Proposer] | None = None  # a model-free method's proposer
 

@@ -236,7 +236,7 @@ def test_no_available_replica_is_an_error(policy):
 def test_policies_reasons_and_config():
     assert set(POLICIES) == {"round-robin", "least-load", "power-of-two", "cache-aware"}
     assert set(REASONS) == {"prefix", "load", "fallback", "session", "round-robin",
-                            "least-load", "power-of-two"}
+                            "least-load", "power-of-two", "policy-failed"}
     assert isinstance(make_router(), CacheAware)
     assert isinstance(make_router(RoutingConfig(policy="least-load")), LeastLoad)
     assert routing_config(None) == RoutingConfig()

@@ -255,6 +255,10 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
             "messages": [{"role": "user", "content": "Say hello to Zanzibar."}],
         })
         chat = chat_answer.json()
+        ollama = client.post("/api/generate", json={  # Ollama's answers carry no id
+            "model": server.model, "prompt": "Name a colour.", "stream": False,
+            "options": {"num_predict": 4}})
+        assert ollama.status_code == 200, ollama.text
         with client.stream("POST", "/v1/completions", json={
             "model": server.model, "prompt": "Count to a thousand: 1, 2,", "max_tokens": 400,
             "ignore_eos": True, "stream": True,
@@ -263,11 +267,16 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
             for line in streamed.iter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then the client goes away
-    server.wait_records("delivered", 3)  # the abort has reached the plugin
+    server.wait_records("delivered", 4)  # the abort has reached the plugin
     assert stop(server.proc) == 0  # SIGTERM: what is still queued is written first
 
     logged = history_json()
-    assert len(logged) == 3
+    assert len(logged) == 4
+    told = next(r for r in logged if r["prompt"] and "Name a colour." in r["prompt"])
+    # its own id, unique across restarts (it was the engine's req-N, from 1 in every process)
+    assert told["request_id"].startswith("ollama-") and len(told["request_id"]) == 39
+    assert told["http_request_id"] == ollama.headers["x-request-id"]
+    logged.remove(told)
     aborted = logged[0]  # newest first: the streamed one came last
     assert aborted["finish_reason"] == "abort"
     assert aborted["prompt"] == "Count to a thousand: 1, 2,"
@@ -291,10 +300,10 @@ def test_serve_logs_requests_and_history_finds_them(db: Path, serve: Any) -> Non
     assert [r["id"] for r in history_json("--id", completion["id"])] == [plain["id"]]
     assert history_json("--id", "trace-4") == []
     assert history_json("-q", "no such text anywhere") == []
-    assert len(history_json("--model", server.model)) == 3
+    assert len(history_json("--model", server.model)) == 4
     assert history_json("--model", "another-model") == []
     assert [r["id"] for r in history_json("-n", "1")] == [logged[0]["id"]]
-    assert len(history_json("--since", "1h")) == 3
+    assert len(history_json("--since", "1h")) == 4
 
     table = history()
     assert table.returncode == 0 and server.model in table.stdout
