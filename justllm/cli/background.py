@@ -13,17 +13,18 @@ from rich.progress import Progress
 
 
 class _Terminated(Exception):
-    """SIGTERM arrived (a supervisor, ``kill``, ``timeout``)."""
+    """SIGTERM arrived (a supervisor, ``kill``, ``timeout``), or SIGHUP (the terminal or the
+    SSH session closed)."""
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise _Terminated(signum)
 
 
 def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
                       progress: Progress, name: str) -> None:
-    """``work()`` on a daemon thread; its exception is raised here. On Ctrl-C or SIGTERM,
-    ``abandon()`` (remove temporary files, stop children) and exit 130 (143) at once: a
+    """``work()`` on a daemon thread; its exception is raised here. On Ctrl-C, SIGTERM or SIGHUP,
+    ``abandon()`` (remove temporary files, stop children) and exit 128 + the signal at once: a
     llama.cpp call in C cannot be stopped, so the process ends under it. (SIGTERM's default
     ended the process without ``abandon()``, leaving the temporary output behind.)"""
     result: dict[str, BaseException] = {}
@@ -36,7 +37,8 @@ def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
 
     worker = threading.Thread(target=run, name=name, daemon=True)
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+    previous = ({sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+                if main else {})
     worker.start()
     try:
         while worker.is_alive():
@@ -46,9 +48,9 @@ def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
         progress.stop()
         how = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
         Console(stderr=True, emoji=False).print(f"[yellow]{how}[/yellow]: no output written")
-        os._exit(130 if isinstance(e, KeyboardInterrupt) else 143)
+        os._exit(130 if isinstance(e, KeyboardInterrupt) else 128 + e.args[0])
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if "error" in result:
         raise result["error"]

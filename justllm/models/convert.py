@@ -17,6 +17,7 @@ removed after quantizing. ``abandon`` (Ctrl-C) stops the child and removes every
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -31,8 +32,9 @@ from rich.console import Console
 from justllm.errors import ModelLoadError
 from justllm.models.converter import Converter, check_extra, converter_dir, fetch_converter
 from justllm.models.hf_model import HFModel, read_config, read_local, side_files
+from justllm.models.lease import pid_alive
 from justllm.models.manifest import Manifest, Source
-from justllm.models.quantize import QuantizeJob, QuantType, quant_type
+from justllm.models.quantize import QuantizeJob, QuantType, check_writable, quant_type
 
 OUTTYPES = ("auto", "f16", "bf16", "q8_0", "f32")
 _OUT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # per weight
@@ -89,10 +91,19 @@ class ConvertJob:
         """The converter's output: hidden, not ``*.gguf``, so the registry never adopts it."""
         return self.dst.with_name(f".{self.dst.name}.convert-{os.getpid()}")
 
+    def sweep(self) -> None:
+        """Remove what earlier conversions to this output left when they were killed
+        (SIGKILL, a crash): intermediates of processes that are gone."""
+        for old in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.convert-*"):
+            pid = old.name.rpartition("-")[2]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                old.unlink(missing_ok=True)
+
     def run(self, progress: Progress | None = None) -> Path:
         report = progress or (lambda _stage, _done, _total: None)
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self.sweep()
             self._convert(self.intermediate, report)
             if self.quant is None:
                 os.replace(self.intermediate, self.dst)
@@ -311,9 +322,16 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
                          "(or give f16, bf16 or f32) with --quantize")
     check_extra()
 
+    if quant is not None and quant.needs_imatrix:  # found out only after the conversion
+        raise ValueError(f"{quant.name} needs an importance matrix, which convert does not "
+                         f"take: convert to 16 bits first, then 'justllm quantize MODEL "
+                         f"{quant.name} --imatrix FILE'")
     local = Path(source).expanduser()
     listing: hub.RepoListing | None = None
     if local.exists() or not hub.looks_like_repo(source) or ":" in source:
+        if revision != "main":
+            raise ValueError(f"--revision is a Hugging Face repo's: {source} is a local "
+                             "directory")
         model = read_local(local)
         source_dir, model_name = local.resolve(), local.resolve().name
     else:
@@ -330,10 +348,18 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     resolved = resolve_outtype(outtype, model)
     type_name = quant.name if quant else resolved
     repo, commit = (listing.repo, listing.commit) if listing else (None, None)
-    dst = Path(output).expanduser() if output else default_output(model_name, type_name,
-                                                                     repo, commit)
+    dst = default_output(model_name, type_name, repo, commit)
+    if output:  # a directory (one that exists, or a path ending in /) gets the default name
+        into = output.endswith(("/", os.sep)) or Path(output).expanduser().is_dir()
+        dst = Path(output).expanduser() / dst.name if into else Path(output).expanduser()
+        if into:
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot make the output's directory {dst.parent}: "
+                                 f"{e.strerror or e}") from None
     if dst.is_dir():
-        raise ValueError(f"--output {dst} is a directory; give a file path")
+        raise ValueError(f"--output {dst} is a directory")
     job_label = wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG)
     if dst.exists() and not force:
         done = converted_here(dst, repo, commit, type_name)
@@ -342,6 +368,8 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         raise ValueError(f"{dst} already exists (--force overwrites it)")
     if output and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
+    if dst.parent.is_dir():
+        check_writable(dst.parent)
     estimate = estimate_bytes(model, resolved, quant)
     needs = [(dst.parent, estimate, "the GGUF")]
     if listing is not None:

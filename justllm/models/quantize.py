@@ -283,6 +283,8 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
         raise ValueError(f"{dst} already exists (--force overwrites it)")
     if not make_dir and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
+    if dst.parent.is_dir():
+        check_writable(dst.parent)
     file_type = header.integer("general.file_type")
     if file_type is not None and file_type not in _FLOAT_FILE_TYPES and not allow_requantize:
         raise ValueError(f"{src.name} is quantized already ({quantization_name(file_type)}); "
@@ -304,6 +306,17 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
                          f"{_mb(estimate + _DISK_SLACK)} ({_mb(estimate)} estimated plus "
                          f"{_mb(_DISK_SLACK)} kept free), {_mb(free)} free")
     return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir)
+
+
+def check_writable(directory: Path) -> None:
+    """ValueError unless a file can be made in ``directory``, before any work: a read-only
+    folder failed only once the converter (or llama.cpp, with its iostream error) wrote."""
+    probe = directory / f".justllm-write-check-{os.getpid()}"
+    try:
+        probe.touch()
+    except OSError as e:
+        raise ValueError(f"cannot write to {directory}: {e.strerror or e}") from None
+    probe.unlink(missing_ok=True)
 
 
 def _free_bytes(directory: Path) -> int:

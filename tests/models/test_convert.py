@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -197,6 +200,37 @@ def test_prepare_plans_the_output_and_refuses_an_existing_one(tiny: Path, models
         conv.prepare(str(tiny), outtype="q4")
     with pytest.raises(ValueError, match="unknown quantization type 'Q9'"):
         conv.prepare(str(tiny), quantize="Q9")
+
+
+def test_what_would_fail_later_is_refused_before_any_work(tiny: Path, models: Path,
+                                                          tmp_path: Path) -> None:
+    """An importance-matrix type failed after the whole conversion; a --revision of a local
+    folder was ignored; '-o DIR/' wrote a file called DIR; a read-only folder failed only once
+    the converter wrote."""
+    with pytest.raises(ValueError, match="IQ2_XS needs an importance matrix, which convert "
+                                         "does not take: .* --imatrix FILE"):
+        conv.prepare(str(tiny), quantize="IQ2_XS")
+    with pytest.raises(ValueError, match="--revision is a Hugging Face repo's"):
+        conv.prepare(str(tiny), revision="v2")
+    job = conv.prepare(str(tiny), output=str(tmp_path / "new" / "dir") + "/")
+    assert job.dst == tmp_path / "new" / "dir" / "tiny-llama-f16.gguf"
+    assert conv.prepare(str(tiny), output=str(tmp_path)).dst == tmp_path / "tiny-llama-f16.gguf"
+    # /proc takes no files, even from root (whom a read-only mode does not stop)
+    with pytest.raises(ValueError, match="cannot write to /proc: "):
+        conv.prepare(str(tiny), output="/proc/x.gguf")
+
+
+def test_a_killed_conversions_leftovers_are_swept(tiny: Path, models: Path) -> None:
+    job = conv.prepare(str(tiny))
+    models.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = models / f".{job.dst.name}.convert-{dead.pid}"
+    live = models / f".{job.dst.name}.convert-{os.getppid()}"  # a process that runs
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    job.sweep()
+    assert not stale.exists() and live.exists()
 
 
 def test_not_enough_disk_is_refused_with_the_estimate(tiny: Path, models: Path) -> None:
