@@ -194,6 +194,13 @@ class AsyncEngine:
         own, else a plain transcript (with a ``notice`` saying so)."""
         return ChatTemplate.from_backend(self.engine.backend, self.engine.config.chat_template)
 
+    def check_grammar(self, gbnf: str, param: str) -> None:
+        """400 (naming ``param``) unless llama.cpp can parse ``gbnf``."""
+        if not gbnf.strip() or not self.engine.backend.grammar_parses(gbnf):
+            raise InvalidRequestError(f"{param}: llama.cpp could not parse the grammar (GBNF "
+                                      "with a root rule; see llama.cpp's grammars/README.md)",
+                                      param=param)
+
     @staticmethod
     def json_grammar(schema: dict | None = None) -> str:
         """GBNF for a JSON object, or for JSON matching ``schema``; nothing after it."""

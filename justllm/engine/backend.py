@@ -660,6 +660,15 @@ class LlamaBackend:
         """A token mask that follows a GBNF grammar (for structured output)."""
         return GrammarMatcher(self, gbnf)
 
+    def grammar_parses(self, gbnf: str) -> bool:
+        """Whether llama.cpp takes ``gbnf`` (with a ``root`` rule): a client's own grammar
+        is checked before its request is queued. Reads only the vocabulary: any thread."""
+        smpl = C.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+        if not smpl:
+            return False
+        C.llama_sampler_free(smpl)
+        return True
+
     # ---- LoRA adapters --------------------------------------------------------------------
 
     def load_lora(self, path: str) -> "LoraAdapter":

@@ -49,6 +49,7 @@ from justllm.server.schemas import (
     ToolCallOut,
     Usage,
 )
+from justllm.server.structured import structured_grammar
 from justllm.server.tools.answer import (
     ChatEvent,
     ChatResult,
@@ -173,9 +174,18 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty or 0.0,
             repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
+            stop_token_ids=self._stop_token_ids(req.stop_token_ids),
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
+
+    def _stop_token_ids(self, ids: list[int] | None) -> tuple[int, ...]:
+        n_vocab = self.aengine.n_vocab
+        bad = next((t for t in ids or () if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop_token_ids: {bad} is not a token id (they are in "
+                                      f"[0, {n_vocab}))", param="stop_token_ids")
+        return tuple(ids or ())
 
     def _submit(self, jobs: list[Job], rid: str | None = None,
                 resume: Sequence[Handover] | None = None,
@@ -333,7 +343,16 @@ class OpenAIServing:
         self.check_supported(req)
         plan = tool_plan(req)
         check_tool_messages(req.messages)
+        extra = structured_grammar(self.aengine, req)
+        if extra is not None and plan.active:
+            raise InvalidRequestError(f"tools and {extra[1]}: give one way to constrain the "
+                                      "answer (or tool_choice: none)", param=extra[1])
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
+        if extra is not None:
+            if grammar is not None:
+                raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
+                                          "constrain the answer", param=extra[1])
+            grammar = extra[0]
         prompt = self._render(req.messages, plan, req.continue_final_message)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -505,8 +524,10 @@ class OpenAIServing:
         self.check_supported(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
-        return [(p, self._params(req, req.max_tokens if req.max_tokens is not None else 16,
-                                 req.logprobs, j))
+        extra = structured_grammar(self.aengine, req)
+        grammar = extra[0] if extra is not None else None
+        return [(p, replace(self._params(req, req.max_tokens if req.max_tokens is not None
+                                         else 16, req.logprobs, j), grammar=grammar))
                 for p in self._completion_prompts(req.prompt) for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,

@@ -113,6 +113,18 @@ class ResponseFormat(_Request, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Request, kw_only=True):
+    """vLLM's ``structured_outputs`` (its older ``guided_*`` fields are the same): one of a
+    JSON schema (an object, or its JSON text), any JSON object, a list of choices, a GBNF
+    grammar. Regular expressions are declared to be refused with a reason."""
+
+    json: Union[dict[str, Any], str, None] = None
+    json_object: bool | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    regex: str | None = None
+
+
 class LoraChoice(_Request, kw_only=True):
     """llama-server's per-request adapter: by ``id`` (as GET /v1/lora_adapters lists it) or
     by ``name``, at ``scale`` (default: the adapter's own)."""
@@ -157,6 +169,18 @@ class _Sampling(_Request, kw_only=True):
     priority: int = 0
     # llama-server's: the LoRA adapters to run under (besides one named as ``model``).
     lora: list[LoraChoice] | None = None
+    # Structured output as llama-server and vLLM take it, on both routes (at most one of these,
+    # response_format and tools): llama-server's GBNF ``grammar`` and ``json_schema``,
+    # vLLM's ``structured_outputs`` and its older ``guided_*`` names.
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_regex: str | None = None
+    # vLLM's: token ids that end the answer (besides the model's end-of-generation tokens).
+    stop_token_ids: list[int] | None = None
 
     @property
     def n(self) -> int:

@@ -1,0 +1,110 @@
+"""Structured output through llama-server's and vLLM's own fields (server/structured.py), on
+/v1/completions and /v1/chat/completions, and vLLM's stop_token_ids: the answers follow the
+constraint on real weights, and every conflict or bad value is a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "Describe a person."}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def texts(server, path: str, ended: bool = True, **body) -> list[str]:
+    payload = {"max_tokens": 60, "temperature": 0.9, "seed": 3, "n": 2, **body}
+    if path == CHAT:
+        payload.setdefault("messages", HI)
+    else:
+        payload.setdefault("prompt", "A person:")
+    r = post(server, path, payload)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert not ended or all(c["finish_reason"] == "stop" for c in choices), choices
+    return [c["text"] if path == COMPLETIONS else c["message"]["content"] for c in choices]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("field", [
+    {"json_schema": PERSON},  # llama-server's
+    {"structured_outputs": {"json": PERSON}},  # vLLM's
+    {"structured_outputs": {"json": json.dumps(PERSON)}},  # the schema as JSON text
+    {"guided_json": PERSON},  # vLLM's older name
+])
+def test_a_json_schema_is_followed(server, path, field):
+    for text in texts(server, path, **field):
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int), text
+
+
+@pytest.mark.parametrize("field", [{"structured_outputs": {"choice": ["yes", "no", 'a "b"\n']}},
+                                   {"guided_choice": ["yes", "no", 'a "b"\n']}])
+def test_a_choice_is_one_of_them(server, field):
+    for path in (COMPLETIONS, CHAT):
+        assert set(texts(server, path, **field)) <= {"yes", "no", 'a "b"\n'}
+
+
+@pytest.mark.parametrize("field", ["grammar", "guided_grammar"])
+def test_a_gbnf_grammar_is_followed(server, field):
+    gbnf = 'root ::= [1-9] [0-9]? " apples"'
+    for text in texts(server, COMPLETIONS, **{field: gbnf}):
+        number, _, rest = text.partition(" ")
+        assert number.isdigit() and 1 <= int(number) <= 99 and rest == "apples", text
+    objects = texts(server, COMPLETIONS, ended=False, temperature=0, n=1, max_tokens=200,
+                    structured_outputs={"json_object": True})
+    assert isinstance(json.loads(objects[0]), dict), objects
+
+
+def test_stop_token_ids_end_the_answer(server):
+    body = {"prompt": "One, two, three, four,", "max_tokens": 20, "temperature": 0}
+    free = post(server, COMPLETIONS, {**body, "logprobs": 0}).json()["choices"][0]
+    assert free["finish_reason"] == "length"
+    tokens = httpx.post(server.url + "/tokenize", timeout=60, json={
+        "prompt": free["text"], "add_special_tokens": False}).json()["tokens"]
+    stopped = post(server, COMPLETIONS, {**body, "stop_token_ids": [tokens[2]]}).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 3
+    assert free["text"].startswith(choice["text"]) and len(choice["text"]) < len(free["text"])
+
+
+@pytest.mark.parametrize("path, body, param, says", [
+    (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar", "could not parse"),
+    (COMPLETIONS, {"grammar": ""}, "grammar", "could not parse"),
+    (COMPLETIONS, {"guided_regex": "[a-z]+"}, "guided_regex", "regular expressions"),
+    (COMPLETIONS, {"structured_outputs": {"regex": "a"}}, "structured_outputs.regex",
+     "regular expressions"),
+    (COMPLETIONS, {"structured_outputs": {}}, "structured_outputs", "exactly one of"),
+    (COMPLETIONS, {"structured_outputs": {"choice": ["a"], "grammar": "root ::= \"a\""}},
+     "structured_outputs", "exactly one of"),
+    (COMPLETIONS, {"structured_outputs": {"choice": []}}, "structured_outputs.choice",
+     "non-empty"),
+    (COMPLETIONS, {"structured_outputs": {"json": "{nope"}}, "structured_outputs.json",
+     "not JSON"),
+    (COMPLETIONS, {"guided_json": "[1, 2]"}, "guided_json", "a JSON schema is an object"),
+    (COMPLETIONS, {"structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern", "unknown field"),
+    (COMPLETIONS, {"grammar": "root ::= \"a\"", "guided_choice": ["a"]}, "guided_choice",
+     "give one way"),
+    (COMPLETIONS, {"stop_token_ids": [-1]}, "stop_token_ids", "is not a token id"),
+    (CHAT, {"json_schema": PERSON, "response_format": {"type": "json_object"}}, "json_schema",
+     "response_format and json_schema"),
+    (CHAT, {"guided_choice": ["a"], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]}, "guided_choice",
+     "tools and guided_choice"),
+])
+def test_bad_structured_fields_are_400s(server, path, body, param, says):
+    payload = {"max_tokens": 4, **body}
+    payload.update({"messages": HI} if path == CHAT else {"prompt": "x"})
+    r = post(server, path, payload)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
