@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -195,7 +196,10 @@ class AsyncEngine:
         return ChatTemplate.from_backend(self.engine.backend, self.engine.config.chat_template)
 
     def check_grammar(self, gbnf: str, param: str) -> None:
-        """400 (naming ``param``) unless llama.cpp can parse ``gbnf``."""
+        """400 (naming ``param``) unless llama.cpp can parse ``gbnf``, which it is shown
+        only within :func:`grammar_limits` (its parser and sampler recurse per nested group
+        and per rule: 100,000 of either overflowed the stack and killed the server)."""
+        grammar_limits(gbnf, param)
         if not gbnf.strip() or not self.engine.backend.grammar_parses(gbnf):
             raise InvalidRequestError(f"{param}: llama.cpp could not parse the grammar (GBNF "
                                       "with a root rule; see llama.cpp's grammars/README.md)",
@@ -384,3 +388,43 @@ def _timed(fn: Callable[[], T]) -> Callable[[], tuple[T, float]]:
         t0 = time.perf_counter()
         return fn(), time.perf_counter() - t0
     return run
+
+
+MAX_GRAMMAR_RULES = 4096
+MAX_GRAMMAR_NESTING = 1024
+_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
+
+
+def grammar_limits(gbnf: str, param: str) -> None:
+    """400 for a client's GBNF with more than ``MAX_GRAMMAR_RULES`` rules or groups nested
+    deeper than ``MAX_GRAMMAR_NESTING`` (counted outside string literals and character
+    classes): llama.cpp turns each group into a rule and follows rule references by recursion,
+    so these bound its stack (4,096 chained rules around 1,024 nested groups parse and sample;
+    100,000 of either crashed)."""
+    rules = len(_RULE.findall(gbnf))
+    if rules > MAX_GRAMMAR_RULES:
+        raise InvalidRequestError(f"{param}: {rules} rules; at most {MAX_GRAMMAR_RULES}",
+                                  param=param)
+    depth = deepest = 0
+    quote: str | None = None  # inside "..." or [...]
+    escaped = False
+    for ch in gbnf:
+        if quote is not None:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch == '"':
+            quote = '"'
+        elif ch == "[":
+            quote = "]"
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise InvalidRequestError(f"{param}: groups nested {deepest} deep; at most "
+                                  f"{MAX_GRAMMAR_NESTING}", param=param)

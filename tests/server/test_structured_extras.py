@@ -64,6 +64,14 @@ def test_a_gbnf_grammar_is_followed(server, field):
     assert isinstance(json.loads(objects[0]), dict), objects
 
 
+def test_a_grammar_at_the_limits_is_served(server):
+    """4,096 chained rules around 1,024 nested groups: within what llama.cpp's recursion
+    takes (server/structured.py's limits), and parentheses in literals do not count."""
+    gbnf = ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(4094))
+            + "r4094 ::= " + "(" * 1024 + '"(((" [(]' + ")" * 1024 + "\n")
+    assert texts(server, COMPLETIONS, grammar=gbnf, n=1, max_tokens=8) == ["(((("]
+
+
 def test_stop_token_ids_end_the_answer(server):
     body = {"prompt": "One, two, three, four,", "max_tokens": 20, "temperature": 0}
     free = post(server, COMPLETIONS, {**body, "logprobs": 0}).json()["choices"][0]
@@ -79,6 +87,12 @@ def test_stop_token_ids_end_the_answer(server):
 @pytest.mark.parametrize("path, body, param, says", [
     (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar", "could not parse"),
     (COMPLETIONS, {"grammar": ""}, "grammar", "could not parse"),
+    # 100,000 of either overflowed llama.cpp's stack: the server died
+    (COMPLETIONS, {"grammar": "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000}, "grammar",
+     "groups nested 100000 deep; at most 1024"),
+    (COMPLETIONS, {"guided_grammar": "root ::= r0\n" + "".join(
+        f"r{i} ::= r{i + 1}\n" for i in range(100_000)) + 'r100000 ::= "a"\n'},
+     "guided_grammar", "100002 rules; at most 4096"),
     (COMPLETIONS, {"guided_regex": "[a-z]+"}, "guided_regex", "regular expressions"),
     (COMPLETIONS, {"structured_outputs": {"regex": "a"}}, "structured_outputs.regex",
      "regular expressions"),
