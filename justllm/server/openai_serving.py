@@ -94,7 +94,13 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
     "verbosity": ((None, "medium"), "this server has no verbosity control"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "cache_prompt": ((None, True), "every prompt is cached (--no-prefix-cache turns the "
+                                   "server's prefix cache off)"),
 }
+# What the server itself gives a chat template: a client's chat_template_kwargs may not set it.
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                           "tools", "parallel_tool_calls", "continue_final"})
 
 
 Job = tuple[str | list[int], SamplingParams]  # one choice: its prompt and sampling
@@ -172,12 +178,27 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+            **self._repeat(req),
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
+
+    @staticmethod
+    def _repeat(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        """llama.cpp's repeat_penalty (over the last 64 tokens), or vLLM's
+        repetition_penalty: the same rule over the whole prompt and answer."""
+        if req.repetition_penalty is None:
+            return {"repeat_penalty": 1.0 if req.repeat_penalty is None else req.repeat_penalty}
+        if req.repeat_penalty is not None:
+            raise InvalidRequestError("repeat_penalty and repetition_penalty: give one (the "
+                                      "last 64 tokens, or vLLM's whole sequence)",
+                                      param="repetition_penalty")
+        if not req.repetition_penalty > 0:
+            raise InvalidRequestError("repetition_penalty must be a number > 0",
+                                      param="repetition_penalty")
+        return {"repeat_penalty": req.repetition_penalty, "repeat_last_n": 2**31 - 1}
 
     def _stop_token_ids(self, ids: list[int] | None) -> tuple[int, ...]:
         n_vocab = self.aengine.n_vocab
@@ -271,10 +292,11 @@ class OpenAIServing:
 
     def request_prompt(self, req: ChatCompletionRequest) -> str:
         """The prompt ``req`` is answered from, its tools included (what usage counts)."""
-        return self._render(req.messages, tool_plan(req), req.continue_final_message)
+        return self._render(req.messages, tool_plan(req), req.continue_final_message,
+                            req.chat_template_kwargs)
 
     def _render(self, messages: list[ChatMessage], plan: ToolPlan,
-                continue_final: bool = False) -> str:
+                continue_final: bool = False, kwargs: dict[str, Any] | None = None) -> str:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         plain = []
@@ -286,9 +308,13 @@ class OpenAIServing:
             if m.refusal:
                 content = f"{content}\n{m.refusal}" if content else m.refusal
             plain.append(message_dict(m, i, content or ""))
+        taken = sorted(_TEMPLATE_OWN & set(kwargs or ()))
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)} is the "
+                                      "server's to set", param="chat_template_kwargs")
         return self.template.render(plain, add_generation_prompt=True,
                                     tools=plan.for_template(), parallel_tool_calls=plan.parallel,
-                                    continue_final=continue_final)
+                                    continue_final=continue_final, **(kwargs or {}))
 
     def _grammar(self, req: ChatCompletionRequest) -> str | None:
         fmt = req.response_format
@@ -353,7 +379,8 @@ class OpenAIServing:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
                                           "constrain the answer", param=extra[1])
             grammar = extra[0]
-        prompt = self._render(req.messages, plan, req.continue_final_message)
+        prompt = self._render(req.messages, plan, req.continue_final_message,
+                              req.chat_template_kwargs)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",

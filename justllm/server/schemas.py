@@ -181,6 +181,13 @@ class _Sampling(_Request, kw_only=True):
     guided_regex: str | None = None
     # vLLM's: token ids that end the answer (besides the model's end-of-generation tokens).
     stop_token_ids: list[int] | None = None
+    # vLLM's name for a repeat penalty over the whole prompt and answer (repeat_penalty is
+    # llama.cpp's, over the last 64 tokens).
+    repetition_penalty: float | None = None
+    # Accepted at the value this server always has (openai_serving._UNSUPPORTED): vLLM's
+    # skip_special_tokens (true), llama-server's cache_prompt (true).
+    skip_special_tokens: bool | None = None
+    cache_prompt: bool | None = None
 
     @property
     def n(self) -> int:
@@ -201,6 +208,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # false (vLLM refuses both true), else left out or true
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # vLLM's and llama-server's: extra variables for the chat template ({"enable_thinking":
+    # false} for Qwen3's), besides the ones the server sets.
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -247,6 +257,7 @@ class TokenizeRequest(_Request, kw_only=True):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # vLLM's name; default true for a prompt
     return_token_strs: bool | None = False
     content: str | None = None  # llama-server's form, with these fields

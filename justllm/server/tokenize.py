@@ -5,7 +5,7 @@ put these routes at the root; their bodies differ, and one route takes either:
 
 - vLLM: ``prompt`` (tokenized as ``/v1/completions`` tokenizes it: ``add_special_tokens``,
   default true, adds BOS), or ``messages`` (with ``tools``, ``add_generation_prompt``,
-  ``continue_final_message``: rendered exactly as ``/v1/chat/completions`` renders them, so
+  ``continue_final_message``, ``chat_template_kwargs``: rendered exactly as ``/v1/chat/completions`` renders them, so
   ``count`` is that request's ``usage.prompt_tokens``); ``return_token_strs`` adds each token's
   vocabulary text. The answer: ``count``, ``max_model_len``, ``tokens``, ``token_strs``.
 - llama-server: ``content``, ``add_special`` (default false), ``parse_special`` (default
@@ -30,7 +30,8 @@ from justllm.server.openai_serving import check_chat_request
 from justllm.server.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from justllm.server.tools.request import check_tool_messages, tool_plan
 
-_CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt")
+_CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+              "chat_template_kwargs")
 
 
 def check_tokenize(req: TokenizeRequest) -> tuple[ChatCompletionRequest | None, bool]:
@@ -68,7 +69,8 @@ def check_tokenize(req: TokenizeRequest) -> tuple[ChatCompletionRequest | None, 
         model=req.model, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
         add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message)
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs)
     check_chat_request(chat)
     check_tool_messages(chat.messages)
     tool_plan(chat)

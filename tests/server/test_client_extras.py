@@ -1,0 +1,82 @@
+"""Fields clients of vLLM and llama-server send besides OpenAI's: chat_template_kwargs reach the
+chat template (chat, /tokenize), repetition_penalty penalises the whole sequence, and
+skip_special_tokens / cache_prompt are taken at the value this server always has."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if shout %}SHOUT\n{% endif %}{% if add_generation_prompt %}assistant:"
+            "{% endif %}")
+HI = [{"role": "user", "content": "Hello there."}]
+
+
+@pytest.fixture(scope="module")
+def templated(model_path, tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "shout.jinja"
+    path.write_text(TEMPLATE)
+    s = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "128",
+                     "--chat-template", str(path))
+    yield s
+    assert s.stop() == 0
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def test_chat_template_kwargs_reach_the_template(templated):
+    def prompt(**extra) -> tuple[str, int]:
+        got = post(templated, "/tokenize", {"messages": HI, **extra}).json()
+        text = post(templated, "/detokenize", {"tokens": got["tokens"]}).json()["content"]
+        return text, got["count"]
+
+    plain, n_plain = prompt()
+    loud, n_loud = prompt(chat_template_kwargs={"shout": True})
+    assert "SHOUT" not in plain and loud.endswith("user: Hello there.\nSHOUT\nassistant:")
+    for kwargs, n in (({}, n_plain), ({"shout": True}, n_loud)):
+        r = post(templated, "/v1/chat/completions", {"messages": HI, "max_tokens": 1,
+                                                     "chat_template_kwargs": kwargs})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n, r.text
+    r = post(templated, "/v1/chat/completions", {
+        "messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "add_generation_prompt is the server's to set" in r.json()["error"]["message"]
+    r = post(templated, "/tokenize", {"prompt": "x", "chat_template_kwargs": {}})
+    assert r.status_code == 400 and "goes with messages" in r.text
+
+
+def test_repetition_penalty_is_vllms_whole_sequence_penalty(server):
+    # "banana" lies more than 64 tokens back: llama.cpp's repeat_penalty (the last 64 tokens)
+    # does not see it, vLLM's repetition_penalty (the whole sequence) does.
+    filler = " ".join(f"Line {i} of the inventory lists nothing of note." for i in range(12))
+    prompt = f"My favourite fruit is banana.\n{filler}\nAgain, my favourite fruit is"
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    llama = post(server, "/v1/completions", {**body, "repeat_penalty": 3.0}).json()
+    vllm = post(server, "/v1/completions", {**body, "repetition_penalty": 3.0}).json()
+    assert plain.startswith(" banana") and llama["choices"][0]["text"].startswith(" banana")
+    assert "banana" not in vllm["choices"][0]["text"], vllm
+    r = post(server, "/v1/completions", {**body, "repetition_penalty": 1.1,
+                                         "repeat_penalty": 1.1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+    r = post(server, "/v1/completions", {**body, "repetition_penalty": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+@pytest.mark.parametrize("field, ok, says", [
+    ("skip_special_tokens", True, "special tokens are always left out"),
+    ("cache_prompt", True, "every prompt is cached"),
+])
+def test_fields_taken_at_this_servers_value(server, field, ok, says):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": HI})):
+        good = post(server, path, {**body, "max_tokens": 2, field: ok})
+        assert good.status_code == 200, good.text
+        bad = post(server, path, {**body, "max_tokens": 2, field: not ok})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+        assert says in bad.json()["error"]["message"]
