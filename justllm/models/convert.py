@@ -113,14 +113,19 @@ class ConvertJob:
             self.abandon()
         return self.dst
 
+    def _script_args(self, out: Path) -> list[str]:
+        """The converter script and its arguments, writing to ``out``."""
+        args = [str(self.converter.script), str(self.source_dir), "--outfile", str(out),
+                "--outtype", self.outtype]
+        if self.repo is not None:  # else general.name would be the snapshot folder: a commit
+            args += ["--model-name", self.repo.rpartition("/")[2]]
+        return args
+
     def _convert(self, out: Path, report: Progress) -> None:
         from justllm.models.gguf import read_gguf_header
 
         cmd = [sys.executable, "-m", "justllm.models.converter_process", str(os.getpid()),
-               str(out), str(self.converter.script), str(self.source_dir), "--outfile",
-               str(out), "--outtype", self.outtype]
-        if self.repo is not None:  # else general.name would be the snapshot folder: a commit
-            cmd += ["--model-name", self.repo.rpartition("/")[2]]
+               str(out), *self._script_args(out)]
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
         env.update(PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8", HF_HUB_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false")
@@ -140,7 +145,9 @@ class ConvertJob:
         if not out.is_file():
             raise ModelLoadError(f"llama.cpp's converter wrote no {out.name} (its log: "
                                  f"{self.log_path})")
-        read_gguf_header(out)
+        read_gguf_header(out, adapter=self.makes_adapter)
+
+    makes_adapter = False  # the output is a LoRA adapter (convert_lora.LoraConvertJob)
 
     def _quantize_to_dst(self, report: Progress) -> None:
         from justllm.models.quantize import prepare as prepare_quantize
@@ -220,10 +227,11 @@ def converter_root() -> Path:
 
 def get_converter(console: Console) -> Converter:
     """The converter matching the installed llama.cpp, fetched with a spinner the first time."""
-    from justllm.models.converter import SCRIPT, llama_cpp_version
+    from justllm.models.converter import LORA_SCRIPT, SCRIPT, llama_cpp_version
 
     root, version = converter_root(), llama_cpp_version()
-    if (converter_dir(root, version) / SCRIPT).is_file():
+    tree = converter_dir(root, version)
+    if (tree / SCRIPT).is_file() and (tree / LORA_SCRIPT).is_file():
         return fetch_converter(root, version=version)
     console.print(f"fetching llama.cpp's converter from the llama-cpp-python {version} sdist "
                   f"(once: it is kept in {root})", highlight=False, soft_wrap=True)

@@ -33,9 +33,10 @@ from justllm.errors import JustLLMError, ModelLoadError
 PACKAGE = "llama-cpp-python"
 # Paths inside the sdist's vendor/llama.cpp that the converter needs (the chat templates some
 # model classes write into the GGUF among them), and its licence.
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "models/templates/",
-                   "LICENSE")
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/",
+                   "gguf-py/gguf/", "models/templates/", "LICENSE")
 SCRIPT = "convert_hf_to_gguf.py"
+LORA_SCRIPT = "convert_lora_to_gguf.py"  # a PEFT LoRA adapter to llama.cpp's adapter GGUF
 # What the converter imports beyond justllm's own dependencies: the `convert` extra.
 CONVERTER_MODULES = ("torch", "transformers", "sentencepiece")
 INSTALL_HINT = "pip install 'justllm[convert]' (pipx: pipx install --force 'justllm[convert]')"
@@ -80,6 +81,10 @@ class Converter:
     def script(self) -> Path:
         return self.root / SCRIPT
 
+    @property
+    def lora_script(self) -> Path:
+        return self.root / LORA_SCRIPT
+
     def architectures(self) -> tuple[str, ...]:
         """The Hugging Face ``architectures`` names the converter turns into a text model."""
         return supported_architectures(self.root)
@@ -102,10 +107,10 @@ def fetch_converter(root: Path, *, version: str | None = None,
 
     version = version or llama_cpp_version()
     target = converter_dir(root, version)
-    if (target / SCRIPT).is_file():
+    if _complete(target):
         return Converter(target, version)
     with file_lock(root / ".lock"):
-        if (target / SCRIPT).is_file():  # another command fetched it meanwhile
+        if _complete(target):  # another command fetched it meanwhile
             return Converter(target, version)
         if on_fetch is not None:
             on_fetch(f"fetching llama.cpp's converter from the {PACKAGE} {version} sdist "
@@ -115,9 +120,14 @@ def fetch_converter(root: Path, *, version: str | None = None,
             tree = Path(tmp) / "tree"
             extract_converter(sdist, tree)
             if target.exists():
-                shutil.rmtree(target)  # a tree from an older justllm that lacks the script
+                shutil.rmtree(target)  # a tree from an older justllm that lacks a script
             tree.rename(target)
     return Converter(target, version)
+
+
+def _complete(tree: Path) -> bool:
+    """Both scripts are there (a tree fetched by an older justllm lacks the LoRA one)."""
+    return (tree / SCRIPT).is_file() and (tree / LORA_SCRIPT).is_file()
 
 
 def pip_download(version: str, into: Path) -> Path:

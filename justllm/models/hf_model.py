@@ -90,10 +90,11 @@ class HFModel:
         self.check_files()
         self.check_architecture(supported)
 
-    def check_files(self) -> None:
-        """What can be checked before llama.cpp's converter is fetched: weights, a named
-        architecture, a tokenizer."""
-        if not self.weights:
+    def check_files(self, weights: bool = True) -> None:
+        """What can be checked before llama.cpp's converter is fetched: weights (unless
+        ``weights`` is False: a LoRA adapter's base model), a named architecture, a
+        tokenizer."""
+        if weights and not self.weights:
             raise ModelLoadError(f"no *.safetensors weights in {self.where} (justllm converts "
                                  "safetensors models)")
         if not self.candidate_architectures():

@@ -292,22 +292,40 @@ def _what(repo: str, file: str | None) -> str:
     return f"cannot download {repo}:{file} from" if file else f"cannot list {repo} on"
 
 
-def list_repo(repo: str, revision: str = "main") -> RepoListing:
-    """The commit ``revision`` resolves to (asked through config.json, which a transformers
-    model has), then the top-level files at that commit, so the listing and the later
-    downloads see the same commit even if the branch moves meanwhile."""
+def list_repo(repo: str, revision: str = "main", probe: str = "config.json") -> RepoListing:
+    """The commit ``revision`` resolves to (asked through ``probe``: config.json, which a
+    transformers model has; a PEFT adapter's adapter_config.json), then the top-level files at
+    that commit, so the listing and the later downloads see the same commit even if the branch
+    moves meanwhile."""
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 
     endpoint = _endpoint()
-    with hub_errors(repo, lambda: "config.json", revision):
+    with hub_errors(repo, lambda: probe, revision):
         _resolvable(endpoint)
-        meta = get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision,
+        meta = get_hf_file_metadata(hf_hub_url(repo, probe, revision=revision,
                                                endpoint=endpoint), endpoint=endpoint)
         commit = meta.commit_hash or revision
         files = {f.path: int(getattr(f, "size", 0) or 0)
                  for f in HfApi(endpoint=endpoint).list_repo_tree(repo, revision=commit)
                  if "/" not in f.path and hasattr(f, "size")}
     return RepoListing(repo, commit, files)
+
+
+def has_file(repo: str, file: str, revision: str = "main") -> bool:
+    """Whether ``repo`` has ``file`` at ``revision`` (a missing repo or revision, or no hub:
+    the ModelLoadError line)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import EntryNotFoundError
+
+    endpoint = _endpoint()
+    with hub_errors(repo, lambda: file, revision):
+        _resolvable(endpoint)
+        try:
+            get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),
+                                 endpoint=endpoint)
+        except EntryNotFoundError:
+            return False
+    return True
 
 
 def download_files(listing: RepoListing, files: list[str]) -> Path:

@@ -20,7 +20,7 @@ from justllm.engine.llm import LLM
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import Registry
 from tests.models.fake_hub import FakeHub, serve_fake_hub
-from tests.models.tiny_hf import make_tiny_llama, model_files
+from tests.models.tiny_hf import make_tiny_llama, make_tiny_lora, model_files
 
 pytestmark = pytest.mark.convert
 
@@ -170,3 +170,69 @@ def test_pull_convert_options_are_checked() -> None:
         runner.invoke(app, ["pull", "acme/x", "--quantize", "Q4_0"]))
     assert "error: --outtype and --quantize go with --convert" in error_line(
         runner.invoke(app, ["pull", "acme/x", "--quantize", "Q4_0", "--outtype", "f16"]))
+
+
+def generates_with(path: Path, lora: Path | None) -> list[int]:
+    from justllm.config import LoraSpec
+
+    llm = LLM(str(path), max_seqs=2, pool_blocks=16,
+              lora=(LoraSpec("a", str(lora)),) if lora else ())
+    try:
+        (out,) = llm.generate("hello world", SamplingParams(
+            max_tokens=6, ignore_eos=True, lora=(("a", 1.0),) if lora else ()))
+        return out.token_ids
+    finally:
+        llm.close()
+
+
+def test_a_peft_lora_adapter_becomes_an_adapter_gguf_that_changes_the_answer(
+        tiny: Path, models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ollama takes a PEFT adapter's safetensors; the README sent users to llama.cpp's
+    script by hand. The base model's folder is the adapter's base_model_name_or_path."""
+    adapter = make_tiny_lora(tmp_path / "my-adapter", str(tiny))
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["convert", str(adapter)])
+    out = tmp_path / "my-adapter-lora-f16.gguf"
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out} (F16, " in r.stdout and f"--lora NAME={out}" in r.stdout
+    assert "converting the LoRA adapter" in r.stderr and "(rank 4, alpha 8)" in r.stderr
+    header = read_gguf_header(out, adapter=True)
+    assert header.metadata["general.type"] == "adapter"
+    assert header.metadata["adapter.lora.alpha"] == 8.0
+    assert not models.exists() or list(models.iterdir()) == []  # an adapter is not registered
+    base = tmp_path / "base.gguf"
+    assert runner.invoke(app, ["convert", str(tiny), "-o", str(base)]).exit_code == 0
+    assert generates_with(base, out) != generates_with(base, None)
+    assert leftovers(tmp_path) == []
+
+
+def test_a_hub_adapter_and_its_base_come_from_the_hub_without_the_base_weights(
+        tiny: Path, models: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("acme/Tiny-Llama", model_files(tiny))
+    commit = hub.push("acme/tiny-lora",
+                      model_files(make_tiny_lora(tmp_path / "a", "acme/Tiny-Llama")))
+    r = runner.invoke(app, ["convert", "acme/tiny-lora", "--outtype", "q8_0", "-o",
+                            str(tmp_path / "out") + "/"])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out" / "tiny-lora-lora-q8_0.gguf"
+    assert f"wrote {out} (Q8_0, " in r.stdout
+    assert f"downloading the adapter acme/tiny-lora @ {commit[:12]}" in r.stderr
+    assert hub.gets("/model.safetensors") == 0  # the base model's config and tokenizer only
+    assert read_gguf_header(out, adapter=True).metadata["general.type"] == "adapter"
+
+
+def test_adapter_options_and_a_missing_base_are_one_line(tiny: Path, tmp_path: Path) -> None:
+    adapter = make_tiny_lora(tmp_path / "a", None)
+    cases = [
+        ([str(adapter)], "names no base model (base_model_name_or_path): give --base"),
+        ([str(adapter), "--base", str(tmp_path / "nowhere")], "neither a folder here nor"),
+        ([str(adapter), "--base", str(tiny), "-q", "Q4_0"], "--quantize is for models"),
+        ([str(adapter), "--base", str(tiny), "--outtype", "q4"],
+         "--outtype for a LoRA adapter must be one of f16, bf16, f32, q8_0"),
+        ([str(tiny), "--base", str(tiny)], "--base is for a LoRA adapter"),
+    ]
+    for args, says in cases:
+        assert says in error_line(runner.invoke(app, ["convert", *args]))
+    (adapter / "adapter_config.json").write_text('{"peft_type": "IA3", "r": 4}')
+    assert "is a PEFT IA3 adapter; llama.cpp takes LoRA adapters only" in error_line(
+        runner.invoke(app, ["convert", str(adapter), "--base", str(tiny)]))

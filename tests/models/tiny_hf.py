@@ -82,3 +82,28 @@ def make_tiny_llama(into: Path, *, architecture: str = "LlamaForCausalLM",
 def model_files(directory: Path) -> dict[str, bytes]:
     """Every file of a model directory, for a stand-in hub's ``push``."""
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def make_tiny_lora(into: Path, base: str | None, *, rank: int = 4, seed: int = 1) -> Path:
+    """A PEFT LoRA adapter for the tiny Llama (q_proj and v_proj of every layer, weights large
+    enough to change its answers), as PEFT's save_pretrained writes it; ``base`` is its
+    ``base_model_name_or_path`` (None: left out)."""
+    from safetensors.numpy import save_file
+
+    into.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(LAYERS):
+        for module, out in (("q_proj", HIDDEN), ("v_proj", KV_HEADS * (HIDDEN // HEADS))):
+            p = f"base_model.model.model.layers.{i}.self_attn.{module}."
+            tensors[p + "lora_A.weight"] = (rng.standard_normal((rank, HIDDEN)) * 0.5).astype(
+                np.float32)
+            tensors[p + "lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.5).astype(
+                np.float32)
+    save_file(tensors, str(into / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False}
+    if base is not None:
+        config["base_model_name_or_path"] = base
+    (into / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return into
