@@ -32,13 +32,19 @@ def pull(
         if convert:
             if ":" in model:
                 raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")
+            from justllm.models.convert_lora import is_adapter
+
+            if is_adapter(model, revision):
+                raise ValueError(f"{model} is a PEFT LoRA adapter: 'justllm convert {model}' "
+                                 "turns it into an adapter GGUF for --lora")
             return run_conversion(model, outtype=outtype, quantize=quantize, output=None,
                                   name=tag, revision=revision, force=force)
         given = [n for n, v in (("--outtype", outtype != "auto"), ("--quantize", quantize))
                  if v]
         if given:
             raise ValueError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with "
-                             "--convert (to quantize a GGUF: justllm quantize)")
+                             "--convert" + (" (to quantize a GGUF: justllm quantize)"
+                                            if quantize else ""))
         from justllm.models.registry import Registry
 
         console = Console(highlight=False, emoji=False)

@@ -77,7 +77,16 @@ def pick_gguf(repo: str, files: list[str]) -> str:
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf")
                    and not Path(f).name.lower().startswith("mmproj"))
     if not ggufs:
-        if any(f.lower().endswith(".safetensors") and "/" not in f for f in files):
+        top = {f for f in files if "/" not in f}
+        if "adapter_config.json" in top and "config.json" not in top:
+            raise ModelLoadError(f"no .gguf model file in {repo}: it is a PEFT LoRA adapter, "
+                                 f"which 'justllm convert {repo}' turns into an adapter GGUF "
+                                 "for --lora")
+        if any(f.lower().endswith(".safetensors") for f in top) and "config.json" not in top:
+            raise ModelLoadError(f"no .gguf model file in {repo}, and its safetensors weights "
+                                 "come without a config.json: not a transformers model that "
+                                 "llama.cpp's converter can read")
+        if any(f.lower().endswith(".safetensors") for f in top):
             raise SafetensorsRepoError(
                 f"no .gguf model file in {repo}, but it has safetensors weights: "
                 f"'justllm pull {repo} --convert' converts them to GGUF")

@@ -219,6 +219,12 @@ def test_a_hub_adapter_and_its_base_come_from_the_hub_without_the_base_weights(
     assert f"downloading the adapter acme/tiny-lora @ {commit[:12]}" in r.stderr
     assert hub.gets("/model.safetensors") == 0  # the base model's config and tokenizer only
     assert read_gguf_header(out, adapter=True).metadata["general.type"] == "adapter"
+    # pull points to convert for an adapter, and does not suggest --convert where it would fail
+    for args in (["acme/tiny-lora"], ["acme/tiny-lora", "--convert"]):
+        assert "is a PEFT LoRA adapter" in error_line(runner.invoke(app, ["pull", *args]))
+    hub.push("acme/no-config", {"model.safetensors": (tiny / "model.safetensors").read_bytes()})
+    assert "come without a config.json" in error_line(runner.invoke(app, [
+        "pull", "acme/no-config"]))
 
 
 def test_adapter_options_and_a_missing_base_are_one_line(tiny: Path, tmp_path: Path) -> None:
