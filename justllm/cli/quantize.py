@@ -53,7 +53,7 @@ def quantize(
         console.print(f"wrote {dst} ({qtype.name}, {_size(dst.stat().st_size)}; "
                       f"{src.name} was {_size(src.stat().st_size)}) in "
                       f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
-        _register(console, dst, registered=not output)
+        _register(console, dst, src, registered=not output)
 
 
 def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path, bool]:
@@ -72,7 +72,7 @@ def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path,
     return path, False
 
 
-def _register(console: Console, dst: Path, *, registered: bool) -> None:
+def _register(console: Console, dst: Path, src: Path, *, registered: bool) -> None:
     """Bring the registry in line with the disk: a registered file that was overwritten
     (--force) has its old version dropped and its tags moved to the new one; the default
     output is then tagged ``<stem>-<type>:latest``, saying when that tag moved from another
@@ -82,7 +82,9 @@ def _register(console: Console, dst: Path, *, registered: bool) -> None:
     from justllm.models.registry import Registry
 
     registry = Registry()
-    rewritten = registry.rewritten(dst, Source("file"))
+    source = Source("quantized", file=str(src.resolve()),
+                    revision=f"sha256:{registry.digests.digest(src)}")
+    rewritten = registry.rewritten(dst, source)
     if rewritten is not None and rewritten.dropped:
         old = ", ".join(f"sha256:{m.short}" for m in rewritten.dropped)
         verb = "points" if len(rewritten.moved) == 1 else "point"
@@ -92,7 +94,8 @@ def _register(console: Console, dst: Path, *, registered: bool) -> None:
                       soft_wrap=True)
     if not registered:
         return
-    key, _, before = registry.tag(str(dst), name_for_file(dst.stem))
+    m = rewritten.manifest if rewritten is not None else registry.register(dst, source)
+    key, _, before = registry.tag(m.digest, name_for_file(dst.stem))
     moved_from = f"; moved from sha256:{before.short}, which is kept" if before else ""
     console.print(f"registered as {key} (justllm run {key.removesuffix(':latest')}){moved_from}",
                   markup=False, soft_wrap=True)

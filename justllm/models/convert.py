@@ -374,6 +374,10 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         if done is not None:
             raise AlreadyConverted(dst, done, job_label)
         raise ValueError(f"{dst} already exists (--force overwrites it)")
+    if dst.exists():
+        from justllm.models.registry import Registry
+
+        Registry().check_overwritable(dst)
     if output and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
     if dst.parent.is_dir():

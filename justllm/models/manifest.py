@@ -33,13 +33,15 @@ SCHEMA = 1
 
 @dataclass(frozen=True)
 class Source:
-    """Where a version came from: a local file, a file of a Hugging Face repo at a commit, or a
-    conversion (``justllm convert``) of a repo at a commit or of a local folder (``file``)."""
+    """Where a version came from: a local file, a file of a Hugging Face repo at a commit, a
+    conversion (``justllm convert``) of a repo at a commit or of a local folder (``file``), or
+    a quantization (``justllm quantize``) of the GGUF at ``file`` whose digest was
+    ``revision``."""
 
-    kind: str  # "file" | "huggingface" | "converted"
+    kind: str  # "file" | "huggingface" | "converted" | "quantized"
     repo: str | None = None
     file: str | None = None
-    revision: str | None = None  # the commit the download resolved to
+    revision: str | None = None  # the commit the download resolved to (quantized: a digest)
 
     def __str__(self) -> str:
         if self.kind == "huggingface":
@@ -47,6 +49,9 @@ class Source:
         if self.kind == "converted":
             return (f"converted from {self.repo} @ {self.revision}" if self.repo
                     else f"converted from {self.file}")
+        if self.kind == "quantized":
+            short = (self.revision or "").removeprefix("sha256:")[:12]
+            return f"quantized from {self.file}" + (f" (sha256:{short})" if short else "")
         return self.kind
 
 

@@ -281,6 +281,10 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
         raise ValueError(f"--output {dst} is a directory; give a file path")
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
+    if dst.exists():
+        from justllm.models.registry import Registry
+
+        Registry().check_overwritable(dst)
     if not make_dir and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
     if dst.parent.is_dir():

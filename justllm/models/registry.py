@@ -564,6 +564,17 @@ class Registry:
         finally:
             held.release()
 
+    def check_overwritable(self, path: Path) -> None:
+        """ModelLoadError when a running model holds a version of the file at ``path``, which
+        ``--force`` would overwrite (``rm`` refuses the same)."""
+        for m in self._versions_of(Path(path).expanduser().absolute()):
+            pids = holders(self.root, m.hex)
+            if pids:
+                raise ModelLoadError(
+                    f"cannot overwrite {path}: its version sha256:{m.short} is in use by a "
+                    f"running model (pid {', '.join(map(str, pids))}); stop that model first, "
+                    "or write elsewhere (-o)")
+
     def in_use(self, digest: str) -> list[int]:
         """The pids of the running processes that hold version ``digest``."""
         return holders(self.root, digest.removeprefix(DIGEST_PREFIX))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +63,25 @@ def test_quantize_to_q8_0_into_the_models_directory(model_path, models_dir):
     assert "Q8_0" in listed.stdout.splitlines()[1].split()
     assert generates(out)
     assert [p.name for p in models_dir.glob(".*partial*")] == []
+    # where it came from (it said only "file")
+    shown = runner.invoke(app, ["show", "gemma-3-270m-q8_0"])
+    said = " ".join(shown.stdout.split())
+    assert f"source: quantized from {Path(model_path).resolve()} (sha256:" in said, said
+
+
+def test_force_over_a_version_a_running_model_holds_is_refused(model_path, models_dir):
+    """rm refused a version in use while quantize --force overwrote it."""
+    from justllm.models.registry import lease_for_path
+
+    out = models_dir / "gemma-3-270m-q8_0.gguf"
+    assert runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize"]).exit_code == 0
+    before = out.read_bytes()
+    with lease_for_path(out):  # this process serves it, as `justllm serve` would
+        line = error_line(runner.invoke(app, ["quantize", model_path, "Q4_0",
+                                              "--allow-requantize", "-o", str(out), "--force"]))
+    assert f"cannot overwrite {out}: its version sha256:" in line
+    assert f"is in use by a running model (pid {os.getpid()})" in line
+    assert out.read_bytes() == before
 
 
 def test_quantize_to_q4_0_at_a_path(model_path, models_dir, tmp_path):
