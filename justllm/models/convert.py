@@ -276,6 +276,8 @@ def _device(path: Path) -> int:
 
 
 def _gb(n: float) -> str:
+    if n < 1e6:  # a small adapter or test model: not "0 MB"
+        return f"{max(n / 1e3, 1):.0f} KB"
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
 
 

@@ -273,7 +273,10 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     src, dst = Path(src), Path(dst).expanduser()
     if threads < 0:
         raise ValueError("--threads must be >= 0")
-    header = read_gguf_header(src)  # a missing, foreign or truncated file fails here
+    header = read_gguf_header(src, adapter=True)  # a missing, foreign or truncated file
+    if header.metadata.get("general.type") == "adapter":
+        raise ValueError(f"{src} is a LoRA adapter: quantize takes models (an adapter is "
+                         "small; 'justllm convert ADAPTER_DIR --outtype q8_0' writes a Q8_0 one)")
     if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the output would overwrite the model itself ({src}); pick another "
                          "--output")

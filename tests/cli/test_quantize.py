@@ -124,6 +124,10 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
         assert words in error_line(r), r.stderr
     r = runner.invoke(app, ["quantize", str(tmp_path / "missing.gguf"), "Q8_0"])
     assert "not found" in error_line(r)
+    from tests.lora_files import write_adapter  # (it was told to use quantize's --lora)
+    adapter = write_adapter(tmp_path / "ad.gguf", seed=1)
+    assert "is a LoRA adapter: quantize takes models" in error_line(
+        runner.invoke(app, ["quantize", str(adapter), "Q8_0"]))
     r = runner.invoke(app, ["quantize", model_path])
     assert "give MODEL and TYPE" in error_line(r)
     monkeypatch.setattr("justllm.models.quantize._free_bytes", lambda d: 50_000_000)
