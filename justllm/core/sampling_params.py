@@ -40,6 +40,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's: no end-of-generation token, stop token or stop string ends the answer before
+    # this many tokens (the end tokens are masked out until then).
+    min_tokens: int = 0
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
@@ -106,6 +109,14 @@ class SamplingParams:
                "logit_bias maps token ids (integers >= 0) to biases in [-100, 100]", "logit_bias")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids >= 0", "stop_token_ids")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               "min_tokens must be an integer >= 0", "min_tokens")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+               f"({self.max_tokens})", "min_tokens")
+        _check(not (self.min_tokens and self.grammar is not None),
+               "min_tokens cannot be combined with a grammar (structured output, tools): the "
+               "grammar decides where the answer ends", "min_tokens")
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
                "grammar must be non-empty GBNF text", "grammar")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -24,12 +24,14 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text, once found
 
-    def add_token(self, token: int) -> None:
+    def add_token(self, token: int, find_stop: bool = True) -> None:
+        """``find_stop`` False: not yet (``min_tokens``); a stop string that ends in a later
+        token is still found, even if it began here."""
         if self.stopped:
             return
         before = len(self.text)
         self.text += self._decoder.decode(self._piece(token))
-        if self._stop and len(self.text) > before:
+        if self._stop and len(self.text) > before and find_stop:
             self._find_stop(before)
 
     def _find_stop(self, before: int) -> None:

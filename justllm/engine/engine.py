@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
@@ -285,7 +287,11 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint = self.backend.grammar(params.grammar) if params.grammar else None
-        sampler = RequestSampler(params, seed, constraint)
+        ends = None
+        if params.min_tokens:
+            ends = np.union1d(self.backend.eog_ids(),
+                              np.asarray(params.stop_token_ids, dtype=np.int64))
+        sampler = RequestSampler(params, seed, constraint, ends)
         if resume is not None:
             self._check_resume(resume, sampler)
         with self._lock:
@@ -746,14 +752,15 @@ class Engine:
             self._prompt_tokens_total += req.num_prompt_tokens
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
-        if token in params.stop_token_ids or (
+        early = len(req.output_token_ids) < params.min_tokens  # (the sampler masked ends)
+        if not early and (token in params.stop_token_ids or (
                 # a grammar offers the end only once it is complete: the answer ends there,
                 # ignore_eos or not (else every later token would be another end)
                 (not params.ignore_eos or live.sampler.constraint is not None)
-                and self.backend.is_eog(token)):
+                and self.backend.is_eog(token))):
             out.reason = FinishReason.STOP
             return
-        live.detok.add_token(token)
+        live.detok.add_token(token, find_stop=not early)
         if live.detok.stopped:
             out.reason = FinishReason.STOP
         elif req.num_tokens >= req.max_total_tokens:

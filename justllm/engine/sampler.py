@@ -68,10 +68,14 @@ class RequestSampler:
     """Sampling state of one request: its random generator, parameters and constraint."""
 
     def __init__(self, params: SamplingParams, seed: int,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None,
+                 end_tokens: np.ndarray | None = None) -> None:
+        """``end_tokens``: what ``min_tokens`` masks out until that many tokens are out (the
+        end-of-generation tokens and the request's stop tokens)."""
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
+        self._end_tokens = end_tokens if params.min_tokens else None
         self._bias: tuple[np.ndarray, np.ndarray] | None = None
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
@@ -91,6 +95,10 @@ class RequestSampler:
             if x is logits:
                 x = np.array(logits, dtype=np.float32)  # our own copy: the row is the batch's
             np.add.at(x, self._bias[0], self._bias[1])
+        if self._end_tokens is not None and len(output_ids) < p.min_tokens:
+            if x is logits:
+                x = np.array(logits, dtype=np.float32)
+            x[self._end_tokens] = -np.inf
         c = self.constraint
         if p.greedy:
             token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)

@@ -181,6 +181,7 @@ class OpenAIServing:
             **self._repeat(req),
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
+            min_tokens=req.min_tokens or 0,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))

@@ -181,6 +181,9 @@ class _Sampling(_Request, kw_only=True):
     guided_regex: str | None = None
     # vLLM's: token ids that end the answer (besides the model's end-of-generation tokens).
     stop_token_ids: list[int] | None = None
+    # vLLM's: nothing ends the answer before this many tokens (end tokens masked, stop
+    # strings not looked for).
+    min_tokens: NonNegativeInt | None = None
     # vLLM's name for a repeat penalty over the whole prompt and answer (repeat_penalty is
     # llama.cpp's, over the last 64 tokens).
     repetition_penalty: float | None = None

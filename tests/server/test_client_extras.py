@@ -80,3 +80,35 @@ def test_fields_taken_at_this_servers_value(server, field, ok, says):
         bad = post(server, path, {**body, "max_tokens": 2, field: not ok})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field
         assert says in bad.json()["error"]["message"]
+
+
+def test_min_tokens_holds_the_end_back(server):
+    """vLLM's min_tokens: end-of-generation tokens, stop tokens and stop strings wait for that
+    many tokens."""
+    [eos] = post(server, "/tokenize", {"content": "<eos>"}).json()["tokens"]
+    body = {"prompt": "One, two, three, four, five, six, seven,", "max_tokens": 20,
+            "temperature": 0}
+    forced = {**body, "logit_bias": {str(eos): 100}}  # the end at once
+    now = post(server, "/v1/completions", forced).json()
+    assert now["choices"][0]["finish_reason"] == "stop" and now["choices"][0]["text"] == ""
+    held = post(server, "/v1/completions", {**forced, "min_tokens": 5}).json()
+    assert held["choices"][0]["finish_reason"] == "stop", held
+    assert held["usage"]["completion_tokens"] in (5, 6) and held["choices"][0]["text"], held
+    free = post(server, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]
+    second = post(server, "/tokenize", {"prompt": free["text"], "add_special_tokens": False}
+                  ).json()["tokens"][1]
+    stopped = post(server, "/v1/completions", {**body, "stop_token_ids": [second]}).json()
+    assert stopped["usage"]["completion_tokens"] == 2
+    later = post(server, "/v1/completions", {**body, "stop_token_ids": [second],
+                                             "min_tokens": 6}).json()
+    assert later["usage"]["completion_tokens"] >= 6
+    early = post(server, "/v1/completions", {**body, "stop": [","]}).json()
+    assert early["usage"]["completion_tokens"] <= 2, early
+    late = post(server, "/v1/completions", {**body, "stop": [","], "min_tokens": 6}).json()
+    assert late["usage"]["completion_tokens"] >= 6 and "," in late["choices"][0]["text"]
+    for bad, says in (({"min_tokens": 30, "max_tokens": 20}, "must be at most max_tokens"),
+                      ({"min_tokens": -1}, "Expected `int` >= 0"),
+                      ({"min_tokens": 2, "grammar": 'root ::= "a"'}, "cannot be combined")):
+        r = post(server, "/v1/completions", {**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        assert says in r.json()["error"]["message"]
