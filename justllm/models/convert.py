@@ -32,7 +32,7 @@ from rich.console import Console
 from justllm.errors import ModelLoadError
 from justllm.models.converter import Converter, check_extra, converter_dir, fetch_converter
 from justllm.models.hf_model import HFModel, read_config, read_local, side_files
-from justllm.models.lease import pid_alive
+from justllm.models.lease import sweep_dead
 from justllm.models.manifest import Manifest, Source
 from justllm.models.quantize import QuantizeJob, QuantType, check_writable, quant_type
 
@@ -94,10 +94,7 @@ class ConvertJob:
     def sweep(self) -> None:
         """Remove what earlier conversions to this output left when they were killed
         (SIGKILL, a crash): intermediates of processes that are gone."""
-        for old in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.convert-*"):
-            pid = old.name.rpartition("-")[2]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-                old.unlink(missing_ok=True)
+        sweep_dead(self.dst.parent, f".{glob.escape(self.dst.name)}.convert-*")
 
     def run(self, progress: Progress | None = None) -> Path:
         report = progress or (lambda _stage, _done, _total: None)

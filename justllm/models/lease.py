@@ -98,3 +98,12 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True  # alive, but another user's
     return True
+
+
+def sweep_dead(folder: Path, pattern: str) -> None:
+    """Remove the temporary files matching ``pattern`` (``NAME-PID`` at the end) in ``folder``
+    whose process is gone: what a killed quantization or conversion left."""
+    for old in folder.glob(pattern):
+        pid = old.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            old.unlink(missing_ok=True)

@@ -25,7 +25,7 @@ import numpy as np
 
 from justllm.errors import ModelLoadError
 from justllm.models.gguf import read_gguf_header
-from justllm.models.lease import pid_alive
+from justllm.models.lease import sweep_dead
 
 
 @dataclass(frozen=True)
@@ -214,10 +214,7 @@ class QuantizeJob:
     def sweep(self) -> None:
         """Remove what earlier runs writing this output left when they were killed (SIGKILL,
         a crash): temporary files of processes that are gone."""
-        for old in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.partial-*"):
-            pid = old.name.rpartition("-")[2]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-                old.unlink(missing_ok=True)
+        sweep_dead(self.dst.parent, f".{glob.escape(self.dst.name)}.partial-*")
 
     def run(self, progress: Callable[[int, int, str], None] | None = None) -> Path:
         from justllm.engine.backend import quantize_model
