@@ -45,6 +45,13 @@ class EngineError(JustLLMError):
     """llama.cpp returned an error while computing a step."""
 
 
+class GrammarDeadEndError(EngineError):
+    """A request's grammar allows no token of this model next (it asks for text no token can
+    spell, such as a NUL character): the request's own fault, answered as a 400."""
+
+    code = "grammar_dead_end"
+
+
 class KVConsistencyError(RuntimeError):
     """The engine's KV check found llama.cpp's cells out of step with the scheduler (a bug in
     justllm, never a user's error; the check is on in the test suite)."""

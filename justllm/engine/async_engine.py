@@ -200,10 +200,11 @@ class AsyncEngine:
         only within :func:`grammar_limits` (its parser and sampler recurse per nested group
         and per rule: 100,000 of either overflowed the stack and killed the server)."""
         grammar_limits(gbnf, param)
-        if not gbnf.strip() or not self.engine.backend.grammar_parses(gbnf):
-            raise InvalidRequestError(f"{param}: llama.cpp could not parse the grammar (GBNF "
-                                      "with a root rule; see llama.cpp's grammars/README.md)",
-                                      param=param)
+        why = self.engine.backend.grammar_error(gbnf) if gbnf.strip() else ""
+        if why is not None:
+            raise InvalidRequestError(f"{param}: llama.cpp could not parse the grammar"
+                                      + (f": {why}" if why else " (GBNF with a root rule; see "
+                                         "llama.cpp's grammars/README.md)"), param=param)
 
     @staticmethod
     def json_grammar(schema: dict | None = None) -> str:
@@ -392,39 +393,33 @@ def _timed(fn: Callable[[], T]) -> Callable[[], tuple[T, float]]:
 
 MAX_GRAMMAR_RULES = 4096
 MAX_GRAMMAR_NESTING = 1024
+MAX_GRAMMAR_ALTERNATIVES = 1024
 _RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
+# What is not structure: string literals and character classes (with their escapes).
+_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
 
 
 def grammar_limits(gbnf: str, param: str) -> None:
-    """400 for a client's GBNF with more than ``MAX_GRAMMAR_RULES`` rules or groups nested
-    deeper than ``MAX_GRAMMAR_NESTING`` (counted outside string literals and character
-    classes): llama.cpp turns each group into a rule and follows rule references by recursion,
-    so these bound its stack (4,096 chained rules around 1,024 nested groups parse and sample;
-    100,000 of either crashed)."""
+    """400 for a client's GBNF with more than ``MAX_GRAMMAR_RULES`` rules, groups nested
+    deeper than ``MAX_GRAMMAR_NESTING`` or more than ``MAX_GRAMMAR_ALTERNATIVES`` ``|``
+    (counted outside string literals and character classes). llama.cpp turns each group into
+    a rule and follows rule references by recursion, so the first two bound its stack (4,096
+    chained rules around 1,024 nested groups parse and sample; 100,000 of either crashed);
+    the grammar's mask costs about its live alternatives times the vocabulary, on the engine
+    thread, so the third bounds what one request makes every other wait (5,000 choices: 2 s
+    a token)."""
     rules = len(_RULE.findall(gbnf))
     if rules > MAX_GRAMMAR_RULES:
         raise InvalidRequestError(f"{param}: {rules} rules; at most {MAX_GRAMMAR_RULES}",
                                   param=param)
-    depth = deepest = 0
-    quote: str | None = None  # inside "..." or [...]
-    escaped = False
-    for ch in gbnf:
-        if quote is not None:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = None
-        elif ch == '"':
-            quote = '"'
-        elif ch == "[":
-            quote = "]"
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth -= 1
+    structure = np.frombuffer(_LITERALS.sub("", gbnf).encode(), dtype=np.uint8)
+    alternatives = int(np.count_nonzero(structure == ord("|")))
+    if alternatives > MAX_GRAMMAR_ALTERNATIVES:
+        raise InvalidRequestError(f"{param}: {alternatives} alternatives ('|'); at most "
+                                  f"{MAX_GRAMMAR_ALTERNATIVES}", param=param)
+    depth = np.cumsum((structure == ord("(")).astype(np.int64)
+                      - (structure == ord(")")).astype(np.int64))
+    deepest = int(depth.max()) if depth.size else 0
     if deepest > MAX_GRAMMAR_NESTING:
         raise InvalidRequestError(f"{param}: groups nested {deepest} deep; at most "
                                   f"{MAX_GRAMMAR_NESTING}", param=param)

@@ -29,7 +29,13 @@ from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.config import usable_cpus
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
-from justllm.errors import EngineError, GPUUnavailableError, InvalidRequestError, ModelLoadError
+from justllm.errors import (
+    EngineError,
+    GPUUnavailableError,
+    GrammarDeadEndError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from justllm.models.gguf import check_gguf_file, read_gguf_header
 
 JSON_GRAMMAR: str = _grammar.JSON_GBNF
@@ -167,8 +173,55 @@ def without_trailing_space(gbnf: str) -> str:
     return f"{gbnf[:r_start]}root ::= {name}-top\n{gbnf[r_end:]}\n{name}-top ::= {body}\n"
 
 
+# A JSON string's character without the control characters JSON forbids raw (llama-cpp-python's
+# converter allowed them, so a schema's strings could hold a raw newline: invalid JSON; the
+# current llama.cpp converter excludes them the same way).
+_JSON_CHAR = (r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] '
+              r'[0-9a-fA-F] [0-9a-fA-F])')
+# The most a schema may ask a rule repeated (minLength, maxItems, a pattern's {n,m}): the
+# converter nests one group per repetition, and llama.cpp refuses ~1,000 ("exceeds sane
+# defaults") and overflows its stack at ~100,000 (a 9-byte maxLength killed the server).
+MAX_SCHEMA_REPEAT = 1000
+# The most values an enum (or const list) may offer: the grammar's mask costs about the
+# number of live alternatives times the vocabulary, on the engine thread.
+MAX_SCHEMA_CHOICES = 1024
+_REPEATS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_PATTERN_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def check_schema_size(schema: Any, where: str = "schema") -> None:
+    """InvalidRequestError for a schema whose grammar would be too big for llama.cpp (see
+    ``MAX_SCHEMA_REPEAT``, ``MAX_SCHEMA_CHOICES``), naming the keyword and where it is."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_schema_size(item, f"{where}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        at = f"{where}.{key}"
+        if key in _REPEATS and isinstance(value, int) and value > MAX_SCHEMA_REPEAT:
+            raise InvalidRequestError(f"{at} is {value}; at most {MAX_SCHEMA_REPEAT} here (the "
+                                      "grammar repeats a rule that many times)")
+        if key == "pattern" and isinstance(value, str):
+            for m in _PATTERN_COUNT.finditer(value):
+                if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_SCHEMA_REPEAT:
+                    raise InvalidRequestError(f"{at}: {m.group(0)} repeats more than "
+                                              f"{MAX_SCHEMA_REPEAT} times")
+        if key == "enum" and isinstance(value, list) and len(value) > MAX_SCHEMA_CHOICES:
+            raise InvalidRequestError(f"{at} has {len(value)} values; at most "
+                                      f"{MAX_SCHEMA_CHOICES}")
+        check_schema_size(value, at)
+
+
 class _SchemaConverter(_grammar.SchemaConverter):
-    """llama-cpp-python's converter, plus integer bounds (engine/int_range.py)."""
+    """llama-cpp-python's converter, plus integer bounds (engine/int_range.py) and JSON's own
+    string characters (no raw control characters)."""
+
+    def _add_primitive(self, name: str, rule: Any) -> str:
+        if name == "char":
+            rule = _grammar.BuiltinRule(_JSON_CHAR, [])
+        return super()._add_primitive(name, rule)
 
     def visit(self, schema: Any, name: str) -> str:
         if not bounded_integer(schema):
@@ -182,6 +235,10 @@ def grammar_from_json_schema(schema: dict) -> str:
     ``json_schema_to_gbnf`` runs the same way, with integer bounds added)."""
     import json
 
+    try:
+        check_schema_size(schema)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(str(e), param="response_format") from None
     try:
         converter = _SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                      raw_pattern=False)
@@ -672,11 +729,22 @@ class LlamaBackend:
     def grammar_parses(self, gbnf: str) -> bool:
         """Whether llama.cpp takes ``gbnf`` (with a ``root`` rule): a client's own grammar
         is checked before its request is queued. Reads only the vocabulary: any thread."""
-        smpl = C.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
-        if not smpl:
-            return False
-        C.llama_sampler_free(smpl)
-        return True
+        return self.grammar_error(gbnf) is None
+
+    def grammar_error(self, gbnf: str) -> str | None:
+        """Why llama.cpp refuses ``gbnf`` ("" when it logs no reason: its parser writes
+        syntax errors straight to stderr), or None when it takes it. The log is redirected
+        for the call, from whichever thread (the engine thread's log lines in that moment
+        are not printed: a small loss next to a client's reason)."""
+        lines: list[tuple[int, str]] = []
+        with _log_to(lambda level, text: lines.append((level, text)), self.config.verbose):
+            smpl = C.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+        if smpl:
+            C.llama_sampler_free(smpl)
+            return None
+        reasons = [t.strip() for level, t in lines if level == 4 and t.strip()
+                   and t.strip() != "failed to parse grammar"]
+        return reasons[0] if reasons else ""
 
     # ---- LoRA adapters --------------------------------------------------------------------
 
@@ -934,7 +1002,8 @@ class GrammarMatcher:
         """The row with every token the grammar forbids set to -inf."""
         masked = self._apply(np.arange(logits.size, dtype=np.int32), logits)
         if not np.isfinite(masked).any():
-            raise EngineError("the grammar allows no further token")
+            raise GrammarDeadEndError("the grammar allows no further token: no token of "
+                                      "this model continues it here")
         return masked
 
     def allows(self, token: int) -> bool:

@@ -179,6 +179,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def template_globals() -> frozenset[str]:
+    """The names a template sees besides its variables (``raise_exception``, ``range``...): a
+    client's extra variables may not hide them."""
+    return frozenset(_environment().globals)
+
+
 def template_tool_format(source: str) -> str:
     """The tool-call format a template's own markers name (``generic`` when it names none):
     ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each."""

@@ -106,6 +106,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     error: str | None = None
+    # What kind of error (``GrammarDeadEndError.code``: the request's own fault), if known.
+    error_code: str | None = None
     # The stop string that ended the request (finish_reason "stop" by a string, not a token):
     # APIs that report which stop matched (Anthropic's stop_sequence) read it here.
     stop: str | None = None
@@ -705,7 +707,7 @@ class Engine:
                 sampled = live.sampler.sample(logits, req.prompt_token_ids,
                                               req.output_token_ids)
         except EngineError as e:  # e.g. a grammar with no way forward: end this request only
-            return self._end_with_error(live, out, str(e), result)
+            return self._end_with_error(live, out, str(e), result, getattr(e, "code", None))
         self._emit(live, sampled, now, out)
         return self._finish_output(live, out, now, result)
 
@@ -730,7 +732,7 @@ class Engine:
         try:
             verdict = walk_draft(draft, step)
         except EngineError as e:
-            return self._end_with_error(live, out, str(e), result)
+            return self._end_with_error(live, out, str(e), result, getattr(e, "code", None))
         result.paths[index] = list(verdict.path)
         assert self.spec is not None
         self.spec.record(req.request_id, draft, verdict.accepted, self._steps)
@@ -786,7 +788,7 @@ class Engine:
                              handover=handover)
 
     def _end_with_error(self, live: _Live, out: _Emitted, message: str,
-                        result: StepResult) -> RequestOutput:
+                        result: StepResult, code: str | None = None) -> RequestOutput:
         req = live.request
         result.finished.append((req, FinishReason.ABORT))
         live.error = message
@@ -794,7 +796,8 @@ class Engine:
         if live.output is not None:
             live.output.append(text)
         return RequestOutput(req.request_id, text, out.token_ids, True, "abort",
-                             out.logprobs or None, live.metrics, error=message)
+                             out.logprobs or None, live.metrics, error=message,
+                             error_code=code)
 
     def _drop(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)

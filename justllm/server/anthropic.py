@@ -22,6 +22,7 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from justllm.errors import GrammarDeadEndError
 from justllm.server.anthropic_chat import to_chat
 from justllm.server.anthropic_schemas import (
     AnthropicMessage,
@@ -187,8 +188,9 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                 input_tokens = ev.usage.prompt_tokens
                 output_tokens = ev.usage.completion_tokens
             elif isinstance(ev, StreamError):
-                yield _event("error", error_body(503 if ev.code == "shutting_down" else 500,
-                                                 ev.message))
+                yield _event("error", error_body(
+                    503 if ev.code == "shutting_down" else 400 if ev.code == GrammarDeadEndError.code
+                    else 500, ev.message))
                 return
     if blocks.index < 0:  # nothing was said: one empty text block, as the whole answer has
         for frame in blocks.start({"type": "text", "text": ""}):

@@ -23,9 +23,14 @@ import msgspec
 from justllm.core.record import RequestOrigin
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
-from justllm.engine.chat_template import ChatTemplate, with_template_stops
+from justllm.engine.chat_template import ChatTemplate, template_globals, with_template_stops
 from justllm.engine.engine import Handover, RequestOutput, TokenLogprob
-from justllm.errors import EngineClosedError, HandoverError, InvalidRequestError
+from justllm.errors import (
+    EngineClosedError,
+    GrammarDeadEndError,
+    HandoverError,
+    InvalidRequestError,
+)
 from justllm.server.errors import APIError, error_body
 from justllm.server.json_schema import check_strict
 from justllm.server.lora import adapter, request_lora
@@ -94,7 +99,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
     "verbosity": ((None, "medium"), "this server has no verbosity control"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
-    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "skip_special_tokens": ((None, True), "control tokens are always left out of the text "
+                                          "(as llama.cpp writes tokens)"),
     "cache_prompt": ((None, True), "every prompt is cached (--no-prefix-cache turns the "
                                    "server's prefix cache off)"),
 }
@@ -117,6 +123,11 @@ def sse(payload: object) -> bytes:
 
 SSE_DONE = b"data: [DONE]\n\n"
 _ALNUM = string.ascii_letters + string.digits
+
+
+def error_type(code: str | None) -> str:
+    """OpenAI's error type for an engine error ``code`` (an in-stream error event's)."""
+    return "invalid_request_error" if code == GrammarDeadEndError.code else "server_error"
 
 
 def check_model(name: str | None, model_id: str) -> None:
@@ -185,6 +196,15 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
+
+    @staticmethod
+    def check_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
+        """The checks of vLLM's and llama-server's extra fields that need no model (router
+        mode runs them before a load; the route runs them all again)."""
+        OpenAIServing._repeat(req)
+        structured_grammar(None, req)
+        SamplingParams(max_tokens=getattr(req, "max_completion_tokens", None) or req.max_tokens,
+                       min_tokens=req.min_tokens or 0)
 
     @staticmethod
     def _repeat(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -273,6 +293,8 @@ class OpenAIServing:
                 if out.error:
                     if not self.aengine.accepting:  # aborted by a shutdown: 503, retry later
                         raise EngineClosedError(out.error)
+                    if out.error_code == GrammarDeadEndError.code:  # the request's grammar
+                        raise APIError(400, out.error, code=out.error_code)
                     raise APIError(500, out.error, type="server_error")
                 texts[i] += out.text
                 if out.logprobs is not None:
@@ -291,13 +313,15 @@ class OpenAIServing:
         last, assistant, message, which the answer continues)."""
         return self._render(messages, ToolPlan(), continue_final)
 
-    def request_prompt(self, req: ChatCompletionRequest) -> str:
-        """The prompt ``req`` is answered from, its tools included (what usage counts)."""
+    def request_prompt(self, req: ChatCompletionRequest, generation_prompt: bool = True) -> str:
+        """The prompt ``req`` is answered from, its tools included (what usage counts);
+        without the assistant's opening when ``generation_prompt`` is False (/tokenize)."""
         return self._render(req.messages, tool_plan(req), req.continue_final_message,
-                            req.chat_template_kwargs)
+                            req.chat_template_kwargs, generation_prompt)
 
     def _render(self, messages: list[ChatMessage], plan: ToolPlan,
-                continue_final: bool = False, kwargs: dict[str, Any] | None = None) -> str:
+                continue_final: bool = False, kwargs: dict[str, Any] | None = None,
+                generation_prompt: bool = True) -> str:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         plain = []
@@ -309,11 +333,12 @@ class OpenAIServing:
             if m.refusal:
                 content = f"{content}\n{m.refusal}" if content else m.refusal
             plain.append(message_dict(m, i, content or ""))
-        taken = sorted(_TEMPLATE_OWN & set(kwargs or ()))
+        taken = sorted((_TEMPLATE_OWN | template_globals()) & set(kwargs or ()))
         if taken:
-            raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)} is the "
-                                      "server's to set", param="chat_template_kwargs")
-        return self.template.render(plain, add_generation_prompt=True,
+            raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)}: the "
+                                      "server's to set, or a name the template relies on",
+                                      param="chat_template_kwargs")
+        return self.template.render(plain, add_generation_prompt=generation_prompt,
                                     tools=plan.for_template(), parallel_tool_calls=plan.parallel,
                                     continue_final=continue_final, **(kwargs or {}))
 
@@ -449,8 +474,8 @@ class OpenAIServing:
         async with aclosing(self._merged(streams)) as merged:
             async for i, out in merged:
                 if out.error:
-                    yield StreamError(out.error,
-                                      None if self.aengine.accepting else "shutting_down")
+                    yield StreamError(out.error, out.error_code if self.aengine.accepting
+                                      else "shutting_down")
                     return
                 answer = answers[i]
                 text = answer.feed(out.text)
@@ -522,7 +547,7 @@ class OpenAIServing:
                     if include_usage:
                         yield chunk([], usage=ev.usage)
                 else:
-                    yield sse(error_body(ev.message, "server_error", code=ev.code))
+                    yield sse(error_body(ev.message, error_type(ev.code), code=ev.code))
         yield SSE_DONE
 
     # ---- text completions -----------------------------------------------------------------
@@ -615,8 +640,8 @@ class OpenAIServing:
             async for i, out in merged:
                 if out.error:
                     closing = not self.aengine.accepting
-                    yield sse(error_body(out.error, "server_error",
-                                         code="shutting_down" if closing else None))
+                    code = "shutting_down" if closing else out.error_code
+                    yield sse(error_body(out.error, error_type(code), code=code))
                     break
                 delta = shape.delta(i, out)
                 if delta is not None:

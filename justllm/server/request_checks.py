@@ -41,10 +41,12 @@ def check_without_model(path: str, raw: bytes) -> None:
             chat = msgspec.json.decode(raw, type=ChatCompletionRequest)
             check_chat_request(chat)
             OpenAIServing.check_supported(chat)
+            OpenAIServing.check_extras(chat)
         case "/v1/completions":
             completion = msgspec.json.decode(raw, type=CompletionRequest)
             check_stream_options(completion)
             OpenAIServing.check_supported(completion)
+            OpenAIServing.check_extras(completion)
         case "/v1/embeddings":
             msgspec.json.decode(raw, type=EmbeddingRequest)
         case "/v1/messages":
@@ -54,7 +56,7 @@ def check_without_model(path: str, raw: bytes) -> None:
         case "/tokenize":
             tokenize.check_tokenize(msgspec.json.decode(raw, type=TokenizeRequest))
         case "/detokenize":
-            msgspec.json.decode(raw, type=DetokenizeRequest)
+            tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":
             responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest))
         case "/api/chat":

@@ -202,7 +202,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
                 frames.append(w.event(f"response.{resp.status}", response=resp))
             elif isinstance(ev, StreamError):
                 resp.status = "failed"
-                resp.error = {"code": "server_error", "message": ev.message}
+                resp.error = {"code": ev.code or "server_error", "message": ev.message}
                 frames = [w.event("error", code=ev.code or "server_error", message=ev.message,
                                   param=None),
                           w.event("response.failed", response=resp)]

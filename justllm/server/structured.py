@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.async_engine import MAX_GRAMMAR_ALTERNATIVES, AsyncEngine, grammar_limits
 from justllm.errors import InvalidRequestError
 
 _VLLM = ("json", "json_object", "choice", "grammar", "regex")
@@ -52,8 +52,10 @@ def requested(req: Any) -> tuple[str, str, Any] | None:
     return found[0] if found else None
 
 
-def structured_grammar(aengine: AsyncEngine, req: Any) -> tuple[str, str] | None:
-    """(GBNF, the field it came from) for ``req``'s structured-output field, or None."""
+def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str] | None:
+    """(GBNF, the field it came from) for ``req``'s structured-output field, or None.
+    Without ``aengine`` (router mode, before a load) all but llama.cpp's parse of a client's
+    grammar is checked."""
     found = requested(req)
     if found is None:
         return None
@@ -62,14 +64,19 @@ def structured_grammar(aengine: AsyncEngine, req: Any) -> tuple[str, str] | None
         raise InvalidRequestError(f"{param}: regular expressions are not supported here (send "
                                   "a JSON schema, a choice list or a GBNF grammar)", param=param)
     if kind == "grammar":
-        aengine.check_grammar(value, param)
+        grammar_limits(value, param)
+        if aengine is not None:
+            aengine.check_grammar(value, param)
         return value, param
     if kind == "json_object":
-        return aengine.json_grammar(), param
+        return AsyncEngine.json_grammar(), param
     if kind == "choice":
         if not value or not all(isinstance(c, str) and c for c in value):
             raise InvalidRequestError(f"{param}: a non-empty list of non-empty strings",
                                       param=param)
+        if len(value) > MAX_GRAMMAR_ALTERNATIVES:  # each a live alternative: see grammar_limits
+            raise InvalidRequestError(f"{param}: {len(value)} choices; at most "
+                                      f"{MAX_GRAMMAR_ALTERNATIVES}", param=param)
         return "root ::= " + " | ".join(gbnf_literal(c) for c in dict.fromkeys(value)), param
     schema = value
     if isinstance(schema, str):  # vLLM takes the schema as JSON text too
@@ -81,7 +88,7 @@ def structured_grammar(aengine: AsyncEngine, req: Any) -> tuple[str, str] | None
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param}: a JSON schema is an object", param=param)
     try:
-        return aengine.json_grammar(schema), param
+        return AsyncEngine.json_grammar(schema), param
     except InvalidRequestError as e:
         raise InvalidRequestError(f"{param}: {e}", param=param) from None
 

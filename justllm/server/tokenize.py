@@ -18,6 +18,7 @@ vLLM's, ``content``: llama-server's), special tokens written as their text, as b
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from litestar import Request, Router, post
@@ -65,16 +66,27 @@ def check_tokenize(req: TokenizeRequest) -> tuple[ChatCompletionRequest | None, 
     if not req.parse_special:
         raise InvalidRequestError("parse_special: false does not go with messages (the chat "
                                   "template's markers are special tokens)", param="parse_special")
+    # add_generation_prompt: false alone (the conversation as it stands, vLLM's) is the
+    # tokenizer's to honour; the chat route takes it only with continue_final_message.
+    alone = req.add_generation_prompt is False and not req.continue_final_message
     chat = ChatCompletionRequest(
         model=req.model, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
-        add_generation_prompt=req.add_generation_prompt,
+        add_generation_prompt=None if alone else req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs)
     check_chat_request(chat)
     check_tool_messages(chat.messages)
     tool_plan(chat)
     return chat, False
+
+
+def check_detokenize(req: DetokenizeRequest) -> None:
+    """What needs no model: no negative id (the vocabulary's size is the model's)."""
+    bad = next((i for i, t in enumerate(req.tokens) if t < 0), None)
+    if bad is not None:
+        raise InvalidRequestError(f"tokens[{bad}]: {req.tokens[bad]} is not a token id",
+                                  param="tokens")
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -93,19 +105,24 @@ async def tokenize(data: JSONBody[TokenizeRequest], request: Request, state: Sta
     served.completions.check_model(req.model)
     chat, add_special = check_tokenize(req)
     aengine = served.aengine
-    if chat is not None:
-        tokens = aengine.tokenize(served.completions.request_prompt(chat))
-    else:
-        text = req.prompt if req.prompt is not None else req.content
-        assert text is not None  # check_tokenize: one of the two
-        tokens = aengine.tokenize(text, add_special=add_special, parse_special=req.parse_special)
-    body: dict[str, Any] = {
-        "count": len(tokens), "max_model_len": aengine.max_request_tokens,
-        "tokens": ([{"id": t, "piece": _piece(aengine.token_bytes(t, special=True))}
-                    for t in tokens] if req.with_pieces else tokens),
-        "token_strs": [aengine.token_text(t) for t in tokens] if req.return_token_strs
-        else None}
-    return body
+
+    def work() -> dict[str, Any]:
+        if chat is not None:
+            tokens = aengine.tokenize(served.completions.request_prompt(
+                chat, generation_prompt=req.add_generation_prompt is not False))
+        else:
+            text = req.prompt if req.prompt is not None else req.content
+            assert text is not None  # check_tokenize: one of the two
+            tokens = aengine.tokenize(text, add_special=add_special,
+                                      parse_special=req.parse_special)
+        return {"count": len(tokens), "max_model_len": aengine.max_request_tokens,
+                "tokens": ([{"id": t, "piece": _piece(aengine.token_bytes(t, special=True))}
+                            for t in tokens] if req.with_pieces else tokens),
+                "token_strs": [aengine.token_text(t) for t in tokens]
+                if req.return_token_strs else None}
+
+    # Off the event loop: megabytes of text take seconds, and every stream would wait.
+    return await asyncio.to_thread(work)
 
 
 @post("/detokenize", status_code=200,
@@ -115,7 +132,7 @@ async def detokenize(data: JSONBody[DetokenizeRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, DetokenizeRequest)
     served.completions.check_model(req.model)
-    text = served.aengine.detokenize(req.tokens)
+    text = await asyncio.to_thread(served.aengine.detokenize, req.tokens)
     return {"prompt": text, "content": text}
 
 

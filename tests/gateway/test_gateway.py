@@ -253,6 +253,15 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         r = httpx.post(gw.url + "/tokenize", timeout=60,
                        json={"model": "beta", "prompt": "Hi", "content": "Hi"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        for extra, param in (({"guided_regex": "a+"}, "guided_regex"),
+                             ({"repetition_penalty": -1}, "repetition_penalty"),
+                             ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+                             ({"grammar": "root ::= " + "(" * 2000 + '"a"' + ")" * 2000},
+                              "grammar")):
+            r = complete(gw, "beta", **extra)  # the extensions' checks come before a load too
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(gw.url + "/detokenize", timeout=60, json={"model": "beta", "tokens": [-1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
         after = gw.status()
         assert after["beta"]["status"] == "unloaded" and after["beta"]["loads"] == beta_loads
         assert after["alpha"]["pid"] == alpha_pid and after["alpha"]["status"] == "loaded"

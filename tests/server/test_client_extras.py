@@ -45,7 +45,14 @@ def test_chat_template_kwargs_reach_the_template(templated):
     r = post(templated, "/v1/chat/completions", {
         "messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
-    assert "add_generation_prompt is the server's to set" in r.json()["error"]["message"]
+    assert "add_generation_prompt: the server's to set" in r.json()["error"]["message"]
+    for hidden in ("raise_exception", "range"):  # the template's own names
+        r = post(templated, "/tokenize", {"messages": HI, "chat_template_kwargs": {hidden: 1}})
+        assert r.status_code == 400 and hidden in r.json()["error"]["message"], r.text
+    # add_generation_prompt: false alone (vLLM's /tokenize): the conversation as it stands
+    bare = post(templated, "/tokenize", {"messages": HI, "add_generation_prompt": False}).json()
+    text = post(templated, "/detokenize", {"tokens": bare["tokens"]}).json()["content"]
+    assert text.endswith("user: Hello there.\n") and bare["count"] < n_plain
     r = post(templated, "/tokenize", {"prompt": "x", "chat_template_kwargs": {}})
     assert r.status_code == 400 and "goes with messages" in r.text
 
@@ -69,7 +76,7 @@ def test_repetition_penalty_is_vllms_whole_sequence_penalty(server):
 
 
 @pytest.mark.parametrize("field, ok, says", [
-    ("skip_special_tokens", True, "special tokens are always left out"),
+    ("skip_special_tokens", True, "control tokens are always left out"),
     ("cache_prompt", True, "every prompt is cached"),
 ])
 def test_fields_taken_at_this_servers_value(server, field, ok, says):

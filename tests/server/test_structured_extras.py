@@ -87,6 +87,24 @@ def test_stop_token_ids_end_the_answer(server):
 @pytest.mark.parametrize("path, body, param, says", [
     (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar", "could not parse"),
     (COMPLETIONS, {"grammar": ""}, "grammar", "could not parse"),
+    (COMPLETIONS, {"grammar": 'root ::= root "a" | "a"'}, "grammar",
+     "could not parse the grammar: unsupported grammar, left recursion detected"),
+    (COMPLETIONS, {"grammar": 'x ::= "a"'}, "grammar", "does not contain a 'root' symbol"),
+    # a 9-byte maxLength made a grammar nested a million deep: a segfault
+    (COMPLETIONS, {"json_schema": {"type": "string", "maxLength": 1_000_000}}, "json_schema",
+     "maxLength is 1000000; at most 1000"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "string"}, "maxItems": 100_000}}}},
+     "response_format.json_schema.schema", "maxItems is 100000; at most 1000"),
+    (COMPLETIONS, {"guided_json": {"type": "string", "pattern": "^a{5000}$"}}, "guided_json",
+     "{5000} repeats more than 1000 times"),
+    # 5,000 alternatives held every other request for seconds a token
+    (COMPLETIONS, {"guided_choice": [f"w{i}" for i in range(2000)]}, "guided_choice",
+     "2000 choices; at most 1024"),
+    (COMPLETIONS, {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(2000))},
+     "grammar", "1999 alternatives ('|'); at most 1024"),
+    (COMPLETIONS, {"json_schema": {"enum": list(range(2000))}}, "json_schema",
+     "enum has 2000 values; at most 1024"),
     # 100,000 of either overflowed llama.cpp's stack: the server died
     (COMPLETIONS, {"grammar": "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000}, "grammar",
      "groups nested 100000 deep; at most 1024"),
@@ -122,3 +140,28 @@ def test_bad_structured_fields_are_400s(server, path, body, param, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_a_grammar_no_token_can_continue_is_the_requests_own_400(server):
+    """llama.cpp has no token starting with NUL: the request can never go on. It was a 500."""
+    body = {"grammar": 'root ::= "a" [\\x00]', "max_tokens": 4}
+    r = post(server, COMPLETIONS, {"prompt": "x", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "grammar_dead_end"
+    with httpx.stream("POST", server.url + CHAT, timeout=60, json={
+            "messages": HI, "stream": True, **body}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert events[-1]["error"]["code"] == "grammar_dead_end"
+
+
+def test_schema_strings_hold_no_raw_control_characters(server):
+    """The schema converter let a string hold a raw newline: invalid JSON."""
+    newline = post(server, "/tokenize", {"content": "\n"}).json()["tokens"][0]
+    r = post(server, COMPLETIONS, {"prompt": "JSON:", "max_tokens": 30, "temperature": 0,
+                                   "json_schema": {"type": "string", "maxLength": 2},
+                                   "logit_bias": {str(newline): 100}})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert isinstance(json.loads(text), str) and "\n" not in text, text
