@@ -9,6 +9,9 @@ from justllm.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_DRAFT = 16  # draft tokens per step and request
 MAX_STOP = 32  # stop strings per request (a chat template's own included)
+# The longest stop string: each token looks back that far for one beginning (the engine
+# thread's work, for every request in the step).
+MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LORA_SCALE = 100.0  # |scale| of one adapter: beyond it nothing but noise comes out
 
@@ -102,6 +105,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be non-empty strings", "stop")
         _check(len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings", "stop")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+               f"a stop string has at most {MAX_STOP_CHARS} characters", "stop")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
                f"logit_bias has at most {MAX_LOGIT_BIAS} entries", "logit_bias")
         _check(all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0

