@@ -211,6 +211,10 @@ def check_schema_size(schema: Any, where: str = "schema") -> None:
         if key == "enum" and isinstance(value, list) and len(value) > MAX_SCHEMA_CHOICES:
             raise InvalidRequestError(f"{at} has {len(value)} values; at most "
                                       f"{MAX_SCHEMA_CHOICES}")
+        if key in ("anyOf", "oneOf") and isinstance(value, list) and (
+                len(value) > MAX_SCHEMA_CHOICES):
+            raise InvalidRequestError(f"{at} has {len(value)} schemas; at most "
+                                      f"{MAX_SCHEMA_CHOICES}")
         check_schema_size(value, at)
 
 

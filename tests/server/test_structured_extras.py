@@ -105,6 +105,10 @@ def test_stop_token_ids_end_the_answer(server):
      "grammar", "1999 alternatives ('|'); at most 1024"),
     (COMPLETIONS, {"json_schema": {"enum": list(range(2000))}}, "json_schema",
      "enum has 2000 values; at most 1024"),
+    (COMPLETIONS, {"json_schema": {"anyOf": [{"const": i} for i in range(2000)]}},
+     "json_schema", "anyOf has 2000 schemas; at most 1024"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                      for i in range(129)]}, "tools", "129 tools; at most 128"),
     # 100,000 of either overflowed llama.cpp's stack: the server died
     (COMPLETIONS, {"grammar": "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000}, "grammar",
      "groups nested 100000 deep; at most 1024"),

@@ -94,7 +94,13 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     return plan
 
 
+MAX_TOOLS = 128  # OpenAI's limit; each is an alternative of the call grammar (engine thread)
+
+
 def _functions(tools: list[Tool]) -> tuple[Function, ...]:
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"tools: {len(tools)} tools; at most {MAX_TOOLS} (as OpenAI "
+                                  "allows)", param="tools")
     out: list[Function] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
