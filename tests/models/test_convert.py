@@ -86,6 +86,7 @@ def test_fetch_extracts_only_the_converter_once(tmp_path: Path) -> None:
     top = "llama_cpp_python-9.9.9/vendor/llama.cpp/"
     registry = 'TEXT_MODEL_MAP: dict[str, str] = {"BLlama": "llama", "ALlama": "llama"}\n'
     files = {top + "convert_hf_to_gguf.py": b"print('hi')\n",
+             top + "convert_lora_to_gguf.py": b"print('lora')\n",
              top + "conversion/__init__.py": registry.encode(),
              top + "conversion/__pycache__/x.pyc": b"junk",
              top + "gguf-py/gguf/__init__.py": b"",
@@ -104,13 +105,17 @@ def test_fetch_extracts_only_the_converter_once(tmp_path: Path) -> None:
     root = tmp_path / "converter"
     c = fetch_converter(root, version="9.9.9", download=download)
     got = sorted(str(p.relative_to(c.root)) for p in c.root.rglob("*") if p.is_file())
-    assert got == ["conversion/__init__.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py",
-                   "models/templates/a.jinja"]
+    assert got == ["conversion/__init__.py", "convert_hf_to_gguf.py", "convert_lora_to_gguf.py",
+                   "gguf-py/gguf/__init__.py", "models/templates/a.jinja"]
     assert c.architectures() == ("ALlama", "BLlama") and c.version == "9.9.9"
     assert fetch_converter(root, version="9.9.9", download=download).root == c.root
     assert calls == ["9.9.9"]  # the second call found it
     assert sorted(p.name for p in root.iterdir()) == [".lock", "llama-cpp-python-9.9.9"]
     assert not (tmp_path / "escape.py").exists() and "LICENSE" in CONVERTER_FILES
+    # A tree an older justllm extracted, without the LoRA converter, is fetched again.
+    (c.root / "convert_lora_to_gguf.py").unlink()
+    assert fetch_converter(root, version="9.9.9", download=download).lora_script.is_file()
+    assert calls == ["9.9.9", "9.9.9"]
 
 
 def test_a_failed_fetch_leaves_nothing(tmp_path: Path) -> None:

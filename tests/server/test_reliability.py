@@ -130,7 +130,10 @@ BAD = {
          "stream_options.include_obfuscation"),
         (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, "suffix"),
         (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
-        (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1.1}, "repetition_penalty"),
+        (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1.1, "repeat_penalty": 1.1},
+         "repetition_penalty"),  # (vLLM's name, taken now; not beside llama.cpp's)
+        (COMPLETIONS, {"prompt": "hi", "include_stop_str_in_output": True},
+         "include_stop_str_in_output"),
         (EMBEDDINGS, {"input": "hi", "truncate": True}, "truncate"),
     ],
     "unsupported content": [
