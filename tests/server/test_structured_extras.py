@@ -9,8 +9,11 @@ import json
 import httpx
 import pytest
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"},
-                                           "age": {"type": "integer"}},
+# Bounded, so every sampled answer completes within max_tokens (an unbounded string or integer
+# let a sampled choice run on to the length limit now and then).
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 150}},
           "required": ["name", "age"]}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "Describe a person."}]
@@ -41,7 +44,7 @@ def texts(server, path: str, ended: bool = True, **body) -> list[str]:
     {"guided_json": PERSON},  # vLLM's older name
 ])
 def test_a_json_schema_is_followed(server, path, field):
-    for text in texts(server, path, **field):
+    for text in texts(server, path, max_tokens=120, **field):
         person = json.loads(text)
         assert set(person) == {"name", "age"} and isinstance(person["age"], int), text
 
