@@ -22,6 +22,7 @@ from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import (
     JSON_GRAMMAR,
+    MAX_GRAMMAR_ALTERNATIVES,
     EmbeddingContext,
     grammar_from_json_schema,
     without_trailing_space,
@@ -171,14 +172,18 @@ class AsyncEngine:
         return self.engine.backend.tokenize(text, add_special=add_special,
                                             parse_special=parse_special)
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 (naming ``param`` and the first bad one) for an id outside the vocabulary."""
+        n_vocab = self.n_vocab
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{param}[{bad}]: {ids[bad]} is not a token id (they are "
+                                      f"in [0, {n_vocab}))", param=param)
+
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` (special tokens as their text); 400 for an id outside the
         vocabulary."""
-        n_vocab = self.n_vocab
-        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"tokens[{bad}]: {tokens[bad]} is not a token id (they are "
-                                      f"in [0, {n_vocab}))", param="tokens")
+        self.check_token_ids(tokens, "tokens")
         return self.engine.backend.detokenize(tokens)
 
     def token_text(self, token: int) -> str:
@@ -393,7 +398,6 @@ def _timed(fn: Callable[[], T]) -> Callable[[], tuple[T, float]]:
 
 MAX_GRAMMAR_RULES = 4096
 MAX_GRAMMAR_NESTING = 1024
-MAX_GRAMMAR_ALTERNATIVES = 1024
 _RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 # What is not structure: string literals and character classes (with their escapes).
 _LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')

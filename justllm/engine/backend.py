@@ -182,16 +182,16 @@ _JSON_CHAR = (r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-
 # converter nests one group per repetition, and llama.cpp refuses ~1,000 ("exceeds sane
 # defaults") and overflows its stack at ~100,000 (a 9-byte maxLength killed the server).
 MAX_SCHEMA_REPEAT = 1000
-# The most values an enum (or const list) may offer: the grammar's mask costs about the
-# number of live alternatives times the vocabulary, on the engine thread.
-MAX_SCHEMA_CHOICES = 1024
+# The most alternatives a grammar may offer (a client's `|`, a choice list, an enum, anyOf):
+# its mask costs about the live alternatives times the vocabulary, on the engine thread.
+MAX_GRAMMAR_ALTERNATIVES = 1024
 _REPEATS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _PATTERN_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 def check_schema_size(schema: Any, where: str = "schema") -> None:
     """InvalidRequestError for a schema whose grammar would be too big for llama.cpp (see
-    ``MAX_SCHEMA_REPEAT``, ``MAX_SCHEMA_CHOICES``), naming the keyword and where it is."""
+    ``MAX_SCHEMA_REPEAT``, ``MAX_GRAMMAR_ALTERNATIVES``), naming the keyword and where it is."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             check_schema_size(item, f"{where}[{i}]")
@@ -208,13 +208,13 @@ def check_schema_size(schema: Any, where: str = "schema") -> None:
                 if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_SCHEMA_REPEAT:
                     raise InvalidRequestError(f"{at}: {m.group(0)} repeats more than "
                                               f"{MAX_SCHEMA_REPEAT} times")
-        if key == "enum" and isinstance(value, list) and len(value) > MAX_SCHEMA_CHOICES:
+        if key == "enum" and isinstance(value, list) and len(value) > MAX_GRAMMAR_ALTERNATIVES:
             raise InvalidRequestError(f"{at} has {len(value)} values; at most "
-                                      f"{MAX_SCHEMA_CHOICES}")
+                                      f"{MAX_GRAMMAR_ALTERNATIVES}")
         if key in ("anyOf", "oneOf") and isinstance(value, list) and (
-                len(value) > MAX_SCHEMA_CHOICES):
+                len(value) > MAX_GRAMMAR_ALTERNATIVES):
             raise InvalidRequestError(f"{at} has {len(value)} schemas; at most "
-                                      f"{MAX_SCHEMA_CHOICES}")
+                                      f"{MAX_GRAMMAR_ALTERNATIVES}")
         check_schema_size(value, at)
 
 
@@ -730,14 +730,11 @@ class LlamaBackend:
         """A token mask that follows a GBNF grammar (for structured output)."""
         return GrammarMatcher(self, gbnf)
 
-    def grammar_parses(self, gbnf: str) -> bool:
-        """Whether llama.cpp takes ``gbnf`` (with a ``root`` rule): a client's own grammar
-        is checked before its request is queued. Reads only the vocabulary: any thread."""
-        return self.grammar_error(gbnf) is None
-
     def grammar_error(self, gbnf: str) -> str | None:
-        """Why llama.cpp refuses ``gbnf`` ("" when it logs no reason: its parser writes
-        syntax errors straight to stderr), or None when it takes it. The log is redirected
+        """Why llama.cpp refuses ``gbnf`` (with a ``root`` rule; "" when it logs no reason:
+        its parser writes syntax errors straight to stderr), or None when it takes it: a
+        client's grammar is checked before its request is queued. Reads only the vocabulary,
+        so any thread may call it. The log is redirected
         for the call, from whichever thread (the engine thread's log lines in that moment
         are not printed: a small loss next to a client's reason)."""
         lines: list[tuple[int, str]] = []

@@ -75,7 +75,7 @@ class RequestSampler:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
-        self._end_tokens = end_tokens if params.min_tokens else None
+        self._end_tokens = end_tokens
         self._bias: tuple[np.ndarray, np.ndarray] | None = None
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)

@@ -224,11 +224,10 @@ def converter_root() -> Path:
 
 def get_converter(console: Console) -> Converter:
     """The converter matching the installed llama.cpp, fetched with a spinner the first time."""
-    from justllm.models.converter import LORA_SCRIPT, SCRIPT, llama_cpp_version
+    from justllm.models.converter import is_complete, llama_cpp_version
 
     root, version = converter_root(), llama_cpp_version()
-    tree = converter_dir(root, version)
-    if (tree / SCRIPT).is_file() and (tree / LORA_SCRIPT).is_file():
+    if is_complete(converter_dir(root, version)):
         return fetch_converter(root, version=version)
     console.print(f"fetching llama.cpp's converter from the llama-cpp-python {version} sdist "
                   f"(once: it is kept in {root})", highlight=False, soft_wrap=True)
@@ -356,15 +355,8 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     type_name = quant.name if quant else resolved
     repo, commit = (listing.repo, listing.commit) if listing else (None, None)
     dst = default_output(model_name, type_name, repo, commit)
-    if output:  # a directory (one that exists, or a path ending in /) gets the default name
-        into = output.endswith(("/", os.sep)) or Path(output).expanduser().is_dir()
-        dst = Path(output).expanduser() / dst.name if into else Path(output).expanduser()
-        if into:
-            try:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"cannot make the output's directory {dst.parent}: "
-                                 f"{e.strerror or e}") from None
+    if output:
+        dst = output_path(output, dst.name)
     if dst.is_dir():
         raise ValueError(f"--output {dst} is a directory")
     job_label = wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG)
@@ -396,6 +388,20 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         source_dir = hub.download_files(listing, model.weights)
     return ConvertJob(converter, model, source_dir, repo, commit, resolved, quant, dst,
                       job_label, estimate, cache_dir() / "convert.log")
+
+
+def output_path(output: str, file: str) -> Path:
+    """Where ``--output`` writes: the path given, or ``file`` in it when it is a folder (one
+    that exists, or a path ending in /, made if need be)."""
+    path = Path(output).expanduser()
+    if not (output.endswith(("/", os.sep)) or path.is_dir()):
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make the output's directory {path}: {e.strerror or e}") \
+            from None
+    return path / file
 
 
 def converted_here(dst: Path, repo: str | None, commit: str | None,

@@ -15,7 +15,6 @@ An adapter is not a model: the output is not registered. It goes to the current 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
-from justllm.models.convert import ConvertJob, check_space, get_converter
+from justllm.models.convert import ConvertJob, check_space, get_converter, output_path
 from justllm.models.converter import check_extra
 from justllm.models.hf_model import HFModel, read_config, side_files
 from justllm.models.quantize import check_writable
@@ -184,15 +183,4 @@ def _output(output: str | None, name: str, kind: str) -> Path:
     from justllm.models.refs import name_for_file
 
     file = f"{name_for_file(name)}-lora-{kind}.gguf"
-    if not output:
-        return Path.cwd() / file
-    into = output.endswith(("/", os.sep)) or Path(output).expanduser().is_dir()
-    if into:
-        folder = Path(output).expanduser()
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot make the output's directory {folder}: "
-                             f"{e.strerror or e}") from None
-        return folder / file
-    return Path(output).expanduser()
+    return output_path(output, file) if output else Path.cwd() / file

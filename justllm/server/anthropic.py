@@ -22,7 +22,6 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from justllm.errors import GrammarDeadEndError
 from justllm.server.anthropic_chat import to_chat
 from justllm.server.anthropic_schemas import (
     AnthropicMessage,
@@ -40,6 +39,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import to_api_error
+from justllm.server.openai_serving import error_status
 from justllm.server.schemas import ChatCompletionRequest
 from justllm.server.tools.answer import (
     ChatEvent,
@@ -189,8 +189,7 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                 output_tokens = ev.usage.completion_tokens
             elif isinstance(ev, StreamError):
                 yield _event("error", error_body(
-                    503 if ev.code == "shutting_down" else 400 if ev.code == GrammarDeadEndError.code
-                    else 500, ev.message))
+                    503 if ev.code == "shutting_down" else error_status(ev.code), ev.message))
                 return
     if blocks.index < 0:  # nothing was said: one empty text block, as the whole answer has
         for frame in blocks.start({"type": "text", "text": ""}):

@@ -41,7 +41,7 @@ from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
-from justllm.errors import EngineClosedError, GrammarDeadEndError, InvalidRequestError
+from justllm.errors import EngineClosedError, InvalidRequestError
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import file_digest
 from justllm.models.store import quantization_name
@@ -67,7 +67,7 @@ from justllm.server.ollama_chat import (
     nanoseconds,
     tool_request,
 )
-from justllm.server.openai_serving import MAX_REQUEST_STOP
+from justllm.server.openai_serving import MAX_REQUEST_STOP, error_status, error_type
 from justllm.server.schemas import ChatCompletionRequest, ChatMessage, EmbeddingRequest, Tool
 from justllm.server.tools.answer import Timings
 
@@ -435,9 +435,8 @@ class _Job:
     def error(self, out: RequestOutput) -> Exception:
         if not self.served.aengine.accepting:  # aborted by a shutdown: 503, retry later
             return EngineClosedError(out.error or "the server is shutting down")
-        if out.error_code == GrammarDeadEndError.code:  # the request's grammar (format)
-            return APIError(400, out.error or "the grammar allows no further token")
-        return APIError(500, out.error or "the request failed", type="server_error")
+        return APIError(error_status(out.error_code), out.error or "the request failed",
+                        type=error_type(out.error_code))
 
 
 def _logprob(served: Served, lp: TokenLogprob) -> dict:

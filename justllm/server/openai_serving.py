@@ -125,9 +125,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 _ALNUM = string.ascii_letters + string.digits
 
 
+def error_status(code: str | None) -> int:
+    """The HTTP status of a request the engine ended with an error ``code``: 400 when it was
+    the request's own fault (its grammar), else 500."""
+    return 400 if code == GrammarDeadEndError.code else 500
+
+
 def error_type(code: str | None) -> str:
     """OpenAI's error type for an engine error ``code`` (an in-stream error event's)."""
-    return "invalid_request_error" if code == GrammarDeadEndError.code else "server_error"
+    return "invalid_request_error" if error_status(code) < 500 else "server_error"
 
 
 def check_model(name: str | None, model_id: str) -> None:
@@ -222,11 +228,7 @@ class OpenAIServing:
         return {"repeat_penalty": req.repetition_penalty, "repeat_last_n": 2**31 - 1}
 
     def _stop_token_ids(self, ids: list[int] | None) -> tuple[int, ...]:
-        n_vocab = self.aengine.n_vocab
-        bad = next((t for t in ids or () if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"stop_token_ids: {bad} is not a token id (they are in "
-                                      f"[0, {n_vocab}))", param="stop_token_ids")
+        self.aengine.check_token_ids(ids or [], "stop_token_ids")
         return tuple(ids or ())
 
     def _submit(self, jobs: list[Job], rid: str | None = None,
@@ -293,9 +295,8 @@ class OpenAIServing:
                 if out.error:
                     if not self.aengine.accepting:  # aborted by a shutdown: 503, retry later
                         raise EngineClosedError(out.error)
-                    if out.error_code == GrammarDeadEndError.code:  # the request's grammar
-                        raise APIError(400, out.error, code=out.error_code)
-                    raise APIError(500, out.error, type="server_error")
+                    raise APIError(error_status(out.error_code), out.error,
+                                   type=error_type(out.error_code), code=out.error_code)
                 texts[i] += out.text
                 if out.logprobs is not None:
                     lps[i] = (lps[i] or []) + out.logprobs
@@ -333,7 +334,7 @@ class OpenAIServing:
             if m.refusal:
                 content = f"{content}\n{m.refusal}" if content else m.refusal
             plain.append(message_dict(m, i, content or ""))
-        taken = sorted((_TEMPLATE_OWN | template_globals()) & set(kwargs or ()))
+        taken = sorted((_TEMPLATE_OWN | template_globals()) & set(kwargs)) if kwargs else None
         if taken:
             raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)}: the "
                                       "server's to set, or a name the template relies on",

@@ -247,7 +247,6 @@ class EmbeddingRequest(_Request, kw_only=True):
     user: str | None = None  # logged with the request (--verbose)
 
 
-
 class TokenizeRequest(_Request, kw_only=True):
     """``POST /tokenize``, in vLLM's two forms (``prompt``, or ``messages`` rendered as the chat
     routes render them) or llama-server's (``content``); exactly one of the three."""

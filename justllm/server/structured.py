@@ -64,9 +64,10 @@ def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str]
         raise InvalidRequestError(f"{param}: regular expressions are not supported here (send "
                                   "a JSON schema, a choice list or a GBNF grammar)", param=param)
     if kind == "grammar":
-        grammar_limits(value, param)
         if aengine is not None:
-            aengine.check_grammar(value, param)
+            aengine.check_grammar(value, param)  # the limits, then llama.cpp's parse
+        else:
+            grammar_limits(value, param)
         return value, param
     if kind == "json_object":
         return AsyncEngine.json_grammar(), param

@@ -5,9 +5,10 @@ put these routes at the root; their bodies differ, and one route takes either:
 
 - vLLM: ``prompt`` (tokenized as ``/v1/completions`` tokenizes it: ``add_special_tokens``,
   default true, adds BOS), or ``messages`` (with ``tools``, ``add_generation_prompt``,
-  ``continue_final_message``, ``chat_template_kwargs``: rendered exactly as ``/v1/chat/completions`` renders them, so
-  ``count`` is that request's ``usage.prompt_tokens``); ``return_token_strs`` adds each token's
-  vocabulary text. The answer: ``count``, ``max_model_len``, ``tokens``, ``token_strs``.
+  ``continue_final_message``, ``chat_template_kwargs``: rendered exactly as
+  ``/v1/chat/completions`` renders them, so ``count`` is that request's
+  ``usage.prompt_tokens``); ``return_token_strs`` adds each token's vocabulary text. The
+  answer: ``count``, ``max_model_len``, ``tokens``, ``token_strs``.
 - llama-server: ``content``, ``add_special`` (default false), ``parse_special`` (default
   true), ``with_pieces`` (each token as ``{"id", "piece"}``, the piece a string, or its bytes
   when they are not whole UTF-8).
