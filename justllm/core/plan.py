@@ -104,7 +104,9 @@ class ScheduledChunk:
 
     A speculative chunk is a decode whose ``token_ids`` are the last token followed by
     ``draft.tokens``, with logits on every row; ``leaf_seqs`` are the extra sequence ids of a
-    tree's leaves after the first (which uses the request's own sequence).
+    tree's leaves after the first (which uses the request's own sequence). ``all_logits``: a
+    prompt chunk with an output row on every token, for the prompt's logprobs (its last row
+    is the one sampled from when ``wants_logits``).
     """
 
     request: Request
@@ -113,6 +115,7 @@ class ScheduledChunk:
     wants_logits: bool
     draft: DraftTree | None = None
     leaf_seqs: tuple[int, ...] = ()
+    all_logits: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -121,7 +124,7 @@ class ScheduledChunk:
 
     @property
     def num_logits(self) -> int:
-        if self.draft is not None:
+        if self.draft is not None or self.all_logits:
             return len(self.token_ids)
         return 1 if self.wants_logits else 0
 

@@ -67,6 +67,14 @@ class Request:
     # The scheduler's step count when it was added (owned by the scheduler): how long its
     # adapter set's work has waited, for the choice of the set a step serves.
     queued_step: int = 0
+    # Set by the engine once the prompt's logprobs (params.prompt_logprobs) went out with the
+    # first token: a recompute after a preemption needs no output rows on the prompt again.
+    prompt_logprobs_done: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt token must be computed with an output row (no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     @property
     def num_prompt_tokens(self) -> int:

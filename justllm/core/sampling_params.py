@@ -26,7 +26,8 @@ class SamplingParams:
     makes a sampled request reproducible on its own: any 64-bit integer, signed or not (vLLM
     takes int64, OpenAI any integer), kept modulo 2**64 (the generator's seeds are unsigned).
     ``stop`` strings are searched in the detokenized text (across token boundaries) and are not
-    part of the output.
+    part of the output, except those also in ``keep_stops`` (vLLM's
+    ``include_stop_str_in_output``: the text ends with the stop string that ended it).
     ``logit_bias`` adds a bias to a token's logit before sampling, greedy included (OpenAI's
     semantics: -100 in effect bans a token, 100 forces it).
     """
@@ -43,12 +44,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    keep_stops: tuple[str, ...] = field(default_factory=tuple)
     # vLLM's: no end-of-generation token, stop token or stop string ends the answer before
     # this many tokens (the end tokens are masked out until then).
     min_tokens: int = 0
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    # The log-probability of each prompt token after the first, and of this many alternatives
+    # (vLLM's prompt_logprobs; the legacy completions' echo with logprobs). Every prompt token
+    # is computed, with an output row each: no prefix-cache hit, and slower.
+    prompt_logprobs: int | None = None
     # GBNF text constraining the output (structured output); None = free text.
     grammar: str | None = None
     # Speculative decoding for this request: most draft tokens per step (0: off; None: the
@@ -68,6 +74,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "keep_stops", tuple(self.keep_stops))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         lora = tuple(self.lora.items() if isinstance(self.lora, dict) else self.lora)
@@ -112,6 +119,11 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0
                    for t, b in self.logit_bias),
                "logit_bias maps token ids (integers >= 0) to biases in [-100, 100]", "logit_bias")
+        _check(all(s in self.stop for s in self.keep_stops),
+               "keep_stops must be stop strings", "stop")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids >= 0", "stop_token_ids")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,

@@ -468,9 +468,11 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Give the head of the queue a sequence id, its cached prefix and blocks for the rest."""
         cache = self.cache
-        # A request sent back after a KV error is recomputed whole: no match, no wait.
+        # A request sent back after a KV error is recomputed whole: no match, no wait; so is
+        # one that wants its prompt's logprobs (every prompt token needs its output row).
         match = cache.match(req.prompt_token_ids + req.output_token_ids,
-                            req.num_tokens - 1, req.lora) if cache and not req.kv_errors else None
+                            req.num_tokens - 1, req.lora) \
+            if cache and not req.kv_errors and not req.wants_prompt_logprobs else None
         matched = match.length if match else 0
         if match is not None and self._prefix_being_computed(req, matched):
             return False  # the same prefix is being computed: wait and share it
@@ -524,9 +526,15 @@ class Scheduler:
     def _schedule_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         start = req.num_computed_tokens
         n = min(req.num_uncomputed_tokens, self.config.chunk_size, budget)
+        all_logits = req.wants_prompt_logprobs
+        if all_logits:  # a row per token, within the step's rows (one kept for each prefill)
+            cfg = self.config
+            n = min(n, (cfg.max_outputs or cfg.n_batch) - plan.num_logits - cfg.max_prefill)
+            if n < 1:
+                return 0
         end = start + n
-        plan.chunks.append(
-            ScheduledChunk(req, start, req.token_slice(start, end), end == req.num_tokens))
+        plan.chunks.append(ScheduledChunk(req, start, req.token_slice(start, end),
+                                          end == req.num_tokens, all_logits=all_logits))
         return n
 
     def _grow_for_decode(self, req: Request, plan: StepPlan) -> bool:

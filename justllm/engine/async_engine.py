@@ -2,7 +2,8 @@
 
 docs/llama-cpp-facts.md: llama.cpp compute must happen on a single OS thread, so the engine thread is the only
 caller of ``Engine.step()``; the event loop only adds and aborts requests (cheap, under the
-engine's lock) and receives outputs through ``call_soon_threadsafe``.
+engine's lock: what is not cheap, tokenizing a prompt and compiling its grammar, happens first
+on a worker thread, ``asubmit``) and receives outputs through ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from justllm.engine.backend import (
     without_trailing_space,
 )
 from justllm.engine.chat_template import ChatTemplate
-from justllm.engine.engine import Engine, EngineStats, Handover, RequestMetrics, RequestOutput
+from justllm.engine.engine import (
+    Engine,
+    EngineStats,
+    Handover,
+    PreparedRequest,
+    RequestMetrics,
+    RequestOutput,
+)
 from justllm.engine.lora import LoadedLora
 from justllm.errors import EngineClosedError, InvalidRequestError
 
@@ -96,23 +104,35 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="justllm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
+                resume: Handover | None = None) -> PreparedRequest:
+        """``Engine.prepare``: tokenize and check a request, build its sampler and grammar.
+        Any thread may call it; :meth:`asubmit` calls it on a worker thread."""
+        return self.engine.prepare(prompt, params, resume)
+
+    def submit(self, prompt: str | list[int] | PreparedRequest,
+               params: SamplingParams | None = None,
                request_id: str | None = None, *, handover: bool = False,
                resume: Handover | None = None,
                origin: RequestOrigin | None = None) -> "RequestStream":
         """Queue a request now; validation and queue-full errors raise here, synchronously, so a
-        server can answer with the right status before it starts a response. ``handover`` and
-        ``resume``: prefill/decode disaggregation (``Engine.add_request``,
+        server can answer with the right status before it starts a response. ``prompt`` may be
+        a request :meth:`prepare` made ready (``params`` then left out); otherwise it is
+        prepared here, on the caller's thread -- a server should use :meth:`asubmit`.
+        ``handover`` and ``resume``: prefill/decode disaggregation (``Engine.add_request``,
         ``Engine.resume_request``); a resumed request's given tokens are its first output,
         ready at once. ``origin``: what the server knew of it, for its record."""
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         loop = asyncio.get_running_loop()
-        with self._sinks_lock:
+        if not isinstance(prompt, PreparedRequest):  # outside the lock: it may take seconds
+            prompt = self.engine.prepare(prompt, params, resume)
+            params = None
+        with self._sinks_lock:  # the sink is there before the engine thread can feed it
             first = None
             if resume is not None:
-                first = self.engine.resume_request(prompt, params or SamplingParams(), resume,
-                                                   request_id, origin=origin)
+                first = self.engine.resume_request(prompt, params, resume, request_id,
+                                                   origin=origin)
                 request_id = first.request_id
             else:
                 request_id = self.engine.add_request(prompt, params, request_id,
@@ -125,6 +145,19 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
+    async def asubmit(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, *, handover: bool = False,
+                      resume: Handover | None = None,
+                      origin: RequestOrigin | None = None) -> "RequestStream":
+        """:meth:`submit`, the request prepared on a worker thread first: tokenizing a prompt
+        of megabytes takes seconds, and the event loop serves every other request meanwhile.
+        Cancelled while it prepares, nothing is queued."""
+        if not self._accepting or self._stopping:  # no tokenizing for a closed engine
+            raise EngineClosedError("the server is shutting down")
+        prepared = await asyncio.to_thread(self.engine.prepare, prompt, params, resume)
+        return self.submit(prepared, None, request_id, handover=handover, resume=resume,
+                           origin=origin)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, handover: bool = False,
                        resume: Handover | None = None,
@@ -134,8 +167,8 @@ class AsyncEngine:
         Leaving the loop early (with ``contextlib.aclosing``) or cancelling the task aborts the
         request and frees its KV within one step.
         """
-        stream = self.submit(prompt, params, request_id, handover=handover, resume=resume,
-                             origin=origin)
+        stream = await self.asubmit(prompt, params, request_id, handover=handover,
+                                    resume=resume, origin=origin)
         try:
             async for out in stream:
                 yield out

@@ -4,7 +4,7 @@ Token pieces are bytes; a multi-byte UTF-8 character may span tokens, so an incr
 decoder holds incomplete tails back and nothing broken is ever emitted. Stop strings are
 searched in the decoded text, so they are found across token boundaries; text that could still
 be the start of a stop string is held back until it is known not to be one, and the stop string
-itself is never emitted.
+itself is not emitted unless it is one of those to keep (vLLM's ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from collections.abc import Callable
 
 
 class IncrementalDetokenizer:
-    def __init__(self, piece: Callable[[int], bytes], stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, piece: Callable[[int], bytes], stop: tuple[str, ...] = (),
+                 keep: tuple[str, ...] = ()) -> None:
         self._piece = piece
+        self._keep = frozenset(keep)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -40,7 +42,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             at, self.matched = min(hits, key=lambda hit: hit[0])
-            self.text = self.text[:at]
+            self.text = self.text[:at + (len(self.matched) if self.matched in self._keep else 0)]
             self.stopped = True
 
     def take_new_text(self, final: bool = False) -> str:

@@ -34,7 +34,7 @@ from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
 from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, worth_a_worker
 from justllm.engine.runner import Runner
-from justllm.engine.sampler import RequestSampler, SampledToken
+from justllm.engine.sampler import RequestSampler, SampledToken, token_logprob
 from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
@@ -57,6 +57,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    # The token's rank in its distribution (1: the most likely); given for prompt tokens.
+    rank: int | None = None
 
 
 @dataclass
@@ -95,6 +97,21 @@ class Handover:
 
 
 @dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked and made ready by :meth:`Engine.prepare`: its prompt tokenized, its
+    sampler (seed, grammar, ``min_tokens``' end tokens) built and, for a resumed request, the
+    hand-over checked against it. That work reads only the model, so any thread may do it,
+    and it is what a request costs before it is queued: seconds for a prompt of megabytes, a
+    large grammar's compile. A prepared request is queued once."""
+
+    prompt: str | list[int]
+    tokens: list[int]
+    params: SamplingParams
+    sampler: RequestSampler
+    resume: Handover | None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the new text and tokens since the last output."""
 
@@ -114,6 +131,10 @@ class RequestOutput:
     # On the final output of a request added with ``handover=True``: where another engine
     # goes on from (prefill/decode disaggregation).
     handover: Handover | None = None
+    # On the first output of a request with ``prompt_logprobs``: one entry per prompt token,
+    # None for the first (nothing comes before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they are of
 
 
 @dataclass
@@ -132,6 +153,8 @@ class _Live:
     handover: bool = False  # its final output carries a Handover
     resumed: bool = False  # its first tokens came in a Handover
     origin: RequestOrigin | None = None  # for its record
+    # params.prompt_logprobs: filled chunk by chunk as the prompt is computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -240,38 +263,11 @@ class Engine:
                                       param="prompt")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, handover: bool = False,
-                    origin: RequestOrigin | None = None) -> str:
-        """Queue a request; raises InvalidRequestError or QueueFullError for this request only.
-        ``handover``: the request draws one token (``max_tokens`` 1) and its final output
-        carries a Handover for another engine to go on from (``resume_request``).
-        ``origin``: what its server knew of it, for its record."""
-        if handover and (params is None or params.max_tokens != 1):
-            raise InvalidRequestError("a request handed over draws one token (max_tokens 1)",
-                                      param="max_tokens")
-        request_id, _ = self._add(prompt, params, request_id, handover=handover, origin=origin)
-        return request_id
-
-    def resume_request(self, prompt: str | list[int], params: SamplingParams,
-                       resume: Handover, request_id: str | None = None, *,
-                       origin: RequestOrigin | None = None) -> RequestOutput:
-        """Queue a request whose first tokens another engine drew (``resume``, from a request
-        added there with ``handover=True``): they are this request's first output, returned
-        here at once, before any step; the sampler goes on from the random state after them
-        and the grammar from after them. The output is final when they already end the
-        request (an end-of-generation token, a stop string, ``max_tokens``). Raises
-        HandoverError when ``resume`` does not fit the request."""
-        if not resume.token_ids:
-            raise HandoverError("a hand-over needs its tokens")
-        _, first = self._add(prompt, params, request_id, resume=resume, origin=origin)
-        assert first is not None
-        return first
-
-    def _add(self, prompt: str | list[int], params: SamplingParams | None,
-             request_id: str | None, *, handover: bool = False,
-             resume: Handover | None = None, origin: RequestOrigin | None = None
-             ) -> tuple[str, RequestOutput | None]:
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
+                resume: Handover | None = None) -> PreparedRequest:
+        """Check a request and make it ready to queue (:class:`PreparedRequest`); raises
+        InvalidRequestError or HandoverError. Thread-safe: it reads the model, never the
+        engine's state, so a server does it off its event loop."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -279,6 +275,11 @@ class Engine:
             raise InvalidRequestError(
                 f"priority {params.priority} given, but priority scheduling is off (start with "
                 "--scheduling-policy priority)", param="priority")
+        if resume is not None and not resume.token_ids:
+            raise HandoverError("a hand-over needs its tokens")
+        if params.prompt_logprobs is not None and resume is not None:
+            raise InvalidRequestError("a resumed request's prompt was computed elsewhere: no "
+                                      "prompt_logprobs", param="prompt_logprobs")
         tokens = self.tokenize(prompt)
         self._check_fits(len(tokens), params)
         self._check_speculation(params)
@@ -286,7 +287,6 @@ class Engine:
         if any(t >= n_vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {n_vocab})",
                                       param="logit_bias")
-        request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint = self.backend.grammar(params.grammar) if params.grammar else None
         ends = None
@@ -296,7 +296,61 @@ class Engine:
         sampler = RequestSampler(params, seed, constraint, ends)
         if resume is not None:
             self._check_resume(resume, sampler)
+        return PreparedRequest(prompt, tokens, params, sampler, resume)
+
+    def add_request(self, prompt: str | list[int] | PreparedRequest,
+                    params: SamplingParams | None = None,
+                    request_id: str | None = None, *, handover: bool = False,
+                    origin: RequestOrigin | None = None) -> str:
+        """Queue a request; raises InvalidRequestError or QueueFullError for this request only.
+        ``prompt``: text, token ids, or a request :meth:`prepare` made ready (then ``params``
+        is left out). ``handover``: the request draws one token (``max_tokens`` 1) and its
+        final output carries a Handover for another engine to go on from
+        (``resume_request``). ``origin``: what its server knew of it, for its record."""
+        prepared = self._prepared(prompt, params, None)
+        if handover and prepared.params.prompt_logprobs is not None:
+            raise InvalidRequestError("a request handed over computes no prompt_logprobs",
+                                      param="prompt_logprobs")
+        if handover and prepared.params.max_tokens != 1:
+            raise InvalidRequestError("a request handed over draws one token (max_tokens 1)",
+                                      param="max_tokens")
+        request_id, _ = self._add(prepared, request_id, handover=handover, origin=origin)
+        return request_id
+
+    def resume_request(self, prompt: str | list[int] | PreparedRequest,
+                       params: SamplingParams | None, resume: Handover,
+                       request_id: str | None = None, *,
+                       origin: RequestOrigin | None = None) -> RequestOutput:
+        """Queue a request whose first tokens another engine drew (``resume``, from a request
+        added there with ``handover=True``): they are this request's first output, returned
+        here at once, before any step; the sampler goes on from the random state after them
+        and the grammar from after them. The output is final when they already end the
+        request (an end-of-generation token, a stop string, ``max_tokens``). Raises
+        HandoverError when ``resume`` does not fit the request. ``prompt`` may be a request
+        :meth:`prepare` made ready with this ``resume``."""
+        _, first = self._add(self._prepared(prompt, params, resume), request_id,
+                             origin=origin)
+        assert first is not None
+        return first
+
+    def _prepared(self, prompt: str | list[int] | PreparedRequest,
+                  params: SamplingParams | None, resume: Handover | None) -> PreparedRequest:
+        if not isinstance(prompt, PreparedRequest):
+            return self.prepare(prompt, params, resume)
+        if params is not None and params is not prompt.params:
+            raise InvalidRequestError("a prepared request carries its own params")
+        if prompt.resume is not resume:
+            raise HandoverError("the request was prepared for another hand-over")
+        return prompt
+
+    def _add(self, prepared: PreparedRequest, request_id: str | None, *,
+             handover: bool = False, origin: RequestOrigin | None = None
+             ) -> tuple[str, RequestOutput | None]:
+        prompt, tokens, params, sampler, resume = (
+            prepared.prompt, prepared.tokens, prepared.params, prepared.sampler, prepared.resume)
         with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             lora = self.loras.key_for(params.lora)
@@ -306,13 +360,16 @@ class Engine:
                 max_total_tokens=self.max_request_tokens if params.max_tokens is None
                 else len(tokens) + params.max_tokens, lora=lora)
             live = _Live(
-                req, sampler, IncrementalDetokenizer(self.backend.token_to_piece, params.stop),
+                req, sampler, IncrementalDetokenizer(self.backend.token_to_piece, params.stop,
+                                            params.keep_stops),
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
                                lora=self.loras.label(lora)),
                 handover=handover, resumed=resume is not None, origin=origin)
             if self._observer is not None and self._observer.text:
                 live.prompt = prompt if isinstance(prompt, str) else None
                 live.output = []
+            if params.prompt_logprobs is not None:
+                live.prompt_logprobs = [None] * len(tokens)
             self.scheduler.add(req)
             self.loras.acquire(lora)
             self._live[request_id] = live
@@ -673,10 +730,12 @@ class Engine:
             row += n_rows
             if live is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran (a draft's KV is still settled)
+            if chunk.all_logits:
+                self._prompt_logprobs(live, chunk, rows)
             if chunk.draft is not None:
                 outputs.append(self._verify(live, chunk, rows, now, result, i))
-            elif n_rows:
-                outputs.append(self._sample_one(live, rows[0], now, result, presampled.get(i)))
+            elif chunk.wants_logits:  # the chunk's last row (its only one, but for all_logits)
+                outputs.append(self._sample_one(live, rows[-1], now, result, presampled.get(i)))
         return outputs, result
 
     def _presample(self, plan: StepPlan, logits) -> dict:
@@ -685,15 +744,27 @@ class Engine:
         jobs = []
         row = 0
         for i, chunk in enumerate(plan.chunks):
-            first, row = row, row + chunk.num_logits
+            last, row = row + chunk.num_logits - 1, row + chunk.num_logits
             live = self._live.get(chunk.request.request_id)
-            if (chunk.draft is None and chunk.num_logits and live is not None
+            if (chunk.draft is None and chunk.wants_logits and live is not None
                     and chunk.request.status is RequestStatus.RUNNING
                     and worth_a_worker(live.sampler)):
                 req = live.request
-                jobs.append(RowJob(i, live.sampler, logits[first], req.prompt_token_ids,
+                jobs.append(RowJob(i, live.sampler, logits[last], req.prompt_token_ids,
                                    req.output_token_ids))
         return self.row_sampler.sample(jobs) if len(jobs) > 1 else {}
+
+    def _prompt_logprobs(self, live: _Live, chunk: ScheduledChunk, rows) -> None:
+        """The logprobs of the prompt tokens this chunk's rows predict (row ``j`` is position
+        ``start + j``; it predicts the next token). A recompute writes them again, the same."""
+        lps, prompt = live.prompt_logprobs, live.request.prompt_token_ids
+        if lps is None:
+            return
+        k = live.request.params.prompt_logprobs or 0
+        for j in range(min(len(chunk.token_ids), len(prompt) - 1 - chunk.start)):
+            token = prompt[chunk.start + j + 1]
+            logprob, top, rank = token_logprob(rows[j], token, k)
+            lps[chunk.start + j + 1] = TokenLogprob(token, logprob, top, rank)
 
     def _sample_one(self, live: _Live, logits, now: float, result: StepResult,
                     sampled: SampledToken | EngineError | None = None) -> RequestOutput:
@@ -782,10 +853,15 @@ class Engine:
             rng_state = dict(live.sampler.rng.bit_generator.state)
             handover = Handover(tuple(req.output_token_ids), rng_state,
                                 tuple(out.logprobs) if out.logprobs else None)
+        prompt_lps = None
+        if live.prompt_logprobs is not None and not req.prompt_logprobs_done:
+            prompt_lps, req.prompt_logprobs_done = live.prompt_logprobs, True
+            live.prompt_logprobs = None
         return RequestOutput(req.request_id, text, out.token_ids, reason is not None,
                              reason.value if reason else None, out.logprobs or None,
                              live.metrics, stop=live.detok.matched if reason else None,
-                             handover=handover)
+                             handover=handover, prompt_logprobs=prompt_lps,
+                             prompt_token_ids=req.prompt_token_ids if prompt_lps else None)
 
     def _end_with_error(self, live: _Live, out: _Emitted, message: str,
                         result: StepResult, code: str | None = None) -> RequestOutput:

@@ -64,8 +64,9 @@ class Runner:
             if chunk.draft is None or chunk.draft.is_chain:
                 b.batch_pos[o:end] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
                 b.batch_seq[o:end] = chunk.request.seq_id
-                b.batch_logits[o:end] = chunk.draft is not None  # a draft: every row
-                b.batch_logits[end - 1] = chunk.wants_logits
+                # a draft, or a prompt's logprobs: every row
+                b.batch_logits[o:end] = chunk.draft is not None or chunk.all_logits
+                b.batch_logits[end - 1] = chunk.wants_logits or chunk.all_logits
             else:
                 self._fill_tree(chunk, o)
             o = end

@@ -405,14 +405,24 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int]
     return x
 
 
+def token_logprob(logits: np.ndarray, token: int, n_top: int
+                  ) -> tuple[float, tuple[tuple[int, float], ...], int]:
+    """``token``'s log-probability under the row's own distribution, the ``n_top`` most likely
+    tokens' and its rank (1 + the tokens more likely than it, as vLLM counts)."""
+    found = with_logprobs(logits, token, n_top)
+    assert found.logprob is not None and found.top_logprobs is not None
+    rank = 1 + int(np.count_nonzero(logits > logits[token]))
+    return found.logprob, found.top_logprobs, rank
+
+
 def with_logprobs(logits: np.ndarray, token: int, n_top: int) -> SampledToken:
     """Log-probabilities under the model's own distribution (raw logits, as vLLM reports)."""
     row = np.asarray(logits, dtype=np.float32)
     m = float(row.max())
     lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
     top: tuple[tuple[int, float], ...] = ()
-    if n_top > 0:
-        ids = np.argpartition(-row, n_top - 1)[:n_top]
+    if n_top > 0:  # (the k best by block maxima: a partition of the whole row cost ~3 ms)
+        ids = top_candidates(row, n_top) if n_top < row.size else np.arange(row.size)
         ids = ids[np.argsort(-row[ids], kind="stable")]
         top = tuple((int(i), float(row[i]) - lse) for i in ids)
     return SampledToken(token, float(row[token]) - lse, top)

@@ -10,6 +10,7 @@ and errors as ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -214,7 +215,8 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     mid = f"msg_{uuid.uuid4().hex}"
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
     if req.stream:
-        input_tokens = prompt_tokens(served, chat)  # message_start says it, before the answer
+        # message_start says it, before the answer (off the loop: tokenizing can take seconds)
+        input_tokens = await asyncio.to_thread(prompt_tokens, served, chat)
         events = await served.completions.chat_events(
             chat, mid, origin=origin(request, "anthropic.messages", True))
         return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
@@ -232,4 +234,4 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, CountTokensRequest)
     served.completions.check_model(req.model)
-    return TokenCount(prompt_tokens(served, to_chat(req)))
+    return TokenCount(await asyncio.to_thread(prompt_tokens, served, to_chat(req)))

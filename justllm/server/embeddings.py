@@ -6,6 +6,7 @@ thread (docs/llama-cpp-facts.md: one OS thread runs llama.cpp compute), between 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
@@ -47,7 +48,7 @@ class EmbeddingServing:
             raise no_adapter_embeddings(data.model or "", self.model_id)
         check_model(data.model, self.model_id)
         start = time.perf_counter()
-        token_lists = self._inputs(data)
+        token_lists = await asyncio.to_thread(self._inputs, data)  # off the event loop
         vectors = await self.aengine.embed(token_lists)
         if data.dimensions is not None:
             if not 0 < data.dimensions <= vectors[0].size:

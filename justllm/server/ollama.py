@@ -506,7 +506,7 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str,
     lstrip = templated and served.completions.template.name == "transcript"
     job = _Job(served, req.model, chat, arrival, lstrip)
     try:  # a refusal raises here, before any answer
-        stream = served.aengine.submit(prompt, params, ollama_id(), origin=origin(
+        stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
     except InvalidRequestError as e:
         if e.param != "max_tokens":

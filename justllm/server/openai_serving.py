@@ -198,6 +198,7 @@ class OpenAIServing:
             **self._repeat(req),
             seed=seed, stop=with_template_stops(stop, template) if template else stop,
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
+            keep_stops=stop if req.include_stop_str_in_output else (),
             min_tokens=req.min_tokens or 0,
             ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
@@ -231,25 +232,28 @@ class OpenAIServing:
         self.aengine.check_token_ids(ids or [], "stop_token_ids")
         return tuple(ids or ())
 
-    def _submit(self, jobs: list[Job], rid: str | None = None,
-                resume: Sequence[Handover] | None = None,
-                origin: RequestOrigin | None = None) -> list[RequestStream]:
+    async def _submit(self, jobs: list[Job], rid: str | None = None,
+                      resume: Sequence[Handover] | None = None,
+                      origin: RequestOrigin | None = None) -> list[RequestStream]:
         """Submit every choice, or none: if one is refused the others are aborted. ``rid``:
         the API's response id, which the engine's requests take (``RID`` for one choice,
         ``RID-0``, ``RID-1``... for several), so records and logs name what clients see.
         ``resume``: each choice's first tokens, drawn by a PD prefill replica (server/pd.py);
-        ``origin``: what the route knew of the request, for the records."""
+        ``origin``: what the route knew of the request, for the records. The choices are
+        prepared (tokenized, their grammars compiled) on a worker thread, off the event loop."""
         streams: list[RequestStream] = []
         ids = ([rid] if len(jobs) == 1 else [f"{rid}-{i}" for i in range(len(jobs))]
                if rid else [None] * len(jobs))
         if resume is not None and len(resume) != len(jobs):
             raise HandoverError(f"the hand-over has {len(resume)} choice(s); the request "
                                 f"asks for {len(jobs)}")
+        resumes = list(resume) if resume is not None else [None] * len(jobs)
+        prepared = await asyncio.to_thread(lambda: [
+            self.aengine.prepare(prompt, params, r) for (prompt, params), r in zip(jobs, resumes)])
         try:
-            for i, ((prompt, params), request_id) in enumerate(zip(jobs, ids)):
-                streams.append(self.aengine.submit(
-                    prompt, params, request_id, resume=resume[i] if resume else None,
-                    origin=origin))
+            for ready, request_id, r in zip(prepared, ids, resumes):
+                streams.append(self.aengine.submit(ready, None, request_id, resume=r,
+                                                   origin=origin))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -284,9 +288,11 @@ class OpenAIServing:
                     self.metrics.observe_aborted(s.arrival)
                 s.abort()
 
-    async def _collect(self, streams: list[RequestStream], texts: list[str]
+    async def _collect(self, streams: list[RequestStream], texts: list[str],
+                       prompts: list[RequestOutput | None] | None = None
                        ) -> tuple[list[str], list[list[TokenLogprob] | None], list[RequestOutput]]:
-        """Every choice to its end (non-streaming): text after ``texts``, logprobs, last output."""
+        """Every choice to its end (non-streaming): text after ``texts``, logprobs, last output
+        (and in ``prompts``, when given, the output that carried its prompt's logprobs)."""
         texts = list(texts)
         lps: list[list[TokenLogprob] | None] = [None] * len(streams)
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -300,6 +306,8 @@ class OpenAIServing:
                 texts[i] += out.text
                 if out.logprobs is not None:
                     lps[i] = (lps[i] or []) + out.logprobs
+                if prompts is not None and out.prompt_logprobs is not None:
+                    prompts[i] = out
                 if out.finished:
                     finals[i] = out
         return texts, lps, finals  # type: ignore[return-value]
@@ -417,15 +425,16 @@ class OpenAIServing:
         return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
                                  grammar=grammar)) for i in range(req.n)], plan
 
-    def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
-                    resume: Sequence[Handover] | None = None,
-                    origin: RequestOrigin | None = None
-                    ) -> tuple[list[RequestStream], list[ChoiceText]]:
-        """Check ``req``, render it, submit its choices (as ``rid``, the response id); their
-        streams and text handlers."""
-        jobs, plan = self.chat_jobs(req)
+    async def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
+                          resume: Sequence[Handover] | None = None,
+                          origin: RequestOrigin | None = None
+                          ) -> tuple[list[RequestStream], list[ChoiceText]]:
+        """Check ``req``, render it (on a worker thread: a long conversation is megabytes of
+        template), submit its choices (as ``rid``, the response id); their streams and text
+        handlers."""
+        jobs, plan = await asyncio.to_thread(self.chat_jobs, req)
         try:
-            streams = self._submit(jobs, rid, resume, origin)
+            streams = await self._submit(jobs, rid, resume, origin)
         except InvalidRequestError as e:  # the engine compiles the grammar
             if plan.enforced and e.param == "response_format":
                 raise InvalidRequestError(str(e), param="tools") from None
@@ -448,7 +457,7 @@ class OpenAIServing:
                           origin: RequestOrigin | None = None) -> ChatResult:
         """``req`` answered whole (``req.stream`` is not read). Request errors raise before
         anything runs. ``rid``: the response id (the engine's request ids follow it)."""
-        streams, answers = self._start_chat(req, rid, resume, origin)
+        streams, answers = await self._start_chat(req, rid, resume, origin)
         texts, lps, finals = await self._collect(streams, [""] * len(streams))
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
@@ -466,7 +475,7 @@ class OpenAIServing:
                           ) -> AsyncGenerator[ChatEvent, None]:
         """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
         raise here, before anything is streamed; closing the iterator aborts the request."""
-        streams, answers = self._start_chat(req, rid, resume, origin)
+        streams, answers = await self._start_chat(req, rid, resume, origin)
         return self._events(streams, answers, req.n)
 
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
@@ -572,6 +581,47 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def _echoed_logprobs(self, out: RequestOutput, n_top: int, answer: dict | None) -> dict:
+        """OpenAI's echo with logprobs: the prompt's tokens first (the first with none: nothing
+        comes before it), from offset 0, then ``answer``'s."""
+        assert out.prompt_logprobs is not None and out.prompt_token_ids is not None
+        tokens, values, tops, offsets = [], [], [], []
+        offset = 0
+        for token, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
+            text = self._token_text(token)
+            tokens.append(text)
+            values.append(None if lp is None else lp.logprob)
+            top = None
+            if lp is not None:
+                top = {self._token_text(t): v for t, v in lp.top[:n_top]}
+                top.setdefault(text, lp.logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        prompt = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                  "text_offset": offsets}
+        return {k: v + answer[k] for k, v in prompt.items()} if answer else prompt
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput | None) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and the
+        most likely ones, by id, with their logprob, rank and text."""
+        if out is None or out.prompt_logprobs is None:
+            return None
+
+        def entry(token: int, value: float, rank: int | None) -> dict[str, Any]:
+            return {"logprob": value, "rank": rank, "decoded_token": self._token_text(token)}
+
+        listed: list[dict | None] = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                listed.append(None)
+                continue
+            ranked = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            for r, (t, v) in enumerate(lp.top, start=1):
+                ranked.setdefault(str(t), entry(t, v, r))
+            listed.append(ranked)
+        return listed
+
     def completion_jobs(self, req: CompletionRequest) -> list[Job]:
         """Check ``req``: each choice's prompt and sampling (prompts times ``n``)."""
         self.check_model(req.model)
@@ -580,8 +630,11 @@ class OpenAIServing:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
         extra = structured_grammar(self.aengine, req)
         grammar = extra[0] if extra is not None else None
+        wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
+                  if k is not None]
         return [(p, replace(self._params(req, req.max_tokens if req.max_tokens is not None
-                                         else 16, req.logprobs, j), grammar=grammar))
+                                         else 16, req.logprobs, j), grammar=grammar,
+                            prompt_logprobs=max(wanted) if wanted else None))
                 for p in self._completion_prompts(req.prompt) for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
@@ -589,18 +642,15 @@ class OpenAIServing:
                           ) -> TextCompletion | AsyncIterator[bytes]:
         """The OpenAI route; ``resume``, ``traceparent`` and ``request_id`` as for ``chat``."""
         check_stream_options(req)
-        if req.echo and req.logprobs is not None:
-            # OpenAI and vLLM then give the prompt's tokens logprobs too; the engine computes
-            # logits only for the rows it samples from.
-            raise InvalidRequestError("echo with logprobs is not supported (the prompt's "
-                                      "logprobs are not computed)", param="logprobs")
-        jobs = self.completion_jobs(req)
-        shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs])
+        jobs = await asyncio.to_thread(self.completion_jobs, req)  # a schema's grammar
+        shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs],
+                                 req.logprobs if req.echo else None,
+                                 req.prompt_logprobs is not None)
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
                                request_id)
-        return await self._respond(self._submit(jobs, rid, resume, origin), shape, req, req.n,
-                                   rid, request_id)
+        streams = await self._submit(jobs, rid, resume, origin)
+        return await self._respond(streams, shape, req, req.n, rid, request_id)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -622,8 +672,11 @@ class OpenAIServing:
 
     async def _full(self, streams: list[RequestStream], shape: _Shape, rid: str, created: int,
                     n: int, model: str) -> TextCompletion:
-        texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)))
-        choices = [shape.choice(i, texts[i], lps[i], finals[i]) for i in range(len(streams))]
+        prompts: list[RequestOutput | None] = [None] * len(streams)
+        texts, lps, finals = await self._collect(streams, shape.initial_texts(len(streams)),
+                                                 prompts)
+        choices = [shape.choice(i, texts[i], lps[i], finals[i], prompts[i])
+                   for i in range(len(streams))]
         return shape.full(rid, created, model, choices, _usage(finals, n))
 
     async def _stream(self, streams: list[RequestStream], shape: _Shape, rid: str,
@@ -661,7 +714,7 @@ class _Shape(Protocol):
 
     def initial_texts(self, n: int) -> list[str]: ...
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> Any: ...
+               final: RequestOutput | None, prompt: RequestOutput | None) -> Any: ...
     def opening(self, i: int) -> Any | None: ...
     def delta(self, i: int, out: RequestOutput) -> Any | None: ...
     def full(self, rid: str, created: int, model: str, choices: list,
@@ -673,28 +726,49 @@ class _Shape(Protocol):
 class _CompletionShape:
     id_prefix = "cmpl"
 
-    def __init__(self, serving: OpenAIServing, echoes: list[str]) -> None:
+    def __init__(self, serving: OpenAIServing, echoes: list[str], echo_logprobs: int | None,
+                 prompt_logprobs: bool) -> None:
+        """``echo_logprobs``: with echo, ``logprobs`` (the prompt's tokens come first in each
+        choice's logprobs); ``prompt_logprobs``: vLLM's field is wanted."""
         self._serving = serving
         self._echoes = echoes
+        self._echo_logprobs = echo_logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._offsets = [len(e) for e in echoes]  # streamed text so far, for logprob offsets
 
     def initial_texts(self, n: int) -> list[str]:
         return list(self._echoes)
 
+    def _logprobs(self, lps: list[TokenLogprob] | None, offset: int,
+                  prompt: RequestOutput | None) -> dict | None:
+        answer = self._serving._completion_logprobs(lps, offset)
+        if self._echo_logprobs is None or prompt is None:
+            return answer
+        return self._serving._echoed_logprobs(prompt, self._echo_logprobs, answer)
+
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
-               final: RequestOutput | None) -> CompletionChoice:
-        return CompletionChoice(i, text,
-                                self._serving._completion_logprobs(lps, len(self._echoes[i])),
-                                final.finish_reason if final else None)
+               final: RequestOutput | None, prompt: RequestOutput | None) -> CompletionChoice:
+        return CompletionChoice(i, text, self._logprobs(lps, len(self._echoes[i]), prompt),
+                                final.finish_reason if final else None,
+                                self._vllm(prompt))
+
+    def _vllm(self, prompt: RequestOutput | None) -> list[dict | None] | None:
+        return self._serving._vllm_prompt_logprobs(prompt) if self._prompt_logprobs else None
 
     def opening(self, i: int) -> CompletionChoice | None:
         echo = self._echoes[i]
-        return CompletionChoice(i, echo, None, None) if echo else None
+        # With echo's logprobs the prompt goes out with its logprobs, in the first delta.
+        return CompletionChoice(i, echo, None, None) \
+            if echo and self._echo_logprobs is None else None
 
     def delta(self, i: int, out: RequestOutput) -> CompletionChoice | None:
-        d = CompletionChoice(i, out.text,
-                             self._serving._completion_logprobs(out.logprobs, self._offsets[i]),
-                             out.finish_reason)
+        first = out.prompt_logprobs is not None
+        text = self._echoes[i] + out.text if first and self._echo_logprobs is not None \
+            else out.text
+        d = CompletionChoice(i, text,
+                             self._logprobs(out.logprobs, self._offsets[i],
+                                            out if first else None),
+                             out.finish_reason, self._vllm(out) if first else None)
         self._offsets[i] += len(out.text)
         return d
 

@@ -117,6 +117,10 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
         jobs = serving.completion_jobs(req)
         if len({str(p) for p, _ in jobs}) != 1:
             raise InvalidRequestError("a batch of prompts is not disaggregated", param="prompt")
+    if any(params.prompt_logprobs is not None for _, params in jobs):
+        # Every prompt row's logprobs are the prefill's; they do not travel with the KV.
+        raise APIError(409, "requests for prompt logprobs are served whole, not "
+                       "disaggregated", code="not_disaggregated")
     if any(params.lora for _, params in jobs):
         # Its KV is the adapter's; the transfer header names the model file only.
         raise APIError(409, "requests for a LoRA adapter are served whole, not disaggregated",
@@ -132,7 +136,7 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
     _role_allows(state, "prefill")
     served = _served(state)
     req = _request(path, await request.body())
-    jobs = _jobs(served, req)
+    jobs = await asyncio.to_thread(_jobs, served, req)  # rendering, a schema's grammar
     aengine = served.aengine
     api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
     came = origin(request, api, bool(req.stream))  # the records of the first tokens
@@ -155,7 +159,8 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
         served.metrics.pd_prefills_aborted.labels(served.model_id).inc()
         return drawn
     prompt = jobs[0][0]
-    tokens = aengine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    tokens = (await asyncio.to_thread(aengine.tokenize, prompt) if isinstance(prompt, str)
+              else list(prompt))
     try:
         blob, seconds = await aengine.export_prefix(tokens)
     except KVTransferError as e:

@@ -187,6 +187,9 @@ class _Sampling(_Request, kw_only=True):
     # vLLM's name for a repeat penalty over the whole prompt and answer (repeat_penalty is
     # llama.cpp's, over the last 64 tokens).
     repetition_penalty: float | None = None
+    # vLLM's: the text ends with the request's stop string that ended it (a chat template's
+    # own end-of-turn strings are still left out).
+    include_stop_str_in_output: bool | None = None
     # Accepted at the value this server always has (openai_serving._UNSUPPORTED): vLLM's
     # skip_special_tokens (true), llama-server's cache_prompt (true).
     skip_special_tokens: bool | None = None
@@ -234,6 +237,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: Union[str, list[Any]]
     echo: bool | None = False
     logprobs: NonNegativeInt | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives, in the choice's own
+    # ``prompt_logprobs`` (echo with logprobs puts them in ``logprobs``, as OpenAI did).
+    prompt_logprobs: NonNegativeInt | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     suffix: str | None = None  # fill-in-the-middle
     best_of: int | None = None  # only 1 (or n): no server-side best-of ranking
@@ -359,11 +365,13 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
 
 
-class CompletionChoice(msgspec.Struct):
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    # vLLM's, with ``prompt_logprobs`` (on a stream, in each choice's first chunk)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class TextCompletion(msgspec.Struct, omit_defaults=True):

@@ -217,3 +217,35 @@ def test_a_lone_request_that_needs_the_whole_pool_starts_without_its_shared_toke
     assert [c.request.request_id for c in plan.chunks] == ["r1"]
     assert second.num_cached_tokens == 0 and len(second.block_ids) == 20
     assert s.cache is not None and s.cache.stats().blocks == 0 and s.pool.num_free == 0
+
+
+def test_a_prompt_for_its_logprobs_is_computed_whole_with_a_row_per_token():
+    """prompt_logprobs: no prefix-cache hit (every prompt token needs its output row), chunks
+    whose every token has a row, as many as the step's rows allow beside the others (one kept
+    per prefill slot); once the logprobs went out, a recompute may use the cache again."""
+    pool = BlockPool(64, 4)
+    s = Scheduler(SchedulerConfig(chunk_size=64, n_batch=128, max_outputs=24, max_prefill=2),
+                  pool, RadixCache(pool))
+    first = make_req(0, 60, max_tokens=1)
+    s.add(first)
+    run_step(s)
+    s.finish(first, FinishReason.LENGTH)  # the 60 tokens are cached
+    decoder = make_req(5, 3)
+    s.add(decoder)
+    run_step(s)  # admitted and prefilled: it decodes from now on
+    wants = Request("r1", list(range(1, 41)), SamplingParams(max_tokens=3, prompt_logprobs=1),
+                    arrival=1, max_total_tokens=43)
+    s.add(wants)
+    plans = [run_step(s) for _ in range(3)]
+    assert wants.num_cached_tokens == 0
+    chunks = [c for p in plans for c in p.chunks if c.request is wants]
+    # 24 rows a step: one for the decoder, two kept for prefills: 21 tokens, then the rest
+    assert [(c.start, len(c.token_ids), c.all_logits, c.num_logits) for c in chunks] == [
+        (0, 21, True, 21), (21, 19, True, 19), (40, 1, False, 1)]
+    assert all(p.num_logits <= 24 for p in plans)
+    # one sent back to the queue (preempted) after its logprobs went out: the cache serves it
+    again = Request("r2", list(range(1, 41)), SamplingParams(max_tokens=3, prompt_logprobs=1),
+                    arrival=2, max_total_tokens=43, prompt_logprobs_done=True)
+    s.add(again)
+    run_step(s)
+    assert again.num_cached_tokens > 0

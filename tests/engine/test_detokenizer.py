@@ -7,8 +7,8 @@ VOCAB = {1: b"Hel", 2: b"lo", 3: b"\xc3", 4: b"\xa9!", 5: b"\xf0\x9f", 6: b"\x99
          8: b"D here", 9: b" E", 10: b"nough", 11: b"\xff"}
 
 
-def run(tokens, stop=()):
-    d = IncrementalDetokenizer(VOCAB.__getitem__, stop)
+def run(tokens, stop=(), keep=()):
+    d = IncrementalDetokenizer(VOCAB.__getitem__, stop, keep)
     pieces = []
     for t in tokens:
         d.add_token(t)
@@ -35,6 +35,17 @@ def test_stop_string_across_token_boundary_is_not_emitted():
     assert d.stopped
     assert "".join(pieces) == "Hello "
     assert d.text == "Hello "
+
+
+def test_a_stop_string_to_keep_ends_the_text_and_only_that_one():
+    """vLLM's include_stop_str_in_output: the text ends with the stop string (found across
+    tokens, held back until then), and not with what followed it in the token; a stop string
+    not to keep (a chat template's own) is still left out."""
+    pieces, d = run([1, 2, 7, 8], stop=("END", "xyz"), keep=("END",))
+    assert d.stopped and d.matched == "END"
+    assert pieces[:2] == ["Hel", "lo"] and "".join(pieces) == "Hello END"
+    _, d = run([1, 2, 7, 8], stop=("END", "lo E"), keep=("END",))
+    assert d.matched == "lo E" and d.text == "Hel"
 
 
 def test_possible_stop_prefix_is_held_back_then_released():

@@ -274,3 +274,43 @@ def test_a_ctx_beyond_the_pool_is_said_and_capped(model_path, caplog):
         assert f"--ctx 100000 is more than the KV pool ({limit} tokens)" in caplog.text
     finally:
         e.close()
+
+
+def test_prompt_logprobs_are_the_models_own_for_each_prompt_token(engine):
+    """A greedy answer's tokens, put back as a prompt with prompt_logprobs, come back with
+    about the logprobs they were drawn with and rank 1 (they were the argmax); every prompt
+    token has its entry but the first, on the first output only, and the prompt is computed
+    whole although the cache holds it (a cached token has no output row)."""
+    prompt = engine.tokenize("The capital of France is")
+    answer, drawn = run_alone(engine, prompt, SamplingParams(max_tokens=5, logprobs=2,
+                                                             ignore_eos=True))
+    full = prompt + answer[:-1]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+    for _ in range(2):  # the second time, the whole prompt is in the prefix cache
+        rid = engine.add_request(full, params)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (len(outs) - 1)
+        assert outs[-1].metrics.num_cached_tokens == 0
+        lps = outs[0].prompt_logprobs
+        assert outs[0].prompt_token_ids == full and len(lps) == len(full) and lps[0] is None
+        assert [lp.token_id for lp in lps[1:]] == full[1:]
+        for lp in lps[1:]:
+            assert len(lp.top) == 3 and [v for _, v in lp.top] == sorted(
+                (v for _, v in lp.top), reverse=True)
+            assert lp.rank >= 1 and (lp.rank > 3 or lp.top[lp.rank - 1] == (lp.token_id,
+                                                                            lp.logprob))
+        mine = lps[len(prompt):]
+        assert sum(lp.rank == 1 for lp in mine) >= len(mine) - 1  # a near tie may flip
+        for lp, was in zip(mine, drawn):
+            assert abs(lp.logprob - was.logprob) < 0.35, (lp, was)  # batch-shape noise
+    assert_idle_and_free(engine)
+
+
+def test_prompt_logprobs_with_a_hand_over_are_refused(engine):
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        engine.add_request("Hi", SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           handover=True)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

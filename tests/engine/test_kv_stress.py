@@ -1,7 +1,8 @@
 """Randomised concurrent load on the real model: shared prefixes, a small pool, disconnects.
 
 Requests arrive at random through the AsyncEngine with prompts from a four-token vocabulary
-(shared prefixes of every length, one-token ones and exact duplicates included), the pool is
+(shared prefixes of every length, one-token ones and exact duplicates included; some ask for
+their prompt's logprobs, so every prompt token is computed beside the others' chunks), the pool is
 small enough that the prefix cache evicts and running requests are preempted, prompts run past
 the model's 512-token sliding window (where llama.cpp reuses cells), and clients leave
 at random points: before their first token (mid-prefill), after a few tokens (mid-decode), or by
@@ -51,6 +52,8 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
     await asyncio.sleep(rng.uniform(0, 4))  # random arrivals
     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
                             seed=i, ignore_eos=True)
+    if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
+        params = replace(params, prompt_logprobs=i % 3)
     mode = rng.random()
     outs = []
 
@@ -80,6 +83,13 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
         results["completed"] += 1
     errors = [o.error for o in outs if o.error]
     assert not errors, errors
+    if params.prompt_logprobs is not None and outs:  # with the first token, once
+        assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (len(outs) - 1)
+        lps = outs[0].prompt_logprobs
+        assert lps[0] is None and [lp.token_id for lp in lps[1:]] == prompt[1:]
+        assert all(lp.logprob <= 0 and lp.rank >= 1 and len(lp.top) == params.prompt_logprobs
+                   for lp in lps[1:])
+        results["prompt_logprobs"] += 1
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -171,13 +181,14 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     bos, vocab = words[0], words[1:]
     prompts = make_prompts(rng, vocab, bos, 36)
     results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
-               "resumed": 0}
+               "resumed": 0, "prompt_logprobs": 0}
     clients = [one_client(a, random.Random(seed * 100 + i), p, i, results)
                for i, p in enumerate(prompts)]
     if transfers is not None:
         clients.append(_transfer_client(a, transfers, random.Random(seed), prompts, results))
     await asyncio.gather(*clients)
     assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
+    assert results["prompt_logprobs"] >= 2, results
     if transfers is not None:
         assert results["imported"] >= 5 and results["resumed"] == 10, results
 

@@ -116,6 +116,66 @@ def test_chat_n_seed_stop_logprobs(client, exact_client, server):
     assert cut.choices[0].message.content == base.choices[0].message.content.split(stop)[0]
 
 
+def test_echo_with_logprobs_gives_the_prompts_tokens_first(client, server):
+    """OpenAI's legacy echo with logprobs, as lm-eval-harness scores a continuation: the
+    prompt's tokens (the first with no logprob) then the answer's, one text, offsets into it;
+    streamed, the prompt goes out with its logprobs in the first chunk. A token-id prompt is
+    scored as given."""
+    prompt = "The capital of France is"
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=2,
+                                  temperature=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    lp = c.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2 and r.usage.completion_tokens == 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) in (1, 2) and tok in top
+               for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+    assert "".join(lp.tokens) == c.text and c.text.startswith(prompt)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=2,
+                                      temperature=0, logprobs=1).choices[0]
+    assert lp.tokens[n_prompt:] == plain.logprobs.tokens  # the same answer after the prompt
+    # streamed: the same tokens and text, the prompt first
+    chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=2,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    streamed = [t for ch in chunks for t in (ch.choices[0].logprobs.tokens if ch.choices and
+                                             ch.choices[0].logprobs else [])]
+    assert streamed == lp.tokens and "".join(ch.choices[0].text for ch in chunks
+                                             if ch.choices) == c.text
+    # lm-eval-harness's request: token ids, max_tokens 1, the logprobs of what was sent
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=60
+                     ).json()["tokens"]
+    scored = client.completions.create(model=server.model, prompt=ids, max_tokens=1,
+                                       temperature=0, echo=True, logprobs=1).choices[0]
+    assert scored.logprobs.token_logprobs[:-1] == pytest.approx(lp.token_logprobs[:n_prompt],
+                                                                abs=1e-3)
+
+
+def test_vllms_prompt_logprobs(server):
+    """vLLM's prompt_logprobs: per prompt token (None for the first) the token itself, with
+    its rank, and the most likely ones, by id; streamed, in the choice's first chunk."""
+    body = {"model": server.model, "prompt": "One, two, three", "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 2}
+    c = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "One, two, three"}, timeout=60
+                     ).json()["tokens"]
+    plp = c["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None and c["logprobs"] is None
+    for token, entry in zip(ids[1:], plp[1:]):
+        own = entry[str(token)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(token) or own["rank"] <= 2)
+        assert ranks[:2] == [1, 2] and len(entry) in (2, 3)
+    stream = httpx.post(server.url + "/v1/completions", json={**body, "stream": True},
+                        timeout=60).text
+    chunks = [json.loads(line[6:]) for line in stream.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == plp
+    assert all("prompt_logprobs" not in ch["choices"][0] for ch in chunks[1:])
+
+
 def test_completions(client, server):
     r = client.completions.create(model=server.model, prompt="The capital of France is",
                                   max_tokens=5, temperature=0, echo=True)

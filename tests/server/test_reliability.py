@@ -132,8 +132,7 @@ BAD = {
         (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
         (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1.1, "repeat_penalty": 1.1},
          "repetition_penalty"),  # (vLLM's name, taken now; not beside llama.cpp's)
-        (COMPLETIONS, {"prompt": "hi", "include_stop_str_in_output": True},
-         "include_stop_str_in_output"),
+        (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         (EMBEDDINGS, {"input": "hi", "truncate": True}, "truncate"),
     ],
     "unsupported content": [
@@ -431,3 +430,36 @@ def test_sigterm_under_load_drains_then_aborts_and_exits_cleanly(model_path):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (COMPLETIONS, lambda text: {"prompt": text, "max_tokens": 1}),
+    (CHAT, lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                         "stream": True}),
+    ("/v1/messages/count_tokens", lambda text: {"model": "m", "messages": [
+        {"role": "user", "content": text}]}),
+    (EMBEDDINGS, lambda text: {"input": text}),
+])
+def test_a_prompt_of_megabytes_is_tokenized_while_the_server_answers_others(srv, path, body):
+    """Tokenizing 4 MB of text takes seconds; it happens on a worker thread, and the event
+    loop answers everyone else meanwhile (it held /health for 2.3 s before)."""
+    async def main() -> tuple[int, int, str]:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+            payload = body("word " * 800_000)
+            if path == "/v1/messages/count_tokens":
+                payload["model"] = srv.model
+            big = asyncio.create_task(http.post(srv.url + path, json=payload))
+            answered = 0
+            while not big.done():
+                r = await http.get(srv.url + "/health")
+                answered += r.status_code == 200 and not big.done()
+                await asyncio.sleep(0.01)
+            r = big.result()
+            return answered, r.status_code, r.text
+
+    answered, status, text = asyncio.run(main())
+    # the context holds 1,024 tokens: the prompt is refused once counted (count_tokens counts)
+    assert status == (200 if "count_tokens" in path else 400), text
+    assert "800002" in text or "800036" in text or "input_tokens" in text, text
+    assert answered >= 10, answered
+    assert_idle(srv)

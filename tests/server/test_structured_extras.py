@@ -87,6 +87,35 @@ def test_stop_token_ids_end_the_answer(server):
     assert free["text"].startswith(choice["text"]) and len(choice["text"]) < len(free["text"])
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server, path):
+    """vLLM's include_stop_str_in_output: the same answer, now ending with the request's stop
+    string; the chat template's end-of-turn string is never written."""
+    body = {"max_tokens": 24, "temperature": 0}
+    if path == COMPLETIONS:
+        body["prompt"] = "One, two, three, four,"
+    else:
+        body["messages"] = [{"role": "user", "content": "Count from one to ten in words."}]
+    free = post(server, path, body).json()["choices"][0]
+    free = free.get("text", free.get("message", {}).get("content"))
+    assert len(free) > 8, free
+    stop = free[4:7]  # a stop string the greedy answer meets
+    cut = free[:free.index(stop)]
+
+    def answer(**extra):
+        out = post(server, path, {**body, "stop": [stop], **extra}).json()["choices"][0]
+        assert out["finish_reason"] == "stop", out
+        return out.get("text", out.get("message", {}).get("content"))
+
+    assert answer() == cut
+    assert answer(include_stop_str_in_output=True) == cut + stop
+    assert answer(include_stop_str_in_output=False) == cut
+    if path == CHAT:  # the turn's own end is not the request's: still left out
+        short = post(server, path, {**body, "max_tokens": 200, "include_stop_str_in_output": True}
+                     ).json()["choices"][0]
+        assert "<end_of_turn>" not in short["message"]["content"]
+
+
 @pytest.mark.parametrize("path, body, param, says", [
     (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar", "could not parse"),
     (COMPLETIONS, {"grammar": ""}, "grammar", "could not parse"),
