@@ -527,9 +527,12 @@ class Scheduler:
         start = req.num_computed_tokens
         n = min(req.num_uncomputed_tokens, self.config.chunk_size, budget)
         all_logits = req.wants_prompt_logprobs
-        if all_logits:  # a row per token, within the step's rows (one kept for each prefill)
+        if all_logits:
+            # A row per token, within the step's rows: its own prefill slot's row and what the
+            # decodes and drafts left, one row kept for each other prefill slot (drafts leave
+            # those slots' rows, so it never waits on them for ever).
             cfg = self.config
-            n = min(n, (cfg.max_outputs or cfg.n_batch) - plan.num_logits - cfg.max_prefill)
+            n = min(n, (cfg.max_outputs or cfg.n_batch) - plan.num_logits - cfg.max_prefill + 1)
             if n < 1:
                 return 0
         end = start + n

@@ -239,9 +239,10 @@ def test_a_prompt_for_its_logprobs_is_computed_whole_with_a_row_per_token():
     plans = [run_step(s) for _ in range(3)]
     assert wants.num_cached_tokens == 0
     chunks = [c for p in plans for c in p.chunks if c.request is wants]
-    # 24 rows a step: one for the decoder, two kept for prefills: 21 tokens, then the rest
+    # 24 rows a step: one for the decoder, one kept for the other prefill slot: 22 tokens,
+    # then the rest
     assert [(c.start, len(c.token_ids), c.all_logits, c.num_logits) for c in chunks] == [
-        (0, 21, True, 21), (21, 19, True, 19), (40, 1, False, 1)]
+        (0, 22, True, 22), (22, 18, True, 18), (40, 1, False, 1)]
     assert all(p.num_logits <= 24 for p in plans)
     # one sent back to the queue (preempted) after its logprobs went out: the cache serves it
     again = Request("r2", list(range(1, 41)), SamplingParams(max_tokens=3, prompt_logprobs=1),

@@ -221,3 +221,37 @@ def test_a_single_draft_token_is_never_dropped_for_the_row_group():
     run_step(s)  # 8 decodes from now on
     plan = s.schedule({"r0": DraftTree.chain([11])})  # 9 rows: one into a new group
     assert plan.chunks[0].token_ids[1:] == [11] and plan.num_logits == 9
+
+
+def test_a_prompt_for_its_logprobs_goes_on_while_drafts_take_every_spare_row():
+    """Drafts take the step's rows but those kept for prefill slots; a prompt that wants its
+    logprobs (a row per token) still gets its own slot's row each step, never none."""
+    from justllm.core.request import Request
+    from justllm.core.sampling_params import SamplingParams
+
+    s = sched(n_batch=64, chunk_size=32, max_prefill=2, max_outputs=12, max_seqs=4)
+    decoders = [make_req(i, 6) for i in range(3)]
+    for r in decoders:
+        s.add(r)
+    run_step(s)
+    run_step(s)  # two prefill slots: the third decoder's prompt in the second step
+    assert all(r.num_uncomputed_tokens == 1 for r in decoders)
+    wants = Request("w", list(range(1, 21)), SamplingParams(max_tokens=2, prompt_logprobs=0),
+                    arrival=9, max_total_tokens=22)
+    s.add(wants)
+    for _ in range(20):
+        drafts = {r.request_id: DraftTree.chain(list(range(30, 40))) for r in decoders}
+        plan = s.schedule(drafts)
+        assert plan.num_logits <= 12
+        got = [c for c in plan.chunks if c.request is wants]
+        assert got and got[0].num_logits >= 1
+        s.update(plan)
+        for c in plan.chunks:
+            if c.draft is not None:
+                c.request.output_token_ids.append(7)
+                s.settle(c, [])
+            elif c.wants_logits:
+                c.request.output_token_ids.append(7)
+        if wants.num_uncomputed_tokens <= 1:
+            break
+    assert wants.num_computed_tokens == 19  # all but the last token: a row or more a step
