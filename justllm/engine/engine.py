@@ -826,11 +826,15 @@ class Engine:
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
         early = len(req.output_token_ids) < params.min_tokens  # (the sampler masked ends)
-        if not early and (token in params.stop_token_ids or (
-                # a grammar offers the end only once it is complete: the answer ends there,
-                # ignore_eos or not (else every later token would be another end)
-                (not params.ignore_eos or live.sampler.constraint is not None)
-                and self.backend.is_eog(token))):
+        if not early and token in params.stop_token_ids:
+            # vLLM's: the stop token's text is part of the answer (a control token has none)
+            live.detok.add_token(token, find_stop=False)
+            out.reason = FinishReason.STOP
+            return
+        # A grammar offers the end only once it is complete: the answer ends there, ignore_eos
+        # or not (else every later token would be another end).
+        if not early and (not params.ignore_eos or live.sampler.constraint is not None) \
+                and self.backend.is_eog(token):
             out.reason = FinishReason.STOP
             return
         live.detok.add_token(token, find_stop=not early)

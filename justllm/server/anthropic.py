@@ -10,7 +10,6 @@ and errors as ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -40,7 +39,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import to_api_error
-from justllm.server.openai_serving import error_status
+from justllm.server.openai_serving import error_status, text_size
 from justllm.server.schemas import ChatCompletionRequest
 from justllm.server.tools.answer import (
     ChatEvent,
@@ -216,7 +215,8 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
     if req.stream:
         # message_start says it, before the answer (off the loop: tokenizing can take seconds)
-        input_tokens = await asyncio.to_thread(prompt_tokens, served, chat)
+        input_tokens = await served.aengine.off_loop(text_size(chat),
+                                                     lambda: prompt_tokens(served, chat))
         events = await served.completions.chat_events(
             chat, mid, origin=origin(request, "anthropic.messages", True))
         return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
@@ -234,4 +234,6 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, CountTokensRequest)
     served.completions.check_model(req.model)
-    return TokenCount(await asyncio.to_thread(prompt_tokens, served, to_chat(req)))
+    chat = to_chat(req)
+    return TokenCount(await served.aengine.off_loop(text_size(chat),
+                                                    lambda: prompt_tokens(served, chat)))

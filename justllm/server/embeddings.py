@@ -6,7 +6,6 @@ thread (docs/llama-cpp-facts.md: one OS thread runs llama.cpp compute), between 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 
@@ -16,7 +15,7 @@ from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
 from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.metrics import ServerMetrics
-from justllm.server.openai_serving import check_model, prompt_list
+from justllm.server.openai_serving import check_model, prompt_list, text_size
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 MAX_INPUTS = 256
@@ -48,7 +47,8 @@ class EmbeddingServing:
             raise no_adapter_embeddings(data.model or "", self.model_id)
         check_model(data.model, self.model_id)
         start = time.perf_counter()
-        token_lists = await asyncio.to_thread(self._inputs, data)  # off the event loop
+        token_lists = await self.aengine.off_loop(text_size(data.input),
+                                                  lambda: self._inputs(data))
         vectors = await self.aengine.embed(token_lists)
         if data.dimensions is not None:
             if not 0 < data.dimensions <= vectors[0].size:

@@ -445,7 +445,7 @@ class OpenAIServing:
                     raise InvalidRequestError(str(e), param="tools") from None
                 raise
 
-        plan, prepared = await asyncio.to_thread(ready)
+        plan, prepared = await self.aengine.off_loop(text_size(req), ready)
         streams = self._submit(prepared, rid, origin)
         # After a transcript's "Assistant:" the model writes the separating space itself.
         fmt = self.template.tool_format if plan.active else None
@@ -589,19 +589,29 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _echoed_logprobs(self, out: RequestOutput, n_top: int, answer: dict | None) -> dict:
+    def _prompt_token_text(self, token: int) -> str:
+        """A prompt token's text, control tokens as written (``<start_of_turn>``), as a prompt
+        that holds them reads and as vLLM decodes them."""
+        return self.aengine.token_bytes(token, special=True).decode("utf-8", "replace")
+
+    def _echoed_logprobs(self, out: RequestOutput, n_top: int, answer: dict | None,
+                         echo: str) -> dict:
         """OpenAI's echo with logprobs: the prompt's tokens first (the first with none: nothing
-        comes before it), from offset 0, then ``answer``'s."""
+        comes before it), from offset 0, then ``answer``'s. The tokens' texts make up ``echo``
+        (the prompt's text) but for a BOS the tokenizer added to a text prompt, written as
+        nothing, and for a character split over byte tokens (each a replacement character)."""
         assert out.prompt_logprobs is not None and out.prompt_token_ids is not None
         tokens, values, tops, offsets = [], [], [], []
         offset = 0
-        for token, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
-            text = self._token_text(token)
+        for i, (token, lp) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs)):
+            text = self._prompt_token_text(token)
+            if i == 0 and not echo.startswith(text):
+                text = ""  # the BOS the tokenizer added: not in the prompt's text
             tokens.append(text)
             values.append(None if lp is None else lp.logprob)
             top = None
             if lp is not None:
-                top = {self._token_text(t): v for t, v in lp.top[:n_top]}
+                top = {self._prompt_token_text(t): v for t, v in lp.top[:n_top]}
                 top.setdefault(text, lp.logprob)
             tops.append(top)
             offsets.append(offset)
@@ -610,14 +620,16 @@ class OpenAIServing:
                   "text_offset": offsets}
         return {k: v + answer[k] for k, v in prompt.items()} if answer else prompt
 
-    def _vllm_prompt_logprobs(self, out: RequestOutput | None) -> list[dict | None] | None:
+    def _vllm_prompt_logprobs(self, out: RequestOutput | None, n_top: int
+                              ) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and the
-        most likely ones, by id, with their logprob, rank and text."""
+        ``n_top`` most likely ones, by id, with their logprob, rank and text."""
         if out is None or out.prompt_logprobs is None:
             return None
 
         def entry(token: int, value: float, rank: int | None) -> dict[str, Any]:
-            return {"logprob": value, "rank": rank, "decoded_token": self._token_text(token)}
+            return {"logprob": value, "rank": rank,
+                    "decoded_token": self._prompt_token_text(token)}
 
         listed: list[dict | None] = []
         for lp in out.prompt_logprobs:
@@ -625,7 +637,7 @@ class OpenAIServing:
                 listed.append(None)
                 continue
             ranked = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
-            for r, (t, v) in enumerate(lp.top, start=1):
+            for r, (t, v) in enumerate(lp.top[:n_top], start=1):
                 ranked.setdefault(str(t), entry(t, v, r))
             listed.append(ranked)
         return listed
@@ -654,10 +666,9 @@ class OpenAIServing:
             jobs = self.completion_jobs(req)
             return jobs, self._prepare(jobs, resume)
 
-        jobs, prepared = await asyncio.to_thread(ready)
+        jobs, prepared = await self.aengine.off_loop(text_size(req.prompt) * req.n, ready)
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs],
-                                 req.logprobs if req.echo else None,
-                                 req.prompt_logprobs is not None)
+                                 req.logprobs if req.echo else None, req.prompt_logprobs)
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
                                request_id)
@@ -665,9 +676,12 @@ class OpenAIServing:
         return await self._respond(streams, shape, req, req.n, rid, request_id)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
+        """The prompt as echoed: a token prompt's text with its control tokens written (as
+        vLLM decodes it), so its tokens' texts make it up."""
         if isinstance(prompt, str):
             return prompt
-        return b"".join(self._piece(t) for t in prompt).decode("utf-8", "replace")
+        return b"".join(self.aengine.token_bytes(t, special=True) for t in prompt
+                        ).decode("utf-8", "replace")
 
     # ---- the scaffold of text completions' full and streamed responses ---------------------
 
@@ -739,46 +753,49 @@ class _CompletionShape:
     id_prefix = "cmpl"
 
     def __init__(self, serving: OpenAIServing, echoes: list[str], echo_logprobs: int | None,
-                 prompt_logprobs: bool) -> None:
+                 prompt_logprobs: int | None) -> None:
         """``echo_logprobs``: with echo, ``logprobs`` (the prompt's tokens come first in each
-        choice's logprobs); ``prompt_logprobs``: vLLM's field is wanted."""
+        choice's logprobs); ``prompt_logprobs``: vLLM's field. With either, a stream's echo
+        waits for the first delta, which carries the prompt's logprobs."""
         self._serving = serving
         self._echoes = echoes
         self._echo_logprobs = echo_logprobs
         self._prompt_logprobs = prompt_logprobs
+        self._echo_late = echo_logprobs is not None or prompt_logprobs is not None
         self._offsets = [len(e) for e in echoes]  # streamed text so far, for logprob offsets
 
     def initial_texts(self, n: int) -> list[str]:
         return list(self._echoes)
 
-    def _logprobs(self, lps: list[TokenLogprob] | None, offset: int,
+    def _logprobs(self, i: int, lps: list[TokenLogprob] | None, offset: int,
                   prompt: RequestOutput | None) -> dict | None:
         answer = self._serving._completion_logprobs(lps, offset)
         if self._echo_logprobs is None or prompt is None:
             return answer
-        return self._serving._echoed_logprobs(prompt, self._echo_logprobs, answer)
+        return self._serving._echoed_logprobs(prompt, self._echo_logprobs, answer,
+                                              self._echoes[i])
 
     def choice(self, i: int, text: str, lps: list[TokenLogprob] | None,
                final: RequestOutput | None, prompt: RequestOutput | None) -> CompletionChoice:
-        return CompletionChoice(i, text, self._logprobs(lps, len(self._echoes[i]), prompt),
+        return CompletionChoice(i, text, self._logprobs(i, lps, len(self._echoes[i]), prompt),
                                 final.finish_reason if final else None,
                                 self._vllm(prompt))
 
     def _vllm(self, prompt: RequestOutput | None) -> list[dict | None] | None:
-        return self._serving._vllm_prompt_logprobs(prompt) if self._prompt_logprobs else None
+        if self._prompt_logprobs is None:
+            return None
+        return self._serving._vllm_prompt_logprobs(prompt, self._prompt_logprobs)
 
     def opening(self, i: int) -> CompletionChoice | None:
         echo = self._echoes[i]
-        # With echo's logprobs the prompt goes out with its logprobs, in the first delta.
-        return CompletionChoice(i, echo, None, None) \
-            if echo and self._echo_logprobs is None else None
+        # With the prompt's logprobs the echo goes out with them, in the first delta.
+        return CompletionChoice(i, echo, None, None) if echo and not self._echo_late else None
 
     def delta(self, i: int, out: RequestOutput) -> CompletionChoice | None:
         first = out.prompt_logprobs is not None
-        text = self._echoes[i] + out.text if first and self._echo_logprobs is not None \
-            else out.text
+        text = self._echoes[i] + out.text if first and self._echo_late else out.text
         d = CompletionChoice(i, text,
-                             self._logprobs(out.logprobs, self._offsets[i],
+                             self._logprobs(i, out.logprobs, self._offsets[i],
                                             out if first else None),
                              out.finish_reason, self._vllm(out) if first else None)
         self._offsets[i] += len(out.text)
@@ -921,6 +938,22 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                                       param="logit_bias")
         out[int(key)] = value
     return out
+
+
+def text_size(value: object) -> int:
+    """The characters (token ids counted one each) in a decoded request's strings, lists and
+    fields: how much tokenizing it asks for, to pick ``AsyncEngine.off_loop``'s pool."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], int):  # token ids
+            return len(value)
+        return sum(text_size(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_size(v) for v in value.values())
+    if isinstance(value, msgspec.Struct):
+        return sum(text_size(getattr(value, f)) for f in value.__struct_fields__)
+    return 0
 
 
 def _is_tokens(x: object) -> bool:

@@ -40,7 +40,7 @@ from justllm.engine.engine import Handover, TokenLogprob
 from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVTransferError
 from justllm.server.errors import APIError
-from justllm.server.openai_serving import Job
+from justllm.server.openai_serving import Job, text_size
 from justllm.server.request_id import request_id
 from justllm.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -136,7 +136,7 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
     _role_allows(state, "prefill")
     served = _served(state)
     req = _request(path, await request.body())
-    jobs = await asyncio.to_thread(_jobs, served, req)  # rendering, a schema's grammar
+    jobs = await served.aengine.off_loop(text_size(req), lambda: _jobs(served, req))
     aengine = served.aengine
     api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
     came = origin(request, api, bool(req.stream))  # the records of the first tokens
@@ -159,8 +159,8 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
         served.metrics.pd_prefills_aborted.labels(served.model_id).inc()
         return drawn
     prompt = jobs[0][0]
-    tokens = (await asyncio.to_thread(aengine.tokenize, prompt) if isinstance(prompt, str)
-              else list(prompt))
+    tokens = (await aengine.off_loop(len(prompt), lambda: aengine.tokenize(prompt))
+              if isinstance(prompt, str) else list(prompt))
     try:
         blob, seconds = await aengine.export_prefix(tokens)
     except KVTransferError as e:

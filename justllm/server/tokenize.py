@@ -19,7 +19,6 @@ vLLM's, ``content``: llama-server's), special tokens written as their text, as b
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from litestar import Request, Router, post
@@ -28,7 +27,7 @@ from litestar.params import JSONBody
 
 from justllm.errors import InvalidRequestError
 from justllm.server.app import _served, decode_request, require_api_key
-from justllm.server.openai_serving import check_chat_request
+from justllm.server.openai_serving import check_chat_request, text_size
 from justllm.server.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from justllm.server.tools.request import check_tool_messages, tool_plan
 
@@ -123,7 +122,7 @@ async def tokenize(data: JSONBody[TokenizeRequest], request: Request, state: Sta
                 if req.return_token_strs else None}
 
     # Off the event loop: megabytes of text take seconds, and every stream would wait.
-    return await asyncio.to_thread(work)
+    return await aengine.off_loop(text_size(req), work)
 
 
 @post("/detokenize", status_code=200,
@@ -133,7 +132,8 @@ async def detokenize(data: JSONBody[DetokenizeRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, DetokenizeRequest)
     served.completions.check_model(req.model)
-    text = await asyncio.to_thread(served.aengine.detokenize, req.tokens)
+    text = await served.aengine.off_loop(len(req.tokens),
+                                         lambda: served.aengine.detokenize(req.tokens))
     return {"prompt": text, "content": text}
 
 

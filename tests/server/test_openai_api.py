@@ -151,6 +151,15 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first(client, server):
                                        temperature=0, echo=True, logprobs=1).choices[0]
     assert scored.logprobs.token_logprobs[:-1] == pytest.approx(lp.token_logprobs[:n_prompt],
                                                                 abs=1e-3)
+    # control tokens in the prompt are written as the prompt has them: the tokens make up the
+    # text, offsets included
+    turn = "<start_of_turn>user\nHi<end_of_turn>\n"
+    c = client.completions.create(model=server.model, prompt=turn, max_tokens=2,
+                                  temperature=0, echo=True, logprobs=1).choices[0]
+    assert "".join(c.logprobs.tokens) == c.text and c.text.startswith(turn)
+    assert "<start_of_turn>" in c.logprobs.tokens
+    assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i]))
+                                      for i in range(len(c.logprobs.tokens))]
 
 
 def test_vllms_prompt_logprobs(server):
@@ -168,12 +177,20 @@ def test_vllms_prompt_logprobs(server):
         assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
         ranks = sorted(v["rank"] for k, v in entry.items() if k != str(token) or own["rank"] <= 2)
         assert ranks[:2] == [1, 2] and len(entry) in (2, 3)
-    stream = httpx.post(server.url + "/v1/completions", json={**body, "stream": True},
-                        timeout=60).text
+    stream = httpx.post(server.url + "/v1/completions", json={**body, "stream": True,
+                                                              "echo": True}, timeout=60).text
     chunks = [json.loads(line[6:]) for line in stream.splitlines()
               if line.startswith("data: {")]
-    assert chunks[0]["choices"][0]["prompt_logprobs"] == plp
+    first = chunks[0]["choices"][0]  # the echo with the prompt's logprobs, then the answer
+    assert first["prompt_logprobs"] == plp and first["text"].startswith("One, two, three")
     assert all("prompt_logprobs" not in ch["choices"][0] for ch in chunks[1:])
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == "One, two, three" + c["text"]
+    # echo's logprobs ask for more alternatives: prompt_logprobs still lists its own number
+    both = httpx.post(server.url + "/v1/completions", json={
+        **body, "prompt_logprobs": 1, "echo": True, "logprobs": 4}, timeout=60).json()
+    choice = both["choices"][0]
+    assert all(len(entry) <= 2 for entry in choice["prompt_logprobs"][1:])
+    assert max(len(top) for top in choice["logprobs"]["top_logprobs"][1:]) >= 4
 
 
 def test_completions(client, server):

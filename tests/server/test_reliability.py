@@ -463,3 +463,31 @@ def test_a_prompt_of_megabytes_is_tokenized_while_the_server_answers_others(srv,
     assert "800002" in text or "800036" in text or "input_tokens" in text, text
     assert answered >= 10, answered
     assert_idle(srv)
+
+
+def test_a_small_request_does_not_queue_behind_clients_sending_megabytes(srv):
+    """Eight clients send 3 MB prompts at once (seconds of tokenizing each, then a 400 for
+    their length); a small request sent after them is answered before any of them: large
+    requests are prepared on a pool of their own (it took 10 s, behind them, on a shared
+    one)."""
+    async def main() -> tuple[list[int], int, list[str]]:
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as http:
+            order: list[str] = []
+
+            async def send(name: str, body: dict) -> int:
+                r = await http.post(srv.url + COMPLETIONS, json=body)
+                order.append(name)
+                return r.status_code
+
+            big = "word " * 600_000
+            large = [asyncio.create_task(send(f"large{i}", {"prompt": big, "max_tokens": 1}))
+                     for i in range(8)]
+            await asyncio.sleep(1.0)  # all eight are being read and prepared
+            assert not any(t.done() for t in large)
+            small = await send("small", {"prompt": "Hello", "max_tokens": 2})
+            return list(await asyncio.gather(*large)), small, order
+
+    large, small, order = asyncio.run(main())
+    assert large == [400] * 8 and small == 200
+    assert order[0] == "small", order
+    assert_idle(srv)

@@ -85,6 +85,9 @@ def test_stop_token_ids_end_the_answer(server):
     choice = stopped["choices"][0]
     assert choice["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 3
     assert free["text"].startswith(choice["text"]) and len(choice["text"]) < len(free["text"])
+    # as in vLLM, the stop token's own text ends the answer
+    upto = httpx.post(server.url + "/detokenize", json={"tokens": tokens[:3]}, timeout=60)
+    assert choice["text"] == upto.json()["prompt"]
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
