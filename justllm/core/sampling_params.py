@@ -88,8 +88,10 @@ class SamplingParams:
         _check(all(_is_num(s) and abs(s) <= MAX_LORA_SCALE for _, s in self.lora),
                f"lora scales must be numbers in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]",
                "lora")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               "max_tokens must be an integer >= 1", "max_tokens")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and (
+            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None))),
+               "max_tokens must be an integer >= 1 (0 only with the prompt's logprobs: the "
+               "prompt scored, nothing generated)", "max_tokens")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature must be a number in [0, 100]", "temperature")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")

@@ -734,6 +734,10 @@ class Engine:
                 self._prompt_logprobs(live, chunk, rows)
             if chunk.draft is not None:
                 outputs.append(self._verify(live, chunk, rows, now, result, i))
+            elif chunk.wants_logits and req.params.max_tokens == 0:
+                # the prompt scored for its logprobs, nothing to draw (OpenAI's echo idiom)
+                outputs.append(self._finish_output(live, _Emitted(reason=FinishReason.LENGTH),
+                                                   now, result))
             elif chunk.wants_logits:  # the chunk's last row (its only one, but for all_logits)
                 outputs.append(self._sample_one(live, rows[-1], now, result, presampled.get(i)))
         return outputs, result
@@ -747,6 +751,7 @@ class Engine:
             last, row = row + chunk.num_logits - 1, row + chunk.num_logits
             live = self._live.get(chunk.request.request_id)
             if (chunk.draft is None and chunk.wants_logits and live is not None
+                    and chunk.request.params.max_tokens != 0
                     and chunk.request.status is RequestStatus.RUNNING
                     and worth_a_worker(live.sampler)):
                 req = live.request

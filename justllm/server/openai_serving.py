@@ -179,8 +179,8 @@ class OpenAIServing:
                                       "ranking of extra choices)", param="best_of")
 
     def _params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                logprobs: int | None, n_index: int, template: ChatTemplate | None = None
-                ) -> SamplingParams:
+                logprobs: int | None, n_index: int, template: ChatTemplate | None = None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         if not 1 <= req.n <= self.limits.max_n:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
         seed = (req.seed + n_index) % 2**64 if req.seed is not None else None
@@ -200,7 +200,8 @@ class OpenAIServing:
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
             keep_stops=stop if req.include_stop_str_in_output else (),
             min_tokens=req.min_tokens or 0,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=tuple(_logit_bias(req.logit_bias).items()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
             priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
 
@@ -210,8 +211,11 @@ class OpenAIServing:
         mode runs them before a load; the route runs them all again)."""
         OpenAIServing._repeat(req)
         structured_grammar(None, req)
-        SamplingParams(max_tokens=getattr(req, "max_completion_tokens", None) or req.max_tokens,
-                       min_tokens=req.min_tokens or 0)
+        max_tokens = getattr(req, "max_completion_tokens", None)
+        SamplingParams(max_tokens=req.max_tokens if max_tokens is None else max_tokens,
+                       min_tokens=req.min_tokens or 0,
+                       prompt_logprobs=prompt_logprobs_of(req)
+                       if isinstance(req, CompletionRequest) else None)
 
     @staticmethod
     def _repeat(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -650,11 +654,10 @@ class OpenAIServing:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
         extra = structured_grammar(self.aengine, req)
         grammar = extra[0] if extra is not None else None
-        wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
-                  if k is not None]
         return [(p, replace(self._params(req, req.max_tokens if req.max_tokens is not None
-                                         else 16, req.logprobs, j), grammar=grammar,
-                            prompt_logprobs=max(wanted) if wanted else None))
+                                         else 16, req.logprobs, j,
+                                         prompt_logprobs=prompt_logprobs_of(req)),
+                            grammar=grammar))
                 for p in self._completion_prompts(req.prompt) for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
@@ -938,6 +941,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                                       param="logit_bias")
         out[int(key)] = value
     return out
+
+
+def prompt_logprobs_of(req: CompletionRequest) -> int | None:
+    """The prompt logprobs a completion asks for: vLLM's ``prompt_logprobs``, or echo's
+    ``logprobs`` (the larger; each shape lists its own number)."""
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
+              if k is not None]
+    return max(wanted) if wanted else None
 
 
 def text_size(value: object) -> int:

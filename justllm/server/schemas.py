@@ -237,6 +237,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: Union[str, list[Any]]
     echo: bool | None = False
     logprobs: NonNegativeInt | None = None
+    # 0 only with the prompt's logprobs (OpenAI's echo idiom: the prompt scored, no answer)
+    max_tokens: NonNegativeInt | None = None
     # vLLM's: each prompt token's logprob and this many alternatives, in the choice's own
     # ``prompt_logprobs`` (echo with logprobs puts them in ``logprobs``, as OpenAI did).
     prompt_logprobs: NonNegativeInt | None = None

@@ -5,7 +5,7 @@ from justllm.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # (0 only with prompt_logprobs)
     ({"max_tokens": -5}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -50,3 +50,9 @@ def test_a_negative_seed_is_a_64_bit_seed_like_any_other():
     assert SamplingParams(seed=-1).seed == 2**64 - 1
     assert SamplingParams(seed=-2**63).seed == 2**63
     assert SamplingParams(seed=5).seed == 5
+
+
+def test_max_tokens_0_only_scores_a_prompt_for_its_logprobs():
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+    with pytest.raises(InvalidRequestError, match="0 only with the prompt's logprobs"):
+        SamplingParams(max_tokens=0)

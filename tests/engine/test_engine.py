@@ -164,8 +164,9 @@ def test_max_tokens_and_stop_token_finish_reasons(engine):
     assert [t for o in outs for t in o.token_ids] == ref[:k + 1]
     assert outs[-1].finish_reason == "stop"
     text = "".join(o.text for o in outs)
-    expected = b"".join(engine.backend.token_to_piece(t) for t in ref[:k]).decode("utf-8", "replace")
-    assert text == expected  # the stop token's own text is not emitted
+    expected = b"".join(engine.backend.token_to_piece(t) for t in ref[:k + 1]).decode(
+        "utf-8", "replace")
+    assert text == expected  # as in vLLM, the stop token's own text ends the answer
 
 
 def test_bad_requests_fail_alone_and_others_keep_going(engine):
@@ -305,6 +306,19 @@ def test_prompt_logprobs_are_the_models_own_for_each_prompt_token(engine):
         assert sum(lp.rank == 1 for lp in mine) >= len(mine) - 1  # a near tie may flip
         for lp, was in zip(mine, drawn):
             assert abs(lp.logprob - was.logprob) < 0.35, (lp, was)  # batch-shape noise
+    assert_idle_and_free(engine)
+
+
+def test_a_prompt_only_scored_draws_nothing(engine):
+    """max_tokens 0 with prompt_logprobs: the prompt computed and scored, no token drawn."""
+    rid = engine.add_request("One, two, three", SamplingParams(max_tokens=0, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    (out,) = outs
+    assert out.finished and out.finish_reason == "length" and out.token_ids == []
+    assert out.text == "" and len(out.prompt_logprobs) == len(engine.tokenize("One, two, three"))
+    assert out.metrics.num_generated_tokens == 0
     assert_idle_and_free(engine)
 
 

@@ -53,7 +53,8 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
                             seed=i, ignore_eos=True)
     if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
-        params = replace(params, prompt_logprobs=i % 3)
+        params = replace(params, prompt_logprobs=i % 3,  # some only scored, nothing drawn
+                         max_tokens=0 if i % 8 == 1 else params.max_tokens)
     mode = rng.random()
     outs = []
 

@@ -151,6 +151,22 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first(client, server):
                                        temperature=0, echo=True, logprobs=1).choices[0]
     assert scored.logprobs.token_logprobs[:-1] == pytest.approx(lp.token_logprobs[:n_prompt],
                                                                 abs=1e-3)
+    # OpenAI's older idiom, max_tokens 0: the prompt scored, nothing generated (streamed too)
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": prompt, "max_tokens": 0, "echo": True,
+            "logprobs": 1, "stream": stream, "stream_options": {"include_usage": True}
+            if stream else None})
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            (only,), usage = [c for ch in chunks for c in ch["choices"]], chunks[-1]["usage"]
+        else:
+            only, usage = r.json()["choices"][0], r.json()["usage"]
+        assert only["text"] == prompt and only["finish_reason"] == "length"
+        assert only["logprobs"]["token_logprobs"] == pytest.approx(
+            lp.token_logprobs[:n_prompt], abs=1e-3)
+        assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == n_prompt
     # control tokens in the prompt are written as the prompt has them: the tokens make up the
     # text, offsets included
     turn = "<start_of_turn>user\nHi<end_of_turn>\n"
