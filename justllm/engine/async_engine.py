@@ -54,6 +54,7 @@ _JSON_OBJECT = without_trailing_space(JSON_GRAMMAR)
 # ones (``AsyncEngine.off_loop``): 64 KiB of text tokenizes in ~40 ms on this machine.
 LARGE_REQUEST = 64 * 1024
 
+
 class RequestStream:
     """The outputs of one submitted request, as an async iterator.
 
@@ -417,8 +418,9 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()
         self.abort_all()
-        self._small_pool.shutdown(wait=False, cancel_futures=True)
-        self._large_pool.shutdown(wait=False, cancel_futures=True)
+        # (work still queued runs, and its request is then refused as the server stops)
+        self._small_pool.shutdown(wait=False)
+        self._large_pool.shutdown(wait=False)
         self.engine.close()
 
 
