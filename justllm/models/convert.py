@@ -316,7 +316,6 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     each. A hub repo's weights are downloaded here, last."""
     from justllm.models import hub
     from justllm.models.refs import DEFAULT_TAG, label, name_for_file, new_ref
-    from justllm.models.source import cache_dir
 
     console = console or Console(stderr=True, emoji=False)
     wanted_label = label(*new_ref(name)) if name else None
@@ -387,7 +386,16 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
                       soft_wrap=True)
         source_dir = hub.download_files(listing, model.weights)
     return ConvertJob(converter, model, source_dir, repo, commit, resolved, quant, dst,
-                      job_label, estimate, cache_dir() / "convert.log")
+                      job_label, estimate, convert_log(dst))
+
+
+def convert_log(dst: Path) -> Path:
+    """Where a conversion to ``dst`` writes the converter's output: one log per output, so
+    two conversions running at once (to different files: one output is leased to one) do not
+    write into each other's."""
+    from justllm.models.source import cache_dir
+
+    return cache_dir() / "logs" / f"convert-{dst.name}.log"
 
 
 def output_path(output: str, file: str) -> Path:

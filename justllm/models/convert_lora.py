@@ -22,7 +22,13 @@ from typing import Any
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
-from justllm.models.convert import ConvertJob, check_space, get_converter, output_path
+from justllm.models.convert import (
+    ConvertJob,
+    check_space,
+    convert_log,
+    get_converter,
+    output_path,
+)
 from justllm.models.converter import check_extra
 from justllm.models.hf_model import HFModel, read_config, side_files
 from justllm.models.quantize import check_writable
@@ -75,7 +81,6 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     """Check everything and fetch what converting the adapter ``source`` needs (ValueError or
     ModelLoadError, one line each)."""
     from justllm.models import hub
-    from justllm.models.source import cache_dir
 
     console = console or Console(stderr=True, emoji=False)
     kind = outtype.strip().lower()
@@ -122,7 +127,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     model.check_architecture(converter.architectures())
     return LoraConvertJob(converter, model, adapter_dir, repo, commit, kind, None, dst,
                           label="", estimate_bytes=estimate,
-                          log_path=cache_dir() / "convert.log", base_dir=base_dir,
+                          log_path=convert_log(dst), base_dir=base_dir,
                           alpha=float(config.get("lora_alpha") or 0),
                           rank=int(config.get("r") or 0))
 

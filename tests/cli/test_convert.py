@@ -83,6 +83,10 @@ def test_convert_a_local_model_to_q8_0_registers_it_and_it_generates(
     assert (m.path, m.quantization, m.source.kind, m.source.file) == (
         out, "Q8_0", "converted", str(tiny.resolve()))
     assert leftovers(out.parent, models) == []
+    # the converter's own output, in a log of this output's (conversions at once keep theirs)
+    from justllm.models.convert import convert_log
+    assert convert_log(out).stat().st_size > 0
+    assert convert_log(out) != convert_log(out.with_name("other.gguf"))
     # The same output again: refused without --force, nothing touched.
     before = out.stat().st_mtime_ns
     line = error_line(runner.invoke(app, ["convert", str(tiny), "--outtype", "q8_0", "-o",
