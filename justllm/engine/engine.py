@@ -743,8 +743,11 @@ class Engine:
         return outputs, result
 
     def _presample(self, plan: StepPlan, logits) -> dict:
-        """The step's sampled rows, side by side on the row sampler's threads
-        (engine/row_sampling.py); greedy and grammar rows are left to ``_sample_one``."""
+        """The step's rows, side by side on the row sampler's threads where it has them
+        (engine/row_sampling.py); grammar rows, and every row when it has none, are left to
+        ``_sample_one``."""
+        if self.row_sampler.workers < 2:
+            return {}
         jobs = []
         row = 0
         for i, chunk in enumerate(plan.chunks):

@@ -1,20 +1,25 @@
-"""Sampling a step's rows side by side on worker threads.
+"""Choosing a step's tokens with the passes over whole rows side by side on worker threads.
 
-A sampled (temperature > 0) row costs about half a millisecond on a 262k vocabulary (two
-full-row passes, engine/sampler.py), and the engine thread does them one after another between
-two decodes. numpy releases the GIL inside those passes, so the rows of one step can run in
-parallel on a small pool, one row per task: each request's sampler (its random generator, its
-penalties) is touched by one task only, so every request draws exactly what it would have drawn
-alone, and seeds stay reproducible.
+Every row costs at least one pass over the whole 262k vocabulary: a greedy row's argmax (~70 µs
+from memory here), a sampled row's first passes (its maximum, a compare that lists the near
+tokens, two counts: engine/sampler.py). One after another on the engine thread, 64 greedy rows
+are ~4.5 ms between two decodes, about as long as a GPU's decode of those rows. numpy releases
+the GIL inside those passes, so they run in parallel: the engine thread takes one share of the
+rows and the pool's threads the others (every n-th row, so greedy and sampled rows spread
+evenly), each running :meth:`RequestSampler.prepare`. The draws themselves
+(:meth:`RequestSampler.draw`: a few dozen small numpy calls on a few hundred candidates) stay on
+the engine thread, one row after another: run on several threads they mostly wait for the GIL
+and for each other (64 sampled rows on two threads took 1.1-1.4x as long as on one). A
+request's generator is touched by the draw alone, so every request draws exactly what it would
+have drawn alone, and seeds stay reproducible.
 
-The pool only pays where cores are idle between decodes (:func:`sampling_workers`): with the
+The pool only runs where cores are idle between decodes (:func:`sampling_workers`): with the
 model on a GPU, or when llama.cpp runs on fewer threads than there are cores. On a CPU build
-using every core it costs more than it gives: llama.cpp's OpenMP threads spin for a while after
-each decode, and the workers fight them for the cores (2 cores, 8 rows at temperature 0.8: 6.5
-ms a step on two workers, 5.4 ms on the engine thread alone).
+using every core, llama.cpp's OpenMP threads spin for a while after each decode and the
+workers would fight them for the cores.
 
-Greedy rows (an argmax) are not worth a hand-off, and grammar-constrained rows stay on the engine
-thread: their matcher lives in llama.cpp, which the engine calls from one thread only.
+Grammar-constrained rows stay on the engine thread: their matcher lives in llama.cpp, which the
+engine calls from one thread only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from justllm.config import usable_cpus
-from justllm.engine.sampler import RequestSampler, SampledToken
+from justllm.engine.sampler import PreparedRow, RequestSampler, SampledToken
 from justllm.errors import EngineError
 
 
@@ -40,21 +45,24 @@ class RowJob:
 
 
 def sampling_workers(gpu: bool, llama_threads: int, cores: int | None = None) -> int:
-    """Threads for the step's sampled rows: the cores llama.cpp leaves idle between decodes
-    (all of them with the model on a GPU), at most 8; 1 means on the engine thread."""
+    """Threads for the step's rows, the engine thread counted: its own core and the cores
+    llama.cpp leaves idle between decodes (every core with the model on a GPU), at most 8; 1
+    means the engine thread alone."""
     cores = cores or usable_cpus()
-    idle = cores if gpu else cores - (llama_threads or cores)
-    return max(1, min(idle, 8))
+    if gpu:
+        return max(1, min(cores, 8))
+    idle = cores - min(llama_threads or cores, cores)
+    return max(1, min(idle + 1, 8))  # the engine thread's own core and the idle ones
 
 
 def worth_a_worker(sampler: RequestSampler) -> bool:
-    """A row that costs more than a hand-off and that a worker may sample (module docstring)."""
-    return not sampler.params.greedy and sampler.constraint is None
+    """A row a worker may choose the token of: any without a grammar (module docstring)."""
+    return sampler.constraint is None
 
 
 class RowSampler:
-    """The pool (started on first use, with ``workers`` threads; 1: none, rows are sampled on
-    the caller's thread)."""
+    """The pool (started on first use, with ``workers - 1`` threads beside the caller's; 1:
+    none, rows are sampled on the caller's thread)."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -62,12 +70,22 @@ class RowSampler:
 
     def sample(self, jobs: Sequence[RowJob]) -> dict[Hashable, SampledToken | EngineError]:
         """Each job's token, or the EngineError its sampler raised (that request ends; the
-        others go on). With one job or one worker, on this thread."""
-        if len(jobs) < 2 or self.workers < 2:
-            return dict(_run(job) for job in jobs)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="justllm-sampler")
-        return dict(self._pool.map(_run, jobs))
+        others go on). The rows are prepared in ``n`` shares (this thread takes every ``n``-th
+        job from the first, the pool's threads the others; with one worker, or too little work
+        to share, all on this thread), then drawn here in order."""
+        shares = min(self.workers, len(jobs)) if _worth_sharing(jobs) else 1
+        if shares < 2:
+            prepared = _prepare_all(jobs)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers - 1,
+                                                thread_name_prefix="justllm-sampler")
+            pool = self._pool
+            others = [pool.submit(_prepare_all, jobs[i::shares]) for i in range(1, shares)]
+            prepared = _prepare_all(jobs[::shares])
+            for future in others:
+                prepared.update(future.result())
+        return {job.key: _draw(job, prepared[job.key]) for job in jobs}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -75,8 +93,33 @@ class RowSampler:
             self._pool = None
 
 
-def _run(job: RowJob) -> tuple[Hashable, SampledToken | EngineError]:
+# Handing shares to the pool costs about 0.1 ms a step; an argmax is ~55-70 µs, preparing a
+# sampled row ~160 µs. Below 16 argmaxes' worth the hand-off costs more than it saves (8 greedy
+# rows with llama.cpp on one of two cores: 0.44 ms a step on the engine thread, 0.54 in two
+# shares; 32: 1.46 against 1.38; 8 sampled rows: 2.40 against 2.10).
+_MIN_SHARED_WORK = 16
+_SAMPLED_ROW_WORK = 3
+
+
+def _worth_sharing(jobs: Sequence[RowJob]) -> bool:
+    work = sum(1 if job.sampler.params.greedy else _SAMPLED_ROW_WORK for job in jobs)
+    return work >= _MIN_SHARED_WORK
+
+
+def _prepare_all(jobs: Sequence[RowJob]) -> dict[Hashable, PreparedRow | EngineError]:
+    got: dict[Hashable, PreparedRow | EngineError] = {}
+    for job in jobs:
+        try:
+            got[job.key] = job.sampler.prepare(job.logits, job.prompt_ids, job.output_ids)
+        except EngineError as e:
+            got[job.key] = e
+    return got
+
+
+def _draw(job: RowJob, row: PreparedRow | EngineError) -> SampledToken | EngineError:
+    if isinstance(row, EngineError):
+        return row
     try:
-        return job.key, job.sampler.sample(job.logits, job.prompt_ids, job.output_ids)
+        return job.sampler.draw(row)
     except EngineError as e:
-        return job.key, e
+        return e

@@ -55,6 +55,20 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+@dataclass(frozen=True)
+class PreparedRow:
+    """A row after :meth:`RequestSampler.prepare`: the raw row (logprobs are the model's
+    own), the row the draw reads (``x``: after penalties, bias, ``min_tokens``' mask; the raw
+    row itself without them), a greedy row's token, a sampled row's first passes, and the
+    logprobs' normaliser and most likely tokens when the request asks for logprobs."""
+
+    logits: np.ndarray
+    x: np.ndarray
+    token: int | None = None
+    scan: Scan | None = None
+    table: tuple[float, tuple[tuple[int, float], ...]] | None = None
+
+
 class Constraint(Protocol):
     """A token mask with state, such as a grammar (``GrammarMatcher``)."""
 
@@ -87,6 +101,15 @@ class RequestSampler:
         row) when the proposer *sampled* that token; a sampled request then accepts it with
         probability min(1, p/q), else draws from the residual (rejection sampling: the result
         is distributed exactly as without ``against``)."""
+        return self.draw(self.prepare(logits, prompt_ids, output_ids, scan=against is None),
+                         against)
+
+    def prepare(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
+                scan: bool = True) -> PreparedRow:
+        """The passes over the whole row that need neither the generator nor the grammar:
+        penalties, bias and ``min_tokens``' mask, a greedy row's argmax, a sampled row's first
+        passes (:func:`_scan`), the logprobs' normaliser. Any thread may run them, in any
+        order (engine/row_sampling.py); :meth:`draw` does the rest."""
         p = self.params
         x = logits
         if p.has_penalties:
@@ -99,25 +122,40 @@ class RequestSampler:
             if x is logits:
                 x = np.array(logits, dtype=np.float32)
             x[self._end_tokens] = -np.inf
+        unconstrained = self.constraint is None
+        return PreparedRow(
+            logits, x,
+            token=int(np.argmax(x)) if p.greedy and unconstrained else None,
+            scan=_scan(x, p) if scan and _scans(p, x.size) else None,
+            table=None if p.logprobs is None else logprob_table(logits, p.logprobs))
+
+    def draw(self, row: PreparedRow, against: tuple[int, np.ndarray] | None = None
+             ) -> SampledToken:
+        """The token of a prepared row (:meth:`prepare`), and its logprobs if asked."""
+        p = self.params
+        x = row.x
         c = self.constraint
-        if p.greedy:
+        if row.token is not None:
+            token = row.token
+        elif p.greedy:
             token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)
         elif c is not None and against is None:
             # Draw first and mask only if the grammar refuses the draw (llama.cpp's order):
             # masking is a pass of the grammar over all 262k tokens. Without truncation this is
             # exactly the masked distribution: P(a) = p(a) + (1 - p(A)) p(a) / p(A) = p(a)/p(A).
-            token = self._draw(x)
+            token = self._draw(x, row.scan)
             if not c.allows(token):
                 token = self._draw(c.mask(x))
+        elif against is not None:
+            token = self._draw_against(x if c is None else c.mask(x), *against)
         else:
-            if c is not None:
-                x = c.mask(x)
-            token = self._draw(x) if against is None else self._draw_against(x, *against)
+            token = self._draw(x, row.scan)
         if c is not None:
             c.accept(token)
-        if p.logprobs is None:
+        if row.table is None:
             return SampledToken(token)
-        return with_logprobs(logits, token, p.logprobs)
+        lse, top = row.table
+        return SampledToken(token, float(row.logits[token]) - lse, top)
 
     def _draw_against(self, x: np.ndarray, draft_token: int, q_row: np.ndarray) -> int:
         ids, w = self._distribution(x)
@@ -125,20 +163,21 @@ class RequestSampler:
         dense[slice(None) if ids is None else ids] = w / w.sum(dtype=np.float64)
         return accept_or_resample(dense, draft_token, q_row, self.rng)
 
-    def _draw(self, x: np.ndarray) -> int:
+    def _draw(self, x: np.ndarray, scan: Scan | None = None) -> int:
         """One token from the candidates (module docstring); the whole row only when the
-        weight left out could change the answer. Every branch that does not depend on the draw
+        weight left out could change the answer. ``scan``: ``x``'s first passes, when
+        :meth:`prepare` made them. Every branch that does not depend on the draw
         may use any exact method; the branches that do keep one order of the tokens, so the
         result is distributed exactly as the full softmax."""
         p = self.params
-        if (p.top_k and p.top_k < x.size) or 0.0 < p.min_p < _CUT_WEIGHT:
-            # Top-k already works on the k best alone; a min-p this small may keep tokens
-            # outside the candidates.
+        if not _scans(p, x.size):
             return self._draw_full(x)
-        m = float(x.max())
+        if scan is None:
+            scan = _scan(x, p)
+        m = scan.best
         u = None
-        if not p.min_p:  # first from the near tokens alone (_near)
-            near, w_near, bound = _near(x, m, p.temperature)
+        if scan.near is not None:  # first from the near tokens alone (_near)
+            near, w_near, bound = _near(x, scan)
             if p.top_p >= 1.0:
                 return self._draw_tempered(x, m, near, w_near, bound)
             u = self.rng.random()
@@ -287,7 +326,39 @@ def _weights(x: np.ndarray, m: float, temperature: float) -> np.ndarray:
     return w
 
 
-def _near(x: np.ndarray, m: float, temperature: float) -> tuple[np.ndarray, np.ndarray, float]:
+@dataclass(frozen=True)
+class Scan:
+    """A sampled row's first passes over the whole vocabulary (:func:`_scan`): its best logit
+    and, without min-p, the near tokens (within two thirds of the cut, 12 nats) with the counts
+    within five sixths of it (15 nats) and within the cut (18)."""
+
+    best: float
+    temperature: float
+    near: np.ndarray | None = None
+    n_mid: int = 0
+    n_cut: int = 0
+
+
+def _scans(p: SamplingParams, size: int) -> bool:
+    """Whether a sampled draw with ``p`` starts from :func:`_scan` (else it weighs the row
+    whole: top-k works on the k best alone, and a min-p this small may keep tokens outside the
+    candidates)."""
+    return not p.greedy and not (p.top_k and p.top_k < size) and not 0.0 < p.min_p < _CUT_WEIGHT
+
+
+def _scan(x: np.ndarray, p: SamplingParams) -> Scan:
+    """The passes over the whole row a draw starts with: the best logit, and without min-p the
+    near tokens and two counts (:func:`_near`)."""
+    m, t = float(x.max()), p.temperature
+    if p.min_p:
+        return Scan(m, t)
+    near = np.flatnonzero(x >= np.float32(m - t * _CUT * _NEAR_SHARE))
+    n_mid = int(np.count_nonzero(x >= np.float32(m - t * _CUT * _MID_SHARE)))
+    n_cut = int(np.count_nonzero(x >= np.float32(m - t * _CUT)))
+    return Scan(m, t, near, n_mid, n_cut)
+
+
+def _near(x: np.ndarray, scan: Scan) -> tuple[np.ndarray, np.ndarray, float]:
     """The tokens within two thirds of the cut (12 nats) of the best, their weights, and a
     bound on the weight of all the others: the tokens counted in each band beyond (to 15
     nats, to 18, the rest) times the weight of the band's inner edge. Counting a band is a
@@ -295,12 +366,12 @@ def _near(x: np.ndarray, m: float, temperature: float) -> tuple[np.ndarray, np.n
     hundreds of tokens lie within 12 nats and tens of thousands within 18); the bound is
     tight enough to decide about 99 draws in 100 on the demo model."""
     near_cut, mid_cut = _CUT * _NEAR_SHARE, _CUT * _MID_SHARE
-    near = np.flatnonzero(x >= np.float32(m - temperature * near_cut))
-    n_mid = int(np.count_nonzero(x >= np.float32(m - temperature * mid_cut)))
-    n_cut = int(np.count_nonzero(x >= np.float32(m - temperature * _CUT)))
-    bound = ((n_mid - near.size) * _edge_weight(near_cut)
-             + (n_cut - n_mid) * _edge_weight(mid_cut) + (x.size - n_cut) * _CUT_WEIGHT)
-    return near, _weights(x[near], m, temperature), bound
+    near = scan.near
+    assert near is not None
+    bound = ((scan.n_mid - near.size) * _edge_weight(near_cut)
+             + (scan.n_cut - scan.n_mid) * _edge_weight(mid_cut)
+             + (x.size - scan.n_cut) * _CUT_WEIGHT)
+    return near, _weights(x[near], scan.best, scan.temperature), bound
 
 
 def _edge_weight(nats: float) -> float:
@@ -417,6 +488,14 @@ def token_logprob(logits: np.ndarray, token: int, n_top: int
 
 def with_logprobs(logits: np.ndarray, token: int, n_top: int) -> SampledToken:
     """Log-probabilities under the model's own distribution (raw logits, as vLLM reports)."""
+    lse, top = logprob_table(logits, n_top)
+    return SampledToken(token, float(logits[token]) - lse, top)
+
+
+def logprob_table(logits: np.ndarray, n_top: int
+                  ) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The row's log-normaliser (a token's logprob is its logit less it) and its ``n_top``
+    most likely tokens with their logprobs, best first."""
     row = np.asarray(logits, dtype=np.float32)
     m = float(row.max())
     lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
@@ -425,4 +504,4 @@ def with_logprobs(logits: np.ndarray, token: int, n_top: int) -> SampledToken:
         ids = top_candidates(row, n_top) if n_top < row.size else np.arange(row.size)
         ids = ids[np.argsort(-row[ids], kind="stable")]
         top = tuple((int(i), float(row[i]) - lse) for i in ids)
-    return SampledToken(token, float(row[token]) - lse, top)
+    return lse, top
