@@ -24,6 +24,18 @@ _WHERE = {
 }
 
 
+def build_info() -> str:
+    """``justllm VERSION (llama-cpp-python VERSION)``, read from the installed packages'
+    metadata without loading llama.cpp (``--version``, llama-server's ``/props``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        llama = version("llama-cpp-python")
+    except PackageNotFoundError:
+        llama = "not installed"
+    return f"justllm {__version__} (llama-cpp-python {llama})"
+
+
 def __getattr__(name: str) -> object:
     if name in _WHERE:
         import importlib

@@ -74,15 +74,9 @@ def _print_version(value: bool) -> None:
     packages' metadata, without loading llama.cpp."""
     if not value:
         return
-    from importlib.metadata import PackageNotFoundError, version
+    from justllm import build_info
 
-    from justllm import __version__
-
-    try:
-        llama = version("llama-cpp-python")
-    except PackageNotFoundError:
-        llama = "not installed"
-    print(f"justllm {__version__} (llama-cpp-python {llama})")
+    print(build_info())
     raise typer.Exit()
 
 

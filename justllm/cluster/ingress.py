@@ -41,7 +41,7 @@ from typing import Any, cast
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 
@@ -62,6 +62,7 @@ from justllm.gateway.streams import relayed
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
+from justllm.server.llama_server import router_props
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
@@ -128,10 +129,13 @@ def _ingress(state: State) -> Ingress:
     return state["ingress"]
 
 
-async def forward(request: Request, path: str) -> Any:
+async def forward(request: Request, path: str, *, method: str = "POST",
+                  body: dict[str, Any] | None = None) -> Any:
+    """The request to a replica of its model: ``body``'s ``model`` (the request's JSON body
+    when not given) picks it; ``method`` GET sends no body (``/props?model=``)."""
     ing = _ingress(request.app.state)
-    raw = await request.body()
-    body = json_object(raw)
+    if body is None:
+        body = json_object(await request.body())
     ollama = path.startswith("/api/")
     key = "model" if "model" in body or not ollama else "name"
     model = ing.model(body.get(key), ollama)
@@ -150,7 +154,7 @@ async def forward(request: Request, path: str) -> Any:
     lora = runtime is not None or lora_request(body, ing.adapters)
     if named not in ing.adapters and named not in ing.runtime.loaded:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
-    content = msgspec.json.encode(body)
+    content = msgspec.json.encode(body) if method == "POST" else b""
     headers = [*forwardable(list(request.headers.items()),
                             drop=frozenset({"authorization", "x-api-key", REQUEST_ID})),
                (REQUEST_ID, request_id(request.scope))]
@@ -167,7 +171,7 @@ async def forward(request: Request, path: str) -> Any:
                                              content, kv, route=route)
         else:
             attempt += 1
-            answer = handle.http.remote("POST", path, request.url.query or "", headers,
+            answer = handle.http.remote(method, path, request.url.query or "", headers,
                                         content, route=route, **extra)
         try:
             # A client that leaves while its answer is computed cancels it (an answer that is
@@ -339,7 +343,14 @@ async def ollama_tags(state: State) -> dict:
                        for c in cards]}
 
 
-@get("/health", summary="200 while the ingress is up")
+@get("/props", summary="llama-server's /props: a model's with ?model=, else the cluster's")
+async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
+    if model is None:
+        return router_props()
+    return await forward(request, "/props", method="GET", body={"model": model})
+
+
+@get(["/health", "/v1/health"], summary="200 while the ingress is up")
 async def health() -> dict:
     return {"status": "ok"}
 
@@ -369,6 +380,10 @@ OLLAMA = (("/api/chat", "Ollama chat, routed by model"),
           ("/api/show", "Ollama show, routed by model"))
 TOKENS = (("/tokenize", "Tokenize (vLLM's or llama-server's body), routed by model"),
           ("/detokenize", "The text of token ids, routed by model"))
+# llama-server's routes at the root (server/llama_server.py), the replica's own paths.
+LLAMA_SERVER = (("/apply-template", "llama-server's: a chat's prompt, routed by model"),
+                ("/chat/completions", "Chat completion (llama-server's path without /v1)"),
+                ("/responses", "OpenAI Responses (llama-server's path without /v1)"))
 
 
 def disconnect_when_cancelled(app: Any) -> Any:
@@ -395,7 +410,8 @@ def create_ingress(ingress: Ingress) -> Litestar:
                 guards=[require_api_key])
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})
-    tokens = Router(path="/", route_handlers=[_route(p, s, root=True) for p, s in TOKENS],
+    tokens = Router(path="/", route_handlers=[_route(p, s, root=True)
+                                              for p, s in TOKENS + LLAMA_SERVER] + [props],
                     guards=[require_api_key])
     return Litestar(route_handlers=[v1, api, tokens, health, metrics],
                     state=State({"ingress": ingress, "config": config}),

@@ -18,7 +18,7 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, head, post
 from litestar.datastructures import State
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 
 from justllm import __version__
@@ -42,6 +42,7 @@ from justllm.models.source import cache_dir
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
+from justllm.server.llama_server import router_props
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_checks import check_without_model
@@ -105,10 +106,13 @@ class _Refused(Exception):
         self.response = response
 
 
-async def _forward(request: Request, path: str) -> Any:
+async def _forward(request: Request, path: str, *, method: str = "POST",
+                   body: dict[str, Any] | None = None) -> Any:
+    """The request to its model's replica: ``body``'s ``model`` (the request's JSON body when
+    not given) picks it; ``method`` GET sends no body (``/props?model=``)."""
     sup = _supervisor(request.app.state)
-    raw = await request.body()
-    body = json_object(raw)
+    if body is None:
+        body = json_object(await request.body())
     ollama = path.startswith("/api/")
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None
@@ -194,7 +198,7 @@ async def _forward(request: Request, path: str) -> Any:
                 this = msgspec.json.encode({**body, name_key: replica.serves})
             try:
                 answer = await _send(request, replica, target, this, state, keep_alive,
-                                     partial(sup.done, replica))
+                                     partial(sup.done, replica), method)
             except _NOT_ANSWERED as e:
                 # Nothing reached the client: the request goes to another replica (or to
                 # this one's successor) -- once, so a request that kills runners kills two.
@@ -297,7 +301,7 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
 async def _send(request: Request, replica: Replica, path: str,
                 content: bytes | AsyncIterator[bytes],
                 state: ModelState, keep_alive: float | None,
-                done: Callable[[], None]) -> Response | Stream:
+                done: Callable[[], None], method: str = "POST") -> Response | Stream:
     """One try on one replica: its answer, or a stream that relays it (whose end calls
     ``done``); raises _Refused for a 429/503 another replica may not give. The answer says
     which replica served it (``X-Replica``)."""
@@ -306,8 +310,8 @@ async def _send(request: Request, replica: Replica, path: str,
     # route may read it); PD's hand-over paths carry their own.
     query = request.url.query if path == request.url.path else ""
     response = await http.send(http.build_request(
-        "POST", f"{replica.url}{path}", content=content, params=query or None,
-        headers=_runner_headers(request)), stream=True)
+        method, f"{replica.url}{path}", content=content if method == "POST" else None,
+        params=query or None, headers=_runner_headers(request)), stream=True)
     # Which replica served it, and what the runner says of it: PD's X-PD, a 503's Retry-After.
     served_by = {"x-replica": replica.id, **{k: v for k, v in response.headers.items()
                                              if k.lower() in ("x-pd", "retry-after")}}
@@ -403,6 +407,20 @@ async def anthropic_count_tokens(request: Request) -> Any:
 @post("/responses", status_code=200, summary="OpenAI Responses (stateless), routed by model")
 async def responses(request: Request) -> Any:
     return await _forward(request, "/v1/responses")
+
+
+# llama-server's routes, at the root as on a runner (server/llama_server.py).
+@get("/props", summary="llama-server's /props: a model's with ?model=, else the router's")
+async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
+    if model is None:
+        return router_props()
+    return await _forward(request, "/props", method="GET", body={"model": model})
+
+
+@post("/apply-template", status_code=200,
+      summary="llama-server's /apply-template: a chat's prompt, routed by model")
+async def apply_template(request: Request) -> Any:
+    return await _forward(request, "/apply-template")
 
 
 # vLLM's and llama-server's token routes, at the root as on a runner.
@@ -624,7 +642,7 @@ async def unload_model(request: Request, state: State) -> dict:
     return {"model": target.spec.name, "status": target.status}
 
 
-@get("/health", summary="200 while the gateway is up")
+@get(["/health", "/v1/health"], summary="200 while the gateway is up")
 async def health() -> dict:
     return {"status": "ok"}
 
@@ -687,7 +705,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
-                                             tokenize, detokenize],
+                                             tokenize, detokenize, props, apply_template,
+                                             chat_completions, responses],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,

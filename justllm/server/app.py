@@ -235,7 +235,8 @@ async def retrieve_model(model_id: FromPath[str], request: Request, state: State
                                                            model_id))
 
 
-@get("/health", summary="200 when the model is loaded, 503 while loading (or if it failed)",
+@get(["/health", "/v1/health"],
+     summary="200 when the model is loaded, 503 while loading (or if it failed)",
      include_in_schema=True)
 async def health(state: State) -> Response:
     if state.get("served") is None:
@@ -245,7 +246,7 @@ async def health(state: State) -> Response:
     return Response({"status": "ok", "role": state["config"].role}, status_code=200)
 
 
-@head("/health", summary="/health's status without its body (uptime monitors send HEAD)",
+@head(["/health", "/v1/health"], summary="/health's status without its body (uptime monitors send HEAD)",
       include_in_schema=False)
 async def health_head(state: State) -> None:
     if state.get("served") is None:  # Litestar's HEAD handlers return nothing: a 503 is raised
@@ -317,7 +318,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             events.close()
 
     # they import this module's helpers: imported late
-    from justllm.server import anthropic, lora, ollama, pd, responses, tokenize
+    from justllm.server import anthropic, llama_server, lora, ollama, pd, responses, tokenize
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, retrieve_model, anthropic.messages,
@@ -326,7 +327,8 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
                            health_head,
-                           metrics, pd.pd_router(), tokenize.tokenize_router()]
+                           metrics, pd.pd_router(), tokenize.tokenize_router(),
+                           llama_server.llama_server_router()]
 
     def build(extra: Sequence[BaseRouteHandler]) -> Litestar:
         return Litestar(

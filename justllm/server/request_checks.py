@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from justllm.server import anthropic_chat, responses_chat, tokenize
+from justllm.server import anthropic_chat, llama_server, responses_chat, tokenize
 from justllm.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from justllm.server.ollama import (
     OllamaChatRequest,
@@ -55,6 +55,9 @@ def check_without_model(path: str, raw: bytes) -> None:
             anthropic_chat.to_chat(msgspec.json.decode(raw, type=CountTokensRequest))
         case "/tokenize":
             tokenize.check_tokenize(msgspec.json.decode(raw, type=TokenizeRequest))
+        case "/apply-template":
+            llama_server.check_apply_template(
+                msgspec.json.decode(raw, type=ChatCompletionRequest))
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":

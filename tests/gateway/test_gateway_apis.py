@@ -63,6 +63,22 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         assert back.status_code == 200 and "Say hello." in back.json()["content"], back.text
         r = httpx.post(gw.url + "/detokenize", timeout=60, json={"model": "gamma", "tokens": []})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # llama-server's routes: /props of a model by ?model= (the router's own without one),
+        # /apply-template by model, and the OpenAI routes without /v1
+        router = httpx.get(gw.url + "/props", timeout=30).json()
+        assert router["role"] == "router" and router["build_info"].startswith("justllm ")
+        props = httpx.get(gw.url + "/props", params={"model": "alpha"}, timeout=60)
+        assert props.status_code == 200 and props.json()["model_alias"] == "alpha", props.text
+        assert props.json()["default_generation_settings"]["n_ctx"] == tokens["max_model_len"]
+        r = httpx.get(gw.url + "/props", params={"model": "gamma"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        applied = httpx.post(gw.url + "/apply-template", timeout=60,
+                             json={"model": "alpha", "messages": HELLO}).json()["prompt"]
+        assert "<bos>" + applied == back.json()["content"]
+        alias = httpx.post(gw.url + "/chat/completions", timeout=120, json={
+            "model": "alpha", "messages": HELLO, "max_tokens": 1}).json()["usage"]
+        assert alias["prompt_tokens"] == chat["prompt_tokens"]
+        assert httpx.get(gw.url + "/v1/health", timeout=30).json() == {"status": "ok"}
         with pytest.raises(anthropic.NotFoundError) as e:
             claude.messages.create(model="gamma", max_tokens=4, messages=HELLO)
         assert e.value.body["error"]["type"] == "not_found_error"

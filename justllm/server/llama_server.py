@@ -1,0 +1,104 @@
+"""llama-server's own routes beside its OpenAI ones, for clients written against it.
+
+- ``GET /props``: what the server is and does by default (llama-server's fields that have a
+  meaning here: the context a request may fill, the sampling a request that sets nothing gets,
+  the slots (``--max-seqs``), the model's name, path and chat template, BOS and EOS, the
+  build). Clients read ``default_generation_settings.n_ctx`` and ``chat_template`` from it.
+  Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
+- ``POST /apply-template``: a chat request's prompt as the chat template renders it for
+  ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``.
+- ``/chat/completions``, ``/responses`` and ``/v1/health``: llama-server serves its OpenAI
+  routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
+  posts to ``/chat/completions``). Its un-prefixed ``/completions`` and ``/embeddings`` are its
+  *native* formats, not OpenAI's, so they are not aliased here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Router, get, post
+from litestar.datastructures import State
+from litestar.params import JSONBody
+
+from justllm import build_info
+from justllm.server.app import _served, chat_completions, decode_request, require_api_key
+from justllm.server.openai_serving import check_chat_request, text_size
+from justllm.server.schemas import ChatCompletionRequest
+from justllm.server.tools.request import check_tool_messages, tool_plan
+
+# What a chat request that sets nothing is sampled with (OpenAIServing._params), in
+# llama-server's names; n_predict -1: until the context is full or the model ends.
+DEFAULT_PARAMS: dict[str, Any] = {
+    "n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+    "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "seed": -1, "stop": [], "ignore_eos": False, "n_probs": 0}
+
+
+@get("/props", summary="llama-server's /props: the context, default sampling, slots, template")
+async def props(state: State) -> dict[str, Any]:
+    served = _served(state)
+    aengine, template = served.aengine, served.completions.template
+    return {
+        "default_generation_settings": {"n_ctx": aengine.max_request_tokens,
+                                        "params": DEFAULT_PARAMS},
+        "total_slots": aengine.engine.config.max_seqs,
+        "model_alias": served.model_id,
+        "model_path": aengine.model_path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": False,
+        "endpoint_props": False,  # POST /props (changing these) is not offered
+        "endpoint_metrics": True,
+        "chat_template": template.source,
+        "bos_token": template.bos_token,
+        "eos_token": template.eos_token,
+        "build_info": build_info(),
+        "is_sleeping": False,
+    }
+
+
+@post("/apply-template", status_code=200,
+      summary="llama-server's /apply-template: a chat request's prompt, rendered")
+async def apply_template(data: JSONBody[ChatCompletionRequest], request: Request,
+                         state: State) -> dict[str, str]:
+    served = _served(state)
+    chat = await decode_request(request, ChatCompletionRequest)
+    served.completions.check_model(chat.model)
+    chat, generation_prompt = check_apply_template(chat)
+    prompt = await served.aengine.off_loop(
+        text_size(chat),
+        lambda: served.completions.request_prompt(chat, generation_prompt=generation_prompt))
+    return {"prompt": prompt}
+
+
+def check_apply_template(chat: ChatCompletionRequest) -> tuple[ChatCompletionRequest, bool]:
+    """The checks that need no model (router mode runs them before a load): the chat route's.
+    Returns the request to render and whether the assistant's opening ends the prompt:
+    ``add_generation_prompt: false`` alone is the conversation as it stands (as /tokenize
+    reads it), where the chat route takes it only with ``continue_final_message``."""
+    alone = chat.add_generation_prompt is False and not chat.continue_final_message
+    if alone:
+        chat = msgspec.structs.replace(chat, add_generation_prompt=None)
+    check_chat_request(chat)
+    check_tool_messages(chat.messages)
+    tool_plan(chat)
+    return chat, not alone
+
+
+def router_props() -> dict[str, Any]:
+    """``/props`` of a server of several models asked without ``?model=`` (router mode, the
+    cluster), as llama-server's router answers it: its role and build, and the fields its web
+    UI reads, empty."""
+    return {"role": "router", "model_alias": "justllm", "model_path": "none",
+            "default_generation_settings": {"params": {}, "n_ctx": 0},
+            "build_info": build_info()}
+
+
+def llama_server_router() -> Router:
+    """The routes above and the un-prefixed OpenAI aliases, behind ``--api-key``."""
+    from justllm.server import responses
+
+    return Router(path="/", route_handlers=[props, apply_template, chat_completions,
+                                            responses.create_response],
+                  guards=[require_api_key])

@@ -1,0 +1,103 @@
+"""llama-server's own routes on a real server: ``GET /props`` tells what the other routes do
+(the context /tokenize reports, the template /apply-template renders, the sampling a bare
+request gets), ``/apply-template`` gives the prompt the chat route tokenizes, and the OpenAI
+routes answer without ``/v1`` as llama-server's do."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.test_tokenize import WEATHER, post, tokenize
+
+HELLO = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def detokenized(server, tokens: list[int]) -> str:
+    """The tokens' text, special tokens written out (``<bos>``)."""
+    return post(server, "/detokenize", {"tokens": tokens}).json()["content"]
+
+
+def test_props_say_what_the_server_does(server):
+    r = httpx.get(server.url + "/props", timeout=30)
+    assert r.status_code == 200, r.text
+    props = r.json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == tokenize(server, prompt="x")["max_model_len"]
+    assert props["total_slots"] == 16  # --max-seqs
+    assert props["model_alias"] == server.model
+    assert props["model_path"].endswith(".gguf")
+    assert "<start_of_turn>" in props["chat_template"]  # --chat-template gemma
+    assert (props["bos_token"], props["eos_token"]) == ("<bos>", "<eos>")
+    assert props["build_info"].startswith("justllm ") and "llama-cpp-python" in props["build_info"]
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert props["endpoint_props"] is False and props["endpoint_metrics"] is True
+    # what a request that sets nothing gets: the same tokens as asking for it
+    params = settings["params"]
+    assert (params["temperature"], params["top_p"], params["n_predict"]) == (1.0, 1.0, -1)
+    bare = {"messages": HELLO, "max_tokens": 6, "seed": 3}
+    asked = {**bare, "temperature": params["temperature"], "top_p": params["top_p"],
+             "presence_penalty": params["presence_penalty"],
+             "frequency_penalty": params["frequency_penalty"]}
+    # (the first primes the prefix cache: the two after it are computed alike)
+    texts = [post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+             for body in (bare, bare, asked)]
+    assert texts[1] == texts[2]
+    # changing them (llama-server's POST /props, off there by default) is not offered
+    assert httpx.post(server.url + "/props", json={}, timeout=30).status_code == 405
+
+
+@pytest.mark.parametrize("extra", [{}, {"tools": WEATHER}])
+def test_apply_template_is_the_prompt_the_chat_route_tokenizes(server, extra):
+    r = post(server, "/apply-template", {"messages": HELLO, **extra})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    # as a text prompt (BOS added, as /v1/completions adds it) it is the chat's tokens
+    chat = tokenize(server, messages=HELLO, **extra)["tokens"]
+    assert tokenize(server, prompt=prompt)["tokens"] == chat
+    assert "<bos>" + prompt == detokenized(server, chat)
+    assert prompt.startswith("<start_of_turn>user\n") and prompt.endswith(
+        "<start_of_turn>model\n")
+    assert ("get_weather" in prompt) == bool(extra)
+    # the conversation as it stands (as /tokenize reads add_generation_prompt: false)
+    closed = post(server, "/apply-template", {"messages": HELLO, "add_generation_prompt": False,
+                                              **extra})
+    assert closed.json()["prompt"] == prompt.removesuffix("<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": HELLO, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]},
+     "messages"),
+])
+def test_bad_apply_template_bodies_are_400s(server, body, param):
+    r = post(server, "/apply-template", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and param in (error["param"] or ""), error
+
+
+def test_another_model_is_not_found(server):
+    r = post(server, "/apply-template", {"model": "other", "messages": HELLO})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_openai_routes_answer_without_v1_as_llama_servers_do(server):
+    # an OpenAI SDK given the server's address without /v1 posts to /chat/completions
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    body = {"model": server.model, "messages": HELLO, "max_tokens": 6, "temperature": 0}
+    alias = client.chat.completions.create(**body)
+    v1 = post(server, "/v1/chat/completions", body).json()
+    assert alias.choices[0].message.content == v1["choices"][0]["message"]["content"]
+    assert alias.usage.prompt_tokens == v1["usage"]["prompt_tokens"]
+    r = client.responses.create(model=server.model, input="Say hello.", max_output_tokens=4)
+    assert r.usage.output_tokens <= 4
+    health = httpx.get(server.url + "/v1/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    # llama-server's /completions and /embeddings are its own formats: not OpenAI's here
+    assert post(server, "/completions", {"prompt": "x"}).status_code in (404, 405)
