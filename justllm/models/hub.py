@@ -229,6 +229,9 @@ def download(ref: str, *, root: Path, revision: str = "main", force: bool = Fals
     ``force``). The file is not checked here: the registry checks it and records it."""
     console = console or Console(stderr=True, emoji=False)
     repo, file = split_ref(ref)
+    if offline():
+        raise ModelLoadError(f"HF_HUB_OFFLINE is set: pulling {ref} needs the hub (a model "
+                             "pulled before is served by its name, or by REPO:FILE, offline)")
     if file is not None and not file.lower().endswith(".gguf"):
         raise ModelLoadError(f"'{file}' is not a .gguf file (justllm serves GGUF models only)")
     try:
@@ -301,19 +304,46 @@ def _what(repo: str, file: str | None) -> str:
     return f"cannot download {repo}:{file} from" if file else f"cannot list {repo} on"
 
 
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub obeys it (read when it is first imported)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_listing(repo: str, revision: str) -> RepoListing:
+    """Offline, the listing is the revision's snapshot in the hub library's cache: the files an
+    earlier download left there (a repo fetched in part lists only that part, which the
+    model's own checks then name)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(f"{repo} at revision '{revision}' is not in the Hugging Face cache "
+                             f"({hub_cache_dir()}) and HF_HUB_OFFLINE is set: download it "
+                             "once online") from None
+    return RepoListing(repo, folder.name, {p.name: p.stat().st_size for p in folder.iterdir()
+                                           if p.is_file()})
+
+
 def list_repo(repo: str, revision: str = "main", probe: str = "config.json") -> RepoListing:
     """The commit ``revision`` resolves to (asked through ``probe``: config.json, which a
     transformers model has; a PEFT adapter's adapter_config.json), then the top-level files at
     that commit, so the listing and the later downloads see the same commit even if the branch
-    moves meanwhile."""
-    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+    moves meanwhile. Offline (``HF_HUB_OFFLINE``), what the hub library's cache holds of it."""
+    from huggingface_hub import HfApi, hf_hub_download
 
+    if offline():
+        return _cached_listing(repo, revision)
     endpoint = _endpoint()
     with hub_errors(repo, lambda: probe, revision):
         _resolvable(endpoint)
-        meta = get_hf_file_metadata(hf_hub_url(repo, probe, revision=revision,
-                                               endpoint=endpoint), endpoint=endpoint)
-        commit = meta.commit_hash or revision
+        # Downloaded, not only asked: the hub library's cache then records which commit
+        # ``revision`` was (its refs/), so the listing can be made offline later.
+        commit = Path(hf_hub_download(repo, probe, revision=revision,
+                                      endpoint=endpoint)).parent.name
         files = {f.path: int(getattr(f, "size", 0) or 0)
                  for f in HfApi(endpoint=endpoint).list_repo_tree(repo, revision=commit)
                  if "/" not in f.path and hasattr(f, "size")}
@@ -322,10 +352,12 @@ def list_repo(repo: str, revision: str = "main", probe: str = "config.json") -> 
 
 def has_file(repo: str, file: str, revision: str = "main") -> bool:
     """Whether ``repo`` has ``file`` at ``revision`` (a missing repo or revision, or no hub:
-    the ModelLoadError line)."""
+    the ModelLoadError line; offline, whether the cached snapshot has it)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import EntryNotFoundError
 
+    if offline():
+        return file in _cached_listing(repo, revision).files
     endpoint = _endpoint()
     with hub_errors(repo, lambda: file, revision):
         _resolvable(endpoint)

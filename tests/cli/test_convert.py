@@ -116,15 +116,50 @@ def test_pull_suggests_convert_then_converts_and_quantizes_a_safetensors_repo(
     assert len(generates(out)) == 4
     assert leftovers(models) == [] and sorted(p.name for p in out.parent.iterdir()) == [
         "tiny-llama-q4_0.gguf"]
-    # The small files were fetched before the weights, each once, all at the listed commit.
+    # config.json first (the listing's commit is the one it was downloaded at: the hub
+    # library's cache records main's commit so), then the other small files and the weights
+    # at that commit, each once.
     gets = [p for method, p in hub.requests if method == "GET" and "/resolve/" in p]
-    assert gets.index(f"/acme/Tiny-Llama/resolve/{commit}/config.json") < gets.index(
-        f"/acme/Tiny-Llama/resolve/{commit}/model.safetensors")
+    assert gets[0] == "/acme/Tiny-Llama/resolve/main/config.json"
+    assert all(f"/resolve/{commit}/" in p for p in gets[1:]) and len(set(gets)) == len(gets)
+    assert gets[-1] == f"/acme/Tiny-Llama/resolve/{commit}/model.safetensors"
     assert hub.gets("/model.safetensors") == 1
     # `justllm rm` deletes the converted file and its commit folder.
     r = runner.invoke(app, ["rm", "tiny-llama-q4_0"])
     assert r.exit_code == 0, r.output
     assert not out.parent.exists()
+
+
+def test_offline_a_repo_in_the_hub_cache_converts_without_the_hub(
+        tiny: Path, models: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_OFFLINE: the listing is the cached snapshot of the revision (its commit recorded
+    by the online listing), nothing is asked of the hub; what is not cached, or a pull, is one
+    line naming the setting."""
+    from huggingface_hub import constants
+
+    from justllm.models import hub as hub_code
+
+    commit = hub.push("acme/Tiny-Llama", model_files(tiny))
+    hub.push("acme/Elsewhere", model_files(tiny))
+    listing = hub_code.list_repo("acme/Tiny-Llama")  # what an online conversion leaves cached
+    hub_code.download_files(listing, list(listing.files))
+    asked = len(hub.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_code.list_repo("acme/Tiny-Llama") == listing
+    r = runner.invoke(app, ["convert", "acme/Tiny-Llama", "--outtype", "q8_0"])
+    assert r.exit_code == 0, r.output
+    assert f"converting acme/Tiny-Llama @ {commit[:12]} (LlamaForCausalLM" in r.stderr
+    out = models / "huggingface" / "acme" / "Tiny-Llama" / commit / "tiny-llama-q8_0.gguf"
+    assert len(generates(out)) == 4
+    line = error_line(runner.invoke(app, ["convert", "acme/Elsewhere"]))
+    assert line.startswith("error: acme/Elsewhere at revision 'main' is not in the Hugging Face "
+                           "cache (") and line.endswith("HF_HUB_OFFLINE is set: download it "
+                                                        "once online")
+    line = error_line(runner.invoke(app, ["pull", "acme/Tiny-Llama:tiny.gguf"]))
+    assert line.startswith("error: HF_HUB_OFFLINE is set: pulling acme/Tiny-Llama:tiny.gguf "
+                           "needs the hub")
+    assert len(hub.requests) == asked
 
 
 def test_an_unsupported_architecture_is_refused_before_the_weights_are_downloaded(
