@@ -14,6 +14,8 @@ MAX_STOP = 32  # stop strings per request (a chat template's own included)
 MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LORA_SCALE = 100.0  # |scale| of one adapter: beyond it nothing but noise comes out
+CHAIN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature")  # the steps ``samplers`` orders
+MAX_SAMPLERS = 32
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class SamplingParams:
     # engine's --gamma) and the draft model's confidence cut-off (None: --draft-p-min).
     spec_n_max: int | None = None
     spec_p_min: float | None = None
+    # llama-server's sampler order (its ``samplers``): the order in which top_k, top_p, min_p
+    # and temperature apply, each cut on the distribution the steps before it left (llama.cpp
+    # applies temperature last by default: the cuts see the untempered distribution); a step
+    # left out does not apply. None: OpenAI's and vLLM's order (temperature, then the cuts).
+    samplers: tuple[str, ...] | None = None
     # Scheduling priority (vLLM's field): lower runs first; only with --scheduling-policy
     # priority (the engine refuses a non-zero value otherwise).
     priority: int = 0
@@ -145,6 +152,12 @@ class SamplingParams:
                f"speculative.n_max must be an integer in [0, {MAX_DRAFT}]", "speculative.n_max")
         _check(self.spec_p_min is None or (_is_num(self.spec_p_min) and 0.0 <= self.spec_p_min <= 1.0),
                "speculative.p_min must be a number in [0, 1]", "speculative.p_min")
+        if self.samplers is not None:
+            object.__setattr__(self, "samplers", tuple(self.samplers))
+            _check(len(self.samplers) <= MAX_SAMPLERS
+                   and all(s in CHAIN_SAMPLERS for s in self.samplers),
+                   f"samplers: at most {MAX_SAMPLERS} of {', '.join(CHAIN_SAMPLERS)}",
+                   "samplers")
         _check(_is_int(self.priority) and abs(self.priority) < 2**63,
                "priority must be an integer", "priority")
 

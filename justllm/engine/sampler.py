@@ -257,6 +257,8 @@ class RequestSampler:
         """The sampling distribution over ``x``: (token ids or None for all, *unnormalised*
         weights; the largest is 1)."""
         p = self.params
+        if p.samplers is not None:
+            return self._chain(x, p.samplers)
         ids: np.ndarray | None = None
         if p.top_k and p.top_k < x.size:
             ids = top_candidates(x, p.top_k)
@@ -273,6 +275,35 @@ class RequestSampler:
             ids = keep if ids is None else ids[keep]
             w = w[keep]
         return ids, w
+
+
+    def _chain(self, x: np.ndarray, steps: tuple[str, ...]
+               ) -> tuple[np.ndarray | None, np.ndarray]:
+        """:meth:`_distribution` in llama.cpp's way (llama-server's ``samplers``): the steps in
+        their order, each cut made on the distribution as the steps before it left it -- a
+        temperature scales the logits of what is left (two scale twice), a cut keeps what it
+        keeps of them. With the default order (temperature last) top-p and min-p see the
+        untempered distribution."""
+        p = self.params
+        ids: np.ndarray | None = None
+        scale = 1.0  # the product of 1/T of the temperature steps so far
+        for step in steps:
+            keep: np.ndarray | None = None
+            if step == "temperature":
+                scale /= p.temperature
+            elif step == "top_k" and 0 < p.top_k < x.size:
+                keep = top_candidates(x, p.top_k)
+            elif step == "min_p" and p.min_p > 0.0:  # (x - best) * scale >= ln(min_p)
+                keep = np.flatnonzero(x >= np.float32(float(x.max()) + math.log(p.min_p) / scale))
+            elif step == "top_p" and p.top_p < 1.0:
+                found = _nucleus(_weights(x, float(x.max()), 1.0 / scale), p.top_p, 0.0,
+                                 exact=True)
+                assert found is not None  # with nothing left out, the nucleus is within x
+                keep = found.members(found.first)
+            if keep is not None:
+                ids = keep if ids is None else ids[keep]
+                x = x[keep]
+        return ids, _weights(x, float(x.max()), 1.0 / scale)
 
 
 def top_candidates(x: np.ndarray, k: int) -> np.ndarray:
@@ -341,9 +372,10 @@ class Scan:
 
 def _scans(p: SamplingParams, size: int) -> bool:
     """Whether a sampled draw with ``p`` starts from :func:`_scan` (else it weighs the row
-    whole: top-k works on the k best alone, and a min-p this small may keep tokens outside the
-    candidates)."""
-    return not p.greedy and not (p.top_k and p.top_k < size) and not 0.0 < p.min_p < _CUT_WEIGHT
+    whole: top-k works on the k best alone, a min-p this small may keep tokens outside the
+    candidates, and llama.cpp's order (``samplers``) cuts before it tempers)."""
+    return (not p.greedy and p.samplers is None and not (p.top_k and p.top_k < size)
+            and not 0.0 < p.min_p < _CUT_WEIGHT)
 
 
 def _scan(x: np.ndarray, p: SamplingParams) -> Scan:

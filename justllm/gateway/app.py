@@ -417,6 +417,12 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
     return await _forward(request, "/props", method="GET", body={"model": model})
 
 
+@post("/completion", status_code=200,
+      summary="llama-server's /completion (its body and answer), routed by model")
+async def llama_completion(request: Request) -> Any:
+    return await _forward(request, "/completion")
+
+
 @post("/apply-template", status_code=200,
       summary="llama-server's /apply-template: a chat's prompt, routed by model")
 async def apply_template(request: Request) -> Any:
@@ -705,7 +711,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
-                                             tokenize, detokenize, props, apply_template,
+                                             tokenize, detokenize, props, apply_template, llama_completion,
                                              chat_completions, responses],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[

@@ -7,6 +7,7 @@
   Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``.
+- ``POST /completion``: llama-server's native completion (server/llama_completion.py).
 - ``/chat/completions``, ``/responses`` and ``/v1/health``: llama-server serves its OpenAI
   routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
   posts to ``/chat/completions``). Its un-prefixed ``/completions`` and ``/embeddings`` are its
@@ -98,7 +99,8 @@ def router_props() -> dict[str, Any]:
 def llama_server_router() -> Router:
     """The routes above and the un-prefixed OpenAI aliases, behind ``--api-key``."""
     from justllm.server import responses
+    from justllm.server.llama_completion import completion
 
-    return Router(path="/", route_handlers=[props, apply_template, chat_completions,
+    return Router(path="/", route_handlers=[props, apply_template, completion, chat_completions,
                                             responses.create_response],
                   guards=[require_api_key])

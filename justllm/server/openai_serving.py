@@ -249,7 +249,7 @@ class OpenAIServing:
         return [self.aengine.prepare(prompt, params, r)
                 for (prompt, params), r in zip(jobs, resumes)]
 
-    def _submit(self, prepared: list[PreparedRequest], rid: str | None = None,
+    def submit(self, prepared: list[PreparedRequest], rid: str | None = None,
                 origin: RequestOrigin | None = None) -> list[RequestStream]:
         """Queue every choice, or none: if one is refused the others are aborted. ``rid``:
         the API's response id, which the engine's requests take (``RID`` for one choice,
@@ -268,7 +268,7 @@ class OpenAIServing:
             raise
         return streams
 
-    async def _merged(self, streams: list[RequestStream]
+    async def merged(self, streams: list[RequestStream]
                       ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all choices as they come, tagged with the choice index. Closing this
         iterator (client gone, task cancelled) aborts every unfinished choice."""
@@ -304,13 +304,10 @@ class OpenAIServing:
         texts = list(texts)
         lps: list[list[TokenLogprob] | None] = [None] * len(streams)
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async with aclosing(self._merged(streams)) as merged:
+        async with aclosing(self.merged(streams)) as merged:
             async for i, out in merged:
                 if out.error:
-                    if not self.aengine.accepting:  # aborted by a shutdown: 503, retry later
-                        raise EngineClosedError(out.error)
-                    raise APIError(error_status(out.error_code), out.error,
-                                   type=error_type(out.error_code), code=out.error_code)
+                    raise self.failure(out)
                 texts[i] += out.text
                 if out.logprobs is not None:
                     lps[i] = (lps[i] or []) + out.logprobs
@@ -319,6 +316,15 @@ class OpenAIServing:
                 if out.finished:
                     finals[i] = out
         return texts, lps, finals  # type: ignore[return-value]
+
+    def failure(self, out: RequestOutput) -> Exception:
+        """What a choice that ended with an error answers: 503 when a shutdown aborted it
+        (retry later), else the error's own status."""
+        assert out.error is not None
+        if not self.aengine.accepting:
+            return EngineClosedError(out.error)
+        return APIError(error_status(out.error_code), out.error, type=error_type(out.error_code),
+                        code=out.error_code)
 
     def _token_text(self, token: int) -> str:
         return self._piece(token).decode("utf-8", "replace")
@@ -450,7 +456,7 @@ class OpenAIServing:
                 raise
 
         plan, prepared = await self.aengine.off_loop(text_size(req), ready)
-        streams = self._submit(prepared, rid, origin)
+        streams = self.submit(prepared, rid, origin)
         # After a transcript's "Assistant:" the model writes the separating space itself.
         fmt = self.template.tool_format if plan.active else None
         texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
@@ -493,7 +499,7 @@ class OpenAIServing:
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
                       ) -> AsyncGenerator[ChatEvent, None]:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async with aclosing(self._merged(streams)) as merged:
+        async with aclosing(self.merged(streams)) as merged:
             async for i, out in merged:
                 if out.error:
                     yield StreamError(out.error, out.error_code if self.aengine.accepting
@@ -675,7 +681,7 @@ class OpenAIServing:
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
                                request_id)
-        streams = self._submit(prepared, rid, origin)
+        streams = self.submit(prepared, rid, origin)
         return await self._respond(streams, shape, req, req.n, rid, request_id)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
@@ -719,7 +725,7 @@ class OpenAIServing:
             opening = shape.opening(i)
             if opening is not None:
                 yield chunk([opening])
-        async with aclosing(self._merged(streams)) as merged:
+        async with aclosing(self.merged(streams)) as merged:
             async for i, out in merged:
                 if out.error:
                     closing = not self.aengine.accepting

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import msgspec
 
-from justllm.server import anthropic_chat, llama_server, responses_chat, tokenize
+from justllm.server import (
+    anthropic_chat,
+    llama_completion,
+    llama_server,
+    responses_chat,
+    tokenize,
+)
 from justllm.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from justllm.server.ollama import (
     OllamaChatRequest,
@@ -58,6 +64,9 @@ def check_without_model(path: str, raw: bytes) -> None:
         case "/apply-template":
             llama_server.check_apply_template(
                 msgspec.json.decode(raw, type=ChatCompletionRequest))
+        case "/completion":
+            llama_completion.check_completion(
+                msgspec.json.decode(raw, type=llama_completion.LlamaCompletionRequest))
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":

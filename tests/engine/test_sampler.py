@@ -1,5 +1,7 @@
 """Numpy sampling on synthetic logits (pure logic, no model)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -348,3 +350,67 @@ def test_a_cut_holds_only_where_every_nucleus_it_allows_draws_the_same_token():
             held += 1
             assert all(found.pick(w, k, u) == token for k in range(found.first, found.last + 1))
     assert tried > 100 and held > tried // 2, (held, tried)
+
+
+def llama_cpp_distribution(x, params):
+    """llama.cpp's chain written out the plain way: each step of ``params.samplers`` in turn
+    on the softmax of what is left at the temperature so far."""
+    alive = np.ones(x.size, dtype=bool)
+    t = 1.0
+    for step in params.samplers:
+        w = np.where(alive, np.exp((x.astype(np.float64) - x[alive].max()) / t), 0.0)
+        order = [i for i in np.argsort(-w, kind="stable") if alive[i]]
+        if step == "temperature":
+            t *= params.temperature
+        elif step == "top_k" and params.top_k:
+            alive[order[params.top_k:]] = False
+        elif step == "min_p" and params.min_p:
+            alive &= w >= params.min_p * w.max()
+        elif step == "top_p" and params.top_p < 1.0:
+            cdf = np.cumsum(w[order])
+            alive[order[int(np.searchsorted(cdf, params.top_p * cdf[-1])) + 1:]] = False
+    w = np.where(alive, np.exp((x.astype(np.float64) - x[alive].max()) / t), 0.0)
+    return w / w.sum()
+
+
+def distribution(params, x):
+    ids, w = RequestSampler(params, 0)._distribution(x)
+    dense = np.zeros(x.size)
+    dense[slice(None) if ids is None else ids] = w / w.sum(dtype=np.float64)
+    return dense
+
+
+LLAMA_ORDER = ("top_k", "top_p", "min_p", "temperature")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=2.0, top_p=0.5, samplers=LLAMA_ORDER),
+    SamplingParams(temperature=0.5, min_p=0.2, samplers=LLAMA_ORDER),
+    SamplingParams(temperature=1.5, top_k=10, top_p=0.8, min_p=0.05, samplers=LLAMA_ORDER),
+    SamplingParams(temperature=1.5, top_k=10, top_p=0.8, samplers=(
+        "temperature", "top_p", "top_k", "temperature")),  # tempered twice, cut between
+    SamplingParams(temperature=0.8, top_k=2, top_p=0.3, samplers=("temperature",)),  # no cuts
+])
+def test_llama_cpps_order_cuts_the_distribution_each_step_left(params):
+    """llama-server's ``samplers``: with temperature last, top-p and min-p cut the untempered
+    distribution (a different set than OpenAI's order cuts), a step left out does not apply,
+    and draws follow the exact distribution."""
+    x = (np.random.default_rng(11).normal(size=40) * 1.5).astype(np.float32)
+    want = llama_cpp_distribution(x, params)
+    assert np.abs(distribution(params, x) - want).max() < 1e-6
+    openai_order = dataclasses.replace(params, samplers=None)
+    assert np.abs(distribution(openai_order, x) - want).max() > 0.01  # the order matters here
+    got = np.bincount(draw(params, x, 40_000, seed=4), minlength=x.size) / 40_000
+    assert np.abs(got - want).max() < 0.01 and set(np.flatnonzero(got)) == set(
+        np.flatnonzero(want))
+
+
+def test_llama_cpps_order_on_a_large_vocabulary_is_seeded_and_greedy_at_zero():
+    x = (np.random.default_rng(2).normal(size=262_144) * 3).astype(np.float32)
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, samplers=LLAMA_ORDER)
+    assert list(draw(p, x, 50, seed=9)) == list(draw(p, x, 50, seed=9))
+    assert set(draw(p, x, 500, seed=1)) <= set(np.argsort(-x)[:40])
+    greedy = SamplingParams(temperature=0.0, samplers=LLAMA_ORDER)
+    assert set(draw(greedy, x, 5)) == {int(np.argmax(x))}
+    with pytest.raises(Exception, match="samplers"):
+        SamplingParams(samplers=("top_k", "mirostat"))

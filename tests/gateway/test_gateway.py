@@ -262,6 +262,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = httpx.post(gw.url + "/detokenize", timeout=60, json={"model": "beta", "tokens": [-1]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        r = httpx.post(gw.url + "/completion", timeout=60,
+                       json={"model": "beta", "prompt": "Hi", "samplers": ["mirostat"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "samplers", r.text
         after = gw.status()
         assert after["beta"]["status"] == "unloaded" and after["beta"]["loads"] == beta_loads
         assert after["alpha"]["pid"] == alpha_pid and after["alpha"]["status"] == "loaded"

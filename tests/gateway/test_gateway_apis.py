@@ -75,6 +75,15 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         applied = httpx.post(gw.url + "/apply-template", timeout=60,
                              json={"model": "alpha", "messages": HELLO}).json()["prompt"]
         assert "<bos>" + applied == back.json()["content"]
+        # llama-server's /completion, an adapter named as the model included
+        native = httpx.post(gw.url + "/completion", timeout=120, json={
+            "model": "sql", "prompt": "The capital of France is", "n_predict": 8,
+            "temperature": 0})
+        assert native.status_code == 200, native.text
+        assert (native.json()["content"], native.json()["model"]) == (texts[1], "sql")
+        r = httpx.post(gw.url + "/completion", timeout=30, json={
+            "model": "alpha", "prompt": "x", "mirostat": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat", r.text
         alias = httpx.post(gw.url + "/chat/completions", timeout=120, json={
             "model": "alpha", "messages": HELLO, "max_tokens": 1}).json()["usage"]
         assert alias["prompt_tokens"] == chat["prompt_tokens"]

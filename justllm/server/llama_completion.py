@@ -1,0 +1,471 @@
+"""llama-server's native ``POST /completion``, for clients written against it (SillyTavern's
+llama.cpp backend, llama.cpp's own examples, scripts that read ``content``).
+
+Its body and answer are llama-server's, not OpenAI's: ``prompt`` as a string, token ids,
+mixed strings and ids, or several of those (an array of answers); ``n_predict`` (-1: until
+the context is full or the model ends); llama.cpp's sampling defaults (temperature 0.8, top_k
+40, top_p 0.95, min_p 0.05) applied in **llama.cpp's order** -- top_k, top_p and min_p cut the
+untempered distribution and the temperature comes last, or the order ``samplers`` gives --
+so a client gets the distributions it asked for (OpenAI's routes temper first); ``n_probs``;
+``grammar`` / ``json_schema``; ``stream`` as ``data: {...}`` events without ``[DONE]``. The
+answer has ``content``, ``tokens``, ``stop_type``, ``stopping_word``, ``timings``,
+``generation_settings``, ``completion_probabilities``.
+
+llama.cpp samplers justllm has not (DRY, XTC, typical-p, top-n-sigma, mirostat, dynamic
+temperature) and the slot and context-shift fields are accepted only at the values that
+turn them off, so every field is honoured or refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, post
+from litestar.datastructures import State
+from litestar.params import JSONBody
+
+from justllm.core.sampling_params import CHAIN_SAMPLERS, MAX_LOGPROBS, SamplingParams
+from justllm.engine.async_engine import AsyncEngine, grammar_limits
+from justllm.engine.engine import PreparedRequest, RequestMetrics, RequestOutput, TokenLogprob
+from justllm.errors import InvalidRequestError
+from justllm.server.app import (
+    Served,
+    _served,
+    decode_request,
+    origin,
+    sse_response,
+    unless_disconnected,
+)
+from justllm.server.errors import error_body, to_api_error
+from justllm.server.lora import request_lora
+from justllm.server.openai_serving import MAX_REQUEST_STOP, text_size
+
+# llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
+# not are kept out of the chain, their settings accepted only where they do nothing.
+_BY_CHAR = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p",
+            "p": "top_p", "m": "min_p", "t": "temperature", "x": "xtc"}
+_NO_OPS = frozenset({"dry", "top_n_sigma", "typ_p", "xtc"})  # off at the only values accepted
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                    "xtc", "temperature")
+
+
+class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """llama-server's /completion body, with its defaults."""
+
+    prompt: Any
+    model: str | None = None
+    n_predict: int | None = None
+    max_tokens: int | None = None  # llama-server's other name for n_predict
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    logit_bias: list[list[Any]] | dict[str, Any] | None = None
+    n_probs: int = 0
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    stream: bool = False
+    return_tokens: bool = False
+    samplers: list[str] | str | None = None
+    response_fields: list[str] | None = None
+    n_keep: int = 0
+    # Accepted only where they change nothing (_OFF).
+    typical_p: float = 1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    min_keep: int = 0
+    post_sampling_probs: bool = False
+    cache_prompt: bool = True
+    n_cmpl: int = 1
+    id_slot: int = -1
+    n_discard: int = 0
+    n_indent: int = 0
+    n_cache_reuse: int = 0
+    t_max_predict_ms: int = 0
+    timings_per_token: bool = False
+    return_progress: bool = False
+    lora: list[dict[str, Any]] | None = None
+
+
+# field -> (is the value off?, why a value that is not is refused)
+_OFF: dict[str, tuple[Any, str]] = {
+    "typical_p": (lambda v: v >= 1.0, "locally typical sampling is not offered (1.0: off)"),
+    "dynatemp_range": (lambda v: v <= 0.0, "dynamic temperature is not offered (0: off)"),
+    "top_n_sigma": (lambda v: v <= 0.0, "top-n-sigma is not offered (-1: off)"),
+    "xtc_probability": (lambda v: v <= 0.0, "XTC is not offered (0: off)"),
+    "dry_multiplier": (lambda v: v == 0.0, "DRY is not offered (0: off)"),
+    "mirostat": (lambda v: v == 0, "mirostat is not offered (0: off)"),
+    "min_keep": (lambda v: v in (0, 1), "min_keep above 1 is not offered"),
+    "post_sampling_probs": (lambda v: not v, "n_probs are the model's probabilities before "
+                                             "sampling here (false)"),
+    "cache_prompt": (lambda v: v, "every prompt goes through the prefix cache here (true)"),
+    "n_cmpl": (lambda v: v == 1, "one completion per prompt (send the prompt again, or use "
+                                 "/v1/completions' n)"),
+    "id_slot": (lambda v: v == -1, "requests are not pinned to slots here (-1)"),
+    "n_keep": (lambda v: v in (0, -1), "the context is never shifted here: a request that "
+                                       "fills it ends (0 or -1)"),
+    "n_discard": (lambda v: v == 0, "the context is never shifted here (0)"),
+    "n_indent": (lambda v: v == 0, "minimum indentation is not offered (0)"),
+    "n_cache_reuse": (lambda v: v == 0, "KV-shift cache reuse is not offered (0); shared "
+                                        "prefixes are reused anyway"),
+    "t_max_predict_ms": (lambda v: v == 0, "a time limit is not offered (0)"),
+    "timings_per_token": (lambda v: not v, "timings come with the last event (false)"),
+    "return_progress": (lambda v: not v, "prompt progress is not reported (false)"),
+    "lora": (lambda v: not v, "adapters are chosen by model here: send the adapter's name as "
+                              "model"),
+}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A checked request: its sampler steps (llama.cpp's order) and whether penalties and the
+    temperature apply at all."""
+
+    chain: tuple[str, ...]
+    penalties: bool
+    tempered: bool
+    stop: tuple[str, ...]
+    max_tokens: int | None
+
+
+def _steps(samplers: list[str] | str | None) -> list[str]:
+    if samplers is None:
+        return list(DEFAULT_SAMPLERS)
+    if isinstance(samplers, str):
+        unknown = [c for c in samplers if c not in _BY_CHAR]
+        if unknown:
+            raise InvalidRequestError(f"samplers: unknown sampler '{unknown[0]}' (known: "
+                                      f"{''.join(_BY_CHAR)})", param="samplers")
+        return [_BY_CHAR[c] for c in samplers]
+    known = set(_BY_CHAR.values())
+    for name in samplers:
+        if name not in known:
+            raise InvalidRequestError(f"samplers: unknown or unsupported sampler '{name}' "
+                                      f"(known: {', '.join(DEFAULT_SAMPLERS)})",
+                                      param="samplers")
+    return list(samplers)
+
+
+def check_completion(req: LlamaCompletionRequest) -> _Plan:
+    """The checks that need no model (router mode runs them before a load)."""
+    for name, (off, why) in _OFF.items():
+        if not off(getattr(req, name)):
+            raise InvalidRequestError(f"{name}: {why}", param=name)
+    if req.grammar and req.json_schema is not None:
+        raise InvalidRequestError("grammar and json_schema: give one", param="json_schema")
+    if req.grammar:
+        grammar_limits(req.grammar, "grammar")
+    if not 0 <= req.n_probs <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"n_probs must be in [0, {MAX_LOGPROBS}]", param="n_probs")
+    n = req.n_predict if req.n_predict is not None else req.max_tokens
+    if n is not None and n < -1:
+        raise InvalidRequestError("n_predict must be >= 0, or -1 (until the context is full)",
+                                  param="n_predict")
+    if n == 0:
+        raise InvalidRequestError("n_predict: 0 (evaluate the prompt only) is not offered; "
+                                  "ask for at least one token", param="n_predict")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_REQUEST_STOP:
+        raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
+    steps = _steps(req.samplers)
+    cuts = [i for i, s in enumerate(steps) if s in ("top_k", "top_p", "min_p")]
+    penalised = (req.repeat_penalty != 1.0 or req.presence_penalty != 0.0
+                 or req.frequency_penalty != 0.0)
+    if penalised and "penalties" in steps and cuts and steps.index("penalties") > cuts[0]:
+        raise InvalidRequestError("samplers: penalties after a cut are not offered (penalties "
+                                  "come first here)", param="samplers")
+    plan = _Plan(chain=tuple(s for s in steps if s in CHAIN_SAMPLERS),
+                 penalties="penalties" in steps, tempered="temperature" in steps, stop=stop,
+                 max_tokens=None if n is None or n == -1 else n)
+    SamplingParams(**_sampling(req, plan, seed=None, logit_bias=()))  # the value checks
+    return plan
+
+
+def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
+              logit_bias: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+    penalties = plan.penalties
+    return dict(
+        max_tokens=plan.max_tokens,
+        # temperature <= 0 keeps the best token alone (greedy); without the temperature step
+        # the distribution is the model's own (1).
+        temperature=max(req.temperature, 0.0) if plan.tempered else 1.0,
+        top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
+        repeat_penalty=req.repeat_penalty if penalties else 1.0,
+        repeat_last_n=max(req.repeat_last_n, 0),
+        presence_penalty=req.presence_penalty if penalties else 0.0,
+        frequency_penalty=req.frequency_penalty if penalties else 0.0,
+        seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
+        logit_bias=logit_bias, logprobs=req.n_probs or None, samplers=plan.chain)
+
+
+def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
+                ) -> tuple[tuple[int, float], ...]:
+    """``[[token or text, bias or false], ...]`` or ``{"token or text": bias}``: a text biases
+    each of its tokens; ``false`` bans the token (-100, as OpenAI's strongest bias)."""
+    given = req.logit_bias
+    pairs = list(given.items()) if isinstance(given, dict) else given or []
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidRequestError("logit_bias entries are [token or text, bias]",
+                                      param="logit_bias")
+        key, value = pair
+        if value is False:
+            value = -100.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError("a logit_bias is a number or false", param="logit_bias")
+        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(given, dict):
+            ids = [int(key)]  # OpenAI's form: token ids as keys
+        elif isinstance(key, str):
+            ids = aengine.tokenize(key, add_special=False, parse_special=False)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        else:
+            raise InvalidRequestError("a logit_bias key is a token id or a text",
+                                      param="logit_bias")
+        aengine.check_token_ids(ids, "logit_bias")
+        for token in ids:
+            out[token] = float(value)
+    return tuple(out.items())
+
+
+def _prompts(value: object, aengine: AsyncEngine) -> list[str | list[int]]:
+    """llama-server's prompt forms: a string, token ids, strings and ids mixed (the first
+    string's tokens start with BOS, as its tokenize_mixed does), or an array of those."""
+    def one(p: object) -> str | list[int]:
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(x, (int, str)) and not isinstance(
+                x, bool) for x in p):
+            if all(isinstance(x, int) for x in p):
+                return list(p)
+            tokens: list[int] = []
+            for i, x in enumerate(p):
+                tokens += ([x] if isinstance(x, int) else aengine.tokenize(x, add_special=i == 0))
+            return tokens
+        raise InvalidRequestError("a prompt is a string, token ids, or strings and token ids "
+                                  "mixed", param="prompt")
+
+    single = isinstance(value, str) or (isinstance(value, list) and any(
+        isinstance(x, int) and not isinstance(x, bool) for x in value))
+    items = [value] if single else value
+    if not isinstance(items, list) or not items:
+        raise InvalidRequestError("prompt must be a string, token ids, or an array of "
+                                  "prompts", param="prompt")
+    return [one(p) for p in items]
+
+
+def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Served
+              ) -> dict[str, Any]:
+    """generation_settings: what the request ran with, in llama-server's names."""
+    return {
+        "n_predict": -1 if plan.max_tokens is None else plan.max_tokens,
+        "seed": seed, "temperature": req.temperature, "dynatemp_range": req.dynatemp_range,
+        "dynatemp_exponent": req.dynatemp_exponent, "top_k": req.top_k, "top_p": req.top_p,
+        "min_p": req.min_p, "top_n_sigma": req.top_n_sigma,
+        "xtc_probability": req.xtc_probability, "xtc_threshold": req.xtc_threshold,
+        "typical_p": req.typical_p, "repeat_last_n": req.repeat_last_n,
+        "repeat_penalty": req.repeat_penalty, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "dry_multiplier": req.dry_multiplier,
+        "mirostat": req.mirostat, "n_keep": req.n_keep, "ignore_eos": req.ignore_eos,
+        "stream": req.stream, "n_probs": req.n_probs, "min_keep": req.min_keep,
+        "samplers": _steps(req.samplers), "stop": list(plan.stop),
+        "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
+        "model": served.model_id, "post_sampling_probs": False, "timings_per_token": False,
+        "lora": [],
+    }
+
+
+def _timings(m: RequestMetrics) -> dict[str, float | int]:
+    end = m.finished_time or time.perf_counter()
+    first = m.first_token_time or end
+    start = m.scheduled_time or m.arrival_time
+    prompt_n = m.num_prompt_tokens - m.num_cached_tokens
+    prompt_ms, predicted_ms = (first - start) * 1e3, (end - first) * 1e3
+    n = m.num_generated_tokens
+    return {"cache_n": m.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+            "predicted_per_second": n * 1e3 / predicted_ms if predicted_ms else 0.0}
+
+
+@dataclass
+class _Answer:
+    """One prompt's answer so far."""
+
+    prompt: str  # as processed: special tokens written (<bos>)
+    settings: dict[str, Any]
+    text: str = ""
+    tokens: list[int] | None = None
+    probs: list[dict[str, Any]] | None = None
+
+
+def _fields(fields: list[str], res: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's response_fields: the named fields only; ``a/b`` is ``res[a][b]``, put at
+    the top as ``b``; a field that is not there is left out."""
+    out: dict[str, Any] = {}
+    for path in fields:
+        value: Any = res
+        for part in path.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            out[path.rsplit("/", 1)[-1]] = value
+    return out
+
+
+class _Completion:
+    """A checked /completion request on its way: its prompts, their answers, its events."""
+
+    def __init__(self, served: Served, req: LlamaCompletionRequest, plan: _Plan,
+                 prepared: list[PreparedRequest], seed: int) -> None:
+        self.served, self.req, self.plan = served, req, plan
+        self.model = served.completions.answer_model(req.model)  # an adapter's name, if named
+        settings = _settings(req, plan, seed, served)
+        token_bytes = served.aengine.token_bytes
+        self.answers = [_Answer(b"".join(token_bytes(t, special=True) for t in p.tokens)
+                                .decode("utf-8", "replace"), settings, tokens=[],
+                                probs=[] if req.n_probs else None) for p in prepared]
+
+    def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        piece = self.served.aengine.token_bytes
+
+        def entry(token: int, value: float) -> dict[str, Any]:
+            raw = piece(token)
+            return {"id": token, "token": raw.decode("utf-8", "ignore"), "bytes": list(raw),
+                    "logprob": value}
+        return [{**entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        a = self.answers[i]
+        a.text += out.text
+        assert a.tokens is not None
+        a.tokens += out.token_ids
+        if a.probs is not None and out.logprobs:
+            a.probs += self._probs(out.logprobs)
+
+    def final(self, i: int, out: RequestOutput, content: str, stream: bool) -> dict[str, Any]:
+        a, m = self.answers[i], out.metrics
+        limited = out.finish_reason == "length"
+        res: dict[str, Any] = {
+            "index": i, "content": content,
+            "tokens": [] if stream or not self.req.return_tokens else a.tokens,
+            "stop": True, "model": self.model,
+            "tokens_predicted": m.num_generated_tokens, "tokens_evaluated": m.num_prompt_tokens,
+            "generation_settings": a.settings, "prompt": a.prompt,
+            "has_new_line": "\n" in a.text,
+            # the context filled before n_predict (or with -1) was reached
+            "truncated": limited and (self.plan.max_tokens is None
+                                      or m.num_generated_tokens < self.plan.max_tokens),
+            "stop_type": "word" if out.stop is not None else "limit" if limited else "eos",
+            "stopping_word": out.stop or "", "tokens_cached": m.num_cached_tokens,
+            "timings": _timings(m)}
+        if a.probs and not stream:
+            res["completion_probabilities"] = a.probs
+        return _fields(self.req.response_fields, res) if self.req.response_fields else res
+
+    def chunk(self, i: int, out: RequestOutput) -> dict[str, Any]:
+        res: dict[str, Any] = {"index": i, "content": out.text, "tokens": out.token_ids,
+                               "stop": False, "tokens_predicted": len(self.answers[i].tokens or []),
+                               "tokens_evaluated": out.metrics.num_prompt_tokens}
+        if out.logprobs:
+            res["completion_probabilities"] = self._probs(out.logprobs)
+        return res
+
+
+async def _full(c: _Completion, streams: list) -> Any:
+    finals: list[dict[str, Any] | None] = [None] * len(streams)
+    async with aclosing(c.served.completions.merged(streams)) as merged:
+        async for i, out in merged:
+            if out.error:
+                raise c.served.completions.failure(out)
+            c.add(i, out)
+            if out.finished:
+                finals[i] = c.final(i, out, c.answers[i].text, stream=False)
+    return finals[0] if len(finals) == 1 else finals
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def _events(c: _Completion, streams: list) -> AsyncIterator[bytes]:
+    """One event per step's new text (with its tokens), then the full answer with
+    ``stop: true``; an error ends the stream as ``{"error": ...}``. No ``[DONE]``."""
+    async with aclosing(c.served.completions.merged(streams)) as merged:
+        async for i, out in merged:
+            if out.error:
+                e = to_api_error(c.served.completions.failure(out))
+                yield _event({"error": error_body(e.message, e.type, e.param, e.code)["error"]})
+                return
+            c.add(i, out)
+            if out.text or out.token_ids:
+                yield _event(c.chunk(i, out))
+            if out.finished:
+                yield _event(c.final(i, out, "", stream=True))
+
+
+@post("/completion", status_code=200,
+      summary="llama-server's /completion: its body, sampler order and answer")
+async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
+                     state: State) -> Any:
+    served = _served(state)
+    req = await decode_request(request, LlamaCompletionRequest)
+    served.completions.check_model(req.model)
+    plan = check_completion(req)
+    # -1 draws a seed, reported in generation_settings, so the answer can be had again
+    seed = req.seed if req.seed >= 0 else random.getrandbits(32)
+    aengine = served.aengine
+    lora = request_lora(aengine, req.model, None)
+
+    def ready() -> list[PreparedRequest]:
+        grammar = None
+        if req.grammar:
+            aengine.check_grammar(req.grammar, "grammar")
+            grammar = req.grammar
+        elif req.json_schema is not None:
+            try:
+                grammar = AsyncEngine.json_grammar(req.json_schema)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"json_schema: {e}", param="json_schema") from None
+        bias = _logit_bias(req, aengine)
+        return [aengine.prepare(p, SamplingParams(**_sampling(req, plan, seed, bias),
+                                                  grammar=grammar, lora=lora))
+                for p in _prompts(req.prompt, aengine)]
+
+    prepared = await aengine.off_loop(text_size(req.prompt), ready)
+    c = _Completion(served, req, plan, prepared, seed)
+    streams = served.completions.submit(prepared, f"cmpl-{uuid.uuid4().hex}",
+                                        origin(request, "llama.completion", req.stream))
+    if req.stream:
+        return sse_response(_events(c, streams))
+    return await unless_disconnected(request, _full(c, streams))

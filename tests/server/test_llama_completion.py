@@ -1,0 +1,157 @@
+"""llama-server's native ``POST /completion`` on a real server: its body (prompt forms,
+``n_predict``, llama.cpp's sampler defaults and order, ``samplers``, ``n_probs``,
+``logit_bias`` by text or ``false``, ``response_fields``), its answer and its stream."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from tests.server.test_tokenize import post, tokenize
+
+PROMPT = "The capital of France is"
+
+
+def complete(server, **body) -> dict | list:
+    r = post(server, "/completion", {"prompt": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(server, param: str, **body) -> str:
+    r = post(server, "/completion", {"prompt": PROMPT, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    return r.json()["error"]["message"]
+
+
+def test_an_answer_in_llama_servers_shape_with_greedy_tokens(server):
+    greedy = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
+                                              "temperature": 0}).json()["choices"][0]["text"]
+    got = complete(server, n_predict=8, temperature=0, return_tokens=True)
+    assert got["content"] == greedy
+    assert (got["stop"], got["stop_type"], got["stopping_word"], got["truncated"]) == (
+        True, "limit", "", False)
+    assert got["tokens_predicted"] == 8 == len(got["tokens"])
+    assert got["tokens_evaluated"] == tokenize(server, prompt=PROMPT)["count"]
+    assert got["prompt"] == "<bos>" + PROMPT and got["model"] == server.model
+    assert post(server, "/detokenize", {"tokens": got["tokens"]}).json()["content"] == greedy
+    settings = got["generation_settings"]
+    assert (settings["n_predict"], settings["top_k"], settings["top_p"], settings["min_p"]) == (
+        8, 40, 0.95, 0.05)
+    assert settings["samplers"][-1] == "temperature"  # llama.cpp's order: temperature last
+    timings = got["timings"]
+    assert timings["predicted_n"] == 8 and timings["prompt_n"] + timings["cache_n"] == got[
+        "tokens_evaluated"]
+    assert "completion_probabilities" not in got
+    # without return_tokens the ids are left out, as llama-server leaves them
+    assert complete(server, n_predict=2, temperature=0)["tokens"] == []
+
+
+def test_stop_words_seeds_and_response_fields(server):
+    worded = complete(server, n_predict=40, temperature=0, stop=[" "])
+    assert (worded["stop_type"], worded["stopping_word"]) == ("word", " ")
+    assert " " not in worded["content"]
+    first = complete(server, n_predict=12, seed=7)
+    assert complete(server, n_predict=12, seed=7)["content"] == first["content"]
+    drawn = complete(server, n_predict=12)  # -1: a seed drawn and reported
+    seed = drawn["generation_settings"]["seed"]
+    assert seed >= 0 and complete(server, n_predict=12, seed=seed)["content"] == drawn["content"]
+    picked = complete(server, n_predict=2, response_fields=[
+        "content", "generation_settings/n_predict", "absent"])
+    assert set(picked) == {"content", "n_predict"} and picked["n_predict"] == 2
+
+
+def test_prompt_forms(server):
+    ids = tokenize(server, prompt=PROMPT)["tokens"]
+    text = complete(server, n_predict=4, temperature=0)["content"]
+    # token ids, and ids mixed with text (the text after an id gets no BOS of its own)
+    for prompt in (ids, [ids[0], PROMPT]):
+        got = complete(server, prompt=prompt, n_predict=4, temperature=0)
+        assert (got["content"], got["tokens_evaluated"]) == (text, len(ids)), prompt
+    # several prompts: an array of answers, in order
+    many = complete(server, prompt=[PROMPT, "Once upon a time", ids], n_predict=4,
+                    temperature=0)
+    assert isinstance(many, list) and [a["index"] for a in many] == [0, 1, 2]
+    assert many[0]["content"] == many[2]["content"] == text
+    assert refused(server, "prompt", prompt=[{"x": 1}])
+    assert refused(server, "prompt", prompt="")
+
+
+def test_a_stream_is_llama_servers_events(server):
+    whole = complete(server, n_predict=10, temperature=0, n_probs=2)
+    with httpx.stream("POST", server.url + "/completion", timeout=60, json={
+            "prompt": PROMPT, "n_predict": 10, "temperature": 0, "stream": True,
+            "n_probs": 2}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: {") for line in lines), lines  # no [DONE]
+    events = [json.loads(line[6:]) for line in lines]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert [t for e in events for t in e["tokens"]] == [p["id"] for p in whole[
+        "completion_probabilities"]]
+    assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 10
+    probs = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert probs == whole["completion_probabilities"]
+    assert len(probs[0]["top_logprobs"]) == 2 and probs[0]["id"] == probs[0]["top_logprobs"][0][
+        "id"]  # greedy: the best is the token drawn
+
+
+def test_llama_cpps_order_cuts_before_it_tempers(server):
+    """min_p 0.5 then temperature 100 (llama.cpp's order): the cut keeps the tokens within
+    ln 2 of the best, which the temperature then evens out; tempering first (OpenAI's order)
+    would keep nearly the whole vocabulary. Every drawn token lies within the cut."""
+    got = complete(server, n_predict=24, temperature=100, top_k=0, top_p=1.0, min_p=0.5,
+                   n_probs=1, seed=3)
+    for p in got["completion_probabilities"]:
+        assert p["logprob"] >= p["top_logprobs"][0]["logprob"] + math.log(0.5) - 1e-3, p
+    # top_k 1 anywhere in the chain: greedy at any temperature
+    greedy = complete(server, n_predict=8, temperature=0)["content"]
+    assert complete(server, n_predict=8, temperature=5, top_k=1, seed=4,
+                    samplers=["temperature", "top_k"])["content"] == greedy
+    # a chain without the temperature step samples at the model's own temperature
+    assert complete(server, n_predict=4, temperature=0, samplers="k")[
+        "generation_settings"]["samplers"] == ["top_k"]
+
+
+def test_logit_bias_by_id_text_or_false(server):
+    first = complete(server, n_predict=1, temperature=0, return_tokens=True)["tokens"][0]
+    for bias in ([[first, False]], {str(first): -100},
+                 [[post(server, "/detokenize", {"tokens": [first]}).json()["content"], False]]):
+        got = complete(server, n_predict=1, temperature=0, return_tokens=True, logit_bias=bias)
+        assert got["tokens"][0] != first, bias
+
+
+def test_structured_output(server):
+    got = complete(server, n_predict=8, grammar='root ::= "yes" | "no"', seed=1)
+    assert got["content"] in ("yes", "no") and got["stop_type"] == "eos"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    got = complete(server, n_predict=40, json_schema=schema, temperature=0)
+    assert isinstance(json.loads(got["content"])["a"], int)
+
+
+@pytest.mark.parametrize(("param", "body"), [
+    ("mirostat", {"mirostat": 2}),
+    ("dry_multiplier", {"dry_multiplier": 0.8}),
+    ("typical_p", {"typical_p": 0.5}),
+    ("n_cmpl", {"n_cmpl": 2}),
+    ("id_slot", {"id_slot": 0}),
+    ("cache_prompt", {"cache_prompt": False}),
+    ("samplers", {"samplers": ["top_k", "adaptive_p"]}),
+    ("samplers", {"samplers": "kq"}),
+    ("samplers", {"samplers": ["top_k", "penalties"], "repeat_penalty": 1.2}),
+    ("n_predict", {"n_predict": 0}),
+    ("n_probs", {"n_probs": 21}),
+    ("json_schema", {"grammar": 'root ::= "a"', "json_schema": {}}),
+    ("grammar", {"grammar": "root ::= nowhere"}),
+    ("temperature", {"temperature": 1000}),
+    ("logit_bias", {"logit_bias": [[1, "a"]]}),
+    ("stop", {"stop": ["x"] * 17}),
+    ("unknown", {"unknown": 1}),
+])
+def test_what_is_not_offered_is_a_400_naming_it(server, param, body):
+    refused(server, param, **body)
