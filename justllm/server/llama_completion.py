@@ -189,6 +189,9 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     if n == 0:
         raise InvalidRequestError("n_predict: 0 (evaluate the prompt only) is not offered; "
                                   "ask for at least one token", param="n_predict")
+    if req.repeat_last_n < -1:
+        raise InvalidRequestError("repeat_last_n must be >= 0, or -1 (the whole context)",
+                                  param="repeat_last_n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_REQUEST_STOP:
         raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
@@ -216,7 +219,8 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         temperature=max(req.temperature, 0.0) if plan.tempered else 1.0,
         top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
         repeat_penalty=req.repeat_penalty if penalties else 1.0,
-        repeat_last_n=max(req.repeat_last_n, 0),
+        # -1: the whole context (every token of the request, as vLLM's rule counts them)
+        repeat_last_n=2**31 - 1 if req.repeat_last_n == -1 else req.repeat_last_n,
         presence_penalty=req.presence_penalty if penalties else 0.0,
         frequency_penalty=req.frequency_penalty if penalties else 0.0,
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,

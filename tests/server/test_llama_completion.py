@@ -60,6 +60,8 @@ def test_stop_words_seeds_and_response_fields(server):
     drawn = complete(server, n_predict=12)  # -1: a seed drawn and reported
     seed = drawn["generation_settings"]["seed"]
     assert seed >= 0 and complete(server, n_predict=12, seed=seed)["content"] == drawn["content"]
+    # repeat_last_n -1: the whole context, as llama-server reads it
+    assert complete(server, n_predict=2, repeat_last_n=-1, repeat_penalty=1.3)["stop"]
     picked = complete(server, n_predict=2, response_fields=[
         "content", "generation_settings/n_predict", "absent"])
     assert set(picked) == {"content", "n_predict"} and picked["n_predict"] == 2
@@ -149,6 +151,7 @@ def test_structured_output(server):
     ("json_schema", {"grammar": 'root ::= "a"', "json_schema": {}}),
     ("grammar", {"grammar": "root ::= nowhere"}),
     ("temperature", {"temperature": 1000}),
+    ("repeat_last_n", {"repeat_last_n": -2}),
     ("logit_bias", {"logit_bias": [[1, "a"]]}),
     ("stop", {"stop": ["x"] * 17}),
     ("unknown", {"unknown": 1}),
