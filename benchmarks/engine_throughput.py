@@ -124,8 +124,9 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False) -> f
 
 
 def sampling_of(args: argparse.Namespace) -> dict:
+    order = {"samplers": ("top_k", "top_p", "min_p", "temperature")} if args.llama_order else {}
     return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "min_p": args.min_p}
+            "min_p": args.min_p, **order}
 
 
 def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> list[dict]:
@@ -185,6 +186,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0: off")
     ap.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    ap.add_argument("--llama-order", action="store_true",
+                    help="sample in llama.cpp's order, as /completion does (cuts, then the "
+                         "temperature)")
     ap.add_argument("--vs-greedy", action="store_true",
                     help="alternate greedy and sampled rounds; report medians and the ratio")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
