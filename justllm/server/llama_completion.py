@@ -296,7 +296,13 @@ def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Serve
         "typical_p": req.typical_p, "repeat_last_n": req.repeat_last_n,
         "repeat_penalty": req.repeat_penalty, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "dry_multiplier": req.dry_multiplier,
-        "mirostat": req.mirostat, "n_keep": req.n_keep, "ignore_eos": req.ignore_eos,
+        "dry_base": req.dry_base, "dry_allowed_length": req.dry_allowed_length,
+        "dry_penalty_last_n": req.dry_penalty_last_n,
+        "dry_sequence_breakers": req.dry_sequence_breakers or ["\n", ":", "\"", "*"],
+        "mirostat": req.mirostat, "mirostat_tau": req.mirostat_tau,
+        "mirostat_eta": req.mirostat_eta,
+        "max_tokens": -1 if plan.max_tokens is None else plan.max_tokens,
+        "n_keep": req.n_keep, "n_discard": req.n_discard, "ignore_eos": req.ignore_eos,
         "stream": req.stream, "n_probs": req.n_probs, "min_keep": req.min_keep,
         "samplers": _steps(req.samplers), "stop": list(plan.stop),
         "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
@@ -383,6 +389,7 @@ class _Completion:
         res: dict[str, Any] = {
             "index": i, "content": content,
             "tokens": [] if stream or not self.req.return_tokens else a.tokens,
+            "id_slot": -1,  # no slots here; -1 (any) is what a client may send back
             "stop": True, "model": self.model,
             "tokens_predicted": m.num_generated_tokens, "tokens_evaluated": m.num_prompt_tokens,
             "generation_settings": a.settings, "prompt": a.prompt,
@@ -399,7 +406,8 @@ class _Completion:
 
     def chunk(self, i: int, out: RequestOutput) -> dict[str, Any]:
         res: dict[str, Any] = {"index": i, "content": out.text, "tokens": out.token_ids,
-                               "stop": False, "tokens_predicted": len(self.answers[i].tokens or []),
+                               "stop": False, "id_slot": -1,
+                               "tokens_predicted": len(self.answers[i].tokens or []),
                                "tokens_evaluated": out.metrics.num_prompt_tokens}
         if out.logprobs:
             res["completion_probabilities"] = self._probs(out.logprobs)

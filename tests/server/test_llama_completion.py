@@ -38,6 +38,7 @@ def test_an_answer_in_llama_servers_shape_with_greedy_tokens(server):
     assert got["tokens_predicted"] == 8 == len(got["tokens"])
     assert got["tokens_evaluated"] == tokenize(server, prompt=PROMPT)["count"]
     assert got["prompt"] == "<bos>" + PROMPT and got["model"] == server.model
+    assert got["id_slot"] == -1  # no slots; what a client may send back
     assert post(server, "/detokenize", {"tokens": got["tokens"]}).json()["content"] == greedy
     settings = got["generation_settings"]
     assert (settings["n_predict"], settings["top_k"], settings["top_p"], settings["min_p"]) == (
