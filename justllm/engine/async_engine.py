@@ -68,6 +68,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
         self.arrival = time.perf_counter()  # as RequestMetrics.arrival_time (an abort's e2e)
+        self.prompt_tokens = 0  # the prompt's length in tokens, known once it is queued
         self._owner = owner
 
     def __aiter__(self) -> "RequestStream":
@@ -158,6 +159,7 @@ class AsyncEngine:
                 request_id = self.engine.add_request(prompt, params, request_id,
                                                      handover=handover, origin=origin)
             stream = RequestStream(self, request_id, loop)
+            stream.prompt_tokens = len(prompt.tokens)
             if first is not None:
                 stream.queue.put_nowait(first)
             if first is None or not first.finished:

@@ -214,10 +214,8 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     mid = f"msg_{uuid.uuid4().hex}"
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
     if req.stream:
-        # message_start says it, before the answer (off the loop: tokenizing can take seconds)
-        input_tokens = await served.aengine.off_loop(text_size(chat),
-                                                     lambda: prompt_tokens(served, chat))
-        events = await served.completions.chat_events(
+        # message_start says it, before the answer: the count of the prompt just queued
+        events, input_tokens = await served.completions.counted_chat_events(
             chat, mid, origin=origin(request, "anthropic.messages", True))
         return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
     result = await unless_disconnected(request, served.completions.chat_result(

@@ -493,8 +493,16 @@ class OpenAIServing:
                           ) -> AsyncGenerator[ChatEvent, None]:
         """``req`` answered as a stream of events (``req.stream`` is not read). Request errors
         raise here, before anything is streamed; closing the iterator aborts the request."""
+        return (await self.counted_chat_events(req, rid, resume, origin))[0]
+
+    async def counted_chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
+                                  resume: Sequence[Handover] | None = None,
+                                  origin: RequestOrigin | None = None
+                                  ) -> tuple[AsyncGenerator[ChatEvent, None], int]:
+        """:meth:`chat_events` and the prompt's length in tokens, known before the first event
+        (what Anthropic's ``message_start`` reports) without tokenizing it again."""
         streams, answers = await self._start_chat(req, rid, resume, origin)
-        return self._events(streams, answers, req.n)
+        return self._events(streams, answers, req.n), streams[0].prompt_tokens
 
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
                       ) -> AsyncGenerator[ChatEvent, None]:

@@ -98,6 +98,9 @@ def test_the_event_sequence(client, server):
     assert set(body[1:-1]) == {"content_block_delta"}
     start = events[0].message
     assert start.content == [] and start.stop_reason is None and start.usage.input_tokens > 5
+    # the count of the prompt queued: what count_tokens says of it
+    assert start.usage.input_tokens == client.messages.count_tokens(
+        model=server.model, messages=HELLO).input_tokens
     assert all(e.delta.type == "text_delta" for e in events if e.type == "content_block_delta")
     delta = events[-2]
     assert delta.delta.stop_reason in ("end_turn", "max_tokens")
