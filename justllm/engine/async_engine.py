@@ -236,6 +236,10 @@ class AsyncEngine:
             raise InvalidRequestError(f"{param}[{bad}]: {ids[bad]} is not a token id (they are "
                                       f"in [0, {n_vocab}))", param=param)
 
+    def eog_ids(self) -> list[int]:
+        """The end-of-generation tokens (llama.cpp's set; the first call asks every id)."""
+        return [int(t) for t in self.engine.backend.eog_ids()]
+
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` (special tokens as their text); 400 for an id outside the
         vocabulary."""

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -54,6 +54,11 @@ _BY_CHAR = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y":
 _NO_OPS = frozenset({"dry", "top_n_sigma", "typ_p", "xtc"})  # off at the only values accepted
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
                     "xtc", "temperature")
+# The names llama.cpp reads (lowercased): each canonical one, its kebab-case and its form
+# without the underscore (top-k, topk), and nucleus, temp, typ.
+_BY_NAME = {alias: name for name in DEFAULT_SAMPLERS
+            for alias in (name, name.replace("_", "-"), name.replace("_", ""))} | {
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
 
 
 class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -62,7 +67,8 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     prompt: Any
     model: str | None = None
     n_predict: int | None = None
-    max_tokens: int | None = None  # llama-server's other name for n_predict
+    max_completion_tokens: int | None = None  # llama-server's other names for n_predict
+    max_tokens: int | None = None
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -75,7 +81,8 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
-    n_probs: int = 0
+    n_probs: int | None = None
+    logprobs: int | None = None  # llama-server's other name for n_probs
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     stream: bool = False
@@ -102,6 +109,11 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     post_sampling_probs: bool = False
     cache_prompt: bool = True
     n_cmpl: int = 1
+    n: int = 1  # llama-server's other name for n_cmpl
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
+    verbose: bool = False
+    backend_sampling: bool = False
     id_slot: int = -1
     n_discard: int = 0
     n_indent: int = 0
@@ -126,6 +138,12 @@ _OFF: dict[str, tuple[Any, str]] = {
     "cache_prompt": (lambda v: v, "every prompt goes through the prefix cache here (true)"),
     "n_cmpl": (lambda v: v == 1, "one completion per prompt (send the prompt again, or use "
                                  "/v1/completions' n)"),
+    "n": (lambda v: v == 1, "one completion per prompt (send the prompt again, or use "
+                            "/v1/completions' n)"),
+    "adaptive_target": (lambda v: v < 0.0, "adaptive-p sampling is not offered (-1: off)"),
+    "verbose": (lambda v: not v, "the debug fields are not offered (false)"),
+    "backend_sampling": (lambda v: not v, "sampling in the decode graph is not offered here "
+                                          "(false)"),
     "id_slot": (lambda v: v == -1, "requests are not pinned to slots here (-1)"),
     "n_keep": (lambda v: v in (0, -1), "the context is never shifted here: a request that "
                                        "fills it ends (0 or -1)"),
@@ -162,13 +180,15 @@ def _steps(samplers: list[str] | str | None) -> list[str]:
             raise InvalidRequestError(f"samplers: unknown sampler '{unknown[0]}' (known: "
                                       f"{''.join(_BY_CHAR)})", param="samplers")
         return [_BY_CHAR[c] for c in samplers]
-    known = set(_BY_CHAR.values())
+    steps = []
     for name in samplers:
-        if name not in known:
+        step = _BY_NAME.get(name.lower())
+        if step is None:
             raise InvalidRequestError(f"samplers: unknown or unsupported sampler '{name}' "
                                       f"(known: {', '.join(DEFAULT_SAMPLERS)})",
                                       param="samplers")
-    return list(samplers)
+        steps.append(step)
+    return steps
 
 
 def check_completion(req: LlamaCompletionRequest) -> _Plan:
@@ -180,9 +200,10 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
         raise InvalidRequestError("grammar and json_schema: give one", param="json_schema")
     if req.grammar:
         grammar_limits(req.grammar, "grammar")
-    if not 0 <= req.n_probs <= MAX_LOGPROBS:
+    if not 0 <= _n_probs(req) <= MAX_LOGPROBS:
         raise InvalidRequestError(f"n_probs must be in [0, {MAX_LOGPROBS}]", param="n_probs")
-    n = req.n_predict if req.n_predict is not None else req.max_tokens
+    n = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
+              if v is not None), None)
     if n is not None and n < -1:
         raise InvalidRequestError("n_predict must be >= 0, or -1 (until the context is full)",
                                   param="n_predict")
@@ -209,6 +230,10 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     return plan
 
 
+def _n_probs(req: LlamaCompletionRequest) -> int:
+    return next((v for v in (req.n_probs, req.logprobs) if v is not None), 0)
+
+
 def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
               logit_bias: tuple[tuple[int, float], ...]) -> dict[str, Any]:
     penalties = plan.penalties
@@ -224,7 +249,7 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         presence_penalty=req.presence_penalty if penalties else 0.0,
         frequency_penalty=req.frequency_penalty if penalties else 0.0,
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
-        logit_bias=logit_bias, logprobs=req.n_probs or None, samplers=plan.chain)
+        logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain)
 
 
 def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
@@ -303,7 +328,7 @@ def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Serve
         "mirostat_eta": req.mirostat_eta,
         "max_tokens": -1 if plan.max_tokens is None else plan.max_tokens,
         "n_keep": req.n_keep, "n_discard": req.n_discard, "ignore_eos": req.ignore_eos,
-        "stream": req.stream, "n_probs": req.n_probs, "min_keep": req.min_keep,
+        "stream": req.stream, "n_probs": _n_probs(req), "min_keep": req.min_keep,
         "samplers": _steps(req.samplers), "stop": list(plan.stop),
         "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
         "model": served.model_id, "post_sampling_probs": False, "timings_per_token": False,
@@ -338,8 +363,8 @@ class _Answer:
 
 
 def _fields(fields: list[str], res: dict[str, Any]) -> dict[str, Any]:
-    """llama-server's response_fields: the named fields only; ``a/b`` is ``res[a][b]``, put at
-    the top as ``b``; a field that is not there is left out."""
+    """llama-server's response_fields: the named fields only; ``a/b`` is ``res[a][b]``, under
+    the key ``a/b`` (as its server answers); a field that is not there is left out."""
     out: dict[str, Any] = {}
     for path in fields:
         value: Any = res
@@ -348,8 +373,20 @@ def _fields(fields: list[str], res: dict[str, Any]) -> dict[str, Any]:
                 break
             value = value[part]
         else:
-            out[path.rsplit("/", 1)[-1]] = value
+            out[path] = value
     return out
+
+
+def _within(probs: list[dict[str, Any]], content: str) -> list[dict[str, Any]]:
+    """The entries of the tokens that make up ``content``: a stop word's own tokens are left
+    out, as llama-server leaves them."""
+    room, kept = len(content.encode()), []
+    for p in probs:
+        room -= len(p["bytes"])
+        if room < 0:
+            break
+        kept.append(p)
+    return kept
 
 
 class _Completion:
@@ -363,7 +400,7 @@ class _Completion:
         token_bytes = served.aengine.token_bytes
         self.answers = [_Answer(b"".join(token_bytes(t, special=True) for t in p.tokens)
                                 .decode("utf-8", "replace"), settings, tokens=[],
-                                probs=[] if req.n_probs else None) for p in prepared]
+                                probs=[] if _n_probs(req) else None) for p in prepared]
 
     def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         piece = self.served.aengine.token_bytes
@@ -401,7 +438,7 @@ class _Completion:
             "stopping_word": out.stop or "", "tokens_cached": m.num_cached_tokens,
             "timings": _timings(m)}
         if a.probs and not stream:
-            res["completion_probabilities"] = a.probs
+            res["completion_probabilities"] = _within(a.probs, content) if out.stop else a.probs
         return _fields(self.req.response_fields, res) if self.req.response_fields else res
 
     def chunk(self, i: int, out: RequestOutput) -> dict[str, Any]:
@@ -446,6 +483,18 @@ async def _events(c: _Completion, streams: list) -> AsyncIterator[bytes]:
                 yield _event(c.final(i, out, "", stream=True))
 
 
+def _prepare(aengine: AsyncEngine, prompt: str | list[int], params: SamplingParams
+             ) -> PreparedRequest:
+    """An ``n_predict`` the context has no room for fills the context instead (llama-server's
+    way: the answer ends ``truncated``), where OpenAI's routes refuse it."""
+    try:
+        return aengine.prepare(prompt, params)
+    except InvalidRequestError as e:
+        if e.param != "max_tokens" or params.max_tokens is None:
+            raise
+        return aengine.prepare(prompt, replace(params, max_tokens=None))
+
+
 @post("/completion", status_code=200,
       summary="llama-server's /completion: its body, sampler order and answer")
 async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
@@ -455,7 +504,8 @@ async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
     served.completions.check_model(req.model)
     plan = check_completion(req)
     # -1 draws a seed, reported in generation_settings, so the answer can be had again
-    seed = req.seed if req.seed >= 0 else random.getrandbits(32)
+    # (any other value is taken as llama.cpp's unsigned 32-bit seed: -5 is 4294967291)
+    seed = random.getrandbits(32) if req.seed == -1 else req.seed % 2**32
     aengine = served.aengine
     lora = request_lora(aengine, req.model, None)
 
@@ -470,9 +520,10 @@ async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"json_schema: {e}", param="json_schema") from None
         bias = _logit_bias(req, aengine)
-        return [aengine.prepare(p, SamplingParams(**_sampling(req, plan, seed, bias),
-                                                  grammar=grammar, lora=lora))
-                for p in _prompts(req.prompt, aengine)]
+        if req.ignore_eos:  # llama-server's: the end tokens can never be drawn
+            bias = tuple((dict(bias) | dict.fromkeys(aengine.eog_ids(), -100.0)).items())
+        params = SamplingParams(**_sampling(req, plan, seed, bias), grammar=grammar, lora=lora)
+        return [_prepare(aengine, p, params) for p in _prompts(req.prompt, aengine)]
 
     prepared = await aengine.off_loop(text_size(req.prompt), ready)
     c = _Completion(served, req, plan, prepared, seed)

@@ -25,16 +25,19 @@ from litestar.params import JSONBody
 
 from justllm import build_info
 from justllm.server.app import _served, chat_completions, decode_request, require_api_key
+from justllm.server.llama_completion import DEFAULT_SAMPLERS
 from justllm.server.openai_serving import check_chat_request, text_size
 from justllm.server.schemas import ChatCompletionRequest
 from justllm.server.tools.request import check_tool_messages, tool_plan
 
-# What a chat request that sets nothing is sampled with (OpenAIServing._params), in
-# llama-server's names; n_predict -1: until the context is full or the model ends.
+# What a /completion request that sets nothing is sampled with (llama-server's /props gives
+# its /completion defaults), in llama-server's names; n_predict -1: until the context is full
+# or the model ends. The OpenAI routes keep OpenAI's defaults (temperature 1, no cuts).
 DEFAULT_PARAMS: dict[str, Any] = {
-    "n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+    "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
     "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "seed": -1, "stop": [], "ignore_eos": False, "n_probs": 0}
+    "frequency_penalty": 0.0, "seed": -1, "stop": [], "ignore_eos": False, "n_probs": 0,
+    "samplers": list(DEFAULT_SAMPLERS)}
 
 
 @get("/props", summary="llama-server's /props: the context, default sampling, slots, template")

@@ -50,12 +50,19 @@ def test_an_answer_in_llama_servers_shape_with_greedy_tokens(server):
     assert "completion_probabilities" not in got
     # without return_tokens the ids are left out, as llama-server leaves them
     assert complete(server, n_predict=2, temperature=0)["tokens"] == []
+    # llama-server's other names: max_completion_tokens, logprobs, n (1), adaptive-p off
+    other = complete(server, max_completion_tokens=3, logprobs=2, n=1, adaptive_target=-1,
+                     temperature=0)
+    assert other["tokens_predicted"] == 3 and len(other["completion_probabilities"]) == 3
 
 
 def test_stop_words_seeds_and_response_fields(server):
-    worded = complete(server, n_predict=40, temperature=0, stop=[" "])
-    assert (worded["stop_type"], worded["stopping_word"]) == ("word", " ")
-    assert " " not in worded["content"]
+    worded = complete(server, prompt="1, 2, 3,", n_predict=20, temperature=0, stop=[" 6"],
+                      n_probs=1)
+    assert (worded["stop_type"], worded["stopping_word"]) == ("word", " 6")
+    assert " 6" not in worded["content"] and worded["tokens_predicted"] == 8
+    # the stop word's tokens have no probabilities: they are not in the content
+    assert "".join(p["token"] for p in worded["completion_probabilities"]) == worded["content"]
     first = complete(server, n_predict=12, seed=7)
     assert complete(server, n_predict=12, seed=7)["content"] == first["content"]
     drawn = complete(server, n_predict=12)  # -1: a seed drawn and reported
@@ -65,7 +72,12 @@ def test_stop_words_seeds_and_response_fields(server):
     assert complete(server, n_predict=2, repeat_last_n=-1, repeat_penalty=1.3)["stop"]
     picked = complete(server, n_predict=2, response_fields=[
         "content", "generation_settings/n_predict", "absent"])
-    assert set(picked) == {"content", "n_predict"} and picked["n_predict"] == 2
+    assert set(picked) == {"content", "generation_settings/n_predict"}  # llama-server's keys
+    assert picked["generation_settings/n_predict"] == 2
+    # llama.cpp's seeds are unsigned 32-bit: -5 is 4294967291, and repeats
+    odd = complete(server, n_predict=6, seed=-5)
+    assert odd["generation_settings"]["seed"] == 2**32 - 5
+    assert complete(server, n_predict=6, seed=2**32 - 5)["content"] == odd["content"]
 
 
 def test_prompt_forms(server):
@@ -116,6 +128,9 @@ def test_llama_cpps_order_cuts_before_it_tempers(server):
     greedy = complete(server, n_predict=8, temperature=0)["content"]
     assert complete(server, n_predict=8, temperature=5, top_k=1, seed=4,
                     samplers=["temperature", "top_k"])["content"] == greedy
+    # llama.cpp's other spellings of the names
+    assert complete(server, n_predict=2, samplers=["Top-K", "topp", "nucleus", "temp"])[
+        "generation_settings"]["samplers"] == ["top_k", "top_p", "top_p", "temperature"]
     # a chain without the temperature step samples at the model's own temperature
     assert complete(server, n_predict=4, temperature=0, samplers="k")[
         "generation_settings"]["samplers"] == ["top_k"]
@@ -127,6 +142,22 @@ def test_logit_bias_by_id_text_or_false(server):
                  [[post(server, "/detokenize", {"tokens": [first]}).json()["content"], False]]):
         got = complete(server, n_predict=1, temperature=0, return_tokens=True, logit_bias=bias)
         assert got["tokens"][0] != first, bias
+
+
+def test_ignore_eos_bans_the_end_tokens_and_n_predict_past_the_context_fills_it(server):
+    """llama-server's ignore_eos gives the end tokens no chance (here they would win: biased
+    up by 30); an n_predict the context has no room for runs until the context is full."""
+    eos = tokenize(server, content="<eos>", parse_special=True)["tokens"][0]
+    pushed = {"n_predict": 4, "temperature": 0, "return_tokens": True,
+              "logit_bias": [[eos, 30]]}
+    assert complete(server, **pushed)["stop_type"] == "eos"  # the bias makes it end at once
+    got = complete(server, **pushed, ignore_eos=True)
+    assert got["tokens_predicted"] == 4 and eos not in got["tokens"], got
+    limit = tokenize(server, prompt="x")["max_model_len"]
+    ids = tokenize(server, prompt=PROMPT)["tokens"]
+    long = ids + [ids[-1]] * (limit - len(ids) - 3)
+    full = complete(server, prompt=long, n_predict=100, temperature=0, ignore_eos=True)
+    assert (full["tokens_predicted"], full["truncated"], full["stop_type"]) == (3, True, "limit")
 
 
 def test_structured_output(server):
@@ -156,6 +187,9 @@ def test_structured_output(server):
     ("logit_bias", {"logit_bias": [[1, "a"]]}),
     ("stop", {"stop": ["x"] * 17}),
     ("unknown", {"unknown": 1}),
+    ("n", {"n": 2}),
+    ("adaptive_target", {"adaptive_target": 0.5}),
+    ("n_probs", {"logprobs": 99}),
 ])
 def test_what_is_not_offered_is_a_400_naming_it(server, param, body):
     refused(server, param, **body)

@@ -34,17 +34,18 @@ def test_props_say_what_the_server_does(server):
     assert props["build_info"].startswith("justllm ") and "llama-cpp-python" in props["build_info"]
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["endpoint_props"] is False and props["endpoint_metrics"] is True
-    # what a request that sets nothing gets: the same tokens as asking for it
+    # what a /completion request that sets nothing gets (llama-server's meaning): the same
+    # tokens as asking for it, and what its generation_settings say
     params = settings["params"]
-    assert (params["temperature"], params["top_p"], params["n_predict"]) == (1.0, 1.0, -1)
-    bare = {"messages": HELLO, "max_tokens": 6, "seed": 3}
-    asked = {**bare, "temperature": params["temperature"], "top_p": params["top_p"],
-             "presence_penalty": params["presence_penalty"],
-             "frequency_penalty": params["frequency_penalty"]}
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"],
+            params["n_predict"]) == (0.8, 40, 0.95, 0.05, -1)
+    bare = {"prompt": "The capital of France is", "n_predict": 6, "seed": 3}
+    asked = {**bare, **{k: v for k, v in params.items() if k not in ("n_predict", "seed")}}
     # (the first primes the prefix cache: the two after it are computed alike)
-    texts = [post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
-             for body in (bare, bare, asked)]
-    assert texts[1] == texts[2]
+    answers = [post(server, "/completion", body).json() for body in (bare, bare, asked)]
+    assert answers[1]["content"] == answers[2]["content"]
+    ran = answers[1]["generation_settings"]
+    assert all(ran[k] == v for k, v in params.items() if k not in ("n_predict", "seed")), ran
     # changing them (llama-server's POST /props, off there by default) is not offered
     assert httpx.post(server.url + "/props", json={}, timeout=30).status_code == 405
 
