@@ -62,13 +62,13 @@ class RequestStream:
     """
 
     def __init__(self, owner: "AsyncEngine", request_id: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, prompt_tokens: int = 0) -> None:
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
         self.arrival = time.perf_counter()  # as RequestMetrics.arrival_time (an abort's e2e)
-        self.prompt_tokens = 0  # the prompt's length in tokens, known once it is queued
+        self.prompt_tokens = prompt_tokens  # the prompt's length, known once it is queued
         self._owner = owner
 
     def __aiter__(self) -> "RequestStream":
@@ -158,8 +158,7 @@ class AsyncEngine:
             else:
                 request_id = self.engine.add_request(prompt, params, request_id,
                                                      handover=handover, origin=origin)
-            stream = RequestStream(self, request_id, loop)
-            stream.prompt_tokens = len(prompt.tokens)
+            stream = RequestStream(self, request_id, loop, len(prompt.tokens))
             if first is not None:
                 stream.queue.put_nowait(first)
             if first is None or not first.finished:

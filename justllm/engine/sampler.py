@@ -137,8 +137,9 @@ class RequestSampler:
         c = self.constraint
         if row.token is not None:
             token = row.token
-        elif p.greedy:
-            token = int(np.argmax(x)) if c is None else c.allowed_argmax(x)
+        elif p.greedy:  # (without a grammar, prepare took the argmax)
+            assert c is not None
+            token = c.allowed_argmax(x)
         elif c is not None and against is None:
             # Draw first and mask only if the grammar refuses the draw (llama.cpp's order):
             # masking is a pass of the grammar over all 262k tokens. Without truncation this is
@@ -275,7 +276,6 @@ class RequestSampler:
             ids = keep if ids is None else ids[keep]
             w = w[keep]
         return ids, w
-
 
     def _chain(self, x: np.ndarray, steps: tuple[str, ...]
                ) -> tuple[np.ndarray | None, np.ndarray]:

@@ -711,8 +711,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
-                                             tokenize, detokenize, props, apply_template, llama_completion,
-                                             chat_completions, responses],
+                                             tokenize, detokenize, props, apply_template,
+                                             llama_completion, chat_completions, responses],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,

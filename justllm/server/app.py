@@ -246,7 +246,8 @@ async def health(state: State) -> Response:
     return Response({"status": "ok", "role": state["config"].role}, status_code=200)
 
 
-@head(["/health", "/v1/health"], summary="/health's status without its body (uptime monitors send HEAD)",
+@head(["/health", "/v1/health"],
+      summary="/health's status without its body (uptime monitors send HEAD)",
       include_in_schema=False)
 async def health_head(state: State) -> None:
     if state.get("served") is None:  # Litestar's HEAD handlers return nothing: a 503 is raised

@@ -161,14 +161,25 @@ _OFF: dict[str, tuple[Any, str]] = {
 
 @dataclass(frozen=True)
 class _Plan:
-    """A checked request: its sampler steps (llama.cpp's order) and whether penalties and the
-    temperature apply at all."""
+    """A checked request: its sampler steps (llama.cpp's names, in its order), its stop
+    strings and its token limit (None: until the context is full)."""
 
-    chain: tuple[str, ...]
-    penalties: bool
-    tempered: bool
+    steps: tuple[str, ...]
     stop: tuple[str, ...]
     max_tokens: int | None
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The steps the sampler applies (the others are off at every value accepted)."""
+        return tuple(s for s in self.steps if s in CHAIN_SAMPLERS)
+
+    @property
+    def penalties(self) -> bool:
+        return "penalties" in self.steps
+
+    @property
+    def tempered(self) -> bool:
+        return "temperature" in self.steps
 
 
 def _steps(samplers: list[str] | str | None) -> list[str]:
@@ -223,9 +234,7 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     if penalised and "penalties" in steps and cuts and steps.index("penalties") > cuts[0]:
         raise InvalidRequestError("samplers: penalties after a cut are not offered (penalties "
                                   "come first here)", param="samplers")
-    plan = _Plan(chain=tuple(s for s in steps if s in CHAIN_SAMPLERS),
-                 penalties="penalties" in steps, tempered="temperature" in steps, stop=stop,
-                 max_tokens=None if n is None or n == -1 else n)
+    plan = _Plan(tuple(steps), stop, max_tokens=None if n is None or n == -1 else n)
     SamplingParams(**_sampling(req, plan, seed=None, logit_bias=()))  # the value checks
     return plan
 
@@ -329,7 +338,7 @@ def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Serve
         "max_tokens": -1 if plan.max_tokens is None else plan.max_tokens,
         "n_keep": req.n_keep, "n_discard": req.n_discard, "ignore_eos": req.ignore_eos,
         "stream": req.stream, "n_probs": _n_probs(req), "min_keep": req.min_keep,
-        "samplers": _steps(req.samplers), "stop": list(plan.stop),
+        "samplers": list(plan.steps), "stop": list(plan.stop),
         "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
         "model": served.model_id, "post_sampling_probs": False, "timings_per_token": False,
         "lora": [],

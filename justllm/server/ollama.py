@@ -41,7 +41,7 @@ from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
-from justllm.errors import EngineClosedError, InvalidRequestError
+from justllm.errors import InvalidRequestError
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import file_digest
 from justllm.models.store import quantization_name
@@ -67,7 +67,7 @@ from justllm.server.ollama_chat import (
     nanoseconds,
     tool_request,
 )
-from justllm.server.openai_serving import MAX_REQUEST_STOP, error_status, error_type
+from justllm.server.openai_serving import MAX_REQUEST_STOP
 from justllm.server.schemas import ChatCompletionRequest, ChatMessage, EmbeddingRequest, Tool
 from justllm.server.tools.answer import Timings
 
@@ -433,10 +433,7 @@ class _Job:
                 "eval_duration": nanoseconds(timings.generation_seconds)}
 
     def error(self, out: RequestOutput) -> Exception:
-        if not self.served.aengine.accepting:  # aborted by a shutdown: 503, retry later
-            return EngineClosedError(out.error or "the server is shutting down")
-        return APIError(error_status(out.error_code), out.error or "the request failed",
-                        type=error_type(out.error_code))
+        return self.served.completions.failure(out)
 
 
 def _logprob(served: Served, lp: TokenLogprob) -> dict:

@@ -250,7 +250,7 @@ class OpenAIServing:
                 for (prompt, params), r in zip(jobs, resumes)]
 
     def submit(self, prepared: list[PreparedRequest], rid: str | None = None,
-                origin: RequestOrigin | None = None) -> list[RequestStream]:
+               origin: RequestOrigin | None = None) -> list[RequestStream]:
         """Queue every choice, or none: if one is refused the others are aborted. ``rid``:
         the API's response id, which the engine's requests take (``RID`` for one choice,
         ``RID-0``, ``RID-1``... for several), so records and logs name what clients see;
@@ -269,7 +269,7 @@ class OpenAIServing:
         return streams
 
     async def merged(self, streams: list[RequestStream]
-                      ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all choices as they come, tagged with the choice index. Closing this
         iterator (client gone, task cancelled) aborts every unfinished choice."""
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
