@@ -110,6 +110,51 @@ def _log_to(sink: Callable[[int, str], None], verbose: bool = False) -> Iterator
         C.llama_log_set(_usual_log(verbose), ctypes.c_void_p(0))
 
 
+def _kept(lines: list[tuple[int, str]], verbose: bool) -> Callable[[int, str], None]:
+    """A log sink for :func:`_log_to` that keeps every line in ``lines`` (and, ``verbose``,
+    prints it as the usual sink would)."""
+    def sink(level: int, text: str) -> None:
+        lines.append((level, text))
+        if verbose:
+            os.write(2, text.encode())
+    return sink
+
+
+def _load_failure(path: str, lines: list[tuple[int, str]]) -> str:
+    """One line for a model llama.cpp would not load, with its reason (:func:`_load_reason`)
+    or "corrupt or unsupported GGUF" when it gave none."""
+    reason = _load_reason(lines)
+    if reason is None:
+        return f"llama.cpp could not load {path} (corrupt or unsupported GGUF)"
+    return f"llama.cpp could not load {path}: {reason}"
+
+
+def _load_reason(lines: list[tuple[int, str]]) -> str | None:
+    """Why llama.cpp failed a model's load (a tensor of the wrong shape, a missing tensor, an
+    unknown architecture), from its log: it only logs the reason."""
+    reasons = [t.split("error loading model:", 1)[1] for level, t in lines
+               if level == 4 and "error loading model:" in t]
+    return re.sub(r"\s+", " ", reasons[0]).strip() if reasons else None
+
+
+def load_problem(path: str) -> str | None:
+    """Why llama.cpp would not load the model at ``path`` (None: it loads): it is loaded on the
+    CPU, its tensors created against its metadata (each one's shape checked, none missing)
+    and memory-mapped, not read, then freed. (``no_alloc`` would skip the mapping too, but
+    llama.cpp asserts against it in the load that follows the tensors' checks.) Same thread
+    rule as :func:`_log_to`."""
+    C.llama_backend_init()
+    mparams = C.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    lines: list[tuple[int, str]] = []
+    with _log_to(_kept(lines, False)):
+        model = C.llama_model_load_from_file(path.encode(), mparams)
+    if not model:
+        return _load_reason(lines) or "corrupt or unsupported GGUF"
+    C.llama_model_free(model)
+    return None
+
+
 def _errors_of(lines: list[tuple[int, str]]) -> str:
     """The last error llama.cpp logged, on one line, without its function-name prefix."""
     errors = [t.strip() for level, t in lines if level == 4 and t.strip()]
@@ -380,8 +425,10 @@ class LlamaBackend:
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = -1 if config.gpu else 0
+        lines: list[tuple[int, str]] = []
         try:
-            with _ctrl_c_held() as interrupted:
+            with _ctrl_c_held() as interrupted, _log_to(_kept(lines, config.verbose),
+                                                          config.verbose):
                 mparams.progress_callback = progress = _progress(interrupted)
                 self._model = C.llama_model_load_from_file(config.model_path.encode(), mparams)
                 del progress
@@ -389,8 +436,7 @@ class LlamaBackend:
             self.close()
             raise
         if not self._model:
-            raise ModelLoadError(
-                f"llama.cpp could not load {config.model_path} (corrupt or unsupported GGUF)")
+            raise ModelLoadError(_load_failure(config.model_path, lines))
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self._eog_ids: np.ndarray | None = None

@@ -119,6 +119,7 @@ class ConvertJob:
         return args
 
     def _convert(self, out: Path, report: Progress) -> None:
+        from justllm.engine.backend import load_problem
         from justllm.models.gguf import read_gguf_header
 
         cmd = [sys.executable, "-m", "justllm.models.converter_process", str(os.getpid()),
@@ -143,6 +144,13 @@ class ConvertJob:
             raise ModelLoadError(f"llama.cpp's converter wrote no {out.name} (its log: "
                                  f"{self.log_path})")
         read_gguf_header(out, adapter=self.makes_adapter)
+        if not self.makes_adapter:
+            # The converter writes the tensors it finds beside the config's sizes without
+            # checking that they fit: a model llama.cpp refuses must not be registered.
+            problem = load_problem(str(out))
+            if problem is not None:
+                raise ModelLoadError(f"the converted model does not load in llama.cpp: "
+                                     f"{problem} (does config.json fit the weights?)")
 
     makes_adapter = False  # the output is a LoRA adapter (convert_lora.LoraConvertJob)
 

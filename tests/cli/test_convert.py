@@ -187,6 +187,43 @@ def test_a_model_without_tokenizer_is_one_line(tiny: Path, models: Path, tmp_pat
     assert not models.exists()
 
 
+def test_weights_that_do_not_fit_the_config_are_refused_not_registered(
+        tiny: Path, models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """llama.cpp's converter writes the tensors beside the config's sizes without checking
+    them; the result is loaded before it is registered, and llama.cpp's reason is the error
+    (a model registered here would fail every later ``run`` and ``serve``). Then such a file
+    registered anyway (the check switched off): loading it gives the same reason on one line
+    instead of llama.cpp's log lines and a guess."""
+    src = tmp_path / "misfit"
+    src.mkdir()
+    for p in tiny.iterdir():
+        if p.is_file():
+            (src / p.name).write_bytes(p.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config["intermediate_size"] = 96  # the weights' is 128
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out" / "misfit.gguf"
+    out.parent.mkdir()
+    args = ["convert", str(src), "--outtype", "f16", "-o", str(out), "--name", "misfit:1"]
+    reason = ("check_tensor_dims: tensor 'blk.0.ffn_gate.weight' has wrong shape; expected "
+              "64, 96, got 64, 128, 1, 1")
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    *progress, line = r.stderr.strip().splitlines()  # its progress line, then the error
+    assert progress[0].startswith(f"converting {src} ") and "error" not in "".join(progress)
+    assert line == (f"error: the converted model does not load in llama.cpp: {reason} (does "
+                    "config.json fit the weights?)")
+    assert not out.exists() and leftovers(out.parent, models) == []
+    assert Registry(models).find("misfit:1") is None
+    monkeypatch.setattr("justllm.engine.backend.load_problem", lambda path: None)
+    assert runner.invoke(app, args).exit_code == 0
+    capfd.readouterr()
+    line = error_line(runner.invoke(app, ["run", "misfit:1", "hello"]))
+    assert line == f"error: llama.cpp could not load {out}: {reason}"
+    assert "llama_model_load" not in capfd.readouterr().err  # llama.cpp's own lines kept back
+
+
 def test_without_the_convert_extra_one_line_names_it(tiny: Path, tmp_path: Path) -> None:
     """The extra's absence simulated in a child process: ``sys.modules[name] = None`` makes an
     import of ``name`` fail, as when it is not installed."""
