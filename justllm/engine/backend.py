@@ -146,6 +146,7 @@ def load_problem(path: str) -> str | None:
     C.llama_backend_init()
     mparams = C.llama_model_default_params()
     mparams.n_gpu_layers = 0
+    mparams.use_extra_bufts = False  # no repacked copies of the weights (they read them)
     lines: list[tuple[int, str]] = []
     with _log_to(_kept(lines, False)):
         model = C.llama_model_load_from_file(path.encode(), mparams)
