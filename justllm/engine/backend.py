@@ -785,7 +785,7 @@ class LlamaBackend:
         for the call, from whichever thread (the engine thread's log lines in that moment
         are not printed: a small loss next to a client's reason)."""
         lines: list[tuple[int, str]] = []
-        with _log_to(lambda level, text: lines.append((level, text)), self.config.verbose):
+        with _log_to(_kept(lines, False), self.config.verbose):
             smpl = C.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
         if smpl:
             C.llama_sampler_free(smpl)
@@ -801,7 +801,7 @@ class LlamaBackend:
         abort the process). llama.cpp refuses one made for another model (architecture,
         tensor names or shapes): a ModelLoadError with its reason."""
         lines: list[tuple[int, str]] = []
-        with _log_to(lambda level, text: lines.append((level, text)), self.config.verbose):
+        with _log_to(_kept(lines, False), self.config.verbose):
             handle = C.llama_adapter_lora_init(self._model, path.encode())
         if not handle:
             reason = _errors_of(lines).removeprefix("failed to apply lora adapter: ")

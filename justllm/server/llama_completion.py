@@ -124,6 +124,8 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     lora: list[dict[str, Any]] | None = None
 
 
+_ONE_COMPLETION = (lambda v: v == 1, "one completion per prompt (send the prompt again, or "
+                                     "use /v1/completions' n)")
 # field -> (is the value off?, why a value that is not is refused)
 _OFF: dict[str, tuple[Any, str]] = {
     "typical_p": (lambda v: v >= 1.0, "locally typical sampling is not offered (1.0: off)"),
@@ -136,10 +138,8 @@ _OFF: dict[str, tuple[Any, str]] = {
     "post_sampling_probs": (lambda v: not v, "n_probs are the model's probabilities before "
                                              "sampling here (false)"),
     "cache_prompt": (lambda v: v, "every prompt goes through the prefix cache here (true)"),
-    "n_cmpl": (lambda v: v == 1, "one completion per prompt (send the prompt again, or use "
-                                 "/v1/completions' n)"),
-    "n": (lambda v: v == 1, "one completion per prompt (send the prompt again, or use "
-                            "/v1/completions' n)"),
+    "n_cmpl": _ONE_COMPLETION,
+    "n": _ONE_COMPLETION,  # (llama-server's other name for n_cmpl)
     "adaptive_target": (lambda v: v < 0.0, "adaptive-p sampling is not offered (-1: off)"),
     "verbose": (lambda v: not v, "the debug fields are not offered (false)"),
     "backend_sampling": (lambda v: not v, "sampling in the decode graph is not offered here "

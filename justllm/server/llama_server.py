@@ -3,7 +3,8 @@
 - ``GET /props``: what the server is and does by default (llama-server's fields that have a
   meaning here: the context a request may fill, the sampling a ``/completion`` request that
   sets nothing gets, the slots (``--max-seqs``), the model's name, path and chat template,
-  BOS and EOS, the build). Clients read ``default_generation_settings.n_ctx`` and ``chat_template`` from it.
+  BOS and EOS, the build). Clients read ``default_generation_settings.n_ctx`` and
+  ``chat_template`` from it.
   Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``.
