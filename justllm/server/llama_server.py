@@ -7,7 +7,9 @@
   ``chat_template`` from it.
   Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
-  ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``.
+  ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``;
+  a conversation that ends with an assistant message ends inside it, as llama-server prefills
+  it (``continue_final_message`` without asking; the chat route keeps vLLM's new turn).
 - ``POST /completion``: llama-server's native completion (server/llama_completion.py).
 - ``/chat/completions``, ``/responses`` and ``/v1/health``: llama-server serves its OpenAI
   routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
@@ -25,6 +27,7 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from justllm import build_info
+from justllm.errors import InvalidRequestError
 from justllm.server.app import _served, chat_completions, decode_request, require_api_key
 from justllm.server.llama_completion import DEFAULT_SAMPLERS
 from justllm.server.openai_serving import check_chat_request, text_size
@@ -82,6 +85,7 @@ def check_apply_template(chat: ChatCompletionRequest) -> tuple[ChatCompletionReq
     Returns the request to render and whether the assistant's opening ends the prompt:
     ``add_generation_prompt: false`` alone is the conversation as it stands (as /tokenize
     reads it), where the chat route takes it only with ``continue_final_message``."""
+    chat = prefill_assistant(chat)
     alone = chat.add_generation_prompt is False and not chat.continue_final_message
     if alone:
         chat = msgspec.structs.replace(chat, add_generation_prompt=None)
@@ -89,6 +93,24 @@ def check_apply_template(chat: ChatCompletionRequest) -> tuple[ChatCompletionReq
     check_tool_messages(chat.messages)
     tool_plan(chat)
     return chat, not alone
+
+
+def prefill_assistant(chat: ChatCompletionRequest) -> ChatCompletionRequest:
+    """llama-server's assistant prefill (on unless it runs with ``--no-prefill-assistant``): a
+    conversation that ends with an assistant message is continued, as if it had asked for
+    ``continue_final_message`` (its ``add_generation_prompt`` then false, whatever was sent);
+    two assistant messages at the end, or one with tool calls, cannot be."""
+    messages = chat.messages
+    if chat.continue_final_message or not messages or messages[-1].role != "assistant":
+        return chat
+    if len(messages) > 1 and messages[-2].role == "assistant":
+        raise InvalidRequestError("the conversation ends with two assistant messages: the last "
+                                  "one is continued, so it must follow another role",
+                                  param="messages")
+    if messages[-1].tool_calls:
+        raise InvalidRequestError("the last message is an assistant message with tool calls, "
+                                  "which cannot be continued", param="messages")
+    return msgspec.structs.replace(chat, continue_final_message=True, add_generation_prompt=False)
 
 
 def router_props() -> dict[str, Any]:

@@ -68,8 +68,27 @@ def test_apply_template_is_the_prompt_the_chat_route_tokenizes(server, extra):
     assert closed.json()["prompt"] == prompt.removesuffix("<start_of_turn>model\n")
 
 
+def test_a_last_assistant_message_is_continued_as_llama_server_prefills_it(server):
+    begun = [*HELLO, {"role": "assistant", "content": "It is"}]
+    prompt = post(server, "/apply-template", {"messages": begun}).json()["prompt"]
+    assert prompt.endswith("<start_of_turn>model\nIt is"), prompt
+    # what asking for it renders; add_generation_prompt: true cannot open a turn after it
+    asked = {"messages": begun, "continue_final_message": True, "add_generation_prompt": False}
+    assert post(server, "/apply-template", asked).json()["prompt"] == prompt
+    opened = post(server, "/apply-template", {"messages": begun, "add_generation_prompt": True})
+    assert opened.json()["prompt"] == prompt
+    # the chat route keeps vLLM's meaning: a new turn after the assistant's message
+    chat = detokenized(server, tokenize(server, messages=begun)["tokens"])
+    assert chat.endswith("It is<end_of_turn>\n<start_of_turn>model\n"), chat
+
+
 @pytest.mark.parametrize("body,param", [
     ({}, "messages"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "It"},
+                   {"role": "assistant", "content": "is"}]}, "messages"),
+    ({"messages": [*HELLO, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{}"}}]}]}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": HELLO, "chat_template_kwargs": {"add_generation_prompt": False}},
      "chat_template_kwargs"),
