@@ -2,7 +2,8 @@
 llama.cpp backend, llama.cpp's own examples, scripts that read ``content``).
 
 Its body and answer are llama-server's, not OpenAI's: ``prompt`` as a string, token ids,
-mixed strings and ids, or several of those (an array of answers); ``n_predict`` (-1: until
+mixed strings and ids, ``{"prompt_string"}``, or several of those (an array of answers; an
+empty string is BOS alone); ``n_predict`` (-1: until
 the context is full or the model ends); llama.cpp's sampling defaults (temperature 0.8, top_k
 40, top_p 0.95, min_p 0.05) applied in **llama.cpp's order** -- top_k, top_p and min_p cut the
 untempered distribution and the temperature comes last, or the order ``samplers`` gives --
@@ -251,7 +252,7 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         # temperature <= 0 keeps the best token alone (greedy); without the temperature step
         # the distribution is the model's own (1).
         temperature=max(req.temperature, 0.0) if plan.tempered else 1.0,
-        top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
+        top_k=max(req.top_k, 0), top_p=_top_p(req.top_p), min_p=req.min_p,
         repeat_penalty=req.repeat_penalty if penalties else 1.0,
         # -1: the whole context (every token of the request, as vLLM's rule counts them)
         repeat_last_n=2**31 - 1 if req.repeat_last_n == -1 else req.repeat_last_n,
@@ -259,6 +260,17 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         frequency_penalty=req.frequency_penalty if penalties else 0.0,
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
         logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain)
+
+
+# llama.cpp's nucleus keeps at least one token, so its top_p <= 0 keeps the best alone: a
+# nucleus this small does the same (the best token's probability is at least 1/vocabulary).
+_BEST_ALONE = 1e-12
+
+
+def _top_p(top_p: float) -> float:
+    """llama.cpp's top_p as the sampler takes it: 1 and above is off, 0 and below keeps the
+    best token alone (llama-server takes any number)."""
+    return min(top_p, 1.0) if top_p > 0.0 else _BEST_ALONE
 
 
 def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
@@ -294,10 +306,15 @@ def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
 
 def _prompts(value: object, aengine: AsyncEngine) -> list[str | list[int]]:
     """llama-server's prompt forms: a string, token ids, strings and ids mixed (the first
-    string's tokens start with BOS, as its tokenize_mixed does), or an array of those."""
+    string's tokens start with BOS, as its tokenize_mixed does), ``{"prompt_string": one of
+    those}`` (its multimodal form, without ``multimodal_data`` here), or an array of those.
+    An empty string is its BOS alone, as llama-server reads it (the model writes from the
+    start of a document)."""
     def one(p: object) -> str | list[int]:
+        if isinstance(p, dict):
+            return one(_prompt_string(p))
         if isinstance(p, str):
-            return p
+            return p or aengine.tokenize("")
         if isinstance(p, list) and p and all(isinstance(x, (int, str)) and not isinstance(
                 x, bool) for x in p):
             if all(isinstance(x, int) for x in p):
@@ -306,16 +323,34 @@ def _prompts(value: object, aengine: AsyncEngine) -> list[str | list[int]]:
             for i, x in enumerate(p):
                 tokens += ([x] if isinstance(x, int) else aengine.tokenize(x, add_special=i == 0))
             return tokens
-        raise InvalidRequestError("a prompt is a string, token ids, or strings and token ids "
-                                  "mixed", param="prompt")
+        raise InvalidRequestError("a prompt is a string, token ids, strings and token ids "
+                                  "mixed, or {\"prompt_string\": one of those}", param="prompt")
 
-    single = isinstance(value, str) or (isinstance(value, list) and any(
+    single = isinstance(value, str | dict) or (isinstance(value, list) and any(
         isinstance(x, int) and not isinstance(x, bool) for x in value))
     items = [value] if single else value
     if not isinstance(items, list) or not items:
         raise InvalidRequestError("prompt must be a string, token ids, or an array of "
                                   "prompts", param="prompt")
     return [one(p) for p in items]
+
+
+def _prompt_string(p: dict[str, Any]) -> object:
+    """The prompt of llama-server's object form; its images and sounds (``multimodal_data``)
+    need a multimodal projector, which justllm does not load, and no other key is read."""
+    if "multimodal_data" in p:
+        raise InvalidRequestError("multimodal_data: this server runs text models only (no "
+                                  "multimodal projector)", param="prompt.multimodal_data")
+    other = sorted(set(p) - {"prompt_string"})
+    if other:
+        raise InvalidRequestError(f"prompt.{other[0]}: not a field of a prompt object (it "
+                                  "has prompt_string)", param=f"prompt.{other[0]}")
+    if "prompt_string" not in p:
+        raise InvalidRequestError("a prompt object needs prompt_string", param="prompt")
+    if isinstance(p["prompt_string"], dict):
+        raise InvalidRequestError("prompt.prompt_string: a string, token ids, or both mixed",
+                                  param="prompt.prompt_string")
+    return p["prompt_string"]
 
 
 def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Served

@@ -92,8 +92,24 @@ def test_prompt_forms(server):
                     temperature=0)
     assert isinstance(many, list) and [a["index"] for a in many] == [0, 1, 2]
     assert many[0]["content"] == many[2]["content"] == text
-    assert refused(server, "prompt", prompt=[{"x": 1}])
-    assert refused(server, "prompt", prompt="")
+    # llama-server's object form (its multimodal one), alone or in an array
+    for prompt in ({"prompt_string": PROMPT}, {"prompt_string": [ids[0], PROMPT]}):
+        got = complete(server, prompt=prompt, n_predict=4, temperature=0)
+        assert (got["content"], got["tokens_evaluated"]) == (text, len(ids)), prompt
+    pair = complete(server, prompt=[{"prompt_string": PROMPT}, PROMPT], n_predict=4,
+                    temperature=0)
+    assert [a["content"] for a in pair] == [text, text]
+    assert "multimodal" in refused(server, "prompt.multimodal_data", prompt={
+        "prompt_string": PROMPT, "multimodal_data": ["aGk="]})
+    assert refused(server, "prompt.x", prompt=[{"x": 1}])
+    assert refused(server, "prompt", prompt={})
+    assert refused(server, "prompt.prompt_string", prompt={"prompt_string": {"prompt_string": "a"}})
+    assert refused(server, "prompt", prompt=[{"prompt_string": True}])
+    # an empty string is BOS alone, as llama-server reads it: the model starts a document
+    empty = complete(server, prompt="", n_predict=4, temperature=0)
+    assert (empty["tokens_evaluated"], empty["prompt"]) == (1, "<bos>")
+    assert empty["content"] == complete(server, prompt=[ids[0]], n_predict=4,
+                                        temperature=0)["content"] != ""
 
 
 def test_a_stream_is_llama_servers_events(server):
@@ -128,6 +144,13 @@ def test_llama_cpps_order_cuts_before_it_tempers(server):
     greedy = complete(server, n_predict=8, temperature=0)["content"]
     assert complete(server, n_predict=8, temperature=5, top_k=1, seed=4,
                     samplers=["temperature", "top_k"])["content"] == greedy
+    # llama.cpp's top_p: 0 and below keeps the best token alone, 1 and above is off
+    for top_p in (0, -1):
+        assert complete(server, n_predict=8, temperature=5, top_k=0, top_p=top_p, seed=4)[
+            "content"] == greedy
+    wide = {"n_predict": 8, "temperature": 1.5, "top_k": 0, "min_p": 0, "seed": 5}
+    assert complete(server, **wide, top_p=1.5)["content"] == complete(server, **wide, top_p=1)[
+        "content"] != greedy
     # llama.cpp's other spellings of the names
     assert complete(server, n_predict=2, samplers=["Top-K", "topp", "nucleus", "temp"])[
         "generation_settings"]["samplers"] == ["top_k", "top_p", "top_p", "temperature"]
