@@ -14,7 +14,10 @@ MAX_STOP = 32  # stop strings per request (a chat template's own included)
 MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LORA_SCALE = 100.0  # |scale| of one adapter: beyond it nothing but noise comes out
-CHAIN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature")  # the steps ``samplers`` orders
+# the steps ``samplers`` orders ("infill": llama.cpp's sampler for fill-in-the-middle)
+CHAIN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature", "infill")
+# The infill step compares every pair of the candidates it gets: a top-k before it bounds them.
+MAX_INFILL_CANDIDATES = 256
 MAX_SAMPLERS = 32
 
 
@@ -95,10 +98,10 @@ class SamplingParams:
         _check(all(_is_num(s) and abs(s) <= MAX_LORA_SCALE for _, s in self.lora),
                f"lora scales must be numbers in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]",
                "lora")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and (
-            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None))),
-               "max_tokens must be an integer >= 1 (0 only with the prompt's logprobs: the "
-               "prompt scored, nothing generated)", "max_tokens")
+        # 0: the prompt computed (into the prefix cache; scored with prompt_logprobs), nothing
+        # generated. The OpenAI routes take it only with the prompt's logprobs.
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+               "max_tokens must be an integer >= 0", "max_tokens")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature must be a number in [0, 100]", "temperature")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")
@@ -158,6 +161,13 @@ class SamplingParams:
                    and all(s in CHAIN_SAMPLERS for s in self.samplers),
                    f"samplers: at most {MAX_SAMPLERS} of {', '.join(CHAIN_SAMPLERS)}",
                    "samplers")
+            if "infill" in self.samplers:
+                before = self.samplers[:self.samplers.index("infill")]
+                _check("top_k" in before and _is_int(self.top_k)
+                       and 1 <= self.top_k <= MAX_INFILL_CANDIDATES,
+                       f"samplers: infill needs a top_k step before it, with top_k in [1, "
+                       f"{MAX_INFILL_CANDIDATES}] (it compares every pair of candidates)",
+                       "samplers")
         _check(_is_int(self.priority) and abs(self.priority) < 2**63,
                "priority must be an integer", "priority")
 

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from justllm.core.fim import FimTokens
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import (
@@ -238,6 +239,14 @@ class AsyncEngine:
     def eog_ids(self) -> list[int]:
         """The end-of-generation tokens (llama.cpp's set; the first call asks every id)."""
         return [int(t) for t in self.engine.backend.eog_ids()]
+
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens (``FimTokens.missing``: what it lacks)."""
+        return self.engine.backend.fim_tokens()
+
+    def bos_added(self) -> int | None:
+        """The BOS token if the model's prompts start with one."""
+        return self.engine.backend.adds_bos()
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` (special tokens as their text); 400 for an id outside the

@@ -28,6 +28,7 @@ from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
 from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.config import usable_cpus
+from justllm.core.fim import FimTokens
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
 from justllm.errors import (
     EngineError,
@@ -740,6 +741,30 @@ class LlamaBackend:
         """An end-of-generation token (llama.cpp's set: EOS, EOT and the like). Asked per
         sampled token: a scan of the whole vocabulary at start cost 0.2-0.3 s."""
         return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens, as llama.cpp reads them from the GGUF (or
+        finds them by their text in the vocabulary)."""
+        v = self._vocab
+
+        def token(fn: Callable[[Any], int]) -> int | None:
+            t = int(fn(v))
+            return t if t >= 0 else None
+
+        return FimTokens(token(C.llama_vocab_fim_pre), token(C.llama_vocab_fim_suf),
+                         token(C.llama_vocab_fim_mid), token(C.llama_vocab_fim_rep),
+                         token(C.llama_vocab_fim_sep))
+
+    def end_of_turn(self) -> int:
+        """The token an infill draw ends with when nothing else is likely (llama.cpp's: EOT,
+        else EOS)."""
+        eot = int(C.llama_vocab_eot(self._vocab))
+        return eot if eot >= 0 else int(C.llama_vocab_eos(self._vocab))
+
+    def adds_bos(self) -> int | None:
+        """The BOS token if the model's prompts start with one, else None."""
+        bos = int(C.llama_vocab_bos(self._vocab))
+        return bos if bos >= 0 and C.llama_vocab_get_add_bos(self._vocab) else None
 
     def special_text(self, which: str) -> str:
         """The text of the BOS or EOS token ("bos" / "eos"), for chat templates."""

@@ -34,7 +34,7 @@ from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
 from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, worth_a_worker
 from justllm.engine.runner import Runner
-from justllm.engine.sampler import RequestSampler, SampledToken, token_logprob
+from justllm.engine.sampler import InfillVocab, RequestSampler, SampledToken, token_logprob
 from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
@@ -293,7 +293,11 @@ class Engine:
         if params.min_tokens:
             ends = np.union1d(self.backend.eog_ids(),
                               np.asarray(params.stop_token_ids, dtype=np.int64))
-        sampler = RequestSampler(params, seed, constraint, ends)
+        infill = None
+        if "infill" in (params.samplers or ()):
+            b = self.backend
+            infill = InfillVocab(b.token_to_piece, b.is_eog, b.end_of_turn())
+        sampler = RequestSampler(params, seed, constraint, ends, infill)
         if resume is not None:
             self._check_resume(resume, sampler)
         return PreparedRequest(prompt, tokens, params, sampler, resume)

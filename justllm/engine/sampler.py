@@ -27,6 +27,7 @@ on how a partition happened to order its output.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,14 +79,28 @@ class Constraint(Protocol):
     def accept(self, token: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class InfillVocab:
+    """What the infill step (:func:`infill_keep`) reads of the vocabulary: a token's text
+    (control tokens as nothing), whether it ends generation, and the token to end with."""
+
+    piece: Callable[[int], bytes]
+    is_eog: Callable[[int], bool]
+    end: int
+
+
 class RequestSampler:
     """Sampling state of one request: its random generator, parameters and constraint."""
 
     def __init__(self, params: SamplingParams, seed: int,
                  constraint: Constraint | None = None,
-                 end_tokens: np.ndarray | None = None) -> None:
+                 end_tokens: np.ndarray | None = None,
+                 infill: InfillVocab | None = None) -> None:
         """``end_tokens``: what ``min_tokens`` masks out until that many tokens are out (the
-        end-of-generation tokens and the request's stop tokens)."""
+        end-of-generation tokens and the request's stop tokens); ``infill``: the vocabulary,
+        for a chain with the infill step."""
+        assert infill is not None or "infill" not in (params.samplers or ())
+        self._infill = infill
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
@@ -300,10 +315,56 @@ class RequestSampler:
                                  exact=True)
                 assert found is not None  # with nothing left out, the nucleus is within x
                 keep = found.members(found.first)
+            elif step == "infill":
+                assert self._infill is not None
+                keep = infill_keep(x * np.float32(scale),
+                                   np.arange(x.size) if ids is None else ids, self._infill)
+                if keep is None:  # nothing but the end is likely
+                    return np.array([self._infill.end]), np.ones(1, dtype=np.float32)
             if keep is not None:
                 ids = keep if ids is None else ids[keep]
                 x = x[keep]
         return ids, _weights(x, float(x.max()), 1.0 / scale)
+
+
+# What a text token needs (its own weight and the weight of the tokens merged into it) to stay
+# a candidate of the infill step; llama.cpp's threshold.
+_INFILL_KEEP = 0.2
+
+
+def infill_keep(z: np.ndarray, ids: np.ndarray, vocab: InfillVocab) -> np.ndarray | None:
+    """llama.cpp's infill sampler (for fill-in-the-middle, after top-k): which of the
+    candidates (tempered logits ``z`` of tokens ``ids``) stay, as positions in ``z``, or None
+    when only the end is left. If the end-of-generation tokens are likely enough (three times
+    their probability times the candidates outweighs the text's), only they stay. Else a
+    token whose text begins another's takes the other's probability, or gives its own if the
+    other is likelier (in order of probability, as llama.cpp merges them), and text tokens
+    left under 0.2 go. The draw then weighs what stays by its own logit, as llama.cpp's does."""
+    order = np.lexsort((ids, -z))  # most probable first (ties by id)
+    p = np.exp(z[order].astype(np.float64) - float(z.max()))
+    p /= p.sum()
+    eog = [vocab.is_eog(int(ids[i])) for i in order]
+    p_eog = float(sum(q for q, e in zip(p, eog) if e))
+    if 3.0 * p_eog * len(order) > float(p.sum()) - p_eog:
+        return np.sort(order[np.flatnonzero(eog)])
+    pieces = [vocab.piece(int(ids[i])) for i in order]
+    gone = [False] * len(order)
+    for a, head in enumerate(pieces):
+        if not head:
+            continue
+        for b, other in enumerate(pieces):
+            if gone[a]:
+                break
+            if a == b or gone[b] or not other.startswith(head):
+                continue
+            dst, src = (b, a) if p[b] > p[a] else (a, b)
+            p[dst] += p[src]
+            p[src] = 0.0
+            gone[src] = True
+    kept = [k for k in range(len(order)) if not gone[k] and (eog[k] or p[k] >= _INFILL_KEEP)]
+    if all(eog[k] for k in kept):
+        return None
+    return np.sort(order[kept])
 
 
 def top_candidates(x: np.ndarray, k: int) -> np.ndarray:

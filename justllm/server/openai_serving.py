@@ -183,6 +183,7 @@ class OpenAIServing:
                 prompt_logprobs: int | None = None) -> SamplingParams:
         if not 1 <= req.n <= self.limits.max_n:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
+        _check_generates(max_tokens, prompt_logprobs)
         seed = (req.seed + n_index) % 2**64 if req.seed is not None else None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > MAX_REQUEST_STOP:
@@ -212,10 +213,12 @@ class OpenAIServing:
         OpenAIServing._repeat(req)
         structured_grammar(None, req)
         max_tokens = getattr(req, "max_completion_tokens", None)
-        SamplingParams(max_tokens=req.max_tokens if max_tokens is None else max_tokens,
-                       min_tokens=req.min_tokens or 0,
-                       prompt_logprobs=prompt_logprobs_of(req)
-                       if isinstance(req, CompletionRequest) else None)
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        prompt_logprobs = prompt_logprobs_of(req) if isinstance(req, CompletionRequest) else None
+        _check_generates(max_tokens, prompt_logprobs)
+        SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
+                       prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _repeat(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -268,11 +271,15 @@ class OpenAIServing:
             raise
         return streams
 
-    async def merged(self, streams: list[RequestStream]
+    async def merged(self, streams: list[RequestStream], stopped: set[int] | None = None
                      ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all choices as they come, tagged with the choice index. Closing this
-        iterator (client gone, task cancelled) aborts every unfinished choice."""
+        iterator (client gone, task cancelled) aborts every unfinished choice. ``stopped``:
+        the choices the caller ended itself (it aborts their streams and adds them here, as
+        they come), which count as finished by their length."""
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        stopped = set() if stopped is None else stopped
+        last: dict[int, RequestOutput] = {}
 
         async def pump(i: int, s: RequestStream) -> None:
             async for out in s:
@@ -287,7 +294,11 @@ class OpenAIServing:
                     ended.add(i)
                     self.metrics.observe_finished(out.metrics, out.finish_reason,
                                                   bool(out.error))
+                last[i] = out
                 yield i, out
+                for j in stopped - ended:
+                    ended.add(j)
+                    self.metrics.observe_finished(last[j].metrics, "length", False)
         finally:
             for t in tasks:
                 t.cancel()
@@ -955,6 +966,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                                       param="logit_bias")
         out[int(key)] = value
     return out
+
+
+def _check_generates(max_tokens: int | None, prompt_logprobs: int | None) -> None:
+    """OpenAI's routes generate at least one token, but for the echo idiom (the prompt
+    scored for its logprobs, ``max_tokens`` 0)."""
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise InvalidRequestError("max_tokens must be an integer >= 1 (0 only with the "
+                                  "prompt's logprobs: the prompt scored, nothing generated)",
+                                  param="max_tokens")
 
 
 def prompt_logprobs_of(req: CompletionRequest) -> int | None:

@@ -5,7 +5,6 @@ from justllm.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"max_tokens": 0}, "max_tokens"),  # (0 only with prompt_logprobs)
     ({"max_tokens": -5}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -52,7 +51,17 @@ def test_a_negative_seed_is_a_64_bit_seed_like_any_other():
     assert SamplingParams(seed=5).seed == 5
 
 
-def test_max_tokens_0_only_scores_a_prompt_for_its_logprobs():
+def test_max_tokens_0_computes_the_prompt_alone():
+    """(the prompt scored for its logprobs, or only cached: llama-server's n_predict 0; the
+    OpenAI routes take it only with the prompt's logprobs, tests/server/test_prompt_logprobs)"""
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
-    with pytest.raises(InvalidRequestError, match="0 only with the prompt's logprobs"):
-        SamplingParams(max_tokens=0)
+    assert SamplingParams(max_tokens=0).max_tokens == 0
+
+
+def test_the_infill_step_needs_a_bounded_top_k_before_it():
+    ok = SamplingParams(top_k=40, samplers=("top_k", "top_p", "infill"))
+    assert ok.samplers == ("top_k", "top_p", "infill")
+    for kw in ({"top_k": 40, "samplers": ("infill", "top_k")}, {"samplers": ("top_k", "infill")},
+               {"top_k": 257, "samplers": ("top_k", "infill")}):
+        with pytest.raises(InvalidRequestError, match="infill needs a top_k step before it"):
+            SamplingParams(**kw)

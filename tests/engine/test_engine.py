@@ -180,7 +180,7 @@ def test_bad_requests_fail_alone_and_others_keep_going(engine):
     with pytest.raises(InvalidRequestError):
         engine.add_request("word " * (engine.max_request_tokens + 10), SamplingParams())
     with pytest.raises(InvalidRequestError):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(InvalidRequestError):
         engine.add_request("x", SamplingParams(), request_id=good)
     tokens = []
@@ -319,6 +319,25 @@ def test_a_prompt_only_scored_draws_nothing(engine):
     assert out.finished and out.finish_reason == "length" and out.token_ids == []
     assert out.text == "" and len(out.prompt_logprobs) == len(engine.tokenize("One, two, three"))
     assert out.metrics.num_generated_tokens == 0
+    assert_idle_and_free(engine)
+
+
+def test_a_prompt_only_computed_warms_the_cache(engine):
+    """max_tokens 0 alone (llama-server's n_predict 0): the prompt computed into the prefix
+    cache, nothing drawn; the same prompt then starts from the cache."""
+    prompt = "A warm cache is a fast cache, said the engine to the scheduler"
+    first = engine.add_request(prompt, SamplingParams(max_tokens=0))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == first]
+    (out,) = outs
+    assert out.finished and out.finish_reason == "length" and out.token_ids == []
+    assert (out.metrics.num_generated_tokens, out.metrics.num_cached_tokens) == (0, 0)
+    again = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0))
+    last = None
+    while engine.has_unfinished():
+        last = next((o for o in engine.step() if o.request_id == again), last)
+    assert last is not None and last.metrics.num_cached_tokens >= len(engine.tokenize(prompt)) - 16
     assert_idle_and_free(engine)
 
 

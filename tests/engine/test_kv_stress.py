@@ -55,6 +55,8 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
     if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
         params = replace(params, prompt_logprobs=i % 3,  # some only scored, nothing drawn
                          max_tokens=0 if i % 8 == 1 else params.max_tokens)
+    elif i % 8 == 6:  # only computed, into the cache (llama-server's n_predict 0 warm-up)
+        params = replace(params, max_tokens=0)
     mode = rng.random()
     outs = []
 

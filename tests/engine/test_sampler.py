@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.sampler import RequestSampler, apply_penalties, with_logprobs
+from justllm.engine.sampler import (
+    InfillVocab,
+    RequestSampler,
+    apply_penalties,
+    infill_keep,
+    with_logprobs,
+)
 
 
 def logits_from_probs(p):
@@ -414,3 +420,53 @@ def test_llama_cpps_order_on_a_large_vocabulary_is_seeded_and_greedy_at_zero():
     assert set(draw(greedy, x, 5)) == {int(np.argmax(x))}
     with pytest.raises(Exception, match="samplers"):
         SamplingParams(samplers=("top_k", "mirostat"))
+
+
+# ---- llama.cpp's infill step -----------------------------------------------------------------
+
+PIECES = {0: b"", 1: b"re", 2: b"return", 3: b"ret", 4: b"x", 5: b"y", 6: b"z", 7: b"a",
+          8: b"b", 9: b"c"}
+INFILL = InfillVocab(piece=PIECES.__getitem__, is_eog=lambda t: t == 0, end=0)
+
+
+def kept(probs: dict[int, float]) -> list[int] | None:
+    """The ids the infill step keeps of candidates with these probabilities (None: the end
+    alone)."""
+    ids = np.array(list(probs))
+    keep = infill_keep(logits_from_probs(list(probs.values())), ids, INFILL)
+    return None if keep is None else sorted(ids[keep].tolist())
+
+
+def test_infill_keeps_only_the_end_when_it_is_likely_enough():
+    assert kept({1: 0.4, 4: 0.3, 0: 0.3}) == [0]  # 3 x 0.3 x 3 candidates > the text's 0.7
+    # else text tokens under 0.2 go (y), the end tokens stay
+    assert kept({1: 0.5, 4: 0.3, 5: 0.18, 0: 0.02}) == [0, 1, 4]
+
+
+def test_infill_merges_a_token_into_the_likelier_one_its_text_begins_or_is_begun_by():
+    # "ret" takes "return", then gives both to "re" (likelier): 0.18 + 0.15 + 0.1 > 0.2
+    assert kept({4: 0.3, 1: 0.18, 3: 0.15, 2: 0.1, 5: 0.17, 6: 0.1}) == [1, 4]
+    # "return" (0.3) is likelier than "re" (0.24): "re" gives it its weight and goes
+    assert kept({2: 0.3, 1: 0.24, 4: 0.25, 5: 0.21}) == [2, 4, 5]
+
+
+def sampled(top_k: int) -> RequestSampler:
+    return RequestSampler(SamplingParams(temperature=1.0, top_k=top_k,
+                                         samplers=("top_k", "infill")), 0, infill=INFILL)
+
+
+def test_infill_ends_when_no_text_token_is_left_likely():
+    assert kept({4: 0.19, 5: 0.19, 6: 0.19, 7: 0.19, 8: 0.19, 0: 0.05}) is None
+    # six even candidates after top-k, each under 0.2: the end token, though top-k cut it
+    x = logits_from_probs([0.004, 0.002, 0.002, 0.002] + [0.165] * 6)
+    assert sampled(6).sample(x, [], []).token_id == 0
+
+
+def test_an_infill_draw_weighs_what_stays_by_its_own_logit():
+    """re, ret and return merge (0.029 < 0.2, gone); x, y and the end stay, drawn by their
+    own probabilities (llama.cpp's draw reads the logits, not the merged weights)."""
+    x = logits_from_probs([0.005, 0.005, 0.004, 0.02, 0.5, 0.466])
+    s = sampled(6)
+    got = np.bincount([s.sample(x, [], []).token_id for _ in range(4000)], minlength=6) / 4000
+    assert got[[1, 2, 3]].sum() == 0 and abs(got[4] - 0.5 / 0.971) < 0.03
+    assert 0 < got[0] < 0.02
