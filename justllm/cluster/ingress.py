@@ -383,6 +383,7 @@ TOKENS = (("/tokenize", "Tokenize (vLLM's or llama-server's body), routed by mod
 # llama-server's routes at the root (server/llama_server.py), the replica's own paths.
 LLAMA_SERVER = (("/apply-template", "llama-server's: a chat's prompt, routed by model"),
                 ("/completion", "llama-server's native completion, routed by model"),
+                ("/infill", "llama-server's fill-in-the-middle, routed by model"),
                 ("/chat/completions", "Chat completion (llama-server's path without /v1)"),
                 ("/responses", "OpenAI Responses (llama-server's path without /v1)"))
 

@@ -423,6 +423,12 @@ async def llama_completion(request: Request) -> Any:
     return await _forward(request, "/completion")
 
 
+@post("/infill", status_code=200,
+      summary="llama-server's /infill (fill-in-the-middle), routed by model")
+async def llama_infill(request: Request) -> Any:
+    return await _forward(request, "/infill")
+
+
 @post("/apply-template", status_code=200,
       summary="llama-server's /apply-template: a chat's prompt, routed by model")
 async def apply_template(request: Request) -> Any:
@@ -712,7 +718,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
                                              tokenize, detokenize, props, apply_template,
-                                             llama_completion, chat_completions, responses],
+                                             llama_completion, llama_infill, chat_completions,
+                                             responses],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,

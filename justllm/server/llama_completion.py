@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,7 +33,7 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from justllm.core.sampling_params import CHAIN_SAMPLERS, MAX_LOGPROBS, SamplingParams
-from justllm.engine.async_engine import AsyncEngine, grammar_limits
+from justllm.engine.async_engine import AsyncEngine, RequestStream, grammar_limits
 from justllm.engine.engine import PreparedRequest, RequestMetrics, RequestOutput, TokenLogprob
 from justllm.errors import InvalidRequestError
 from justllm.server.app import (
@@ -45,19 +45,20 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import error_body, to_api_error
+from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
 from justllm.server.openai_serving import MAX_REQUEST_STOP, text_size
 
 # llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
 # not are kept out of the chain, their settings accepted only where they do nothing.
 _BY_CHAR = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p",
-            "p": "top_p", "m": "min_p", "t": "temperature", "x": "xtc"}
+            "p": "top_p", "m": "min_p", "t": "temperature", "x": "xtc", "i": "infill"}
 _NO_OPS = frozenset({"dry", "top_n_sigma", "typ_p", "xtc"})  # off at the only values accepted
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
                     "xtc", "temperature")
 # The names llama.cpp reads (lowercased): each canonical one, its kebab-case and its form
 # without the underscore (top-k, topk), and nucleus, temp, typ.
-_BY_NAME = {alias: name for name in DEFAULT_SAMPLERS
+_BY_NAME = {alias: name for name in (*DEFAULT_SAMPLERS, "infill")
             for alias in (name, name.replace("_", "-"), name.replace("_", ""))} | {
     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
 
@@ -115,11 +116,16 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     adaptive_decay: float = 0.9
     verbose: bool = False
     backend_sampling: bool = False
+    # No slots here: every request reads the one shared prefix cache, which is what a client
+    # pinning its requests to a slot wants (llama.vim sends 0); -1 or any slot number.
     id_slot: int = -1
     n_discard: int = 0
-    n_indent: int = 0
+    n_indent: int = 0  # server/line_limits.py
     n_cache_reuse: int = 0
-    t_max_predict_ms: int = 0
+    t_max_predict_ms: int = 0  # server/line_limits.py
+    # llama.vim sends it; llama-server does not apply it (a TODO in its request schema), and
+    # neither does justllm: the prompt is computed whole, however long it takes.
+    t_max_prompt_ms: int = -1
     timings_per_token: bool = False
     return_progress: bool = False
     lora: list[dict[str, Any]] | None = None
@@ -145,14 +151,14 @@ _OFF: dict[str, tuple[Any, str]] = {
     "verbose": (lambda v: not v, "the debug fields are not offered (false)"),
     "backend_sampling": (lambda v: not v, "sampling in the decode graph is not offered here "
                                           "(false)"),
-    "id_slot": (lambda v: v == -1, "requests are not pinned to slots here (-1)"),
+    "id_slot": (lambda v: v >= -1, "a slot number, or -1 (any)"),
     "n_keep": (lambda v: v in (0, -1), "the context is never shifted here: a request that "
                                        "fills it ends (0 or -1)"),
     "n_discard": (lambda v: v == 0, "the context is never shifted here (0)"),
-    "n_indent": (lambda v: v == 0, "minimum indentation is not offered (0)"),
+    "n_indent": (lambda v: v >= 0, "an indentation in spaces or tabs, >= 0 (0: off)"),
     "n_cache_reuse": (lambda v: v == 0, "KV-shift cache reuse is not offered (0); shared "
                                         "prefixes are reused anyway"),
-    "t_max_predict_ms": (lambda v: v == 0, "a time limit is not offered (0)"),
+    "t_max_predict_ms": (lambda v: v >= -1, "milliseconds, or 0 or -1 (no limit)"),
     "timings_per_token": (lambda v: not v, "timings come with the last event (false)"),
     "return_progress": (lambda v: not v, "prompt progress is not reported (false)"),
     "lora": (lambda v: not v, "adapters are chosen by model here: send the adapter's name as "
@@ -219,9 +225,6 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     if n is not None and n < -1:
         raise InvalidRequestError("n_predict must be >= 0, or -1 (until the context is full)",
                                   param="n_predict")
-    if n == 0:
-        raise InvalidRequestError("n_predict: 0 (evaluate the prompt only) is not offered; "
-                                  "ask for at least one token", param="n_predict")
     if req.repeat_last_n < -1:
         raise InvalidRequestError("repeat_last_n must be >= 0, or -1 (the whole context)",
                                   param="repeat_last_n")
@@ -401,6 +404,7 @@ class _Answer:
 
     prompt: str  # as processed: special tokens written (<bos>)
     settings: dict[str, Any]
+    limits: LineLimits
     text: str = ""
     tokens: list[int] | None = None
     probs: list[dict[str, Any]] | None = None
@@ -443,8 +447,11 @@ class _Completion:
         settings = _settings(req, plan, seed, served)
         token_bytes = served.aengine.token_bytes
         self.answers = [_Answer(b"".join(token_bytes(t, special=True) for t in p.tokens)
-                                .decode("utf-8", "replace"), settings, tokens=[],
-                                probs=[] if _n_probs(req) else None) for p in prepared]
+                                .decode("utf-8", "replace"), settings,
+                                LineLimits(req.n_indent, max(req.t_max_predict_ms, 0)),
+                                tokens=[], probs=[] if _n_probs(req) else None)
+                        for p in prepared]
+        self.stopped: set[int] = set()  # answers ended here by their LineLimits
 
     def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         piece = self.served.aengine.token_bytes
@@ -456,17 +463,28 @@ class _Completion:
         return [{**entry(lp.token_id, lp.logprob),
                  "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
-    def add(self, i: int, out: RequestOutput) -> None:
+    def add(self, i: int, out: RequestOutput, stream: RequestStream) -> str:
+        """Take ``out`` into its answer; returns the text it adds. An answer its line limits
+        end is aborted (its stream) and listed in ``stopped``."""
         a = self.answers[i]
-        a.text += out.text
+        text, stop = a.limits.feed(out.text, time.perf_counter()) if a.limits.active else (
+            out.text, False)
+        a.text += text
         assert a.tokens is not None
         a.tokens += out.token_ids
         if a.probs is not None and out.logprobs:
             a.probs += self._probs(out.logprobs)
+        if stop and not out.finished:
+            stream.abort()
+            self.stopped.add(i)
+        return text
 
     def final(self, i: int, out: RequestOutput, content: str, stream: bool) -> dict[str, Any]:
+        """The answer's last event; ``out``: its last output (one its line limits ended it
+        at, if they did)."""
         a, m = self.answers[i], out.metrics
-        limited = out.finish_reason == "length"
+        cut = i in self.stopped
+        limited = out.finish_reason == "length" or cut
         res: dict[str, Any] = {
             "index": i, "content": content,
             "tokens": [] if stream or not self.req.return_tokens else a.tokens,
@@ -476,17 +494,18 @@ class _Completion:
             "generation_settings": a.settings, "prompt": a.prompt,
             "has_new_line": "\n" in a.text,
             # the context filled before n_predict (or with -1) was reached
-            "truncated": limited and (self.plan.max_tokens is None
-                                      or m.num_generated_tokens < self.plan.max_tokens),
-            "stop_type": "word" if out.stop is not None else "limit" if limited else "eos",
+            "truncated": limited and not cut and (
+                self.plan.max_tokens is None or m.num_generated_tokens < self.plan.max_tokens),
+            "stop_type": "limit" if cut else "word" if out.stop is not None
+            else "limit" if limited else "eos",
             "stopping_word": out.stop or "", "tokens_cached": m.num_cached_tokens,
             "timings": _timings(m)}
         if a.probs and not stream:
             res["completion_probabilities"] = _within(a.probs, content) if out.stop else a.probs
         return _fields(self.req.response_fields, res) if self.req.response_fields else res
 
-    def chunk(self, i: int, out: RequestOutput) -> dict[str, Any]:
-        res: dict[str, Any] = {"index": i, "content": out.text, "tokens": out.token_ids,
+    def chunk(self, i: int, out: RequestOutput, text: str) -> dict[str, Any]:
+        res: dict[str, Any] = {"index": i, "content": text, "tokens": out.token_ids,
                                "stop": False, "id_slot": -1,
                                "tokens_predicted": len(self.answers[i].tokens or []),
                                "tokens_evaluated": out.metrics.num_prompt_tokens}
@@ -495,14 +514,16 @@ class _Completion:
         return res
 
 
-async def _full(c: _Completion, streams: list) -> Any:
+async def _full(c: _Completion, streams: list[RequestStream]) -> Any:
     finals: list[dict[str, Any] | None] = [None] * len(streams)
-    async with aclosing(c.served.completions.merged(streams)) as merged:
+    async with aclosing(c.served.completions.merged(streams, c.stopped)) as merged:
         async for i, out in merged:
+            if i in c.stopped:
+                continue  # (an output that came before its stream was aborted)
             if out.error:
                 raise c.served.completions.failure(out)
-            c.add(i, out)
-            if out.finished:
+            c.add(i, out, streams[i])
+            if out.finished or i in c.stopped:
                 finals[i] = c.final(i, out, c.answers[i].text, stream=False)
     return finals[0] if len(finals) == 1 else finals
 
@@ -511,19 +532,21 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def _events(c: _Completion, streams: list) -> AsyncIterator[bytes]:
+async def _events(c: _Completion, streams: list[RequestStream]) -> AsyncIterator[bytes]:
     """One event per step's new text (with its tokens), then the full answer with
     ``stop: true``; an error ends the stream as ``{"error": ...}``. No ``[DONE]``."""
-    async with aclosing(c.served.completions.merged(streams)) as merged:
+    async with aclosing(c.served.completions.merged(streams, c.stopped)) as merged:
         async for i, out in merged:
+            if i in c.stopped:
+                continue  # (an output that came before its stream was aborted)
             if out.error:
                 e = to_api_error(c.served.completions.failure(out))
                 yield _event({"error": error_body(e.message, e.type, e.param, e.code)["error"]})
                 return
-            c.add(i, out)
-            if out.text or out.token_ids:
-                yield _event(c.chunk(i, out))
-            if out.finished:
+            text = c.add(i, out, streams[i])
+            if text or out.token_ids:
+                yield _event(c.chunk(i, out, text))
+            if out.finished or i in c.stopped:
                 yield _event(c.final(i, out, "", stream=True))
 
 
@@ -543,8 +566,16 @@ def _prepare(aengine: AsyncEngine, prompt: str | list[int], params: SamplingPara
       summary="llama-server's /completion: its body, sampler order and answer")
 async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
                      state: State) -> Any:
-    served = _served(state)
     req = await decode_request(request, LlamaCompletionRequest)
+    return await answer(request, _served(state), req, text_size(req.prompt),
+                        lambda aengine: _prompts(req.prompt, aengine), "llama.completion")
+
+
+async def answer(request: Request, served: Served, req: LlamaCompletionRequest, size: int,
+                 prompts: Callable[[AsyncEngine], list[str | list[int]]], kind: str) -> Any:
+    """A /completion-shaped request answered (``kind``: the route, for the records):
+    ``prompts`` gives its prompts on a worker thread (``size``: about how much text that
+    reads), each answered as /completion answers it."""
     served.completions.check_model(req.model)
     plan = check_completion(req)
     # -1 draws a seed, reported in generation_settings, so the answer can be had again
@@ -567,12 +598,12 @@ async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
         if req.ignore_eos:  # llama-server's: the end tokens can never be drawn
             bias = tuple((dict(bias) | dict.fromkeys(aengine.eog_ids(), -100.0)).items())
         params = SamplingParams(**_sampling(req, plan, seed, bias), grammar=grammar, lora=lora)
-        return [_prepare(aengine, p, params) for p in _prompts(req.prompt, aengine)]
+        return [_prepare(aengine, p, params) for p in prompts(aengine)]
 
-    prepared = await aengine.off_loop(text_size(req.prompt), ready)
+    prepared = await aengine.off_loop(size, ready)
     c = _Completion(served, req, plan, prepared, seed)
     streams = served.completions.submit(prepared, f"cmpl-{uuid.uuid4().hex}",
-                                        origin(request, "llama.completion", req.stream))
+                                        origin(request, kind, req.stream))
     if req.stream:
         return sse_response(_events(c, streams))
     return await unless_disconnected(request, _full(c, streams))

@@ -11,6 +11,7 @@
   a conversation that ends with an assistant message ends inside it, as llama-server prefills
   it (``continue_final_message`` without asking; the chat route keeps vLLM's new turn).
 - ``POST /completion``: llama-server's native completion (server/llama_completion.py).
+- ``POST /infill``: fill-in-the-middle on a model with FIM tokens (server/infill.py).
 - ``/chat/completions``, ``/responses`` and ``/v1/health``: llama-server serves its OpenAI
   routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
   posts to ``/chat/completions``). Its un-prefixed ``/completions`` and ``/embeddings`` are its
@@ -125,8 +126,9 @@ def router_props() -> dict[str, Any]:
 def llama_server_router() -> Router:
     """The routes above and the un-prefixed OpenAI aliases, behind ``--api-key``."""
     from justllm.server import responses
+    from justllm.server.infill import infill
     from justllm.server.llama_completion import completion
 
-    return Router(path="/", route_handlers=[props, apply_template, completion, chat_completions,
-                                            responses.create_response],
+    return Router(path="/", route_handlers=[props, apply_template, completion, infill,
+                                            chat_completions, responses.create_response],
                   guards=[require_api_key])

@@ -15,6 +15,7 @@ import msgspec
 
 from justllm.server import (
     anthropic_chat,
+    infill,
     llama_completion,
     llama_server,
     responses_chat,
@@ -67,6 +68,8 @@ def check_without_model(path: str, raw: bytes) -> None:
         case "/completion":
             llama_completion.check_completion(
                 msgspec.json.decode(raw, type=llama_completion.LlamaCompletionRequest))
+        case "/infill":
+            infill.check_infill(msgspec.json.decode(raw, type=infill.LlamaInfillRequest))
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":

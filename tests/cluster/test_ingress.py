@@ -278,16 +278,17 @@ def test_token_routes_go_to_the_models_deployment():
 
 
 def test_llama_server_routes_go_to_the_models_deployment():
-    """/apply-template, /completion and the OpenAI routes without /v1 by the body's model, /props by
-    ?model= (a GET without a body), /props without one the cluster's own; behind the API key
-    but /v1/health, as llama-server's."""
-    handle = Handle(*[Answer(JSON, b"{}") for _ in range(5)])
+    """/apply-template, /completion, /infill and the OpenAI routes without /v1 by the body's
+    model, /props by ?model= (a GET without a body), /props without one the cluster's own;
+    behind the API key but /v1/health, as llama-server's."""
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(6)])
     auth = {"Authorization": "Bearer sekrit"}
     with client(handle, api_key="sekrit") as c:
         assert c.get("/props").status_code == 401
         own = c.get("/props", headers=auth).json()
         assert own["role"] == "router" and own["build_info"].startswith("justllm ")
-        for path in ("/apply-template", "/completion", "/chat/completions", "/responses"):
+        for path in ("/apply-template", "/completion", "/infill", "/chat/completions",
+                     "/responses"):
             r = c.post(path, json={"model": "gpt-4o-mini", "messages": []}, headers=auth)
             assert r.status_code == 200, (path, r.text)
         r = c.get("/props", params={"model": "gpt-4o-mini"}, headers=auth)
@@ -295,10 +296,10 @@ def test_llama_server_routes_go_to_the_models_deployment():
         assert c.get("/props", params={"model": "nope"}, headers=auth).status_code == 404
         assert c.get("/v1/health").json() == {"status": "ok"}
     assert [(call["method"], call["path"]) for call in handle.calls] == [
-        ("POST", "/apply-template"), ("POST", "/completion"), ("POST", "/chat/completions"),
-        ("POST", "/responses"), ("GET", "/props")]
+        ("POST", "/apply-template"), ("POST", "/completion"), ("POST", "/infill"),
+        ("POST", "/chat/completions"), ("POST", "/responses"), ("GET", "/props")]
     assert handle.calls[0]["body"]["model"] == "demo"  # an alias is the model's name
-    assert handle.calls[4]["body"] is None and handle.calls[4]["query"] == "model=gpt-4o-mini"
+    assert handle.calls[5]["body"] is None and handle.calls[5]["query"] == "model=gpt-4o-mini"
 
 
 def test_anthropic_errors_keep_anthropics_shape():

@@ -84,6 +84,15 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         r = httpx.post(gw.url + "/completion", timeout=30, json={
             "model": "alpha", "prompt": "x", "mirostat": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat", r.text
+        # /infill by model: the runner's answer (the demo model has no FIM tokens), and a body
+        # no model could take, refused before a load
+        r = httpx.post(gw.url + "/infill", timeout=60, json={
+            "model": "alpha", "input_prefix": "a", "input_suffix": "b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "cannot infill" in r.json()["error"]["message"]
+        r = httpx.post(gw.url + "/infill", timeout=30, json={
+            "model": "alpha", "input_prefix": "a", "input_suffix": "b", "input_extra": [{}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_extra[0]", r.text
         alias = httpx.post(gw.url + "/chat/completions", timeout=120, json={
             "model": "alpha", "messages": HELLO, "max_tokens": 1}).json()["usage"]
         assert alias["prompt_tokens"] == chat["prompt_tokens"]

@@ -31,3 +31,42 @@ def tiny_gguf(path: Path | None = None, *, name: str = "tiny", file_type: int = 
     if path is not None:
         Path(path).write_bytes(data)
     return data
+
+
+# The demo model's first unused tokens, named as a code model's FIM tokens by with_fim_tokens.
+FIM_IDS = {"pre": 6, "suf": 7, "mid": 8, "rep": 9, "sep": 10}  # <unused0> .. <unused4>
+
+
+def with_fim_tokens(src: Path, dst: Path, names: tuple[str, ...] = ("pre", "suf", "mid")
+                    ) -> Path:
+    """A copy of the GGUF ``src`` whose metadata names tokens of its vocabulary (FIM_IDS) as
+    the fill-in-the-middle tokens ``names``, as a code model's does (Gemma 3 has none): the
+    weights are the same, so the model infills no better, but llama.cpp reads the tokens and
+    /infill lays its prompt out with them."""
+    from justllm.models.draft import _read, _value
+
+    reader = _read(src)
+    arch = str(_value(reader.get_field(gguf.Keys.General.ARCHITECTURE)), "utf-8")
+    w = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
+    if alignment is not None:
+        w.data_alignment = int(_value(alignment))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = _value(field)
+        if sub is not None and len(value) == 0:
+            continue
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    for name in names:
+        w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIM_IDS[name])
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type,
+                     tensor_endianess=reader.endianess)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -1,0 +1,147 @@
+"""llama-server's ``/infill`` on a real server, and the code-completion fields editor plugins
+send with it (llama.vim's body): the FIM layout, ``n_predict`` 0 warming the cache,
+``n_indent``, ``t_max_predict_ms``, the ``infill`` sampler. The model is the demo model with
+five unused tokens named as its FIM tokens (tests/models/ggufs.py): llama.cpp reads them as a
+code model's, so the layout is the real one, though the answers are no better."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.models.ggufs import with_fim_tokens
+from tests.server.conftest import start_server
+from tests.server.test_tokenize import post
+
+CODE = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
+        "prompt": "return"}
+
+
+@pytest.fixture(scope="module")
+def fim_server(model_path, tmp_path_factory):
+    path = with_fim_tokens(model_path, tmp_path_factory.mktemp("fim") / "fim.gguf",
+                           ("pre", "suf", "mid", "rep", "sep"))
+    s = start_server(str(path), "--max-seqs", "4", "--pool-blocks", "256")
+    yield s
+    assert s.stop() == 0
+
+
+def infill(server, **body) -> dict:
+    r = post(server, "/infill", {**CODE, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(server, param: str, **body) -> str:
+    r = post(server, "/infill", {**CODE, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    return r.json()["error"]["message"]
+
+
+def test_the_prompt_is_llama_servers_fim_layout_and_answers_as_completion_does(fim_server):
+    extra = [{"filename": "util.py", "text": "X = 1\n", "time": 12.5}]
+    got = infill(fim_server, input_extra=extra, n_predict=6, temperature=0, return_tokens=True)
+    # <unused0..4> are PRE, SUF, MID, REP and SEP here; other files first, then BOS
+    assert got["prompt"] == ("<unused3>myproject\n<unused4>util.py\nX = 1\n<unused4>filename\n"
+                             "<bos><unused0>def add(a, b):\n    return<unused1>\n\n"
+                             "print(add(1, 2))\n<unused2>")
+    ids = post(fim_server, "/tokenize", {"content": got["prompt"], "add_special": False,
+                                         "parse_special": True}).json()["tokens"]
+    assert got["tokens_evaluated"] == len(ids)
+    same = post(fim_server, "/completion", {"prompt": ids, "n_predict": 6, "temperature": 0,
+                                            "return_tokens": True}).json()
+    assert (same["content"], same["tokens"]) == (got["content"], got["tokens"])
+    assert got["tokens_predicted"] == 6 and got["stop_type"] == "limit"
+
+
+def test_a_model_without_fim_tokens_cannot_infill(server):
+    r = post(server, "/infill", CODE)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and "no FIM prefix, suffix, middle token" in error[
+        "message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input_prefix": None}, "input_prefix"),
+    ({"prompt": ["x"]}, "prompt"),
+    ({"input_extra": [{"filename": "a.py"}]}, "input_extra[0]"),
+    ({"input_extra": [{"text": "x", "lang": "py"}]}, "input_extra[0].lang"),
+    ({"input_extra": [{"text": "x", "filename": 3}]}, "input_extra[0].filename"),
+    ({"samplers": ["top_p", "infill"]}, "samplers"),
+    ({"n_indent": -1}, "n_indent"),
+])
+def test_bad_infill_bodies_are_400s(fim_server, body, param):
+    assert refused(fim_server, param, **body)
+
+
+def test_llama_vims_requests(fim_server):
+    """Its warm-up (n_predict 0: the other files computed into the cache, nothing drawn),
+    then a suggestion with its fields: the prefix cache holds the warm-up's tokens."""
+    extra = [{"filename": "lib.py", "text": "def helper():\n    return 42\n" * 8, "time": 1}]
+    warm = infill(fim_server, input_prefix="", input_suffix="", prompt="", input_extra=extra,
+                  n_predict=0, temperature=0.0, samplers=["temperature"], cache_prompt=True,
+                  t_max_prompt_ms=1, t_max_predict_ms=1)
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
+    got = infill(fim_server, id_slot=0, input_extra=extra, n_predict=16, n_indent=4,
+                 top_k=40, top_p=0.9, samplers=["top_k", "top_p", "infill"], stream=False,
+                 cache_prompt=True, t_max_prompt_ms=500, t_max_predict_ms=1000, seed=1,
+                 response_fields=["content", "timings/prompt_n", "timings/cache_n",
+                                  "generation_settings/samplers", "tokens_cached"])
+    assert got["generation_settings/samplers"] == ["top_k", "top_p", "infill"]
+    assert got["timings/cache_n"] >= warm["tokens_evaluated"] - 16  # (the last block's)
+    assert got["timings/prompt_n"] + got["timings/cache_n"] > warm["tokens_evaluated"]
+
+
+def greedy(server, prompt: str, n: int = 40, **body) -> dict:
+    r = post(server, "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0,
+                                     "return_tokens": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+LIST = "Shopping list:\n- apples\n- pears\n-"
+
+
+def test_n_indent_ends_the_answer_at_the_first_line_under_it(fim_server):
+    whole = greedy(fim_server, LIST)
+    whole = greedy(fim_server, LIST)  # (a cache hit, as the ones below)
+    text = whole["content"]
+    line = text.index("\n") + 1  # the answer's second line is not indented (a list item)
+    assert text[line] not in " \t\n", text
+    cut = greedy(fim_server, LIST, n_indent=2)
+    assert (cut["content"], cut["stop_type"], cut["truncated"]) == (text[:line], "limit", False)
+    assert cut["tokens_predicted"] < whole["tokens_predicted"]
+    # streamed: the same text, then the last event says where it ended
+    with httpx.stream("POST", fim_server.url + "/completion", timeout=60, json={
+            "prompt": LIST, "n_predict": 40, "temperature": 0, "n_indent": 2,
+            "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == text[:line]
+    assert events[-1]["stop"] and events[-1]["stop_type"] == "limit"
+    # the engine ended the request (no slot held): the server answers the next at once
+    assert greedy(fim_server, LIST)["content"] == text
+
+
+def test_past_t_max_predict_ms_the_next_newline_ends_the_answer(fim_server):
+    whole = greedy(fim_server, LIST)
+    got = greedy(fim_server, LIST, t_max_predict_ms=1)
+    pieces = [post(fim_server, "/detokenize", {"tokens": [t]}).json()["content"]
+              for t in got["tokens"]]
+    # the first token with a newline came after 1 ms: the answer ends with it
+    assert "\n" in pieces[-1] and not any("\n" in p for p in pieces[:-1]), pieces
+    assert whole["content"].startswith(got["content"]) and got["stop_type"] == "limit"
+
+
+def test_a_long_prefix_keeps_its_last_three_quarters_of_a_batch(fim_server):
+    prefix = "".join(f"x{i} = {i}\n" for i in range(400))  # ~2,800 tokens
+    got = infill(fim_server, input_prefix=prefix, input_suffix="", prompt="", n_predict=1,
+                 temperature=0)
+    ids = post(fim_server, "/tokenize", {"content": prefix, "add_special": False,
+                                         "parse_special": False}).json()["tokens"]
+    tail = post(fim_server, "/detokenize", {"tokens": ids[-384:]}).json()["content"]  # 3/4 x 512
+    assert got["prompt"].endswith("<unused0>" + tail + "<unused1><unused2>"), got["prompt"][:80]
+    assert not got["prompt"].endswith("<unused0>" + prefix + "<unused1><unused2>")
