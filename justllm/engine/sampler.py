@@ -338,8 +338,9 @@ def infill_keep(z: np.ndarray, ids: np.ndarray, vocab: InfillVocab) -> np.ndarra
     when only the end is left. If the end-of-generation tokens are likely enough (three times
     their probability times the candidates outweighs the text's), only they stay. Else a
     token whose text begins another's takes the other's probability, or gives its own if the
-    other is likelier (in order of probability, as llama.cpp merges them), and text tokens
-    left under 0.2 go. The draw then weighs what stays by its own logit, as llama.cpp's does."""
+    other is likelier (in order of probability, as llama.cpp merges them), text tokens left
+    under 0.2 go, then (renormalised) those under 1 / (the text tokens left + 1). The draw
+    then weighs what stays by its own logit, as llama.cpp's does."""
     order = np.lexsort((ids, -z))  # most probable first (ties by id)
     p = np.exp(z[order].astype(np.float64) - float(z.max()))
     p /= p.sum()
@@ -362,8 +363,12 @@ def infill_keep(z: np.ndarray, ids: np.ndarray, vocab: InfillVocab) -> np.ndarra
             p[src] = 0.0
             gone[src] = True
     kept = [k for k in range(len(order)) if not gone[k] and (eog[k] or p[k] >= _INFILL_KEEP)]
-    if all(eog[k] for k in kept):
+    n_text = sum(not eog[k] for k in kept)
+    if n_text == 0:
         return None
+    # then, renormalised, text tokens under 1 / (their number + 1) go too
+    total = float(sum(p[k] for k in kept))
+    kept = [k for k in kept if eog[k] or p[k] / total >= 1.0 / (n_text + 1)]
     return np.sort(order[kept])
 
 

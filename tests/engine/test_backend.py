@@ -174,3 +174,61 @@ def test_ctrl_c_while_llama_cpp_loads_a_model_stops_the_load(model_path, monkeyp
             assert b.n_vocab > 0
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def llama_cpps_infill(vocab, ids: list[int], logits) -> list[int]:
+    """What llama.cpp's own infill sampler keeps of these candidates (ids; a removed end
+    token stays in its array at -inf, so it is left out here as it can never be drawn)."""
+    import math
+
+    from llama_cpp import llama_cpp as C
+
+    arr = (C.llama_token_data * len(ids))(*[C.llama_token_data(t, float(v), 0.0)
+                                           for t, v in zip(ids, logits)])
+    cur = C.llama_token_data_array(arr, len(ids), -1, False)
+    smpl = C.llama_sampler_init_infill(vocab)
+    try:
+        C.llama_sampler_apply(smpl, ctypes.byref(cur))
+    finally:
+        C.llama_sampler_free(smpl)
+    return sorted(arr[i].id for i in range(cur.size) if not math.isinf(arr[i].logit))
+
+
+def test_the_infill_step_keeps_what_llama_cpps_infill_sampler_keeps(engine):
+    """engine/sampler.py's infill step against llama.cpp's on the same candidates: sets like
+    a top-40 with tokens whose text begins others' (so merges happen), sometimes an end token,
+    at flat to peaked logits (every branch: the end alone, merges, the cut, nothing left)."""
+    import numpy as np
+
+    from justllm.engine.sampler import InfillVocab, infill_keep
+
+    b = engine.backend
+    pieces = [b.token_to_piece(t) for t in range(b.n_vocab)]
+    short = [t for t, p in enumerate(pieces) if 1 <= len(p) <= 3 and p.isascii()]
+    vocab = InfillVocab(b.token_to_piece, b.is_eog, b.end_of_turn())
+    ends = [int(t) for t in b.eog_ids()]
+    rng = np.random.default_rng(7)
+    seen = {"end alone": 0, "ended": 0, "merged": 0, "kept": 0}
+    for _ in range(300):
+        ids: set[int] = set()
+        for seed in rng.choice(short, 4):
+            head = pieces[seed]
+            longer = [t for t in range(0, b.n_vocab, 7) if pieces[t].startswith(head)][:6]
+            ids |= {int(seed), *longer}
+        ids |= {int(t) for t in rng.integers(0, b.n_vocab, 40 - min(len(ids), 39))}
+        if rng.random() < 0.5:
+            ids.add(int(rng.choice(ends)))
+        cand = np.array(sorted(ids)[:40])
+        z = rng.normal(0.0, rng.uniform(0.3, 6.0), cand.size).astype(np.float32)
+        keep = infill_keep(z, cand, vocab)
+        ours = [vocab.end] if keep is None else sorted(cand[keep].tolist())
+        assert ours == llama_cpps_infill(b._vocab, cand.tolist(), z), (cand, z)
+        if keep is None:
+            seen["ended"] += 1
+        elif all(b.is_eog(t) for t in ours):
+            seen["end alone"] += 1
+        else:
+            seen["kept"] += 1
+            texts = [pieces[t] for t in cand if pieces[t]]
+            seen["merged"] += any(x != y and y.startswith(x) for x in texts for y in texts)
+    assert all(n > 5 for n in seen.values()), seen

@@ -444,10 +444,16 @@ def test_infill_keeps_only_the_end_when_it_is_likely_enough():
 
 
 def test_infill_merges_a_token_into_the_likelier_one_its_text_begins_or_is_begun_by():
-    # "ret" takes "return", then gives both to "re" (likelier): 0.18 + 0.15 + 0.1 > 0.2
+    # "re" takes "ret" and "return" (each less likely): 0.18 + 0.15 + 0.1 > 0.2
     assert kept({4: 0.3, 1: 0.18, 3: 0.15, 2: 0.1, 5: 0.17, 6: 0.1}) == [1, 4]
     # "return" (0.3) is likelier than "re" (0.24): "re" gives it its weight and goes
-    assert kept({2: 0.3, 1: 0.24, 4: 0.25, 5: 0.21}) == [2, 4, 5]
+    assert kept({2: 0.3, 1: 0.24, 4: 0.28, 5: 0.18}) == [2, 4]
+
+
+def test_infill_then_cuts_what_is_under_one_over_the_text_tokens_left_plus_one():
+    # all three pass 0.2; renormalised, y and z are under 1/4
+    assert kept({4: 0.55, 5: 0.23, 6: 0.22}) == [4]
+    assert kept({4: 0.4, 5: 0.3, 6: 0.3}) == [4, 5, 6]
 
 
 def sampled(top_k: int) -> RequestSampler:
