@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,11 @@ def _value(field) -> Any:
     return field.contents()
 
 
-def _write(reader, path: Path, arch: str, count_key: str, layers: int, source_layers: int) -> None:
+def copying_writer(reader, path: Path, arch: str,
+                   edit: Callable[[str, Any, bool], Any] | None = None):
+    """A ``GGUFWriter`` to ``path`` holding ``reader``'s metadata (its alignment and every
+    field but the header's and the architecture, which the writer adds), each value through
+    ``edit(name, value, is_array)`` when given; the tensors are the caller's to add."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess)
@@ -148,14 +153,23 @@ def _write(reader, path: Path, arch: str, count_key: str, layers: int, source_la
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value = _value(field)
-        if field.name == count_key:
-            value = layers
-        elif (sub_type is not None and field.name.startswith(f"{arch}.")
-              and len(value) == source_layers):
-            value = value[:layers]
+        if edit is not None:
+            value = edit(field.name, value, sub_type is not None)
         if sub_type is not None and len(value) == 0:
             continue  # the writer cannot write an empty array; absent and empty read the same
         writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    return writer
+
+
+def _write(reader, path: Path, arch: str, count_key: str, layers: int, source_layers: int) -> None:
+    def edit(name: str, value: Any, is_array: bool) -> Any:
+        if name == count_key:
+            return layers
+        if is_array and name.startswith(f"{arch}.") and len(value) == source_layers:
+            return value[:layers]
+        return value
+
+    writer = copying_writer(reader, path, arch, edit)
     for tensor in reader.tensors:
         block = _BLOCK_TENSOR.match(tensor.name)
         if block is not None and int(block.group(1)) >= layers:

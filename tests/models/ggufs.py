@@ -43,23 +43,11 @@ def with_fim_tokens(src: Path, dst: Path, names: tuple[str, ...] = ("pre", "suf"
     the fill-in-the-middle tokens ``names``, as a code model's does (Gemma 3 has none): the
     weights are the same, so the model infills no better, but llama.cpp reads the tokens and
     /infill lays its prompt out with them."""
-    from justllm.models.draft import _read, _value
+    from justllm.models.draft import _read, _value, copying_writer
 
     reader = _read(src)
     arch = str(_value(reader.get_field(gguf.Keys.General.ARCHITECTURE)), "utf-8")
-    w = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
-    alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
-    if alignment is not None:
-        w.data_alignment = int(_value(alignment))
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = _value(field)
-        if sub is not None and len(value) == 0:
-            continue
-        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    w = copying_writer(reader, dst, arch)
     for name in names:
         w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIM_IDS[name])
     for t in reader.tensors:
