@@ -474,9 +474,10 @@ class _Completion:
         a.tokens += out.token_ids
         if a.probs is not None and out.logprobs:
             a.probs += self._probs(out.logprobs)
-        if stop and not out.finished:
-            stream.abort()
+        if stop:
             self.stopped.add(i)
+            if not out.finished:
+                stream.abort()
         return text
 
     def final(self, i: int, out: RequestOutput, content: str, stream: bool) -> dict[str, Any]:
