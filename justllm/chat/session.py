@@ -21,7 +21,11 @@ HELP = """commands:
 Ctrl-C stops the current answer."""
 
 def check_options(options: dict) -> None:
-    """InvalidRequestError naming the first sampling option out of its range."""
+    """InvalidRequestError naming the first sampling option out of its range (an answer has
+    at least one token)."""
+    if options.get("max_tokens", 1) < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1 (got {options['max_tokens']})",
+                                  param="max_tokens")
     SamplingParams(**options)
 
 

@@ -59,6 +59,8 @@ def run(
             prompt = sys.stdin.read()
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        if max_tokens < 1:  # (0, the prompt computed and nothing drawn, is for servers)
+            raise ValueError(f"--max-tokens must be >= 1 (got {max_tokens})")
         if raw and system:
             raise ValueError("--system goes into the chat template, which --raw leaves out: "
                              "put it in the prompt")

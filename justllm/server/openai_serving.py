@@ -215,7 +215,8 @@ class OpenAIServing:
         max_tokens = getattr(req, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = req.max_tokens
-        prompt_logprobs = prompt_logprobs_of(req) if isinstance(req, CompletionRequest) else None
+        prompt_logprobs = (prompt_logprobs_of(req) if isinstance(req, CompletionRequest)
+                           else req.prompt_logprobs)
         _check_generates(max_tokens, prompt_logprobs)
         SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
                        prompt_logprobs=prompt_logprobs)
@@ -447,7 +448,8 @@ class OpenAIServing:
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template),
+        return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template,
+                                              req.prompt_logprobs),
                                  grammar=grammar)) for i in range(req.n)], plan
 
     async def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
@@ -487,7 +489,8 @@ class OpenAIServing:
         """``req`` answered whole (``req.stream`` is not read). Request errors raise before
         anything runs. ``rid``: the response id (the engine's request ids follow it)."""
         streams, answers = await self._start_chat(req, rid, resume, origin)
-        texts, lps, finals = await self._collect(streams, [""] * len(streams))
+        prompts: list[RequestOutput | None] = [None] * len(streams)
+        texts, lps, finals = await self._collect(streams, [""] * len(streams), prompts)
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
             parsed = answer.whole(texts[i])
@@ -496,7 +499,7 @@ class OpenAIServing:
                 i, parsed.content if parsed.content or not calls else None, calls,
                 "tool_calls" if calls else final.finish_reason if final else None, lps[i],
                 None if calls or final is None else final.stop))
-        return ChatResult(choices, _usage(finals, req.n), _timings(finals))
+        return ChatResult(choices, _usage(finals, req.n), _timings(finals), prompts[0])
 
     async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
                           resume: Sequence[Handover] | None = None,
@@ -562,8 +565,10 @@ class OpenAIServing:
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
             for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
             for c in result.choices]
+        plp = (None if req.prompt_logprobs is None
+               else self._vllm_prompt_logprobs(result.prompt, req.prompt_logprobs))
         return ChatCompletion(rid, "chat.completion", created, self.answer_model(req.model),
-                              choices, result.usage)
+                              choices, result.usage, prompt_logprobs=plp)
 
     async def _chat_sse(self, events: AsyncGenerator[ChatEvent, None], rid: str, created: int, n: int,
                         include_usage: bool, model: str) -> AsyncIterator[bytes]:
@@ -869,6 +874,9 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
     (:func:`check_messages`) message fields."""
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in "
+                                  "vLLM)", param="prompt_logprobs")
     check_stream_options(req)
     check_messages(req.messages)
     check_continuation(req)

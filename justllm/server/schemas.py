@@ -214,6 +214,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # false (vLLM refuses both true), else left out or true
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives, in the response's own
+    # ``prompt_logprobs`` (the prompt the chat template rendered; not with stream)
+    prompt_logprobs: NonNegativeInt | None = None
     # vLLM's and llama-server's: extra variables for the chat template ({"enable_thinking":
     # false} for Qwen3's), besides the ones the server sets.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -325,6 +328,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked for
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):

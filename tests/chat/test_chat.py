@@ -129,13 +129,15 @@ def test_chat_against_a_server_in_a_terminal(server, tmp_path):
 def test_chat_in_process_with_pipes(model_path):
     r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "4",
                         "--system", "Be brief.", "--pool-blocks", "64"],
-                       input="/stats\n/set top_p 5\n/set top_p 0.9\nHi!\n/stats\n/system\n/bye\n",
+                       input="/stats\n/set top_p 5\n/set top_p 0.9\n/set max_tokens 0\nHi!\n"
+                             "/stats\n/system\n/bye\n",
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "(no answer yet)" in r.stdout and "generation 4 tok" in r.stdout
     # A value out of range is refused at /set (it was taken, and then every message failed).
     assert "not a valid top_p: top_p must be a number in (0, 1]" in r.stdout
     assert "(top_p = 0.9)" in r.stdout
+    assert "not a valid max_tokens: max_tokens must be >= 1 (got 0)" in r.stdout
     assert "(system message removed)" in r.stdout
     assert r.stderr.count("this model has no chat template and looks like a base model") == 1
     one = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "1",

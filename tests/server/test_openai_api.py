@@ -209,6 +209,30 @@ def test_vllms_prompt_logprobs(server):
     assert max(len(top) for top in choice["logprobs"]["top_logprobs"][1:]) >= 4
 
 
+def test_vllms_prompt_logprobs_of_a_chat(server):
+    """The rendered prompt's tokens, as /v1/completions scores them, in the response's own
+    prompt_logprobs (vLLM's chat field)."""
+    messages = [{"role": "user", "content": "Count: one, two"}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": messages, "max_tokens": 2, "temperature": 0,
+        "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60
+                     ).json()["tokens"]
+    plp = got["prompt_logprobs"]
+    assert len(plp) == len(ids) == got["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(str(t) in entry and len(entry) <= 2 for t, entry in zip(ids[1:], plp[1:]))
+    scored = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    for t, mine, theirs in zip(ids[1:], plp[1:], scored["choices"][0]["prompt_logprobs"][1:]):
+        assert abs(mine[str(t)]["logprob"] - theirs[str(t)]["logprob"]) < 0.35  # (batch noise)
+        assert mine[str(t)]["rank"] >= 1
+    plain = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": messages, "max_tokens": 1}).json()
+    assert plain["prompt_logprobs"] is None
+
+
 def test_completions(client, server):
     r = client.completions.create(model=server.model, prompt="The capital of France is",
                                   max_tokens=5, temperature=0, echo=True)

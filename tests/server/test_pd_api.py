@@ -101,3 +101,16 @@ def test_hand_overs_that_do_not_fit_are_counted_and_the_request_served_whole(ser
             counted = before[reason] + (reason in reasons)
             assert failures(server, reason) == counted, (reasons, reason)
             before[reason] = counted
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                              "prompt_logprobs": 1}),
+])
+def test_requests_for_prompt_logprobs_are_not_disaggregated(server, path, body):
+    """Every prompt row's logprobs are the prefill's and do not travel with the KV: the
+    prefill half refuses them with the code the gateway serves a request whole on."""
+    r = httpx.post(f"{server.url}/pd/prefill", params={"path": path}, timeout=120,
+                   json={"model": server.model, "max_tokens": 2, **body})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "not_disaggregated", r.text

@@ -58,6 +58,8 @@ class ChatResult:
     choices: list[ChoiceResult]
     usage: Usage
     timings: Timings | None = None
+    # with prompt_logprobs: the output that carried them (the first choice's)
+    prompt: Any = None
 
 
 @dataclass(frozen=True)
