@@ -369,7 +369,9 @@ async def metrics(state: State) -> Response:
 OPENAI = (("/v1/chat/completions", "Chat completion, routed by model"),
           ("/v1/completions", "Text completion, routed by model"),
           ("/v1/embeddings", "Embeddings, routed by model"),
-          ("/v1/responses", "OpenAI Responses (stateless), routed by model"))
+          ("/v1/responses", "OpenAI Responses (stateless), routed by model"),
+          ("/v1/responses/input_tokens", "OpenAI Responses: count the input tokens, routed by "
+                                         "model"))
 ANTHROPIC = (("/v1/messages", "Anthropic: create a message, routed by model"),
              ("/v1/messages/count_tokens", "Anthropic: count a message's tokens, routed by "
                                            "model"))
@@ -383,9 +385,14 @@ TOKENS = (("/tokenize", "Tokenize (vLLM's or llama-server's body), routed by mod
 # llama-server's routes at the root (server/llama_server.py), the replica's own paths.
 LLAMA_SERVER = (("/apply-template", "llama-server's: a chat's prompt, routed by model"),
                 ("/completion", "llama-server's native completion, routed by model"),
+                ("/completions", "llama-server's native completion, routed by model"),
                 ("/infill", "llama-server's fill-in-the-middle, routed by model"),
+                ("/embedding", "llama-server's native embeddings, routed by model"),
+                ("/embeddings", "llama-server's native embeddings, routed by model"),
                 ("/chat/completions", "Chat completion (llama-server's path without /v1)"),
-                ("/responses", "OpenAI Responses (llama-server's path without /v1)"))
+                ("/responses", "OpenAI Responses (llama-server's path without /v1)"),
+                ("/responses/input_tokens", "Count the input tokens (llama-server's path "
+                                            "without /v1)"))
 
 
 def disconnect_when_cancelled(app: Any) -> Any:

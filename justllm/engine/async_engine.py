@@ -103,6 +103,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._embedding_ctx: EmbeddingContext | None = None  # engine thread only
+        # llama-server's global adapter scales (POST /lora-adapters): the adapters a request
+        # that chooses none runs under (adapter name -> scale; none by default)
+        self._lora_defaults: dict[str, float] = {}
         self._sinks: dict[str, RequestStream] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks_lock = threading.Lock()
@@ -287,7 +290,7 @@ class AsyncEngine:
         return without_trailing_space(grammar_from_json_schema(schema))
 
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
-        """Mean-pooled, normalised embeddings, computed on the engine thread between steps in a
+        """Mean-pooled embeddings (not normalised), computed on the engine thread between steps in a
         second context on the same model (created at first use)."""
         return await self.call_on_engine_thread(lambda: self._embed_all(token_lists))
 
@@ -332,6 +335,17 @@ class AsyncEngine:
     def lora_adapters(self) -> list[LoadedLora]:
         return self.engine.lora_adapters()
 
+    def lora_defaults(self) -> tuple[tuple[str, float], ...]:
+        """The adapters a request that chooses none runs under, as (name, scale) (llama-server's
+        global scales; none unless :meth:`set_lora_defaults` set some)."""
+        live = {a.name for a in self.lora_adapters() if not a.unloading}
+        return tuple((n, s) for n, s in self._lora_defaults.items() if n in live)
+
+    def set_lora_defaults(self, scales: dict[str, float]) -> None:
+        """Replace the defaults: each named adapter at its scale, the others not applied (a
+        scale of 0 is not applied)."""
+        self._lora_defaults = {n: s for n, s in scales.items() if s != 0.0}
+
     async def load_lora(self, name: str, path: str, scale: float = 1.0, *,
                         replace: bool = False) -> LoadedLora:
         """Load an adapter: the file is checked off the engine thread, then llama.cpp loads it
@@ -344,6 +358,7 @@ class AsyncEngine:
                 lambda: self.engine.load_lora(name, path, scale))
         lora, old = await self.call_on_engine_thread(
             lambda: self.engine.replace_lora(name, path, scale))
+        self._lora_defaults.pop(name, None)  # other weights: not applied until asked again
         if old is not None:
             await self._finish_unload(old)
         return lora
@@ -352,7 +367,9 @@ class AsyncEngine:
         """Unload an adapter: new requests for it are refused at once, the ones running finish,
         then its cached KV is dropped and it is freed. Runs to the end even if the caller is
         cancelled (a half-unloaded adapter would refuse requests forever)."""
-        await self._finish_unload(self.engine.begin_unload_lora(name))
+        lora_id = self.engine.begin_unload_lora(name)
+        self._lora_defaults.pop(name, None)  # an adapter loaded later under its name starts off
+        await self._finish_unload(lora_id)
 
     async def _finish_unload(self, lora_id: int) -> None:
         """Once the adapter's last request has ended: drop its cached KV and free it."""

@@ -1005,7 +1005,8 @@ class EmbeddingContext:
         self._batch = C.llama_batch_init(n_ctx, 0, 1)
 
     def embed(self, tokens: list[int]) -> np.ndarray:
-        """The mean-pooled, L2-normalised embedding of one token sequence."""
+        """The mean-pooled embedding of one token sequence, as llama.cpp pools it (not
+        normalised: each API normalises it its own way)."""
         n = len(tokens)
         if not 0 < n <= self.n_ctx:
             raise EngineError(f"embedding input of {n} tokens; must be 1..{self.n_ctx}")
@@ -1026,9 +1027,7 @@ class EmbeddingContext:
         ptr = C.llama_get_embeddings_seq(self._ctx, 0)
         if not ptr:
             raise EngineError("llama.cpp returned no pooled embedding")
-        vec = np.array(np.ctypeslib.as_array(ptr, shape=(self.n_embd,)), dtype=np.float32)
-        norm = float(np.linalg.norm(vec))
-        return vec / norm if norm > 0 else vec
+        return np.array(np.ctypeslib.as_array(ptr, shape=(self.n_embd,)), dtype=np.float32)
 
     def close(self) -> None:
         if self._ctx:

@@ -409,6 +409,12 @@ async def responses(request: Request) -> Any:
     return await _forward(request, "/v1/responses")
 
 
+@post("/responses/input_tokens", status_code=200,
+      summary="OpenAI Responses: count a request's input tokens, routed by model")
+async def responses_input_tokens(request: Request) -> Any:
+    return await _forward(request, "/v1/responses/input_tokens")
+
+
 # llama-server's routes, at the root as on a runner (server/llama_server.py).
 @get("/props", summary="llama-server's /props: a model's with ?model=, else the router's")
 async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
@@ -417,16 +423,22 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
     return await _forward(request, "/props", method="GET", body={"model": model})
 
 
-@post("/completion", status_code=200,
+@post(["/completion", "/completions"], status_code=200,
       summary="llama-server's /completion (its body and answer), routed by model")
 async def llama_completion(request: Request) -> Any:
-    return await _forward(request, "/completion")
+    return await _forward(request, request.url.path)
 
 
 @post("/infill", status_code=200,
       summary="llama-server's /infill (fill-in-the-middle), routed by model")
 async def llama_infill(request: Request) -> Any:
     return await _forward(request, "/infill")
+
+
+@post(["/embedding", "/embeddings"], status_code=200,
+      summary="llama-server's native embeddings, routed by model")
+async def llama_embedding(request: Request) -> Any:
+    return await _forward(request, request.url.path)
 
 
 @post("/apply-template", status_code=200,
@@ -714,12 +726,14 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, retrieve_model, anthropic_messages,
                                             anthropic_count_tokens, responses,
+                                            responses_input_tokens,
                                             *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
                                              tokenize, detokenize, props, apply_template,
-                                             llama_completion, llama_infill, chat_completions,
-                                             responses],
+                                             llama_completion, llama_infill, llama_embedding,
+                                             chat_completions, responses,
+                                             responses_input_tokens],
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,

@@ -324,6 +324,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, retrieve_model, anthropic.messages,
                                             anthropic.count_tokens, responses.create_response,
+                                            responses.input_tokens,
                                             *lora.ROUTES],
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,

@@ -2,12 +2,15 @@
 
 The embeddings context is the AsyncEngine's: created on first use and computed on the engine
 thread (docs/llama-cpp-facts.md: one OS thread runs llama.cpp compute), between decode steps.
+It gives the pooled vector as llama.cpp pools it; each API normalises it its own way
+(:func:`normalised`: OpenAI's and Ollama's unit length, llama-server's ``embd_normalize``).
 """
 
 from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -19,6 +22,24 @@ from justllm.server.openai_serving import check_model, prompt_list, text_size
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 MAX_INPUTS = 256
+EUCLIDEAN = 2  # llama-server's embd_normalize for unit length, its default
+
+
+def normalised(v: np.ndarray, norm: int = EUCLIDEAN) -> np.ndarray:
+    """``v`` scaled as llama.cpp's ``common_embd_normalize`` scales it (llama-server's
+    ``embd_normalize``): -1 not at all, 0 so that its largest magnitude is 32760 (int16's
+    range), 2 to unit length, any other p > 0 to unit p-norm (1: taxicab). A zero vector stays
+    zero."""
+    x = v.astype(np.float64)
+    if norm == -1:
+        size = 1.0
+    elif norm == 0:
+        size = float(np.max(np.abs(x))) / 32760.0 if x.size else 0.0
+    elif norm == EUCLIDEAN:
+        size = float(np.sqrt(np.dot(x, x)))
+    else:
+        size = float(np.sum(np.abs(x) ** norm) ** (1.0 / norm))
+    return (x * (1.0 / size if size > 0 else 0.0)).astype(np.float32)
 
 
 class EmbeddingServing:
@@ -28,28 +49,39 @@ class EmbeddingServing:
         self.model_id = model_id
         self.metrics = metrics
 
-    def _inputs(self, data: EmbeddingRequest) -> list[list[int]]:
-        items = prompt_list(data.input, "input")
+    def _tokens(self, items: Sequence[str | list[int]], param: str) -> list[list[int]]:
         if len(items) > MAX_INPUTS:
-            raise InvalidRequestError(f"at most {MAX_INPUTS} inputs per request", param="input")
+            raise InvalidRequestError(f"at most {MAX_INPUTS} inputs per request", param=param)
         out = []
         for item in items:
             if isinstance(item, str):
                 out.append(self.aengine.tokenize(item))
             else:
                 if not item or not all(0 <= t < self.aengine.n_vocab for t in item):
-                    raise InvalidRequestError("token ids must be in the vocabulary", param="input")
+                    raise InvalidRequestError("token ids must be in the vocabulary", param=param)
                 out.append(list(item))
         return out
 
-    async def create(self, data: EmbeddingRequest) -> EmbeddingList:
-        if adapter(self.aengine, data.model) is not None:  # listed in /v1/models: not a 404
-            raise no_adapter_embeddings(data.model or "", self.model_id)
-        check_model(data.model, self.model_id)
+    async def pooled(self, model: str | None, inputs: Callable[[], Sequence[str | list[int]]],
+                     size: int, param: str = "input") -> tuple[list[np.ndarray], int]:
+        """The pooled vectors of what ``inputs`` lists (strings are tokenized with BOS; run
+        off the event loop when ``size`` is large), not normalised, and their token count;
+        a request for a LoRA adapter or another model is refused first."""
+        if adapter(self.aengine, model) is not None:  # listed in /v1/models: not a 404
+            raise no_adapter_embeddings(model or "", self.model_id)
+        check_model(model, self.model_id)
         start = time.perf_counter()
-        token_lists = await self.aengine.off_loop(text_size(data.input),
-                                                  lambda: self._inputs(data))
+        token_lists = await self.aengine.off_loop(size, lambda: self._tokens(inputs(), param))
         vectors = await self.aengine.embed(token_lists)
+        n = sum(len(t) for t in token_lists)
+        if self.metrics is not None:
+            self.metrics.observe_embeddings(n, time.perf_counter() - start)
+        return vectors, n
+
+    async def create(self, data: EmbeddingRequest) -> EmbeddingList:
+        pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
+                                      text_size(data.input))
+        vectors = [normalised(v) for v in pooled]
         if data.dimensions is not None:
             if not 0 < data.dimensions <= vectors[0].size:
                 raise InvalidRequestError(f"dimensions must be in [1, {vectors[0].size}]",
@@ -61,7 +93,4 @@ class EmbeddingServing:
             emb: list[float] | str = (base64.b64encode(v.astype(np.float32).tobytes()).decode()
                                       if data.encoding_format == "base64" else v.tolist())
             items.append(Embedding("embedding", i, emb))
-        n = sum(len(t) for t in token_lists)
-        if self.metrics is not None:
-            self.metrics.observe_embeddings(n, time.perf_counter() - start)
         return EmbeddingList("list", items, self.model_id, EmbeddingUsage(n, n))

@@ -48,6 +48,7 @@ from justllm.server.errors import error_body, to_api_error
 from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
 from justllm.server.openai_serving import MAX_REQUEST_STOP, text_size
+from justllm.server.schemas import LoraChoice
 
 # llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
 # not are kept out of the chain, their settings accepted only where they do nothing.
@@ -128,7 +129,7 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     t_max_prompt_ms: int = -1
     timings_per_token: bool = False
     return_progress: bool = False
-    lora: list[dict[str, Any]] | None = None
+    lora: list[LoraChoice] | None = None  # as on the OpenAI routes (server/lora.py)
 
 
 _ONE_COMPLETION = (lambda v: v == 1, "one completion per prompt (send the prompt again, or "
@@ -161,8 +162,6 @@ _OFF: dict[str, tuple[Any, str]] = {
     "t_max_predict_ms": (lambda v: v >= -1, "milliseconds, or 0 or -1 (no limit)"),
     "timings_per_token": (lambda v: not v, "timings come with the last event (false)"),
     "return_progress": (lambda v: not v, "prompt progress is not reported (false)"),
-    "lora": (lambda v: not v, "adapters are chosen by model here: send the adapter's name as "
-                              "model"),
 }
 
 
@@ -307,15 +306,17 @@ def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
     return tuple(out.items())
 
 
-def _prompts(value: object, aengine: AsyncEngine) -> list[str | list[int]]:
-    """llama-server's prompt forms: a string, token ids, strings and ids mixed (the first
-    string's tokens start with BOS, as its tokenize_mixed does), ``{"prompt_string": one of
-    those}`` (its multimodal form, without ``multimodal_data`` here), or an array of those.
+def llama_prompts(value: object, aengine: AsyncEngine, field: str = "prompt"
+                  ) -> list[str | list[int]]:
+    """llama-server's prompt forms (in ``field``: its /completion's ``prompt``, its native
+    embeddings' ``input`` or ``content``): a string, token ids, strings and ids mixed (the
+    first string's tokens start with BOS, as its tokenize_mixed does), ``{"prompt_string": one
+    of those}`` (its multimodal form, without ``multimodal_data`` here), or an array of those.
     An empty string is its BOS alone, as llama-server reads it (the model writes from the
     start of a document)."""
     def one(p: object) -> str | list[int]:
         if isinstance(p, dict):
-            return one(_prompt_string(p))
+            return one(_prompt_string(p, field))
         if isinstance(p, str):
             return p or aengine.tokenize("")
         if isinstance(p, list) and p and all(isinstance(x, (int, str)) and not isinstance(
@@ -326,38 +327,38 @@ def _prompts(value: object, aengine: AsyncEngine) -> list[str | list[int]]:
             for i, x in enumerate(p):
                 tokens += ([x] if isinstance(x, int) else aengine.tokenize(x, add_special=i == 0))
             return tokens
-        raise InvalidRequestError("a prompt is a string, token ids, strings and token ids "
-                                  "mixed, or {\"prompt_string\": one of those}", param="prompt")
+        raise InvalidRequestError(f"{field}: each is a string, token ids, strings and token "
+                                  "ids mixed, or {\"prompt_string\": one of those}", param=field)
 
     single = isinstance(value, str | dict) or (isinstance(value, list) and any(
         isinstance(x, int) and not isinstance(x, bool) for x in value))
     items = [value] if single else value
     if not isinstance(items, list) or not items:
-        raise InvalidRequestError("prompt must be a string, token ids, or an array of "
-                                  "prompts", param="prompt")
+        raise InvalidRequestError(f"{field} must be a string, token ids, or an array of "
+                                  "those", param=field)
     return [one(p) for p in items]
 
 
-def _prompt_string(p: dict[str, Any]) -> object:
+def _prompt_string(p: dict[str, Any], field: str) -> object:
     """The prompt of llama-server's object form; its images and sounds (``multimodal_data``)
     need a multimodal projector, which justllm does not load, and no other key is read."""
     if "multimodal_data" in p:
         raise InvalidRequestError("multimodal_data: this server runs text models only (no "
-                                  "multimodal projector)", param="prompt.multimodal_data")
+                                  "multimodal projector)", param=f"{field}.multimodal_data")
     other = sorted(set(p) - {"prompt_string"})
     if other:
-        raise InvalidRequestError(f"prompt.{other[0]}: not a field of a prompt object (it "
-                                  "has prompt_string)", param=f"prompt.{other[0]}")
+        raise InvalidRequestError(f"{field}.{other[0]}: not a field of a prompt object (it "
+                                  "has prompt_string)", param=f"{field}.{other[0]}")
     if "prompt_string" not in p:
-        raise InvalidRequestError("a prompt object needs prompt_string", param="prompt")
+        raise InvalidRequestError(f"a {field} object needs prompt_string", param=field)
     if isinstance(p["prompt_string"], dict):
-        raise InvalidRequestError("prompt.prompt_string: a string, token ids, or both mixed",
-                                  param="prompt.prompt_string")
+        raise InvalidRequestError(f"{field}.prompt_string: a string, token ids, or both mixed",
+                                  param=f"{field}.prompt_string")
     return p["prompt_string"]
 
 
-def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Served
-              ) -> dict[str, Any]:
+def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Served,
+              lora: tuple[tuple[str, float], ...]) -> dict[str, Any]:
     """generation_settings: what the request ran with, in llama-server's names."""
     return {
         "n_predict": -1 if plan.max_tokens is None else plan.max_tokens,
@@ -379,7 +380,8 @@ def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Serve
         "samplers": list(plan.steps), "stop": list(plan.stop),
         "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
         "model": served.model_id, "post_sampling_probs": False, "timings_per_token": False,
-        "lora": [],
+        "lora": [{"id": a.id, "scale": dict(lora)[a.name]}
+                 for a in served.aengine.lora_adapters() if a.name in dict(lora)],
     }
 
 
@@ -444,7 +446,8 @@ class _Completion:
                  prepared: list[PreparedRequest], seed: int) -> None:
         self.served, self.req, self.plan = served, req, plan
         self.model = served.completions.answer_model(req.model)  # an adapter's name, if named
-        settings = _settings(req, plan, seed, served)
+        settings = _settings(req, plan, seed, served, prepared[0].params.lora if prepared
+                             else ())
         token_bytes = served.aengine.token_bytes
         self.answers = [_Answer(b"".join(token_bytes(t, special=True) for t in p.tokens)
                                 .decode("utf-8", "replace"), settings,
@@ -563,13 +566,13 @@ def _prepare(aengine: AsyncEngine, prompt: str | list[int], params: SamplingPara
         return aengine.prepare(prompt, replace(params, max_tokens=None))
 
 
-@post("/completion", status_code=200,
+@post(["/completion", "/completions"], status_code=200,
       summary="llama-server's /completion: its body, sampler order and answer")
 async def completion(data: JSONBody[LlamaCompletionRequest], request: Request,
                      state: State) -> Any:
     req = await decode_request(request, LlamaCompletionRequest)
     return await answer(request, _served(state), req, text_size(req.prompt),
-                        lambda aengine: _prompts(req.prompt, aengine), "llama.completion")
+                        lambda aengine: llama_prompts(req.prompt, aengine), "llama.completion")
 
 
 async def answer(request: Request, served: Served, req: LlamaCompletionRequest, size: int,
@@ -583,7 +586,7 @@ async def answer(request: Request, served: Served, req: LlamaCompletionRequest, 
     # (any other value is taken as llama.cpp's unsigned 32-bit seed: -5 is 4294967291)
     seed = random.getrandbits(32) if req.seed == -1 else req.seed % 2**32
     aengine = served.aengine
-    lora = request_lora(aengine, req.model, None)
+    lora = request_lora(aengine, req.model, req.lora)
 
     def ready() -> list[PreparedRequest]:
         grammar = None

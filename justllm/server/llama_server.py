@@ -10,12 +10,15 @@
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``;
   a conversation that ends with an assistant message ends inside it, as llama-server prefills
   it (``continue_final_message`` without asking; the chat route keeps vLLM's new turn).
-- ``POST /completion``: llama-server's native completion (server/llama_completion.py).
+- ``POST /completion`` and ``POST /completions``: llama-server's native completion
+  (server/llama_completion.py).
 - ``POST /infill``: fill-in-the-middle on a model with FIM tokens (server/infill.py).
-- ``/chat/completions``, ``/responses`` and ``/v1/health``: llama-server serves its OpenAI
+- ``POST /embedding`` and ``POST /embeddings``: its native embeddings (server/llama_embedding.py).
+- ``GET`` and ``POST /lora-adapters``: its global adapter scales (server/lora.py).
+- ``/chat/completions``, ``/responses``, ``/responses/input_tokens`` and ``/v1/health``: llama-server serves its OpenAI
   routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
-  posts to ``/chat/completions``). Its un-prefixed ``/completions`` and ``/embeddings`` are its
-  *native* formats, not OpenAI's, so they are not aliased here.
+  posts to ``/chat/completions``); its un-prefixed ``/completions`` and ``/embeddings`` are
+  its native formats, not OpenAI's (above).
 """
 
 from __future__ import annotations
@@ -125,10 +128,13 @@ def router_props() -> dict[str, Any]:
 
 def llama_server_router() -> Router:
     """The routes above and the un-prefixed OpenAI aliases, behind ``--api-key``."""
-    from justllm.server import responses
+    from justllm.server import lora, responses
     from justllm.server.infill import infill
     from justllm.server.llama_completion import completion
+    from justllm.server.llama_embedding import embedding
 
-    return Router(path="/", route_handlers=[props, apply_template, completion, infill,
-                                            chat_completions, responses.create_response],
+    return Router(path="/", route_handlers=[props, apply_template, completion, infill, embedding,
+                                            chat_completions, responses.create_response,
+                                            responses.input_tokens,
+                                            *lora.LLAMA_SERVER_ROUTES],
                   guards=[require_api_key])

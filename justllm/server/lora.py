@@ -6,6 +6,12 @@
   to, or rescales, the adapter named as ``model``; adapters it does not list are not applied
   (llama-server applies every adapter loaded at start unless told otherwise; here the base
   model is the default).
+- llama-server's ``GET /lora-adapters`` and ``POST /lora-adapters`` (``[{"id" | "name",
+  "scale"}]``): its global scales, the adapters a request that chooses none (no adapter as
+  ``model``, no or an empty ``lora`` field) runs under; the adapters a POST does not list are
+  not applied. None by default: a server started with ``--lora`` serves the base model to
+  requests that do not ask for an adapter, as vLLM does (llama-server applies them unless
+  ``--lora-init-without-apply``); one POST gives llama-server's default.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
   /v1/unload_lora_adapter`` ``{"lora_name"}`` (vLLM's routes and bodies), with
   ``--enable-lora-runtime`` only (404 otherwise). Unloading waits for the adapter's running
@@ -37,6 +43,14 @@ class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     lora_int_id: int | None = None  # vLLM's; the name is what counts
 
 
+class GlobalScale(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An entry of llama-server's ``POST /lora-adapters``: an adapter by id or name."""
+
+    id: int | None = None
+    name: str | None = None
+    scale: float
+
+
 class LoraAdapterInfo(msgspec.Struct):
     """One loaded adapter (llama-server's GET /lora-adapters shape, with the name)."""
 
@@ -63,25 +77,30 @@ def request_lora(aengine: AsyncEngine, model: str | None,
                  choices: list[LoraChoice] | None) -> tuple[tuple[str, float], ...]:
     """The ``(name, scale)`` adapters a request runs under: the one its ``model`` names, then
     its ``lora`` entries (a 400 for one that names no loaded adapter)."""
-    loaded = aengine.lora_adapters()
     chosen: dict[str, float] = {}
     named = adapter(aengine, model)
+    if named is None and not choices:  # none chosen: llama-server's global scales, if set
+        return aengine.lora_defaults()
     if named is not None:
         chosen[named.name] = named.scale
     for i, c in enumerate(choices or []):
-        where = f"lora[{i}]"
-        if (c.id is None) == (c.name is None):
-            raise InvalidRequestError(f"{where}: give an adapter's id or its name",
-                                      param=where)
-        found = next((a for a in loaded if (a.id == c.id if c.name is None
-                                            else a.name == c.name)), None)
-        if found is None:
-            what = f"id {c.id}" if c.name is None else f"name '{c.name}'"
-            names = ", ".join(f"{a.id}: {a.name}" for a in loaded) or "none"
-            raise InvalidRequestError(f"{where}: no LoRA adapter with {what} is loaded "
-                                      f"(loaded: {names})", param=where)
+        found = _loaded(aengine, c.id, c.name, f"lora[{i}]")
         chosen[found.name] = found.scale if c.scale is None else c.scale
     return tuple(chosen.items())
+
+
+def _loaded(aengine: AsyncEngine, id: int | None, name: str | None, where: str) -> LoadedLora:
+    """The loaded adapter an entry names by ``id`` or ``name`` (a 400 at ``where`` else)."""
+    if (id is None) == (name is None):
+        raise InvalidRequestError(f"{where}: give an adapter's id or its name", param=where)
+    loaded = aengine.lora_adapters()
+    found = next((a for a in loaded if (a.id == id if name is None else a.name == name)), None)
+    if found is None:
+        what = f"id {id}" if name is None else f"name '{name}'"
+        names = ", ".join(f"{a.id}: {a.name}" for a in loaded) or "none"
+        raise InvalidRequestError(f"{where}: no LoRA adapter with {what} is loaded "
+                                  f"(loaded: {names})", param=where)
+    return found
 
 
 def adapter_cards(aengine: AsyncEngine, base: str, created: int) -> list[ModelCard]:
@@ -185,4 +204,31 @@ async def list_lora_adapters(state: State) -> list[LoraAdapterInfo]:
             for a in _served(state).aengine.lora_adapters()]
 
 
+@get("/lora-adapters", summary="llama-server's: the adapters and their global scales")
+async def global_scales(state: State) -> list[LoraAdapterInfo]:
+    """Each loaded adapter with the scale a request that chooses none runs it at (0: not
+    applied), where ``GET /v1/lora_adapters`` gives the scale a request naming it gets."""
+    from justllm.server.app import _served
+
+    aengine = _served(state).aengine
+    applied = dict(aengine.lora_defaults())
+    return [LoraAdapterInfo(a.id, a.name, a.path, applied.get(a.name, 0.0))
+            for a in aengine.lora_adapters()]
+
+
+@post("/lora-adapters", status_code=200,
+      summary="llama-server's: set the adapters a request that chooses none runs under")
+async def set_global_scales(request: Request, state: State) -> dict[str, bool]:
+    from justllm.server.app import _served, decode_request
+
+    aengine = _served(state).aengine
+    entries = await decode_request(request, list[GlobalScale])
+    scales: dict[str, float] = {}
+    for i, e in enumerate(entries):  # a later entry for the same adapter wins, as there
+        scales[_loaded(aengine, e.id, e.name, f"[{i}]").name] = e.scale
+    aengine.set_lora_defaults(scales)
+    return {"success": True}
+
+
 ROUTES = [load_lora_adapter, unload_lora_adapter, list_lora_adapters]
+LLAMA_SERVER_ROUTES = [global_scales, set_global_scales]

@@ -302,7 +302,8 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
               logprobs: int | None, template_stops: bool,
               lora: LoadedLora | None = None) -> SamplingParams:
     """``options`` as SamplingParams, with Ollama's defaults for what is not set (and the
-    request's adapter, at its own scale)."""
+    request's adapter, at its own scale; without one, llama-server's global scales if set:
+    server/lora.py)."""
     o = o or OllamaOptions()
     _check_load_options(o, served)
     for name, (off, why) in _OFF_OPTIONS.items():
@@ -330,7 +331,8 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
     try:
         return _params(o, n, last_n, with_template_stops(stop, template) if template_stops
                        else stop, grammar, logprobs,
-                       () if lora is None else ((lora.name, lora.scale),))
+                       served.aengine.lora_defaults() if lora is None
+                       else ((lora.name, lora.scale),))
     except InvalidRequestError as e:  # named as the client named it: options.temperature
         raise InvalidRequestError(f"options.{e}",
                                   param=f"options.{e.param}" if e.param else None) from None

@@ -17,6 +17,7 @@ from justllm.server import (
     anthropic_chat,
     infill,
     llama_completion,
+    llama_embedding,
     llama_server,
     responses_chat,
     tokenize,
@@ -30,7 +31,7 @@ from justllm.server.ollama import (
     OllamaShowRequest,
 )
 from justllm.server.openai_serving import OpenAIServing, check_chat_request, check_stream_options
-from justllm.server.responses_schemas import ResponseRequest
+from justllm.server.responses_schemas import InputTokensRequest, ResponseRequest
 from justllm.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,15 +66,21 @@ def check_without_model(path: str, raw: bytes) -> None:
         case "/apply-template":
             llama_server.check_apply_template(
                 msgspec.json.decode(raw, type=ChatCompletionRequest))
-        case "/completion":
+        case "/completion" | "/completions":
             llama_completion.check_completion(
                 msgspec.json.decode(raw, type=llama_completion.LlamaCompletionRequest))
+        case "/embedding" | "/embeddings":
+            llama_embedding.check_embedding(
+                msgspec.json.decode(raw, type=llama_embedding.LlamaEmbeddingRequest))
         case "/infill":
             infill.check_infill(msgspec.json.decode(raw, type=infill.LlamaInfillRequest))
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":
             responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest))
+        case "/v1/responses/input_tokens":
+            responses_chat.to_chat(msgspec.json.decode(
+                raw, type=InputTokensRequest).as_response_request())
         case "/api/chat":
             msgspec.json.decode(raw, type=OllamaChatRequest)
         case "/api/generate":

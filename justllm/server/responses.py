@@ -24,6 +24,7 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from justllm.errors import InvalidRequestError
+from justllm.server.anthropic import prompt_tokens
 from justllm.server.app import (
     _served,
     decode_request,
@@ -31,9 +32,11 @@ from justllm.server.app import (
     sse_response,
     unless_disconnected,
 )
-from justllm.server.openai_serving import SCHEMA_PARAM
+from justllm.server.openai_serving import SCHEMA_PARAM, text_size
 from justllm.server.responses_chat import to_chat
 from justllm.server.responses_schemas import (
+    InputTokens,
+    InputTokensRequest,
     OutputFunctionCall,
     OutputMessage,
     OutputText,
@@ -214,6 +217,20 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
 _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens",
            "response_format.json_schema.name": "text.format.name",
            "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
+
+
+@post("/responses/input_tokens", status_code=200,
+      summary="Count a response request's input tokens (its prompt as rendered)")
+async def input_tokens(data: JSONBody[InputTokensRequest], request: Request,
+                       state: State) -> InputTokens:
+    """OpenAI's token count of a Responses request: the rendered prompt (instructions, input,
+    tools) in tokens, what the response's ``usage.input_tokens`` would say."""
+    served = _served(state)
+    req = await decode_request(request, InputTokensRequest)
+    served.completions.check_model(req.model)
+    chat = to_chat(req.as_response_request())
+    return InputTokens(input_tokens=await served.aengine.off_loop(
+        text_size(chat), lambda: prompt_tokens(served, chat)))
 
 
 @post("/responses", status_code=200, summary="Create a response (stateless)")

@@ -129,6 +129,33 @@ class ResponseRequest(_Body, kw_only=True):
     context_management: Any = None
 
 
+class InputTokensRequest(_Body, kw_only=True):
+    """``POST /v1/responses/input_tokens``: the fields of a request that shape its prompt,
+    OpenAI's list (sampling and output fields are not among them: an unknown field there)."""
+
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    reasoning: Any = None
+
+    def as_response_request(self) -> ResponseRequest:
+        """The request whose prompt this counts (the same checks then hold: what
+        ``/v1/responses`` refuses is refused here)."""
+        return ResponseRequest(**msgspec.structs.asdict(self))
+
+
+class InputTokens(msgspec.Struct, kw_only=True):
+    object: str = "response.input_tokens"
+    input_tokens: int
+
+
 # ---- responses -------------------------------------------------------------------------------
 
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):

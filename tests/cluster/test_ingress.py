@@ -243,18 +243,21 @@ def test_a_lora_id_replicas_may_not_agree_on_is_refused():
 
 
 def test_anthropic_and_responses_requests_go_to_the_models_deployment():
-    """Router mode forwards /v1/messages, count_tokens and /v1/responses; the cluster answered
-    them 404. The client's x-api-key (Anthropic's SDK) stays at the ingress."""
-    handle = Handle(*[Answer(JSON, b"{}") for _ in range(3)])
+    """Router mode forwards /v1/messages, count_tokens, /v1/responses and its input_tokens;
+    the cluster answered them 404. The client's x-api-key (Anthropic's SDK) stays at the
+    ingress."""
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(4)])
     with client(handle, api_key="sekrit") as c:
         for path, body in (("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 4,
                                              "messages": [{"role": "user", "content": "hi"}]}),
                            ("/v1/messages/count_tokens", {"model": "demo", "messages": []}),
-                           ("/v1/responses", {"model": "demo", "input": "hi"})):
+                           ("/v1/responses", {"model": "demo", "input": "hi"}),
+                           ("/v1/responses/input_tokens", {"model": "demo", "input": "hi"})):
             r = c.post(path, json=body, headers={"x-api-key": "sekrit"})
             assert r.status_code == 200, (path, r.text)
     assert [call["path"] for call in handle.calls] == [
-        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"]
+        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+        "/v1/responses/input_tokens"]
     assert handle.calls[0]["body"]["model"] == "demo"
     assert handle.calls[0]["route"][0] == "<user>hi\n"
     assert handle.calls[2]["route"][0] == "hi"
@@ -278,17 +281,19 @@ def test_token_routes_go_to_the_models_deployment():
 
 
 def test_llama_server_routes_go_to_the_models_deployment():
-    """/apply-template, /completion, /infill and the OpenAI routes without /v1 by the body's
+    """/apply-template, /completion(s), /infill, /embedding(s) and the OpenAI routes without
+    /v1 by the body's
     model, /props by ?model= (a GET without a body), /props without one the cluster's own;
     behind the API key but /v1/health, as llama-server's."""
-    handle = Handle(*[Answer(JSON, b"{}") for _ in range(6)])
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(10)])
     auth = {"Authorization": "Bearer sekrit"}
     with client(handle, api_key="sekrit") as c:
         assert c.get("/props").status_code == 401
         own = c.get("/props", headers=auth).json()
         assert own["role"] == "router" and own["build_info"].startswith("justllm ")
-        for path in ("/apply-template", "/completion", "/infill", "/chat/completions",
-                     "/responses"):
+        for path in ("/apply-template", "/completion", "/completions", "/infill", "/embedding",
+                     "/embeddings", "/chat/completions", "/responses",
+                     "/responses/input_tokens"):
             r = c.post(path, json={"model": "gpt-4o-mini", "messages": []}, headers=auth)
             assert r.status_code == 200, (path, r.text)
         r = c.get("/props", params={"model": "gpt-4o-mini"}, headers=auth)
@@ -296,10 +301,11 @@ def test_llama_server_routes_go_to_the_models_deployment():
         assert c.get("/props", params={"model": "nope"}, headers=auth).status_code == 404
         assert c.get("/v1/health").json() == {"status": "ok"}
     assert [(call["method"], call["path"]) for call in handle.calls] == [
-        ("POST", "/apply-template"), ("POST", "/completion"), ("POST", "/infill"),
-        ("POST", "/chat/completions"), ("POST", "/responses"), ("GET", "/props")]
+        ("POST", "/apply-template"), ("POST", "/completion"), ("POST", "/completions"),
+        ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"), ("POST", "/chat/completions"),
+        ("POST", "/responses"), ("POST", "/responses/input_tokens"), ("GET", "/props")]
     assert handle.calls[0]["body"]["model"] == "demo"  # an alias is the model's name
-    assert handle.calls[5]["body"] is None and handle.calls[5]["query"] == "model=gpt-4o-mini"
+    assert handle.calls[9]["body"] is None and handle.calls[9]["query"] == "model=gpt-4o-mini"
 
 
 def test_anthropic_errors_keep_anthropics_shape():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -84,6 +85,9 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         r = httpx.post(gw.url + "/completion", timeout=30, json={
             "model": "alpha", "prompt": "x", "mirostat": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat", r.text
+        r = httpx.post(gw.url + "/completions", timeout=30, json={
+            "model": "alpha", "prompt": "x", "mirostat": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mirostat", r.text
         # /infill by model: the runner's answer (the demo model has no FIM tokens), and a body
         # no model could take, refused before a load
         r = httpx.post(gw.url + "/infill", timeout=60, json={
@@ -93,6 +97,29 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         r = httpx.post(gw.url + "/infill", timeout=30, json={
             "model": "alpha", "input_prefix": "a", "input_suffix": "b", "input_extra": [{}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input_extra[0]", r.text
+        # llama-server's native embeddings by model: the runner's vectors, its shape; a body no
+        # model could take refused before a load
+        for path in ("/embedding", "/embeddings"):
+            r = httpx.post(gw.url + path, timeout=60, json={"model": "alpha", "content": "hi",
+                                                            "embd_normalize": -1})
+            assert r.status_code == 200, r.text
+            assert [len(e["embedding"]) for e in r.json()] == [1]
+        oai = httpx.post(gw.url + "/v1/embeddings", timeout=60, json={
+            "model": "alpha", "input": "hi"}).json()["data"][0]["embedding"]
+        raw = np.array(r.json()[0]["embedding"][0])
+        assert np.allclose(raw / np.linalg.norm(raw), oai, atol=1e-6)
+        r = httpx.post(gw.url + "/embedding", timeout=30, json={
+            "model": "alpha", "input": "a", "content": "b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        # OpenAI's input token count by model, with and without /v1; a field it does not take
+        # refused before a load
+        counts = [httpx.post(gw.url + path, timeout=60, json={"model": "alpha", "input": "hi"})
+                  for path in ("/v1/responses/input_tokens", "/responses/input_tokens")]
+        assert [r.json() for r in counts] == [counts[0].json()] * 2, counts[1].text
+        assert counts[0].json()["input_tokens"] > 1
+        r = httpx.post(gw.url + "/v1/responses/input_tokens", timeout=30, json={
+            "model": "alpha", "input": "hi", "temperature": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
         alias = httpx.post(gw.url + "/chat/completions", timeout=120, json={
             "model": "alpha", "messages": HELLO, "max_tokens": 1}).json()["usage"]
         assert alias["prompt_tokens"] == chat["prompt_tokens"]

@@ -48,6 +48,9 @@ def test_an_answer_in_llama_servers_shape_with_greedy_tokens(server):
     assert timings["predicted_n"] == 8 and timings["prompt_n"] + timings["cache_n"] == got[
         "tokens_evaluated"]
     assert "completion_probabilities" not in got
+    # llama-server's other path for it (not OpenAI's /v1/completions)
+    again = post(server, "/completions", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    assert again.status_code == 200 and again.json()["content"] == greedy, again.text
     # without return_tokens the ids are left out, as llama-server leaves them
     assert complete(server, n_predict=2, temperature=0)["tokens"] == []
     # llama-server's other names: max_completion_tokens, logprobs, n (1), adaptive-p off

@@ -119,5 +119,7 @@ def test_openai_routes_answer_without_v1_as_llama_servers_do(server):
     assert r.usage.output_tokens <= 4
     health = httpx.get(server.url + "/v1/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    # llama-server's /completions and /embeddings are its own formats: not OpenAI's here
-    assert post(server, "/completions", {"prompt": "x"}).status_code in (404, 405)
+    # llama-server's un-prefixed /completions and /embeddings are its own formats, not OpenAI's
+    native = post(server, "/completions", {"prompt": "x", "n_predict": 1}).json()
+    assert "content" in native and "choices" not in native
+    assert "data" not in post(server, "/embeddings", {"input": "x"}).json()

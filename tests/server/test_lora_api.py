@@ -264,3 +264,72 @@ def test_an_adapter_named_as_the_base_model_is_refused_at_start(model_path, file
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip() == ("error: --lora demo=…: 'demo' is the base model's name; give "
                                 "the adapter another")
+
+
+def test_llama_servers_global_scales(client, lora_server, files):
+    """llama-server's GET/POST /lora-adapters: the adapters a request that chooses none runs
+    under, on every route; a choice (model or lora field) overrides them; none by default."""
+    url, base = lora_server.url, lora_server.model
+
+    def scales() -> dict[str, float]:
+        listed = httpx.get(url + "/lora-adapters", timeout=30).json()
+        return {a["name"]: a["scale"] for a in listed if a["name"] in ("a", "b", "d")}
+
+    def native(**body) -> dict:
+        r = httpx.post(url + "/completion", timeout=120, json={
+            "prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def ollama(model: str) -> str:
+        return httpx.post(url + "/api/generate", timeout=120, json={
+            "model": model, "prompt": PROMPT, "stream": False, "raw": True,
+            "options": {"temperature": 0, "num_predict": 6}}).json()["response"]
+
+    def set_scales(body) -> httpx.Response:
+        return httpx.post(url + "/lora-adapters", json=body, timeout=30)
+
+    plain, with_a, with_b = complete(client, base), complete(client, "a"), complete(client, "b")
+    assert scales() == {"a": 0.0, "b": 0.0}  # not applied unless asked
+    assert native()["content"] == plain and native()["generation_settings"]["lora"] == []
+    ollama_a = ollama("a")
+    try:
+        r = set_scales([{"id": 0, "scale": 1.0}])
+        assert r.status_code == 200 and r.json() == {"success": True}, r.text
+        assert scales() == {"a": 1.0, "b": 0.0}
+        assert complete(client, base) == with_a  # a request that chooses none
+        assert native()["content"] == with_a
+        assert native()["generation_settings"]["lora"] == [{"id": 0, "scale": 1.0}]
+        assert ollama(base) == ollama_a
+        # a choice replaces them: by model, by the lora field (here on /completion too)
+        assert complete(client, "b") == with_b
+        assert complete(client, base, [{"name": "b"}]) == with_b
+        assert native(lora=[{"id": 1}])["content"] == with_b
+        assert native(lora=[{"name": "b", "scale": 0.8}])["generation_settings"]["lora"] == [
+            {"id": 1, "scale": 0.8}]
+        for body, param in [([{"id": 9, "scale": 1.0}], "[0]"), ([{"name": "a"}], "scale"),
+                            ([{"scale": 1.0}], "[0]"), ({"id": 0, "scale": 1.0}, None),
+                            ([{"id": 0, "scale": 1.0, "x": 1}], "x")]:
+            r = set_scales(body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert param is None or param in error["message"] + (error["param"] or ""), r.text
+        assert scales() == {"a": 1.0, "b": 0.0}  # a refused POST changes nothing
+        # an adapter unloaded leaves them; one loaded again under its name starts off
+        r = post(lora_server, "load_lora_adapter", {"lora_name": "d",
+                                                    "lora_path": str(files["c"])})
+        assert r.status_code == 200, r.text
+        assert set_scales([{"name": "d", "scale": 1.0}]).status_code == 200
+        assert scales() == {"a": 0.0, "b": 0.0, "d": 1.0}  # the others not applied now
+        with_d = complete(client, base)
+        assert with_d not in (plain, with_a)
+        assert post(lora_server, "unload_lora_adapter", {"lora_name": "d"}).status_code == 200
+        assert complete(client, base) == plain
+        assert post(lora_server, "load_lora_adapter", {"lora_name": "d",
+                                                       "lora_path": str(files["c"])}
+                    ).status_code == 200
+        assert scales()["d"] == 0.0 and complete(client, base) == plain
+        assert post(lora_server, "unload_lora_adapter", {"lora_name": "d"}).status_code == 200
+    finally:
+        set_scales([])
+    assert scales() == {"a": 0.0, "b": 0.0} and complete(client, base) == plain

@@ -211,3 +211,30 @@ def test_raw_framing(server):
         "input": HELLO, "max_output_tokens": 2, "stream": True}))
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.text.startswith("event: response.created\ndata: {")
+
+
+def test_input_tokens_counts_what_the_response_would_bill(client, server):
+    """OpenAI's POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the
+    count the response's usage.input_tokens gives for the same instructions, input and tools."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello.",
+                                                "annotations": []}]},
+             {"type": "message", "role": "user", "content": ASK}]
+    for shape in ({"input": HELLO}, {"input": items, "instructions": "Be brief."},
+                  {"input": ASK, "tools": [WEATHER], "tool_choice": "auto"}):
+        counted = client.responses.input_tokens.count(model=server.model, **shape)
+        assert counted.object == "response.input_tokens"
+        billed = client.responses.create(model=server.model, max_output_tokens=1, **shape)
+        assert counted.input_tokens == billed.usage.input_tokens > 3, shape
+    bare = httpx.post(server.url + "/responses/input_tokens", timeout=60,  # llama-server's path
+                      json={"input": HELLO}).json()
+    assert bare == {"object": "response.input_tokens", "input_tokens": client.responses.
+                    input_tokens.count(input=HELLO).input_tokens}
+    for extra, param in [({"temperature": 0}, "temperature"), ({"stream": True}, "stream"),
+                         ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"truncation": "auto"}, "truncation")]:
+        r = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
+                       json={"input": HELLO, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="nope", input=HELLO)

@@ -1,0 +1,97 @@
+"""llama-server's native ``POST /embedding`` and ``/embeddings`` on a real server: its prompt
+forms, ``embd_normalize`` as llama.cpp's ``common_embd_normalize``, its answer's shape, and a
+400 for every field it would ignore."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from justllm.server.embeddings import MAX_INPUTS, normalised
+from tests.server.test_tokenize import post, tokenize
+
+
+def vectors(server, path: str = "/embedding", **body) -> list[np.ndarray]:
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [e["index"] for e in answer] == list(range(len(answer)))
+    assert all(len(e["embedding"]) == 1 for e in answer)  # one pooled vector, in a list
+    return [np.array(e["embedding"][0]) for e in answer]
+
+
+def refused(server, param: str, status: int = 400, **body) -> str:
+    r = post(server, "/embedding", body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    return r.json()["error"]["message"]
+
+
+def test_the_pooled_vector_is_openais_before_its_normalisation(server):
+    oai = post(server, "/v1/embeddings", {"input": "hello world"}).json()["data"][0]["embedding"]
+    [unit] = vectors(server, content="hello world")
+    assert np.allclose(unit, oai, atol=1e-6)
+    [same] = vectors(server, "/embeddings", input="hello world")
+    assert np.allclose(same, unit, atol=1e-6)
+    [raw] = vectors(server, content="hello world", embd_normalize=-1)
+    assert np.linalg.norm(raw) > 2  # not normalised: this model's pooled vectors are longer
+    assert np.allclose(raw / np.linalg.norm(raw), unit, atol=1e-6)
+    [int16] = vectors(server, content="hello world", embd_normalize=0)
+    assert math.isclose(np.abs(int16).max(), 32760, rel_tol=1e-6)
+    assert np.allclose(int16, raw * (32760 / np.abs(raw).max()), rtol=1e-5)
+    for p in (1, 3, 5):
+        [v] = vectors(server, content="hello world", embd_normalize=p)
+        assert math.isclose(float((np.abs(v) ** p).sum() ** (1 / p)), 1.0, rel_tol=1e-5)
+        assert np.allclose(v / np.linalg.norm(v), unit, atol=1e-6)
+
+
+def test_llama_servers_prompt_forms_one_vector_each_in_order(server):
+    x = tokenize(server, prompt="x")["tokens"]  # with BOS
+    y = tokenize(server, content="y", add_special=False)["tokens"]
+    bos = tokenize(server, prompt="")["tokens"]
+    got = vectors(server, input=["x", ["x", 12, 13, "y"], {"prompt_string": "x"}, "",
+                                 x + [12, 13] + y, bos])
+    assert len(got) == 6
+    assert np.allclose(got[0], got[2], atol=1e-6)  # the object form is its string
+    assert np.allclose(got[1], got[4], atol=1e-6)  # mixed: BOS before the first string alone
+    assert np.allclose(got[3], got[5], atol=1e-6)  # an empty string is BOS alone
+    assert not np.allclose(got[0], got[1], atol=1e-3)
+    # token ids alone are one prompt, not one per id
+    assert len(vectors(server, input=x + [12])) == 1
+
+
+def test_fields_it_would_ignore_and_bad_inputs_are_400s(server):
+    assert "not both" in refused(server, "content", input="a", content="b")
+    assert "must be provided" in refused(server, "input", embd_normalize=2)
+    assert "base64" in refused(server, "encoding_format", input="a", encoding_format="base64")
+    refused(server, "embd_normalize", input="a", embd_normalize=-2)
+    refused(server, "embd_normalize", input="a", embd_normalize=True)  # strictly an integer
+    refused(server, "pooling", input="a", pooling="none")  # not a field: refused, not ignored
+    refused(server, "input", input=[])
+    refused(server, "input", input=[None])
+    refused(server, "content", content=[10**9])
+    refused(server, "input.multimodal_data", input={"prompt_string": "a",
+                                                    "multimodal_data": ["AA=="]})
+    assert str(MAX_INPUTS) in refused(server, "input", input=["a"] * (MAX_INPUTS + 1))
+    assert "at most" in refused(server, "input", input=[5] * 3000)  # past the context
+    refused(server, "model", status=404, input="a", model="nope")
+    assert len(vectors(server, input="a", model=server.model)) == 1
+
+
+@pytest.mark.parametrize("norm", [-1, 0, 1, 2, 3, 7])
+def test_normalised_is_llama_cpps_common_embd_normalize(norm):
+    rng = np.random.default_rng(norm + 2)
+    v = rng.normal(size=640).astype(np.float32) * 4
+    x = v.astype(np.float64)  # llama.cpp sums in double, then scales each float
+    if norm == -1:
+        size = 1.0
+    elif norm == 0:
+        size = np.abs(x).max() / 32760.0
+    elif norm == 2:
+        size = math.sqrt(sum(t * t for t in x))
+    else:
+        size = sum(abs(t) ** norm for t in x) ** (1.0 / norm)
+    assert np.allclose(normalised(v, norm), v * (1.0 / size), rtol=1e-6)
+    assert not normalised(np.zeros(4, dtype=np.float32), norm).any()  # a zero vector stays 0
