@@ -70,24 +70,30 @@ def check_infill(req: LlamaInfillRequest) -> list[Chunk]:
 
 def _infill_prompt(req: LlamaInfillRequest, aengine: AsyncEngine) -> list[int]:
     chunks = check_infill(req)
-    fim = aengine.fim_tokens()
-    missing = fim.missing()
+    missing = aengine.fim_tokens().missing()
     if missing:
         raise InvalidRequestError(f"this model cannot infill: it has no FIM "
                                   f"{', '.join(missing)} token (a code model with FIM "
                                   "tokens can, such as Qwen2.5-Coder)", param="model")
+    n_predict = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
+                      if v is not None), -1)
+    return code_prompt(aengine, req.input_prefix, req.input_suffix, chunks, req.prompt,
+                       n_predict)
 
+
+def code_prompt(aengine: AsyncEngine, prefix: str, suffix: str, chunks: list[Chunk],
+                prompt: str, n_predict: int) -> list[int]:
+    """The fill-in-the-middle prompt of a model that has the FIM tokens, in llama-server's
+    layout (core/fim.py); ``n_predict`` -1: no limit. Also Ollama's ``suffix``."""
     def text(s: str) -> list[int]:  # the code as it is: special tokens' text is text
         return aengine.tokenize(s, add_special=False, parse_special=False)
 
-    n_predict = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
-                      if v is not None), -1)
     context = aengine.max_request_tokens
     # The prefix and suffix share a batch; in a context smaller than one, the context (less a
     # few tokens for the FIM tokens and the answer), so a long prefix is cut, not refused.
     batch = min(aengine.engine.config.n_batch, max(context - _ROOM, 4))
-    return fim_prompt(fim, text, text(req.input_prefix), text(req.input_suffix), chunks,
-                      aengine.tokenize(req.prompt, add_special=False, parse_special=True),
+    return fim_prompt(aengine.fim_tokens(), text, text(prefix), text(suffix), chunks,
+                      aengine.tokenize(prompt, add_special=False, parse_special=True),
                       bos=aengine.bos_added(), batch=batch, context=context,
                       n_predict=n_predict)
 

@@ -54,6 +54,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import APIError, ollama_response, to_api_error
+from justllm.server.infill import code_prompt
 from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.ollama_chat import (
     Arrival,
@@ -499,7 +500,7 @@ def ollama_id() -> str:
     return f"ollama-{uuid.uuid4().hex}"
 
 
-async def _run(request: Request, served: Served, req: _Generation, prompt: str,
+async def _run(request: Request, served: Served, req: _Generation, prompt: str | list[int],
                params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival) -> Any:
     # After a transcript's "Assistant:" the model writes the separating space itself.
     lstrip = templated and served.completions.template.name == "transcript"
@@ -605,7 +606,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
     lora = _check_generation(req, served)
     _no_images(req.images, "images")
     if req.suffix:
-        raise InvalidRequestError("suffix: fill-in-the-middle is not supported", param="suffix")
+        _check_insert(req, served)
     if req.template:
         raise InvalidRequestError("template: a per-request prompt template is not supported; "
                                   "send raw: true with a prompt formatted yourself, or use the "
@@ -621,10 +622,20 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         raise InvalidRequestError("system: a raw prompt is sent as it is, without a system "
                                   "message; put it in the prompt", param="system")
     params = _sampling(req.options, served, grammar=_grammar(req.format, served),
-                       logprobs=_logprobs(req), template_stops=not req.raw, lora=lora)
-    if not req.prompt:
+                       logprobs=_logprobs(req), template_stops=not req.raw and not req.suffix,
+                       lora=lora)
+    if req.suffix:  # fill-in-the-middle: the code before (prompt) and after (suffix)
+        n = params.max_tokens
+
+        def fim() -> list[int]:
+            return code_prompt(served.aengine, req.prompt, req.suffix or "", [], "",
+                               -1 if n is None else n)
+
+        prompt: str | list[int] = await served.aengine.off_loop(
+            len(req.prompt) + len(req.suffix), fim)
+    elif not req.prompt:
         return _loaded(req.model, chat=False)
-    if req.raw:
+    elif req.raw:
         prompt = req.prompt
     else:
         turn = [ChatMessage(role="user", content=req.prompt)]
@@ -632,7 +643,23 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
             turn.insert(0, ChatMessage(role="system", content=req.system))
         prompt = served.completions.chat_prompt(turn)
     return await _run(request, served, req, prompt, params, chat=False,
-                      templated=not req.raw, arrival=arrival)
+                      templated=not req.raw and not req.suffix, arrival=arrival)
+
+
+def _check_insert(req: OllamaGenerateRequest, served: Served) -> None:
+    """A request with ``suffix`` (Ollama's insert): a model with FIM tokens, and none of the
+    fields a fill-in-the-middle prompt has no place for (Ollama drops them; refused here)."""
+    if req.raw:
+        raise InvalidRequestError("suffix: a raw prompt is sent as it is; leave raw out for "
+                                  "a fill-in-the-middle prompt of prompt and suffix",
+                                  param="suffix")
+    if req.system:
+        raise InvalidRequestError("system: a fill-in-the-middle prompt (suffix) has no system "
+                                  "message", param="system")
+    missing = served.aengine.fim_tokens().missing()
+    if missing:
+        raise InvalidRequestError(f'"{req.model}" does not support insert (it has no FIM '
+                                  f"{', '.join(missing)} token)", param="suffix")
 
 
 # ---- embeddings ------------------------------------------------------------------------------
@@ -826,7 +853,8 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
     body: dict[str, Any] = {
         "modelfile": modelfile, "parameters": lines, "template": template.source,
         "details": details, "model_info": facts.model_info,
-        "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else []),
+        "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else [])
+        + ([] if served.aengine.fim_tokens().missing() else ["insert"]),
         "modified_at": _iso_time(served.created)}
     if facts.license is not None:
         body["license"] = facts.license

@@ -145,3 +145,33 @@ def test_a_long_prefix_keeps_its_last_three_quarters_of_a_batch(fim_server):
     tail = post(fim_server, "/detokenize", {"tokens": ids[-384:]}).json()["content"]  # 3/4 x 512
     assert got["prompt"].endswith("<unused0>" + tail + "<unused1><unused2>"), got["prompt"][:80]
     assert not got["prompt"].endswith("<unused0>" + prefix + "<unused1><unused2>")
+
+
+def test_ollamas_suffix_is_the_same_fill_in_the_middle_prompt(fim_server, server):
+    """Ollama's /api/generate with suffix (Continue's autocomplete on Ollama): the prompt is
+    the code before the gap and suffix the code after, laid out as /infill lays them out."""
+    prefix, suffix = CODE["input_prefix"] + CODE["prompt"], CODE["input_suffix"]
+    want = infill(fim_server, prompt="", input_prefix=prefix, n_predict=8, temperature=0,
+                  repeat_penalty=1.0)
+    body = {"model": fim_server.model, "prompt": prefix, "suffix": suffix, "stream": False,
+            "options": {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0}}
+    got = post(fim_server, "/api/generate", body).json()
+    assert got["response"] == want["content"], got
+    assert got["prompt_eval_count"] == want["tokens_evaluated"]
+    streamed = httpx.post(fim_server.url + "/api/generate", json={**body, "stream": True},
+                          timeout=60)
+    parts = [json.loads(line) for line in streamed.text.splitlines()]
+    assert "".join(p["response"] for p in parts) == want["content"] and parts[-1]["done"]
+    show = post(fim_server, "/api/show", {"model": fim_server.model}).json()
+    assert "insert" in show["capabilities"]
+    # at the start of a file (no prompt) the suffix is still completed, not a load
+    start = post(fim_server, "/api/generate", {**body, "prompt": ""}).json()
+    assert start["done_reason"] != "load" and start["eval_count"] >= 1
+    for extra, param in [({"raw": True}, "suffix"), ({"system": "Be brief."}, "system")]:
+        r = post(fim_server, "/api/generate", {**body, **extra})
+        assert r.status_code == 400 and r.json()["error"].startswith(param), r.text
+    # a model without FIM tokens: Ollama's "does not support insert"
+    r = post(server, "/api/generate", {**body, "model": server.model})
+    assert r.status_code == 400 and "does not support insert" in r.json()["error"], r.text
+    show = post(server, "/api/show", {"model": server.model}).json()
+    assert "insert" not in show["capabilities"]
