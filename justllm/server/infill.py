@@ -19,16 +19,16 @@ from litestar import Request, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from justllm.core.fim import Chunk, fim_prompt
+from justllm.core.fim import Chunk
 from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
 from justllm.server.app import _served, decode_request
+from justllm.server.code_prompt import code_prompt
 from justllm.server.llama_completion import LlamaCompletionRequest, answer, check_completion
 
 # The keys of an input_extra chunk: its text and file name, and the time llama.vim stamps
 # its chunks with (its own bookkeeping: llama-server does not read it either).
 _CHUNK_KEYS = frozenset({"text", "filename", "time"})
-_ROOM = 8  # tokens a batch leaves in a small context (BOS, 3 FIM tokens, the answer's first)
 
 
 class LlamaInfillRequest(LlamaCompletionRequest, kw_only=True, forbid_unknown_fields=True):
@@ -79,23 +79,6 @@ def _infill_prompt(req: LlamaInfillRequest, aengine: AsyncEngine) -> list[int]:
                       if v is not None), -1)
     return code_prompt(aengine, req.input_prefix, req.input_suffix, chunks, req.prompt,
                        n_predict)
-
-
-def code_prompt(aengine: AsyncEngine, prefix: str, suffix: str, chunks: list[Chunk],
-                prompt: str, n_predict: int) -> list[int]:
-    """The fill-in-the-middle prompt of a model that has the FIM tokens, in llama-server's
-    layout (core/fim.py); ``n_predict`` -1: no limit. Also Ollama's ``suffix``."""
-    def text(s: str) -> list[int]:  # the code as it is: special tokens' text is text
-        return aengine.tokenize(s, add_special=False, parse_special=False)
-
-    context = aengine.max_request_tokens
-    # The prefix and suffix share a batch; in a context smaller than one, the context (less a
-    # few tokens for the FIM tokens and the answer), so a long prefix is cut, not refused.
-    batch = min(aengine.engine.config.n_batch, max(context - _ROOM, 4))
-    return fim_prompt(aengine.fim_tokens(), text, text(prefix), text(suffix), chunks,
-                      aengine.tokenize(prompt, add_special=False, parse_special=True),
-                      bos=aengine.bos_added(), batch=batch, context=context,
-                      n_predict=n_predict)
 
 
 @post("/infill", status_code=200,

@@ -53,8 +53,8 @@ from justllm.server.app import (
     require_api_key,
     unless_disconnected,
 )
+from justllm.server.code_prompt import code_prompt
 from justllm.server.errors import APIError, ollama_response, to_api_error
-from justllm.server.infill import code_prompt
 from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.ollama_chat import (
     Arrival,

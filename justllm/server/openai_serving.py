@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 
@@ -31,6 +31,7 @@ from justllm.errors import (
     HandoverError,
     InvalidRequestError,
 )
+from justllm.server.code_prompt import code_prompt
 from justllm.server.errors import APIError, error_body
 from justllm.server.json_schema import check_strict
 from justllm.server.lora import adapter, request_lora
@@ -98,7 +99,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
     "verbosity": ((None, "medium"), "this server has no verbosity control"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
     "skip_special_tokens": ((None, True), "control tokens are always left out of the text "
                                           "(as llama.cpp writes tokens)"),
     "cache_prompt": ((None, True), "every prompt is cached (--no-prefix-cache turns the "
@@ -220,6 +220,8 @@ class OpenAIServing:
         _check_generates(max_tokens, prompt_logprobs)
         SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
                        prompt_logprobs=prompt_logprobs)
+        if isinstance(req, CompletionRequest) and req.suffix:
+            _check_suffix(req)
 
     @staticmethod
     def _repeat(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -684,11 +686,21 @@ class OpenAIServing:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
         extra = structured_grammar(self.aengine, req)
         grammar = extra[0] if extra is not None else None
-        return [(p, replace(self._params(req, req.max_tokens if req.max_tokens is not None
-                                         else 16, req.logprobs, j,
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        prompts = self._completion_prompts(req.prompt)
+        if req.suffix:  # fill-in-the-middle: each prompt is the code before the gap
+            _check_suffix(req)
+            missing = self.aengine.fim_tokens().missing()
+            if missing:
+                raise InvalidRequestError(f"suffix: this model cannot fill in the middle: it "
+                                          f"has no FIM {', '.join(missing)} token (a code "
+                                          "model with FIM tokens can)", param="suffix")
+            prompts = [code_prompt(self.aengine, cast(str, p), req.suffix, [], "", max_tokens)
+                       for p in prompts]
+        return [(p, replace(self._params(req, max_tokens, req.logprobs, j,
                                          prompt_logprobs=prompt_logprobs_of(req)),
                             grammar=grammar))
-                for p in self._completion_prompts(req.prompt) for j in range(req.n)]
+                for p in prompts for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
                           traceparent: str | None = None, request_id: str | None = None
@@ -1012,6 +1024,16 @@ def text_size(value: object) -> int:
 def _is_tokens(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _check_suffix(req: CompletionRequest) -> None:
+    """``suffix`` (OpenAI's insert, as llama-cpp-python and DeepSeek's FIM take it): with text
+    prompts, without ``echo`` (the prompt is not what was sent)."""
+    if req.echo:
+        raise InvalidRequestError("echo is not supported with suffix", param="echo")
+    if not all(isinstance(p, str) for p in prompt_list(req.prompt, "prompt")):
+        raise InvalidRequestError("with suffix, a prompt is text (the code before the gap), "
+                                  "not token ids", param="prompt")
 
 
 def prompt_list(value: object, param: str) -> list[str | list[int]]:

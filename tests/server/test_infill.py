@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.models.ggufs import with_fim_tokens
@@ -175,3 +176,23 @@ def test_ollamas_suffix_is_the_same_fill_in_the_middle_prompt(fim_server, server
     assert r.status_code == 400 and "does not support insert" in r.json()["error"], r.text
     show = post(server, "/api/show", {"model": server.model}).json()
     assert "insert" not in show["capabilities"]
+
+
+def test_openais_suffix_on_completions_is_the_same_prompt(fim_server, server):
+    """OpenAI's suffix on /v1/completions (its insert; llama-cpp-python and DeepSeek's FIM
+    take it): each text prompt is the code before the gap, laid out as /infill lays it out."""
+    prefix, suffix = CODE["input_prefix"] + CODE["prompt"], CODE["input_suffix"]
+    want = infill(fim_server, prompt="", input_prefix=prefix, n_predict=8, temperature=0)
+    client = openai.OpenAI(base_url=fim_server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    got = client.completions.create(model=fim_server.model, prompt=[prefix, prefix],
+                                    suffix=suffix, max_tokens=8, temperature=0)
+    assert [c.text for c in got.choices] == [want["content"]] * 2
+    assert got.usage.prompt_tokens == 2 * want["tokens_evaluated"]
+    for extra, param in [({"echo": True}, "echo"), ({"prompt": [5, 6, 7]}, "prompt")]:
+        r = post(fim_server, "/v1/completions", {"prompt": prefix, "suffix": suffix,
+                                                 "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/v1/completions", {"prompt": prefix, "suffix": suffix, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
+    assert "no FIM" in r.json()["error"]["message"]
