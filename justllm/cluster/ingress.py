@@ -66,6 +66,7 @@ from justllm.server.llama_server import router_props
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
+from justllm.server.response_store import unstored
 
 # The replica's process is gone or cannot be reached: nothing of the answer came from it.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
@@ -136,6 +137,7 @@ async def forward(request: Request, path: str, *, method: str = "POST",
     ing = _ingress(request.app.state)
     if body is None:
         body = json_object(await request.body())
+    body = unstored(path, body, "the cluster")
     ollama = path.startswith("/api/")
     key = "model" if "model" in body or not ollama else "name"
     model = ing.model(body.get(key), ollama)

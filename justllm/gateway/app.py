@@ -48,6 +48,7 @@ from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_checks import check_without_model
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
+from justllm.server.response_store import unstored
 
 # A runner that died before answering: the request is sent once more to its successor.
 _NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
@@ -113,6 +114,7 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
     sup = _supervisor(request.app.state)
     if body is None:
         body = json_object(await request.body())
+    body = unstored(path, body, "router mode")
     ollama = path.startswith("/api/")
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None

@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -30,6 +30,7 @@ from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import OpenAIServing, ServingLimits
 from justllm.server.request_id import add_request_id, request_id
+from justllm.server.response_store import ResponseStore
 from justllm.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,6 +82,7 @@ class Served:
     metrics: ServerMetrics
     model_id: str
     created: int
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
 
 
 def served_model_id(model_path: str, model_name: str | None) -> str:
@@ -325,7 +327,8 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                                             list_models, retrieve_model, anthropic.messages,
                                             anthropic.count_tokens, responses.create_response,
                                             responses.input_tokens,
-                                            *lora.ROUTES],
+                                            responses.retrieve_response,
+                                            responses.delete_response, *lora.ROUTES],
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
                            health_head,

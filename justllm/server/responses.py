@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (``POST /v1/responses``) on ``justllm serve``, stateless.
+"""OpenAI's Responses API (``POST /v1/responses``) on ``justllm serve``, with stored responses
+(``GET``/``DELETE /v1/responses/{id}``, ``previous_response_id``: server/response_store.py).
 
 A translation layer onto chat completions: the request becomes a ``ChatCompletionRequest``
 (``responses_chat.py``), ``OpenAIServing.chat_result`` / ``chat_events`` serve it, and the
@@ -14,25 +15,28 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, post
+from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
-from litestar.params import JSONBody
+from litestar.params import FromQuery, JSONBody
 
 from justllm.errors import InvalidRequestError
 from justllm.server.anthropic import prompt_tokens
 from justllm.server.app import (
+    Served,
     _served,
     decode_request,
     origin,
     sse_response,
     unless_disconnected,
 )
+from justllm.server.errors import APIError
 from justllm.server.openai_serving import SCHEMA_PARAM, text_size
+from justllm.server.response_store import ResponseStore
 from justllm.server.responses_chat import to_chat
 from justllm.server.responses_schemas import (
     InputTokens,
@@ -175,10 +179,11 @@ class _Writer:
         return frames
 
 
-async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
-                  ) -> AsyncIterator[bytes]:
+async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
+                  keep: Callable[[ResponseObject], None]) -> AsyncIterator[bytes]:
     """The Responses event sequence for one streamed answer: created, in_progress, the output
-    items, then completed (or incomplete at max_output_tokens; or error and failed)."""
+    items, then completed (or incomplete at max_output_tokens; or error and failed). The
+    final response goes to ``keep`` before its last event is sent."""
     w = _Writer(resp)
     yield w.event("response.created", response=resp)
     yield w.event("response.in_progress", response=resp)
@@ -202,10 +207,12 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None]
                                                  []))
                 frames += w.close()
                 _finish(resp, finish, ev.usage)
+                keep(resp)
                 frames.append(w.event(f"response.{resp.status}", response=resp))
             elif isinstance(ev, StreamError):
                 resp.status = "failed"
                 resp.error = {"code": ev.code or "server_error", "message": ev.message}
+                keep(resp)
                 frames = [w.event("error", code=ev.code or "server_error", message=ev.message,
                                   param=None),
                           w.event("response.failed", response=resp)]
@@ -219,6 +226,57 @@ _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens"
            "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
 
 
+def _continued(req: ResponseRequest, store: ResponseStore
+               ) -> tuple[ResponseRequest, list[dict[str, Any]]]:
+    """The request with its whole conversation as ``input`` (a ``previous_response_id``'s
+    conversation, then this input), and that conversation's input items."""
+    items: list[dict[str, Any]] = ([{"role": "user", "content": req.input}]
+                                   if isinstance(req.input, str) else list(req.input))
+    if req.previous_response_id is None:
+        return req, items
+    past = store.get(req.previous_response_id)
+    if past is None:
+        raise APIError(404, f"Previous response with id '{req.previous_response_id}' not "
+                       "found (never stored, deleted, or dropped from the store)",
+                       type="not_found_error", param="previous_response_id")
+    items = past.conversation + items
+    return msgspec.structs.replace(req, input=items, previous_response_id=None), items
+
+
+def _keeper(served: Served, req: ResponseRequest, items: list[dict[str, Any]]
+            ) -> Callable[[ResponseObject], None]:
+    """What keeps a finished response, when it is to be stored (OpenAI's default)."""
+    def keep(resp: ResponseObject) -> None:
+        if resp.store:
+            served.responses.put(resp.id, _json.encode(resp),
+                                 items + [msgspec.to_builtins(o) for o in resp.output])
+    return keep
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found (never stored, deleted, "
+                    "or dropped from the store)", type="not_found_error", param="response_id")
+
+
+@get("/responses/{response_id:str}", summary="A stored response")
+async def retrieve_response(response_id: str, state: State,
+                            stream: FromQuery[bool | None] = None) -> Response:
+    if stream:
+        raise InvalidRequestError("stream: a stored response is given whole, not replayed",
+                                  param="stream")
+    found = _served(state).responses.get(response_id)
+    if found is None:
+        raise _not_found(response_id)
+    return Response(found.response, media_type="application/json")
+
+
+@delete("/responses/{response_id:str}", status_code=200, summary="Delete a stored response")
+async def delete_response(response_id: str, state: State) -> dict[str, Any]:
+    if not _served(state).responses.delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
 @post("/responses/input_tokens", status_code=200,
       summary="Count a response request's input tokens (its prompt as rendered)")
 async def input_tokens(data: JSONBody[InputTokensRequest], request: Request,
@@ -228,24 +286,28 @@ async def input_tokens(data: JSONBody[InputTokensRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, InputTokensRequest)
     served.completions.check_model(req.model)
-    chat = to_chat(req.as_response_request())
+    chat = to_chat(_continued(req.as_response_request(), served.responses)[0])
     return InputTokens(input_tokens=await served.aengine.off_loop(
         text_size(chat), lambda: prompt_tokens(served, chat)))
 
 
-@post("/responses", status_code=200, summary="Create a response (stateless)")
+@post("/responses", status_code=200, summary="Create a response")
 async def create_response(data: JSONBody[ResponseRequest], request: Request,
                           state: State) -> Any:
     served = _served(state)
-    req = await decode_request(request, ResponseRequest)
+    asked = await decode_request(request, ResponseRequest)
+    req, items = _continued(asked, served.responses)
     chat = to_chat(req)
     rid = _item_id("resp")
     log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
     resp = _skeleton(rid, req.model or served.model_id, req)
+    resp.store = req.store is not False  # OpenAI's default: stored
+    resp.previous_response_id = asked.previous_response_id
+    keep = _keeper(served, req, items)
     try:
         if req.stream:
             return sse_response(_stream(resp, await served.completions.chat_events(
-                chat, rid, origin=origin(request, "openai.responses", True))))
+                chat, rid, origin=origin(request, "openai.responses", True)), keep))
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
@@ -257,4 +319,6 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
     if isinstance(result, Response):
         return result
-    return _full(resp, result)
+    done = _full(resp, result)
+    keep(done)
+    return done

@@ -7,8 +7,9 @@ assistant turn), ``function_call_output`` items as ``tool`` messages. Function t
 ``tool_choice`` map one to one onto the chat request's; ``text.format`` is its
 ``response_format``.
 
-Responses are not stored, so ``store: true``, ``previous_response_id`` and ``conversation``
-are refused, as is every other field this server cannot honour, with a 400 naming it.
+``store`` and ``previous_response_id`` are the caller's (server/responses.py: a continued
+response's input is its whole conversation by the time it comes here); ``conversation`` is
+refused, as is every other field this server cannot honour, with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ ChatToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
 _NOT_TEXT = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 # Request fields refused unless absent (or at the value that means "off"), and why.
 _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
-    "previous_response_id": ((None,), "responses are not stored on this server; send the "
-                                      "whole conversation in input (store: false)"),
-    "store": ((None, False), "responses are not stored on this server; send store: false "
-                             "(or leave it out) and the whole conversation in input"),
     "conversation": ((None,), "conversations are not stored on this server; send the whole "
                               "conversation in input"),
     "background": ((None, False), "background responses are not supported"),

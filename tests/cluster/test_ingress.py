@@ -261,7 +261,20 @@ def test_anthropic_and_responses_requests_go_to_the_models_deployment():
     assert handle.calls[0]["body"]["model"] == "demo"
     assert handle.calls[0]["route"][0] == "<user>hi\n"
     assert handle.calls[2]["route"][0] == "hi"
+    # responses are not stored in the cluster: store goes as false, and what would need a
+    # store is refused before any replica is asked
+    assert handle.calls[2]["body"]["store"] is False
+    assert "store" not in handle.calls[3]["body"]  # input_tokens has no store field
     assert all("x-api-key" not in call["headers"] for call in handle.calls)
+    with client(Handle()) as c:
+        for path, extra, param in [
+                ("/v1/responses", {"store": True}, "store"),
+                ("/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
+                ("/v1/responses/input_tokens", {"previous_response_id": "r"},
+                 "previous_response_id")]:
+            r = c.post(path, json={"model": "demo", "input": "hi", **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "not stored in the cluster" in r.json()["error"]["message"]
 
 
 def test_token_routes_go_to_the_models_deployment():

@@ -111,6 +111,21 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         r = httpx.post(gw.url + "/embedding", timeout=30, json={
             "model": "alpha", "input": "a", "content": "b"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        # responses are not stored behind the gateway (replicas keep their own stores)
+        r = httpx.post(gw.url + "/v1/responses", timeout=120, json={
+            "model": "alpha", "input": "hi", "max_output_tokens": 1})
+        assert r.status_code == 200 and r.json()["store"] is False, r.text
+        assert httpx.get(f"{gw.url}/v1/responses/{r.json()['id']}", timeout=30
+                         ).status_code == 404
+        for path, extra, param in [
+                ("/v1/responses", {"store": True}, "store"),
+                ("/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
+                ("/v1/responses/input_tokens", {"previous_response_id": "r"},
+                 "previous_response_id")]:
+            r = httpx.post(gw.url + path, timeout=30, json={"model": "alpha", "input": "hi",
+                                                            **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "not stored in router mode" in r.json()["error"]["message"]
         # OpenAI's input token count by model, with and without /v1; a field it does not take
         # refused before a load
         counts = [httpx.post(gw.url + path, timeout=60, json={"model": "alpha", "input": "hi"})

@@ -12,6 +12,8 @@ import openai
 import pydantic
 import pytest
 
+from justllm.server.response_store import ResponseStore
+
 HELLO = "Say hello."
 
 
@@ -157,9 +159,8 @@ def test_a_streamed_function_call(client, server):
 # ---- what is refused -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"store": True}, "store"),
     ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                               "image_url": "https://x/y.png"}]}]},
@@ -231,10 +232,75 @@ def test_input_tokens_counts_what_the_response_would_bill(client, server):
     assert bare == {"object": "response.input_tokens", "input_tokens": client.responses.
                     input_tokens.count(input=HELLO).input_tokens}
     for extra, param in [({"temperature": 0}, "temperature"), ({"stream": True}, "stream"),
-                         ({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"truncation": "auto"}, "truncation")]:
         r = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
                        json={"input": HELLO, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
+                   json={"input": HELLO, "previous_response_id": "resp_1"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.input_tokens.count(model="nope", input=HELLO)
+
+
+def test_stored_responses_and_previous_response_id(client, server):
+    """OpenAI's default store: a response is kept, retrieved and deleted by id, and
+    previous_response_id continues its conversation exactly as sending it whole does."""
+    first = client.responses.create(model=server.model, input="My name is Ada.",
+                                    instructions="Be brief.", max_output_tokens=6,
+                                    temperature=0)
+    assert first.store is True
+    kept = client.responses.retrieve(first.id)
+    assert (kept.id, kept.output_text, kept.usage.input_tokens) == (
+        first.id, first.output_text, first.usage.input_tokens)
+    follow = client.responses.create(model=server.model, input="What is my name?",
+                                     previous_response_id=first.id, max_output_tokens=6,
+                                     temperature=0)
+    assert follow.previous_response_id == first.id
+    # the same as the whole conversation sent (the instructions are not carried over)
+    whole = client.responses.create(model=server.model, max_output_tokens=6, temperature=0,
+                                    store=False, input=[
+        {"role": "user", "content": "My name is Ada."}, first.output[0].model_dump(),
+        {"role": "user", "content": "What is my name?"}])
+    assert (follow.output_text, follow.usage.input_tokens) == (
+        whole.output_text, whole.usage.input_tokens)
+    assert client.responses.input_tokens.count(
+        model=server.model, input="What is my name?",
+        previous_response_id=first.id).input_tokens == whole.usage.input_tokens
+    # a chain: the third continues the second, which continued the first
+    third = client.responses.create(model=server.model, input="Again?", max_output_tokens=2,
+                                    previous_response_id=follow.id)
+    assert third.usage.input_tokens > follow.usage.input_tokens + follow.usage.output_tokens
+    # store: false is not kept; a streamed response is kept once it ends
+    assert whole.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    events = list(client.responses.create(model=server.model, input=HELLO,
+                                          max_output_tokens=3, stream=True))
+    done = events[-1].response
+    assert client.responses.retrieve(done.id).output_text == done.output_text
+    # deleted: gone for retrieval and for continuing
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.delete(first.id),
+                 lambda: client.responses.create(model=server.model, input="x",
+                                                 previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    r = httpx.get(f"{server.url}/v1/responses/{follow.id}?stream=true", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_the_store_is_bounded_least_recently_used_first():
+    store = ResponseStore(max_responses=3, max_bytes=10_000)
+    for i in range(4):
+        store.put(f"r{i}", b"{}", [{"role": "user", "content": str(i)}])
+    assert store.get("r0") is None and len(store) == 3  # the oldest went
+    assert store.get("r1") is not None  # used: now the most recent
+    store.put("r4", b"{}", [])
+    assert store.get("r2") is None and store.get("r1") is not None
+    store.put("big", b"x" * 9_996, [])  # past the bytes: the least recent go until it fits
+    assert store.get("big") is not None and len(store) == 1
+    store.put("huge", b"x" * 20_000, [])  # larger than the whole store: not kept
+    assert store.get("huge") is None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big") and len(store) == 0
