@@ -151,6 +151,9 @@ def _check_kv_default() -> bool:
     return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
 
 
+POOLINGS = ("mean", "cls", "last")  # embeddings' pooling (EngineConfig.pooling)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; CLI flags map one to one onto these fields.
@@ -211,6 +214,10 @@ class EngineConfig:
     lora: tuple[LoraSpec, ...] = ()
     lora_runtime: bool = False
     lora_max_steps: int = 4
+    # How embeddings pool a sequence's token states: "" the model's own (its GGUF's pooling
+    # type, as llama-server reads it: mean, CLS or the last token; mean for a model that names
+    # none, such as a chat model), or one of POOLINGS (llama-server's --pooling).
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
@@ -247,6 +254,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
                              f" (got {self.scheduling_policy!r})")
+        if self.pooling not in ("", *POOLINGS):
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)} (got "
+                             f"{self.pooling!r})")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}"
                              f" (got {self.eviction_policy!r})")

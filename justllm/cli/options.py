@@ -39,6 +39,7 @@ NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp compu
 FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
 Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
+Pooling = Annotated[str, typer.Option("--pooling", help="How embeddings pool a text's token states: mean, cls or last (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
 Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
@@ -153,6 +154,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("lora", Lora, None),
     EngineFlag("enable_lora_runtime", EnableLoraRuntime, False),
     EngineFlag("lora_max_steps", LoraMaxSteps, _D.lora_max_steps),
+    EngineFlag("pooling", Pooling, _D.pooling),
     EngineFlag("verbose", Verbose, False),
 )
 # Their names in models.yaml, and those of them that take no value.

@@ -290,13 +290,16 @@ class AsyncEngine:
         return without_trailing_space(grammar_from_json_schema(schema))
 
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
-        """Mean-pooled embeddings (not normalised), computed on the engine thread between steps in a
-        second context on the same model (created at first use)."""
+        """Pooled embeddings (not normalised; pooled as ``--pooling`` or the model says),
+        computed on the engine thread between steps in a second context on the same model
+        (created at first use)."""
         return await self.call_on_engine_thread(lambda: self._embed_all(token_lists))
 
     def _embed_all(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         if self._embedding_ctx is None:
-            self._embedding_ctx = self.engine.backend.embedding_context()
+            backend = self.engine.backend
+            self._embedding_ctx = backend.embedding_context(
+                backend.embedding_pooling(self.engine.config.pooling))
         limit = self._embedding_ctx.n_ctx
         for tokens in token_lists:
             if len(tokens) > limit:

@@ -856,10 +856,21 @@ class LlamaBackend:
             self._loras.remove(adapter)
             C.llama_adapter_lora_free(adapter.handle)
 
-    def embedding_context(self, n_ctx: int = 2048) -> "EmbeddingContext":
-        """A second context on the same weights, for mean-pooled sentence embeddings; closed
-        with the backend."""
-        ctx = EmbeddingContext(self, n_ctx)
+    def embedding_pooling(self, asked: str = "") -> str:
+        """How embeddings pool: ``asked`` (mean, cls, last), else the model's own pooling type
+        (``{arch}.pooling_type`` in its GGUF, as llama-server reads it, when it is mean, CLS or
+        last), else mean (a chat model names none: llama.cpp would pool nothing)."""
+        if asked:
+            return asked
+        meta = self.metadata()
+        own = meta.get(f"{meta.get('general.architecture', '')}.pooling_type", "")
+        return {"1": "mean", "2": "cls", "3": "last"}.get(own.strip(), "mean")
+
+    def embedding_context(self, pooling: str = "mean", n_ctx: int = 2048
+                          ) -> "EmbeddingContext":
+        """A second context on the same weights, for sentence embeddings pooled as
+        ``pooling`` says (mean, cls, last); closed with the backend."""
+        ctx = EmbeddingContext(self, n_ctx, pooling)
         self._children.append(ctx)
         return ctx
 
@@ -976,16 +987,22 @@ def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
                           "will require an imatrix" in text)
 
 
+_POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS,
+            "last": C.LLAMA_POOLING_TYPE_LAST}
+
+
 class EmbeddingContext:
-    """A context with ``embeddings=True`` and mean pooling over one sequence.
+    """A context with ``embeddings=True`` that pools one sequence (mean, its first token's
+    state or its last's).
 
     Shares the model with its backend (no second copy of the weights). Like every llama.cpp
     compute call, ``embed`` must run on the engine thread.
     """
 
-    def __init__(self, backend: LlamaBackend, n_ctx: int) -> None:
+    def __init__(self, backend: LlamaBackend, n_ctx: int, pooling: str = "mean") -> None:
         self._backend = backend
         self.n_ctx = n_ctx
+        self.pooling = pooling
         self.n_embd = int(C.llama_model_n_embd(backend._model))
         cparams = C.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -996,7 +1013,7 @@ class EmbeddingContext:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.embeddings = True
-        cparams.pooling_type = C.LLAMA_POOLING_TYPE_MEAN
+        cparams.pooling_type = _POOLING[pooling]
         cparams.no_perf = True
         self._ctx = C.llama_init_from_model(backend._model, cparams)
         if not self._ctx:
@@ -1005,7 +1022,7 @@ class EmbeddingContext:
         self._batch = C.llama_batch_init(n_ctx, 0, 1)
 
     def embed(self, tokens: list[int]) -> np.ndarray:
-        """The mean-pooled embedding of one token sequence, as llama.cpp pools it (not
+        """The pooled embedding of one token sequence, as llama.cpp pools it (not
         normalised: each API normalises it its own way)."""
         n = len(tokens)
         if not 0 < n <= self.n_ctx:

@@ -1,4 +1,5 @@
-"""``/v1/embeddings``: mean-pooled embeddings from a second context on the same GGUF.
+"""``/v1/embeddings``: pooled embeddings from a second context on the same GGUF (pooled as
+the model says, else mean, or as ``--pooling`` says).
 
 The embeddings context is the AsyncEngine's: created on first use and computed on the engine
 thread (docs/llama-cpp-facts.md: one OS thread runs llama.cpp compute), between decode steps.

@@ -7,8 +7,8 @@ empty string is BOS alone), ``embd_normalize`` (llama.cpp's ``common_embd_normal
 none, 0 int16's range, 1 taxicab, 2 Euclidean (the default), p > 2 the p-norm) and ``model``
 (router mode and the cluster route by it). The answer is llama-server's: an array of
 ``{"index", "embedding": [[...]]}``, the pooled vector inside a list (llama-server lists one
-vector per token there when its pooling is ``none``; here embeddings are always mean-pooled,
-as llama-server's ``--pooling mean`` gives them).
+vector per token there when its pooling is ``none``; here embeddings are always pooled: the
+model's own pooling, else mean, or ``--pooling``).
 
 Where llama-server reads a field and does nothing with it, it is refused here rather than
 silently ignored: both ``input`` and ``content`` (llama-server takes ``input`` and drops

@@ -43,13 +43,26 @@ def with_fim_tokens(src: Path, dst: Path, names: tuple[str, ...] = ("pre", "suf"
     the fill-in-the-middle tokens ``names``, as a code model's does (Gemma 3 has none): the
     weights are the same, so the model infills no better, but llama.cpp reads the tokens and
     /infill lays its prompt out with them."""
+    return with_metadata(src, dst, lambda w, arch: [
+        w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIM_IDS[name]) for name in names])
+
+
+def with_pooling(src: Path, dst: Path, pooling: int) -> Path:
+    """A copy of ``src`` whose metadata says how its embeddings are pooled (llama.cpp's
+    ``{arch}.pooling_type``: 1 mean, 2 CLS, 3 last), as an embedding model's does."""
+    return with_metadata(src, dst, lambda w, arch: w.add_uint32(f"{arch}.pooling_type",
+                                                                  pooling))
+
+
+def with_metadata(src: Path, dst: Path, add) -> Path:
+    """A copy of ``src`` (metadata and the same tensors), with what ``add(writer, arch)``
+    adds to its metadata."""
     from justllm.models.draft import _read, _value, copying_writer
 
     reader = _read(src)
     arch = str(_value(reader.get_field(gguf.Keys.General.ARCHITECTURE)), "utf-8")
     w = copying_writer(reader, dst, arch)
-    for name in names:
-        w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIM_IDS[name])
+    add(w, arch)
     for t in reader.tensors:
         w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type,
                      tensor_endianess=reader.endianess)

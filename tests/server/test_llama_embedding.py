@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from justllm.server.embeddings import MAX_INPUTS, normalised
+from tests.models.ggufs import with_pooling
+from tests.server.conftest import start_server
 from tests.server.test_tokenize import post, tokenize
 
 
@@ -95,3 +97,39 @@ def test_normalised_is_llama_cpps_common_embd_normalize(norm):
         size = sum(abs(t) ** norm for t in x) ** (1.0 / norm)
     assert np.allclose(normalised(v, norm), v * (1.0 / size), rtol=1e-6)
     assert not normalised(np.zeros(4, dtype=np.float32), norm).any()  # a zero vector stays 0
+
+
+@pytest.fixture(scope="module")
+def cls_model(model_path, tmp_path_factory):
+    """The demo model's weights, its GGUF naming CLS pooling, as BGE's does."""
+    return str(with_pooling(model_path, tmp_path_factory.mktemp("pool") / "cls.gguf", 2))
+
+
+def test_embeddings_pool_as_the_model_says_or_as_pooling_says(cls_model):
+    """CLS pooling is the first token's state; this model is causal and every input starts
+    with BOS, so every input gets BOS's state, which is also what last-token pooling gives
+    BOS alone. Mean pooling of the same model tells inputs apart."""
+    def pooled(server, *texts: str) -> list[np.ndarray]:
+        return vectors(server, input=list(texts), embd_normalize=-1)
+
+    own = start_server(cls_model)
+    try:
+        a, bcd = pooled(own, "a", "b c d")
+        assert np.allclose(a, bcd, atol=1e-5)  # the model's own pooling: CLS
+        oai = post(own, "/v1/embeddings", {"input": ["a", "b c d"]}).json()["data"]
+        assert np.allclose(oai[0]["embedding"], oai[1]["embedding"], atol=1e-6)
+    finally:
+        assert own.stop() == 0
+    last = start_server(cls_model, "--pooling", "last")
+    try:
+        bos, bcd_last = pooled(last, "", "b c d")
+        assert np.allclose(bos, a, atol=1e-4)  # the last of BOS alone is BOS's state
+        assert not np.allclose(bcd_last, a, atol=1e-2)
+    finally:
+        assert last.stop() == 0
+    mean = start_server(cls_model, "--pooling", "mean")
+    try:
+        a_mean, bcd_mean = pooled(mean, "a", "b c d")
+        assert not np.allclose(a_mean, bcd_mean, atol=1e-2)
+    finally:
+        assert mean.stop() == 0
