@@ -40,11 +40,9 @@ def serve(
     engine_flags: dict | None = None,
     config_file: o.ConfigFile = None,
 ) -> None:
-    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions,
-    /v1/embeddings, /v1/responses, /v1/models), Anthropic's /v1/messages, Ollama's /api/* and
-    llama-server's own routes (/completion, /infill, /embedding, /props, ...), with /health and
-    Prometheus /metrics. Several MODELs, --models or --models-dir: router mode, one endpoint
-    for many models, each in its own process."""
+    """Serve a model over the OpenAI API, with Anthropic's, Ollama's and llama-server's
+    routes, /health and /metrics. Several MODELs, --models or --models-dir: router mode, one
+    endpoint for many models, each in its own process."""
     with cli_errors():
         import uvicorn
 
