@@ -25,6 +25,7 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 
 from justllm.config import check_lora_name
+from justllm.core.sampling_params import MAX_LORA_SCALE
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.lora import LoadedLora
 from justllm.errors import InvalidRequestError, ModelLoadError
@@ -225,6 +226,9 @@ async def set_global_scales(request: Request, state: State) -> dict[str, bool]:
     entries = await decode_request(request, list[GlobalScale])
     scales: dict[str, float] = {}
     for i, e in enumerate(entries):  # a later entry for the same adapter wins, as there
+        if not abs(e.scale) <= MAX_LORA_SCALE:  # (NaN too) else every request would be refused
+            raise InvalidRequestError(f"[{i}].scale must be a number in [-{MAX_LORA_SCALE:g}, "
+                                      f"{MAX_LORA_SCALE:g}]", param=f"[{i}].scale")
         scales[_loaded(aengine, e.id, e.name, f"[{i}]").name] = e.scale
     aengine.set_lora_defaults(scales)
     return {"success": True}

@@ -243,8 +243,7 @@ def _continued(req: ResponseRequest, store: ResponseStore
     return msgspec.structs.replace(req, input=items, previous_response_id=None), items
 
 
-def _keeper(served: Served, req: ResponseRequest, items: list[dict[str, Any]]
-            ) -> Callable[[ResponseObject], None]:
+def _keeper(served: Served, items: list[dict[str, Any]]) -> Callable[[ResponseObject], None]:
     """What keeps a finished response, when it is to be stored (OpenAI's default)."""
     def keep(resp: ResponseObject) -> None:
         if resp.store:
@@ -303,7 +302,7 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     resp = _skeleton(rid, req.model or served.model_id, req)
     resp.store = req.store is not False  # OpenAI's default: stored
     resp.previous_response_id = asked.previous_response_id
-    keep = _keeper(served, req, items)
+    keep = _keeper(served, items)
     try:
         if req.stream:
             return sse_response(_stream(resp, await served.completions.chat_events(

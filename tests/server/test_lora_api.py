@@ -309,7 +309,8 @@ def test_llama_servers_global_scales(client, lora_server, files):
             {"id": 1, "scale": 0.8}]
         for body, param in [([{"id": 9, "scale": 1.0}], "[0]"), ([{"name": "a"}], "scale"),
                             ([{"scale": 1.0}], "[0]"), ({"id": 0, "scale": 1.0}, None),
-                            ([{"id": 0, "scale": 1.0, "x": 1}], "x")]:
+                            ([{"id": 0, "scale": 1.0, "x": 1}], "x"),
+                            ([{"id": 0, "scale": 1e9}], "[0].scale")]:
             r = set_scales(body)
             assert r.status_code == 400, r.text
             error = r.json()["error"]
