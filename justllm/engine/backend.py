@@ -869,8 +869,10 @@ class LlamaBackend:
     def embedding_context(self, pooling: str = "mean", n_ctx: int = 2048
                           ) -> "EmbeddingContext":
         """A second context on the same weights, for sentence embeddings pooled as
-        ``pooling`` says (mean, cls, last); closed with the backend."""
-        ctx = EmbeddingContext(self, n_ctx, pooling)
+        ``pooling`` says (mean, cls, last); closed with the backend. It holds at most the
+        model's training context (a model with learned positions, such as GPT-2 or BERT, has
+        none past it)."""
+        ctx = EmbeddingContext(self, min(n_ctx, self.n_ctx_train or n_ctx), pooling)
         self._children.append(ctx)
         return ctx
 

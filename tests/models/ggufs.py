@@ -54,14 +54,14 @@ def with_pooling(src: Path, dst: Path, pooling: int) -> Path:
                                                                   pooling))
 
 
-def with_metadata(src: Path, dst: Path, add) -> Path:
+def with_metadata(src: Path, dst: Path, add, edit=None) -> Path:
     """A copy of ``src`` (metadata and the same tensors), with what ``add(writer, arch)``
-    adds to its metadata."""
+    adds to its metadata and each value through ``edit(name, value, is_array)`` if given."""
     from justllm.models.draft import _read, _value, copying_writer
 
     reader = _read(src)
     arch = str(_value(reader.get_field(gguf.Keys.General.ARCHITECTURE)), "utf-8")
-    w = copying_writer(reader, dst, arch)
+    w = copying_writer(reader, dst, arch, edit)
     add(w, arch)
     for t in reader.tensors:
         w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type,

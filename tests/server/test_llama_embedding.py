@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from justllm.server.embeddings import MAX_INPUTS, normalised
-from tests.models.ggufs import with_pooling
+from tests.models.ggufs import with_metadata, with_pooling
 from tests.server.conftest import start_server
 from tests.server.test_tokenize import post, tokenize
 
@@ -133,3 +133,17 @@ def test_embeddings_pool_as_the_model_says_or_as_pooling_says(cls_model):
         assert not np.allclose(a_mean, bcd_mean, atol=1e-2)
     finally:
         assert mean.stop() == 0
+
+
+def test_an_input_longer_than_the_training_context_is_refused(model_path, tmp_path):
+    """Embeddings hold at most the model's training context (here named 64 tokens): past it a
+    model with learned positions has none, so llama.cpp would read out of its table."""
+    short = with_metadata(model_path, tmp_path / "short.gguf",
+                          lambda w, arch: None, edit=lambda name, value, _: (
+                              64 if name.endswith(".context_length") else value))
+    s = start_server(str(short), "--ctx", "64", "--pool-blocks", "8")
+    try:
+        assert len(vectors(s, input=[5] * 64)) == 1
+        assert "at most 64" in refused(s, "input", input=[5] * 65)
+    finally:
+        assert s.stop() == 0
