@@ -14,6 +14,7 @@ recently used dropped first. A dropped response is not found, as if it had never
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ MAX_BYTES = 64 * 1024 * 1024
 class Stored:
     response: bytes  # the response object's JSON, as GET answers it
     conversation: list[dict[str, Any]]  # input items, then its output items
+    inputs: int  # how many of them are input items
     size: int
 
 
@@ -43,15 +45,17 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response_id: str, response: bytes,
-            conversation: list[dict[str, Any]]) -> None:
+    def put(self, response_id: str, response: bytes, conversation: list[dict[str, Any]],
+            inputs: int | None = None) -> None:
         """Keep a response (replacing one of that id), then drop the least recently used ones
-        past the bounds; one larger than ``max_bytes`` alone is not kept."""
+        past the bounds; one larger than ``max_bytes`` alone is not kept. ``inputs``: how
+        many of the conversation's items are its input (default: all)."""
         self.delete(response_id)
         size = len(response) + len(msgspec.json.encode(conversation))
         if size > self.max_bytes:
             return
-        self._kept[response_id] = Stored(response, conversation, size)
+        n = len(conversation) if inputs is None else inputs
+        self._kept[response_id] = Stored(response, conversation, n, size)
         self._bytes += size
         while len(self._kept) > self.max_responses or self._bytes > self.max_bytes:
             _, dropped = self._kept.popitem(last=False)
@@ -69,6 +73,24 @@ class ResponseStore:
             return False
         self._bytes -= found.size
         return True
+
+
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists a response's input items (and still an input item): its
+    ``type``, an ``id`` (given, else a new one), a ``status``, and a message's text as parts
+    (``input_text``, an assistant's ``output_text``). An item already listed is unchanged."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "id": item.get("id") or f"{_ITEM_IDS.get(kind, 'item')}_"
+           f"{uuid.uuid4().hex}", "status": item.get("status") or "completed"}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = ({"type": "output_text", "text": item["content"], "annotations": []}
+                if item.get("role") == "assistant" else
+                {"type": "input_text", "text": item["content"]})
+        out["content"] = [part]
+    return out
 
 
 def unstored(path: str, body: dict[str, Any], where: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from justllm.server.app import (
 )
 from justllm.server.errors import APIError
 from justllm.server.openai_serving import SCHEMA_PARAM, text_size
-from justllm.server.response_store import ResponseStore
+from justllm.server.response_store import ResponseStore, listed
 from justllm.server.responses_chat import to_chat
 from justllm.server.responses_schemas import (
     InputTokens,
@@ -247,8 +247,10 @@ def _keeper(served: Served, items: list[dict[str, Any]]) -> Callable[[ResponseOb
     """What keeps a finished response, when it is to be stored (OpenAI's default)."""
     def keep(resp: ResponseObject) -> None:
         if resp.store:
+            inputs = [listed(i) for i in items]
             served.responses.put(resp.id, _json.encode(resp),
-                                 items + [msgspec.to_builtins(o) for o in resp.output])
+                                 inputs + [msgspec.to_builtins(o) for o in resp.output],
+                                 len(inputs))
     return keep
 
 
@@ -274,6 +276,37 @@ async def delete_response(response_id: str, state: State) -> dict[str, Any]:
     if not _served(state).responses.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
+async def input_items(response_id: str, state: State, limit: FromQuery[int] = 20,
+                      order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
+                      include: FromQuery[list[str] | None] = None) -> dict[str, Any]:
+    """OpenAI's list of the items a stored response answered (a continued response's whole
+    conversation before its output), newest first unless ``order=asc``, ``limit`` at a
+    time, from the item after ``after``."""
+    if include:
+        raise InvalidRequestError("include: no extra item data is available", param="include")
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError("limit must be in [1, 100]", param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError("order must be asc or desc", param="order")
+    found = _served(state).responses.get(response_id)
+    if found is None:
+        raise _not_found(response_id)
+    items = found.conversation[:found.inputs]
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise InvalidRequestError(f"after: no input item '{after}' in this response",
+                                      param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @post("/responses/input_tokens", status_code=200,

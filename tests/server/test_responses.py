@@ -267,6 +267,19 @@ def test_stored_responses_and_previous_response_id(client, server):
     assert client.responses.input_tokens.count(
         model=server.model, input="What is my name?",
         previous_response_id=first.id).input_tokens == whole.usage.input_tokens
+    # the items it answered, as OpenAI lists them (newest first by default; pages)
+    listed = list(client.responses.input_items.list(follow.id, order="asc"))
+    assert [(i.type, i.role) for i in listed] == [("message", "user"),
+                                                  ("message", "assistant"), ("message", "user")]
+    assert listed[0].content[0].text == "My name is Ada." and listed[1].id == first.output[0].id
+    assert listed[2].content[0].type == "input_text" and all(i.id for i in listed)
+    newest = client.responses.input_items.list(follow.id, limit=2)
+    assert [i.id for i in newest.data] == [listed[2].id, listed[1].id] and newest.has_more
+    rest = client.responses.input_items.list(follow.id, limit=2, after=newest.data[-1].id)
+    assert [i.id for i in rest.data] == [listed[0].id] and not rest.has_more
+    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after")]:
+        r = httpx.get(f"{server.url}/v1/responses/{follow.id}/input_items?{query}", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # a chain: the third continues the second, which continued the first
     third = client.responses.create(model=server.model, input="Again?", max_output_tokens=2,
                                     previous_response_id=follow.id)
