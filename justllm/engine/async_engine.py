@@ -289,6 +289,11 @@ class AsyncEngine:
             return _JSON_OBJECT
         return without_trailing_space(grammar_from_json_schema(schema))
 
+    @property
+    def embedding_limit(self) -> int:
+        """The most tokens one embedding input holds (longer ones are refused)."""
+        return self.engine.backend.embedding_limit()
+
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """Pooled embeddings (not normalised; pooled as ``--pooling`` or the model says),
         computed on the engine thread between steps in a second context on the same model

@@ -866,13 +866,17 @@ class LlamaBackend:
         own = meta.get(f"{meta.get('general.architecture', '')}.pooling_type", "")
         return {"1": "mean", "2": "cls", "3": "last"}.get(own.strip(), "mean")
 
-    def embedding_context(self, pooling: str = "mean", n_ctx: int = 2048
-                          ) -> "EmbeddingContext":
+    def embedding_limit(self) -> int:
+        """The most tokens one embedding input holds: 2,048, or the model's training context
+        if smaller (a model with learned positions, such as GPT-2 or BERT, has none past
+        it)."""
+        return min(_EMBEDDING_CTX, self.n_ctx_train or _EMBEDDING_CTX)
+
+    def embedding_context(self, pooling: str = "mean") -> "EmbeddingContext":
         """A second context on the same weights, for sentence embeddings pooled as
-        ``pooling`` says (mean, cls, last); closed with the backend. It holds at most the
-        model's training context (a model with learned positions, such as GPT-2 or BERT, has
-        none past it)."""
-        ctx = EmbeddingContext(self, min(n_ctx, self.n_ctx_train or n_ctx), pooling)
+        ``pooling`` says (mean, cls, last), of :meth:`embedding_limit` tokens; closed with
+        the backend."""
+        ctx = EmbeddingContext(self, self.embedding_limit(), pooling)
         self._children.append(ctx)
         return ctx
 
@@ -989,6 +993,7 @@ def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
                           "will require an imatrix" in text)
 
 
+_EMBEDDING_CTX = 2048
 _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS,
             "last": C.LLAMA_POOLING_TYPE_LAST}
 

@@ -50,7 +50,8 @@ class EmbeddingServing:
         self.model_id = model_id
         self.metrics = metrics
 
-    def _tokens(self, items: Sequence[str | list[int]], param: str) -> list[list[int]]:
+    def _tokens(self, items: Sequence[str | list[int]], param: str, truncate: bool
+                ) -> list[list[int]]:
         if len(items) > MAX_INPUTS:
             raise InvalidRequestError(f"at most {MAX_INPUTS} inputs per request", param=param)
         out = []
@@ -61,27 +62,33 @@ class EmbeddingServing:
                 if not item or not all(0 <= t < self.aengine.n_vocab for t in item):
                     raise InvalidRequestError("token ids must be in the vocabulary", param=param)
                 out.append(list(item))
+        if truncate:  # Ollama's: the end of each input cut to fit
+            out = [t[:self.aengine.embedding_limit] for t in out]
         return out
 
     async def pooled(self, model: str | None, inputs: Callable[[], Sequence[str | list[int]]],
-                     size: int, param: str = "input") -> tuple[list[np.ndarray], int]:
+                     size: int, param: str = "input", truncate: bool = False
+                     ) -> tuple[list[np.ndarray], int]:
         """The pooled vectors of what ``inputs`` lists (strings are tokenized with BOS; run
         off the event loop when ``size`` is large), not normalised, and their token count;
-        a request for a LoRA adapter or another model is refused first."""
+        a request for a LoRA adapter or another model is refused first. An input longer than
+        the embeddings hold is a 400, or with ``truncate`` its end is cut."""
         if adapter(self.aengine, model) is not None:  # listed in /v1/models: not a 404
             raise no_adapter_embeddings(model or "", self.model_id)
         check_model(model, self.model_id)
         start = time.perf_counter()
-        token_lists = await self.aengine.off_loop(size, lambda: self._tokens(inputs(), param))
+        token_lists = await self.aengine.off_loop(
+            size, lambda: self._tokens(inputs(), param, truncate))
         vectors = await self.aengine.embed(token_lists)
         n = sum(len(t) for t in token_lists)
         if self.metrics is not None:
             self.metrics.observe_embeddings(n, time.perf_counter() - start)
         return vectors, n
 
-    async def create(self, data: EmbeddingRequest) -> EmbeddingList:
+    async def create(self, data: EmbeddingRequest, truncate: bool = False) -> EmbeddingList:
+        """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes)."""
         pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
-                                      text_size(data.input))
+                                      text_size(data.input), truncate=truncate)
         vectors = [normalised(v) for v in pooled]
         if data.dimensions is not None:
             if not 0 < data.dimensions <= vectors[0].size:

@@ -674,13 +674,13 @@ def _check_embedding_options(o: OllamaOptions | None, served: Served) -> None:
                                       param=f"options.{name}")
 
 
-async def _embed(served: Served, name: str, inputs: str | list[str], dimensions: int | None
-                 ) -> tuple[list[list[float]], int]:
+async def _embed(served: Served, name: str, inputs: str | list[str], dimensions: int | None,
+                 truncate: bool) -> tuple[list[list[float]], int]:
     if served.embeddings is None:
         raise InvalidRequestError(f'"{name}" does not support embeddings: this server runs '
                                   "with embeddings disabled", param="model")
     result = await served.embeddings.create(
-        EmbeddingRequest(input=inputs, dimensions=dimensions))
+        EmbeddingRequest(input=inputs, dimensions=dimensions), truncate=truncate)
     # floats: the request asked for no base64
     return ([list(cast(list[float], e.embedding)) for e in result.data],
             result.usage.prompt_tokens)
@@ -694,15 +694,12 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
     _check_model(req.model, served, adapters=False)
     _check_keep_alive(req.keep_alive)
     _check_embedding_options(req.options, served)
-    if req.truncate:
-        raise InvalidRequestError("truncate: an input longer than the embedding context is "
-                                  "refused, not truncated (send truncate: false)",
-                                  param="truncate")
     if req.dimensions is not None and req.dimensions < 1:
         raise InvalidRequestError("dimensions must be >= 1", param="dimensions")
     if req.input in ("", []):
         return {"model": req.model, "embeddings": []}
-    vectors, tokens = await _embed(served, req.model, req.input, req.dimensions)
+    vectors, tokens = await _embed(served, req.model, req.input, req.dimensions,
+                                   truncate=req.truncate is not False)  # Ollama's default
     return {"model": req.model, "embeddings": vectors, **arrival.durations(),
             "prompt_eval_count": tokens}
 
@@ -717,7 +714,7 @@ async def embeddings(data: JSONBody[OllamaEmbeddingsRequest], request: Request,
     _check_embedding_options(req.options, served)
     if not req.prompt:
         return {"embedding": []}
-    vectors, _ = await _embed(served, req.model, req.prompt, None)
+    vectors, _ = await _embed(served, req.model, req.prompt, None, truncate=False)  # as Ollama
     return {"embedding": vectors[0]}
 
 

@@ -271,6 +271,24 @@ def test_embed(client, server):
     assert client.embed(model=server.model, input=[]).embeddings == []
 
 
+def test_embed_truncates_a_long_input_unless_told_not_to(client, server):
+    """Ollama's /api/embed cuts the end of an input past the context by default (truncate
+    absent or true); truncate: false makes it a 400. The legacy route does not cut."""
+    text = "word " * 3000
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    assert len(ids) > 2048
+    cut = httpx.post(server.url + "/v1/embeddings", timeout=60, json={
+        "input": [ids[:2048]]}).json()["data"][0]["embedding"]
+    for truncate in (None, True):
+        r = client.embed(model=server.model, input=text, truncate=truncate)
+        assert r.prompt_eval_count == 2048
+        np.testing.assert_allclose(r.embeddings[0], cut, atol=1e-5)
+    ollama_error(lambda: client.embed(model=server.model, input=text, truncate=False), 400,
+                 "at most 2048")
+    ollama_error(lambda: client.embeddings(model=server.model, prompt=text), 400,
+                 "at most 2048")
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 def ollama_error(call, status: int, says: str | None = None) -> None:
@@ -333,7 +351,6 @@ def test_unsupported_fields_are_a_400(client, server):
              "suffix"),
             (lambda: client.generate(model=server.model, prompt="hi", raw=True, system="x"),
              "system"),
-            (lambda: client.embed(model=server.model, input="hi", truncate=True), "truncate"),
             (lambda: client.embed(model=server.model, input="hi",
                                   options={"temperature": 1}), "options.temperature")]:
         ollama_error(call, 400, says)
