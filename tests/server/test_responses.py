@@ -262,8 +262,12 @@ def test_stored_responses_and_previous_response_id(client, server):
                                     store=False, input=[
         {"role": "user", "content": "My name is Ada."}, first.output[0].model_dump(),
         {"role": "user", "content": "What is my name?"}])
-    assert (follow.output_text, follow.usage.input_tokens) == (
-        whole.output_text, whole.usage.input_tokens)
+    # (not compared by text: the second computes on the first's cached prefix, which moves
+    # logits enough to flip a greedy near tie; the prompt is what must be the same, and the
+    # prefix cache holding all of it but the last token shows it is)
+    assert follow.usage.input_tokens == whole.usage.input_tokens
+    cached = whole.usage.input_tokens_details.cached_tokens
+    assert cached >= whole.usage.input_tokens - 1, cached
     assert client.responses.input_tokens.count(
         model=server.model, input="What is my name?",
         previous_response_id=first.id).input_tokens == whole.usage.input_tokens
