@@ -1009,7 +1009,6 @@ class EmbeddingContext:
     def __init__(self, backend: LlamaBackend, n_ctx: int, pooling: str = "mean") -> None:
         self._backend = backend
         self.n_ctx = n_ctx
-        self.pooling = pooling
         self.n_embd = int(C.llama_model_n_embd(backend._model))
         cparams = C.llama_context_default_params()
         cparams.n_ctx = n_ctx

@@ -360,6 +360,7 @@ def _prompt_string(p: dict[str, Any], field: str) -> object:
 def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Served,
               lora: tuple[tuple[str, float], ...]) -> dict[str, Any]:
     """generation_settings: what the request ran with, in llama-server's names."""
+    applied = dict(lora)
     return {
         "n_predict": -1 if plan.max_tokens is None else plan.max_tokens,
         "seed": seed, "temperature": req.temperature, "dynatemp_range": req.dynatemp_range,
@@ -380,8 +381,8 @@ def _settings(req: LlamaCompletionRequest, plan: _Plan, seed: int, served: Serve
         "samplers": list(plan.steps), "stop": list(plan.stop),
         "grammar": req.grammar or "", "n_ctx": served.aengine.max_request_tokens,
         "model": served.model_id, "post_sampling_probs": False, "timings_per_token": False,
-        "lora": [{"id": a.id, "scale": dict(lora)[a.name]}
-                 for a in served.aengine.lora_adapters() if a.name in dict(lora)],
+        "lora": [{"id": a.id, "scale": applied[a.name]}
+                 for a in served.aengine.lora_adapters() if a.name in applied],
     }
 
 
