@@ -105,8 +105,8 @@ class ResponseRequest(_Body, kw_only=True):
     parallel_tool_calls: bool | None = None
     stream: bool | None = False  # null: absent, as OpenAI takes it
     stream_options: StreamOptions | None = None
-    # Responses are never stored; absent is taken as false (see README: OpenAI's default is
-    # true, but a stateless answer is all an absent flag can get here).
+    # Absent is OpenAI's default, true: the response is kept (server/response_store.py);
+    # router mode and the cluster send it as false.
     store: bool | None = None
     metadata: dict[str, str] | None = None  # echoed back on the response
     user: str | None = None  # logged; router mode keeps a user on one replica
