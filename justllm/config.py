@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from justllm.core.policy import SCHEDULING_POLICIES
+from justllm.core.reasoning import REASONING_FORMATS
 from justllm.core.sampling_params import MAX_DRAFT, MAX_LORA_SCALE
 from justllm.core.scheduler import SchedulerConfig
 from justllm.kv.radix_cache import EVICTION_POLICIES
@@ -218,6 +219,13 @@ class EngineConfig:
     # type, as llama-server reads it: mean, CLS or the last token; mean for a model that names
     # none, such as a chat model), or one of POOLINGS (llama-server's --pooling).
     pooling: str = ""
+    # How a reasoning model's thinking is returned (llama-server's --reasoning-format): "auto"
+    # or "deepseek" apart from the answer (``reasoning_content``, Ollama's ``thinking``...),
+    # "none" left in the answer's text. A request may choose otherwise.
+    reasoning_format: str = "auto"
+    # Tokens a reasoning model may think before its end tag is forced (llama-server's
+    # --reasoning-budget): -1 no limit, 0 none. A request may choose otherwise.
+    reasoning_budget: int = -1
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
@@ -257,6 +265,12 @@ class EngineConfig:
         if self.pooling not in ("", *POOLINGS):
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)} (got "
                              f"{self.pooling!r})")
+        if not isinstance(self.reasoning_budget, int) or self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be -1 (no limit) or a number of tokens "
+                             f"(got {self.reasoning_budget!r})")
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)} "
+                             f"(got {self.reasoning_format!r})")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}"
                              f" (got {self.eviction_policy!r})")

@@ -77,6 +77,12 @@ class SamplingParams:
     # LoRA adapters to run under, by name, with their scales (the engine refuses names it has
     # not loaded); empty: the base model. A mapping or pairs; kept as sorted pairs.
     lora: tuple[tuple[str, float], ...] = field(default_factory=tuple)
+    # A reasoning model's thinking budget (llama-server's reasoning budget): past this many
+    # tokens of thinking, the tokens that close it are forced (core/thinking_budget.py); -1:
+    # none. With the model's thinking tags, and whether the prompt opened the thinking.
+    thinking_budget: int = -1
+    thinking_tags: tuple[str, str] | None = None
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +104,15 @@ class SamplingParams:
         _check(all(_is_num(s) and abs(s) <= MAX_LORA_SCALE for _, s in self.lora),
                f"lora scales must be numbers in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]",
                "lora")
+        _check(_is_int(self.thinking_budget) and self.thinking_budget >= -1,
+               "thinking_budget must be an integer >= -1", "thinking_budget")
+        if self.thinking_budget >= 0:
+            tags = self.thinking_tags
+            _check(isinstance(tags, tuple) and len(tags) == 2
+                   and all(isinstance(t, str) and t for t in tags),
+                   "a thinking budget needs the model's thinking tags", "thinking_budget")
+            _check(self.grammar is None, "a thinking budget cannot be combined with a grammar "
+                   "(the grammar holds the whole answer)", "thinking_budget")
         # 0: the prompt computed (into the prefix cache; scored with prompt_logprobs), nothing
         # generated. The OpenAI routes take it only with the prompt's logprobs.
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),

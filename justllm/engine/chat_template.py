@@ -28,6 +28,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from justllm.core.reasoning import THINKING_SWITCH, thinking_tags
 from justllm.errors import InvalidRequestError
 
 # A system message opens the transcript as its own paragraph (without one, TRANSCRIPT_PREAMBLE
@@ -285,6 +286,17 @@ class ChatTemplate:
         """The tool-call format a model prompted through this template writes: its family's
         when the template renders tools, else ``generic`` (what the fallback text asks for)."""
         return template_tool_format(self.source) if self.native_tools else "generic"
+
+    @property
+    def thinking_tags(self) -> tuple[str, str] | None:
+        """The tags the model thinks between (``<think>``, ``</think>``), when the template
+        writes a known pair: a reasoning model's (core/reasoning.py)."""
+        return thinking_tags(self.source)
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the template turns thinking on and off by ``enable_thinking`` (Qwen3's)."""
+        return THINKING_SWITCH in self.source
 
     @classmethod
     def named(cls, choice: str, *, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":

@@ -27,6 +27,7 @@ from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
+from justllm.core.thinking_budget import ThinkingBudget
 from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.lora import LoadedLora, LoraRegistry
@@ -297,7 +298,14 @@ class Engine:
         if "infill" in (params.samplers or ()):
             b = self.backend
             infill = InfillVocab(b.token_to_piece, b.is_eog, b.end_of_turn())
-        sampler = RequestSampler(params, seed, constraint, ends, infill)
+        budget = None
+        if params.thinking_budget >= 0:
+            assert params.thinking_tags is not None  # (SamplingParams checks)
+            closing = self.backend.tokenize(f"\n{params.thinking_tags[1]}\n\n",
+                                            add_special=False)
+            budget = (ThinkingBudget(params.thinking_tags, params.thinking_budget, closing,
+                                     params.thinking_open), self.backend.token_to_piece)
+        sampler = RequestSampler(params, seed, constraint, ends, infill, budget)
         if resume is not None:
             self._check_resume(resume, sampler)
         return PreparedRequest(prompt, tokens, params, sampler, resume)
@@ -410,6 +418,8 @@ class Engine:
             sampler.rng.bit_generator.state = resume.rng_state
         except (TypeError, ValueError, KeyError) as e:
             raise HandoverError(f"the hand-over's random state is not PCG64's: {e}") from None
+        for t in resume.token_ids:
+            sampler.accepted(t)  # (a thinking budget counts them)
         c = sampler.constraint
         if c is None:
             return

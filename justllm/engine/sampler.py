@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from justllm.core.sampling_params import SamplingParams
+from justllm.core.thinking_budget import ThinkingBudget
 from justllm.spec.verify import accept_or_resample
 
 _NUCLEUS_LEVELS = (np.float32(1e-2), np.float32(1e-4))
@@ -95,12 +96,16 @@ class RequestSampler:
     def __init__(self, params: SamplingParams, seed: int,
                  constraint: Constraint | None = None,
                  end_tokens: np.ndarray | None = None,
-                 infill: InfillVocab | None = None) -> None:
+                 infill: InfillVocab | None = None,
+                 budget: tuple[ThinkingBudget, Callable[[int], bytes]] | None = None) -> None:
         """``end_tokens``: what ``min_tokens`` masks out until that many tokens are out (the
         end-of-generation tokens and the request's stop tokens); ``infill``: the vocabulary,
-        for a chain with the infill step."""
+        for a chain with the infill step; ``budget``: the thinking budget, and a token's text
+        (what it reads)."""
         assert infill is not None or "infill" not in (params.samplers or ())
         self._infill = infill
+        self.budget = budget[0] if budget else None
+        self._piece = budget[1] if budget else None
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.constraint = constraint
@@ -150,7 +155,10 @@ class RequestSampler:
         p = self.params
         x = row.x
         c = self.constraint
-        if row.token is not None:
+        forced = self.budget.forced() if self.budget is not None else None
+        if forced is not None:  # the budget closes the thinking (never with a grammar)
+            token = forced
+        elif row.token is not None:
             token = row.token
         elif p.greedy:  # (without a grammar, prepare took the argmax)
             assert c is not None
@@ -168,10 +176,17 @@ class RequestSampler:
             token = self._draw(x, row.scan)
         if c is not None:
             c.accept(token)
+        self.accepted(token)
         if row.table is None:
             return SampledToken(token)
         lse, top = row.table
         return SampledToken(token, float(row.logits[token]) - lse, top)
+
+    def accepted(self, token: int) -> None:
+        """``token`` is the request's next (drawn, or handed over): the budget counts it."""
+        if self.budget is not None:
+            assert self._piece is not None
+            self.budget.accept(token, self._piece(token))
 
     def _draw_against(self, x: np.ndarray, draft_token: int, q_row: np.ndarray) -> int:
         ids, w = self._distribution(x)

@@ -301,3 +301,24 @@ def test_a_resumed_requests_record_puts_its_prefill_on_the_prefill_replica(pair)
     assert rec.queued_seconds + rec.prefill_seconds + rec.decode_seconds == pytest.approx(
         rec.total_seconds, abs=1e-6)
     settled(decode)
+
+
+def test_a_thinking_budget_goes_on_across_a_handover(pair):
+    """A budget of 0 on a prompt that opened the thinking forces the end tag from the first
+    token: the prefill engine forces the first of its tokens, and the decode engine, replaying
+    the handed-over token into the budget, forces the rest (it would draw otherwise)."""
+    prefill, decode = pair
+    prompt = "Q: two plus two\nA: <think>\n"
+    params = replace(SAMPLED, logprobs=None, thinking_budget=0,
+                     thinking_tags=("<think>", "</think>"), thinking_open=True)
+    closing = prefill.backend.tokenize("\n</think>\n\n", add_special=False)
+    assert len(closing) > 1
+    decode.flush_prefix_cache()
+    prefill.flush_prefix_cache()
+    handover = drawn_first(prefill, prompt, params)
+    assert list(handover.token_ids) == closing[:1]
+    decode.import_prefix(prefill.export_prefix(prefill.tokenize(prompt)))
+    first = decode.resume_request(prompt, params, handover)
+    tokens, _ = rest_of(decode, first.request_id)
+    assert (first.token_ids + tokens)[:len(closing)] == closing
+    settled(decode)

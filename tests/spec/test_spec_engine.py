@@ -605,3 +605,35 @@ def test_layer_truncated_draft_is_lossless(made, reference):
     # A weak draft: some of its tokens were rejected, and outputs are still the target's.
     assert accepted < drafted
     assert_kv_clean(made)
+
+
+# ---- 7: a thinking budget forces the end of thinking through the drafts ------------------
+
+THINKING = "".join(f"Q: {q}\nA: <think>\nI know this one, {q} is easy.\n</think>\n\n{a}\n\n"
+                   for q, a in (("two plus two", "4"), ("three plus three", "6"),
+                                ("four plus four", "8"))) + "Q: five plus five\nA: <think>\n"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft"])
+def test_a_thinking_budget_forces_the_end_tag_while_drafts_are_verified(name, request):
+    """The engine's thinking budget (core/thinking_budget.py) with each proposer: the first
+    ``budget`` tokens are the model's own, then the end tag's tokens are forced (the drafts,
+    which would go on thinking, are rejected there), then the model answers."""
+    engine = request.getfixturevalue(name)
+    budget = 3
+    closing = engine.backend.tokenize("\n</think>\n\n", add_special=False)
+    params = SamplingParams(max_tokens=N, ignore_eos=True, thinking_budget=budget,
+                            thinking_tags=("<think>", "</think>"), thinking_open=True)
+    engine.flush_prefix_cache()
+    before = engine.stats().spec
+    tokens, _ = run_alone(engine, THINKING, params)
+    free, _ = run_alone(engine, THINKING, SamplingParams(max_tokens=N, ignore_eos=True))
+    assert tokens[:budget] == free[:budget]  # the model's own thinking, as without a budget
+    assert tokens[budget:budget + len(closing)] == closing  # then the end, forced
+    assert free[budget:budget + len(closing)] != closing  # (which it would not have written)
+    text = engine.backend.detokenize(tokens)
+    assert "\n</think>\n\n" in text and len(tokens) == N
+    if name != "plain":
+        assert delta(engine, before)[0] > 0  # it drafted
+    assert_kv_clean(engine)
