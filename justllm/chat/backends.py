@@ -28,6 +28,11 @@ class RequestSink(Protocol):
     def close(self, timeout: float = 5.0) -> None: ...
 
 
+class Thought(str):
+    """A piece of a reasoning model's thinking (what it writes before its answer, between its
+    thinking tags): the chat shows it apart and keeps it out of the answer's text."""
+
+
 class ContextFull(JustLLMError):
     """The conversation plus the answer's ``max_tokens`` does not fit the model's context;
     refused before any work, so asking again with fewer messages is safe."""
@@ -76,6 +81,7 @@ class LocalChat:
         the engine's own refusal of a prompt that does not fit (add_request counts it with the
         model's tokenizer before queuing anything): the same check, and the same words, as a
         server's 400."""
+        from justllm.core.reasoning import ReasoningSplitter, opens_thinking
         from justllm.core.sampling_params import SamplingParams
         from justllm.engine.chat_template import AnswerText, with_template_stops
         from justllm.errors import InvalidRequestError
@@ -93,6 +99,8 @@ class LocalChat:
         start = time.perf_counter()
         done = False
         answer = AnswerText()
+        tags = self.template.thinking_tags
+        thinking = ReasoningSplitter(tags, opens_thinking(prompt, tags)) if tags else None
         try:
             while not done:
                 for out in self.engine.step():
@@ -105,7 +113,15 @@ class LocalChat:
                                             m.ttft or 0.0, time.perf_counter() - start,
                                             complete=out.finished)
                     done = out.finished
-                    text = answer.feed(out.text)
+                    text = out.text
+                    if thinking is not None:
+                        thought, text = thinking.feed(text)
+                        if out.finished:
+                            more, rest = thinking.finish()
+                            thought, text = thought + more, text + rest
+                        if thought:
+                            yield Thought(thought)
+                    text = answer.feed(text)
                     if text:
                         yield text
         finally:
@@ -182,7 +198,9 @@ class RemoteChat:
         """The answer's text pieces. A network failure, or an answer that is not the server's
         stream, is one JustLLMError; until the final chunk's usage, ``last`` says that this
         answer has no figures (a stopped one must not show the previous answer's)."""
-        messages = [{**m, "content": encodable(m["content"])} for m in messages]
+        messages = [{**m, "content": encodable(m["content"]),
+                     **({"reasoning_content": encodable(m["reasoning_content"])}
+                        if m.get("reasoning_content") else {})} for m in messages]
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, **options}
         if body.get("seed") is None:
@@ -204,6 +222,10 @@ class RemoteChat:
                                                 (first or start) - start,
                                                 time.perf_counter() - start)
                     for choice in data.get("choices", []):
+                        thought = choice.get("delta", {}).get("reasoning_content")
+                        if thought:
+                            first = first or time.perf_counter()
+                            yield Thought(thought)
                         text = choice.get("delta", {}).get("content")
                         if text:
                             first = first or time.perf_counter()

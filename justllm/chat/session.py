@@ -7,7 +7,7 @@ from collections.abc import Callable, Generator
 from contextlib import closing
 from typing import TextIO
 
-from justllm.chat.backends import ContextFull
+from justllm.chat.backends import ContextFull, Thought
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import InvalidRequestError, JustLLMError
 
@@ -137,11 +137,19 @@ class ChatSession:
         it was; a stopped one (Ctrl-C) keeps what was said."""
         self.history.append({"role": "user", "content": text})
         answer: list[str] = []
+        thoughts: list[str] = []  # a reasoning model's thinking, shown dim, kept apart
+        dim = getattr(self.out, "isatty", lambda: False)()
         pieces = self._fitting_answer()
         try:
             for piece in pieces:
-                answer.append(piece)
-                self.out.write(piece)
+                if isinstance(piece, Thought):
+                    thoughts.append(piece)
+                    self.out.write(f"\x1b[2m{piece}\x1b[0m" if dim else piece)
+                else:
+                    if thoughts and not answer:  # the answer on its own paragraph
+                        self.out.write("\n\n")
+                    answer.append(piece)
+                    self.out.write(piece)
                 self.out.flush()
             self._say()
         except KeyboardInterrupt:
@@ -152,7 +160,10 @@ class ChatSession:
             return
         finally:
             pieces.close()  # aborts an answer still running, at once
-        self.history.append({"role": "assistant", "content": "".join(answer)})
+        said: dict = {"role": "assistant", "content": "".join(answer)}
+        if thoughts:  # the template decides whether the next prompt shows it
+            said["reasoning_content"] = "".join(thoughts)
+        self.history.append(said)
 
     def _fitting_answer(self) -> Generator[str, None, None]:
         """The answer's pieces, asked with as much of the conversation as fits the model's

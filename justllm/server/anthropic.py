@@ -117,12 +117,20 @@ def _message(mid: str, model: str, result: ChatResult, stops: list[str] | None
              ) -> AnthropicMessage:
     choice = result.choices[0]
     content: list[dict[str, Any]] = []
+    if choice.reasoning:
+        content.append(_thinking_block(choice.reasoning))
     if choice.content or not choice.tool_calls:
         content.append({"type": "text", "text": choice.content or ""})
     content += [_tool_use(c) for c in choice.tool_calls]
     reason, sequence = _stop(choice.finish_reason, getattr(choice, "stop", None), stops)
     return AnthropicMessage(mid, "message", "assistant", model, content, reason, sequence,
                             Usage(result.usage.prompt_tokens, result.usage.completion_tokens))
+
+
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A reasoning model's thinking as a thinking block. Its ``signature`` is empty: it
+    vouches for nothing here (a thinking block sent back is read as it is)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
@@ -165,10 +173,16 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                              Usage(input_tokens, 0))
     yield _event("message_start", {"message": start})
     yield _event("ping", {})
-    blocks, text_open = _Blocks(), False
+    blocks, text_open, thinking_open = _Blocks(), False, False
     reason, sequence, output_tokens = "end_turn", None, 0
     async with aclosing(events):
         async for ev in events:
+            if isinstance(ev, TextDelta) and ev.reasoning:  # (before any text)
+                if not thinking_open:
+                    thinking_open = True
+                    for frame in blocks.start(_thinking_block("")):
+                        yield frame
+                yield blocks.delta({"type": "thinking_delta", "thinking": ev.reasoning})
             if isinstance(ev, TextDelta) and ev.text:
                 if not text_open:
                     text_open = True
@@ -204,13 +218,20 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
 
 # ---- routes ----------------------------------------------------------------------------------
 
+def _for_model(chat: ChatCompletionRequest, served: Served) -> ChatCompletionRequest:
+    """A model that does not think keeps within any thinking budget: none is set for it."""
+    if served.completions.template.thinking_tags is None:
+        return msgspec.structs.replace(chat, thinking_budget_tokens=None)
+    return chat
+
+
 # Errors in Anthropic's shape: errors.handle_exception answers so under /v1/messages.
 @post("/messages", status_code=200, summary="Anthropic: create a message")
 async def messages(data: JSONBody[MessagesRequest], request: Request, state: State) -> Any:
     served = _served(state)
     req = await decode_request(request, MessagesRequest)
     served.completions.check_model(req.model)
-    chat = to_chat(req)
+    chat = _for_model(to_chat(req), served)
     mid = f"msg_{uuid.uuid4().hex}"
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
     if req.stream:
@@ -232,6 +253,6 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, CountTokensRequest)
     served.completions.check_model(req.model)
-    chat = to_chat(req)
+    chat = _for_model(to_chat(req), served)
     return TokenCount(await served.aengine.off_loop(text_size(chat),
                                                     lambda: prompt_tokens(served, chat)))

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import re
 from itertools import groupby
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
+from justllm.core.reasoning import THINKING_SWITCH
 from justllm.errors import InvalidRequestError
 from justllm.server.anthropic_schemas import Block, Message, MessagesRequest, Tool, _Prompt
 from justllm.server.json_schema import check_strict, unenforced
@@ -43,8 +44,7 @@ ChatToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
 _NOT_TEXT = {"image": "images", "document": "documents", "search_result": "search results",
              "container_upload": "files"}
 # Fields refused unless absent, and why.
-_REFUSED = (("thinking", "extended thinking is not supported by this server"),
-            ("speed", "there is one inference speed"),
+_REFUSED = (("speed", "there is one inference speed"),
             ("user_profile_id", "there are no user profiles on this server"),
             ("workspace_id", "there are no workspaces on this server"),
             ("mcp_servers", "MCP servers are not supported"),
@@ -83,10 +83,10 @@ def _text(block: Block, where: str) -> str:
     if kind is not None:
         raise _refuse(where, f"this model reads text only and cannot take {kind} "
                              f"(block type '{block.type}')")
-    if block.type in ("thinking", "redacted_thinking"):
-        raise _refuse(where, "thinking blocks are not supported (this server does not think)")
-    raise _refuse(where, f"block type '{block.type}' is not supported here (text, tool_use "
-                         "and tool_result are)")
+    if block.type == "redacted_thinking":
+        raise _refuse(where, "redacted (encrypted) thinking cannot be read by this server")
+    raise _refuse(where, f"block type '{block.type}' is not supported here (text, thinking, "
+                         "tool_use and tool_result are)")
 
 
 def _system(req: _Prompt) -> list[ChatMessage]:
@@ -134,6 +134,9 @@ def _append(out: list[ChatMessage], m: ChatMessage) -> None:
         last.content = [*(last.content or []), *m.content]
     if m.tool_calls:
         last.tool_calls = [*(last.tool_calls or []), *m.tool_calls]
+    if m.reasoning_content:
+        last.reasoning_content = "\n\n".join(filter(None, (last.reasoning_content,
+                                                            m.reasoning_content)))
 
 
 def _turn(m: Message, i: int, out: list[ChatMessage], names: dict[str, str]) -> None:
@@ -143,9 +146,16 @@ def _turn(m: Message, i: int, out: list[ChatMessage], names: dict[str, str]) -> 
     blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
     parts: list[ContentPart] = []
     calls: list[MessageToolCall] = []
+    thoughts: list[str] = []
     for j, b in enumerate(blocks):
         at = f"{where}[{j}]"
-        if b.type == "tool_use":
+        if b.type == "thinking":  # the assistant's thinking: its reasoning_content
+            if m.role != "assistant":
+                raise _refuse(at, "thinking blocks belong to assistant turns")
+            if b.thinking is None or not isinstance(b.thinking, str):
+                raise _refuse(f"{at}.thinking", "a thinking block needs its thinking text")
+            thoughts.append(b.thinking)
+        elif b.type == "tool_use":
             if m.role != "assistant":
                 raise _refuse(at, "tool_use blocks belong to assistant turns")
             calls.append(_tool_call(b, at))
@@ -159,9 +169,10 @@ def _turn(m: Message, i: int, out: list[ChatMessage], names: dict[str, str]) -> 
             out.append(_tool_result(b, at, names))
         else:
             parts.append(ContentPart(type="text", text=_text(b, at)))
-    if parts or calls or not blocks:
+    if parts or calls or thoughts or not blocks:
         _append(out, ChatMessage(role=m.role, content=parts if parts or not calls else None,
-                                 tool_calls=calls or None))
+                                 tool_calls=calls or None,
+                                 reasoning_content="\n\n".join(thoughts) or None))
 
 
 def _messages(req: _Prompt) -> list[ChatMessage]:
@@ -184,6 +195,7 @@ def _check_prefill(m: Message, i: int) -> None:
     """A last assistant message is a prefill: the answer continues its text (Anthropic's
     rules: text only, and no trailing whitespace)."""
     blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+    blocks = [b for b in blocks if b.type != "thinking"]  # (its thinking, then the text)
     if any(b.type != "text" for b in blocks):
         raise _refuse(f"messages[{i}].content", "a prefilled assistant turn (the last message) "
                                                "continues text: it can hold text blocks only")
@@ -293,15 +305,54 @@ def _response_format(req: _Prompt) -> ResponseFormat | None:
                                                        strict=True))
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+def _thinking(req: _Prompt) -> dict[str, Any]:
+    """``thinking`` and ``output_config.effort`` as the chat request's fields. Thinking is
+    off unless enabled (Anthropic's default): a reasoning model's template gets
+    ``enable_thinking`` (a template without the switch thinks as it always does); its
+    thinking comes back as thinking blocks either way. ``budget_tokens`` (Anthropic's rules:
+    at least 1,024, less than ``max_tokens``) is the thinking budget: past it, the model's
+    end of thinking is forced (a model that does not think stays within any budget)."""
+    t = req.thinking
+    on = t is not None and t.type != "disabled"
+    budget = None
+    if t is not None:
+        if t.type == "enabled":
+            if t.budget_tokens is None:
+                raise _refuse("thinking.budget_tokens", "enabled thinking needs budget_tokens")
+            if t.budget_tokens < MIN_THINKING_BUDGET:
+                raise _refuse("thinking.budget_tokens", f"must be at least "
+                                                        f"{MIN_THINKING_BUDGET}")
+            max_tokens = getattr(req, "max_tokens", None)
+            if max_tokens is not None and t.budget_tokens >= max_tokens:
+                raise _refuse("thinking.budget_tokens", "`max_tokens` must be greater than "
+                                                        "`thinking.budget_tokens`")
+            budget = t.budget_tokens
+        elif t.budget_tokens is not None:
+            raise _refuse("thinking.budget_tokens", f"only with thinking of type 'enabled' "
+                                                    f"(the type is '{t.type}')")
+    effort = req.output_config.effort if req.output_config else None
+    return {"chat_template_kwargs": {THINKING_SWITCH: on}, "reasoning_format": "deepseek",
+            "thinking_budget_tokens": budget, "reasoning_effort": effort}
+
+
 def to_chat(req: _Prompt) -> ChatCompletionRequest:
     """The Anthropic request (a message, or a token count's prompt) as a chat completion."""
     for name, why in _REFUSED:
         if getattr(req, name, None) is not None:
             raise _refuse(name, why)
-    if req.output_config is not None and req.output_config.effort is not None:
-        raise _refuse("output_config.effort", "this server has no effort control")
     tools, choice, parallel = _tools(req)
     fmt = _response_format(req)
+    if req.thinking is not None and req.thinking.type != "disabled":
+        if choice == "required" or isinstance(choice, ToolChoiceNamed):
+            raise _refuse("thinking", "thinking may not be enabled when tool_choice forces "
+                                      "tool use")  # (Anthropic's rule too)
+        if fmt is not None:
+            raise _refuse("thinking", "thinking cannot be combined with output_config.format "
+                                      "on this server (the format holds the answer from its "
+                                      "first token)")
     if fmt is not None and tools and choice != "none":
         raise _refuse("output_config.format", "structured output cannot be combined with tools "
                                               "on this server (both constrain the whole "
@@ -314,7 +365,8 @@ def to_chat(req: _Prompt) -> ChatCompletionRequest:
                                   "tool_choice {\"type\": \"none\"} or end with a user message")
     chat = ChatCompletionRequest(model=req.model, messages=_messages(req), tools=tools,
                                  tool_choice=choice, parallel_tool_calls=parallel,
-                                 response_format=fmt, continue_final_message=prefill)
+                                 response_format=fmt, continue_final_message=prefill,
+                                 **_thinking(req))
     if not isinstance(req, MessagesRequest):
         return chat
     stops = req.stop_sequences or []

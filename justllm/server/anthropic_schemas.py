@@ -91,7 +91,15 @@ class JsonOutputFormat(_Body, kw_only=True):
 
 class OutputConfig(_Body, kw_only=True):
     format: JsonOutputFormat | None = None
-    effort: str | None = None  # refused: this server has no effort control
+    effort: str | None = None  # a template's reasoning_effort (400 for one without)
+
+
+class ThinkingConfig(_Body, kw_only=True):
+    """Extended thinking: ``enabled`` with a budget, ``adaptive`` (the model decides) or
+    ``disabled`` (the default)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
 
 
 class _Prompt(_Body, kw_only=True):
@@ -104,8 +112,8 @@ class _Prompt(_Body, kw_only=True):
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
     # Anthropic fields justllm does not implement: refused unless absent.
-    thinking: Any = None
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None

@@ -24,7 +24,7 @@ import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Union, cast
@@ -36,6 +36,12 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 
 from justllm import __version__
+from justllm.core.reasoning import (
+    EFFORT_VARIABLE,
+    THINKING_SWITCH,
+    ReasoningSplitter,
+    opens_thinking,
+)
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import with_template_stops
@@ -384,9 +390,50 @@ def _check_generation(req: _Generation, served: Served) -> LoadedLora | None:
     """The request's checks; the adapter its model names, if it names one."""
     lora = _check_model(req.model, served)
     _check_keep_alive(req.keep_alive)
-    if req.think not in (None, False):
-        raise InvalidRequestError(f'"{req.model}" does not support thinking', param="think")
     return lora
+
+
+_THINK_LEVELS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class _Think:
+    """What a request's ``think`` comes to: the chat template's variables, and whether the
+    answer's thinking is taken apart (Ollama's ``thinking`` field)."""
+
+    kwargs: dict[str, Any] | None = None
+    apart: bool = False
+
+
+def _think(req: _Generation, served: Served) -> _Think:
+    """Ollama's ``think``: a model thinks when its chat template writes thinking tags
+    (Ollama's "thinking" capability), and then by default (``think`` absent means true, as in
+    Ollama); true on any other model is Ollama's 400. The template's ``enable_thinking`` gets
+    the choice; a level ("low", "medium", "high"; "max" is "high", as Ollama maps it) needs
+    a template that takes
+    ``reasoning_effort``. Thinking stays in the text with ``think: false``, and when ``think``
+    is absent and the server was started with ``--reasoning-format none``."""
+    template = served.completions.template
+    think = "high" if req.think == "max" else req.think
+    if template.thinking_tags is None:
+        if think in (None, False):
+            return _Think()
+        raise InvalidRequestError(f'"{req.model}" does not support thinking', param="think")
+    kwargs: dict[str, Any] = {}
+    if isinstance(think, str):
+        if think not in _THINK_LEVELS:
+            raise InvalidRequestError('think: true, false, "low", "medium" or "high"',
+                                      param="think")
+        if EFFORT_VARIABLE not in template.source:
+            raise InvalidRequestError(f'"{req.model}" thinks or does not (think: true or '
+                                      f'false); it has no thinking levels', param="think")
+        kwargs[EFFORT_VARIABLE] = think
+    on = think is not False
+    if template.thinking_switch:
+        kwargs[THINKING_SWITCH] = on
+    apart = on and (think is not None
+                    or served.aengine.engine.config.reasoning_format != "none")
+    return _Think(kwargs or None, apart)
 
 
 def _no_images(images: list[str] | None, where: str) -> None:
@@ -406,28 +453,40 @@ class _Job:
     chat: bool
     arrival: Arrival
     lstrip: bool  # leading blanks still to drop
+    thinking: ReasoningSplitter | None = None  # takes the thinking apart (think)
 
-    def text(self, piece: str) -> str:
+    def text(self, piece: str) -> tuple[str, str]:
+        """A piece of the answer -> the thinking and the text to show now."""
         if self.lstrip:
             piece = piece.lstrip()
             self.lstrip = not piece
-        return piece
+        return self.thinking.feed(piece) if self.thinking is not None else ("", piece)
 
-    def chunk(self, text: str, done: bool, lps: list[TokenLogprob] | None = None) -> dict:
+    def rest(self) -> tuple[str, str]:
+        """At the answer's end: the thinking and the text held back."""
+        return self.thinking.finish() if self.thinking is not None else ("", "")
+
+    def chunk(self, text: str, done: bool, lps: list[TokenLogprob] | None = None,
+              thought: str = "") -> dict:
         out: dict[str, Any] = {"model": self.name, "created_at": created_at()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if thought:
+                out["message"]["thinking"] = thought
         else:
             out["response"] = text
+            if thought:
+                out["thinking"] = thought
         if lps is not None:
             out["logprobs"] = [_logprob(self.served, lp) for lp in lps]
         out["done"] = done
         return out
 
-    def final(self, text: str, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict:
+    def final(self, text: str, out: RequestOutput, lps: list[TokenLogprob] | None,
+              thought: str = "") -> dict:
         m = out.metrics
         timings = Timings.of(m)
-        return {**self.chunk(text, True, lps),
+        return {**self.chunk(text, True, lps, thought),
                 "done_reason": "length" if out.finish_reason == "length" else "stop",
                 **self.arrival.durations(),
                 "prompt_eval_count": m.num_prompt_tokens,
@@ -470,9 +529,12 @@ async def _ndjson(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
             if out.error:
                 yield _json.encode({"error": str(job.error(out))}) + b"\n"
                 return
-            text = job.text(out.text)
-            if text or (out.logprobs and not out.finished):
-                yield _json.encode(job.chunk(text, False, out.logprobs)) + b"\n"
+            thought, text = job.text(out.text)
+            if out.finished:
+                more, rest = job.rest()
+                thought, text = thought + more, text + rest
+            if text or thought or (out.logprobs and not out.finished):
+                yield _json.encode(job.chunk(text, False, out.logprobs, thought)) + b"\n"
                 if out.finished:
                     yield _json.encode(job.final("", out, None)) + b"\n"
             elif out.finished:
@@ -480,16 +542,19 @@ async def _ndjson(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
 
 
 async def _collect(job: _Job, stream: RequestStream, want_logprobs: bool) -> dict:
-    text = ""
+    text = thoughts = ""
     lps: list[TokenLogprob] = []
     async with aclosing(_outputs(job, stream)) as outputs:
         async for out in outputs:
             if out.error:
                 raise job.error(out)
-            text += job.text(out.text)
+            thought, piece = job.text(out.text)
+            text, thoughts = text + piece, thoughts + thought
             lps += out.logprobs or []
             if out.finished:
-                return job.final(text, out, lps if want_logprobs else None)
+                thought, piece = job.rest()
+                return job.final(text + piece, out, lps if want_logprobs else None,
+                                 thoughts + thought)
     raise APIError(500, "the request ended without a result", type="server_error")
 
 
@@ -501,10 +566,19 @@ def ollama_id() -> str:
 
 
 async def _run(request: Request, served: Served, req: _Generation, prompt: str | list[int],
-               params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival) -> Any:
+               params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival,
+               think: _Think) -> Any:
     # After a transcript's "Assistant:" the model writes the separating space itself.
     lstrip = templated and served.completions.template.name == "transcript"
-    job = _Job(served, req.model, chat, arrival, lstrip)
+    tags = served.completions.template.thinking_tags
+    opened = tags is not None and isinstance(prompt, str) and opens_thinking(prompt, tags)
+    splitter = (ReasoningSplitter(tags, opened)
+                if think.apart and tags and isinstance(prompt, str) else None)
+    budget = served.aengine.engine.config.reasoning_budget  # (the server's --reasoning-budget)
+    if budget >= 0 and tags and isinstance(prompt, str) and params.grammar is None:
+        params = replace(params, thinking_budget=budget, thinking_tags=tags,
+                         thinking_open=opened)
+    job = _Job(served, req.model, chat, arrival, lstrip, splitter)
     try:  # a refusal raises here, before any answer
         stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
@@ -546,20 +620,27 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     served = _served(state)
     req = await decode_request(request, OllamaChatRequest)
     lora = _check_generation(req, served)
-    messages = chat_messages(req.messages, req.model)
+    think = _think(req, served)
+    messages = chat_messages(req.messages, req.model,
+                             served.completions.template.thinking_tags is not None)
     continued = continues_last_message(req.messages, req.tools)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
+        with_tools = msgspec.structs.replace(
+            with_tools, chat_template_kwargs=think.kwargs,
+            reasoning_format="deepseek" if think.apart else "none")
         if lora is not None:  # the chat path applies the adapter its model names
             with_tools = msgspec.structs.replace(with_tools, model=lora.name)
         return await _chat_with_tools(request, served, req, with_tools, arrival)
-    params = _sampling(req.options, served, grammar=_grammar(req.format, served),
+    grammar = _grammar(req.format, served)
+    params = _sampling(req.options, served, grammar=grammar,
                        logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
         return _loaded(req.model, chat=True)
-    prompt = served.completions.chat_prompt(messages, continue_final=continued)
+    prompt = served.completions.chat_prompt(messages, continued, think.kwargs,
+                                            constrained=grammar is not None)
     return await _run(request, served, req, prompt, params, chat=True, templated=True,
-                      arrival=arrival)
+                      arrival=arrival, think=think)
 
 
 async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequest,
@@ -604,6 +685,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
     served = _served(state)
     req = await decode_request(request, OllamaGenerateRequest)
     lora = _check_generation(req, served)
+    think = _think(req, served)
     _no_images(req.images, "images")
     if req.suffix:
         _check_insert(req, served)
@@ -621,7 +703,8 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
     if req.raw and req.system:
         raise InvalidRequestError("system: a raw prompt is sent as it is, without a system "
                                   "message; put it in the prompt", param="system")
-    params = _sampling(req.options, served, grammar=_grammar(req.format, served),
+    grammar = _grammar(req.format, served)
+    params = _sampling(req.options, served, grammar=grammar,
                        logprobs=_logprobs(req), template_stops=not req.raw and not req.suffix,
                        lora=lora)
     if req.suffix:  # fill-in-the-middle: the code before (prompt) and after (suffix)
@@ -641,9 +724,10 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         turn = [ChatMessage(role="user", content=req.prompt)]
         if req.system:
             turn.insert(0, ChatMessage(role="system", content=req.system))
-        prompt = served.completions.chat_prompt(turn)
+        prompt = served.completions.chat_prompt(turn, kwargs=think.kwargs,
+                                                constrained=grammar is not None)
     return await _run(request, served, req, prompt, params, chat=False,
-                      templated=not req.raw and not req.suffix, arrival=arrival)
+                      templated=not req.raw and not req.suffix, arrival=arrival, think=think)
 
 
 def _check_insert(req: OllamaGenerateRequest, served: Served) -> None:
@@ -851,7 +935,8 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
         "modelfile": modelfile, "parameters": lines, "template": template.source,
         "details": details, "model_info": facts.model_info,
         "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else [])
-        + ([] if served.aengine.fim_tokens().missing() else ["insert"]),
+        + ([] if served.aengine.fim_tokens().missing() else ["insert"])
+        + (["thinking"] if served.completions.template.thinking_tags else []),
         "modified_at": _iso_time(served.created)}
     if facts.license is not None:
         body["license"] = facts.license

@@ -106,8 +106,10 @@ def continues_last_message(messages: list[OllamaMessage], tools: object) -> bool
     return True
 
 
-def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage]:
-    """The history as chat messages, every tool message tied to the call it answers. Call
+def chat_messages(messages: list[OllamaMessage], model: str, thinks: bool = False
+                  ) -> list[ChatMessage]:
+    """The history as chat messages, every tool message tied to the call it answers, an
+    assistant's ``thinking`` as its ``reasoning_content`` (a model that ``thinks``). Call
     ids made here are a counter's 9 digits: the same history renders the same prompt (so its
     prefix is cached), and Mistral templates, which insist on 9 letters or digits, take them."""
     out: list[ChatMessage] = []
@@ -117,8 +119,10 @@ def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage
         where = f"messages[{i}]"
         if m.images:
             raise _refuse(f"{where}.images", "this model reads text only and cannot take images")
-        if m.thinking:
+        if m.thinking and not thinks:
             raise _refuse(f"{where}.thinking", f'"{model}" does not support thinking')
+        if m.thinking and m.role != "assistant":
+            raise _refuse(f"{where}.thinking", "only assistant messages carry thinking")
         if m.role != "tool":
             for field in ("tool_name", "tool_call_id"):
                 if getattr(m, field) is not None:
@@ -141,7 +145,8 @@ def chat_messages(messages: list[OllamaMessage], model: str) -> list[ChatMessage
             calls.append(MessageToolCall(id=call_id, function=FunctionCall(
                 name=call.function.name,
                 arguments=json.dumps(call.function.arguments, ensure_ascii=False))))
-        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls or None))
+        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls or None,
+                               reasoning_content=m.thinking or None))
     return out
 
 
@@ -223,8 +228,11 @@ def _call(call: ToolCall, index: int) -> dict[str, Any]:
         "arguments": value if isinstance(value, dict) else {"arguments": call.arguments}}}
 
 
-def _message(content: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _message(content: str, calls: list[dict[str, Any]] | None = None,
+             thinking: str | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = calls
     return message
@@ -248,8 +256,8 @@ def answer(model: str, arrival: Arrival, result: ChatResult) -> dict[str, Any]:
     """The whole answer (``stream: false``)."""
     choice = result.choices[0]
     calls = [_call(c, k) for k, c in enumerate(choice.tool_calls)]
-    return _final(model, arrival, _message(choice.content or "", calls), choice.finish_reason,
-                  result.usage, result.timings)
+    return _final(model, arrival, _message(choice.content or "", calls, choice.reasoning),
+                  choice.finish_reason, result.usage, result.timings)
 
 
 async def answer_lines(model: str, arrival: Arrival, events: AsyncGenerator[ChatEvent, None]
@@ -265,8 +273,8 @@ async def answer_lines(model: str, arrival: Arrival, events: AsyncGenerator[Chat
     start: ToolCallStart | None = None
     async with aclosing(events):
         async for ev in events:
-            if isinstance(ev, TextDelta) and ev.text:
-                yield line(_message(ev.text))
+            if isinstance(ev, TextDelta) and (ev.text or ev.reasoning):
+                yield line(_message(ev.text, thinking=ev.reasoning))
             elif isinstance(ev, ToolCallStart):
                 start = ev
             elif isinstance(ev, ToolCallArguments) and start is not None:

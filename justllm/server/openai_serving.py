@@ -20,6 +20,12 @@ from typing import Any, Protocol, cast
 
 import msgspec
 
+from justllm.core.reasoning import (
+    EFFORT_VARIABLE,
+    REASONING_FORMATS,
+    THINKING_SWITCH,
+    opens_thinking,
+)
 from justllm.core.record import RequestOrigin
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import AsyncEngine, RequestStream
@@ -55,7 +61,7 @@ from justllm.server.schemas import (
     ToolCallOut,
     Usage,
 )
-from justllm.server.structured import structured_grammar
+from justllm.server.structured import requested, structured_grammar
 from justllm.server.tools.answer import (
     ChatEvent,
     ChatResult,
@@ -65,6 +71,7 @@ from justllm.server.tools.answer import (
     StreamEnd,
     StreamError,
     TextDelta,
+    Thinking,
     Timings,
     ToolCall,
     ToolCallArguments,
@@ -97,7 +104,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "store": ((None, False), "completions are not stored"),
     "metadata": ((None, {}), "metadata is only kept with stored completions, and none are"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    "reasoning_effort": ((None,), "this server has no reasoning-effort control"),
     "verbosity": ((None, "medium"), "this server has no verbosity control"),
     "skip_special_tokens": ((None, True), "control tokens are always left out of the text "
                                           "(as llama.cpp writes tokens)"),
@@ -345,16 +351,21 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[ChatMessage], continue_final: bool = False) -> str:
+    def chat_prompt(self, messages: list[ChatMessage], continue_final: bool = False,
+                    kwargs: dict[str, Any] | None = None, constrained: bool = False) -> str:
         """The prompt for ``messages`` without tools (``continue_final``: it ends inside the
-        last, assistant, message, which the answer continues)."""
-        return self._render(messages, ToolPlan(), continue_final)
+        last, assistant, message, which the answer continues; ``kwargs``: template variables;
+        ``constrained``: a grammar holds the answer, see :meth:`_prompt`)."""
+        return self._unbound(messages, ToolPlan(), continue_final, kwargs, True, constrained)
 
     def request_prompt(self, req: ChatCompletionRequest, generation_prompt: bool = True) -> str:
         """The prompt ``req`` is answered from, its tools included (what usage counts);
         without the assistant's opening when ``generation_prompt`` is False (/tokenize)."""
-        return self._render(req.messages, tool_plan(req), req.continue_final_message,
-                            req.chat_template_kwargs, generation_prompt)
+        plan = tool_plan(req)
+        fmt = req.response_format
+        constrained = (plan.enforced or (fmt is not None and fmt.type != "text")
+                       or requested(req) is not None)
+        return self._prompt(req, plan, constrained, generation_prompt)
 
     def _render(self, messages: list[ChatMessage], plan: ToolPlan,
                 continue_final: bool = False, kwargs: dict[str, Any] | None = None,
@@ -442,17 +453,115 @@ class OpenAIServing:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
                                           "constrain the answer", param=extra[1])
             grammar = extra[0]
-        prompt = self._render(req.messages, plan, req.continue_final_message,
-                              req.chat_template_kwargs)
+        prompt = self._prompt(req, plan, constrained=grammar is not None)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        budget = self.thinking_budget(req, grammar is not None)
+        tags = self.template.thinking_tags
+        if budget < 0 or tags is None:
+            budget, tags = -1, None
+        opened = tags is not None and opens_thinking(prompt, tags)
         return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template,
                                               req.prompt_logprobs),
-                                 grammar=grammar)) for i in range(req.n)], plan
+                                 grammar=grammar, thinking_budget=budget, thinking_tags=tags,
+                                 thinking_open=opened)) for i in range(req.n)], plan
+
+    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan, constrained: bool = False,
+                generation_prompt: bool = True) -> str:
+        """``req``'s prompt (``constrained``: a grammar holds the answer)."""
+        return self._unbound(req.messages, plan, req.continue_final_message,
+                             self._template_kwargs(req), generation_prompt, constrained)
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` as llama-server reads it:
+        "none" is ``enable_thinking`` false, a level is the template's ``reasoning_effort``.
+        Either needs a template that takes it (else a 400: not honoured, not ignored)."""
+        kwargs = req.chat_template_kwargs
+        effort = req.reasoning_effort
+        if effort is None:
+            return kwargs
+        value: object = effort
+        if effort == "none" and self.template.thinking_tags is None:
+            return kwargs  # a model that does not think: honoured as it is
+        if effort == "none":
+            name, value, why = THINKING_SWITCH, False, "switch its thinking off"
+        else:
+            name, why = EFFORT_VARIABLE, "take a reasoning effort"
+        if name not in self.template.source:
+            raise InvalidRequestError(f"reasoning_effort: this model's chat template cannot "
+                                      f"{why}", param="reasoning_effort")
+        if name in (kwargs or {}) and (kwargs or {})[name] != value:
+            raise InvalidRequestError(f"reasoning_effort and chat_template_kwargs.{name} "
+                                      "disagree", param="reasoning_effort")
+        return {**(kwargs or {}), name: value}
+
+    def thinking_budget(self, req: ChatCompletionRequest, constrained: bool) -> int:
+        """``req``'s thinking budget (-1: none): its own (llama-server's two names), else the
+        server's ``--reasoning-budget`` for a model that thinks and an answer no grammar
+        holds (``constrained``)."""
+        own = req.reasoning_budget_tokens
+        other = req.thinking_budget_tokens
+        if own is not None and other is not None and own != other:
+            raise InvalidRequestError("reasoning_budget_tokens and thinking_budget_tokens "
+                                      "disagree", param="thinking_budget_tokens")
+        own = other if own is None else own
+        if own is not None and own >= 0 and self.template.thinking_tags is None:
+            raise InvalidRequestError("a thinking budget needs a model that thinks (its chat "
+                                      "template writes no thinking tags)",
+                                      param="reasoning_budget_tokens")
+        if own is not None and own >= 0 and constrained:
+            raise InvalidRequestError("a thinking budget cannot be combined with a format the "
+                                      "answer is held to (response_format, a required tool "
+                                      "call, structured outputs)",
+                                      param="reasoning_budget_tokens")
+        if own is not None:
+            return own
+        if constrained or self.template.thinking_tags is None:
+            return -1
+        return self.aengine.engine.config.reasoning_budget
+
+    def _unbound(self, messages: list[ChatMessage], plan: ToolPlan, continue_final: bool,
+                 kwargs: dict[str, Any] | None, generation_prompt: bool, constrained: bool
+                 ) -> str:
+        """The prompt, rendered so that a grammar (``constrained``) does not bind a reasoning
+        model's thinking: a prompt that would open the thinking is rendered with the thinking
+        switched off, where the template has the switch and the request did not choose; else
+        it is a 400."""
+        tags = self.template.thinking_tags
+        prompt = self._render(messages, plan, continue_final, kwargs, generation_prompt)
+        if not (constrained and tags and opens_thinking(prompt, tags)):
+            return prompt
+        if self.template.thinking_switch and THINKING_SWITCH not in (kwargs or {}):
+            prompt = self._render(messages, plan, continue_final,
+                                  {**(kwargs or {}), THINKING_SWITCH: False}, generation_prompt)
+            if not opens_thinking(prompt, tags):
+                return prompt
+        raise InvalidRequestError(
+            "this model thinks before it answers, and an answer held to a format "
+            "(response_format, a required tool call, structured outputs) cannot hold its "
+            f"thinking: send chat_template_kwargs {{\"{THINKING_SWITCH}\": false}} where the "
+            "model's template takes it, or no constraint", param="chat_template_kwargs")
+
+    def reasoning_format(self, req: ChatCompletionRequest) -> str:
+        """How ``req``'s thinking is returned: its own ``reasoning_format``, else the
+        server's (``--reasoning-format``)."""
+        fmt = req.reasoning_format or self.aengine.engine.config.reasoning_format
+        if fmt not in REASONING_FORMATS:
+            raise InvalidRequestError(f"reasoning_format must be one of "
+                                      f"{', '.join(REASONING_FORMATS)}", param="reasoning_format")
+        return fmt
+
+    def thinking(self, req: ChatCompletionRequest, prompt: str) -> Thinking | None:
+        """How an answer to ``prompt`` is taken apart: None when the model does not think or
+        ``req`` keeps the thinking in the text."""
+        tags = self.template.thinking_tags
+        if tags is None or self.reasoning_format(req) == "none":
+            return None
+        return Thinking(tags, opens_thinking(prompt, tags))
 
     async def _start_chat(self, req: ChatCompletionRequest, rid: str | None = None,
                           resume: Sequence[Handover] | None = None,
@@ -461,21 +570,21 @@ class OpenAIServing:
         """Check ``req``, render it (on a worker thread: a long conversation is megabytes of
         template), submit its choices (as ``rid``, the response id); their streams and text
         handlers."""
-        def ready() -> tuple[ToolPlan, list[PreparedRequest]]:
+        def ready() -> tuple[ToolPlan, list[PreparedRequest], Thinking | None]:
             jobs, plan = self.chat_jobs(req)
             try:
-                return plan, self._prepare(jobs, resume)
+                return plan, self._prepare(jobs, resume), self.thinking(req, str(jobs[0][0]))
             except InvalidRequestError as e:  # the engine compiles the grammar
                 if plan.enforced and e.param == "response_format":
                     raise InvalidRequestError(str(e), param="tools") from None
                 raise
 
-        plan, prepared = await self.aengine.off_loop(text_size(req), ready)
+        plan, prepared, thinking = await self.aengine.off_loop(text_size(req), ready)
         streams = self.submit(prepared, rid, origin)
         # After a transcript's "Assistant:" the model writes the separating space itself.
         fmt = self.template.tool_format if plan.active else None
         texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
-                            parallel=plan.parallel) for _ in streams]
+                            parallel=plan.parallel, thinking=thinking) for _ in streams]
         return streams, texts
 
     def _call(self, call: ParsedCall) -> ToolCall:
@@ -495,12 +604,12 @@ class OpenAIServing:
         texts, lps, finals = await self._collect(streams, [""] * len(streams), prompts)
         choices = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
-            parsed = answer.whole(texts[i])
+            thought, parsed = answer.whole(texts[i])
             calls = tuple(self._call(c) for c in parsed.calls)
             choices.append(ChoiceResult(
                 i, parsed.content if parsed.content or not calls else None, calls,
                 "tool_calls" if calls else final.finish_reason if final else None, lps[i],
-                None if calls or final is None else final.stop))
+                None if calls or final is None else final.stop, thought))
         return ChatResult(choices, _usage(finals, req.n), _timings(finals), prompts[0])
 
     async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
@@ -530,14 +639,14 @@ class OpenAIServing:
                                       else "shutting_down")
                     return
                 answer = answers[i]
-                text = answer.feed(out.text)
-                if text or out.logprobs:
-                    yield TextDelta(i, text, out.logprobs)
+                thought, text = answer.feed(out.text)
+                if text or thought or out.logprobs:
+                    yield TextDelta(i, text, out.logprobs, thought)
                 if out.finished:
                     finals[i] = out
-                    rest, parsed = answer.finish()
-                    if rest:
-                        yield TextDelta(i, rest)
+                    thought, rest, parsed = answer.finish()
+                    if rest or thought:
+                        yield TextDelta(i, rest, reasoning=thought)
                     for k, call in enumerate(self._call(c) for c in parsed):
                         yield ToolCallStart(i, k, call.id, call.name)
                         yield ToolCallArguments(i, k, call.arguments)
@@ -565,7 +674,8 @@ class OpenAIServing:
         result = await self.chat_result(req, rid, resume, origin)
         choices = [ChatChoice(c.index, AssistantMessage("assistant", c.content, [
             ToolCallOut(t.id, "function", FunctionCallOut(t.name, t.arguments))
-            for t in c.tool_calls] or None), self._chat_logprobs(c.logprobs), c.finish_reason)
+            for t in c.tool_calls] or None, c.reasoning), self._chat_logprobs(c.logprobs),
+            c.finish_reason)
             for c in result.choices]
         plp = (None if req.prompt_logprobs is None
                else self._vllm_prompt_logprobs(result.prompt, req.prompt_logprobs))
@@ -587,8 +697,11 @@ class OpenAIServing:
         async with aclosing(events):
             async for ev in events:
                 if isinstance(ev, TextDelta):
-                    yield delta(ev.index, ChatDelta(content=ev.text or None),
-                                self._chat_logprobs(ev.logprobs))
+                    if ev.reasoning:  # the thinking comes before any text: its own chunk
+                        yield delta(ev.index, ChatDelta(reasoning_content=ev.reasoning))
+                    if ev.text or ev.logprobs or not ev.reasoning:
+                        yield delta(ev.index, ChatDelta(content=ev.text or None),
+                                    self._chat_logprobs(ev.logprobs))
                 elif isinstance(ev, ToolCallStart):
                     yield delta(ev.index, ChatDelta(tool_calls=[ToolCallDelta(
                         ev.call_index, ev.id, "function", FunctionCallDelta(ev.name, ""))]))

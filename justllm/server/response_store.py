@@ -75,7 +75,8 @@ class ResponseStore:
         return True
 
 
-_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+             "reasoning": "rs"}
 
 
 def listed(item: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,8 @@ from justllm.server.responses_schemas import (
     InputTokensRequest,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
+    OutputReasoningText,
     OutputText,
     ResponseObject,
     ResponseRequest,
@@ -81,10 +83,12 @@ def _skeleton(rid: str, model: str, req: ResponseRequest) -> ResponseObject:
         user=req.user,
         text={"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"},
               "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
-        truncation="disabled")
+        truncation="disabled",
+        reasoning=msgspec.to_builtins(req.reasoning) if req.reasoning else None)
 
 
-def _finish(resp: ResponseObject, finish: str | None, usage: Usage) -> ResponseObject:
+def _finish(resp: ResponseObject, finish: str | None, usage: Usage, reasoning_tokens: int = 0
+            ) -> ResponseObject:
     """Completed, or incomplete when max_output_tokens cut the answer short."""
     truncated = finish == "length"
     resp.status = "incomplete" if truncated else "completed"
@@ -92,19 +96,26 @@ def _finish(resp: ResponseObject, finish: str | None, usage: Usage) -> ResponseO
     resp.usage = ResponseUsage(
         usage.prompt_tokens, {"cached_tokens": (usage.prompt_tokens_details or {}).get(
             "cached_tokens", 0), "cache_write_tokens": 0},
-        usage.completion_tokens, {"reasoning_tokens": 0}, usage.total_tokens)
+        usage.completion_tokens, {"reasoning_tokens": reasoning_tokens}, usage.total_tokens)
     return resp
 
 
-def _full(resp: ResponseObject, result: ChatResult) -> ResponseObject:
+def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int]
+          ) -> ResponseObject:
     choice = result.choices[0]
     status = "incomplete" if choice.finish_reason == "length" else "completed"
+    if choice.reasoning:
+        resp.output.append(_reasoning_item(choice.reasoning, "completed"))
     if choice.content or not choice.tool_calls:
         text = OutputText(choice.content or "", [], [])
         resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
     resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments, "completed")
                     for c in choice.tool_calls]
-    return _finish(resp, choice.finish_reason, result.usage)
+    return _finish(resp, choice.finish_reason, result.usage, count(choice.reasoning or ""))
+
+
+def _reasoning_item(text: str, status: str) -> OutputReasoning:
+    return OutputReasoning(_item_id("rs"), [], [OutputReasoningText(text)], status)
 
 
 class _Writer:
@@ -114,8 +125,9 @@ class _Writer:
     def __init__(self, resp: ResponseObject) -> None:
         self.resp = resp
         self._seq = itertools.count()
-        self.item: OutputMessage | OutputFunctionCall | None = None  # the open one
-        self.text = ""  # the open message's text so far
+        self.item: OutputReasoning | OutputMessage | OutputFunctionCall | None = None  # open
+        self.text = ""  # the open message's (or reasoning's) text so far
+        self.thought = ""  # the whole reasoning
         self.truncated = False
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -126,17 +138,28 @@ class _Writer:
     def index(self) -> int:
         return len(self.resp.output) - 1
 
-    def add(self, item: OutputMessage | OutputFunctionCall) -> list[bytes]:
+    def add(self, item: OutputReasoning | OutputMessage | OutputFunctionCall) -> list[bytes]:
         frames = self.close()
         self.resp.output.append(item)
         self.item = item
         frames.append(self.event("response.output_item.added", output_index=self.index,
                                  item=item))
-        if isinstance(item, OutputMessage):
+        if isinstance(item, OutputMessage | OutputReasoning):
             self.text = ""
+            part = (OutputText("", [], []) if isinstance(item, OutputMessage)
+                    else OutputReasoningText(""))
             frames.append(self.event("response.content_part.added", item_id=item.id,
-                                     output_index=self.index, content_index=0,
-                                     part=OutputText("", [], [])))
+                                     output_index=self.index, content_index=0, part=part))
+        return frames
+
+    def reasoning_delta(self, piece: str) -> list[bytes]:
+        frames = [] if isinstance(self.item, OutputReasoning) else self.add(
+            OutputReasoning(_item_id("rs"), [], [], "in_progress"))
+        self.text += piece
+        self.thought += piece
+        assert self.item is not None
+        frames.append(self.event("response.reasoning_text.delta", item_id=self.item.id,
+                                 output_index=self.index, content_index=0, delta=piece))
         return frames
 
     def text_delta(self, piece: str) -> list[bytes]:
@@ -161,7 +184,15 @@ class _Writer:
             return []
         self.item = None
         index = self.resp.output.index(item)
-        if isinstance(item, OutputMessage):
+        if isinstance(item, OutputReasoning):
+            done = OutputReasoningText(self.text)
+            frames += [self.event("response.reasoning_text.done", item_id=item.id,
+                                  output_index=index, content_index=0, text=self.text),
+                       self.event("response.content_part.done", item_id=item.id,
+                                  output_index=index, content_index=0, part=done)]
+            item.content = [done]
+            item.status = "completed"
+        elif isinstance(item, OutputMessage):
             part = OutputText(self.text, [], [])
             frames += [self.event("response.output_text.done", item_id=item.id,
                                   output_index=index, content_index=0, text=self.text,
@@ -180,7 +211,8 @@ class _Writer:
 
 
 async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
-                  keep: Callable[[ResponseObject], None]) -> AsyncIterator[bytes]:
+                  keep: Callable[[ResponseObject], None], count: Callable[[str], int]
+                  ) -> AsyncIterator[bytes]:
     """The Responses event sequence for one streamed answer: created, in_progress, the output
     items, then completed (or incomplete at max_output_tokens; or error and failed). The
     final response goes to ``keep`` before its last event is sent."""
@@ -191,8 +223,10 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
     async with aclosing(events):
         async for ev in events:
             frames: list[bytes] = []
+            if isinstance(ev, TextDelta) and ev.reasoning:  # (before any text)
+                frames = w.reasoning_delta(ev.reasoning)
             if isinstance(ev, TextDelta) and ev.text:
-                frames = w.text_delta(ev.text)
+                frames += w.text_delta(ev.text)
             elif isinstance(ev, ToolCallStart):
                 frames = w.add(OutputFunctionCall(_item_id("fc"), ev.id, ev.name, "",
                                                   "in_progress"))
@@ -206,7 +240,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
                     frames = w.add(OutputMessage(_item_id("msg"), "in_progress", "assistant",
                                                  []))
                 frames += w.close()
-                _finish(resp, finish, ev.usage)
+                _finish(resp, finish, ev.usage, count(w.thought))
                 keep(resp)
                 frames.append(w.event(f"response.{resp.status}", response=resp))
             elif isinstance(ev, StreamError):
@@ -223,7 +257,8 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
 # The chat request's fields that an error may name, as a Responses request names them.
 _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens",
            "response_format.json_schema.name": "text.format.name",
-           "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
+           "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
+           "reasoning_effort": "reasoning.effort"}
 
 
 def _continued(req: ResponseRequest, store: ResponseStore
@@ -339,7 +374,8 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     try:
         if req.stream:
             return sse_response(_stream(resp, await served.completions.chat_events(
-                chat, rid, origin=origin(request, "openai.responses", True)), keep))
+                chat, rid, origin=origin(request, "openai.responses", True)), keep,
+                lambda text: _tokens(served, text)))
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
@@ -351,6 +387,13 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
     if isinstance(result, Response):
         return result
-    done = _full(resp, result)
+    done = _full(resp, result, lambda text: _tokens(served, text))
     keep(done)
     return done
+
+
+def _tokens(served: Served, thought: str) -> int:
+    """The reasoning tokens of a response: its thinking's text in tokens (the tokens the
+    model drew, but for the blanks around it and a text the tokenizer would split
+    otherwise)."""
+    return len(served.aengine.tokenize(thought, add_special=False)) if thought else 0

@@ -29,6 +29,7 @@ from justllm.server.responses_schemas import (
     FunctionCallOutput,
     FunctionTool,
     Message,
+    Reasoning,
     ResponseRequest,
 )
 from justllm.server.schemas import (
@@ -57,7 +58,6 @@ _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
                               "conversation in input"),
     "background": ((None, False), "background responses are not supported"),
     "include": ((None, []), "no extra output data (reasoning, logprobs, sources) is available"),
-    "reasoning": ((None, {}), "this server has no reasoning control"),
     "prompt": ((None,), "stored prompt templates are not supported"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported (parallel_tool_calls: false "
                                 "allows one call)"),
@@ -141,9 +141,14 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
     if isinstance(req.input, str):
         return [*out, ChatMessage(role="user", content=req.input)]
     names: dict[str, str] = {}  # call_id -> the function's name
+    thought: list[str] = []  # reasoning items not yet given to an assistant turn
     for i, raw in enumerate(req.input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
+        if kind == "reasoning":
+            item = _convert(raw, Reasoning, where)
+            thought += [part.text for part in item.content or []]
+            continue
         if kind == "message":
             out.append(_message(_convert(raw, Message, where), where))
         elif kind == "function_call":
@@ -154,8 +159,14 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
             out.append(_output(_convert(raw, FunctionCallOutput, where), where, names))
         else:
             raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported "
-                                      "(message, function_call and function_call_output are)",
-                                      param=where)
+                                      "(message, function_call, function_call_output and "
+                                      "reasoning are)", param=where)
+        if thought and out[-1].role == "assistant":  # the thinking before this turn's answer
+            out[-1].reasoning_content = "\n\n".join(thought)
+            thought = []
+    if thought:  # thinking with no answer after it: an assistant turn of its own
+        out.append(ChatMessage(role="assistant", content="",
+                               reasoning_content="\n\n".join(thought)))
     return out
 
 
@@ -237,7 +248,8 @@ def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
         if getattr(req, name) not in off:
             raise InvalidRequestError(f"{name}: {why}", param=name)
     check_stream_options(req)
-    return ChatCompletionRequest(
+    effort = req.reasoning.effort if req.reasoning else None
+    return ChatCompletionRequest(reasoning_effort=effort,
         model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,

@@ -67,6 +67,33 @@ class FunctionCallOutput(_Body, kw_only=True):
     status: str | None = None
 
 
+class ReasoningText(_Body, kw_only=True):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class Reasoning(_Body, kw_only=True):
+    """A reasoning model's thinking, as a response gave it (a ``reasoning`` output item) and
+    a client sends it back: read as the next assistant turn's thinking."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[Any] = []  # (this server writes none; a summary's text is not read)
+    encrypted_content: None = None  # (this server encrypts nothing)
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningConfig(_Body, kw_only=True):
+    """``reasoning``: ``effort`` as chat completions' ``reasoning_effort`` ("none" switches
+    thinking off); ``summary`` only "auto" (no summary is written: the thinking is given
+    whole)."""
+
+    effort: str | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None  # (its older name)
+
+
 class FunctionTool(_Body, kw_only=True):
     type: Literal["function"]
     name: str
@@ -122,7 +149,7 @@ class ResponseRequest(_Body, kw_only=True):
     conversation: Any = None
     background: bool | None = None
     include: list[str] | None = None
-    reasoning: Any = None
+    reasoning: ReasoningConfig | None = None
     prompt: Any = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
@@ -171,6 +198,19 @@ class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     content: list[OutputText]
 
 
+class OutputReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class OutputReasoning(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """A reasoning model's thinking, whole (as vLLM gives gpt-oss's): no summary."""
+
+    id: str
+    summary: list[Any]
+    content: list[OutputReasoningText]
+    status: str
+
+
 class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
     id: str
     call_id: str
@@ -196,7 +236,7 @@ class ResponseObject(msgspec.Struct):
     created_at: int
     status: str
     model: str
-    output: list[Union[OutputMessage, OutputFunctionCall]]
+    output: list[Union[OutputReasoning, OutputMessage, OutputFunctionCall]]
     usage: ResponseUsage | None
     incomplete_details: dict[str, str] | None
     error: dict[str, str] | None

@@ -67,6 +67,10 @@ class ChatMessage(_Request, kw_only=True):
     annotations: list[Any] | None = None
     # The SDK's parse of an assistant's ``content`` (``.parse()``): ``content`` is read.
     parsed: Any = None
+    # An assistant's thinking (llama-server's and DeepSeek's field), given to the chat template
+    # as ``reasoning_content`` (Qwen3's writes it for the latest turn, drops it before).
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name (and OpenRouter's) for the same
 
 
 class FunctionDef(_Request, kw_only=True):
@@ -220,6 +224,16 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # vLLM's and llama-server's: extra variables for the chat template ({"enable_thinking":
     # false} for Qwen3's), besides the ones the server sets.
     chat_template_kwargs: dict[str, Any] | None = None
+    # llama-server's: how a reasoning model's thinking is returned ("auto" or "deepseek": in
+    # reasoning_content; "none": in the content); default the server's --reasoning-format.
+    reasoning_format: str | None = None
+    # llama-server's (either name): past this many tokens of thinking the model's end tag is
+    # forced; -1 none; default the server's --reasoning-budget.
+    reasoning_budget_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    thinking_budget_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # OpenAI's: "none" switches a reasoning model's thinking off (its template's
+    # enable_thinking); a level goes to a template that takes reasoning_effort (gpt-oss's).
+    reasoning_effort: str | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -230,7 +244,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
 
 
@@ -311,6 +324,8 @@ class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None  # None (JSON null) when the answer is only tool calls
     tool_calls: list[ToolCallOut] | None = None
+    # A reasoning model's thinking, apart from the content (llama-server's and DeepSeek's name)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -353,6 +368,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # a piece of the thinking
 
 
 class ChatChunkChoice(msgspec.Struct):

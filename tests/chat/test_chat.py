@@ -391,3 +391,55 @@ def test_chat_help_for_pool_blocks_is_about_chat():
     params = {p.name: p for p in typer.main.get_command(app).commands["chat"].params}
     help_text = params["pool_blocks"].help
     assert params["pool_blocks"].default == 256 and "(256: 4096 tokens)" in help_text
+
+
+def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(model_path, tmp_path):
+    """A model that thinks (tests/server/test_reasoning.py's template and conversation): the
+    chat writes its thinking, then the answer as a paragraph of its own, and keeps the
+    thinking out of the answer's text, as the message's reasoning_content, in process and
+    against a server alike."""
+    import io
+
+    from justllm.chat.backends import LocalChat, RemoteChat
+    from justllm.chat.session import ChatSession
+    from justllm.config import EngineConfig
+    from tests.models.ggufs import with_chat_template
+    from tests.server.test_reasoning import CHAT, TEMPLATE
+
+    path = with_chat_template(model_path, tmp_path / "think.gguf", TEMPLATE)
+    options = {"temperature": 0.0, "max_tokens": 30, "stop": ["<|im_end|>"]}
+
+    def ask(backend) -> tuple[dict, str]:
+        out = io.StringIO()
+        lines = iter([CHAT[-1]["content"]])
+
+        def read(prompt: str) -> str:
+            line = next(lines, None)
+            if line is None:
+                raise EOFError
+            return line
+
+        session = ChatSession(backend, system=None, options=options, read=read, out=out)
+        session.history = [dict(m) for m in CHAT[:-1]]  # three answers with their thinking
+        session.run()
+        return session.history[-1], out.getvalue()
+
+    local = LocalChat(EngineConfig(model=str(path), max_seqs=1, pool_blocks=64))
+    try:
+        said, shown = ask(local)
+    finally:
+        local.close()
+    assert said["reasoning_content"] and said["content"]  # it thought, then answered
+    assert "think>" not in said["content"] and "think>" not in shown
+    assert f"{said['reasoning_content']}\n\n{said['content']}" in shown
+    s = start_server(str(path), "--max-seqs", "1", "--pool-blocks", "64")
+    try:
+        remote = RemoteChat(s.url)
+        try:
+            again, _ = ask(remote)
+        finally:
+            remote.close()
+    finally:
+        assert s.stop() == 0
+    assert again["reasoning_content"] and again["content"]
+    assert "think>" not in again["content"]

@@ -71,3 +71,9 @@ def with_metadata(src: Path, dst: Path, add, edit=None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of ``src`` (a base model: it has none) whose metadata holds a chat template, as
+    an instruction-tuned model's does."""
+    return with_metadata(src, dst, lambda w, arch: w.add_chat_template(template))

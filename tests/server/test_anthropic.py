@@ -146,7 +146,20 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
 
 
 @pytest.mark.parametrize("extra, says", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    # (thinking is allowed, and this model thinks within any budget: see test_reasoning.py)
+    ({"thinking": {"type": "enabled", "budget_tokens": 1000}}, "at least 1024"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1024},
+     "greater than"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "hm",
+                                                 "signature": ""}]}]}, "assistant turns"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "abc"}, {"type": "text", "text": "A"}]},
+                   {"role": "user", "content": "Go on"}]}, "redacted"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2000,
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "any"}}, "forces tool use"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "images"),
     ({"messages": [{"role": "user", "content": "Hi"},  # Anthropic's rule for a prefill

@@ -161,7 +161,10 @@ def test_a_streamed_function_call(client, server):
 @pytest.mark.parametrize("extra, param", [
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (no effort control here)
+    ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),  # (no summaries)
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
+     "input[0].encrypted_content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                               "image_url": "https://x/y.png"}]}]},
      "input[0].content[0]"),

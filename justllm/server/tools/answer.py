@@ -4,7 +4,8 @@
 Anthropic and Responses routes translate them, so no route parses another's wire format.
 
 ``ChoiceText`` is one choice's text on its way there: the leading blank a transcript's
-"Assistant:" leaves is dropped, and with tools the text goes through a ``CallSplitter``.
+"Assistant:" leaves is dropped, a reasoning model's thinking is taken apart (a
+``ReasoningSplitter``), and with tools the rest goes through a ``CallSplitter``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
+from justllm.core.reasoning import ReasoningSplitter, split_reasoning
 from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
 from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
@@ -34,6 +36,7 @@ class ChoiceResult:
     finish_reason: str | None  # "stop", "length" or "tool_calls"
     logprobs: list[Any] | None = None  # engine TokenLogprobs (only without tools)
     stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
+    reasoning: str | None = None  # a reasoning model's thinking, when it is taken apart
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,9 @@ class ChatResult:
 @dataclass(frozen=True)
 class TextDelta:
     index: int
-    text: str  # "" only when it carries logprobs
+    text: str  # "" when it carries only thinking or logprobs
     logprobs: list[Any] | None = None
+    reasoning: str = ""  # a piece of a reasoning model's thinking (before any text)
 
 
 @dataclass(frozen=True)
@@ -106,13 +110,25 @@ class StreamError:
 ChatEvent = Union[TextDelta, ToolCallStart, ToolCallArguments, ChoiceEnd, StreamEnd, StreamError]
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """How a choice's thinking is taken apart: the model's tags, and whether the prompt
+    opened the thinking (``core/reasoning.py``)."""
+
+    tags: tuple[str, str]
+    opened: bool = False
+
+
 class ChoiceText:
-    """One choice's generated text -> content and calls (``fmt`` None: no tools, no parsing)."""
+    """One choice's generated text -> thinking, content and calls (``thinking`` None: the
+    thinking, if any, stays in the content; ``fmt`` None: no tools, no call parsing)."""
 
     def __init__(self, *, lstrip: bool, fmt: str | None, names: frozenset[str] | None = None,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, thinking: Thinking | None = None) -> None:
         self._lstrip = lstrip  # leading blanks still to drop
         self._fmt, self._names, self._parallel = fmt, names, parallel
+        self._thinking = thinking
+        self._reasoner = ReasoningSplitter(thinking.tags, thinking.opened) if thinking else None
         self._splitter = CallSplitter(fmt, names, parallel) if fmt else None
 
     def _unlead(self, text: str) -> str:
@@ -121,21 +137,30 @@ class ChoiceText:
             self._lstrip = not text
         return text
 
-    def feed(self, piece: str) -> str:
-        """A streamed piece -> the content to show now."""
+    def feed(self, piece: str) -> tuple[str, str]:
+        """A streamed piece -> the thinking and the content to show now."""
         text = self._unlead(piece)
-        return self._splitter.feed(text) if self._splitter else text
+        thought = ""
+        if self._reasoner is not None:
+            thought, text = self._reasoner.feed(text)
+        return thought, self._splitter.feed(text) if self._splitter else text
 
-    def finish(self) -> tuple[str, tuple[ParsedCall, ...]]:
-        """At the stream's end: the content not shown yet, and the calls."""
+    def finish(self) -> tuple[str, str, tuple[ParsedCall, ...]]:
+        """At the stream's end: the thinking and content not shown yet, and the calls."""
+        thought, text = self._reasoner.finish() if self._reasoner is not None else ("", "")
         if self._splitter is None:
-            return "", ()
+            return thought, text, ()
+        shown = self._splitter.feed(text)
         rest, answer = self._splitter.finish()
-        return rest, answer.calls
+        return thought, shown + rest, answer.calls
 
-    def whole(self, text: str) -> ParsedAnswer:
-        """A whole (non-streamed) answer."""
+    def whole(self, text: str) -> tuple[str | None, ParsedAnswer]:
+        """A whole (non-streamed) answer: its thinking and the rest parsed."""
         text = self._unlead(text)
+        thought = None
+        if self._thinking is not None:
+            reasoned = split_reasoning(text, self._thinking.tags, self._thinking.opened)
+            thought, text = reasoned.reasoning, reasoned.content
         if self._fmt is None:
-            return ParsedAnswer(text)
-        return parse_answer(text, self._fmt, self._names, self._parallel)
+            return thought, ParsedAnswer(text)
+        return thought, parse_answer(text, self._fmt, self._names, self._parallel)

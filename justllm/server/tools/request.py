@@ -144,6 +144,17 @@ def message_dict(m: ChatMessage, i: int, content: str) -> dict[str, Any]:
             {"id": c.id, "type": "function",
              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
             for c in m.tool_calls]
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(m, name) is not None and role != "assistant":
+            raise InvalidRequestError(f"messages[{i}].{name}: only assistant messages carry "
+                                      "thinking", param=f"messages[{i}].{name}")
+    if None not in (m.reasoning, m.reasoning_content) and m.reasoning != m.reasoning_content:
+        raise InvalidRequestError(f"messages[{i}].reasoning: reasoning and reasoning_content "
+                                  "are one thing, and these disagree",
+                                  param=f"messages[{i}].reasoning")
+    thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if thought is not None:
+        message["reasoning_content"] = thought
     if m.tool_call_id is not None:
         if role != "tool":
             raise InvalidRequestError(f"messages[{i}].tool_call_id: only tool messages answer "
