@@ -555,6 +555,16 @@ class OpenAIServing:
                                       f"{', '.join(REASONING_FORMATS)}", param="reasoning_format")
         return fmt
 
+    def opening(self, req: ChatCompletionRequest, prompt: str) -> str:
+        """What a thinking left in the text (``reasoning_format: none``) begins with when the
+        prompt opened it: the prompt's start tag and what follows it (``<think>\n``), as
+        llama-server writes it, so that the text holds the whole thinking, tags and all."""
+        tags = self.template.thinking_tags
+        if tags is None or self.reasoning_format(req) != "none" or not opens_thinking(
+                prompt, tags):
+            return ""
+        return prompt[prompt.rindex(tags[0]):]
+
     def thinking(self, req: ChatCompletionRequest, prompt: str) -> Thinking | None:
         """How an answer to ``prompt`` is taken apart: None when the model does not think or
         ``req`` keeps the thinking in the text."""
@@ -570,21 +580,24 @@ class OpenAIServing:
         """Check ``req``, render it (on a worker thread: a long conversation is megabytes of
         template), submit its choices (as ``rid``, the response id); their streams and text
         handlers."""
-        def ready() -> tuple[ToolPlan, list[PreparedRequest], Thinking | None]:
+        def ready() -> tuple[ToolPlan, list[PreparedRequest], Thinking | None, str]:
             jobs, plan = self.chat_jobs(req)
+            prompt = str(jobs[0][0])
             try:
-                return plan, self._prepare(jobs, resume), self.thinking(req, str(jobs[0][0]))
+                return (plan, self._prepare(jobs, resume), self.thinking(req, prompt),
+                        self.opening(req, prompt))
             except InvalidRequestError as e:  # the engine compiles the grammar
                 if plan.enforced and e.param == "response_format":
                     raise InvalidRequestError(str(e), param="tools") from None
                 raise
 
-        plan, prepared, thinking = await self.aengine.off_loop(text_size(req), ready)
+        plan, prepared, thinking, opening = await self.aengine.off_loop(text_size(req), ready)
         streams = self.submit(prepared, rid, origin)
         # After a transcript's "Assistant:" the model writes the separating space itself.
         fmt = self.template.tool_format if plan.active else None
         texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
-                            parallel=plan.parallel, thinking=thinking) for _ in streams]
+                            parallel=plan.parallel, thinking=thinking, prefix=opening)
+                 for _ in streams]
         return streams, texts
 
     def _call(self, call: ParsedCall) -> ToolCall:

@@ -115,7 +115,9 @@ def test_a_thinking_budget_forces_the_end_of_the_thinking(thinker):
     free = chat(thinker, reasoning_format="none", logprobs=True)["choices"][0]
     first = "".join(t["token"] for t in free["logprobs"]["content"][:2])
     raw = raw_answer(thinker, reasoning_budget_tokens=2)
-    assert raw.startswith(first + "\n</think>\n\n")  # two tokens of thinking, then the end
+    # (the text holds the whole thinking, the start tag the prompt ended with included, as
+    # llama-server writes it) two tokens of thinking, then the end
+    assert raw.startswith("<think>\n" + first + "\n</think>\n\n")
     message = chat(thinker, thinking_budget_tokens=2)["choices"][0]["message"]
     assert message["reasoning_content"] == first.strip() and message["content"]
     assert "reasoning_content" not in chat(thinker, reasoning_budget_tokens=0)[
@@ -129,7 +131,7 @@ def test_the_servers_reasoning_flags(model_path, thinker, tmp_path):
                      "--reasoning-format", "none")
     try:
         raw = chat(s)["choices"][0]["message"]["content"]  # the thinking left in the text
-        assert raw.startswith("\n</think>\n\n")  # and ended at once
+        assert raw.startswith("<think>\n\n</think>\n\n")  # and ended at once
         assert raw == raw_answer(thinker, reasoning_budget_tokens=0)
         message = chat(s, reasoning_format="auto", reasoning_budget_tokens=-1)[
             "choices"][0]["message"]  # a request chooses for itself

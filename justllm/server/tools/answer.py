@@ -124,7 +124,11 @@ class ChoiceText:
     thinking, if any, stays in the content; ``fmt`` None: no tools, no call parsing)."""
 
     def __init__(self, *, lstrip: bool, fmt: str | None, names: frozenset[str] | None = None,
-                 parallel: bool = True, thinking: Thinking | None = None) -> None:
+                 parallel: bool = True, thinking: Thinking | None = None,
+                 prefix: str = "") -> None:
+        """``prefix``: text the answer is read as beginning with (the start tag a prompt
+        that opened the thinking ends with, when the thinking stays in the text)."""
+        self._prefix = prefix  # still to give out
         self._lstrip = lstrip  # leading blanks still to drop
         self._fmt, self._names, self._parallel = fmt, names, parallel
         self._thinking = thinking
@@ -132,6 +136,7 @@ class ChoiceText:
         self._splitter = CallSplitter(fmt, names, parallel) if fmt else None
 
     def _unlead(self, text: str) -> str:
+        text, self._prefix = self._prefix + text, ""
         if self._lstrip:
             text = text.lstrip()
             self._lstrip = not text
@@ -147,7 +152,8 @@ class ChoiceText:
 
     def finish(self) -> tuple[str, str, tuple[ParsedCall, ...]]:
         """At the stream's end: the thinking and content not shown yet, and the calls."""
-        thought, text = self._reasoner.finish() if self._reasoner is not None else ("", "")
+        thought, text = (self._reasoner.finish() if self._reasoner is not None
+                         else ("", self._unlead("")))
         if self._splitter is None:
             return thought, text, ()
         shown = self._splitter.feed(text)
