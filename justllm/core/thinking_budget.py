@@ -9,7 +9,8 @@ beginning of the answer (blanks before it allowed), or is open from the start wh
 opened it, and ends at the first end tag.
 
 - ``waiting``: the answer has not shown yet whether it opens with the start tag;
-- ``counting``: thinking; each token counts, until the end tag (``done``) or the budget;
+- ``counting``: thinking (from the first token when the prompt opened it); each token
+  counts, until the end tag (``done``) or the budget;
 - ``closing``: the budget is spent, but the last token ended inside a UTF-8 character: tokens
   are drawn until it is whole (llama.cpp's WAITING_UTF8), so the thinking does not end in a
   broken character;
@@ -41,8 +42,9 @@ class ThinkingBudget:
         self._tail = b""  # the thinking's last bytes (to find the end tag across tokens)
         self._count = 0  # thinking tokens so far
         self._forced = 0  # closing tokens forced so far
-        # A budget of 0 on a prompt that opened the thinking closes it at once.
-        self.state = "forcing" if opened and budget == 0 else "waiting"
+        # A prompt that opened the thinking: every token counts from the first (as in
+        # llama.cpp), and a budget of 0 closes it at once.
+        self.state = ("forcing" if budget == 0 else "counting") if opened else "waiting"
 
     @property
     def spent(self) -> bool:
@@ -67,22 +69,14 @@ class ThinkingBudget:
         if self.state == "waiting":
             self._head += piece
             lead = self._head.lstrip()
-            if lead.startswith(self._start):  # (also when the prompt opened it)
-                self._enter(lead[len(self._start):], counted=False)
-            elif self._start.startswith(lead):
-                return
-            elif self._opened:
-                self._enter(lead, counted=True)
-            else:
+            if lead.startswith(self._start):
+                self.state = "counting"  # (the tag's own tokens do not count)
+                self._see(lead[len(self._start):])
+            elif not self._start.startswith(lead):
                 self.state = "done"  # no thinking
             return
         self._count += 1
         self._see(piece)
-
-    def _enter(self, body: bytes, counted: bool) -> None:
-        self.state = "counting"
-        self._count = 1 if counted else 0
-        self._see(body)
 
     def _see(self, piece: bytes) -> None:
         """The thinking grew by ``piece``: has it ended, or run out of budget?"""

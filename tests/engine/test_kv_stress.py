@@ -57,6 +57,9 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
                          max_tokens=0 if i % 8 == 1 else params.max_tokens)
     elif i % 8 == 6:  # only computed, into the cache (llama-server's n_predict 0 warm-up)
         params = replace(params, max_tokens=0)
+    elif i % 8 == 3:  # a reasoning model's thinking budget: the end tag forced past it
+        params = replace(params, thinking_budget=i % 3, thinking_tags=("<think>", "</think>"),
+                         thinking_open=True, max_tokens=12)
     mode = rng.random()
     outs = []
 
@@ -84,6 +87,12 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
         tokens = sum(len(o.token_ids) for o in outs)
         assert tokens == params.max_tokens, (i, tokens, params.max_tokens)
         results["completed"] += 1
+        if params.thinking_budget >= 0:  # (random words: the model never ends it itself)
+            ids = [t for o in outs for t in o.token_ids]
+            closing = a.tokenize("\n</think>\n\n", add_special=False)
+            at = params.thinking_budget
+            assert ids[at:at + len(closing)] == closing, (i, ids)
+            results["thinking"] += 1
     errors = [o.error for o in outs if o.error]
     assert not errors, errors
     if params.prompt_logprobs is not None and outs:  # with the first token, once
@@ -184,6 +193,7 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     bos, vocab = words[0], words[1:]
     prompts = make_prompts(rng, vocab, bos, 36)
     results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
+               "thinking": 0,
                "resumed": 0, "prompt_logprobs": 0}
     clients = [one_client(a, random.Random(seed * 100 + i), p, i, results)
                for i, p in enumerate(prompts)]
@@ -191,7 +201,7 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
         clients.append(_transfer_client(a, transfers, random.Random(seed), prompts, results))
     await asyncio.gather(*clients)
     assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
-    assert results["prompt_logprobs"] >= 2, results
+    assert results["prompt_logprobs"] >= 2 and results["thinking"] >= 1, results
     if transfers is not None:
         assert results["imported"] >= 5 and results["resumed"] == 10, results
 
