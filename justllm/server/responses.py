@@ -37,7 +37,7 @@ from justllm.server.app import (
 from justllm.server.errors import APIError
 from justllm.server.openai_serving import SCHEMA_PARAM, text_size
 from justllm.server.response_store import ResponseStore, listed
-from justllm.server.responses_chat import to_chat
+from justllm.server.responses_chat import opaque_reasoning, to_chat
 from justllm.server.responses_schemas import (
     InputTokens,
     InputTokensRequest,
@@ -100,12 +100,12 @@ def _finish(resp: ResponseObject, finish: str | None, usage: Usage, reasoning_to
     return resp
 
 
-def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int]
-          ) -> ResponseObject:
+def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int],
+          opaque: bool = False) -> ResponseObject:
     choice = result.choices[0]
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     if choice.reasoning:
-        resp.output.append(_reasoning_item(choice.reasoning, "completed"))
+        resp.output.append(_reasoning_item(choice.reasoning, "completed", opaque))
     if choice.content or not choice.tool_calls:
         text = OutputText(choice.content or "", [], [])
         resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
@@ -114,16 +114,19 @@ def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int]
     return _finish(resp, choice.finish_reason, result.usage, count(choice.reasoning or ""))
 
 
-def _reasoning_item(text: str, status: str) -> OutputReasoning:
-    return OutputReasoning(_item_id("rs"), [], [OutputReasoningText(text)], status)
+def _reasoning_item(text: str, status: str, opaque: bool = False) -> OutputReasoning:
+    """``opaque``: with the thinking as ``encrypted_content`` too (``include``)."""
+    return OutputReasoning(_item_id("rs"), [], [OutputReasoningText(text)], status,
+                           opaque_reasoning(text) if opaque else None)
 
 
 class _Writer:
     """The events of one streamed response: each numbered, each output item added, filled and
     done in turn (the one open item is closed before the next is added)."""
 
-    def __init__(self, resp: ResponseObject) -> None:
+    def __init__(self, resp: ResponseObject, opaque: bool = False) -> None:
         self.resp = resp
+        self.opaque = opaque  # reasoning items carry encrypted_content (include)
         self._seq = itertools.count()
         self.item: OutputReasoning | OutputMessage | OutputFunctionCall | None = None  # open
         self.text = ""  # the open message's (or reasoning's) text so far
@@ -192,6 +195,8 @@ class _Writer:
                                   output_index=index, content_index=0, part=done)]
             item.content = [done]
             item.status = "completed"
+            if self.opaque:
+                item.encrypted_content = opaque_reasoning(self.text)
         elif isinstance(item, OutputMessage):
             part = OutputText(self.text, [], [])
             frames += [self.event("response.output_text.done", item_id=item.id,
@@ -211,12 +216,12 @@ class _Writer:
 
 
 async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
-                  keep: Callable[[ResponseObject], None], count: Callable[[str], int]
-                  ) -> AsyncIterator[bytes]:
+                  keep: Callable[[ResponseObject], None], count: Callable[[str], int],
+                  opaque: bool = False) -> AsyncIterator[bytes]:
     """The Responses event sequence for one streamed answer: created, in_progress, the output
     items, then completed (or incomplete at max_output_tokens; or error and failed). The
     final response goes to ``keep`` before its last event is sent."""
-    w = _Writer(resp)
+    w = _Writer(resp, opaque)
     yield w.event("response.created", response=resp)
     yield w.event("response.in_progress", response=resp)
     finish: str | None = None
@@ -371,11 +376,12 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     resp.store = req.store is not False  # OpenAI's default: stored
     resp.previous_response_id = asked.previous_response_id
     keep = _keeper(served, items)
+    opaque = "reasoning.encrypted_content" in (req.include or [])
     try:
         if req.stream:
             return sse_response(_stream(resp, await served.completions.chat_events(
                 chat, rid, origin=origin(request, "openai.responses", True)), keep,
-                lambda text: _tokens(served, text)))
+                lambda text: _tokens(served, text), opaque))
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
@@ -387,7 +393,7 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
     if isinstance(result, Response):
         return result
-    done = _full(resp, result, lambda text: _tokens(served, text))
+    done = _full(resp, result, lambda text: _tokens(served, text), opaque)
     keep(done)
     return done
 

@@ -14,6 +14,7 @@ refused, as is every other field this server cannot honour, with a 400 naming it
 
 from __future__ import annotations
 
+import base64
 import re
 from typing import Any, Literal, TypeVar
 
@@ -57,7 +58,6 @@ _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     "conversation": ((None,), "conversations are not stored on this server; send the whole "
                               "conversation in input"),
     "background": ((None, False), "background responses are not supported"),
-    "include": ((None, []), "no extra output data (reasoning, logprobs, sources) is available"),
     "prompt": ((None,), "stored prompt templates are not supported"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported (parallel_tool_calls: false "
                                 "allows one call)"),
@@ -147,7 +147,11 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
         kind = raw.get("type", "message")
         if kind == "reasoning":
             item = _convert(raw, Reasoning, where)
-            thought += [part.text for part in item.content or []]
+            if item.content:
+                thought += [part.text for part in item.content]
+            elif item.encrypted_content is not None:  # (a stateless client's round trip)
+                thought.append(read_opaque(item.encrypted_content,
+                                           f"{where}.encrypted_content"))
             continue
         if kind == "message":
             out.append(_message(_convert(raw, Message, where), where))
@@ -241,9 +245,38 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
                                       f"{_METADATA_VALUE}", param=f"metadata.{key[:_METADATA_KEY]}")
 
 
+# The one extra output a response can include: its reasoning as ``encrypted_content``.
+INCLUDABLE = ("reasoning.encrypted_content",)
+_OPAQUE = "justllm-reasoning:"  # what opaque_reasoning writes before the thinking's base64
+
+
+def opaque_reasoning(text: str) -> str:
+    """A reasoning item's ``encrypted_content`` as this server writes it: the thinking itself,
+    base64-coded behind a marker, not encrypted (there is nothing here to hide it from: the
+    same text is the item's ``content``). Stateless clients (``store: false``, such as Codex)
+    send it back, and :func:`read_opaque` reads it."""
+    return _OPAQUE + base64.b64encode(text.encode()).decode()
+
+
+def read_opaque(value: str, where: str) -> str:
+    """The thinking in an ``encrypted_content`` this server wrote; a 400 for any other (an
+    OpenAI-encrypted blob cannot be read here)."""
+    if value.startswith(_OPAQUE):
+        try:
+            return base64.b64decode(value[len(_OPAQUE):], validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            pass
+    raise InvalidRequestError(f"{where}: not reasoning this server wrote (encrypted reasoning "
+                              "from another server cannot be read here)", param=where)
+
+
 def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
     """The Responses request as the chat completion that serves it."""
     check_metadata(req.metadata)
+    for k, value in enumerate(req.include or []):
+        if value not in INCLUDABLE:
+            raise InvalidRequestError(f"include[{k}]: only {', '.join(INCLUDABLE)} is "
+                                      f"available (not {value!r})", param=f"include[{k}]")
     for name, (off, why) in _REFUSED.items():
         if getattr(req, name) not in off:
             raise InvalidRequestError(f"{name}: {why}", param=name)

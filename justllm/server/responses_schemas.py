@@ -79,7 +79,8 @@ class Reasoning(_Body, kw_only=True):
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
     summary: list[Any] = []  # (this server writes none; a summary's text is not read)
-    encrypted_content: None = None  # (this server encrypts nothing)
+    # What this server wrote there (``responses.opaque_reasoning``): the thinking, read back
+    encrypted_content: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -202,13 +203,15 @@ class OutputReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"
     text: str
 
 
-class OutputReasoning(msgspec.Struct, tag_field="type", tag="reasoning"):
-    """A reasoning model's thinking, whole (as vLLM gives gpt-oss's): no summary."""
+class OutputReasoning(msgspec.Struct, tag_field="type", tag="reasoning", omit_defaults=True):
+    """A reasoning model's thinking, whole (as vLLM gives gpt-oss's): no summary; with
+    ``include: ["reasoning.encrypted_content"]`` the same thinking as ``encrypted_content``."""
 
     id: str
     summary: list[Any]
     content: list[OutputReasoningText]
     status: str
+    encrypted_content: str | None = None
 
 
 class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):

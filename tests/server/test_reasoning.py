@@ -10,6 +10,7 @@ without its prefix cache, so a greedy answer to the same prompt is the same ever
 
 from __future__ import annotations
 
+import base64
 import json
 
 import anthropic
@@ -307,3 +308,32 @@ def test_responses_reasoning_items(thinker):
     again = client.responses.input_tokens.count(model=thinker.model, input=whole)
     assert more.usage.input_tokens == again.input_tokens
     assert [o.type for o in more.output] == ["reasoning", "message"]
+
+
+def test_a_stateless_client_sends_the_reasoning_back_opaque(thinker):
+    """Codex's way (``store: false`` with ``include: ["reasoning.encrypted_content"]``): the
+    reasoning item carries the thinking as ``encrypted_content`` (base64 behind a marker, not
+    encrypted), and an item sent back with only that reads as the thinking itself."""
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
+    resp = client.responses.create(model=thinker.model, input=RESPONSES_INPUT, temperature=0,
+                                   max_output_tokens=40, store=False,
+                                   include=["reasoning.encrypted_content"])
+    item = resp.output[0]
+    assert item.type == "reasoning" and item.encrypted_content.startswith("justllm-reasoning:")
+    events = list(client.responses.create(
+        model=thinker.model, input=RESPONSES_INPUT, temperature=0, max_output_tokens=40,
+        store=False, include=["reasoning.encrypted_content"], stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[0].encrypted_content == item.encrypted_content
+    assert events[-1].response.output[0].encrypted_content == item.encrypted_content
+    opaque = [{"type": "reasoning", "summary": [], "encrypted_content": item.encrypted_content}
+              if i.get("type") == "reasoning" and i["content"][0]["text"] == CHAT[1][
+                  "reasoning_content"] else i for i in RESPONSES_INPUT]
+    count = client.responses.input_tokens.count
+    assert count(model=thinker.model, input=opaque).input_tokens != count(
+        model=thinker.model, input=RESPONSES_INPUT).input_tokens  # (another thinking there)
+    back = [{"type": "reasoning", "summary": [], "encrypted_content":
+             "justllm-reasoning:" + base64.b64encode(i["content"][0]["text"].encode()).decode()}
+            if i.get("type") == "reasoning" else i for i in RESPONSES_INPUT]
+    assert count(model=thinker.model, input=back).input_tokens == count(
+        model=thinker.model, input=RESPONSES_INPUT).input_tokens

@@ -164,7 +164,9 @@ def test_a_streamed_function_call(client, server):
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (no effort control here)
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),  # (no summaries)
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
-     "input[0].encrypted_content"),
+     "input[0].encrypted_content"),  # (not one this server wrote)
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]},
+     "include[1]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                               "image_url": "https://x/y.png"}]}]},
      "input[0].content[0]"),
