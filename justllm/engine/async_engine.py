@@ -243,6 +243,11 @@ class AsyncEngine:
         """The end-of-generation tokens (llama.cpp's set; the first call asks every id)."""
         return [int(t) for t in self.engine.backend.eog_ids()]
 
+    @property
+    def generates(self) -> bool:
+        """False for an encoder (a BERT-like embedding model): it makes embeddings only."""
+        return self.engine.generates
+
     def fim_tokens(self) -> FimTokens:
         """The model's fill-in-the-middle tokens (``FimTokens.missing``: what it lacks)."""
         return self.engine.backend.fim_tokens()

@@ -856,6 +856,15 @@ class LlamaBackend:
             self._loras.remove(adapter)
             C.llama_adapter_lora_free(adapter.handle)
 
+    def generates(self) -> bool:
+        """Whether the model writes text: not an encoder (BERT and its kin, sentence-embedding
+        models whose GGUF says their attention is not causal: they have no language-model
+        head, and the "next tokens" llama.cpp computes for them mean nothing)."""
+        meta = self.metadata()
+        arch = meta.get("general.architecture", "")
+        causal = meta.get(f"{arch}.attention.causal", "true").strip().lower() != "false"
+        return causal and arch not in _ENCODER_ARCHS
+
     def embedding_pooling(self, asked: str = "") -> str:
         """How embeddings pool: ``asked`` (mean, cls, last), else the model's own pooling type
         (``{arch}.pooling_type`` in its GGUF, as llama-server reads it, when it is mean, CLS or
@@ -994,6 +1003,9 @@ def quantize_model(src: str, dst: str, ftype: int, *, threads: int = 0,
 
 
 _EMBEDDING_CTX = 2048
+# Architectures llama.cpp runs only as encoders (sentence embeddings), causal flag or not.
+_ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2",
+                            "jina-bert-v3", "neo-bert", "modern-bert", "t5encoder"})
 _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS,
             "last": C.LLAMA_POOLING_TYPE_LAST}
 

@@ -51,6 +51,8 @@ KV_TYPE = "f16"  # llama.cpp's default cache type, which the backend keeps
 
 log = logging.getLogger(__name__)
 STUCK = "the request could not be scheduled (an engine bug: see the server log)"
+ENCODER_ONLY = ("this model makes embeddings only (an encoder, such as BERT: it has no "
+                "language-model head and writes no text); ask for embeddings (/v1/embeddings)")
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class Engine:
                 keep_swa_cells=True,
             ))
         self.backend = backend
+        self.generates = backend.generates()  # (an encoder makes embeddings only)
         self.pool = BlockPool(config.pool_blocks, config.block_size)
         self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None,
                                  policy=make_eviction_policy(config.eviction_policy))
@@ -272,6 +275,8 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
+        if not self.generates:
+            raise InvalidRequestError(ENCODER_ONLY, param="model")
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
                 f"priority {params.priority} given, but priority scheduling is off (start with "

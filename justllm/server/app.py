@@ -99,7 +99,7 @@ def build_served(aengine: AsyncEngine, config: ServerConfig,
     if events is not None:
         aengine.observe(events, model=model_id, text=config.record_text)
     template = aengine.chat_template()
-    if template.notice:
+    if template.notice and aengine.generates:  # (an encoder is not chatted with)
         log.warning("%s", template.notice)
     completions = OpenAIServing(aengine, model_id, template, metrics,
                                 ServingLimits(max_n=config.max_n))

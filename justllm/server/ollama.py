@@ -387,9 +387,13 @@ def _logprobs(req: _Generation) -> int | None:
 
 
 def _check_generation(req: _Generation, served: Served) -> LoadedLora | None:
-    """The request's checks; the adapter its model names, if it names one."""
+    """The request's checks; the adapter its model names, if it names one. An encoder
+    (BERT-like embedding model) writes nothing: Ollama's 400 for an embedding model."""
     lora = _check_model(req.model, served)
     _check_keep_alive(req.keep_alive)
+    if not served.aengine.generates:
+        what = "chat" if isinstance(req, OllamaChatRequest) else "generate"
+        raise InvalidRequestError(f'"{req.model}" does not support {what}', param="model")
     return lora
 
 
@@ -909,6 +913,17 @@ async def ps(state: State) -> Any:
         for m in _listed(served, await _facts(state, served))]}
 
 
+def _capabilities(served: Served) -> list[str]:
+    """What the model can do, in Ollama's words: an encoder (a BERT-like embedding model)
+    only makes embeddings, as Ollama lists one."""
+    embedding = ["embedding"] if served.embeddings else []
+    if not served.aengine.generates:
+        return embedding
+    return (["completion", "tools"] + embedding
+            + ([] if served.aengine.fim_tokens().missing() else ["insert"])
+            + (["thinking"] if served.completions.template.thinking_tags else []))
+
+
 @post("/show", status_code=200, summary="Ollama: what is known of a model")
 async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State) -> Any:
     served = _served(state)
@@ -934,9 +949,7 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
     body: dict[str, Any] = {
         "modelfile": modelfile, "parameters": lines, "template": template.source,
         "details": details, "model_info": facts.model_info,
-        "capabilities": ["completion", "tools"] + (["embedding"] if served.embeddings else [])
-        + ([] if served.aengine.fim_tokens().missing() else ["insert"])
-        + (["thinking"] if served.completions.template.thinking_tags else []),
+        "capabilities": _capabilities(served),
         "modified_at": _iso_time(served.created)}
     if facts.license is not None:
         body["license"] = facts.license

@@ -77,3 +77,70 @@ def with_chat_template(src: Path, dst: Path, template: str) -> Path:
     """A copy of ``src`` (a base model: it has none) whose metadata holds a chat template, as
     an instruction-tuned model's does."""
     return with_metadata(src, dst, lambda w, arch: w.add_chat_template(template))
+
+
+def tiny_bert(path: Path, *, causal_flag: bool = True) -> Path:
+    """A two-layer BERT sentence-embedding model with random weights and a small WordPiece
+    vocabulary (a few words, the letters, ``[CLS]``/``[SEP]``...), written tensor by tensor
+    as llama.cpp's converter writes a BERT (``bert.attention.causal`` false when
+    ``causal_flag``, mean pooling): llama.cpp loads it, tokenizes and embeds with it. Its
+    embeddings mean nothing; that they are llama.cpp's is what a test can check."""
+    rng = np.random.default_rng(0)
+    words = ("hello world the cat dog sat on mat is red blue green apple river stone light "
+             "paris france capital of what").split()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    # llama.cpp's WordPiece: a word's first piece starts with "\u2581", the others bare
+    tokens = list(dict.fromkeys(special + ["\u2581" + w for w in words + letters] + letters
+                                + list(".,?!")))
+    n_vocab, n_embd, n_ff, n_ctx = len(tokens), 64, 128, 128
+    w = gguf.GGUFWriter(path, arch="bert")
+    w.add_name("tiny-bert")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(2)
+    w.add_head_count(4)
+    w.add_layer_norm_eps(1e-12)
+    if causal_flag:
+        w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
+                       for t in tokens])
+    w.add_token_type_count(2)
+    for add, token in ((w.add_pad_token_id, 0), (w.add_unk_token_id, 1), (w.add_bos_token_id, 2),
+                       (w.add_eos_token_id, 3), (w.add_sep_token_id, 3),
+                       (w.add_mask_token_id, 4)):
+        add(token)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+
+    def tensor(name: str, *shape: int, fill: float | None = None) -> None:
+        a = (np.full(shape, fill, np.float32) if fill is not None
+             else (rng.standard_normal(shape) * 0.05).astype(np.float32))
+        w.add_tensor(name, a)
+
+    tensor("token_embd.weight", n_vocab, n_embd)
+    tensor("token_types.weight", 2, n_embd)
+    tensor("position_embd.weight", n_ctx, n_embd)
+    tensor("token_embd_norm.weight", n_embd, fill=1.0)
+    tensor("token_embd_norm.bias", n_embd, fill=0.0)
+    for i in range(2):
+        for x in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensor(f"blk.{i}.{x}.weight", n_embd, n_embd)
+            tensor(f"blk.{i}.{x}.bias", n_embd, fill=0.0)
+        for norm in ("attn_output_norm", "layer_output_norm"):
+            tensor(f"blk.{i}.{norm}.weight", n_embd, fill=1.0)
+            tensor(f"blk.{i}.{norm}.bias", n_embd, fill=0.0)
+        tensor(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        tensor(f"blk.{i}.ffn_up.bias", n_ff, fill=0.0)
+        tensor(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+        tensor(f"blk.{i}.ffn_down.bias", n_embd, fill=0.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
