@@ -152,7 +152,8 @@ def _check_kv_default() -> bool:
     return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
 
 
-POOLINGS = ("mean", "cls", "last")  # embeddings' pooling (EngineConfig.pooling)
+# embeddings' pooling (EngineConfig.pooling); "rank": a reranker's score (llama-server's)
+POOLINGS = ("mean", "cls", "last", "rank")
 
 
 @dataclass(frozen=True)

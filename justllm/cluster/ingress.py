@@ -391,6 +391,11 @@ LLAMA_SERVER = (("/apply-template", "llama-server's: a chat's prompt, routed by 
                 ("/infill", "llama-server's fill-in-the-middle, routed by model"),
                 ("/embedding", "llama-server's native embeddings, routed by model"),
                 ("/embeddings", "llama-server's native embeddings, routed by model"),
+                ("/rerank", "Rerank documents (a reranker), routed by model"),
+                ("/reranking", "Rerank documents (llama-server's other path), routed by model"),
+                ("/v1/rerank", "Rerank documents (a reranker), routed by model"),
+                ("/v1/reranking", "Rerank documents (llama-server's other path), routed by "
+                                  "model"),
                 ("/chat/completions", "Chat completion (llama-server's path without /v1)"),
                 ("/responses", "OpenAI Responses (llama-server's path without /v1)"),
                 ("/responses/input_tokens", "Count the input tokens (llama-server's path "

@@ -299,6 +299,15 @@ class AsyncEngine:
         """The most tokens one embedding input holds (longer ones are refused)."""
         return self.engine.backend.embedding_limit()
 
+    @property
+    def pooling(self) -> str:
+        """How embeddings pool: mean, cls, last, or rank (a reranker: a score per input)."""
+        return self.engine.backend.embedding_pooling(self.engine.config.pooling)
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """A (query, document) pair as a reranker reads it (any thread: the vocabulary)."""
+        return self.engine.backend.rerank_tokens(query, document)
+
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """Pooled embeddings (not normalised; pooled as ``--pooling`` or the model says),
         computed on the engine thread between steps in a second context on the same model
@@ -308,8 +317,7 @@ class AsyncEngine:
     def _embed_all(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         if self._embedding_ctx is None:
             backend = self.engine.backend
-            self._embedding_ctx = backend.embedding_context(
-                backend.embedding_pooling(self.engine.config.pooling))
+            self._embedding_ctx = backend.embedding_context(self.pooling)
         limit = self._embedding_ctx.n_ctx
         for tokens in token_lists:
             if len(tokens) > limit:

@@ -873,7 +873,29 @@ class LlamaBackend:
             return asked
         meta = self.metadata()
         own = meta.get(f"{meta.get('general.architecture', '')}.pooling_type", "")
-        return {"1": "mean", "2": "cls", "3": "last"}.get(own.strip(), "mean")
+        return {"1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(own.strip(), "mean")
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """A (query, document) pair as a reranker reads it, as llama-server lays it out: the
+        model's ``rerank`` chat template with ``{query}`` and ``{document}`` filled in, else
+        BOS, the query, EOS, SEP, the document, EOS (each special token where the vocabulary
+        adds it; SEP for a missing EOS)."""
+        raw = C.llama_model_chat_template(self._model, b"rerank")
+        if raw:
+            text = raw.decode("utf-8", "replace")
+            text = text.replace("{query}", query).replace("{document}", document)
+            return self.tokenize(text, add_special=False, parse_special=True)
+        v = self._vocab
+        eos = C.llama_vocab_eos(v)
+        if eos < 0:
+            eos = C.llama_vocab_sep(v)
+        out = [C.llama_vocab_bos(v)] if C.llama_vocab_get_add_bos(v) else []
+        out += self.tokenize(query, add_special=False, parse_special=False)
+        out += [eos] if C.llama_vocab_get_add_eos(v) else []
+        out += [C.llama_vocab_sep(v)] if C.llama_vocab_get_add_sep(v) else []
+        out += self.tokenize(document, add_special=False, parse_special=False)
+        out += [eos] if C.llama_vocab_get_add_eos(v) else []
+        return out
 
     def embedding_limit(self) -> int:
         """The most tokens one embedding input holds: 2,048, or the model's training context
@@ -1006,7 +1028,8 @@ _EMBEDDING_CTX = 2048
 # Architectures llama.cpp runs only as encoders (sentence embeddings), causal flag or not.
 _ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2",
                             "jina-bert-v3", "neo-bert", "modern-bert", "t5encoder"})
-_POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS,
+_POOLING = {"rank": C.LLAMA_POOLING_TYPE_RANK,
+            "mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS,
             "last": C.LLAMA_POOLING_TYPE_LAST}
 
 
@@ -1021,7 +1044,9 @@ class EmbeddingContext:
     def __init__(self, backend: LlamaBackend, n_ctx: int, pooling: str = "mean") -> None:
         self._backend = backend
         self.n_ctx = n_ctx
-        self.n_embd = int(C.llama_model_n_embd(backend._model))
+        # what llama.cpp pools a sequence into: its hidden state, or a reranker's scores
+        self.n_embd = (int(C.llama_model_n_cls_out(backend._model)) or 1 if pooling == "rank"
+                       else int(C.llama_model_n_embd(backend._model)))
         cparams = C.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_ctx

@@ -443,6 +443,12 @@ async def llama_embedding(request: Request) -> Any:
     return await _forward(request, request.url.path)
 
 
+@post(["/v1/rerank", "/v1/reranking", "/rerank", "/reranking"], status_code=200,
+      summary="Rerank documents (a reranker model), routed by model")
+async def rerank(request: Request) -> Any:
+    return await _forward(request, request.url.path)
+
+
 @post("/apply-template", status_code=200,
       summary="llama-server's /apply-template: a chat's prompt, routed by model")
 async def apply_template(request: Request) -> Any:
@@ -734,6 +740,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
                                              tokenize, detokenize, props, apply_template,
                                              llama_completion, llama_infill, llama_embedding,
+                                             rerank,
                                              chat_completions, responses,
                                              responses_input_tokens],
                    guards=[require_api_key])

@@ -321,7 +321,16 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             events.close()
 
     # they import this module's helpers: imported late
-    from justllm.server import anthropic, llama_server, lora, ollama, pd, responses, tokenize
+    from justllm.server import (
+        anthropic,
+        llama_server,
+        lora,
+        ollama,
+        pd,
+        rerank,
+        responses,
+        tokenize,
+    )
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, embeddings,
                                             list_models, retrieve_model, anthropic.messages,
@@ -334,7 +343,9 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,
                            health_head,
                            metrics, pd.pd_router(), tokenize.tokenize_router(),
-                           llama_server.llama_server_router()]
+                           llama_server.llama_server_router(),
+                           Router(path="/", route_handlers=[rerank.rerank],
+                                  guards=[require_api_key])]
 
     def build(extra: Sequence[BaseRouteHandler]) -> Litestar:
         return Litestar(

@@ -23,6 +23,11 @@ from justllm.server.openai_serving import check_model, prompt_list, text_size
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 MAX_INPUTS = 256
+RERANKER_ONLY = ("this model is a reranker (its pooling is rank): it scores (query, document) "
+                 "pairs at /v1/rerank and makes no embeddings")
+NOT_A_RERANKER = ("this model is not a reranker (its pooling is not rank): reranking needs a "
+                  "cross-encoder such as bge-reranker (or --pooling rank for one whose GGUF "
+                  "does not say so)")
 EUCLIDEAN = 2  # llama-server's embd_normalize for unit length, its default
 
 
@@ -67,18 +72,29 @@ class EmbeddingServing:
         return out
 
     async def pooled(self, model: str | None, inputs: Callable[[], Sequence[str | list[int]]],
-                     size: int, param: str = "input", truncate: bool = False
-                     ) -> tuple[list[np.ndarray], int]:
+                     size: int, param: str = "input", truncate: bool = False,
+                     scores: bool = False) -> tuple[list[np.ndarray], int]:
         """The pooled vectors of what ``inputs`` lists (strings are tokenized with BOS; run
         off the event loop when ``size`` is large), not normalised, and their token count;
         a request for a LoRA adapter or another model is refused first. An input longer than
-        the embeddings hold is a 400, or with ``truncate`` its end is cut."""
+        the embeddings hold is a 400, or with ``truncate`` its end is cut. ``scores``: a
+        reranker's (token ids laid out by ``rerank_tokens``); a reranker makes nothing else,
+        and only a reranker makes them."""
         if adapter(self.aengine, model) is not None:  # listed in /v1/models: not a 404
             raise no_adapter_embeddings(model or "", self.model_id)
         check_model(model, self.model_id)
+        if (self.aengine.pooling == "rank") != scores:
+            raise InvalidRequestError(RERANKER_ONLY if not scores else NOT_A_RERANKER,
+                                      param="model")
         start = time.perf_counter()
         token_lists = await self.aengine.off_loop(
             size, lambda: self._tokens(inputs(), param, truncate))
+        limit = self.aengine.embedding_limit
+        longest = max(map(len, token_lists), default=0)
+        if longest > limit:
+            what = "a (query, document) pair" if scores else "an input"
+            raise InvalidRequestError(f"{what} has {longest} tokens; the model takes at most "
+                                      f"{limit}", param=param)
         vectors = await self.aengine.embed(token_lists)
         n = sum(len(t) for t in token_lists)
         if self.metrics is not None:

@@ -298,7 +298,7 @@ def test_llama_server_routes_go_to_the_models_deployment():
     /v1 by the body's
     model, /props by ?model= (a GET without a body), /props without one the cluster's own;
     behind the API key but /v1/health, as llama-server's."""
-    handle = Handle(*[Answer(JSON, b"{}") for _ in range(10)])
+    handle = Handle(*[Answer(JSON, b"{}") for _ in range(14)])
     auth = {"Authorization": "Bearer sekrit"}
     with client(handle, api_key="sekrit") as c:
         assert c.get("/props").status_code == 401
@@ -306,7 +306,8 @@ def test_llama_server_routes_go_to_the_models_deployment():
         assert own["role"] == "router" and own["build_info"].startswith("justllm ")
         for path in ("/apply-template", "/completion", "/completions", "/infill", "/embedding",
                      "/embeddings", "/chat/completions", "/responses",
-                     "/responses/input_tokens"):
+                     "/responses/input_tokens", "/rerank", "/reranking", "/v1/rerank",
+                     "/v1/reranking"):
             r = c.post(path, json={"model": "gpt-4o-mini", "messages": []}, headers=auth)
             assert r.status_code == 200, (path, r.text)
         r = c.get("/props", params={"model": "gpt-4o-mini"}, headers=auth)
@@ -316,9 +317,11 @@ def test_llama_server_routes_go_to_the_models_deployment():
     assert [(call["method"], call["path"]) for call in handle.calls] == [
         ("POST", "/apply-template"), ("POST", "/completion"), ("POST", "/completions"),
         ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"), ("POST", "/chat/completions"),
-        ("POST", "/responses"), ("POST", "/responses/input_tokens"), ("GET", "/props")]
+        ("POST", "/responses"), ("POST", "/responses/input_tokens"), ("POST", "/rerank"),
+        ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
+        ("GET", "/props")]
     assert handle.calls[0]["body"]["model"] == "demo"  # an alias is the model's name
-    assert handle.calls[9]["body"] is None and handle.calls[9]["query"] == "model=gpt-4o-mini"
+    assert handle.calls[13]["body"] is None and handle.calls[13]["query"] == "model=gpt-4o-mini"
 
 
 def test_anthropic_errors_keep_anthropics_shape():

@@ -111,6 +111,11 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         r = httpx.post(gw.url + "/embedding", timeout=30, json={
             "model": "alpha", "input": "a", "content": "b"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        # reranking by model: the runner's answer (the demo model is no reranker)
+        for path in ("/v1/rerank", "/rerank"):
+            r = httpx.post(gw.url + path, timeout=30, json={
+                "model": "alpha", "query": "q", "documents": ["a"]})
+            assert r.status_code == 400 and "not a reranker" in r.json()["error"]["message"]
         # responses are not stored behind the gateway (replicas keep their own stores)
         r = httpx.post(gw.url + "/v1/responses", timeout=120, json={
             "model": "alpha", "input": "hi", "max_output_tokens": 1})

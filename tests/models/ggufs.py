@@ -79,12 +79,14 @@ def with_chat_template(src: Path, dst: Path, template: str) -> Path:
     return with_metadata(src, dst, lambda w, arch: w.add_chat_template(template))
 
 
-def tiny_bert(path: Path, *, causal_flag: bool = True) -> Path:
+def tiny_bert(path: Path, *, causal_flag: bool = True, reranker: bool = False) -> Path:
     """A two-layer BERT sentence-embedding model with random weights and a small WordPiece
     vocabulary (a few words, the letters, ``[CLS]``/``[SEP]``...), written tensor by tensor
     as llama.cpp's converter writes a BERT (``bert.attention.causal`` false when
     ``causal_flag``, mean pooling): llama.cpp loads it, tokenizes and embeds with it. Its
-    embeddings mean nothing; that they are llama.cpp's is what a test can check."""
+    embeddings mean nothing; that they are llama.cpp's is what a test can check. A
+    ``reranker`` pools by rank (a score per input, from a classifier head on [CLS]), as a
+    cross-encoder such as bge-reranker does."""
     rng = np.random.default_rng(0)
     words = ("hello world the cat dog sat on mat is red blue green apple river stone light "
              "paris france capital of what").split()
@@ -104,7 +106,7 @@ def tiny_bert(path: Path, *, causal_flag: bool = True) -> Path:
     w.add_layer_norm_eps(1e-12)
     if causal_flag:
         w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_pooling_type(gguf.PoolingType.RANK if reranker else gguf.PoolingType.MEAN)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("bert")
     w.add_token_list(tokens)
@@ -139,6 +141,11 @@ def tiny_bert(path: Path, *, causal_flag: bool = True) -> Path:
         tensor(f"blk.{i}.ffn_up.bias", n_ff, fill=0.0)
         tensor(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
         tensor(f"blk.{i}.ffn_down.bias", n_embd, fill=0.0)
+    if reranker:
+        tensor("cls.weight", n_embd, n_embd)
+        tensor("cls.bias", n_embd, fill=0.0)
+        tensor("cls.output.weight", 1, n_embd)
+        tensor("cls.output.bias", 1, fill=0.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

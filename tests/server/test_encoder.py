@@ -82,3 +82,102 @@ def test_justllm_run_says_so_in_one_line(bert):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "embeddings only" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ---- a reranker ------------------------------------------------------------------------------
+
+QUERY = "what is the capital of france"
+DOCS = ["paris is the capital of france", "the cat sat on the mat", "red apple",
+        "hello world what is this", "green river stone light"]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = tiny_bert(tmp_path_factory.mktemp("rerank") / "tiny-reranker.gguf", reranker=True)
+    s = start_server(str(path), "--max-seqs", "2", "--pool-blocks", "16")
+    s.path = path  # type: ignore[attr-defined]
+    yield s
+    assert s.stop() == 0
+
+
+def llama_cpp_scores(path, pairs: list[list[int]]) -> list[float]:
+    """Each token sequence's score from llama.cpp itself: a rank-pooled context through the
+    bindings' C API (what llama-server's --reranking reads: the pooled sequence's first
+    value)."""
+    import llama_cpp as C
+
+    model = C.llama_model_load_from_file(str(path).encode(), C.llama_model_default_params())
+    params = C.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = 128
+    params.embeddings = True
+    params.pooling_type = C.LLAMA_POOLING_TYPE_RANK
+    ctx = C.llama_init_from_model(model, params)
+    try:
+        out = []
+        for tokens in pairs:
+            C.llama_memory_clear(C.llama_get_memory(ctx), True)
+            ids = (C.llama_token * len(tokens))(*tokens)  # (kept alive while decoded)
+            batch = C.llama_batch_get_one(ids, len(tokens))
+            assert C.llama_decode(ctx, batch) == 0
+            out.append(float(C.llama_get_embeddings_seq(ctx, 0)[0]))
+        return out
+    finally:
+        C.llama_free(ctx)
+        C.llama_model_free(model)
+
+
+def test_rerank_scores_are_llama_cpps_and_sorted(reranker):
+    r = post(reranker, "/v1/rerank", {"query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    results = body["results"]
+    assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
+    scores = [x["relevance_score"] for x in results]
+    assert scores == sorted(scores, reverse=True)
+    # [CLS] query [SEP] [SEP] document [SEP], as llama-server lays a pair out for a BERT
+    cls, sep = 2, 3
+    words = {t: post(reranker, "/tokenize", {"content": t, "add_special": False}).json()[
+        "tokens"] for t in [QUERY, *DOCS]}
+    laid = [[cls, *words[QUERY], sep, sep, *words[d], sep] for d in DOCS]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, laid))
+    want = llama_cpp_scores(reranker.path, laid)
+    got = {x["index"]: x["relevance_score"] for x in results}
+    assert [got[i] for i in range(len(DOCS))] == pytest.approx(want, abs=1e-5)
+
+
+def test_rerank_shapes(reranker):
+    jina = post(reranker, "/rerank", {"query": QUERY, "documents": [
+        DOCS[0], {"text": DOCS[1]}], "top_n": 1, "return_documents": True}).json()
+    assert len(jina["results"]) == 1 and jina["object"] == "list"
+    best = jina["results"][0]
+    assert best["document"] == {"text": DOCS[best["index"]]}
+    tei = post(reranker, "/reranking", {"query": QUERY, "texts": DOCS[:2],
+                                        "return_text": True}).json()
+    assert {x["index"]: x["text"] for x in tei} == {0: DOCS[0], 1: DOCS[1]}
+    assert tei[0]["score"] >= tei[1]["score"]
+    v1 = post(reranker, "/v1/reranking", {"query": QUERY, "documents": DOCS[:2]}).json()
+    assert [x["index"] for x in v1["results"]] == [x["index"] for x in tei]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": QUERY}, "documents"),
+    ({"query": QUERY, "documents": []}, "documents"),
+    ({"query": QUERY, "documents": ["a"], "texts": ["a"]}, "documents"),
+    ({"query": QUERY, "documents": ["a"], "top_n": 0}, "top_n"),
+    ({"query": QUERY, "texts": ["a"], "return_documents": True}, "return_documents"),
+    ({"query": QUERY, "documents": ["a"], "truncate": True}, "truncate"),
+    ({"query": QUERY, "documents": ["a"], "model": "nope"}, "model"),
+    ({"query": QUERY, "documents": ["a"], "colour": "red"}, "colour"),
+    ({"query": QUERY, "documents": ["hello " * 200]}, "documents"),  # past what it holds
+])
+def test_bad_rerank_requests(reranker, body, param):
+    r = post(reranker, "/v1/rerank", body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_reranker_makes_no_embeddings_and_others_do_not_rerank(reranker, bert):
+    r = post(reranker, "/v1/embeddings", {"input": "hello"})
+    assert r.status_code == 400 and "is a reranker" in r.json()["error"]["message"]
+    r = post(bert, "/v1/rerank", {"query": QUERY, "documents": DOCS})
+    assert r.status_code == 400 and "not a reranker" in r.json()["error"]["message"]
