@@ -208,13 +208,19 @@ async def completions(data: JSONBody[CompletionRequest], request: Request, state
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
-@post("/embeddings", status_code=200, summary="Create embeddings")
-async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
-                     state: State) -> EmbeddingList:
+def embedding_serving(state: State) -> tuple[Served, EmbeddingServing]:
+    """The loaded model and its embeddings (rerank scores too); 404 when they are off."""
     served = _served(state)
     if served.embeddings is None:
         raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
-    return await served.embeddings.create(await decode_request(request, EmbeddingRequest))
+    return served, served.embeddings
+
+
+@post("/embeddings", status_code=200, summary="Create embeddings")
+async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
+                     state: State) -> EmbeddingList:
+    _, serving = embedding_serving(state)
+    return await serving.create(await decode_request(request, EmbeddingRequest))
 
 
 def _model_cards(state: State) -> dict[str, Any]:

@@ -26,9 +26,8 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from justllm.errors import InvalidRequestError
-from justllm.server.app import _served, decode_request
+from justllm.server.app import decode_request, embedding_serving
 from justllm.server.embeddings import EUCLIDEAN, normalised
-from justllm.server.errors import APIError
 from justllm.server.llama_completion import llama_prompts
 
 
@@ -62,13 +61,11 @@ def check_embedding(req: LlamaEmbeddingRequest) -> tuple[str, Any]:
       summary="llama-server's native embeddings: [{index, embedding: [[...]]}]")
 async def embedding(data: JSONBody[LlamaEmbeddingRequest], request: Request,
                     state: State) -> list[dict[str, Any]]:
-    served = _served(state)
-    if served.embeddings is None:
-        raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
+    served, serving = embedding_serving(state)
     req = await decode_request(request, LlamaEmbeddingRequest)
     field, value = check_embedding(req)
     aengine = served.aengine
-    vectors, _ = await served.embeddings.pooled(
+    vectors, _ = await serving.pooled(
         req.model, lambda: llama_prompts(value, aengine, field), len(await request.body()),
         param=field)
     return [{"index": i, "embedding": [normalised(v, req.embd_normalize).tolist()]}

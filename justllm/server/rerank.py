@@ -20,8 +20,7 @@ from litestar.params import JSONBody
 from msgspec import Meta
 
 from justllm.errors import InvalidRequestError
-from justllm.server.app import _served, decode_request
-from justllm.server.errors import APIError
+from justllm.server.app import decode_request, embedding_serving
 
 
 class DocumentObject(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,13 +69,11 @@ def _texts(req: RerankRequest) -> tuple[list[str], bool]:
 @post(["/v1/rerank", "/v1/reranking", "/rerank", "/reranking"], status_code=200,
       summary="Rerank documents by their relevance to a query (a reranker model)")
 async def rerank(data: JSONBody[RerankRequest], request: Request, state: State) -> Any:
-    served = _served(state)
-    if served.embeddings is None:
-        raise APIError(404, "embeddings are disabled on this server", type="not_found_error")
+    served, serving = embedding_serving(state)
     req = await decode_request(request, RerankRequest)
     texts, tei = _texts(req)
     aengine = served.aengine
-    scores, n = await served.embeddings.pooled(
+    scores, n = await serving.pooled(
         req.model, lambda: [aengine.rerank_tokens(req.query, t) for t in texts],
         len(req.query) * len(texts) + sum(map(len, texts)),
         param="texts" if tei else "documents", scores=True)
