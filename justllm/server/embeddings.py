@@ -19,7 +19,7 @@ from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import InvalidRequestError
 from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.metrics import ServerMetrics
-from justllm.server.openai_serving import check_model, prompt_list, text_size
+from justllm.server.openai_serving import check_model, keep_last, prompt_list, text_size
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 MAX_INPUTS = 256
@@ -55,8 +55,8 @@ class EmbeddingServing:
         self.model_id = model_id
         self.metrics = metrics
 
-    def _tokens(self, items: Sequence[str | list[int]], param: str, truncate: bool
-                ) -> list[list[int]]:
+    def _tokens(self, items: Sequence[str | list[int]], param: str, truncate: bool,
+                keep: int | None = None) -> list[list[int]]:
         if len(items) > MAX_INPUTS:
             raise InvalidRequestError(f"at most {MAX_INPUTS} inputs per request", param=param)
         out = []
@@ -69,11 +69,15 @@ class EmbeddingServing:
                 out.append(list(item))
         if truncate:  # Ollama's: the end of each input cut to fit
             out = [t[:self.aengine.embedding_limit] for t in out]
+        if keep is not None:  # vLLM's truncate_prompt_tokens: each input's last tokens
+            k = keep_last(keep, self.aengine.embedding_limit)
+            out = [t[-k:] for t in out]
         return out
 
     async def pooled(self, model: str | None, inputs: Callable[[], Sequence[str | list[int]]],
                      size: int, param: str = "input", truncate: bool = False,
-                     scores: bool = False) -> tuple[list[np.ndarray], int]:
+                     scores: bool = False, keep: int | None = None
+                     ) -> tuple[list[np.ndarray], int]:
         """The pooled vectors of what ``inputs`` lists (strings are tokenized with BOS; run
         off the event loop when ``size`` is large), not normalised, and their token count;
         a request for a LoRA adapter or another model is refused first. An input longer than
@@ -88,7 +92,7 @@ class EmbeddingServing:
                                       param="model")
         start = time.perf_counter()
         token_lists = await self.aengine.off_loop(
-            size, lambda: self._tokens(inputs(), param, truncate))
+            size, lambda: self._tokens(inputs(), param, truncate, keep))
         limit = self.aengine.embedding_limit
         longest = max(map(len, token_lists), default=0)
         if longest > limit:
@@ -104,7 +108,8 @@ class EmbeddingServing:
     async def create(self, data: EmbeddingRequest, truncate: bool = False) -> EmbeddingList:
         """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes)."""
         pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
-                                      text_size(data.input), truncate=truncate)
+                                      text_size(data.input), truncate=truncate,
+                                      keep=data.truncate_prompt_tokens)
         vectors = [normalised(v) for v in pooled]
         if data.dimensions is not None:
             if not 0 < data.dimensions <= vectors[0].size:

@@ -248,15 +248,20 @@ class OpenAIServing:
         self.aengine.check_token_ids(ids or [], "stop_token_ids")
         return tuple(ids or ())
 
-    def _prepare(self, jobs: list[Job], resume: Sequence[Handover] | None
-                 ) -> list[PreparedRequest]:
+    def _prepare(self, jobs: list[Job], resume: Sequence[Handover] | None,
+                 keep: int | None = None) -> list[PreparedRequest]:
         """Each choice tokenized, checked, its grammar compiled (``AsyncEngine.prepare``): the
         routes call this on a worker thread, with the rendering before it, in one hop (a hop
         costs ~0.2 ms), so the event loop never waits on it. ``resume``: each choice's first
-        tokens, drawn by a PD prefill replica (server/pd.py)."""
+        tokens, drawn by a PD prefill replica (server/pd.py); ``keep``: vLLM's
+        ``truncate_prompt_tokens`` (only each prompt's last tokens are read)."""
         if resume is not None and len(resume) != len(jobs):
             raise HandoverError(f"the hand-over has {len(resume)} choice(s); the request "
                                 f"asks for {len(jobs)}")
+        if keep is not None:
+            k = keep_last(keep, self.aengine.max_request_tokens)
+            jobs = [((self.aengine.tokenize(p) if isinstance(p, str) else list(p))[-k:], params)
+                    for p, params in jobs]
         resumes = list(resume) if resume is not None else [None] * len(jobs)
         return [self.aengine.prepare(prompt, params, r)
                 for (prompt, params), r in zip(jobs, resumes)]
@@ -584,7 +589,8 @@ class OpenAIServing:
             jobs, plan = self.chat_jobs(req)
             prompt = str(jobs[0][0])
             try:
-                return (plan, self._prepare(jobs, resume), self.thinking(req, prompt),
+                return (plan, self._prepare(jobs, resume, req.truncate_prompt_tokens),
+                        self.thinking(req, prompt),
                         self.opening(req, prompt))
             except InvalidRequestError as e:  # the engine compiles the grammar
                 if plan.enforced and e.param == "response_format":
@@ -814,6 +820,10 @@ class OpenAIServing:
         grammar = extra[0] if extra is not None else None
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         prompts = self._completion_prompts(req.prompt)
+        if req.truncate_prompt_tokens is not None and (req.echo or req.suffix):
+            raise InvalidRequestError("truncate_prompt_tokens: not with echo or suffix (the "
+                                      "prompt they write back or fill in is the whole one)",
+                                      param="truncate_prompt_tokens")
         if req.suffix:  # fill-in-the-middle: each prompt is the code before the gap
             _check_suffix(req)
             missing = self.aengine.fim_tokens().missing()
@@ -835,7 +845,7 @@ class OpenAIServing:
         check_stream_options(req)
         def ready() -> tuple[list[Job], list[PreparedRequest]]:
             jobs = self.completion_jobs(req)
-            return jobs, self._prepare(jobs, resume)
+            return jobs, self._prepare(jobs, resume, req.truncate_prompt_tokens)
 
         jobs, prepared = await self.aengine.off_loop(text_size(req.prompt) * req.n, ready)
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs],
@@ -1004,6 +1014,15 @@ def check_stream_options(req: _Streamed) -> None:
     if getattr(req.stream_options, "include_obfuscation", None):
         raise InvalidRequestError("stream_options.include_obfuscation: stream obfuscation is "
                                   "not supported", param="stream_options.include_obfuscation")
+
+
+def keep_last(k: int, most: int) -> int:
+    """How many of a prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps: ``k``, or
+    with -1 ``most`` (what the model holds); 0 is a 400, as in vLLM."""
+    if k == 0:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 (as many as the model "
+                                  "holds) or at least 1", param="truncate_prompt_tokens")
+    return most if k < 0 else k
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:

@@ -121,6 +121,9 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
         # Every prompt row's logprobs are the prefill's; they do not travel with the KV.
         raise APIError(409, "requests for prompt logprobs are served whole, not "
                        "disaggregated", code="not_disaggregated")
+    if req.truncate_prompt_tokens is not None:  # (the prompt the prefill half computes)
+        raise APIError(409, "requests that truncate their prompt are served whole, not "
+                       "disaggregated", code="not_disaggregated")
     if any(params.lora for _, params in jobs):
         # Its KV is the adapter's; the transfer header names the model file only.
         raise APIError(409, "requests for a LoRA adapter are served whole, not disaggregated",

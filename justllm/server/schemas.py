@@ -138,10 +138,16 @@ class LoraChoice(_Request, kw_only=True):
     scale: float | None = None
 
 
+# vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read (-1: as many as the
+# model holds); checked by openai_serving.keep_last (0 is refused there).
+TruncatePrompt = Annotated[int, Meta(ge=-1)]
+
+
 class _Sampling(_Request, kw_only=True):
     """Fields common to chat and text completions."""
 
     model: str | None = None  # optional, as in vLLM: the served model when absent
+    truncate_prompt_tokens: TruncatePrompt | None = None
     max_tokens: PositiveInt | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -269,6 +275,7 @@ class EmbeddingRequest(_Request, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
     user: str | None = None  # logged with the request (--verbose)
+    truncate_prompt_tokens: TruncatePrompt | None = None  # vLLM's: each input's last k tokens
 
 
 class TokenizeRequest(_Request, kw_only=True):

@@ -107,6 +107,8 @@ def test_hand_overs_that_do_not_fit_are_counted_and_the_request_served_whole(ser
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
                               "prompt_logprobs": 1}),
+    # vLLM's truncate_prompt_tokens: the prompt the halves compute must be one
+    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4}),
 ])
 def test_requests_for_prompt_logprobs_are_not_disaggregated(server, path, body):
     """Every prompt row's logprobs are the prefill's and do not travel with the KV: the

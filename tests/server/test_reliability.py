@@ -132,7 +132,7 @@ BAD = {
         (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
         (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1.1, "repeat_penalty": 1.1},
          "repetition_penalty"),  # (vLLM's name, taken now; not beside llama.cpp's)
-        (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         (EMBEDDINGS, {"input": "hi", "truncate": True}, "truncate"),
     ],
     "unsupported content": [
