@@ -622,14 +622,27 @@ class OpenAIServing:
         prompts: list[RequestOutput | None] = [None] * len(streams)
         texts, lps, finals = await self._collect(streams, [""] * len(streams), prompts)
         choices = []
+        thoughts = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
             thought, parsed = answer.whole(texts[i])
+            thoughts.append(thought or "")
             calls = tuple(self._call(c) for c in parsed.calls)
             choices.append(ChoiceResult(
                 i, parsed.content if parsed.content or not calls else None, calls,
                 "tool_calls" if calls else final.finish_reason if final else None, lps[i],
                 None if calls or final is None else final.stop, thought))
-        return ChatResult(choices, _usage(finals, req.n), _timings(finals), prompts[0])
+        return ChatResult(choices, self._with_reasoning(_usage(finals, req.n), thoughts),
+                          _timings(finals), prompts[0])
+
+    def _with_reasoning(self, usage: Usage, thoughts: list[str]) -> Usage:
+        """``usage`` with OpenAI's ``completion_tokens_details.reasoning_tokens`` when the
+        model thought: the thinking's text in tokens (the tokens it drew but for the blanks
+        around it, and a text the tokenizer would split otherwise)."""
+        if not any(thoughts):
+            return usage
+        n = sum(len(self.aengine.tokenize(t, add_special=False)) for t in thoughts if t)
+        return msgspec.structs.replace(usage,
+                                       completion_tokens_details={"reasoning_tokens": n})
 
     async def chat_events(self, req: ChatCompletionRequest, rid: str | None = None,
                           resume: Sequence[Handover] | None = None,
@@ -651,6 +664,7 @@ class OpenAIServing:
     async def _events(self, streams: list[RequestStream], answers: list[ChoiceText], n: int
                       ) -> AsyncGenerator[ChatEvent, None]:
         finals: list[RequestOutput | None] = [None] * len(streams)
+        thoughts = [""] * len(streams)
         async with aclosing(self.merged(streams)) as merged:
             async for i, out in merged:
                 if out.error:
@@ -659,11 +673,13 @@ class OpenAIServing:
                     return
                 answer = answers[i]
                 thought, text = answer.feed(out.text)
+                thoughts[i] += thought
                 if text or thought or out.logprobs:
                     yield TextDelta(i, text, out.logprobs, thought)
                 if out.finished:
                     finals[i] = out
                     thought, rest, parsed = answer.finish()
+                    thoughts[i] += thought
                     if rest or thought:
                         yield TextDelta(i, rest, reasoning=thought)
                     for k, call in enumerate(self._call(c) for c in parsed):
@@ -671,7 +687,7 @@ class OpenAIServing:
                         yield ToolCallArguments(i, k, call.arguments)
                     yield ChoiceEnd(i, "tool_calls" if parsed else out.finish_reason or "stop",
                                     None if parsed else out.stop)
-        yield StreamEnd(_usage(finals, n), _timings(finals))
+        yield StreamEnd(self._with_reasoning(_usage(finals, n), thoughts), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,
                    traceparent: str | None = None, request_id: str | None = None

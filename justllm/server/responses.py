@@ -87,8 +87,7 @@ def _skeleton(rid: str, model: str, req: ResponseRequest) -> ResponseObject:
         reasoning=msgspec.to_builtins(req.reasoning) if req.reasoning else None)
 
 
-def _finish(resp: ResponseObject, finish: str | None, usage: Usage, reasoning_tokens: int = 0
-            ) -> ResponseObject:
+def _finish(resp: ResponseObject, finish: str | None, usage: Usage) -> ResponseObject:
     """Completed, or incomplete when max_output_tokens cut the answer short."""
     truncated = finish == "length"
     resp.status = "incomplete" if truncated else "completed"
@@ -96,12 +95,13 @@ def _finish(resp: ResponseObject, finish: str | None, usage: Usage, reasoning_to
     resp.usage = ResponseUsage(
         usage.prompt_tokens, {"cached_tokens": (usage.prompt_tokens_details or {}).get(
             "cached_tokens", 0), "cache_write_tokens": 0},
-        usage.completion_tokens, {"reasoning_tokens": reasoning_tokens}, usage.total_tokens)
+        usage.completion_tokens,
+        {"reasoning_tokens": (usage.completion_tokens_details or {}).get("reasoning_tokens", 0)},
+        usage.total_tokens)
     return resp
 
 
-def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int],
-          opaque: bool = False) -> ResponseObject:
+def _full(resp: ResponseObject, result: ChatResult, opaque: bool = False) -> ResponseObject:
     choice = result.choices[0]
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     if choice.reasoning:
@@ -111,7 +111,7 @@ def _full(resp: ResponseObject, result: ChatResult, count: Callable[[str], int],
         resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
     resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments, "completed")
                     for c in choice.tool_calls]
-    return _finish(resp, choice.finish_reason, result.usage, count(choice.reasoning or ""))
+    return _finish(resp, choice.finish_reason, result.usage)
 
 
 def _reasoning_item(text: str, status: str, opaque: bool = False) -> OutputReasoning:
@@ -130,7 +130,6 @@ class _Writer:
         self._seq = itertools.count()
         self.item: OutputReasoning | OutputMessage | OutputFunctionCall | None = None  # open
         self.text = ""  # the open message's (or reasoning's) text so far
-        self.thought = ""  # the whole reasoning
         self.truncated = False
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -159,7 +158,6 @@ class _Writer:
         frames = [] if isinstance(self.item, OutputReasoning) else self.add(
             OutputReasoning(_item_id("rs"), [], [], "in_progress"))
         self.text += piece
-        self.thought += piece
         assert self.item is not None
         frames.append(self.event("response.reasoning_text.delta", item_id=self.item.id,
                                  output_index=self.index, content_index=0, delta=piece))
@@ -216,8 +214,8 @@ class _Writer:
 
 
 async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
-                  keep: Callable[[ResponseObject], None], count: Callable[[str], int],
-                  opaque: bool = False) -> AsyncIterator[bytes]:
+                  keep: Callable[[ResponseObject], None], opaque: bool = False
+                  ) -> AsyncIterator[bytes]:
     """The Responses event sequence for one streamed answer: created, in_progress, the output
     items, then completed (or incomplete at max_output_tokens; or error and failed). The
     final response goes to ``keep`` before its last event is sent."""
@@ -245,7 +243,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
                     frames = w.add(OutputMessage(_item_id("msg"), "in_progress", "assistant",
                                                  []))
                 frames += w.close()
-                _finish(resp, finish, ev.usage, count(w.thought))
+                _finish(resp, finish, ev.usage)
                 keep(resp)
                 frames.append(w.event(f"response.{resp.status}", response=resp))
             elif isinstance(ev, StreamError):
@@ -380,8 +378,7 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
     try:
         if req.stream:
             return sse_response(_stream(resp, await served.completions.chat_events(
-                chat, rid, origin=origin(request, "openai.responses", True)), keep,
-                lambda text: _tokens(served, text), opaque))
+                chat, rid, origin=origin(request, "openai.responses", True)), keep, opaque))
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
@@ -393,13 +390,6 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
     if isinstance(result, Response):
         return result
-    done = _full(resp, result, lambda text: _tokens(served, text), opaque)
+    done = _full(resp, result, opaque)
     keep(done)
     return done
-
-
-def _tokens(served: Served, thought: str) -> int:
-    """The reasoning tokens of a response: its thinking's text in tokens (the tokens the
-    model drew, but for the blanks around it and a text the tokenizer would split
-    otherwise)."""
-    return len(served.aengine.tokenize(thought, add_special=False)) if thought else 0

@@ -308,12 +308,14 @@ class DetokenizeRequest(_Request, kw_only=True):
 
 # ---- responses -------------------------------------------------------------------------------
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # OpenAI's: {"cached_tokens": the prompt tokens taken from the prefix cache}
     prompt_tokens_details: dict[str, int] | None = None
+    # OpenAI's: {"reasoning_tokens": a reasoning model's thinking, in tokens}; only then
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class FunctionCallOut(msgspec.Struct):

@@ -89,7 +89,14 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed(thinker):
     whole = chat(thinker)
     message = whole["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (want.reasoning, want.content)
-    chunks = sse_chunks(thinker, "/v1/chat/completions", {"messages": CHAT, **GREEDY})
+    # OpenAI's count of them: the thinking's text in tokens
+    thought = post(thinker, "/tokenize", {"prompt": want.reasoning, "add_special_tokens": False})
+    details = whole["usage"]["completion_tokens_details"]
+    assert details == {"reasoning_tokens": thought.json()["count"]}
+    assert "completion_tokens_details" not in chat(thinker, reasoning_format="none")["usage"]
+    chunks = sse_chunks(thinker, "/v1/chat/completions", {
+        "messages": CHAT, **GREEDY, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens_details"] == details
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     thought = "".join(d.get("reasoning_content") or "" for d in deltas)
     text = "".join(d.get("content") or "" for d in deltas)
