@@ -915,8 +915,10 @@ async def ps(state: State) -> Any:
 
 def _capabilities(served: Served) -> list[str]:
     """What the model can do, in Ollama's words: an encoder (a BERT-like embedding model)
-    only makes embeddings, as Ollama lists one."""
-    embedding = ["embedding"] if served.embeddings else []
+    only makes embeddings, as Ollama lists one; a reranker makes none (it scores pairs, at
+    /v1/rerank, which Ollama has no word for)."""
+    makes = served.embeddings is not None and served.aengine.pooling != "rank"
+    embedding = ["embedding"] if makes else []
     if not served.aengine.generates:
         return embedding
     return (["completion", "tools"] + embedding

@@ -179,5 +179,9 @@ def test_bad_rerank_requests(reranker, body, param):
 def test_a_reranker_makes_no_embeddings_and_others_do_not_rerank(reranker, bert):
     r = post(reranker, "/v1/embeddings", {"input": "hello"})
     assert r.status_code == 400 and "is a reranker" in r.json()["error"]["message"]
+    r = post(reranker, "/api/embed", {"model": reranker.model, "input": "hello"})
+    assert r.status_code == 400 and "is a reranker" in r.json()["error"]
+    show = post(reranker, "/api/show", {"model": reranker.model}).json()
+    assert show["capabilities"] == []  # (no embeddings, no text: Ollama has no "rerank")
     r = post(bert, "/v1/rerank", {"query": QUERY, "documents": DOCS})
     assert r.status_code == 400 and "not a reranker" in r.json()["error"]["message"]
