@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +288,14 @@ class ChatTemplate:
         when the template renders tools, else ``generic`` (what the fallback text asks for)."""
         return template_tool_format(self.source) if self.native_tools else "generic"
 
-    @property
+    @cached_property
     def thinking_tags(self) -> tuple[str, str] | None:
         """The tags the model thinks between (``<think>``, ``</think>``), when the template
-        writes a known pair: a reasoning model's (core/reasoning.py)."""
+        writes a known pair: a reasoning model's (core/reasoning.py). Read once: every chat
+        request asks, several times."""
         return thinking_tags(self.source)
 
-    @property
+    @cached_property
     def thinking_switch(self) -> bool:
         """Whether the template turns thinking on and off by ``enable_thinking`` (Qwen3's)."""
         return THINKING_SWITCH in self.source
