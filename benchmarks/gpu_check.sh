@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue #19): run from the repo root on a machine with an NVIDIA GPU and nvcc,
-# without network. Writes every figure to $OUT (default ./gpu-check) as JSON plus a log, and
-# prints a summary.
+# without network. Writes a summary and a log to $OUT (default ./gpu-check), every figure as
+# JSON and every other log in $OUT/details.tar.gz, and prints the summary.
 #
 #   benchmarks/gpu_check.sh [MODEL.gguf]   # default: $GPU_CHECK_MODEL, else the demo model
 #   benchmarks/gpu_check.sh --stage        # only take in what this call brought (see below)
@@ -82,7 +82,11 @@ if [ "${1:-}" = --stage ]; then
 fi
 
 OUT=${OUT:-./gpu-check}
-mkdir -p "$OUT"
+# The device machine brings back at most 8 files: the summary and the log, and every other
+# file packed into details.tar.gz (after the tests and at the end).
+D=$OUT/details
+mkdir -p "$D"
+pack() { tar -czf "$OUT/details.tar.gz" -C "$OUT" details; }
 LOG="$OUT/gpu-check.log"
 exec > >(tee -a "$LOG") 2>&1
 START=$(date +%s)
@@ -134,6 +138,24 @@ if [ -z "$MODEL" ]; then
         || { echo "no model: pass MODEL.gguf or set GPU_CHECK_MODEL"; exit 1; }
 fi
 summary "model: $MODEL"
+
+# numpy imported before llama.cpp crashed every model load on the H200 image (2026-12-04);
+# justllm/__init__.py now puts libstdc++ in the global scope first. Check both import orders
+# in a process of their own, and where either still crashes, preload libstdc++ for the rest
+# (the workaround seen to work there) so that the figures come anyway.
+say "loading the model after numpy, both import orders"
+for ORDER in "import justllm, numpy" "import numpy, justllm"; do
+    if $PY -c "$ORDER
+from justllm.engine.backend import BackendConfig, LlamaBackend
+LlamaBackend(BackendConfig(model_path='$MODEL', n_ctx=512, gpu=$([ "$CPU_ONLY" = 1 ] && echo False || echo True))).close()" \
+            > "$D/load_order.log" 2>&1; then
+        summary "model load after '$ORDER': ok"
+    else
+        summary "model load after '$ORDER': failed (exit $?); LD_PRELOAD=libstdc++ from here on"
+        tail -5 "$D/load_order.log"
+        export LD_PRELOAD=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+    fi
+done
 # What --gpu's defaults come to for this model here (the KV pool from the free VRAM; a CPU
 # dry run pretends 8 GiB are free).
 $PY - "$MODEL" <<'EOF' | tee -a "$OUT/summary.txt"
@@ -152,23 +174,25 @@ say "tests with JUSTLLM_GPU=$JUSTLLM_GPU: $TESTS"
 # (bounded: the device call has the benchmarks to run after the tests)
 # shellcheck disable=SC2086
 timeout "${GPU_CHECK_TEST_SECONDS:-240}" $PY -m pytest -q -p no:cacheprovider $TESTS \
-    --junitxml "$OUT/tests.xml" > "$OUT/tests.log" 2>&1 || echo "pytest: exit $?" >> "$OUT/tests.log"
-summary "tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)$(grep -h '^pytest: exit' "$OUT/tests.log" | sed 's/^/; /')"
+    --junitxml "$D/tests.xml" > "$D/tests.log" 2>&1 || echo "pytest: exit $?" >> "$D/tests.log"
+pack
+summary "tests: $(grep -E '(passed|failed|error)' "$D/tests.log" | tail -1)$(grep -h '^pytest: exit' "$D/tests.log" | sed 's/^/; /')"
+grep -qE '^(FAILED|ERROR) ' "$D/tests.log" && summary "$(grep -E '^(FAILED|ERROR) ' "$D/tests.log")"
 
 # ---- 3. throughput ----------------------------------------------------------------------
 say "engine throughput at $LEVELS sequences"
 GPU_FLAG=--gpu
 [ "$CPU_ONLY" = 1 ] && GPU_FLAG=
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
-    --raw --json "$OUT/engine_throughput.json" | tee "$OUT/engine_throughput.txt"
+    --raw --json "$D/engine_throughput.json" | tee "$D/engine_throughput.txt"
 summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s):"
-summary "$(tail -n +2 "$OUT/engine_throughput.txt")"
+summary "$(tail -n +2 "$D/engine_throughput.txt")"
 say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 \
-    --json "$OUT/engine_throughput_sampled.json" | tee "$OUT/engine_throughput_sampled.txt"
+    --json "$D/engine_throughput_sampled.json" | tee "$D/engine_throughput_sampled.txt"
 summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step):"
-summary "$(tail -n +2 "$OUT/engine_throughput_sampled.txt")"
+summary "$(tail -n +2 "$D/engine_throughput_sampled.txt")"
 
 say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
 KNOB_PREFILL=2048
@@ -177,8 +201,8 @@ for UB in 512 2048; do
     for FA in auto off; do
         $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
             --n-batch 2048 --n-ubatch "$UB" --flash-attn "$FA" --prefill "$KNOB_PREFILL" \
-            --json "$OUT/knobs_ub${UB}_fa${FA}.json" > "$OUT/knobs_ub${UB}_fa${FA}.txt" 2>&1
-        summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$OUT/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$OUT/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
+            --json "$D/knobs_ub${UB}_fa${FA}.json" > "$D/knobs_ub${UB}_fa${FA}.txt" 2>&1
+        summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$D/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$D/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
     done
 done
 
@@ -187,11 +211,12 @@ METHODS=plain,ngram
 DRAFT_ARGS=()
 if [ -n "${GPU_CHECK_DRAFT:-}" ]; then METHODS=plain,ngram,draft; DRAFT_ARGS=(--draft "$GPU_CHECK_DRAFT"); fi
 $PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
-    --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$OUT/spec_bench.txt" 2>&1
+    --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
 summary "spec bench:"
-summary "$(cat "$OUT/spec_bench.txt")"
+summary "$(cat "$D/spec_bench.txt")"
 
 say "done"
+pack && rm -rf "$D"
 summary "total: $(( $(date +%s) - START )) s"
 printf '\n===== summary =====\n'
 cat "$OUT/summary.txt"

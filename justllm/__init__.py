@@ -6,6 +6,10 @@ not load llama.cpp.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "CompletionOutput"]
@@ -22,6 +26,22 @@ _WHERE = {
     "SamplingParams": "justllm.core.sampling_params",
     "EngineConfig": "justllm.config",
 }
+
+
+def _global_cxx_runtime() -> None:
+    """Put the C++ runtime in the process's global symbol scope before numpy or llama.cpp load
+    it. On an H200 with a CUDA build of llama-cpp-python (CUDA 13, numpy 2.5), every process
+    that imported numpy, which links libstdc++, before llama.cpp segfaulted in its first model
+    load; with libstdc++ global (LD_PRELOAD, or llama.cpp loaded first) the same load worked.
+    justllm's own processes import this package before numpy; where numpy came first, loading
+    it here with RTLD_GLOBAL promotes the copy already loaded (not yet seen on a GPU:
+    benchmarks/gpu_check.sh checks both orders and falls back to LD_PRELOAD)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # no libstdc++.so.6 (a musl libc): nothing to do
+            ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL)
+
+
+_global_cxx_runtime()
 
 
 def build_info() -> str:
