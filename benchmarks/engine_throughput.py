@@ -7,8 +7,10 @@ sample instead of greedy (the per-token sampling cost shows as a larger Python s
 ``llama_decode`` calls at the same shapes (one token per sequence, argmax), the limit the engine
 can approach, twice: reading every row's logits and taking the argmax in numpy (as the engine
 does), and with the argmax taken inside the graph (llama.cpp's backend sampling: no logits
-leave the device). On a GPU the gap between the two is what reading whole 262k-wide rows back
-costs. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
+leave the device), and a third time with the whole draw in the graph (temperature 0.8, top_p
+0.95: the `sampled` column, to set against the engine's sampled tok/s). On a GPU the gap
+between the first two is what reading whole 262k-wide rows back costs, and the third is what
+choosing sampled tokens on the device would reach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
 compare the two.
@@ -34,6 +36,8 @@ from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import gpu_devices
 from justllm.engine.engine import Engine
+
+RAW_SAMPLED = (0.8, 0.95)  # temperature, top_p of --raw's draw in the graph
 
 
 def time_sampling(engine: Engine) -> None:
@@ -88,12 +92,14 @@ def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
     return b.decode(m)
 
 
-def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False) -> float:
+def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
+               temperature: float = 0.0, top_p: float = 1.0) -> float:
     """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
     ``tokens`` steps of one token each (argmax), every row's logits read (``in_graph``: the
-    argmax taken inside the graph instead, so no logits leave the device). One more step
-    before the clock starts warms up (in the graph: llama.cpp reserves its graphs again). The
-    engine must be idle; its prefix cache is flushed and the KV cleared before and after."""
+    token chosen inside the graph instead, so no logits leave the device: the argmax, or with
+    ``temperature`` a draw from the ``top_p`` nucleus). One more step before the clock starts
+    warms up (in the graph: llama.cpp reserves its graphs again). The engine must be idle; its
+    prefix cache is flushed and the KV cleared before and after."""
     b = engine.backend
     engine.flush_prefix_cache()  # its holders keep KV: gone, so clearing desyncs nothing
     b.clear_kv()
@@ -103,7 +109,7 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False) -> f
         last = int(decode_prompt(engine, s, prompt, 0)[0].argmax())
     nxt = [last] * n
     if in_graph:
-        b.set_argmax_in_graph(range(n))
+        b.set_tokens_in_graph(range(n), temperature, top_p, seed=1)
     try:
         t0 = time.perf_counter()
         for step in range(tokens + 1):
@@ -113,12 +119,12 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False) -> f
             b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = range(n), 1, 1
             if in_graph:
                 b.decode(n)
-                nxt = b.argmax_tokens(n)
+                nxt = b.graph_tokens(n)
             else:
                 nxt = b.decode(n).argmax(axis=1).tolist()
         rate = n * tokens / (time.perf_counter() - t0)
     finally:
-        b.set_argmax_in_graph([])
+        b.set_tokens_in_graph([])
         b.clear_kv()
     return rate
 
@@ -229,7 +235,8 @@ def main() -> None:
         write_json(args, engine, settings, rows, rounds=args.rounds)
         return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
-          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9}" if args.raw else ""))
+          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9} {'sampled':>8}"
+             if args.raw else ""))
     rows = []
     for n in levels:
         rate, py_share, step = measure(engine, n, args.tokens, sampling_of(args))
@@ -238,7 +245,12 @@ def main() -> None:
         if args.raw:
             row["raw_tok_s"] = raw = raw_decode(engine, n, args.tokens)
             row["raw_in_graph_tok_s"] = graph = raw_decode(engine, n, args.tokens, in_graph=True)
-            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f}"
+            # the whole draw in the graph too: what choosing sampled tokens on the device
+            # would reach (against the engine's sampled tok/s of --vs-greedy)
+            row["raw_in_graph_sampled_tok_s"] = drawn = raw_decode(
+                engine, n, args.tokens, in_graph=True, temperature=RAW_SAMPLED[0],
+                top_p=RAW_SAMPLED[1])
+            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f} {drawn:>8.1f}"
         rows.append(row)
         print(line)
     engine.close()

@@ -22,7 +22,8 @@
 # 3. prints what --gpu's defaults come to here (the KV pool from the free VRAM), runs
 #    benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences, greedy with raw batched
 #    llama_decode at the same shapes (the limit; also with the argmax taken inside the graph,
-#    so no logits come back: what reading whole rows back costs), sampled (temperature 0.8, top_p 0.95)
+#    so no logits come back: what reading whole rows back costs; and with the whole draw
+#    there: what choosing sampled tokens on the device would reach), sampled (temperature 0.8, top_p 0.95)
 #    against greedy in alternate rounds (the ratio and the per-step sampling time), the
 #    context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention auto or off: a
 #    2048-token prefill and 32 streams each), and benchmarks/spec_bench.py plain vs ngram
@@ -185,7 +186,7 @@ GPU_FLAG=--gpu
 [ "$CPU_ONLY" = 1 ] && GPU_FLAG=
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --raw --json "$D/engine_throughput.json" | tee "$D/engine_throughput.txt"
-summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s):"
+summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s):"
 summary "$(tail -n +2 "$D/engine_throughput.txt")"
 say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \

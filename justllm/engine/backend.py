@@ -413,7 +413,8 @@ class LlamaBackend:
         self._children: list[EmbeddingContext] = []
         self._loras: list[LoraAdapter] = []
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
-        self._argmax_chains: dict[int, object] = {}  # seq id -> its llama_sampler chain
+        # seq id -> ((temperature, top_p, seed), its llama_sampler chain)
+        self._graph_chains: dict[int, tuple[tuple[float, float, int], object]] = {}
         C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
@@ -542,49 +543,67 @@ class LlamaBackend:
             raise EngineError(f"llama_decode failed with code {rc}")
         if n_out == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        if self._argmax_chains:
+        if self._graph_chains:
             # llama.cpp copies no logits out when every sequence of every output row (twins
             # included) has a chain (its needs_raw_logits)
             out = self.batch_logits[:n_tokens] != 0
             ids = self.batch_seqs[:n_tokens][out]
             listed = np.arange(ids.shape[1]) < self.batch_n_seq[:n_tokens][out][:, None]
-            if all(int(s) in self._argmax_chains for s in ids[listed]):
+            if all(int(s) in self._graph_chains for s in ids[listed]):
                 return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
 
-    # ---- argmax inside the graph (llama.cpp's backend sampling) ---------------------------
+    # ---- tokens chosen inside the graph (llama.cpp's backend sampling) ---------------------
 
-    def set_argmax_in_graph(self, seq_ids: Sequence[int]) -> None:
-        """Choose the next token of each of ``seq_ids`` inside the decode graph (an argmax, on
-        the device that holds the output layer), and of no other sequence; ``[]`` turns it off.
+    def set_tokens_in_graph(self, seq_ids: Sequence[int], temperature: float = 0.0,
+                            top_p: float = 1.0, seed: int = 0) -> None:
+        """Choose the next token of each of ``seq_ids`` inside the decode graph, on the device
+        that holds the output layer, and of no other sequence; ``[]`` turns it off. Temperature
+        0: the argmax; else a draw at ``temperature`` from the ``top_p`` nucleus of the tempered
+        distribution (vLLM's order: temperature first), by a generator seeded ``seed`` + the
+        sequence id.
 
         llama.cpp's backend sampling (experimental in this llama.cpp): a decode whose output
         rows all belong to such sequences copies no logits out of the device, and ``decode``
-        returns no rows; :meth:`argmax_tokens` reads the tokens. The engine samples from the
+        returns no rows; :meth:`graph_tokens` reads the tokens. The engine samples from the
         logits and does not use it; ``benchmarks/engine_throughput.py --raw`` does, to measure
-        what reading whole 262k-wide rows back costs on a GPU. Each change makes llama.cpp
-        reserve its graphs again (docs/llama-cpp-facts.md)."""
+        what reading whole 262k-wide rows back and choosing on the CPU costs on a GPU against
+        choosing there. Each change makes llama.cpp reserve its graphs again
+        (docs/llama-cpp-facts.md)."""
         wanted = {int(s) for s in seq_ids}
         if any(not 0 <= s < self.config.n_seq_max for s in wanted):
             raise EngineError("sequence id out of range")
+        if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
+            raise EngineError("temperature must be >= 0 and top_p in (0, 1]")
+        spec = (temperature, top_p, seed) if temperature > 0.0 else (0.0, 1.0, 0)
         if self._twin:  # llama.cpp copies logits out for a row any of whose sequences lacks one
             wanted |= {s + self._twin for s in wanted}
-        for s in sorted(set(self._argmax_chains) - wanted):
-            C.llama_set_sampler(self._ctx, s, None)
-            C.llama_sampler_free(self._argmax_chains.pop(s))
-        for s in sorted(wanted - set(self._argmax_chains)):
+        for s in sorted(self._graph_chains):
+            if s not in wanted or self._graph_chains[s][0] != spec:
+                C.llama_set_sampler(self._ctx, s, None)
+                C.llama_sampler_free(self._graph_chains.pop(s)[1])
+        for s in sorted(wanted - set(self._graph_chains)):
             # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
             chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+            if spec[0] == 0.0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+            else:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(temperature))
+                if top_p < 1.0:
+                    C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(top_p, 1))
+                # a twin draws with its sequence's seed: both draw the same token
+                owner = s - self._twin if self._twin and s >= self._twin else s
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(
+                    (seed + owner) & 0xFFFFFFFF))
             if not C.llama_set_sampler(self._ctx, s, chain):
                 C.llama_sampler_free(chain)
                 raise EngineError("this llama.cpp build cannot choose tokens inside the graph")
-            self._argmax_chains[s] = chain
+            self._graph_chains[s] = (spec, chain)
 
-    def argmax_tokens(self, n_out: int) -> list[int]:
+    def graph_tokens(self, n_out: int) -> list[int]:
         """The tokens the last decode chose in the graph for its first ``n_out`` output rows
-        (each must belong to a sequence of :meth:`set_argmax_in_graph`)."""
+        (each must belong to a sequence of :meth:`set_tokens_in_graph`)."""
         tokens = [int(C.llama_get_sampled_token_ith(self._ctx, i)) for i in range(n_out)]
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise EngineError("an output row was not chosen in the graph")
@@ -920,9 +939,9 @@ class LlamaBackend:
         if self._ctx:
             C.llama_free(self._ctx)
             self._ctx = None
-        for chain in self._argmax_chains.values():  # the context only borrowed them
+        for _, chain in self._graph_chains.values():  # the context only borrowed them
             C.llama_sampler_free(chain)
-        self._argmax_chains.clear()
+        self._graph_chains.clear()
         for adapter in self._loras:  # after the context that points to them
             C.llama_adapter_lora_free(adapter.handle)
         self._loras.clear()

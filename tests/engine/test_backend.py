@@ -86,11 +86,12 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
         EngineConfig(n_ubatch=-1)
 
 
-def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
+def test_tokens_chosen_in_the_graph_are_numpys_argmax_or_a_nucleus_draw(model_path):
     """llama.cpp's backend sampling, as benchmarks/engine_throughput.py --raw uses it: the
     tokens chosen inside the graph are the argmax of the logits the same batches give, no
     logits come back when every row was chosen there, a batch with a row that was not gets
-    its logits (and that row no graph token), and turning it off restores the logits."""
+    its logits (and that row no graph token), and turning it off restores the logits; a draw
+    in the graph keeps to the nucleus and to its seed."""
     import numpy as np
 
     from justllm.config import EngineConfig
@@ -103,7 +104,7 @@ def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
 
         def run(in_graph: bool, steps: int = 5) -> list[list[int]]:
             b.clear_kv()
-            b.set_argmax_in_graph([])  # the prompts' last rows: read as logits
+            b.set_tokens_in_graph([])  # the prompts' last rows: read as logits
             firsts = []
             for seq, ids in enumerate(prompts):
                 n = len(ids)
@@ -112,7 +113,7 @@ def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
                 b.batch_logits[n - 1] = 1
                 firsts.append(int(b.decode(n)[0].argmax()))
             if in_graph:
-                b.set_argmax_in_graph([0, 1])
+                b.set_tokens_in_graph([0, 1])
             nxt, out = firsts, []
             for step in range(steps):
                 b.batch_tokens[:2] = nxt
@@ -121,7 +122,7 @@ def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
                 logits = b.decode(2)
                 if in_graph:
                     assert logits.shape == (0, b.n_vocab)  # nothing copied out
-                    nxt = b.argmax_tokens(2)
+                    nxt = b.graph_tokens(2)
                 else:
                     nxt = [int(i) for i in np.asarray(logits).argmax(axis=1)]
                 out.append(nxt)
@@ -129,22 +130,56 @@ def test_argmax_in_the_graph_chooses_the_tokens_numpy_would(model_path):
 
         in_numpy = run(False)
         assert run(True) == in_numpy
-        b.set_argmax_in_graph([0, 1])  # the same sequences again: kept as they are
+        b.set_tokens_in_graph([0, 1])  # the same sequences again: kept as they are
         # One row chosen in the graph, one not: every row's logits come back, and only the
         # first row has a graph token.
-        b.set_argmax_in_graph([0])
+        b.set_tokens_in_graph([0])
         b.batch_tokens[:2] = in_numpy[-1]
         b.batch_pos[:2] = [len(p) + 5 for p in prompts]
         b.batch_seq[:2], b.batch_n_seq[:2], b.batch_logits[:2] = [0, 1], 1, 1
         logits = np.asarray(b.decode(2))
         assert logits.shape == (2, b.n_vocab)
-        assert b.argmax_tokens(1) == [int(logits[0].argmax())]
+        assert b.graph_tokens(1) == [int(logits[0].argmax())]
         with pytest.raises(EngineError, match="not chosen in the graph"):
-            b.argmax_tokens(2)
+            b.graph_tokens(2)
         with pytest.raises(EngineError, match="out of range"):
-            b.set_argmax_in_graph([b.config.n_seq_max])
+            b.set_tokens_in_graph([b.config.n_seq_max])
         assert run(False) == in_numpy  # off again: the logits as before
+
+        # A draw in the graph (temperature 0.8, top_p 0.5): with sequence 1 read as logits,
+        # every step shows that sequence 0's token lies in the nucleus of its own logits, and
+        # the same seed draws the same tokens again.
+        def drawn(seed: int) -> list[int]:
+            b.clear_kv()
+            b.set_tokens_in_graph([])
+            for seq, ids in enumerate(prompts[:1] * 2):
+                n = len(ids)
+                b.batch_tokens[:n], b.batch_pos[:n] = ids, range(n)
+                b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = seq, 1, 0
+                b.batch_logits[n - 1] = 1
+                first = int(b.decode(n)[0].argmax())
+            b.set_tokens_in_graph([0], temperature=0.8, top_p=0.5, seed=seed)
+            nxt, got = [first, first], []
+            for step in range(6):
+                b.batch_tokens[:2] = nxt
+                b.batch_pos[:2] = len(prompts[0]) + step
+                b.batch_seq[:2], b.batch_n_seq[:2], b.batch_logits[:2] = [0, 1], 1, 1
+                x = np.asarray(b.decode(2))[0] / 0.8
+                token = b.graph_tokens(1)[0]
+                p = np.exp(x - x.max())
+                p /= p.sum()
+                order = np.argsort(-p)
+                nucleus = order[:int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1]
+                assert token in nucleus, (step, token, nucleus[:5])
+                got.append(token)
+                nxt = [token, token]  # both sequences go on with the drawn token
+            return got
+
+        assert drawn(7) == drawn(7)
+        with pytest.raises(EngineError, match="top_p"):
+            b.set_tokens_in_graph([0], temperature=0.8, top_p=0.0)
     finally:
+        b.set_tokens_in_graph([])
         engine.close()
 
 
