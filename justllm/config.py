@@ -227,6 +227,10 @@ class EngineConfig:
     # Tokens a reasoning model may think before its end tag is forced (llama-server's
     # --reasoning-budget): -1 no limit, 0 none. A request may choose otherwise.
     reasoning_budget: int = -1
+    # Text forced before the end tag when a budget runs out (llama-server's
+    # --reasoning-budget-message), so the model reads why its thinking stopped. A request may
+    # give its own.
+    reasoning_budget_message: str = ""
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
@@ -269,6 +273,8 @@ class EngineConfig:
         if not isinstance(self.reasoning_budget, int) or self.reasoning_budget < -1:
             raise ValueError(f"reasoning_budget must be -1 (no limit) or a number of tokens "
                              f"(got {self.reasoning_budget!r})")
+        if not isinstance(self.reasoning_budget_message, str):
+            raise ValueError("reasoning_budget_message must be a string")
         if self.reasoning_format not in REASONING_FORMATS:
             raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)} "
                              f"(got {self.reasoning_format!r})")

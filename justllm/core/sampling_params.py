@@ -83,6 +83,9 @@ class SamplingParams:
     thinking_budget: int = -1
     thinking_tags: tuple[str, str] | None = None
     thinking_open: bool = False
+    # Text forced before the end tag when the budget runs out (llama-server's
+    # reasoning_budget_message); only with a budget.
+    thinking_message: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +116,10 @@ class SamplingParams:
                    "a thinking budget needs the model's thinking tags", "thinking_budget")
             _check(self.grammar is None, "a thinking budget cannot be combined with a grammar "
                    "(the grammar holds the whole answer)", "thinking_budget")
+        _check(isinstance(self.thinking_message, str), "thinking_message must be a string",
+               "thinking_message")
+        _check(not self.thinking_message or self.thinking_budget >= 0,
+               "a thinking message needs a thinking budget", "thinking_message")
         # 0: the prompt computed (into the prefix cache; scored with prompt_logprobs), nothing
         # generated. The OpenAI routes take it only with the prompt's logprobs.
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),

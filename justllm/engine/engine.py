@@ -306,8 +306,9 @@ class Engine:
         budget = None
         if params.thinking_budget >= 0:
             assert params.thinking_tags is not None  # (SamplingParams checks)
-            closing = self.backend.tokenize(f"\n{params.thinking_tags[1]}\n\n",
-                                            add_special=False)
+            # (the message right before the end tag, as llama-server forces it)
+            closing = self.backend.tokenize(
+                f"{params.thinking_message}\n{params.thinking_tags[1]}\n\n", add_special=False)
             budget = (ThinkingBudget(params.thinking_tags, params.thinking_budget, closing,
                                      params.thinking_open), self.backend.token_to_piece)
         sampler = RequestSampler(params, seed, constraint, ends, infill, budget)

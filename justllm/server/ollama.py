@@ -24,7 +24,7 @@ import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Union, cast
@@ -578,10 +578,8 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
     opened = tags is not None and isinstance(prompt, str) and opens_thinking(prompt, tags)
     splitter = (ReasoningSplitter(tags, opened)
                 if think.apart and tags and isinstance(prompt, str) else None)
-    budget = served.aengine.engine.config.reasoning_budget  # (the server's --reasoning-budget)
-    if budget >= 0 and tags and isinstance(prompt, str) and params.grammar is None:
-        params = replace(params, thinking_budget=budget, thinking_tags=tags,
-                         thinking_open=opened)
+    if isinstance(prompt, str):  # (the server's --reasoning-budget, as on the other APIs)
+        params = served.completions.budgeted(params, prompt)
     job = _Job(served, req.model, chat, arrival, lstrip, splitter)
     try:  # a refusal raises here, before any answer
         stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(

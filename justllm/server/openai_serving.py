@@ -465,15 +465,11 @@ class OpenAIServing:
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        budget = self.thinking_budget(req, grammar is not None)
-        tags = self.template.thinking_tags
-        if budget < 0 or tags is None:
-            budget, tags = -1, None
-        opened = tags is not None and opens_thinking(prompt, tags)
-        return [(prompt, replace(self._params(req, max_tokens, logprobs, i, self.template,
-                                              req.prompt_logprobs),
-                                 grammar=grammar, thinking_budget=budget, thinking_tags=tags,
-                                 thinking_open=opened)) for i in range(req.n)], plan
+        own = self._own_thinking_budget(req)
+        return [(prompt, self.budgeted(
+            replace(self._params(req, max_tokens, logprobs, i, self.template,
+                                 req.prompt_logprobs), grammar=grammar),
+            prompt, own, req.reasoning_budget_message)) for i in range(req.n)], plan
 
     def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan, constrained: bool = False,
                 generation_prompt: bool = True) -> str:
@@ -504,17 +500,25 @@ class OpenAIServing:
                                       "disagree", param="reasoning_effort")
         return {**(kwargs or {}), name: value}
 
-    def thinking_budget(self, req: ChatCompletionRequest, constrained: bool) -> int:
-        """``req``'s thinking budget (-1: none): its own (llama-server's two names), else the
-        server's ``--reasoning-budget`` for a model that thinks and an answer no grammar
-        holds (``constrained``)."""
-        own = req.reasoning_budget_tokens
-        other = req.thinking_budget_tokens
+    @staticmethod
+    def _own_thinking_budget(req: ChatCompletionRequest) -> int | None:
+        """The budget ``req`` asks for under either of llama-server's names (None: none)."""
+        own, other = req.reasoning_budget_tokens, req.thinking_budget_tokens
         if own is not None and other is not None and own != other:
             raise InvalidRequestError("reasoning_budget_tokens and thinking_budget_tokens "
                                       "disagree", param="thinking_budget_tokens")
-        own = other if own is None else own
-        if own is not None and own >= 0 and self.template.thinking_tags is None:
+        return other if own is None else own
+
+    def budgeted(self, params: SamplingParams, prompt: str, own: int | None = None,
+                 message: str | None = None) -> SamplingParams:
+        """``params`` held to the thinking budget that holds for ``prompt``: a request's
+        ``own`` (-1: none), else the server's ``--reasoning-budget``, for a model that thinks
+        and an answer no grammar holds; with the text forced before the end tag (a request's
+        ``message``, else the server's ``--reasoning-budget-message``). Every API's chat
+        route and Ollama's ask here."""
+        tags = self.template.thinking_tags
+        constrained = params.grammar is not None
+        if own is not None and own >= 0 and tags is None:
             raise InvalidRequestError("a thinking budget needs a model that thinks (its chat "
                                       "template writes no thinking tags)",
                                       param="reasoning_budget_tokens")
@@ -523,11 +527,19 @@ class OpenAIServing:
                                       "answer is held to (response_format, a required tool "
                                       "call, structured outputs)",
                                       param="reasoning_budget_tokens")
-        if own is not None:
-            return own
-        if constrained or self.template.thinking_tags is None:
-            return -1
-        return self.aengine.engine.config.reasoning_budget
+        config = self.aengine.engine.config
+        budget = (own if own is not None
+                  else -1 if constrained or tags is None else config.reasoning_budget)
+        if message is not None and budget < 0:
+            raise InvalidRequestError("reasoning_budget_message needs a thinking budget "
+                                      "(reasoning_budget_tokens, or the server's "
+                                      "--reasoning-budget)", param="reasoning_budget_message")
+        if budget < 0 or tags is None:
+            return params
+        return replace(params, thinking_budget=budget, thinking_tags=tags,
+                       thinking_open=opens_thinking(prompt, tags),
+                       thinking_message=config.reasoning_budget_message if message is None
+                       else message)
 
     def _unbound(self, messages: list[ChatMessage], plan: ToolPlan, continue_final: bool,
                  kwargs: dict[str, Any] | None, generation_prompt: bool, constrained: bool

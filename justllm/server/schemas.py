@@ -237,6 +237,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # forced; -1 none; default the server's --reasoning-budget.
     reasoning_budget_tokens: Annotated[int, Meta(ge=-1)] | None = None
     thinking_budget_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # llama-server's: text forced before the end tag when the budget runs out; default the
+    # server's --reasoning-budget-message. Only with a budget.
+    reasoning_budget_message: str | None = None
     # OpenAI's: "none" switches a reasoning model's thinking off (its template's
     # enable_thinking); a level goes to a template that takes reasoning_effort (gpt-oss's).
     reasoning_effort: str | None = None

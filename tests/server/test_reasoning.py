@@ -130,22 +130,33 @@ def test_a_thinking_budget_forces_the_end_of_the_thinking(thinker):
     assert message["reasoning_content"] == first.strip() and message["content"]
     assert "reasoning_content" not in chat(thinker, reasoning_budget_tokens=0)[
         "choices"][0]["message"]  # none at all
+    # llama-server's reasoning_budget_message: forced right before the end tag
+    raw = raw_answer(thinker, reasoning_budget_tokens=2,
+                     reasoning_budget_message=" Enough thinking.")
+    assert raw.startswith("<think>\n" + first + " Enough thinking.\n</think>\n\n")
+    message = chat(thinker, reasoning_budget_tokens=2,
+                   reasoning_budget_message=" Enough thinking.")["choices"][0]["message"]
+    assert message["reasoning_content"] == (first + " Enough thinking.").strip()
+    assert message["content"]
 
 
 def test_the_servers_reasoning_flags(model_path, thinker, tmp_path):
     path = with_chat_template(model_path, tmp_path / "think.gguf", TEMPLATE)
     s = start_server(str(path), "--max-seqs", "2", "--pool-blocks", "128",
                      "--no-prefix-cache", "--reasoning-budget", "0",
-                     "--reasoning-format", "none")
+                     "--reasoning-format", "none", "--reasoning-budget-message", "Skip.")
     try:
         raw = chat(s)["choices"][0]["message"]["content"]  # the thinking left in the text
-        assert raw.startswith("<think>\n\n</think>\n\n")  # and ended at once
-        assert raw == raw_answer(thinker, reasoning_budget_tokens=0)
+        assert raw.startswith("<think>\nSkip.\n</think>\n\n")  # and ended at once
+        assert raw == raw_answer(thinker, reasoning_budget_tokens=0,
+                                 reasoning_budget_message="Skip.")
+        assert chat(s, reasoning_budget_message="")["choices"][0]["message"][
+            "content"] == raw_answer(thinker, reasoning_budget_tokens=0)  # a request's own
         message = chat(s, reasoning_format="auto", reasoning_budget_tokens=-1)[
             "choices"][0]["message"]  # a request chooses for itself
         assert message == chat(thinker)["choices"][0]["message"]
         said = ollama(s, "/api/chat", messages=OLLAMA_CHAT)["message"]  # Ollama's too
-        assert "thinking" not in said and said["content"].startswith("\n</think>\n\n")
+        assert "thinking" not in said and said["content"].startswith("Skip.\n</think>\n\n")
     finally:
         assert s.stop() == 0
 
@@ -166,6 +177,10 @@ def test_an_answer_held_to_a_format_does_not_think(thinker):
     ({"reasoning_format": "deepseek-legacy"}, "reasoning_format"),
     ({"reasoning_budget_tokens": 2, "thinking_budget_tokens": 3}, "thinking_budget_tokens"),
     ({"reasoning_budget_tokens": -2}, "reasoning_budget_tokens"),
+    ({"reasoning_budget_message": "Stop."}, "reasoning_budget_message"),  # no budget
+    ({"reasoning_budget_tokens": -1, "reasoning_budget_message": "Stop."},
+     "reasoning_budget_message"),
+    ({"reasoning_budget_tokens": 2, "reasoning_budget_message": 5}, "reasoning_budget_message"),
     ({"messages": [{"role": "user", "content": "Hi", "reasoning_content": "hm"}]},
      "messages[0].reasoning_content"),
     ({"messages": [{"role": "assistant", "content": "A", "reasoning_content": "hm",
