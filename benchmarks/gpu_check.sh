@@ -27,7 +27,8 @@
 #    against greedy in alternate rounds (the ratio and the per-step sampling time), the
 #    context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention auto or off: a
 #    2048-token prefill and 32 streams each), and benchmarks/spec_bench.py plain vs ngram
-#    (and draft with $GPU_CHECK_DRAFT);
+#    vs draft vs tree (the draft: $GPU_CHECK_DRAFT, else the model's first 4 layers, made by
+#    `justllm draft make`; GPU_CHECK_DRAFT=none leaves draft and tree out);
 # 4. prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
@@ -207,10 +208,16 @@ for UB in 512 2048; do
     done
 done
 
-say "speculative decoding: plain vs ngram${GPU_CHECK_DRAFT:+ vs draft}"
+DRAFT=${GPU_CHECK_DRAFT:-}
+if [ -z "$DRAFT" ]; then  # no small sibling offline: the model's first layers (not retrained)
+    DRAFT=$GPU_DIR/draft-L4.gguf
+    $PY -m justllm draft make "$MODEL" --layers 4 -o "$DRAFT" --force \
+        > "$D/draft_make.log" 2>&1 || DRAFT=none
+fi
 METHODS=plain,ngram
 DRAFT_ARGS=()
-if [ -n "${GPU_CHECK_DRAFT:-}" ]; then METHODS=plain,ngram,draft; DRAFT_ARGS=(--draft "$GPU_CHECK_DRAFT"); fi
+if [ "$DRAFT" != none ]; then METHODS=plain,ngram,draft,tree; DRAFT_ARGS=(--draft "$DRAFT"); fi
+say "speculative decoding: $METHODS"
 $PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
     --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
 summary "spec bench:"
