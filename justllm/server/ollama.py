@@ -911,6 +911,14 @@ async def ps(state: State) -> Any:
         for m in _listed(served, await _facts(state, served))]}
 
 
+# Ollama clients tell a model that fills in the middle by its Go template's {{ .Suffix }}
+# (Continue's autocomplete sends /api/generate's suffix only then, and otherwise lays out the
+# FIM prompt itself, raw); this server's template is Jinja, so such a model's gets this
+# comment (a comment: the template renders as before).
+_FIM_NOTE = ("\n{#- justllm: /api/generate with a suffix fills in the middle with this model's "
+             "FIM tokens, {{ .Prompt }} before the gap and {{ .Suffix }} after it #}")
+
+
 def _capabilities(served: Served) -> list[str]:
     """What the model can do, in Ollama's words: an encoder (a BERT-like embedding model)
     only makes embeddings, as Ollama lists one; a reranker makes none (it scores pairs, at
@@ -946,10 +954,12 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
                  f"FROM {os.path.abspath(served.aengine.model_path)}\n{adapter_line}"
                  + "\n".join(f"PARAMETER {k} {v}" for k, v in parameters))
     details = facts.details if lora is None else {**facts.details, "parent_model": _tag(served)}
+    capabilities = _capabilities(served)
     body: dict[str, Any] = {
-        "modelfile": modelfile, "parameters": lines, "template": template.source,
+        "modelfile": modelfile, "parameters": lines,
+        "template": template.source + (_FIM_NOTE if "insert" in capabilities else ""),
         "details": details, "model_info": facts.model_info,
-        "capabilities": _capabilities(served),
+        "capabilities": capabilities,
         "modified_at": _iso_time(served.created)}
     if facts.license is not None:
         body["license"] = facts.license

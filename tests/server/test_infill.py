@@ -167,6 +167,11 @@ def test_ollamas_suffix_is_the_same_fill_in_the_middle_prompt(fim_server, server
     assert "".join(p["response"] for p in parts) == want["content"] and parts[-1]["done"]
     show = post(fim_server, "/api/show", {"model": fim_server.model}).json()
     assert "insert" in show["capabilities"]
+    # what Continue looks for to send the suffix: {{ .Suffix }} in the template, here in a
+    # Jinja comment after the chat template, which still renders as before
+    assert ".Suffix" in show["template"]
+    import jinja2
+    jinja2.Environment().parse(show["template"])
     # at the start of a file (no prompt) the suffix is still completed, not a load
     start = post(fim_server, "/api/generate", {**body, "prompt": ""}).json()
     assert start["done_reason"] != "load" and start["eval_count"] >= 1
@@ -177,7 +182,7 @@ def test_ollamas_suffix_is_the_same_fill_in_the_middle_prompt(fim_server, server
     r = post(server, "/api/generate", {**body, "model": server.model})
     assert r.status_code == 400 and "does not support insert" in r.json()["error"], r.text
     show = post(server, "/api/show", {"model": server.model}).json()
-    assert "insert" not in show["capabilities"]
+    assert "insert" not in show["capabilities"] and ".Suffix" not in show["template"]
 
 
 def test_openais_suffix_on_completions_is_the_same_prompt(fim_server, server):
