@@ -231,6 +231,9 @@ class EngineConfig:
     # --reasoning-budget-message), so the model reads why its thinking stopped. A request may
     # give its own.
     reasoning_budget_message: str = ""
+    # Fill-in-the-middle prompts with the suffix first (SUF suffix PRE prefix MID), as
+    # llama-server's --spm-infill lays them out for models trained that way.
+    spm_infill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):

@@ -47,11 +47,13 @@ class Chunk:
 
 def fim_prompt(fim: FimTokens, tokenize: Callable[[str], list[int]], prefix: list[int],
                suffix: list[int], extra: Sequence[Chunk], prompt: list[int], *, bos: int | None,
-               batch: int, context: int, n_predict: int) -> list[int]:
+               batch: int, context: int, n_predict: int, spm: bool = False) -> list[int]:
     """The prompt's tokens (module docstring). ``tokenize``: text to tokens without BOS and
     with special tokens' text read as text; ``prefix``, ``suffix``, ``prompt``: tokens so
     read; ``bos``: the model's BOS if it adds one; ``batch``: the tokens one decode takes;
-    ``n_predict``: the answer's most tokens (-1: none given)."""
+    ``n_predict``: the answer's most tokens (-1: none given); ``spm``: the suffix first
+    (SUF suffix PRE prefix prompt MID, llama-server's ``--spm-infill``, for models trained
+    that way)."""
     assert fim.pre is not None and fim.suf is not None and fim.mid is not None
     extra_tokens: list[int] = []
     if fim.rep is not None:
@@ -67,8 +69,9 @@ def fim_prompt(fim: FimTokens, tokenize: Callable[[str], list[int]], prefix: lis
     n_prefix = min(len(prefix), 3 * (batch // 4))
     n_suffix = min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))
     head = [bos] if bos is not None else []
-    rest = [*head, fim.pre, *prefix[len(prefix) - n_prefix:], *prompt, fim.suf,
-            *suffix[:n_suffix], fim.mid]
+    before = [fim.pre, *prefix[len(prefix) - n_prefix:], *prompt]
+    after = [fim.suf, *suffix[:n_suffix]]
+    rest = [*head, *(after + before if spm else before + after), fim.mid]
     # llama-server's share for the other files, and never more than leaves the answer room
     # (its own share can overfill the context when n_predict is -1)
     answer = max(n_predict, 1)

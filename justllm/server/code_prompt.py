@@ -25,4 +25,4 @@ def code_prompt(aengine: AsyncEngine, prefix: str, suffix: str, chunks: list[Chu
     return fim_prompt(aengine.fim_tokens(), text, text(prefix), text(suffix), chunks,
                       aengine.tokenize(prompt, add_special=False, parse_special=True),
                       bos=aengine.bos_added(), batch=batch, context=context,
-                      n_predict=n_predict)
+                      n_predict=n_predict, spm=aengine.engine.config.spm_infill)

@@ -21,16 +21,18 @@ def text(tokens: list[int]) -> str:
 
 
 def layout(fim=BASIC, prefix="def f():\n    ", suffix="\nf()\n", extra=(), prompt="ret",
-           bos=BOS, batch=512, context=4096, n_predict=64) -> str:
+           bos=BOS, batch=512, context=4096, n_predict=64, spm=False) -> str:
     return text(fim_prompt(fim, chars, chars(prefix), chars(suffix), list(extra),
                            chars(prompt), bos=bos, batch=batch, context=context,
-                           n_predict=n_predict))
+                           n_predict=n_predict, spm=spm))
 
 
 def test_prefix_then_prompt_then_suffix_then_the_middle():
     assert layout() == "<s><PRE>def f():\n    ret<SUF>\nf()\n<MID>"
     assert layout(bos=None) == "<PRE>def f():\n    ret<SUF>\nf()\n<MID>"
     assert FimTokens(PRE, None, MID).missing() == ["suffix"] and BASIC.missing() == []
+    # --spm-infill: the suffix first, then the prefix with the prompt (llama-server's order)
+    assert layout(spm=True) == "<s><SUF>\nf()\n<PRE>def f():\n    ret<MID>"
 
 
 def test_other_files_come_first_with_the_models_repository_tokens_or_a_snippet_line():

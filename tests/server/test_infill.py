@@ -58,6 +58,28 @@ def test_the_prompt_is_llama_servers_fim_layout_and_answers_as_completion_does(f
     assert got["tokens_predicted"] == 6 and got["stop_type"] == "limit"
 
 
+def test_spm_infill_puts_the_suffix_first(model_path, tmp_path):
+    """llama-server's --spm-infill: SUF suffix PRE prefix prompt MID, on every FIM route."""
+    path = with_fim_tokens(model_path, tmp_path / "fim.gguf", ("pre", "suf", "mid"))
+    s = start_server(str(path), "--max-seqs", "2", "--pool-blocks", "64", "--spm-infill")
+    try:
+        got = infill(s, n_predict=3, temperature=0, return_tokens=True)
+        assert got["prompt"] == ("<bos><unused1>\n\nprint(add(1, 2))\n"
+                                 "<unused0>def add(a, b):\n    return<unused2>")
+        ids = post(s, "/tokenize", {"content": got["prompt"], "add_special": False,
+                                    "parse_special": True}).json()["tokens"]
+        same = post(s, "/completion", {"prompt": ids, "n_predict": 3, "temperature": 0,
+                                       "return_tokens": True}).json()
+        assert same["tokens"] == got["tokens"]
+        # OpenAI's suffix on /v1/completions takes the same layout
+        done = post(s, "/v1/completions", {"prompt": CODE["input_prefix"] + CODE["prompt"],
+                                           "suffix": CODE["input_suffix"], "max_tokens": 3,
+                                           "temperature": 0, "repeat_penalty": 1.0}).json()
+        assert done["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        assert s.stop() == 0
+
+
 def test_a_model_without_fim_tokens_cannot_infill(server):
     r = post(server, "/infill", CODE)
     assert r.status_code == 400, r.text
