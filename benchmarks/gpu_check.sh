@@ -280,6 +280,41 @@ else
     summary "llama-server: not built (see $GPU_DIR/build.log)"
 fi
 
+say "router mode: two runners of the model on one GPU (each sizes its KV pool from what the other left)"
+GPU_YAML=true
+[ "$CPU_ONLY" = 1 ] && GPU_YAML=false
+cat > "$D/models.yaml" <<YAML
+models:
+  first: {source: "$MODEL", gpu: $GPU_YAML, preload: true, max-seqs: 4}
+  second: {source: "$MODEL", gpu: $GPU_YAML, preload: true, max-seqs: 4}
+YAML
+$PY -m justllm serve --models "$D/models.yaml" --port 8773 > "$D/router.log" 2>&1 &
+ROUTER_PID=$!
+summary "router mode, two runners: $($PY - <<'PYEOF'
+import time, httpx
+for _ in range(60):  # the gateway up (its runners load behind it; requests wait for them)
+    try:
+        httpx.get("http://127.0.0.1:8773/health", timeout=2)
+        break
+    except httpx.HTTPError:
+        time.sleep(1)
+answers = []
+for name in ("first", "second"):
+    try:
+        r = httpx.post("http://127.0.0.1:8773/v1/completions", timeout=180, json={
+            "model": name, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0})
+        answers.append(f"{name} {r.status_code} {r.json()['choices'][0]['text']!r}"
+                       if r.status_code == 200 else f"{name} {r.status_code} {r.text[:200]}")
+    except httpx.HTTPError as e:
+        answers.append(f"{name} {type(e).__name__}")
+print(", ".join(answers))
+PYEOF
+)"
+$PY -m justllm ps --url http://127.0.0.1:8773 > "$D/router_ps.txt" 2>&1
+summary "$(grep -iE 'first|second' "$D/router_ps.txt" | tr -s ' ' | head -2)"
+kill $ROUTER_PID 2>/dev/null; wait $ROUTER_PID 2>/dev/null
+
 say "done"
 pack && rm -rf "$D"
 summary "total: $(( $(date +%s) - START )) s"
