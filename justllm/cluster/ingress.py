@@ -352,6 +352,14 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
     return await forward(request, "/props", method="GET", body={"model": model})
 
 
+@get("/slots", summary="llama-server's /slots: a model's (?model=), from one of its replicas")
+async def slots(request: Request, model: FromQuery[str | None] = None) -> Any:
+    if model is None:
+        raise APIError(400, "model: name the model whose slots to show (/slots?model=NAME)",
+                       param="model")
+    return await forward(request, "/slots", method="GET", body={"model": model})
+
+
 @get(["/health", "/v1/health"], summary="200 while the ingress is up")
 async def health() -> dict:
     return {"status": "ok"}
@@ -427,7 +435,8 @@ def create_ingress(ingress: Ingress) -> Litestar:
     api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})
     tokens = Router(path="/", route_handlers=[_route(p, s, root=True)
-                                              for p, s in TOKENS + LLAMA_SERVER] + [props],
+                                              for p, s in TOKENS + LLAMA_SERVER]
+                   + [props, slots],
                     guards=[require_api_key])
     return Litestar(route_handlers=[v1, api, tokens, health, metrics],
                     state=State({"ingress": ingress, "config": config}),

@@ -161,6 +161,18 @@ class _Live:
 
 
 @dataclass(frozen=True)
+class BusyRequest:
+    """What llama-server's ``/slots`` shows of a request being computed (no text)."""
+
+    request_id: str
+    params: SamplingParams
+    n_prompt: int
+    n_prompt_computed: int  # its prompt's tokens in the KV cache, the prefix cache's included
+    n_prompt_cached: int  # of them, those the prefix cache held
+    n_decoded: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -492,6 +504,14 @@ class Engine:
                 prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats(),
                 spec=self.spec.stats if self.spec is not None else SpecStats(),
                 lora_adapters=len(self.loras.adapters()), lora_switches=self.loras.switches)
+
+    def busy_requests(self) -> list[BusyRequest]:
+        """The running requests (those that hold a sequence), in the scheduler's order."""
+        with self._lock:
+            return [BusyRequest(r.request_id, r.params, len(r.prompt_token_ids),
+                                min(r.num_computed_tokens, len(r.prompt_token_ids)),
+                                r.num_cached_tokens, len(r.output_token_ids))
+                    for r in self.scheduler.running]
 
     def flush_prefix_cache(self) -> None:
         """Drop every cached prefix no running request uses; the KV goes at the next step."""

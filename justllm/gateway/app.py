@@ -425,6 +425,14 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
     return await _forward(request, "/props", method="GET", body={"model": model})
 
 
+@get("/slots", summary="llama-server's /slots: a model's (?model=), from one of its replicas")
+async def slots(request: Request, model: FromQuery[str | None] = None) -> Any:
+    if model is None:
+        raise APIError(400, "model: name the model whose slots to show (/slots?model=NAME)",
+                       param="model")
+    return await _forward(request, "/slots", method="GET", body={"model": model})
+
+
 @post(["/completion", "/completions"], status_code=200,
       summary="llama-server's /completion (its body and answer), routed by model")
 async def llama_completion(request: Request) -> Any:
@@ -738,7 +746,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                             *lora.ROUTES],
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
-                                             tokenize, detokenize, props, apply_template,
+                                             tokenize, detokenize, props, slots,
+                                             apply_template,
                                              llama_completion, llama_infill, llama_embedding,
                                              rerank,
                                              chat_completions, responses,

@@ -6,6 +6,11 @@
   BOS and EOS, the build). Clients read ``default_generation_settings.n_ctx`` and
   ``chat_template`` from it.
   Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
+- ``GET /slots``: the ``--max-seqs`` slots, busy ones first (justllm keeps no fixed slots:
+  slot ``i`` is the ``i``-th running request), with llama-server's counts and sampling;
+  ``?fail_on_no_slot=1`` answers 503 when none is idle (what load balancers ask). The prompt
+  and the text so far, which llama-server adds, are left out: they are other clients' data.
+  Saving, restoring and erasing a slot (``POST /slots/{id}``) are not offered.
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``;
   a conversation that ends with an assistant message ends inside it, as llama-server prefills
@@ -33,6 +38,7 @@ from litestar.params import JSONBody
 from justllm import build_info
 from justllm.errors import InvalidRequestError
 from justllm.server.app import _served, chat_completions, decode_request, require_api_key
+from justllm.server.errors import APIError
 from justllm.server.llama_completion import DEFAULT_SAMPLERS
 from justllm.server.openai_serving import check_chat_request, text_size
 from justllm.server.schemas import ChatCompletionRequest
@@ -59,7 +65,7 @@ async def props(state: State) -> dict[str, Any]:
         "model_alias": served.model_id,
         "model_path": aengine.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": False,
+        "endpoint_slots": True,
         "endpoint_props": False,  # POST /props (changing these) is not offered
         "endpoint_metrics": True,
         "chat_template": template.source,
@@ -68,6 +74,39 @@ async def props(state: State) -> dict[str, Any]:
         "build_info": build_info(),
         "is_sleeping": False,
     }
+
+
+@get("/slots", summary="llama-server's /slots: the slots (--max-seqs), busy or idle")
+async def slots(state: State, fail_on_no_slot: str | None = None) -> list[dict[str, Any]]:
+    served = _served(state)
+    engine = served.aengine.engine
+    busy = engine.busy_requests()
+    total = engine.config.max_seqs
+    if fail_on_no_slot and len(busy) >= total:
+        raise APIError(503, "no slot available", type="unavailable_error")
+    common = {"n_ctx": served.aengine.max_request_tokens,
+              "speculative": engine.spec is not None}
+    out: list[dict[str, Any]] = []
+    for i in range(total):
+        slot: dict[str, Any] = {"id": i, **common, "is_processing": i < len(busy)}
+        if i < len(busy):
+            r = busy[i]
+            p = r.params
+            slot.update({
+                "id_task": r.request_id,
+                "n_prompt_tokens": r.n_prompt,
+                "n_prompt_tokens_processed": r.n_prompt_computed - r.n_prompt_cached,
+                "n_prompt_tokens_cache": r.n_prompt_cached,
+                "params": {"n_predict": -1 if p.max_tokens is None else p.max_tokens,
+                           "seed": -1 if p.seed is None else p.seed,
+                           "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                           "min_p": p.min_p, "stop": list(p.stop),
+                           "ignore_eos": p.ignore_eos},
+                "next_token": [{"has_next_token": True, "n_decoded": r.n_decoded,
+                                "n_remain": -1 if p.max_tokens is None
+                                else p.max_tokens - r.n_decoded}]})
+        out.append(slot)
+    return out
 
 
 @post("/apply-template", status_code=200,
@@ -133,7 +172,8 @@ def llama_server_router() -> Router:
     from justllm.server.llama_completion import completion
     from justllm.server.llama_embedding import embedding
 
-    return Router(path="/", route_handlers=[props, apply_template, completion, infill, embedding,
+    return Router(path="/", route_handlers=[props, slots, apply_template, completion, infill,
+                                            embedding,
                                             chat_completions, responses.create_response,
                                             responses.input_tokens,
                                             *lora.LLAMA_SERVER_ROUTES],

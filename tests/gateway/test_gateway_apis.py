@@ -73,6 +73,11 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         assert props.json()["default_generation_settings"]["n_ctx"] == tokens["max_model_len"]
         r = httpx.get(gw.url + "/props", params={"model": "gamma"}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # /slots: a model's, from its runner; the router has none of its own
+        slots = httpx.get(gw.url + "/slots", params={"model": "alpha"}, timeout=60)
+        assert slots.status_code == 200 and slots.json()[0]["id"] == 0, slots.text
+        r = httpx.get(gw.url + "/slots", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
         applied = httpx.post(gw.url + "/apply-template", timeout=60,
                              json={"model": "alpha", "messages": HELLO}).json()["prompt"]
         assert "<bos>" + applied == back.json()["content"]

@@ -34,6 +34,7 @@ def test_props_say_what_the_server_does(server):
     assert props["build_info"].startswith("justllm ") and "llama-cpp-python" in props["build_info"]
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["endpoint_props"] is False and props["endpoint_metrics"] is True
+    assert props["endpoint_slots"] is True
     # what a /completion request that sets nothing gets (llama-server's meaning): the same
     # tokens as asking for it, and what its generation_settings say
     params = settings["params"]
@@ -48,6 +49,45 @@ def test_props_say_what_the_server_does(server):
     assert all(ran[k] == v for k, v in params.items() if k not in ("n_predict", "seed")), ran
     # changing them (llama-server's POST /props, off there by default) is not offered
     assert httpx.post(server.url + "/props", json={}, timeout=30).status_code == 405
+
+
+def test_slots_show_the_running_requests(model_path):
+    """llama-server's GET /slots: one slot per --max-seqs, a running request's counts and
+    sampling in the first, and ?fail_on_no_slot=1 a 503 once none is idle."""
+    from tests.server.conftest import start_server
+
+    s = start_server(model_path, "--max-seqs", "1", "--pool-blocks", "128")
+    try:
+        idle = httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30)
+        assert idle.status_code == 200, idle.text
+        assert idle.json() == [{"id": 0, "n_ctx": tokenize(s, prompt="x")["max_model_len"],
+                                "speculative": False, "is_processing": False}]
+        prompt = "Once upon a time"
+        body = {"prompt": prompt, "max_tokens": 400, "temperature": 0.7, "top_p": 0.9,
+                "seed": 5, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it is running
+            busy = httpx.get(s.url + "/slots", timeout=30).json()
+            refused = httpx.get(s.url + "/slots", params={"fail_on_no_slot": 1}, timeout=30)
+            for _ in lines:  # to the end
+                pass
+        assert len(busy) == 1 and busy[0]["is_processing"] is True
+        slot = busy[0]
+        assert slot["n_prompt_tokens"] == len(tokenize(s, prompt=prompt)["tokens"])
+        assert slot["n_prompt_tokens_processed"] + slot["n_prompt_tokens_cache"] == slot[
+            "n_prompt_tokens"]
+        assert slot["params"]["temperature"] == 0.7 and slot["params"]["top_p"] == 0.9
+        assert (slot["params"]["seed"], slot["params"]["n_predict"]) == (5, 400)
+        step = slot["next_token"][0]
+        assert step["n_decoded"] >= 1 and step["n_remain"] == 400 - step["n_decoded"]
+        assert "prompt" not in slot and "generated" not in slot  # other clients' text
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["message"] == "no slot available"
+        after = httpx.get(s.url + "/slots", timeout=30).json()
+        assert after[0]["is_processing"] is False
+    finally:
+        assert s.stop() == 0
 
 
 @pytest.mark.parametrize("extra", [{}, {"tools": WEATHER}])
