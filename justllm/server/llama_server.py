@@ -93,7 +93,7 @@ async def slots(state: State, fail_on_no_slot: str | None = None) -> list[dict[s
             r = busy[i]
             p = r.params
             slot.update({
-                "id_task": r.request_id,
+                "id_task": r.arrival,
                 "n_prompt_tokens": r.n_prompt,
                 "n_prompt_tokens_processed": r.n_prompt_computed - r.n_prompt_cached,
                 "n_prompt_tokens_cache": r.n_prompt_cached,

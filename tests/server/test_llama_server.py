@@ -73,6 +73,7 @@ def test_slots_show_the_running_requests(model_path):
             for _ in lines:  # to the end
                 pass
         assert len(busy) == 1 and busy[0]["is_processing"] is True
+        assert isinstance(busy[0]["id_task"], int)  # a number, as llama-server's
         slot = busy[0]
         assert slot["n_prompt_tokens"] == len(tokenize(s, prompt=prompt)["tokens"])
         assert slot["n_prompt_tokens_processed"] + slot["n_prompt_tokens_cache"] == slot[
