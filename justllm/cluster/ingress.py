@@ -62,7 +62,7 @@ from justllm.gateway.streams import relayed
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
-from justllm.server.llama_server import router_props
+from justllm.server.llama_server import router_props, slots_body
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
@@ -354,10 +354,7 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
 
 @get("/slots", summary="llama-server's /slots: a model's (?model=), from one of its replicas")
 async def slots(request: Request, model: FromQuery[str | None] = None) -> Any:
-    if model is None:
-        raise APIError(400, "model: name the model whose slots to show (/slots?model=NAME)",
-                       param="model")
-    return await forward(request, "/slots", method="GET", body={"model": model})
+    return await forward(request, "/slots", method="GET", body=slots_body(model))
 
 
 @get(["/health", "/v1/health"], summary="200 while the ingress is up")

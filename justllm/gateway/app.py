@@ -42,7 +42,7 @@ from justllm.models.source import cache_dir
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
-from justllm.server.llama_server import router_props
+from justllm.server.llama_server import router_props, slots_body
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_checks import check_without_model
@@ -427,10 +427,7 @@ async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
 
 @get("/slots", summary="llama-server's /slots: a model's (?model=), from one of its replicas")
 async def slots(request: Request, model: FromQuery[str | None] = None) -> Any:
-    if model is None:
-        raise APIError(400, "model: name the model whose slots to show (/slots?model=NAME)",
-                       param="model")
-    return await _forward(request, "/slots", method="GET", body={"model": model})
+    return await _forward(request, "/slots", method="GET", body=slots_body(model))
 
 
 @post(["/completion", "/completions"], status_code=200,

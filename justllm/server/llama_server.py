@@ -156,6 +156,15 @@ def prefill_assistant(chat: ChatCompletionRequest) -> ChatCompletionRequest:
     return msgspec.structs.replace(chat, continue_final_message=True, add_generation_prompt=False)
 
 
+def slots_body(model: str | None) -> dict[str, str]:
+    """What a router (router mode, the cluster) forwards ``/slots`` with: the model that
+    ``?model=`` names; a router has no slots of its own, so without one it is a 400."""
+    if model is None:
+        raise APIError(400, "model: name the model whose slots to show (/slots?model=NAME)",
+                       param="model")
+    return {"model": model}
+
+
 def router_props() -> dict[str, Any]:
     """``/props`` of a server of several models asked without ``?model=`` (router mode, the
     cluster), as llama-server's router answers it: its role and build, and the fields its web
