@@ -91,15 +91,16 @@ if [ "${1:-}" = --stage ]; then
 fi
 
 OUT=${OUT:-./gpu-check}
-# The device machine brings back at most 8 files: the summary and the log, and every other
-# file packed into details.tar.gz (after the tests and at the end).
-D=$OUT/details
-mkdir -p "$D"
-pack() { tar -czf "$OUT/details.tar.gz" -C "$OUT" details; }
+# The device machine brings back at most 8 files: $OUT holds the summary, the log and every
+# other file packed into details.tar.gz, packed again at each step (a run cut off by its
+# time limit still brings back what it had).
+D=$(mktemp -d)/details
+mkdir -p "$OUT" "$D"
+pack() { tar -czf "$OUT/details.tar.gz" -C "$(dirname "$D")" details; }
 LOG="$OUT/gpu-check.log"
 exec > >(tee -a "$LOG") 2>&1
 START=$(date +%s)
-say() { printf '\n== %s (%ds)\n' "$*" $(( $(date +%s) - START )); }
+say() { printf '\n== %s (%ds)\n' "$*" $(( $(date +%s) - START )); pack; }
 summary() { printf '%s\n' "$*" >> "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 
@@ -316,7 +317,7 @@ summary "$(grep -iE 'first|second' "$D/router_ps.txt" | tr -s ' ' | head -2)"
 kill $ROUTER_PID 2>/dev/null; wait $ROUTER_PID 2>/dev/null
 
 say "done"
-pack && rm -rf "$D"
+pack && rm -rf "$(dirname "$D")"
 summary "total: $(( $(date +%s) - START )) s"
 printf '\n===== summary =====\n'
 cat "$OUT/summary.txt"
