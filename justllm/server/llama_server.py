@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Router, get, post
 from litestar.datastructures import State
-from litestar.params import JSONBody
+from litestar.params import FromQuery, JSONBody
 
 from justllm import build_info
 from justllm.errors import InvalidRequestError
@@ -77,7 +77,8 @@ async def props(state: State) -> dict[str, Any]:
 
 
 @get("/slots", summary="llama-server's /slots: the slots (--max-seqs), busy or idle")
-async def slots(state: State, fail_on_no_slot: str | None = None) -> list[dict[str, Any]]:
+async def slots(state: State, fail_on_no_slot: FromQuery[str | None] = None
+                ) -> list[dict[str, Any]]:
     served = _served(state)
     engine = served.aengine.engine
     busy = engine.busy_requests()
