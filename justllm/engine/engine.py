@@ -164,8 +164,7 @@ class _Live:
 class BusyRequest:
     """What llama-server's ``/slots`` shows of a request being computed (no text)."""
 
-    request_id: str
-    arrival: int  # the engine's count of requests when it came (a number, as llama-server's task ids)
+    arrival: int  # the engine's count of requests when it came (llama-server's task ids: numbers)
     params: SamplingParams
     n_prompt: int
     n_prompt_computed: int  # its prompt's tokens in the KV cache, the prefix cache's included
@@ -509,7 +508,7 @@ class Engine:
     def busy_requests(self) -> list[BusyRequest]:
         """The running requests (those that hold a sequence), in the scheduler's order."""
         with self._lock:
-            return [BusyRequest(r.request_id, r.arrival, r.params, len(r.prompt_token_ids),
+            return [BusyRequest(r.arrival, r.params, len(r.prompt_token_ids),
                                 min(r.num_computed_tokens, len(r.prompt_token_ids)),
                                 r.num_cached_tokens, len(r.output_token_ids))
                     for r in self.scheduler.running]
