@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 
@@ -16,7 +15,7 @@ NEAR_TIE_NATS = 1.0
 # attention, the matmul chosen by batch shape, the KV cells' positions) round differently from
 # one decode to the next. On an H200 a prompt scored twice differed by up to 0.24 nats per
 # token and two runs of the same 16 requests together flipped a near tie; on the CPU both agree.
-ON_GPU = os.environ.get("JUSTLLM_GPU", "").lower() in ("1", "true", "yes")
+ON_GPU = EngineConfig().gpu  # (JUSTLLM_GPU, read as every engine reads it)
 RESCORE_NATS = 0.5 if ON_GPU else 1e-3  # one prompt's log-probabilities, scored twice
 
 PROMPTS = [
