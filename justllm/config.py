@@ -183,6 +183,11 @@ class EngineConfig:
     # where the device supports it).
     n_ubatch: int = 0
     flash_attn: str = "auto"
+    # llama.cpp's repacked weight layouts on the CPU (its "extra buffer types": AMX tiles,
+    # interleaved Q4_0/Q4_K blocks): auto | on | off. auto is on but where llama.cpp's CPU
+    # backend was built with AMX, whose path crashes the first decode on some Intel Xeons
+    # (engine/backend.py ``repack_weights``).
+    repack: str = "auto"
     max_queue: int = 256
     threads: int = 0
     ctx: int = 0
@@ -259,6 +264,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
+        if self.repack not in ("auto", "on", "off"):
+            raise ValueError(f"repack must be auto, on or off (got {self.repack!r})")
         for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

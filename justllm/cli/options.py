@@ -37,6 +37,7 @@ NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before new ones are refused.", envvar="JUSTLLM_MAX_QUEUE")]
 NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp computes at once within a step (0: the whole step on CPU, 512 with --gpu).", envvar="JUSTLLM_N_UBATCH")]
 FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
+Repack = Annotated[str, typer.Option("--repack", help="llama.cpp's repacked weight layouts on the CPU (AMX tiles, interleaved quant blocks): auto (on, but off where llama.cpp was built with AMX, whose path crashes on some Intel Xeons), on or off (llama-server's --no-repack).", envvar="JUSTLLM_REPACK")]
 Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller).", envvar="JUSTLLM_CTX")]
 Pooling = Annotated[str, typer.Option("--pooling", help="How embeddings pool a text's token states: mean, cls or last, or rank (a reranker's score, for /v1/rerank) (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
@@ -141,6 +142,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("n_batch", NBatch, 0),
     EngineFlag("n_ubatch", NUbatch, 0),
     EngineFlag("flash_attn", FlashAttn, _D.flash_attn),
+    EngineFlag("repack", Repack, _D.repack),
     EngineFlag("max_queue", MaxQueue, _D.max_queue),
     EngineFlag("threads", Threads, _D.threads),
     EngineFlag("ctx", Ctx, _D.ctx),

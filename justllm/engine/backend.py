@@ -179,6 +179,7 @@ class BackendConfig:
     n_batch: int = 512
     n_ubatch: int = 0  # tokens llama.cpp computes at once; 0: n_batch
     flash_attn: str = "auto"  # auto (llama.cpp decides per device) | on | off
+    repack: str = "auto"  # the CPU's repacked weight layouts: auto | on | off (repack_weights)
     n_seq_max: int = 40
     n_outputs_max: int = 64
     n_threads: int = 0  # 0: every core in the affinity mask (config.usable_cpus)
@@ -340,6 +341,20 @@ def read_gguf_info(path: str) -> dict[str, str]:
         C.llama_model_free(model)
 
 
+def repack_weights(setting: str) -> bool:
+    """Whether llama.cpp may keep CPU weights in its repacked layouts ("extra buffer types":
+    AMX tiles, interleaved quant blocks; llama-server's ``--no-repack`` turns them off).
+    ``auto``: yes, unless its CPU backend was built with AMX. On an Intel Xeon with AMX
+    (Sapphire Rapids and later; a native build uses it) the AMX path segfaults in the first
+    decode of a Q4_K model on some machines: ggml-org/llama.cpp#20824, closed without a fix;
+    Ollama users and dspy's CI met it. It did so with the demo model on this project's
+    2-core Xeon (2026-12-04), where the plain layouts run."""
+    if setting != "auto":
+        return setting == "on"
+    C.llama_backend_init()
+    return b"AMX_INT8 = 1" not in C.llama_print_system_info()
+
+
 def gpu_offload_supported() -> bool:
     return bool(C.llama_supports_gpu_offload())
 
@@ -428,6 +443,7 @@ class LlamaBackend:
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = -1 if config.gpu else 0
+        mparams.use_extra_bufts = repack_weights(config.repack)
         lines: list[tuple[int, str]] = []
         try:
             with _ctrl_c_held() as interrupted, _log_to(_kept(lines, config.verbose),

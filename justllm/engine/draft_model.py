@@ -87,6 +87,7 @@ class DraftModelProposer:
             n_seq_max=n_seq,
             n_outputs_max=min(config.n_batch, max(64, config.max_seqs * leaves)),
             n_threads=config.threads,
+            repack=config.repack,
             gpu=config.gpu,
             verbose=config.verbose,
         ))

@@ -198,6 +198,7 @@ class Engine:
                 n_batch=config.n_batch,
                 n_ubatch=config.n_ubatch,
                 flash_attn=config.flash_attn,
+                repack=config.repack,
                 n_seq_max=config.max_seqs + config.spare_seq_ids,
                 n_outputs_max=config.n_outputs + CPU_ROW_MULTIPLE,  # + the runner's padding
                 n_threads=config.threads,

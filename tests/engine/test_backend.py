@@ -86,6 +86,35 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
         EngineConfig(n_ubatch=-1)
 
 
+def test_repack_decides_whether_llama_cpp_repacks_the_cpu_weights(model_path):
+    """--repack reaches llama.cpp's model load: off keeps every weight in the file's layout,
+    on lets llama.cpp repack them (AMX tiles or interleaved blocks: the demo model's Q4_K,
+    Q6_K and Q8_0 weights have both on x86), and auto is on unless llama.cpp's CPU backend
+    was built with AMX, whose path crashed the first decode on this project's Xeon. Each load
+    runs in a process of its own and decodes nothing (a repacked AMX load would crash there);
+    the load log says where the weights went."""
+    import platform
+
+    from justllm.engine.backend import repack_weights
+
+    code = ("import sys; from justllm.engine.backend import BackendConfig, LlamaBackend; "
+            "LlamaBackend(BackendConfig(sys.argv[1], n_ctx=256, n_seq_max=1, "
+            "repack=sys.argv[2], verbose=True)).close()")
+
+    def repacked(setting: str) -> bool:
+        run = subprocess.run([sys.executable, "-c", code, model_path, setting],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "CPU_Mapped model buffer size" in run.stderr, run.stderr[-2000:]
+        return any(f"{kind} model buffer size" in run.stderr for kind in ("AMX", "CPU_REPACK"))
+
+    assert not repacked("off")
+    assert repacked("auto") is repack_weights("auto")
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert repacked("on")
+    assert repack_weights("on") and not repack_weights("off")
+
+
 def test_tokens_chosen_in_the_graph_are_numpys_argmax_or_a_nucleus_draw(model_path):
     """llama.cpp's backend sampling, as benchmarks/engine_throughput.py --raw uses it: the
     tokens chosen inside the graph are the argmax of the logits the same batches give, no
