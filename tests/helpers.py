@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
+from justllm.engine.backend import repack_weights
 from justllm.engine.engine import Engine
 
 # Batch-shape noise moves logits by up to ~0.8 (docs/llama-cpp-facts.md). A divergence is accepted only where
@@ -16,7 +17,15 @@ NEAR_TIE_NATS = 1.0
 # one decode to the next. On an H200 a prompt scored twice differed by up to 0.24 nats per
 # token and two runs of the same 16 requests together flipped a near tie; on the CPU both agree.
 ON_GPU = EngineConfig().gpu  # (JUSTLLM_GPU, read as every engine reads it)
-RESCORE_NATS = 0.5 if ON_GPU else 1e-3  # one prompt's log-probabilities, scored twice
+# On the CPU, a row's logits do not depend on the batch around it where llama.cpp repacks the
+# weights (its interleaved layouts: each row is computed alike in any batch), so the same
+# tokens give the same logits in batches of other sizes and after prefix-cache hits. Where it
+# keeps them unpacked (--repack auto does where llama.cpp was built with AMX: engine/backend.py
+# repack_weights), the matmul a batch gets depends on its size, and, as on a GPU, a prefix-cache
+# hit or another batch moves the logits a little (on a 2-core Xeon: 0.05 nats, a near tie
+# flipped in one of 16 greedy requests run twice).
+EXACT = not ON_GPU and repack_weights("auto")
+RESCORE_NATS = 1e-3 if EXACT else 0.5  # one prompt's log-probabilities, scored twice
 
 PROMPTS = [
     "The capital of France is",

@@ -8,7 +8,7 @@ from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError, QueueFullError
-from tests.helpers import ON_GPU, PROMPTS, divergence_is_noise, run_all, run_alone
+from tests.helpers import EXACT, PROMPTS, divergence_is_noise, run_all, run_alone
 
 GREEDY = SamplingParams(max_tokens=24, logprobs=5, ignore_eos=True)
 
@@ -27,8 +27,9 @@ def test_16_concurrent_greedy_match_each_alone(engine):
     alone = [run_alone(engine, p, GREEDY) for p in PROMPTS]
     together = list(run_all(engine, PROMPTS, GREEDY).values())
     again = list(run_all(engine, PROMPTS, GREEDY).values())
-    # Same batch shapes -> exactly the same tokens (on a GPU: the same up to a near tie).
-    if ON_GPU:
+    # Same batch shapes -> exactly the same tokens (on a GPU, or a CPU whose kernels depend on
+    # the batch, the prefix cache's hits change the shapes: the same up to a near tie).
+    if not EXACT:
         for (first, first_lp), (second, second_lp) in zip(together, again):
             ok, why = divergence_is_noise(first, first_lp, second, second_lp)
             assert ok, why

@@ -44,7 +44,9 @@ def refused(server, param: str, **body) -> str:
 
 def test_the_prompt_is_llama_servers_fim_layout_and_answers_as_completion_does(fim_server):
     extra = [{"filename": "util.py", "text": "X = 1\n", "time": 12.5}]
-    got = infill(fim_server, input_extra=extra, n_predict=6, temperature=0, return_tokens=True)
+    # (ignore_eos: on some CPUs' kernels the model ends the code after two tokens)
+    got = infill(fim_server, input_extra=extra, n_predict=6, temperature=0, return_tokens=True,
+                 ignore_eos=True)
     # <unused0..4> are PRE, SUF, MID, REP and SEP here; other files first, then BOS
     assert got["prompt"] == ("<unused3>myproject\n<unused4>util.py\nX = 1\n<unused4>filename\n"
                              "<bos><unused0>def add(a, b):\n    return<unused1>\n\n"
@@ -53,7 +55,7 @@ def test_the_prompt_is_llama_servers_fim_layout_and_answers_as_completion_does(f
                                          "parse_special": True}).json()["tokens"]
     assert got["tokens_evaluated"] == len(ids)
     same = post(fim_server, "/completion", {"prompt": ids, "n_predict": 6, "temperature": 0,
-                                            "return_tokens": True}).json()
+                                            "return_tokens": True, "ignore_eos": True}).json()
     assert (same["content"], same["tokens"]) == (got["content"], got["tokens"])
     assert got["tokens_predicted"] == 6 and got["stop_type"] == "limit"
 

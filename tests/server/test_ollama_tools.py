@@ -192,7 +192,7 @@ def test_a_forced_call_through_the_router(tmp_path, model_path):
         r = httpx.post(gw.url + "/api/chat", timeout=120, json={
             "model": "alpha:latest", "messages": ASK, "tools": TOOLS, "stream": False,
             "tool_choice": {"type": "function", "function": {"name": "add"}},
-            "options": {"temperature": 0, "num_predict": 32}})
+            "options": {"temperature": 0, "num_predict": 64}})
         assert r.status_code == 200, r.text
         calls = ollama.ChatResponse.model_validate(r.json()).message.tool_calls or []
         assert calls and all(c.function.name == "add" for c in calls)
