@@ -13,7 +13,8 @@ between the first two is what reading whole 262k-wide rows back costs, and the t
 choosing sampled tokens on the device would reach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
-compare the two.
+compare the two. ``--backend-sampling`` runs the engine with its flag of that name (the
+requests unseeded, so the graph chooses every token).
 
 ``--prefill N`` also times the prefill of one N-token prompt (tok/s), which is what
 ``--n-batch``, ``--n-ubatch`` and ``--flash-attn`` (the llama.cpp context knobs a GPU is tuned
@@ -21,7 +22,7 @@ by) change most; the GPUs llama.cpp sees are printed first.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
         [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05] [--vs-greedy]
-        [--rounds 5] [--raw] [--gpu] [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
+        [--rounds 5] [--raw] [--gpu] [--backend-sampling] [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
 
@@ -61,7 +62,10 @@ def measure(engine: Engine, n: int, tokens: int,
             sampling: dict | None = None) -> tuple[float, float, float]:
     """tok/s, Python's share of the wall time and seconds per step of ``n`` sequences of
     ``tokens`` tokens each; ``sampling``: SamplingParams fields (none: greedy)."""
-    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, seed=1, **(sampling or {}))
+    # (a seeded request is sampled on the host: with --backend-sampling the graph draws them)
+    seed = None if engine.config.backend_sampling else 1
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, seed=seed,
+                            **(sampling or {}))
     ids = [engine.add_request(f"Request {i}: write a long story about the sea.", params)
            for i in range(n)]
     started: set[str] = set()
@@ -205,6 +209,8 @@ def main() -> None:
     ap.add_argument("--n-ubatch", type=int, default=0,
                     help="llama.cpp's micro-batch; 0: the device's default")
     ap.add_argument("--flash-attn", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--backend-sampling", action="store_true",
+                    help="the engine's --backend-sampling: tokens chosen in the graph")
     ap.add_argument("--prefill", type=int, default=0, help="also time one prompt this long")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
@@ -218,10 +224,12 @@ def main() -> None:
                                                  args.prefill // 16 + 16),
                                  threads=args.threads, gpu=args.gpu or EngineConfig().gpu,
                                  n_batch=args.n_batch, n_ubatch=args.n_ubatch,
-                                 flash_attn=args.flash_attn))
+                                 flash_attn=args.flash_attn,
+                                 backend_sampling=args.backend_sampling))
     time_sampling(engine)
     measure(engine, 2, 4)  # warm-up
     settings = {"n_batch": engine.config.n_batch, "n_ubatch": engine.backend.n_ubatch,
+                "backend_sampling": args.backend_sampling,
                 "chunk_size": engine.config.chunk_size,
                 "flash_attn": args.flash_attn, "gpus": [g.__dict__ for g in gpus]}
     if args.prefill:

@@ -24,7 +24,8 @@
 #    llama_decode at the same shapes (the limit; also with the argmax taken inside the graph,
 #    so no logits come back: what reading whole rows back costs; and with the whole draw
 #    there: what choosing sampled tokens on the device would reach), sampled (temperature 0.8, top_p 0.95)
-#    against greedy in alternate rounds (the ratio and the per-step sampling time), the
+#    against greedy in alternate rounds (the ratio and the per-step sampling time), the same
+#    with --backend-sampling (every token chosen in the graph, none read back), the
 #    context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention auto or off: a
 #    2048-token prefill and 32 streams each), and benchmarks/spec_bench.py plain vs ngram
 #    vs draft vs tree (the draft: $GPU_CHECK_DRAFT, else the model's first 4 layers, made by
@@ -203,6 +204,12 @@ $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --toke
     --json "$D/engine_throughput_sampled.json" | tee "$D/engine_throughput_sampled.txt"
 summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step):"
 summary "$(tail -n +2 "$D/engine_throughput_sampled.txt")"
+say "--backend-sampling: sampled vs greedy, every token chosen in the graph"
+$PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+    --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 --backend-sampling \
+    --json "$D/engine_throughput_backend.json" | tee "$D/engine_throughput_backend.txt"
+summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step):"
+summary "$(tail -n +2 "$D/engine_throughput_backend.txt")"
 
 say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
 KNOB_PREFILL=2048

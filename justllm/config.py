@@ -239,6 +239,9 @@ class EngineConfig:
     # Fill-in-the-middle prompts with the suffix first (SUF suffix PRE prefix MID), as
     # llama-server's --spm-infill lays them out for models trained that way.
     spm_infill: bool = False
+    # llama-server's --backend-sampling: plain requests' tokens are chosen inside llama.cpp's
+    # decode graph, on the device (engine/graph_sampling.py says which requests qualify).
+    backend_sampling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
@@ -301,6 +304,9 @@ class EngineConfig:
         if self.draft_model and not (self.spec_method and self.spec_method.draft_model):
             raise ValueError(f"--draft-model is for a method that drafts with it (--spec draft "
                              f"or tree), not {'--spec ' + self.spec if self.spec else 'none'}")
+        if self.backend_sampling and self.spec:
+            raise ValueError("--backend-sampling does not combine with --spec (a draft's "
+                             "rows are verified against their logits)")
         if not 1 <= self.gamma <= MAX_DRAFT:
             raise ValueError(f"gamma must be in [1, {MAX_DRAFT}] (got {self.gamma})")
         if not 1 <= self.branch <= 4:
@@ -353,5 +359,7 @@ class EngineConfig:
                                        if self.prefix_cache or (self.spec_method is not None
                                                                 and self.spec_method.tree)
                                        else 0),
-            max_outputs=self.n_outputs, row_multiple=1 if self.gpu else CPU_ROW_MULTIPLE,
+            # (no padded rows with backend sampling: a sequence then has one output row)
+            max_outputs=self.n_outputs,
+            row_multiple=1 if self.gpu or self.backend_sampling else CPU_ROW_MULTIPLE,
             policy=self.scheduling_policy, lora_max_steps=self.lora_max_steps)

@@ -43,6 +43,7 @@ Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt
 Pooling = Annotated[str, typer.Option("--pooling", help="How embeddings pool a text's token states: mean, cls or last, or rank (a reranker's score, for /v1/rerank) (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
 ReasoningFormat = Annotated[str, typer.Option("--reasoning-format", help="A reasoning model's thinking (what it writes between <think> tags, as its chat template shows): auto or deepseek returns it apart from the answer (OpenAI's reasoning_content, Ollama's thinking, Anthropic's thinking blocks); none leaves it in the answer's text.", envvar="JUSTLLM_REASONING_FORMAT")]
 ReasoningBudgetMessage = Annotated[str, typer.Option("--reasoning-budget-message", help="Text forced before the end of a reasoning model's thinking when --reasoning-budget (or a request's budget) runs out, as llama-server's (e.g. \"I have thought enough; now the answer.\"). A request may give its own (reasoning_budget_message).", envvar="JUSTLLM_REASONING_BUDGET_MESSAGE")]
+BackendSampling = Annotated[bool, typer.Option("--backend-sampling", help="Choose plain requests' tokens inside llama.cpp's decode graph, on the GPU (llama-server's flag): no logits are copied back for them. Requests with penalties, logit_bias, a grammar, logprobs, a seed, min_tokens or a thinking budget are sampled as usual. Not with --spec.", envvar="JUSTLLM_BACKEND_SAMPLING")]
 SpmInfill = Annotated[bool, typer.Option("--spm-infill", help="Lay fill-in-the-middle prompts (/infill, suffix on /v1/completions and Ollama's /api/generate) out suffix first, as llama-server's flag does, for code models trained that way.", envvar="JUSTLLM_SPM_INFILL")]
 ReasoningBudget = Annotated[int, typer.Option("--reasoning-budget", help="Tokens a reasoning model may think: past them, the end of its thinking is forced and it answers (-1: no limit; 0: no thinking). A request may ask for its own (reasoning_budget_tokens, Anthropic's thinking.budget_tokens).", envvar="JUSTLLM_REASONING_BUDGET")]
 Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU (needs a CUDA/Metal/Vulkan build of llama-cpp-python).", envvar="JUSTLLM_GPU")]
@@ -165,6 +166,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("reasoning_budget", ReasoningBudget, _D.reasoning_budget),
     EngineFlag("reasoning_budget_message", ReasoningBudgetMessage, _D.reasoning_budget_message),
     EngineFlag("spm_infill", SpmInfill, False),
+    EngineFlag("backend_sampling", BackendSampling, False),
     EngineFlag("verbose", Verbose, False),
 )
 # Their names in models.yaml, and those of them that take no value.

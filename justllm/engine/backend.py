@@ -19,7 +19,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +189,47 @@ class BackendConfig:
     # sequence ids, see LlamaBackend). Needed wherever KV is shared or handed on (prefix cache,
     # speculation's rollback); costs twice the sequence ids.
     keep_swa_cells: bool = False
+
+
+@dataclass(frozen=True)
+class GraphSampling:
+    """A sampler chain llama.cpp runs inside the decode graph for one sequence
+    (:meth:`LlamaBackend.set_graph_sampling`): the argmax at temperature 0, else ``order``'s
+    steps (top_k, temperature, min_p, top_p: the cuts of the engine's own sampler, in its
+    order; a request's ``samplers`` gives llama.cpp's) and a draw by llama.cpp's generator
+    seeded ``seed``."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    order: tuple[str, ...] = ("top_k", "temperature", "min_p", "top_p")
+    seed: int = 0
+
+    def check(self) -> None:
+        if not (self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
+                and 0.0 <= self.min_p <= 1.0):
+            raise EngineError("temperature must be >= 0, top_p in (0, 1], top_k >= 0 and "
+                              "min_p in [0, 1]")
+        if not set(self.order) <= {"top_k", "temperature", "min_p", "top_p"}:
+            raise EngineError(f"no graph version of the sampler steps {self.order}")
+
+    def chain(self) -> list[Any]:
+        """New llama.cpp samplers, in chain order (the chain frees them)."""
+        if self.temperature == 0.0:
+            return [C.llama_sampler_init_greedy()]
+        steps: list[Any] = []
+        for step in self.order:
+            if step == "top_k" and self.top_k > 0:
+                steps.append(C.llama_sampler_init_top_k(self.top_k))
+            elif step == "temperature":
+                steps.append(C.llama_sampler_init_temp(self.temperature))
+            elif step == "min_p" and self.min_p > 0.0:
+                steps.append(C.llama_sampler_init_min_p(self.min_p, 1))
+            elif step == "top_p" and self.top_p < 1.0:
+                steps.append(C.llama_sampler_init_top_p(self.top_p, 1))
+        steps.append(C.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
+        return steps
 
 
 _GBNF_RULE = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.M)
@@ -428,8 +469,8 @@ class LlamaBackend:
         self._children: list[EmbeddingContext] = []
         self._loras: list[LoraAdapter] = []
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
-        # seq id -> ((temperature, top_p, seed), its llama_sampler chain)
-        self._graph_chains: dict[int, tuple[tuple[float, float, int], object]] = {}
+        # seq id -> (what it draws, its llama_sampler chain): set_graph_sampling
+        self._graph_chains: dict[int, tuple[GraphSampling, object]] = {}
         C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
@@ -574,56 +615,75 @@ class LlamaBackend:
 
     def set_tokens_in_graph(self, seq_ids: Sequence[int], temperature: float = 0.0,
                             top_p: float = 1.0, seed: int = 0) -> None:
-        """Choose the next token of each of ``seq_ids`` inside the decode graph, on the device
-        that holds the output layer, and of no other sequence; ``[]`` turns it off. Temperature
-        0: the argmax; else a draw at ``temperature`` from the ``top_p`` nucleus of the tempered
-        distribution (vLLM's order: temperature first), by a generator seeded ``seed`` + the
-        sequence id.
-
-        llama.cpp's backend sampling (experimental in this llama.cpp): a decode whose output
-        rows all belong to such sequences copies no logits out of the device, and ``decode``
-        returns no rows; :meth:`graph_tokens` reads the tokens. The engine samples from the
-        logits and does not use it; ``benchmarks/engine_throughput.py --raw`` does, to measure
-        what reading whole 262k-wide rows back and choosing on the CPU costs on a GPU against
-        choosing there. Each change makes llama.cpp reserve its graphs again
-        (docs/llama-cpp-facts.md)."""
+        """Choose the next token of each of ``seq_ids`` inside the decode graph, and of no
+        other sequence; ``[]`` turns it off. Temperature 0: the argmax; else a draw at
+        ``temperature`` from the ``top_p`` nucleus of the tempered distribution (vLLM's order:
+        temperature first), by a generator seeded ``seed`` + the sequence id
+        (:meth:`set_graph_sampling` for each sequence's own chain).
+        ``benchmarks/engine_throughput.py --raw`` uses it, to measure what reading whole
+        262k-wide rows back and choosing on the CPU costs on a GPU against choosing there."""
         wanted = {int(s) for s in seq_ids}
         if any(not 0 <= s < self.config.n_seq_max for s in wanted):
             raise EngineError("sequence id out of range")
-        if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
-            raise EngineError("temperature must be >= 0 and top_p in (0, 1]")
-        spec = (temperature, top_p, seed) if temperature > 0.0 else (0.0, 1.0, 0)
-        if self._twin:  # llama.cpp copies logits out for a row any of whose sequences lacks one
-            wanted |= {s + self._twin for s in wanted}
-        for s in sorted(self._graph_chains):
-            if s not in wanted or self._graph_chains[s][0] != spec:
-                C.llama_set_sampler(self._ctx, s, None)
-                C.llama_sampler_free(self._graph_chains.pop(s)[1])
-        for s in sorted(wanted - set(self._graph_chains)):
-            # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
-            chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-            if spec[0] == 0.0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-            else:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(temperature))
-                if top_p < 1.0:
-                    C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(top_p, 1))
-                # a twin draws with its sequence's seed: both draw the same token
-                owner = s - self._twin if self._twin and s >= self._twin else s
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(
-                    (seed + owner) & 0xFFFFFFFF))
-            if not C.llama_set_sampler(self._ctx, s, chain):
-                C.llama_sampler_free(chain)
-                raise EngineError("this llama.cpp build cannot choose tokens inside the graph")
-            self._graph_chains[s] = (spec, chain)
+        specs: dict[int, GraphSampling | None] = {s: None for s in self._graph_chains
+                                                  if s < self.config.n_seq_max}
+        for s in wanted:
+            specs[s] = (GraphSampling(temperature, top_p=top_p, seed=seed + s)
+                        if temperature > 0.0 else GraphSampling())
+        self.set_graph_sampling(specs)
+
+    def set_graph_sampling(self, specs: Mapping[int, GraphSampling | None]) -> None:
+        """Choose the next token of each sequence of ``specs`` inside the decode graph, on the
+        device that holds the output layer, by its chain (None: no more; its rows' logits are
+        read again); the other sequences keep what they have.
+
+        llama.cpp's backend sampling (experimental in this llama.cpp): a decode whose output
+        rows all belong to such sequences copies no logits out of the device, and ``decode``
+        returns no rows; :meth:`graph_token` reads the tokens. A row of a batch with other
+        rows is read as usual. A sequence with a chain may have one output row a batch. Each
+        change makes llama.cpp reserve its graphs again (docs/llama-cpp-facts.md), so a chain
+        that is set again unchanged is kept."""
+        for s, spec in specs.items():
+            if not 0 <= s < self.config.n_seq_max:
+                raise EngineError("sequence id out of range")
+            if spec is not None:
+                spec.check()
+        for s, spec in sorted(specs.items()):
+            # a twin is sampled with its sequence's chain: llama.cpp copies logits out for a
+            # row any of whose sequences lacks one (the row is drawn by its first sequence's)
+            for t in (s, s + self._twin) if self._twin else (s,):
+                self._set_chain(t, spec)
+
+    def _set_chain(self, s: int, spec: GraphSampling | None) -> None:
+        old = self._graph_chains.get(s)
+        if old is not None and old[0] == spec:
+            return
+        if old is not None:
+            C.llama_set_sampler(self._ctx, s, None)
+            C.llama_sampler_free(self._graph_chains.pop(s)[1])
+        if spec is None:
+            return
+        # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
+        chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        for step in spec.chain():
+            C.llama_sampler_chain_add(chain, step)
+        if not C.llama_set_sampler(self._ctx, s, chain):
+            C.llama_sampler_free(chain)
+            raise EngineError("this llama.cpp build cannot choose tokens inside the graph")
+        self._graph_chains[s] = (spec, chain)
 
     def graph_tokens(self, n_out: int) -> list[int]:
-        """The tokens the last decode chose in the graph for its first ``n_out`` output rows
-        (each must belong to a sequence of :meth:`set_tokens_in_graph`)."""
-        tokens = [int(C.llama_get_sampled_token_ith(self._ctx, i)) for i in range(n_out)]
-        if any(not 0 <= t < self.n_vocab for t in tokens):
+        """The tokens the last decode chose in the graph for its first ``n_out`` batch entries
+        (each an output row of a sequence with a chain)."""
+        return [self.graph_token(i) for i in range(n_out)]
+
+    def graph_token(self, i: int) -> int:
+        """The token the last decode chose in the graph for batch entry ``i`` (an output row of
+        a sequence with a chain: :meth:`set_graph_sampling`)."""
+        token = int(C.llama_get_sampled_token_ith(self._ctx, i))
+        if not 0 <= token < self.n_vocab:
             raise EngineError("an output row was not chosen in the graph")
-        return tokens
+        return token
 
     def _add_twins(self, n_tokens: int) -> None:
         """Give each token of the batch the twins of its sequence ids too."""

@@ -28,8 +28,9 @@ from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.core.thinking_budget import ThinkingBudget
-from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
+from justllm.engine.backend import BackendConfig, GraphSampling, KVCacheFullError, LlamaBackend
 from justllm.engine.detokenizer import IncrementalDetokenizer
+from justllm.engine.graph_sampling import graph_sampling
 from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
@@ -221,6 +222,11 @@ class Engine:
             log.warning("--ctx %d is more than the %s (%d tokens): a request may have at most %d",
                         config.ctx, "model's training context" if limit < config.pool_tokens
                         else "KV pool", limit, limit)
+        if config.backend_sampling and not config.gpu:
+            # measured on a 2-core CPU: llama.cpp's top-p sorts all 262k logits per token
+            log.warning("--backend-sampling without --gpu: on the CPU llama.cpp's samplers are "
+                        "slower than the engine's (8 streams at temperature 0.8, top_p 0.95: "
+                        "32 against 164 tok/s; greedy 155 against 174)")
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
@@ -678,6 +684,7 @@ class Engine:
                 else:
                     self._mark_scheduled(plan)
                     n_tokens = self.runner.prepare(plan)
+                    in_graph = self._graph_rows(plan) if self.config.backend_sampling else {}
                     if plan.chunks:  # one adapter set per step (the scheduler's choice)
                         self.loras.apply(plan.chunks[0].request.lora)
                     if self.config.check_kv:
@@ -694,7 +701,7 @@ class Engine:
             # The others go again in the next step; without a culprit the step fails whole.
             return isolated if isolated is not None else self._fail_plan(plan, str(e))
         with self._lock:
-            outputs, result = self._postprocess(plan, logits)
+            outputs, result = self._postprocess(plan, logits, in_graph)
             for req in self.scheduler.update(plan, result):
                 self._drop(req.request_id)
             return outputs
@@ -753,13 +760,41 @@ class Engine:
                 if live.resumed:  # its first token came before its prompt met the cache
                     live.metrics.num_cached_tokens = chunk.request.num_cached_tokens
 
-    def _postprocess(self, plan: StepPlan, logits) -> tuple[list[RequestOutput], StepResult]:
+    def _graph_rows(self, plan: StepPlan) -> dict[int, int]:
+        """``--backend-sampling``: give each sequence with an output row this step the chain
+        its request draws with in the graph, or none (engine/graph_sampling.py); the chunks
+        whose token the graph chooses, by index, with their row's batch entry."""
+        specs: dict[int, GraphSampling | None] = {}
+        rows: dict[int, int] = {}
+        o = 0
+        for i, chunk in enumerate(plan.chunks):
+            o += len(chunk.token_ids)
+            req = chunk.request
+            live = self._live.get(req.request_id)
+            if req.seq_id is None or not (chunk.wants_logits or chunk.all_logits):
+                continue
+            spec = None
+            if (live is not None and chunk.wants_logits and not chunk.all_logits
+                    and chunk.draft is None and req.params.max_tokens != 0):
+                spec = graph_sampling(req.params, live.sampler, req.seq_id, live.handover)
+            specs[req.seq_id] = spec
+            if spec is not None:
+                rows[i] = o - 1
+        self.backend.set_graph_sampling(specs)
+        return rows
+
+    def _postprocess(self, plan: StepPlan, logits, in_graph: dict[int, int] | None = None
+                     ) -> tuple[list[RequestOutput], StepResult]:
         """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
-        to the requests and their outputs; what the scheduler must know goes in the result."""
+        to the requests and their outputs; what the scheduler must know goes in the result.
+        ``in_graph``: the chunks whose token llama.cpp chose in the graph (``_graph_rows``)."""
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         result = StepResult()
-        presampled = self._presample(plan, logits)
+        in_graph = in_graph or {}
+        presampled = self._presample(plan, logits, in_graph)
+        for i, entry in in_graph.items():
+            presampled[i] = self._graph_token(plan.chunks[i], entry)
         row = 0
         for i, chunk in enumerate(plan.chunks):
             req = chunk.request
@@ -780,13 +815,24 @@ class Engine:
                 outputs.append(self._finish_output(live, _Emitted(reason=FinishReason.LENGTH),
                                                    now, result))
             elif chunk.wants_logits:  # the chunk's last row (its only one, but for all_logits)
-                outputs.append(self._sample_one(live, rows[-1], now, result, presampled.get(i)))
+                outputs.append(self._sample_one(live, rows[-1] if len(rows) else None, now,
+                                                result, presampled.get(i)))
         return outputs, result
 
-    def _presample(self, plan: StepPlan, logits) -> dict:
+    def _graph_token(self, chunk: ScheduledChunk, entry: int) -> SampledToken | EngineError:
+        live = self._live.get(chunk.request.request_id)
+        try:
+            token = self.backend.graph_token(entry)
+        except EngineError as e:
+            return e
+        if live is not None:
+            live.sampler.accepted(token)
+        return SampledToken(token)
+
+    def _presample(self, plan: StepPlan, logits, in_graph: dict[int, int]) -> dict:
         """The step's rows, side by side on the row sampler's threads where it has them
         (engine/row_sampling.py); grammar rows, and every row when it has none, are left to
-        ``_sample_one``."""
+        ``_sample_one``; rows the graph chose (``in_graph``) are not read."""
         if self.row_sampler.workers < 2:
             return {}
         jobs = []
@@ -795,6 +841,7 @@ class Engine:
             last, row = row + chunk.num_logits - 1, row + chunk.num_logits
             live = self._live.get(chunk.request.request_id)
             if (chunk.draft is None and chunk.wants_logits and live is not None
+                    and i not in in_graph
                     and chunk.request.params.max_tokens != 0
                     and chunk.request.status is RequestStatus.RUNNING
                     and worth_a_worker(live.sampler)):

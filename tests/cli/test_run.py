@@ -101,6 +101,7 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
         ["run", model_path, "-p", "hi", "--n-batch", "256", "--n-ubatch", "512"],
         ["run", model_path, "-p", "hi", "--flash-attn", "yes"],
         ["run", model_path, "-p", "hi", "--repack", "yes"],
+        ["run", model_path, "-p", "hi", "--backend-sampling", "--spec", "ngram"],
     ]
     if not gpu_offload_supported():  # a CPU build must say so in one line
         cases += [["run", model_path, "-p", "hi", "--gpu"], ["serve", model_path, "--gpu"]]

@@ -48,10 +48,12 @@ def make_prompts(rng: random.Random, vocab: list[int], bos: int, n: int) -> list
 
 
 async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: int,
-                     results: dict) -> None:
+                     results: dict, unseeded: bool = False) -> None:
+    """``unseeded``: every other request has no seed (with --backend-sampling the graph
+    chooses its tokens, and a seeded request's on the host)."""
     await asyncio.sleep(rng.uniform(0, 4))  # random arrivals
     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
-                            seed=i, ignore_eos=True)
+                            seed=None if unseeded and i % 2 == 0 else i, ignore_eos=True)
     if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
         params = replace(params, prompt_logprobs=i % 3,  # some only scored, nothing drawn
                          max_tokens=0 if i % 8 == 1 else params.max_tokens)
@@ -112,6 +114,31 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
     a = AsyncEngine(engine)
     try:
         asyncio.run(_drive(a, engine, seed))
+    finally:
+        a.close()
+
+
+def test_backend_sampling_under_random_concurrent_load_keeps_kv_consistent(model_path):
+    """The same load with --backend-sampling: the unseeded plain requests' tokens are chosen
+    in the graph, the others' (seeded, prompt logprobs, thinking budgets) on the host, in the
+    same batches, with sequence ids passing from one kind to the other as requests come, go,
+    are preempted and leave. Every step is KV-checked; both kinds must have run."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
+                                 block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
+                                 backend_sampling=True))
+    counted = {"graph": 0}
+    graph_token = engine.backend.graph_token
+
+    def counting(i: int) -> int:
+        counted["graph"] += 1
+        return graph_token(i)
+
+    engine.backend.graph_token = counting  # type: ignore[method-assign]
+    a = AsyncEngine(engine)
+    try:
+        asyncio.run(_drive(a, engine, 5, unseeded=True))
+        assert counted["graph"] > 20, counted
+        assert engine.stats().generation_tokens_total > counted["graph"] + 20
     finally:
         a.close()
 
@@ -187,7 +214,7 @@ async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Rand
 
 
 async def _drive(a: AsyncEngine, engine: Engine, seed: int,
-                 transfers: AsyncEngine | None = None) -> None:
+                 transfers: AsyncEngine | None = None, unseeded: bool = False) -> None:
     rng = random.Random(seed)
     words = engine.tokenize(" apple river stone light")
     bos, vocab = words[0], words[1:]
@@ -195,7 +222,7 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
                "thinking": 0,
                "resumed": 0, "prompt_logprobs": 0}
-    clients = [one_client(a, random.Random(seed * 100 + i), p, i, results)
+    clients = [one_client(a, random.Random(seed * 100 + i), p, i, results, unseeded)
                for i, p in enumerate(prompts)]
     if transfers is not None:
         clients.append(_transfer_client(a, transfers, random.Random(seed), prompts, results))

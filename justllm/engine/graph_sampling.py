@@ -1,0 +1,48 @@
+"""Which requests' tokens llama.cpp chooses inside the decode graph (``--backend-sampling``).
+
+llama.cpp's backend samplers (greedy, top-k, temperature, min-p, top-p, and a draw) run in the
+decode graph, on the device that holds the output layer, so no 262k-wide logits row is copied
+back and scanned on the CPU for those rows (engine/backend.py ``set_graph_sampling``). They
+cover the plain requests, which are what most clients send. A request whose token needs more
+than they do is sampled on the host as without the flag:
+
+- penalties, ``logit_bias``, ``min_tokens``' mask, a grammar or a thinking budget: they change
+  the row before the draw, or the token after it, in ways the graph cannot;
+- ``logprobs`` and ``prompt_logprobs``: they read the row;
+- a ``seed``: the engine's own generator reproduces it (llama.cpp's draws another stream);
+- a PD hand-over: it carries the host generator's state to the decode side.
+
+An unseeded request draws from the generator of its sequence id's chain, seeded with that id,
+which goes on across the requests the id serves: every chain set or removed makes llama.cpp
+reserve its graphs again, so one kept for the next request with the same settings costs
+nothing.
+"""
+
+from __future__ import annotations
+
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.backend import GraphSampling
+from justllm.engine.sampler import RequestSampler
+
+# The engine's own order for OpenAI-style requests (engine/sampler.py): top-k, then the
+# tempered distribution's min-p and top-p.
+_OPENAI_ORDER = ("top_k", "temperature", "min_p", "top_p")
+_GRAPH_STEPS = frozenset(_OPENAI_ORDER)
+
+
+def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
+                   handover: bool = False) -> GraphSampling | None:
+    """The chain that draws this request's tokens in the graph, or None when it is sampled on
+    the host (module docstring)."""
+    if (params.seed is not None or params.has_penalties or params.logit_bias
+            or params.min_tokens or params.logprobs is not None
+            or params.prompt_logprobs is not None or params.grammar is not None
+            or sampler.constraint is not None or sampler.budget is not None or handover):
+        return None
+    order = params.samplers if params.samplers is not None else _OPENAI_ORDER
+    if not set(order) <= _GRAPH_STEPS:  # llama.cpp's infill step has no graph version
+        return None
+    if params.greedy:
+        return GraphSampling()
+    return GraphSampling(params.temperature, params.top_k, params.top_p, params.min_p,
+                         tuple(order), seed=seq_id)

@@ -1,0 +1,140 @@
+"""--backend-sampling: plain requests' tokens chosen in llama.cpp's decode graph, the others'
+on the host, side by side in one batch (engine/graph_sampling.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams as SP
+from justllm.engine.backend import GraphSampling
+from justllm.engine.graph_sampling import graph_sampling
+from justllm.engine.llm import LLM
+from justllm.engine.sampler import RequestSampler
+from tests.helpers import ON_GPU
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The sea was"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    # No prefix cache: a hit moves the logits slightly, and runs here compare tokens exactly.
+    llm = LLM(model_path, pool_blocks=256, max_seqs=4, backend_sampling=True,
+              prefix_cache=False)
+    graph_token = llm.engine.backend.graph_token
+    llm.in_graph = 0  # type: ignore[attr-defined]
+
+    def counting(i: int) -> int:
+        llm.in_graph += 1  # type: ignore[attr-defined]
+        return graph_token(i)
+
+    llm.engine.backend.graph_token = counting  # type: ignore[method-assign]
+    yield llm
+    llm.close()
+
+
+def tokens(llm, params) -> tuple[list[list[int]], int]:
+    """Each prompt's tokens, and how many of them the graph chose."""
+    before = llm.in_graph
+    outs = llm.generate(PROMPTS, params)
+    assert not [o.error for o in outs if getattr(o, "error", None)]
+    return [o.token_ids for o in outs], llm.in_graph - before
+
+
+def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
+    """Greedy in the graph is the host's argmax (a seeded request is sampled on the host); the
+    cuts reach llama.cpp's chain: top_k 1, min_p near 1 or a tiny top_p leave the best token
+    alone, in OpenAI's order and in llama.cpp's (``samplers``)."""
+    greedy, n = tokens(llm, SP(max_tokens=10))
+    assert n == 40
+    host, n = tokens(llm, SP(max_tokens=10, seed=3))
+    assert n == 0
+    if not ON_GPU:  # (a GPU need not repeat a near tie bit for bit)
+        assert greedy == host
+    for params in (SP(max_tokens=10, temperature=1.0, top_k=1),
+                   SP(max_tokens=10, temperature=1.3, min_p=0.999),
+                   SP(max_tokens=10, temperature=0.9, top_p=1e-6),
+                   SP(max_tokens=10, temperature=1.0, top_k=1,
+                      samplers=("top_k", "top_p", "temperature"))):
+        got, n = tokens(llm, params)
+        assert n == 40, params
+        if not ON_GPU:
+            assert got == greedy, params
+
+
+def test_unseeded_draws_differ_between_sequences(llm):
+    """Each sequence id's chain has a generator of its own: four requests for one prompt at a
+    high temperature do not draw the same text."""
+    outs = llm.generate([PROMPTS[1]] * 4, SP(max_tokens=12, temperature=1.5))
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    assert all(len(o.token_ids) == 12 for o in outs)
+
+
+def test_a_batch_mixes_graph_rows_and_host_rows(llm):
+    """Plain rows (graph), logprobs, a seed and a grammar (host) in one batch: the host rows
+    read their logits as without the flag. The same batch with every row on the host (a seed
+    on each greedy row) gives the same tokens and the same logprobs."""
+    grammar = 'root ::= [a-z ]+ "."'
+
+    def batch(seeded: bool) -> list:
+        seed = 9 if seeded else None
+        params = [SP(max_tokens=8, seed=seed), SP(max_tokens=8, logprobs=2),
+                  SP(max_tokens=8, temperature=0.7, seed=5),
+                  SP(max_tokens=8, grammar=grammar, seed=seed)]
+        return llm.generate(PROMPTS, params)
+
+    before = llm.in_graph
+    mixed = batch(False)
+    assert llm.in_graph - before == 8  # the first row's: the others need the host
+    host = batch(True)
+    assert len(mixed[0].token_ids) == 8
+    assert mixed[1].logprobs is not None and len(mixed[1].logprobs) == 8
+    if not ON_GPU:
+        assert [o.token_ids for o in mixed] == [o.token_ids for o in host]
+        assert mixed[1].logprobs == host[1].logprobs
+
+
+def test_a_sequence_id_goes_back_to_its_logits_after_a_graph_request(model_path, caplog):
+    """One sequence id, in turn: a request with logprobs (host), a plain one (the graph chooses
+    its tokens, the id gets a chain), the first again: the chain is gone and it reads the same
+    logits as the first time. Without --gpu the engine says that the flag is slower there."""
+    with caplog.at_level(logging.WARNING, logger="justllm.engine.engine"):
+        llm = LLM(model_path, pool_blocks=64, max_seqs=1, backend_sampling=True,
+                  prefix_cache=False)
+    warned = "--backend-sampling without --gpu" in caplog.text
+    assert warned is not ON_GPU, caplog.text
+    try:
+        scored = SP(max_tokens=6, logprobs=3)
+        first = llm.generate(PROMPTS[0], scored)[0]
+        plain = llm.generate(PROMPTS[2], SP(max_tokens=6))[0]
+        assert len(plain.token_ids) == 6 and llm.engine.backend._graph_chains
+        again = llm.generate(PROMPTS[0], scored)[0]
+        assert again.token_ids == first.token_ids
+        assert again.logprobs == first.logprobs
+    finally:
+        llm.close()
+
+
+def test_which_requests_go_to_the_graph():
+    """Anything the graph cannot apply stays on the host (pure policy)."""
+    sampler = RequestSampler(SP(), 0)
+    plain = SP(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
+    assert graph_sampling(SP(), sampler, 3) == GraphSampling()
+    assert graph_sampling(plain, sampler, 3) == GraphSampling(0.8, 40, 0.95, 0.05, seed=3)
+    assert graph_sampling(replace(plain, samplers=("top_k", "temperature")), sampler, 3
+                          ).order == ("top_k", "temperature")
+    for other in (replace(plain, seed=1), replace(plain, repeat_penalty=1.1),
+                  replace(plain, presence_penalty=0.5), replace(plain, logit_bias=((5, 1.0),)),
+                  replace(plain, min_tokens=2), replace(plain, logprobs=0),
+                  replace(plain, prompt_logprobs=1), replace(plain, grammar='root ::= "a"'),
+                  replace(plain, samplers=("top_k", "infill"))):
+        assert graph_sampling(other, sampler, 3) is None, other
+    assert graph_sampling(plain, sampler, 3, handover=True) is None
+
+
+def test_backend_sampling_does_not_combine_with_speculation():
+    with pytest.raises(ValueError, match="--backend-sampling does not combine with --spec"):
+        EngineConfig(backend_sampling=True, spec="ngram")
