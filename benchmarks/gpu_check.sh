@@ -29,7 +29,9 @@
 #    context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention auto or off: a
 #    2048-token prefill and 32 streams each), and benchmarks/spec_bench.py plain vs ngram
 #    vs draft vs tree (the draft: $GPU_CHECK_DRAFT, else the model's first 4 layers, made by
-#    `justllm draft make`; GPU_CHECK_DRAFT=none leaves draft and tree out);
+#    `justllm draft make`; GPU_CHECK_DRAFT=none leaves draft and tree out), justllm bench
+#    against llama-server built alongside (8 streams, greedy and sampled, each order, and
+#    again with justllm serve --backend-sampling), and router mode with two --gpu runners;
 # 4. prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
@@ -133,7 +135,7 @@ else
     LEVELS=1,8,32,64 TOKENS=128
     TESTS="tests/engine/test_backend.py tests/engine/test_engine.py tests/engine/test_sampler.py
            tests/engine/test_prefix_cache.py tests/engine/test_kv_stress.py
-           tests/server/test_openai_api.py"
+           tests/engine/test_graph_sampling.py tests/server/test_openai_api.py"
 fi
 export JUSTLLM_GPU=1
 [ "$CPU_ONLY" = 1 ] && export JUSTLLM_GPU=0
@@ -247,12 +249,16 @@ if [ -n "$LLAMA_SERVER" ]; then
     LS_PID=$!
     $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8771 > "$D/justllm_serve.log" 2>&1 &
     JS_PID=$!
+    # and with the tokens chosen in the graph (bench's requests carry no seed)
+    $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8774 --backend-sampling \
+        > "$D/justllm_serve_bs.log" 2>&1 &
+    BS_PID=$!
     $PY - <<'PYEOF'
 import time, httpx
 for _ in range(120):  # both up, or two minutes
     try:
         if all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200
-               for p in (8771, 8772)):
+               for p in (8771, 8772, 8774)):
             break
     except httpx.HTTPError:
         pass
@@ -260,30 +266,34 @@ for _ in range(120):  # both up, or two minutes
 PYEOF
     N=64
     [ "$CPU_ONLY" = 1 ] && N=8
-    for RUN in "greedy" "sampled --temperature 0.8 --top-p 0.95"; do
+    for RUN in "greedy" "sampled --temperature 0.8 --top-p 0.95" \
+               "backend-greedy" "backend-sampled --temperature 0.8 --top-p 0.95"; do
         NAME=${RUN%% *}
+        JS=8771
+        case $NAME in backend-*) JS=8774 ;; esac  # justllm serve --backend-sampling
         # both orders: the first-measured server was favoured by up to 10% on a CPU
-        for ORDER in "8771 8772" "8772 8771"; do
+        for ORDER in "$JS 8772" "8772 $JS"; do
             set -- $ORDER
             $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
                 -n $N -c 8 --input-len 64 --output-len 128 ${RUN#$NAME} \
                 --json "$D/vs_${NAME}_$1.json" > "$D/vs_${NAME}_$1.txt" 2>&1
         done
-        summary "justllm / llama-server, $NAME, output tok/s (each order): $($PY - "$D/vs_${NAME}_8771.json" "$D/vs_${NAME}_8772.json" <<'PYEOF'
+        summary "justllm / llama-server, $NAME, output tok/s (each order): $($PY - "$JS" "$D/vs_${NAME}_$JS.json" "$D/vs_${NAME}_8772.json" <<'PYEOF'
 import json, re, sys
 out = []
-for path in sys.argv[1:]:
+js = sys.argv[1]
+for path in sys.argv[2:]:
     try:
         runs = {re.search(r":(\d+)", r["url"]).group(1): r["output_throughput"]
                 for r in json.load(open(path))}
-        out.append(f"{runs['8771']:.0f} / {runs['8772']:.0f} = {runs['8771'] / runs['8772']:.2f}x")
+        out.append(f"{runs[js]:.0f} / {runs['8772']:.0f} = {runs[js] / runs['8772']:.2f}x")
     except Exception as e:  # a failed run: say so in the summary
         out.append(f"failed ({type(e).__name__})")
 print("; ".join(out))
 PYEOF
 )"
     done
-    kill $LS_PID $JS_PID 2>/dev/null; wait $LS_PID $JS_PID 2>/dev/null
+    kill $LS_PID $JS_PID $BS_PID 2>/dev/null; wait $LS_PID $JS_PID $BS_PID 2>/dev/null
 else
     summary "llama-server: not built (see $GPU_DIR/build.log)"
 fi

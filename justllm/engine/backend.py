@@ -191,6 +191,11 @@ class BackendConfig:
     keep_swa_cells: bool = False
 
 
+# The sampler steps with graph versions that GraphSampling chains, in the engine's own order
+# for OpenAI-style requests (engine/sampler.py: top-k, then the tempered distribution's cuts).
+GRAPH_STEPS = ("top_k", "temperature", "min_p", "top_p")
+
+
 @dataclass(frozen=True)
 class GraphSampling:
     """A sampler chain llama.cpp runs inside the decode graph for one sequence
@@ -203,7 +208,7 @@ class GraphSampling:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    order: tuple[str, ...] = ("top_k", "temperature", "min_p", "top_p")
+    order: tuple[str, ...] = GRAPH_STEPS
     seed: int = 0
 
     def check(self) -> None:
@@ -211,7 +216,7 @@ class GraphSampling:
                 and 0.0 <= self.min_p <= 1.0):
             raise EngineError("temperature must be >= 0, top_p in (0, 1], top_k >= 0 and "
                               "min_p in [0, 1]")
-        if not set(self.order) <= {"top_k", "temperature", "min_p", "top_p"}:
+        if not set(self.order) <= set(GRAPH_STEPS):
             raise EngineError(f"no graph version of the sampler steps {self.order}")
 
     def chain(self) -> list[Any]:

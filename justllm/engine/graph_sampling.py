@@ -21,13 +21,8 @@ nothing.
 from __future__ import annotations
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.backend import GraphSampling
+from justllm.engine.backend import GRAPH_STEPS, GraphSampling
 from justllm.engine.sampler import RequestSampler
-
-# The engine's own order for OpenAI-style requests (engine/sampler.py): top-k, then the
-# tempered distribution's min-p and top-p.
-_OPENAI_ORDER = ("top_k", "temperature", "min_p", "top_p")
-_GRAPH_STEPS = frozenset(_OPENAI_ORDER)
 
 
 def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
@@ -39,8 +34,8 @@ def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
             or params.prompt_logprobs is not None or params.grammar is not None
             or sampler.constraint is not None or sampler.budget is not None or handover):
         return None
-    order = params.samplers if params.samplers is not None else _OPENAI_ORDER
-    if not set(order) <= _GRAPH_STEPS:  # llama.cpp's infill step has no graph version
+    order = params.samplers if params.samplers is not None else GRAPH_STEPS
+    if not set(order) <= set(GRAPH_STEPS):  # llama.cpp's infill step has no graph version
         return None
     if params.greedy:
         return GraphSampling()

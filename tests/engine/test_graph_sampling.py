@@ -14,7 +14,7 @@ from justllm.engine.backend import GraphSampling
 from justllm.engine.graph_sampling import graph_sampling
 from justllm.engine.llm import LLM
 from justllm.engine.sampler import RequestSampler
-from tests.helpers import ON_GPU
+from tests.helpers import ON_GPU, divergence_is_noise
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The sea was"]
 
@@ -112,8 +112,14 @@ def test_a_sequence_id_goes_back_to_its_logits_after_a_graph_request(model_path,
         plain = llm.generate(PROMPTS[2], SP(max_tokens=6))[0]
         assert len(plain.token_ids) == 6 and llm.engine.backend._graph_chains
         again = llm.generate(PROMPTS[0], scored)[0]
-        assert again.token_ids == first.token_ids
-        assert again.logprobs == first.logprobs
+        assert again.logprobs is not None and len(again.logprobs) == 6
+        if ON_GPU:  # (two decodes on a GPU need not agree bit for bit)
+            ok, why = divergence_is_noise(first.token_ids, first.logprobs, again.token_ids,
+                                          again.logprobs)
+            assert ok, why
+        else:
+            assert again.token_ids == first.token_ids
+            assert again.logprobs == first.logprobs
     finally:
         llm.close()
 
