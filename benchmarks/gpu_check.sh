@@ -207,7 +207,8 @@ $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --toke
 summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step):"
 summary "$(tail -n +2 "$D/engine_throughput_sampled.txt")"
 say "--backend-sampling: sampled vs greedy, every token chosen in the graph"
-$PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+# (bounded: llama.cpp's top-p sorts every row in the graph, untimed on a GPU so far)
+timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 --backend-sampling \
     --json "$D/engine_throughput_backend.json" | tee "$D/engine_throughput_backend.txt"
 summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step):"
@@ -274,7 +275,7 @@ PYEOF
         # both orders: the first-measured server was favoured by up to 10% on a CPU
         for ORDER in "$JS 8772" "8772 $JS"; do
             set -- $ORDER
-            $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
+            timeout 60 $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
                 -n $N -c 8 --input-len 64 --output-len 128 ${RUN#$NAME} \
                 --json "$D/vs_${NAME}_$1.json" > "$D/vs_${NAME}_$1.txt" 2>&1
         done
