@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -648,12 +648,16 @@ class LlamaBackend:
         rows is read as usual. A sequence with a chain may have one output row a batch. Each
         change makes llama.cpp reserve its graphs again (docs/llama-cpp-facts.md), so a chain
         that is set again unchanged is kept."""
+        checked: dict[int, GraphSampling | None] = {}
         for s, spec in specs.items():
             if not 0 <= s < self.config.n_seq_max:
                 raise EngineError("sequence id out of range")
             if spec is not None:
                 spec.check()
-        for s, spec in sorted(specs.items()):
+                if spec.top_k >= self.n_vocab:  # no cut (llama.cpp's graph top-k aborts on it)
+                    spec = replace(spec, top_k=0)
+            checked[s] = spec
+        for s, spec in sorted(checked.items()):
             # a twin is sampled with its sequence's chain: llama.cpp copies logits out for a
             # row any of whose sequences lacks one (the row is drawn by its first sequence's)
             for t in (s, s + self._twin) if self._twin else (s,):

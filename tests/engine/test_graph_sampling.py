@@ -57,6 +57,8 @@ def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
     for params in (SP(max_tokens=10, temperature=1.0, top_k=1),
                    SP(max_tokens=10, temperature=1.3, min_p=0.999),
                    SP(max_tokens=10, temperature=0.9, top_p=1e-6),
+                   # a top_k past the vocabulary is no cut (llama.cpp's graph top-k aborts)
+                   SP(max_tokens=10, temperature=1.3, top_k=10**6, min_p=0.999),
                    SP(max_tokens=10, temperature=1.0, top_k=1,
                       samplers=("top_k", "top_p", "temperature"))):
         got, n = tokens(llm, params)
