@@ -10,7 +10,12 @@ than they do is sampled on the host as without the flag:
   the row before the draw, or the token after it, in ways the graph cannot;
 - ``logprobs`` and ``prompt_logprobs``: they read the row;
 - a ``seed``: the engine's own generator reproduces it (llama.cpp's draws another stream);
-- a PD hand-over: it carries the host generator's state to the decode side.
+- a PD hand-over: it carries the host generator's state to the decode side;
+- a temperature or min-p the graph's float32 arithmetic gets wrong: llama.cpp's min-p keeps
+  the tokens strictly above ``best + ln(min_p)``, and at a tiny temperature (or min_p 1) that
+  threshold rounds to the best logit itself, so every token is cut and the draw returns the
+  vocabulary's last token (seen with min_p 0.05 at temperature 1e-8); at 1e-40 the scale
+  overflows even without min-p.
 
 An unseeded request draws from the generator of its sequence id's chain, seeded with that id,
 which goes on across the requests the id serves: every chain set or removed makes llama.cpp
@@ -20,9 +25,18 @@ nothing.
 
 from __future__ import annotations
 
+import math
+
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import GRAPH_STEPS, GraphSampling
 from justllm.engine.sampler import RequestSampler
+
+# Below these the graph's float32 arithmetic fails (module docstring): the temperature, and
+# the temperature times min-p's gap in nats (a tempered logit of magnitude L / T has a float32
+# spacing of about 1.2e-7 L / T; with logits up to ~1000 in magnitude that stays 8x below
+# T * |ln min_p| from 1e-3 on).
+_MIN_TEMPERATURE = 1e-3
+_MIN_P_GAP = 1e-3
 
 
 def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
@@ -39,5 +53,8 @@ def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
         return None
     if params.greedy:
         return GraphSampling()
+    t = params.temperature
+    if t < _MIN_TEMPERATURE or (params.min_p > 0.0 and t * -math.log(params.min_p) < _MIN_P_GAP):
+        return None
     return GraphSampling(params.temperature, params.top_k, params.top_p, params.min_p,
                          tuple(order), seed=seq_id)

@@ -67,6 +67,19 @@ def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
             assert got == greedy, params
 
 
+def test_tiny_temperatures_and_min_p_1_are_drawn_on_the_host(llm):
+    """In the graph they drew the vocabulary's last token (graph_sampling.py); on the host a
+    tiny temperature, or min_p 1, keeps the best token alone: greedy."""
+    greedy, _ = tokens(llm, SP(max_tokens=6))
+    for params in (SP(max_tokens=6, temperature=1e-8, min_p=0.05),
+                   SP(max_tokens=6, temperature=1e-6),
+                   SP(max_tokens=6, temperature=0.7, min_p=1.0)):
+        got, n = tokens(llm, params)
+        assert n == 0, params
+        if not ON_GPU:
+            assert got == greedy, params
+
+
 def test_unseeded_draws_differ_between_sequences(llm):
     """Each sequence id's chain has a generator of its own: four requests for one prompt at a
     high temperature do not draw the same text."""
@@ -141,6 +154,11 @@ def test_which_requests_go_to_the_graph():
                   replace(plain, samplers=("top_k", "infill"))):
         assert graph_sampling(other, sampler, 3) is None, other
     assert graph_sampling(plain, sampler, 3, handover=True) is None
+    # where the graph's float32 min-p would cut every token, or its scale overflow
+    for other in (replace(plain, temperature=1e-8), replace(plain, min_p=1.0),
+                  replace(plain, temperature=1e-3, min_p=0.5)):
+        assert graph_sampling(other, sampler, 3) is None, other
+    assert graph_sampling(replace(plain, temperature=0.01), sampler, 3) is not None
 
 
 def test_backend_sampling_does_not_combine_with_speculation():
