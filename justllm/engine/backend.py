@@ -194,6 +194,9 @@ class BackendConfig:
 # The sampler steps with graph versions that GraphSampling chains, in the engine's own order
 # for OpenAI-style requests (engine/sampler.py: top-k, then the tempered distribution's cuts).
 GRAPH_STEPS = ("top_k", "temperature", "min_p", "top_p")
+# llama.cpp checks a graph sampler against a probe row of 128k logits when it is set, and its
+# top-k aborts the process (a GGML_ASSERT) for a k past the row: no larger top_k goes there.
+GRAPH_TOP_K_MAX = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -656,6 +659,9 @@ class LlamaBackend:
                 spec.check()
                 if spec.top_k >= self.n_vocab:  # no cut (llama.cpp's graph top-k aborts on it)
                     spec = replace(spec, top_k=0)
+                if spec.top_k > GRAPH_TOP_K_MAX:
+                    raise EngineError(f"a top_k over {GRAPH_TOP_K_MAX} cannot be chosen in the "
+                                      "graph")
             checked[s] = spec
         for s, spec in sorted(checked.items()):
             # a twin is sampled with its sequence's chain: llama.cpp copies logits out for a

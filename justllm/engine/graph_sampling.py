@@ -11,6 +11,7 @@ than they do is sampled on the host as without the flag:
 - ``logprobs`` and ``prompt_logprobs``: they read the row;
 - a ``seed``: the engine's own generator reproduces it (llama.cpp's draws another stream);
 - a PD hand-over: it carries the host generator's state to the decode side;
+- a top-k over 128k (llama.cpp's graph top-k aborts the process past its 128k probe row);
 - a temperature or min-p the graph's float32 arithmetic gets wrong: llama.cpp's min-p keeps
   the tokens strictly above ``best + ln(min_p)``, and at a tiny temperature (or min_p 1) that
   threshold rounds to the best logit itself, so every token is cut and the draw returns the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.backend import GRAPH_STEPS, GraphSampling
+from justllm.engine.backend import GRAPH_STEPS, GRAPH_TOP_K_MAX, GraphSampling
 from justllm.engine.sampler import RequestSampler
 
 # Below these the graph's float32 arithmetic fails (module docstring): the temperature, and
@@ -55,6 +56,8 @@ def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
         return GraphSampling()
     t = params.temperature
     if t < _MIN_TEMPERATURE or (params.min_p > 0.0 and t * -math.log(params.min_p) < _MIN_P_GAP):
+        return None
+    if params.top_k > GRAPH_TOP_K_MAX:  # (llama.cpp would abort: engine/backend.py)
         return None
     return GraphSampling(params.temperature, params.top_k, params.top_p, params.min_p,
                          tuple(order), seed=seq_id)

@@ -14,6 +14,7 @@ from justllm.engine.backend import GraphSampling
 from justllm.engine.graph_sampling import graph_sampling
 from justllm.engine.llm import LLM
 from justllm.engine.sampler import RequestSampler
+from justllm.errors import EngineError
 from tests.helpers import ON_GPU, divergence_is_noise
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The sea was"]
@@ -57,8 +58,7 @@ def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
     for params in (SP(max_tokens=10, temperature=1.0, top_k=1),
                    SP(max_tokens=10, temperature=1.3, min_p=0.999),
                    SP(max_tokens=10, temperature=0.9, top_p=1e-6),
-                   # a top_k past the vocabulary is no cut (llama.cpp's graph top-k aborts)
-                   SP(max_tokens=10, temperature=1.3, top_k=10**6, min_p=0.999),
+                   SP(max_tokens=10, temperature=1.3, top_k=131072, min_p=0.999),
                    SP(max_tokens=10, temperature=1.0, top_k=1,
                       samplers=("top_k", "top_p", "temperature"))):
         got, n = tokens(llm, params)
@@ -67,17 +67,34 @@ def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
             assert got == greedy, params
 
 
-def test_tiny_temperatures_and_min_p_1_are_drawn_on_the_host(llm):
-    """In the graph they drew the vocabulary's last token (graph_sampling.py); on the host a
-    tiny temperature, or min_p 1, keeps the best token alone: greedy."""
+def test_tiny_temperatures_min_p_1_and_a_huge_top_k_are_drawn_on_the_host(llm):
+    """In the graph the first two drew the vocabulary's last token and the third aborted the
+    process (graph_sampling.py); on the host each keeps the best token alone: greedy."""
     greedy, _ = tokens(llm, SP(max_tokens=6))
     for params in (SP(max_tokens=6, temperature=1e-8, min_p=0.05),
+                   # (llama.cpp's graph top-k aborts past 128k, below the vocabulary's 262k)
+                   SP(max_tokens=6, temperature=1.0, top_k=262143, min_p=0.999),
+                   SP(max_tokens=6, temperature=1.0, top_k=10**6, min_p=0.999),
                    SP(max_tokens=6, temperature=1e-6),
                    SP(max_tokens=6, temperature=0.7, min_p=1.0)):
         got, n = tokens(llm, params)
         assert n == 0, params
         if not ON_GPU:
             assert got == greedy, params
+
+
+def test_the_backend_never_hands_llama_cpp_a_top_k_it_aborts_on(llm):
+    """Past the vocabulary a top_k is no cut; between 128k and the vocabulary it is refused
+    (llama.cpp's graph top-k would abort the process); the sequence's chain is unchanged."""
+    b = llm.engine.backend
+    try:
+        b.set_graph_sampling({0: GraphSampling(1.0, top_k=10**6)})
+        assert b._graph_chains[0][0] == GraphSampling(1.0)
+        with pytest.raises(EngineError, match="top_k over 131072"):
+            b.set_graph_sampling({0: GraphSampling(1.0, top_k=200_000)})
+        assert b._graph_chains[0][0] == GraphSampling(1.0)
+    finally:
+        b.set_graph_sampling({0: None})
 
 
 def test_unseeded_draws_differ_between_sequences(llm):
@@ -159,6 +176,8 @@ def test_which_requests_go_to_the_graph():
                   replace(plain, temperature=1e-3, min_p=0.5)):
         assert graph_sampling(other, sampler, 3) is None, other
     assert graph_sampling(replace(plain, temperature=0.01), sampler, 3) is not None
+    assert graph_sampling(replace(plain, top_k=131073), sampler, 3) is None
+    assert graph_sampling(replace(plain, top_k=131072), sampler, 3) is not None
 
 
 def test_backend_sampling_does_not_combine_with_speculation():
