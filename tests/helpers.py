@@ -92,3 +92,17 @@ def divergence_is_noise(reference: list[int], ref_logprobs, other: list[int],
     if len(reference) != len(other):
         return False, f"lengths differ with no divergence: {len(reference)} vs {len(other)}"
     return True, "identical"
+
+
+def count_graph_tokens(engine: Engine) -> dict[str, int]:
+    """Count the tokens the engine reads as chosen in llama.cpp's graph (--backend-sampling):
+    the returned dict's ``"graph"`` goes up by one with each."""
+    counted = {"graph": 0}
+    graph_token = engine.backend.graph_token
+
+    def counting(i: int) -> int:
+        counted["graph"] += 1
+        return graph_token(i)
+
+    engine.backend.graph_token = counting  # type: ignore[method-assign]
+    return counted

@@ -783,7 +783,7 @@ class Engine:
         self.backend.set_graph_sampling(specs)
         return rows
 
-    def _postprocess(self, plan: StepPlan, logits, in_graph: dict[int, int] | None = None
+    def _postprocess(self, plan: StepPlan, logits, in_graph: dict[int, int]
                      ) -> tuple[list[RequestOutput], StepResult]:
         """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
         to the requests and their outputs; what the scheduler must know goes in the result.
@@ -791,7 +791,6 @@ class Engine:
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         result = StepResult()
-        in_graph = in_graph or {}
         presampled = self._presample(plan, logits, in_graph)
         for i, entry in in_graph.items():
             presampled[i] = self._graph_token(plan.chunks[i], entry)

@@ -15,7 +15,7 @@ from justllm.engine.graph_sampling import graph_sampling
 from justllm.engine.llm import LLM
 from justllm.engine.sampler import RequestSampler
 from justllm.errors import EngineError
-from tests.helpers import ON_GPU, divergence_is_noise
+from tests.helpers import ON_GPU, count_graph_tokens, divergence_is_noise
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The sea was"]
 
@@ -25,24 +25,17 @@ def llm(model_path):
     # No prefix cache: a hit moves the logits slightly, and runs here compare tokens exactly.
     llm = LLM(model_path, pool_blocks=256, max_seqs=4, backend_sampling=True,
               prefix_cache=False)
-    graph_token = llm.engine.backend.graph_token
-    llm.in_graph = 0  # type: ignore[attr-defined]
-
-    def counting(i: int) -> int:
-        llm.in_graph += 1  # type: ignore[attr-defined]
-        return graph_token(i)
-
-    llm.engine.backend.graph_token = counting  # type: ignore[method-assign]
+    llm.counted = count_graph_tokens(llm.engine)  # type: ignore[attr-defined]
     yield llm
     llm.close()
 
 
 def tokens(llm, params) -> tuple[list[list[int]], int]:
     """Each prompt's tokens, and how many of them the graph chose."""
-    before = llm.in_graph
+    before = llm.counted["graph"]
     outs = llm.generate(PROMPTS, params)
     assert not [o.error for o in outs if getattr(o, "error", None)]
-    return [o.token_ids for o in outs], llm.in_graph - before
+    return [o.token_ids for o in outs], llm.counted["graph"] - before
 
 
 def test_plain_requests_are_chosen_in_the_graph_as_the_host_would(llm):
@@ -118,9 +111,9 @@ def test_a_batch_mixes_graph_rows_and_host_rows(llm):
                   SP(max_tokens=8, grammar=grammar, seed=seed)]
         return llm.generate(PROMPTS, params)
 
-    before = llm.in_graph
+    before = llm.counted["graph"]
     mixed = batch(False)
-    assert llm.in_graph - before == 8  # the first row's: the others need the host
+    assert llm.counted["graph"] - before == 8  # the first row's: the others need the host
     host = batch(True)
     assert len(mixed[0].token_ids) == 8
     assert mixed[1].logprobs is not None and len(mixed[1].logprobs) == 8

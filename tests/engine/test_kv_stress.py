@@ -27,6 +27,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
 from justllm.kv.transfer import KVTransferError
+from tests.helpers import count_graph_tokens
 
 SEEDS = (1, 2, 3)
 
@@ -126,14 +127,7 @@ def test_backend_sampling_under_random_concurrent_load_keeps_kv_consistent(model
     engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
                                  block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
                                  backend_sampling=True))
-    counted = {"graph": 0}
-    graph_token = engine.backend.graph_token
-
-    def counting(i: int) -> int:
-        counted["graph"] += 1
-        return graph_token(i)
-
-    engine.backend.graph_token = counting  # type: ignore[method-assign]
+    counted = count_graph_tokens(engine)
     a = AsyncEngine(engine)
     try:
         asyncio.run(_drive(a, engine, 5, unseeded=True))
