@@ -14,7 +14,9 @@ os.environ["JUSTLLM_CHECK_KV"] = "1"
 # The core tests load no installed plugin (plugins/*/tests test theirs; tests/plugins registers
 # its own): a plugin in the venv must not change what they see.
 os.environ["JUSTLLM_PLUGINS"] = ""
-KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS"}
+# JUSTLLM_GPU=1 is the suite's own switch to the GPU (benchmarks/gpu_check.sh sets it): every
+# engine and server the tests start offloads then, and tests.helpers.ON_GPU says so.
+KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS", "JUSTLLM_GPU"}
 
 
 # The slowest files (measured under xdist, slowest first), collected first: pytest-xdist hands
