@@ -8,9 +8,14 @@ sample instead of greedy (the per-token sampling cost shows as a larger Python s
 can approach, twice: reading every row's logits and taking the argmax in numpy (as the engine
 does), and with the argmax taken inside the graph (llama.cpp's backend sampling: no logits
 leave the device), and a third time with the whole draw in the graph (temperature 0.8, top_p
-0.95: the `sampled` column, to set against the engine's sampled tok/s). On a GPU the gap
-between the first two is what reading whole 262k-wide rows back costs, and the third is what
-choosing sampled tokens on the device would reach. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
+0.95: the `sampled` column, to set against the engine's sampled tok/s), and a fourth with
+the 1024 most likely tokens and their probabilities under the whole row's softmax taken there
+(engine/backend.py's own graph sampler, no sort of the row) and the 0.95 nucleus drawn from
+them on the host (the `cand.` column, and `inside`: the share of draws whose nucleus lay
+within the candidates, where such a draw is exact). On a GPU the gap between the first two is
+what reading whole 262k-wide rows back costs, the third is what choosing sampled tokens on
+the device with llama.cpp's samplers reaches, and the fourth what an exact pre-selection
+there reaches. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
 compare the two. ``--backend-sampling`` runs the engine with its flag of that name (the
@@ -33,12 +38,17 @@ import json
 import statistics
 import time
 
+import numpy as np
+
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import gpu_devices
 from justllm.engine.engine import Engine
 
 RAW_SAMPLED = (0.8, 0.95)  # temperature, top_p of --raw's draw in the graph
+# and the candidates --raw takes in the graph for the host's draw: on the demo model the 0.95
+# nucleus at temperature 0.8 held at most 591 tokens in 240 sampled rows (median 18)
+RAW_CANDIDATES = 1024
 
 
 def time_sampling(engine: Engine) -> None:
@@ -96,14 +106,30 @@ def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
     return b.decode(m)
 
 
+def nucleus_draw(ids: np.ndarray, probs: np.ndarray, top_p: float,
+                 rng: np.random.Generator) -> tuple[int, bool]:
+    """A draw from the ``top_p`` nucleus of candidates that carry the whole row's
+    probabilities, and whether the nucleus lay within them (else the draw is from all of them:
+    the engine would need the row)."""
+    order = np.argsort(-probs, kind="stable")
+    cdf = np.cumsum(probs[order], dtype=np.float64)
+    inside = bool(cdf[-1] >= top_p)
+    last = min(int(np.searchsorted(cdf, top_p)), cdf.size - 1)
+    pick = int(np.searchsorted(cdf[:last + 1], rng.random() * cdf[last], side="right"))
+    return int(ids[order[min(pick, last)]]), inside
+
+
 def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
-               temperature: float = 0.0, top_p: float = 1.0) -> float:
+               temperature: float = 0.0, top_p: float = 1.0,
+               candidates: int = 0) -> tuple[float, float]:
     """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
     ``tokens`` steps of one token each (argmax), every row's logits read (``in_graph``: the
     token chosen inside the graph instead, so no logits leave the device: the argmax, or with
-    ``temperature`` a draw from the ``top_p`` nucleus). One more step before the clock starts
+    ``temperature`` a draw from the ``top_p`` nucleus; with ``candidates``, that many
+    candidates with their probabilities, and the host's draw from their nucleus). One more step before the clock starts
     warms up (in the graph: llama.cpp reserves its graphs again). The engine must be idle; its
-    prefix cache is flushed and the KV cleared before and after."""
+    prefix cache is flushed and the KV cleared before and after. Returns tok/s and the share
+    of candidate draws whose nucleus lay within the candidates."""
     b = engine.backend
     engine.flush_prefix_cache()  # its holders keep KV: gone, so clearing desyncs nothing
     b.clear_kv()
@@ -113,7 +139,8 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
         last = int(decode_prompt(engine, s, prompt, 0)[0].argmax())
     nxt = [last] * n
     if in_graph:
-        b.set_tokens_in_graph(range(n), temperature, top_p, seed=1)
+        b.set_tokens_in_graph(range(n), temperature, top_p, seed=1, candidates=candidates)
+    rng, inside, drawn = np.random.default_rng(1), 0, 0
     try:
         t0 = time.perf_counter()
         for step in range(tokens + 1):
@@ -121,7 +148,14 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
                 t0 = time.perf_counter()
             b.batch_tokens[:n], b.batch_pos[:n] = nxt, m + step
             b.batch_seq[:n], b.batch_n_seq[:n], b.batch_logits[:n] = range(n), 1, 1
-            if in_graph:
+            if in_graph and candidates:
+                b.decode(n)
+                nxt = []
+                for i in range(n):
+                    token, held = nucleus_draw(*b.graph_candidates(i), top_p, rng)
+                    nxt.append(token)
+                    inside, drawn = inside + held, drawn + 1
+            elif in_graph:
                 b.decode(n)
                 nxt = b.graph_tokens(n)
             else:
@@ -130,7 +164,7 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
     finally:
         b.set_tokens_in_graph([])
         b.clear_kv()
-    return rate
+    return rate, inside / drawn if drawn else 1.0
 
 
 def sampling_of(args: argparse.Namespace) -> dict:
@@ -243,7 +277,8 @@ def main() -> None:
         write_json(args, engine, settings, rows, rounds=args.rounds)
         return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
-          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9} {'sampled':>8}"
+          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9} {'sampled':>8} {'cand.':>8}"
+             f" {'inside':>7}"
              if args.raw else ""))
     rows = []
     for n in levels:
@@ -251,14 +286,22 @@ def main() -> None:
         row = {"seqs": n, "tok_s": rate, "python_share": py_share, "ms_per_step": 1000 * step}
         line = f"{n:>5} {rate:>8.1f} {100 * py_share:>8.1f}% {1000 * step:>8.1f}"
         if args.raw:
-            row["raw_tok_s"] = raw = raw_decode(engine, n, args.tokens)
-            row["raw_in_graph_tok_s"] = graph = raw_decode(engine, n, args.tokens, in_graph=True)
+            row["raw_tok_s"] = raw = raw_decode(engine, n, args.tokens)[0]
+            row["raw_in_graph_tok_s"] = graph = raw_decode(engine, n, args.tokens,
+                                                           in_graph=True)[0]
             # the whole draw in the graph too: what choosing sampled tokens on the device
             # would reach (against the engine's sampled tok/s of --vs-greedy)
             row["raw_in_graph_sampled_tok_s"] = drawn = raw_decode(
                 engine, n, args.tokens, in_graph=True, temperature=RAW_SAMPLED[0],
-                top_p=RAW_SAMPLED[1])
-            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f} {drawn:>8.1f}"
+                top_p=RAW_SAMPLED[1])[0]
+            # and the top candidates with their probabilities taken in the graph, the nucleus
+            # drawn from them on the host: what an exact pre-selection on the device reaches
+            cand, held = raw_decode(engine, n, args.tokens, in_graph=True,
+                                    temperature=RAW_SAMPLED[0], top_p=RAW_SAMPLED[1],
+                                    candidates=RAW_CANDIDATES)
+            row["raw_candidates_tok_s"], row["raw_candidates_nucleus_inside"] = cand, held
+            line += (f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f} {drawn:>8.1f}"
+                     f" {cand:>8.1f} {100 * held:>6.1f}%")
         rows.append(row)
         print(line)
     engine.close()

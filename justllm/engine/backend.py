@@ -205,7 +205,9 @@ class GraphSampling:
     (:meth:`LlamaBackend.set_graph_sampling`): the argmax at temperature 0, else ``order``'s
     steps (top_k, temperature, min_p, top_p: the cuts of the engine's own sampler, in its
     order; a request's ``samplers`` gives llama.cpp's) and a draw by llama.cpp's generator
-    seeded ``seed``."""
+    seeded ``seed``. With ``candidates``, no draw: the ``candidates`` most likely tokens and
+    their probabilities under the whole row's softmax at ``temperature`` (> 0), for the host
+    to draw from (:meth:`LlamaBackend.graph_candidates`; the other fields are not used)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -213,6 +215,7 @@ class GraphSampling:
     min_p: float = 0.0
     order: tuple[str, ...] = GRAPH_STEPS
     seed: int = 0
+    candidates: int = 0
 
     def check(self) -> None:
         if not (self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
@@ -221,6 +224,10 @@ class GraphSampling:
                               "min_p in [0, 1]")
         if not set(self.order) <= set(GRAPH_STEPS):
             raise EngineError(f"no graph version of the sampler steps {self.order}")
+        if self.candidates and not (0 < self.candidates <= GRAPH_TOP_K_MAX
+                                    and self.temperature > 0.0):
+            raise EngineError(f"candidates must be in [1, {GRAPH_TOP_K_MAX}], at a temperature "
+                              "above 0")
 
     def chain(self) -> list[Any]:
         """New llama.cpp samplers, in chain order (the chain frees them)."""
@@ -238,6 +245,57 @@ class GraphSampling:
                 steps.append(C.llama_sampler_init_top_p(self.top_p, 1))
         steps.append(C.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
         return steps
+
+
+class _CandidatesSampler:
+    """A llama.cpp sampler of our own for its experimental backend interface: inside the graph
+    it takes a row's ``k`` highest logits (ggml's top-k, no sort of the row) and their
+    probabilities under the softmax of the whole row at ``temperature``, and draws nothing.
+    The context copies out ``k`` ids and ``k`` probabilities instead of the 262k-wide row, and
+    the probabilities are the row's own, so the host can draw from a nucleus exactly whenever
+    it lies within the candidates (the rest's mass is 1 minus theirs). The callbacks run inside
+    ``llama_decode`` (graph building and llama.cpp's probe when a chain is set), building ggml
+    nodes; this object keeps them, and the interface they make, alive while a chain holds a
+    sampler made from it."""
+
+    def __init__(self, k: int, temperature: float) -> None:
+        lib, vp, i64 = C._lib, ctypes.c_void_p, ctypes.c_int64
+        self.k, self.scale = k, 1.0 / temperature
+        # fresh ctypes function objects (setting argtypes on lib's shared ones would change
+        # them for every other user of the library)
+        self._nelements = ctypes.CFUNCTYPE(i64, vp)(("ggml_nelements", lib))
+        self._reshape_1d = ctypes.CFUNCTYPE(vp, vp, vp, i64)(("ggml_reshape_1d", lib))
+        self._reshape_2d = ctypes.CFUNCTYPE(vp, vp, vp, i64, i64)(("ggml_reshape_2d", lib))
+        self._top_k = ctypes.CFUNCTYPE(vp, vp, vp, ctypes.c_int)(("ggml_top_k", lib))
+        self._soft_max = ctypes.CFUNCTYPE(vp, vp, vp, vp, ctypes.c_float, ctypes.c_float)(
+            ("ggml_soft_max_ext", lib))
+        self._get_rows = ctypes.CFUNCTYPE(vp, vp, vp, vp)(("ggml_get_rows", lib))
+        self._label = ctypes.create_string_buffer(b"justllm-candidates")
+        self._callbacks = (
+            ctypes.CFUNCTYPE(vp, C.llama_sampler_p_ctypes)(
+                lambda smpl: ctypes.addressof(self._label)),
+            C.llama_sampler_i_apply(lambda smpl, cur_p: None),  # (never drawn on the host)
+            C.llama_sampler_i_backend_init(lambda smpl, buft, n_out: True),
+            C.llama_sampler_i_backend_apply(self._apply),
+        )
+        name, apply, init, backend_apply = self._callbacks
+        self.iface = C.llama_sampler_i(
+            name=ctypes.cast(name, C.llama_sampler_i_name), apply=apply, backend_init=init,
+            backend_apply=backend_apply)
+
+    def new(self) -> Any:
+        """A new llama.cpp sampler of this kind (a chain that holds it frees it)."""
+        return C.llama_sampler_init(ctypes.byref(self.iface), None)
+
+    def _apply(self, smpl: Any, ctx: int, gf: int, data_p: Any) -> None:
+        data = data_p.contents
+        row = self._reshape_1d(ctx, data.logits, self._nelements(data.logits))
+        ids = self._top_k(ctx, row, self.k)
+        probs = self._soft_max(ctx, row, None, self.scale, 0.0)
+        picked = self._get_rows(ctx, self._reshape_2d(ctx, probs, 1, self._nelements(row)), ids)
+        data.probs = self._reshape_1d(ctx, picked, self.k)
+        data.candidates = ids
+        data.logits = None  # (no row copied out)
 
 
 _GBNF_RULE = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.M)
@@ -479,6 +537,8 @@ class LlamaBackend:
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
         # seq id -> (what it draws, its llama_sampler chain): set_graph_sampling
         self._graph_chains: dict[int, tuple[GraphSampling, object]] = {}
+        # the interfaces of the candidate samplers made so far, by (k, temperature)
+        self._candidate_kinds: dict[tuple[int, float], _CandidatesSampler] = {}
         C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
@@ -622,11 +682,14 @@ class LlamaBackend:
     # ---- tokens chosen inside the graph (llama.cpp's backend sampling) ---------------------
 
     def set_tokens_in_graph(self, seq_ids: Sequence[int], temperature: float = 0.0,
-                            top_p: float = 1.0, seed: int = 0) -> None:
+                            top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+                            candidates: int = 0) -> None:
         """Choose the next token of each of ``seq_ids`` inside the decode graph, and of no
         other sequence; ``[]`` turns it off. Temperature 0: the argmax; else a draw at
-        ``temperature`` from the ``top_p`` nucleus of the tempered distribution (vLLM's order:
-        temperature first), by a generator seeded ``seed`` + the sequence id
+        ``temperature`` from the ``top_k`` most likely tokens' ``top_p`` nucleus of the
+        tempered distribution, by a generator seeded ``seed`` + the sequence id; with
+        ``candidates``, no draw: that many candidates and their probabilities at
+        ``temperature`` (:meth:`graph_candidates`)
         (:meth:`set_graph_sampling` for each sequence's own chain).
         ``benchmarks/engine_throughput.py --raw`` uses it, to measure what reading whole
         262k-wide rows back and choosing on the CPU costs on a GPU against choosing there."""
@@ -636,7 +699,8 @@ class LlamaBackend:
         specs: dict[int, GraphSampling | None] = {s: None for s in self._graph_chains
                                                   if s < self.config.n_seq_max}
         for s in wanted:
-            specs[s] = (GraphSampling(temperature, top_p=top_p, seed=seed + s)
+            specs[s] = (GraphSampling(temperature, top_k=top_k, top_p=top_p, seed=seed + s,
+                                      candidates=candidates)
                         if temperature > 0.0 else GraphSampling())
         self.set_graph_sampling(specs)
 
@@ -680,8 +744,14 @@ class LlamaBackend:
             return
         # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-        for step in spec.chain():
-            C.llama_sampler_chain_add(chain, step)
+        if spec.candidates:
+            key = (spec.candidates, spec.temperature)
+            if key not in self._candidate_kinds:
+                self._candidate_kinds[key] = _CandidatesSampler(*key)
+            C.llama_sampler_chain_add(chain, self._candidate_kinds[key].new())
+        else:
+            for step in spec.chain():
+                C.llama_sampler_chain_add(chain, step)
         if not C.llama_set_sampler(self._ctx, s, chain):
             C.llama_sampler_free(chain)
             raise EngineError("this llama.cpp build cannot choose tokens inside the graph")
@@ -699,6 +769,19 @@ class LlamaBackend:
         if not 0 <= token < self.n_vocab:
             raise EngineError("an output row was not chosen in the graph")
         return token
+
+    def graph_candidates(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates the last decode took in the graph for batch entry ``i`` (an output row
+        of a sequence whose chain has ``candidates``): their token ids and their probabilities
+        under the whole row's softmax, in no particular order (copies)."""
+        n = int(C.llama_get_sampled_candidates_count_ith(self._ctx, i))
+        ids_p = C.llama_get_sampled_candidates_ith(self._ctx, i)
+        probs_p = C.llama_get_sampled_probs_ith(self._ctx, i)
+        if not n or not ids_p or not probs_p or C.llama_get_sampled_probs_count_ith(
+                self._ctx, i) != n:
+            raise EngineError("an output row has no candidates from the graph")
+        return (np.ctypeslib.as_array(ids_p, shape=(n,)).astype(np.int32),
+                np.ctypeslib.as_array(probs_p, shape=(n,)).copy())
 
     def _add_twins(self, n_tokens: int) -> None:
         """Give each token of the batch the twins of its sequence ids too."""
@@ -1033,6 +1116,7 @@ class LlamaBackend:
         for _, chain in self._graph_chains.values():  # the context only borrowed them
             C.llama_sampler_free(chain)
         self._graph_chains.clear()
+        self._candidate_kinds.clear()  # (after the chains that used them)
         for adapter in self._loras:  # after the context that points to them
             C.llama_adapter_lora_free(adapter.handle)
         self._loras.clear()

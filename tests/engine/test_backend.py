@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from justllm.errors import EngineError
+from tests.helpers import EXACT
 
 
 def test_guards(engine):
@@ -95,7 +96,7 @@ def test_repack_decides_whether_llama_cpp_repacks_the_cpu_weights(model_path):
     the load log says where the weights went."""
     import platform
 
-    from justllm.engine.backend import repack_weights
+    from justllm.engine.backend import gpu_offload_supported, repack_weights
 
     code = ("import sys; from justllm.engine.backend import BackendConfig, LlamaBackend; "
             "LlamaBackend(BackendConfig(sys.argv[1], n_ctx=256, n_seq_max=1, "
@@ -110,9 +111,57 @@ def test_repack_decides_whether_llama_cpp_repacks_the_cpu_weights(model_path):
 
     assert not repacked("off")
     assert repacked("auto") is repack_weights("auto")
-    if platform.machine() in ("x86_64", "AMD64"):
+    # (a CUDA build keeps CPU layers in pinned host memory, which comes before the repacked
+    # types in llama.cpp's list: nothing is repacked there)
+    if platform.machine() in ("x86_64", "AMD64") and not gpu_offload_supported():
         assert repacked("on")
     assert repack_weights("on") and not repack_weights("off")
+
+
+def test_candidates_taken_in_the_graph_are_the_rows_best_with_their_probabilities(model_path):
+    """The candidate sampler of our own (engine/backend.py _CandidatesSampler), inside
+    llama.cpp's decode graph: no logits row comes back, and each row's candidates are the k
+    tokens with the highest logits of the same batch decoded without it, with their
+    probabilities under the whole row's softmax at the temperature (not the candidates'
+    own); without it the rows come back again."""
+    import numpy as np
+
+    from justllm.engine.backend import BackendConfig, GraphSampling, LlamaBackend
+
+    b = LlamaBackend(BackendConfig(model_path, n_ctx=512, n_seq_max=2))
+    try:
+        prompts = [b.tokenize("The capital of France is"), b.tokenize("Once upon a time, the")]
+
+        def decode() -> np.ndarray:
+            b.clear_kv()
+            n = 0
+            for seq, ids in enumerate(prompts):
+                for pos, token in enumerate(ids):
+                    b.batch_tokens[n], b.batch_pos[n], b.batch_seq[n] = token, pos, seq
+                    b.batch_n_seq[n], b.batch_logits[n] = 1, int(pos == len(ids) - 1)
+                    n += 1
+            return np.array(b.decode(n), dtype=np.float64)  # (a copy: the next decode reuses it)
+
+        rows = decode()
+        k, temperature = 256, 0.7
+        b.set_tokens_in_graph([0, 1], temperature, candidates=k)
+        assert decode().shape == (0, b.n_vocab)  # nothing copied out
+        for seq, out in enumerate((len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1)):
+            ids, probs = b.graph_candidates(out)
+            x = rows[seq]
+            w = np.exp((x - x.max()) / temperature)
+            w /= w.sum()
+            best = set(np.argsort(-x)[:k].tolist())
+            # (where kernels depend on the batch, a near tie at the k-th may fall either way)
+            assert ids.size == k and len(best & set(ids.tolist())) >= (k if EXACT else k - 4)
+            assert probs == pytest.approx(w[ids], abs=1e-3 if EXACT else 0.02)
+            assert 0.9 < probs.sum() < 1.0  # the row's mass, not renormalised to the k
+        b.set_tokens_in_graph([])
+        assert decode() == pytest.approx(rows, abs=0.05)  # (a GPU need not repeat bit for bit)
+        with pytest.raises(EngineError):
+            b.set_graph_sampling({0: GraphSampling(0.0, candidates=8)})
+    finally:
+        b.close()
 
 
 def test_tokens_chosen_in_the_graph_are_numpys_argmax_or_a_nucleus_draw(model_path):
