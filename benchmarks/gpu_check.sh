@@ -8,31 +8,36 @@
 #
 # Getting there: the device machine takes at most 64 MiB a call and has no network, so
 # benchmarks/gpu_pack.sh packs a trimmed sdist, the wheels the image lacks and the demo model
-# into .gpu/base and .gpu/part1..4, and prints five calls to make back to back. Each call's
+# into .gpu/base and .gpu/part1..4, and prints six calls to make back to back. Each call's
 # --stage copies what it brought into /tmp/gpu (kept while the machine stays warm); the first
 # also starts the CUDA build in the background (setsid, so it outlives the call), which the
-# three calls that bring the model's parts overlap; the fifth brings the last part and runs
-# this script whole, which waits for the build.
+# three calls that bring the model's parts overlap; the fifth brings the last part, waits for
+# the build and runs the tests (GPU_CHECK_STEPS=tests), the sixth the rest.
 #
 # 1. builds the pinned llama-cpp-python from its sdist with CUDA for this GPU's architecture
 #    only (no llava/mtmd), on all cores, into /tmp/gpu-site, first on PYTHONPATH (the sdist:
-#    /tmp/gpu, $LLAMA_SDIST, else pip's cache);
-# 2. runs model tests with JUSTLLM_GPU=1 (every engine and server the tests start offloads
-#    all layers: EngineConfig's default and `--gpu`'s environment variable);
-# 3. prints what --gpu's defaults come to here (the KV pool from the free VRAM), runs
-#    benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences, greedy with raw batched
-#    llama_decode at the same shapes (the limit; also with the argmax taken inside the graph,
-#    so no logits come back: what reading whole rows back costs; and with the whole draw
-#    there: what choosing sampled tokens on the device would reach), sampled (temperature 0.8, top_p 0.95)
-#    against greedy in alternate rounds (the ratio and the per-step sampling time), the same
-#    with --backend-sampling (every token chosen in the graph, none read back), the
-#    context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention auto or off: a
-#    2048-token prefill and 32 streams each), and benchmarks/spec_bench.py plain vs ngram
-#    vs draft vs tree (the draft: $GPU_CHECK_DRAFT, else the model's first 4 layers, made by
-#    `justllm draft make`; GPU_CHECK_DRAFT=none leaves draft and tree out), justllm bench
-#    against llama-server built alongside (8 streams, greedy and sampled, each order, and
-#    again with justllm serve --backend-sampling), and router mode with two --gpu runners;
-# 4. prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
+#    /tmp/gpu, $LLAMA_SDIST, else pip's cache), and llama-server beside it;
+# then the steps GPU_CHECK_STEPS names (default: all, in this order):
+#   tests       model tests with JUSTLLM_GPU=1 (every engine and server the tests start
+#               offloads all layers: EngineConfig's default and `--gpu`'s environment variable);
+#   throughput  what --gpu's defaults come to here (the KV pool from the free VRAM), and
+#               benchmarks/engine_throughput.py --gpu at 1, 8, 32, 64 sequences: greedy with
+#               raw batched llama_decode at the same shapes (the limit; also with the argmax
+#               taken inside the graph, so no logits come back: what reading whole rows back
+#               costs; with the whole draw there: what choosing sampled tokens on the device
+#               would reach; and with the top 1024 and their probabilities taken there, the
+#               nucleus drawn on the host: what an exact pre-selection on the device reaches), sampled (temperature 0.8, top_p 0.95) against
+#               greedy in alternate rounds (the ratio and the per-step sampling time), and the
+#               same with --backend-sampling (every token chosen in the graph, none read back);
+#   server      justllm bench against llama-server built alongside (8 streams, greedy and
+#               sampled, each order);
+#   spec        benchmarks/spec_bench.py plain vs ngram vs draft vs tree (the draft:
+#               $GPU_CHECK_DRAFT, else the model's first 4 layers, made by `justllm draft
+#               make`; GPU_CHECK_DRAFT=none leaves draft and tree out);
+#   knobs       the context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention
+#               auto or off: a 2048-token prefill and 32 streams each);
+#   router      router mode with two --gpu runners of the model;
+# and prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
 # sizes: the way to check this script where there is no GPU.
@@ -105,6 +110,11 @@ exec > >(tee -a "$LOG") 2>&1
 START=$(date +%s)
 say() { printf '\n== %s (%ds)\n' "$*" $(( $(date +%s) - START )); pack; }
 summary() { printf '%s\n' "$*" >> "$OUT/summary.txt"; }
+# GPU_CHECK_STEPS: which of the steps after the build to run (all by default; a device call
+# has 9 minutes at most, and the build alone took 141-299 s on an H200 machine, so
+# gpu_pack.sh's plan runs the tests in one call and the rest in the next)
+STEPS=${GPU_CHECK_STEPS:-tests,throughput,server,spec,knobs,router}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 : > "$OUT/summary.txt"
 
 if [ "$CPU_ONLY" != 1 ] && ls "$GPU_DIR"/whl/*.whl >/dev/null 2>&1; then
@@ -182,23 +192,28 @@ print(f"--gpu defaults: n_batch {c.n_batch}, n_ubatch {c.n_ubatch}, chunk {c.chu
       f"KV pool {c.pool_tokens} tokens ({free / 2**30:.1f} GiB free)")
 EOF
 
+GPU_FLAG=--gpu
+[ "$CPU_ONLY" = 1 ] && GPU_FLAG=
+
 # ---- 2. the model tests on the GPU ------------------------------------------------------
+if want tests; then
 say "tests with JUSTLLM_GPU=$JUSTLLM_GPU: $TESTS"
 # (bounded: the device call has the benchmarks to run after the tests)
 # shellcheck disable=SC2086
-timeout "${GPU_CHECK_TEST_SECONDS:-240}" $PY -m pytest -q -p no:cacheprovider $TESTS \
+timeout "${GPU_CHECK_TEST_SECONDS:-220}" $PY -m pytest -q -p no:cacheprovider $TESTS \
     --junitxml "$D/tests.xml" > "$D/tests.log" 2>&1 || echo "pytest: exit $?" >> "$D/tests.log"
 pack
 summary "tests: $(grep -E '(passed|failed|error)' "$D/tests.log" | tail -1)$(grep -h '^pytest: exit' "$D/tests.log" | sed 's/^/; /')"
 grep -qE '^(FAILED|ERROR) ' "$D/tests.log" && summary "$(grep -E '^(FAILED|ERROR) ' "$D/tests.log")"
 
+fi  # tests
+
 # ---- 3. throughput ----------------------------------------------------------------------
+if want throughput; then
 say "engine throughput at $LEVELS sequences"
-GPU_FLAG=--gpu
-[ "$CPU_ONLY" = 1 ] && GPU_FLAG=
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --raw --json "$D/engine_throughput.json" | tee "$D/engine_throughput.txt"
-summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s):"
+summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s, raw with the top 1024 and their probabilities taken in the graph and the nucleus drawn on the host tok/s, the share of those draws whose nucleus lay within the 1024):"
 summary "$(tail -n +2 "$D/engine_throughput.txt")"
 say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
@@ -214,33 +229,10 @@ timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LE
 summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step):"
 summary "$(tail -n +2 "$D/engine_throughput_backend.txt")"
 
-say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
-KNOB_PREFILL=2048
-[ "$CPU_ONLY" = 1 ] && KNOB_PREFILL=256
-for UB in 512 2048; do
-    for FA in auto off; do
-        $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
-            --n-batch 2048 --n-ubatch "$UB" --flash-attn "$FA" --prefill "$KNOB_PREFILL" \
-            --json "$D/knobs_ub${UB}_fa${FA}.json" > "$D/knobs_ub${UB}_fa${FA}.txt" 2>&1
-        summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$D/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$D/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
-    done
-done
+fi  # throughput
 
-DRAFT=${GPU_CHECK_DRAFT:-}
-if [ -z "$DRAFT" ]; then  # no small sibling offline: the model's first layers (not retrained)
-    DRAFT=$GPU_DIR/draft-L4.gguf
-    $PY -m justllm draft make "$MODEL" --layers 4 -o "$DRAFT" --force \
-        > "$D/draft_make.log" 2>&1 || DRAFT=none
-fi
-METHODS=plain,ngram
-DRAFT_ARGS=()
-if [ "$DRAFT" != none ]; then METHODS=plain,ngram,draft,tree; DRAFT_ARGS=(--draft "$DRAFT"); fi
-say "speculative decoding: $METHODS"
-$PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
-    --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
-summary "spec bench:"
-summary "$(cat "$D/spec_bench.txt")"
-
+# ---- 4. against llama-server, speculation, the context knobs, router mode ----------------
+if want server; then
 say "justllm against llama-server (same build, model, GPU): 8 streams, greedy and sampled"
 LLAMA_SERVER=${LLAMA_SERVER:-$(find "$LLAMA_SERVER_BUILD" -type f -name llama-server -perm -u+x 2>/dev/null | head -1)}
 if [ -n "$LLAMA_SERVER" ]; then
@@ -250,16 +242,12 @@ if [ -n "$LLAMA_SERVER" ]; then
     LS_PID=$!
     $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8771 > "$D/justllm_serve.log" 2>&1 &
     JS_PID=$!
-    # and with the tokens chosen in the graph (bench's requests carry no seed)
-    $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8774 --backend-sampling \
-        > "$D/justllm_serve_bs.log" 2>&1 &
-    BS_PID=$!
     $PY - <<'PYEOF'
 import time, httpx
 for _ in range(120):  # both up, or two minutes
     try:
         if all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200
-               for p in (8771, 8772, 8774)):
+               for p in (8771, 8772)):
             break
     except httpx.HTTPError:
         pass
@@ -267,11 +255,11 @@ for _ in range(120):  # both up, or two minutes
 PYEOF
     N=64
     [ "$CPU_ONLY" = 1 ] && N=8
-    for RUN in "greedy" "sampled --temperature 0.8 --top-p 0.95" \
-               "backend-greedy" "backend-sampled --temperature 0.8 --top-p 0.95"; do
+    # (justllm serve --backend-sampling is left out: on an H200 the engine chose tokens in the
+    # graph more slowly than on the host, at every level; engine_throughput.py measures it)
+    JS=8771
+    for RUN in "greedy" "sampled --temperature 0.8 --top-p 0.95"; do
         NAME=${RUN%% *}
-        JS=8771
-        case $NAME in backend-*) JS=8774 ;; esac  # justllm serve --backend-sampling
         # both orders: the first-measured server was favoured by up to 10% on a CPU
         for ORDER in "$JS 8772" "8772 $JS"; do
             set -- $ORDER
@@ -294,11 +282,47 @@ print("; ".join(out))
 PYEOF
 )"
     done
-    kill $LS_PID $JS_PID $BS_PID 2>/dev/null; wait $LS_PID $JS_PID $BS_PID 2>/dev/null
+    kill $LS_PID $JS_PID 2>/dev/null; wait $LS_PID $JS_PID 2>/dev/null
 else
     summary "llama-server: not built (see $GPU_DIR/build.log)"
 fi
 
+fi  # server
+
+if want spec; then
+DRAFT=${GPU_CHECK_DRAFT:-}
+if [ -z "$DRAFT" ]; then  # no small sibling offline: the model's first layers (not retrained)
+    DRAFT=$GPU_DIR/draft-L4.gguf
+    $PY -m justllm draft make "$MODEL" --layers 4 -o "$DRAFT" --force \
+        > "$D/draft_make.log" 2>&1 || DRAFT=none
+fi
+METHODS=plain,ngram
+DRAFT_ARGS=()
+if [ "$DRAFT" != none ]; then METHODS=plain,ngram,draft,tree; DRAFT_ARGS=(--draft "$DRAFT"); fi
+say "speculative decoding: $METHODS"
+$PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
+    --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
+summary "spec bench:"
+summary "$(cat "$D/spec_bench.txt")"
+
+fi  # spec
+
+if want knobs; then
+say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
+KNOB_PREFILL=2048
+[ "$CPU_ONLY" = 1 ] && KNOB_PREFILL=256
+for UB in 512 2048; do
+    for FA in auto off; do
+        $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
+            --n-batch 2048 --n-ubatch "$UB" --flash-attn "$FA" --prefill "$KNOB_PREFILL" \
+            --json "$D/knobs_ub${UB}_fa${FA}.json" > "$D/knobs_ub${UB}_fa${FA}.txt" 2>&1
+        summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$D/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$D/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
+    done
+done
+
+fi  # knobs
+
+if want router; then
 say "router mode: two runners of the model on one GPU (each sizes its KV pool from what the other left)"
 GPU_YAML=true
 [ "$CPU_ONLY" = 1 ] && GPU_YAML=false
@@ -334,6 +358,7 @@ $PY -m justllm ps --url http://127.0.0.1:8773 > "$D/router_ps.txt" 2>&1
 summary "$(grep -iE 'first|second' "$D/router_ps.txt" | tr -s ' ' | head -2)"
 kill $ROUTER_PID 2>/dev/null; wait $ROUTER_PID 2>/dev/null
 
+fi  # router
 say "done"
 pack && rm -rf "$(dirname "$D")"
 summary "total: $(( $(date +%s) - START )) s"

@@ -12,8 +12,10 @@
 #
 # then prints the calls to make, back to back (a machine is given back 30 s after a call):
 # the first stages the base and starts the CUDA build in the background (setsid: it outlives
-# the call), the next three bring a part each while it builds, the last brings part 4 and runs
-# the check. Run from the repo root: benchmarks/gpu_pack.sh
+# the call), the next three bring a part each while it builds, the fifth brings part 4, waits
+# for the build and runs the tests, the sixth the benchmarks (the build took 141-299 s on an
+# H200 machine: the whole check does not fit one call's 9 minutes). Run from the repo root:
+# benchmarks/gpu_pack.sh
 set -euo pipefail
 
 VERSION=0.3.36
@@ -64,11 +66,13 @@ done
 du -sh "$PACK"/*
 cat <<PLAN
 
-Device calls (tool run), back to back:
+Device calls (tool run), back to back (PYTHONUNBUFFERED=1 before the last two):
   1. carry [".gpu/base"],  command: bash benchmarks/gpu_check.sh --stage    (starts the build)
   2. carry [".gpu/part1"], command: bash benchmarks/gpu_check.sh --stage
   3. carry [".gpu/part2"], command: bash benchmarks/gpu_check.sh --stage
   4. carry [".gpu/part3"], command: bash benchmarks/gpu_check.sh --stage
-  5. carry [".gpu/part4"], command: bash benchmarks/gpu_check.sh    (timeout_s 540: waits for
-     the build, runs the tests and benchmarks; the figures come back under \$OUT)
+  5. carry [".gpu/part4"], command: GPU_CHECK_STEPS=tests bash benchmarks/gpu_check.sh
+     (timeout_s 540: waits for the build, runs the model tests on the GPU)
+  6. no carry, command: GPU_CHECK_STEPS=throughput,server,spec,knobs,router bash benchmarks/gpu_check.sh
+     (timeout_s 420; the figures of each call come back under \$OUT)
 PLAN
