@@ -8,14 +8,15 @@ sample instead of greedy (the per-token sampling cost shows as a larger Python s
 can approach, twice: reading every row's logits and taking the argmax in numpy (as the engine
 does), and with the argmax taken inside the graph (llama.cpp's backend sampling: no logits
 leave the device), and a third time with the whole draw in the graph (temperature 0.8, top_p
-0.95: the `sampled` column, to set against the engine's sampled tok/s), and a fourth with
-the 1024 most likely tokens and their probabilities under the whole row's softmax taken there
-(engine/backend.py's own graph sampler, no sort of the row) and the 0.95 nucleus drawn from
-them on the host (the `cand.` column, and `inside`: the share of draws whose nucleus lay
-within the candidates, where such a draw is exact). On a GPU the gap between the first two is
-what reading whole 262k-wide rows back costs, the third is what choosing sampled tokens on
-the device with llama.cpp's samplers reaches, and the fourth what an exact pre-selection
-there reaches. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
+0.95: the `sampled` column, to set against the engine's sampled tok/s). On a GPU the gap
+between the first two is what reading whole 262k-wide rows back costs, and the third is what
+choosing sampled tokens on the device with llama.cpp's samplers reaches.
+``--raw-candidates`` times bare ``llama_decode`` with the 1024 most likely tokens and their
+probabilities under the whole row's softmax taken in the graph instead (engine/backend.py's
+own graph sampler; `cand.`: from the whole row, `sliced`: the 64 best of each 1024-wide slice
+first) and the 0.95 nucleus drawn from them on the host (each with `inside`: the share of
+draws whose nucleus lay within the candidates, where such a draw is exact): what an exact
+pre-selection on the device reaches. ``--vs-greedy`` runs greedy and sampled rounds alternately in one engine
 (``--rounds`` of each) and reports the medians and their ratio: this machine's speed drifts by
 10-15% over a minute, more than the difference sampling makes, so only interleaved rounds
 compare the two. ``--backend-sampling`` runs the engine with its flag of that name (the
@@ -27,7 +28,7 @@ by) change most; the GPUs llama.cpp sees are printed first.
 
     .venv/bin/python benchmarks/engine_throughput.py [MODEL] [--tokens 64] [--levels 1,4,8,16,32]
         [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05] [--vs-greedy]
-        [--rounds 5] [--raw] [--gpu] [--backend-sampling] [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
+        [--rounds 5] [--raw] [--raw-candidates] [--gpu] [--backend-sampling] [--n-batch 0] [--n-ubatch 0] [--flash-attn auto|on|off] [--prefill 2048]
         [--json FILE]
 """
 
@@ -49,6 +50,7 @@ RAW_SAMPLED = (0.8, 0.95)  # temperature, top_p of --raw's draw in the graph
 # and the candidates --raw takes in the graph for the host's draw: on the demo model the 0.95
 # nucleus at temperature 0.8 held at most 591 tokens in 240 sampled rows (median 18)
 RAW_CANDIDATES = 1024
+RAW_SLICE = 1024  # the sliced variant's slice width (its CUDA top-k sorts in shared memory)
 
 
 def time_sampling(engine: Engine) -> None:
@@ -106,27 +108,29 @@ def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
     return b.decode(m)
 
 
-def nucleus_draw(ids: np.ndarray, probs: np.ndarray, top_p: float,
+def nucleus_draw(ids: np.ndarray, probs: np.ndarray, bound: float, top_p: float,
                  rng: np.random.Generator) -> tuple[int, bool]:
     """A draw from the ``top_p`` nucleus of candidates that carry the whole row's
-    probabilities, and whether the nucleus lay within them (else the draw is from all of them:
-    the engine would need the row)."""
+    probabilities (no token left out weighs more than ``bound``), and whether the nucleus lay
+    within them, every member above the bound (else the draw is from all of them: the engine
+    would need the row)."""
     order = np.argsort(-probs, kind="stable")
     cdf = np.cumsum(probs[order], dtype=np.float64)
-    inside = bool(cdf[-1] >= top_p)
     last = min(int(np.searchsorted(cdf, top_p)), cdf.size - 1)
+    inside = bool(cdf[-1] >= top_p and probs[order[last]] > bound)
     pick = int(np.searchsorted(cdf[:last + 1], rng.random() * cdf[last], side="right"))
     return int(ids[order[min(pick, last)]]), inside
 
 
 def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
                temperature: float = 0.0, top_p: float = 1.0,
-               candidates: int = 0) -> tuple[float, float]:
+               candidates: int = 0, segment: int = 0) -> tuple[float, float]:
     """tok/s of bare batched llama_decode: ``n`` sequences of an 8-token prompt, then
     ``tokens`` steps of one token each (argmax), every row's logits read (``in_graph``: the
     token chosen inside the graph instead, so no logits leave the device: the argmax, or with
     ``temperature`` a draw from the ``top_p`` nucleus; with ``candidates``, that many
-    candidates with their probabilities, and the host's draw from their nucleus). One more step before the clock starts
+    candidates with their probabilities (picked from ``segment``-wide slices first, if
+    given), and the host's draw from their nucleus). One more step before the clock starts
     warms up (in the graph: llama.cpp reserves its graphs again). The engine must be idle; its
     prefix cache is flushed and the KV cleared before and after. Returns tok/s and the share
     of candidate draws whose nucleus lay within the candidates."""
@@ -139,7 +143,8 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
         last = int(decode_prompt(engine, s, prompt, 0)[0].argmax())
     nxt = [last] * n
     if in_graph:
-        b.set_tokens_in_graph(range(n), temperature, top_p, seed=1, candidates=candidates)
+        b.set_tokens_in_graph(range(n), temperature, top_p, seed=1, candidates=candidates,
+                              segment=segment)
     rng, inside, drawn = np.random.default_rng(1), 0, 0
     try:
         t0 = time.perf_counter()
@@ -152,7 +157,7 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
                 b.decode(n)
                 nxt = []
                 for i in range(n):
-                    token, held = nucleus_draw(*b.graph_candidates(i), top_p, rng)
+                    token, held = nucleus_draw(*b.graph_candidates(i), top_p=top_p, rng=rng)
                     nxt.append(token)
                     inside, drawn = inside + held, drawn + 1
             elif in_graph:
@@ -165,6 +170,28 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
         b.set_tokens_in_graph([])
         b.clear_kv()
     return rate, inside / drawn if drawn else 1.0
+
+
+def raw_candidates(engine: Engine, levels: list[int], tokens: int) -> list[dict]:
+    """--raw-candidates: bare llama_decode with the top candidates and their probabilities
+    taken in the graph by engine/backend.py's own sampler, from the whole row and from slices
+    first, and the nucleus drawn from them on the host: what an exact pre-selection on the
+    device reaches (against --raw's columns). A run of its own, since the sampler builds its
+    graph nodes through ctypes and has not yet run on every device."""
+    print(f"{'seqs':>5} {'cand.':>8} {'inside':>7} {'sliced':>8} {'inside':>7}")
+    rows = []
+    for n in levels:
+        row: dict = {"seqs": n}
+        line = f"{n:>5}"
+        for name, segment in (("candidates", 0), ("sliced", RAW_SLICE)):
+            got, held = raw_decode(engine, n, tokens, in_graph=True,
+                                   temperature=RAW_SAMPLED[0], top_p=RAW_SAMPLED[1],
+                                   candidates=RAW_CANDIDATES, segment=segment)
+            row[f"raw_{name}_tok_s"], row[f"raw_{name}_nucleus_inside"] = got, held
+            line += f" {got:>8.1f} {100 * held:>6.1f}%"
+        rows.append(row)
+        print(line, flush=True)
+    return rows
 
 
 def sampling_of(args: argparse.Namespace) -> dict:
@@ -237,6 +264,10 @@ def main() -> None:
                     help="alternate greedy and sampled rounds; report medians and the ratio")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each with --vs-greedy")
     ap.add_argument("--raw", action="store_true", help="also time bare llama_decode (the limit)")
+    ap.add_argument("--raw-candidates", action="store_true",
+                    help="only time bare llama_decode with the top 1024 candidates and their "
+                         "probabilities taken in the graph (from the whole row, and from "
+                         "1024-wide slices first), the nucleus drawn on the host")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (a GPU build)")
     ap.add_argument("--n-batch", type=int, default=0,
                     help="tokens per step (llama.cpp n_batch); 0: the device's default")
@@ -276,9 +307,13 @@ def main() -> None:
         engine.close()
         write_json(args, engine, settings, rows, rounds=args.rounds)
         return
+    if args.raw_candidates:
+        rows = raw_candidates(engine, levels, args.tokens)
+        engine.close()
+        write_json(args, engine, settings, rows)
+        return
     print(f"{'seqs':>5} {'tok/s':>8} {'python %':>9} {'ms/step':>8}"
-          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9} {'sampled':>8} {'cand.':>8}"
-             f" {'inside':>7}"
+          + (f" {'raw tok/s':>10} {'of raw':>7} {'in-graph':>9} {'sampled':>8}"
              if args.raw else ""))
     rows = []
     for n in levels:
@@ -294,14 +329,7 @@ def main() -> None:
             row["raw_in_graph_sampled_tok_s"] = drawn = raw_decode(
                 engine, n, args.tokens, in_graph=True, temperature=RAW_SAMPLED[0],
                 top_p=RAW_SAMPLED[1])[0]
-            # and the top candidates with their probabilities taken in the graph, the nucleus
-            # drawn from them on the host: what an exact pre-selection on the device reaches
-            cand, held = raw_decode(engine, n, args.tokens, in_graph=True,
-                                    temperature=RAW_SAMPLED[0], top_p=RAW_SAMPLED[1],
-                                    candidates=RAW_CANDIDATES)
-            row["raw_candidates_tok_s"], row["raw_candidates_nucleus_inside"] = cand, held
-            line += (f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f} {drawn:>8.1f}"
-                     f" {cand:>8.1f} {100 * held:>6.1f}%")
+            line += f" {raw:>10.1f} {100 * rate / raw:>6.1f}% {graph:>9.1f} {drawn:>8.1f}"
         rows.append(row)
         print(line)
     engine.close()

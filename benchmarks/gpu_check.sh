@@ -25,8 +25,9 @@
 #               raw batched llama_decode at the same shapes (the limit; also with the argmax
 #               taken inside the graph, so no logits come back: what reading whole rows back
 #               costs; with the whole draw there: what choosing sampled tokens on the device
-#               would reach; and with the top 1024 and their probabilities taken there, the
-#               nucleus drawn on the host: what an exact pre-selection on the device reaches), sampled (temperature 0.8, top_p 0.95) against
+#               would reach), the same with the top 1024 and their probabilities taken there
+#               (from the whole row, or from 1024-wide slices first) and the nucleus drawn on
+#               the host (what an exact pre-selection on the device reaches), sampled (temperature 0.8, top_p 0.95) against
 #               greedy in alternate rounds (the ratio and the per-step sampling time), and the
 #               same with --backend-sampling (every token chosen in the graph, none read back);
 #   server      justllm bench against llama-server built alongside (8 streams, greedy and
@@ -213,8 +214,15 @@ if want throughput; then
 say "engine throughput at $LEVELS sequences"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --raw --json "$D/engine_throughput.json" | tee "$D/engine_throughput.txt"
-summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s, raw with the top 1024 and their probabilities taken in the graph and the nucleus drawn on the host tok/s, the share of those draws whose nucleus lay within the 1024):"
+summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s):"
 summary "$(tail -n +2 "$D/engine_throughput.txt")"
+say "raw llama_decode with the top 1024 and their probabilities taken in the graph, the nucleus drawn on the host"
+# (a run of its own, bounded: justllm's own graph sampler, built through ctypes, has not yet
+# run on a GPU)
+timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+    --raw-candidates --json "$D/engine_throughput_candidates.json" | tee "$D/engine_throughput_candidates.txt"
+summary "raw llama_decode, the top 1024 and their probabilities taken in the graph, the 0.95 nucleus at temperature 0.8 drawn from them on the host (tok/s, share of draws the candidates decided; cand.: from the whole row, sliced: the 64 best of each 1024-wide slice first):"
+summary "$(tail -n +2 "$D/engine_throughput_candidates.txt")"
 say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 \

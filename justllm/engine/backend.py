@@ -216,6 +216,7 @@ class GraphSampling:
     order: tuple[str, ...] = GRAPH_STEPS
     seed: int = 0
     candidates: int = 0
+    segment: int = 0  # the candidates' slice width (0: the whole row)
 
     def check(self) -> None:
         if not (self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
@@ -224,10 +225,11 @@ class GraphSampling:
                               "min_p in [0, 1]")
         if not set(self.order) <= set(GRAPH_STEPS):
             raise EngineError(f"no graph version of the sampler steps {self.order}")
-        if self.candidates and not (0 < self.candidates <= GRAPH_TOP_K_MAX
-                                    and self.temperature > 0.0):
-            raise EngineError(f"candidates must be in [1, {GRAPH_TOP_K_MAX}], at a temperature "
-                              "above 0")
+        if self.candidates and not (0 < self.candidates <= min(self.segment or GRAPH_TOP_K_MAX,
+                                                               GRAPH_TOP_K_MAX)
+                                    and self.temperature > 0.0 and self.segment >= 0):
+            raise EngineError(f"candidates must be in [1, {GRAPH_TOP_K_MAX}], at most a "
+                              "segment, at a temperature above 0")
 
     def chain(self) -> list[Any]:
         """New llama.cpp samplers, in chain order (the chain frees them)."""
@@ -247,33 +249,54 @@ class GraphSampling:
         return steps
 
 
+_GGML_TYPE_I32 = 26  # enum ggml_type
+
+
 class _CandidatesSampler:
     """A llama.cpp sampler of our own for its experimental backend interface: inside the graph
-    it takes a row's ``k`` highest logits (ggml's top-k, no sort of the row) and their
-    probabilities under the softmax of the whole row at ``temperature``, and draws nothing.
-    The context copies out ``k`` ids and ``k`` probabilities instead of the 262k-wide row, and
-    the probabilities are the row's own, so the host can draw from a nucleus exactly whenever
-    it lies within the candidates (the rest's mass is 1 minus theirs). The callbacks run inside
-    ``llama_decode`` (graph building and llama.cpp's probe when a chain is set), building ggml
-    nodes; this object keeps them, and the interface they make, alive while a chain holds a
-    sampler made from it."""
+    it takes the ``k`` most likely tokens of a row's softmax at ``temperature``, with their
+    probabilities, and draws nothing. The context copies out those ids and probabilities
+    instead of the 262k-wide row, and the probabilities are the row's own, so the host can
+    draw from a nucleus exactly whenever every token of it beats the most a token left out
+    can weigh (:meth:`LlamaBackend.graph_candidates` gives that bound).
 
-    def __init__(self, k: int, temperature: float) -> None:
-        lib, vp, i64 = C._lib, ctypes.c_void_p, ctypes.c_int64
-        self.k, self.scale = k, 1.0 / temperature
+    ggml's top-k (no sort of the row on the CPU) picks them from the whole row, or, with
+    ``segment``, in two stages: the ``SLICE_PICKS`` best of each ``segment``-wide slice, then
+    the ``k`` best of those. ggml's CUDA top-k sorts a row longer than 1024 whole where CUB's
+    own top-k is missing (CUDA before 13.1), while slices of 1024 sort in shared memory, all
+    at once; what the first stage leaves out weighs at most the largest of the slices' least
+    picks, which comes out as one more probability after the ``k``.
+
+    The callbacks run inside ``llama_decode`` (graph building, and llama.cpp's probe when a
+    chain is set), building ggml nodes; this object keeps them, and the interface they make,
+    alive while a chain holds a sampler made from it."""
+
+    # of each slice: on the demo model at temperature 0.8, 64 of 1024 left the 0.95 nucleus of
+    # 239 of 240 sampled rows decidable (16: 199, 32: 228)
+    SLICE_PICKS = 64
+
+    def __init__(self, k: int, temperature: float, segment: int = 0) -> None:
+        lib, vp, i64, f32, i = C._lib, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self.k, self.scale, self.segment = k, 1.0 / temperature, segment
+        fn = ctypes.CFUNCTYPE
         # fresh ctypes function objects (setting argtypes on lib's shared ones would change
         # them for every other user of the library)
-        self._nelements = ctypes.CFUNCTYPE(i64, vp)(("ggml_nelements", lib))
-        self._reshape_1d = ctypes.CFUNCTYPE(vp, vp, vp, i64)(("ggml_reshape_1d", lib))
-        self._reshape_2d = ctypes.CFUNCTYPE(vp, vp, vp, i64, i64)(("ggml_reshape_2d", lib))
-        self._top_k = ctypes.CFUNCTYPE(vp, vp, vp, ctypes.c_int)(("ggml_top_k", lib))
-        self._soft_max = ctypes.CFUNCTYPE(vp, vp, vp, vp, ctypes.c_float, ctypes.c_float)(
-            ("ggml_soft_max_ext", lib))
-        self._get_rows = ctypes.CFUNCTYPE(vp, vp, vp, vp)(("ggml_get_rows", lib))
+        self._nelements = fn(i64, vp)(("ggml_nelements", lib))
+        self._reshape_1d = fn(vp, vp, vp, i64)(("ggml_reshape_1d", lib))
+        self._reshape_2d = fn(vp, vp, vp, i64, i64)(("ggml_reshape_2d", lib))
+        self._reshape_3d = fn(vp, vp, vp, i64, i64, i64)(("ggml_reshape_3d", lib))
+        self._pad = fn(vp, vp, vp, i, i, i, i)(("ggml_pad", lib))
+        self._arange = fn(vp, vp, f32, f32, f32)(("ggml_arange", lib))
+        self._cast = fn(vp, vp, vp, i)(("ggml_cast", lib))
+        self._scale = fn(vp, vp, vp, f32)(("ggml_scale", lib))
+        self._argmax = fn(vp, vp, vp)(("ggml_argmax", lib))
+        self._concat = fn(vp, vp, vp, vp, i)(("ggml_concat", lib))
+        self._top_k = fn(vp, vp, vp, i)(("ggml_top_k", lib))
+        self._soft_max = fn(vp, vp, vp, vp, f32, f32)(("ggml_soft_max_ext", lib))
+        self._get_rows = fn(vp, vp, vp, vp)(("ggml_get_rows", lib))
         self._label = ctypes.create_string_buffer(b"justllm-candidates")
         self._callbacks = (
-            ctypes.CFUNCTYPE(vp, C.llama_sampler_p_ctypes)(
-                lambda smpl: ctypes.addressof(self._label)),
+            fn(vp, C.llama_sampler_p_ctypes)(lambda smpl: ctypes.addressof(self._label)),
             C.llama_sampler_i_apply(lambda smpl, cur_p: None),  # (never drawn on the host)
             C.llama_sampler_i_backend_init(lambda smpl, buft, n_out: True),
             C.llama_sampler_i_backend_apply(self._apply),
@@ -287,14 +310,43 @@ class _CandidatesSampler:
         """A new llama.cpp sampler of this kind (a chain that holds it frees it)."""
         return C.llama_sampler_init(ctypes.byref(self.iface), None)
 
+    def _gather(self, ctx: int, values: int, picks: int, width: int, rows: int) -> int:
+        """``values`` (``rows`` rows of ``width``) at each row's ``picks`` (indices within
+        the row), as ggml gathers rows of width 1 batch by batch."""
+        return self._get_rows(ctx, self._reshape_3d(ctx, values, 1, width, rows), picks)
+
     def _apply(self, smpl: Any, ctx: int, gf: int, data_p: Any) -> None:
         data = data_p.contents
-        row = self._reshape_1d(ctx, data.logits, self._nelements(data.logits))
-        ids = self._top_k(ctx, row, self.k)
-        probs = self._soft_max(ctx, row, None, self.scale, 0.0)
-        picked = self._get_rows(ctx, self._reshape_2d(ctx, probs, 1, self._nelements(row)), ids)
-        data.probs = self._reshape_1d(ctx, picked, self.k)
-        data.candidates = ids
+        n = self._nelements(data.logits)
+        probs = self._soft_max(ctx, self._reshape_1d(ctx, data.logits, n), None, self.scale,
+                               0.0)
+        ids = self._arange(ctx, 0.0, float(n), 1.0)  # (float32: exact below 2**24)
+        bound = None
+        if self.segment and n > self.segment:
+            width, picks = self.segment, min(self.SLICE_PICKS, self.segment)
+            slices = -(-n // width)
+            if slices * width > n:  # a padded last slice: zeros, never a nucleus token
+                probs = self._pad(ctx, probs, slices * width - n, 0, 0, 0)
+                ids = self._pad(ctx, ids, slices * width - n, 0, 0, 0)
+            best = self._top_k(ctx, self._reshape_2d(ctx, probs, width, slices), picks)
+            picked = self._gather(ctx, probs, best, width, slices)  # [1, picks, slices]
+            ids = self._reshape_1d(ctx, self._gather(ctx, ids, best, width, slices),
+                                   picks * slices)
+            # the bound: the largest of the slices' least picks (ggml has argmax, no min)
+            least = self._argmax(ctx, self._scale(ctx, self._reshape_2d(
+                ctx, picked, picks, slices), -1.0))
+            least = self._gather(ctx, picked, self._reshape_2d(ctx, least, 1, slices), picks,
+                                 slices)  # [1, 1, slices]
+            top = self._argmax(ctx, self._reshape_2d(ctx, least, slices, 1))
+            bound = self._gather(ctx, least, self._reshape_2d(ctx, top, 1, 1), slices, 1)
+            probs, n = self._reshape_1d(ctx, picked, picks * slices), picks * slices
+        best = self._top_k(ctx, probs, self.k)
+        picked = self._reshape_1d(ctx, self._gather(ctx, probs, best, n, 1), self.k)
+        if bound is not None:
+            picked = self._concat(ctx, picked, self._reshape_1d(ctx, bound, 1), 0)
+        data.probs = picked
+        data.candidates = self._reshape_1d(ctx, self._cast(ctx, self._gather(
+            ctx, ids, best, n, 1), _GGML_TYPE_I32), self.k)
         data.logits = None  # (no row copied out)
 
 
@@ -537,8 +589,8 @@ class LlamaBackend:
         self._lora_set: tuple[tuple[LoraAdapter, float], ...] = ()
         # seq id -> (what it draws, its llama_sampler chain): set_graph_sampling
         self._graph_chains: dict[int, tuple[GraphSampling, object]] = {}
-        # the interfaces of the candidate samplers made so far, by (k, temperature)
-        self._candidate_kinds: dict[tuple[int, float], _CandidatesSampler] = {}
+        # the interfaces of the candidate samplers made so far, by (k, temperature, segment)
+        self._candidate_kinds: dict[tuple[int, float, int], _CandidatesSampler] = {}
         C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
@@ -683,13 +735,13 @@ class LlamaBackend:
 
     def set_tokens_in_graph(self, seq_ids: Sequence[int], temperature: float = 0.0,
                             top_p: float = 1.0, seed: int = 0, top_k: int = 0,
-                            candidates: int = 0) -> None:
+                            candidates: int = 0, segment: int = 0) -> None:
         """Choose the next token of each of ``seq_ids`` inside the decode graph, and of no
         other sequence; ``[]`` turns it off. Temperature 0: the argmax; else a draw at
         ``temperature`` from the ``top_k`` most likely tokens' ``top_p`` nucleus of the
         tempered distribution, by a generator seeded ``seed`` + the sequence id; with
-        ``candidates``, no draw: that many candidates and their probabilities at
-        ``temperature`` (:meth:`graph_candidates`)
+        ``candidates``, no draw: that many candidates (from each ``segment``-wide slice) and
+        their probabilities at ``temperature`` (:meth:`graph_candidates`)
         (:meth:`set_graph_sampling` for each sequence's own chain).
         ``benchmarks/engine_throughput.py --raw`` uses it, to measure what reading whole
         262k-wide rows back and choosing on the CPU costs on a GPU against choosing there."""
@@ -700,7 +752,7 @@ class LlamaBackend:
                                                   if s < self.config.n_seq_max}
         for s in wanted:
             specs[s] = (GraphSampling(temperature, top_k=top_k, top_p=top_p, seed=seed + s,
-                                      candidates=candidates)
+                                      candidates=candidates, segment=segment)
                         if temperature > 0.0 else GraphSampling())
         self.set_graph_sampling(specs)
 
@@ -745,7 +797,7 @@ class LlamaBackend:
         # A fresh chain for each sequence: llama.cpp aborts when one is initialised twice.
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         if spec.candidates:
-            key = (spec.candidates, spec.temperature)
+            key = (spec.candidates, spec.temperature, spec.segment)
             if key not in self._candidate_kinds:
                 self._candidate_kinds[key] = _CandidatesSampler(*key)
             C.llama_sampler_chain_add(chain, self._candidate_kinds[key].new())
@@ -770,18 +822,22 @@ class LlamaBackend:
             raise EngineError("an output row was not chosen in the graph")
         return token
 
-    def graph_candidates(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def graph_candidates(self, i: int) -> tuple[np.ndarray, np.ndarray, float]:
         """The candidates the last decode took in the graph for batch entry ``i`` (an output row
         of a sequence whose chain has ``candidates``): their token ids and their probabilities
-        under the whole row's softmax, in no particular order (copies)."""
+        under the whole row's softmax, in no particular order (copies), and the most a token
+        left out of them can weigh."""
         n = int(C.llama_get_sampled_candidates_count_ith(self._ctx, i))
+        n_probs = int(C.llama_get_sampled_probs_count_ith(self._ctx, i))
         ids_p = C.llama_get_sampled_candidates_ith(self._ctx, i)
         probs_p = C.llama_get_sampled_probs_ith(self._ctx, i)
-        if not n or not ids_p or not probs_p or C.llama_get_sampled_probs_count_ith(
-                self._ctx, i) != n:
+        if not n or not ids_p or not probs_p or n_probs not in (n, n + 1):
             raise EngineError("an output row has no candidates from the graph")
-        return (np.ctypeslib.as_array(ids_p, shape=(n,)).astype(np.int32),
-                np.ctypeslib.as_array(probs_p, shape=(n,)).copy())
+        probs = np.ctypeslib.as_array(probs_p, shape=(n_probs,)).copy()
+        # (two stages: the first stage's bound follows the candidates)
+        bound = float(probs[:n].min()) if n_probs == n else max(float(probs[n]),
+                                                                 float(probs[:n].min()))
+        return np.ctypeslib.as_array(ids_p, shape=(n,)).astype(np.int32), probs[:n], bound
 
     def _add_twins(self, n_tokens: int) -> None:
         """Give each token of the batch the twins of its sequence ids too."""

@@ -118,12 +118,14 @@ def test_repack_decides_whether_llama_cpp_repacks_the_cpu_weights(model_path):
     assert repack_weights("on") and not repack_weights("off")
 
 
-def test_candidates_taken_in_the_graph_are_the_rows_best_with_their_probabilities(model_path):
+def test_candidates_taken_in_the_graph_hold_every_token_above_their_bound(model_path):
     """The candidate sampler of our own (engine/backend.py _CandidatesSampler), inside
-    llama.cpp's decode graph: no logits row comes back, and each row's candidates are the k
-    tokens with the highest logits of the same batch decoded without it, with their
-    probabilities under the whole row's softmax at the temperature (not the candidates'
-    own); without it the rows come back again."""
+    llama.cpp's decode graph, from the whole row or in two stages (slices, one padded): no
+    logits row comes back; each row's candidates carry their probabilities under the whole
+    row's softmax at the temperature (as the same batch decoded without it gives them, not
+    renormalised to the candidates), and every token that weighs more than the bound given
+    with them is among them (what makes a nucleus draw from them exact); from the whole row
+    they are the k best. Without it the rows come back again."""
     import numpy as np
 
     from justllm.engine.backend import BackendConfig, GraphSampling, LlamaBackend
@@ -143,23 +145,30 @@ def test_candidates_taken_in_the_graph_are_the_rows_best_with_their_probabilitie
             return np.array(b.decode(n), dtype=np.float64)  # (a copy: the next decode reuses it)
 
         rows = decode()
-        k, temperature = 256, 0.7
-        b.set_tokens_in_graph([0, 1], temperature, candidates=k)
-        assert decode().shape == (0, b.n_vocab)  # nothing copied out
-        for seq, out in enumerate((len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1)):
-            ids, probs = b.graph_candidates(out)
-            x = rows[seq]
-            w = np.exp((x - x.max()) / temperature)
-            w /= w.sum()
-            best = set(np.argsort(-x)[:k].tolist())
-            # (where kernels depend on the batch, a near tie at the k-th may fall either way)
-            assert ids.size == k and len(best & set(ids.tolist())) >= (k if EXACT else k - 4)
-            assert probs == pytest.approx(w[ids], abs=1e-3 if EXACT else 0.02)
-            assert 0.9 < probs.sum() < 1.0  # the row's mass, not renormalised to the k
+        temperature = 0.7
+        for k, segment in ((256, 0), (256, 1000)):
+            b.set_tokens_in_graph([0, 1], temperature, candidates=k, segment=segment)
+            assert decode().shape == (0, b.n_vocab)  # nothing copied out
+            for seq, out in enumerate((len(prompts[0]) - 1,
+                                       len(prompts[0]) + len(prompts[1]) - 1)):
+                ids, probs, bound = b.graph_candidates(out)
+                x = rows[seq]
+                w = np.exp((x - x.max()) / temperature)
+                w /= w.sum()
+                assert ids.size == k == np.unique(ids).size and ids.max() < b.n_vocab
+                assert probs == pytest.approx(w[ids], abs=1e-3 if EXACT else 0.02)
+                assert 0.9 < probs.sum() < 1.0  # the row's mass, not renormalised to the k
+                # (where kernels depend on the batch, a near tie at the bound may fall either way)
+                above = set(np.flatnonzero(w > bound * (1.0001 if EXACT else 1.5)).tolist())
+                assert 100 < len(above) and above <= set(ids.tolist()), (k, segment)
+                if not segment:
+                    assert bound == probs.min()
         b.set_tokens_in_graph([])
         assert decode() == pytest.approx(rows, abs=0.05)  # (a GPU need not repeat bit for bit)
         with pytest.raises(EngineError):
             b.set_graph_sampling({0: GraphSampling(0.0, candidates=8)})
+        with pytest.raises(EngineError):
+            b.set_graph_sampling({0: GraphSampling(1.0, candidates=64, segment=32)})
     finally:
         b.close()
 
