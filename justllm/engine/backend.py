@@ -306,6 +306,13 @@ class _CandidatesSampler:
             name=ctypes.cast(name, C.llama_sampler_i_name), apply=apply, backend_init=init,
             backend_apply=backend_apply)
 
+    @classmethod
+    def most(cls, n_vocab: int, segment: int) -> int:
+        """The most candidates a row of ``n_vocab`` gives with ``segment``."""
+        if not segment or n_vocab <= segment:
+            return n_vocab
+        return min(cls.SLICE_PICKS, segment) * -(-n_vocab // segment)
+
     def new(self) -> Any:
         """A new llama.cpp sampler of this kind (a chain that holds it frees it)."""
         return C.llama_sampler_init(ctypes.byref(self.iface), None)
@@ -778,6 +785,10 @@ class LlamaBackend:
                 if spec.top_k > GRAPH_TOP_K_MAX:
                     raise EngineError(f"a top_k over {GRAPH_TOP_K_MAX} cannot be chosen in the "
                                       "graph")
+                if spec.candidates > _CandidatesSampler.most(self.n_vocab, spec.segment):
+                    # (ggml's top-k aborts the process when asked for more than it is given)
+                    raise EngineError(f"{spec.candidates} candidates are more than this "
+                                      "vocabulary gives")
             checked[s] = spec
         for s, spec in sorted(checked.items()):
             # a twin is sampled with its sequence's chain: llama.cpp copies logits out for a
