@@ -97,14 +97,27 @@ def divergence_is_noise(reference: list[int], ref_logprobs, other: list[int],
 
 
 def count_graph_tokens(engine: Engine) -> dict[str, int]:
-    """Count the tokens the engine reads as chosen in llama.cpp's graph (--backend-sampling):
-    the returned dict's ``"graph"`` goes up by one with each."""
-    counted = {"graph": 0}
-    graph_token = engine.backend.graph_token
+    """Count what the engine reads from llama.cpp's graph (--backend-sampling): ``"graph"``
+    goes up by one with each token chosen there, ``"candidates"`` with each row whose
+    candidates it took, ``"again"`` with each of those rows computed again (their draw
+    undecided)."""
+    counted = {"graph": 0, "candidates": 0, "again": 0}
+    graph_token, graph_candidates = engine.backend.graph_token, engine.backend.graph_candidates
+    row_again = engine._row_again
 
     def counting(i: int) -> int:
         counted["graph"] += 1
         return graph_token(i)
 
+    def counting_candidates(i: int):
+        counted["candidates"] += 1
+        return graph_candidates(i)
+
+    def counting_again(chunk):
+        counted["again"] += 1
+        return row_again(chunk)
+
     engine.backend.graph_token = counting  # type: ignore[method-assign]
+    engine.backend.graph_candidates = counting_candidates  # type: ignore[method-assign]
+    engine._row_again = counting_again  # type: ignore[method-assign]
     return counted

@@ -250,6 +250,17 @@ class GraphSampling:
 
 
 _GGML_TYPE_I32 = 26  # enum ggml_type
+# _CandidatesSampler's first stage: the best of each slice. On the demo model at temperature
+# 0.8, 64 of 1024 left the 0.95 nucleus of 239 of 240 sampled rows decidable (16: 199, 32: 228).
+SLICE_PICKS = 64
+
+
+def most_candidates(n_vocab: int, segment: int) -> int:
+    """The most candidates :class:`_CandidatesSampler` can take from a row of ``n_vocab``
+    with ``segment``-wide slices (0: the whole row)."""
+    if not segment or n_vocab <= segment:
+        return n_vocab
+    return min(SLICE_PICKS, segment) * -(-n_vocab // segment)
 
 
 class _CandidatesSampler:
@@ -270,10 +281,6 @@ class _CandidatesSampler:
     The callbacks run inside ``llama_decode`` (graph building, and llama.cpp's probe when a
     chain is set), building ggml nodes; this object keeps them, and the interface they make,
     alive while a chain holds a sampler made from it."""
-
-    # of each slice: on the demo model at temperature 0.8, 64 of 1024 left the 0.95 nucleus of
-    # 239 of 240 sampled rows decidable (16: 199, 32: 228)
-    SLICE_PICKS = 64
 
     def __init__(self, k: int, temperature: float, segment: int = 0) -> None:
         lib, vp, i64, f32, i = C._lib, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -306,13 +313,6 @@ class _CandidatesSampler:
             name=ctypes.cast(name, C.llama_sampler_i_name), apply=apply, backend_init=init,
             backend_apply=backend_apply)
 
-    @classmethod
-    def most(cls, n_vocab: int, segment: int) -> int:
-        """The most candidates a row of ``n_vocab`` gives with ``segment``."""
-        if not segment or n_vocab <= segment:
-            return n_vocab
-        return min(cls.SLICE_PICKS, segment) * -(-n_vocab // segment)
-
     def new(self) -> Any:
         """A new llama.cpp sampler of this kind (a chain that holds it frees it)."""
         return C.llama_sampler_init(ctypes.byref(self.iface), None)
@@ -330,7 +330,7 @@ class _CandidatesSampler:
         ids = self._arange(ctx, 0.0, float(n), 1.0)  # (float32: exact below 2**24)
         bound = None
         if self.segment and n > self.segment:
-            width, picks = self.segment, min(self.SLICE_PICKS, self.segment)
+            width, picks = self.segment, min(SLICE_PICKS, self.segment)
             slices = -(-n // width)
             if slices * width > n:  # a padded last slice: zeros, never a nucleus token
                 probs = self._pad(ctx, probs, slices * width - n, 0, 0, 0)
@@ -785,7 +785,7 @@ class LlamaBackend:
                 if spec.top_k > GRAPH_TOP_K_MAX:
                     raise EngineError(f"a top_k over {GRAPH_TOP_K_MAX} cannot be chosen in the "
                                       "graph")
-                if spec.candidates > _CandidatesSampler.most(self.n_vocab, spec.segment):
+                if spec.candidates > most_candidates(self.n_vocab, spec.segment):
                     # (ggml's top-k aborts the process when asked for more than it is given)
                     raise EngineError(f"{spec.candidates} candidates are more than this "
                                       "vocabulary gives")

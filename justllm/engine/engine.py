@@ -223,10 +223,11 @@ class Engine:
                         config.ctx, "model's training context" if limit < config.pool_tokens
                         else "KV pool", limit, limit)
         if config.backend_sampling and not config.gpu:
-            # measured on a 2-core CPU: llama.cpp's top-p sorts all 262k logits per token
-            log.warning("--backend-sampling without --gpu: on the CPU llama.cpp's samplers are "
-                        "slower than the engine's (8 streams at temperature 0.8, top_p 0.95: "
-                        "32 against 164 tok/s; greedy 155 against 174)")
+            # measured on a 2-core CPU (engine_throughput.py --levels 8 --tokens 32 --vs-greedy)
+            log.warning("--backend-sampling without --gpu: on the CPU choosing tokens in the "
+                        "graph is slower than the engine's own choosing (8 streams at "
+                        "temperature 0.8, top_p 0.95: 109 against 157 tok/s; greedy 148 "
+                        "against 163)")
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
@@ -760,12 +761,13 @@ class Engine:
                 if live.resumed:  # its first token came before its prompt met the cache
                     live.metrics.num_cached_tokens = chunk.request.num_cached_tokens
 
-    def _graph_rows(self, plan: StepPlan) -> dict[int, int]:
+    def _graph_rows(self, plan: StepPlan) -> dict[int, tuple[int, bool]]:
         """``--backend-sampling``: give each sequence with an output row this step the chain
         its request draws with in the graph, or none (engine/graph_sampling.py); the chunks
-        whose token the graph chooses, by index, with their row's batch entry."""
+        whose token the graph chooses (or whose candidates it takes), by index, with their
+        row's batch entry and whether it takes candidates."""
         specs: dict[int, GraphSampling | None] = {}
-        rows: dict[int, int] = {}
+        rows: dict[int, tuple[int, bool]] = {}
         o = 0
         for i, chunk in enumerate(plan.chunks):
             o += len(chunk.token_ids)
@@ -776,24 +778,28 @@ class Engine:
             spec = None
             if (live is not None and chunk.wants_logits and not chunk.all_logits
                     and chunk.draft is None and req.params.max_tokens != 0):
-                spec = graph_sampling(req.params, live.sampler, req.seq_id, live.handover)
+                spec = graph_sampling(req.params, live.sampler, req.seq_id, live.handover,
+                                      self.backend.n_vocab)
             specs[req.seq_id] = spec
             if spec is not None:
-                rows[i] = o - 1
+                rows[i] = (o - 1, spec.candidates > 0)
         self.backend.set_graph_sampling(specs)
         return rows
 
-    def _postprocess(self, plan: StepPlan, logits, in_graph: dict[int, int]
+    def _postprocess(self, plan: StepPlan, logits, in_graph: dict[int, tuple[int, bool]]
                      ) -> tuple[list[RequestOutput], StepResult]:
         """Sample (or verify the draft of) every chunk that asked for logits: the new tokens go
         to the requests and their outputs; what the scheduler must know goes in the result.
-        ``in_graph``: the chunks whose token llama.cpp chose in the graph (``_graph_rows``)."""
+        ``in_graph``: the chunks whose token llama.cpp chose in the graph, or whose candidates
+        it took (``_graph_rows``); a chunk whose candidates could not decide its draw has its
+        row computed again once every other row is read (the view of them is the decode's)."""
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         result = StepResult()
         presampled = self._presample(plan, logits, in_graph)
-        for i, entry in in_graph.items():
-            presampled[i] = self._graph_token(plan.chunks[i], entry)
+        for i, (entry, candidates) in in_graph.items():
+            presampled[i] = self._graph_token(plan.chunks[i], entry, candidates)
+        undecided = [i for i in in_graph if i in presampled and presampled[i] is None]
         row = 0
         for i, chunk in enumerate(plan.chunks):
             req = chunk.request
@@ -813,22 +819,57 @@ class Engine:
                 # the prompt scored for its logprobs, nothing to draw (OpenAI's echo idiom)
                 outputs.append(self._finish_output(live, _Emitted(reason=FinishReason.LENGTH),
                                                    now, result))
+            elif i in undecided:
+                continue  # below, once the other rows are read
             elif chunk.wants_logits:  # the chunk's last row (its only one, but for all_logits)
                 outputs.append(self._sample_one(live, rows[-1] if len(rows) else None, now,
                                                 result, presampled.get(i)))
+        for i in undecided:
+            live = self._live.get(plan.chunks[i].request.request_id)
+            if live is not None and live.request.status is RequestStatus.RUNNING:
+                try:
+                    again = self._row_again(plan.chunks[i])
+                except EngineError as e:
+                    outputs.append(self._end_with_error(live, _Emitted(), str(e), result, None))
+                    continue
+                outputs.append(self._sample_one(live, again, now, result))
         return outputs, result
 
-    def _graph_token(self, chunk: ScheduledChunk, entry: int) -> SampledToken | EngineError:
+    def _graph_token(self, chunk: ScheduledChunk, entry: int, candidates: bool
+                     ) -> SampledToken | EngineError | None:
+        """The token the graph chose for ``chunk``, or the one its request's generator draws
+        from the candidates the graph took (None when they cannot decide it)."""
         live = self._live.get(chunk.request.request_id)
         try:
-            token = self.backend.graph_token(entry)
+            if candidates:
+                if live is None:
+                    return None
+                token = live.sampler.draw_candidates(*self.backend.graph_candidates(entry))
+                if token is None:
+                    return None
+            else:
+                token = self.backend.graph_token(entry)
         except EngineError as e:
             return e
         if live is not None:
             live.sampler.accepted(token)
         return SampledToken(token)
 
-    def _presample(self, plan: StepPlan, logits, in_graph: dict[int, int]) -> dict:
+    def _row_again(self, chunk: ScheduledChunk) -> np.ndarray:
+        """The logits row of ``chunk``'s last token, computed again with no chain on its
+        sequence: its cell is dropped and the token decoded alone at its position (the KV ends
+        as it was). For the rare draw the graph's candidates cannot decide."""
+        seq = chunk.request.seq_id
+        assert seq is not None
+        pos = chunk.start + len(chunk.token_ids) - 1
+        b = self.backend
+        b.set_graph_sampling({seq: None})
+        b.seq_rm(seq, pos, -1)
+        b.batch_tokens[0], b.batch_pos[0], b.batch_seq[0] = chunk.token_ids[-1], pos, seq
+        b.batch_n_seq[0], b.batch_logits[0] = 1, 1
+        return np.array(b.decode(1)[0])
+    def _presample(self, plan: StepPlan, logits, in_graph: dict[int, tuple[int, bool]]
+                   ) -> dict:
         """The step's rows, side by side on the row sampler's threads where it has them
         (engine/row_sampling.py); grammar rows, and every row when it has none, are left to
         ``_sample_one``; rows the graph chose (``in_graph``) are not read."""

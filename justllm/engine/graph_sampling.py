@@ -22,6 +22,16 @@ An unseeded request draws from the generator of its sequence id's chain, seeded 
 which goes on across the requests the id serves: every chain set or removed makes llama.cpp
 reserve its graphs again, so one kept for the next request with the same settings costs
 nothing.
+
+One kind of request is not drawn by llama.cpp's chain: top-p over the whole vocabulary (no
+top-k first, OpenAI's order), since llama.cpp's graph top-p sorts all 262k logits of each row
+(on an H200 that capped bare decoding near 1,100 tok/s from 8 sequences up). Its graph takes
+the row's best ``CANDIDATES`` tokens with their probabilities instead (engine/backend.py
+``_CandidatesSampler``: from ``CANDIDATE_SLICE``-wide slices first where the vocabulary is
+large, since CUDA's top-k sorts a whole row without CUB's own top-k, and slices of 1024 sort in
+shared memory), and the request's own generator draws the nucleus from them
+(``RequestSampler.draw_candidates``), exactly; when they cannot decide it, the engine computes
+the row again and draws from it on the host.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from __future__ import annotations
 import math
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.backend import GRAPH_STEPS, GRAPH_TOP_K_MAX, GraphSampling
+from justllm.engine.backend import GRAPH_STEPS, GRAPH_TOP_K_MAX, GraphSampling, most_candidates
 from justllm.engine.sampler import RequestSampler
 
 # Below these the graph's float32 arithmetic fails (module docstring): the temperature, and
@@ -38,10 +48,14 @@ from justllm.engine.sampler import RequestSampler
 # T * |ln min_p| from 1e-3 on).
 _MIN_TEMPERATURE = 1e-3
 _MIN_P_GAP = 1e-3
+# The candidates a top-p row's graph takes (the 0.95 nucleus at temperature 0.8 held at most
+# 591 tokens in 240 rows sampled from the demo model), and the slices they come from.
+CANDIDATES = 1024
+CANDIDATE_SLICE = 1024
 
 
 def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
-                   handover: bool = False) -> GraphSampling | None:
+                   handover: bool = False, n_vocab: int = 0) -> GraphSampling | None:
     """The chain that draws this request's tokens in the graph, or None when it is sampled on
     the host (module docstring)."""
     if (params.seed is not None or params.has_penalties or params.logit_bias
@@ -59,5 +73,10 @@ def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
         return None
     if params.top_k > GRAPH_TOP_K_MAX:  # (llama.cpp would abort: engine/backend.py)
         return None
+    if (params.top_p < 1.0 and not 0 < params.top_k < n_vocab and params.samplers is None
+            and n_vocab > CANDIDATES):
+        segment = (CANDIDATE_SLICE if most_candidates(n_vocab, CANDIDATE_SLICE) >= CANDIDATES
+                   else 0)
+        return GraphSampling(params.temperature, candidates=CANDIDATES, segment=segment)
     return GraphSampling(params.temperature, params.top_k, params.top_p, params.min_p,
                          tuple(order), seed=seq_id)

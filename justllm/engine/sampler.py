@@ -182,6 +182,35 @@ class RequestSampler:
         lse, top = row.table
         return SampledToken(token, float(row.logits[token]) - lse, top)
 
+    def draw_candidates(self, ids: np.ndarray, probs: np.ndarray, bound: float) -> int | None:
+        """A token drawn from candidates that carry the row's own probabilities under its
+        softmax at this request's temperature (engine/backend.py ``_CandidatesSampler``: no
+        token left out weighs more than ``bound``), for a request with top-p and perhaps
+        min-p, in OpenAI's order and without penalties, bias or a grammar
+        (engine/graph_sampling.py). Exactly the draw from the whole row whenever every token
+        the cuts keep weighs more than the bound; None (and no uniform used) otherwise: the
+        row is needed."""
+        p = self.params
+        order = np.argsort(-probs, kind="stable")
+        w = probs[order].astype(np.float64)
+        if p.min_p > 0.0:  # min-p keeps what weighs at least min_p times the best
+            floor = p.min_p * float(w[0])
+            if floor <= bound:
+                return None
+            kept = int(np.searchsorted(-w, -floor, side="right"))
+            order, w = order[:kept], w[:kept]
+            total = float(w.sum())
+        else:
+            total = 1.0  # (the row's whole mass: its softmax)
+        cdf = np.cumsum(w)
+        last = int(np.searchsorted(cdf, p.top_p * total))
+        if p.min_p > 0.0:  # every token min-p keeps is here: the nucleus is too
+            last = min(last, cdf.size - 1)
+        elif last >= cdf.size or w[last] <= bound:
+            return None
+        pick = int(np.searchsorted(cdf[:last + 1], self.rng.random() * cdf[last], side="right"))
+        return int(ids[order[min(pick, last)]])
+
     def accepted(self, token: int) -> None:
         """``token`` is the request's next (drawn, or handed over): the budget counts it."""
         if self.budget is not None:

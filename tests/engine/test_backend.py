@@ -171,10 +171,10 @@ def test_candidates_taken_in_the_graph_hold_every_token_above_their_bound(model_
             b.set_graph_sampling({0: GraphSampling(1.0, candidates=64, segment=32)})
         # (ggml's top-k aborts when asked for more than it is given: a small vocabulary's
         # slices give fewer than k, and set_graph_sampling refuses such a k)
-        from justllm.engine.backend import _CandidatesSampler
-        assert _CandidatesSampler.most(8000, 1024) == 8 * 64
-        assert _CandidatesSampler.most(8000, 0) == 8000 and _CandidatesSampler.most(800, 1024) == 800
-        assert _CandidatesSampler.most(b.n_vocab, 1024) == 256 * 64
+        from justllm.engine.backend import most_candidates
+        assert most_candidates(8000, 1024) == 8 * 64
+        assert most_candidates(8000, 0) == 8000 and most_candidates(800, 1024) == 800
+        assert most_candidates(b.n_vocab, 1024) == 256 * 64
     finally:
         b.close()
 
