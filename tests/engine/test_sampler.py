@@ -218,6 +218,36 @@ def test_draws_from_the_candidates_are_distributed_exactly_as_the_whole_row(monk
     assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05)])
+def test_draws_from_graph_candidates_are_the_whole_rows_or_undecided(params):
+    """RequestSampler.draw_candidates (--backend-sampling's top-p rows): from the best 30 of
+    40 tokens with their probabilities under the whole row's softmax (what the graph's
+    candidate sampler hands over), the draws are distributed exactly as the whole row's;
+    from the best 3 the nucleus reaches past them, so every draw is undecided (None) and uses
+    no uniform, the generator left as it was (the host then draws from the row)."""
+    x = (np.random.default_rng(5).normal(size=40) * 1.5).astype(np.float32)
+    w = np.exp((x.astype(np.float64) - x.max()) / params.temperature)
+    probs = w / w.sum()
+    order = np.argsort(-probs, kind="stable")
+    want = exact_distribution(x, params)
+
+    def candidates(k):
+        ids = order[:k][::-1].copy()  # (in no particular order)
+        return ids, probs[ids].astype(np.float32), float(probs[order[k]])  # the bound
+
+    s = RequestSampler(params, 3)
+    got = np.bincount([s.draw_candidates(*candidates(30)) for _ in range(40_000)],
+                      minlength=x.size) / 40_000
+    assert np.abs(got - want).max() < 0.01, (got - want).round(3)
+    assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+    state = s.rng.bit_generator.state
+    assert all(s.draw_candidates(*candidates(3)) is None for _ in range(10))
+    assert s.rng.bit_generator.state == state
+
+
 @pytest.fixture
 def weighed(monkeypatch) -> list[int]:
     """The sizes of the rows the sampler computes weights of, one entry per call."""
