@@ -868,6 +868,7 @@ class Engine:
         b.batch_tokens[0], b.batch_pos[0], b.batch_seq[0] = chunk.token_ids[-1], pos, seq
         b.batch_n_seq[0], b.batch_logits[0] = 1, 1
         return np.array(b.decode(1)[0])
+
     def _presample(self, plan: StepPlan, logits, in_graph: dict[int, tuple[int, bool]]
                    ) -> dict:
         """The step's rows, side by side on the row sampler's threads where it has them
