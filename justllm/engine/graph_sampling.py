@@ -23,10 +23,12 @@ which goes on across the requests the id serves: every chain set or removed make
 reserve its graphs again, so one kept for the next request with the same settings costs
 nothing.
 
-One kind of request is not drawn by llama.cpp's chain: top-p over the whole vocabulary (no
-top-k first, OpenAI's order), since llama.cpp's graph top-p sorts all 262k logits of each row
-(on an H200 that capped bare decoding near 1,100 tok/s from 8 sequences up). Its graph takes
-the row's best ``CANDIDATES`` tokens with their probabilities instead (engine/backend.py
+Two kinds of request, in OpenAI's order, are not drawn by llama.cpp's chain: top-p over the
+whole vocabulary, since llama.cpp's graph top-p sorts all 262k logits of each row (on an H200
+that capped bare decoding near 1,100 tok/s from 8 sequences up), and a top-k of at most
+``CANDIDATES``, since ggml's CUDA top-k sorts the whole row too where CUB's own top-k is
+missing (CUDA before 13.1). Their graph takes the row's best ``CANDIDATES`` tokens with their
+probabilities instead (engine/backend.py
 ``_CandidatesSampler``: from ``CANDIDATE_SLICE``-wide slices first where the vocabulary is
 large, since CUDA's top-k sorts a whole row without CUB's own top-k, and slices of 1024 sort in
 shared memory), and the request's own generator draws the nucleus from them
@@ -73,8 +75,9 @@ def graph_sampling(params: SamplingParams, sampler: RequestSampler, seq_id: int,
         return None
     if params.top_k > GRAPH_TOP_K_MAX:  # (llama.cpp would abort: engine/backend.py)
         return None
-    if (params.top_p < 1.0 and not 0 < params.top_k < n_vocab and params.samplers is None
-            and n_vocab > CANDIDATES):
+    cuts_the_row = (params.top_p < 1.0 and not 0 < params.top_k < n_vocab) or (
+        0 < params.top_k <= CANDIDATES)
+    if cuts_the_row and params.samplers is None and n_vocab > CANDIDATES:
         segment = (CANDIDATE_SLICE if most_candidates(n_vocab, CANDIDATE_SLICE) >= CANDIDATES
                    else 0)
         return GraphSampling(params.temperature, candidates=CANDIDATES, segment=segment)

@@ -185,31 +185,40 @@ class RequestSampler:
     def draw_candidates(self, ids: np.ndarray, probs: np.ndarray, bound: float) -> int | None:
         """A token drawn from candidates that carry the row's own probabilities under its
         softmax at this request's temperature (engine/backend.py ``_CandidatesSampler``: no
-        token left out weighs more than ``bound``), for a request with top-p and perhaps
-        min-p, in OpenAI's order and without penalties, bias or a grammar
-        (engine/graph_sampling.py). Exactly the draw from the whole row whenever every token
-        the cuts keep weighs more than the bound; None (and no uniform used) otherwise: the
-        row is needed."""
+        token left out weighs more than ``bound``), for a request with top-k (at most the
+        candidates) or top-p, perhaps min-p, in OpenAI's order and without penalties, bias or
+        a grammar (engine/graph_sampling.py). Exactly the draw from the whole row whenever
+        every token the cuts keep weighs more than the bound; None (and no uniform used)
+        otherwise: the row is needed."""
         p = self.params
         order = np.argsort(-probs, kind="stable")
         w = probs[order].astype(np.float64)
-        if p.min_p > 0.0:  # min-p keeps what weighs at least min_p times the best
+        known = False  # whether what the cuts keep so far lies among the candidates
+        total = 1.0  # the mass kept so far (at first the whole row's: its softmax)
+        if p.top_k > 0:  # the k best, if the k-th beats every token left out
+            if p.top_k > w.size or w[p.top_k - 1] <= bound:
+                return None
+            order, w, known = order[:p.top_k], w[:p.top_k], True
+            total = float(w.sum())
+        if p.min_p > 0.0:  # what weighs at least min_p times the best
             floor = p.min_p * float(w[0])
-            if floor <= bound:
+            if not known and floor <= bound:
                 return None
             kept = int(np.searchsorted(-w, -floor, side="right"))
-            order, w = order[:kept], w[:kept]
+            order, w, known = order[:kept], w[:kept], True
             total = float(w.sum())
-        else:
-            total = 1.0  # (the row's whole mass: its softmax)
-        cdf = np.cumsum(w)
-        last = int(np.searchsorted(cdf, p.top_p * total))
-        if p.min_p > 0.0:  # every token min-p keeps is here: the nucleus is too
-            last = min(last, cdf.size - 1)
-        elif last >= cdf.size or w[last] <= bound:
+        if p.top_p < 1.0:  # the smallest most likely set holding top_p of the mass kept
+            last = int(np.searchsorted(np.cumsum(w), p.top_p * total))
+            if known:
+                last = min(last, w.size - 1)
+            elif last >= w.size or w[last] <= bound:
+                return None
+            order, w = order[:last + 1], w[:last + 1]
+        elif not known:  # (pure temperature: the tail may be drawn; the graph draws those)
             return None
-        pick = int(np.searchsorted(cdf[:last + 1], self.rng.random() * cdf[last], side="right"))
-        return int(ids[order[min(pick, last)]])
+        cdf = np.cumsum(w)
+        pick = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(ids[order[min(pick, w.size - 1)]])
 
     def accepted(self, token: int) -> None:
         """``token`` is the request's next (drawn, or handed over): the budget counts it."""

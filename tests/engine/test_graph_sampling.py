@@ -99,24 +99,30 @@ def test_unseeded_draws_differ_between_sequences(llm):
 
 
 def test_top_p_over_the_whole_vocabulary_draws_from_candidates_the_graph_took(llm):
-    """A top-p request with no top-k first is not drawn by llama.cpp's chain (its top-p sorts
-    the whole row): the graph takes the row's best 1024 with their probabilities, and the
-    request's generator draws the nucleus from them. A tiny top-p, or a min-p near 1 beside a
-    top-p, leaves the best token alone (greedy); top_p 0.95 draws every token from them."""
+    """A top-p request with no top-k first, or one with a top-k of at most 1024, is not drawn
+    by llama.cpp's chain (its top-p, and CUDA's top-k without CUB's, sort the whole row): the
+    graph takes the row's best 1024 with their probabilities, and the request's generator
+    draws from them. A tiny top-p, a min-p near 1 beside a top-p, or top-k 1 leave the best
+    token alone (greedy); top_p 0.95, and top_k 40, draw every token from them."""
     greedy, _ = tokens(llm, SP(max_tokens=10))
     for params in (SP(max_tokens=10, temperature=0.9, top_p=1e-6),
-                   SP(max_tokens=10, temperature=1.2, top_p=0.9, min_p=0.999)):
+                   SP(max_tokens=10, temperature=1.2, top_p=0.9, min_p=0.999),
+                   SP(max_tokens=10, temperature=1.1, top_k=1, top_p=0.9)):
         before = dict(llm.counted)
         got, n = tokens(llm, params)
         assert n == 40 and llm.counted["candidates"] - before["candidates"] == 40, params
         assert llm.counted["graph"] == before["graph"]  # none drawn by llama.cpp's chain
         if not ON_GPU:
             assert got == greedy, params
-    before = dict(llm.counted)
-    got, n = tokens(llm, SP(max_tokens=10, temperature=0.8, top_p=0.95))
-    assert n == 40 and all(len(t) == 10 for t in got)
-    # (the 1024 held every such nucleus measured on this model: rarely, a row is computed again)
-    assert llm.counted["again"] - before["again"] <= 2
+    for params in (SP(max_tokens=10, temperature=0.8, top_p=0.95),
+                   SP(max_tokens=10, temperature=0.8, top_k=40)):
+        before = dict(llm.counted)
+        got, n = tokens(llm, params)
+        assert n == 40 and all(len(t) == 10 for t in got)
+        assert llm.counted["candidates"] - before["candidates"] == 40, params
+        # (the 1024 held every such nucleus measured on this model: rarely, a row is computed
+        # again)
+        assert llm.counted["again"] - before["again"] <= 2, params
 
 
 def test_a_draw_the_candidates_cannot_decide_is_drawn_from_the_row_computed_again(

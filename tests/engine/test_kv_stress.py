@@ -52,11 +52,12 @@ def make_prompts(rng: random.Random, vocab: list[int], bos: int, n: int) -> list
 async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: int,
                      results: dict, unseeded: bool = False) -> None:
     """``unseeded``: every other request has no seed (with --backend-sampling the graph
-    chooses its tokens, or takes the candidates a top-p draw is drawn from, and a seeded
-    request's are chosen on the host)."""
+    chooses its tokens, or takes the candidates a top-p or top-k draw is drawn from, and a
+    seeded request's are chosen on the host)."""
     await asyncio.sleep(rng.uniform(0, 4))  # random arrivals
     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
-                            top_p=rng.choice((1.0, 0.9)) if unseeded else 1.0,
+                            top_p=rng.choice((1.0, 0.9, 0.9)) if unseeded else 1.0,
+                            top_k=rng.choice((0, 0, 40)) if unseeded else 0,
                             seed=None if unseeded and i % 2 == 0 else i, ignore_eos=True)
     if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
         params = replace(params, prompt_logprobs=i % 3,  # some only scored, nothing drawn
@@ -127,8 +128,8 @@ def test_backend_sampling_under_random_concurrent_load_keeps_kv_consistent(model
     """The same load with --backend-sampling: the unseeded plain requests' tokens are chosen
     in the graph (top-p ones drawn from the candidates the graph took), the others' (seeded,
     prompt logprobs, thinking budgets) on the host, in the same batches, with sequence ids
-    passing from one kind to the other as requests come, go, are preempted and leave. Half
-    the candidate draws are left undecided at random, so their rows are computed again (a
+    passing from one kind to the other as requests come, go, are preempted and leave. Most
+    candidate draws are left undecided at random, so their rows are computed again (a
     cell dropped and decoded anew) amid all that. Every step is KV-checked; every kind must
     have run."""
     engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
@@ -137,12 +138,12 @@ def test_backend_sampling_under_random_concurrent_load_keeps_kv_consistent(model
     counted = count_graph_tokens(engine)
     coin, draw = random.Random(7), RequestSampler.draw_candidates
     monkeypatch.setattr(RequestSampler, "draw_candidates",
-                        lambda self, *a: draw(self, *a) if coin.random() < 0.5 else None)
+                        lambda self, *a: draw(self, *a) if coin.random() < 0.4 else None)
     a = AsyncEngine(engine)
     try:
         asyncio.run(_drive(a, engine, 5, unseeded=True))
-        assert counted["graph"] > 20 and counted["candidates"] > 10, counted
-        assert counted["again"] > 3, counted
+        assert counted["graph"] > 10 and counted["candidates"] > 8, counted
+        assert counted["again"] >= 3, counted  # (about 6 here)
         assert engine.stats().generation_tokens_total > (counted["graph"]
                                                          + counted["candidates"] + 20)
     finally:

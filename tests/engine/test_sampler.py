@@ -221,7 +221,10 @@ def test_draws_from_the_candidates_are_distributed_exactly_as_the_whole_row(monk
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7, top_p=0.9),
     SamplingParams(temperature=1.3, top_p=0.6),
-    SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05)])
+    SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=8),
+    SamplingParams(temperature=0.8, top_k=12, top_p=0.8),
+    SamplingParams(temperature=1.2, top_k=20, min_p=0.02)])
 def test_draws_from_graph_candidates_are_the_whole_rows_or_undecided(params):
     """RequestSampler.draw_candidates (--backend-sampling's top-p rows): from the best 30 of
     40 tokens with their probabilities under the whole row's softmax (what the graph's
