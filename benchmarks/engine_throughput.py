@@ -39,12 +39,11 @@ import json
 import statistics
 import time
 
-import numpy as np
-
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import gpu_devices
 from justllm.engine.engine import Engine
+from justllm.engine.sampler import RequestSampler
 
 RAW_SAMPLED = (0.8, 0.95)  # temperature, top_p of --raw's draw in the graph
 # and the candidates --raw takes in the graph for the host's draw: on the demo model the 0.95
@@ -108,20 +107,6 @@ def decode_prompt(engine: Engine, seq: int, tokens: list[int], start: int):
     return b.decode(m)
 
 
-def nucleus_draw(ids: np.ndarray, probs: np.ndarray, bound: float, top_p: float,
-                 rng: np.random.Generator) -> tuple[int, bool]:
-    """A draw from the ``top_p`` nucleus of candidates that carry the whole row's
-    probabilities (no token left out weighs more than ``bound``), and whether the nucleus lay
-    within them, every member above the bound (else the draw is from all of them: the engine
-    would need the row)."""
-    order = np.argsort(-probs, kind="stable")
-    cdf = np.cumsum(probs[order], dtype=np.float64)
-    last = min(int(np.searchsorted(cdf, top_p)), cdf.size - 1)
-    inside = bool(cdf[-1] >= top_p and probs[order[last]] > bound)
-    pick = int(np.searchsorted(cdf[:last + 1], rng.random() * cdf[last], side="right"))
-    return int(ids[order[min(pick, last)]]), inside
-
-
 def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
                temperature: float = 0.0, top_p: float = 1.0,
                candidates: int = 0, segment: int = 0) -> tuple[float, float]:
@@ -145,7 +130,10 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
     if in_graph:
         b.set_tokens_in_graph(range(n), temperature, top_p, seed=1, candidates=candidates,
                               segment=segment)
-    rng, inside, drawn = np.random.default_rng(1), 0, 0
+    # each sequence's draws from the candidates, as the engine's own (RequestSampler)
+    drawers = [RequestSampler(SamplingParams(temperature=temperature, top_p=top_p), 1 + s)
+               for s in range(n)]
+    inside, drawn = 0, 0
     try:
         t0 = time.perf_counter()
         for step in range(tokens + 1):
@@ -157,9 +145,11 @@ def raw_decode(engine: Engine, n: int, tokens: int, in_graph: bool = False,
                 b.decode(n)
                 nxt = []
                 for i in range(n):
-                    token, held = nucleus_draw(*b.graph_candidates(i), top_p=top_p, rng=rng)
-                    nxt.append(token)
-                    inside, drawn = inside + held, drawn + 1
+                    ids, probs, bound = b.graph_candidates(i)
+                    token = drawers[i].draw_candidates(ids, probs, bound)
+                    # (undecided: the engine would compute the row again; here the best goes on)
+                    nxt.append(int(ids[probs.argmax()]) if token is None else token)
+                    inside, drawn = inside + (token is not None), drawn + 1
             elif in_graph:
                 b.decode(n)
                 nxt = b.graph_tokens(n)

@@ -741,12 +741,12 @@ class LlamaBackend:
     # ---- tokens chosen inside the graph (llama.cpp's backend sampling) ---------------------
 
     def set_tokens_in_graph(self, seq_ids: Sequence[int], temperature: float = 0.0,
-                            top_p: float = 1.0, seed: int = 0, top_k: int = 0,
-                            candidates: int = 0, segment: int = 0) -> None:
+                            top_p: float = 1.0, seed: int = 0, candidates: int = 0,
+                            segment: int = 0) -> None:
         """Choose the next token of each of ``seq_ids`` inside the decode graph, and of no
         other sequence; ``[]`` turns it off. Temperature 0: the argmax; else a draw at
-        ``temperature`` from the ``top_k`` most likely tokens' ``top_p`` nucleus of the
-        tempered distribution, by a generator seeded ``seed`` + the sequence id; with
+        ``temperature`` from the ``top_p`` nucleus of the tempered distribution (vLLM's order:
+        temperature first), by a generator seeded ``seed`` + the sequence id; with
         ``candidates``, no draw: that many candidates (from each ``segment``-wide slice) and
         their probabilities at ``temperature`` (:meth:`graph_candidates`)
         (:meth:`set_graph_sampling` for each sequence's own chain).
@@ -758,7 +758,7 @@ class LlamaBackend:
         specs: dict[int, GraphSampling | None] = {s: None for s in self._graph_chains
                                                   if s < self.config.n_seq_max}
         for s in wanted:
-            specs[s] = (GraphSampling(temperature, top_k=top_k, top_p=top_p, seed=seed + s,
+            specs[s] = (GraphSampling(temperature, top_p=top_p, seed=seed + s,
                                       candidates=candidates, segment=segment)
                         if temperature > 0.0 else GraphSampling())
         self.set_graph_sampling(specs)

@@ -799,7 +799,7 @@ class Engine:
         presampled = self._presample(plan, logits, in_graph)
         for i, (entry, candidates) in in_graph.items():
             presampled[i] = self._graph_token(plan.chunks[i], entry, candidates)
-        undecided = [i for i in in_graph if i in presampled and presampled[i] is None]
+        undecided = [i for i in in_graph if presampled[i] is None]
         row = 0
         for i, chunk in enumerate(plan.chunks):
             req = chunk.request

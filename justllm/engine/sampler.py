@@ -216,9 +216,7 @@ class RequestSampler:
             order, w = order[:last + 1], w[:last + 1]
         elif not known:  # (pure temperature: the tail may be drawn; the graph draws those)
             return None
-        cdf = np.cumsum(w)
-        pick = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-        return int(ids[order[min(pick, w.size - 1)]])
+        return int(ids[order[inverse_cdf(w, self.rng.random())]])
 
     def accepted(self, token: int) -> None:
         """``token`` is the request's next (drawn, or handed over): the budget counts it."""
