@@ -24,8 +24,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
-from llama_cpp import llama_grammar as _grammar  # noqa: E402
+
+from justllm.engine import openmp
+
+with openmp.short_spin() as _OPENMP_SLEEPS:  # (a constant: how libgomp loaded, once)
+    from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
+    from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
 from justllm.config import usable_cpus
 from justllm.core.fim import FimTokens
@@ -519,6 +523,12 @@ def repack_weights(setting: str) -> bool:
         return setting == "on"
     C.llama_backend_init()
     return b"AMX_INT8 = 1" not in C.llama_print_system_info()
+
+
+def cores_idle_between_decodes() -> bool:
+    """Whether llama.cpp's CPU threads leave their cores soon after a decode
+    (engine/openmp.py), so the step's rows may be prepared on them."""
+    return _OPENMP_SLEEPS
 
 
 def gpu_offload_supported() -> bool:

@@ -28,7 +28,13 @@ from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.core.thinking_budget import ThinkingBudget
-from justllm.engine.backend import BackendConfig, GraphSampling, KVCacheFullError, LlamaBackend
+from justllm.engine.backend import (
+    BackendConfig,
+    GraphSampling,
+    KVCacheFullError,
+    LlamaBackend,
+    cores_idle_between_decodes,
+)
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.graph_sampling import graph_sampling
 from justllm.engine.lora import LoadedLora, LoraRegistry
@@ -247,7 +253,8 @@ class Engine:
                      if proposer is not None else None)
         self._steps = 0  # steps taken, the clock of the speculation windows
         self._observer: RequestObserver | None = None
-        self.row_sampler = RowSampler(sampling_workers(config.gpu, config.threads))
+        self.row_sampler = RowSampler(sampling_workers(config.gpu, config.threads,
+                                                       cores_idle=cores_idle_between_decodes()))
         self._kv_identity: KVIdentity | None = None
         self.loras = LoraRegistry(backend)
         try:

@@ -14,9 +14,11 @@ request's generator is touched by the draw alone, so every request draws exactly
 have drawn alone, and seeds stay reproducible.
 
 The pool only runs where cores are idle between decodes (:func:`sampling_workers`): with the
-model on a GPU, or when llama.cpp runs on fewer threads than there are cores. On a CPU build
-using every core, llama.cpp's OpenMP threads spin for a while after each decode and the
-workers would fight them for the cores.
+model on a GPU, where llama.cpp runs on fewer threads than there are cores, or where its
+OpenMP threads sleep soon after a decode (engine/openmp.py: justllm shortens their spin as
+llama.cpp loads, so that is every CPU build unless the user chose a wait policy of their own or
+libgomp was loaded first). With libgomp's default spin they keep every core busy for
+milliseconds after each decode and the workers would fight them for the cores.
 
 Grammar-constrained rows stay on the engine thread: their matcher lives in llama.cpp, which the
 engine calls from one thread only.
@@ -44,12 +46,14 @@ class RowJob:
     output_ids: list[int]
 
 
-def sampling_workers(gpu: bool, llama_threads: int, cores: int | None = None) -> int:
+def sampling_workers(gpu: bool, llama_threads: int, cores: int | None = None,
+                     cores_idle: bool = False) -> int:
     """Threads for the step's rows, the engine thread counted: its own core and the cores
-    llama.cpp leaves idle between decodes (every core with the model on a GPU), at most 8; 1
+    llama.cpp leaves idle between decodes (every core with the model on a GPU, or where its
+    OpenMP threads sleep soon after a decode: ``cores_idle``, engine/openmp.py), at most 8; 1
     means the engine thread alone."""
     cores = cores or usable_cpus()
-    if gpu:
+    if gpu or cores_idle:
         return max(1, min(cores, 8))
     idle = cores - min(llama_threads or cores, cores)
     return max(1, min(idle + 1, 8))  # the engine thread's own core and the idle ones
