@@ -1,0 +1,99 @@
+"""What the KV the prefix cache keeps costs a decode step.
+
+Not a test. llama.cpp attends over every used cell of its unified cache, the other sequences'
+masked (docs/llama-cpp-facts.md, "How much of the KV cache a step reads"), so the KV that
+finished requests leave in the prefix cache is read again by every later step. Two engines in
+one process decode the same load in turn: one whose cache holds about ``--cached`` tokens
+(finished requests with distinct long prompts), one whose cache is flushed before each run.
+They take turns because this machine's speed drifts by 10-15% within a minute.
+
+    .venv/bin/python benchmarks/cached_kv_cost.py [MODEL] [--cached 4000,9000,14000]
+        [--streams 8] [--tokens 48] [--rounds 2] [--gpu] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from justllm.config import EngineConfig
+from justllm.core.sampling_params import SamplingParams
+from justllm.engine.engine import Engine
+
+POOL_BLOCKS = 1024  # both engines alike (16k tokens of 16), so two fit on a GPU too
+WORDS = ("sea ship wind storm harbour sail captain island wave rope anchor gull tide coast "
+         "night lantern deck mast keel chart").split()
+
+
+def cached_tokens(engine: Engine) -> int:
+    return engine.stats().prefix_cache.blocks * engine.config.block_size
+
+
+def fill(engine: Engine, target: int, rng: random.Random) -> int:
+    """Finished requests with distinct ~500-word prompts until the cache holds ``target``
+    tokens or stops growing (its sequence ids run out first with short prompts)."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    stalled = 0
+    while cached_tokens(engine) < target and stalled < 3:
+        before = cached_tokens(engine)
+        for _ in range(4):
+            engine.add_request(" ".join(rng.choice(WORDS) for _ in range(500)), params)
+        while engine.has_unfinished():
+            engine.step()
+        stalled = stalled + 1 if cached_tokens(engine) <= before else 0
+    return cached_tokens(engine)
+
+
+def decode_rate(engine: Engine, streams: int, tokens: int, rng: random.Random) -> float:
+    """Aggregate tok/s of ``streams`` greedy requests once all of them are decoding (from the
+    third step: the prompts are short and prefill in the first)."""
+    params = SamplingParams(max_tokens=tokens + 3, ignore_eos=True)
+    for _ in range(streams):
+        engine.add_request(f"Story {rng.random()}: the old sailor said", params)
+    steps, t0 = 0, 0.0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            t0 = time.perf_counter()
+    return (steps - 3) * streams / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--cached", default="4000,9000,14000",
+                    help="cache sizes to reach, in tokens, ascending")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    config = EngineConfig(model=args.model, max_seqs=args.streams, pool_blocks=POOL_BLOCKS,
+                          gpu=args.gpu)
+    kept, fresh = Engine(config), Engine(config)
+    rng = random.Random(0)
+    rows = []
+    print(f"{'cached':>7} {'with it':>8} {'without':>8} {'ratio':>6}")
+    for target in (int(t) for t in args.cached.split(",")):
+        held = fill(kept, target, rng)
+        with_it, without = [], []
+        for _ in range(args.rounds):
+            with_it.append(decode_rate(kept, args.streams, args.tokens, rng))
+            fresh.flush_prefix_cache()
+            without.append(decode_rate(fresh, args.streams, args.tokens, rng))
+        a, b = statistics.median(with_it), statistics.median(without)
+        rows.append({"cached_tokens": held, "streams": args.streams, "tok_s_cached": a,
+                     "tok_s_without": b, "ratio": a / b})
+        print(f"{held:>7} {a:>8.1f} {b:>8.1f} {a / b:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": config.model, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
