@@ -3,8 +3,9 @@
 Not a test. llama.cpp attends over every used cell of its unified cache, the other sequences'
 masked (docs/llama-cpp-facts.md, "How much of the KV cache a step reads"), so the KV that
 finished requests leave in the prefix cache is read again by every later step. Two engines in
-one process decode the same load in turn: one whose cache holds about ``--cached`` tokens
-(finished requests with distinct long prompts), one whose cache is flushed before each run.
+one process decode the same load in turn (engine_throughput.py's greedy ``measure``): one whose
+cache holds about ``--cached`` tokens (finished requests with distinct long prompts), one whose
+cache is flushed before each run.
 They take turns because this machine's speed drifts by 10-15% within a minute.
 
     .venv/bin/python benchmarks/cached_kv_cost.py [MODEL] [--cached 4000,9000,14000]
@@ -17,11 +18,15 @@ import argparse
 import json
 import random
 import statistics
-import time
+import sys
+from pathlib import Path
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import measure, time_sampling  # noqa: E402  (its decode timing)
 
 POOL_BLOCKS = 1024  # both engines alike (16k tokens of 16), so two fit on a GPU too
 WORDS = ("sea ship wind storm harbour sail captain island wave rope anchor gull tide coast "
@@ -47,21 +52,6 @@ def fill(engine: Engine, target: int, rng: random.Random) -> int:
     return cached_tokens(engine)
 
 
-def decode_rate(engine: Engine, streams: int, tokens: int, rng: random.Random) -> float:
-    """Aggregate tok/s of ``streams`` greedy requests once all of them are decoding (from the
-    third step: the prompts are short and prefill in the first)."""
-    params = SamplingParams(max_tokens=tokens + 3, ignore_eos=True)
-    for _ in range(streams):
-        engine.add_request(f"Story {rng.random()}: the old sailor said", params)
-    steps, t0 = 0, 0.0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-        if steps == 3:
-            t0 = time.perf_counter()
-    return (steps - 3) * streams / (time.perf_counter() - t0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None)
@@ -76,6 +66,8 @@ def main() -> None:
     config = EngineConfig(model=args.model, max_seqs=args.streams, pool_blocks=POOL_BLOCKS,
                           gpu=args.gpu)
     kept, fresh = Engine(config), Engine(config)
+    for engine in (kept, fresh):
+        time_sampling(engine)  # (measure reads its counter)
     rng = random.Random(0)
     rows = []
     print(f"{'cached':>7} {'with it':>8} {'without':>8} {'ratio':>6}")
@@ -83,9 +75,9 @@ def main() -> None:
         held = fill(kept, target, rng)
         with_it, without = [], []
         for _ in range(args.rounds):
-            with_it.append(decode_rate(kept, args.streams, args.tokens, rng))
+            with_it.append(measure(kept, args.streams, args.tokens)[0])
             fresh.flush_prefix_cache()
-            without.append(decode_rate(fresh, args.streams, args.tokens, rng))
+            without.append(measure(fresh, args.streams, args.tokens)[0])
         a, b = statistics.median(with_it), statistics.median(without)
         rows.append({"cached_tokens": held, "streams": args.streams, "tok_s_cached": a,
                      "tok_s_without": b, "ratio": a / b})

@@ -43,13 +43,14 @@ from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import gpu_devices
 from justllm.engine.engine import Engine
+from justllm.engine.graph_sampling import CANDIDATES
 from justllm.engine.sampler import RequestSampler
 
 RAW_SAMPLED = (0.8, 0.95)  # temperature, top_p of --raw's draw in the graph
-# and the candidates --raw takes in the graph for the host's draw: on the demo model the 0.95
-# nucleus at temperature 0.8 held at most 591 tokens in 240 sampled rows (median 18)
-RAW_CANDIDATES = 1024
-RAW_SLICE = 1024  # the sliced variant's slice width (its CUDA top-k sorts in shared memory)
+# --raw-candidates takes as many candidates as the engine's --backend-sampling does
+# (graph_sampling.CANDIDATES), once from the whole row and once from slices this wide: both
+# are timed whatever graph_sampling.CANDIDATE_SLICE is set to, since the GPU check decides it
+RAW_SLICE = 1024
 
 
 def time_sampling(engine: Engine) -> None:
@@ -176,7 +177,7 @@ def raw_candidates(engine: Engine, levels: list[int], tokens: int) -> list[dict]
         for name, segment in (("candidates", 0), ("sliced", RAW_SLICE)):
             got, held = raw_decode(engine, n, tokens, in_graph=True,
                                    temperature=RAW_SAMPLED[0], top_p=RAW_SAMPLED[1],
-                                   candidates=RAW_CANDIDATES, segment=segment)
+                                   candidates=CANDIDATES, segment=segment)
             row[f"raw_{name}_tok_s"], row[f"raw_{name}_nucleus_inside"] = got, held
             line += f" {got:>8.1f} {100 * held:>6.1f}%"
         rows.append(row)

@@ -102,22 +102,15 @@ def count_graph_tokens(engine: Engine) -> dict[str, int]:
     candidates it took, ``"again"`` with each of those rows computed again (their draw
     undecided)."""
     counted = {"graph": 0, "candidates": 0, "again": 0}
-    graph_token, graph_candidates = engine.backend.graph_token, engine.backend.graph_candidates
-    row_again = engine._row_again
 
-    def counting(i: int) -> int:
-        counted["graph"] += 1
-        return graph_token(i)
+    def counting(key: str, read):
+        def read_counted(arg):
+            counted[key] += 1
+            return read(arg)
+        return read_counted
 
-    def counting_candidates(i: int):
-        counted["candidates"] += 1
-        return graph_candidates(i)
-
-    def counting_again(chunk):
-        counted["again"] += 1
-        return row_again(chunk)
-
-    engine.backend.graph_token = counting  # type: ignore[method-assign]
-    engine.backend.graph_candidates = counting_candidates  # type: ignore[method-assign]
-    engine._row_again = counting_again  # type: ignore[method-assign]
+    b = engine.backend
+    b.graph_token = counting("graph", b.graph_token)  # type: ignore[method-assign]
+    b.graph_candidates = counting("candidates", b.graph_candidates)  # type: ignore[method-assign]
+    engine._row_again = counting("again", engine._row_again)  # type: ignore[method-assign]
     return counted

@@ -12,7 +12,7 @@ waits (the same 47 and 157 tok/s at 1 and 8 sequences as the default, 2026-12-04
 cores a fraction of a millisecond after the decode, so the step's rows are prepared on every
 core there too.
 
-libgomp reads its settings once, as it loads with llama.cpp, so :func:`before_load` sets the
+libgomp reads its settings once, as it loads with llama.cpp, so :func:`short_spin` sets the
 count just for that moment (the environment children inherit is left as it was) unless the
 user chose a policy of their own, and says whether the threads will sleep soon after a
 decode.
