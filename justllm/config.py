@@ -40,6 +40,12 @@ class DeviceDefaults:
     pool_blocks: int
 
 
+# The prefix cache's blocks a CPU engine with host memory for prefixes (``cache_ram``) keeps in
+# the KV when ``prefix_cache_blocks`` is 0; the rest moves to host memory. Each cached cell slows
+# every decode (llama.cpp attends over all of them): 4,064 tokens cost 5.5% at 8 streams here
+# (benchmarks/cached_kv_cost.py), 1,024 about 1.4%. On a GPU that cost is not measured yet:
+# the whole pool stays.
+CPU_RESIDENT_BLOCKS = 64
 CPU_DEFAULTS = DeviceDefaults(n_batch=512, n_ubatch=0, chunk_size=256, pool_blocks=1024)
 GPU_DEFAULTS = DeviceDefaults(n_batch=2048, n_ubatch=512, chunk_size=512, pool_blocks=0)
 
@@ -195,6 +201,10 @@ class EngineConfig:
     spare_seq_ids: int = 32
     prefix_cache: bool = True
     prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
+    # MiB of host memory for prefixes past that cap (kv/host_cache.py); 0: none, -1: no limit.
+    # llama-server's default; with it a CPU engine keeps CPU_RESIDENT_BLOCKS of idle prefixes
+    # in the KV unless prefix_cache_blocks says otherwise (engine/engine.py ``_spill``).
+    cache_ram: int = 8192
     # Named policies: admission order and preemption victim (core/policy.py: "fcfs" or
     # "priority"), and which cached prefix goes first (kv/radix_cache.py: "lru" or "clock").
     scheduling_policy: str = "fcfs"
@@ -272,6 +282,9 @@ class EngineConfig:
         for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if not isinstance(self.cache_ram, int) or self.cache_ram < -1:
+            raise ValueError(f"cache_ram must be -1 (no limit), 0 (off) or MiB (got "
+                             f"{self.cache_ram!r})")
         if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:
             raise ValueError(f"max_seqs + spare_seq_ids must be <= {MAX_SEQ_IDS} (llama.cpp's "
                              "256 sequence ids, each with a twin on sliding-window models)")

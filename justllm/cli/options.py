@@ -50,6 +50,7 @@ Gpu = Annotated[bool, typer.Option("--gpu", help="Offload all layers to the GPU 
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
 PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows). Kept KV is not free: llama.cpp attends over every used cell, about 1-2% of decode speed per 1,000 cached tokens at 8 streams on a CPU.", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
+CacheRam = Annotated[int, typer.Option("--cache-ram", metavar="MiB", help="Host memory for cached prompts (llama-server's flag): the prefixes the prefix cache gives up past --prefix-cache-blocks are kept here and copied back into the KV when a request needs them, in milliseconds instead of a prefill, so the KV holds few idle cells (each slows every decode). 0: off; -1: no limit.", envvar="JUSTLLM_CACHE_RAM")]
 Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels), or a plugin's method (justllm plugins). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one); alone it means --spec draft.", envvar="JUSTLLM_DRAFT_MODEL")]
 Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
@@ -150,6 +151,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("gpu", Gpu, False),
     EngineFlag("no_prefix_cache", NoPrefixCache, False),
     EngineFlag("prefix_cache_blocks", PrefixCacheBlocks, 0),
+    EngineFlag("cache_ram", CacheRam, _D.cache_ram),
     EngineFlag("scheduling_policy", SchedulingPolicy, _D.scheduling_policy),
     EngineFlag("eviction_policy", EvictionPolicy, _D.eviction_policy),
     EngineFlag("spec", Spec, None),

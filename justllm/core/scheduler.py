@@ -31,7 +31,13 @@ from justllm.core.policy import make_policy
 from justllm.core.request import FinishReason, LoraKey, Request, RequestStatus
 from justllm.errors import QueueFullError
 from justllm.kv.block_pool import BlockPool
-from justllm.kv.radix_cache import KVOp, RadixCache, common_prefix_len, freed_sequences
+from justllm.kv.radix_cache import (
+    KVOp,
+    RadixCache,
+    RadixNode,
+    common_prefix_len,
+    freed_sequences,
+)
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,12 @@ class Scheduler:
             self.return_seq(seq)
             return
         self._take(self.cache.insert(tokens, seq, live=False))
+
+    def evict_cached(self, leaf: RadixNode) -> None:
+        """Evict one prefix-cache leaf (``cache.spill_candidate()``'s, its prefix copied to
+        host memory first); its cells are dropped before the next step."""
+        assert self.cache is not None
+        self._take(self.cache.evict(leaf))
 
     @property
     def has_work(self) -> bool:

@@ -15,12 +15,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from justllm.config import CPU_ROW_MULTIPLE, EngineConfig
+from justllm.config import CPU_RESIDENT_BLOCKS, CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.record import RequestOrigin, RequestRecord
@@ -47,6 +47,7 @@ from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
+from justllm.kv.host_cache import HostCache, HostCacheStats
 from justllm.kv.radix_cache import KVOp, RadixCache, make_eviction_policy
 from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
 from justllm.models.registry import file_digest
@@ -57,6 +58,13 @@ from justllm.spec.verify import walk_draft
 KV_TYPE = "f16"  # llama.cpp's default cache type, which the backend keeps
 
 log = logging.getLogger(__name__)
+
+
+def _ram_bytes(mib: int) -> int:
+    """``--cache-ram`` in bytes (-1: no limit)."""
+    return 1 << 62 if mib < 0 else mib << 20
+
+
 STUCK = "the request could not be scheduled (an engine bug: see the server log)"
 ENCODER_ONLY = ("this model makes embeddings only (an encoder, such as BERT: it has no "
                 "language-model head and writes no text); ask for embeddings (/v1/embeddings)")
@@ -188,6 +196,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    host_cache: HostCacheStats = HostCacheStats()  # prefixes in host memory (--cache-ram)
     spec: SpecStats = SpecStats()
     lora_adapters: int = 0  # loaded
     lora_switches: int = 0  # changes of the adapter set applied to the context
@@ -219,6 +228,14 @@ class Engine:
         self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None,
                                  policy=make_eviction_policy(config.eviction_policy))
                       if config.prefix_cache else None)
+        # With host memory for them, prefixes past the cap move there at the end of a step
+        # (``_spill``) instead of being dropped by the cache itself.
+        self.host_cache = (HostCache(_ram_bytes(config.cache_ram), key_tokens=config.block_size)
+                           if config.cache_ram and self.cache is not None else None)
+        if self.host_cache is not None and self.cache is not None:
+            self.cache.max_blocks = None
+        self._resident_blocks = config.prefix_cache_blocks or (
+            self.pool.total_blocks if config.gpu else CPU_RESIDENT_BLOCKS)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
         self.runner = Runner(backend)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
@@ -517,6 +534,8 @@ class Engine:
                 generation_tokens_total=self._generation_tokens_total,
                 num_preemptions_total=self._preemptions_total,
                 prefix_cache=self.cache.stats() if self.cache else PrefixCacheStats(),
+                host_cache=(self.host_cache.stats() if self.host_cache is not None
+                            else HostCacheStats()),
                 spec=self.spec.stats if self.spec is not None else SpecStats(),
                 lora_adapters=len(self.loras.adapters()), lora_switches=self.loras.switches)
 
@@ -529,9 +548,12 @@ class Engine:
                     for r in self.scheduler.running]
 
     def flush_prefix_cache(self) -> None:
-        """Drop every cached prefix no running request uses; the KV goes at the next step."""
+        """Drop every cached prefix no running request uses (the KV goes at the next step),
+        and those in host memory."""
         with self._lock:
             self.scheduler.flush_cache()
+            if self.host_cache is not None:
+                self.host_cache.clear()
 
     # ---- LoRA adapters at run time --------------------------------------------------------
     # ``load_lora`` and ``finish_unload_lora`` call llama.cpp: the engine thread's only
@@ -590,36 +612,43 @@ class Engine:
 
     def export_prefix(self, tokens: list[int]) -> bytes:
         """The KV of the longest cached prefix of ``tokens`` as transfer bytes (header and
-        checksum: ``kv/transfer.py``). Its cells, spread over the cache's holders, are gathered
-        into a borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, one
-        sliding window of positions at a time (llama.cpp leaves cells outside a sequence's
-        window out of its state), serialised, and the sequence given back. Raises
+        checksum: ``kv/transfer.py``; the cells as :meth:`_gather_prefix` takes them). Raises
         KVTransferError when nothing of it is cached."""
         identity = self.kv_identity()
         with self._lock:
-            cache = self.cache
-            match = cache.match(tokens, len(tokens)) if cache is not None else None
-            if cache is None or match is None or match.length == 0:
-                raise KVTransferError("no prefix of these tokens is in the prefix cache")
-            n = match.length
-            step = self.backend.n_swa or n
-            cache.lock(match.last)
-            chunks: list[bytes] = []
-            try:
-                for a in range(0, n, step):
-                    b = min(a + step, n)
-                    seq = self._borrow_seq("export through")
-                    try:
-                        self.runner.apply_kv_ops(self.scheduler.take_kv_ops() + [
-                            KVOp.cp(node.holder, seq, max(node.start, a), min(node.end, b))
-                            for node in match.nodes if node.start < b and node.end > a])
-                        chunks.append(self.backend.seq_state(seq))
-                    finally:
-                        self.scheduler.return_seq(seq)
-            finally:
-                cache.unlock(match.last)
-                self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+            self._restore_for(tokens)  # (a longer prefix in host memory goes back first)
+            n, chunks, step = self._gather_prefix(tokens)
         return pack(identity, tokens[:n], chunks, step)
+
+    def _gather_prefix(self, tokens: list[int]) -> tuple[int, list[bytes], int]:
+        """(length, chunks, positions per chunk) of the longest cached prefix of ``tokens``
+        (under the lock). Its cells, spread over the cache's holders, are gathered into a
+        borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, one sliding
+        window of positions at a time (llama.cpp leaves cells outside a sequence's window out
+        of its state), serialised, and the sequence given back."""
+        cache = self.cache
+        match = cache.match(tokens, len(tokens)) if cache is not None else None
+        if cache is None or match is None or match.length == 0:
+            raise KVTransferError("no prefix of these tokens is in the prefix cache")
+        n = match.length
+        step = self.backend.n_swa or n
+        cache.lock(match.last)
+        chunks: list[bytes] = []
+        try:
+            for a in range(0, n, step):
+                b = min(a + step, n)
+                seq = self._borrow_seq("export through")
+                try:
+                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops() + [
+                        KVOp.cp(node.holder, seq, max(node.start, a), min(node.end, b))
+                        for node in match.nodes if node.start < b and node.end > a])
+                    chunks.append(self.backend.seq_state(seq))
+                finally:
+                    self.scheduler.return_seq(seq)
+        finally:
+            cache.unlock(match.last)
+            self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+        return n, chunks, step
 
     def _borrow_seq(self, what: str) -> int:
         seq = self.scheduler.borrow_seq()
@@ -643,40 +672,49 @@ class Engine:
         if header.chunk_tokens != (self.backend.n_swa or len(tokens)):
             raise KVTransferError(f"KV data cut in chunks of {header.chunk_tokens} positions; "
                                   "this model needs its sliding window")
-        backend = self.backend
         with self._lock:
-            held = self.cache.match(tokens, len(tokens)).length
-            if held == len(tokens):
-                # Here already (an earlier hand-over of the same prompt, or a request): nothing
-                # to load. It used to ask room for the whole prompt again, which requests
-                # sharing that very prefix held, and refused the import.
-                return held
-            if not self.scheduler.make_room(len(tokens)):
-                raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
-                                      "requests hold the pool")
-            holder = self._borrow_seq("import into")
-            try:
-                for (a, b), data in zip(header.spans(), chunks):
-                    scratch = self._borrow_seq("import through")
-                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-                    try:
-                        backend.set_seq_state(scratch, data)
-                        if (backend.seq_pos_min(scratch), backend.seq_pos_max(scratch)) != \
-                                (a, b - 1):
-                            raise KVTransferError(f"the KV data does not hold positions "
-                                                  f"{a}..{b - 1}")
-                        backend.seq_cp(scratch, holder)
-                    except EngineError as e:
-                        raise KVTransferError(str(e)) from None
-                    finally:
-                        self.scheduler.return_seq(scratch)
-            except BaseException:
-                self.scheduler.return_seq(holder)
+            return self._load_prefix(tokens, header.spans(), chunks)
+
+    def _load_prefix(self, tokens: list[int], spans: list[tuple[int, int]],
+                     chunks: Sequence[bytes | memoryview]) -> int:
+        """Serialised cells of ``tokens`` (chunk k: positions ``spans[k]``) into the prefix
+        cache (under the lock); the tokens of them now cached. Each chunk goes into a scratch
+        sequence and is tagged onto the holder by ``seq_cp``, which keeps earlier chunks (a
+        state load empties its sequence first)."""
+        assert self.cache is not None
+        backend = self.backend
+        held = self.cache.match(tokens, len(tokens)).length
+        if held == len(tokens):
+            # Here already (an earlier hand-over of the same prompt, or a request): nothing
+            # to load. It used to ask room for the whole prompt again, which requests
+            # sharing that very prefix held, and refused the import.
+            return held
+        if not self.scheduler.make_room(len(tokens)):
+            raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
+                                  "requests hold the pool")
+        holder = self._borrow_seq("import into")
+        try:
+            for (a, b), data in zip(spans, chunks):
+                scratch = self._borrow_seq("import through")
                 self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-                raise
-            self.scheduler.adopt_prefix(tokens, holder)
+                try:
+                    backend.set_seq_state(scratch, data)
+                    if (backend.seq_pos_min(scratch), backend.seq_pos_max(scratch)) != \
+                            (a, b - 1):
+                        raise KVTransferError(f"the KV data does not hold positions "
+                                              f"{a}..{b - 1}")
+                    backend.seq_cp(scratch, holder)
+                except EngineError as e:
+                    raise KVTransferError(str(e)) from None
+                finally:
+                    self.scheduler.return_seq(scratch)
+        except BaseException:
+            self.scheduler.return_seq(holder)
             self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-            return self.cache.match(tokens, len(tokens)).length
+            raise
+        self.scheduler.adopt_prefix(tokens, holder)
+        self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+        return self.cache.match(tokens, len(tokens)).length
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -685,6 +723,8 @@ class Engine:
         drafts = self._propose() if self.spec is not None else None
         try:
             with self._lock:  # planned and put in the batch before an abort can interleave
+                if self.host_cache is not None and self.scheduler.waiting:
+                    self._restore()
                 plan = self.scheduler.schedule(drafts)
                 self._preemptions_total += len(plan.preempted)
                 if plan.is_empty:
@@ -712,7 +752,60 @@ class Engine:
             outputs, result = self._postprocess(plan, logits, in_graph)
             for req in self.scheduler.update(plan, result):
                 self._drop(req.request_id)
+            if self.host_cache is not None:
+                self._spill()
             return outputs
+
+    # ---- the host-memory tier (--cache-ram) -----------------------------------------------
+
+    def _spill(self) -> None:
+        """While the prefix cache holds more than ``--prefix-cache-blocks``, its next victim's
+        prefix (from position 0) is copied to host memory, unless an entry there holds it
+        already, and then evicted (kv/host_cache.py says why: idle cells slow every decode).
+        Adapter trees' prefixes are just evicted."""
+        cache, host = self.cache, self.host_cache
+        assert cache is not None and host is not None
+        while cache.num_blocks > self._resident_blocks:
+            leaf = cache.spill_candidate()
+            if leaf is None:
+                return
+            tokens = cache.path_tokens(leaf)
+            if leaf.tree == () and not host.covers(tokens):
+                try:
+                    n, chunks, step = self._gather_prefix(tokens)
+                except KVTransferError as e:  # (no sequence id to gather through)
+                    log.debug("prefix not moved to host memory: %s", e)
+                else:
+                    if n == len(tokens):
+                        host.put(tokens, chunks, step)
+            if cache.is_evictable(leaf):  # (the gather locked it: nothing evicted it)
+                self.scheduler.evict_cached(leaf)
+
+    def _restore(self) -> None:
+        """The requests that may be admitted this step, each once: one that shares at least a
+        block more of its tokens with a prefix in host memory than with the prefix cache gets
+        that prefix back in the KV first (it then hits it as any cached prefix)."""
+        for req in itertools.islice(self.scheduler.waiting, self.config.max_prefill):
+            if req.host_checked or req.lora != () or req.kv_errors or req.wants_prompt_logprobs:
+                continue
+            req.host_checked = True
+            self._restore_for((req.prompt_token_ids + req.output_token_ids)[:req.num_tokens - 1])
+
+    def _restore_for(self, tokens: list[int]) -> None:
+        """Copy back the prefix in host memory sharing the most with ``tokens``, if that is at
+        least a block more than the prefix cache shares with them (under the lock)."""
+        cache, host = self.cache, self.host_cache
+        if cache is None or host is None:
+            return
+        length, entry = host.best(tokens)
+        if entry is None or length < cache.match(tokens, len(tokens)).length + self.pool.block_size:
+            return
+        try:
+            self._load_prefix(entry.tokens, entry.spans(), entry.chunks)
+        except KVTransferError as e:  # no room or no id now: the prompt is computed
+            log.debug("prefix not restored from host memory: %s", e)
+            return
+        host.used(entry)
 
     def check_kv(self, plan: StepPlan | None = None) -> None:
         """Raise KVConsistencyError unless every sequence id's cells in llama.cpp are what the

@@ -338,6 +338,28 @@ class RadixCache:
             return None
         return self._evict(self.policy.pick(list(self._evictable)))
 
+    def spill_candidate(self) -> RadixNode | None:
+        """The leaf the policy would evict next (None when nothing can go): the host tier
+        copies its prefix out first (kv/host_cache.py), then :meth:`evict` drops it."""
+        return self.policy.pick(list(self._evictable)) if self._evictable else None
+
+    def is_evictable(self, node: RadixNode) -> bool:
+        return node in self._evictable
+
+    def evict(self, leaf: RadixNode) -> list[KVOp]:
+        """Evict ``leaf`` (one :meth:`spill_candidate` returned, with no change since)."""
+        assert leaf in self._evictable
+        return self._evict(leaf)
+
+    @staticmethod
+    def path_tokens(node: RadixNode) -> list[int]:
+        """The tokens from position 0 through ``node``'s last."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
     def _evict(self, victim: RadixNode) -> list[KVOp]:
         parent = victim.parent
         assert parent is not None

@@ -73,6 +73,15 @@ class _EngineCollector(Collector):
         yield gauge("justllm_prefix_cache_blocks", "KV blocks held by the prefix cache.", pc.blocks)
         yield gauge("justllm_prefix_cache_idle_blocks", "Prefix-cache blocks no running request "
                     "uses (freed on demand).", pc.idle_blocks)
+        hc = s.host_cache
+        yield gauge("justllm_host_cache_bytes", "Bytes of cached prefixes in host memory "
+                    "(--cache-ram).", hc.bytes)
+        yield gauge("justllm_host_cache_tokens", "Tokens of the prefixes in host memory.",
+                    hc.tokens)
+        yield counter("justllm_host_cache_stored", "Prefixes moved from the KV to host memory.",
+                      hc.stored)
+        yield counter("justllm_host_cache_restored", "Prefixes copied back into the KV for a "
+                      "request.", hc.restored)
         sp = s.spec
         yield counter("vllm:spec_decode_num_drafts", "Drafts verified (one per request and step).",
                       sp.num_drafts)

@@ -123,6 +123,23 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
         a.close()
 
 
+def test_host_memory_under_random_concurrent_load_keeps_kv_consistent(model_path):
+    """The same load with room in the KV for 6 blocks of idle prefixes and host memory for
+    the rest (--cache-ram): prefixes move out at the ends of steps and back in for requests
+    that share them, beside requests that share, evict, preempt and leave; every step is
+    KV-checked."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
+                                 block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
+                                 cache_ram=64, prefix_cache_blocks=6))
+    a = AsyncEngine(engine)
+    try:
+        asyncio.run(_drive(a, engine, 5, rounds=2))
+        host = engine.stats().host_cache
+        assert host.stored >= 5 and host.restored >= 3, host
+    finally:
+        a.close()
+
+
 def test_backend_sampling_under_random_concurrent_load_keeps_kv_consistent(model_path,
                                                                           monkeypatch):
     """The same load with --backend-sampling: the unseeded plain requests' tokens are chosen
@@ -221,7 +238,10 @@ async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Rand
 
 
 async def _drive(a: AsyncEngine, engine: Engine, seed: int,
-                 transfers: AsyncEngine | None = None, unseeded: bool = False) -> None:
+                 transfers: AsyncEngine | None = None, unseeded: bool = False,
+                 rounds: int = 1) -> None:
+    """``rounds``: the same prompts again, each round once the last has ended (its prefixes
+    cached by then, or in host memory)."""
     rng = random.Random(seed)
     words = engine.tokenize(" apple river stone light")
     bos, vocab = words[0], words[1:]
@@ -229,11 +249,13 @@ async def _drive(a: AsyncEngine, engine: Engine, seed: int,
     results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
                "thinking": 0,
                "resumed": 0, "prompt_logprobs": 0}
-    clients = [one_client(a, random.Random(seed * 100 + i), p, i, results, unseeded)
-               for i, p in enumerate(prompts)]
-    if transfers is not None:
-        clients.append(_transfer_client(a, transfers, random.Random(seed), prompts, results))
-    await asyncio.gather(*clients)
+    for r in range(rounds):
+        clients = [one_client(a, random.Random(seed * 100 + i + 1000 * r), p, i, results,
+                              unseeded) for i, p in enumerate(prompts)]
+        if transfers is not None:
+            clients.append(_transfer_client(a, transfers, random.Random(seed), prompts,
+                                            results))
+        await asyncio.gather(*clients)
     assert results["completed"] >= 10 and results["cancelled"] + results["left"] >= 3, results
     assert results["prompt_logprobs"] >= 2 and results["thinking"] >= 1, results
     if transfers is not None:
