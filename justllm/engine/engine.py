@@ -48,7 +48,7 @@ from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVCo
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.host_cache import HostCache, HostCacheStats
-from justllm.kv.radix_cache import KVOp, RadixCache, make_eviction_policy
+from justllm.kv.radix_cache import KVOp, Match, RadixCache, make_eviction_policy
 from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
 from justllm.models.registry import file_digest
 from justllm.models.source import resolve_model
@@ -56,6 +56,9 @@ from justllm.spec.controller import SpecController, SpecStats
 from justllm.spec.verify import walk_draft
 
 KV_TYPE = "f16"  # llama.cpp's default cache type, which the backend keeps
+# Positions per chunk of a prefix in host memory (kv/host_cache.py): prefixes that begin alike
+# share whole chunks (shorter ones share more of them, longer ones take fewer llama.cpp calls).
+HOST_CHUNK_TOKENS = 128
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +233,9 @@ class Engine:
                       if config.prefix_cache else None)
         # With host memory for them, prefixes past the cap move there at the end of a step
         # (``_spill``) instead of being dropped by the cache itself.
-        self.host_cache = (HostCache(_ram_bytes(config.cache_ram), key_tokens=config.block_size)
+        self.host_cache = (HostCache(_ram_bytes(config.cache_ram),
+                                     min(HOST_CHUNK_TOKENS, backend.n_swa or HOST_CHUNK_TOKENS),
+                                     key_tokens=config.block_size)
                            if config.cache_ram and self.cache is not None else None)
         if self.host_cache is not None and self.cache is not None:
             self.cache.max_blocks = None
@@ -612,31 +617,32 @@ class Engine:
 
     def export_prefix(self, tokens: list[int]) -> bytes:
         """The KV of the longest cached prefix of ``tokens`` as transfer bytes (header and
-        checksum: ``kv/transfer.py``; the cells as :meth:`_gather_prefix` takes them). Raises
-        KVTransferError when nothing of it is cached."""
+        checksum: ``kv/transfer.py``), one sliding window of positions a chunk (llama.cpp
+        leaves cells outside a sequence's window out of its state). Raises KVTransferError
+        when nothing of it is cached."""
         identity = self.kv_identity()
         with self._lock:
             self._restore_for(tokens)  # (a longer prefix in host memory goes back first)
-            n, chunks, step = self._gather_prefix(tokens)
+            cache = self.cache
+            match = cache.match(tokens, len(tokens)) if cache is not None else None
+            if match is None or match.length == 0:
+                raise KVTransferError("no prefix of these tokens is in the prefix cache")
+            n = match.length
+            step = self.backend.n_swa or n
+            chunks = self._gather(match, [(a, min(a + step, n)) for a in range(0, n, step)])
         return pack(identity, tokens[:n], chunks, step)
 
-    def _gather_prefix(self, tokens: list[int]) -> tuple[int, list[bytes], int]:
-        """(length, chunks, positions per chunk) of the longest cached prefix of ``tokens``
-        (under the lock). Its cells, spread over the cache's holders, are gathered into a
-        borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, one sliding
-        window of positions at a time (llama.cpp leaves cells outside a sequence's window out
-        of its state), serialised, and the sequence given back."""
+    def _gather(self, match: Match, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The cells of a cached prefix (``match``) at each span of positions, serialised
+        (under the lock): its cells, spread over the cache's holders, are gathered into a
+        borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, serialised, and
+        the sequence given back. A span must lie within one sliding window."""
         cache = self.cache
-        match = cache.match(tokens, len(tokens)) if cache is not None else None
-        if cache is None or match is None or match.length == 0:
-            raise KVTransferError("no prefix of these tokens is in the prefix cache")
-        n = match.length
-        step = self.backend.n_swa or n
+        assert cache is not None
         cache.lock(match.last)
         chunks: list[bytes] = []
         try:
-            for a in range(0, n, step):
-                b = min(a + step, n)
+            for a, b in spans:
                 seq = self._borrow_seq("export through")
                 try:
                     self.runner.apply_kv_ops(self.scheduler.take_kv_ops() + [
@@ -648,7 +654,7 @@ class Engine:
         finally:
             cache.unlock(match.last)
             self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-        return n, chunks, step
+        return chunks
 
     def _borrow_seq(self, what: str) -> int:
         seq = self.scheduler.borrow_seq()
@@ -678,43 +684,56 @@ class Engine:
     def _load_prefix(self, tokens: list[int], spans: list[tuple[int, int]],
                      chunks: Sequence[bytes | memoryview]) -> int:
         """Serialised cells of ``tokens`` (chunk k: positions ``spans[k]``) into the prefix
-        cache (under the lock); the tokens of them now cached. Each chunk goes into a scratch
-        sequence and is tagged onto the holder by ``seq_cp``, which keeps earlier chunks (a
-        state load empties its sequence first)."""
-        assert self.cache is not None
+        cache (under the lock); the tokens of them now cached. The chunks may begin past
+        position 0 where the cache holds the tokens before them (kept locked meanwhile), and
+        the last may go on past ``tokens`` (its cells there are dropped). Each chunk goes into
+        a scratch sequence and is tagged onto the holder by ``seq_cp``, which keeps earlier
+        chunks (a state load empties its sequence first)."""
+        cache = self.cache
+        assert cache is not None
         backend = self.backend
-        held = self.cache.match(tokens, len(tokens)).length
-        if held == len(tokens):
+        held = cache.match(tokens, len(tokens))
+        if held.length == len(tokens):
             # Here already (an earlier hand-over of the same prompt, or a request): nothing
             # to load. It used to ask room for the whole prompt again, which requests
             # sharing that very prefix held, and refused the import.
-            return held
-        if not self.scheduler.make_room(len(tokens)):
-            raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
-                                  "requests hold the pool")
-        holder = self._borrow_seq("import into")
+            return held.length
+        first = spans[0][0] if spans else 0
+        if first > held.length:
+            raise KVTransferError(f"KV data from position {first}, but the cache holds "
+                                  f"{held.length} tokens before it")
+        node = cache.hold(held) if first else None  # the head the chunks go on from stays
         try:
-            for (a, b), data in zip(spans, chunks):
-                scratch = self._borrow_seq("import through")
+            if not self.scheduler.make_room(len(tokens) - held.length):
+                raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
+                                      "requests hold the pool")
+            holder = self._borrow_seq("import into")
+            try:
+                for (a, b), data in zip(spans, chunks):
+                    scratch = self._borrow_seq("import through")
+                    self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
+                    try:
+                        backend.set_seq_state(scratch, data)
+                        if (backend.seq_pos_min(scratch), backend.seq_pos_max(scratch)) != \
+                                (a, b - 1):
+                            raise KVTransferError(f"the KV data does not hold positions "
+                                                  f"{a}..{b - 1}")
+                        if b > len(tokens):  # a chunk that goes on past the prefix wanted
+                            backend.seq_rm(scratch, len(tokens), -1)
+                        backend.seq_cp(scratch, holder)
+                    except EngineError as e:
+                        raise KVTransferError(str(e)) from None
+                    finally:
+                        self.scheduler.return_seq(scratch)
+            except BaseException:
+                self.scheduler.return_seq(holder)
                 self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-                try:
-                    backend.set_seq_state(scratch, data)
-                    if (backend.seq_pos_min(scratch), backend.seq_pos_max(scratch)) != \
-                            (a, b - 1):
-                        raise KVTransferError(f"the KV data does not hold positions "
-                                              f"{a}..{b - 1}")
-                    backend.seq_cp(scratch, holder)
-                except EngineError as e:
-                    raise KVTransferError(str(e)) from None
-                finally:
-                    self.scheduler.return_seq(scratch)
-        except BaseException:
-            self.scheduler.return_seq(holder)
-            self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-            raise
-        self.scheduler.adopt_prefix(tokens, holder)
+                raise
+            self.scheduler.adopt_prefix(tokens, holder)
+        finally:
+            cache.unlock(node)
         self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-        return self.cache.match(tokens, len(tokens)).length
+        return cache.match(tokens, len(tokens)).length
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -759,10 +778,10 @@ class Engine:
     # ---- the host-memory tier (--cache-ram) -----------------------------------------------
 
     def _spill(self) -> None:
-        """While the prefix cache holds more than ``--prefix-cache-blocks``, its next victim's
-        prefix (from position 0) is copied to host memory, unless an entry there holds it
-        already, and then evicted (kv/host_cache.py says why: idle cells slow every decode).
-        Adapter trees' prefixes are just evicted."""
+        """While the prefix cache holds more than its share of the KV, its next victim's
+        prefix (from position 0) is copied to host memory, but the chunks kept there already,
+        unless an entry there holds all of it, and then evicted (kv/host_cache.py says why:
+        idle cells slow every decode). Adapter trees' prefixes are just evicted."""
         cache, host = self.cache, self.host_cache
         assert cache is not None and host is not None
         while cache.num_blocks > self._resident_blocks:
@@ -771,13 +790,15 @@ class Engine:
                 return
             tokens = cache.path_tokens(leaf)
             if leaf.tree == () and not host.covers(tokens):
+                missing = host.missing(tokens)
+                match = cache.match(tokens, len(tokens))
+                assert match.length == len(tokens) and match.last is leaf
                 try:
-                    n, chunks, step = self._gather_prefix(tokens)
+                    data = self._gather(match, [(m.start, m.end) for m in missing])
                 except KVTransferError as e:  # (no sequence id to gather through)
                     log.debug("prefix not moved to host memory: %s", e)
                 else:
-                    if n == len(tokens):
-                        host.put(tokens, chunks, step)
+                    host.put(tokens, {m.digest: d for m, d in zip(missing, data)})
             if cache.is_evictable(leaf):  # (the gather locked it: nothing evicted it)
                 self.scheduler.evict_cached(leaf)
 
@@ -792,20 +813,24 @@ class Engine:
             self._restore_for((req.prompt_token_ids + req.output_token_ids)[:req.num_tokens - 1])
 
     def _restore_for(self, tokens: list[int]) -> None:
-        """Copy back the prefix in host memory sharing the most with ``tokens``, if that is at
-        least a block more than the prefix cache shares with them (under the lock)."""
+        """Copy back the chunks of the prefix in host memory sharing the most with
+        ``tokens`` that the prefix cache lacks, if that is at least a block more than it
+        shares with them (under the lock)."""
         cache, host = self.cache, self.host_cache
         if cache is None or host is None:
             return
-        length, entry = host.best(tokens)
-        if entry is None or length < cache.match(tokens, len(tokens)).length + self.pool.block_size:
+        usable, entry = host.best(tokens)
+        have = cache.match(tokens, len(tokens)).length
+        if entry is None or usable < have + self.pool.block_size:
             return
+        chunks = host.chunks(entry, have, usable)  # (the last one is cut at ``usable``)
         try:
-            self._load_prefix(entry.tokens, entry.spans(), entry.chunks)
+            self._load_prefix(entry.tokens[:usable], [(s.start, s.end) for s, _ in chunks],
+                              [d for _, d in chunks])
         except KVTransferError as e:  # no room or no id now: the prompt is computed
             log.debug("prefix not restored from host memory: %s", e)
             return
-        host.used(entry)
+        host.used(entry, usable - chunks[0][0].start)
 
     def check_kv(self, plan: StepPlan | None = None) -> None:
         """Raise KVConsistencyError unless every sequence id's cells in llama.cpp are what the

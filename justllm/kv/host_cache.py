@@ -11,60 +11,84 @@ spare it the decode cost that this tier removes here.
 The engine (engine/engine.py) moves a prefix out when the prefix cache holds more than
 ``--prefix-cache-blocks`` and back in when a waiting request shares more of its prompt with an
 entry here than with what is in the KV. This module only decides what is kept: whole prefixes
-(the tokens from position 0, their cells as llama.cpp serialises them, in chunks), at most
-``max_bytes`` of them, least recently used out first, none that a longer entry already holds.
+(the tokens from position 0), each as *chunks* of ``chunk_tokens`` positions (the cells as
+llama.cpp serialises them). A chunk is named by a digest of every token up to its end (its
+cells depend on all of them), so prefixes that begin alike share their first chunks: a
+thousand requests after one long system prompt store it once, and moving one out copies only
+the chunks not stored yet. At most ``max_bytes`` of chunks are kept; the least recently used
+prefix goes first (its chunks with it, unless another prefix uses them), and none is kept
+that a longer one holds. A prefix comes back as far as a prompt shares it: the chunks it
+needs, the last one's cells past that dropped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from collections.abc import Sequence
+from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from justllm.kv.radix_cache import common_prefix_len
 
 
+@dataclass(frozen=True)
+class Span:
+    """Chunk ``index`` of a prefix: positions [start, end), named by ``digest``."""
+
+    index: int
+    start: int
+    end: int
+    digest: bytes
+
+
 @dataclass
 class HostEntry:
     tokens: list[int]
-    chunks: list[bytes]  # the cells of positions [k * chunk_tokens, (k + 1) * chunk_tokens)
-    chunk_tokens: int
+    spans: list[Span]
     last_use: int = 0
-
-    @property
-    def n_bytes(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
-    def spans(self) -> list[tuple[int, int]]:
-        n, step = len(self.tokens), self.chunk_tokens
-        return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 @dataclass(frozen=True)
 class HostCacheStats:
     entries: int = 0
-    bytes: int = 0
-    tokens: int = 0
+    bytes: int = 0  # of the chunks kept (each once)
+    tokens: int = 0  # of the prefixes kept (shared chunks counted in each)
     stored: int = 0  # prefixes moved out of the KV
     restored: int = 0  # prefixes moved back for a request
     restored_tokens: int = 0
 
 
+def spans(tokens: list[int], chunk_tokens: int) -> list[Span]:
+    """``tokens``' chunks, each named by a digest of the tokens through its end (chained)."""
+    out: list[Span] = []
+    digest = b""
+    for k, a in enumerate(range(0, len(tokens), chunk_tokens)):
+        b = min(a + chunk_tokens, len(tokens))
+        digest = hashlib.blake2b(digest + array("q", tokens[a:b]).tobytes(),
+                                 digest_size=16).digest()
+        out.append(Span(k, a, b, digest))
+    return out
+
+
 class HostCache:
     """Entries keyed by their first ``key_tokens`` tokens (a lookup compares only entries
-    that begin as the prompt does)."""
+    that begin as the prompt does); chunks kept once, with the number of entries using each."""
 
-    def __init__(self, max_bytes: int, key_tokens: int = 16) -> None:
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
+    def __init__(self, max_bytes: int, chunk_tokens: int, key_tokens: int = 16) -> None:
+        if max_bytes < 0 or chunk_tokens < 1:
+            raise ValueError("max_bytes must be >= 0 and chunk_tokens >= 1")
         self.max_bytes = max_bytes
+        self.chunk_tokens = chunk_tokens
         self.key_tokens = max(1, key_tokens)
         self._by_key: dict[tuple[int, ...], list[HostEntry]] = {}
+        self._chunks: dict[bytes, bytes] = {}
+        self._refs: dict[bytes, int] = {}
         self._bytes = 0
         self._tick = itertools.count(1)
         self._stored = self._restored = self._restored_tokens = 0
 
-    def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
+    def _key(self, tokens: list[int]) -> tuple[int, ...]:
         return tuple(tokens[:self.key_tokens])
 
     def _entries(self) -> list[HostEntry]:
@@ -74,6 +98,36 @@ class HostCache:
         """Whether an entry holds all of ``tokens`` (they are one of its prefixes)."""
         return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens
                    for e in self._by_key.get(self._key(tokens), ()))
+
+    def missing(self, tokens: list[int]) -> list[Span]:
+        """The chunks of ``tokens`` not kept yet: what :meth:`put` needs for them."""
+        return [s for s in spans(tokens, self.chunk_tokens) if s.digest not in self._chunks]
+
+    def put(self, tokens: list[int], data: Mapping[bytes, bytes]) -> bool:
+        """Keep the prefix ``tokens``, ``data`` holding the cells of its chunks :meth:`missing`
+        named (by digest); False when they do not fit the whole budget, or when the prefix is
+        shorter than a lookup's key. Entries this one holds all of go; then the least recently
+        used, until it fits."""
+        if len(tokens) < self.key_tokens:
+            return False
+        entry = HostEntry(list(tokens), spans(tokens, self.chunk_tokens), next(self._tick))
+        key = self._key(tokens)
+        for s in entry.spans:  # held first, so no eviction below frees a chunk this one uses
+            if s.digest not in self._chunks:
+                chunk = data[s.digest]
+                self._chunks[s.digest] = chunk
+                self._bytes += len(chunk)
+            self._refs[s.digest] = self._refs.get(s.digest, 0) + 1
+        for old in [e for e in self._by_key.get(key, ()) if tokens[:len(e.tokens)] == e.tokens]:
+            self._remove(old)
+        self._by_key.setdefault(key, []).append(entry)
+        while self._bytes > self.max_bytes:
+            oldest = min(self._entries(), key=lambda e: e.last_use)
+            self._remove(oldest)
+            if oldest is entry:
+                return False
+        self._stored += 1
+        return True
 
     def best(self, tokens: list[int]) -> tuple[int, HostEntry | None]:
         """The entry sharing the longest prefix with ``tokens``, and how long that is (0,
@@ -85,42 +139,36 @@ class HostCache:
                 best = (k, e)
         return best
 
-    def put(self, tokens: list[int], chunks: list[bytes], chunk_tokens: int) -> bool:
-        """Keep a prefix's cells; False when they are larger than the whole budget. Entries
-        this one holds all of (their tokens begin it) go; then the least recently used, until
-        it fits."""
-        entry = HostEntry(list(tokens), list(chunks), chunk_tokens, next(self._tick))
-        if entry.n_bytes > self.max_bytes or len(tokens) < self.key_tokens:
-            return False
-        key = self._key(tokens)
-        group = self._by_key.setdefault(key, [])
-        for old in [e for e in group if tokens[:len(e.tokens)] == e.tokens]:
-            self._remove(key, old)
-        while self._bytes + entry.n_bytes > self.max_bytes:
-            oldest = min(self._entries(), key=lambda e: e.last_use)
-            self._remove(self._key(oldest.tokens), oldest)
-        self._by_key.setdefault(key, []).append(entry)
-        self._bytes += entry.n_bytes
-        self._stored += 1
-        return True
+    def chunks(self, entry: HostEntry, start: int, end: int) -> list[tuple[Span, bytes]]:
+        """``entry``'s chunks holding positions ``start`` to ``end`` (the last may go on
+        past it: the engine drops those cells), with their cells."""
+        return [(s, self._chunks[s.digest]) for s in entry.spans if s.end > start and
+                s.start < end]
 
-    def used(self, entry: HostEntry) -> None:
-        """``entry`` went back into the KV for a request: most recently used now."""
+    def used(self, entry: HostEntry, tokens: int) -> None:
+        """``tokens`` of ``entry`` went back into the KV for a request: most recently used."""
         entry.last_use = next(self._tick)
         self._restored += 1
-        self._restored_tokens += len(entry.tokens)
+        self._restored_tokens += tokens
 
     def clear(self) -> None:
         """Forget every entry (the counters stay)."""
-        self._by_key.clear()
-        self._bytes = 0
+        for e in self._entries():
+            self._remove(e)
 
-    def _remove(self, key: tuple[int, ...], entry: HostEntry) -> None:
+    def _remove(self, entry: HostEntry) -> None:
+        key = self._key(entry.tokens)
         group = self._by_key[key]
         group.remove(entry)
         if not group:
             del self._by_key[key]
-        self._bytes -= entry.n_bytes
+        for s in entry.spans:
+            left = self._refs[s.digest] - 1
+            if left:
+                self._refs[s.digest] = left
+            else:
+                del self._refs[s.digest]
+                self._bytes -= len(self._chunks.pop(s.digest))
 
     def stats(self) -> HostCacheStats:
         entries = self._entries()

@@ -9,7 +9,7 @@ import pytest
 from justllm.config import CPU_RESIDENT_BLOCKS, EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
-from tests.helpers import EXACT, divergence_is_noise, run_alone
+from tests.helpers import EXACT, divergence_is_noise, run_all, run_alone
 
 # Past the model's 512-token sliding window: kept in window-sized chunks.
 LONG = "Rivers carve valleys, winds shape dunes, and glaciers grind mountains to sand. " * 40
@@ -102,3 +102,52 @@ def test_a_cpu_engine_keeps_its_default_share_of_idle_prefixes_in_the_kv(model_p
         assert e.stats().host_cache.stored >= 1
     finally:
         e.close()
+
+
+def test_prefixes_share_their_chunks_and_a_restore_goes_on_from_the_head_in_the_kv(model_path):
+    """Two prompts after one 200-token head: past a 16-block share both tails go to host
+    memory, the head stays in the KV (their common parent), and their first chunk is kept
+    once. A prompt that goes on from the first tail gets back only the chunks past the head,
+    with exactly the logits of a local prefill."""
+    e = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256, cache_ram=256,
+                            prefix_cache_blocks=16))
+    try:
+        words = e.tokenize(" apple river stone light")
+        bos, vocab = words[0], words[1:]
+        head = [bos] + [vocab[i % 4] for i in range(199)]
+        tail_a = [vocab[(3 * i + 1) % 4] for i in range(150)]
+        tail_b = [vocab[(i // 2) % 4] for i in range(150)]
+        assert tail_a[0] != tail_b[0]
+        run_all(e, [head + tail_a, head + tail_b], SHORT)  # both in the tree at once
+        settled(e)
+        host = e.stats().host_cache
+        chunk = e.host_cache.chunk_tokens
+        assert host.entries == 2 and e.stats().prefix_cache.blocks == 13  # the head's 200
+        per_chunk = host.bytes / (1 + 2 * 2)  # one shared chunk, two of each tail's own
+        assert host.bytes == pytest.approx(5 * per_chunk) and per_chunk > chunk * 1024 * 0.9
+
+        prompt = head + tail_a + [vocab[0]] * 20
+        shared, _ = e.host_cache.best(prompt[:-1])  # (the last token is never taken)
+        assert shared >= len(head + tail_a)
+        before = e.stats()
+        restored = run_alone(e, prompt, GREEDY)
+        after = e.stats()
+        assert after.host_cache.restored == before.host_cache.restored + 1
+        # from the chunk that holds the head's end (its start is in the KV: copied again)
+        assert (after.host_cache.restored_tokens - before.host_cache.restored_tokens
+                == shared - chunk)
+        assert after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens == shared
+        settled(e)
+    finally:
+        e.close()
+    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256, cache_ram=0))
+    try:
+        reference = run_alone(local, prompt, GREEDY)
+    finally:
+        local.close()
+    if EXACT:
+        assert restored[0] == reference[0]
+        assert [lp.logprob for lp in restored[1]] == [lp.logprob for lp in reference[1]]
+    else:
+        ok, why = divergence_is_noise(reference[0], reference[1], restored[0], restored[1])
+        assert ok, why

@@ -1,60 +1,88 @@
-"""Host memory for cached prefixes (--cache-ram) with no model: what is kept, what goes first,
-and the longest shared prefix found; and the radix-tree calls the engine spills through."""
+"""Host memory for cached prefixes (--cache-ram) with no model: chunks kept once for every
+prefix that shares them, the longest shared prefix found with the chunks that hold it, what
+goes first; and the radix-tree calls the engine spills through."""
 
 import pytest
 
 from justllm.kv.block_pool import BlockPool
-from justllm.kv.host_cache import HostCache
+from justllm.kv.host_cache import HostCache, spans
 from justllm.kv.radix_cache import KVOp, RadixCache
 
 
-def chunk(n: int) -> list[bytes]:
-    return [bytes(n)]
+def put(h: HostCache, tokens: list[int], size: int = 10) -> bool:
+    """Store ``tokens`` with ``size`` bytes for each chunk it lacks."""
+    return h.put(tokens, {s.digest: bytes(size) for s in h.missing(tokens)})
 
 
-def test_the_longest_shared_prefix_is_found_among_entries_that_begin_alike():
-    h = HostCache(1000, key_tokens=2)
-    h.put([1, 2, 3, 4], chunk(10), 4)
-    h.put([1, 2, 5, 6, 7], chunk(10), 4)
-    h.put([9, 9, 3, 4, 5, 6], chunk(10), 4)
-    assert h.best([1, 2, 5, 6, 8]) == (4, h.best([1, 2, 5, 6, 7, 1])[1])
-    length, entry = h.best([1, 2, 3, 9])
-    assert length == 3 and entry is not None and entry.tokens == [1, 2, 3, 4]
-    assert h.best([1, 3, 3, 4]) == (0, None)  # another first block: never compared
-    assert h.covers([1, 2, 5]) and h.covers([1, 2, 5, 6, 7]) and not h.covers([1, 2, 5, 6, 7, 8])
+def test_a_chunk_is_named_by_every_token_up_to_its_end():
+    a, b = spans([1, 2, 3, 4, 5], 2), spans([1, 2, 3, 4, 6], 2)
+    assert [(s.start, s.end) for s in a] == [(0, 2), (2, 4), (4, 5)]
+    assert [x.digest == y.digest for x, y in zip(a, b)] == [True, True, False]
+    assert spans([9, 2, 3, 4], 2)[1].digest != a[1].digest  # same tokens, another past
+
+
+def test_prefixes_that_begin_alike_keep_their_shared_chunks_once():
+    h = HostCache(1000, chunk_tokens=2, key_tokens=2)
+    assert put(h, [1, 2, 3, 4, 5])
+    assert [s.start for s in h.missing([1, 2, 3, 4, 7, 8])] == [4]
+    assert put(h, [1, 2, 3, 4, 7, 8])
+    s = h.stats()
+    assert (s.entries, s.bytes, s.tokens, s.stored) == (2, 40, 11, 2)  # 4 chunks, not 5
+    h.clear()
+    assert h.stats().bytes == 0 and h.stats().entries == 0
+
+
+def test_the_longest_shared_prefix_is_found_and_the_chunks_that_hold_it():
+    h = HostCache(1000, chunk_tokens=2, key_tokens=2)
+    put(h, [1, 2, 3, 4, 5, 6, 7])
+    put(h, [1, 2, 8, 9])
+    usable, entry = h.best([1, 2, 3, 4, 5, 0])
+    assert usable == 5 and entry is not None and entry.tokens[:5] == [1, 2, 3, 4, 5]
+    # from the chunk holding position 3 (the KV has 3 tokens) to the one holding the 5th
+    assert [(s.start, s.end) for s, _ in h.chunks(entry, 3, usable)] == [(2, 4), (4, 6)]
+    assert h.best([1, 2, 8, 9, 10])[0] == 4
+    assert h.best([1, 3, 3, 4]) == (0, None)  # another first key: never compared
+    assert h.covers([1, 2, 3]) and not h.covers([1, 2, 3, 4, 5, 6, 7, 8])
 
 
 def test_an_entry_that_a_longer_one_holds_goes():
-    h = HostCache(1000, key_tokens=2)
-    h.put([1, 2, 3], chunk(10), 4)
-    h.put([1, 2, 3, 4, 5], chunk(20), 4)
+    h = HostCache(1000, chunk_tokens=2, key_tokens=2)
+    put(h, [1, 2, 3])
+    put(h, [1, 2, 3, 4, 5])
     s = h.stats()
-    assert (s.entries, s.bytes, s.tokens, s.stored) == (1, 20, 5, 2)
-    h.put([1, 2, 7], chunk(10), 4)  # not held by the longer one: both stay
-    assert h.stats().entries == 2
+    assert (s.entries, s.bytes, s.tokens) == (1, 30, 5)  # [3] alone went with its entry
 
 
 def test_the_least_recently_used_goes_first_and_a_restore_counts_as_a_use():
-    h = HostCache(30, key_tokens=1)
-    h.put([1, 1], chunk(10), 4)
-    h.put([2, 2], chunk(10), 4)
-    h.put([3, 3], chunk(10), 4)
-    h.used(h.best([1, 1])[1])
-    h.put([4, 4], chunk(10), 4)  # over the budget: [2, 2] is the oldest now
+    h = HostCache(30, chunk_tokens=2, key_tokens=1)
+    for t in (1, 2, 3):
+        put(h, [t, t])
+    h.used(h.best([1, 1])[1], 2)
+    put(h, [4, 4])  # over the budget: [2, 2] is the oldest now
     assert [h.best([t, t])[0] for t in (1, 2, 3, 4)] == [2, 0, 2, 2]
     s = h.stats()
     assert s.bytes == 30 and s.restored == 1 and s.restored_tokens == 2
 
 
+def test_a_shared_chunk_stays_while_an_entry_uses_it():
+    h = HostCache(40, chunk_tokens=2, key_tokens=1)
+    put(h, [1, 2, 3, 4])
+    put(h, [1, 2, 5, 6])  # shares [1, 2]
+    put(h, [7, 7, 7, 7])  # 60 bytes: the oldest entry goes, the chunk it shares stays
+    assert h.stats().bytes == 40
+    usable, entry = h.best([1, 2, 5, 6])
+    assert usable == 4 and entry is not None and len(h.chunks(entry, 0, 4)) == 2
+    assert h.best([1, 2, 3, 4]) == (2, entry)  # [1, 2, 3, 4] itself is gone
+
+
 def test_what_exceeds_the_budget_or_the_key_is_not_kept():
-    h = HostCache(10, key_tokens=4)
-    assert not h.put([1, 2, 3, 4, 5], chunk(11), 4)
-    assert not h.put([1, 2, 3], chunk(5), 4)  # shorter than a lookup's key
-    assert h.put([1, 2, 3, 4, 5], chunk(10), 4)
-    entry = h.best([1, 2, 3, 4, 5])[1]
-    assert entry is not None and entry.spans() == [(0, 4), (4, 5)]
+    h = HostCache(10, chunk_tokens=4, key_tokens=4)
+    assert not put(h, [1, 2, 3, 4, 5], size=6)  # two chunks of 6 bytes
+    assert h.stats().bytes == 0 and h.stats().entries == 0
+    assert not put(h, [1, 2, 3])  # shorter than a lookup's key
+    assert put(h, [1, 2, 3, 4, 5], size=5)
     with pytest.raises(ValueError):
-        HostCache(-1)
+        HostCache(-1, 4)
 
 
 def test_the_spill_candidate_is_the_policys_victim_and_its_path_starts_at_zero():
