@@ -5,11 +5,12 @@ masked (docs/llama-cpp-facts.md, "How much of the KV cache a step reads"), so th
 finished requests leave in the prefix cache is read again by every later step. Two engines in
 one process decode the same load in turn (engine_throughput.py's greedy ``measure``): one whose
 cache holds about ``--cached`` tokens (finished requests with distinct long prompts), one whose
-cache is flushed before each run.
+cache is flushed before each run. Both keep every prefix in the KV (``--cache-ram 0``: no host
+memory, no share of the pool for idle prefixes), which is what is measured.
 They take turns because this machine's speed drifts by 10-15% within a minute.
 
     .venv/bin/python benchmarks/cached_kv_cost.py [MODEL] [--cached 4000,9000,14000]
-        [--streams 8] [--tokens 48] [--rounds 2] [--gpu] [--json FILE]
+        [--streams 8] [--tokens 48] [--rounds 2] [--pool-blocks 1024] [--gpu] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from justllm.engine.engine import Engine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import measure, time_sampling  # noqa: E402  (its decode timing)
 
-POOL_BLOCKS = 1024  # both engines alike (16k tokens of 16), so two fit on a GPU too
 WORDS = ("sea ship wind storm harbour sail captain island wave rope anchor gull tide coast "
          "night lantern deck mast keel chart").split()
 
@@ -60,11 +60,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pool-blocks", type=int, default=1024,
+                    help="each engine's KV pool in blocks of 16 (both alike)")
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    config = EngineConfig(model=args.model, max_seqs=args.streams, pool_blocks=POOL_BLOCKS,
-                          gpu=args.gpu)
+    config = EngineConfig(model=args.model, max_seqs=args.streams, pool_blocks=args.pool_blocks,
+                          gpu=args.gpu, cache_ram=0)
     kept, fresh = Engine(config), Engine(config)
     for engine in (kept, fresh):
         time_sampling(engine)  # (measure reads its counter)

@@ -38,6 +38,10 @@
 #   knobs       the context knobs (n_batch 2048 with n_ubatch 512 or 2048, flash attention
 #               auto or off: a 2048-token prefill and 32 streams each);
 #   router      router mode with two --gpu runners of the model;
+#   kvcost      what idle prefixes kept in the KV cost a decode on the GPU
+#               (benchmarks/cached_kv_cost.py --gpu, 8 streams, 4k to 64k cached tokens): a
+#               CPU engine keeps 64 blocks of them and moves the rest to host memory
+#               (--cache-ram), a GPU engine keeps its whole pool until this is measured;
 # and prints a summary (the GPU, the build time, tests passed/failed, tok/s per level).
 #
 # GPU_CHECK_CPU=1 runs the same steps on a CPU machine with the installed build and small
@@ -114,7 +118,7 @@ summary() { printf '%s\n' "$*" >> "$OUT/summary.txt"; }
 # GPU_CHECK_STEPS: which of the steps after the build to run (all by default; a device call
 # has 9 minutes at most, and the build alone took 141-299 s on an H200 machine, so
 # gpu_pack.sh's plan runs the tests in one call and the rest in the next)
-STEPS=${GPU_CHECK_STEPS:-tests,throughput,server,spec,knobs,router}
+STEPS=${GPU_CHECK_STEPS:-tests,throughput,server,spec,knobs,router,kvcost}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 : > "$OUT/summary.txt"
 
@@ -367,6 +371,17 @@ summary "$(grep -iE 'first|second' "$D/router_ps.txt" | tr -s ' ' | head -2)"
 kill $ROUTER_PID 2>/dev/null; wait $ROUTER_PID 2>/dev/null
 
 fi  # router
+
+if want kvcost; then
+say "idle prefixes kept in the KV: the cost per decode"
+KV_CACHED=4000,16000,64000 KV_POOL=5120
+[ "$CPU_ONLY" = 1 ] && KV_CACHED=500,1500 KV_POOL=256
+$PY benchmarks/cached_kv_cost.py "$MODEL" $GPU_FLAG --streams 8 --tokens 32 --rounds 2 \
+    --pool-blocks "$KV_POOL" --cached "$KV_CACHED" --json "$D/cached_kv_cost.json" \
+    > "$D/cached_kv_cost.txt" 2>&1
+summary "cached KV cost at 8 streams (cached tokens, tok/s with them, without, ratio):"
+summary "$(cat "$D/cached_kv_cost.txt")"
+fi  # kvcost
 say "done"
 pack && rm -rf "$(dirname "$D")"
 summary "total: $(( $(date +%s) - START )) s"

@@ -73,6 +73,6 @@ Device calls (tool run), back to back (PYTHONUNBUFFERED=1 before the last two):
   4. carry [".gpu/part3"], command: bash benchmarks/gpu_check.sh --stage
   5. carry [".gpu/part4"], command: GPU_CHECK_STEPS=tests bash benchmarks/gpu_check.sh
      (timeout_s 540: waits for the build, runs the model tests on the GPU)
-  6. no carry, command: GPU_CHECK_STEPS=throughput,server,spec,knobs,router bash benchmarks/gpu_check.sh
+  6. no carry, command: GPU_CHECK_STEPS=throughput,server,spec,knobs,router,kvcost bash benchmarks/gpu_check.sh
      (timeout_s 420; the figures of each call come back under \$OUT)
 PLAN

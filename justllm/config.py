@@ -200,7 +200,9 @@ class EngineConfig:
     gpu: bool = field(default_factory=_gpu_default)
     spare_seq_ids: int = 32
     prefix_cache: bool = True
-    prefix_cache_blocks: int = 0  # cap on blocks the prefix cache keeps; 0: the whole pool
+    # cap on blocks the prefix cache keeps; 0: the whole pool (CPU_RESIDENT_BLOCKS on a CPU with
+    # cache_ram)
+    prefix_cache_blocks: int = 0
     # MiB of host memory for prefixes past that cap (kv/host_cache.py); 0: none, -1: no limit.
     # llama-server's default; with it a CPU engine keeps CPU_RESIDENT_BLOCKS of idle prefixes
     # in the KV unless prefix_cache_blocks says otherwise (engine/engine.py ``_spill``).

@@ -70,6 +70,19 @@ def run_alone(engine: Engine, prompt, params: SamplingParams):
     return tokens, logprobs
 
 
+def assert_same_run(reference, got) -> None:
+    """``got`` ((tokens, logprobs) with top-5) is what ``reference`` computed from the same
+    prompt: exactly (tokens, logprobs and top logprobs) where the kernels do not depend on
+    the batch (EXACT), else up to a near tie."""
+    if EXACT:
+        assert got[0] == reference[0]
+        assert [lp.logprob for lp in got[1]] == [lp.logprob for lp in reference[1]]
+        assert [lp.top for lp in got[1]] == [lp.top for lp in reference[1]]
+    else:
+        ok, why = divergence_is_noise(reference[0], reference[1], got[0], got[1])
+        assert ok, why
+
+
 def divergence_is_noise(reference: list[int], ref_logprobs, other: list[int],
                         other_logprobs=None) -> tuple[bool, str]:
     """True when ``other`` equals ``reference`` up to its first difference, and that difference

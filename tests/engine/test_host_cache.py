@@ -9,7 +9,7 @@ import pytest
 from justllm.config import CPU_RESIDENT_BLOCKS, EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
-from tests.helpers import EXACT, divergence_is_noise, run_all, run_alone
+from tests.helpers import assert_same_run, run_all, run_alone
 
 # Past the model's 512-token sliding window: kept in window-sized chunks.
 LONG = "Rivers carve valleys, winds shape dunes, and glaciers grind mountains to sand. " * 40
@@ -58,12 +58,7 @@ def test_a_prefix_past_the_share_moves_to_host_memory_and_back_with_the_same_log
         reference = run_alone(local, LONG + " Then", GREEDY)
     finally:
         local.close()
-    if EXACT:
-        assert restored[0] == reference[0]
-        assert [lp.logprob for lp in restored[1]] == [lp.logprob for lp in reference[1]]
-    else:
-        ok, why = divergence_is_noise(reference[0], reference[1], restored[0], restored[1])
-        assert ok, why
+    assert_same_run(reference, restored)
     settled(engine)
 
 
@@ -145,9 +140,4 @@ def test_prefixes_share_their_chunks_and_a_restore_goes_on_from_the_head_in_the_
         reference = run_alone(local, prompt, GREEDY)
     finally:
         local.close()
-    if EXACT:
-        assert restored[0] == reference[0]
-        assert [lp.logprob for lp in restored[1]] == [lp.logprob for lp in reference[1]]
-    else:
-        ok, why = divergence_is_noise(reference[0], reference[1], restored[0], restored[1])
-        assert ok, why
+    assert_same_run(reference, restored)

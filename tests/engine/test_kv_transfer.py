@@ -15,7 +15,7 @@ from justllm.engine.backend import JSON_GRAMMAR
 from justllm.engine.engine import Engine, Handover
 from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
-from tests.helpers import EXACT, divergence_is_noise, run_alone
+from tests.helpers import assert_same_run, run_alone
 
 PROMPT = "The history of the Roman empire is long and full of wars and emperors. " * 20
 # Past the model's 512-token sliding window: exported in window-sized chunks.
@@ -70,13 +70,7 @@ def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path
         reference = run_alone(local, PROMPT + " Then", GREEDY)
     finally:
         local.close()
-    if EXACT:
-        assert imported[0] == reference[0]
-        assert [lp.logprob for lp in imported[1]] == [lp.logprob for lp in reference[1]]
-        assert [lp.top for lp in imported[1]] == [lp.top for lp in reference[1]]
-    else:  # kernels that depend on the batch: the same up to a near tie
-        ok, why = divergence_is_noise(reference[0], reference[1], imported[0], imported[1])
-        assert ok, why
+    assert_same_run(reference, imported)
     settled(decode)
 
     # Importing what the cache already holds changes nothing and leaks nothing.
