@@ -58,7 +58,8 @@ class Request:
     num_cached_tokens: int = 0
     cache_node: RadixNode | None = None
     prompt_cached: bool = False
-    # Whether the engine looked for its prefix in host memory (``--cache-ram``): once a request.
+    # Whether the engine looked for its prefix in host memory (``--cache-ram``): once a request
+    # while it waits (again after a preemption: its KV went to the cache, and may go further).
     host_checked: bool = False
     # Times llama.cpp refused a batch because this request's KV was not what the scheduler
     # believed; such a request is recomputed without the prefix cache, and fails the next time.

@@ -575,6 +575,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.host_checked = False  # its KV, handed to the cache, may be in host memory by then
         self.policy.requeue(self.waiting, req)
         plan.preempted.append(req)
 

@@ -112,6 +112,7 @@ def test_decode_out_of_blocks_preempts_newest_and_recomputes():
     a, b = make_req(0, 4), make_req(1, 4)
     s.add(a)
     s.add(b)
+    b.host_checked = True  # (the engine looked for it in host memory while it waited)
     run_step(s)  # both prefilled: 1 block each, one output token each
     run_step(s)  # decode: each needs a 2nd block (5 tokens) -> 4 blocks used
     assert s.pool.num_free == 0
@@ -120,6 +121,7 @@ def test_decode_out_of_blocks_preempts_newest_and_recomputes():
     plan = run_step(s)  # a needs a 3rd block: b (newest) is preempted
     assert plan.preempted == [b]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert not b.host_checked  # looked for again: its KV may be in host memory by its turn
     assert b.seq_id is None and b.block_ids == []
     assert plan.released_seq_ids == [1]
     assert [c.request for c in plan.chunks] == [a]
