@@ -70,6 +70,15 @@ def run_alone(engine: Engine, prompt, params: SamplingParams):
     return tokens, logprobs
 
 
+def run_in_fresh_engine(config: EngineConfig, prompt, params: SamplingParams):
+    """``run_alone`` in an engine of its own, closed after (a reference run)."""
+    engine = Engine(config)
+    try:
+        return run_alone(engine, prompt, params)
+    finally:
+        engine.close()
+
+
 def assert_same_run(reference, got) -> None:
     """``got`` ((tokens, logprobs) with top-5) is what ``reference`` computed from the same
     prompt: exactly (tokens, logprobs and top logprobs) where the kernels do not depend on

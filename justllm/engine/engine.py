@@ -228,17 +228,16 @@ class Engine:
         self.backend = backend
         self.generates = backend.generates()  # (an encoder makes embeddings only)
         self.pool = BlockPool(config.pool_blocks, config.block_size)
-        self.cache = (RadixCache(self.pool, max_blocks=config.prefix_cache_blocks or None,
-                                 policy=make_eviction_policy(config.eviction_policy))
-                      if config.prefix_cache else None)
         # With host memory for them, prefixes past the cap move there at the end of a step
         # (``_spill``) instead of being dropped by the cache itself.
         self.host_cache = (HostCache(_ram_bytes(config.cache_ram),
                                      min(HOST_CHUNK_TOKENS, backend.n_swa or HOST_CHUNK_TOKENS),
                                      key_tokens=config.block_size)
-                           if config.cache_ram and self.cache is not None else None)
-        if self.host_cache is not None and self.cache is not None:
-            self.cache.max_blocks = None
+                           if config.cache_ram and config.prefix_cache else None)
+        cap = None if self.host_cache is not None else config.prefix_cache_blocks or None
+        self.cache = (RadixCache(self.pool, max_blocks=cap,
+                                 policy=make_eviction_policy(config.eviction_policy))
+                      if config.prefix_cache else None)
         self._resident_blocks = config.prefix_cache_blocks or (
             self.pool.total_blocks if config.gpu else CPU_RESIDENT_BLOCKS)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)

@@ -334,9 +334,8 @@ class RadixCache:
     def evict_one(self) -> list[KVOp] | None:
         """Evict one leaf; None when nothing can be evicted. A holder that loses its last
         node is given up (a whole-sequence ``rm``: see :func:`freed_sequences`)."""
-        if not self._evictable:
-            return None
-        return self._evict(self.policy.pick(list(self._evictable)))
+        leaf = self.spill_candidate()
+        return None if leaf is None else self._evict(leaf)
 
     def spill_candidate(self) -> RadixNode | None:
         """The leaf the policy would evict next (None when nothing can go): the host tier

@@ -9,7 +9,7 @@ import pytest
 from justllm.config import CPU_RESIDENT_BLOCKS, EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
-from tests.helpers import assert_same_run, run_all, run_alone
+from tests.helpers import assert_same_run, run_all, run_alone, run_in_fresh_engine
 
 # Past the model's 512-token sliding window: kept in window-sized chunks.
 LONG = "Rivers carve valleys, winds shape dunes, and glaciers grind mountains to sand. " * 40
@@ -53,11 +53,8 @@ def test_a_prefix_past_the_share_moves_to_host_memory_and_back_with_the_same_log
     after = engine.stats()
     assert after.host_cache.restored == host.restored + 1
     assert after.prefix_cache.hit_tokens - before.hit_tokens >= n - 1  # (its last token differs)
-    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256, cache_ram=0))
-    try:
-        reference = run_alone(local, LONG + " Then", GREEDY)
-    finally:
-        local.close()
+    reference = run_in_fresh_engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256,
+                                                 cache_ram=0), LONG + " Then", GREEDY)
     assert_same_run(reference, restored)
     settled(engine)
 
@@ -135,9 +132,6 @@ def test_prefixes_share_their_chunks_and_a_restore_goes_on_from_the_head_in_the_
         settled(e)
     finally:
         e.close()
-    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256, cache_ram=0))
-    try:
-        reference = run_alone(local, prompt, GREEDY)
-    finally:
-        local.close()
+    reference = run_in_fresh_engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256,
+                                                 cache_ram=0), prompt, GREEDY)
     assert_same_run(reference, restored)

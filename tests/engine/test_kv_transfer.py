@@ -15,7 +15,7 @@ from justllm.engine.backend import JSON_GRAMMAR
 from justllm.engine.engine import Engine, Handover
 from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
-from tests.helpers import assert_same_run, run_alone
+from tests.helpers import assert_same_run, run_alone, run_in_fresh_engine
 
 PROMPT = "The history of the Roman empire is long and full of wars and emperors. " * 20
 # Past the model's 512-token sliding window: exported in window-sized chunks.
@@ -65,11 +65,8 @@ def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path
     assert after.hit_tokens - before.hit_tokens >= n - 1  # all but the last prompt token
     # The reference: the same prompt computed locally by an engine of the same shape, alone
     # (the same batch shapes), so the logits must agree exactly, not within noise.
-    local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128))
-    try:
-        reference = run_alone(local, PROMPT + " Then", GREEDY)
-    finally:
-        local.close()
+    reference = run_in_fresh_engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128),
+                                    PROMPT + " Then", GREEDY)
     assert_same_run(reference, imported)
     settled(decode)
 
