@@ -9,19 +9,27 @@ ms here), so a draw makes two cheap ones -- the row's maximum, and a compare tha
 *candidates*, the tokens within ``_CUT`` nats (after temperature) of the best -- and does
 everything else on those few thousand. Nothing is approximated: every other token weighs less
 than ``e**-_CUT`` of the best (together at most their count times that), and the sampler needs
-their exact weight only when that bound could change the answer (``_draw``). For top-p that is
-when the bound leaves the cut undecided *and* the draw's uniform picks different tokens from
-the nuclei the bound allows (all of them tried at once, ``_Cut.holds``; if they agree, that is
-the exact nucleus's token too). Then the whole row is weighed. Without min-p a draw first
-tries a smaller set still (:func:`_near`): the tokens within 12 nats, the rest bounded from
-two counts, which decides 99 pure-temperature draws in 100 and about 9 top-p draws in 10 on
-the demo model; the others go on to the candidates with the same uniform, so a top-p token is
-the exact nucleus's for that uniform either way. Fewer candidates (a shorter cut) cost less to
-find, but leave more cuts undecided: 18 nats was the fastest on the demo model's rows (16 to
-20 tried). ``top_k`` alone never looks past the k best (:func:`top_candidates`).
+their exact weight only when that bound could change the answer (``_draw``). Without min-p a
+draw first tries a smaller set still (:func:`_near`): the tokens within 12 nats, the rest
+bounded from two counts, which decides 99 pure-temperature draws in 100 and about 99 top-p
+draws in 100 on the demo model; the others go on to the candidates within the cut with the
+same uniforms, then to the whole row, so the token is the exact nucleus's for those uniforms
+either way. Fewer candidates (a shorter cut) cost less to find, but leave more draws
+undecided: 18 nats was the fastest on the demo model's rows (16 to 20 tried). ``top_k`` alone
+never looks past the k best (:func:`top_candidates`).
 
-Candidate ids are kept in ascending order, so a draw depends on the distribution alone, not
-on how a partition happened to order its output.
+A top-p draw is made in two steps so that a bound on the nucleus's weight decides it
+(:class:`_NucleusDraw`): the nucleus's most likely tokens that every cut the first bound
+allows keeps (its *head*) are drawn with the probability of their share of the nucleus, and
+the token among them or among the rest by weight. Only a first uniform that falls within the
+bound's share of the end of [0, 1) needs the exact weight (one draw in a hundred or so on the
+demo model's rows). A draw in one step (an inverse CDF) needed it whenever the uniform picked
+different tokens from the nuclei the bound allowed: one draw in twenty at temperature 0.8 and
+top-p 0.95, one in eight at 1.0 and 0.9, each then ~0.8 ms on the engine thread.
+
+Candidate ids are kept in ascending order, and a nucleus is walked from its most likely token
+down (ties by id), so a draw depends on the distribution alone, not on how a partition
+happened to order its output.
 """
 
 from __future__ import annotations
@@ -46,8 +54,6 @@ _CUT_WEIGHT = math.exp(-_CUT) * 1.001
 # test that shortens the cut keeps them nested: 12 and 15 were the fastest on the demo model.
 _NEAR_SHARE, _MID_SHARE = 2 / 3, 5 / 6
 _CDF_BLOCK = 4096
-# An undecided top-p cut spanning more tokens than this weighs the rest rather than trying each.
-_MAX_CUTS = 8
 
 
 @dataclass(frozen=True)
@@ -242,17 +248,16 @@ class RequestSampler:
         if scan is None:
             scan = _scan(x, p)
         m = scan.best
-        u = None
+        nucleus = _NucleusDraw(self.rng)
         if scan.near is not None:  # first from the near tokens alone (_near)
             near, w_near, bound = _near(x, scan)
             if p.top_p >= 1.0:
                 return self._draw_tempered(x, m, near, w_near, bound)
-            u = self.rng.random()
             found = _nucleus(w_near, p.top_p, bound)
-            token = found.agreed(w_near, u) if found is not None else None
+            token = nucleus.settle(found) if found is not None else None
             if token is not None:
                 return int(near[token])
-            # Undecided: the candidates within _CUT decide, for the same uniform.
+            # Undecided: the candidates within _CUT decide, for the same uniforms.
         # Min-p keeps the weights of at least min_p (the best is 1): none lies further than
         # ln(1/min_p) nats from the best, so with min-p the candidates need go no further (the
         # margin covers float32 rounding; the min-p test below decides).
@@ -266,15 +271,18 @@ class RequestSampler:
             keep = np.flatnonzero(w >= np.float32(p.min_p))  # p >= min_p * p_max
             ids, w = ids[keep], w[keep]
         if p.top_p < 1.0:
-            u = self.rng.random() if u is None else u
             found = _nucleus(w, p.top_p, rest)
-            token = found.agreed(w, u) if found is not None else None
+            token = nucleus.settle(found) if found is not None else None
             if token is None and rest:  # the left-out weight decides the draw: weigh it
                 rest = max(_total(x, m, p.temperature) - float(w.sum(dtype=np.float64)), 0.0)
                 found = _nucleus(w, p.top_p, rest, exact=True)
-                token = found.agreed(w, u) if found is not None else None  # one cut: decided
-            if token is None:
-                return self._draw_full(x, u)  # the nucleus reaches past the candidates
+                token = nucleus.settle(found) if found is not None else None  # exact: decided
+            if token is None:  # the nucleus reaches past the candidates: the whole row's
+                found = _nucleus(_weights(x, m, p.temperature), p.top_p, 0.0, exact=True)
+                assert found is not None  # with nothing left out, the nucleus is within x
+                token = nucleus.settle(found)
+                assert token is not None  # an exact cut decides
+                return token
             return int(ids[token])
         return int(ids[inverse_cdf(w, self.rng.random())])
 
@@ -537,7 +545,7 @@ def _total(x: np.ndarray, m: float, temperature: float) -> float:
 class _Cut:
     """Where a top-p cut may fall: the nucleus is ``order[:k + 1]`` for one ``k`` in
     [``first``, ``last``] (one value when the total weight is known), ``order`` holding the
-    indices of the weights by decreasing weight as far as ``last``."""
+    indices of the weights by decreasing weight (ties by index) as far as ``last``."""
 
     order: np.ndarray
     cdf: np.ndarray  # the weights' running sum in ``order``
@@ -548,41 +556,54 @@ class _Cut:
         """The nucleus if the cut is at ``k``, ascending."""
         return np.sort(self.order[:min(k + 1, self.order.size)])
 
-    def pick(self, w: np.ndarray, k: int, u: float) -> int:
-        """The index of the token the uniform ``u`` draws from the nucleus cut at ``k`` (the
-        inverse CDF in ascending index order)."""
-        keep = self.members(k)
-        return int(keep[inverse_cdf(w[keep], u)])
-
-    def agreed(self, w: np.ndarray, u: float) -> int | None:
-        """The token ``u`` draws if the cut is known, or if it draws the same one from every
-        nucleus the cut allows (then that is the exact nucleus's token too: a bound that leaves
-        the cut undecided often does not matter); None when they differ, or when there are
-        more than ``_MAX_CUTS`` to try and :meth:`holds` cannot tell."""
-        token = self.pick(w, self.first, u)
-        if self.last == self.first or self.holds(w, u, token):
-            return token
-        if self.last - self.first > _MAX_CUTS:
+    def split_draw(self, head: int, u1: float, u2: float) -> int | None:
+        """The position in ``order`` of the token two uniforms draw from the nucleus
+        (:class:`_NucleusDraw`): among the ``head`` most likely tokens if ``u1`` times the
+        nucleus's weight is less than theirs, else among the rest of the nucleus; by weight
+        with ``u2`` either way. None when the cut's range leaves that open. Each question is
+        a running weight passed, and a larger nucleus only moves the target further along the
+        same running sum, so the smallest and the largest nucleus the cut allows decide for
+        all of them."""
+        cdf = self.cdf
+        head = min(head, self.last + 1)  # (a head is never past the nucleus: rounding aside)
+        held = float(cdf[head - 1])
+        if u1 * cdf[self.last] < held:  # among the head, whichever the cut
+            return min(int(np.searchsorted(cdf[:head], u2 * held, side="right")), head - 1)
+        if u1 * cdf[self.first] < held:  # the head or the rest: the cut decides
             return None
-        same = all(self.pick(w, k, u) == token for k in range(self.first + 1, self.last + 1))
-        return token if same else None
 
-    def holds(self, w: np.ndarray, u: float, token: int) -> bool:
-        """Whether ``u`` draws ``token`` from every nucleus past ``first``, for all the cuts
-        at once: in ascending index order the draw is ``token`` exactly when the weight before
-        it is at most ``u`` times the nucleus's total and the weight through it more, and each
-        later cut adds one weight to the total (and to the weight before ``token`` when it
-        lies before it). Only a clear margin counts (a billionth of the total, far beyond the
-        rounding of sums taken in another order), so the answer is the exact draw's; a draw
-        within the margin is left to :meth:`pick`."""
-        base = self.order[:self.first + 1]
-        added = self.order[self.first + 1:self.last + 1]
-        before = float(w[base[base < token]].sum(dtype=np.float64)) + np.cumsum(
-            np.where(added < token, w[added], np.float32(0.0)), dtype=np.float64)
-        target = u * self.cdf[self.first + 1:self.last + 1]
-        margin = 1e-9 * float(self.cdf[self.last])
-        return bool(np.all(before + margin <= target)
-                    and np.all(target + margin < before + float(w[token])))
+        def drawn(k: int) -> int:  # among the rest of the nucleus cut at k
+            return min(int(np.searchsorted(cdf, held + u2 * (cdf[k] - held), side="right")), k)
+
+        token = drawn(self.first)
+        return token if self.last == self.first or drawn(self.last) == token else None
+
+
+class _NucleusDraw:
+    """One top-p draw, settled by the first of the cuts tried on ever more of the row (the
+    near tokens, the candidates, the exact total, the whole row) that decides it.
+
+    The first cut tried fixes the *head*, its smallest nucleus (every cut it allows keeps
+    those tokens, and so does the exact one), and the uniforms: ``u1`` for whether the token
+    lies in the head (with probability the head's weight over the nucleus's), ``u2`` to draw
+    it by weight there or in the rest of the nucleus (:meth:`_Cut.split_draw`). That is
+    exactly a draw from the nucleus whatever the head, so long as it is fixed before the
+    uniforms are known; a first cut that is exact needs no ``u1``.
+    """
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._head = 0
+        self._u = (0.0, 0.0)
+
+    def settle(self, cut: _Cut) -> int | None:
+        """The index of the token among the cut's weights, or None when ``cut`` cannot tell."""
+        if not self._head:
+            self._head = cut.first + 1
+            u1 = 0.0 if cut.first == cut.last else self._rng.random()
+            self._u = (u1, self._rng.random())
+        at = cut.split_draw(self._head, *self._u)
+        return None if at is None else int(cut.order[at])
 
 
 def _nucleus(w: np.ndarray, top_p: float, rest: float, exact: bool = False) -> _Cut | None:
@@ -605,7 +626,9 @@ def _nucleus(w: np.ndarray, top_p: float, rest: float, exact: bool = False) -> _
     if order is None:
         order = np.argsort(-w, kind="stable")
     cdf = np.cumsum(w[order], dtype=np.float64)
-    return _Cut(order, cdf, int(np.searchsorted(cdf, low)), int(np.searchsorted(cdf, high)))
+    end = cdf.size - 1  # (a sum in another order may round past the running sum's last)
+    return _Cut(order, cdf, min(int(np.searchsorted(cdf, low)), end),
+                min(int(np.searchsorted(cdf, high)), end))
 
 
 def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int],

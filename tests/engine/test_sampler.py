@@ -295,38 +295,65 @@ def test_min_p_draws_weigh_only_what_min_p_keeps_and_stay_exact(weighed, params)
     assert max(weighed) <= within + 1 < x.size
 
 
-def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniform(monkeypatch):
-    """A top-p draw from the candidates is not just distributed like the whole row's: for the
-    same uniform it is the same token, including when the bound leaves the cut undecided and
-    the sampler tries every cut the bound allows instead of weighing the rest. A short cut
-    makes that case common (and weighing the rest too)."""
+def two_step_nucleus_draw(w, top_p, head, u1, u2):
+    """A top-p draw in two steps written out the plain way: the nucleus (the most likely
+    tokens, ties by index, until their weight reaches top_p of the total), its ``head`` most
+    likely tokens with the probability of their share of it (``u1``), then by weight there or
+    in the rest of the nucleus (``u2``)."""
+    order = np.lexsort((np.arange(w.size), -w))
+    cdf = np.cumsum(w[order], dtype=np.float64)
+    k = min(int(np.searchsorted(cdf, top_p * float(w.sum(dtype=np.float64)))), w.size - 1)
+    held = cdf[head - 1]
+    if u1 * cdf[k] < held:
+        at = min(int(np.searchsorted(cdf[:head], u2 * held, side="right")), head - 1)
+    else:
+        at = min(int(np.searchsorted(cdf, held + u2 * (cdf[k] - held), side="right")), k)
+    return int(order[at])
+
+
+def test_a_top_p_draw_is_the_token_the_whole_row_gives_for_the_same_uniforms(monkeypatch):
+    """A top-p draw from the near tokens or the candidates is not just distributed like the
+    whole row's: for the same uniforms (the request's generator's next, the first only when the
+    first cut tried is open) and head (that cut's smallest nucleus, within the exact one) it is
+    the same token, including when the first uniform falls where only the exact weight can
+    tell and the sampler goes on to the candidates, then weighs the rest. A short cut makes
+    those cases common."""
     import justllm.engine.sampler as sampler
 
     monkeypatch.setattr(sampler, "_CUT", 12.0)
     monkeypatch.setattr(sampler, "_CUT_WEIGHT", float(np.exp(-12.0)) * 1.001)
-    undecided = {"tried": 0, "weighed": 0}
-    nucleus, total = sampler._nucleus, sampler._total
+    seen = {"open": 0, "weighed": 0, "settled": []}
+    settle, total = sampler._NucleusDraw.settle, sampler._total
 
-    def counting_nucleus(w, top_p, rest, exact=False):
-        found = nucleus(w, top_p, rest, exact)
-        undecided["tried"] += found is not None and found.first != found.last
-        return found
+    def recording_settle(self, cut):
+        token = settle(self, cut)
+        seen["open"] += token is None
+        seen["settled"].append((self._head, self._u))
+        return token
 
     def counting_total(*args):
-        undecided["weighed"] += 1
+        seen["weighed"] += 1
         return total(*args)
 
-    monkeypatch.setattr(sampler, "_nucleus", counting_nucleus)
+    monkeypatch.setattr(sampler._NucleusDraw, "settle", recording_settle)
     monkeypatch.setattr(sampler, "_total", counting_total)
     rng = np.random.default_rng(11)
     params = SamplingParams(temperature=0.8, top_p=0.95)
-    fast, whole = RequestSampler(params, 5), RequestSampler(params, 5)
-    for _ in range(900):
+    fast, uniforms = RequestSampler(params, 5), np.random.default_rng(5)
+    for _ in range(3000):
         x = (rng.normal(size=4096) * 2.0).astype(np.float32)
         x[rng.choice(x.size, 8, replace=False)] += rng.uniform(4.0, 9.0, size=8).astype(np.float32)
-        assert fast._draw(x) == whole._draw_full(x)
-    # both ways out of an undecided cut were taken, many times
-    assert undecided["tried"] > 100 and 20 < undecided["weighed"] < undecided["tried"] - 20
+        seen["settled"].clear()
+        token = fast._draw(x)
+        (head, (u1, u2)), = set(seen["settled"])  # fixed by the first cut tried
+        assert u1 == (0.0 if u1 == 0.0 else uniforms.random()) and u2 == uniforms.random()
+        w = sampler._weights(x, float(x.max()), params.temperature)
+        exact = int(np.searchsorted(np.cumsum(np.sort(w)[::-1], dtype=np.float64),
+                                    params.top_p * float(w.sum(dtype=np.float64)))) + 1
+        assert 1 <= head <= exact
+        assert token == two_step_nucleus_draw(w, params.top_p, head, u1, u2)
+    # both ways out of an open cut were taken, many times
+    assert seen["open"] > 25 and 5 < seen["weighed"] < seen["open"] - 5, (seen["open"], seen["weighed"])
 
 
 def test_pure_temperature_draws_in_nested_regions_are_exact_on_every_path(monkeypatch, weighed):
@@ -368,27 +395,36 @@ def test_a_pure_temperature_draw_weighs_the_near_tokens_not_every_candidate(weig
     assert len(weighed) >= 200 and sum(size > near for size in weighed) <= 10, weighed
 
 
-def test_a_cut_holds_only_where_every_nucleus_it_allows_draws_the_same_token():
-    """``holds`` answers for all the cuts a bound leaves open at once (a wide range was left
-    to the whole row before): when it says yes, each nucleus draws that token for the uniform,
-    and it says yes for most draws."""
+def test_a_cut_left_open_answers_only_what_every_nucleus_it_allows_draws():
+    """``split_draw`` answers for all the cuts a bound leaves open from the smallest and the
+    largest nucleus alone: when it answers, the two-step draw from every nucleus the cut
+    allows is that token (written out the plain way for each); when it does not, two of them
+    differ; and it answers for most draws."""
     from justllm.engine.sampler import _nucleus
 
     rng = np.random.default_rng(4)
-    held = tried = 0
-    for _ in range(400):
+    answered = tried = 0
+    for _ in range(600):
         w = np.exp(rng.normal(size=300) * 2.0).astype(np.float32)
         w /= w.max()
         found = _nucleus(w, 0.9, float(rng.uniform(0.0, 0.3)) * float(w.sum()))
         if found is None or found.last - found.first < 2:
             continue
-        u = rng.random()
-        token = found.pick(w, found.first, u)
+        head = int(rng.integers(1, found.first + 2))
+        u1, u2 = rng.random(), rng.random()
         tried += 1
-        if found.holds(w, u, token):
-            held += 1
-            assert all(found.pick(w, k, u) == token for k in range(found.first, found.last + 1))
-    assert tried > 100 and held > tried // 2, (held, tried)
+        at = found.split_draw(head, u1, u2)
+        drawn = set()
+        for k in range(found.first, found.last + 1):
+            nucleus = found.order[:k + 1]  # that cut's nucleus, as a row of its own
+            top_p = (found.cdf[k] - w[found.order[k]] / 2) / float(w[nucleus].sum(dtype=np.float64))
+            drawn.add(int(nucleus[two_step_nucleus_draw(w[nucleus], top_p, head, u1, u2)]))
+        if at is None:
+            assert len(drawn) > 1
+        else:
+            answered += 1
+            assert drawn == {int(found.order[at])}
+    assert tried > 100 and answered > tried // 2, (answered, tried)
 
 
 def llama_cpp_distribution(x, params):
