@@ -491,6 +491,7 @@ class Scan:
     best: float
     temperature: float
     near: np.ndarray | None = None
+    near_logits: np.ndarray | None = None  # x[near], read while the row is in the core's cache
     n_mid: int = 0
     n_cut: int = 0
 
@@ -510,9 +511,12 @@ def _scan(x: np.ndarray, p: SamplingParams) -> Scan:
     if p.min_p:
         return Scan(m, t)
     near = np.flatnonzero(x >= np.float32(m - t * _CUT * _NEAR_SHARE))
+    # (read now: on the engine thread, after the other rows' passes, these hundreds of reads
+    # scattered over the row missed the core's cache, ~30 us a row)
+    near_logits = x[near]
     n_mid = int(np.count_nonzero(x >= np.float32(m - t * _CUT * _MID_SHARE)))
     n_cut = int(np.count_nonzero(x >= np.float32(m - t * _CUT)))
-    return Scan(m, t, near, n_mid, n_cut)
+    return Scan(m, t, near, near_logits, n_mid, n_cut)
 
 
 def _near(x: np.ndarray, scan: Scan) -> tuple[np.ndarray, np.ndarray, float]:
@@ -524,11 +528,11 @@ def _near(x: np.ndarray, scan: Scan) -> tuple[np.ndarray, np.ndarray, float]:
     tight enough to decide about 99 draws in 100 on the demo model."""
     near_cut, mid_cut = _CUT * _NEAR_SHARE, _CUT * _MID_SHARE
     near = scan.near
-    assert near is not None
+    assert near is not None and scan.near_logits is not None
     bound = ((scan.n_mid - near.size) * _edge_weight(near_cut)
              + (scan.n_cut - scan.n_mid) * _edge_weight(mid_cut)
              + (x.size - scan.n_cut) * _CUT_WEIGHT)
-    return near, _weights(x[near], scan.best, scan.temperature), bound
+    return near, _weights(scan.near_logits, scan.best, scan.temperature), bound
 
 
 def _edge_weight(nats: float) -> float:
@@ -621,14 +625,27 @@ def _nucleus(w: np.ndarray, top_p: float, rest: float, exact: bool = False) -> _
     for level in _NUCLEUS_LEVELS:  # the weights (the best is 1) at or above a level first
         cand = np.flatnonzero(w >= level)
         if cand.size < w.size and w[cand].sum(dtype=np.float64) >= high:
-            order = cand[np.argsort(-w[cand], kind="stable")]
+            order = cand[_by_weight(w[cand])]
             break
     if order is None:
-        order = np.argsort(-w, kind="stable")
+        order = _by_weight(w)
     cdf = np.cumsum(w[order], dtype=np.float64)
     end = cdf.size - 1  # (a sum in another order may round past the running sum's last)
     return _Cut(order, cdf, min(int(np.searchsorted(cdf, low)), end),
                 min(int(np.searchsorted(cdf, high)), end))
+
+
+def _by_weight(w: np.ndarray) -> np.ndarray:
+    """The positions of the weights ``w`` (>= 0) from the largest down, ties by position: a
+    stable ``argsort(-w)``, as one sort of 64-bit keys (a weight's bits, which order
+    non-negative floats as integers, above its position), which numpy runs with its SIMD
+    sort: 6.5 us for 1,000 weights and 16 for 3,000, where the stable argsort took 16 and
+    111."""
+    bits = np.asarray(w, dtype=np.float32).view(np.int32).astype(np.int64)
+    bits = np.int64(0x7F800000) - bits
+    key = (bits << 32) | np.arange(w.size, dtype=np.int64)
+    key.sort()
+    return key & 0xFFFFFFFF
 
 
 def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int],
