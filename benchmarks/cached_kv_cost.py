@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from justllm.config import MAX_SEQ_IDS, EngineConfig
+from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 
@@ -65,12 +65,10 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    # Sequence ids to spare: each prompt the load sends again is held by a holder of its own
-    # that the request then locks, so with the default 32 at 32 streams the last request found
-    # no free id and ran after the others (half the throughput, nothing to do with the cells).
-    spare = min(MAX_SEQ_IDS - args.streams, max(32, 2 * args.streams))
+    # (each prompt the load sends again is held by a holder of its own that the request then
+    # locks: the default spare ids, one per stream and more, leave every request an id)
     config = EngineConfig(model=args.model, max_seqs=args.streams, pool_blocks=args.pool_blocks,
-                          gpu=args.gpu, cache_ram=0, spare_seq_ids=spare)
+                          gpu=args.gpu, cache_ram=0)
     kept, fresh = Engine(config), Engine(config)
     for engine in (kept, fresh):
         time_sampling(engine)  # (measure reads its counter)

@@ -24,6 +24,16 @@ CPU_ROW_MULTIPLE = 4
 MAX_SEQ_IDS = 128
 
 
+def default_spare_seq_ids(max_seqs: int) -> int:
+    """Sequence ids above ``max_seqs`` when none are given: one for each running request and
+    8 more, at least 32, as many as llama.cpp's ids leave. Each cached prefix a running request
+    hit stays held by an id of its own while the request runs (kv/radix_cache.py), so with
+    fewer than ``max_seqs`` spare ids a load that sends its prompts again runs short of ids
+    below ``max_seqs`` requests (32 streams with 32 spare ids: 31 ran a step, the last after
+    them). An id costs two logits rows of host memory (1 MiB each at a 262k vocabulary)."""
+    return max(0, min(max(32, max_seqs + 8), MAX_SEQ_IDS - max_seqs))
+
+
 @dataclass(frozen=True)
 class DeviceDefaults:
     """What 0 (the default) means for the step's size and the KV pool on one kind of device.
@@ -173,7 +183,7 @@ class EngineConfig:
     (engine/vram.py); until then ``pool_blocks`` stays 0. ``ctx`` caps one request (prompt +
     output); 0 means the smaller of the pool and the model's training context.
     ``spare_seq_ids`` are llama.cpp sequence ids above ``max_seqs`` kept for features that
-    need extra ids (prefix-cache holders, speculation).
+    need extra ids (prefix-cache holders, speculation); -1: :func:`default_spare_seq_ids`.
     ``prefix_cache`` shares KV between requests with a common prefix (radix tree).
     """
 
@@ -198,7 +208,7 @@ class EngineConfig:
     threads: int = 0
     ctx: int = 0
     gpu: bool = field(default_factory=_gpu_default)
-    spare_seq_ids: int = 32
+    spare_seq_ids: int = -1
     prefix_cache: bool = True
     # cap on blocks the prefix cache keeps; 0: the whole pool (CPU_RESIDENT_BLOCKS on a CPU with
     # cache_ram)
@@ -281,6 +291,8 @@ class EngineConfig:
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
         if self.repack not in ("auto", "on", "off"):
             raise ValueError(f"repack must be auto, on or off (got {self.repack!r})")
+        if self.spare_seq_ids == -1:
+            object.__setattr__(self, "spare_seq_ids", default_spare_seq_ids(self.max_seqs))
         for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

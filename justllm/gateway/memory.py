@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from justllm.config import EngineConfig
+from justllm.config import EngineConfig, default_spare_seq_ids
 from justllm.gateway.config import ModelSpec
 from justllm.gateway.policy import memory_estimate
 from justllm.models.gguf import ModelShape, read_gguf_header
@@ -22,7 +22,8 @@ def runner_memory(spec: ModelSpec, sources: tuple[ModelSource, ...] | None = Non
     # A --gpu runner's KV cache is in VRAM, not in the memory max-memory shares out.
     pool_blocks = 0 if flags.get("gpu") else int(flags.get("pool-blocks") or d.pool_blocks)
     pool_tokens = pool_blocks * int(flags.get("block-size", d.block_size))
-    seq_ids = int(flags.get("max-seqs", d.max_seqs)) + d.spare_seq_ids
+    max_seqs = int(flags.get("max-seqs", d.max_seqs))
+    seq_ids = max_seqs + default_spare_seq_ids(max_seqs)
     return memory_estimate(
         file_bytes=path.stat().st_size, pool_tokens=pool_tokens,
         kv_bytes_per_token=shape.kv_bytes_per_token,

@@ -136,3 +136,32 @@ def test_prefix_cache_cap_and_off_switch(model_path):
         assert s.prefix_cache.hits == 0 and s.kv_blocks.used == 0
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("spare", [-1, 32])
+def test_a_load_that_sends_its_cached_prompts_again_runs_every_request_at_once(model_path, spare):
+    """Each cached prompt is held by a sequence id of its own, pinned while a request that hit
+    it runs. At max_seqs requests that each send a cached prompt again, the default spare ids
+    (one per running request and more) let all of them run together, each hitting its prompt;
+    the old default of 32 at 40 sequences could not (the parametrisation shows the test can
+    tell)."""
+    n = 40
+    e = make(model_path, max_seqs=n, pool_blocks=1024, cache_ram=0, spare_seq_ids=spare)
+    try:
+        assert e.config.spare_seq_ids == (48 if spare == -1 else 32)
+        prompts = [f"Request {i}: " + " ".join(f"river{i}_{j}" for j in range(12))
+                   for i in range(n)]
+        assert len(e.tokenize(prompts[0])) > 3 * e.config.block_size
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        run_collect(e, prompts, params)
+        for p in prompts:
+            e.add_request(p, params)
+        peak = 0
+        while e.has_unfinished():
+            e.step()
+            peak = max(peak, len(e.scheduler.running))
+        all_at_once_all_hit = peak == n and e.stats().prefix_cache.hits >= n
+        # (short of ids, requests wait for one, or the cache gives up holders: prompts missed)
+        assert all_at_once_all_hit == (spare == -1)
+    finally:
+        e.close()
