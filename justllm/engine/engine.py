@@ -702,8 +702,11 @@ class Engine:
             raise KVTransferError(f"KV data from position {first}, but the cache holds "
                                   f"{held.length} tokens before it")
         node = cache.hold(held) if first else None  # the head the chunks go on from stays
+        # Room for every cell the chunks load, not only for the tokens the cache lacks: a
+        # chunk goes whole through a scratch sequence, positions the cache holds included.
+        loaded = sum(min(b, len(tokens)) - a for a, b in spans)
         try:
-            if not self.scheduler.make_room(len(tokens) - held.length):
+            if not self.scheduler.make_room(max(loaded, len(tokens) - held.length)):
                 raise KVTransferError(f"no room for {len(tokens)} tokens of KV: the running "
                                       "requests hold the pool")
             holder = self._borrow_seq("import into")

@@ -110,6 +110,38 @@ def test_bad_transfers_are_refused_and_the_engine_keeps_serving(pair):
     settled(decode)
 
 
+def test_room_counts_every_cell_a_chunk_loads_not_only_the_tokens_missing(model_path, pair):
+    """A prefix whose head is cached still loads whole chunks (through a scratch sequence),
+    so the room asked for is the chunks' cells: with a running request holding the pool, the
+    import is refused by the engine, before llama.cpp is handed bytes it has no room for, and
+    fits once the request is gone."""
+    prefill, _ = pair
+    blob = exported(prefill, PROMPT)
+    n = len(unpack(blob)[0].tokens)
+    head = "The history of the Roman empire is long and full of wars and emperors. " * 13
+    small = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32))  # 512 tokens
+    try:
+        run_alone(small, head, SamplingParams(max_tokens=1, temperature=0))
+        held = small.cache.match(list(unpack(blob)[0].tokens), n).length
+        assert n // 2 < held < n
+        rid = small.add_request("Count: " + "one two three " * 70,
+                                SamplingParams(max_tokens=50, ignore_eos=True))
+        small.step()
+        free = small.stats().kv_blocks.free + small.stats().prefix_cache.idle_blocks
+        # the tokens missing fit beside the request once the idle head goes; the chunk does not
+        assert (n - held) <= free * small.pool.block_size < n
+        with pytest.raises(KVTransferError, match="running requests hold the pool"):
+            small.import_prefix(blob)
+        settled(small)
+        small.abort(rid)
+        small.step()
+        settled(small)
+        assert small.import_prefix(blob) == n
+        settled(small)
+    finally:
+        small.close()
+
+
 def test_no_room_is_refused_before_llama_cpp_is_touched(model_path, pair):
     prefill, _ = pair
     blob = exported(prefill, PROMPT)
