@@ -17,7 +17,8 @@ from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVIdentity, KVTransferError, pack, unpack
 from tests.helpers import assert_same_run, run_alone, run_in_fresh_engine
 
-PROMPT = "The history of the Roman empire is long and full of wars and emperors. " * 20
+SENTENCE = "The history of the Roman empire is long and full of wars and emperors. "
+PROMPT = SENTENCE * 20
 # Past the model's 512-token sliding window: exported in window-sized chunks.
 LONG = "Rivers carve valleys, winds shape dunes, and glaciers grind mountains to sand. " * 75
 GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
@@ -117,12 +118,12 @@ def test_room_counts_every_cell_a_chunk_loads_not_only_the_tokens_missing(model_
     fits once the request is gone."""
     prefill, _ = pair
     blob = exported(prefill, PROMPT)
-    n = len(unpack(blob)[0].tokens)
-    head = "The history of the Roman empire is long and full of wars and emperors. " * 13
+    tokens = list(unpack(blob)[0].tokens)
+    n = len(tokens)
     small = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32))  # 512 tokens
     try:
-        run_alone(small, head, SamplingParams(max_tokens=1, temperature=0))
-        held = small.cache.match(list(unpack(blob)[0].tokens), n).length
+        run_alone(small, SENTENCE * 13, SamplingParams(max_tokens=1, temperature=0))
+        held = small.cache.match(tokens, n).length
         assert n // 2 < held < n
         rid = small.add_request("Count: " + "one two three " * 70,
                                 SamplingParams(max_tokens=50, ignore_eos=True))
