@@ -129,8 +129,10 @@ def test_chat_against_a_server_in_a_terminal(server, tmp_path):
 def test_chat_in_process_with_pipes(model_path):
     r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "4",
                         "--system", "Be brief.", "--pool-blocks", "64"],
-                       input="/stats\n/set top_p 5\n/set top_p 0.9\n/set max_tokens 0\nHi!\n"
-                             "/stats\n/system\n/bye\n",
+                       # Seeded, so that the answer cannot end (EOS or "User:") before its 4
+                       # tokens: unseeded, one CI run in many stopped at 3.
+                       input="/stats\n/set top_p 5\n/set top_p 0.9\n/set max_tokens 0\n"
+                             "/set seed 1\nHi!\n/stats\n/system\n/bye\n",
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "(no answer yet)" in r.stdout and "generation 4 tok" in r.stdout
@@ -141,7 +143,7 @@ def test_chat_in_process_with_pipes(model_path):
     assert "(system message removed)" in r.stdout
     assert r.stderr.count("this model has no chat template and looks like a base model") == 1
     one = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "-n", "1",
-                          "--pool-blocks", "64"], input="Hi!\n/stats\n/bye\n",
+                          "--pool-blocks", "64"], input="/set seed 1\nHi!\n/stats\n/bye\n",
                          capture_output=True, text=True, timeout=300)
     assert "generation 1 tok · TTFT" in one.stdout, one.stdout  # not "0.0 tok/s"
 

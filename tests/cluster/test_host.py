@@ -36,7 +36,8 @@ def ask(host: EngineHost, path: str, body: dict) -> list[Head | bytes]:
 
 def test_a_request_goes_through_the_servers_app_and_says_which_replica_served_it(host):
     head, *body = ask(host, "/v1/completions",
-                      {"model": "demo", "prompt": "The capital of France is", "max_tokens": 4})
+                      {"model": "demo", "prompt": "The capital of France is", "max_tokens": 4,
+                       "ignore_eos": True})  # sampled: it may end early, and the test counts 4
     assert isinstance(head, Head) and head.status == 200, body
     assert head.header("x-replica") == "r1"
     answer = json.loads(b"".join(body))  # type: ignore[arg-type]
