@@ -92,8 +92,9 @@ def test_the_backend_never_hands_llama_cpp_a_top_k_it_aborts_on(llm):
 
 def test_unseeded_draws_differ_between_sequences(llm):
     """Each sequence id's chain has a generator of its own: four requests for one prompt at a
-    high temperature do not draw the same text."""
-    outs = llm.generate([PROMPTS[1]] * 4, SP(max_tokens=12, temperature=1.5))
+    high temperature do not draw the same text. (ignore_eos: unseeded, a draw may end early,
+    and the test counts 12 tokens each.)"""
+    outs = llm.generate([PROMPTS[1]] * 4, SP(max_tokens=12, temperature=1.5, ignore_eos=True))
     assert len({tuple(o.token_ids) for o in outs}) > 1
     assert all(len(o.token_ids) == 12 for o in outs)
 
@@ -114,8 +115,9 @@ def test_top_p_over_the_whole_vocabulary_draws_from_candidates_the_graph_took(ll
         assert llm.counted["graph"] == before["graph"]  # none drawn by llama.cpp's chain
         if not ON_GPU:
             assert got == greedy, params
-    for params in (SP(max_tokens=10, temperature=0.8, top_p=0.95),
-                   SP(max_tokens=10, temperature=0.8, top_k=40)):
+    # (ignore_eos: unseeded draws, which may end early, and the counts below want all 10)
+    for params in (SP(max_tokens=10, temperature=0.8, top_p=0.95, ignore_eos=True),
+                   SP(max_tokens=10, temperature=0.8, top_k=40, ignore_eos=True)):
         before = dict(llm.counted)
         got, n = tokens(llm, params)
         assert n == 40 and all(len(t) == 10 for t in got)

@@ -45,7 +45,9 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
 
         claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
                                      timeout=120)
-        m = claude.messages.create(model="alpha", max_tokens=4, messages=HELLO)
+        # greedy: the text below must not be empty, as a sampled answer that ends at once is
+        m = claude.messages.create(model="alpha", max_tokens=4, messages=HELLO,
+                                   extra_body={"temperature": 0})
         assert m.type == "message" and m.content[0].text and m.usage.output_tokens <= 4
         with claude.messages.stream(model="alpha", max_tokens=4, messages=HELLO) as stream:
             text = "".join(stream.text_stream)
@@ -160,7 +162,8 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
 
         gpt = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
                             timeout=120)
-        r = gpt.responses.create(model="alpha", input="Say hello.", max_output_tokens=4)
+        r = gpt.responses.create(model="alpha", input="Say hello.", max_output_tokens=4,
+                                 temperature=0)  # greedy: output_text must not be empty
         assert r.output_text and r.usage.output_tokens <= 4
         events = list(gpt.responses.create(model="alpha", input="Say hello.", stream=True,
                                            max_output_tokens=4))

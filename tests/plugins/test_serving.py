@@ -106,12 +106,17 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
     server = start_server("sample:demo", "--max-seqs", "2", "--pool-blocks", "64", env=env)
     try:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-                "prompt": "Once upon a time", "max_tokens": 200, "stream": True}) as r:
+                # ignore_eos: sampled, it could end on its own before the client leaves
+                "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # the client leaves after its first token
+        # Seeded, ignoring EOS: both answers must run to max_tokens ("length" below), and a
+        # sampled transcript answer may end early (EOS or "User:")
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2})
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2,
+            "seed": 1, "ignore_eos": True})
         assert r.status_code == 200
         chat_id = r.json()["id"]
         deadline = time.monotonic() + 30  # the abort's record follows the client's leaving

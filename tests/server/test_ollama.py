@@ -81,7 +81,9 @@ def assert_final(r, num_predict: int | None = None) -> None:
 # ---- chat and generate ---------------------------------------------------------------------
 
 def test_chat_streaming(client, server):
-    parts = list(client.chat(model=server.model, stream=True, options={"num_predict": 8},
+    # (seeded: Ollama's defaults sample, and the text must not be empty)
+    parts = list(client.chat(model=server.model, stream=True,
+                             options={"num_predict": 8, "seed": 1},
                              messages=[{"role": "user", "content": "Name three colours."}]))
     assert all(p.done is False for p in parts[:-1]) and parts[-1].done is True
     assert {p.message.role for p in parts} == {"assistant"}
@@ -93,7 +95,7 @@ def test_chat_streaming(client, server):
 
 
 def test_chat_non_streaming_with_the_latest_tag(client, server):
-    r = client.chat(model=server.model + ":latest", options={"num_predict": 6},
+    r = client.chat(model=server.model + ":latest", options={"num_predict": 6, "seed": 1},
                     messages=[{"role": "system", "content": "You are terse."},
                               {"role": "user", "content": "Say hello."}])
     assert r.model == server.model + ":latest"  # echoed as the client named it, as Ollama does
@@ -131,12 +133,12 @@ def test_a_last_assistant_message_is_continued(server):
 
 def test_generate_streaming_and_not(client, server):
     parts = list(client.generate(model=server.model, prompt="The sky is", stream=True,
-                                 options={"num_predict": 5}))
+                                 options={"num_predict": 5, "seed": 1}))  # (seeded: not empty)
     assert parts[-1].done and all(not p.done for p in parts[:-1])
     assert "".join(p.response for p in parts).strip()
     assert_final(parts[-1], 5)
     r = client.generate(model=server.model, prompt="The sky is", raw=True,
-                        options={"num_predict": 5})
+                        options={"num_predict": 5, "seed": 1})
     assert r.response and r.context is None
     assert_final(r, 5)
     # raw: the prompt alone, no chat template around it
@@ -389,7 +391,8 @@ def test_api_key_guards_the_api(exact):
 
 def test_ndjson_framing(server):
     with httpx.stream("POST", server.url + "/api/chat", timeout=60, content=json.dumps({
-            "model": server.model, "options": {"num_predict": 6},
+            # seeded: an answer line, then the last (sampled, it could end at once)
+            "model": server.model, "options": {"num_predict": 6, "seed": 1},
             "messages": [{"role": "user", "content": "Hello"}]})) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("application/x-ndjson")
