@@ -192,7 +192,7 @@ class EngineConfig:
     pool_blocks: int = 0
     block_size: int = 16
     chunk_size: int = 0
-    max_prefill: int = 4
+    max_prefill: int = 8
     max_decode: int = 32
     n_batch: int = 0
     # llama.cpp's micro-batch and flash attention (auto | on | off: auto lets llama.cpp use it

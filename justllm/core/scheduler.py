@@ -43,7 +43,7 @@ from justllm.kv.radix_cache import (
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_seqs: int = 32
-    max_prefill: int = 4
+    max_prefill: int = 8
     max_decode: int = 32
     chunk_size: int = 256
     n_batch: int = 512
