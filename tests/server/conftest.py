@@ -32,9 +32,12 @@ class Server:
             return -9
 
 
-def start_server(model_path: str, *args: str, env: dict | None = None) -> Server:
+def start_server(model_path: str, *args: str, env: dict | None = None,
+                 launcher: tuple[str, ...] = ("-m", "justllm", "serve")) -> Server:
+    """``launcher``: what Python runs before the model and flags (a script that wraps
+    ``justllm serve``, such as benchmarks/step_trace.py)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port), *args]
+    cmd = [sys.executable, *launcher, model_path, "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
