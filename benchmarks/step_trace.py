@@ -46,21 +46,23 @@ def serve(trace: Path, args: list[str]) -> None:
 
 
 def summary(trace: Path) -> str:
-    calls = [line.split() for line in trace.read_text().splitlines() if line.strip()]
+    calls = [(float(start), int(tokens), int(rows), float(seconds))
+             for start, tokens, rows, seconds in
+             (line.split() for line in trace.read_text().splitlines() if line.strip())]
     if not calls:
         return f"{trace}: no decode calls"
     shapes: dict[tuple[int, int], list[float]] = defaultdict(list)
     for _, tokens, rows, seconds in calls:
-        shapes[int(tokens), int(rows)].append(float(seconds) * 1000)
+        shapes[tokens, rows].append(seconds * 1000)
     lines = [f"{'tokens':>6} {'rows':>5} {'calls':>6} {'median ms':>10} {'p90 ms':>8} {'total s':>8}"]
     for (tokens, rows), ms in sorted(shapes.items(), key=lambda kv: -sum(kv[1])):
         p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
         lines.append(f"{tokens:>6} {rows:>5} {len(ms):>6} {statistics.median(ms):>10.1f} "
                      f"{p90:>8.1f} {sum(ms) / 1000:>8.2f}")
-    starts = [float(c[0]) for c in calls]
-    ends = [float(c[0]) + float(c[3]) for c in calls]
-    gaps = [(b - a) * 1000 for a, b in zip(ends, starts[1:]) if b - a < 1.0]  # (idle: not a gap)
-    decoding = sum(float(c[3]) for c in calls)
+    gaps = [(start - (prev + took)) * 1000  # (a pause over 1 s is idle, not a gap)
+            for (prev, _, _, took), (start, _, _, _) in zip(calls, calls[1:])
+            if start - (prev + took) < 1.0]
+    decoding = sum(seconds for *_, seconds in calls)
     lines.append(f"{len(calls)} calls, {decoding:.2f} s in llama_decode; between calls "
                  f"(under 1 s): median {statistics.median(gaps) if gaps else 0:.2f} ms, "
                  f"total {sum(gaps) / 1000:.2f} s")
