@@ -185,14 +185,14 @@ class Scheduler:
             self._take(self.cache.evict_blocks(needed))
         return self.pool.can_allocate(needed)
 
-    def adopt_prefix(self, tokens: list[int], seq: int) -> None:
-        """``seq`` (borrowed, after ``make_room``) holds ``tokens`` at positions 0..: the
-        prefix cache takes it as a finished request's prompt (what it already has is dropped
-        from ``seq``)."""
+    def adopt_prefix(self, tokens: list[int], seq: int, tree: LoraKey = ()) -> None:
+        """``seq`` (borrowed, after ``make_room``) holds ``tokens`` at positions 0.., computed
+        under the adapter set ``tree``: the prefix cache takes it as a finished request's
+        prompt (what it already has is dropped from ``seq``)."""
         if self.cache is None:
             self.return_seq(seq)
             return
-        self._take(self.cache.insert(tokens, seq, live=False))
+        self._take(self.cache.insert(tokens, seq, live=False, key=tree))
 
     def evict_cached(self, leaf: RadixNode) -> None:
         """Evict one prefix-cache leaf (``cache.spill_candidate()``'s, its prefix copied to

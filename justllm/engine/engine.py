@@ -15,7 +15,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +24,7 @@ from justllm.config import CPU_RESIDENT_BLOCKS, CPU_ROW_MULTIPLE, EngineConfig
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.record import RequestOrigin, RequestRecord
-from justllm.core.request import FinishReason, Request, RequestStatus
+from justllm.core.request import FinishReason, LoraKey, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
 from justllm.core.scheduler import Scheduler
 from justllm.core.thinking_budget import ThinkingBudget
@@ -597,7 +597,12 @@ class Engine:
     def finish_unload_lora(self, lora_id: int) -> None:
         """Drop the adapter's cached KV (at the next step) and free it."""
         with self._lock:
-            self.scheduler.flush_cache_trees(lambda key: any(i == lora_id for i, _ in key))
+            def of_it(key: Hashable) -> bool:  # (the prefix cache's and host memory's trees)
+                return isinstance(key, tuple) and any(i == lora_id for i, _ in key)
+
+            self.scheduler.flush_cache_trees(of_it)
+            if self.host_cache is not None:
+                self.host_cache.drop_trees(of_it)
             self.loras.finish_unload(lora_id)
 
     # ---- KV export and import (prefill/decode disaggregation) ----------------------------
@@ -681,17 +686,17 @@ class Engine:
             return self._load_prefix(tokens, header.spans(), chunks)
 
     def _load_prefix(self, tokens: list[int], spans: list[tuple[int, int]],
-                     chunks: Sequence[bytes | memoryview]) -> int:
+                     chunks: Sequence[bytes | memoryview], tree: LoraKey = ()) -> int:
         """Serialised cells of ``tokens`` (chunk k: positions ``spans[k]``) into the prefix
-        cache (under the lock); the tokens of them now cached. The chunks may begin past
-        position 0 where the cache holds the tokens before them (kept locked meanwhile), and
-        the last may go on past ``tokens`` (its cells there are dropped). Each chunk goes into
-        a scratch sequence and is tagged onto the holder by ``seq_cp``, which keeps earlier
-        chunks (a state load empties its sequence first)."""
+        cache's tree ``tree`` (under the lock); the tokens of them now cached. The chunks may
+        begin past position 0 where the cache holds the tokens before them (kept locked
+        meanwhile), and the last may go on past ``tokens`` (its cells there are dropped).
+        Each chunk goes into a scratch sequence and is tagged onto the holder by ``seq_cp``,
+        which keeps earlier chunks (a state load empties its sequence first)."""
         cache = self.cache
         assert cache is not None
         backend = self.backend
-        held = cache.match(tokens, len(tokens))
+        held = cache.match(tokens, len(tokens), tree)
         if held.length == len(tokens):
             # Here already (an earlier hand-over of the same prompt, or a request): nothing
             # to load. It used to ask room for the whole prompt again, which requests
@@ -731,11 +736,11 @@ class Engine:
                 self.scheduler.return_seq(holder)
                 self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
                 raise
-            self.scheduler.adopt_prefix(tokens, holder)
+            self.scheduler.adopt_prefix(tokens, holder, tree)
         finally:
             cache.unlock(node)
         self.runner.apply_kv_ops(self.scheduler.take_kv_ops())
-        return cache.match(tokens, len(tokens)).length
+        return cache.match(tokens, len(tokens), tree).length
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -783,24 +788,24 @@ class Engine:
         """While the prefix cache holds more than its share of the KV, its next victim's
         prefix (from position 0) is copied to host memory, but the chunks kept there already,
         unless an entry there holds all of it, and then evicted (kv/host_cache.py says why:
-        idle cells slow every decode). Adapter trees' prefixes are just evicted."""
+        idle cells slow every decode). An adapter set's prefixes go to its own tree there."""
         cache, host = self.cache, self.host_cache
         assert cache is not None and host is not None
         while cache.num_blocks > self._resident_blocks:
             leaf = cache.spill_candidate()
             if leaf is None:
                 return
-            tokens = cache.path_tokens(leaf)
-            if leaf.tree == () and not host.covers(tokens):
-                missing = host.missing(tokens)
-                match = cache.match(tokens, len(tokens))
+            tokens, tree = cache.path_tokens(leaf), leaf.tree
+            if not host.covers(tokens, tree):
+                missing = host.missing(tokens, tree)
+                match = cache.match(tokens, len(tokens), tree)
                 assert match.length == len(tokens) and match.last is leaf
                 try:
                     data = self._gather(match, [(m.start, m.end) for m in missing])
                 except KVTransferError as e:  # (no sequence id to gather through)
                     log.debug("prefix not moved to host memory: %s", e)
                 else:
-                    host.put(tokens, {m.digest: d for m, d in zip(missing, data)})
+                    host.put(tokens, {m.digest: d for m, d in zip(missing, data)}, tree)
             if cache.is_evictable(leaf):  # (the gather locked it: nothing evicted it)
                 self.scheduler.evict_cached(leaf)
 
@@ -809,26 +814,27 @@ class Engine:
         block more of its tokens with a prefix in host memory than with the prefix cache gets
         that prefix back in the KV first (it then hits it as any cached prefix)."""
         for req in itertools.islice(self.scheduler.waiting, self.config.max_prefill):
-            if req.host_checked or req.lora != () or req.kv_errors or req.wants_prompt_logprobs:
+            if req.host_checked or req.kv_errors or req.wants_prompt_logprobs:
                 continue
             req.host_checked = True
-            self._restore_for((req.prompt_token_ids + req.output_token_ids)[:req.num_tokens - 1])
+            self._restore_for((req.prompt_token_ids + req.output_token_ids)[:req.num_tokens - 1],
+                              req.lora)
 
-    def _restore_for(self, tokens: list[int]) -> None:
+    def _restore_for(self, tokens: list[int], tree: LoraKey = ()) -> None:
         """Copy back the chunks of the prefix in host memory sharing the most with
-        ``tokens`` that the prefix cache lacks, if that is at least a block more than it
-        shares with them (under the lock)."""
+        ``tokens`` (in the adapter set ``tree``'s prefixes) that the prefix cache lacks, if
+        that is at least a block more than it shares with them (under the lock)."""
         cache, host = self.cache, self.host_cache
         if cache is None or host is None:
             return
-        usable, entry = host.best(tokens)
-        have = cache.match(tokens, len(tokens)).length
+        usable, entry = host.best(tokens, tree)
+        have = cache.match(tokens, len(tokens), tree).length
         if entry is None or usable < have + self.pool.block_size:
             return
         chunks = host.chunks(entry, have, usable)  # (the last one is cut at ``usable``)
         try:
             self._load_prefix(entry.tokens[:usable], [(s.start, s.end) for s, _ in chunks],
-                              [d for _, d in chunks])
+                              [d for _, d in chunks], tree)
         except KVTransferError as e:  # no room or no id now: the prompt is computed
             log.debug("prefix not restored from host memory: %s", e)
             return

@@ -19,6 +19,12 @@ the chunks not stored yet. At most ``max_bytes`` of chunks are kept; the least r
 prefix goes first (its chunks with it, unless another prefix uses them), and none is kept
 that a longer one holds. A prefix comes back as far as a prompt shares it: the chunks it
 needs, the last one's cells past that dropped.
+
+Prefixes computed under LoRA adapters are kept too, each in its adapter set's *tree* (the
+prefix cache's tree key, ``()`` for the base model): their cells differ from the base model's
+for the same tokens, so a tree's chunks are named by digests that start from the tree's own
+seed, and a lookup only finds entries of the tree it names. An adapter being unloaded takes its
+trees' entries with it (``drop_trees``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 from justllm.kv.radix_cache import common_prefix_len
@@ -47,6 +53,7 @@ class HostEntry:
     tokens: list[int]
     spans: list[Span]
     last_use: int = 0
+    tree: Hashable = ()  # the prefix cache's tree key: the adapter set it was computed under
 
 
 @dataclass(frozen=True)
@@ -59,10 +66,12 @@ class HostCacheStats:
     restored_tokens: int = 0
 
 
-def spans(tokens: list[int], chunk_tokens: int) -> list[Span]:
-    """``tokens``' chunks, each named by a digest of the tokens through its end (chained)."""
+def spans(tokens: list[int], chunk_tokens: int, tree: Hashable = ()) -> list[Span]:
+    """``tokens``' chunks, each named by a digest of the tokens through its end (chained),
+    from a seed of the tree's own (none for the base model's, ``()``)."""
     out: list[Span] = []
-    digest = b""
+    digest = b"" if tree == () else hashlib.blake2b(repr(tree).encode(), digest_size=16,
+                                                    person=b"justllm-tree").digest()
     for k, a in enumerate(range(0, len(tokens), chunk_tokens)):
         b = min(a + chunk_tokens, len(tokens))
         digest = hashlib.blake2b(digest + array("q", tokens[a:b]).tobytes(),
@@ -72,8 +81,9 @@ def spans(tokens: list[int], chunk_tokens: int) -> list[Span]:
 
 
 class HostCache:
-    """Entries keyed by their first ``key_tokens`` tokens (a lookup compares only entries
-    that begin as the prompt does); chunks kept once, with the number of entries using each."""
+    """Entries keyed by their tree and their first ``key_tokens`` tokens (a lookup compares
+    only entries of its tree that begin as the prompt does); chunks kept once, with the number
+    of entries using each. ``tree``: the prefix cache's tree key (module docstring)."""
 
     def __init__(self, max_bytes: int, chunk_tokens: int, key_tokens: int = 16) -> None:
         if max_bytes < 0 or chunk_tokens < 1:
@@ -81,37 +91,40 @@ class HostCache:
         self.max_bytes = max_bytes
         self.chunk_tokens = chunk_tokens
         self.key_tokens = max(1, key_tokens)
-        self._by_key: dict[tuple[int, ...], list[HostEntry]] = {}
+        self._by_key: dict[tuple[Hashable, tuple[int, ...]], list[HostEntry]] = {}
         self._chunks: dict[bytes, bytes] = {}
         self._refs: dict[bytes, int] = {}
         self._bytes = 0
         self._tick = itertools.count(1)
         self._stored = self._restored = self._restored_tokens = 0
 
-    def _key(self, tokens: list[int]) -> tuple[int, ...]:
-        return tuple(tokens[:self.key_tokens])
+    def _key(self, tokens: list[int], tree: Hashable) -> tuple[Hashable, tuple[int, ...]]:
+        return tree, tuple(tokens[:self.key_tokens])
 
     def _entries(self) -> list[HostEntry]:
         return [e for group in self._by_key.values() for e in group]
 
-    def covers(self, tokens: list[int]) -> bool:
+    def covers(self, tokens: list[int], tree: Hashable = ()) -> bool:
         """Whether an entry holds all of ``tokens`` (they are one of its prefixes)."""
         return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens
-                   for e in self._by_key.get(self._key(tokens), ()))
+                   for e in self._by_key.get(self._key(tokens, tree), ()))
 
-    def missing(self, tokens: list[int]) -> list[Span]:
+    def missing(self, tokens: list[int], tree: Hashable = ()) -> list[Span]:
         """The chunks of ``tokens`` not kept yet: what :meth:`put` needs for them."""
-        return [s for s in spans(tokens, self.chunk_tokens) if s.digest not in self._chunks]
+        return [s for s in spans(tokens, self.chunk_tokens, tree)
+                if s.digest not in self._chunks]
 
-    def put(self, tokens: list[int], data: Mapping[bytes, bytes]) -> bool:
+    def put(self, tokens: list[int], data: Mapping[bytes, bytes],
+            tree: Hashable = ()) -> bool:
         """Keep the prefix ``tokens``, ``data`` holding the cells of its chunks :meth:`missing`
         named (by digest); False when they do not fit the whole budget, or when the prefix is
         shorter than a lookup's key. Entries this one holds all of go; then the least recently
         used, until it fits."""
         if len(tokens) < self.key_tokens:
             return False
-        entry = HostEntry(list(tokens), spans(tokens, self.chunk_tokens), next(self._tick))
-        key = self._key(tokens)
+        entry = HostEntry(list(tokens), spans(tokens, self.chunk_tokens, tree),
+                          next(self._tick), tree)
+        key = self._key(tokens, tree)
         for s in entry.spans:  # held first, so no eviction below frees a chunk this one uses
             if s.digest not in self._chunks:
                 chunk = data[s.digest]
@@ -129,11 +142,11 @@ class HostCache:
         self._stored += 1
         return True
 
-    def best(self, tokens: list[int]) -> tuple[int, HostEntry | None]:
-        """The entry sharing the longest prefix with ``tokens``, and how long that is (0,
-        None: none shares its first ``key_tokens`` tokens)."""
+    def best(self, tokens: list[int], tree: Hashable = ()) -> tuple[int, HostEntry | None]:
+        """The entry of ``tree`` sharing the longest prefix with ``tokens``, and how long that
+        is (0, None: none shares its first ``key_tokens`` tokens)."""
         best: tuple[int, HostEntry | None] = (0, None)
-        for e in self._by_key.get(self._key(tokens), ()):
+        for e in self._by_key.get(self._key(tokens, tree), ()):
             k = common_prefix_len(e.tokens, tokens)
             if k > best[0]:
                 best = (k, e)
@@ -153,11 +166,18 @@ class HostCache:
 
     def clear(self) -> None:
         """Forget every entry (the counters stay)."""
-        for e in self._entries():
+        self.drop_trees(lambda tree: True)
+
+    def drop_trees(self, which: Callable[[Hashable], bool]) -> int:
+        """Forget the entries of the trees ``which`` accepts (an adapter being unloaded:
+        nothing can look them up again); how many went."""
+        gone = [e for e in self._entries() if which(e.tree)]
+        for e in gone:
             self._remove(e)
+        return len(gone)
 
     def _remove(self, entry: HostEntry) -> None:
-        key = self._key(entry.tokens)
+        key = self._key(entry.tokens, entry.tree)
         group = self._by_key[key]
         group.remove(entry)
         if not group:

@@ -118,6 +118,48 @@ def test_kv_computed_under_one_adapter_never_serves_another(lora_engine):
     assert cached({"b": 0.8})[1] == toks_b
 
 
+def test_an_adapters_prefix_goes_to_host_memory_in_its_own_tree_and_comes_back(model_path,
+                                                                               adapters):
+    """Past the share of idle prefixes a prefix computed under an adapter moves to host memory
+    as the base model's do, in its adapter set's tree: the same adapter gets it back (a hit,
+    the same tokens), the base model and another adapter do not, and unloading the adapter
+    drops it there too."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128, cache_ram=64,
+                                 prefix_cache_blocks=2, lora=(LoraSpec("a", adapters["a"]),
+                                                              LoraSpec("b", adapters["b"]))))
+    try:
+        prompt = " ".join(f"Line {i} of a shared system prompt." for i in range(12))
+        n = len(engine.tokenize(prompt))
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+        def cached(lora: dict[str, float]) -> tuple[int, list[int]]:
+            engine.add_request(prompt, under(lora, params))
+            out, toks = None, []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    toks += o.token_ids
+                    out = o if o.finished else out
+            engine.runner.apply_kv_ops(engine.scheduler.take_kv_ops())
+            engine.check_kv()
+            assert out is not None and out.error is None
+            return out.metrics.num_cached_tokens, toks
+
+        hit_a, toks_a = cached({"a": 1.0})
+        assert hit_a == 0 and engine.stats().host_cache.entries == 1
+        assert engine.stats().prefix_cache.blocks <= 2  # the rest of it left the KV
+        assert cached({"b": 1.0})[0] == 0 and cached({})[0] == 0  # a's cells serve neither
+        assert engine.stats().host_cache.entries == 3
+        restored = engine.stats().host_cache.restored
+        assert cached({"a": 1.0}) == (n - 1, toks_a)
+        assert engine.stats().host_cache.restored == restored + 1
+
+        engine.finish_unload_lora(engine.begin_unload_lora("a"))
+        assert engine.stats().host_cache.entries == 2  # b's and the base model's stay
+        assert cached({"b": 1.0})[0] == n - 1
+    finally:
+        engine.close()
+
+
 def test_unknown_adapters_are_refused_per_request(lora_engine):
     with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'zz'"):
         lora_engine.add_request("Hi", under({"zz": 1.0}))

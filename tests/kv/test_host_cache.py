@@ -9,9 +9,9 @@ from justllm.kv.host_cache import HostCache, spans
 from justllm.kv.radix_cache import KVOp, RadixCache
 
 
-def put(h: HostCache, tokens: list[int], size: int = 10) -> bool:
-    """Store ``tokens`` with ``size`` bytes for each chunk it lacks."""
-    return h.put(tokens, {s.digest: bytes(size) for s in h.missing(tokens)})
+def put(h: HostCache, tokens: list[int], size: int = 10, tree: tuple = ()) -> bool:
+    """Store ``tokens`` (in ``tree``) with ``size`` bytes for each chunk it lacks."""
+    return h.put(tokens, {s.digest: bytes(size) for s in h.missing(tokens, tree)}, tree)
 
 
 def test_a_chunk_is_named_by_every_token_up_to_its_end():
@@ -19,6 +19,24 @@ def test_a_chunk_is_named_by_every_token_up_to_its_end():
     assert [(s.start, s.end) for s in a] == [(0, 2), (2, 4), (4, 5)]
     assert [x.digest == y.digest for x, y in zip(a, b)] == [True, True, False]
     assert spans([9, 2, 3, 4], 2)[1].digest != a[1].digest  # same tokens, another past
+
+
+def test_an_adapter_sets_prefixes_are_a_tree_of_their_own():
+    """The same tokens under an adapter set are other cells: other chunks, found only by a
+    lookup in that tree, and dropped with it."""
+    lora_a, lora_b = ((0, 1.0),), ((1, 0.5),)
+    assert spans([1, 2, 3], 2, lora_a)[0].digest not in {
+        spans([1, 2, 3], 2)[0].digest, spans([1, 2, 3], 2, lora_b)[0].digest}
+    h = HostCache(1000, chunk_tokens=2, key_tokens=2)
+    assert put(h, [1, 2, 3, 4]) and put(h, [1, 2, 3, 4, 5], tree=lora_a)
+    assert h.stats().entries == 2 and h.stats().bytes == 50  # nothing shared across trees
+    assert h.covers([1, 2, 3, 4, 5], lora_a) and not h.covers([1, 2, 3, 4, 5])
+    assert h.best([1, 2, 3, 4, 5], lora_b) == (0, None)
+    usable, entry = h.best([1, 2, 3, 4, 5, 6], lora_a)
+    assert usable == 5 and entry is not None and entry.tree == lora_a
+    assert h.drop_trees(lambda tree: tree == lora_a) == 1
+    assert h.best([1, 2, 3, 4, 5, 6], lora_a) == (0, None) and h.best([1, 2, 3, 4])[0] == 4
+    assert h.stats().entries == 1 and h.stats().bytes == 20
 
 
 def test_prefixes_that_begin_alike_keep_their_shared_chunks_once():
