@@ -72,6 +72,29 @@ def test_an_entry_in_host_memory_is_exported_and_a_flush_forgets_it(engine):
     assert cells(engine) == 0
 
 
+def test_an_import_of_a_prefix_in_host_memory_is_here_already_and_comes_back_for_a_request(
+        engine):
+    """PD's decode replica handed a prefix it moved to host memory takes it as cached, with
+    no room asked for (a request sharing its head may hold the pool), and the request that
+    needs it gets it back from there."""
+    engine.flush_prefix_cache()
+    tokens = engine.tokenize(LONG)
+    run_alone(engine, LONG, SHORT)
+    blob = engine.export_prefix(tokens)  # (copied back into the KV first)
+    run_alone(engine, "Something else entirely.", SHORT)  # a step: past the share, out again
+    settled(engine)
+    assert engine.cache.match(tokens, len(tokens)).length < len(tokens)
+    before = engine.stats()
+    assert engine.import_prefix(blob) == len(tokens)
+    settled(engine)
+    assert engine.stats().prefix_cache.blocks == before.prefix_cache.blocks  # nothing loaded
+    run_alone(engine, LONG + " Then", SHORT)
+    after = engine.stats()
+    assert after.host_cache.restored == before.host_cache.restored + 1
+    assert after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens >= len(tokens) - 1
+    settled(engine)
+
+
 def test_without_host_memory_the_share_only_drops(model_path):
     e = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256, cache_ram=0,
                             prefix_cache_blocks=8))
