@@ -53,9 +53,11 @@ class DeviceDefaults:
 # The prefix cache's blocks a CPU engine with host memory for prefixes (``cache_ram``) keeps in
 # the KV when ``prefix_cache_blocks`` is 0; the rest moves to host memory. Each cached cell slows
 # every decode (llama.cpp attends over all of them): 4,064 tokens cost 5.5% at 8 streams here
-# (benchmarks/cached_kv_cost.py), 1,024 about 1.4%. On a GPU that cost is not measured yet:
-# the whole pool stays.
-CPU_RESIDENT_BLOCKS = 64
+# (benchmarks/cached_kv_cost.py), 1,024 about 1.4%, and a served bench with new prompts ran 4%
+# faster keeping 8 blocks than 64 (README, 2026-12-05), while bringing a prefix back from host
+# memory costs ~8 ms a thousand tokens more than finding it in the KV. On a GPU that cost is not
+# measured yet: the whole pool stays.
+CPU_RESIDENT_BLOCKS = 8
 CPU_DEFAULTS = DeviceDefaults(n_batch=512, n_ubatch=0, chunk_size=256, pool_blocks=1024)
 GPU_DEFAULTS = DeviceDefaults(n_batch=2048, n_ubatch=512, chunk_size=512, pool_blocks=0)
 

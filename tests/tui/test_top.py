@@ -54,7 +54,9 @@ PANELS = ("#hit-ratio", "#hit-detail", "#running", "#waiting", "#ttft-p50", "#tt
 
 @pytest.mark.model
 def test_live_server_hit_ratio_moves_pause_and_quit(model_path):
-    server = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "128")
+    # (no host memory: the shared 300-token prefix stays in the KV, and the cache panel shows it)
+    server = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "128",
+                          "--cache-ram", "0")
     try:
         asyncio.run(_live(server))
     finally:
