@@ -24,6 +24,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError
+from justllm.kv.host_cache import HostCache
 from tests.engine.test_kv_stress import _idle, make_prompts
 from tests.helpers import PROMPTS, divergence_is_noise, run_alone
 from tests.lora_files import write_adapter
@@ -298,17 +299,24 @@ async def _client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: int,
     assert not [o.error for o in outs if o.error]
 
 
-def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_path, adapters):
+def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_path, adapters,
+                                                                         monkeypatch):
     """test_kv_stress.py's load (shared prefixes, a small pool that evicts and preempts,
     prompts past the sliding window, clients that leave) with each request under the base
     model, adapter a, b or both: every step is KV-checked (tests/conftest.py), and when idle
-    the pool holds exactly the prefix cache."""
+    the pool holds exactly the prefix cache. Run twice, the second round after the first has
+    ended: idle prefixes past a 6-block share move to host memory and back, each adapter set's
+    in its own tree."""
     engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
                                  block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
                                  lora=(LoraSpec("a", adapters["a"]),
                                        LoraSpec("b", adapters["b"], 0.8)),
-                                 lora_max_steps=2))
+                                 lora_max_steps=2, cache_ram=64, prefix_cache_blocks=6))
     assert engine.config.check_kv
+    restored_trees: list = []  # the tree of each prefix brought back from host memory
+    used = HostCache.used
+    monkeypatch.setattr(HostCache, "used", lambda self, entry, n: (
+        restored_trees.append(entry.tree), used(self, entry, n))[1])
     a = AsyncEngine(engine)
 
     async def drive() -> None:
@@ -316,14 +324,17 @@ def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_pa
         words = engine.tokenize(" apple river stone light")
         prompts = make_prompts(rng, words[1:], words[0], 36)
         results = {"cancelled": 0, "left": 0, "completed": 0}
-        await asyncio.gather(*[_client(a, random.Random(700 + i), p, i, results)
-                               for i, p in enumerate(prompts)])
-        assert results["completed"] >= 10, results
-        await _idle(a, engine)
+        for _ in range(2):  # the second round: the same prompts under the same adapter sets
+            await asyncio.gather(*[_client(a, random.Random(700 + i), p, i, results)
+                                   for i, p in enumerate(prompts)])
+            await _idle(a, engine)
+        assert results["completed"] >= 20, results
         await a.call_on_engine_thread(engine.check_kv)
         stats = engine.stats()
         assert stats.kv_blocks.used == stats.prefix_cache.blocks
         assert stats.lora_switches > 3
+        assert stats.host_cache.stored > 0, stats.host_cache
+        assert set(restored_trees) - {()}, restored_trees  # adapter sets' prefixes came back
         await a.call_on_engine_thread(engine.flush_prefix_cache)
         await _idle(a, engine)
         assert engine.stats().kv_blocks.used == 0
