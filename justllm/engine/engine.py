@@ -669,11 +669,11 @@ class Engine:
     def import_prefix(self, blob: bytes | memoryview) -> int:
         """Put exported KV into this engine's prefix cache, so requests that start with its
         tokens hit it; returns the tokens of it now cached (in the KV or, moved out there
-        already, in host memory: ``_restore`` brings it back for a request). Everything is checked before
-        llama.cpp sees the bytes (KVTransferError: another model, KV type, a bad checksum, a
-        truncated blob, no room); the caller then just computes the prompt. Each chunk goes
-        into a scratch sequence and is tagged onto the holder by ``seq_cp``, which keeps
-        earlier chunks (a state load empties its sequence first)."""
+        already, in host memory: ``_restore`` brings it back for a request). Everything is
+        checked before llama.cpp sees the bytes (KVTransferError: another model, KV type, a
+        bad checksum, a truncated blob, no room); the caller then just computes the prompt.
+        Each chunk goes into a scratch sequence and is tagged onto the holder by ``seq_cp``,
+        which keeps earlier chunks (a state load empties its sequence first)."""
         header, chunks = unpack(blob)
         check_fits(header, self.kv_identity(), self.backend.n_vocab)
         tokens = list(header.tokens)
@@ -684,8 +684,7 @@ class Engine:
             raise KVTransferError(f"KV data cut in chunks of {header.chunk_tokens} positions; "
                                   "this model needs its sliding window")
         with self._lock:
-            if (self.host_cache is not None and self.host_cache.covers(tokens)
-                    and self.cache.match(tokens, len(tokens)).length < len(tokens)):
+            if self.host_cache is not None and self.host_cache.covers(tokens):
                 # Here already, in host memory (moved out past the share of idle prefixes): a
                 # request that needs it gets it back from there. Loading it now would ask room
                 # for its chunks whole, which requests sharing its head may hold.

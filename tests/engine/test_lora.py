@@ -24,7 +24,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError
-from justllm.kv.host_cache import HostCache
+from justllm.kv.host_cache import HostCache, HostEntry
 from tests.engine.test_kv_stress import _idle, make_prompts
 from tests.helpers import PROMPTS, divergence_is_noise, run_alone
 from tests.lora_files import write_adapter
@@ -55,6 +55,18 @@ def under(lora: dict[str, float], params: SamplingParams = GREEDY) -> SamplingPa
 
 def tokens(engine: Engine, prompt: str, lora: dict[str, float]) -> list[int]:
     return run_alone(engine, prompt, under(lora, SHORT))[0]
+
+
+def cached_run(engine: Engine, prompt: str, params: SamplingParams) -> tuple[int, list[int]]:
+    """One request run to its end: the prompt tokens the prefix cache gave it, and its tokens."""
+    engine.add_request(prompt, params)
+    out, toks = None, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks += o.token_ids
+            out = o if o.finished else out
+    assert out is not None and out.error is None
+    return out.metrics.num_cached_tokens, toks
 
 
 def test_an_adapter_changes_greedy_output_and_scale_zero_is_the_base(lora_engine):
@@ -100,14 +112,7 @@ def test_kv_computed_under_one_adapter_never_serves_another(lora_engine):
     lora_engine.flush_prefix_cache()
 
     def cached(lora: dict[str, float]) -> tuple[int, list[int]]:
-        ids = [lora_engine.add_request(prompt, under(lora, params))]
-        out, toks = None, []
-        while lora_engine.has_unfinished():
-            for o in lora_engine.step():
-                toks += o.token_ids
-                out = o if o.finished else out
-        assert out is not None and ids
-        return out.metrics.num_cached_tokens, toks
+        return cached_run(lora_engine, prompt, under(lora, params))
 
     hit_a, toks_a = cached({"a": 1.0})
     assert hit_a == 0
@@ -134,16 +139,10 @@ def test_an_adapters_prefix_goes_to_host_memory_in_its_own_tree_and_comes_back(m
         params = SamplingParams(max_tokens=4, ignore_eos=True)
 
         def cached(lora: dict[str, float]) -> tuple[int, list[int]]:
-            engine.add_request(prompt, under(lora, params))
-            out, toks = None, []
-            while engine.has_unfinished():
-                for o in engine.step():
-                    toks += o.token_ids
-                    out = o if o.finished else out
+            got = cached_run(engine, prompt, under(lora, params))
             engine.runner.apply_kv_ops(engine.scheduler.take_kv_ops())
             engine.check_kv()
-            assert out is not None and out.error is None
-            return out.metrics.num_cached_tokens, toks
+            return got
 
         hit_a, toks_a = cached({"a": 1.0})
         assert hit_a == 0 and engine.stats().host_cache.entries == 1
@@ -315,8 +314,12 @@ def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_pa
     assert engine.config.check_kv
     restored_trees: list = []  # the tree of each prefix brought back from host memory
     used = HostCache.used
-    monkeypatch.setattr(HostCache, "used", lambda self, entry, n: (
-        restored_trees.append(entry.tree), used(self, entry, n))[1])
+
+    def recorded(self: HostCache, entry: HostEntry, tokens: int) -> None:
+        restored_trees.append(entry.tree)
+        used(self, entry, tokens)
+
+    monkeypatch.setattr(HostCache, "used", recorded)
     a = AsyncEngine(engine)
 
     async def drive() -> None:
