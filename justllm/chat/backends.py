@@ -81,7 +81,6 @@ class LocalChat:
         the engine's own refusal of a prompt that does not fit (add_request counts it with the
         model's tokenizer before queuing anything): the same check, and the same words, as a
         server's 400."""
-        from justllm.core.reasoning import ReasoningSplitter, opens_thinking
         from justllm.core.sampling_params import SamplingParams
         from justllm.engine.chat_template import AnswerText, with_template_stops
         from justllm.errors import InvalidRequestError
@@ -99,8 +98,7 @@ class LocalChat:
         start = time.perf_counter()
         done = False
         answer = AnswerText()
-        tags = self.template.thinking_tags
-        thinking = ReasoningSplitter(tags, opens_thinking(prompt, tags)) if tags else None
+        thinking = self.template.thinking_reader(prompt)
         try:
             while not done:
                 for out in self.engine.step():

@@ -29,7 +29,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from justllm.core.reasoning import THINKING_SWITCH, thinking_tags
+from justllm.core.harmony import BUDGET_TAGS, HarmonyReader, is_harmony
+from justllm.core.reasoning import THINKING_SWITCH, ReasoningSplitter, opens_thinking, thinking_tags
 from justllm.errors import InvalidRequestError
 
 # A system message opens the transcript as its own paragraph (without one, TRANSCRIPT_PREAMBLE
@@ -296,6 +297,31 @@ class ChatTemplate:
         return thinking_tags(self.source)
 
     @cached_property
+    def harmony(self) -> bool:
+        """Whether the model answers in OpenAI's harmony format (gpt-oss: core/harmony.py):
+        its thinking is the analysis channel, its calls are addressed messages."""
+        return is_harmony(self.source)
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model writes thinking that the server takes apart (tags or harmony)."""
+        return self.thinking_tags is not None or self.harmony
+
+    @property
+    def budget_tags(self) -> tuple[str, str] | None:
+        """Where a thinking budget counts: between the thinking tags, or in a harmony model's
+        analysis (core/harmony.py)."""
+        return BUDGET_TAGS if self.harmony else self.thinking_tags
+
+    def thinking_reader(self, prompt: str) -> ReasoningSplitter | HarmonyReader | None:
+        """What takes an answer to ``prompt`` apart into thinking and content (None: the model
+        does not think)."""
+        if self.harmony:
+            return HarmonyReader()
+        tags = self.thinking_tags
+        return ReasoningSplitter(tags, opens_thinking(prompt, tags)) if tags else None
+
+    @cached_property
     def thinking_switch(self) -> bool:
         """Whether the template turns thinking on and off by ``enable_thinking`` (Qwen3's)."""
         return THINKING_SWITCH in self.source
@@ -362,6 +388,8 @@ class ChatTemplate:
                     "this chat template does not write the assistant's message as it is, so "
                     "it cannot be continued", param="messages")
             return text[:text.index(_MARK)]
+        if self.harmony:
+            messages = [_harmony_message(m) for m in messages]
         if not self.native_tools and (tools or any(
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
@@ -407,6 +435,19 @@ class ChatTemplate:
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out
+
+
+def _harmony_message(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's thinking as a harmony template reads it (``thinking``, as llama.cpp
+    passes it to gpt-oss's); with calls, the thinking stands for the text (the template
+    refuses both)."""
+    thought = m.get("reasoning_content")
+    if m.get("role") != "assistant" or not thought or "thinking" in m:
+        return m
+    m = {**m, "thinking": thought}
+    if m.get("tool_calls"):
+        m.pop("content", None)
+    return m
 
 
 _PROBE_NAME = "justllm_probe_7f3a"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from justllm.config import CPU_RESIDENT_BLOCKS, CPU_ROW_MULTIPLE, EngineConfig
+from justllm.core import harmony
 from justllm.core.kv_view import kv_mismatches
 from justllm.core.plan import DraftTree, ScheduledChunk, StepPlan, StepResult
 from justllm.core.record import RequestOrigin, RequestRecord
@@ -355,8 +356,10 @@ class Engine:
         if params.thinking_budget >= 0:
             assert params.thinking_tags is not None  # (SamplingParams checks)
             # (the message right before the end tag, as llama-server forces it)
-            closing = self.backend.tokenize(
-                f"{params.thinking_message}\n{params.thinking_tags[1]}\n\n", add_special=False)
+            text = (harmony.budget_closing(params.thinking_message)
+                    if params.thinking_tags == harmony.BUDGET_TAGS
+                    else f"{params.thinking_message}\n{params.thinking_tags[1]}\n\n")
+            closing = self.backend.tokenize(text, add_special=False)
             budget = (ThinkingBudget(params.thinking_tags, params.thinking_budget, closing,
                                      params.thinking_open), self.backend.token_to_piece)
         sampler = RequestSampler(params, seed, constraint, ends, infill, budget)

@@ -220,7 +220,7 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
 
 def _for_model(chat: ChatCompletionRequest, served: Served) -> ChatCompletionRequest:
     """A model that does not think keeps within any thinking budget: none is set for it."""
-    if served.completions.template.thinking_tags is None:
+    if not served.completions.template.thinks:
         return msgspec.structs.replace(chat, thinking_budget_tokens=None)
     return chat
 

@@ -36,11 +36,11 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 
 from justllm import __version__
+from justllm.core.harmony import HarmonyReader
 from justllm.core.reasoning import (
     EFFORT_VARIABLE,
     THINKING_SWITCH,
     ReasoningSplitter,
-    opens_thinking,
 )
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import RequestStream
@@ -419,7 +419,7 @@ def _think(req: _Generation, served: Served) -> _Think:
     is absent and the server was started with ``--reasoning-format none``."""
     template = served.completions.template
     think = "high" if req.think == "max" else req.think
-    if template.thinking_tags is None:
+    if not template.thinks:
         if think in (None, False):
             return _Think()
         raise InvalidRequestError(f'"{req.model}" does not support thinking', param="think")
@@ -457,7 +457,7 @@ class _Job:
     chat: bool
     arrival: Arrival
     lstrip: bool  # leading blanks still to drop
-    thinking: ReasoningSplitter | None = None  # takes the thinking apart (think)
+    thinking: ReasoningSplitter | HarmonyReader | None = None  # takes it apart (think)
 
     def text(self, piece: str) -> tuple[str, str]:
         """A piece of the answer -> the thinking and the text to show now."""
@@ -574,10 +574,8 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
                think: _Think) -> Any:
     # After a transcript's "Assistant:" the model writes the separating space itself.
     lstrip = templated and served.completions.template.name == "transcript"
-    tags = served.completions.template.thinking_tags
-    opened = tags is not None and isinstance(prompt, str) and opens_thinking(prompt, tags)
-    splitter = (ReasoningSplitter(tags, opened)
-                if think.apart and tags and isinstance(prompt, str) else None)
+    splitter = (served.completions.template.thinking_reader(prompt)
+                if think.apart and isinstance(prompt, str) else None)
     if isinstance(prompt, str):  # (the server's --reasoning-budget, as on the other APIs)
         params = served.completions.budgeted(params, prompt)
     job = _Job(served, req.model, chat, arrival, lstrip, splitter)
@@ -624,7 +622,7 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     lora = _check_generation(req, served)
     think = _think(req, served)
     messages = chat_messages(req.messages, req.model,
-                             served.completions.template.thinking_tags is not None)
+                             served.completions.template.thinks)
     continued = continues_last_message(req.messages, req.tools)
     with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
     if with_tools is not None:
@@ -929,7 +927,7 @@ def _capabilities(served: Served) -> list[str]:
         return embedding
     return (["completion", "tools"] + embedding
             + ([] if served.aengine.fim_tokens().missing() else ["insert"])
-            + (["thinking"] if served.completions.template.thinking_tags else []))
+            + (["thinking"] if served.completions.template.thinks else []))
 
 
 @post("/show", status_code=200, summary="Ollama: what is known of a model")

@@ -20,6 +20,7 @@ from typing import Any, Protocol, cast
 
 import msgspec
 
+from justllm.core.harmony import THINKING as HARMONY_THINKING
 from justllm.core.reasoning import (
     EFFORT_VARIABLE,
     REASONING_FORMATS,
@@ -486,7 +487,7 @@ class OpenAIServing:
         if effort is None:
             return kwargs
         value: object = effort
-        if effort == "none" and self.template.thinking_tags is None:
+        if effort == "none" and not self.template.thinks:
             return kwargs  # a model that does not think: honoured as it is
         if effort == "none":
             name, value, why = THINKING_SWITCH, False, "switch its thinking off"
@@ -516,7 +517,7 @@ class OpenAIServing:
         and an answer no grammar holds; with the text forced before the end tag (a request's
         ``message``, else the server's ``--reasoning-budget-message``). Every API's chat
         route and Ollama's ask here."""
-        tags = self.template.thinking_tags
+        tags = self.template.budget_tags
         constrained = params.grammar is not None
         if own is not None and own >= 0 and tags is None:
             raise InvalidRequestError("a thinking budget needs a model that thinks (its chat "
@@ -586,7 +587,11 @@ class OpenAIServing:
         """How an answer to ``prompt`` is taken apart: None when the model does not think or
         ``req`` keeps the thinking in the text."""
         tags = self.template.thinking_tags
-        if tags is None or self.reasoning_format(req) == "none":
+        if self.reasoning_format(req) == "none":
+            return None
+        if self.template.harmony:
+            return Thinking(HARMONY_THINKING)
+        if tags is None:
             return None
         return Thinking(tags, opens_thinking(prompt, tags))
 
@@ -614,7 +619,8 @@ class OpenAIServing:
         # After a transcript's "Assistant:" the model writes the separating space itself.
         fmt = self.template.tool_format if plan.active else None
         texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
-                            parallel=plan.parallel, thinking=thinking, prefix=opening)
+                            parallel=plan.parallel, thinking=thinking, prefix=opening,
+                            harmony=self.template.harmony)
                  for _ in streams]
         return streams, texts
 

@@ -5,7 +5,8 @@ Anthropic and Responses routes translate them, so no route parses another's wire
 
 ``ChoiceText`` is one choice's text on its way there: the leading blank a transcript's
 "Assistant:" leaves is dropped, a reasoning model's thinking is taken apart (a
-``ReasoningSplitter``), and with tools the rest goes through a ``CallSplitter``.
+``ReasoningSplitter``), and with tools the rest goes through a ``CallSplitter``; a gpt-oss
+answer (OpenAI's harmony format) is read whole by a ``HarmonyText``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Union
 from justllm.core.reasoning import ReasoningSplitter, split_reasoning
 from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
+from justllm.server.tools.harmony_text import HarmonyText
 from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import CallSplitter
 
@@ -125,14 +127,19 @@ class ChoiceText:
 
     def __init__(self, *, lstrip: bool, fmt: str | None, names: frozenset[str] | None = None,
                  parallel: bool = True, thinking: Thinking | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", harmony: bool = False) -> None:
         """``prefix``: text the answer is read as beginning with (the start tag a prompt
-        that opened the thinking ends with, when the thinking stays in the text)."""
+        that opened the thinking ends with, when the thinking stays in the text);
+        ``harmony``: the answer is in gpt-oss's format (its thinking kept in the text unless
+        ``thinking`` is given)."""
+        self._harmony = (HarmonyText(calls=fmt is not None, names=names, parallel=parallel,
+                                     keep_thinking=thinking is None) if harmony else None)
         self._prefix = prefix  # still to give out
         self._lstrip = lstrip  # leading blanks still to drop
         self._fmt, self._names, self._parallel = fmt, names, parallel
         self._thinking = thinking
-        self._reasoner = ReasoningSplitter(thinking.tags, thinking.opened) if thinking else None
+        self._reasoner = (ReasoningSplitter(thinking.tags, thinking.opened)
+                          if thinking and not harmony else None)
         self._splitter = CallSplitter(fmt, names, parallel) if fmt else None
 
     def _unlead(self, text: str) -> str:
@@ -145,6 +152,8 @@ class ChoiceText:
     def feed(self, piece: str) -> tuple[str, str]:
         """A streamed piece -> the thinking and the content to show now."""
         text = self._unlead(piece)
+        if self._harmony is not None:
+            return self._harmony.feed(text)
         thought = ""
         if self._reasoner is not None:
             thought, text = self._reasoner.feed(text)
@@ -152,6 +161,8 @@ class ChoiceText:
 
     def finish(self) -> tuple[str, str, tuple[ParsedCall, ...]]:
         """At the stream's end: the thinking and content not shown yet, and the calls."""
+        if self._harmony is not None:
+            return self._harmony.finish()
         thought, text = (self._reasoner.finish() if self._reasoner is not None
                          else ("", self._unlead("")))
         if self._splitter is None:
@@ -164,6 +175,10 @@ class ChoiceText:
         """A whole (non-streamed) answer: its thinking and the rest parsed."""
         text = self._unlead(text)
         thought = None
+        if self._harmony is not None:
+            thinking, content = self._harmony.feed(text)
+            more, rest, calls = self._harmony.finish()
+            return thinking + more or None, ParsedAnswer(content + rest, calls)
         if self._thinking is not None:
             reasoned = split_reasoning(text, self._thinking.tags, self._thinking.opened)
             thought, text = reasoned.reasoning, reasoned.content

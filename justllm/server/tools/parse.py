@@ -116,7 +116,7 @@ def parse_answer(text: str, fmt: str, names: frozenset[str] | None = None,
         return ParsedAnswer(text)
     try:
         objs, end = _PARSERS[fmt](text, at)
-        calls = tuple(_checked(c, names) for c in objs)
+        calls = tuple(checked_call(c, names) for c in objs)
     except Malformed:
         return ParsedAnswer(text)
     if not calls:
@@ -209,7 +209,7 @@ def _generic(text: str, i: int) -> tuple[list[Any], int]:
 _PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "generic": _generic}
 
 
-def _checked(obj: Any, names: frozenset[str] | None) -> ParsedCall:
+def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:
     """One call object -> ParsedCall, or Malformed. Accepts ``arguments`` or ``parameters``
     (an object, or JSON text of one; absent: no arguments) and Llama's ``"type": "function"``."""
     if not isinstance(obj, dict):

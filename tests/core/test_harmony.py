@@ -1,0 +1,108 @@
+"""The harmony reading (gpt-oss's answers) as pure logic: whole and streamed at every split
+agree, with or without the ``<|end|>`` a detokenizer leaves out; calls, other roles, plain
+text, the thinking kept in the text; and the server's reading of calls (HarmonyText)."""
+
+from __future__ import annotations
+
+import pytest
+
+from justllm.core.harmony import HarmonyReader, Reading
+from justllm.server.tools.harmony_text import HarmonyText
+
+ANSWER = ("<|channel|>analysis<|message|>The user asks. <Rome> it is.  <|end|>"
+          "<|start|>assistant<|channel|>final<|message|> Rome is the capital.\n")
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}')
+
+
+def read(text: str, cuts: list[int] | None = None, keep: bool = False
+         ) -> tuple[str, str, Reading]:
+    reader = HarmonyReader(keep)
+    thought = content = ""
+    bounds = [0, *(cuts or []), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        t, c = reader.feed(text[a:b])
+        thought, content = thought + t, content + c
+    t, c = reader.finish()
+    return thought + t, content + c, reader.reading
+
+
+@pytest.mark.parametrize("text", [ANSWER, CALL, ANSWER.replace("<|end|>", ""),
+                                  "Just text, <b>no</b> format.", "  to=functions.f<|channel|>"
+                                  "commentary json<|message|>{}"])
+def test_every_split_reads_as_the_whole(text):
+    whole = read(text)
+    assert whole[:2] == (whole[2].thinking, whole[2].content)
+    for cut in range(len(text) + 1):
+        assert read(text, [cut]) == whole, cut
+    assert read(text, list(range(1, len(text)))) == whole  # a character at a time
+
+
+def test_the_channels():
+    thought, content, reading = read(ANSWER)
+    assert (thought, content) == ("The user asks. <Rome> it is.", "Rome is the capital.")
+    assert not reading.calls and not reading.plain
+    # a detokenizer without special tokens leaves <|end|> out: the next header ends a body
+    assert read(ANSWER.replace("<|end|>", ""))[:2] == (thought, content)
+    _, _, reading = read(CALL)
+    assert [(c.recipient, c.body) for c in reading.calls] == [
+        ("functions.weather", '{"city": "Paris"}')]
+    # the recipient in the role's part of the header, and a preamble (commentary, no
+    # recipient) that is content
+    text = ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant "
+            "to=functions.weather<|channel|>commentary json<|message|>{}<|call|>")
+    _, content, reading = read(text)
+    assert content == "Let me look." and reading.calls[0].recipient == "functions.weather"
+
+
+def test_bodies_of_a_kind_are_joined_and_other_roles_end_the_answer():
+    text = ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis"
+            "<|message|>b<|end|><|start|>assistant<|channel|>final<|message|>c<|end|>"
+            "<|start|>user<|message|>not the assistant's<|end|><|start|>assistant"
+            "<|channel|>final<|message|>nor this")
+    assert read(text)[:2] == ("a\n\nb", "c")
+
+
+def test_plain_text_and_text_that_may_still_be_a_header():
+    reader = HarmonyReader()
+    assert reader.feed("  <|chan") == ("", "")  # may still be a header
+    assert reader.feed("nel|>final<|message|>Hi <|") == ("", "Hi")  # "<|" may be a marker
+    assert reader.feed("x") == ("", " <|x")
+    assert read("to be or not")[1:] == ("to be or not", Reading(content="to be or not",
+                                                                plain=True))
+
+
+def test_the_thinking_kept_in_the_text():
+    thought, content, _ = read(ANSWER, keep=True)
+    assert thought == ""
+    assert content == ("<|channel|>analysis<|message|>The user asks. <Rome> it is.<|end|>"
+                       "Rome is the capital.")
+    assert read(ANSWER, [20, 60], keep=True)[1] == content
+
+
+def calls_of(text: str, **kw) -> tuple[str, str, tuple]:
+    answer = HarmonyText(**kw)
+    thought, content = answer.feed(text)
+    more, rest, calls = answer.finish()
+    return thought + more, content + rest, tuple((c.name, c.arguments) for c in calls)
+
+
+def test_calls_as_the_server_reads_them():
+    names = frozenset({"weather", "time"})
+    assert calls_of(CALL, calls=True, names=names) == (
+        "Need the weather.", "", (("weather", '{"city": "Paris"}'),))
+    # not offered, not a function, or arguments that are no object: the body is content
+    for bad in (CALL.replace("weather", "news"), CALL.replace("functions.", "browser."),
+                CALL.replace('{"city": "Paris"}', '{"city": ')):
+        _, content, calls = calls_of(bad, calls=True, names=names)
+        assert not calls and content == bad[bad.rindex("<|message|>") + 11:].strip()
+    # no tools on offer: the addressed message is dropped (llama.cpp's reading)
+    assert calls_of(CALL, calls=False) == ("Need the weather.", "", ())
+    two = CALL + ('<|start|>assistant<|channel|>commentary to=functions.time<|message|>{}')
+    assert len(calls_of(two, calls=True, names=names)[2]) == 2
+    assert calls_of(two, calls=True, names=names, parallel=False)[2] == (
+        ("weather", '{"city": "Paris"}'),)
+    # an answer a grammar held to a call's JSON: the generic format's call
+    plain = '{"name": "time", "arguments": {}}'
+    assert calls_of(plain, calls=True, names=names) == ("", "", (("time", "{}"),))

@@ -1,0 +1,200 @@
+"""gpt-oss's harmony format on every API: the analysis channel is the thinking, the final
+channel the answer, a message addressed to ``functions.NAME`` a tool call.
+
+The model is the demo model with a harmony chat template in its GGUF (gpt-oss's shape, cut
+down: its turns, channels and calls, a developer message naming the tools). The base model
+was not trained on the format, but three answered questions, each with its analysis, make it
+answer in the same shape; in the real model's vocabulary ``<|return|>`` and ``<|call|>`` end
+generation, here they are text, so they are stop strings. (The tests' model has none of the
+format's special tokens: llama.cpp renders gpt-oss's ``<|channel|>``, ``<|message|>``,
+``<|start|>`` and ``<|constrain|>`` as text, and leaves ``<|end|>`` out, which the reading
+allows for: a body also ends at the next header.)"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from justllm.core.harmony import HarmonyReader
+from tests.models.ggufs import with_chat_template
+from tests.server.conftest import start_server
+from tests.server.test_tokenize import post
+
+TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n"
+    "{% for t in tools %}// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;\n{% endfor %}}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}"
+    "<|end|>{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<|start|>assistant<|channel|>commentary"
+    " to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "{{ c.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% elif m.role == 'tool' %}<|start|>functions.lookup to=assistant<|channel|>commentary"
+    "<|message|>{{ m.content }}<|end|>"
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+SHOTS = [("What is 2+2?", "The user asks a sum. 2+2 is 4.", "4"),
+         ("What colour is the sky?", "The sky is blue on a clear day.", "Blue."),
+         ("Capital of France?", "France's capital is Paris.", "Paris.")]
+ASK = "Capital of Italy?"
+CHAT = [m for q, r, a in SHOTS for m in (
+    {"role": "user", "content": q},
+    {"role": "assistant", "content": a, "reasoning_content": r})] + \
+    [{"role": "user", "content": ASK}]
+# (and having answered, the base model goes on with the user's next turn)
+GREEDY = {"temperature": 0, "max_tokens": 80, "stop": ["<|return|>", "<|call|>", "<|start|>user"]}
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a city's population up.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def _call(i: int, city: str) -> dict:
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "lookup", "arguments": f'{{"city": "{city}"}}'}}
+
+
+TOOL_SHOTS = [("Population of Paris?", "Paris", "2.1 million", "About 2.1 million."),
+              ("Population of Rome?", "Rome", "2.8 million", "About 2.8 million."),
+              ("Population of Oslo?", "Oslo", "0.7 million", "About 0.7 million.")]
+TOOL_CHAT = [m for i, (q, city, result, a) in enumerate(TOOL_SHOTS) for m in (
+    {"role": "user", "content": q},
+    {"role": "assistant", "content": None, "tool_calls": [_call(i, city)],
+     "reasoning_content": f"I should look {city} up."},
+    {"role": "tool", "tool_call_id": f"call_{i}", "content": result},
+    {"role": "assistant", "content": a})] + [{"role": "user", "content": "Population of Lima?"}]
+
+
+@pytest.fixture(scope="module")
+def oss(model_path, tmp_path_factory):
+    path = with_chat_template(model_path, tmp_path_factory.mktemp("oss") / "oss.gguf",
+                              TEMPLATE)
+    s = start_server(str(path), "--max-seqs", "4", "--pool-blocks", "256",
+                     "--no-prefix-cache")
+    yield s
+    assert s.stop() == 0
+
+
+def chat(server, **body) -> dict:
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def written(server, messages: list[dict], tools: list | None = None) -> str:
+    """What the model writes to the chat's prompt (greedy, through /v1/completions)."""
+    prompt = post(server, "/apply-template", {"messages": messages, "tools": tools}).json()
+    r = post(server, "/v1/completions", {"prompt": prompt["prompt"], **GREEDY})
+    return r.json()["choices"][0]["text"]
+
+
+def streamed(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={**GREEDY, **body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                if line.startswith("data: {")]
+
+
+def test_the_analysis_channel_is_the_thinking(oss):
+    raw = written(oss, CHAT)
+    assert raw.startswith("<|channel|>analysis<|message|>")  # the model took up the format
+    reader = HarmonyReader()
+    reader.feed(raw)
+    reader.finish()
+    want = reader.reading
+    assert want.thinking and want.content and not want.calls
+    message = chat(oss)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (want.thinking, want.content)
+    deltas = [c["delta"] for c in streamed(oss, {"messages": CHAT})]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == want.thinking
+    assert "".join(d.get("content") or "" for d in deltas) == want.content
+    assert not any("<|" in (d.get("content") or "") for d in deltas)
+    # left in the text, in its channel's markers (as llama-server writes it)
+    kept = chat(oss, reasoning_format="none")["choices"][0]["message"]
+    assert kept["content"] == ("<|channel|>analysis<|message|>" + want.thinking + "<|end|>"
+                               + want.content)
+    assert "reasoning_content" not in kept
+
+
+def test_a_message_to_a_function_is_a_tool_call(oss):
+    raw = written(oss, TOOL_CHAT, TOOLS)
+    assert "to=functions.lookup" in raw
+    body = {"messages": TOOL_CHAT, "tools": TOOLS}
+    choice = chat(oss, **body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning_content"] == "I should look Lima up."
+    assert message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("lookup", {"city": "Lima"})]
+    chunks = streamed(oss, body)
+    calls = [c for ch in chunks for c in ch["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "lookup"
+    assert "".join(c["function"].get("arguments") or "" for c in calls) == \
+        message["tool_calls"][0]["function"]["arguments"]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # tools the request does not let the model call: the addressed message is no answer
+    off = chat(oss, **body, tool_choice="none")["choices"][0]["message"]
+    assert "tool_calls" not in off and not off["content"]
+    assert off["reasoning_content"] == "I should look Lima up."
+
+
+def test_the_history_goes_back_in_its_channels(oss):
+    prompt = post(oss, "/apply-template", {"messages": CHAT}).json()["prompt"]
+    assert ("<|start|>assistant<|channel|>analysis<|message|>The sky is blue on a clear day."
+            "<|end|><|start|>assistant<|channel|>final<|message|>Blue.<|end|>") in prompt
+    tools = post(oss, "/apply-template", {"messages": TOOL_CHAT, "tools": TOOLS}).json()
+    assert ("<|channel|>analysis<|message|>I should look Rome up.<|end|><|start|>assistant"
+            "<|channel|>commentary to=functions.lookup") in tools["prompt"]
+
+
+def test_a_thinking_budget_ends_the_analysis(oss):
+    free = chat(oss)["choices"][0]["message"]
+    spent = chat(oss, reasoning_budget_tokens=2)["choices"][0]["message"]
+    assert spent["reasoning_content"] and spent["content"]
+    assert free["reasoning_content"].startswith(spent["reasoning_content"])
+    assert len(spent["reasoning_content"]) < len(free["reasoning_content"])
+    raw = chat(oss, reasoning_budget_tokens=2, reasoning_format="none",
+               reasoning_budget_message=" Enough.")["choices"][0]["message"]["content"]
+    # (the message right before the analysis's end, then the final channel's header)
+    assert raw.startswith("<|channel|>analysis<|message|>" + spent["reasoning_content"]
+                          + " Enough.<|end|>")
+    none = chat(oss, reasoning_budget_tokens=0)["choices"][0]["message"]
+    assert "reasoning_content" not in none and none["content"]
+
+
+def test_switches_a_harmony_model_does_not_have(oss):
+    r = post(oss, "/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "none"})
+    assert r.status_code == 400 and "switch its thinking off" in r.json()["error"]["message"]
+
+
+def test_ollama_and_anthropic_read_the_channels(oss):
+    want = chat(oss)["choices"][0]["message"]
+    history = [{"role": m["role"], "content": m["content"],
+                **({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})}
+               for m in CHAT]
+    r = post(oss, "/api/chat", {"model": oss.model, "stream": False, "messages": history,
+                                "options": {"temperature": 0, "num_predict": 80,
+                                            "stop": GREEDY["stop"]}})
+    said = r.json()["message"]
+    assert (said["thinking"], said["content"]) == (want["reasoning_content"], want["content"])
+    show = post(oss, "/api/show", {"model": oss.model}).json()
+    assert "thinking" in show["capabilities"]
+    client = anthropic.Anthropic(base_url=oss.url, api_key="unused", max_retries=0)
+    message = client.messages.create(
+        model=oss.model, max_tokens=2000, stop_sequences=GREEDY["stop"],
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0},
+        messages=[{"role": m["role"], "content": (
+            [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""},
+             {"type": "text", "text": m["content"]}] if "reasoning_content" in m
+            else m["content"])} for m in CHAT])
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == want["reasoning_content"]
+    assert message.content[1].text == want["content"]
