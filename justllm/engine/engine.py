@@ -48,7 +48,7 @@ from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
-from justllm.kv.host_cache import HostCache, HostCacheStats
+from justllm.kv.host_cache import HostCache, HostCacheStats, free_floor
 from justllm.kv.radix_cache import KVOp, Match, RadixCache, make_eviction_policy
 from justllm.kv.transfer import KVIdentity, KVTransferError, check_fits, pack, unpack
 from justllm.models.registry import file_digest
@@ -241,6 +241,10 @@ class Engine:
                       if config.prefix_cache else None)
         self._resident_blocks = config.prefix_cache_blocks or (
             self.pool.total_blocks if config.gpu else CPU_RESIDENT_BLOCKS)
+        # (a CPU's small share already moves idle prefixes out long before the pool is short)
+        self._free_floor = (free_floor(config.n_batch, config.block_size, config.max_seqs,
+                                       self.pool.total_blocks)
+                            if self.host_cache is not None and config.gpu else 0)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, self.cache)
         self.runner = Runner(backend)
         limit = min(config.pool_tokens, backend.n_ctx_train or config.pool_tokens)
@@ -794,13 +798,15 @@ class Engine:
     # ---- the host-memory tier (--cache-ram) -----------------------------------------------
 
     def _spill(self) -> None:
-        """While the prefix cache holds more than its share of the KV, its next victim's
-        prefix (from position 0) is copied to host memory, but the chunks kept there already,
-        unless an entry there holds all of it, and then evicted (kv/host_cache.py says why:
-        idle cells slow every decode). An adapter set's prefixes go to its own tree there."""
+        """While the prefix cache holds more than its share of the KV, or the pool has fewer
+        free blocks than the floor (``free_floor``: a GPU's), its next victim's prefix (from
+        position 0) is copied to host memory, but the chunks kept there already, unless an
+        entry there holds all of it, and then evicted (kv/host_cache.py says why: idle cells
+        slow every decode). An adapter set's prefixes go to its own tree there."""
         cache, host = self.cache, self.host_cache
         assert cache is not None and host is not None
-        while cache.num_blocks > self._resident_blocks:
+        while (cache.num_blocks > self._resident_blocks
+               or (self.pool.num_free < self._free_floor and cache.num_blocks)):
             leaf = cache.spill_candidate()
             if leaf is None:
                 return

@@ -66,6 +66,15 @@ class HostCacheStats:
     restored_tokens: int = 0
 
 
+def free_floor(n_batch: int, block_size: int, max_seqs: int, total_blocks: int) -> int:
+    """The KV blocks the end of a step keeps free by moving idle prefixes here, where the prefix
+    cache may fill the whole pool (a GPU): room for one step's most new tokens (a full batch)
+    and a block for each sequence's next token, at most a quarter of the pool. Without it,
+    such prefixes leave the KV only when the scheduler evicts them for room, and those are
+    dropped, so a GPU engine's host memory would never be used."""
+    return min(total_blocks // 4, -(-n_batch // block_size) + max_seqs)
+
+
 def spans(tokens: list[int], chunk_tokens: int, tree: Hashable = ()) -> list[Span]:
     """``tokens``' chunks, each named by a digest of the tokens through its end (chained),
     from a seed of the tree's own (none for the base model's, ``()``)."""

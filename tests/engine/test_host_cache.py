@@ -158,3 +158,36 @@ def test_prefixes_share_their_chunks_and_a_restore_goes_on_from_the_head_in_the_
     reference = run_in_fresh_engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=256,
                                                  cache_ram=0), prompt, GREEDY)
     assert_same_run(reference, restored)
+
+
+@pytest.mark.parametrize("floor", [0, 16])
+def test_where_the_share_is_the_whole_pool_the_floor_moves_idle_prefixes_out(model_path, floor):
+    """A GPU engine's prefix cache may fill the whole pool (its share is the pool): the end of
+    a step moves idle prefixes to host memory while fewer blocks than its floor are free
+    (``kv/host_cache.free_floor``; set here as a GPU engine sets it), where the scheduler
+    would otherwise drop them for room. Without a floor (0) the prefix stays in the KV."""
+    e = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=48, cache_ram=64,
+                            prefix_cache_blocks=48))
+    try:
+        e._free_floor = floor
+        n = len(e.tokenize(LONG))
+        assert 48 - 16 < n // 16 < 48  # the prefix leaves fewer free blocks than the floor
+        run_alone(e, LONG, SHORT)
+        settled(e)
+        host = e.stats().host_cache
+        if not floor:
+            assert host.entries == 0 and e.stats().prefix_cache.blocks >= n // 16
+            return
+        assert host.entries == 1 and host.tokens == n + 1
+        assert e.pool.num_free >= floor and cells(e) < 16 * 16
+        before = e.stats().prefix_cache
+        restored = run_alone(e, LONG + " Then", GREEDY)
+        assert e.stats().host_cache.restored == 1
+        assert e.stats().prefix_cache.hit_tokens - before.hit_tokens >= n - 1
+        reference = run_in_fresh_engine(EngineConfig(model=model_path, max_seqs=4,
+                                                     pool_blocks=256, cache_ram=0),
+                                        LONG + " Then", GREEDY)
+        assert_same_run(reference, restored)
+        settled(e)
+    finally:
+        e.close()

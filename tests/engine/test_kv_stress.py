@@ -123,17 +123,22 @@ def test_random_concurrent_load_keeps_kv_consistent(model_path, seed):
         a.close()
 
 
-def test_host_memory_under_random_concurrent_load_keeps_kv_consistent(model_path):
-    """The same load with room in the KV for 6 blocks of idle prefixes and host memory for
-    the rest (--cache-ram): prefixes move out at the ends of steps and back in for requests
-    that share them, beside requests that share, evict, preempt and leave; every step is
-    KV-checked."""
+@pytest.mark.parametrize("share, floor, seed", [(6, 0, 5), (80, 24, 6)])
+def test_host_memory_under_random_concurrent_load_keeps_kv_consistent(model_path, share, floor,
+                                                                      seed):
+    """The same load with host memory for idle prefixes (--cache-ram) and room in the KV for
+    ``share`` blocks of them: 6 (a CPU's way: past the share they move out), or the whole pool
+    (a GPU's) with a floor of free blocks the ends of steps keep by moving them out
+    (``kv/host_cache.free_floor``, set here as a GPU engine sets it). Prefixes move out at the
+    ends of steps and back in for requests that share them, beside requests that share,
+    evict, preempt and leave; every step is KV-checked."""
     engine = Engine(EngineConfig(model=model_path, max_seqs=6, max_prefill=3, pool_blocks=80,
                                  block_size=16, spare_seq_ids=6, chunk_size=64, n_batch=128,
-                                 cache_ram=64, prefix_cache_blocks=6))
+                                 cache_ram=64, prefix_cache_blocks=share))
+    engine._free_floor = floor
     a = AsyncEngine(engine)
     try:
-        asyncio.run(_drive(a, engine, 5, rounds=2))
+        asyncio.run(_drive(a, engine, seed, rounds=2))
         host = engine.stats().host_cache
         assert host.stored >= 5 and host.restored >= 3, host
     finally:

@@ -5,7 +5,7 @@ goes first; and the radix-tree calls the engine spills through."""
 import pytest
 
 from justllm.kv.block_pool import BlockPool
-from justllm.kv.host_cache import HostCache, spans
+from justllm.kv.host_cache import HostCache, free_floor, spans
 from justllm.kv.radix_cache import KVOp, RadixCache
 
 
@@ -114,3 +114,9 @@ def test_the_spill_candidate_is_the_policys_victim_and_its_path_starts_at_zero()
     assert not c.is_evictable(leaf) and c.check() == []
     c.lock(c.match([1, 2, 3, 8], 4).last)
     assert c.spill_candidate() is None  # the one leaf left is in use
+
+
+def test_the_free_floor_is_a_full_batch_and_a_block_a_sequence_at_most_a_quarter():
+    assert free_floor(2048, 16, 32, 2048) == 128 + 32  # a GPU's defaults, a 32k-token pool
+    assert free_floor(2040, 16, 4, 2048) == 128 + 4  # (a part block is a block)
+    assert free_floor(2048, 16, 32, 100) == 25
