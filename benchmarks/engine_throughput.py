@@ -86,6 +86,8 @@ def measure(engine: Engine, n: int, tokens: int,
     t0 = time.perf_counter()
     d0 = engine.backend.decode_seconds
     s0 = engine.sampling_seconds  # type: ignore[attr-defined]
+    pooled = engine.row_sampler
+    p0, w0 = pooled.prepare_seconds, pooled.draw_seconds
     steps = produced = 0
     while engine.has_unfinished():
         produced += sum(len(o.token_ids) for o in engine.step())
@@ -94,6 +96,9 @@ def measure(engine: Engine, n: int, tokens: int,
     in_llama = engine.backend.decode_seconds - d0
     assert all(i not in engine._live for i in ids)
     engine.last_sampling_per_step = (engine.sampling_seconds - s0) / steps  # type: ignore
+    # of which the pooled rows' passes over the vocabulary and their draws (row_sampling.py)
+    engine.last_split_per_step = ((pooled.prepare_seconds - p0) / steps,  # type: ignore
+                                  (pooled.draw_seconds - w0) / steps)
     return produced / wall, (wall - in_llama) / wall, wall / steps
 
 
@@ -195,16 +200,19 @@ def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> li
     """Greedy and sampled rounds in turn at each level; medians, their ratio, and the extra
     milliseconds a step spends when it samples (the per-step sampling time)."""
     print(f"{'seqs':>5} {'greedy':>8} {'sampled':>8} {'ratio':>6} {'ms/step':>8} {'+ms':>6} "
-          f"{'choose ms':>9} {'greedy':>7}")
+          f"{'choose ms':>9} {'prepare':>7} {'draw':>6} {'greedy':>7}")
     rows = []
     for n in levels:
         greedy, sampled = [], []
-        g_choose, s_choose = [], []
+        g_choose, s_choose, s_split = [], [], []
         for _ in range(args.rounds):
             greedy.append(measure(engine, n, args.tokens))
             g_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
             sampled.append(measure(engine, n, args.tokens, sampling_of(args)))
             s_choose.append(engine.last_sampling_per_step)  # type: ignore[attr-defined]
+            s_split.append(engine.last_split_per_step)  # type: ignore[attr-defined]
+        prep = statistics.median(p for p, _ in s_split)
+        draw = statistics.median(d for _, d in s_split)
         g = statistics.median(r[0] for r in greedy)
         s = statistics.median(r[0] for r in sampled)
         g_step = statistics.median(r[2] for r in greedy)
@@ -214,10 +222,12 @@ def vs_greedy(engine: Engine, levels: list[int], args: argparse.Namespace) -> li
                      "ratio": statistics.median(ratios), "ratios": ratios,
                      "greedy_ms_per_step": 1000 * g_step, "sampled_ms_per_step": 1000 * s_step,
                      "choose_ms_per_step": 1000 * statistics.median(s_choose),
+                     "prepare_ms_per_step": 1000 * prep, "draw_ms_per_step": 1000 * draw,
                      "greedy_choose_ms_per_step": 1000 * statistics.median(g_choose)})
         print(f"{n:>5} {g:>8.1f} {s:>8.1f} {statistics.median(ratios):>6.3f} "
               f"{1000 * s_step:>8.1f} {1000 * (s_step - g_step):>6.1f} "
-              f"{1000 * statistics.median(s_choose):>9.2f} {1000 * statistics.median(g_choose):>7.2f}")
+              f"{1000 * statistics.median(s_choose):>9.2f} {1000 * prep:>7.2f} {1000 * draw:>6.2f} "
+              f"{1000 * statistics.median(g_choose):>7.2f}")
     return rows
 
 

@@ -231,14 +231,14 @@ say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternat
 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 \
     --json "$D/engine_throughput_sampled.json" | tee "$D/engine_throughput_sampled.txt"
-summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step):"
+summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step: all, the pooled rows' passes, their draws; greedy's):"
 summary "$(tail -n +2 "$D/engine_throughput_sampled.txt")"
 say "--backend-sampling: sampled vs greedy, every token chosen in the graph"
 # (bounded: llama.cpp's top-p sorts every row in the graph, untimed on a GPU so far)
 timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 --backend-sampling \
     --json "$D/engine_throughput_backend.json" | tee "$D/engine_throughput_backend.txt"
-summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step):"
+summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step: all, pooled passes, draws; greedy's):"
 summary "$(tail -n +2 "$D/engine_throughput_backend.txt")"
 
 fi  # throughput

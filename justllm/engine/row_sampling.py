@@ -26,6 +26,7 @@ engine calls from one thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,12 +72,18 @@ class RowSampler:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
+        # Seconds spent preparing (every share, until the last is done) and drawing, over all
+        # steps: what benchmarks/engine_throughput.py reports apart, since on a GPU the
+        # whole-vocabulary passes and the draws are each a suspect.
+        self.prepare_seconds = 0.0
+        self.draw_seconds = 0.0
 
     def sample(self, jobs: Sequence[RowJob]) -> dict[Hashable, SampledToken | EngineError]:
         """Each job's token, or the EngineError its sampler raised (that request ends; the
         others go on). The rows are prepared in ``n`` shares (this thread takes every ``n``-th
         job from the first, the pool's threads the others; with one worker, or too little work
         to share, all on this thread), then drawn here in order."""
+        t0 = time.perf_counter()
         shares = min(self.workers, len(jobs)) if _worth_sharing(jobs) else 1
         if shares < 2:
             prepared = _prepare_all(jobs)
@@ -89,7 +96,11 @@ class RowSampler:
             prepared = _prepare_all(jobs[::shares])
             for future in others:
                 prepared.update(future.result())
-        return {job.key: _draw(job, prepared[job.key]) for job in jobs}
+        t1 = time.perf_counter()
+        drawn = {job.key: _draw(job, prepared[job.key]) for job in jobs}
+        self.prepare_seconds += t1 - t0
+        self.draw_seconds += time.perf_counter() - t1
+        return drawn
 
     def close(self) -> None:
         if self._pool is not None:

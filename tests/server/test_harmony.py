@@ -16,6 +16,7 @@ import json
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from justllm.core.harmony import HarmonyReader
@@ -175,7 +176,7 @@ def test_switches_a_harmony_model_does_not_have(oss):
     assert r.status_code == 400 and "switch its thinking off" in r.json()["error"]["message"]
 
 
-def test_ollama_and_anthropic_read_the_channels(oss):
+def test_ollama_anthropic_and_responses_read_the_channels(oss):
     want = chat(oss)["choices"][0]["message"]
     history = [{"role": m["role"], "content": m["content"],
                 **({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})}
@@ -198,3 +199,16 @@ def test_ollama_and_anthropic_read_the_channels(oss):
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == want["reasoning_content"]
     assert message.content[1].text == want["content"]
+    client = openai.OpenAI(base_url=oss.url + "/v1", api_key="unused", max_retries=0)
+    resp = client.responses.create(
+        model=oss.model, temperature=0, max_output_tokens=80,
+        input=[item for m in CHAT for item in (
+            [{"type": "reasoning", "summary": [], "content": [
+                {"type": "reasoning_text", "text": m["reasoning_content"]}]},
+             {"role": "assistant", "content": m["content"]}] if "reasoning_content" in m
+            else [{"role": "user", "content": m["content"]}])])
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == want["reasoning_content"]
+    # (no stop strings on this API: the base model goes on past its answer, into text that
+    # the reading ends at, another role's turn)
+    assert resp.output[1].content[0].text == want["content"]
