@@ -147,6 +147,20 @@ def test_a_message_to_a_function_is_a_tool_call(oss):
     assert off["reasoning_content"] == "I should look Lima up."
 
 
+def test_an_answer_held_to_a_format_is_read_as_plain_text(oss):
+    """A grammar holds the whole answer, so it holds no analysis: a forced call is the generic
+    format's JSON, and a response_format answer is its JSON, both read as plain text."""
+    forced = chat(oss, messages=TOOL_CHAT, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False)["choices"][0]  # (one call: this model repeats)
+    assert forced["finish_reason"] == "tool_calls"
+    call = forced["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "lookup" and set(json.loads(call["arguments"])) == {"city"}
+    assert "reasoning_content" not in forced["message"]
+    held = chat(oss, response_format={"type": "json_object"}, max_tokens=16)["choices"][0]
+    assert held["message"]["content"].lstrip().startswith("{")
+    assert "reasoning_content" not in held["message"]
+
+
 def test_the_history_goes_back_in_its_channels(oss):
     prompt = post(oss, "/apply-template", {"messages": CHAT}).json()["prompt"]
     assert ("<|start|>assistant<|channel|>analysis<|message|>The sky is blue on a clear day."
