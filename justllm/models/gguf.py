@@ -5,9 +5,11 @@ trusted with it.
 ``read_gguf_header``
 reads the whole header without llama.cpp: the scalar metadata the registry records
 (architecture, file type, context length) and where the last tensor's data ends, so a truncated
-download or copy is refused with its size, not found later by llama.cpp. Array values (the
-vocabulary: 262k strings in Gemma 3) are skipped by their lengths, never decoded, so a header
-reads in about 0.1 s.
+download or copy is refused with its size, not found later by llama.cpp. Array values are
+skipped by their lengths, never decoded, but for the vocabulary's tokens (262k strings in
+Gemma 3), which are read to refuse a token listed twice: llama.cpp asserts they are unique and
+aborts the whole process otherwise. A header reads in about 0.1 s (0.02 s without that
+check).
 
 Both refuse a LoRA adapter (``general.type = adapter``) where a model is expected: llama.cpp
 would fail on it with several lines about missing keys, after the registry had named it or the
@@ -32,6 +34,7 @@ MAX_DIMS = 8  # ggml has 4; anything past 8 is a corrupt header, not a bigger te
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+VOCAB_KEY = "tokenizer.ggml.tokens"
 ADAPTER_TYPE = "adapter"  # general.type of a LoRA adapter (llama.cpp's convert_lora_to_gguf.py)
 
 
@@ -147,6 +150,9 @@ class _Reader:
         self.last_array_length = 0
         self._u64 = struct.Struct(order + "Q")
 
+    def peek_scalar(self, code: str):
+        return struct.Struct(self.order + code).unpack_from(self.buf, self.pos)[0]
+
     def scalar(self, code: str):
         s = struct.Struct(self.order + code)
         (value,) = s.unpack_from(self.buf, self.pos)
@@ -167,6 +173,22 @@ class _Reader:
             pos += 8 + unpack(buf, pos)[0]
             if pos > end:
                 raise _Corrupt("an array of strings runs past the end of the file")
+        self.pos = pos
+
+    def check_unique_strings(self, count: int) -> None:
+        """Read ``count`` strings, failing at the first that repeats an earlier one."""
+        buf, pos, unpack, end = self.buf, self.pos, self._u64.unpack_from, len(self.buf)
+        seen: dict[bytes, int] = {}
+        for i in range(count):
+            n = unpack(buf, pos)[0]
+            text = buf[pos + 8:pos + 8 + n]
+            pos += 8 + n
+            if pos > end:
+                raise _Corrupt("an array of strings runs past the end of the file")
+            first = seen.setdefault(text, i)
+            if first != i:
+                raise _Corrupt(f"its vocabulary lists the token {text.decode('utf-8', 'replace')!r} "
+                               f"twice (ids {first} and {i}), which llama.cpp aborts on")
         self.pos = pos
 
     def value(self, vtype: int) -> object | None:
@@ -239,7 +261,14 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     arrays: dict[str, int] = {}
     for _ in range(kv_count):
         key = r.string().decode("utf-8", "replace")
-        value = r.value(r.scalar("I"))
+        vtype = r.scalar("I")
+        if key == VOCAB_KEY and vtype == _ARRAY and r.peek_scalar("I") == _STRING:
+            # (llama.cpp asserts that every token is unique: the whole process would abort)
+            r.scalar("I")
+            arrays[key] = r.last_array_length = r.scalar("Q")
+            r.check_unique_strings(arrays[key])
+            continue
+        value = r.value(vtype)
         if value is not None:
             metadata[key] = value
         else:

@@ -41,6 +41,23 @@ def test_corrupt_and_truncated_ggufs_are_one_line_errors_naming_the_file(tmp_pat
     assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_vocabulary_that_lists_a_token_twice_is_refused_before_llama_cpp(tmp_path,
+                                                                          model_path):
+    """llama.cpp asserts that every token is unique: such a file aborted the whole process
+    (GGML_ASSERT in llama-vocab.cpp). The header check reads the tokens and says which."""
+    path = tmp_path / "dup.gguf"
+    data = Path(model_path).read_bytes()
+    assert data.count(b"<unused1>") == 1  # the token's own entry, and nowhere else
+    path.write_bytes(data.replace(b"<unused1>", b"<unused0>"))  # the same length: ids 6, 7
+    with pytest.raises(ModelLoadError) as e:
+        read_gguf_header(path)
+    assert str(e.value) == (f"{path} is not a readable GGUF file (its vocabulary lists the "
+                            "token '<unused0>' twice (ids 6 and 7), which llama.cpp aborts on)")
+    with pytest.raises(ModelLoadError):
+        LlamaBackend(BackendConfig(model_path=str(path), n_ctx=256))
+    assert read_gguf_header(model_path).array_lengths["tokenizer.ggml.tokens"] == 262144
+
+
 def test_a_lora_adapter_is_refused_as_a_model_and_read_as_an_adapter(tmp_path, model_path):
     """An adapter passed where a model goes got as far as llama.cpp, which failed in several
     lines ("key not found in model: gemma3.context_length"); now one line says what to do.
