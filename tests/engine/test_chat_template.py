@@ -222,3 +222,33 @@ def test_a_final_message_that_cannot_be_continued_is_a_400():
     with pytest.raises(InvalidRequestError, match="an assistant message without tool calls"):
         ChatTemplate.named("chatml").render([{"role": "user", "content": "Hi"}],
                                             continue_final=True)
+
+
+def test_what_takes_an_answer_apart_and_a_harmony_history():
+    """A harmony template (gpt-oss's) is read by core/harmony.py, a tagged one by
+    core/reasoning.py, and an assistant's thinking goes to a harmony template as ``thinking``
+    (its calls' text left out: gpt-oss's template refuses both)."""
+    from justllm.core.harmony import HarmonyReader
+    from justllm.core.reasoning import ReasoningSplitter
+
+    harmony = ChatTemplate(
+        "{% for m in messages %}<|start|>{{ m.role }}{% if m.thinking %}<|channel|>analysis"
+        "<|message|>{{ m.thinking }}<|end|>{% endif %}<|channel|>final<|message|>"
+        "{{ m.content }}<|end|>{% endfor %}<|start|>assistant")
+    assert harmony.harmony and harmony.thinks and harmony.thinking_tags is None
+    assert isinstance(harmony.thinking_reader("x"), HarmonyReader)
+    tagged = ChatTemplate("{% for m in messages %}{{ m.content }}<think></think>{% endfor %}")
+    assert not tagged.harmony and tagged.thinks
+    assert isinstance(tagged.thinking_reader("x"), ReasoningSplitter)
+    assert ChatTemplate("{{ messages[0].content }}").thinking_reader("x") is None
+    prompt = harmony.render([{"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello.",
+                              "reasoning_content": "Greet back."}])
+    assert "<|start|>assistant<|channel|>analysis<|message|>Greet back.<|end|>" in prompt
+    call = {"role": "assistant", "content": "x", "reasoning_content": "Look it up.",
+            "tool_calls": [{"id": "c", "type": "function",
+                            "function": {"name": "f", "arguments": {}}}]}
+    rendered = harmony.render([{"role": "user", "content": "Hi"}, call])
+    # (this template has no tools of its own: the fallback writes the call as the text)
+    assert ('<|channel|>analysis<|message|>Look it up.<|end|><|channel|>final<|message|>{"name": '
+            '"f", "arguments": {}}<|end|>') in rendered
