@@ -919,25 +919,30 @@ class LlamaBackend:
                 C.llama_memory_seq_pos_min(self._mem, twin),
                 C.llama_memory_seq_pos_max(self._mem, twin))
 
-    def seq_state(self, seq_id: int) -> bytes:
+    def seq_state(self, seq_id: int) -> bytearray:
         """The sequence's KV cells (positions, and keys and values of every layer) as llama.cpp
         serialises them."""
         self._check_seq(seq_id)
         size = int(C.llama_state_seq_get_size(self._ctx, seq_id))
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        written = int(C.llama_state_seq_get_data(self._ctx, buf, size, seq_id))
+        data = bytearray(max(size, 1))  # written in place: no copy out of a ctypes buffer
+        view = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        written = int(C.llama_state_seq_get_data(self._ctx, view, size, seq_id))
+        del view  # (a bytearray with an export cannot be resized)
         if written == 0 or written > size:
             raise EngineError(f"llama.cpp could not serialise sequence {seq_id}")
-        return ctypes.string_at(buf, written)
+        del data[written:]
+        return data
 
-    def set_seq_state(self, seq_id: int, data: bytes | memoryview) -> None:
+    def set_seq_state(self, seq_id: int, data: bytes | bytearray | memoryview) -> None:
         """Put serialised cells (``seq_state``'s) into an empty sequence. llama.cpp reports a
         bad buffer or no room as 0 bytes read (it checks as it reads, throwing inside, never
         aborting): the sequence is then emptied and EngineError raised."""
         self._check_seq(seq_id)
         n = len(data)
-        buf = (ctypes.c_uint8 * max(n, 1)).from_buffer_copy(bytes(data) or b"\0")
-        read = int(C.llama_state_seq_set_data(self._ctx, buf, n, seq_id))
+        # llama.cpp only reads it: a pointer to the caller's own bytes, not a copy of them
+        view = np.frombuffer(data, dtype=np.uint8) if n else np.zeros(1, dtype=np.uint8)
+        read = int(C.llama_state_seq_set_data(
+            self._ctx, view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, seq_id))
         if read != n:
             self.seq_rm(seq_id)
             raise EngineError(f"llama.cpp refused the KV data ({read} of {n} bytes read: no "

@@ -643,7 +643,7 @@ class Engine:
             chunks = self._gather(match, [(a, min(a + step, n)) for a in range(0, n, step)])
         return pack(identity, tokens[:n], chunks, step)
 
-    def _gather(self, match: Match, spans: list[tuple[int, int]]) -> list[bytes]:
+    def _gather(self, match: Match, spans: list[tuple[int, int]]) -> list[bytearray]:
         """The cells of a cached prefix (``match``) at each span of positions, serialised
         (under the lock): its cells, spread over the cache's holders, are gathered into a
         borrowed sequence by the same zero-copy ``seq_cp`` a cache hit uses, serialised, and
@@ -651,7 +651,7 @@ class Engine:
         cache = self.cache
         assert cache is not None
         cache.lock(match.last)
-        chunks: list[bytes] = []
+        chunks: list[bytearray] = []
         try:
             for a, b in spans:
                 seq = self._borrow_seq("export through")
@@ -699,7 +699,7 @@ class Engine:
             return self._load_prefix(tokens, header.spans(), chunks)
 
     def _load_prefix(self, tokens: list[int], spans: list[tuple[int, int]],
-                     chunks: Sequence[bytes | memoryview], tree: LoraKey = ()) -> int:
+                     chunks: Sequence[bytes | bytearray | memoryview], tree: LoraKey = ()) -> int:
         """Serialised cells of ``tokens`` (chunk k: positions ``spans[k]``) into the prefix
         cache's tree ``tree`` (under the lock); the tokens of them now cached. The chunks may
         begin past position 0 where the cache holds the tokens before them (kept locked

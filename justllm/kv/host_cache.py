@@ -101,7 +101,7 @@ class HostCache:
         self.chunk_tokens = chunk_tokens
         self.key_tokens = max(1, key_tokens)
         self._by_key: dict[tuple[Hashable, tuple[int, ...]], list[HostEntry]] = {}
-        self._chunks: dict[bytes, bytes] = {}
+        self._chunks: dict[bytes, bytes | bytearray] = {}  # (as the backend serialised them)
         self._refs: dict[bytes, int] = {}
         self._bytes = 0
         self._tick = itertools.count(1)
@@ -123,7 +123,7 @@ class HostCache:
         return [s for s in spans(tokens, self.chunk_tokens, tree)
                 if s.digest not in self._chunks]
 
-    def put(self, tokens: list[int], data: Mapping[bytes, bytes],
+    def put(self, tokens: list[int], data: Mapping[bytes, bytes | bytearray],
             tree: Hashable = ()) -> bool:
         """Keep the prefix ``tokens``, ``data`` holding the cells of its chunks :meth:`missing`
         named (by digest); False when they do not fit the whole budget, or when the prefix is
@@ -161,7 +161,8 @@ class HostCache:
                 best = (k, e)
         return best
 
-    def chunks(self, entry: HostEntry, start: int, end: int) -> list[tuple[Span, bytes]]:
+    def chunks(self, entry: HostEntry, start: int, end: int
+               ) -> list[tuple[Span, bytes | bytearray]]:
         """``entry``'s chunks holding positions ``start`` to ``end`` (the last may go on
         past it: the engine drops those cells), with their cells."""
         return [(s, self._chunks[s.digest]) for s in entry.spans if s.end > start and

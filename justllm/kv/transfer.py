@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from justllm.errors import JustLLMError
@@ -56,7 +57,7 @@ class KVHeader:
         return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def pack(identity: KVIdentity, tokens: list[int], chunks: list[bytes],
+def pack(identity: KVIdentity, tokens: list[int], chunks: Sequence[bytes | bytearray],
          chunk_tokens: int) -> bytes:
     data = b"".join(chunks)
     header = json.dumps({"version": VERSION, **asdict(identity), "tokens": list(tokens),
