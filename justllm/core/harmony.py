@@ -29,6 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from justllm.core.reasoning import partial_tail
+
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 # What ends a body: the end tokens, or the next header's first marker.
 _BODY_ENDS = (END, "<|call|>", "<|return|>", START, CHANNEL)
@@ -73,15 +75,6 @@ class Reading:
     content: str = ""
     calls: list[Addressed] = field(default_factory=list)
     plain: bool = False
-
-
-def _held(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` may still begin one of ``markers``."""
-    for k in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
-        tail = text[-k:]
-        if any(m.startswith(tail) for m in markers):
-            return k
-    return 0
 
 
 class HarmonyReader:
@@ -141,7 +134,7 @@ class HarmonyReader:
             elif self._state == "body":
                 ends = [(i, m) for m in _BODY_ENDS if (i := self._buf.find(m)) >= 0]
                 if not ends:
-                    keep = 0 if final else _held(self._buf, _BODY_ENDS)
+                    keep = 0 if final else partial_tail(self._buf, *_BODY_ENDS)
                     self._body_text(self._take(len(self._buf) - keep), out)
                     return
                 at, marker = min(ends)

@@ -82,10 +82,12 @@ def split_reasoning(text: str, tags: tuple[str, str], opened: bool = False) -> R
     return Reasoned(thought.strip() or None, rest.lstrip() if closed else "")
 
 
-def _partial_tail(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` may still begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def partial_tail(text: str, *tags: str) -> int:
+    """How many characters at the end of ``text`` may still begin one of ``tags`` (a streamed
+    reader holds them back)."""
+    for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        tail = text[-n:]
+        if any(tag.startswith(tail) for tag in tags):
             return n
     return 0
 
@@ -122,7 +124,7 @@ class ReasoningSplitter:
             body = self._text[self._body:]
             at = body.find(end)
             if at < 0:
-                safe = body[:len(body) - _partial_tail(body, end)].strip()
+                safe = body[:len(body) - partial_tail(body, end)].strip()
                 thought = self._take(safe)
                 return thought, ""
             thought = self._take(body[:at].strip())

@@ -150,9 +150,6 @@ class _Reader:
         self.last_array_length = 0
         self._u64 = struct.Struct(order + "Q")
 
-    def peek_scalar(self, code: str):
-        return struct.Struct(self.order + code).unpack_from(self.buf, self.pos)[0]
-
     def scalar(self, code: str):
         s = struct.Struct(self.order + code)
         (value,) = s.unpack_from(self.buf, self.pos)
@@ -191,9 +188,9 @@ class _Reader:
                                f"twice (ids {first} and {i}), which llama.cpp aborts on")
         self.pos = pos
 
-    def value(self, vtype: int) -> object | None:
+    def value(self, vtype: int, unique: bool = False) -> object | None:
         """A scalar or string value; arrays are skipped and give None (``last_array_length``
-        says how long)."""
+        says how long). ``unique``: an array of strings is read, each checked to be new."""
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
@@ -203,7 +200,7 @@ class _Reader:
         item, count = self.scalar("I"), self.scalar("Q")
         self.last_array_length = count
         if item == _STRING:
-            self.skip_strings(count)
+            (self.check_unique_strings if unique else self.skip_strings)(count)
         elif item in _SCALARS:
             self.pos += count * struct.calcsize(_SCALARS[item])
         else:
@@ -261,14 +258,8 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     arrays: dict[str, int] = {}
     for _ in range(kv_count):
         key = r.string().decode("utf-8", "replace")
-        vtype = r.scalar("I")
-        if key == VOCAB_KEY and vtype == _ARRAY and r.peek_scalar("I") == _STRING:
-            # (llama.cpp asserts that every token is unique: the whole process would abort)
-            r.scalar("I")
-            arrays[key] = r.last_array_length = r.scalar("Q")
-            r.check_unique_strings(arrays[key])
-            continue
-        value = r.value(vtype)
+        # (llama.cpp asserts that every token is unique: the whole process would abort)
+        value = r.value(r.scalar("I"), unique=key == VOCAB_KEY)
         if value is not None:
             metadata[key] = value
         else:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from justllm.gateway.runner import free_port
+from tests.models.ggufs import with_chat_template
 
 
 @dataclass
@@ -30,6 +31,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return -9
+
+
+def template_server(model_path, gguf, template: str, *args: str) -> Server:
+    """The demo model with ``template`` as the chat template in its GGUF (a copy written to
+    ``gguf``), served with ``args`` and without its prefix cache, so a greedy answer to the
+    same prompt is the same every time."""
+    return start_server(str(with_chat_template(model_path, gguf, template)), *args,
+                        "--no-prefix-cache")
 
 
 def start_server(model_path: str, *args: str, env: dict | None = None,

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from justllm.core.harmony import HarmonyReader
-from tests.models.ggufs import with_chat_template
-from tests.server.conftest import start_server
+from tests.server.conftest import template_server
+from tests.server.test_reasoning import CHAT  # (three answered questions, their thinking)
 from tests.server.test_tokenize import post
 
 TEMPLATE = (
@@ -40,14 +40,6 @@ TEMPLATE = (
     "<|message|>{{ m.content }}<|end|>"
     "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
-SHOTS = [("What is 2+2?", "The user asks a sum. 2+2 is 4.", "4"),
-         ("What colour is the sky?", "The sky is blue on a clear day.", "Blue."),
-         ("Capital of France?", "France's capital is Paris.", "Paris.")]
-ASK = "Capital of Italy?"
-CHAT = [m for q, r, a in SHOTS for m in (
-    {"role": "user", "content": q},
-    {"role": "assistant", "content": a, "reasoning_content": r})] + \
-    [{"role": "user", "content": ASK}]
 # (and having answered, the base model goes on with the user's next turn)
 GREEDY = {"temperature": 0, "max_tokens": 80, "stop": ["<|return|>", "<|call|>", "<|start|>user"]}
 TOOLS = [{"type": "function", "function": {
@@ -74,10 +66,8 @@ TOOL_CHAT = [m for i, (q, city, result, a) in enumerate(TOOL_SHOTS) for m in (
 
 @pytest.fixture(scope="module")
 def oss(model_path, tmp_path_factory):
-    path = with_chat_template(model_path, tmp_path_factory.mktemp("oss") / "oss.gguf",
-                              TEMPLATE)
-    s = start_server(str(path), "--max-seqs", "4", "--pool-blocks", "256",
-                     "--no-prefix-cache")
+    s = template_server(model_path, tmp_path_factory.mktemp("oss") / "oss.gguf", TEMPLATE,
+                        "--max-seqs", "4", "--pool-blocks", "256")
     yield s
     assert s.stop() == 0
 

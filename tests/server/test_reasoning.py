@@ -19,8 +19,7 @@ import openai
 import pytest
 
 from justllm.core.reasoning import split_reasoning
-from tests.models.ggufs import with_chat_template
-from tests.server.conftest import start_server
+from tests.server.conftest import template_server
 from tests.server.test_tokenize import post
 
 TEMPLATE = (
@@ -46,10 +45,8 @@ GREEDY = {"temperature": 0, "max_tokens": 40, "stop": ["<|im_end|>"]}
 
 @pytest.fixture(scope="module")
 def thinker(model_path, tmp_path_factory):
-    path = with_chat_template(model_path, tmp_path_factory.mktemp("think") / "think.gguf",
-                              TEMPLATE)
-    s = start_server(str(path), "--max-seqs", "4", "--pool-blocks", "256",
-                     "--no-prefix-cache")
+    s = template_server(model_path, tmp_path_factory.mktemp("think") / "think.gguf",
+                        TEMPLATE, "--max-seqs", "4", "--pool-blocks", "256")
     yield s
     assert s.stop() == 0
 
@@ -141,10 +138,9 @@ def test_a_thinking_budget_forces_the_end_of_the_thinking(thinker):
 
 
 def test_the_servers_reasoning_flags(model_path, thinker, tmp_path):
-    path = with_chat_template(model_path, tmp_path / "think.gguf", TEMPLATE)
-    s = start_server(str(path), "--max-seqs", "2", "--pool-blocks", "128",
-                     "--no-prefix-cache", "--reasoning-budget", "0",
-                     "--reasoning-format", "none", "--reasoning-budget-message", "Skip.")
+    s = template_server(model_path, tmp_path / "think.gguf", TEMPLATE, "--max-seqs", "2",
+                        "--pool-blocks", "128", "--reasoning-budget", "0",
+                        "--reasoning-format", "none", "--reasoning-budget-message", "Skip.")
     try:
         raw = chat(s)["choices"][0]["message"]["content"]  # the thinking left in the text
         assert raw.startswith("<think>\nSkip.\n</think>\n\n")  # and ended at once

@@ -140,7 +140,7 @@ class ChoiceText:
         self._thinking = thinking
         self._reasoner = (ReasoningSplitter(thinking.tags, thinking.opened)
                           if thinking and not harmony else None)
-        self._splitter = CallSplitter(fmt, names, parallel) if fmt else None
+        self._splitter = CallSplitter(fmt, names, parallel) if fmt and not harmony else None
 
     def _unlead(self, text: str) -> str:
         text, self._prefix = self._prefix + text, ""

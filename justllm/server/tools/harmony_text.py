@@ -28,7 +28,8 @@ class HarmonyText:
     def __init__(self, *, calls: bool, names: frozenset[str] | None = None,
                  parallel: bool = True, keep_thinking: bool = False) -> None:
         self._reader = HarmonyReader(keep_thinking)
-        self._calls, self._names, self._parallel = calls, names, parallel
+        self._names, self._parallel = names, parallel
+        # (None: no tools on offer, so no calls are read)
         self._plain = CallSplitter("generic", names, parallel) if calls else None
 
     def feed(self, piece: str) -> tuple[str, str]:
@@ -45,7 +46,7 @@ class HarmonyText:
             rest, answer = self._plain.finish()
             return thought, shown + rest, answer.calls
         calls: list[ParsedCall] = []
-        if self._calls:
+        if self._plain is not None:
             for call in reading.calls:
                 try:
                     if not call.recipient.startswith(_FUNCTIONS):
