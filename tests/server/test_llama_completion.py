@@ -10,9 +10,23 @@ import math
 import httpx
 import pytest
 
+from tests.server.conftest import start_server
 from tests.server.test_tokenize import post, tokenize
 
 PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def uncached(model_path):
+    """A server without its prefix cache, for the tests that compare two requests for the same
+    prompt exactly: each computes the prompt whole, in one batch. On the session's server the
+    prompt's KV may come from the cache or not, as the other files that server has run left
+    it (this prompt is too short for host memory), and on this CPU a prompt computed in another
+    batch shape moves the logits a little (tests/helpers.py EXACT): enough to turn a sampled
+    token at temperature 1.5."""
+    s = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "128", "--no-prefix-cache")
+    yield s
+    assert s.stop() == 0
 
 
 def complete(server, **body) -> dict | list:
@@ -115,11 +129,8 @@ def test_prompt_forms(server):
                                         temperature=0)["content"] != ""
 
 
-def test_a_stream_is_llama_servers_events(server):
-    # Run once first, so both compared below take its prompt from the prefix cache (the module's
-    # earlier prompts may have sent it to host memory): a prompt computed in another batch shape
-    # moves the logprobs a little (tests/helpers.py EXACT).
-    complete(server, n_predict=10, temperature=0, n_probs=2)
+def test_a_stream_is_llama_servers_events(uncached):
+    server = uncached  # (the whole and the streamed answer are compared exactly)
     whole = complete(server, n_predict=10, temperature=0, n_probs=2)
     with httpx.stream("POST", server.url + "/completion", timeout=60, json={
             "prompt": PROMPT, "n_predict": 10, "temperature": 0, "stream": True,
@@ -139,10 +150,11 @@ def test_a_stream_is_llama_servers_events(server):
         "id"]  # greedy: the best is the token drawn
 
 
-def test_llama_cpps_order_cuts_before_it_tempers(server):
+def test_llama_cpps_order_cuts_before_it_tempers(uncached):
     """min_p 0.5 then temperature 100 (llama.cpp's order): the cut keeps the tokens within
     ln 2 of the best, which the temperature then evens out; tempering first (OpenAI's order)
     would keep nearly the whole vocabulary. Every drawn token lies within the cut."""
+    server = uncached  # (requests for one prompt are compared exactly)
     got = complete(server, n_predict=24, temperature=100, top_k=0, top_p=1.0, min_p=0.5,
                    n_probs=1, seed=3)
     for p in got["completion_probabilities"]:
@@ -156,7 +168,6 @@ def test_llama_cpps_order_cuts_before_it_tempers(server):
         assert complete(server, n_predict=8, temperature=5, top_k=0, top_p=top_p, seed=4)[
             "content"] == greedy
     wide = {"n_predict": 8, "temperature": 1.5, "top_k": 0, "min_p": 0, "seed": 5}
-    complete(server, **wide, top_p=1)  # (once first, so both below take the prompt's KV alike)
     assert complete(server, **wide, top_p=1.5)["content"] == complete(server, **wide, top_p=1)[
         "content"] != greedy
     # llama.cpp's other spellings of the names
