@@ -100,7 +100,6 @@ def show(
 ) -> None:
     """Show a model's manifest (digest, tags, source, revision) and its GGUF metadata."""
     with cli_errors():
-        from justllm.models.gguf import read_gguf_header
         from justllm.models.refs import InvalidRefError
         from justllm.models.registry import Registry, UnknownModelError
         from justllm.models.source import LocalPath
@@ -117,11 +116,10 @@ def show(
                 path = manifest.path
             except (UnknownModelError, InvalidRefError) as e:
                 path, title = _unregistered(context, name, e)
-        # A truncated or foreign file: the header check's one line, as run gives, before
-        # llama.cpp reads the metadata (it logs its own lines, then fails without saying why).
-        read_gguf_header(path)
-        manifest = manifest or _manifest_of(registry, path)
+        # (describe checks the header first: a truncated or foreign file is its one line, as
+        # run gives, before llama.cpp reads the metadata)
         info = describe(path)
+        manifest = manifest or _manifest_of(registry, path)
         console = Console(highlight=False, emoji=False)
         if template:
             console.print(info.chat_template or "(none: the GGUF carries no chat template)",

@@ -41,7 +41,7 @@ from justllm.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from justllm.models.gguf import check_gguf_file, read_gguf_header
+from justllm.models.gguf import read_gguf_header
 
 JSON_GRAMMAR: str = _grammar.JSON_GBNF
 
@@ -489,8 +489,10 @@ def _model_metadata(model) -> dict[str, str]:
 
 def read_gguf_info(path: str) -> dict[str, str]:
     """A GGUF's metadata plus llama.cpp's one-line description (``desc``), reading only the
-    header and vocabulary (no weights, no context)."""
-    check_gguf_file(path)
+    header and vocabulary (no weights, no context). The header is checked whole first, as
+    before a load: llama.cpp reading a vocabulary that lists a token twice aborts the process
+    (models/gguf.py), and one bad file in a listing must not take the lister with it."""
+    read_gguf_header(path)
     C.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
     C.llama_backend_init()
     mparams = C.llama_model_default_params()

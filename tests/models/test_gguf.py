@@ -8,6 +8,7 @@ from justllm.engine.backend import BackendConfig, LlamaBackend
 from justllm.errors import ModelLoadError
 from justllm.models.gguf import check_gguf_file, read_gguf_header
 from justllm.models.lora import check_lora_file
+from justllm.models.store import describe
 from tests.lora_files import write_adapter
 from tests.models.ggufs import tiny_gguf
 
@@ -55,6 +56,8 @@ def test_a_vocabulary_that_lists_a_token_twice_is_refused_before_llama_cpp(tmp_p
                             "token '<unused0>' twice (ids 6 and 7), which llama.cpp aborts on)")
     with pytest.raises(ModelLoadError):
         LlamaBackend(BackendConfig(model_path=str(path), n_ctx=256))
+    with pytest.raises(ModelLoadError, match="twice"):  # listing or showing it (vocab only)
+        describe(path)
     assert read_gguf_header(model_path).array_lengths["tokenizer.ggml.tokens"] == 262144
 
 
