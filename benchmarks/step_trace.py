@@ -33,10 +33,10 @@ def serve(trace: Path, args: list[str]) -> None:
     out: TextIO = trace.open("w", buffering=1)
     decode = LlamaBackend.decode
 
-    def timed(self: LlamaBackend, n_tokens: int) -> np.ndarray:
+    def timed(self: LlamaBackend, n_tokens: int, split: int = 0) -> np.ndarray:
         rows = int(np.count_nonzero(self.batch_logits[:n_tokens]))
         t0 = time.perf_counter()
-        logits = decode(self, n_tokens)
+        logits = decode(self, n_tokens, split)  # (a split step's two llama_decodes as one)
         out.write(f"{t0:.6f} {n_tokens} {rows} {time.perf_counter() - t0:.6f}\n")
         return logits
 

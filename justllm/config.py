@@ -19,6 +19,10 @@ MAX_SPEC_OUTPUTS = 256
 # llama.cpp's CPU matmul computes the output head for rows in groups of 4 (measured on this
 # model: 3 logits rows 93 ms, 4 rows 66 ms), so output rows are padded to a multiple of it.
 CPU_ROW_MULTIPLE = 4
+# llama.cpp's CPU flash attention takes a batch of this many tokens or more in tiles of this
+# many queries (GGML_FA_TILE_Q): a step's decodes then go in a llama_decode of their own
+# (core/scheduler.py ``split_decodes_at``).
+CPU_FA_QUERY_TILE = 64
 # Sequence ids one context may use: llama.cpp's 256, halved because each has a twin on
 # sliding-window models (LlamaBackend: keep_swa_cells).
 MAX_SEQ_IDS = 128
@@ -391,4 +395,7 @@ class EngineConfig:
             # (no padded rows with backend sampling: a sequence then has one output row)
             max_outputs=self.n_outputs,
             row_multiple=1 if self.gpu or self.backend_sampling else CPU_ROW_MULTIPLE,
+            # (llama.cpp's CPU flash attention; backend sampling reads its rows by index)
+            split_decodes_at=(0 if self.gpu or self.backend_sampling or self.flash_attn == "off"
+                              else CPU_FA_QUERY_TILE),
             policy=self.scheduling_policy, lora_max_steps=self.lora_max_steps)

@@ -140,6 +140,10 @@ class StepPlan:
     # CPU's group of 4 (cheaper than the odd count, docs/llama-cpp-facts.md); the runner asks
     # for them and discards them.
     pad_rows: int = 0
+    # Tokens at the head of the batch (the decodes, drafts included) that llama.cpp computes in
+    # a llama_decode of their own before the prompt chunks (the scheduler's ``split_decodes_at``
+    # says why); 0: one llama_decode for the whole batch.
+    split: int = 0
 
     @property
     def released_seq_ids(self) -> list[int]:

@@ -703,11 +703,15 @@ class LlamaBackend:
         b.logits = self.batch_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
-    def decode(self, n_tokens: int) -> np.ndarray:
-        """Decode the first ``n_tokens`` entries of the batch arrays.
+    def decode(self, n_tokens: int, split: int = 0) -> np.ndarray:
+        """Decode the first ``n_tokens`` entries of the batch arrays; with ``split`` (0 <
+        split < n_tokens), the first ``split`` in a llama_decode of their own, then the rest
+        (core/scheduler.py ``split_decodes_at`` says why). Either way the batch's tokens all
+        go in, or none do: when the second part fails, the first part's are taken out again.
 
-        Returns a read-only view of the logits, one row per entry whose ``batch_logits`` flag is
-        set, in batch order. The view is valid until the next ``decode``.
+        Returns the logits, one row per entry whose ``batch_logits`` flag is set, in batch
+        order: a read-only view valid until the next ``decode`` (with a split, an array of
+        its own).
         """
         cfg = self.config
         if not 0 < n_tokens <= cfg.n_batch:
@@ -729,14 +733,9 @@ class LlamaBackend:
             raise EngineError("sequence id out of range")
         if self._twin:
             self._add_twins(n_tokens)
-        self._batch.n_tokens = n_tokens
-        t0 = time.perf_counter()
-        rc = C.llama_decode(self._ctx, self._batch)
-        self.decode_seconds += time.perf_counter() - t0
-        if rc == 1:
-            raise KVCacheFullError("no room in the KV cache for this batch")
-        if rc != 0:
-            raise EngineError(f"llama_decode failed with code {rc}")
+        if 0 < split < n_tokens and not self._graph_chains:  # (graph rows are read by index)
+            return self._decode_split(n_tokens, split, n_out)
+        self._llama_decode(self._batch, n_tokens)
         if n_out == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         if self._graph_chains:
@@ -747,8 +746,63 @@ class LlamaBackend:
             listed = np.arange(ids.shape[1]) < self.batch_n_seq[:n_tokens][out][:, None]
             if all(int(s) in self._graph_chains for s in ids[listed]):
                 return np.empty((0, self.n_vocab), dtype=np.float32)
+        return self._logits(n_out)
+
+    def _logits(self, n_out: int) -> np.ndarray:
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    def _llama_decode(self, batch: Any, n_tokens: int) -> None:
+        batch.n_tokens = n_tokens
+        t0 = time.perf_counter()
+        rc = C.llama_decode(self._ctx, batch)
+        self.decode_seconds += time.perf_counter() - t0
+        if rc == 1:
+            raise KVCacheFullError("no room in the KV cache for this batch")
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+
+    def _decode_split(self, n_tokens: int, split: int, n_out: int) -> np.ndarray:
+        flags = self.batch_logits[:n_tokens]
+        first = int(np.count_nonzero(flags[:split]))
+        out = np.empty((n_out, self.n_vocab), dtype=np.float32)
+        self._llama_decode(self._batch, split)
+        if first:
+            out[:first] = self._logits(first)
+        try:
+            self._llama_decode(self._batch_from(split), n_tokens - split)
+        except EngineError:
+            self._take_out(split)
+            raise
+        if n_out > first:
+            out[first:] = self._logits(n_out - first)
+        return out
+
+    def _batch_from(self, o: int) -> Any:
+        """A llama_batch over the batch arrays from entry ``o`` on."""
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        b: Any = C.llama_batch()
+        b.token = ctypes.cast(self.batch_tokens.ctypes.data + 4 * o, i32p)
+        b.embd = None
+        b.pos = ctypes.cast(self.batch_pos.ctypes.data + 4 * o, i32p)
+        b.n_seq_id = ctypes.cast(self.batch_n_seq.ctypes.data + 4 * o, i32p)
+        b.seq_id = ctypes.cast(ctypes.addressof(self._seq_ptrs) + ctypes.sizeof(i32p) * o,
+                               ctypes.POINTER(i32p))
+        b.logits = ctypes.cast(self.batch_logits.ctypes.data + o,
+                               ctypes.POINTER(ctypes.c_int8))
+        return b
+
+    def _take_out(self, n_tokens: int) -> None:
+        """Remove what the first ``n_tokens`` entries of the batch put in the KV cache: each
+        sequence they list (twins too) from its first position among them on. A step only
+        ever adds a sequence's newest positions."""
+        first: dict[int, int] = {}
+        for i in range(n_tokens):
+            pos = int(self.batch_pos[i])
+            for s in self.batch_seqs[i, :self.batch_n_seq[i]]:
+                first[int(s)] = min(pos, first.get(int(s), pos))
+        for s, pos in first.items():
+            C.llama_memory_seq_rm(self._mem, s, pos, -1)
 
     # ---- tokens chosen inside the graph (llama.cpp's backend sampling) ---------------------
 

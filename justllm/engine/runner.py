@@ -20,7 +20,7 @@ class Backend(Protocol):
     batch_n_seq: np.ndarray
     batch_logits: np.ndarray
 
-    def decode(self, n_tokens: int) -> np.ndarray: ...
+    def decode(self, n_tokens: int, split: int = 0) -> np.ndarray: ...
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None: ...
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
 
@@ -33,6 +33,7 @@ class Runner:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._keep: np.ndarray | None = None  # rows to return when padding was added
+        self._split = 0  # the plan's split: its decodes' tokens, decoded on their own
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         b = self.backend
@@ -43,7 +44,7 @@ class Runner:
                 b.seq_cp(op.src, op.seq, op.p0, op.p1)
 
     def execute(self, plan: StepPlan) -> np.ndarray:
-        """Compute the plan's chunks in one ``llama_decode``.
+        """Compute the plan's chunks in one ``llama_decode`` (two with ``plan.split``).
 
         Returns ``chunk.num_logits`` rows per chunk, in plan order (a view valid until the
         next step): one for a chunk that wants logits, one per token of a speculative chunk.
@@ -71,12 +72,13 @@ class Runner:
                 self._fill_tree(chunk, o)
             o = end
         self._keep = self._pad_rows(o, plan.pad_rows) if plan.pad_rows else None
+        self._split = plan.split
         return o
 
     def decode(self, n_tokens: int) -> np.ndarray:
         if not n_tokens:
             return np.empty((0, 0), dtype=np.float32)
-        logits = self.backend.decode(n_tokens)
+        logits = self.backend.decode(n_tokens, self._split)
         return logits if self._keep is None else logits[self._keep]
 
     def _pad_rows(self, n: int, pad: int) -> np.ndarray:

@@ -164,7 +164,7 @@ class FakeBackend:
         self.batch_logits = np.zeros(n, np.int8)
         self.flags_seen = None
 
-    def decode(self, n):
+    def decode(self, n, split=0):
         self.flags_seen = self.batch_logits[:n].copy()
         return np.flatnonzero(self.batch_logits[:n]).astype(np.float32)[:, None]
 
@@ -210,6 +210,42 @@ def test_the_scheduler_decides_the_padding_rows():
     s2.add(make_req(0, 2))
     s2.add(make_req(1, 2))
     assert s2.schedule().pad_rows == 0
+
+
+def test_decodes_beside_a_long_enough_prompt_chunk_are_split_off():
+    """split_decodes_at: the decodes (drafts included) go in a llama_decode of their own when
+    the step holds a prompt chunk too and reaches the threshold; the rows are then padded
+    per llama_decode, and the decodes have no prompt tokens to pad with."""
+    def step_with_prompt(prompt: int, **kw):
+        s = sched(max_seqs=8, chunk_size=64, n_batch=128, **kw)
+        decoders = [make_req(i, 2) for i in range(3)]
+        for r in decoders:
+            s.add(r)
+        run_step(s)  # three prompts, then three decodes
+        s.add(make_req(9, prompt))
+        return s.schedule({"r0": DraftTree.chain([11, 12])})
+
+    plan = step_with_prompt(61, split_decodes_at=64)  # 3 decodes, 2 drafts, 61 prompt tokens
+    assert [len(c.token_ids) for c in plan.chunks] == [3, 1, 1, 61] and plan.split == 5
+    assert plan.num_tokens == 66
+    assert step_with_prompt(58, split_decodes_at=64).split == 0  # 63 tokens: one batch
+    assert step_with_prompt(61).split == 0  # off
+    assert step_with_prompt(61, split_decodes_at=4).split == 0  # the decodes reach it alone
+    # A prompt chunk with a row on every token (prompt logprobs) pads its own group of 4.
+    s = sched(max_seqs=8, chunk_size=64, n_batch=128, row_multiple=4, split_decodes_at=64)
+    for r in (make_req(0, 2), make_req(1, 2)):
+        s.add(r)
+    run_step(s)
+    s.add(make_req(9, 70))
+    plan = s.schedule()
+    assert [len(c.token_ids) for c in plan.chunks] == [1, 1, 64] and plan.split == 2
+    assert plan.num_logits == 2 and plan.pad_rows == 0  # the chunk asks for no row
+    mixed = sched(max_seqs=8, chunk_size=64, n_batch=128, row_multiple=4)
+    for r in (make_req(0, 2), make_req(1, 2)):
+        mixed.add(r)
+    run_step(mixed)
+    mixed.add(make_req(9, 70))
+    assert mixed.schedule().pad_rows == 2  # unsplit, the prompt's tokens fill the group
 
 
 def test_a_single_draft_token_is_never_dropped_for_the_row_group():

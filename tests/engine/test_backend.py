@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from justllm.errors import EngineError
@@ -42,6 +43,64 @@ def test_guards(engine):
     assert logits.shape == (1, b.n_vocab)
     b.seq_rm(0)
     assert b.seq_pos_max(0) == -1
+
+
+def test_a_split_batch_decodes_its_parts_apart_and_goes_in_whole_or_not_at_all(model_path):
+    """decode(n, split): the decodes at the head of the batch in a llama_decode of their own
+    (core/scheduler.py split_decodes_at), the rows in batch order as if decoded in one call;
+    when the second part finds no room, the first part's tokens (twins too) are taken out
+    again, so the engine's view of the KV holds."""
+    from justllm.engine.backend import BackendConfig, KVCacheFullError, LlamaBackend
+
+    b = LlamaBackend(BackendConfig(model_path=model_path, n_ctx=256, n_batch=128, n_seq_max=4,
+                                   keep_swa_cells=True))
+    try:
+        text = b.tokenize("The history of the lighthouse on the northern cliffs began " * 24)
+        prompt, head = text[:70], text[:10]
+
+        def put(seq: int, tokens: list[int], start: int = 0, o: int = 0, last: bool = True):
+            n = len(tokens)
+            b.batch_tokens[o:o + n] = tokens
+            b.batch_pos[o:o + n] = range(start, start + n)
+            b.batch_n_seq[o:o + n] = 1
+            b.batch_seq[o:o + n] = seq
+            b.batch_logits[o:o + n] = 0
+            b.batch_logits[o + n - 1] = last
+            return o + n
+
+        for seq in (1, 2):  # two sequences decoding
+            b.decode(put(seq, head))
+        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+
+        def apart() -> np.ndarray:  # each part on its own, as plain decodes
+            first = np.array(b.decode(put(2, [text[11]], 10, o=put(1, [text[10]], 10))))
+            return np.concatenate([first, b.decode(put(0, prompt))])
+
+        reference = apart()
+        for seq, p in ((0, 0), (1, 10), (2, 10)):
+            b.seq_rm(seq, p)
+        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        got = b.decode(n, split=2)
+        assert got.shape == (3, b.n_vocab)
+        np.testing.assert_allclose(got, reference, atol=1e-3)
+        assert [b.seq_pos_max(s) for s in (0, 1, 2)] == [69, 10, 10]
+
+        # No room for the prompt: the decodes' tokens come out again, twins included.
+        b.seq_rm(0)
+        for seq in (1, 2):
+            b.seq_rm(seq, 10)
+        b.decode(put(3, text[:96]))
+        b.decode(put(3, text[:96], 96))  # 20 + 192 cells of 256 used
+        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        with pytest.raises(KVCacheFullError):
+            b.decode(n, split=2)
+        assert [b.seq_pos_max(s) for s in (0, 1, 2)] == [-1, 9, 9]
+        assert not b.twin_differs(1) and not b.twin_differs(2)
+        b.seq_rm(3)
+        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        assert np.argmax(b.decode(n, split=2)[0]) == np.argmax(reference[0])
+    finally:
+        b.close()
 
 
 def test_threads_default_to_the_cpus_the_process_may_use(model_path):

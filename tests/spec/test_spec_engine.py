@@ -305,10 +305,10 @@ def test_abort_while_a_draft_is_verified_frees_everything(name, request, referen
     decode = engine.backend.decode
     in_flight = []
 
-    def aborting_decode(n_tokens):  # the batch is filled; llama_decode runs without the lock
+    def aborting_decode(n_tokens, split=0):  # the batch is filled; llama_decode runs unlocked
         assert engine.abort(rid)
         in_flight.append(n_tokens)
-        return decode(n_tokens)
+        return decode(n_tokens, split)
 
     with monkeypatch.context() as m:
         m.setattr(engine, "_propose", lambda: {rid: draft})
