@@ -322,12 +322,8 @@ class Scheduler:
         at = self.config.split_decodes_at
         if not at or plan.num_tokens < at:
             return 0
-        lead = 0
-        for chunk in plan.chunks:
-            if not chunk.is_decode:
-                break
-            lead += len(chunk.token_ids)
-        return lead if 0 < lead < min(at, plan.num_tokens) else 0
+        lead = sum(len(c.token_ids) for c in plan.chunks[:_decodes_first(plan.chunks)])
+        return lead if 0 < lead < at else 0  # (at <= num_tokens: a prompt chunk follows)
 
     def update(self, plan: StepPlan, result: StepResult | None = None) -> list[Request]:
         """The runner computed ``plan`` and the engine sampled it into ``result``; returns the
@@ -437,7 +433,7 @@ class Scheduler:
         drafts could not: a step with no speculation, or drafts at their window)."""
         chunks = plan.chunks
         if plan.split:  # (the prompt chunks' own llama_decode: the decodes' rows are apart)
-            chunks = chunks[_chunks_in(chunks, plan.split):]
+            chunks = chunks[_decodes_first(chunks):]
         rows = sum(c.num_logits for c in chunks)
         pad = (-rows) % self.config.row_multiple
         spare = sum(len(c.token_ids) for c in chunks) - rows  # prompt tokens without logits
@@ -632,11 +628,6 @@ class Scheduler:
         req.finish_reason = reason
 
 
-def _chunks_in(chunks: list[ScheduledChunk], tokens: int) -> int:
-    """How many chunks from the first hold ``tokens`` tokens."""
-    n = 0
-    for i, chunk in enumerate(chunks):
-        if n >= tokens:
-            return i
-        n += len(chunk.token_ids)
-    return len(chunks)
+def _decodes_first(chunks: list[ScheduledChunk]) -> int:
+    """How many chunks at the head of a plan are decodes (drafts included)."""
+    return next((i for i, c in enumerate(chunks) if not c.is_decode), len(chunks))

@@ -694,14 +694,7 @@ class LlamaBackend:
         i32p = ctypes.POINTER(ctypes.c_int32)
         base, row = self.batch_seqs.ctypes.data, self.batch_seqs.strides[0]
         self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + row * i, i32p) for i in range(n)])
-        b: Any = C.llama_batch()  # llama_cpp annotates its pointer fields as arrays
-        b.token = self.batch_tokens.ctypes.data_as(i32p)
-        b.embd = None
-        b.pos = self.batch_pos.ctypes.data_as(i32p)
-        b.n_seq_id = self.batch_n_seq.ctypes.data_as(i32p)
-        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
-        b.logits = self.batch_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self._batch = b
+        self._batch = self._batch_from(0)
 
     def decode(self, n_tokens: int, split: int = 0) -> np.ndarray:
         """Decode the first ``n_tokens`` entries of the batch arrays; with ``split`` (0 <
@@ -779,9 +772,10 @@ class LlamaBackend:
         return out
 
     def _batch_from(self, o: int) -> Any:
-        """A llama_batch over the batch arrays from entry ``o`` on."""
+        """A llama_batch over the batch arrays from entry ``o`` on (0: the whole batch; a
+        split decode's second part)."""
         i32p = ctypes.POINTER(ctypes.c_int32)
-        b: Any = C.llama_batch()
+        b: Any = C.llama_batch()  # llama_cpp annotates its pointer fields as arrays
         b.token = ctypes.cast(self.batch_tokens.ctypes.data + 4 * o, i32p)
         b.embd = None
         b.pos = ctypes.cast(self.batch_pos.ctypes.data + 4 * o, i32p)

@@ -68,18 +68,19 @@ def test_a_split_batch_decodes_its_parts_apart_and_goes_in_whole_or_not_at_all(m
             b.batch_logits[o + n - 1] = last
             return o + n
 
+        def decodes() -> int:  # one token each for sequences 1 and 2, at position 10
+            return put(2, [text[11]], 10, o=put(1, [text[10]], 10))
+
+        def step() -> int:  # the decodes, then the prompt of sequence 0
+            return put(0, prompt, o=decodes())
+
         for seq in (1, 2):  # two sequences decoding
             b.decode(put(seq, head))
-        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
-
-        def apart() -> np.ndarray:  # each part on its own, as plain decodes
-            first = np.array(b.decode(put(2, [text[11]], 10, o=put(1, [text[10]], 10))))
-            return np.concatenate([first, b.decode(put(0, prompt))])
-
-        reference = apart()
+        first = np.array(b.decode(decodes()))  # each part on its own, as plain decodes
+        reference = np.concatenate([first, b.decode(put(0, prompt))])
         for seq, p in ((0, 0), (1, 10), (2, 10)):
             b.seq_rm(seq, p)
-        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        n = step()
         got = b.decode(n, split=2)
         assert got.shape == (3, b.n_vocab)
         np.testing.assert_allclose(got, reference, atol=1e-3)
@@ -91,13 +92,13 @@ def test_a_split_batch_decodes_its_parts_apart_and_goes_in_whole_or_not_at_all(m
             b.seq_rm(seq, 10)
         b.decode(put(3, text[:96]))
         b.decode(put(3, text[:96], 96))  # 20 + 192 cells of 256 used
-        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        n = step()
         with pytest.raises(KVCacheFullError):
             b.decode(n, split=2)
         assert [b.seq_pos_max(s) for s in (0, 1, 2)] == [-1, 9, 9]
         assert not b.twin_differs(1) and not b.twin_differs(2)
         b.seq_rm(3)
-        n = put(0, prompt, o=put(2, [text[11]], 10, o=put(1, [text[10]], 10)))
+        n = step()
         assert np.argmax(b.decode(n, split=2)[0]) == np.argmax(reference[0])
     finally:
         b.close()
