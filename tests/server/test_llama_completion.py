@@ -23,7 +23,8 @@ def uncached(model_path):
     prompt's KV may come from the cache or not, as the other files that server has run left
     it (this prompt is too short for host memory), and on this CPU a prompt computed in another
     batch shape moves the logits a little (tests/helpers.py EXACT): enough to turn a sampled
-    token at temperature 1.5."""
+    token at temperature 1.5. Its pool is small (2,048 tokens), so a prompt that fills the
+    context is quick to prefill."""
     s = start_server(model_path, "--max-seqs", "4", "--pool-blocks", "128", "--no-prefix-cache")
     yield s
     assert s.stop() == 0
@@ -186,9 +187,11 @@ def test_logit_bias_by_id_text_or_false(server):
         assert got["tokens"][0] != first, bias
 
 
-def test_ignore_eos_bans_the_end_tokens_and_n_predict_past_the_context_fills_it(server):
+def test_ignore_eos_bans_the_end_tokens_and_n_predict_past_the_context_fills_it(uncached):
     """llama-server's ignore_eos gives the end tokens no chance (here they would win: biased
     up by 30); an n_predict the context has no room for runs until the context is full."""
+    server = uncached  # (its 2,048-token context: the session server's 8,192 took over 60 s
+    # to prefill in a fresh clone's run with both cores shared)
     eos = tokenize(server, content="<eos>", parse_special=True)["tokens"][0]
     pushed = {"n_predict": 4, "temperature": 0, "return_tokens": True,
               "logit_bias": [[eos, 30]]}
