@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from justllm.bench.local_server import LocalServer
+
 FIELDS = (("output_throughput", "tok/s"), ("median_ttft_ms", "TTFT ms"),
           ("median_tpot_ms", "TPOT ms"))
 
@@ -100,12 +102,7 @@ def one_round(which: str, args: argparse.Namespace, model: str, workdir: Path,
                              f"{result.get('first_error')}")
         return {key: float(result[key]) for key, _ in FIELDS}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        LocalServer(proc, url).stop()  # (SIGTERM, then a kill after 60 s)
         log.close()
 
 

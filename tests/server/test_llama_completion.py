@@ -191,7 +191,7 @@ def test_ignore_eos_bans_the_end_tokens_and_n_predict_past_the_context_fills_it(
     """llama-server's ignore_eos gives the end tokens no chance (here they would win: biased
     up by 30); an n_predict the context has no room for runs until the context is full."""
     server = uncached  # (its 2,048-token context: the session server's 8,192 took over 60 s
-    # to prefill in a fresh clone's run with both cores shared)
+    # to prefill in a fresh clone's run, on the one core an xdist worker has)
     eos = tokenize(server, content="<eos>", parse_special=True)["tokens"][0]
     pushed = {"n_predict": 4, "temperature": 0, "return_tokens": True,
               "logit_bias": [[eos, 30]]}
