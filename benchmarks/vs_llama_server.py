@@ -26,40 +26,17 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from justllm.bench.local_server import LocalServer
+from justllm.errors import JustLLMError
 
 FIELDS = (("output_throughput", "tok/s"), ("median_ttft_ms", "TTFT ms"),
           ("median_tpot_ms", "TPOT ms"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} was not ready in {timeout:.0f} s")
 
 
 def server_cmd(which: str, args: argparse.Namespace, model: str, port: int) -> list[str]:
@@ -86,24 +63,23 @@ def bench(url: str, args: argparse.Namespace, out: Path | None, n: int, input_le
 
 def one_round(which: str, args: argparse.Namespace, model: str, workdir: Path,
               label: str) -> dict[str, float]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (workdir / f"{label}.log").open("wb")
-    proc = subprocess.Popen(server_cmd(which, args, model, port), stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        wait_ready(proc, url)
-        bench(url, args, None, 4, 16, 8)  # warm-up: first graphs, caches
-        out = workdir / f"{label}.json"
-        bench(url, args, out, args.requests, args.input_len, args.output_len)
-        result = json.loads(out.read_text())
-        if result.get("failed"):
-            raise SystemExit(f"{which}: {result['failed']} requests failed: "
-                             f"{result.get('first_error')}")
-        return {key: float(result[key]) for key, _ in FIELDS}
-    finally:
-        LocalServer(proc, url).stop()  # (SIGTERM, then a kill after 60 s)
-        log.close()
+    with (workdir / f"{label}.log").open("w+b") as log:
+        try:
+            server = LocalServer.launch(lambda port: server_cmd(which, args, model, port),
+                                        log=log)
+        except JustLLMError as e:
+            raise SystemExit(f"{which}: {e}") from None
+        try:
+            bench(server.url, args, None, 4, 16, 8)  # warm-up: first graphs, caches
+            out = workdir / f"{label}.json"
+            bench(server.url, args, out, args.requests, args.input_len, args.output_len)
+            result = json.loads(out.read_text())
+            if result.get("failed"):
+                raise SystemExit(f"{which}: {result['failed']} requests failed: "
+                                 f"{result.get('first_error')}")
+            return {key: float(result[key]) for key, _ in FIELDS}
+        finally:
+            server.stop()  # (SIGTERM, then a kill after 60 s)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""A ``justllm serve`` child process on a free loopback port, for ``bench`` without ``--url``."""
+"""A server child process on a free loopback port: ``justllm serve`` for ``bench`` without
+``--url``, or any server a benchmark script starts (:meth:`LocalServer.launch`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO
 
 import httpx
 
@@ -21,19 +25,40 @@ class LocalServer:
 
     @classmethod
     def start(cls, model: str | None, *, max_seqs: int, timeout: float = 300) -> "LocalServer":
+        """``justllm serve MODEL`` (the configured default model without one)."""
+        return cls.launch(lambda port: [
+            sys.executable, "-m", "justllm", "serve", "--port", str(port),
+            "--max-seqs", str(max_seqs)] + ([model] if model else []), timeout=timeout)
+
+    @classmethod
+    def launch(cls, command: Callable[[int], list[str]], *, log: IO[bytes] | None = None,
+               timeout: float = 300) -> "LocalServer":
+        """``command(port)`` run on a free loopback port until its ``/health`` answers 200.
+        Its output goes to ``log``, or to a temporary file (a pipe nobody reads would stop a
+        server that logs much once the pipe is full); if it exits first, the error names the
+        output's last line."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "justllm", "serve", "--port", str(port),
-               "--max-seqs", str(max_seqs)] + ([model] if model else [])
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
+        out = log if log is not None else tempfile.TemporaryFile()
+        try:
+            try:
+                proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT)
+            except OSError as e:
+                raise JustLLMError(f"the local server did not start: {e}") from None
+            return cls._ready(proc, f"http://127.0.0.1:{port}", out, timeout)
+        finally:
+            if log is None:  # (the child keeps its own descriptor)
+                out.close()
+
+    @classmethod
+    def _ready(cls, proc: subprocess.Popen, url: str, out: IO[bytes],
+               timeout: float) -> "LocalServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                out = proc.stderr.read() if proc.stderr is not None else b""
-                err = out.decode("utf-8", "replace").strip().splitlines()
-                raise JustLLMError(f"the local server failed: {err[-1] if err else proc.returncode}")
+                raise JustLLMError(
+                    f"the local server failed: {_last_line(out) or f'exit {proc.returncode}'}")
             try:
                 if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
                     return cls(proc, url)
@@ -41,7 +66,8 @@ class LocalServer:
                 pass
             time.sleep(0.1)
         proc.kill()
-        raise JustLLMError("the local server did not become ready")
+        proc.wait()
+        raise JustLLMError(f"the local server did not become ready in {timeout:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -50,3 +76,16 @@ class LocalServer:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+
+
+def _last_line(out: IO[bytes]) -> str:
+    """The last non-empty line a child wrote to ``out`` (a file, read from its start), without
+    a CLI's own ``error:`` prefix."""
+    try:
+        out.flush()
+        out.seek(0)
+        lines = out.read().decode("utf-8", "replace").strip().splitlines()
+    except (OSError, ValueError):  # (not seekable or readable)
+        return ""
+    return lines[-1].strip().removeprefix("error: ") if lines else ""

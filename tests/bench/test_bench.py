@@ -99,3 +99,33 @@ def test_bench_sends_the_sampling_fields_it_is_given_and_only_those(server, tmp_
     assert data["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
     bad = runner.invoke(app, ["bench", "--url", server.url, "--top-p", "0"])
     assert bad.exit_code == 1 and bad.output.startswith("error: --top-p must be in (0, 1]")
+
+
+def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tmp_path):
+    """``justllm bench MODEL`` starts ``justllm serve`` on a free port, measures it and stops
+    it; a model the server cannot load is one error line naming the server's own."""
+    import os
+    import subprocess
+
+    def children() -> set[int]:
+        out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                             text=True).stdout
+        return {int(p) for p in out.split()}
+
+    before = children()
+    out = tmp_path / "local.json"
+    r = runner.invoke(app, ["bench", model_path, "--max-seqs", "2", "-n", "2", "-c", "2",
+                            "--input-len", "8", "--output-len", "3", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["completed"] == 2 and data["total_output_tokens"] == 6
+    assert data["url"].startswith("http://127.0.0.1:")
+    assert children() == before
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    r = runner.invoke(app, ["bench", str(bad), "-n", "1"])
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert last == (f"error: the local server failed: {bad} is not a GGUF file (no GGUF magic "
+                    "at its start)"), r.output
+    assert children() == before
