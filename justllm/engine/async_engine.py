@@ -296,8 +296,12 @@ class AsyncEngine:
 
     @property
     def embedding_limit(self) -> int:
-        """The most tokens one embedding input holds (longer ones are refused)."""
-        return self.engine.backend.embedding_limit()
+        """The most tokens one embedding input holds (longer ones are refused): the
+        backend's limit, or ``--ctx`` if smaller (as Ollama's ``num_ctx`` and vLLM's
+        ``max_model_len`` cap an embedding input)."""
+        limit = self.engine.backend.embedding_limit()
+        ctx = self.engine.config.ctx
+        return min(limit, ctx) if ctx > 0 else limit
 
     @property
     def pooling(self) -> str:
@@ -317,7 +321,7 @@ class AsyncEngine:
     def _embed_all(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         if self._embedding_ctx is None:
             backend = self.engine.backend
-            self._embedding_ctx = backend.embedding_context(self.pooling)
+            self._embedding_ctx = backend.embedding_context(self.pooling, self.embedding_limit)
         limit = self._embedding_ctx.n_ctx
         for tokens in token_lists:
             if len(tokens) > limit:

@@ -33,9 +33,9 @@ def client(server):
 def exact(model_path):
     """A server without the prefix cache, for exact reproducibility (a cached prompt is computed
     in another batch shape, where a near tie may flip: docs/llama-cpp-facts.md), behind an API
-    key, with the client that holds it."""
+    key, with the client that holds it; --ctx 512 (which caps an embedding input too)."""
     s = start_server(model_path, "--no-prefix-cache", "--max-seqs", "4", "--pool-blocks", "128",
-                     "--chat-template", "gemma", "--api-key", KEY)
+                     "--chat-template", "gemma", "--api-key", KEY, "--ctx", "512")
     yield s, ollama.Client(host=s.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
     assert s.stop() == 0
 
@@ -273,22 +273,26 @@ def test_embed(client, server):
     assert client.embed(model=server.model, input=[]).embeddings == []
 
 
-def test_embed_truncates_a_long_input_unless_told_not_to(client, server):
+def test_embed_truncates_a_long_input_unless_told_not_to(exact):
     """Ollama's /api/embed cuts the end of an input past the context by default (truncate
-    absent or true); truncate: false makes it a 400. The legacy route does not cut."""
-    text = "word " * 3000
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
-    assert len(ids) > 2048
-    cut = httpx.post(server.url + "/v1/embeddings", timeout=60, json={
-        "input": [ids[:2048]]}).json()["data"][0]["embedding"]
+    absent or true); truncate: false makes it a 400. The legacy route does not cut. The
+    context is --ctx (512 here), as Ollama's num_ctx caps an embedding input."""
+    server, client = exact
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = "The lighthouse keeper wrote down every ship that passed. " * 60
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}, headers=auth,
+                     timeout=60).json()["tokens"]
+    assert len(ids) > 512
+    cut = httpx.post(server.url + "/v1/embeddings", headers=auth, timeout=60, json={
+        "input": [ids[:512]]}).json()["data"][0]["embedding"]
     for truncate in (None, True):
         r = client.embed(model=server.model, input=text, truncate=truncate)
-        assert r.prompt_eval_count == 2048
+        assert r.prompt_eval_count == 512
         np.testing.assert_allclose(r.embeddings[0], cut, atol=1e-5)
     ollama_error(lambda: client.embed(model=server.model, input=text, truncate=False), 400,
-                 "at most 2048")
+                 "at most 512")
     ollama_error(lambda: client.embeddings(model=server.model, prompt=text), 400,
-                 "at most 2048")
+                 "at most 512")
 
 
 # ---- errors ----------------------------------------------------------------------------------
