@@ -467,14 +467,22 @@ def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
     pooled here: mean, first token or last token. Within one chunk (512 tokens, llama-server's
     batch) that is exactly llama.cpp's pooling of the input in one batch; across chunks it is
     the same within the noise of another batch shape (mean within 1e-3 of the largest
-    component; the last token's state measured at cosine 0.997, the mean's at 0.72)."""
+    component; the last token's state measured at cosine 0.997, the mean's at 0.72). On this
+    CPU build the hidden states are taken from the graph before the language-model head where
+    a probe shows that they are the ones an embeddings context gives."""
     import justllm.engine.backend as backend_module
     from justllm.engine.backend import EmbeddingContext
 
-    def embed(pooling: str, chunk: int) -> np.ndarray:
+    def embed(pooling: str, chunk: int, tensor: bytes = b"result_norm") -> np.ndarray:
+        """``tensor``: what the graph's hidden states are taken from (the last layer's output
+        where the architecture names it ``result_norm``)."""
         monkeypatch.setattr(backend_module, "_EMBED_CHUNK", chunk)
-        ctx = EmbeddingContext(engine.backend, 256, pooling)
+        with monkeypatch.context() as m:
+            m.setattr(backend_module._HiddenStates, "NAME", tensor)
+            ctx = EmbeddingContext(engine.backend, 256, pooling)
         try:
+            # Taken from the graph only where a probe gives the embeddings context's bits.
+            assert (ctx._capture is not None) is (tensor == b"result_norm")
             return ctx.embed(tokens)
         finally:
             ctx.close()
@@ -493,3 +501,7 @@ def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
     np.testing.assert_allclose(chunked["mean"], want["mean"], rtol=0, atol=5e-3 * scale)
     np.testing.assert_array_equal(chunked["cls"], want["cls"])  # (all in the first chunk)
     assert cosine(chunked["last"], want["last"]) > 0.99
+    # No such tensor, or another one (the first layer's normed input, as wide): the ordinary
+    # embeddings context, which gives the same bits.
+    for other in (b"no such tensor", b"attn_norm-0"):
+        np.testing.assert_array_equal(embed("mean", 64, other), chunked["mean"])

@@ -54,8 +54,9 @@ def test_embeddings_of_the_last_tokens(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2048
     # A causal model's input goes through in chunks (engine/backend.py EmbeddingContext): in
     # one batch llama.cpp kept a row of logits over the 262k vocabulary for every token, and
-    # this server's memory peaked at 4.7 GiB with that embedding; chunked, 1.7 GiB.
-    assert peak_memory_gib(server.proc.pid) < 3
+    # this server's memory peaked at 4.7 GiB with that embedding; chunked, 1.7 GiB, and with
+    # the hidden states taken before the language-model head, 1.2 GiB.
+    assert peak_memory_gib(server.proc.pid) < 2.5
 
 
 def test_refused(server):
