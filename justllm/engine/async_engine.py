@@ -15,7 +15,8 @@ import queue
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -108,6 +109,9 @@ class AsyncEngine:
         self._lora_defaults: dict[str, float] = {}
         self._sinks: dict[str, RequestStream] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # Jobs done a piece at a time (a long embedding), the engine stepping between pieces;
+        # only the first advances, so they run one after another (engine thread only).
+        self._pieces: deque[tuple[Generator[None, None, object], asyncio.Future]] = deque()
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False  # the engine thread ends
@@ -314,27 +318,38 @@ class AsyncEngine:
 
     async def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """Pooled embeddings (not normalised; pooled as ``--pooling`` or the model says),
-        computed on the engine thread between steps in a second context on the same model
-        (created at first use)."""
-        return await self.call_on_engine_thread(lambda: self._embed_all(token_lists))
+        computed on the engine thread in a second context on the same model (created at
+        first use), a chunk at a time with the engine's steps between chunks: a long input
+        holds the running requests up for one chunk at a time, not for all of it."""
+        return await self.call_on_engine_thread(lambda: self._embed_all(token_lists),
+                                                stepwise=True)
 
-    def _embed_all(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+    def _embed_all(self, token_lists: list[list[int]]
+                   ) -> Generator[None, None, list[np.ndarray]]:
         if self._embedding_ctx is None:
             backend = self.engine.backend
             self._embedding_ctx = backend.embedding_context(self.pooling, self.embedding_limit)
-        limit = self._embedding_ctx.n_ctx
+        ctx = self._embedding_ctx
         for tokens in token_lists:
-            if len(tokens) > limit:
+            if len(tokens) > ctx.n_ctx:
                 raise InvalidRequestError(
-                    f"an input has {len(tokens)} tokens; embeddings take at most {limit}",
+                    f"an input has {len(tokens)} tokens; embeddings take at most {ctx.n_ctx}",
                     param="input")
-        return [self._embedding_ctx.embed(t) for t in token_lists]
+        out: list[np.ndarray] = []
+        for tokens in token_lists:
+            if out:
+                yield  # (a step between inputs too)
+            out.append((yield from ctx.embed_in_pieces(tokens)))
+        return out
 
-    def call_on_engine_thread(self, fn: Callable[[], T]) -> "asyncio.Future[T]":
+    def call_on_engine_thread(self, fn: Callable[[], T] | Callable[[], Generator[None, None, T]],
+                              *, stepwise: bool = False) -> "asyncio.Future[T]":
         """Run ``fn`` on the engine thread between steps (for other llama.cpp compute, such as
-        embeddings, which must not run on a second OS thread)."""
+        embeddings, which must not run on a second OS thread). ``stepwise``: ``fn`` returns a
+        generator, advanced one ``yield`` at a time with a step between; its return value
+        is the result. Such jobs run one after another, in the order they came."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._jobs.put((fn, fut))
+        self._jobs.put((fn, fut, stepwise))
         self._wake.set()
         return fut
 
@@ -416,20 +431,39 @@ class AsyncEngine:
 
     def _run_jobs(self) -> None:
         while not self._jobs.empty():
-            fn, fut = self._jobs.get()
+            fn, fut, stepwise = self._jobs.get()
             try:
                 result = fn()
             except BaseException as e:  # delivered to the awaiting coroutine
                 _deliver(fut.get_loop(), _settle, fut, None, e)
             else:
-                _deliver(fut.get_loop(), _settle, fut, result, None)
+                if stepwise:
+                    self._pieces.append((result, fut))
+                else:
+                    _deliver(fut.get_loop(), _settle, fut, result, None)
+
+    def _run_piece(self) -> None:
+        """The next piece of the first stepwise job (``call_on_engine_thread``)."""
+        if not self._pieces:
+            return
+        pieces, fut = self._pieces[0]
+        try:
+            next(pieces)
+        except StopIteration as done:
+            self._pieces.popleft()
+            _deliver(fut.get_loop(), _settle, fut, done.value, None)
+        except BaseException as e:
+            self._pieces.popleft()
+            _deliver(fut.get_loop(), _settle, fut, None, e)
 
     def _loop(self) -> None:
         while not self._stopping:
             self._run_jobs()
+            self._run_piece()
             if not self.engine.has_work():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                if not self._pieces:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
                 continue
             self._wake.clear()
             try:
@@ -443,6 +477,8 @@ class AsyncEngine:
                 if sink is not None:
                     _deliver(sink.loop, sink.queue.put_nowait, out)
         self._run_jobs()
+        while self._pieces:  # (whoever waits on them gets their answer)
+            self._run_piece()
 
     @property
     def accepting(self) -> bool:

@@ -19,7 +19,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -1513,6 +1513,17 @@ class EmbeddingContext:
     def embed(self, tokens: list[int]) -> np.ndarray:
         """The pooled embedding of one token sequence, as llama.cpp pools it (not
         normalised: each API normalises it its own way)."""
+        pieces = self.embed_in_pieces(tokens)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def embed_in_pieces(self, tokens: list[int]) -> Generator[None, None, np.ndarray]:
+        """:meth:`embed` as a generator that yields after each chunk but the last and returns
+        the embedding, so that other work (the engine's steps) can go between chunks. The
+        context holds one input at a time: another input must wait for this one's end."""
         n = len(tokens)
         if not 0 < n <= self.n_ctx:
             raise EngineError(f"embedding input of {n} tokens; must be 1..{self.n_ctx}")
@@ -1528,6 +1539,8 @@ class EmbeddingContext:
         total = np.zeros(self.n_embd, dtype=np.float64)
         first = last = None
         for start in range(0, n, self._chunk):
+            if start:
+                yield
             rows = self._rows(tokens[start:start + self._chunk], start)
             if first is None:
                 first = np.array(rows[0], dtype=np.float32)

@@ -155,3 +155,52 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine_thread(aengin
         return await asyncio.wait_for(aengine.call_on_engine_thread(lambda: 42), 10)
 
     assert asyncio.run(ask()) == 42
+
+
+def test_a_long_embedding_lets_running_requests_step_between_its_chunks(model_path,
+                                                                        monkeypatch):
+    """An embedding goes a chunk at a time with the engine's steps between chunks and inputs
+    (it held every running request up for all of it: 4-5 s for 2,048 tokens on 2 cores).
+    Two embeddings asked for at once take turns whole (the context holds one input), each
+    the vector the context gives in one go."""
+    import numpy as np
+
+    import justllm.engine.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_EMBED_CHUNK", 32)
+    a = AsyncEngine(Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=128)))
+    try:
+        long = a.tokenize("The lighthouse keeper wrote down every ship that passed. " * 40)
+        long, short = long[:512], long[:100]  # 16 chunks, 4
+
+        async def main():
+            arrivals: list[float] = []
+            running = asyncio.Event()
+
+            async def stream():
+                params = SamplingParams(max_tokens=1500, ignore_eos=True)
+                async for _ in a.generate("Once upon a time", params):
+                    arrivals.append(time.monotonic())
+                    running.set()
+
+            task = asyncio.create_task(stream())
+            await asyncio.wait_for(running.wait(), 120)
+            start = time.monotonic()
+            both = await asyncio.gather(a.embed([long, short]), a.embed([short]))
+            end = time.monotonic()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            whole = await a.call_on_engine_thread(
+                lambda: [a._embedding_ctx.embed(t) for t in (long, short)])
+            return both, whole, sum(start < t < end for t in arrivals)
+
+        (pair, alone), whole, during = asyncio.run(asyncio.wait_for(main(), 300))
+        # 16 + 4 + 4 chunks and an input's end: a token per step between them (before, the
+        # stream's tokens stopped for the whole embedding: at most one arrived during it)
+        assert during >= 10, during
+        np.testing.assert_array_equal(pair[0], whole[0])
+        np.testing.assert_array_equal(pair[1], whole[1])
+        np.testing.assert_array_equal(alone[0], whole[1])
+    finally:
+        a.close()
