@@ -1460,7 +1460,6 @@ class EmbeddingContext:
         except BaseException:
             self.close()
             raise
-        self._mem = C.llama_get_memory(self._ctx)
 
     def _open(self, capture: _HiddenStates | None) -> Any:
         """A llama.cpp context for this one; with ``capture``, one that is not an embeddings
@@ -1489,7 +1488,6 @@ class EmbeddingContext:
         (:class:`_HiddenStates`) if it gives the same bits as this embeddings context for a
         few tokens, whatever the architecture names its tensors; else keep this one."""
         probe = [0, 1, 2, 3][:self._chunk]
-        self._mem = C.llama_get_memory(self._ctx)
         want = np.array(self._rows(probe, 0))
         capture = _HiddenStates(self.n_embd)
         try:
@@ -1497,7 +1495,6 @@ class EmbeddingContext:
         except ModelLoadError:  # (no memory for a second one: keep the first)
             return
         plain, self._ctx, self._capture = self._ctx, other, capture
-        self._mem = C.llama_get_memory(self._ctx)
         try:
             same = np.array_equal(self._rows(probe, 0), want)
         except EngineError:
@@ -1507,8 +1504,7 @@ class EmbeddingContext:
         else:
             C.llama_free(self._ctx)
             self._ctx, self._capture = plain, None
-        self._mem = C.llama_get_memory(self._ctx)
-        C.llama_memory_clear(self._mem, True)
+        self._clear()
 
     def embed(self, tokens: list[int]) -> np.ndarray:
         """The pooled embedding of one token sequence, as llama.cpp pools it (not
@@ -1529,7 +1525,7 @@ class EmbeddingContext:
             raise EngineError(f"embedding input of {n} tokens; must be 1..{self.n_ctx}")
         if min(tokens) < 0 or max(tokens) >= self._backend.n_vocab:
             raise EngineError("token id out of the vocabulary")
-        C.llama_memory_clear(self._mem, True)
+        self._clear()
         if not self._stepwise:
             self._decode(tokens, 0)
             ptr = C.llama_get_embeddings_seq(self._ctx, 0)
@@ -1568,6 +1564,10 @@ class EmbeddingContext:
         if not ptr:
             raise EngineError("llama.cpp returned no token embeddings")
         return np.ctypeslib.as_array(ptr, shape=(len(tokens), self.n_embd))
+
+    def _clear(self) -> None:
+        """Forget the last input (the context's KV)."""
+        C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
 
     def _decode(self, tokens: list[int], start: int) -> None:
         """``tokens`` at positions ``start``..., every one an output."""
