@@ -1,6 +1,11 @@
-"""Helpers for comparing greedy outputs across batch shapes (docs/llama-cpp-facts.md: Numerics)."""
+"""Helpers for comparing greedy outputs across batch shapes (docs/llama-cpp-facts.md: Numerics),
+for llama.cpp's own pooled embeddings, and for the processes a test started."""
 
 from __future__ import annotations
+
+import subprocess
+
+import numpy as np
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
@@ -136,3 +141,41 @@ def count_graph_tokens(engine: Engine) -> dict[str, int]:
     b.graph_candidates = counting("candidates", b.graph_candidates)  # type: ignore[method-assign]
     engine._row_again = counting("again", engine._row_again)  # type: ignore[method-assign]
     return counted
+
+
+def llama_cpps_pooling(path, token_lists: list[list[int]], pooling: int, n_ctx: int = 256
+                       ) -> list[np.ndarray]:
+    """Each token list pooled by llama.cpp itself, the whole list in one batch of a context
+    that pools it (``pooling``: a ``LLAMA_POOLING_TYPE_*``), through the bindings' C API:
+    what llama-server's --embeddings reads (a vector), or its --reranking (the first value:
+    the score). The weights are laid out as ``--repack auto`` lays them (this CPU's AMX path
+    crashes)."""
+    import llama_cpp as C
+
+    mparams = C.llama_model_default_params()
+    mparams.use_extra_bufts = repack_weights("auto")
+    model = C.llama_model_load_from_file(str(path).encode(), mparams)
+    params = C.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+    params.embeddings = True
+    params.pooling_type = pooling
+    ctx = C.llama_init_from_model(model, params)
+    width = ((C.llama_model_n_cls_out(model) or 1) if pooling == C.LLAMA_POOLING_TYPE_RANK
+             else C.llama_model_n_embd(model))
+    try:
+        out = []
+        for tokens in token_lists:
+            C.llama_memory_clear(C.llama_get_memory(ctx), True)
+            ids = (C.llama_token * len(tokens))(*tokens)  # (kept alive while decoded)
+            assert C.llama_decode(ctx, C.llama_batch_get_one(ids, len(tokens))) == 0
+            out.append(np.array(C.llama_get_embeddings_seq(ctx, 0)[:width], dtype=np.float32))
+        return out
+    finally:
+        C.llama_free(ctx)
+        C.llama_model_free(model)
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that have not been reaped."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]

@@ -105,14 +105,10 @@ def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tm
     """``justllm bench MODEL`` starts ``justllm serve`` on a free port, measures it and stops
     it; a model the server cannot load is one error line naming the server's own."""
     import os
-    import subprocess
 
-    def children() -> set[int]:
-        out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
-                             text=True).stdout
-        return {int(p) for p in out.split()}
+    from tests.helpers import children
 
-    before = children()
+    before = children(os.getpid())
     out = tmp_path / "local.json"
     r = runner.invoke(app, ["bench", model_path, "--max-seqs", "2", "-n", "2", "-c", "2",
                             "--input-len", "8", "--output-len", "3", "--json", str(out)])
@@ -120,7 +116,7 @@ def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tm
     data = json.loads(out.read_text())
     assert data["completed"] == 2 and data["total_output_tokens"] == 6
     assert data["url"].startswith("http://127.0.0.1:")
-    assert children() == before
+    assert children(os.getpid()) == before
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model at all")
     r = runner.invoke(app, ["bench", str(bad), "-n", "1"])
@@ -128,4 +124,4 @@ def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tm
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert last == (f"error: the local server failed: {bad} is not a GGUF file (no GGUF magic "
                     "at its start)"), r.output
-    assert children() == before
+    assert children(os.getpid()) == before

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from justllm.errors import EngineError
-from tests.helpers import EXACT
+from tests.helpers import EXACT, llama_cpps_pooling
 
 
 def test_guards(engine):
@@ -422,44 +422,6 @@ def test_the_infill_step_keeps_what_llama_cpps_infill_sampler_keeps(engine):
     assert all(n > 5 for n in seen.values()), seen
 
 
-def llama_cpps_pooled(model_path: str, tokens: list[int], poolings: tuple[str, ...]
-                      ) -> dict[str, np.ndarray]:
-    """llama.cpp's own pooled embeddings of ``tokens``: the whole input in one batch of a
-    context that pools it each way, through the bindings' C API."""
-    import llama_cpp as C
-
-    from justllm.engine.backend import repack_weights
-
-    mparams = C.llama_model_default_params()
-    mparams.use_extra_bufts = repack_weights("auto")  # (this CPU's AMX path would crash)
-    model = C.llama_model_load_from_file(model_path.encode(), mparams)
-    batch = C.llama_batch_init(len(tokens), 0, 1)
-    for i, t in enumerate(tokens):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
-        batch.seq_id[i][0], batch.logits[i] = 0, 1
-    batch.n_tokens = len(tokens)
-    out = {}
-    try:
-        for pooling in poolings:
-            params = C.llama_context_default_params()
-            params.n_ctx = params.n_batch = params.n_ubatch = 256
-            params.embeddings = True
-            params.pooling_type = {"mean": C.LLAMA_POOLING_TYPE_MEAN,
-                                   "cls": C.LLAMA_POOLING_TYPE_CLS,
-                                   "last": C.LLAMA_POOLING_TYPE_LAST}[pooling]
-            ctx = C.llama_init_from_model(model, params)
-            try:
-                assert C.llama_decode(ctx, batch) == 0
-                n = C.llama_model_n_embd(model)
-                out[pooling] = np.array(C.llama_get_embeddings_seq(ctx, 0)[:n], dtype=np.float32)
-            finally:
-                C.llama_free(ctx)
-    finally:
-        C.llama_batch_free(batch)
-        C.llama_model_free(model)
-    return out
-
-
 def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
         engine, model_path, monkeypatch):
     """A causal model's embedding input is decoded a chunk at a time (one batch made llama.cpp
@@ -470,6 +432,8 @@ def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
     component; the last token's state measured at cosine 0.997, the mean's at 0.72). On this
     CPU build the hidden states are taken from the graph before the language-model head where
     a probe shows that they are the ones an embeddings context gives."""
+    import llama_cpp as C
+
     import justllm.engine.backend as backend_module
     from justllm.engine.backend import EmbeddingContext
 
@@ -493,7 +457,10 @@ def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
     tokens = engine.backend.tokenize(
         "The lighthouse keeper wrote down every ship that passed. " * 30)[:200]
     assert len(tokens) == 200
-    want = llama_cpps_pooled(model_path, tokens, ("mean", "cls", "last"))
+    want = {name: llama_cpps_pooling(model_path, [tokens], kind)[0]
+            for name, kind in (("mean", C.LLAMA_POOLING_TYPE_MEAN),
+                               ("cls", C.LLAMA_POOLING_TYPE_CLS),
+                               ("last", C.LLAMA_POOLING_TYPE_LAST))}
     scale = np.abs(want["mean"]).max()
     np.testing.assert_allclose(embed("mean", 512), want["mean"], rtol=0, atol=1e-6 * scale)
     chunked = {p: embed(p, 64) for p in ("mean", "cls", "last")}  # four chunks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers import llama_cpps_pooling
 from tests.models.ggufs import tiny_bert
 from tests.server.conftest import start_server
 from tests.server.test_tokenize import post
@@ -101,29 +102,12 @@ def reranker(tmp_path_factory):
 
 
 def llama_cpp_scores(path, pairs: list[list[int]]) -> list[float]:
-    """Each token sequence's score from llama.cpp itself: a rank-pooled context through the
-    bindings' C API (what llama-server's --reranking reads: the pooled sequence's first
-    value)."""
+    """Each token sequence's score from llama.cpp itself: a rank-pooled context (what
+    llama-server's --reranking reads: the pooled sequence's first value)."""
     import llama_cpp as C
 
-    model = C.llama_model_load_from_file(str(path).encode(), C.llama_model_default_params())
-    params = C.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = 128
-    params.embeddings = True
-    params.pooling_type = C.LLAMA_POOLING_TYPE_RANK
-    ctx = C.llama_init_from_model(model, params)
-    try:
-        out = []
-        for tokens in pairs:
-            C.llama_memory_clear(C.llama_get_memory(ctx), True)
-            ids = (C.llama_token * len(tokens))(*tokens)  # (kept alive while decoded)
-            batch = C.llama_batch_get_one(ids, len(tokens))
-            assert C.llama_decode(ctx, batch) == 0
-            out.append(float(C.llama_get_embeddings_seq(ctx, 0)[0]))
-        return out
-    finally:
-        C.llama_free(ctx)
-        C.llama_model_free(model)
+    return [float(v[0]) for v in llama_cpps_pooling(path, pairs, C.LLAMA_POOLING_TYPE_RANK,
+                                                     n_ctx=128)]
 
 
 def test_rerank_scores_are_llama_cpps_and_sorted(reranker):

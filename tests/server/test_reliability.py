@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from justllm.bench.soak import metric
+from tests.helpers import children
 from tests.server.conftest import start_server
 
 CHAT = "/v1/chat/completions"
@@ -339,11 +340,6 @@ def test_overload_gets_only_200_or_429_and_every_accepted_request_completes(srv)
             assert r.json()["usage"]["completion_tokens"] == 6
             assert r.json()["choices"][0]["finish_reason"] == "length"
     assert_idle(srv)
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def test_a_second_ctrl_c_ends_the_drain_now_with_the_final_event_and_exit_130(model_path):
