@@ -4,6 +4,8 @@ for llama.cpp's own pooled embeddings, and for the processes a test started."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
+from typing import IO
 
 import numpy as np
 
@@ -179,3 +181,17 @@ def children(pid: int) -> list[int]:
     """The processes ``pid`` started that have not been reaped."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def start_logged(cmd: list[str], env: dict) -> tuple[subprocess.Popen, IO[bytes]]:
+    """``cmd`` started with its stdout and stderr in an anonymous temporary file (a pipe that
+    nobody reads while the process runs blocks it once the pipe is full); read it with
+    :func:`logged_text`."""
+    log = tempfile.TemporaryFile()
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
+
+def logged_text(log: IO[bytes]) -> str:
+    """All that a :func:`start_logged` process has printed so far."""
+    log.seek(0)
+    return log.read().decode(errors="replace")

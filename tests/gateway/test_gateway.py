@@ -14,12 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
 
+from tests.helpers import logged_text, start_logged
 from tests.server.conftest import free_port
 
 RUNNER_FLAGS = {"max-seqs": 4, "pool-blocks": 64, "threads": 2}
@@ -30,6 +32,11 @@ class Gateway:
     proc: subprocess.Popen
     url: str
     logs: Path
+    log: IO[bytes] = field(repr=False)
+
+    def output(self) -> str:
+        """What the gateway process itself has printed, stdout and stderr."""
+        return logged_text(self.log)
 
     def status(self) -> dict[str, dict]:
         return {m["model"]: m for m in httpx.get(self.url + "/models", timeout=30).json()["data"]}
@@ -96,18 +103,17 @@ def start_gateway(tmp_path: Path, models: dict, env: dict | None = None, **top) 
     config.write_text(json.dumps({**top, "models": models}))  # JSON is YAML
     port = free_port()
     cache = tmp_path / "cache"
-    proc = subprocess.Popen(
+    proc, log = start_logged(
         [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port),
          "--shutdown-timeout", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "JUSTLLM_CACHE_DIR": str(cache), **(env or {})})
+        {**os.environ, "JUSTLLM_CACHE_DIR": str(cache), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read().decode()
+        assert proc.poll() is None, logged_text(log)
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return Gateway(proc, url, cache / "logs")
+                return Gateway(proc, url, cache / "logs", log)
         except httpx.TransportError:
             pass
         time.sleep(0.05)
@@ -125,7 +131,7 @@ def stop(gw: Gateway, sig: int = signal.SIGTERM) -> tuple[int, str]:
         gw.proc.kill()
         rc = -9
     wait_gone(pids)
-    return rc, gw.proc.stdout.read().decode()
+    return rc, gw.output()
 
 
 def complete(gw: Gateway, model: str, **extra) -> httpx.Response:
@@ -489,7 +495,7 @@ def test_a_second_ctrl_c_stops_the_gateway_and_its_runners_now(tmp_path, model_p
                     time.sleep(0.5)
                     gw.proc.send_signal(signal.SIGINT)
         assert gw.proc.wait(timeout=30) == 130
-        out = gw.proc.stdout.read().decode()
+        out = gw.output()
         assert "Traceback" not in out, out
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
         wait_gone(pids, timeout=10)
@@ -499,11 +505,10 @@ def test_a_second_ctrl_c_stops_the_gateway_and_its_runners_now(tmp_path, model_p
 
 def test_several_models_on_the_command_line_are_router_mode(tmp_path, model_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "justllm", "serve", model_path, "llama3:8b",
-                             "--port", str(port), "--max-seqs", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "logs")
+    proc, log = start_logged([sys.executable, "-m", "justllm", "serve", model_path, "llama3:8b",
+                              "--port", str(port), "--max-seqs", "4"],
+                             {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "logs", log)
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import IO
 
 import httpx
 import pytest
 
 from justllm.gateway.runner import free_port
+from tests.helpers import logged_text, start_logged
 from tests.models.ggufs import with_chat_template
 
 
@@ -21,6 +23,11 @@ class Server:
     proc: subprocess.Popen
     url: str
     model: str
+    log: IO[bytes] = field(repr=False)
+
+    def output(self) -> str:
+        """What the server has printed so far, stdout and stderr."""
+        return logged_text(self.log)
 
     def stop(self) -> int:
         """SIGTERM, as a supervisor would; returns the exit code."""
@@ -47,14 +54,13 @@ def start_server(model_path: str, *args: str, env: dict | None = None,
     ``justllm serve``, such as benchmarks/step_trace.py)."""
     port = free_port()
     cmd = [sys.executable, *launcher, model_path, "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+    proc, log = start_logged(cmd, {**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     seen_503 = False
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()}")
+            raise RuntimeError(f"server exited: {logged_text(log)}")
         try:
             r = httpx.get(url + "/health", timeout=2)
             if r.status_code == 200:
@@ -67,7 +73,7 @@ def start_server(model_path: str, *args: str, env: dict | None = None,
         proc.kill()
         raise RuntimeError("server did not become healthy")
     model = httpx.get(url + "/v1/models", headers=_auth(args), timeout=60).json()["data"][0]["id"]
-    server = Server(proc, url, model)
+    server = Server(proc, url, model, log)
     server.saw_loading = seen_503  # type: ignore[attr-defined]
     return server
 

@@ -21,7 +21,7 @@ def bert(tmp_path_factory):
     s.path = path  # type: ignore[attr-defined]
     yield s
     assert s.stop() == 0
-    assert "transcript" not in s.proc.stdout.read().decode()  # no chat notice for an encoder
+    assert "transcript" not in s.output()  # no chat notice for an encoder
 
 
 def test_embeddings_are_llama_cpps_own(bert):

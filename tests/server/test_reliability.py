@@ -365,7 +365,7 @@ def test_a_second_ctrl_c_ends_the_drain_now_with_the_final_event_and_exit_130(mo
                     s.proc.send_signal(signal.SIGINT)
         rc = s.proc.wait(timeout=30)
         assert t0 is not None and time.monotonic() - t0 < 20  # not the 60 s drain
-        log = s.proc.stdout.read().decode()
+        log = s.output()
         assert rc == 130 and "Traceback" not in log, (rc, log)
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "shutting_down"
@@ -410,7 +410,7 @@ def test_sigterm_under_load_drains_then_aborts_and_exits_cleanly(model_path):
         rc = s.proc.wait(timeout=grace + 30)
         took = time.monotonic() - t0
         assert rc == 0
-        log = s.proc.stdout.read().decode()
+        log = s.output()
         assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
         assert log.count("this model has no chat template") == 1, log  # said once, at load
         assert took < grace + 10, took  # the backstop (grace + 5) was not needed
