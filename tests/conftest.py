@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,15 @@ def pytest_collection_modifyitems(items):
 def pytest_configure(config):
     """Under pytest-xdist each worker runs on its own share of the CPUs (the processes it
     starts inherit it), and llama.cpp's threads follow that share (config.usable_cpus): two
-    workers' threads on the same cores would spin waiting for each other."""
+    workers' threads on the same cores would spin waiting for each other.
+
+    Before any worker starts, justllm's and the plugins' bytecode is written once: an editable
+    install has none (pip compiles only what it copies), and where ``PYTHONDONTWRITEBYTECODE``
+    is set no process writes it, so each of the few hundred Python processes the suite starts
+    (servers, runners, CLI calls, Ray workers) would compile justllm's sources again, ~0.2 s
+    of CPU each on a 2-core Xeon."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _compile_bytecode()
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # keep SLOW_FIRST's order
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
@@ -50,6 +59,18 @@ def pytest_configure(config):
         cpus = sorted(os.sched_getaffinity(0))
         share = cpus[int(worker.removeprefix("gw")) % len(cpus)::int(count)]
         os.sched_setaffinity(0, share or cpus)
+
+
+def _compile_bytecode() -> None:
+    import compileall
+    import re
+
+    import justllm
+
+    roots = [Path(justllm.__file__).parent, Path(__file__).parent.parent / "plugins"]
+    for root in roots:
+        if root.is_dir():  # (quiet=2: a read-only install, already compiled, says nothing)
+            compileall.compile_dir(root, quiet=2, rx=re.compile(r"[/\\]tests[/\\]"))
 
 
 @pytest.fixture(autouse=True)
