@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from justllm.spec.proposer import NgramProposer, Proposer
+if TYPE_CHECKING:
+    from justllm.spec.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,16 @@ class SpecMethod:
         return branch + branch * branch * max(gamma - 1, 1) if gamma > 1 else branch
 
 
+def _ngram() -> Proposer:
+    # (imported here: the proposers need numpy, which the CLI's commands do not load)
+    from justllm.spec.proposer import NgramProposer
+
+    return NgramProposer()
+
+
 # Read-only: the built-in plugin registers these; plugins add theirs (Plugins.spec_methods).
 SPEC_METHODS: Mapping[str, SpecMethod] = MappingProxyType({m.name: m for m in (
-    SpecMethod("ngram", draft_model=False, proposer=NgramProposer),
+    SpecMethod("ngram", draft_model=False, proposer=_ngram),
     SpecMethod("draft", draft_model=True),
     SpecMethod("tree", draft_model=True, tree=True),
 )})
