@@ -153,7 +153,7 @@ def test_a_load_that_sends_its_cached_prompts_again_runs_every_request_at_once(m
                    for i in range(n)]
         assert len(e.tokenize(prompts[0])) > 3 * e.config.block_size
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        run_collect(e, prompts, params)
+        run_collect(e, prompts, SamplingParams(max_tokens=1))  # (their prompts cached)
         for p in prompts:
             e.add_request(p, params)
         peak = 0
