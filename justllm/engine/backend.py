@@ -403,21 +403,32 @@ MAX_SCHEMA_REPEAT = 1000
 # The most alternatives a grammar may offer (a client's `|`, a choice list, an enum, anyOf):
 # its mask costs about the live alternatives times the vocabulary, on the engine thread.
 MAX_GRAMMAR_ALTERNATIVES = 1024
-_REPEATS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"),
+           ("minProperties", "maxProperties"))
+_REPEATS = tuple(name for pair in _BOUNDS for name in pair)
 _PATTERN_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
-def check_schema_size(schema: Any, where: str = "schema") -> None:
+def check_schema_shape(schema: Any, where: str = "schema") -> None:
     """InvalidRequestError for a schema whose grammar would be too big for llama.cpp (see
-    ``MAX_SCHEMA_REPEAT``, ``MAX_GRAMMAR_ALTERNATIVES``), naming the keyword and where it is."""
+    ``MAX_SCHEMA_REPEAT``, ``MAX_GRAMMAR_ALTERNATIVES``) or that no value can match (an empty
+    ``enum``, a minimum over its maximum: the grammar would admit nothing, and llama.cpp
+    cannot even parse an empty alternative), naming the keyword and where it is."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            check_schema_size(item, f"{where}[{i}]")
+            check_schema_shape(item, f"{where}[{i}]")
         return
     if not isinstance(schema, dict):
         return
+    for low, high in _BOUNDS:
+        least, most = schema.get(low), schema.get(high)
+        if isinstance(least, int) and isinstance(most, int) and least > most:
+            raise InvalidRequestError(f"{where}: {low} {least} is more than {high} {most}, so "
+                                      "no value matches")
     for key, value in schema.items():
         at = f"{where}.{key}"
+        if key in ("enum", "anyOf", "oneOf") and value == []:
+            raise InvalidRequestError(f"{at} is empty, so no value matches")
         if key in _REPEATS and isinstance(value, int) and value > MAX_SCHEMA_REPEAT:
             raise InvalidRequestError(f"{at} is {value}; at most {MAX_SCHEMA_REPEAT} here (the "
                                       "grammar repeats a rule that many times)")
@@ -433,7 +444,7 @@ def check_schema_size(schema: Any, where: str = "schema") -> None:
                 len(value) > MAX_GRAMMAR_ALTERNATIVES):
             raise InvalidRequestError(f"{at} has {len(value)} schemas; at most "
                                       f"{MAX_GRAMMAR_ALTERNATIVES}")
-        check_schema_size(value, at)
+        check_schema_shape(value, at)
 
 
 class _SchemaConverter(_grammar.SchemaConverter):
@@ -458,7 +469,7 @@ def grammar_from_json_schema(schema: dict) -> str:
     import json
 
     try:
-        check_schema_size(schema)
+        check_schema_shape(schema)
     except InvalidRequestError as e:
         raise InvalidRequestError(str(e), param="response_format") from None
     try:

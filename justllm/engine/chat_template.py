@@ -359,7 +359,7 @@ class ChatTemplate:
         return cls.resolve(choice, backend.chat_template(), bos_token=backend.special_text("bos"),
                            eos_token=backend.special_text("eos"))
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+    def render(self, messages: list[dict[str, Any]], /, *, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, parallel_tool_calls: bool = True,
                continue_final: bool = False, **extra: Any) -> str:
         """The prompt for ``messages``, as HF's ``apply_chat_template`` and llama.cpp's
@@ -395,13 +395,19 @@ class ChatTemplate:
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
             tools = None
         try:
-            text = self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools, **extra)
+            # The variables as one mapping: a client's chat_template_kwargs may name anything
+            # (even ``self``), and jinja2's render takes keywords beside its own ``self``.
+            text = self._template.render({
+                **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": tools})
         except InvalidRequestError:
             raise
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"the chat template failed on these messages: {e}",
+        except Exception as e:  # the template's own code failing on this input
+            # A template is a program over the request's values: a TemplateError, or Python's
+            # own error from an operation it applies to them (``"Date: " + 5``), is the
+            # request's problem, not the server's.
+            kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+            raise InvalidRequestError(f"the chat template failed on these messages: {kind}{e}",
                                       param="messages") from e
         # The tokenizer adds BOS itself; a template that writes it too would double it.
         if self.bos_token and text.startswith(self.bos_token):

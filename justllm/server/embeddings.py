@@ -10,6 +10,7 @@ It gives the pooled vector as llama.cpp pools it; each API normalises it its own
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,6 +22,8 @@ from justllm.server.lora import adapter, no_adapter_embeddings
 from justllm.server.metrics import ServerMetrics
 from justllm.server.openai_serving import check_model, keep_last, prompt_list, text_size
 from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+
+log = logging.getLogger(__name__)
 
 MAX_INPUTS = 256
 RERANKER_ONLY = ("this model is a reranker (its pooling is rank): it scores (query, document) "
@@ -107,6 +110,8 @@ class EmbeddingServing:
 
     async def create(self, data: EmbeddingRequest, truncate: bool = False) -> EmbeddingList:
         """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes)."""
+        if data.user:  # logged, as the chat routes log theirs (--verbose)
+            log.info("embeddings: user=%s", data.user)
         pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
                                       text_size(data.input), truncate=truncate,
                                       keep=data.truncate_prompt_tokens)

@@ -358,7 +358,8 @@ def _params(o: OllamaOptions, n: int | None, last_n: int, stop: tuple[str, ...],
         repeat_last_n=last_n,
         presence_penalty=o.presence_penalty or 0.0,
         frequency_penalty=o.frequency_penalty or 0.0,
-        seed=o.seed if o.seed is not None and o.seed >= 0 else None,  # -1: random, as Ollama's
+        # -1 alone means random, as in Ollama (another negative seed is a seed there too)
+        seed=o.seed if o.seed is not None and o.seed != -1 else None,
         stop=stop, logprobs=logprobs, grammar=grammar, lora=lora)
 
 
@@ -572,7 +573,8 @@ def ollama_id() -> str:
 async def _run(request: Request, served: Served, req: _Generation, prompt: str | list[int],
                params: SamplingParams, *, chat: bool, templated: bool, arrival: Arrival,
                think: _Think) -> Any:
-    # After a transcript's "Assistant:" the model writes the separating space itself.
+    # After a transcript's "Assistant:" the model writes the separating space itself
+    # (``templated``: the prompt ends where the template opens the answer).
     lstrip = templated and served.completions.template.name == "transcript"
     splitter = (served.completions.template.thinking_reader(prompt)
                 if think.apart and isinstance(prompt, str) else None)
@@ -639,7 +641,8 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
         return _loaded(req.model, chat=True)
     prompt = served.completions.chat_prompt(messages, continued, think.kwargs,
                                             constrained=grammar is not None)
-    return await _run(request, served, req, prompt, params, chat=True, templated=True,
+    # (a continued message's text goes on as the model writes it: see _run's lstrip)
+    return await _run(request, served, req, prompt, params, chat=True, templated=not continued,
                       arrival=arrival, think=think)
 
 
@@ -969,8 +972,8 @@ async def version() -> Any:
     return {"version": __version__}
 
 
-# Ollama's model management answers 501 with what to do instead (left out of the OpenAPI
-# document: a 501 is the documented answer, not a server fault for a fuzzer to find).
+# Ollama's model management is refused with what to do instead (left out of the OpenAPI
+# document: the refusal is the documented answer, whatever the body).
 @post(["/pull", "/push", "/create", "/copy"], status_code=200, include_in_schema=False)
 async def manage(request: Request) -> Any:
     raise _unmanaged(request)
@@ -982,10 +985,12 @@ async def remove(request: Request) -> None:
 
 
 def _unmanaged(request: Request) -> APIError:
-    return APIError(501, f"{request.url.path}: `justllm serve` serves the model it was started "
+    # A 400, not Ollama's missing route or a 501: the request is one this server refuses, and
+    # the answer says what to do instead.
+    return APIError(400, f"{request.url.path}: `justllm serve` serves the model it was started "
                          "with and does not manage models over HTTP; use `justllm pull`, "
                          "`justllm models` and `justllm rm` on the server's machine",
-                    type="not_implemented")
+                    type="invalid_request_error")
 
 
 # ---- root and errors -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -111,12 +111,14 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "cache_prompt": ((None, True), "every prompt is cached (--no-prefix-cache turns the "
                                    "server's prefix cache off)"),
 }
-# What the server itself gives a chat template: a client's chat_template_kwargs may not set it.
+# What the server itself gives a chat template, and what jinja2 means by ``self`` (the
+# template) and ``loop`` (a for loop's state): a client's chat_template_kwargs may not set it.
 _TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                           "tools", "parallel_tool_calls", "continue_final"})
+                           "tools", "parallel_tool_calls", "continue_final", "self", "loop"})
 
 
 Job = tuple[str | list[int], SamplingParams]  # one choice: its prompt and sampling
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,9 @@ class OpenAIServing:
         mode runs them before a load; the route runs them all again)."""
         OpenAIServing._repeat(req)
         structured_grammar(None, req)
-        max_tokens = getattr(req, "max_completion_tokens", None)
-        if max_tokens is None:
-            max_tokens = req.max_tokens
+        max_tokens = one_value({"max_completion_tokens": getattr(req, "max_completion_tokens",
+                                                                 None),
+                                "max_tokens": req.max_tokens})
         prompt_logprobs = (prompt_logprobs_of(req) if isinstance(req, CompletionRequest)
                            else req.prompt_logprobs)
         _check_generates(max_tokens, prompt_logprobs)
@@ -256,6 +258,11 @@ class OpenAIServing:
         costs ~0.2 ms), so the event loop never waits on it. ``resume``: each choice's first
         tokens, drawn by a PD prefill replica (server/pd.py); ``keep``: vLLM's
         ``truncate_prompt_tokens`` (only each prompt's last tokens are read)."""
+        most = self.aengine.engine.config.max_queue
+        if len(jobs) > most:  # it could never be queued: a 400, not a 429 to retry
+            raise InvalidRequestError(f"this request asks for {len(jobs)} choices (its prompts "
+                                      f"times n); the server queues at most {most} "
+                                      "(--max-queue)", param="n")
         if resume is not None and len(resume) != len(jobs):
             raise HandoverError(f"the hand-over has {len(resume)} choice(s); the request "
                                 f"asks for {len(jobs)}")
@@ -465,7 +472,8 @@ class OpenAIServing:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                                       param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = one_value({"max_completion_tokens": req.max_completion_tokens,
+                                "max_tokens": req.max_tokens})
         own = self._own_thinking_budget(req)
         return [(prompt, self.budgeted(
             replace(self._params(req, max_tokens, logprobs, i, self.template,
@@ -504,11 +512,8 @@ class OpenAIServing:
     @staticmethod
     def _own_thinking_budget(req: ChatCompletionRequest) -> int | None:
         """The budget ``req`` asks for under either of llama-server's names (None: none)."""
-        own, other = req.reasoning_budget_tokens, req.thinking_budget_tokens
-        if own is not None and other is not None and own != other:
-            raise InvalidRequestError("reasoning_budget_tokens and thinking_budget_tokens "
-                                      "disagree", param="thinking_budget_tokens")
-        return other if own is None else own
+        return one_value({"thinking_budget_tokens": req.thinking_budget_tokens,
+                          "reasoning_budget_tokens": req.reasoning_budget_tokens})
 
     def budgeted(self, params: SamplingParams, prompt: str, own: int | None = None,
                  message: str | None = None) -> SamplingParams:
@@ -616,9 +621,11 @@ class OpenAIServing:
 
         plan, prepared, thinking, opening = await self.aengine.off_loop(text_size(req), ready)
         streams = self.submit(prepared, rid, origin)
-        # After a transcript's "Assistant:" the model writes the separating space itself.
+        # After a transcript's "Assistant:" the model writes the separating space itself;
+        # within a continued message, a space it writes is the answer's own.
         fmt = self.template.tool_format if plan.active else None
-        texts = [ChoiceText(lstrip=self.template.name == "transcript", fmt=fmt, names=plan.names,
+        lstrip = self.template.name == "transcript" and not req.continue_final_message
+        texts = [ChoiceText(lstrip=lstrip, fmt=fmt, names=plan.names,
                             parallel=plan.parallel, thinking=thinking, prefix=opening,
                             harmony=self.template.harmony)
                  for _ in streams]
@@ -718,7 +725,7 @@ class OpenAIServing:
         origin = RequestOrigin("openai.chat", bool(req.stream), traceparent, request_id)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, req.n,
-                 req.stream, req.user or req.safety_identifier, request_id)
+                 req.stream, end_user(req.user, req.safety_identifier), request_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await self.chat_events(req, rid, resume, origin)
@@ -905,7 +912,7 @@ class OpenAIServing:
                        ) -> TextCompletion | AsyncIterator[bytes]:
         created, model = int(time.time()), self.answer_model(req.model)
         log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, len(streams),
-                 req.stream, req.user or req.safety_identifier, request_id)
+                 req.stream, end_user(req.user, req.safety_identifier), request_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(streams, shape, rid, created, include_usage, n, model)
@@ -1213,6 +1220,24 @@ def _check_suffix(req: CompletionRequest) -> None:
     if not all(isinstance(p, str) for p in prompt_list(req.prompt, "prompt")):
         raise InvalidRequestError("with suffix, a prompt is text (the code before the gap), "
                                   "not token ids", param="prompt")
+
+
+def end_user(user: str | None, safety_identifier: str | None = None) -> str | None:
+    """Who a request says it is for, as logged: ``user`` and OpenAI's newer
+    ``safety_identifier``, both where a client sends two."""
+    if user and safety_identifier and user != safety_identifier:
+        return f"{user} (safety_identifier {safety_identifier})"
+    return user or safety_identifier
+
+
+def one_value(names: dict[str, T | None]) -> T | None:
+    """The value given under any of one field's names (None: none): names that disagree are a
+    400 naming the first, never one of them silently ignored."""
+    given = {k: v for k, v in names.items() if v is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise InvalidRequestError(f"{' and '.join(given)} disagree (they are one field under "
+                                  "two names: send one)", param=next(iter(given)))
+    return next(iter(given.values()), None)
 
 
 def prompt_list(value: object, param: str) -> list[str | list[int]]:

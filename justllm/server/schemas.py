@@ -17,6 +17,8 @@ from msgspec import Meta
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # an int64, as vLLM takes it
+# OpenAI's levels of reasoning_effort (the Responses API's reasoning.effort too).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -171,7 +173,8 @@ class _Sampling(_Request, kw_only=True):
     # OpenAI's hint for its prompt cache: router mode keeps requests that share one on one
     # replica (gateway/policy.session_key); one server caches every prefix anyway.
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None  # how long OpenAI keeps its cache: a hint
+    # How long OpenAI keeps its cache (the SDK's spelling and litellm's): a hint.
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
     # Speculative decoding per request, named as llama-server names them (0 turns it off).
     speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
     speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
@@ -242,7 +245,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     reasoning_budget_message: str | None = None
     # OpenAI's: "none" switches a reasoning model's thinking off (its template's
     # enable_thinking); a level goes to a template that takes reasoning_effort (gpt-oss's).
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # OpenAI fields justllm does not implement: refused unless at their "off" value.
     functions: list[Any] | None = None
     function_call: Any = None

@@ -91,6 +91,23 @@ def test_jinja_file_and_bad_choices(tmp_path):
         ChatTemplate.named(str(bad))
 
 
+def test_a_template_failing_on_a_requests_values_is_a_400_whatever_it_raises():
+    """A template is a program over the request's values: Python's own errors from it (Llama
+    3.1's ``"Today Date: " + date_string`` given a number) are the request's fault (they were
+    a 500), as is a name jinja2's own ``render`` takes (``self``: a TypeError)."""
+    t = ChatTemplate('{{ "Today Date: " + date_string }}{% for m in messages %}'
+                     '{{ m["content"] }}{% endfor %}')
+    hi = [{"role": "user", "content": "Hi"}]
+    assert t.render(hi, date_string="1 Dec", self="!") == "Today Date: 1 DecHi"
+    with pytest.raises(InvalidRequestError, match="the chat template failed on these messages: "
+                                                  "TypeError: can only concatenate str"):
+        t.render(hi, date_string=5)
+    with pytest.raises(InvalidRequestError, match="failed on these messages: ZeroDivisionError"
+                       ) as e:
+        ChatTemplate("{{ 1 // 0 }}").render(hi)
+    assert e.value.param == "messages"
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather <now>.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

@@ -46,7 +46,7 @@ def test_chat_template_kwargs_reach_the_template(templated):
         "messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     assert "add_generation_prompt: the server's to set" in r.json()["error"]["message"]
-    for hidden in ("raise_exception", "range"):  # the template's own names
+    for hidden in ("raise_exception", "range", "self", "loop"):  # the template's own names
         r = post(templated, "/tokenize", {"messages": HI, "chat_template_kwargs": {hidden: 1}})
         assert r.status_code == 400 and hidden in r.json()["error"]["message"], r.text
     # add_generation_prompt: false alone (vLLM's /tokenize): the conversation as it stands

@@ -538,3 +538,79 @@ def test_a_base_model_does_not_answer_for_the_tool(exact_client):
     assert not message.content or "Tool:" not in message.content, message.content
     raw = client.chat.completions.create(**{**kw, "tool_choice": "none"}).choices[0]
     assert "\nTool:" not in raw.message.content and raw.finish_reason == "stop"
+
+
+def test_what_no_retry_or_no_value_can_satisfy_is_a_400(server):
+    """Each of these was a 429 to retry forever, a field silently losing to its other name, a
+    free-form value passed on, or a schema whose grammar llama.cpp could not parse (blamed on
+    ``response_format`` whatever the field)."""
+    m, hi = server.model, [{"role": "user", "content": "hi"}]
+    chat, comp = server.url + "/v1/chat/completions", server.url + "/v1/completions"
+
+    def refused(url: str, body: dict, param: str, says: str) -> None:
+        r = httpx.post(url, json={"model": m, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and says in err["message"], err
+
+    refused(comp, {"prompt": ["Hi"] * 257, "max_tokens": 1}, "n",
+            "asks for 257 choices (its prompts times n); the server queues at most 256")
+    refused(comp, {"prompt": ["Hi"] * 100, "n": 3, "max_tokens": 1}, "n", "300 choices")
+    refused(chat, {"messages": hi, "max_tokens": 3, "max_completion_tokens": 4},
+            "max_completion_tokens", "max_completion_tokens and max_tokens disagree")
+    refused(chat, {"messages": hi, "thinking_budget_tokens": 3, "reasoning_budget_tokens": 4},
+            "thinking_budget_tokens", "disagree")
+    refused(chat, {"messages": hi, "reasoning_effort": "banana"}, "reasoning_effort", "")
+    for url, body in ((chat, {"messages": hi}), (comp, {"prompt": "hi"})):
+        refused(url, {**body, "prompt_cache_retention": "forever"}, "prompt_cache_retention", "")
+        for ok in ("in-memory", "in_memory", "24h"):
+            r = httpx.post(url, json={"model": m, **body, "max_tokens": 1,
+                                      "prompt_cache_retention": ok}, timeout=60)
+            assert r.status_code == 200, r.text
+    r = httpx.post(chat, json={"model": m, "messages": hi, "max_tokens": 2,
+                               "max_completion_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    for schema, says in (({"enum": []}, "schema.enum is empty, so no value matches"),
+                         ({"anyOf": []}, "schema.anyOf is empty"),
+                         ({"type": "array", "minItems": 5, "maxItems": 2},
+                          "minItems 5 is more than maxItems 2, so no value matches"),
+                         ({"type": "object", "properties": {"a": {
+                             "type": "string", "minLength": 3, "maxLength": 1}}},
+                          "schema.properties.a: minLength 3 is more than maxLength 1")):
+        refused(chat, {"messages": hi, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}, "response_format.json_schema.schema", says)
+        refused(comp, {"prompt": "hi", "guided_json": schema}, "guided_json", says)
+
+
+def test_a_continued_answer_keeps_the_space_the_model_writes_first(exact_client):
+    """On the transcript template the model writes the space after "Assistant:" itself, which
+    the answer drops; in a continued (prefilled) message that space is the answer's own, and
+    it was dropped too: "Hello," + "I am..." on every API's prefill."""
+    from justllm.engine.chat_template import ChatTemplate
+
+    url = str(exact_client.base_url).rstrip("/").removesuffix("/v1")
+    model = exact_client.models.list().data[0].id
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    transcript = ChatTemplate.named("transcript")
+    prompt = transcript.render(history, continue_final=True)
+    assert prompt.endswith("Assistant: The capital of France is")
+    raw = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "stop": list(transcript.stop)}
+    ).json()["choices"][0]["text"]
+    assert raw.startswith(" "), raw
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": history, "max_tokens": 6, "temperature": 0,
+        "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert chat["choices"][0]["message"]["content"] == raw, chat
+    ollama = httpx.post(url + "/api/chat", timeout=60, json={
+        "model": model, "messages": history, "stream": False,
+        "options": {"num_predict": 6, "temperature": 0, "repeat_penalty": 1.0}}).json()
+    assert ollama["message"]["content"] == raw, ollama
+    anthropic = httpx.post(url + "/v1/messages", timeout=60, json={
+        "model": model, "messages": history, "max_tokens": 6, "temperature": 0}).json()
+    assert anthropic["content"][0]["text"] == raw, anthropic
+    # a turn of its own still starts without the space
+    anew = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": history[:1], "max_tokens": 6, "temperature": 0}).json()
+    assert not anew["choices"][0]["message"]["content"].startswith(" "), anew
