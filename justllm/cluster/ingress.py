@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
+from urllib.parse import urlencode
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
@@ -157,6 +158,9 @@ async def forward(request: Request, path: str, *, method: str = "POST",
     if named not in ing.adapters and named not in ing.runtime.loaded:
         body[key] = model  # an alias becomes the model's name, which its replicas serve under
     content = msgspec.json.encode(body) if method == "POST" else b""
+    query = request.url.query or ""
+    if method == "GET" and "model" in request.query_params:  # /props?model=, /slots?model=:
+        query = urlencode({**dict(request.query_params), "model": body[key]})  # (as above)
     headers = [*forwardable(list(request.headers.items()),
                             drop=frozenset({"authorization", "x-api-key", REQUEST_ID})),
                (REQUEST_ID, request_id(request.scope))]
@@ -169,11 +173,11 @@ async def forward(request: Request, path: str, *, method: str = "POST",
     attempt = 0
     while attempt < TRIES:
         if kv is not None:  # the decode replica takes the prefill's result from Ray
-            answer = handle.pd_decode.remote("POST", path, request.url.query or "", headers,
+            answer = handle.pd_decode.remote("POST", path, query, headers,
                                              content, kv, route=route)
         else:
             attempt += 1
-            answer = handle.http.remote(method, path, request.url.query or "", headers,
+            answer = handle.http.remote(method, path, query, headers,
                                         content, route=route, **extra)
         try:
             # A client that leaves while its answer is computed cancels it (an answer that is

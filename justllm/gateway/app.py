@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import msgspec
@@ -311,6 +312,12 @@ async def _send(request: Request, replica: Replica, path: str,
     # The client's query string goes with the request to the path it asked for (a plugin's
     # route may read it); PD's hand-over paths carry their own.
     query = request.url.query if path == request.url.path else ""
+    asked = request.query_params.get("model")
+    if method == "GET" and asked is not None and not state.has_adapter(asked):
+        # /props?model= and /slots?model=: the runner knows its model by its own name, not
+        # by an alias (as a body's model is rewritten: see _forward)
+        query = urlencode({**dict(request.query_params),
+                           "model": replica.serves or state.spec.name})
     response = await http.send(http.build_request(
         method, f"{replica.url}{path}", content=content if method == "POST" else None,
         params=query or None, headers=_runner_headers(request)), stream=True)

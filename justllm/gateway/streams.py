@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from justllm.server.anthropic import error_body as anthropic_error_body
-from justllm.server.errors import error_body
+from justllm.server.errors import APIError, error_body, llama_server_error, llama_server_path
 
 
 class SequenceNumbers:
@@ -57,9 +57,13 @@ def stream_failure(path: str, message: str, sequence_number: int = 0) -> bytes:
     """The last frame of a stream whose replica (a runner, or a Ray replica) died, as each
     API's clients expect it: Ollama's ``{"error": ...}`` line, Anthropic's and the Responses
     API's ``error`` event (numbered ``sequence_number``, the one after the replica's last),
-    else an OpenAI error chunk and ``[DONE]``."""
+    llama-server's error event on its own routes (no ``[DONE]``: it sends none), else an
+    OpenAI error chunk and ``[DONE]``."""
     if path.startswith("/api/"):
         return msgspec.json.encode({"error": message}) + b"\n"
+    if llama_server_path(path):
+        return b"data: " + msgspec.json.encode(llama_server_error(APIError(
+            500, message, type="server_error"))) + b"\n\n"
     if path.startswith("/v1/messages"):
         return b"event: error\ndata: " + msgspec.json.encode(
             anthropic_error_body(500, message)) + b"\n\n"

@@ -1,9 +1,12 @@
-"""Every error the server returns has OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+"""Every error the server returns has OpenAI's shape, ``{"error": {message, type, param, code}}``,
+but on the routes of another API, which answer in that API's: Ollama's (``/api/``), Anthropic's
+(``/v1/messages``) and llama-server's own routes (:data:`LLAMA_SERVER_PATHS`)."""
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import msgspec
 from litestar import Request, Response
@@ -39,6 +42,35 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 def _response(e: APIError) -> Response:
     return Response(error_body(e.message, e.type, e.param, e.code), status_code=e.status,
                     headers=e.headers)
+
+
+# llama-server's own routes at the root (server/llama_server.py, llama_completion.py,
+# infill.py, llama_embedding.py, tokenize.py, rerank.py, lora.py): their errors are in its
+# shape. Its OpenAI routes (``/v1/...``, and ``/chat/completions`` or ``/responses`` without
+# the prefix) keep OpenAI's.
+LLAMA_SERVER_PATHS = frozenset({
+    "/completion", "/completions", "/infill", "/tokenize", "/detokenize", "/embedding",
+    "/embeddings", "/apply-template", "/props", "/slots", "/rerank", "/reranking",
+    "/lora-adapters"})
+# The error types of llama-server's statuses (its format_error_response, in
+# tools/server/server-common.cpp); a status it never answers keeps the type given here.
+_LLAMA_SERVER_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                       403: "permission_error", 404: "not_found_error", 500: "server_error",
+                       501: "not_supported_error", 503: "unavailable_error"}
+
+
+def llama_server_path(path: str) -> bool:
+    """Whether ``path`` is one of llama-server's own routes (``/slots/{id}`` too, which it
+    offers and justllm does not)."""
+    return path in LLAMA_SERVER_PATHS or path.startswith("/slots/")
+
+
+def llama_server_error(e: APIError) -> dict[str, Any]:
+    """``e`` in llama-server's shape, ``{"error": {code, message, type}}``, ``code`` the HTTP
+    status; with ``param`` besides (null or the field a 400 is about: llama-server adds its
+    own keys to some errors, and clients read these three)."""
+    return {"error": {"code": e.status, "message": e.message,
+                      "type": _LLAMA_SERVER_TYPES.get(e.status, e.type), "param": e.param}}
 
 
 def _unmangled(key: str) -> str:
@@ -111,14 +143,19 @@ def _msgspec_param(message: str) -> str | None:
 def handle_exception(request: Request, exc: Exception) -> Response:
     """The app's last resort, in OpenAI's shape; under ``/api/`` (no route matched: a 404 or
     405 the Ollama router never saw) in Ollama's, ``{"error": "message"}``; under
-    ``/v1/messages`` or for Anthropic's SDK (it sends ``anthropic-version``), Anthropic's."""
+    ``/v1/messages`` or for Anthropic's SDK (it sends ``anthropic-version``), Anthropic's; on
+    llama-server's own routes, its shape."""
     path = request.scope["path"]
     if path.startswith("/v1/messages") or "anthropic-version" in request.headers:
         from justllm.server.anthropic import anthropic_error  # it builds on this module
 
         return anthropic_error(request, exc)
     e = to_api_error(exc)
-    return ollama_response(e) if path.startswith("/api/") else _response(e)
+    if path.startswith("/api/"):
+        return ollama_response(e)
+    if llama_server_path(path):
+        return Response(llama_server_error(e), status_code=e.status, headers=e.headers)
+    return _response(e)
 
 
 def ollama_response(e: APIError) -> Response:

@@ -44,7 +44,7 @@ from justllm.server.app import (
     sse_response,
     unless_disconnected,
 )
-from justllm.server.errors import error_body, to_api_error
+from justllm.server.errors import llama_server_error, to_api_error
 from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
 from justllm.server.openai_serving import MAX_REQUEST_STOP, text_size
@@ -219,8 +219,7 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
         grammar_limits(req.grammar, "grammar")
     if not 0 <= _n_probs(req) <= MAX_LOGPROBS:
         raise InvalidRequestError(f"n_probs must be in [0, {MAX_LOGPROBS}]", param="n_probs")
-    n = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
-              if v is not None), None)
+    n = _one_setting(req, _N_PREDICT)
     if n is not None and n < -1:
         raise InvalidRequestError("n_predict must be >= 0, or -1 (until the context is full)",
                                   param="n_predict")
@@ -242,8 +241,25 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     return plan
 
 
+# llama-server's names for one setting: a request may give it under any, or several alike.
+_N_PREDICT = ("n_predict", "max_completion_tokens", "max_tokens")
+_N_PROBS = ("n_probs", "logprobs")
+
+
+def _one_setting(req: LlamaCompletionRequest, names: tuple[str, ...]) -> Any:
+    """The value of the setting ``names`` name (None: not given); two of them given at odds
+    are a 400 naming both, where llama-server would read the first and ignore the other."""
+    given = [(name, getattr(req, name)) for name in names if getattr(req, name) is not None]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise InvalidRequestError(f"{given[0][0]} and {name} disagree (they are one "
+                                      "setting, under llama-server's names for it)", param=name)
+    return given[0][1] if given else None
+
+
 def _n_probs(req: LlamaCompletionRequest) -> int:
-    return next((v for v in (req.n_probs, req.logprobs) if v is not None), 0)
+    n = _one_setting(req, _N_PROBS)
+    return 0 if n is None else n
 
 
 def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
@@ -539,14 +555,14 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 async def _events(c: _Completion, streams: list[RequestStream]) -> AsyncIterator[bytes]:
     """One event per step's new text (with its tokens), then the full answer with
-    ``stop: true``; an error ends the stream as ``{"error": ...}``. No ``[DONE]``."""
+    ``stop: true``; an error ends the stream as ``{"error": ...}``, in llama-server's shape
+    (errors.llama_server_error). No ``[DONE]``."""
     async with aclosing(c.served.completions.merged(streams, c.stopped)) as merged:
         async for i, out in merged:
             if i in c.stopped:
                 continue  # (an output that came before its stream was aborted)
             if out.error:
-                e = to_api_error(c.served.completions.failure(out))
-                yield _event({"error": error_body(e.message, e.type, e.param, e.code)["error"]})
+                yield _event(llama_server_error(to_api_error(c.served.completions.failure(out))))
                 return
             text = c.add(i, out, streams[i])
             if text or out.token_ids:

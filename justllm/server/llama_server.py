@@ -6,6 +6,8 @@
   BOS and EOS, the build). Clients read ``default_generation_settings.n_ctx`` and
   ``chat_template`` from it.
   Changing them (llama-server's ``POST /props``, off there unless ``--props``) is not offered.
+  ``?model=`` (what router mode forwards) must name the served model or one of its adapters,
+  as a body's ``model`` must (404 otherwise); ``/slots`` takes it too.
 - ``GET /slots``: the ``--max-seqs`` slots, busy ones first (justllm keeps no fixed slots:
   slot ``i`` is the ``i``-th running request), with llama-server's counts and sampling;
   ``?fail_on_no_slot=1`` answers 503 when none is idle (what load balancers ask). The prompt
@@ -14,7 +16,10 @@
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``;
   a conversation that ends with an assistant message ends inside it, as llama-server prefills
-  it (``continue_final_message`` without asking; the chat route keeps vLLM's new turn).
+  it (``continue_final_message`` without asking; the chat route keeps vLLM's new turn). The
+  body is checked as the chat route checks it (a body it refuses is the same 400, in
+  llama-server's shape); ``stream`` and ``truncate_prompt_tokens``, which the answer cannot
+  honour, are a 400.
 - ``POST /completion`` and ``POST /completions``: llama-server's native completion
   (server/llama_completion.py).
 - ``POST /infill``: fill-in-the-middle on a model with FIM tokens (server/infill.py).
@@ -24,6 +29,9 @@
   routes with and without ``/v1`` (an OpenAI SDK given ``http://host:8080`` as its base URL
   posts to ``/chat/completions``); its un-prefixed ``/completions`` and ``/embeddings`` are
   its native formats, not OpenAI's (above).
+
+The errors of llama-server's own routes are in its shape, ``{"error": {code, message, type}}``
+with ``param`` besides (server/errors.py); its OpenAI routes keep OpenAI's.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from justllm.errors import InvalidRequestError
 from justllm.server.app import _served, chat_completions, decode_request, require_api_key
 from justllm.server.errors import APIError
 from justllm.server.llama_completion import DEFAULT_SAMPLERS
-from justllm.server.openai_serving import check_chat_request, text_size
+from justllm.server.openai_serving import OpenAIServing, check_chat_request, text_size
 from justllm.server.schemas import ChatCompletionRequest
 from justllm.server.tools.request import check_tool_messages, tool_plan
 
@@ -55,8 +63,9 @@ DEFAULT_PARAMS: dict[str, Any] = {
 
 
 @get("/props", summary="llama-server's /props: the context, default sampling, slots, template")
-async def props(state: State) -> dict[str, Any]:
+async def props(state: State, model: FromQuery[str | None] = None) -> dict[str, Any]:
     served = _served(state)
+    served.completions.check_model(model)  # ?model= (router mode's): this one, or a 404
     aengine, template = served.aengine, served.completions.template
     return {
         "default_generation_settings": {"n_ctx": aengine.max_request_tokens,
@@ -77,9 +86,10 @@ async def props(state: State) -> dict[str, Any]:
 
 
 @get("/slots", summary="llama-server's /slots: the slots (--max-seqs), busy or idle")
-async def slots(state: State, fail_on_no_slot: FromQuery[str | None] = None
-                ) -> list[dict[str, Any]]:
+async def slots(state: State, fail_on_no_slot: FromQuery[str | None] = None,
+                model: FromQuery[str | None] = None) -> list[dict[str, Any]]:
     served = _served(state)
+    served.completions.check_model(model)
     engine = served.aengine.engine
     busy = engine.busy_requests()
     total = engine.config.max_seqs
@@ -118,10 +128,28 @@ async def apply_template(data: JSONBody[ChatCompletionRequest], request: Request
     chat = await decode_request(request, ChatCompletionRequest)
     served.completions.check_model(chat.model)
     chat, generation_prompt = check_apply_template(chat)
-    prompt = await served.aengine.off_loop(
-        text_size(chat),
-        lambda: served.completions.request_prompt(chat, generation_prompt=generation_prompt))
-    return {"prompt": prompt}
+    completions = served.completions
+
+    def render() -> str:
+        # Every check the chat route runs before it queues the request (its sampling,
+        # response_format, grammars, tools; the engine's: priority, the context, the
+        # grammar's compilation), so a body it refuses is the same 400 here.
+        jobs, _ = completions.chat_jobs(chat)
+        completions._prepare(jobs[:1], None)  # (its other choices differ by their seed)
+        completions.reasoning_format(chat)
+        if generation_prompt:
+            return str(jobs[0][0])  # the prompt the chat route renders, rendered once
+        return completions.request_prompt(chat, generation_prompt=False)
+
+    return {"prompt": await served.aengine.off_loop(text_size(chat), render)}
+
+
+# Chat fields /apply-template cannot honour: its answer is one prompt, whole and not streamed.
+_NOT_APPLIED = {
+    "stream": "/apply-template answers the prompt as one JSON object, not a stream",
+    "truncate_prompt_tokens": "/apply-template answers the whole prompt (/tokenize with "
+                              "messages gives its tokens, which the client may cut)",
+}
 
 
 def check_apply_template(chat: ChatCompletionRequest) -> tuple[ChatCompletionRequest, bool]:
@@ -129,11 +157,17 @@ def check_apply_template(chat: ChatCompletionRequest) -> tuple[ChatCompletionReq
     Returns the request to render and whether the assistant's opening ends the prompt:
     ``add_generation_prompt: false`` alone is the conversation as it stands (as /tokenize
     reads it), where the chat route takes it only with ``continue_final_message``."""
+    for name, why in _NOT_APPLIED.items():
+        value = getattr(chat, name)
+        if value is not None and value is not False:  # (truncate_prompt_tokens 0 too)
+            raise InvalidRequestError(f"{name}: {why}", param=name)
     chat = prefill_assistant(chat)
     alone = chat.add_generation_prompt is False and not chat.continue_final_message
     if alone:
         chat = msgspec.structs.replace(chat, add_generation_prompt=None)
     check_chat_request(chat)
+    OpenAIServing.check_supported(chat)
+    OpenAIServing.check_extras(chat)
     check_tool_messages(chat.messages)
     tool_plan(chat)
     return chat, not alone

@@ -321,7 +321,8 @@ def test_llama_server_routes_go_to_the_models_deployment():
         ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
         ("GET", "/props")]
     assert handle.calls[0]["body"]["model"] == "demo"  # an alias is the model's name
-    assert handle.calls[13]["body"] is None and handle.calls[13]["query"] == "model=gpt-4o-mini"
+    # by query too: the replica knows the model by its name (an alias was a 404 there)
+    assert handle.calls[13]["body"] is None and handle.calls[13]["query"] == "model=demo"
 
 
 def test_anthropic_errors_keep_anthropics_shape():

@@ -185,6 +185,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         # An alias reaches its model, whose name the answer carries.
         r = complete(gw, "gpt-4o-mini")
         assert r.status_code == 200 and r.json()["model"] == "alpha"
+        for route in ("/props", "/slots"):  # by query: the runner is asked by its own name
+            r = httpx.get(gw.url + route, params={"model": "gpt-4o-mini"}, timeout=60)
+            assert r.status_code == 200, (route, r.text)
         assert gw.status()["alpha"]["status"] == "loaded"
 
         # An unloaded model's place is free once its runner has exited: a request for beta
@@ -608,10 +611,21 @@ def test_runners_ask_for_the_gateways_key(tmp_path, model_path):
         assert r.status_code == 200, r.text
         # The request's id comes back, and went to the runner, which logs it (--verbose).
         assert r.headers["x-request-id"] == "trace-9"
+        # Who a request is for is logged too: embeddings' user (it was not), and a chat's
+        # user beside its safety_identifier (the second was left out).
+        r = httpx.post(gw.url + "/v1/embeddings", headers=key, timeout=120, json={
+            "model": "alpha", "input": "Hi", "user": "embedder-3"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(gw.url + "/v1/chat/completions", headers=key, timeout=120, json={
+            "model": "alpha", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "user": "u-1", "safety_identifier": "s-2"})
+        assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30
-        while "x-request-id=trace-9" not in (gw.logs / "alpha.log").read_text():
-            assert time.monotonic() < deadline, "the runner did not log the request's id"
-            time.sleep(0.2)
+        for said in ("x-request-id=trace-9", "embeddings: user=embedder-3",
+                     "user=u-1 (safety_identifier s-2)"):
+            while said not in (gw.logs / "alpha.log").read_text():
+                assert time.monotonic() < deadline, f"the runner did not log {said!r}"
+                time.sleep(0.2)
         assert httpx.post(gw.url + "/v1/completions", timeout=60, json={
             "model": "alpha", "prompt": "Hi", "max_tokens": 2}).status_code == 401
         models = httpx.get(gw.url + "/models", headers=key, timeout=30).json()["data"]

@@ -65,7 +65,8 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
                           json={"model": "alpha", "tokens": tokens["tokens"]})
         assert back.status_code == 200 and "Say hello." in back.json()["content"], back.text
         r = httpx.post(gw.url + "/detokenize", timeout=60, json={"model": "gamma", "tokens": []})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404  # llama-server's shape
+        assert r.json()["error"]["type"] == "not_found_error"
         # llama-server's routes: /props of a model by ?model= (the router's own without one),
         # /apply-template by model, and the OpenAI routes without /v1
         router = httpx.get(gw.url + "/props", timeout=30).json()
@@ -74,7 +75,9 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         assert props.status_code == 200 and props.json()["model_alias"] == "alpha", props.text
         assert props.json()["default_generation_settings"]["n_ctx"] == tokens["max_model_len"]
         r = httpx.get(gw.url + "/props", params={"model": "gamma"}, timeout=30)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        adapter_props = httpx.get(gw.url + "/props", params={"model": "sql"}, timeout=60)
+        assert adapter_props.status_code == 200, adapter_props.text
         # /slots: a model's, from its runner; the router has none of its own
         slots = httpx.get(gw.url + "/slots", params={"model": "alpha"}, timeout=60)
         assert slots.status_code == 200 and slots.json()[0]["id"] == 0, slots.text

@@ -292,6 +292,11 @@ def test_a_stream_whose_runner_died_ends_in_its_own_apis_error_shape():
     chunk, done = stream_failure("/v1/chat/completions", "gone").decode().strip().split("\n\n")
     assert json.loads(chunk.removeprefix("data: "))["error"]["code"] == "replica_failed"
     assert done == "data: [DONE]"
+    for llama_route in ("/completion", "/infill"):  # llama-server's shape, and no [DONE]
+        event = stream_failure(llama_route, "gone").decode()
+        assert event.endswith("\n\n") and event.count("data: ") == 1, event
+        assert json.loads(event.strip().removeprefix("data: ")) == {"error": {
+            "code": 500, "message": "gone", "type": "server_error", "param": None}}
 
 
 def test_the_gateways_last_responses_event_takes_the_number_after_the_runners_last():

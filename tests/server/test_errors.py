@@ -1,4 +1,5 @@
-"""Bad input gets a 4xx with an OpenAI error body, and never harms the other requests."""
+"""Bad input gets a 4xx with an OpenAI error body (llama-server's on its own routes), and never
+harms the other requests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import re
 
 import httpx
+import pytest
 
+from justllm.server.app import ServerConfig, create_app
+from justllm.server.errors import LLAMA_SERVER_PATHS
 from tests.server.conftest import start_server
 
 
@@ -25,6 +29,16 @@ def assert_error(r, status, param=None):
     assert err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def assert_llama_error(r, status, type, param=None):
+    """llama-server's shape (its format_error_response: ``code`` the status as an int), with
+    ``param`` besides."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"code", "message", "type", "param"}, err
+    assert (err["code"], err["type"], err["param"]) == (status, type, param), err
+    assert err["message"]
 
 
 def test_bad_requests(server):
@@ -108,7 +122,8 @@ def test_api_key_and_queue_full(model_path):
         assert httpx.post(s.url + "/v1/completions", json=body, headers=auth,
                           timeout=60).status_code == 200
         for path, other in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [2]})):
-            assert_error(httpx.post(s.url + path, json=other, timeout=60), 401)
+            assert_llama_error(httpx.post(s.url + path, json=other, timeout=60), 401,
+                               "authentication_error")
             assert httpx.post(s.url + path, json=other, headers=auth,
                               timeout=60).status_code == 200
 
@@ -333,3 +348,59 @@ def test_openai_fields_at_their_off_value_are_accepted_on_chat(server):
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
     assert '"usage":{' in lines[-2]
+
+
+def test_llama_servers_own_routes_are_the_ones_in_its_error_shape():
+    """Every route at the root is llama-server's own (its error shape) but for the OpenAI
+    routes it also serves without /v1, and the ones every server has."""
+    paths = {r.path for r in create_app(None, ServerConfig()).routes}
+    root = {p for p in paths if not p.startswith(("/v1/", "/api/", "/pd/", "/docs"))}
+    assert root - {"/chat/completions", "/responses", "/responses/input_tokens", "/health",
+                   "/metrics", "/"} == LLAMA_SERVER_PATHS
+
+
+@pytest.mark.parametrize("method,path,body,status,type,param", [
+    ("POST", "/completion", {"prompt": "Hi", "mirostat": 2}, 400, "invalid_request_error",
+     "mirostat"),
+    ("POST", "/completions", {"prompt": "Hi", "unknown": 1}, 400, "invalid_request_error",
+     "unknown"),
+    ("POST", "/completion", {"model": "nope", "prompt": "Hi"}, 404, "not_found_error", "model"),
+    ("POST", "/completion", b"{not json", 400, "invalid_request_error", None),
+    ("POST", "/completion", b"x" * (9 * 1024 * 1024), 413, "invalid_request_error", None),
+    ("GET", "/completion", None, 405, "invalid_request_error", None),
+    ("POST", "/infill", {"input_prefix": "a", "input_suffix": "b"}, 400,
+     "invalid_request_error", "model"),  # (the demo model has no FIM tokens)
+    ("POST", "/tokenize", {"prompt": "a", "content": "b"}, 400, "invalid_request_error",
+     "content"),
+    ("POST", "/detokenize", {"model": "nope", "tokens": [2]}, 404, "not_found_error", "model"),
+    ("POST", "/embedding", {"content": "hi", "unknown": 1}, 400, "invalid_request_error",
+     "unknown"),
+    ("POST", "/embeddings", {"model": "nope", "content": "hi"}, 404, "not_found_error",
+     "model"),
+    ("POST", "/apply-template", {}, 400, "invalid_request_error", "messages"),
+    ("GET", "/props", {"model": "nope"}, 404, "not_found_error", "model"),
+    ("POST", "/props", {}, 405, "invalid_request_error", None),
+    ("GET", "/slots", {"model": "nope"}, 404, "not_found_error", "model"),
+    ("POST", "/slots/0", {}, 404, "not_found_error", None),  # (not offered)
+    ("POST", "/rerank", {"query": "a", "documents": ["b"]}, 400, "invalid_request_error",
+     "model"),  # (not a reranker)
+    ("POST", "/reranking", {"query": "a", "documents": []}, 400, "invalid_request_error",
+     "documents"),
+    ("POST", "/lora-adapters", [{"id": 5, "scale": 1}], 400, "invalid_request_error", "[0]"),
+])
+def test_llama_servers_routes_answer_errors_in_its_shape(server, method, path, body, status,
+                                                         type, param):
+    if method == "GET":
+        r = httpx.get(server.url + path, params=body, timeout=60)
+    else:
+        r = post(server, path, body)
+    assert_llama_error(r, status, type, param)
+
+
+def test_the_openai_routes_beside_them_keep_openais_shape(server):
+    for path, body in (("/v1/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v1/completions", {"prompt": "Hi", "mirostat": 2}),
+                       ("/chat/completions", {"messages": [], "model": server.model})):
+        r = post(server, path, body)
+        assert_error(r, 400)
+        assert r.json()["error"]["code"] is None

@@ -239,3 +239,44 @@ def test_structured_output(server):
 ])
 def test_what_is_not_offered_is_a_400_naming_it(server, param, body):
     refused(server, param, **body)
+
+
+@pytest.mark.parametrize("body,first,second", [
+    ({"n_predict": 2, "max_tokens": 3}, "n_predict", "max_tokens"),
+    ({"n_predict": 2, "max_completion_tokens": 5}, "n_predict", "max_completion_tokens"),
+    ({"max_completion_tokens": 2, "max_tokens": 3}, "max_completion_tokens", "max_tokens"),
+    ({"n_predict": 2, "max_tokens": 2, "max_completion_tokens": 5}, "n_predict",
+     "max_completion_tokens"),
+    ({"n_predict": 1, "n_probs": 1, "logprobs": 3}, "n_probs", "logprobs"),
+])
+def test_two_names_of_one_setting_at_odds_are_a_400_naming_both(server, body, first, second):
+    """n_predict won (and n_probs): the other value was ignored."""
+    said = refused(server, second, **body)
+    assert f"{first} and {second} disagree" in said, said
+
+
+def test_two_names_of_one_setting_agreeing_are_one(server):
+    got = complete(server, n_predict=3, max_tokens=3, max_completion_tokens=3, n_probs=2,
+                   logprobs=2, temperature=0)
+    assert got["tokens_predicted"] == 3 and got["generation_settings"]["n_predict"] == 3
+    assert [len(p["top_logprobs"]) for p in got["completion_probabilities"]] == [2, 2, 2]
+
+
+def test_errors_are_in_llama_servers_shape_streamed_too(server):
+    """{"error": {code: the status, message, type}} as llama-server answers (its
+    format_error_response), and param; it was OpenAI's, code null or a string."""
+    r = post(server, "/completion", {"prompt": PROMPT, "mirostat": 2})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"code": 400, "message": "mirostat: mirostat is not offered (0: "
+                                  "off)", "type": "invalid_request_error", "param": "mirostat"}}
+    # llama.cpp has no token starting with NUL: the grammar ends the request with an error
+    dead = {"prompt": PROMPT, "n_predict": 4, "grammar": 'root ::= "a" [\\x00]'}
+    r = post(server, "/completion", dead)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["type"]) == (400, "invalid_request_error"), error
+    with httpx.stream("POST", server.url + "/completion", timeout=60,
+                      json={**dead, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith("data: {")]
+    assert streamed.status_code == 200 and events[-1] == {"error": error}, events

@@ -8,9 +8,13 @@ from __future__ import annotations
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from justllm.errors import InvalidRequestError
+from justllm.server.llama_server import check_apply_template
+from justllm.server.schemas import ChatCompletionRequest
 from tests.server.test_tokenize import WEATHER, post, tokenize
 
 HELLO = [{"role": "system", "content": "Be brief."},
@@ -85,7 +89,8 @@ def test_slots_show_the_running_requests(model_path):
         assert step["n_decoded"] >= 1 and step["n_remain"] == 400 - step["n_decoded"]
         assert "prompt" not in slot and "generated" not in slot  # other clients' text
         assert refused.status_code == 503, refused.text
-        assert refused.json()["error"]["message"] == "no slot available"
+        assert refused.json()["error"] == {"code": 503, "message": "no slot available",
+                                           "type": "unavailable_error", "param": None}
         deadline = time.monotonic() + 60
         while httpx.get(s.url + "/slots", timeout=30).json()[0]["is_processing"]:
             assert time.monotonic() < deadline, "the slot stayed busy after its client left"
@@ -146,9 +151,78 @@ def test_bad_apply_template_bodies_are_400s(server, body, param):
     assert error["type"] == "invalid_request_error" and param in (error["param"] or ""), error
 
 
+# Bodies the chat route refuses (each was rendered here, the field ignored).
+CHAT_REFUSES = [
+    ({"temperature": 500}, "temperature"),
+    ({"n": 99}, "n"),
+    ({"store": True}, "store"),
+    ({"metadata": {"a": "b"}}, "metadata"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"max_tokens": 1, "min_tokens": 5}, "min_tokens"),
+    ({"grammar": "nonsense"}, "grammar"),
+    ({"priority": 5}, "priority"),  # (the session's server has no priority scheduling)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"reasoning_format": "sideways"}, "reasoning_format"),
+]
+
+
+@pytest.mark.parametrize("extra,param", CHAT_REFUSES)
+def test_a_body_the_chat_route_refuses_is_the_same_400(server, extra, param):
+    body = {"messages": HELLO, **extra}
+    chat = post(server, "/v1/chat/completions", body)
+    applied = post(server, "/apply-template", body)
+    assert chat.status_code == applied.status_code == 400, (chat.text, applied.text)
+    said, here = chat.json()["error"], applied.json()["error"]
+    assert said["param"] == here["param"] == param, (said, here)
+    assert (said["message"], said["type"]) == (here["message"], here["type"])
+    assert here["code"] == 400  # in llama-server's shape (the chat route's is OpenAI's)
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"),
+                                         ({"truncate_prompt_tokens": 4},
+                                          "truncate_prompt_tokens")])
+def test_what_the_prompt_cannot_honour_is_a_400(server, extra, param):
+    """The chat route streams and cuts the prompt; /apply-template answers the whole prompt in
+    one object (it ignored them)."""
+    r = post(server, "/apply-template", {"messages": HELLO, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert post(server, "/apply-template", {"messages": HELLO, "stream": False}).status_code == 200
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"store": True}, "store"),
+    ({"metadata": {"a": "b"}}, "metadata"),
+    ({"max_tokens": 1, "min_tokens": 5}, "min_tokens"),
+    ({"repeat_penalty": 1.1, "repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"stream": True}, "stream"),
+])
+def test_router_mode_refuses_them_before_a_load(extra, param):
+    """check_apply_template: what router mode checks before it loads a model for the body."""
+    chat = msgspec.json.decode(msgspec.json.encode({"messages": HELLO, **extra}),
+                               type=ChatCompletionRequest)
+    with pytest.raises(InvalidRequestError) as e:
+        check_apply_template(chat)
+    assert e.value.param == param
+
+
 def test_another_model_is_not_found(server):
     r = post(server, "/apply-template", {"model": "other", "messages": HELLO})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("path", ["/props", "/slots"])
+def test_props_and_slots_of_another_model_are_not_found(server, path):
+    """?model= (router mode's) was ignored: the served model's answer for any name."""
+    r = httpx.get(server.url + path, params={"model": "nope"}, timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["type"], error["param"]) == (404, "not_found_error", "model")
+    assert "'nope' does not exist" in error["message"]
+    r = httpx.get(server.url + path, params={"model": server.model}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_openai_routes_answer_without_v1_as_llama_servers_do(server):

@@ -1,6 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` on a real server: vLLM's forms give the tokens the
 completion and chat routes give the model (their ``usage`` agrees), llama-server's form its
-defaults, and every bad body a 400 in OpenAI's shape."""
+defaults, and every bad body a 400 in llama-server's shape (``code`` the status, and
+``param``)."""
 
 from __future__ import annotations
 
@@ -109,10 +110,13 @@ def test_bad_bodies_are_400s(server, path, body, param, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["code"] == 400  # llama-server's shape: code is the status
     assert says in error["message"], error["message"]
 
 
 def test_another_model_is_not_found(server):
     for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [2]})):
         r = post(server, path, {"model": "nope", **body})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["type"], error["param"]) == (404, "not_found_error", "model")
