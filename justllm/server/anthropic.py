@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -22,6 +23,7 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from justllm.errors import InvalidRequestError
 from justllm.server.anthropic_chat import to_chat
 from justllm.server.anthropic_schemas import (
     AnthropicMessage,
@@ -29,6 +31,7 @@ from justllm.server.anthropic_schemas import (
     MessagesRequest,
     TokenCount,
     Usage,
+    _Prompt,
 )
 from justllm.server.app import (
     Served,
@@ -39,7 +42,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import to_api_error
-from justllm.server.openai_serving import error_status, text_size
+from justllm.server.openai_serving import SCHEMA_PARAM, error_status, text_size
 from justllm.server.schemas import ChatCompletionRequest
 from justllm.server.tools.answer import (
     ChatEvent,
@@ -52,6 +55,7 @@ from justllm.server.tools.answer import (
     ToolCallArguments,
     ToolCallStart,
 )
+from justllm.server.tools.grammar import call_schema
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -74,6 +78,60 @@ def anthropic_error(_: Request, exc: Exception) -> Response:
     model loads or the server stops: ``overloaded_error``; 429 when the queue is full)."""
     e = to_api_error(exc)
     return Response(error_body(e.status, e.message), status_code=e.status, headers=e.headers)
+
+
+# The chat request's fields that an error of the chat side may name, as an Anthropic request
+# names them (``anthropic_chat.py`` words its own refusals with Anthropic's names already).
+_PARAMS = {SCHEMA_PARAM: "output_config.format.schema", "response_format": "output_config.format",
+           "stop": "stop_sequences", "reasoning_effort": "output_config.effort",
+           "thinking_budget_tokens": "thinking.budget_tokens",
+           "reasoning_budget_tokens": "thinking.budget_tokens",
+           "max_completion_tokens": "max_tokens", "prompt": "messages"}
+_CHAT_TOOL = re.compile(r"(tools\[\d+\])\.function\.(name|parameters)")
+_SWITCH = "chat_template_kwargs.enable_thinking"  # what Anthropic's ``thinking`` sets
+
+
+def _tool_param(req: _Prompt, served: Served) -> str:
+    """The tool whose ``input_schema`` the call grammar could not be built from (``tools``
+    when none fails alone)."""
+    fmt = served.completions.template.tool_format
+    for i, tool in enumerate(req.tools or []):
+        try:
+            served.aengine.json_grammar(call_schema([(tool.name, tool.input_schema)], fmt))
+        except InvalidRequestError:
+            return f"tools[{i}].input_schema"
+    return "tools"
+
+
+async def _renamed(e: InvalidRequestError, req: _Prompt, served: Served
+                   ) -> InvalidRequestError | None:
+    """``e``, raised by the chat side, with the Anthropic request's field as its param and at
+    the head of its message (None: it names no chat field)."""
+    chat, text = e.param or "", str(e)
+    tool = _CHAT_TOOL.fullmatch(chat)
+    if tool:
+        param: str | None = f"{tool[1]}.{'name' if tool[2] == 'name' else 'input_schema'}"
+    elif chat == "tools" and not text.startswith("tools"):  # a schema the grammar cannot take
+        param = await served.aengine.off_loop(text_size(req.tools),
+                                              lambda: _tool_param(req, served))
+    else:
+        param = _PARAMS.get(chat)
+    if param is None:
+        return None
+    text = param + text[len(chat):] if text.startswith(chat) else f"{param}: {text}"
+    return InvalidRequestError(text.replace(_SWITCH, "thinking"), param=param)
+
+
+@asynccontextmanager
+async def _anthropic_names(req: _Prompt, served: Served) -> AsyncIterator[None]:
+    """Errors of the chat side that serves ``req`` name Anthropic's fields, not its own."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        renamed = await _renamed(e, req, served)
+        if renamed is None:
+            raise
+        raise renamed from None
 
 
 # ---- the answer ------------------------------------------------------------------------------
@@ -234,13 +292,15 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     chat = _for_model(to_chat(req), served)
     mid = f"msg_{uuid.uuid4().hex}"
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)
-    if req.stream:
-        # message_start says it, before the answer: the count of the prompt just queued
-        events, input_tokens = await served.completions.counted_chat_events(
-            chat, mid, origin=origin(request, "anthropic.messages", True))
-        return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences, events))
-    result = await unless_disconnected(request, served.completions.chat_result(
-        chat, mid, origin=origin(request, "anthropic.messages", False)))
+    async with _anthropic_names(req, served):
+        if req.stream:
+            # message_start says it, before the answer: the count of the prompt just queued
+            events, input_tokens = await served.completions.counted_chat_events(
+                chat, mid, origin=origin(request, "anthropic.messages", True))
+            return sse_response(_events(mid, req.model, input_tokens, req.stop_sequences,
+                                        events))
+        result = await unless_disconnected(request, served.completions.chat_result(
+            chat, mid, origin=origin(request, "anthropic.messages", False)))
     if isinstance(result, Response):
         return result
     return _message(mid, req.model, result, req.stop_sequences)
@@ -254,5 +314,6 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
     req = await decode_request(request, CountTokensRequest)
     served.completions.check_model(req.model)
     chat = _for_model(to_chat(req), served)
-    return TokenCount(await served.aengine.off_loop(text_size(chat),
-                                                    lambda: prompt_tokens(served, chat)))
+    async with _anthropic_names(req, served):
+        return TokenCount(await served.aengine.off_loop(text_size(chat),
+                                                        lambda: prompt_tokens(served, chat)))

@@ -22,7 +22,14 @@ import msgspec
 
 from justllm.core.reasoning import THINKING_SWITCH
 from justllm.errors import InvalidRequestError
-from justllm.server.anthropic_schemas import Block, Message, MessagesRequest, Tool, _Prompt
+from justllm.server.anthropic_schemas import (
+    BLOCK_FIELDS,
+    Block,
+    Message,
+    MessagesRequest,
+    Tool,
+    _Prompt,
+)
 from justllm.server.json_schema import check_strict, unenforced
 from justllm.server.openai_serving import MAX_REQUEST_STOP
 from justllm.server.schemas import (
@@ -69,9 +76,21 @@ def _refuse(where: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{where}: {why}", param=where)
 
 
+def _own_fields(block: Block, where: str) -> None:
+    """A 400 naming any field of another block type set on ``block``: Anthropic's blocks are
+    typed ("Extra inputs are not permitted"), and a field this server would not read is
+    never ignored."""
+    own = BLOCK_FIELDS[block.type]
+    for name in block.__struct_fields__:
+        if name != "type" and name not in own and getattr(block, name) is not None:
+            raise _refuse(f"{where}.{name}", f"a {block.type} block has no '{name}' (extra "
+                                             "inputs are not permitted)")
+
+
 def _text(block: Block, where: str) -> str:
     """A text block's text; a 400 naming any other kind."""
     if block.type == "text":
+        _own_fields(block, where)
         if block.text is None:
             raise _refuse(where, "a text block needs 'text'")
         if not block.text:  # Anthropic's rule
@@ -101,6 +120,7 @@ def _system(req: _Prompt) -> list[ChatMessage]:
 
 def _tool_result(block: Block, where: str, names: dict[str, str]) -> ChatMessage:
     """A ``tool_result`` block as a ``tool`` message; an error result says it is one."""
+    _own_fields(block, where)
     if not block.tool_use_id:
         raise _refuse(f"{where}.tool_use_id", "a tool_result block needs the id of its tool_use")
     if block.tool_use_id not in names:  # Anthropic's rule: it answers an earlier tool_use
@@ -117,6 +137,7 @@ def _tool_result(block: Block, where: str, names: dict[str, str]) -> ChatMessage
 
 
 def _tool_call(block: Block, where: str) -> MessageToolCall:
+    _own_fields(block, where)
     if not block.id or not block.name or block.input is None:
         raise _refuse(where, "a tool_use block needs id, name and input")
     return MessageToolCall(id=_chat_id(block.id), function=FunctionCall(
@@ -152,6 +173,7 @@ def _turn(m: Message, i: int, out: list[ChatMessage], names: dict[str, str]) -> 
         if b.type == "thinking":  # the assistant's thinking: its reasoning_content
             if m.role != "assistant":
                 raise _refuse(at, "thinking blocks belong to assistant turns")
+            _own_fields(b, at)
             if b.thinking is None or not isinstance(b.thinking, str):
                 raise _refuse(f"{at}.thinking", "a thinking block needs its thinking text")
             thoughts.append(b.thinking)

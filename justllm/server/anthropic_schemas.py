@@ -4,7 +4,9 @@ As on the OpenAI side (``schemas.py``), every request field is acted on or refus
 fields are a 400 naming them, and the Anthropic fields justllm does not implement are declared
 only so that ``anthropic.py`` can refuse them with a message that says why. Content blocks are
 one loose struct (``Block``) rather than a tagged union, so that an image or a thinking block
-gets "this server cannot take images" instead of a bare "invalid tag".
+gets "this server cannot take images" instead of a bare "invalid tag"; ``anthropic_chat.py``
+then refuses a field of another block type by name (``BLOCK_FIELDS``), as Anthropic's
+per-type blocks do.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class Block(_Body, kw_only=True):
     data: Any = None
 
 
+# The fields each block type this server reads may carry besides ``type`` (Anthropic's block
+# params); any other field set on such a block is refused by name.
+BLOCK_FIELDS = {"text": frozenset({"text", "citations", "cache_control"}),
+                "tool_use": frozenset({"id", "name", "input", "cache_control"}),
+                "tool_result": frozenset({"tool_use_id", "content", "is_error", "cache_control"}),
+                "thinking": frozenset({"thinking", "signature"})}
+
+
 class Message(_Body, kw_only=True):
     role: Literal["user", "assistant"]
     content: Union[str, list[Block]]
@@ -89,9 +99,13 @@ class JsonOutputFormat(_Body, kw_only=True):
     schema: dict[str, Any]
 
 
+# Anthropic's effort levels; any other is a 400 naming ``output_config.effort``.
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
 class OutputConfig(_Body, kw_only=True):
     format: JsonOutputFormat | None = None
-    effort: str | None = None  # a template's reasoning_effort (400 for one without)
+    effort: Effort | None = None  # a template's reasoning_effort (400 for one without)
 
 
 class ThinkingConfig(_Body, kw_only=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -262,6 +263,22 @@ _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens"
            "response_format.json_schema.name": "text.format.name",
            "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
            "reasoning_effort": "reasoning.effort"}
+# A function tool's field: a Responses tool has no ``function`` wrapper.
+_CHAT_TOOL = re.compile(r"(tools\[\d+\])\.function\.(\w+)")
+
+
+def _renamed(e: InvalidRequestError) -> InvalidRequestError | None:
+    """``e``, raised by the chat side, naming the Responses request's field (its
+    response_format is text.format; its max_tokens, max_output_tokens; its prompt, the input;
+    ``tools[0].function.name``, ``tools[0].name``); None when it names no chat field."""
+    chat = e.param or ""
+    tool = _CHAT_TOOL.fullmatch(chat)
+    param = f"{tool[1]}.{tool[2]}" if tool else _PARAMS.get(chat)
+    if param is None:
+        return None
+    text = str(e)
+    text = text.replace(chat, param) if chat in text else f"{param}: {text}"
+    return InvalidRequestError(text, param=param)
 
 
 def _continued(req: ResponseRequest, store: ResponseStore
@@ -299,10 +316,24 @@ def _not_found(response_id: str) -> APIError:
 
 @get("/responses/{response_id:str}", summary="A stored response")
 async def retrieve_response(response_id: str, state: State,
-                            stream: FromQuery[bool | None] = None) -> Response:
+                            stream: FromQuery[bool | None] = None,
+                            include: FromQuery[list[str] | None] = None,
+                            include_obfuscation: FromQuery[bool | None] = None,
+                            starting_after: FromQuery[int | None] = None) -> Response:
+    """OpenAI's retrieve: the response as it was stored. Its query parameters that shape a
+    replayed stream, or add output, are refused unless off (none is available here)."""
     if stream:
         raise InvalidRequestError("stream: a stored response is given whole, not replayed",
                                   param="stream")
+    if include:  # (reasoning.encrypted_content is stored with the response, if it was asked)
+        raise InvalidRequestError("include: no extra output is available for a stored "
+                                  "response", param="include")
+    if starting_after is not None:
+        raise InvalidRequestError("starting_after: a stored response is given whole, not "
+                                  "replayed as events", param="starting_after")
+    if include_obfuscation:
+        raise InvalidRequestError("include_obfuscation: a stored response is given whole, "
+                                  "not streamed", param="include_obfuscation")
     found = _served(state).responses.get(response_id)
     if found is None:
         raise _not_found(response_id)
@@ -357,8 +388,15 @@ async def input_tokens(data: JSONBody[InputTokensRequest], request: Request,
     req = await decode_request(request, InputTokensRequest)
     served.completions.check_model(req.model)
     chat = to_chat(_continued(req.as_response_request(), served.responses)[0])
-    return InputTokens(input_tokens=await served.aengine.off_loop(
-        text_size(chat), lambda: prompt_tokens(served, chat)))
+    try:
+        count = await served.aengine.off_loop(text_size(chat),
+                                              lambda: prompt_tokens(served, chat))
+    except InvalidRequestError as e:
+        renamed = _renamed(e)
+        if renamed is None:
+            raise
+        raise renamed from None
+    return InputTokens(input_tokens=count)
 
 
 @post("/responses", status_code=200, summary="Create a response")
@@ -382,12 +420,10 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, rid, origin=origin(request, "openai.responses", False)))
     except InvalidRequestError as e:
-        # The chat request's fields, as this request names them (its response_format is
-        # text.format; its max_tokens, max_output_tokens; its prompt, the input).
-        param = _PARAMS.get(e.param or "")
-        if param is None:
+        renamed = _renamed(e)  # the chat request's fields, as this request names them
+        if renamed is None:
             raise
-        raise InvalidRequestError(str(e).replace(e.param or "", param), param=param) from None
+        raise renamed from None
     if isinstance(result, Response):
         return result
     done = _full(resp, result, opaque)

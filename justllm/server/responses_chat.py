@@ -25,6 +25,7 @@ from justllm.server.errors import _msgspec_param
 from justllm.server.json_schema import check_strict
 from justllm.server.openai_serving import check_stream_options
 from justllm.server.responses_schemas import (
+    PART_FIELDS,
     ContentPart,
     FunctionCall,
     FunctionCallOutput,
@@ -67,7 +68,8 @@ _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     "truncation": ((None, "disabled"), "an input longer than the context is refused, not "
                                        "truncated (send truncation: disabled)"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory only"),
+    "prompt_cache_retention": ((None, "in-memory", "in_memory"), "cached prefixes live in "
+                                                                 "memory only"),
 }
 
 
@@ -88,6 +90,11 @@ def _convert(raw: dict[str, Any], cls: type[S], where: str) -> S:
 def _text(part: ContentPart, role: str, where: str) -> str:
     allowed = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
     if part.type in allowed:
+        own = PART_FIELDS[part.type]
+        for name in part.__struct_fields__:  # another part type's field: never ignored
+            if name != "type" and name not in own and getattr(part, name) is not None:
+                raise InvalidRequestError(f"{where}.{name}: {part.type} parts have no "
+                                          f"'{name}'", param=f"{where}.{name}")
         text = part.refusal if part.type == "refusal" else part.text
         if text is None:
             raise InvalidRequestError(f"{where}: a {part.type} part needs its text", param=where)
@@ -215,7 +222,19 @@ def _response_format(req: ResponseRequest) -> ResponseFormat | None:
         raise InvalidRequestError("text.verbosity: this server has no verbosity control",
                                   param="text.verbosity")
     fmt = req.text.format
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
+        return None
+    if fmt.description is not None:  # (chat's json_schema has none either)
+        raise InvalidRequestError("text.format.description: a format's description is not "
+                                  "supported (say what the answer is for in the "
+                                  "instructions)", param="text.format.description")
+    if fmt.type != "json_schema":
+        for name in ("name", "schema", "strict"):
+            if getattr(fmt, name) is not None:
+                raise InvalidRequestError(f"text.format.{name}: only with type 'json_schema' "
+                                          f"(the type is '{fmt.type}')",
+                                          param=f"text.format.{name}")
+    if fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return ResponseFormat(type="json_object")

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from justllm.server.schemas import ReasoningEffort
+
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request body part: unknown fields are refused, never silently ignored."""
@@ -21,7 +23,8 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ContentPart(_Body, kw_only=True):
     """A part of a message item's content: ``input_text`` (and, in an assistant's turn sent
-    back, ``output_text`` or ``refusal``). Images, files and audio are refused by name."""
+    back, ``output_text`` or ``refusal``). Images, files and audio are refused by name, as is
+    a field of another part type on a text part (``PART_FIELDS``)."""
 
     type: str
     text: str | None = None
@@ -37,6 +40,13 @@ class ContentPart(_Body, kw_only=True):
     detail: Any = None
     input_audio: Any = None
     prompt_cache_breakpoint: Any = None
+
+
+# The fields each part type this server reads may carry besides ``type``; any other field set
+# on such a part is refused by name.
+PART_FIELDS = {"input_text": frozenset({"text"}),
+               "output_text": frozenset({"text", "annotations", "logprobs"}),
+               "refusal": frozenset({"refusal"})}
 
 
 class Message(_Body, kw_only=True):
@@ -90,7 +100,7 @@ class ReasoningConfig(_Body, kw_only=True):
     thinking off); ``summary`` only "auto" (no summary is written: the thinking is given
     whole)."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None  # (any other level is a 400)
     summary: Literal["auto"] | None = None
     generate_summary: Literal["auto"] | None = None  # (its older name)
 
@@ -104,6 +114,9 @@ class FunctionTool(_Body, kw_only=True):
 
 
 class TextFormat(_Body, kw_only=True):
+    """``text.format``: ``name``, ``schema`` and ``strict`` only with ``json_schema``;
+    ``description`` is declared to be refused by name (nothing would read it)."""
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema: dict[str, Any] | None = None
@@ -171,12 +184,13 @@ class InputTokensRequest(_Body, kw_only=True):
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
-    reasoning: Any = None
+    reasoning: ReasoningConfig | None = None
 
     def as_response_request(self) -> ResponseRequest:
         """The request whose prompt this counts (the same checks then hold: what
-        ``/v1/responses`` refuses is refused here)."""
-        return ResponseRequest(**msgspec.structs.asdict(self))
+        ``/v1/responses`` refuses is refused here). Converted, not constructed: a struct's
+        constructor checks no types, and each field must have the type the request's has."""
+        return msgspec.convert(msgspec.to_builtins(self), ResponseRequest)
 
 
 class InputTokens(msgspec.Struct, kw_only=True):

@@ -180,6 +180,9 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"messages": [{"role": "user", "content": "Hi", "colour": "red"}]}, "colour"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, "role"),
     ({"output_config": {"effort": "high"}}, "effort"),
+    # Anthropic's effort levels only (any string reached the chat template)
+    ({"output_config": {"effort": "banana"}}, "output_config.effort: Invalid enum value"),
+    ({"output_config": {"effort": "none"}}, "output_config.effort: Invalid enum value"),
     # Anthropic refuses these too (they were accepted):
     ({"temperature": 1.5}, "temperature"),
     ({"messages": [{"role": "user", "content": ""}]}, "content"),
@@ -402,6 +405,36 @@ MULTIPLE = {"type": "object", "properties": {"n": {"type": "integer", "multipleO
     ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema",
                                                        "schema": {"type": "object"}}}},
      "output_config.format: structured output cannot be combined with tools"),
+    # the chat side's refusals, named as Anthropic names the field (they named
+    # reasoning_effort, or no field at all)
+    ({"output_config": {"effort": "high"}},
+     "output_config.effort: this model's chat template cannot take a reasoning effort"),
+    ({"stop_sequences": ["x" * 1001]},
+     "stop_sequences: a stop string has at most 1000 characters"),
+    # a field of another block type on a block (each was accepted and ignored)
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi",
+                                                 "is_error": True}]}]},
+     "messages[0].content[0].is_error: a text block has no 'is_error'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "title": "x"}]}]},
+     "messages[0].content[0].title: a text block has no 'title'"),
+    ({"system": [{"type": "text", "text": "Be brief.", "source": {"a": 1}}]},
+     "system[0].source: a text block has no 'source'"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [{**USE, "text": "x"}], [_result("toolu_a")])},
+     "messages[1].content[0].text: a tool_use block has no 'text'"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [{**_result("toolu_a"), "text": "x"}])},
+     "messages[2].content[0].text: a tool_result block has no 'text'"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [{**_result("toolu_a"), "title": "x"}])},
+     "messages[2].content[0].title: a tool_result block has no 'title'"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [{**_result("toolu_a"), "content": [
+            {"type": "text", "text": "Sunny", "is_error": True}]}])},
+     "messages[2].content[0].content[0].is_error: a text block has no 'is_error'"),
+    ({"messages": _history("Hi", [{"type": "thinking", "thinking": "hm", "signature": "",
+                                   "text": "x"}, {"type": "text", "text": "A"}], "Go on")},
+     "messages[1].content[0].text: a thinking block has no 'text'"),
 ])
 def test_anthropics_rules_and_names(server, extra, says):
     """Each was accepted (or refused naming OpenAI's fields: ``stop``,
@@ -414,6 +447,29 @@ def test_anthropics_rules_and_names(server, extra, says):
         del body["max_tokens"]
         assert_anthropic_error(raw(server, "/v1/messages/count_tokens", body), 400,
                                "invalid_request_error", says)
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "no such type"}}}
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}},
+     "output_config.format.schema: unsupported JSON schema"),
+    ({"tools": [WEATHER, {**WEATHER, "name": "bad", "input_schema": BAD_SCHEMA}],
+      "tool_choice": {"type": "any"}}, "tools[1].input_schema: unsupported JSON schema"),
+    ({"tools": [WEATHER, {**WEATHER, "name": "bad", "input_schema": BAD_SCHEMA}],
+      "tool_choice": {"type": "tool", "name": "bad"}},
+     "tools[1].input_schema: unsupported JSON schema"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_cannot_take_is_named(server, extra, says, stream):
+    """The output grammar's refusal (the chat side's, when it builds the grammar) named no
+    field ("unsupported JSON schema: ..."); a streamed request is refused before its stream."""
+    body = {"model": server.model, "max_tokens": 4, "messages": HELLO, "stream": stream,
+            **extra}
+    r = raw(server, "/v1/messages", body)
+    assert_anthropic_error(r, 400, "invalid_request_error", says)
+    assert r.json()["error"]["message"].startswith(says)
 
 
 def test_tool_results_may_span_the_next_turn(client, server):

@@ -188,6 +188,29 @@ def test_a_streamed_function_call(client, server):
     ({"metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "word " * 40000}, "input"),
+    # found by an audit: each was a 200 (the field ignored, a format's echoed back), or named
+    # the chat request's field
+    ({"text": {"format": {"type": "text", "name": "x"}}}, "text.format.name"),
+    ({"text": {"format": {"type": "text", "strict": True}}}, "text.format.strict"),
+    ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}},
+     "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                          "description": "An object."}}}, "text.format.description"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi",
+                                              "image_url": "https://x/y.png"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi",
+                                              "detail": "high"}]}]},
+     "input[0].content[0].detail"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi",
+                                              "prompt_cache_breakpoint": {"a": 1}}]}]},
+     "input[0].content[0].prompt_cache_breakpoint"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "output_text", "text": "Hello.", "input_audio": {"data": "x"}}]}]},
+     "input[1].content[0].input_audio"),
+    ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{**WEATHER, "strict": False, "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
 ])
 def test_unsupported_requests_are_a_400(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -204,6 +227,16 @@ def test_unknown_fields_are_a_400(client, server):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=server.model, input=HELLO, extra_body=extra)
         assert param in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses/input_tokens"])
+def test_reasoning_effort_is_one_of_openais_levels(server, path):
+    """Any string reached the chat template as its reasoning_effort (and the token count
+    answered 500 for any reasoning at all: see the next test)."""
+    r = httpx.post(server.url + path, timeout=60,
+                   json={"input": HELLO, "reasoning": {"effort": "banana"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
+    assert "Invalid enum value 'banana'" in r.json()["error"]["message"], r.text
 
 
 def test_an_unknown_model_is_a_404(client):
@@ -236,8 +269,20 @@ def test_input_tokens_counts_what_the_response_would_bill(client, server):
                       json={"input": HELLO}).json()
     assert bare == {"object": "response.input_tokens", "input_tokens": client.responses.
                     input_tokens.count(input=HELLO).input_tokens}
+    # reasoning on the same terms as /v1/responses (it was a 500: the object went unchecked)
+    plain = client.responses.input_tokens.count(model=server.model, input=HELLO).input_tokens
+    for reasoning in ({"effort": "none"}, {"summary": "auto"}, {"effort": None}):
+        r = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
+                       json={"input": HELLO, "reasoning": reasoning})
+        assert r.status_code == 200 and r.json()["input_tokens"] == plain, (reasoning, r.text)
     for extra, param in [({"temperature": 0}, "temperature"), ({"stream": True}, "stream"),
-                         ({"truncation": "auto"}, "truncation")]:
+                         ({"truncation": "auto"}, "truncation"),
+                         ({"reasoning": "x"}, "reasoning"),
+                         ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+                         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+                         ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
+                         ({"text": {"format": {"type": "text", "name": "x"}}},
+                          "text.format.name")]:
         r = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
                        json={"input": HELLO, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -311,6 +356,13 @@ def test_stored_responses_and_previous_response_id(client, server):
             call()
     r = httpx.get(f"{server.url}/v1/responses/{follow.id}?stream=true", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    # OpenAI's other query parameters of a retrieve: refused, not ignored (they were)
+    for query, param in [("include=reasoning.encrypted_content", "include"),
+                         ("include_obfuscation=true", "include_obfuscation"),
+                         ("starting_after=2", "starting_after")]:
+        r = httpx.get(f"{server.url}/v1/responses/{follow.id}?{query}", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.responses.retrieve(follow.id, include_obfuscation=False).id == follow.id
 
 
 def test_the_store_is_bounded_least_recently_used_first():
