@@ -47,7 +47,7 @@ from justllm.server.app import (
 from justllm.server.errors import llama_server_error, to_api_error
 from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
-from justllm.server.openai_serving import MAX_REQUEST_STOP, text_size
+from justllm.server.openai_serving import MAX_REQUEST_STOP, one_value, text_size
 from justllm.server.schemas import LoraChoice
 
 # llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
@@ -249,12 +249,7 @@ _N_PROBS = ("n_probs", "logprobs")
 def _one_setting(req: LlamaCompletionRequest, names: tuple[str, ...]) -> Any:
     """The value of the setting ``names`` name (None: not given); two of them given at odds
     are a 400 naming both, where llama-server would read the first and ignore the other."""
-    given = [(name, getattr(req, name)) for name in names if getattr(req, name) is not None]
-    for name, value in given[1:]:
-        if value != given[0][1]:
-            raise InvalidRequestError(f"{given[0][0]} and {name} disagree (they are one "
-                                      "setting, under llama-server's names for it)", param=name)
-    return given[0][1] if given else None
+    return one_value({name: getattr(req, name) for name in names})
 
 
 def _n_probs(req: LlamaCompletionRequest) -> int:

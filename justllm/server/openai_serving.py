@@ -1231,13 +1231,15 @@ def end_user(user: str | None, safety_identifier: str | None = None) -> str | No
 
 
 def one_value(names: dict[str, T | None]) -> T | None:
-    """The value given under any of one field's names (None: none): names that disagree are a
-    400 naming the first, never one of them silently ignored."""
-    given = {k: v for k, v in names.items() if v is not None}
-    if len(set(map(repr, given.values()))) > 1:
-        raise InvalidRequestError(f"{' and '.join(given)} disagree (they are one field under "
-                                  "two names: send one)", param=next(iter(given)))
-    return next(iter(given.values()), None)
+    """The value given under any of one field's names (None: none), the first name the main
+    one: another name given at another value is a 400 naming both (param: the other), never
+    one of them silently ignored."""
+    given = [(k, v) for k, v in names.items() if v is not None]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise InvalidRequestError(f"{given[0][0]} and {name} disagree (they are one field "
+                                      "under two names: send one)", param=name)
+    return given[0][1] if given else None
 
 
 def prompt_list(value: object, param: str) -> list[str | list[int]]:

@@ -557,9 +557,10 @@ def test_what_no_retry_or_no_value_can_satisfy_is_a_400(server):
             "asks for 257 choices (its prompts times n); the server queues at most 256")
     refused(comp, {"prompt": ["Hi"] * 100, "n": 3, "max_tokens": 1}, "n", "300 choices")
     refused(chat, {"messages": hi, "max_tokens": 3, "max_completion_tokens": 4},
-            "max_completion_tokens", "max_completion_tokens and max_tokens disagree")
+            "max_tokens", "max_completion_tokens and max_tokens disagree")
     refused(chat, {"messages": hi, "thinking_budget_tokens": 3, "reasoning_budget_tokens": 4},
-            "thinking_budget_tokens", "disagree")
+            "reasoning_budget_tokens", "thinking_budget_tokens and reasoning_budget_tokens "
+                                       "disagree")
     refused(chat, {"messages": hi, "reasoning_effort": "banana"}, "reasoning_effort", "")
     for url, body in ((chat, {"messages": hi}), (comp, {"prompt": "hi"})):
         refused(url, {**body, "prompt_cache_retention": "forever"}, "prompt_cache_retention", "")
