@@ -26,6 +26,13 @@ CPU_FA_QUERY_TILE = 64
 # Sequence ids one context may use: llama.cpp's 256, halved because each has a twin on
 # sliding-window models (LlamaBackend: keep_swa_cells).
 MAX_SEQ_IDS = 128
+# ggml's GGML_MAX_N_THREADS (ggml.h): the CPU backend's thread pool has room for this many; past
+# it llama.cpp aborts (std::bad_alloc at 99999), fails in libgomp (40000) or hangs (20000).
+MAX_THREADS = 512
+# The most tokens a KV pool (``pool_blocks * block_size``, llama.cpp's ``n_ctx``) may have:
+# llama.cpp counts a context's tokens in 32 bits, padded up to a multiple of 256, and its
+# positions are signed 32-bit; ctypes would cut a larger n_ctx to its low 32 bits silently.
+MAX_POOL_TOKENS = 2**31 - 1
 
 
 def default_spare_seq_ids(max_seqs: int) -> int:
@@ -302,6 +309,13 @@ class EngineConfig:
         for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.threads > MAX_THREADS:
+            raise ValueError(f"--threads must be at most {MAX_THREADS}, ggml's GGML_MAX_N_THREADS "
+                             f"(got {self.threads})")
+        if self.pool_blocks * self.block_size > MAX_POOL_TOKENS:
+            raise ValueError(f"--pool-blocks {self.pool_blocks} x --block-size {self.block_size} "
+                             f"is {self.pool_blocks * self.block_size} tokens; a KV pool may "
+                             f"have at most {MAX_POOL_TOKENS} (llama.cpp's context size is 32-bit)")
         if not isinstance(self.cache_ram, int) or self.cache_ram < -1:
             raise ValueError(f"cache_ram must be -1 (no limit), 0 (off) or MiB (got "
                              f"{self.cache_ram!r})")
@@ -399,3 +413,29 @@ class EngineConfig:
             split_decodes_at=(0 if self.gpu or self.backend_sampling or self.flash_attn == "off"
                               else CPU_FA_QUERY_TILE),
             policy=self.scheduling_policy, lora_max_steps=self.lora_max_steps)
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_pool_memory(config: EngineConfig, kv_bytes_per_token: int,
+                      memory_bytes: int | None = None) -> None:
+    """Refuse, before anything is allocated, a KV pool whose cache alone is larger than
+    ``memory_bytes`` (default: the machine's physical memory): llama.cpp would go on until the
+    kernel's OOM killer ended the process (``--pool-blocks 99999999`` was killed at 23 GB).
+    ``kv_bytes_per_token``: the model's (``ModelShape.kv_bytes_per_token``, its GGUF header),
+    plus a draft model's. A ``--gpu`` pool not given yet (0) is sized from free VRAM later."""
+    if not config.pool_blocks or kv_bytes_per_token <= 0:
+        return
+    memory = physical_memory() if memory_bytes is None else memory_bytes
+    need = config.pool_tokens * kv_bytes_per_token
+    if memory is not None and need > memory:
+        raise ValueError(
+            f"--pool-blocks {config.pool_blocks}: a KV pool of {config.pool_tokens} tokens needs "
+            f"{need / 2**30:,.1f} GiB ({kv_bytes_per_token} bytes a token), more than the "
+            f"{memory / 2**30:,.1f} GiB of memory this machine has")

@@ -58,6 +58,74 @@ def test_more_threads_than_cores_is_said(model_path, capsys):
     engine_config(model_path, {"threads": usable_cpus() + 1})
     assert f"--threads {usable_cpus() + 1} is more than the {usable_cpus()} cores" in \
         " ".join(capsys.readouterr().err.split())
+    # Past ggml's limit it is refused, without the warning first (one line at the CLI).
+    with pytest.raises(ValueError, match="--threads must be at most 512"):
+        engine_config(model_path, {"threads": 99999})
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_threads_are_refused_past_ggmls_limit():
+    """--threads 99999 aborted in std::bad_alloc, 40000 failed in libgomp, 20000 hung."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from justllm.config import MAX_THREADS
+
+    assert EngineConfig(threads=MAX_THREADS).threads == MAX_THREADS == 512
+    for threads in (MAX_THREADS + 1, 20000, 99999):
+        with pytest.raises(ValueError) as e:
+            EngineConfig(threads=threads)
+        assert str(e.value) == (f"--threads must be at most 512, ggml's GGML_MAX_N_THREADS "
+                                f"(got {threads})")
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        EngineConfig(threads=-1)
+    # the same number as the llama.cpp this llama-cpp-python was built from, where its header is
+    spec = importlib.util.find_spec("llama_cpp")
+    header = Path(spec.origin).parent.parent / "include" / "ggml.h" if spec and spec.origin \
+        else None
+    if header is not None and header.is_file():
+        found = re.search(r"#define\s+GGML_MAX_N_THREADS\s+(\d+)", header.read_text())
+        assert found and int(found.group(1)) == MAX_THREADS
+
+
+def test_a_pool_that_cannot_fit_is_refused_before_anything_is_allocated(model_path):
+    """--pool-blocks 99999999 was OOM-killed at 23 GB (exit 137)."""
+    from justllm.cli.options import engine_config
+    from justllm.config import MAX_POOL_TOKENS, check_pool_memory, physical_memory
+    from justllm.models.gguf import ModelShape, read_gguf_header
+
+    # llama.cpp's n_ctx is 32 bits (ctypes cut a larger one to its low bits without a word)
+    assert EngineConfig(pool_blocks=MAX_POOL_TOKENS // 16).pool_tokens <= MAX_POOL_TOKENS
+    for blocks, size in ((MAX_POOL_TOKENS // 16 + 1, 16), (2**28, 16), (1024, 2**21)):
+        with pytest.raises(ValueError) as e:
+            EngineConfig(pool_blocks=blocks, block_size=size)
+        assert str(e.value) == (f"--pool-blocks {blocks} x --block-size {size} is "
+                                f"{blocks * size} tokens; a KV pool may have at most "
+                                f"2147483647 (llama.cpp's context size is 32-bit)")
+    # The KV cache alone larger than memory: refused, saying how much it needs.
+    config = EngineConfig(pool_blocks=64)  # 1024 tokens
+    check_pool_memory(config, 1000, memory_bytes=1024 * 1000)
+    with pytest.raises(ValueError) as e:
+        check_pool_memory(config, 1000, memory_bytes=1024 * 1000 - 1)
+    assert str(e.value) == ("--pool-blocks 64: a KV pool of 1024 tokens needs 0.0 GiB (1000 "
+                            "bytes a token), more than the 0.0 GiB of memory this machine has")
+    check_pool_memory(EngineConfig(gpu=True), 10**9, memory_bytes=1)  # sized from VRAM later
+    memory = physical_memory()
+    assert memory is not None and memory > 2**30
+    per_token = ModelShape.of(read_gguf_header(model_path)).kv_bytes_per_token
+    blocks = memory // (per_token * 16) + 1  # the smallest pool that cannot fit
+    with pytest.raises(ValueError) as e:
+        engine_config(model_path, {"pool_blocks": blocks})
+    assert str(e.value).startswith(f"--pool-blocks {blocks}: a KV pool of {blocks * 16} tokens "
+                                   f"needs {blocks * 16 * per_token / 2**30:,.1f} GiB "
+                                   f"({per_token} bytes a token), more than the ")
+    with pytest.raises(ValueError, match="--pool-blocks 99999999: .* needs 27,465.8 GiB"):
+        engine_config(model_path, {"pool_blocks": 99999999})
+    # the draft model's KV counts too
+    with pytest.raises(ValueError, match=f"{2 * per_token} bytes a token"):
+        engine_config(model_path, {"pool_blocks": blocks, "draft_model": model_path})
+    assert engine_config(model_path, {"pool_blocks": blocks - 1}).pool_blocks == blocks - 1
 
 
 def test_read_yaml_refuses_a_key_given_twice(tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -18,57 +18,77 @@ app = typer.Typer(help="Show configuration.", no_args_is_help=True,
 
 @app.command("show")
 def show(
+    context: typer.Context,
     config_file: Annotated[Optional[str], typer.Option("--config", envvar="JUSTLLM_CONFIG", help="YAML file of defaults.")] = None,
 ) -> None:
-    """Print every serve option's value with its source: cli default, environment, or file.
-    Precedence: command line > environment (JUSTLLM_*) > file > built-in default."""
+    """Print every serve option's value with its source: cli default, environment, or file,
+    and check the values as serve would. Precedence: command line > environment (JUSTLLM_*) >
+    file > built-in default."""
     with cli_errors():
-        from justllm.cli.options import ENGINE_FLAGS, config_values, default_config_file
+        from justllm.cli.options import (
+            ENGINE_FLAGS,
+            all_option_names,
+            check_serve_values,
+            config_values,
+            default_config_file,
+            file_value,
+            option_name,
+            read_config_file,
+        )
         from justllm.cli.serve import serve
-        from justllm.config import EngineConfig, read_yaml
+        from justllm.config import EngineConfig
         from justllm.plugins import load_plugins
 
-        file_values: dict[str, object] = {}
+        file_values: dict[str, tuple[str, object]] = {}
         if not config_file and default_config_file().is_file():
             config_file = str(default_config_file())
-        if config_file:
-            data = read_yaml(config_file) or {}
-            if not isinstance(data, dict):
-                raise ValueError(f"{config_file} must hold a mapping of option names to values")
-            file_values = {str(k).replace("-", "_"): v for k, v in data.items()}
+        if config_file:  # keyed by option name, as serve reads it (cli/options.py)
+            file_values = read_config_file(config_file)
         command = typer.main.get_command(_single(serve))
         table = Table("OPTION", "VALUE", "SOURCE", box=None, pad_edge=False)
         ctx = command.context_class(command)
         bad: list[str] = []
         engine = {f.name: f.default for f in ENGINE_FLAGS}
+        values: dict[str, Any] = {}  # serve's own options, as serve would get them
         for param in command.params:
-            if (param.name in ("models", "config_file", "install_completion",
-                               "show_completion") or not param.opts):
+            name = option_name(param)
+            if (not name or name == "config" or param.name in ("install_completion",
+                                                               "show_completion")):
                 continue  # serve's MODELs and the shell-completion helpers are no settings
             envvar = param.envvar if isinstance(param.envvar, str) else None
             value: object
             if envvar and envvar in os.environ:
                 value, source = os.environ[envvar], f"env {envvar}"
-                file_values.pop(param.name, None)  # known, and overridden
-            elif param.name in file_values:
-                value, source = file_values.pop(param.name), "file"
+                file_values.pop(name, None)  # known, and overridden
+            elif name in file_values:
+                value, source = file_value(param, file_values.pop(name)[1]), "file"
             else:
                 value, source = param.default, "default"
+            values[str(param.name)] = param.default
             if source != "default" and value is not None:
                 try:  # what serve would refuse is said here too
                     converted = param.process_value(ctx, value)
+                    values[str(param.name)] = converted
                     if param.name in engine:
-                        engine[param.name] = converted
+                        engine[str(param.name)] = converted
                 except typer.BadParameter as e:
                     bad.append(f"{param.opts[0]} ({source}): {e.message}")
             if param.name == "api_key" and value:
                 value = "***"
             table.add_row(param.opts[0], str(value), source)
         Console(emoji=False).print(table)
-        if file_values:
-            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(file_values))}")
-        if not bad:  # the engine's own checks, as serve and run make them (ranges, choices)
+        # One file serves every command: serve passes over the keys only another one takes.
+        others = all_option_names(context)
+        unknown = [key for name, (key, _) in file_values.items()
+                   if name not in others or name == "config"]
+        if unknown:
+            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
+        if not bad:  # serve's own checks, then the engine's, as serve and run make them
             try:
+                check_serve_values(
+                    port=values["port"], shutdown_timeout=values["shutdown_timeout"],
+                    role=values["role"], served_model_name=values["served_model_name"],
+                    models_file=values["models_file"], models_dir=values["models_dir"])
                 EngineConfig(model="", spec_methods=load_plugins().spec_methods,
                              **config_values(engine) | {"lora": ()})
             except ValueError as e:

