@@ -72,10 +72,13 @@ def deploy(
     with _errors():
         cluster = _cluster()
         from justllm.cli import options as o
+        from justllm.cli.plugins import plugins_of
         from justllm.cluster.options import ClusterSettings, check_supported
         from justllm.gateway.config import Flags, load_config
 
-        known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES)
+        # a spec method a plugin adds is one the replicas (justllm serve) take too
+        known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES,
+                      spec_methods=plugins_of(None).spec_methods)
         config = load_config(read_yaml(config_file), known)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key, route_prefix)

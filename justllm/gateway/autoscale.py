@@ -31,8 +31,11 @@ class AutoscaleConfig:
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
             raise ValueError("min-replicas must be >= 0 and max-replicas >= max(1, "
                              "min-replicas)")
-        if self.target_ongoing <= 0 or self.upscale_delay < 0 or self.downscale_delay < 0:
-            raise ValueError("target-ongoing must be > 0 and the delays >= 0")
+        # (so written that a NaN or an infinity breaks them: ceil(load / nan) raised inside
+        # the supervisor's watch loop, which died without a word)
+        if not (0 < self.target_ongoing < math.inf and 0 <= self.upscale_delay < math.inf
+                and 0 <= self.downscale_delay < math.inf):
+            raise ValueError("target-ongoing must be > 0 and the delays >= 0 (finite numbers)")
 
 
 @dataclass(frozen=True)

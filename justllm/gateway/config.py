@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
 from justllm.models.source import ModelSource
+from justllm.spec.methods import SPEC_METHODS, SpecMethod
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class Flags:
     # The flags that take no value (``gpu``): YAML must give them true or false (``gpu:
     # "false"`` would have added --gpu; ``no-prefix-cache: 1`` made its 1 a second MODEL).
     switches: frozenset[str] = frozenset()
+    # The methods ``spec:`` may name (with plugins, Plugins.spec_methods); None: the built-in
+    # ones.
+    spec_methods: Mapping[str, SpecMethod] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,14 @@ class ModelSpec:
     def gpu_of(self, index: int) -> int | None:
         return self.gpus[index % len(self.gpus)] if self.gpus else None
 
+    def unset_switches_env(self) -> frozenset[str]:
+        """The environment variables of the switches this model turns off (``gpu: false``):
+        its runner must not inherit them from the gateway, whose own environment already
+        reached every model's flags (a model's entry wins), else ``JUSTLLM_GPU=1`` beside
+        ``gpu: false`` put that model on the GPU (``--gpu`` has no ``--no-gpu``)."""
+        return frozenset(f"JUSTLLM_{key.upper().replace('-', '_')}" for key, value in self.flags
+                         if value is False)
+
     def runner_args(self) -> list[str]:
         """The flags as ``justllm serve`` arguments."""
         args: list[str] = []
@@ -176,12 +189,15 @@ class GatewayConfig:
                     raise ValueError(f"model name, alias or LoRA adapter '{n}' is used twice")
                 names[n] = m.name
         object.__setattr__(self, "names", names)
-        for bad, rule in ((self.max_loaded < 0, "max-loaded must be >= 0"),
-                          (self.load_timeout <= 0, "load-timeout must be > 0 seconds"),
-                          (self.max_waiting < 1, "max-waiting must be >= 1"),
+        # (written so that a NaN, which no comparison holds for, breaks the rule)
+        for bad, rule in ((not self.max_loaded >= 0, "max-loaded must be >= 0"),
+                          (not 0 < self.load_timeout < math.inf,
+                           "load-timeout must be > 0 seconds"),
+                          (not self.max_waiting >= 1, "max-waiting must be >= 1"),
                           (not 0.01 <= self.poll_interval <= 60,
                            "poll-interval must be in [0.01, 60] seconds"),
-                          (self.health_timeout < 1, "health-timeout must be >= 1 second")):
+                          (not 1 <= self.health_timeout < math.inf,
+                           "health-timeout must be >= 1 second")):
             if bad:
                 raise ValueError(rule)
 
@@ -192,7 +208,16 @@ class GatewayConfig:
 def _number(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where} must be a number (got {value!r})")
+    if not math.isfinite(value):  # YAML's .inf and .nan: every check of a NaN is false
+        raise ValueError(f"{where} must be a finite number (got {value!r})")
     return float(value)
+
+
+def _integer(where: str, value: Any) -> int:
+    """A count (``max-loaded``): an integer, not a number cut down to one (1.7 was 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer (got {value!r})")
+    return value
 
 
 def _count(where: str, value: Any, least: int = 0) -> int:
@@ -204,18 +229,26 @@ def _count(where: str, value: Any, least: int = 0) -> int:
 def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     """The replica keys of a model's entry as ModelSpec fields."""
     where = f"model '{name}'"
-    urls = entry.get("urls") or []
-    if isinstance(urls, str):
+    urls = entry.get("urls")
+    if urls is None:
+        urls = []
+    elif isinstance(urls, str):
         urls = [urls]
     if not isinstance(urls, list) or not all(
             isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
         raise ValueError(f"{where}: urls must be http(s):// addresses of `justllm serve`s")
+    urls = [u.rstrip("/") for u in urls]  # http://h:1/ is http://h:1
     if len(set(urls)) != len(urls):
         raise ValueError(f"{where}: a url is listed twice")
-    gpus = entry.get("gpus") or []
+    # A list, even of one: a bare number (``gpus: 0``, which was ignored) could mean a
+    # device or a count of them.
+    gpus = entry.get("gpus")
+    if gpus is None:
+        gpus = []
     if not isinstance(gpus, list) or not all(
             isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
-        raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1]")
+        raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1] "
+                         f"(got {gpus!r})")
     if _PD_KEYS & entry.keys():
         return _pd_replicas(name, entry, flags)
     if "prefill-min-tokens" in entry:
@@ -251,8 +284,7 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
         routing = routing_config(entry.get("routing"), flags.routing_policies)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return {"replicas": replicas, "gpus": tuple(gpus),
-            "urls": tuple(u.rstrip("/") for u in urls), "routing": routing,
+    return {"replicas": replicas, "gpus": tuple(gpus), "urls": tuple(urls), "routing": routing,
             "autoscale": autoscale, "roles": (), "url_roles": ("both",) * len(urls)}
 
 
@@ -315,15 +347,17 @@ def _autoscale_config(where: str, scaled: dict, least_min: int = 0) -> Autoscale
     ``least_min``), max-replicas (default max(min-replicas, 1)) and the options."""
     low = _count(f"{where}: min-replicas", scaled.get("min-replicas", 1), least_min)
     high = _count(f"{where}: max-replicas", scaled.get("max-replicas", max(low, 1)), 1)
+    options = {k.replace("-", "_"): _number(f"{where}: {k}", v) for k, v in scaled.items()
+               if k not in ("min-replicas", "max-replicas")}
     try:
-        return AutoscaleConfig(low, high, **{
-            k.replace("-", "_"): _number(f"{where}: {k}", v) for k, v in scaled.items()
-            if k not in ("min-replicas", "max-replicas")})
-    except ValueError as e:
+        return AutoscaleConfig(low, high, **options)
+    except ValueError as e:  # (its own rules, which know no model: said with ``where``)
         raise ValueError(f"{where}: {e}") from None
 
 
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
+    if not name.strip():  # ('' was served, and its runner log was named .log)
+        raise ValueError(f"a model's name is empty ({name!r}): give it a name")
     if isinstance(entry, str):
         entry = {"source": entry}
     if isinstance(entry, dict) and "source" not in entry and (entry.get("urls") and not entry.get("replicas") or _PD_KEYS & entry.keys()):
@@ -337,14 +371,18 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
         raise ValueError(f"model '{name}': unknown key(s) {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(_MODEL_KEYS))} and the engine flags of "
                          "`justllm serve`)")
-    aliases = entry.get("aliases") or []
-    if isinstance(aliases, str):
+    aliases = entry.get("aliases")
+    if aliases is None:
+        aliases = []
+    elif isinstance(aliases, str):
         aliases = [aliases]
-    if not all(isinstance(a, str) and a for a in aliases):
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip()
+                                                for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
     for key, value in entry.items():
-        if key in known and (key in flags.switches) != isinstance(value, bool):
+        if key in known and ((key in flags.switches) != isinstance(value, bool)
+                             or value is None):  # (null was passed on as --key None)
             raise ValueError(f"model '{name}': {key} must be "
                              f"{'true or false' if key in flags.switches else 'a value'}"
                              f" (got {value!r})")
@@ -353,7 +391,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
                          f"(got {entry['preload']!r})")
     if "lora" in values:
         values["lora"] = _lora_list(name, values["lora"])
-    _check_engine_flags(name, values)
+    _check_engine_flags(name, values, flags.spec_methods)
     replicas = _replicas(name, entry, flags)
     replicas["url_api_key"] = _url_api_key(name, entry.get("api-key"), replicas["urls"])
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
@@ -399,17 +437,24 @@ def check_sources(config: GatewayConfig) -> None:
 
 
 # EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.
-# (The others are resolved by the runner: the model, draft, LoRA files and the template.)
+# (The others are resolved by the runner: the model and the LoRA files; the draft model is
+# only told from its absence, as EngineConfig does. A chat template's file or built-in name
+# is the engine's to read: `justllm serve` asks it before the gateway starts.)
 _CHECKED_FLAGS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
-    "model", "spec", "spec_methods", "draft_model", "lora", "chat_template"}
+    "model", "spec_methods", "lora"}
 
 
-def _check_engine_flags(name: str, values: dict[str, Any]) -> None:
-    """An engine flag with a value the runner would refuse (``max-seqs: -3``) is refused now."""
+def _check_engine_flags(name: str, values: dict[str, Any],
+                        spec_methods: Mapping[str, SpecMethod] | None = None) -> None:
+    """An engine flag with a value the runner would refuse (``max-seqs: -3``, ``spec:
+    bogus``) is refused now."""
     given = {key: v for k, v in values.items()
              if (key := k.replace("-", "_")) in _CHECKED_FLAGS}
+    if "spec" in given or "draft_model" in given:  # as the runner reads them (config_values):
+        given["spec"] = given.get("spec") or ("draft" if given.get("draft_model") else "")
     try:
-        EngineConfig(model=name, **given)
+        EngineConfig(model=name, **given,
+                     spec_methods=SPEC_METHODS if spec_methods is None else spec_methods)
     except ValueError as e:
         said = str(e)
         for key in given:  # in models.yaml's spelling: max_seqs is max-seqs there
@@ -449,16 +494,23 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
     if unknown:
         raise ValueError(f"models.yaml: unknown key(s) {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(_TOP_KEYS))})")
+    for n in data["models"]:
+        if n is None:  # (it was served as "None")
+            raise ValueError("models.yaml: a model's name is ~ (null): give it a name")
+        if isinstance(n, bool):  # (it was served as "True")
+            raise ValueError(f"models.yaml: a model is named {str(n).lower()}, which is how "
+                             "YAML reads an unquoted yes, no, on, off, true or false: quote "
+                             "the name")
     models = tuple(model_spec(str(n), e, flags) for n, e in data["models"].items())
     try:
         max_memory = parse_size(data.get("max-memory", 0))
     except ValueError as e:
         raise ValueError(f"max-memory: {e}") from None
     return GatewayConfig(
-        models, max_loaded=int(_number("max-loaded", data.get("max-loaded", 0))),
+        models, max_loaded=_integer("max-loaded", data.get("max-loaded", 0)),
         max_memory=max_memory,
         load_timeout=_number("load-timeout", data.get("load-timeout", 120)),
-        max_waiting=int(_number("max-waiting", data.get("max-waiting", 64))),
+        max_waiting=_integer("max-waiting", data.get("max-waiting", 64)),
         poll_interval=_number("poll-interval", data.get("poll-interval", 0.25)),
         health_timeout=_number("health-timeout", data.get("health-timeout", 30)),
         model_sources=flags.model_sources)

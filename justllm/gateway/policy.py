@@ -4,6 +4,7 @@ when an idle model expires, and how long to wait before restarting a runner. (Ol
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -128,7 +129,7 @@ def parse_size(value: object) -> int:
     """Bytes from ``8GB``, ``512MiB``, ``1.5G`` or a number of bytes (GB = 10^9, GiB = 2^30)."""
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or such as '8GB' or '512MiB'")
-    if isinstance(value, (int, float)) and value >= 0:
+    if isinstance(value, (int, float)) and 0 <= value < math.inf:  # (int(inf) raised)
         return int(value)
     m = _SIZE.match(value) if isinstance(value, str) else None
     if m is None:
@@ -136,7 +137,10 @@ def parse_size(value: object) -> int:
     unit = (m.group(2) or "b").lower()
     power = "bkmgt".index(unit[0])
     base = 1024 if "i" in unit else 1000
-    return int(float(m.group(1)) * base ** power)
+    size = float(m.group(1)) * base ** power
+    if not math.isfinite(size):  # 400 digits
+        raise ValueError(f"{value!r} is not a size (too large)")
+    return int(size)
 
 
 CHARS_PER_TOKEN = 4  # the usual estimate for English text under BPE/SentencePiece vocabularies

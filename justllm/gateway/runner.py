@@ -86,7 +86,8 @@ class RunnerProcess:
             self.log_start = log.tell()  # where this run's output begins
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**{k: v for k, v in os.environ.items() if k != "JUSTLLM_API_KEY"},
+                env={**{k: v for k, v in os.environ.items()
+                        if k != "JUSTLLM_API_KEY" and k not in spec.unset_switches_env()},
                      "JUSTLLM_PARENT_PID": str(os.getpid()),
                      **({"JUSTLLM_API_KEY": api_key} if api_key else {}),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})})

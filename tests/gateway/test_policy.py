@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -20,8 +21,9 @@ from justllm.gateway.policy import (
 )
 from justllm.server.ollama import keep_alive_seconds
 
-FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks", "lora"}), {"ctx": 512},
-              switches=frozenset({"gpu"}))
+FLAGS = Flags(frozenset({"max-seqs", "ctx", "gpu", "pool-blocks", "lora", "spec", "draft-model",
+                         "chat-template"}), {"ctx": 512}, switches=frozenset({"gpu"}))
+INF, NAN = math.inf, math.nan  # YAML's .inf and .nan
 
 
 def test_expired_only_idle_models_past_their_ttl():
@@ -69,6 +71,13 @@ def test_memory_estimate_of_the_demo_model_is_close_to_what_a_runner_uses(model_
                                          ("1.5G", 1_500_000_000), (4096, 4096)])
 def test_sizes(value, size):
     assert parse_size(value) == size
+
+
+@pytest.mark.parametrize("value", [INF, "9" * 400])
+def test_sizes_too_large_for_an_integer(value):
+    """(int(inf) raised OverflowError: a traceback from `justllm serve --models`.)"""
+    with pytest.raises(ValueError, match="size"):
+        parse_size(value)
 
 
 def test_restart_backoff_then_failed():
@@ -143,11 +152,116 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
      "model 'a': LoRA adapter name 'bad name'"),
     ({"models": {"a": {"source": "/a", "lora": {"sql": "/l.gguf:1e9"}}}},
      "model 'a': LoRA adapter 'sql': scale must be a number"),
+    # YAML's .inf and .nan: a traceback (OverflowError), or let through by every "<= 0"
+    # check to fail the running gateway (a 500 on each request, the autoscaler's loop dead)
+    ({"models": {"a": "/a"}, "max-loaded": INF}, "max-loaded must be an integer (got inf)"),
+    ({"models": {"a": "/a"}, "max-loaded": NAN}, "max-loaded must be an integer (got nan)"),
+    ({"models": {"a": "/a"}, "max-waiting": INF}, "max-waiting must be an integer (got inf)"),
+    ({"models": {"a": "/a"}, "max-memory": INF}, "max-memory: inf is not a size"),
+    ({"models": {"a": "/a"}, "load-timeout": NAN},
+     "load-timeout must be a finite number (got nan)"),
+    ({"models": {"a": "/a"}, "load-timeout": INF},
+     "load-timeout must be a finite number (got inf)"),
+    ({"models": {"a": "/a"}, "health-timeout": NAN},
+     "health-timeout must be a finite number (got nan)"),
+    ({"models": {"a": "/a"}, "poll-interval": NAN},
+     "poll-interval must be a finite number (got nan)"),
+    ({"models": {"a": {"source": "/a", "ttl": NAN}}},
+     "model 'a': ttl must be a finite number (got nan)"),
+    ({"models": {"a": {"source": "/a", "max-replicas": 2, "target-ongoing": NAN}}},
+     "model 'a': target-ongoing must be a finite number (got nan)"),
+    ({"models": {"a": {"source": "/a", "max-replicas": 2, "upscale-delay": INF}}},
+     "model 'a': upscale-delay must be a finite number (got inf)"),
+    ({"models": {"a": {"source": "/a", "prefill-replicas": 1,
+                       "decode-replicas": {"max-replicas": 2, "downscale-delay": NAN}}}},
+     "model 'a': decode-replicas: downscale-delay must be a finite number (got nan)"),
+    # a count is an integer (1.7 became 1)
+    ({"models": {"a": "/a"}, "max-loaded": 1.7}, "max-loaded must be an integer (got 1.7)"),
+    ({"models": {"a": "/a"}, "max-waiting": "8"}, "max-waiting must be an integer (got '8')"),
+    # ignored: a bare number, an empty string (any falsy value was "none")
+    ({"models": {"a": {"source": "/a", "gpus": 0}}},
+     "model 'a': gpus must be a list of device numbers such as [0, 1] (got 0)"),
+    ({"models": {"a": {"source": "/a", "gpus": ""}}}, "gpus must be a list of device numbers"),
+    ({"models": {"a": {"source": "/a", "aliases": 0}}}, "model 'a': aliases must be names"),
+    # one server, twice (the check ran before the trailing / was taken off)
+    ({"models": {"a": {"urls": ["http://h:1", "http://h:1/"]}}},
+     "model 'a': a url is listed twice"),
+    # served as '' (its runner log named .log), as "None", as "True"
+    ({"models": {"": "/a"}}, "a model's name is empty ('')"),
+    ({"models": {" ": "/a"}}, "a model's name is empty (' ')"),
+    ({"models": {None: "/a"}}, "models.yaml: a model's name is ~ (null): give it a name"),
+    ({"models": {True: "/a"}}, "models.yaml: a model is named true, which is how YAML reads"),
+    # the runner refuses them: three failed starts and a 503 at the first request
+    ({"models": {"a": {"source": "/a", "spec": "bogus"}}},
+     "model 'a': spec must be one of ngram, draft, tree (got 'bogus')"),
+    ({"models": {"a": {"source": "/a", "spec": "draft"}}},
+     "model 'a': --spec draft needs --draft-model"),
+    ({"models": {"a": {"source": "/a", "spec": "ngram", "draft-model": "/d.gguf"}}},
+     "model 'a': --draft-model is for a method that drafts with it"),
+    ({"models": {"a": {"source": "/a", "chat-template": ""}}},
+     "model 'a': chat-template must be a template name or a file path"),
+    ({"models": {"a": {"source": "/a", "spec": None}}}, "model 'a': spec must be a value"),
 ])
 def test_config_errors_say_what_is_wrong(data, says):
     with pytest.raises(ValueError) as e:
         load_config(data, FLAGS)
     assert says in str(e.value)
+
+
+def test_an_autoscaler_error_names_its_model_once():
+    """It said "model 'a': model 'a': upscale-delay must be a number"."""
+    for scaled, says in (({"max-replicas": 2, "upscale-delay": "30s"},
+                          "model 'a': upscale-delay must be a number (got '30s')"),
+                         ({"max-replicas": 2, "target-ongoing": 0},
+                          "model 'a': target-ongoing must be > 0")):
+        with pytest.raises(ValueError) as e:
+            load_config({"models": {"a": {"source": "/a", **scaled}}}, FLAGS)
+        assert str(e.value).startswith(says) and str(e.value).count("model 'a'") == 1
+
+
+def test_the_configs_own_checks_refuse_nan_and_inf():
+    """The checks of the configs themselves, which a NaN passed ("nan <= 0" is false)."""
+    from justllm.gateway.autoscale import AutoscaleConfig
+    from justllm.gateway.config import GatewayConfig, ModelSpec
+
+    for options in ({"target_ongoing": NAN}, {"target_ongoing": INF}, {"upscale_delay": NAN},
+                    {"downscale_delay": INF}):
+        with pytest.raises(ValueError, match="target-ongoing must be > 0"):
+            AutoscaleConfig(1, 2, **options)
+    models = (ModelSpec("a", "/a"),)
+    for options, says in (({"load_timeout": NAN}, "load-timeout"),
+                          ({"health_timeout": NAN}, "health-timeout"),
+                          ({"max_loaded": NAN}, "max-loaded")):
+        with pytest.raises(ValueError, match=says):
+            GatewayConfig(models, **options)
+
+
+def test_spec_is_checked_as_serve_checks_it():
+    """``spec`` among the gateway's methods (a plugin's too); a draft model alone means
+    ``spec: draft``. (A chat template's file: tests/gateway/test_config_checks.py.)"""
+    from justllm.spec.methods import SPEC_METHODS
+
+    cfg = load_config({"models": {
+        "a": {"source": "/a", "spec": "ngram"},
+        "b": {"source": "/b", "draft-model": "/d.gguf"},
+        "c": {"source": "/c", "spec": "tree", "draft-model": "/d.gguf"}}}, FLAGS)
+    assert cfg.spec("a").runner_args() == ["--ctx", "512", "--spec", "ngram"]
+    assert "--spec" not in cfg.spec("b").runner_args()  # the runner makes it draft too
+    # The gateway's own --spec reaches every model, and is checked in each.
+    with pytest.raises(ValueError, match="model 'x': spec must be one of"):
+        list_config(["/m/x.gguf"], Flags(FLAGS.names, {"spec": "bogus"}))
+    # A plugin's method is one; the methods are the Flags' (serve passes the plugins').
+    mine = Flags(FLAGS.names, spec_methods={**SPEC_METHODS, "mine": SPEC_METHODS["ngram"]})
+    assert load_config({"models": {"a": {"source": "/a", "spec": "mine"}}},
+                       mine).spec("a").runner_args() == ["--spec", "mine"]
+
+
+def test_gpus_and_urls_as_given():
+    cfg = load_config({"models": {"a": {"source": "/a", "gpus": [0], "replicas": 2},
+                                  "b": {"urls": "http://h:1/", "aliases": "bee"}}}, FLAGS)
+    assert cfg.spec("a").gpus == (0,) and cfg.spec("a").gpu_of(1) == 0
+    assert cfg.spec("b").urls == ("http://h:1",) and cfg.names["bee"] == "b"
+    assert load_config({"models": {1: "/a"}}, FLAGS).models[0].name == "1"  # (YAML's 1:)
 
 
 def test_models_dir_names_models_by_file_stem(tmp_path, caplog):
