@@ -1,4 +1,3 @@
-
 _justllm_completion() {
     local IFS=$'
 '
@@ -9,4 +8,3 @@ _justllm_completion() {
 }
 
 complete -o default -F _justllm_completion justllm
-

@@ -12,6 +12,13 @@ _WORDS = ("time person year way day thing man world life hand part child eye wom
           "market light music story winter orange silver planet ocean forest bridge").split()
 
 
+# Every prompt is built in memory before the run (so that making them is not timed): a prompt
+# longer than any model's context (a word is about a token) is refused, and so are more words
+# in all than a few hundred MB of text.
+MAX_PROMPT_WORDS = 1 << 20
+MAX_TOTAL_WORDS = 1 << 26
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     prompt: str

@@ -139,6 +139,28 @@ def about_context(param: str | None, message: str) -> bool:
     return param in ("prompt", "max_tokens", "messages") and "context" in message
 
 
+def check_url(url: str, flag: str = "--url") -> str:
+    """``url`` as given, or a ValueError naming ``flag`` for an address no request could go to.
+    Checked before anything runs: httpx raises InvalidURL (no HTTPError) for a malformed one
+    (``http://[::1``), a port beyond 65535 fails only in the socket (OverflowError), and a
+    host name with an empty or overlong label in the resolver (UnicodeError)."""
+    if not url.lower().startswith(("http://", "https://")):
+        raise ValueError(f"{flag} must start with http:// or https://, got {url!r}")
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"{flag} {url!r} is not a valid URL: {e}") from None
+    if not parsed.host:
+        raise ValueError(f"{flag} {url!r} names no host")
+    if parsed.port is not None and not 0 < parsed.port <= 65535:
+        raise ValueError(f"{flag} {url!r}: the port must be in 1-65535 (got {parsed.port})")
+    try:
+        parsed.host.encode("idna")  # as the resolver will (an IPv6 address passes)
+    except UnicodeError:
+        raise ValueError(f"{flag} {url!r}: {parsed.host!r} is not a valid host name") from None
+    return url
+
+
 def remote_base(url: str) -> str:
     """The server's root: OpenAI clients are configured with ``.../v1``, and the chat and
     ``justllm bench`` add ``/v1/...`` (and ``/metrics``) themselves."""
@@ -173,7 +195,7 @@ class RemoteChat:
     """``/v1/chat/completions`` with streaming on a running server."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
-        self.url = remote_base(url)
+        self.url = remote_base(check_url(url))  # (a malformed one was an httpx traceback)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(600, connect=10), headers=headers,
                                    trust_env=False)

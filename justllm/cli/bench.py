@@ -22,8 +22,8 @@ def bench(
     num_requests: Annotated[int, typer.Option("--num-requests", "-n", help="Requests to send.")] = 32,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Most requests in flight.")] = 8,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals per second (default: all at once, bounded by --concurrency).")] = None,
-    input_len: Annotated[int, typer.Option("--input-len", help="Words per random prompt / question.")] = 64,
-    prefix_len: Annotated[int, typer.Option("--prefix-len", help="Words in the shared prefix (shared-prefix workload).")] = 1000,
+    input_len: Annotated[int, typer.Option("--input-len", help="Words per random prompt / question (a word is about a token; a prompt holds at most 1048576).")] = 64,
+    prefix_len: Annotated[int, typer.Option("--prefix-len", help="Words in the shared prefix (shared-prefix workload; with --input-len at most 1048576).")] = 1000,
     output_len: Annotated[Optional[int], typer.Option("--output-len", help="Tokens to generate per request (default 128; sharegpt: the recorded reply's length in words).", show_default=False)] = None,
     served_model: Annotated[Optional[str], typer.Option("--model-name", help="The model id to send (default: none; the server's own).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for the endpoint(s).")] = None,
@@ -45,13 +45,24 @@ def bench(
         from justllm.bench import workloads as w
         from justllm.bench.report import summarize, table
         from justllm.bench.runner import run_workload, sampling_fields
-        from justllm.chat.backends import remote_base
+        from justllm.chat.backends import check_url, remote_base
 
         if output_len is None and dataset is None and workload != "sharegpt":
             output_len = 128
         if (num_requests < 1 or concurrency < 1 or (output_len is not None and output_len < 1)
                 or input_len < 1):
             raise ValueError("--num-requests, --concurrency, --output-len and --input-len must be >= 1")
+        if prefix_len < 0:
+            raise ValueError("--prefix-len must be >= 0")
+        for flag, words in (("--input-len", input_len), ("--prefix-len", prefix_len)):
+            if words > w.MAX_PROMPT_WORDS:
+                raise ValueError(f"{flag} must be at most {w.MAX_PROMPT_WORDS} words (about a "
+                                 f"token each: more than any model's context), got {words}")
+        if max_seqs is not None and max_seqs < 1:
+            raise ValueError("--max-seqs must be >= 1")
+        for flag, address in (("--url", url), ("--vs", vs)):
+            if address is not None:  # before the run: it printed a table of dashes first
+                check_url(address, flag)
         if json_out is not None and not json_out.parent.is_dir():  # found out before the run
             raise ValueError(f"--json: the directory {json_out.parent} does not exist")
         if request_rate is not None and request_rate <= 0:
@@ -65,6 +76,16 @@ def bench(
         sampling = sampling_fields(temperature, top_p, top_k, min_p)
         if dataset is not None:
             workload = "sharegpt"
+        per_prompt = input_len + (prefix_len if workload == "shared-prefix" else 0)
+        if per_prompt > w.MAX_PROMPT_WORDS:
+            raise ValueError(f"--prefix-len + --input-len must be at most {w.MAX_PROMPT_WORDS} "
+                             f"words (about a token each: more than any model's context), got "
+                             f"{per_prompt}")
+        if workload in ("random", "shared-prefix") and num_requests * per_prompt > w.MAX_TOTAL_WORDS:
+            raise ValueError(f"--num-requests {num_requests} prompts of {per_prompt} words are "
+                             f"{num_requests * per_prompt} words, more than the "
+                             f"{w.MAX_TOTAL_WORDS} bench builds in memory before a run: send "
+                             "fewer requests or shorter prompts")
         if workload == "random":
             requests = w.random_prompts(num_requests, input_len, output_len or 128, seed)
         elif workload == "shared-prefix":
@@ -83,7 +104,7 @@ def bench(
             from justllm.bench.local_server import LocalServer
 
             console.print("starting a local justllm server for the benchmark…")
-            server = LocalServer.start(model, max_seqs=max_seqs or 8)
+            server = LocalServer.start(model, max_seqs=8 if max_seqs is None else max_seqs)
             url = server.url
         summaries = []
         try:

@@ -31,6 +31,9 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
     with cli_errors():
         import httpx
 
+        from justllm.chat.backends import check_url
+
+        check_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             r = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=10,

@@ -17,8 +17,9 @@ def top(
 ) -> None:
     """Watch a running server: requests, KV blocks, prefix-cache hit ratio, tokens/s, TTFT (q or Ctrl-C quits, p pauses); a gateway adds a row per model (enter shows one, a all)."""
     with cli_errors():
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--url must start with http:// or https://, got {url!r}")
+        from justllm.chat.backends import check_url
+
+        check_url(url)  # (as ps, chat and bench check theirs)
         if not (sys.stdin.isatty() and sys.stdout.isatty()):
             # Textual would draw its screen into the pipe and never end.
             raise ValueError("justllm top needs a terminal; for the figures in a script, "

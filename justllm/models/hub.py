@@ -171,7 +171,10 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
     with hub_errors(repo, lambda: file, revision, endpoint):
         if file is None:
             _resolvable(endpoint)
-            file = pick_gguf(repo, HfApi(endpoint=endpoint).list_repo_files(repo, revision=revision))
+            files = HfApi(endpoint=endpoint).list_repo_files(repo, revision=revision)
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError(f"file names that are not strings: {files[:3]!r}")
+            file = pick_gguf(repo, files)
         meta = get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),
                                     endpoint=endpoint)
         commit = meta.commit_hash or revision
@@ -298,6 +301,9 @@ def hub_errors(repo: str, file: Callable[[], str | None], revision: str,
                              f"'{revision}'") from None
     except transport as e:
         raise ModelLoadError(f"{_what(repo, file())} {where}: {_one_line(e)}") from None
+    except (TypeError, LookupError, AttributeError) as e:  # JSON, but not the hub's answer
+        raise ModelLoadError(f"{_what(repo, file())} {where}: its answer is not a Hugging Face "
+                             f"Hub's ({type(e).__name__}: {_one_line(e)})") from None
 
 
 def _what(repo: str, file: str | None) -> str:

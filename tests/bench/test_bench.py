@@ -125,3 +125,39 @@ def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tm
     assert last == (f"error: the local server failed: {bad} is not a GGUF file (no GGUF magic "
                     "at its start)"), r.output
     assert children(os.getpid()) == before
+
+
+def test_prompt_lengths_are_bounded_and_refused_before_anything_is_built(monkeypatch):
+    """Every prompt is built before the run: --input-len 999999999 hung building them, and
+    --prefix-len -5 was taken without a word. Nothing listens at the --url: a refusal is the
+    only line, before any request."""
+    from justllm.bench import workloads
+
+    url = ["--url", "http://127.0.0.1:9", "-n", "1"]
+    for args, says in (
+            (["--input-len", str((1 << 20) + 1)], "--input-len must be at most 1048576 words"),
+            (["--workload", "shared-prefix", "--prefix-len", str((1 << 20) + 1)],
+             "--prefix-len must be at most 1048576 words"),
+            (["--prefix-len", "-5"], "--prefix-len must be >= 0"),
+            (["--workload", "shared-prefix", "--prefix-len", "1048000", "--input-len", "1000"],
+             "--prefix-len + --input-len must be at most 1048576 words (about a token each: "
+             "more than any model's context), got 1049000")):
+        r = runner.invoke(app, ["bench", *url, *args])
+        assert r.exit_code == 1 and r.output.startswith(f"error: {says}"), (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    assert workloads.MAX_PROMPT_WORDS == 1 << 20  # more than any model's context
+    # All prompts together are bounded too (the real bound, 2**26 words, is ~400 MB of text).
+    monkeypatch.setattr(workloads, "MAX_TOTAL_WORDS", 1000)
+    r = runner.invoke(app, ["bench", *url[:2], "-n", "11", "--input-len", "100"])
+    assert r.exit_code == 1 and r.output.startswith(
+        "error: --num-requests 11 prompts of 100 words are 1100 words, more than the 1000"), r.output
+    r = runner.invoke(app, ["bench", *url[:2], "-n", "10", "--workload", "shared-prefix",
+                            "--prefix-len", "50", "--input-len", "51"])
+    assert r.output.startswith("error: --num-requests 10 prompts of 101 words"), r.output
+
+
+def test_max_seqs_below_one_is_refused_before_a_server_starts():
+    """--max-seqs 0 became 8 (`max_seqs or 8`) and a negative one failed in the server."""
+    for value in ("0", "-3"):
+        r = runner.invoke(app, ["bench", "--max-seqs", value, "-n", "1"])
+        assert r.exit_code == 1 and r.output.strip() == "error: --max-seqs must be >= 1", r.output

@@ -290,6 +290,15 @@ def test_show_takes_a_path_as_run_does(models_dir, tmp_path_factory, monkeypatch
         assert error_line(runner.invoke(app, ["show", arg])) == f"error: model file not found: {arg}"
 
 
+def test_an_empty_model_name_says_so(models_dir):
+    """``show ''`` and ``run ''`` said "error:  is a directory" (Path('') is '.')."""
+    says = ("error: the model name is empty: pass a path to a .gguf file, a NAME[:TAG] from "
+            "'justllm models', or a Hugging Face REPO[:FILE]")
+    for name in ("", "  "):
+        assert error_line(runner.invoke(app, ["show", name])) == says, repr(name)
+        assert error_line(runner.invoke(app, ["run", name, "-p", "x"])) == says, repr(name)
+
+
 @pytest.fixture
 def demo_dir(tmp_path, model_path, monkeypatch):
     """A models directory holding the demo model where it is assembled (linked, with its

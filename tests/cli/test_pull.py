@@ -230,6 +230,47 @@ def test_unreachable_hub_is_one_line(hub: FakeHub, monkeypatch: pytest.MonkeyPat
     assert ModelStore(_models(tmp_path)).paths() == []
 
 
+@pytest.mark.parametrize("body, says", [
+    (b'{"siblings": "x", "sha": 5}', "TypeError: string indices must be integers"),
+    (b"[1, 2]", "TypeError: 'int' object is not subscriptable"),
+    (b"[{}]", "KeyError: 'type'"),
+    (b"null", "TypeError: 'NoneType' object is not iterable"),
+    (b'[{"type": "file", "path": 5, "size": 1, "oid": "x"}]', "file names that are not strings"),
+])
+def test_a_mirror_answering_json_that_is_not_the_hubs_is_one_line(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, body: bytes, says: str) -> None:
+    """A listing the hub library cannot read was its TypeError traceback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Odd(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    isolate_hub_library(monkeypatch, tmp_path, url)
+    try:
+        line = _error_line(runner.invoke(app, ["pull", "acme/odd"]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line.startswith(f"error: cannot list acme/odd on {url}: its answer is not a "
+                           "Hugging Face Hub's (") and says in line, line
+    assert ModelStore(_models(tmp_path)).paths() == []
+
+
 def test_a_hub_that_does_not_resolve_fails_at_once_and_a_missing_path_is_not_a_repo(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Offline, a repo's listing waited out the hub library's five retries (~25 s, a warning
