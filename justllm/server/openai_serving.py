@@ -512,8 +512,8 @@ class OpenAIServing:
     @staticmethod
     def _own_thinking_budget(req: ChatCompletionRequest) -> int | None:
         """The budget ``req`` asks for under either of llama-server's names (None: none)."""
-        return one_value({"thinking_budget_tokens": req.thinking_budget_tokens,
-                          "reasoning_budget_tokens": req.reasoning_budget_tokens})
+        return one_value({"reasoning_budget_tokens": req.reasoning_budget_tokens,
+                          "thinking_budget_tokens": req.thinking_budget_tokens})
 
     def budgeted(self, params: SamplingParams, prompt: str, own: int | None = None,
                  message: str | None = None) -> SamplingParams:

@@ -559,8 +559,8 @@ def test_what_no_retry_or_no_value_can_satisfy_is_a_400(server):
     refused(chat, {"messages": hi, "max_tokens": 3, "max_completion_tokens": 4},
             "max_tokens", "max_completion_tokens and max_tokens disagree")
     refused(chat, {"messages": hi, "thinking_budget_tokens": 3, "reasoning_budget_tokens": 4},
-            "reasoning_budget_tokens", "thinking_budget_tokens and reasoning_budget_tokens "
-                                       "disagree")
+            "thinking_budget_tokens", "reasoning_budget_tokens and thinking_budget_tokens "
+                                      "disagree")
     refused(chat, {"messages": hi, "reasoning_effort": "banana"}, "reasoning_effort", "")
     for url, body in ((chat, {"messages": hi}), (comp, {"prompt": "hi"})):
         refused(url, {**body, "prompt_cache_retention": "forever"}, "prompt_cache_retention", "")
