@@ -34,12 +34,30 @@ from justllm.cluster.lora import MAX_RUNTIME_ADAPTERS, RuntimeAdapters, stale_ad
 from justllm.cluster.options import STATS_PERIOD
 from justllm.config import EngineConfig
 from justllm.errors import InvalidRequestError, JustLLMError
-from justllm.server.errors import error_body
+from justllm.server.anthropic import error_body as anthropic_error_body
+from justllm.server.errors import APIError, error_body, llama_server_error, llama_server_path
 
 log = logging.getLogger(__name__)
 
 STALE = 3 * STATS_PERIOD + 2.0  # seconds without a report before a replica leaves the board
 ROUTING_KEYS = ("running", "waiting", "kv_usage", "ttft_p50", "hit_ratio", "cache_blocks")
+
+
+def adapter_failure(path: str, headers: list[tuple[str, str]], message: str) -> bytes:
+    """A 400's body about the request's adapter in the API's own shape, as the server's
+    exception handler (server/errors.handle_exception) would give it: Anthropic's on
+    /v1/messages (or for its SDK), Ollama's under /api/, llama-server's on its own routes,
+    else OpenAI's (it was OpenAI's on every API)."""
+    if path.startswith("/v1/messages") or any(k.lower() == "anthropic-version"
+                                              for k, _ in headers):
+        body: dict[str, Any] = anthropic_error_body(400, message)
+    elif path.startswith("/api/"):
+        body = {"error": message}
+    elif llama_server_path(path):
+        body = llama_server_error(APIError(400, message, param="model"))
+    else:
+        body = error_body(message, "invalid_request_error", param="model")
+    return msgspec.json.encode(body)
 
 
 class ModelReplica:
@@ -74,9 +92,8 @@ class ModelReplica:
                 await self._runtime_adapter(*lora)
             except Exception as e:  # the file changed or went since the ingress checked it
                 yield Head(400, [("content-type", "application/json")])
-                yield msgspec.json.encode(error_body(
-                    f"the LoRA adapter '{lora[0]}' could not be loaded: {e}",
-                    "invalid_request_error", param="model"))
+                yield adapter_failure(path, headers,
+                                      f"the LoRA adapter '{lora[0]}' could not be loaded: {e}")
                 return
         async for item in self.host.http(method, path, query, headers, body):
             yield item

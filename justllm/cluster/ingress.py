@@ -97,16 +97,25 @@ class Ingress:
     # replica (gateway/policy.unstable_lora_id).
     fixed_lora: dict[str, int] = field(default_factory=dict)
 
+    def is_adapter(self, name: str) -> bool:
+        """``name`` is a LoRA adapter (models.yaml's or one loaded at run time)."""
+        return name in self.adapters or name in self.runtime.loaded
+
     def model(self, name: Any, ollama: bool) -> str:
         """The model ``name`` means, or the error the gateway gives for it."""
         if name is not None and not isinstance(name, str):
             raise APIError(400, "model must be a string", param="model")
         found = self.names.get(name) if name else (
             next(iter(self.handles)) if len(self.handles) == 1 else None)
-        if found is None and name and name.endswith(":latest"):  # Ollama clients add it
-            found = self.names.get(name.removesuffix(":latest"))
         if found is None and name in self.runtime.loaded:
             found = self.runtime.loaded[name].model
+        if found is None and name and name.endswith(":latest"):  # Ollama clients add it
+            bare = name.removesuffix(":latest")
+            if ollama or not self.is_adapter(bare):
+                # (off Ollama's API an adapter's NAME:latest is no model name: a single
+                # server's 404; it used to run on the base model, without the adapter)
+                found = self.names.get(bare) or (
+                    self.runtime.loaded[bare].model if bare in self.runtime.loaded else None)
         if found is not None:
             return found
         known = ", ".join(self.names)
@@ -146,7 +155,7 @@ async def forward(request: Request, path: str, *, method: str = "POST",
     named = body.get(key)
     if ollama and isinstance(named, str) and named.endswith(":latest"):
         bare = named.removesuffix(":latest")  # the tag Ollama clients add, to an adapter too
-        if bare in ing.adapters or bare in ing.runtime.loaded:
+        if ing.is_adapter(bare):
             named = body[key] = bare
     fixed = ing.fixed_lora.get(model, 0)
     unstable = unstable_lora_id(body, fixed)

@@ -51,8 +51,10 @@ from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
 from justllm.server.response_store import unstored
 
-# A runner that died before answering: the request is sent once more to its successor.
-_NOT_ANSWERED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+# A replica that could not be reached or died before answering (refused or timed-out
+# connection, a broken write or read, a protocol error): nothing reached the client, and the
+# request is sent once more, to another replica or this one's successor.
+_NOT_ANSWERED = httpx.TransportError
 LOAD_SCOPE_KEY = "justllm.load_seconds"  # how long this request waited for its model's load
 
 
@@ -74,7 +76,12 @@ def _model(sup: Supervisor, name: Any, ollama: bool = False) -> ModelState:
         raise APIError(400, "model must be a string", param="model")
     found = sup.resolve(name)
     if found is None and name and name.endswith(":latest"):  # the tag Ollama clients add
-        found = sup.resolve(name.removesuffix(":latest"))
+        bare = name.removesuffix(":latest")
+        found = sup.resolve(bare)
+        if found is not None and not ollama and found.has_adapter(bare):
+            # Off Ollama's API an adapter's NAME:latest is no model name (a single server's
+            # 404): it used to run on the base model, without the adapter.
+            found = None
     if found is None and ollama:
         raise APIError(404 if name else 400,
                        f'model "{name}" not found, try pulling it first' if name
@@ -120,11 +127,12 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None
     if "keep_alive" in body:  # Ollama's: the gateway's to honour; runners never unload
-        try:
-            keep_alive = keep_alive_seconds(body.pop("keep_alive"))
-        except ValueError as e:
-            raise APIError(400, str(e), param="keep_alive") from None
-    if keep_alive == 0 and ollama and not state.remote_only:
+        keep_alive = _keep_alive(state, body["keep_alive"])
+        if state.remote_only:  # the remote servers' to honour or refuse: sent on as it came
+            keep_alive = None  # (it used to be dropped, and keep_alive 0 answered a load)
+        else:
+            del body["keep_alive"]
+    if keep_alive == 0 and ollama:
         done = unloaded(body.get("model") or body.get("name") or state.spec.name, path, body)
         if done is not None:  # Ollama's "unload this model": done without loading it
             state.keep_alive = 0.0
@@ -199,13 +207,17 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
             if named and replica.serves not in (None, state.spec.name) and sent is plain:
                 # a remote server of this model under another name: asked by its own
                 this = msgspec.json.encode({**body, name_key: replica.serves})
+            # The replica is released once, however the try ends: by _send with its answer,
+            # by its stream's relay at the stream's end, or below (an error, a cancellation).
+            release = _Once(partial(sup.done, replica))
+            answer: Response | Stream | None = None
             try:
-                answer = await _send(request, replica, target, this, state, keep_alive,
-                                     partial(sup.done, replica), method)
+                answer = await _send(request, replica, target, this, state, keep_alive, release,
+                                     method)
             except _NOT_ANSWERED as e:
                 # Nothing reached the client: the request goes to another replica (or to
                 # this one's successor) -- once, so a request that kills runners kills two.
-                sup.done(replica)
+                release()
                 sup.replica_failed(state, replica, f"{type(e).__name__}: {e}")
                 failed += 1
                 if failed == 2:
@@ -214,10 +226,13 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                                    headers={"Retry-After": "2"}) from None
                 continue
             except _Refused as e:
-                sup.done(replica)
+                release()
                 skip.add(replica.id)
                 refused = e.response
                 continue
+            finally:
+                if not isinstance(answer, Stream):  # (a stream's relay releases it at its end)
+                    release()
             ended = isinstance(answer, Stream)  # the stream's relay ends the request
             return answer
     finally:
@@ -225,6 +240,37 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
             await handover.close()
         if not ended:
             sup.end(state, keep_alive)
+
+
+def _keep_alive(state: ModelState, value: object) -> float | None:
+    """A request's ``keep_alive`` in seconds, as the gateway honours it: None where the
+    model's own rule holds (a model never unloaded, ``min-replicas`` >= 1, stays loaded at
+    least as long as any duration asks); a 400 for what no model could honour (not a
+    duration, one past Go's range, or 0 on a model never unloaded)."""
+    try:
+        seconds = keep_alive_seconds(value)
+    except ValueError as e:
+        raise APIError(400, str(e), param="keep_alive") from None
+    if not state.pinned:
+        return seconds
+    if seconds == 0:
+        raise APIError(400, f"keep_alive 0 unloads the model, and model '{state.spec.name}' "
+                            "is never unloaded (min-replicas >= 1 in models.yaml); leave "
+                            "keep_alive out, or POST /models/unload", param="keep_alive")
+    return None
+
+
+class _Once:
+    """``release()`` at most once, however many of its callers get to it."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release
+        self.called = False
+
+    def __call__(self) -> None:
+        if not self.called:
+            self.called = True
+            self.release()
 
 
 class _Handover:
@@ -318,9 +364,15 @@ async def _send(request: Request, replica: Replica, path: str,
         # by an alias (as a body's model is rewritten: see _forward)
         query = urlencode({**dict(request.query_params),
                            "model": replica.serves or state.spec.name})
-    response = await http.send(http.build_request(
+    # A runner sends the head of an answer that is not a stream only once it is done: a
+    # client that leaves before then cancels the send, whose connection closes, and the
+    # runner aborts the request (it used to generate to the end, holding its KV).
+    response = await unless_disconnected(request, http.send(http.build_request(
         method, f"{replica.url}{path}", content=content if method == "POST" else None,
-        params=query or None, headers=_runner_headers(request)), stream=True)
+        params=query or None, headers=_runner_headers(request)), stream=True))
+    if isinstance(response, Response):
+        done()
+        return response
     # Which replica served it, and what the runner says of it: PD's X-PD, a 503's Retry-After.
     served_by = {"x-replica": replica.id, **{k: v for k, v in response.headers.items()
                                              if k.lower() in ("x-pd", "retry-after")}}
@@ -513,6 +565,9 @@ def _tag(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
+NEVER = 292 * 365 * 86400.0  # what /api/ps says of a model never unloaded: centuries ahead
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -551,8 +606,8 @@ async def ollama_ps(state: State) -> dict:
     for s in sup.models.values():
         if s.status != "loaded" or s.remote_only:
             continue
-        left = s.ttl - (now_mono - s.last_used) if s.ttl >= 0 and s.active == 0 else None
-        expires = now + max(0.0, left) if left is not None else now + 292 * 365 * 86400.0
+        left = s.ttl - (now_mono - s.last_used) if s.ttl >= 0 and s.active == 0 else NEVER
+        expires = now + min(max(0.0, left), NEVER)  # (a ttl past a datetime's years: NEVER)
         size = (_file(s.spec.source) or (0, 0.0))[0]
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name), "size": size,
                        "digest": "", "details": {"format": "gguf"},

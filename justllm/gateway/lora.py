@@ -35,7 +35,7 @@ from justllm.server.lora import (
 
 if TYPE_CHECKING:
     from justllm.gateway.replica import Replica
-    from justllm.gateway.supervisor import ModelState
+    from justllm.gateway.supervisor import ModelState, Supervisor
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
@@ -93,7 +93,36 @@ async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: st
 
 
 def _ready(state: ModelState) -> list[Replica]:
+    """The replicas a load or unload goes to now (an unhealthy one catches up when it comes
+    back: :func:`_missed`)."""
     return [r for r in state.replicas if r.status == "ready" and r.url]
+
+
+def _missed(state: ModelState, name: str) -> None:
+    """The unhealthy replicas miss this change of ``name``: noted for their return."""
+    for r in state.replicas:
+        if r.status == "unhealthy":
+            state.lora_missed.setdefault(r.id, set()).add(name)
+
+
+async def catch_up_lora(http: httpx.AsyncClient, state: ModelState, replica: Replica) -> None:
+    """A replica that was unhealthy while adapters were loaded or unloaded at run time, back
+    before it takes requests again: each of those adapters as the gateway holds it now,
+    loaded (in place) or unloaded (under ``Supervisor.lora_lock``). A load it refuses is
+    logged, as for a replica that starts (the file may have gone since)."""
+    url = replica.url or ""
+    for name in sorted(state.lora_missed.pop(replica.id, ())):
+        body = state.runtime_lora.get(name)
+        if body is None:
+            await send(http, url, "unload_lora_adapter", _unload_body(name))
+            continue
+        body = msgspec.json.encode({**msgspec.json.decode(body), "load_inplace": True})
+        answer = await send(http, url, "load_lora_adapter", body)
+        if not _ok(answer):
+            why = answer if isinstance(answer, str) else answer.text
+            log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did not "
+                        "load when the replica came back: %s", state.spec.name, replica.id,
+                        name, why)
 
 
 def _refusal(answer: httpx.Response | str, replica: Replica) -> Response:
@@ -123,42 +152,61 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
         raise APIError(400, f"the LoRA adapter '{name}' comes from models.yaml (model "
                             f"'{static.spec.name}'): change it there; loads here, in place "
                             "or not, are for other names", param="lora_name")
-    owner = sup.resolve(name)
-    if owner is not None and (owner is not target or name not in target.runtime_lora):
-        raise name_taken(name, "gateway")
-    if name in target.runtime_lora and not req.load_inplace:
-        raise already_loaded(name)
+    _check_free(sup, target, name, req.load_inplace)
     try:
         await sup.acquire(target)  # loaded now if it was not
     except ModelUnavailable as e:
         raise _unavailable(e) from None
     try:
-        body = msgspec.json.encode({"lora_name": name, "lora_path": req.lora_path,
-                                    "load_inplace": req.load_inplace})
-        before = target.runtime_lora.get(name)
-        target.runtime_lora[name] = body  # replicas that start from now on load it too
-        replicas = _ready(target)
-        answers = await asyncio.gather(*(send(sup.http, r.url or "", "load_lora_adapter", body)
-                                         for r in replicas))
-        refused = next(((r, a) for r, a in zip(replicas, answers) if not _ok(a)), None)
-        if refused is not None:  # none keeps it (or all keep the one it was to replace)
-            if before is None:
-                route, undo = "unload_lora_adapter", _unload_body(name)
-            else:  # the one it was to replace, back in its place
-                route = "load_lora_adapter"
-                undo = msgspec.json.encode({**msgspec.json.decode(before), "load_inplace": True})
-            await asyncio.gather(*(send(sup.http, r.url or "", route, undo)
-                                   for r, a in zip(replicas, answers) if _ok(a)))
-            if before is None:
-                del target.runtime_lora[name]
-            else:
-                target.runtime_lora[name] = before
-            return _refusal(refused[1], refused[0])
+        async with sup.lora_lock:
+            _check_free(sup, target, name, req.load_inplace)  # (again: one may have come)
+            replicas = await _load(sup, target, name, req)
     finally:
         sup.end(target)
+    if isinstance(replicas, Response):
+        return replicas
     log.info("model %s: LoRA adapter %s loaded at run time on %d replica(s)",
              target.spec.name, name, len(replicas))
     return success(name, "added")
+
+
+def _check_free(sup: Supervisor, target: ModelState, name: str, inplace: bool) -> None:
+    """``name`` may be loaded on ``target``: no other model's or alias, and only in place of
+    its own earlier load."""
+    owner = sup.resolve(name)
+    if owner is not None and (owner is not target or name not in target.runtime_lora):
+        raise name_taken(name, "gateway")
+    if name in target.runtime_lora and not inplace:
+        raise already_loaded(name)
+
+
+async def _load(sup: Supervisor, target: ModelState, name: str,
+                req: GatewayLoadLora) -> list[Replica] | Response:
+    """The load on every ready replica (under ``sup.lora_lock``): the replicas that took it,
+    or the first refusal, after the others are put back as they were."""
+    body = msgspec.json.encode({"lora_name": name, "lora_path": req.lora_path,
+                                "load_inplace": req.load_inplace})
+    before = target.runtime_lora.get(name)
+    target.runtime_lora[name] = body  # replicas that start from now on load it too
+    replicas = _ready(target)
+    _missed(target, name)
+    answers = await asyncio.gather(*(send(sup.http, r.url or "", "load_lora_adapter", body)
+                                     for r in replicas))
+    refused = next(((r, a) for r, a in zip(replicas, answers) if not _ok(a)), None)
+    if refused is not None:  # none keeps it (or all keep the one it was to replace)
+        if before is None:
+            route, undo = "unload_lora_adapter", _unload_body(name)
+        else:  # the one it was to replace, back in its place
+            route = "load_lora_adapter"
+            undo = msgspec.json.encode({**msgspec.json.decode(before), "load_inplace": True})
+        await asyncio.gather(*(send(sup.http, r.url or "", route, undo)
+                               for r, a in zip(replicas, answers) if _ok(a)))
+        if before is None:
+            target.runtime_lora.pop(name, None)
+        else:
+            target.runtime_lora[name] = before
+        return _refusal(refused[1], refused[0])
+    return replicas
 
 
 @post("/unload_lora_adapter", status_code=200,
@@ -170,13 +218,15 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     sup = _supervisor(state)
     req = await decode_request(request, UnloadLoraRequest)
     name = req.lora_name
-    owner = next((s for s in sup.models.values() if name in s.runtime_lora), None)
-    if owner is None:
-        raise not_loaded_at_run_time(
-            name, any(name in s.spec.adapters for s in sup.models.values()), "models.yaml")
-    del owner.runtime_lora[name]  # no new request is routed to it from now on
-    await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
-                                _unload_body(name)) for r in _ready(owner)))
+    async with sup.lora_lock:  # after a load of it in progress, which may yet fail
+        owner = next((s for s in sup.models.values() if name in s.runtime_lora), None)
+        if owner is None:
+            raise not_loaded_at_run_time(
+                name, any(name in s.spec.adapters for s in sup.models.values()), "models.yaml")
+        owner.runtime_lora.pop(name, None)  # no new request is routed to it from now on
+        _missed(owner, name)
+        await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
+                                    _unload_body(name)) for r in _ready(owner)))
     log.info("model %s: LoRA adapter %s unloaded", owner.spec.name, name)
     return success(name, "removed")
 

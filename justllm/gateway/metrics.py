@@ -47,9 +47,15 @@ def merge_pages(pages: list[str]) -> str:
     return "".join("\n".join(heads[f] + samples.get(f, [])) + "\n" for f in order)
 
 
+def label_value(value: object) -> str:
+    """``value`` as a Prometheus label value: text, with ``\\``, ``"`` and newlines escaped
+    as the exposition format requires (a plugin's reason may hold any of them)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def with_label(page: str, name: str, value: str) -> str:
     """Every sample of a Prometheus text page with one more label (``replica="1"``)."""
-    label = f'{name}="{value}"'
+    label = f'{name}="{label_value(value)}"'
     out = []
     for line in page.splitlines():
         m = _SAMPLE.match(line) if line and not line.startswith("#") else None
@@ -62,9 +68,23 @@ def with_label(page: str, name: str, value: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _labels(s: ModelState, **more: str) -> str:
-    return "{" + ",".join([f'model_name="{s.spec.name}"', *(f'{k}="{v}"' for k, v in
-                                                            more.items())]) + "}"
+def _labels(s: ModelState, **more: object) -> str:
+    return "{" + ",".join([f'model_name="{label_value(s.spec.name)}"',
+                           *(f'{k}="{label_value(v)}"' for k, v in more.items())]) + "}"
+
+
+def _decisions(s: ModelState) -> list[tuple[str, int]]:
+    """A model's routing decisions by reason: every built-in reason (zeros too), then a plugin
+    policy's own, as text (reasons of mixed types used to fail the sort, and /metrics)."""
+    counts: dict[str, int] = dict.fromkeys(REASONS, 0)
+    own: dict[str, int] = {}
+    for reason, n in s.router.counts.items():
+        key = str(reason)
+        if key in counts:
+            counts[key] += n
+        else:
+            own[key] = own.get(key, 0) + n
+    return [*counts.items(), *sorted(own.items())]
 
 
 def _role(name: str, replica: Replica) -> dict[str, str]:
@@ -102,10 +122,10 @@ def _replicas(sup: Supervisor) -> list[str]:
     name = "justllm_gateway_routing_decisions_total"
     lines += [f"# HELP {name} Requests routed to a replica, by the reason it was chosen.",
               f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(s, reason=reason)} {s.router.counts[reason]}"
+    lines += [f"{name}{_labels(s, reason=reason)} {n}"
               for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
               bool(s.spec.scaled_pools)  # a plugin policy's own reasons too
-              for reason in [*REASONS, *sorted(set(s.router.counts) - set(REASONS))]]
+              for reason, n in _decisions(s)]
     pd = [s for s in sup.models.values() if s.spec.pd]
     for name, kind, doc, value in [
             ("justllm_gateway_pd_transfers_total", "counter",
@@ -170,14 +190,13 @@ def _own(sup: Supervisor) -> str:
     ]
     for name, kind, doc, value in per_model:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{model_name="{s.spec.name}"}} {value(s)}'
-                  for s in sup.models.values()]
+        lines += [f"{name}{_labels(s)} {value(s)}" for s in sup.models.values()]
     name = "justllm_gateway_model_load_seconds"
     lines += [f"# HELP {name} Seconds from starting a runner to its first 200 on /health.",
               f"# TYPE {name} summary"]
     for s in sup.models.values():
-        lines += [f'{name}_sum{{model_name="{s.spec.name}"}} {sum(s.load_seconds):.3f}',
-                  f'{name}_count{{model_name="{s.spec.name}"}} {len(s.load_seconds)}']
+        lines += [f"{name}_sum{_labels(s)} {sum(s.load_seconds):.3f}",
+                  f"{name}_count{_labels(s)} {len(s.load_seconds)}"]
     return "\n".join(lines + _replicas(sup)) + "\n"
 
 

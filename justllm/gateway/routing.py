@@ -49,8 +49,8 @@ import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Protocol, get_args
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Protocol, cast, get_args
 
 from justllm.errors import JustLLMError
 
@@ -439,6 +439,10 @@ class Policy:
             return Decision(held, "session")
         try:
             decision = self.pick(request, available, replicas)
+            if isinstance(decision, Decision) and type(decision.reason) is not str:
+                # A plugin's reason is counted, and labels /metrics, as text: one that is not
+                # hashable failed every request, and mixed types failed /metrics.
+                decision = replace(decision, reason=cast(Reason, str(decision.reason)))
         except Exception as e:  # a plugin's policy: its model keeps serving
             return self._failed(available, f"{type(e).__name__}: {e}")
         if not isinstance(decision, Decision) or all(r.id != decision.replica
@@ -556,6 +560,22 @@ def make_router(config: RoutingConfig | None = None, *, seed: int | None = None)
     """The configured policy; ``seed`` makes power-of-two's draws repeatable (tests)."""
     config = config or RoutingConfig()
     return (config.policy_class or POLICIES[config.policy])(config, seed=seed)
+
+
+class PolicyFailed(Policy):
+    """In place of a plugin's policy that could not be made (its constructor raised): the
+    least loaded available replica, reason ``policy-failed``, as when a policy's ``pick``
+    fails. Sessions are still followed."""
+
+    def pick(self, request: RouteRequest, available: list[ReplicaLoad],
+             replicas: Sequence[ReplicaLoad]) -> Decision:
+        best = min(available, key=lambda r: (r.running + r.waiting, r.kv_usage))
+        return Decision(best.id, "policy-failed")
+
+
+def fallback_router(config: RoutingConfig) -> Router:
+    """What serves a model whose configured policy could not be made (:class:`PolicyFailed`)."""
+    return PolicyFailed(config)
 
 
 # ---- for callers that rank replicas (Ray Serve's RequestRouter, justllm/cluster/router.py) ----

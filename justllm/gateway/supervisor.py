@@ -23,10 +23,16 @@ import httpx
 from justllm.errors import JustLLMError
 from justllm.gateway import autoscale, policy
 from justllm.gateway.config import GatewayConfig, ModelSpec
-from justllm.gateway.lora import apply_runtime_lora
+from justllm.gateway.lora import apply_runtime_lora, catch_up_lora
 from justllm.gateway.memory import runner_memory
 from justllm.gateway.replica import Replica
-from justllm.gateway.routing import Router, RouteRequest, make_router
+from justllm.gateway.routing import (
+    Router,
+    RouteRequest,
+    RoutingConfig,
+    fallback_router,
+    make_router,
+)
 from justllm.gateway.runner import RunnerProcess
 from justllm.tui.metrics import parse as parse_metrics
 
@@ -77,17 +83,34 @@ class ModelState:
     # LoRA adapters loaded at run time through the gateway (gateway/lora.py): name -> the
     # body each replica is sent, again whenever one starts.
     runtime_lora: dict[str, bytes] = field(default_factory=dict)
+    # Replicas out of the rotation (unhealthy) while adapters were loaded or unloaded at run
+    # time: replica id -> those names, applied before the replica is back (catch_up_lora).
+    lora_missed: dict[str, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         routing = self.spec.routing
         # PD: the prompt goes where its prefix is cached; generation where there is room.
-        self.router = make_router(replace(routing, policy="least-load", policy_class=None)
-                                  if self.spec.pd else routing)
-        self.prefill_router = make_router(routing)
+        self.router = self._router(replace(routing, policy="least-load", policy_class=None)
+                                   if self.spec.pd else routing)
+        self.prefill_router = self._router(routing)
         self.replicas = [Replica(url, remote=url, status="ready", role=role)
                          for url, role in zip(self.spec.urls, self.spec.url_roles)]
         if self.remote_only:  # nothing to load here: in service while a replica answers
             self.status = "loaded"
+
+    def _router(self, routing: RoutingConfig) -> Router:
+        """The model's routing policy; a plugin's whose constructor raises is replaced by the
+        least loaded replica (reason ``policy-failed``, as when its ``pick`` fails), with a
+        warning: one bad plugin does not take every model down at start-up."""
+        try:
+            return make_router(routing)
+        except Exception as e:
+            if routing.policy_class is None:  # a built-in policy's bug: not a plugin's
+                raise
+            log.warning("model %s: routing policy %s could not be made (%s: %s); the least "
+                        "loaded replica serves each request (reason policy-failed)",
+                        self.spec.name, routing.policy, type(e).__name__, e)
+            return fallback_router(routing)
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -102,6 +125,13 @@ class ModelState:
     @property
     def remote_only(self) -> bool:
         return self.spec.replicas == 0 and not self.spec.scaled_pools
+
+    @property
+    def pinned(self) -> bool:
+        """Never unloaded: an autoscaled model with ``min-replicas`` >= 1 (its ttl is -1, and
+        no ``keep_alive`` overrides it)."""
+        scale = self.spec.autoscale
+        return scale is not None and scale.min_replicas >= 1
 
     @property
     def local(self) -> list[Replica]:
@@ -179,6 +209,10 @@ class Supervisor:
         # Runners that size their KV pool from a GPU's free memory start one at a time per GPU
         # (policy.start_key).
         self._gpu_starts: dict[str, asyncio.Lock] = {}
+        # One run-time LoRA load or unload at a time (gateway/lora.py): an unload during a
+        # load that then failed raised a KeyError, and one that raced a load's sends left
+        # the adapter on replicas the gateway had forgotten it on.
+        self.lora_lock = asyncio.Lock()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -200,7 +234,7 @@ class Supervisor:
         from now on (0: unload once idle)."""
         state.active -= 1
         state.last_used = time.monotonic()
-        if keep_alive is not None and not state.remote_only:
+        if keep_alive is not None and not state.remote_only and not state.pinned:
             state.keep_alive = keep_alive
         if state.active == 0 and state.ttl == 0:
             self._unload_soon(state)
@@ -380,6 +414,7 @@ class Supervisor:
 
     def _spawn(self, state: ModelState, replica: Replica) -> RunnerProcess:
         replica.reset()
+        state.lora_missed.pop(replica.id, None)  # a new process gets the whole set at start
         replica.status = "starting"
         replica.runner = RunnerProcess(state.spec, self.log_dir, self.drain, replica.id,
                                        replica.gpu, replica.role, api_key=self.runner_key)
@@ -712,6 +747,11 @@ class Supervisor:
         replica.observe(page)
         replica.failures = 0
         if replica.status == "unhealthy":
+            if replica.id in state.lora_missed:  # (it came back without them)
+                async with self.lora_lock:
+                    await catch_up_lora(self._http, state, replica)
+                if replica.status != "unhealthy":  # (failed or restarted meanwhile)
+                    return
             replica.status = "ready"
             log.info("model %s replica %s is healthy again", state.spec.name, replica.id)
 

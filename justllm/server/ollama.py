@@ -241,10 +241,24 @@ _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 
              "h": 3600.0}
 
 
+# Go's longest time.Duration, which Ollama's keep_alive is.
+GO_MAX_SECONDS = (2**63 - 1) / 1e9
+
+
 def keep_alive_seconds(value: object) -> float:
     """Ollama's ``keep_alive``: seconds (a number, or a string of one) or a Go duration
-    ("5m", "1h30m", "-1s"). A 400 for anything else. (Router mode's gateway reads it here
+    ("5m", "1h30m", "-1s"), at most Go's longest (about 292 years: a negative one keeps the
+    model loaded for ever). A 400 for anything else. (Router mode's gateway reads it here
     too, from bodies it does not decode into a type.)"""
+    seconds = _keep_alive_seconds(value)
+    if seconds > GO_MAX_SECONDS:  # (inf too; it broke /api/ps's expires_at in router mode)
+        raise InvalidRequestError(f"keep_alive: {value!r} is longer than the longest duration "
+                                  "(about 292 years); a negative keep_alive keeps the model "
+                                  "loaded for ever", param="keep_alive")
+    return seconds
+
+
+def _keep_alive_seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidRequestError("keep_alive must be a number of seconds or a duration such "
                                   "as '5m'", param="keep_alive")

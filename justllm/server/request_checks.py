@@ -19,6 +19,7 @@ from justllm.server import (
     llama_completion,
     llama_embedding,
     llama_server,
+    rerank,
     responses_chat,
     tokenize,
 )
@@ -74,6 +75,9 @@ def check_without_model(path: str, raw: bytes) -> None:
                 msgspec.json.decode(raw, type=llama_embedding.LlamaEmbeddingRequest))
         case "/infill":
             infill.check_infill(msgspec.json.decode(raw, type=infill.LlamaInfillRequest))
+        case "/v1/rerank" | "/v1/reranking" | "/rerank" | "/reranking":
+            # (the route's own check of the documents, texts and truncate)
+            rerank.rerank_texts(msgspec.json.decode(raw, type=rerank.RerankRequest))
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":

@@ -40,7 +40,7 @@ class RerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     truncate: bool | None = None  # TEI's: only false (a pair too long is a 400)
 
 
-def _texts(req: RerankRequest) -> tuple[list[str], bool]:
+def rerank_texts(req: RerankRequest) -> tuple[list[str], bool]:
     """The documents' texts, and whether the request is in TEI's shape."""
     if (req.documents is None) == (req.texts is None):
         raise InvalidRequestError("give the documents as documents (or as TEI's texts), one "
@@ -71,7 +71,7 @@ def _texts(req: RerankRequest) -> tuple[list[str], bool]:
 async def rerank(data: JSONBody[RerankRequest], request: Request, state: State) -> Any:
     served, serving = embedding_serving(state)
     req = await decode_request(request, RerankRequest)
-    texts, tei = _texts(req)
+    texts, tei = rerank_texts(req)
     aengine = served.aengine
     scores, n = await serving.pooled(
         req.model, lambda: [aengine.rerank_tokens(req.query, t) for t in texts],

@@ -402,3 +402,73 @@ def test_metrics_come_from_the_board():
         text = c.get("/metrics").text
     assert 'vllm:num_requests_running{model_name="demo",replica="r1"} 3.0' in text
     assert 'justllm_gateway_replica_up{model_name="demo",replica="r1",node="10.0.0.7"} 1' in text
+
+
+class _LoraHandle(Handle):
+    """A handle whose calls may name an adapter loaded at run time (``lora``)."""
+
+    def __init__(self, *answers: Answer) -> None:
+        super().__init__(*answers)
+        self.loras: list[Any] = []
+
+    def remote(self, *args: Any, lora: Any = None, **kwargs: Any) -> Answer:
+        self.loras.append(lora)
+        return super().remote(*args, **kwargs)
+
+
+def test_an_adapters_latest_tag_is_a_404_off_ollamas_api_and_the_adapter_on_it():
+    """``sql:latest`` on /v1 ran on the base model, without the adapter (a single server
+    answers 404); on Ollama's routes a run-time adapter's tag was a 404."""
+    from justllm.cluster.lora import RuntimeAdapter, RuntimeAdapters
+
+    handle = _LoraHandle(*[Answer(JSON, b"{}") for _ in range(4)])
+    runtime = RuntimeAdapters(frozenset({"demo"}))
+    runtime.loaded["rt"] = RuntimeAdapter("rt", "demo", "/rt.gguf", "rt@1")
+    ingress = Ingress({"demo": handle}, {"demo": "demo", "sql": "demo"}, Board({}),
+                      adapters=frozenset({"sql"}), runtime=runtime)
+    with TestClient(create_ingress(ingress)) as c:
+        for name in ("sql:latest", "rt:latest"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "x"})
+            assert r.status_code == 404, r.text
+            assert r.json()["error"]["code"] == "model_not_found", r.text
+        r = c.post("/v1/messages", json={"model": "sql:latest", "max_tokens": 4,
+                                         "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and r.json()["type"] == "error", r.text
+        assert handle.calls == []
+        for path, name in (("/api/generate", "rt:latest"), ("/api/generate", "sql:latest"),
+                           ("/v1/completions", "rt"), ("/v1/completions", "demo:latest")):
+            r = c.post(path, json={"model": name, "prompt": "x", "stream": False})
+            assert r.status_code == 200, (path, name, r.text)
+    assert [call["body"]["model"] for call in handle.calls] == ["rt", "sql", "rt", "demo"]
+    assert handle.loras == [("rt", "/rt.gguf"), None, ("rt", "/rt.gguf"), None]
+
+
+@pytest.mark.parametrize(("path", "headers", "shape"), [
+    ("/api/chat", [], lambda b: set(b) == {"error"} and isinstance(b["error"], str)),
+    ("/v1/messages", [], lambda b: b["type"] == "error"
+     and b["error"]["type"] == "invalid_request_error"),
+    ("/v1/chat/completions", [("anthropic-version", "2023-06-01")],
+     lambda b: b["type"] == "error"),
+    ("/completion", [], lambda b: b["error"]["code"] == 400 and b["error"]["param"] == "model"),
+    ("/v1/chat/completions", [], lambda b: b["error"]["type"] == "invalid_request_error"
+     and b["error"]["param"] == "model" and "code" in b["error"]),
+])
+def test_a_replicas_adapter_failure_answers_in_the_apis_shape(path, headers, shape):
+    """It was OpenAI's shape on every API."""
+    from justllm.cluster.deployments import ModelReplica
+
+    replica = object.__new__(ModelReplica)
+
+    async def fails(name: str, file: str) -> None:
+        raise RuntimeError("the file is gone")
+    replica._runtime_adapter = fails  # type: ignore[method-assign]
+
+    async def answer() -> list[Any]:
+        return [item async for item in replica.http("POST", path, "", headers, b"{}",
+                                                    lora=("rt", "/rt.gguf"))]
+
+    head, body = asyncio.run(answer())
+    assert isinstance(head, Head) and head.status == 400
+    decoded = json.loads(body)
+    assert shape(decoded), decoded
+    assert "the LoRA adapter 'rt' could not be loaded: the file is gone" in json.dumps(decoded)

@@ -385,3 +385,33 @@ def check_invariants(tree: PrefixTree) -> None:
                 assert r not in child.entries or id(child) in seen
             seen.add(id(e.node))
             e = e.next
+
+
+# ---- plugins' policies ------------------------------------------------------------------------
+
+
+def test_a_plugin_policys_reason_that_is_not_text_is_counted_as_text():
+    """An unhashable reason raised in ``commit``, outside ``pick``'s guard: every request of
+    the model failed."""
+    from justllm.gateway.routing import Policy
+
+    class Listy(Policy):
+        def pick(self, request, available, replicas):
+            return Decision(available[-1].id, ["mine"])
+
+    router = Listy()
+    decision = router.choose(ask("x"), idle("a", "b"))
+    assert decision == Decision("b", "['mine']") and router.counts == {"['mine']": 1}
+    assert router.failures == 0
+
+
+def test_a_plugin_policy_that_cannot_be_made_is_replaced_by_the_least_loaded_replica():
+    from justllm.gateway.routing import fallback_router
+
+    router = fallback_router(RoutingConfig())
+    loads = [ReplicaLoad("a", running=3), ReplicaLoad("b", running=1)]
+    assert router.choose(ask("x", session="s"), loads) == Decision("b", "policy-failed")
+    assert router.counts == {"policy-failed": 1}
+    # sessions are still followed
+    assert router.choose(ask("y", session="s"), [ReplicaLoad("a"), ReplicaLoad("b", running=5)]
+                         ) == Decision("b", "session")

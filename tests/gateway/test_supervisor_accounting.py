@@ -1,6 +1,8 @@
 """The supervisor's bookkeeping, without processes: what a loading model and a stopping runner
-count against max-loaded and max-memory, and when a silent replica counts as hung. (The same
-rules with real runners: tests/gateway/test_gateway.py.)"""
+count against max-loaded and max-memory, when a silent replica counts as hung, what a plugin's
+routing policy may break (its constructor, its reasons in /metrics), and that keep_alive never
+unloads a model that is never unloaded. (The same rules with real runners:
+tests/gateway/test_gateway.py.)"""
 
 from __future__ import annotations
 
@@ -10,18 +12,21 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from justllm.gateway.config import Flags, load_config
+from justllm.gateway.metrics import _own
 from justllm.gateway.replica import Replica
+from justllm.gateway.routing import POLICIES, Decision, Policy, RouteRequest
 from justllm.gateway.supervisor import ModelUnavailable, Supervisor
 
 FLAGS = Flags(frozenset({"max-seqs"}))
 MIB = 2**20
 
 
-def supervisor(tmp_path, models: dict, **top) -> Supervisor:
+def supervisor(tmp_path, models: dict, flags: Flags = FLAGS, **top) -> Supervisor:
     config = load_config({**top, "models": {name: {"source": "x.gguf", **entry}
-                                            for name, entry in models.items()}}, FLAGS)
+                                            for name, entry in models.items()}}, flags)
     return Supervisor(config, tmp_path)
 
 
@@ -161,5 +166,80 @@ def test_a_silent_replica_is_restarted_health_timeout_after_its_last_answer(tmp_
         assert replica.status == other.status == "restarting"
         assert replica.restarts == other.restarts == 1
         assert "did not answer for 5 s" in other.error
+        await sup.close()
+    asyncio.run(main())
+
+
+# ---- plugins' routing policies -----------------------------------------------------------------
+
+
+def with_policies(**policies: type[Policy]) -> Flags:
+    return Flags(FLAGS.names, routing_policies={**POLICIES, **policies})
+
+
+def test_a_plugin_policy_whose_constructor_raises_leaves_the_gateway_up(tmp_path, caplog):
+    """It stopped the whole gateway at start-up: every model down for one plugin."""
+    class Broken(Policy):
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("no config file")
+
+    sup = supervisor(tmp_path, {"m": {"urls": ["http://10.0.0.1:1", "http://10.0.0.2:1"],
+                                      "replicas": 0, "routing": "broken"},
+                                "other": {}}, with_policies(broken=Broken))
+    state = sup.models["m"]
+    assert "routing policy broken could not be made" in caplog.text
+    assert "no config file" in caplog.text
+    a, b = state.replicas
+    a.in_flight = 3  # the least loaded replica serves, as when a policy's pick fails
+    chosen = sup.route(state, RouteRequest("hi"), set())
+    assert chosen is b and state.router.counts == {"policy-failed": 1}
+    assert sup.models["other"].router.counts == {}  # the other models are untouched
+
+
+def test_a_plugin_policys_odd_reasons_are_counted_as_text_and_metrics_stay_valid(tmp_path):
+    """An unhashable reason failed every request of the model; reasons of mixed types failed
+    /metrics for every model; a reason with a quote or a newline broke the page."""
+    reasons = iter([["x"], None, "x", 'say "hi"\nnow', "back\\slash", None])
+
+    class Odd(Policy):
+        def pick(self, request, available, replicas):
+            return Decision(available[0].id, next(reasons))
+
+    sup = supervisor(tmp_path, {"m": {"urls": ["http://10.0.0.1:1", "http://10.0.0.2:1"],
+                                      "replicas": 0, "routing": "odd"}},
+                     with_policies(odd=Odd))
+    state = sup.models["m"]
+    for _ in range(6):
+        replica = sup.route(state, RouteRequest("hi"), set())
+        sup.done(replica)
+    assert state.router.counts == {"['x']": 1, "None": 2, "x": 1, 'say "hi"\nnow': 1,
+                                   "back\\slash": 1}
+    page = _own(sup)
+    samples = {s.labels["reason"]: s.value
+               for family in text_string_to_metric_families(page)
+               for s in family.samples if s.name == "justllm_gateway_routing_decisions_total"}
+    assert samples["None"] == 2 and samples["['x']"] == 1 and samples["x"] == 1
+    assert samples['say "hi"\nnow'] == 1 and samples["back\\slash"] == 1  # escaped, read back
+    assert samples["policy-failed"] == 0  # the built-in reasons are listed too
+
+
+# ---- keep_alive and a model never unloaded ------------------------------------------------------
+
+
+def test_keep_alive_never_unloads_a_model_with_min_replicas(tmp_path):
+    """min-replicas >= 1: never unloaded (README), but a request's keep_alive 0 overrode the
+    ttl and unloaded it for every client."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"pinned": {"min-replicas": 1, "max-replicas": 2},
+                                    "plain": {}})
+        pinned, plain = sup.models["pinned"], sup.models["plain"]
+        assert pinned.pinned and not plain.pinned
+        for state in (pinned, plain):
+            state.status, state.active = "loaded", 1
+            state.replicas.append(Replica("0", status="ready"))
+        sup.end(pinned, 0.0)
+        sup.end(plain, 0.0)
+        assert pinned.keep_alive is None and pinned.ttl == -1 and pinned.status == "loaded"
+        assert plain.status == "unloaded"  # honoured there (and forgotten with the load)
         await sup.close()
     asyncio.run(main())

@@ -342,6 +342,9 @@ def test_keep_alive_zero_is_refused(client, server):
     ollama_error(lambda: client.chat(model=server.model, keep_alive=0), 400, "--models")
     ollama_error(lambda: client.generate(model=server.model, prompt="hi", keep_alive="soon"),
                  400, "keep_alive")
+    for value in ("100000000h", "1e400", "inf", 1e12):  # past Go's durations (~292 years)
+        ollama_error(lambda v=value: client.generate(model=server.model, prompt="hi",
+                                                     keep_alive=v), 400, "292 years")
 
 
 def test_unsupported_fields_are_a_400(client, server):
