@@ -191,8 +191,32 @@ def refusal(status: int, body: bytes) -> JustLLMError:
     return JustLLMError(f"the server answered {status}: {msg}")
 
 
+def _choices(data: dict) -> list[dict]:
+    """A chunk's choices, each an object with a ``delta`` object (a final chunk's may be
+    empty); ValueError for anything else (a null choice or delta was an AttributeError
+    traceback)."""
+    choices = data.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("delta", {}), dict) for c in choices):
+        raise ValueError(f"choices {json.dumps(choices)[:200]} are not objects with a delta "
+                         "object each")
+    return [{**c, "delta": c.get("delta", {})} for c in choices]
+
+
+def stream_error(error: object) -> str:
+    """The line for an error event in a stream (``data: {"error": ...}``): the server's
+    message, as OpenAI's error object carries it, or the event as it came."""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str) or not message.strip():
+        message = json.dumps(error)
+    return f"the server failed during the answer: {message}"
+
+
 class RemoteChat:
-    """``/v1/chat/completions`` with streaming on a running server."""
+    """``/v1/chat/completions`` with streaming on a running server, with ``model`` (one of
+    the ids its ``/v1/models`` lists; default: the first)."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
         self.url = remote_base(check_url(url))  # (a malformed one was an httpx traceback)
@@ -200,19 +224,34 @@ class RemoteChat:
         self.client = httpx.Client(timeout=httpx.Timeout(600, connect=10), headers=headers,
                                    trust_env=False)
         self.model = model
+        self.listed: list[str] = []  # the ids the server's /v1/models lists
         self.last = AnswerStats()
+        try:
+            self._choose_model()
+        except BaseException:
+            self.client.close()
+            raise
+
+    def _choose_model(self) -> None:
         try:
             r = self.client.get(self.url + "/v1/models")
         except httpx.HTTPError as e:
             raise JustLLMError(f"cannot reach {self.url}: {e}") from None
         if r.status_code != 200:
             raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}")
+        try:
+            self.listed = [str(m["id"]) for m in r.json()["data"]]
+        except (ValueError, LookupError, TypeError):
+            self.listed = []
+        if not self.listed:
+            raise JustLLMError(f"{self.url}/v1/models did not list a model as an "
+                               "OpenAI-compatible server does")
         if self.model is None:
-            try:
-                self.model = str(r.json()["data"][0]["id"])
-            except (ValueError, LookupError, TypeError):
-                raise JustLLMError(f"{self.url}/v1/models did not list a model as an "
-                                   "OpenAI-compatible server does") from None
+            self.model = self.listed[0]
+        elif self.model not in self.listed:  # (every request would be refused)
+            shown = ", ".join(self.listed[:10]) + (", …" if len(self.listed) > 10 else "")
+            raise JustLLMError(f"{self.url} serves no model named '{self.model}' (its "
+                               f"/v1/models lists: {shown})")
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
         """The answer's text pieces. A network failure, or an answer that is not the server's
@@ -236,17 +275,22 @@ class RemoteChat:
                     if not line.startswith("data: {"):
                         continue
                     data = json.loads(line[6:])
+                    if data.get("error") is not None:
+                        # The server failed mid-answer (justllm's own sends this event, as
+                        # OpenAI's does): a failed turn, not an answer cut short.
+                        raise JustLLMError(stream_error(data["error"]))
                     if data.get("usage"):
                         u = data["usage"]
                         self.last = AnswerStats(u["prompt_tokens"], u["completion_tokens"],
                                                 (first or start) - start,
                                                 time.perf_counter() - start)
-                    for choice in data.get("choices", []):
-                        thought = choice.get("delta", {}).get("reasoning_content")
+                    for choice in _choices(data):
+                        delta = choice["delta"]
+                        thought = delta.get("reasoning_content")
                         if thought:
                             first = first or time.perf_counter()
                             yield Thought(thought)
-                        text = choice.get("delta", {}).get("content")
+                        text = delta.get("content")
                         if text:
                             first = first or time.perf_counter()
                             yield text
@@ -255,7 +299,7 @@ class RemoteChat:
         except httpx.HTTPError as e:
             raise JustLLMError(f"the connection to {self.url} failed: {e or type(e).__name__}"
                                ) from None
-        except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a chat chunk
+        except (ValueError, LookupError, TypeError) as e:  # not JSON, or not a chat chunk
             raise JustLLMError(f"{self.url} sent something that is not a chat stream: {e}"
                                ) from None
 

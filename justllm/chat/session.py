@@ -11,14 +11,16 @@ from justllm.chat.backends import ContextFull, Thought
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import InvalidRequestError, JustLLMError
 
-HELP = """commands:
+HELP = """commands (a line whose first non-blank is /):
   /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty)
-  /system TEXT           set the system message (and clear the history)
+  /system [TEXT]         set the system message, or remove it (and clear the history)
   /clear                 forget the conversation
   /stats                 speed of the last answer
   /bye                   leave (Ctrl-D too)
-  \"\"\"                    start and end a multi-line message
+  \"\"\"                    start and end a multi-line message (always a message, even
+                         one that starts with /)
 Ctrl-C stops the current answer."""
+
 
 def check_options(options: dict) -> None:
     """InvalidRequestError naming the first sampling option out of its range (an answer has
@@ -31,6 +33,9 @@ def check_options(options: dict) -> None:
 
 _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
              "max_tokens": int, "seed": int, "repeat_penalty": float}
+# Each command as it is used: one given words it does not take answers with this.
+_USAGE = {"/?": "/?", "/help": "/help", "/clear": "/clear", "/stats": "/stats", "/bye": "/bye",
+          "/system": "/system [TEXT]", "/set": f"/set {'|'.join(_SETTABLE)} VALUE"}
 
 
 class ChatSession:
@@ -57,15 +62,16 @@ class ChatSession:
         dim = getattr(self.out, "isatty", lambda: False)()
         self._say(f"\x1b[2m{text}\x1b[0m" if dim else text)
 
-    def _read_message(self) -> str | None:
-        """One message; None at end of input."""
+    def _read_message(self) -> tuple[str, bool] | None:
+        """One message, and whether it came in a \"\"\" block (then it is never a command);
+        None at end of input."""
         try:
             line = self.read(">>> ")
         except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own
             self._say()
             return None
         if not line.strip().startswith('"""'):
-            return line
+            return line, False
         lines = [line.strip()[3:]]
         while not lines[-1].rstrip().endswith('"""') or len(lines) == 1 and lines[0] == "":
             try:
@@ -73,27 +79,43 @@ class ChatSession:
             except EOFError:
                 break
         lines[-1] = lines[-1].rstrip().removesuffix('"""')
-        return "\n".join(lines).strip("\n")
+        return "\n".join(lines).strip("\n"), True
 
     def run(self) -> None:
         self._say('type a message, /? for help, /bye to leave')
         while True:
             try:
-                text = self._read_message()
+                read = self._read_message()
             except KeyboardInterrupt:
                 self._say("\n(use Ctrl-D or /bye to leave)")
                 continue
-            if text is None or text.strip() == "/bye":
+            if read is None:
                 return
+            text, block = read
             if not text.strip():
                 continue
-            if text.startswith("/"):
-                self._command(text.strip())
+            # One rule for every command: a line whose first non-blank is "/" ("  /bye" left
+            # and "  /clear" was a message); a block is always a message.
+            if not block and text.lstrip().startswith("/"):
+                if self._command(text.strip()):
+                    return
             else:
                 self._answer(text)
 
-    def _command(self, text: str) -> None:
-        name, _, arg = text.partition(" ")
+    def _command(self, text: str) -> bool:
+        """Run one slash command; True for /bye. Words are split on any blanks (a tab too);
+        a command given words it does not take prints its usage and does nothing."""
+        name, *rest = text.split(maxsplit=1)
+        arg = rest[0] if rest else ""
+        if name not in _USAGE:
+            self._say(f"unknown command {name} (/? for help; a \"\"\" block sends text that "
+                      "starts with / as a message)")
+            return False
+        if name not in ("/system", "/set") and arg:
+            self._say(f"usage: {_USAGE[name]} (it takes no words after it)")
+            return False
+        if name == "/bye":
+            return True
         if name in ("/?", "/help"):
             self._say(HELP)
         elif name == "/clear":
@@ -104,33 +126,39 @@ class ChatSession:
             self.history.clear()
             self._say("(system message set)" if self.system else "(system message removed)")
         elif name == "/set":
-            key, _, value = arg.strip().partition(" ")
-            if key not in _SETTABLE or not value.strip():
-                self._say(f"usage: /set {'|'.join(_SETTABLE)} VALUE")
-                return
-            try:
-                options = {**self.options, key: _SETTABLE[key](value.strip())}
-                check_options(options)
-            except InvalidRequestError as e:  # out of its range: said now, not at each message
-                self._say(f"not a valid {key}: {e}")
-                return
-            except ValueError:
-                self._say(f"not a valid {key}: {value.strip()}")
-                return
-            self.options = options
-            self._say(f"({key} = {self.options[key]})")
+            self._set(arg)
         elif name == "/stats":
-            s = self.backend.last
-            if not s.generated_tokens:
-                self._say("(no answer yet)" if s.complete else
-                          "(no figures for the last answer: it did not finish)")
-                return
-            rate = (f", {s.tokens_per_second:.1f} tok/s" if s.generated_tokens > 1 else "")
-            self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok"
-                      f"{rate} · TTFT {s.ttft * 1000:.0f} ms"
-                      + ("" if s.complete else " (stopped before its end)"))
-        else:
-            self._say(f"unknown command {name} (/? for help)")
+            self._stats()
+        return False
+
+    def _set(self, arg: str) -> None:
+        words = arg.split()
+        if len(words) != 2 or words[0] not in _SETTABLE:
+            self._say(f"usage: {_USAGE['/set']}")
+            return
+        key, value = words
+        try:
+            options = {**self.options, key: _SETTABLE[key](value)}
+            check_options(options)
+        except InvalidRequestError as e:  # out of its range: said now, not at each message
+            self._say(f"not a valid {key}: {e}")
+            return
+        except ValueError:
+            self._say(f"not a valid {key}: {value}")
+            return
+        self.options = options
+        self._say(f"({key} = {self.options[key]})")
+
+    def _stats(self) -> None:
+        s = self.backend.last
+        if not s.generated_tokens:
+            self._say("(no answer yet)" if s.complete else
+                      "(no figures for the last answer: it did not finish)")
+            return
+        rate = (f", {s.tokens_per_second:.1f} tok/s" if s.generated_tokens > 1 else "")
+        self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok"
+                  f"{rate} · TTFT {s.ttft * 1000:.0f} ms"
+                  + ("" if s.complete else " (stopped before its end)"))
 
     def _answer(self, text: str) -> None:
         """Stream the answer to ``text``. A failed turn (an error line) leaves the history as

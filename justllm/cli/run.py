@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -82,23 +83,37 @@ def run(
         from justllm.engine.chat_template import ChatTemplate, with_template_stops
         from justllm.engine.engine import Engine
 
-        engine = Engine(config)
-        engine.observe(events, text=record_text)
         try:
-            text_prompt = prompt
-            if not raw:
-                template = ChatTemplate.from_backend(engine.backend, config.chat_template)
-                if template.notice:
-                    print_notice(template.notice)
-                messages = ([{"role": "system", "content": system}] if system else [])
-                messages.append({"role": "user", "content": prompt})
-                text_prompt = template.render(messages, add_generation_prompt=True)
-                params = replace(params, stop=with_template_stops(params.stop, template))
-            _stream(engine, text_prompt, params, answer=not raw)
+            with held_model(config.model):  # `justllm rm` refuses the model meanwhile
+                engine = Engine(config)
+                engine.observe(events, text=record_text)
+                try:
+                    text_prompt = prompt
+                    if not raw:
+                        template = ChatTemplate.from_backend(engine.backend,
+                                                             config.chat_template)
+                        if template.notice:
+                            print_notice(template.notice)
+                        messages = ([{"role": "system", "content": system}] if system else [])
+                        messages.append({"role": "user", "content": prompt})
+                        text_prompt = template.render(messages, add_generation_prompt=True)
+                        params = replace(params, stop=with_template_stops(params.stop, template))
+                    _stream(engine, text_prompt, params, answer=not raw)
+                finally:
+                    engine.close()
         finally:
-            engine.close()
             if events is not None:
                 events.close()
+
+
+def held_model(model_path: str | None) -> contextlib.AbstractContextManager:
+    """A lease on the model file for as long as it is loaded (as ``serve`` holds its model):
+    ``justllm rm`` refuses to delete it meanwhile, registered yet or not."""
+    if not model_path:
+        return contextlib.nullcontext()
+    from justllm.models.registry import lease_for_path
+
+    return lease_for_path(model_path)
 
 
 # Engine flags that mean something only to a server: refused when typed for run's one prompt

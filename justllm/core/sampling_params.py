@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from justllm.errors import InvalidRequestError
@@ -132,7 +133,7 @@ class SamplingParams:
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                "min_p must be a number in [0, 1]", "min_p")
         _check(_is_num(self.repeat_penalty) and self.repeat_penalty > 0.0,
-               "repeat_penalty must be a number > 0", "repeat_penalty")
+               "repeat_penalty must be a finite number > 0", "repeat_penalty")
         _check(_is_int(self.repeat_last_n) and self.repeat_last_n >= 0,
                "repeat_last_n must be an integer >= 0", "repeat_last_n")
         _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
@@ -208,7 +209,15 @@ def _is_int(value: object) -> bool:
 
 
 def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float: NaN and the infinities are no value of any float parameter
+    (``repeat_penalty`` inf passed its "> 0" and made NaN logits; an int too large for a
+    float is refused with them)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check(ok: bool, message: str, param: str) -> None:

@@ -15,6 +15,7 @@ that calls llama.cpp (``load``, ``apply``, ``finish_unload``) runs on the engine
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class LoraRegistry:
         """Load an adapter under ``name`` in place of the one loaded under it, if any, which
         takes no new request from now on (``begin_unload``): its id, to free once its requests
         have ended. Nothing changes when the file or llama.cpp refuses the new one."""
+        # The path the file check read is the one llama.cpp opens: a "~/a.gguf" passed the
+        # check (expanded) and llama.cpp, given it as written, could not open it.
+        path = os.path.expanduser(path)
         self.check(name, path, replacing)
         adapter = self.backend.load_lora(path)
         old = self._by_name.get(name)

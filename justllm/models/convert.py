@@ -326,7 +326,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     from justllm.models.refs import DEFAULT_TAG, label, name_for_file, new_ref
 
     console = console or Console(stderr=True, emoji=False)
-    wanted_label = label(*new_ref(name)) if name else None
+    wanted_label = label(*new_ref(name)) if name is not None else None  # ('' is refused)
     quant = quant_type(quantize) if quantize else None
     if outtype.strip().lower() not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not '{outtype}'")

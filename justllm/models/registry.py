@@ -20,6 +20,7 @@ first, so an unchanged file is not hashed again.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 from collections.abc import Iterator
@@ -30,9 +31,9 @@ from rich.console import Console
 
 from justllm.errors import ModelLoadError
 from justllm.models.digests import DigestCache, remove_file, sha256_file
-from justllm.models.gguf import read_gguf_header
+from justllm.models.gguf import ADAPTER_TYPE, read_gguf_header
 from justllm.models.hub import HUB_DIR, Download
-from justllm.models.lease import acquire_lease, holders
+from justllm.models.lease import Lease, acquire_lease, holders
 from justllm.models.manifest import (
     DamagedFileError,
     Manifest,
@@ -446,7 +447,9 @@ class Registry:
         lowercased, ``:latest``) at it; the version the tag pointed to before is kept."""
         from justllm.models import hub
 
-        target = label(*new_ref(tag)) if tag else None
+        # (an empty --tag, say from an empty shell variable, is no name: refused, not taken
+        # for no --tag at all)
+        target = label(*new_ref(tag)) if tag is not None else None
         got = hub.download(ref, root=self.root, revision=revision, force=force,
                            have=self._intact, console=console)
         reused = self.manifest(got.sha256) if got.reused and got.sha256 else None
@@ -472,8 +475,15 @@ class Registry:
         try:
             m = self.register(got.path, source)
         except ModelLoadError as e:
+            adapter = _is_adapter(got.path)
             if self.manifest_for_path(got.path) is None:
                 hub.remove_download(got.path, self.root)
+            if adapter:  # (the adapter's "use --lora NAME=PATH" named the file just deleted)
+                raise ModelLoadError(
+                    f"cannot use {got.repo}:{got.file}: it is a LoRA adapter, not a model, and "
+                    "the registry keeps models only (the download is deleted); download it "
+                    f"yourself (hf download {got.repo} {got.file}) and load it with --lora "
+                    "NAME=PATH") from None
             raise ModelLoadError(f"cannot use {got.repo}:{got.file} (the download is deleted): "
                                  f"{e}") from None
         if stored_path(m.path, self.root) != stored_path(got.path, self.root):
@@ -497,7 +507,7 @@ class Registry:
                     del tags[k]
                 self._write_tags(tags)
                 return Removal(what, m, tuple(untag), others, None, None)
-            pids = holders(self.root, m.hex)
+            pids = self._holders(m)
             if pids:
                 raise ModelLoadError(
                     f"cannot remove {what}: its version sha256:{m.short} is in use by a running "
@@ -568,7 +578,7 @@ class Registry:
         """ModelLoadError when a running model holds a version of the file at ``path``, which
         ``--force`` would overwrite (``rm`` refuses the same)."""
         for m in self._versions_of(Path(path).expanduser().absolute()):
-            pids = holders(self.root, m.hex)
+            pids = self._holders(m)
             if pids:
                 raise ModelLoadError(
                     f"cannot overwrite {path}: its version sha256:{m.short} is in use by a "
@@ -576,8 +586,15 @@ class Registry:
                     "or write elsewhere (-o)")
 
     def in_use(self, digest: str) -> list[int]:
-        """The pids of the running processes that hold version ``digest``."""
-        return holders(self.root, digest.removeprefix(DIGEST_PREFIX))
+        """The pids of the running processes that hold version ``digest`` (or its file)."""
+        hex_digest = digest.removeprefix(DIGEST_PREFIX)
+        m = self.manifest(hex_digest)
+        return holders(self.root, hex_digest) if m is None else self._holders(m)
+
+    def _holders(self, m: Manifest) -> list[int]:
+        """The pids that hold version ``m``: by its digest, or by its file (a model served
+        from the models directory before the file was registered)."""
+        return sorted(set(holders(self.root, m.hex)) | set(holders(self.root, _path_key(m.path))))
 
 
 def file_digest(path: str | Path) -> str:
@@ -589,16 +606,56 @@ def file_digest(path: str | Path) -> str:
 
 @contextlib.contextmanager
 def lease_for_path(path: str | Path, root: Path | None = None) -> Iterator[str | None]:
-    """Hold the registered version whose file is ``path`` while the block runs (a runner
-    process wraps its whole life in this), so ``justllm rm`` refuses to delete it. Yields the
-    version's digest, or None when no version names the file (nothing to protect then)."""
+    """Hold the model file ``path`` while the block runs (``serve``, ``run`` and ``chat`` wrap
+    the model's whole life in this), so ``justllm rm`` refuses to delete it: a lease on its
+    registered version, and, for a file in the models directory (or a link to one), a lease
+    on the file itself, which holds it even when it is registered only later (adopted by a
+    ``justllm models`` while it is served: it was deleted by the ``rm`` after). Yields the
+    version's digest, or None when no version names the file yet."""
     registry = Registry(root)
-    m = registry.manifest_for_path(Path(path))
-    if m is None:
-        yield None
+    p = Path(path).expanduser().absolute()
+    inside = is_inside(p, registry.root) or is_inside(Path(os.path.realpath(p)), registry.root)
+    if not inside and registry.manifest_for_path(p) is None:
+        yield None  # outside the models directory and unregistered: nothing to protect
         return
-    with registry.lease(m.digest):
-        yield m.digest
+    held: list[Lease] = []
+    try:
+        try:
+            with registry._locked():  # as rm checks: no lease appears between check and delete
+                m = registry.manifest_for_path(p)
+                if inside:
+                    held.append(acquire_lease(registry.root, _path_key(p)))
+                if m is not None:
+                    held.append(acquire_lease(registry.root, m.hex))
+        except (OSError, ModelLoadError) as e:
+            if registry.manifest_for_path(p) is not None:
+                if isinstance(e, OSError):
+                    raise ModelLoadError(f"cannot hold {p} against 'justllm rm' (a lease in "
+                                         f"{registry.root / 'leases'}): {e.strerror or e}"
+                                         ) from None
+                raise
+            # An unregistered file in a models directory this process cannot write (a shared,
+            # read-only one), as before: its rm could not delete there either.
+            m = None
+        yield None if m is None else m.digest
+    finally:
+        for lease in held:
+            lease.release()
+
+
+def _path_key(path: Path) -> str:
+    """A lease's key for a model file by where it really is (links followed): ``path-`` and
+    the sha256 of its real path (no dot: lease files are ``KEY.PID.N``)."""
+    real = os.path.realpath(Path(path).expanduser().absolute())
+    return "path-" + hashlib.sha256(os.fsencode(real)).hexdigest()
+
+
+def _is_adapter(path: Path) -> bool:
+    """Whether ``path`` is a readable LoRA adapter GGUF."""
+    try:
+        return read_gguf_header(path, adapter=True).metadata.get("general.type") == ADAPTER_TYPE
+    except ModelLoadError:
+        return False
 
 
 def _same_file(a: Path, b: Path) -> bool:

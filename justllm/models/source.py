@@ -95,17 +95,17 @@ class HuggingFaceRepo:
     def find(self, ref: str) -> Path | None:
         from justllm.models.hub import looks_like_repo, split_ref
         from justllm.models.registry import Registry
-        from justllm.models.store import ModelStore
 
         if not looks_like_repo(ref):
             return None
         repo, file = split_ref(ref)
         registry = Registry()
-        if file is not None:
-            if (pulled := registry.pulled(repo, file)) is not None:
-                return pulled
-            if (flat := ModelStore().find(Path(file).stem)) is not None:  # an older flat pull
-                return flat
+        # Only a version recorded as pulled from this repo and file counts: a file of the same
+        # name elsewhere in the models directory (another repo's pull, one put there by hand)
+        # was taken for it, silently. A copy with the bytes the hub lists is still not
+        # downloaded again (the pull finds it by its sha256).
+        if file is not None and (pulled := registry.pulled(repo, file)) is not None:
+            return pulled
         return registry.pull(ref).manifest.path
 
 

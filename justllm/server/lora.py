@@ -13,7 +13,8 @@
   requests that do not ask for an adapter, as vLLM does (llama-server applies them unless
   ``--lora-init-without-apply``); one POST gives llama-server's default.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
-  /v1/unload_lora_adapter`` ``{"lora_name"}`` (vLLM's routes and bodies), with
+  /v1/unload_lora_adapter`` ``{"lora_name"}`` (and vLLM's ``lora_int_id``, checked against
+  the adapter's id) (vLLM's routes and bodies), with
   ``--enable-lora-runtime`` only (404 otherwise). Unloading waits for the adapter's running
   requests; new ones are refused from the moment it starts.
 """
@@ -40,8 +41,18 @@ class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's unload body as router mode and a cluster take it: the name alone (vLLM's
+    ``lora_int_id`` is refused there, as an unknown field: their replicas number an adapter
+    loaded at run time each in its own order, so no id names it)."""
+
     lora_name: str
-    lora_int_id: int | None = None  # vLLM's; the name is what counts
+
+
+class ServerUnloadLoraRequest(UnloadLoraRequest, kw_only=True, forbid_unknown_fields=True):
+    """One server's unload body: with vLLM's ``lora_int_id``, which must be the named
+    adapter's id (``GET /v1/lora_adapters``); it was taken and never read."""
+
+    lora_int_id: int | None = None
 
 
 class GlobalScale(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -185,10 +196,16 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     from justllm.server.app import decode_request
 
     served = _runtime(state)
-    body = await decode_request(request, UnloadLoraRequest)
-    if adapter(served.aengine, body.lora_name) is None:
+    body = await decode_request(request, ServerUnloadLoraRequest)
+    loaded = adapter(served.aengine, body.lora_name)
+    if loaded is None:
         raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded",
                        type="not_found_error", param="lora_name")
+    if body.lora_int_id is not None and body.lora_int_id != loaded.id:
+        raise InvalidRequestError(f"lora_int_id {body.lora_int_id} is not the id of the LoRA "
+                                  f"adapter '{loaded.name}' (its id is {loaded.id}: see GET "
+                                  "/v1/lora_adapters); leave it out to unload by name",
+                                  param="lora_int_id")
     try:
         await served.aengine.unload_lora(body.lora_name)
     except InvalidRequestError:  # another unload of it came first

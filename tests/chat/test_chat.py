@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import pty
 import select
@@ -9,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -156,7 +161,7 @@ def test_chat_refuses_a_sampling_value_out_of_range_before_loading(model_path):
 
 
 def test_chat_with_url_refuses_what_only_a_local_model_would_use(model_path):
-    for extra in ([model_path], ["--gpu"], ["--ctx", "512"]):  # they were dropped
+    for extra in (["--gpu"], ["--ctx", "512"]):  # they were dropped
         r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url",
                             "http://127.0.0.1:9", *extra], capture_output=True, text=True,
                            timeout=120, stdin=subprocess.DEVNULL)
@@ -445,3 +450,222 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(model_path, t
         assert s.stop() == 0
     assert again["reasoning_content"] and again["content"]
     assert "think>" not in again["content"]
+
+
+# ---- a stand-in OpenAI server (no model): what a server may send, exactly ------------------
+
+@contextlib.contextmanager
+def fake_openai(models: list[str], streams: list[bytes]) -> Iterator[tuple[str, list[dict]]]:
+    """A server whose /v1/models lists ``models`` and whose chat completions answer with
+    ``streams``, one per request, in order (the last one again when they run out). Yields its
+    URL and the request bodies it got."""
+    import http.server
+    import threading
+
+    asked: list[dict] = []
+    listing = json.dumps({"object": "list", "data": [{"id": m, "object": "model"}
+                                                       for m in models]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, body: bytes, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+            self._send(listing, "application/json")
+
+        def do_POST(self) -> None:  # noqa: N802
+            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._send(streams[min(len(asked), len(streams)) - 1], "text/event-stream")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}", asked
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode()
+                    for e in events)
+
+
+def said(text: str) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}}]}
+
+
+def chat_lines(backend, lines: list[str], **options) -> tuple[Any, str]:
+    """A ChatSession fed ``lines``, run to the end of its input: (the session, its output)."""
+    from justllm.chat.session import ChatSession
+
+    out = io.StringIO()
+    feed = iter(lines)
+
+    def read(prompt: str) -> str:
+        line = next(feed, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    session = ChatSession(backend, system=None, read=read, out=out,
+                          options={"temperature": 0.0, "max_tokens": 8, **options})
+    session.run()
+    return session, out.getvalue()
+
+
+@pytest.mark.parametrize("bad", ['{"choices": [null]}', '{"choices": [{"delta": null}]}',
+                                 '{"choices": [{"delta": "Hi"}]}', '{"choices": {"0": {}}}',
+                                 '{"choices": [7]}'])
+def test_a_stream_chunk_that_is_no_chat_chunk_is_one_error_line(bad):
+    """A null choice or delta was an AttributeError traceback out of the chat."""
+    from justllm.chat.backends import RemoteChat
+
+    with fake_openai(["m"], [sse(said("Hel"), bad, "[DONE]"), sse(said("Hello"), "[DONE]")]) \
+            as (url, _):
+        backend = RemoteChat(url)
+        try:
+            session, out = chat_lines(backend, ["hi", "again"])
+        finally:
+            backend.close()
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert errors == [f"error: {url} sent something that is not a chat stream: choices "
+                      f"{json.dumps(json.loads(bad)['choices'])} are not objects with a delta "
+                      "object each"], out
+    # the failed turn left the conversation as it was; the next one answered
+    assert session.history == [{"role": "user", "content": "again"},
+                               {"role": "assistant", "content": "Hello"}]
+
+
+def test_an_error_event_in_the_stream_fails_the_turn(tmp_path):
+    """justllm's server sends ``data: {"error": ...}`` when a request fails mid-answer: the
+    partial answer was printed as complete and kept in the history, with no error line."""
+    from justllm.chat.backends import RemoteChat
+
+    error = {"error": {"message": "KV cache exhausted", "type": "server_error", "param": None,
+                       "code": "kv_exhausted"}}
+    with fake_openai(["m"], [sse(said("Hel"), error, "[DONE]"), sse(said("Hello"), "[DONE]")]) \
+            as (url, asked):
+        backend = RemoteChat(url)
+        try:
+            session, out = chat_lines(backend, ["hi", "again"])
+        finally:
+            backend.close()
+        assert "Hel\nerror: the server failed during the answer: KV cache exhausted\n" in out
+        # the failed turn is not in the next request, nor in the history
+        assert [m["content"] for m in asked[1]["messages"]] == ["again"]
+        assert session.history == [{"role": "user", "content": "again"},
+                                   {"role": "assistant", "content": "Hello"}]
+    # and the CLI: one error line, no traceback, the chat goes on
+    with fake_openai(["m"], [sse(said("Hel"), error, "[DONE]")]) as (url, _):
+        r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", url],
+                           input="hi\n/bye\n", capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.count("error: ") == 1 and "KV cache exhausted" in r.stdout, r.stdout
+
+
+def test_chat_url_takes_model_as_the_servers_model_to_ask_for(tmp_path):
+    """MODEL with --url was refused, and the chat always asked for the first model listed."""
+    from justllm.chat.backends import RemoteChat
+    from justllm.errors import JustLLMError
+
+    env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)}
+    with fake_openai(["base", "sql"], [sse(said("ok"), "[DONE]")]) as (url, asked):
+        backend = RemoteChat(url, model="sql")
+        try:
+            assert "".join(backend.stream([{"role": "user", "content": "x"}], {})) == "ok"
+        finally:
+            backend.close()
+        assert asked[-1]["model"] == "sql"
+        with pytest.raises(JustLLMError) as e:
+            RemoteChat(url, model="nope")
+        assert str(e.value) == (f"{url} serves no model named 'nope' (its /v1/models lists: "
+                                "base, sql)")
+
+        def chat(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "justllm", "chat", *args],
+                                  input="hi\n/bye\n", capture_output=True, text=True,
+                                  timeout=120, env=env)
+
+        r = chat("sql", "--url", url)
+        assert r.returncode == 0 and asked[-1]["model"] == "sql", r.stderr
+        r = chat("--url", url)  # the first, said (which one is not obvious with two)
+        assert r.returncode == 0 and asked[-1]["model"] == "base", r.stderr
+        assert " ".join(r.stderr.split()) == (
+            f"note: chatting with base, the first of the 2 models {url} lists (name another: "
+            "justllm chat MODEL --url URL)")
+        r = chat("nope", "--url", url)
+        assert r.returncode == 1 and r.stderr.strip() == (
+            f"error: {url} serves no model named 'nope' (its /v1/models lists: base, sql)")
+    with fake_openai(["only"], [sse(said("ok"), "[DONE]")]) as (url, asked):
+        r = chat("--url", url)
+        assert r.returncode == 0 and r.stderr == "" and asked[-1]["model"] == "only"
+
+
+class Echo:
+    """A backend without a model: answers "ok", and keeps the messages it was asked with."""
+
+    def __init__(self) -> None:
+        from justllm.chat.backends import AnswerStats
+
+        self.asked: list[list[dict]] = []
+        self.last = AnswerStats()
+
+    def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
+        self.asked.append(messages)
+        yield "ok"
+
+
+def test_a_block_is_always_a_message_and_commands_follow_one_rule():
+    """A \"\"\" block whose first line began with / ran as a command (a block of /bye ended
+    the chat); "  /bye" left while "  /clear" went to the model; extra words were ignored by
+    some commands and made others unknown; /set split on a space only."""
+    backend = Echo()
+    session, out = chat_lines(backend, [
+        '"""', "/usr/bin/env python", 'what does this line do?"""',
+        '"""/bye"""',
+        "/clear now", "/stats please", "/? me", "/help me", "/bye now",
+        "  /clear",
+        "/set temperature\t0.25", "/set  top_k   7 ", "/set top_p 0.5 0.6", "/set top_p",
+        "/system \t Be brief.  Please. ",
+        "hello",
+        "   /bye   ",
+        "never read"])
+    assert [m[-1]["content"] for m in backend.asked] == [
+        "/usr/bin/env python\nwhat does this line do?", "/bye", "hello"]
+    lines = out.splitlines()
+    for command in ("/clear", "/stats", "/?", "/help", "/bye"):
+        assert f"usage: {command} (it takes no words after it)" in lines, out
+    assert lines.count("(conversation cleared)") == 1  # "  /clear": the command, no message
+    assert "(temperature = 0.25)" in lines and "(top_k = 7)" in lines
+    usage = "usage: /set temperature|top_p|top_k|min_p|max_tokens|seed|repeat_penalty VALUE"
+    assert lines.count(usage) == 2
+    assert "top_p" not in session.options  # neither /set top_p was taken
+    assert session.system == "Be brief.  Please."
+    assert backend.asked[-1][0] == {"role": "system", "content": "Be brief.  Please."}
+    assert "unknown command" not in out
+    assert session.history == [{"role": "user", "content": "hello"},
+                               {"role": "assistant", "content": "ok"}]
+    _, out = chat_lines(Echo(), ["/usr/bin/env python"])
+    assert ("unknown command /usr/bin/env (/? for help; a \"\"\" block sends text that starts "
+            "with / as a message)") in out
+
+
+def test_set_refuses_infinite_values():
+    """/set repeat_penalty inf was taken; every message then failed (with --url blamed on the
+    server: httpx cannot send inf), and in process the logits went NaN."""
+    session, out = chat_lines(Echo(), ["/set repeat_penalty inf", "/set temperature -inf",
+                                       "/set repeat_penalty 1e999", "/set repeat_penalty 1.1"])
+    lines = out.splitlines()
+    assert lines.count("not a valid repeat_penalty: repeat_penalty must be a finite number > 0"
+                       ) == 2
+    assert "not a valid temperature: temperature must be a number in [0, 100]" in lines
+    assert session.options["repeat_penalty"] == 1.1

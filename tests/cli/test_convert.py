@@ -93,6 +93,11 @@ def test_convert_a_local_model_to_q8_0_registers_it_and_it_generates(
                                           str(out)]))
     assert line == f"error: {out} already exists (--force overwrites it)"
     assert out.stat().st_mtime_ns == before
+    # an empty --name is no name (it was taken as none given, and the default used)
+    line = error_line(runner.invoke(app, ["convert", str(tiny), "--outtype", "q8_0", "-o",
+                                          str(out), "--force", "--name", ""]))
+    assert line.startswith("error: '' is not a model name"), line
+    assert out.stat().st_mtime_ns == before
 
 
 def test_pull_suggests_convert_then_converts_and_quantizes_a_safetensors_repo(

@@ -347,3 +347,29 @@ def test_a_short_digest_names_a_version_and_an_unknown_one_says_both_readings(mo
     r = runner.invoke(app, ["rm", short])
     assert r.exit_code == 0 and r.stdout.startswith(f"removed version sha256:{short}"), r.output
     assert not other.exists()
+
+
+def test_rm_refuses_a_model_a_chat_has_loaded(models_dir):
+    """`justllm chat` took no lease: `rm` deleted the model under it (and `serve` took none
+    for a file that was registered only after it started). The file is not registered when
+    the chat starts; a listing adopts it meanwhile."""
+    import subprocess
+    import sys
+
+    path = models_dir / "tiny-gemma.gguf"
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "chat", str(path),
+                             "--pool-blocks", "16"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("type a message"), proc.stderr.read()
+        assert not (models_dir / "tags.json").exists()  # not registered when it loaded
+        assert runner.invoke(app, ["models"]).exit_code == 0  # adopts it
+        line = error_line(runner.invoke(app, ["rm", "tiny-gemma"]))
+        assert line == (f"error: cannot remove tiny-gemma:latest: its version sha256:{DEMO} is "
+                        f"in use by a running model (pid {proc.pid}); stop that model first")
+        assert path.is_symlink() and proc.poll() is None
+    finally:
+        proc.communicate("/bye\n", timeout=120)
+    assert proc.returncode == 0
+    r = runner.invoke(app, ["rm", "tiny-gemma"])
+    assert r.exit_code == 0 and not path.is_symlink(), r.output

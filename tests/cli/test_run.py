@@ -210,3 +210,38 @@ def test_server_flags_typed_for_run_are_refused_and_shared_settings_passed_over(
     r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "1", "--pool-blocks", "64"],
                       env={"JUSTLLM_SCHEDULING_POLICY": "priority", "JUSTLLM_MAX_QUEUE": "4"})
     assert r.exit_code == 0, r.output
+
+
+def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):
+    """`justllm run` took no lease on its model: `rm` could delete it mid-answer."""
+    import os
+    import shutil
+    import signal
+
+    models = tmp_path / "models"
+    models.mkdir()
+    path = models / "held.gguf"
+    path.symlink_to(model_path)  # (rm deletes the link, never the demo model)
+    shutil.copyfile(model_path + ".sha256", str(path) + ".sha256")  # no hashing
+    env = {**os.environ, "JUSTLLM_MODELS_DIR": str(models)}
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "run", str(path), "--raw", "-p",
+                             "Once upon a time", "-n", "1500", "--ignore-eos",
+                             "--pool-blocks", "128"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.read(1), proc.stderr.read()  # generating
+        rm = subprocess.run([sys.executable, "-m", "justllm", "rm", "held"], env=env,
+                            capture_output=True, text=True, timeout=120)
+        assert proc.poll() is None  # it still ran while rm looked
+        assert rm.returncode == 1 and rm.stderr.startswith(
+            "error: cannot remove held:latest: its version sha256:"), rm.stderr
+        assert rm.stderr.strip().endswith(f"is in use by a running model (pid {proc.pid}); "
+                                          "stop that model first"), rm.stderr
+        assert path.is_symlink()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    rm = subprocess.run([sys.executable, "-m", "justllm", "rm", "held"], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert rm.returncode == 0 and not path.is_symlink(), rm.stderr
+    assert os.path.isfile(model_path)

@@ -65,3 +65,28 @@ def test_the_infill_step_needs_a_bounded_top_k_before_it():
                {"top_k": 257, "samplers": ("top_k", "infill")}):
         with pytest.raises(InvalidRequestError, match="infill needs a top_k step before it"):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("param", ["temperature", "top_p", "min_p", "repeat_penalty",
+                                   "presence_penalty", "frequency_penalty", "spec_p_min"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 10**400])
+def test_every_float_parameter_is_finite(param, value):
+    """repeat_penalty inf passed its "> 0" (only NaN was refused): the sampler then made NaN
+    logits, and a chat with --url failed each message blaming the server. An int too large
+    for a float is no value either."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{param: value})
+    assert e.value.param == ("speculative.p_min" if param == "spec_p_min" else param)
+
+
+def test_infinite_lora_scales_and_biases_are_refused_and_large_finite_penalties_are_not():
+    for kw, param in (({"lora": {"a": float("inf")}}, "lora"),
+                      ({"logit_bias": {5: float("-inf")}}, "logit_bias")):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequestError,
+                       match=r"^repeat_penalty must be a finite number > 0$"):
+        SamplingParams(repeat_penalty=float("inf"))
+    assert SamplingParams(repeat_penalty=1e300).repeat_penalty == 1e300
+    assert SamplingParams(repeat_penalty=3).repeat_penalty == 3

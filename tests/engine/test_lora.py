@@ -346,3 +346,30 @@ def test_random_concurrent_load_with_mixed_adapters_keeps_kv_consistent(model_pa
         asyncio.run(drive())
     finally:
         a.close()
+
+
+def test_an_adapter_path_with_a_tilde_is_the_file_llama_cpp_opens(model_path, tmp_path,
+                                                                   monkeypatch):
+    """"~/a.gguf" passed the file check (expanded) and llama.cpp, given it as written, could
+    not open it: /v1/load_lora_adapter answered 400 for a file that exists."""
+    home = tmp_path / "home"
+    home.mkdir()
+    write_adapter(home / "a.gguf", seed=1)
+    monkeypatch.setenv("HOME", str(home))
+    engine = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32))
+    try:
+        lora = engine.load_lora("t", "~/a.gguf")
+        assert lora.path == str(home / "a.gguf")
+        assert [(a.name, a.path) for a in engine.lora_adapters()] == [("t", lora.path)]
+        engine.finish_unload_lora(engine.begin_unload_lora("t"))
+        new, old = engine.replace_lora("t", "~/a.gguf")  # in place too
+        assert old is None and new.path == str(home / "a.gguf")
+    finally:
+        engine.close()
+    # and as the Python API's LoraSpec gives it, at start
+    engine = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32,
+                                 lora=(LoraSpec("s", "~/a.gguf"),)))
+    try:
+        assert [a.path for a in engine.lora_adapters()] == [str(home / "a.gguf")]
+    finally:
+        engine.close()

@@ -378,3 +378,93 @@ def test_a_digest_cache_cut_short_is_a_cache_lost(root, tmp_path):
     cache = next(root.rglob("digests.json"))
     cache.write_text('{"' + str(tmp_path))
     assert registry.digests.digest(tmp_path / "a.gguf") == m.hex  # hashed again
+
+
+def test_a_file_served_before_it_is_registered_is_held_against_rm(root, tmp_path):
+    """`serve` (or run, or chat) of a file in the models directory that no version named yet
+    took no lease; a `justllm models` adopted it meanwhile and `rm` deleted it under the
+    running model. Held by its path, or by a link from outside to it."""
+    for seed, name, via_link in ((1, "loose", False), (2, "linked", True)):
+        path = root / f"{name}.gguf"
+        data = tiny_gguf(path, seed=seed)
+        held = path
+        if via_link:
+            held = tmp_path / "elsewhere.gguf"
+            held.symlink_to(path)
+        with lease_for_path(held) as digest:
+            assert digest is None  # no version names it yet
+            reg = Registry()
+            reg.adopt()  # what a listing does meanwhile
+            m = reg.resolve(name)[1]
+            assert reg.in_use(m.digest) == [os.getpid()]
+            before = registry_files(root)
+            with pytest.raises(ModelLoadError, match=(
+                    rf"^cannot remove {name}:latest: its version sha256:{m.short} is in use by "
+                    rf"a running model \(pid {os.getpid()}\); stop that model first$")):
+                reg.remove(name)
+            assert registry_files(root) == before and path.read_bytes() == data
+        assert Registry().in_use(m.digest) == []
+        assert Registry().remove(name).deleted_file == path and not path.exists()
+    assert list((root / "leases").iterdir()) == []
+
+
+def test_a_file_outside_the_models_directory_leaves_no_trace(tmp_path, monkeypatch):
+    models = tmp_path / "models"  # not there: nothing is made for a file outside it
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(models))
+    tiny_gguf(tmp_path / "outside.gguf")
+    with lease_for_path(tmp_path / "outside.gguf") as digest:
+        assert digest is None
+    assert not models.exists()
+
+
+def test_repo_file_never_resolves_to_another_repos_file_of_that_name(hub, tmp_path):
+    """`REPO:FILE` fell back to any file of that name in the models directory: another repo's
+    pull (huggingface/OWNER/NAME/...) or a file put there by hand ran silently instead."""
+    root = tmp_path / "models"
+    ours, theirs = tiny_gguf(seed=1), tiny_gguf(seed=2)
+    hub.push("acme/tiny-GGUF", {"model.gguf": ours})
+    hub.push("other/tiny-GGUF", {"model.gguf": theirs})
+    acme = Registry().pull("acme/tiny-GGUF:model.gguf", tag="acme").manifest
+    got = resolve_model("other/tiny-GGUF:model.gguf")  # pulled, not acme's file
+    assert Path(got).read_bytes() == theirs and Path(got) != acme.path
+    assert hub.gets(".gguf") == 2
+    with pytest.raises(ModelLoadError, match="repository 'nobody/tiny-GGUF' not found"):
+        resolve_model("nobody/tiny-GGUF:model.gguf")
+    # A file put at the top by hand with that name is not taken for the repo's either; a copy
+    # with the hub's bytes is used without a download (found by its sha256).
+    third = tiny_gguf(seed=4)
+    hub.push("third/x-GGUF", {"flat.gguf": third})
+    tiny_gguf(root / "flat.gguf", seed=3)
+    assert Path(resolve_model("third/x-GGUF:flat.gguf")).read_bytes() == third
+    assert hub.gets(".gguf") == 3
+    fourth = tiny_gguf(seed=5)
+    hub.push("fourth/y-GGUF", {"same.gguf": fourth})
+    (root / "same.gguf").write_bytes(fourth)
+    assert resolve_model("fourth/y-GGUF:same.gguf") == str(root / "same.gguf")
+    assert hub.gets(".gguf") == 3
+
+
+def test_an_empty_tag_is_refused_before_anything_is_downloaded(hub, tmp_path):
+    """`pull --tag ""` (an empty shell variable) silently took the default tag."""
+    from justllm.models.refs import InvalidRefError
+
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": tiny_gguf()})
+    for tag in ("", " "):
+        with pytest.raises(InvalidRefError, match=f"^'{tag}' is not a model name"):
+            Registry().pull("acme/tiny-GGUF", tag=tag)
+    assert hub.gets(".gguf") == 0 and not (tmp_path / "models" / "tags.json").exists()
+
+
+def test_pulling_a_lora_adapter_says_so_without_naming_the_deleted_file(hub, tmp_path):
+    """It said "use --lora NAME=<path>" for the download it had just deleted."""
+    from tests.lora_files import write_adapter
+
+    adapter = write_adapter(tmp_path / "a.gguf", seed=1).read_bytes()
+    hub.push("acme/lora-GGUF", {"lora.gguf": adapter})
+    with pytest.raises(ModelLoadError) as e:
+        Registry().pull("acme/lora-GGUF")
+    assert str(e.value) == (
+        "cannot use acme/lora-GGUF:lora.gguf: it is a LoRA adapter, not a model, and the "
+        "registry keeps models only (the download is deleted); download it yourself (hf "
+        "download acme/lora-GGUF lora.gguf) and load it with --lora NAME=PATH")
+    assert not (tmp_path / "models" / "huggingface").exists()

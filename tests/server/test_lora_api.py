@@ -334,3 +334,29 @@ def test_llama_servers_global_scales(client, lora_server, files):
     finally:
         set_scales([])
     assert scales() == {"a": 0.0, "b": 0.0} and complete(client, base) == plain
+
+
+def test_unload_checks_lora_int_id_against_the_adapters_id(lora_server, files):
+    """vLLM's lora_int_id was taken and never read: an id naming another adapter unloaded the
+    named one all the same."""
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "e", "lora_path": str(files["c"])})
+    assert r.status_code == 200, r.text
+
+    def ids() -> dict[str, int]:
+        return {a["name"]: a["id"] for a in httpx.get(f"{lora_server.url}/v1/lora_adapters",
+                                                      timeout=30).json()}
+
+    e = ids()["e"]
+    for other in (ids()["a"], e + 1000):
+        r = post(lora_server, "unload_lora_adapter", {"lora_name": "e", "lora_int_id": other})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "lora_int_id" and error["message"] == (
+            f"lora_int_id {other} is not the id of the LoRA adapter 'e' (its id is {e}: see GET "
+            "/v1/lora_adapters); leave it out to unload by name")
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "e", "lora_int_id": "1"})
+    assert r.status_code == 400 and "lora_int_id" in r.text, r.text
+    assert "e" in ids()  # refused: still loaded
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "e", "lora_int_id": e})
+    assert r.status_code == 200 and "removed successfully" in r.text, r.text
+    assert "e" not in ids()
