@@ -173,6 +173,9 @@ def check_serve_values(*, port: int, shutdown_timeout: float, role: str,
     ``--models-dir``); ``justllm config show`` makes them too."""
     from justllm.server.pd import ROLES
 
+    for flag, value in (("--models", models_file), ("--models-dir", models_dir)):
+        if value is not None and not value.strip():  # (it served the demo model alone)
+            raise ValueError(f"{flag} is empty: give a models.yaml file or a folder of GGUFs")
     if models_file or models_dir or len(models or []) > 1:
         if sum(map(bool, (models, models_file, models_dir))) > 1:
             raise ValueError("router mode takes several MODELs, --models FILE or --models-dir "

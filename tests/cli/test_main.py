@@ -41,7 +41,8 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path, model_path):
         "--pool-blocks": "--pool-blocks 99999999: a KV pool of 1599999984 tokens needs",
         str(twice): f"{twice}: the option 'max-seqs' is given twice (as 'max-seqs' and as "
                     "'max_seqs')",
-        str(port): "--port must be in 1..65535"}
+        str(port): "--port must be in 1..65535",
+        "": "is empty: give a models.yaml file or a folder of GGUFs"}
     for args in (["run", "-p", "x", "--bogus"], ["run", "-p", "x", "--config", str(bad)],
                  ["run", "-p", "x", "--config", str(tmp_path / "missing.yaml")],
                  ["serve", "--port", "notaport"],
@@ -63,7 +64,9 @@ def test_usage_errors_are_one_line_and_exit_1(tmp_path, model_path):
                  ["run", model_path, "-p", "x", "--config", str(twice)],
                  ["config", "show", "--config", str(twice)],
                  ["serve", model_path, "--config", str(port)],
-                 ["config", "show", "--config", str(port)]):
+                 ["config", "show", "--config", str(port)],
+                 # (each served the demo model, alone)
+                 ["serve", "--models", ""], ["serve", "--models-dir", ""]):
         r = justllm(*args, input="", preexec_fn=_memory_cap)
         assert r.returncode == 1, (args, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
