@@ -43,6 +43,7 @@ from justllm.server.schemas import (
     ResponseFormat,
     ToolChoiceFunction,
     ToolChoiceNamed,
+    foreign_field,
 )
 from justllm.server.schemas import Tool as ChatTool
 
@@ -80,11 +81,10 @@ def _own_fields(block: Block, where: str) -> None:
     """A 400 naming any field of another block type set on ``block``: Anthropic's blocks are
     typed ("Extra inputs are not permitted"), and a field this server would not read is
     never ignored."""
-    own = BLOCK_FIELDS[block.type]
-    for name in block.__struct_fields__:
-        if name != "type" and name not in own and getattr(block, name) is not None:
-            raise _refuse(f"{where}.{name}", f"a {block.type} block has no '{name}' (extra "
-                                             "inputs are not permitted)")
+    name = foreign_field(block, BLOCK_FIELDS[block.type])
+    if name is not None:
+        raise _refuse(f"{where}.{name}", f"a {block.type} block has no '{name}' (extra "
+                                         "inputs are not permitted)")
 
 
 def _text(block: Block, where: str) -> str:

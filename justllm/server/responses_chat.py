@@ -44,6 +44,7 @@ from justllm.server.schemas import (
     Tool,
     ToolChoiceFunction,
     ToolChoiceNamed,
+    foreign_field,
 )
 from justllm.server.schemas import ContentPart as ChatPart
 from justllm.server.schemas import (
@@ -90,11 +91,10 @@ def _convert(raw: dict[str, Any], cls: type[S], where: str) -> S:
 def _text(part: ContentPart, role: str, where: str) -> str:
     allowed = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
     if part.type in allowed:
-        own = PART_FIELDS[part.type]
-        for name in part.__struct_fields__:  # another part type's field: never ignored
-            if name != "type" and name not in own and getattr(part, name) is not None:
-                raise InvalidRequestError(f"{where}.{name}: {part.type} parts have no "
-                                          f"'{name}'", param=f"{where}.{name}")
+        name = foreign_field(part, PART_FIELDS[part.type])  # never ignored
+        if name is not None:
+            raise InvalidRequestError(f"{where}.{name}: {part.type} parts have no '{name}'",
+                                      param=f"{where}.{name}")
         text = part.refusal if part.type == "refusal" else part.text
         if text is None:
             raise InvalidRequestError(f"{where}: a {part.type} part needs its text", param=where)

@@ -17,6 +17,15 @@ from msgspec import Meta
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # an int64, as vLLM takes it
+def foreign_field(part: msgspec.Struct, own: frozenset[str]) -> str | None:
+    """The first field set on ``part`` (a loose struct of several kinds, such as a content
+    block) that is neither ``type`` nor one of ``own``, its kind's: a field of another kind,
+    which the APIs' typed parts refuse (None: there is none)."""
+    return next((name for name in part.__struct_fields__
+                 if name != "type" and name not in own and getattr(part, name) is not None),
+                None)
+
+
 # OpenAI's levels of reasoning_effort (the Responses API's reasoning.effort too).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
