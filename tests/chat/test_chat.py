@@ -502,6 +502,17 @@ def said(text: str) -> dict:
     return {"choices": [{"index": 0, "delta": {"content": text}}]}
 
 
+def remote_chat_lines(url: str, lines: list[str]) -> tuple[Any, str]:
+    """``chat_lines`` through a RemoteChat of the server at ``url``, closed afterwards."""
+    from justllm.chat.backends import RemoteChat
+
+    backend = RemoteChat(url)
+    try:
+        return chat_lines(backend, lines)
+    finally:
+        backend.close()
+
+
 def chat_lines(backend, lines: list[str], **options) -> tuple[Any, str]:
     """A ChatSession fed ``lines``, run to the end of its input: (the session, its output)."""
     from justllm.chat.session import ChatSession
@@ -526,15 +537,9 @@ def chat_lines(backend, lines: list[str], **options) -> tuple[Any, str]:
                                  '{"choices": [7]}'])
 def test_a_stream_chunk_that_is_no_chat_chunk_is_one_error_line(bad):
     """A null choice or delta was an AttributeError traceback out of the chat."""
-    from justllm.chat.backends import RemoteChat
-
     with fake_openai(["m"], [sse(said("Hel"), bad, "[DONE]"), sse(said("Hello"), "[DONE]")]) \
             as (url, _):
-        backend = RemoteChat(url)
-        try:
-            session, out = chat_lines(backend, ["hi", "again"])
-        finally:
-            backend.close()
+        session, out = remote_chat_lines(url, ["hi", "again"])
     errors = [line for line in out.splitlines() if "error:" in line]
     assert errors == [f"error: {url} sent something that is not a chat stream: choices "
                       f"{json.dumps(json.loads(bad)['choices'])} are not objects with a delta "
@@ -547,17 +552,11 @@ def test_a_stream_chunk_that_is_no_chat_chunk_is_one_error_line(bad):
 def test_an_error_event_in_the_stream_fails_the_turn(tmp_path):
     """justllm's server sends ``data: {"error": ...}`` when a request fails mid-answer: the
     partial answer was printed as complete and kept in the history, with no error line."""
-    from justllm.chat.backends import RemoteChat
-
     error = {"error": {"message": "KV cache exhausted", "type": "server_error", "param": None,
                        "code": "kv_exhausted"}}
     with fake_openai(["m"], [sse(said("Hel"), error, "[DONE]"), sse(said("Hello"), "[DONE]")]) \
             as (url, asked):
-        backend = RemoteChat(url)
-        try:
-            session, out = chat_lines(backend, ["hi", "again"])
-        finally:
-            backend.close()
+        session, out = remote_chat_lines(url, ["hi", "again"])
         assert "Hel\nerror: the server failed during the answer: KV cache exhausted\n" in out
         # the failed turn is not in the next request, nor in the history
         assert [m["content"] for m in asked[1]["messages"]] == ["again"]
