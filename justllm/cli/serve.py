@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -173,7 +175,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
               else directory_config(models_dir, known) if models_dir
               else list_config(models, known))
     check_sources(config)
-    _check_runner_flags(config)
+    _check_runner_flags(config, plugins)
     warn_problems(plugins)  # a model source that failed while the models were resolved
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),
@@ -202,13 +204,30 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         raise typer.Exit(130)
 
 
-def _check_runner_flags(config: GatewayConfig) -> None:
+def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     """What a model's runners would refuse as they start, asked now as a single model's serve
     asks it (each model failed at its first request, after three runner starts): ``gpu`` on a
-    CPU-only build, a ``chat-template`` that names no built-in template and no Jinja file.
-    Only the models with local replicas: urls run elsewhere. (The engine is imported only
-    where it is asked: the gateway itself loads no llama.cpp.)"""
+    CPU-only build, a ``chat-template`` that names no built-in template and no Jinja file, a
+    ``pool-blocks`` whose KV cannot fit in this machine's memory (of a model that is a file
+    here; the others are resolved by their runners). Only the models with local replicas: urls
+    run elsewhere. (The engine is imported only where it is asked: the gateway itself loads no
+    llama.cpp.)"""
+    from justllm.gateway.config import runner_engine_config
+
     local = [m for m in config.models if m.replicas]
+    for m in local:
+        flags = dict(m.flags)
+        draft = flags.get("draft-model")
+        if flags.get("pool-blocks") and all(
+                p.lower().endswith(".gguf") and Path(p).expanduser().is_file()
+                for p in (m.source, *([draft] if draft else []))):
+            engine = runner_engine_config(m, plugins.spec_methods)
+            try:
+                o.check_pool_fits(dataclasses.replace(
+                    engine, model=str(Path(m.source).expanduser()),
+                    draft_model=str(Path(draft).expanduser()) if draft else None))
+            except ValueError as e:
+                raise ValueError(f"model '{m.name}': {e}") from None
     if any(dict(m.flags).get("gpu") for m in local):
         from justllm.engine.backend import require_gpu_offload
 

@@ -393,6 +393,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
         values["lora"] = _lora_list(name, values["lora"])
     _check_engine_flags(name, values, flags.spec_methods)
     replicas = _replicas(name, entry, flags)
+    _check_flags_run_here(name, entry, flags, replicas)
     replicas["url_api_key"] = _url_api_key(name, entry.get("api-key"), replicas["urls"])
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1
     return ModelSpec(name=name, source=entry["source"], aliases=tuple(aliases),
@@ -400,6 +401,24 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
                                                      entry.get("ttl", DEFAULT_TTL)),
                      preload=pinned or entry.get("preload", False),
                      flags=tuple(sorted(values.items())), **replicas)
+
+
+# A model's keys that mean something to the gateway even when all its replicas are urls: its
+# adapters' names are model names clients send, and runtime adapters reach the urls too.
+_GATEWAY_READ_FLAGS = frozenset({"lora", "enable-lora-runtime"})
+
+
+def _check_flags_run_here(name: str, entry: dict, flags: Flags, replicas: dict) -> None:
+    """Engine flags in the entry of a model with no local replica (urls only) would reach no
+    runner: refused, not ignored (the `justllm serve` behind each url has its own). The
+    gateway's command-line flags, given for every model, are no error here."""
+    if replicas["replicas"] or replicas["autoscale"] or replicas.get("role_autoscale"):
+        return
+    unused = sorted(k for k in entry if k in flags.names and k not in _GATEWAY_READ_FLAGS)
+    if unused:
+        raise ValueError(f"model '{name}': {', '.join(unused)}: engine flags of local "
+                         "replicas, and this model's replicas are all urls (give them to the "
+                         "`justllm serve` behind each url)")
 
 
 _ENV_REF = re.compile(r"\$\{(\w+)\}|\$(\w+)")
@@ -448,13 +467,26 @@ def _check_engine_flags(name: str, values: dict[str, Any],
                         spec_methods: Mapping[str, SpecMethod] | None = None) -> None:
     """An engine flag with a value the runner would refuse (``max-seqs: -3``, ``spec:
     bogus``) is refused now."""
+    _engine_config(name, name, values, spec_methods)
+
+
+def runner_engine_config(spec: ModelSpec,
+                         spec_methods: Mapping[str, SpecMethod] | None = None) -> EngineConfig:
+    """The EngineConfig a local runner of ``spec`` starts with, as far as the gateway can tell
+    (its source as given, unresolved; no LoRA files), for checks that need the model's file
+    (``--pool-blocks`` against this machine's memory)."""
+    return _engine_config(spec.name, spec.source, dict(spec.flags), spec_methods)
+
+
+def _engine_config(name: str, model: str, values: dict[str, Any],
+                   spec_methods: Mapping[str, SpecMethod] | None) -> EngineConfig:
     given = {key: v for k, v in values.items()
              if (key := k.replace("-", "_")) in _CHECKED_FLAGS}
     if "spec" in given or "draft_model" in given:  # as the runner reads them (config_values):
         given["spec"] = given.get("spec") or ("draft" if given.get("draft_model") else "")
     try:
-        EngineConfig(model=name, **given,
-                     spec_methods=SPEC_METHODS if spec_methods is None else spec_methods)
+        return EngineConfig(model=model, **given,
+                            spec_methods=SPEC_METHODS if spec_methods is None else spec_methods)
     except ValueError as e:
         said = str(e)
         for key in given:  # in models.yaml's spelling: max_seqs is max-seqs there

@@ -274,6 +274,9 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     src, dst = Path(src), Path(dst).expanduser()
     if not 0 <= threads <= MAX_THREADS:
         raise ValueError(f"--threads must be in [0, {MAX_THREADS}] (ggml's most)")
+    if imatrix is not None and not imatrix.strip():  # (it meant "none", and quantized anyway)
+        raise ValueError("--imatrix is empty: give the importance matrix file (llama-imatrix's "
+                         ".gguf or .dat), or leave --imatrix out")
     header = read_gguf_header(src, adapter=True)  # a missing, foreign or truncated file
     if header.metadata.get("general.type") == "adapter":
         raise ValueError(f"{src} is a LoRA adapter: quantize takes models (an adapter is "

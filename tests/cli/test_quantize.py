@@ -116,6 +116,9 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
         (["IQ2_XXS", "--allow-requantize"], "IQ2_XXS needs an importance matrix"),
         (["Q8_0", "--allow-requantize", "--imatrix", str(tmp_path / "no.dat")],
          "imatrix file not found"),
+        # (an empty path meant none, and the model was quantized without one)
+        (["Q8_0", "--allow-requantize", "--imatrix", ""], "--imatrix is empty: give the "
+         "importance matrix file"),
         # (it said "imatrix file not found" for a folder)
         (["Q8_0", "--allow-requantize", "--imatrix", str(tmp_path)],
          f"--imatrix {tmp_path} is a directory; pass the importance matrix file"),

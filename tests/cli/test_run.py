@@ -227,7 +227,10 @@ def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "justllm", "run", str(path), "--raw", "-p",
                              "Once upon a time", "-n", "1500", "--ignore-eos",
                              "--pool-blocks", "128"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE, env=env,
+                            # (a test worker may ignore SIGINT, and its children inherit that:
+                            # the answer then ran its 1,500 tokens, a minute, before it ended)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1), proc.stderr.read()  # generating
         rm = subprocess.run([sys.executable, "-m", "justllm", "rm", "held"], env=env,
@@ -241,6 +244,7 @@ def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
+    assert proc.returncode == 130  # ended by the Ctrl-C, not by running out of tokens
     rm = subprocess.run([sys.executable, "-m", "justllm", "rm", "held"], env=env,
                         capture_output=True, text=True, timeout=120)
     assert rm.returncode == 0 and not path.is_symlink(), rm.stderr

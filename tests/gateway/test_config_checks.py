@@ -73,6 +73,10 @@ def refused(tmp_path: Path, args: list[str]) -> str:
     ("models:\n  a: {source: MODEL, preload: true, chat-template: nope}",
      "error: model 'a': --chat-template 'nope' is neither a built-in template (chatml, gemma, "
      "llama3, transcript) nor a Jinja file"),
+    # accepted, and reached no runner: the model's replicas are all urls
+    ("models:\n  r: {urls: [http://127.0.0.1:9], gpu: true}",
+     "error: model 'r': gpu: engine flags of local replicas, and this model's replicas are all "
+     "urls (give them to the `justllm serve` behind each url)"),
     # served as a model named "None"
     ("models:\n  ~: {source: MODEL, preload: true}",
      "error: models.yaml: a model's name is ~ (null): give it a name"),
@@ -82,6 +86,16 @@ def test_a_models_yaml_the_gateway_cannot_serve_is_refused_at_start(tmp_path, mo
     config = tmp_path / "models.yaml"
     config.write_text(entry.replace("MODEL", model_path))
     assert refused(tmp_path, ["--models", str(config)]) == says
+
+
+def test_a_pool_larger_than_the_machines_memory_is_refused_at_start(tmp_path, model_path):
+    """Single-model serve refuses it before llama.cpp allocates it; router mode started, and
+    the model's runner was refused at its first request (three failed starts, then 503)."""
+    config = tmp_path / "models.yaml"
+    config.write_text(f"models:\n  a: {{source: {model_path}, pool-blocks: 99999999}}\n")
+    said = refused(tmp_path, ["--models", str(config)])
+    assert said.startswith("error: model 'a': --pool-blocks 99999999: a KV pool of "), said
+    assert said.endswith("GiB of memory this machine has"), said
 
 
 def test_flags_for_every_model_are_checked_as_serve_checks_them(tmp_path, model_path):
@@ -105,8 +119,10 @@ def test_gpu_on_a_cpu_only_build_is_refused_unless_the_model_runs_elsewhere(tmp_
     (tmp_path / "other.gguf").symlink_to(model_path)
     assert refused(tmp_path, [model_path, str(tmp_path / "other.gguf"), "--gpu"]).startswith(
         "error: --gpu needs")
-    gw = start_gateway(tmp_path, {"remote": {"urls": [f"http://127.0.0.1:{free_port()}"],
-                                             "gpu": True}})
+    # The gateway's own --gpu (here JUSTLLM_GPU) is for the models it runs; a model whose
+    # replicas are all urls runs none.
+    gw = start_gateway(tmp_path, {"remote": {"urls": [f"http://127.0.0.1:{free_port()}"]}},
+                       env={"JUSTLLM_GPU": "1"})
     rc, out = stop(gw)
     assert rc == 0 and out.startswith("justllm: router mode on") and "Traceback" not in out, out
 

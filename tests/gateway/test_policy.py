@@ -201,6 +201,12 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
     ({"models": {"a": {"source": "/a", "chat-template": ""}}},
      "model 'a': chat-template must be a template name or a file path"),
     ({"models": {"a": {"source": "/a", "spec": None}}}, "model 'a': spec must be a value"),
+    # accepted, and sent to no runner: a model whose replicas are all urls starts none
+    ({"models": {"a": {"urls": ["http://h:1"], "max-seqs": 4, "ctx": 64}}},
+     "model 'a': ctx, max-seqs: engine flags of local replicas, and this model's replicas are "
+     "all urls"),
+    ({"models": {"a": {"prefill-replicas": ["http://h:1"], "decode-replicas": ["http://h:2"],
+                       "gpu": True}}}, "model 'a': gpu: engine flags of local replicas"),
 ])
 def test_config_errors_say_what_is_wrong(data, says):
     with pytest.raises(ValueError) as e:
@@ -261,6 +267,13 @@ def test_gpus_and_urls_as_given():
                                   "b": {"urls": "http://h:1/", "aliases": "bee"}}}, FLAGS)
     assert cfg.spec("a").gpus == (0,) and cfg.spec("a").gpu_of(1) == 0
     assert cfg.spec("b").urls == ("http://h:1",) and cfg.names["bee"] == "b"
+    # A urls-only model's adapters are names the gateway routes (the gateway's own flags,
+    # FLAGS' ctx here, are for the models it runs, and no error beside urls).
+    cfg = load_config({"models": {"b": {"urls": "http://h:1", "lora": ["sql=/l.gguf"],
+                                        "enable-lora-runtime": True}}},
+                      Flags(FLAGS.names | {"enable-lora-runtime"}, {"ctx": 512},
+                            switches=FLAGS.switches | {"enable-lora-runtime"}))
+    assert cfg.names["sql"] == "b" and cfg.spec("b").lora_runtime
     assert load_config({"models": {1: "/a"}}, FLAGS).models[0].name == "1"  # (YAML's 1:)
 
 
