@@ -80,6 +80,13 @@ class Request:
         return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     @property
+    def takes_cached_prefix(self) -> bool:
+        """It may start from a prefix in the cache (or in host memory): not one sent back after
+        a KV error (recomputed whole), nor one that wants its prompt's logprobs (every prompt
+        token needs its output row), nor one whose request said ``cache_prompt: false``."""
+        return not self.kv_errors and not self.wants_prompt_logprobs and self.params.cache_prompt
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

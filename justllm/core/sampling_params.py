@@ -61,6 +61,10 @@ class SamplingParams:
     # (vLLM's prompt_logprobs; the legacy completions' echo with logprobs). Every prompt token
     # is computed, with an output row each: no prefix-cache hit, and slower.
     prompt_logprobs: int | None = None
+    # False: the prompt is computed whole, taking nothing from the prefix cache (llama-server's
+    # cache_prompt: a hit's KV was computed in batches of other shapes, so its logits differ
+    # in the last bits from a whole computation's). What it computes is cached as any prompt.
+    cache_prompt: bool = True
     # GBNF text constraining the output (structured output); None = free text.
     grammar: str | None = None
     # Speculative decoding for this request: most draft tokens per step (0: off; None: the
@@ -117,6 +121,8 @@ class SamplingParams:
                    "a thinking budget needs the model's thinking tags", "thinking_budget")
             _check(self.grammar is None, "a thinking budget cannot be combined with a grammar "
                    "(the grammar holds the whole answer)", "thinking_budget")
+        _check(isinstance(self.cache_prompt, bool), "cache_prompt must be true or false",
+               "cache_prompt")
         _check(isinstance(self.thinking_message, str), "thinking_message must be a string",
                "thinking_message")
         _check(not self.thinking_message or self.thinking_budget >= 0,

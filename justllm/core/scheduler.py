@@ -502,11 +502,10 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Give the head of the queue a sequence id, its cached prefix and blocks for the rest."""
         cache = self.cache
-        # A request sent back after a KV error is recomputed whole: no match, no wait; so is
-        # one that wants its prompt's logprobs (every prompt token needs its output row).
+        # One computed whole (Request.takes_cached_prefix) has no match and waits for none.
         match = cache.match(req.prompt_token_ids + req.output_token_ids,
                             req.num_tokens - 1, req.lora) \
-            if cache and not req.kv_errors and not req.wants_prompt_logprobs else None
+            if cache and req.takes_cached_prefix else None
         matched = match.length if match else 0
         if match is not None and self._prefix_being_computed(req, matched):
             return False  # the same prefix is being computed: wait and share it

@@ -829,7 +829,7 @@ class Engine:
         block more of its tokens with a prefix in host memory than with the prefix cache gets
         that prefix back in the KV first (it then hits it as any cached prefix)."""
         for req in itertools.islice(self.scheduler.waiting, self.config.max_prefill):
-            if req.host_checked or req.kv_errors or req.wants_prompt_logprobs:
+            if req.host_checked or not req.takes_cached_prefix:
                 continue
             req.host_checked = True
             self._restore_for((req.prompt_token_ids + req.output_token_ids)[:req.num_tokens - 1],

@@ -145,7 +145,6 @@ _OFF: dict[str, tuple[Any, str]] = {
     "min_keep": (lambda v: v in (0, 1), "min_keep above 1 is not offered"),
     "post_sampling_probs": (lambda v: not v, "n_probs are the model's probabilities before "
                                              "sampling here (false)"),
-    "cache_prompt": (lambda v: v, "every prompt goes through the prefix cache here (true)"),
     "n_cmpl": _ONE_COMPLETION,
     "n": _ONE_COMPLETION,  # (llama-server's other name for n_cmpl)
     "adaptive_target": (lambda v: v < 0.0, "adaptive-p sampling is not offered (-1: off)"),
@@ -272,7 +271,8 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         presence_penalty=req.presence_penalty if penalties else 0.0,
         frequency_penalty=req.frequency_penalty if penalties else 0.0,
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
-        logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain)
+        logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain,
+        cache_prompt=req.cache_prompt)
 
 
 # llama.cpp's nucleus keeps at least one token, so its top_p <= 0 keeps the best alone: a

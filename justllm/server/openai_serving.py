@@ -108,8 +108,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "verbosity": ((None, "medium"), "this server has no verbosity control"),
     "skip_special_tokens": ((None, True), "control tokens are always left out of the text "
                                           "(as llama.cpp writes tokens)"),
-    "cache_prompt": ((None, True), "every prompt is cached (--no-prefix-cache turns the "
-                                   "server's prefix cache off)"),
 }
 # What the server itself gives a chat template, and what jinja2 means by ``self`` (the
 # template) and ``loop`` (a for loop's state): a client's chat_template_kwargs may not set it.
@@ -213,7 +211,8 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
-            priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora))
+            priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora),
+            cache_prompt=req.cache_prompt is not False)
 
     @staticmethod
     def check_extras(req: ChatCompletionRequest | CompletionRequest) -> None:

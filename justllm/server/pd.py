@@ -121,6 +121,10 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
         # Every prompt row's logprobs are the prefill's; they do not travel with the KV.
         raise APIError(409, "requests for prompt logprobs are served whole, not "
                        "disaggregated", code="not_disaggregated")
+    if any(not params.cache_prompt for _, params in jobs):
+        # The decode half would take nothing from the KV handed over, and compute it again.
+        raise APIError(409, "requests with cache_prompt false are served whole, not "
+                       "disaggregated", code="not_disaggregated")
     if req.truncate_prompt_tokens is not None:  # (the prompt the prefill half computes)
         raise APIError(409, "requests that truncate their prompt are served whole, not "
                        "disaggregated", code="not_disaggregated")

@@ -213,8 +213,9 @@ class _Sampling(_Request, kw_only=True):
     # own end-of-turn strings are still left out).
     include_stop_str_in_output: bool | None = None
     # Accepted at the value this server always has (openai_serving._UNSUPPORTED): vLLM's
-    # skip_special_tokens (true), llama-server's cache_prompt (true).
+    # skip_special_tokens (true).
     skip_special_tokens: bool | None = None
+    # llama-server's: false computes the prompt whole, taking nothing from the prefix cache.
     cache_prompt: bool | None = None
 
     @property

@@ -2,7 +2,8 @@
 
 Requests arrive at random through the AsyncEngine with prompts from a four-token vocabulary
 (shared prefixes of every length, one-token ones and exact duplicates included; some ask for
-their prompt's logprobs, so every prompt token is computed beside the others' chunks), the pool is
+their prompt's logprobs, or say cache_prompt false, so every prompt token is computed beside
+the others' chunks), the pool is
 small enough that the prefix cache evicts and running requests are preempted, prompts run past
 the model's 512-token sliding window (where llama.cpp reuses cells), and clients leave
 at random points: before their first token (mid-prefill), after a few tokens (mid-decode), or by
@@ -58,7 +59,8 @@ async def one_client(a: AsyncEngine, rng: random.Random, prompt: list[int], i: i
     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 0.8)),
                             top_p=rng.choice((1.0, 0.9, 0.9)) if unseeded else 1.0,
                             top_k=rng.choice((0, 0, 40)) if unseeded else 0,
-                            seed=None if unseeded and i % 2 == 0 else i, ignore_eos=True)
+                            seed=None if unseeded and i % 2 == 0 else i, ignore_eos=True,
+                            cache_prompt=i % 7 != 5)  # (some computed whole, cache beside)
     if i % 4 == 1 and len(prompt) <= 60:  # every prompt token computed, an output row each
         params = replace(params, prompt_logprobs=i % 3,  # some only scored, nothing drawn
                          max_tokens=0 if i % 8 == 1 else params.max_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from justllm.config import EngineConfig
@@ -86,6 +88,26 @@ def test_fully_cached_prompt_recomputes_only_its_last_token(cached):
     assert second.num_cached_tokens == second.num_prompt_tokens - 1
     assert second.num_computed_tokens == 1 + 3  # the last prompt token, then 3 decodes
     assert first.num_computed_tokens > 1000
+    assert_pool_free_after_flush(cached)
+
+
+def test_a_request_that_does_not_cache_its_prompt_computes_it_whole(cached):
+    """llama-server's cache_prompt: false takes nothing from the prefix cache (it was a 400):
+    the cached prompt is computed again, every token, and its answer is the whole
+    computation's (greedy: the tokens of the first run, up to noise)."""
+    params = SamplingParams(max_tokens=4, logprobs=5, ignore_eos=True)
+    prompt = SYSTEM + QUESTIONS[1]
+    (first, first_lp, _), = run_collect(cached, [prompt], params)
+    hits = cached.stats().prefix_cache.hits
+    (again, again_lp, m2), = run_collect(cached, [prompt], replace(params, cache_prompt=False))
+    assert m2.num_cached_tokens == 0 and m2.num_computed_tokens == m2.num_prompt_tokens + 3
+    assert cached.stats().prefix_cache.hits == hits
+    ok, why = divergence_is_noise(first, first_lp, again, again_lp)
+    assert ok, why
+    (_, _, m3), = run_collect(cached, [prompt], params)  # the cache still serves the others
+    assert m3.num_cached_tokens == m3.num_prompt_tokens - 1
+    with pytest.raises(ValueError, match="cache_prompt must be true or false"):
+        SamplingParams(cache_prompt=0)
     assert_pool_free_after_flush(cached)
 
 

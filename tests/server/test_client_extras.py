@@ -1,6 +1,7 @@
 """Fields clients of vLLM and llama-server send besides OpenAI's: chat_template_kwargs reach the
 chat template (chat, /tokenize), repetition_penalty penalises the whole sequence, and
-skip_special_tokens / cache_prompt are taken at the value this server always has."""
+skip_special_tokens is taken at the value this server always has, cache_prompt false computes
+the prompt whole."""
 
 from __future__ import annotations
 
@@ -77,7 +78,6 @@ def test_repetition_penalty_is_vllms_whole_sequence_penalty(server):
 
 @pytest.mark.parametrize("field, ok, says", [
     ("skip_special_tokens", True, "control tokens are always left out"),
-    ("cache_prompt", True, "every prompt is cached"),
 ])
 def test_fields_taken_at_this_servers_value(server, field, ok, says):
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
@@ -87,6 +87,23 @@ def test_fields_taken_at_this_servers_value(server, field, ok, says):
         bad = post(server, path, {**body, "max_tokens": 2, field: not ok})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field
         assert says in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "A prompt that the prefix cache keeps. " * 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Keep me. " * 8}]})])
+def test_cache_prompt_false_takes_nothing_from_the_prefix_cache(server, path, body):
+    """llama-server's cache_prompt on the OpenAI routes (only true was taken)."""
+    def cached(**extra) -> int:
+        r = post(server, path, {**body, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached(cache_prompt=False) == 0
+    assert cached() > 0 and cached(cache_prompt=True) > 0
+    bad = post(server, path, {**body, "max_tokens": 1, "cache_prompt": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt", bad.text
 
 
 def test_min_tokens_holds_the_end_back(server):

@@ -213,13 +213,26 @@ def test_structured_output(server):
     assert isinstance(json.loads(got["content"])["a"], int)
 
 
+def test_cache_prompt_false_computes_the_prompt_whole(server):
+    """llama-server's cache_prompt (a 400 here before): false takes nothing from the prefix
+    cache, true (the default) takes what it holds."""
+    prompt = PROMPT + " The cache keeps this prompt."
+    first = complete(server, prompt=prompt, n_predict=1, temperature=0)
+    whole = complete(server, prompt=prompt, n_predict=1, temperature=0, cache_prompt=False)
+    assert whole["tokens_cached"] == 0
+    assert whole["timings"]["prompt_n"] == whole["tokens_evaluated"] == first["tokens_evaluated"]
+    again = complete(server, prompt=prompt, n_predict=1, temperature=0)
+    assert again["tokens_cached"] == again["tokens_evaluated"] - 1, again
+    assert again["timings"]["prompt_n"] == 1
+
+
 @pytest.mark.parametrize(("param", "body"), [
     ("mirostat", {"mirostat": 2}),
     ("dry_multiplier", {"dry_multiplier": 0.8}),
     ("typical_p", {"typical_p": 0.5}),
     ("n_cmpl", {"n_cmpl": 2}),
     ("id_slot", {"id_slot": -2}),
-    ("cache_prompt", {"cache_prompt": False}),
+    ("cache_prompt", {"cache_prompt": "no"}),
     ("samplers", {"samplers": ["top_k", "adaptive_p"]}),
     ("samplers", {"samplers": "kq"}),
     ("samplers", {"samplers": ["top_k", "penalties"], "repeat_penalty": 1.2}),

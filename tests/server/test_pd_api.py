@@ -109,6 +109,8 @@ def test_hand_overs_that_do_not_fit_are_counted_and_the_request_served_whole(ser
                               "prompt_logprobs": 1}),
     # vLLM's truncate_prompt_tokens: the prompt the halves compute must be one
     ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4}),
+    # llama-server's cache_prompt false: the decode half would compute the KV again
+    ("/v1/completions", {"prompt": PROMPT, "cache_prompt": False}),
 ])
 def test_requests_for_prompt_logprobs_are_not_disaggregated(server, path, body):
     """Every prompt row's logprobs are the prefill's and do not travel with the KV: the
