@@ -63,7 +63,7 @@ from justllm.gateway.streams import relayed
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
-from justllm.server.llama_server import router_props, slots_body
+from justllm.server.llama_server import router_props, slot_action, slots_body
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
@@ -446,7 +446,7 @@ def create_ingress(ingress: Ingress) -> Litestar:
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})
     tokens = Router(path="/", route_handlers=[_route(p, s, root=True)
                                               for p, s in TOKENS + LLAMA_SERVER]
-                   + [props, slots],
+                   + [props, slots, slot_action],
                     guards=[require_api_key])
     return Litestar(route_handlers=[v1, api, tokens, health, metrics],
                     state=State({"ingress": ingress, "config": config}),

@@ -43,7 +43,7 @@ from justllm.models.source import cache_dir
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.errors import APIError, handle_exception, json_object
-from justllm.server.llama_server import router_props, slots_body
+from justllm.server.llama_server import router_props, slot_action, slots_body
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
 from justllm.server.request_checks import check_without_model
@@ -806,7 +806,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                 guards=[require_api_key])
     admin = Router(path="/", route_handlers=[models_status, load_model, unload_model,
                                              tokenize, detokenize, props, slots,
-                                             apply_template,
+                                             slot_action, apply_template,
                                              llama_completion, llama_infill, llama_embedding,
                                              rerank,
                                              chat_completions, responses,

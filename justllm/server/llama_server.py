@@ -12,7 +12,8 @@
   slot ``i`` is the ``i``-th running request), with llama-server's counts and sampling;
   ``?fail_on_no_slot=1`` answers 503 when none is idle (what load balancers ask). The prompt
   and the text so far, which llama-server adds, are left out: they are other clients' data.
-  Saving, restoring and erasing a slot (``POST /slots/{id}``) are not offered.
+  Saving, restoring and erasing a slot (``POST /slots/{id}``) are not offered: a 400 that
+  says so.
 - ``POST /apply-template``: a chat request's prompt as the chat template renders it for
   ``/v1/chat/completions`` (tools and ``chat_template_kwargs`` included), as ``{"prompt"}``;
   a conversation that ends with an assistant message ends inside it, as llama-server prefills
@@ -200,6 +201,18 @@ def slots_body(model: str | None) -> dict[str, str]:
     return {"model": model}
 
 
+@post("/slots/{id_slot:str}", status_code=200, include_in_schema=False,
+      summary="llama-server's slot save, restore and erase: not offered")
+async def slot_action(id_slot: str, action: FromQuery[str | None] = None) -> None:
+    """llama-server's ``POST /slots/{id}?action=save|restore|erase`` (a slot's KV to a file
+    and back). justllm has no fixed slots to save: a 400 that says what it has instead (it
+    was a bare 404). Routers answer it alike."""
+    raise InvalidRequestError(
+        f"slot actions ({action or 'save, restore, erase'}) are not offered: justllm keeps no "
+        "fixed slots; every request's prompt goes through one prefix cache, shared by all "
+        "(--cache-ram keeps more of it in host memory)", param="action")
+
+
 def router_props() -> dict[str, Any]:
     """``/props`` of a server of several models asked without ``?model=`` (router mode, the
     cluster), as llama-server's router answers it: its role and build, and the fields its web
@@ -216,7 +229,8 @@ def llama_server_router() -> Router:
     from justllm.server.llama_completion import completion
     from justllm.server.llama_embedding import embedding
 
-    return Router(path="/", route_handlers=[props, slots, apply_template, completion, infill,
+    return Router(path="/", route_handlers=[props, slots, slot_action, apply_template,
+                                            completion, infill,
                                             embedding,
                                             chat_completions, responses.create_response,
                                             responses.input_tokens,

@@ -101,6 +101,14 @@ def test_a_request_goes_to_its_models_deployment_with_its_routing_text():
     assert r.headers["x-request-id"].startswith("req_")
 
 
+def test_slot_actions_say_they_are_not_offered():
+    handle = Handle()
+    with client(handle) as c:
+        r = c.post("/slots/0?action=save", json={"filename": "slot0.bin"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "action", r.text
+    assert r.json()["error"]["code"] == 400 and not handle.calls  # llama-server's shape
+
+
 def test_a_clients_request_id_goes_to_the_replica_and_comes_back():
     handle = Handle(Answer(Head(200, [("content-type", "application/json"),
                                       ("x-request-id", "trace-7")]), b"{}"))

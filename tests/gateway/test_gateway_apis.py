@@ -12,6 +12,7 @@ import pytest
 
 from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop, wait_gone
 from tests.lora_files import write_adapter
+from tests.server.test_llama_server import slot_action_refused
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 
@@ -83,6 +84,7 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         assert slots.status_code == 200 and slots.json()[0]["id"] == 0, slots.text
         r = httpx.get(gw.url + "/slots", timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        slot_action_refused(gw.url)
         applied = httpx.post(gw.url + "/apply-template", timeout=60,
                              json={"model": "alpha", "messages": HELLO}).json()["prompt"]
         assert "<bos>" + applied == back.json()["content"]

@@ -225,6 +225,24 @@ def test_props_and_slots_of_another_model_are_not_found(server, path):
     assert r.status_code == 200, r.text
 
 
+def slot_action_refused(url: str) -> None:
+    """llama-server's slot save/restore/erase: a 400 in llama-server's shape that says they
+    are not offered (a bare 404 "Not Found" before)."""
+    for action in ("save", "restore", "erase"):
+        r = httpx.post(f"{url}/slots/0", params={"action": action}, timeout=30,
+                       json={"filename": "slot0.bin"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["type"], error["param"]) == (
+            400, "invalid_request_error", "action"), error
+        assert error["message"].startswith(f"slot actions ({action}) are not offered: justllm "
+                                           "keeps no fixed slots"), error
+
+
+def test_slot_actions_say_they_are_not_offered(server):
+    slot_action_refused(server.url)
+
+
 def test_openai_routes_answer_without_v1_as_llama_servers_do(server):
     # an OpenAI SDK given the server's address without /v1 posts to /chat/completions
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
