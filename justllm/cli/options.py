@@ -313,7 +313,7 @@ def check_pool_fits(config: EngineConfig) -> None:
 
     if not config.pool_blocks or not config.model:
         return
-    per_token = sum(ModelShape.of(read_gguf_header(p)).kv_bytes_per_token
+    per_token = sum(ModelShape.of(read_gguf_header(p, vocabulary=False)).kv_bytes_per_token
                     for p in (config.model, config.draft_model) if p)
     memory = physical_memory()
     if memory is not None and config.gpu:
@@ -347,7 +347,7 @@ def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpe
     if isinstance(values, str):
         values = [values]
     specs = tuple(LoraSpec.parse(str(x)) for x in values)
-    arch = read_gguf_header(model_path).architecture
+    arch = read_gguf_header(model_path, vocabulary=False).architecture
     for spec in specs:
         head, colon, tail = spec.path.rpartition(":")
         if colon and not os.path.exists(spec.path) and os.path.isfile(head):

@@ -31,12 +31,12 @@ def with_vram_pool(config: EngineConfig, free_bytes: int | None = None) -> Engin
                                       "GPU (check the driver and CUDA_VISIBLE_DEVICES)")
         free_bytes = sum(d.free_bytes for d in devices)
     path = resolve_model(config.model)
-    shape = ModelShape.of(read_gguf_header(path))
+    shape = ModelShape.of(read_gguf_header(path, vocabulary=False))
     weights, per_token = Path(path).stat().st_size, shape.kv_bytes_per_token
     if config.draft_model:
         draft = resolve_model(config.draft_model)
         weights += Path(draft).stat().st_size
-        per_token += ModelShape.of(read_gguf_header(draft)).kv_bytes_per_token
+        per_token += ModelShape.of(read_gguf_header(draft, vocabulary=False)).kv_bytes_per_token
     blocks = vram_pool_blocks(
         free_bytes, weights_bytes=weights,
         reserve_bytes=compute_reserve(config.n_ubatch, shape.n_vocab, shape.n_embd),

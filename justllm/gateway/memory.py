@@ -16,7 +16,7 @@ def runner_memory(spec: ModelSpec, sources: tuple[ModelSource, ...] | None = Non
     """Estimated bytes for ``spec``'s runner (resolving its source among ``sources``, the
     built-in ones by default: a pull may download)."""
     path = Path(resolve_model(spec.source, sources or SOURCES))
-    shape = ModelShape.of(read_gguf_header(path))
+    shape = ModelShape.of(read_gguf_header(path, vocabulary=False))  # (the runner checks it)
     flags = dict(spec.flags)
     d = EngineConfig()
     # A --gpu runner's KV cache is in VRAM, not in the memory max-memory shares out.

@@ -219,11 +219,15 @@ class _Reader:
         return None
 
 
-def read_gguf_header(path: str | Path, *, adapter: bool = False) -> GGUFHeader:
+def read_gguf_header(path: str | Path, *, adapter: bool = False,
+                     vocabulary: bool = True) -> GGUFHeader:
     """The header of a GGUF (v2 or v3, either byte order), checked to the last byte its tensors
     need. Any problem is a ModelLoadError naming the file: not a GGUF, a header that makes no
     sense, a file shorter than its tensors (a truncated download or copy), or a LoRA adapter
-    where a model is wanted (``adapter=True``: an adapter is what is wanted)."""
+    where a model is wanted (``adapter=True``: an adapter is what is wanted).
+    ``vocabulary=False``: its tokens are skipped, not checked to be unique (two thirds of the
+    time on a 262k-token vocabulary, ~70 ms): for a reader of the header's numbers, where the
+    load itself checks the file again before llama.cpp reads it."""
     p = Path(path)
     _check_magic(path)
     try:
@@ -233,7 +237,7 @@ def read_gguf_header(path: str | Path, *, adapter: bool = False) -> GGUFHeader:
                 raise ModelLoadError(f"{path} is truncated: {size} bytes, shorter than a GGUF "
                                      "header")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                header = _parse(buf)
+                header = _parse(buf, vocabulary)
     except OSError as e:
         raise ModelLoadError(f"cannot read model file {path}: {e.strerror or e}") from None
     except _Corrupt as e:
@@ -249,7 +253,7 @@ def read_gguf_header(path: str | Path, *, adapter: bool = False) -> GGUFHeader:
     return header
 
 
-def _parse(buf: mmap.mmap) -> GGUFHeader:
+def _parse(buf: mmap.mmap, vocabulary: bool = True) -> GGUFHeader:
     import gguf
 
     (little,) = struct.unpack_from("<I", buf, 4)
@@ -267,7 +271,7 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     for _ in range(kv_count):
         key = r.string().decode("utf-8", "replace")
         # (llama.cpp asserts that every token is unique: the whole process would abort)
-        value = r.value(r.scalar("I"), unique=key == VOCAB_KEY)
+        value = r.value(r.scalar("I"), unique=vocabulary and key == VOCAB_KEY)
         if value is not None:
             metadata[key] = value
         else:

@@ -58,6 +58,11 @@ def test_a_vocabulary_that_lists_a_token_twice_is_refused_before_llama_cpp(tmp_p
         LlamaBackend(BackendConfig(model_path=str(path), n_ctx=256))
     with pytest.raises(ModelLoadError, match="twice"):  # listing or showing it (vocab only)
         describe(path)
+    # A reader of the header's numbers (the pool's memory check) skips the tokens; the load
+    # checks them before llama.cpp reads the file.
+    skipped = read_gguf_header(path, vocabulary=False)
+    assert skipped.array_lengths["tokenizer.ggml.tokens"] == 262144
+    assert skipped.metadata == read_gguf_header(model_path).metadata
     assert read_gguf_header(model_path).array_lengths["tokenizer.ggml.tokens"] == 262144
 
 
