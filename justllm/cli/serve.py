@@ -226,6 +226,8 @@ def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
                 o.check_pool_fits(dataclasses.replace(
                     engine, model=str(Path(m.source).expanduser()),
                     draft_model=str(Path(draft).expanduser()) if draft else None))
+            except ModelLoadError:
+                pass  # a broken file fails its own model at its first request, not the others
             except ValueError as e:
                 raise ValueError(f"model '{m.name}': {e}") from None
     if any(dict(m.flags).get("gpu") for m in local):

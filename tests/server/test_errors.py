@@ -356,7 +356,7 @@ def test_llama_servers_own_routes_are_the_ones_in_its_error_shape():
     paths = {r.path for r in create_app(None, ServerConfig()).routes}
     root = {p for p in paths if not p.startswith(("/v1/", "/api/", "/pd/", "/docs"))}
     assert root - {"/chat/completions", "/responses", "/responses/input_tokens", "/health",
-                   "/metrics", "/"} == LLAMA_SERVER_PATHS
+                   "/metrics", "/"} == LLAMA_SERVER_PATHS | {"/slots/{id_slot:str}"}
 
 
 @pytest.mark.parametrize("method,path,body,status,type,param", [
@@ -381,7 +381,7 @@ def test_llama_servers_own_routes_are_the_ones_in_its_error_shape():
     ("GET", "/props", {"model": "nope"}, 404, "not_found_error", "model"),
     ("POST", "/props", {}, 405, "invalid_request_error", None),
     ("GET", "/slots", {"model": "nope"}, 404, "not_found_error", "model"),
-    ("POST", "/slots/0", {}, 404, "not_found_error", None),  # (not offered)
+    ("POST", "/slots/0", {}, 400, "invalid_request_error", "action"),  # (not offered)
     ("POST", "/rerank", {"query": "a", "documents": ["b"]}, 400, "invalid_request_error",
      "model"),  # (not a reranker)
     ("POST", "/reranking", {"query": "a", "documents": []}, 400, "invalid_request_error",
