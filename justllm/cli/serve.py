@@ -94,7 +94,8 @@ def serve(
             # out of reach (/v1/load_lora_adapter refuses the name the same way).
             raise ValueError(f"--lora {model_id}=…: '{model_id}' is the base model's name; "
                              "give the adapter another")
-        app = create_app(None, server_config, loader=lambda: AsyncEngine(Engine(config)),
+        app = create_app(None, server_config,
+                         loader=lambda: AsyncEngine(Engine(config, model_checked=True)),
                          routes=routes.handlers, events=events, route_owners=routes.owners)
         sock = listening_socket(host, port)
         Console(stderr=True, emoji=False).print(

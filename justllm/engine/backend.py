@@ -193,6 +193,9 @@ class BackendConfig:
     # sequence ids, see LlamaBackend). Needed wherever KV is shared or handed on (prefix cache,
     # speculation's rollback); costs twice the sequence ids.
     keep_swa_cells: bool = False
+    # The caller has just checked ``model_path`` with read_gguf_header (``justllm serve``'s
+    # fail-fast read, before it binds its port): not read again (~100 ms on the demo model).
+    model_checked: bool = False
 
 
 # The sampler steps with graph versions that GraphSampling chains, in the engine's own order
@@ -624,7 +627,8 @@ class LlamaBackend:
         C.llama_log_set(_usual_log(config.verbose), ctypes.c_void_p(0))
         # Missing, not a GGUF, or shorter than its tensors: one clear error before llama.cpp
         # (which logs its own lines and then fails without saying why).
-        read_gguf_header(config.model_path)
+        if not config.model_checked:
+            read_gguf_header(config.model_path)
         if config.gpu:
             require_gpu_offload()
         limit = MAX_MEMORY_SEQ_ID // 2 if config.keep_swa_cells else MAX_MEMORY_SEQ_ID

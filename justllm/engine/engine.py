@@ -207,7 +207,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None) -> None:
+    def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None, *,
+                 model_checked: bool = False) -> None:
+        """``model_checked``: the caller has checked the model's file with read_gguf_header
+        just now (BackendConfig.model_checked)."""
         config = with_vram_pool(config)  # a --gpu engine's pool, when not given
         self.config = config
         owns_backend = backend is None
@@ -225,6 +228,7 @@ class Engine:
                 gpu=config.gpu,
                 verbose=config.verbose,
                 keep_swa_cells=True,
+                model_checked=model_checked,
             ))
         self.backend = backend
         self.generates = backend.generates()  # (an encoder makes embeddings only)

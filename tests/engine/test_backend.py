@@ -472,3 +472,18 @@ def test_a_causal_models_embeddings_go_in_chunks_pooled_as_llama_cpp_pools_them(
     # embeddings context, which gives the same bits.
     for other in (b"no such tensor", b"attn_norm-0"):
         np.testing.assert_array_equal(embed("mean", 64, other), chunked["mean"])
+
+
+def test_a_model_file_its_caller_checked_is_not_read_again(model_path, monkeypatch):
+    """``justllm serve`` reads the GGUF header before it binds its port (a bad file is one
+    line, not a server that fails in the background); the engine it starts read it again."""
+    import justllm.engine.backend as b
+
+    def read_again(*_args, **_kwargs):
+        raise AssertionError("the header was read again")
+
+    monkeypatch.setattr(b, "read_gguf_header", read_again)
+    b.LlamaBackend(b.BackendConfig(model_path=model_path, n_ctx=256,
+                                   model_checked=True)).close()
+    with pytest.raises(AssertionError, match="read again"):  # any other caller's is read
+        b.LlamaBackend(b.BackendConfig(model_path=model_path, n_ctx=256))
