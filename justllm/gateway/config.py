@@ -411,8 +411,9 @@ _GATEWAY_READ_FLAGS = frozenset({"lora", "enable-lora-runtime"})
 def _check_flags_run_here(name: str, entry: dict, flags: Flags, replicas: dict) -> None:
     """Engine flags in the entry of a model with no local replica (urls only) would reach no
     runner: refused, not ignored (the `justllm serve` behind each url has its own). The
-    gateway's command-line flags, given for every model, are no error here."""
-    if replicas["replicas"] or replicas["autoscale"] or replicas.get("role_autoscale"):
+    gateway's command-line flags, given for every model, are no error here. (An autoscaled
+    model, or PD role, has at least one local replica: its min-replicas, or 1.)"""
+    if replicas["replicas"]:
         return
     unused = sorted(k for k in entry if k in flags.names and k not in _GATEWAY_READ_FLAGS)
     if unused:
