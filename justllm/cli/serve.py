@@ -9,7 +9,6 @@ import math
 import os
 import signal
 import socket
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -213,20 +212,20 @@ def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     here; the others are resolved by their runners). Only the models with local replicas: urls
     run elsewhere. (The engine is imported only where it is asked: the gateway itself loads no
     llama.cpp.)"""
-    from justllm.gateway.config import runner_engine_config
+    from justllm.gateway.config import gguf_path, runner_engine_config
 
     local = [m for m in config.models if m.replicas]
     for m in local:
         flags = dict(m.flags)
         draft = flags.get("draft-model")
-        if flags.get("pool-blocks") and all(
-                p.lower().endswith(".gguf") and Path(p).expanduser().is_file()
-                for p in (m.source, *([draft] if draft else []))):
+        model, draft_path = gguf_path(m.source), gguf_path(draft) if draft else None
+        if flags.get("pool-blocks") and model is not None and model.is_file() and (
+                not draft or (draft_path is not None and draft_path.is_file())):
             engine = runner_engine_config(m, plugins.spec_methods)
             try:
                 o.check_pool_fits(dataclasses.replace(
-                    engine, model=str(Path(m.source).expanduser()),
-                    draft_model=str(Path(draft).expanduser()) if draft else None))
+                    engine, model=str(model),
+                    draft_model=str(draft_path) if draft_path else None))
             except ModelLoadError:
                 pass  # a broken file fails its own model at its first request, not the others
             except ValueError as e:

@@ -447,13 +447,21 @@ def _url_api_key(name: str, value: Any, urls: tuple[str, ...]) -> str | None:
     return key
 
 
+def gguf_path(source: str) -> Path | None:
+    """The file a model source names when it is a path (``x.gguf``, ``~/m.gguf``), or None
+    for a registry name or ``REPO:FILE``."""
+    if source.lower().endswith(".gguf") and ":" not in source:
+        return Path(source).expanduser()
+    return None
+
+
 def check_sources(config: GatewayConfig) -> None:
-    """Every source that is a path (``x.gguf``, not ``REPO:FILE``) names a file: asked when
-    the gateway starts (it started, and the model failed at its first request)."""
+    """Every source that is a path names a file: asked when the gateway starts (it started,
+    and the model failed at its first request)."""
     for m in config.models:
-        if m.source.lower().endswith(".gguf") and ":" not in m.source:
-            if not Path(m.source).expanduser().is_file():
-                raise ValueError(f"model '{m.name}': source {m.source} is not a file")
+        path = gguf_path(m.source)
+        if path is not None and not path.is_file():
+            raise ValueError(f"model '{m.name}': source {m.source} is not a file")
 
 
 # EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.
