@@ -20,6 +20,28 @@ os.environ["JUSTLLM_PLUGINS"] = ""
 KEEP_ENV = {"JUSTLLM_CACHE_DIR", "JUSTLLM_CHECK_KV", "JUSTLLM_PLUGINS", "JUSTLLM_GPU"}
 
 
+def _share_httpx_ssl_context() -> None:
+    """httpx builds a new SSL context from certifi's bundle for every client it makes, about
+    50 ms of CPU, and ``httpx.get``/``post`` make one per call: the tests make thousands (a
+    server's start is polled every 50 ms), each on the core the server under test runs on
+    (pytest_configure). The tests talk plain HTTP to 127.0.0.1, so every default client shares
+    one context here (httpx's own module attribute: where a later httpx moves it, this does
+    nothing and the tests are only slower)."""
+    import functools
+
+    import httpx._transports.default as transport
+
+    make = transport.create_ssl_context
+    shared = functools.cache(lambda trust_env: make(trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env)
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
 # The slowest files (measured under xdist, slowest first), collected first: pytest-xdist hands
 # out whole files in collection order (--dist loadfile; its own reordering by test count is
 # turned off in pytest_configure), so the long ones start at once and no worker is left alone
@@ -49,6 +71,7 @@ def pytest_configure(config):
     is set no process writes it, so each of the few hundred Python processes the suite starts
     (servers, runners, CLI calls, Ray workers) would compile justllm's sources again, ~0.2 s
     of CPU each on a 2-core Xeon."""
+    _share_httpx_ssl_context()
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         _compile_bytecode()
     if hasattr(config.option, "loadscopereorder"):
