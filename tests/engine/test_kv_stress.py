@@ -140,7 +140,7 @@ def test_host_memory_under_random_concurrent_load_keeps_kv_consistent(model_path
     engine._free_floor = floor
     a = AsyncEngine(engine)
     try:
-        asyncio.run(_drive(a, engine, seed, rounds=2))
+        asyncio.run(_drive(a, engine, seed, rounds=2, n_prompts=24))
         host = engine.stats().host_cache
         assert host.stored >= 5 and host.restored >= 3, host
     finally:
@@ -246,13 +246,13 @@ async def _transfer_client(a: AsyncEngine, source: AsyncEngine, rng: random.Rand
 
 async def _drive(a: AsyncEngine, engine: Engine, seed: int,
                  transfers: AsyncEngine | None = None, unseeded: bool = False,
-                 rounds: int = 1) -> None:
-    """``rounds``: the same prompts again, each round once the last has ended (its prefixes
-    cached by then, or in host memory)."""
+                 rounds: int = 1, n_prompts: int = 36) -> None:
+    """``rounds``: the same ``n_prompts`` prompts again, each round once the last has ended
+    (its prefixes cached by then, or in host memory)."""
     rng = random.Random(seed)
     words = engine.tokenize(" apple river stone light")
     bos, vocab = words[0], words[1:]
-    prompts = make_prompts(rng, vocab, bos, 36)
+    prompts = make_prompts(rng, vocab, bos, n_prompts)
     results = {"cancelled": 0, "left": 0, "completed": 0, "imported": 0, "refused": 0,
                "thinking": 0,
                "resumed": 0, "prompt_logprobs": 0}
