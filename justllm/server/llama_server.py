@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Router, get, post
 from litestar.datastructures import State
-from litestar.params import FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from justllm import build_info
 from justllm.errors import InvalidRequestError
@@ -203,7 +203,7 @@ def slots_body(model: str | None) -> dict[str, str]:
 
 @post("/slots/{id_slot:str}", status_code=200, include_in_schema=False,
       summary="llama-server's slot save, restore and erase: not offered")
-async def slot_action(id_slot: str, action: FromQuery[str | None] = None) -> None:
+async def slot_action(id_slot: FromPath[str], action: FromQuery[str | None] = None) -> None:
     """llama-server's ``POST /slots/{id}?action=save|restore|erase`` (a slot's KV to a file
     and back). justllm has no fixed slots to save: a 400 that says what it has instead (it
     was a bare 404). Routers answer it alike."""

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
-from litestar.params import FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from justllm.errors import InvalidRequestError
 from justllm.server.anthropic import prompt_tokens
@@ -315,7 +315,7 @@ def _not_found(response_id: str) -> APIError:
 
 
 @get("/responses/{response_id:str}", summary="A stored response")
-async def retrieve_response(response_id: str, state: State,
+async def retrieve_response(response_id: FromPath[str], state: State,
                             stream: FromQuery[bool | None] = None,
                             include: FromQuery[list[str] | None] = None,
                             include_obfuscation: FromQuery[bool | None] = None,
@@ -341,14 +341,14 @@ async def retrieve_response(response_id: str, state: State,
 
 
 @delete("/responses/{response_id:str}", status_code=200, summary="Delete a stored response")
-async def delete_response(response_id: str, state: State) -> dict[str, Any]:
+async def delete_response(response_id: FromPath[str], state: State) -> dict[str, Any]:
     if not _served(state).responses.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 @get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
-async def input_items(response_id: str, state: State, limit: FromQuery[int] = 20,
+async def input_items(response_id: FromPath[str], state: State, limit: FromQuery[int] = 20,
                       order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
                       include: FromQuery[list[str] | None] = None) -> dict[str, Any]:
     """OpenAI's list of the items a stored response answered (a continued response's whole
