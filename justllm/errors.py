@@ -37,6 +37,11 @@ class ModelLoadError(JustLLMError):
     """The model file is missing, not a GGUF, or llama.cpp refused it."""
 
 
+class LoadCancelled(JustLLMError):
+    """A model's load stopped because its caller asked (``BackendConfig.cancel``: a server
+    shutting down while its model loads)."""
+
+
 class GPUUnavailableError(JustLLMError):
     """``--gpu`` was asked for but the installed llama-cpp-python has no GPU backend."""
 

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import threading
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -47,7 +48,7 @@ def serve(
     """Serve a model over the OpenAI API, with Anthropic's, Ollama's and llama-server's
     routes, /health and /metrics. Several MODELs, --models or --models-dir: router mode, one
     endpoint for many models, each in its own process."""
-    with cli_errors():
+    with cli_errors(), Interrupts() as interrupts:
         import uvicorn
 
         o.check_serve_values(port=port, shutdown_timeout=shutdown_timeout, role=role,
@@ -57,7 +58,8 @@ def serve(
             if record_text:  # the runners (our children) record text too
                 os.environ["JUSTLLM_RECORD_TEXT"] = "1"
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
-                                  shutdown_timeout, engine_flags or {}, plugins_of(context))
+                                  shutdown_timeout, engine_flags or {}, plugins_of(context),
+                                  interrupts)
         model = models[0] if models else None
         _watch_parent()
 
@@ -94,7 +96,8 @@ def serve(
             raise ValueError(f"--lora {model_id}=…: '{model_id}' is the base model's name; "
                              "give the adapter another")
         app = create_app(None, server_config,
-                         loader=lambda: AsyncEngine(Engine(config, model_checked=True)),
+                         loader=lambda cancelled: AsyncEngine(
+                             Engine(config, model_checked=True, cancel=cancelled)),
                          routes=routes.handlers, events=events, route_owners=routes.owners)
         sock = listening_socket(host, port)
         Console(stderr=True, emoji=False).print(
@@ -108,7 +111,7 @@ def serve(
                                         log_level="info" if config.verbose else "warning",
                                         timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 5),
                          on_exit=lambda: begin_shutdown(app, shutdown_timeout),
-                         on_force=lambda: begin_shutdown(app, 0.0))
+                         on_force=lambda: begin_shutdown(app, 0.0), interrupts=interrupts)
         app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
         # A lease on the model's registered version: `justllm rm` refuses it while we serve.
         with lease_for_path(model_path):
@@ -122,7 +125,6 @@ def serve(
 def _watch_parent() -> None:
     """A runner started by a gateway (JUSTLLM_PARENT_PID) stops when the gateway is gone, even
     if it was SIGKILLed and could not stop its runners."""
-    import threading
     import time
 
     parent = os.environ.get("JUSTLLM_PARENT_PID")
@@ -139,7 +141,7 @@ def _watch_parent() -> None:
 
 def _serve_gateway(models: list[str], models_file: str | None, models_dir: str | None,
                    host: str, port: int, api_key: str | None, shutdown_timeout: float,
-                   flags: dict, plugins: Plugins) -> None:
+                   flags: dict, plugins: Plugins, interrupts: Interrupts) -> None:
     import asyncio
 
     import uvicorn
@@ -195,7 +197,8 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
     # Runners drain for shutdown_timeout; uvicorn's own limit is a backstop beyond it.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10),
-                     on_exit=stop_runners, on_force=lambda: all_runners_stopped(app, wait=False))
+                     on_exit=stop_runners, on_force=lambda: all_runners_stopped(app, wait=False),
+                     interrupts=interrupts)
     try:
         server.run(sockets=[sock])
     finally:
@@ -274,10 +277,11 @@ def _make_server_class():
         exit, which cancelled streams mid-token and printed tracebacks) and the command
         exits 130 (``forced``); a third is uvicorn's forced exit."""
 
-        def __init__(self, config, on_exit=None, on_force=None) -> None:
+        def __init__(self, config, on_exit=None, on_force=None, interrupts=None) -> None:
             super().__init__(config)
             self._on_exit = on_exit
             self._on_force = on_force
+            self._interrupts = interrupts
             self._timer = None
             self.forced = False
 
@@ -294,6 +298,8 @@ def _make_server_class():
         def capture_signals(self):  # type: ignore[override]
             previous = {sig: signal.signal(sig, self.handle_exit)
                         for sig in (signal.SIGINT, signal.SIGTERM)}
+            if self._interrupts is not None and self._interrupts.came:
+                self.handle_exit(signal.SIGINT, None)  # one Python dropped (Interrupts)
             try:
                 yield
             finally:
@@ -305,5 +311,35 @@ def _make_server_class():
     return Server
 
 
-def _Server(config, on_exit=None, on_force=None):  # noqa: N802  (a class factory: uvicorn is imported lazily)
-    return _make_server_class()(config, on_exit, on_force)
+def _Server(config, on_exit=None, on_force=None, interrupts=None):  # noqa: N802  (a class factory: uvicorn is imported lazily)
+    return _make_server_class()(config, on_exit, on_force, interrupts)
+
+
+class Interrupts:
+    """Ctrl-C while ``justllm serve`` starts, before the server's own signal handlers are in.
+    Python raises KeyboardInterrupt at the next bytecode it runs, and where that is a weakref
+    callback, a ``__del__`` or a C callback, it prints "Exception ignored" and drops it: the
+    server then started and served on (2 of 31 Ctrl-Cs 1.0-1.8 s into a start). Here a Ctrl-C
+    still raises (a model download or an import stops as before) and is also remembered
+    (``came``); the server stops at once for a remembered one as its handlers go in. Only
+    where SIGINT has Python's own handler: a background job's ignored SIGINT stays ignored,
+    and a thread other than the main one changes nothing."""
+
+    def __init__(self) -> None:
+        self.came = False
+        self._installed = False
+
+    def __enter__(self) -> Interrupts:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.came = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)

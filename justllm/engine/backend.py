@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from justllm.errors import (
     GPUUnavailableError,
     GrammarDeadEndError,
     InvalidRequestError,
+    LoadCancelled,
     ModelLoadError,
 )
 from justllm.models.gguf import read_gguf_header
@@ -196,6 +197,11 @@ class BackendConfig:
     # The caller has just checked ``model_path`` with read_gguf_header (``justllm serve``'s
     # fail-fast read, before it binds its port): not read again (~100 ms on the demo model).
     model_checked: bool = False
+    # Asked during the load, which stops once it answers True (LoadCancelled): a server that
+    # shuts down while its model loads on another thread waits for that thread, and should
+    # not wait for the whole load. llama.cpp asks between tensors, not while it reads the
+    # vocabulary.
+    cancel: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 # The sampler steps with graph versions that GraphSampling chains, in the engine's own order
@@ -643,12 +649,16 @@ class LlamaBackend:
         try:
             with _ctrl_c_held() as interrupted, _log_to(_kept(lines, config.verbose),
                                                           config.verbose):
-                mparams.progress_callback = progress = _progress(interrupted)
+                cancel = config.cancel
+                mparams.progress_callback = progress = _progress(
+                    interrupted if cancel is None else lambda: interrupted() or cancel())
                 self._model = C.llama_model_load_from_file(config.model_path.encode(), mparams)
                 del progress
         except KeyboardInterrupt:
             self.close()
             raise
+        if not self._model and config.cancel is not None and config.cancel():
+            raise LoadCancelled(config.model_path)
         if not self._model:
             raise ModelLoadError(_load_failure(config.model_path, lines))
         self._vocab = C.llama_model_get_vocab(self._model)

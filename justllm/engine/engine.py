@@ -208,9 +208,10 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, backend: LlamaBackend | None = None, *,
-                 model_checked: bool = False) -> None:
+                 model_checked: bool = False, cancel: Callable[[], bool] | None = None) -> None:
         """``model_checked``: the caller has checked the model's file with read_gguf_header
-        just now (BackendConfig.model_checked)."""
+        just now (BackendConfig.model_checked). ``cancel``: asked while the model loads, which
+        stops (LoadCancelled) once it answers True (BackendConfig.cancel)."""
         config = with_vram_pool(config)  # a --gpu engine's pool, when not given
         self.config = config
         owns_backend = backend is None
@@ -229,6 +230,7 @@ class Engine:
                 verbose=config.verbose,
                 keep_swa_cells=True,
                 model_checked=model_checked,
+                cancel=cancel,
             ))
         self.backend = backend
         self.generates = backend.generates()  # (an encoder makes embeddings only)

@@ -24,6 +24,7 @@ from litestar.response import Stream
 
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.engine.async_engine import AsyncEngine
+from justllm.errors import LoadCancelled
 from justllm.server import model_cards
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
@@ -285,12 +286,14 @@ def begin_shutdown(app: Litestar, grace: float) -> threading.Timer | None:
 
 
 def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
-               loader: Callable[[], AsyncEngine] | None = None,
+               loader: Callable[[Callable[[], bool]], AsyncEngine] | None = None,
                routes: Sequence[BaseRouteHandler] = (),
                events: RequestEventSink | None = None,
                route_owners: Mapping[int, str] | None = None) -> Litestar:
     """The app for an engine that is ready (``aengine``), or one that ``loader`` builds on a
-    background thread at start-up (``/health`` answers 503 until it is ready). ``routes``:
+    background thread at start-up (``/health`` answers 503 until it is ready); ``loader`` is
+    given ``cancelled``, which answers True once the server stops, and may then stop early
+    (raising LoadCancelled: ``Engine(cancel=)``). ``routes``:
     plugins' extra route handlers (behind ``--api-key`` like /v1; one that cannot be added,
     such as a path justllm serves, is left out with a warning naming its plugin, from
     ``route_owners``: handler id -> plugin); ``events``: where a record of each finished
@@ -305,10 +308,17 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
     def load_in_background(app: Litestar) -> None:
         if loader is None or app.state.get("served") is not None:
             return
+        cancelled = threading.Event()
 
         def work() -> None:
             try:
-                app.state["served"] = build_served(loader(), config, events)
+                aengine = loader(cancelled.is_set)
+                if cancelled.is_set():  # the server stopped as the load ended: never served
+                    aengine.close()
+                    return
+                app.state["served"] = build_served(aengine, config, events)
+            except LoadCancelled:
+                pass
             except Exception as e:  # the server stops; `justllm serve` exits 1 saying why
                 log.error("model loading failed: %s", e)
                 app.state["load_error"] = str(e)
@@ -316,9 +326,18 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                 if stop is not None:
                     stop()
 
-        threading.Thread(target=work, name="justllm-loader", daemon=True).start()
+        thread = threading.Thread(target=work, name="justllm-loader", daemon=True)
+        app.state["loading"] = (thread, cancelled)
+        thread.start()
 
     def close_engine(app: Litestar) -> None:
+        # A server stopped while its model loads (Ctrl-C as it starts) waits for the load to
+        # stop: the process must not exit while that thread is inside llama.cpp (a crash).
+        loading = app.state.get("loading")
+        if loading is not None:
+            thread, cancelled = loading
+            cancelled.set()
+            thread.join()
         served = app.state.get("served")
         if served is not None:
             served.aengine.close()

@@ -487,3 +487,24 @@ def test_a_model_file_its_caller_checked_is_not_read_again(model_path, monkeypat
                                    model_checked=True)).close()
     with pytest.raises(AssertionError, match="read again"):  # any other caller's is read
         b.LlamaBackend(b.BackendConfig(model_path=model_path, n_ctx=256))
+
+
+def test_a_load_whose_caller_cancels_it_stops_with_load_cancelled(model_path):
+    """BackendConfig.cancel (a server shutting down while its model loads): llama.cpp stops
+    at its next progress report and the backend says why, not "could not load"."""
+    from justllm.engine import backend
+    from justllm.errors import LoadCancelled
+
+    asked: list[bool] = []
+
+    def cancel() -> bool:
+        asked.append(True)
+        return True
+
+    with pytest.raises(LoadCancelled):
+        backend.LlamaBackend(backend.BackendConfig(model_path, n_ctx=256, n_seq_max=1,
+                                                   cancel=cancel))
+    assert asked
+    config = backend.BackendConfig(model_path, n_ctx=256, n_seq_max=1, cancel=lambda: False)
+    with backend.LlamaBackend(config) as b:  # a cancel that never answers True: a load
+        assert b.n_vocab > 0

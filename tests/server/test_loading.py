@@ -1,15 +1,22 @@
 """/health is 503 while the model loads, 200 after; /v1 routes say 'loading' meanwhile; a model
-that fails to load ends `justllm serve` with one error line."""
+that fails to load ends `justllm serve` with one error line; a server stopped while its model
+loads (Ctrl-C as it starts) stops the load and waits for it."""
 
+import signal
 import subprocess
 import sys
 import threading
+import time
+import weakref
 
+import httpx
+import pytest
 from litestar.testing import TestClient
 
 from justllm.config import EngineConfig
 from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
+from justllm.errors import LoadCancelled
 from justllm.server.app import ServerConfig, create_app
 from tests.server.conftest import free_port
 
@@ -17,7 +24,7 @@ from tests.server.conftest import free_port
 def test_health_while_loading(model_path):
     release = threading.Event()
 
-    def loader():
+    def loader(cancelled):
         release.wait(timeout=60)
         return AsyncEngine(Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32)))
 
@@ -46,3 +53,138 @@ def test_a_model_that_fails_to_load_ends_serve_with_one_error_line(model_path, t
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "truncated.gguf" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_server_stopped_while_its_model_loads_stops_the_load_and_waits_for_it(model_path):
+    """The process must not exit while the loader thread is inside llama.cpp: it crashed
+    (SIGSEGV) when Ctrl-C stopped a server whose model was still loading."""
+    outcome: list[str] = []
+
+    def loader(cancelled):
+        deadline = time.monotonic() + 30
+        while not cancelled() and time.monotonic() < deadline:  # the server stops first
+            time.sleep(0.01)
+        try:
+            return AsyncEngine(Engine(EngineConfig(model=model_path, max_seqs=2,
+                                                   pool_blocks=32), cancel=cancelled))
+        except LoadCancelled:
+            outcome.append("cancelled")
+            raise
+
+    app = create_app(None, ServerConfig(), loader=loader)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503
+    thread, cancelled = app.state["loading"]
+    assert not thread.is_alive() and cancelled.is_set()  # waited for, not left running
+    assert outcome == ["cancelled"] and app.state["served"] is None
+    assert "load_error" not in app.state  # a stop asked for is not a failed load
+
+
+def test_a_load_that_ends_as_the_server_stops_is_closed_not_served(model_path):
+    closed: list[AsyncEngine] = []
+
+    class Recorded(AsyncEngine):
+        def close(self) -> None:
+            closed.append(self)
+            super().close()
+
+    def loader(cancelled):
+        engine = Recorded(Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32)))
+        deadline = time.monotonic() + 30
+        while not cancelled() and time.monotonic() < deadline:  # loaded; then the stop
+            time.sleep(0.01)
+        return engine
+
+    app = create_app(None, ServerConfig(), loader=loader)
+    with TestClient(app):
+        pass
+    assert len(closed) == 1 and app.state["served"] is None
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's own handler, as at a terminal
+
+
+@pytest.mark.parametrize("when", ["loading", "banner"])
+def test_ctrl_c_as_serve_starts_ends_it_cleanly(model_path, when):
+    """Ctrl-C while the model loads behind a listening server, or just as the banner is
+    printed (before the server's own handlers are in): the command ends, 0 or 130, without a
+    crash, a traceback or a Ctrl-C that was dropped. (A background job ignores SIGINT, and
+    the process would inherit that: reset to the terminal's default here.)"""
+    port = free_port()
+    cmd = [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint)
+    try:
+        if when == "banner":
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert b"serving" in line, line
+        else:
+            deadline = time.monotonic() + 60
+            with httpx.Client() as http:
+                while time.monotonic() < deadline:
+                    try:
+                        if http.get(f"http://127.0.0.1:{port}/health").status_code == 503:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    time.sleep(0.005)
+                else:
+                    pytest.fail("the server never answered 503 while loading")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        text = err.decode(errors="replace")
+        assert proc.returncode in (0, 130), (proc.returncode, text)
+        assert "Traceback" not in text and "Exception ignored" not in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_ctrl_c_that_python_drops_still_stops_the_server(monkeypatch):
+    """Python raises KeyboardInterrupt at the next bytecode after Ctrl-C; in a weakref
+    callback it prints it and drops it, and `justllm serve` started and served on. serve's
+    Interrupts remembers it, and the server stops as its own handlers go in."""
+    import uvicorn
+
+    from justllm.cli.serve import Interrupts, _Server
+
+    dropped: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+
+    class Thing:
+        pass
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    try:
+        thing = Thing()
+        ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))
+        with Interrupts() as interrupts:
+            del thing  # the Ctrl-C lands in the callback
+            assert ref() is None and dropped == [KeyboardInterrupt] and interrupts.came
+            server = _Server(uvicorn.Config(app=None), interrupts=interrupts)
+            assert not server.should_exit
+            with server.capture_signals():
+                assert server.should_exit
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with Interrupts() as interrupts, pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # elsewhere it is raised as before
+        assert interrupts.came
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    """A background job (`justllm serve &`) inherits an ignored SIGINT: serve keeps it so."""
+    from justllm.cli.serve import Interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with Interrupts() as interrupts:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+        assert not interrupts.came and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
