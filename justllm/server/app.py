@@ -26,6 +26,7 @@ from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.engine.async_engine import AsyncEngine
 from justllm.errors import LoadCancelled
 from justllm.server import model_cards
+from justllm.server.config import ServerConfig, served_model_id
 from justllm.server.embeddings import EmbeddingServing
 from justllm.server.errors import APIError, handle_exception
 from justllm.server.metrics import ServerMetrics
@@ -45,20 +46,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request" (never read by it)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    model_name: str | None = None  # the id clients send; default: the GGUF file's stem
-    max_n: int = 16
-    max_body_bytes: int = 8 * 1024 * 1024
-    embeddings: bool = True
-    role: str = "both"  # prefill/decode disaggregation: which /pd endpoint it serves
-    # Finished-request records (plugins' on_request_finished) carry the prompt and output text.
-    record_text: bool = False
 
 
 class RequestEventSink(Protocol):
@@ -84,11 +71,6 @@ class Served:
     model_id: str
     created: int
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
-
-
-def served_model_id(model_path: str, model_name: str | None) -> str:
-    """The id clients use for the model: ``--served-model-name``, else the file's stem."""
-    return model_name or os.path.splitext(os.path.basename(model_path))[0]
 
 
 def build_served(aengine: AsyncEngine, config: ServerConfig,

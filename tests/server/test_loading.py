@@ -188,3 +188,78 @@ def test_an_ignored_ctrl_c_stays_ignored():
         assert not interrupts.came and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_an_early_load_is_taken_over_or_stopped_and_closed():
+    """serve starts its model's load before it imports the web framework (EarlyLoad); the
+    app takes it over as it starts, and serve stops it on its way out, whatever happened."""
+    from justllm.server.loading import EarlyLoad
+
+    closed: list[str] = []
+    go = threading.Event()
+
+    def load(cancelled):
+        go.wait(10)
+        if cancelled():
+            raise LoadCancelled("stopped")
+        return "engine"
+
+    taken = EarlyLoad(load, closed.append).start()
+    go.set()
+    assert taken.take(lambda: False) == "engine"
+    taken.stop()
+    assert closed == []  # the app owns what it took
+
+    go.clear()
+    saw: list[bool] = []
+
+    def load_then_check(cancelled):
+        go.wait(10)
+        saw.append(cancelled())
+        return "made anyway"
+
+    untaken = EarlyLoad(load_then_check, closed.append).start()
+    stopper = threading.Thread(target=untaken.stop)
+    stopper.start()
+    time.sleep(0.05)
+    assert stopper.is_alive()  # stop() waits for the load
+    go.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and saw == [True] and closed == ["made anyway"]
+    with pytest.raises(LoadCancelled):
+        untaken.take(lambda: False)  # nothing to take once stopped
+
+
+def test_an_early_loads_taker_can_cancel_it_and_gets_its_error():
+    from justllm.server.loading import EarlyLoad
+
+    def until_cancelled(cancelled):
+        deadline = time.monotonic() + 10
+        while not cancelled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise LoadCancelled("stopped")
+
+    load = EarlyLoad(until_cancelled, lambda _: None).start()
+    with pytest.raises(LoadCancelled):
+        load.take(lambda: True)  # the app's server stopped: the take cancels the load
+    load.stop()
+
+    def broken(cancelled):
+        raise ValueError("not a model")
+
+    with pytest.raises(ValueError, match="not a model"):
+        EarlyLoad(broken, lambda _: None).start().take(lambda: False)
+
+
+def test_an_early_load_of_a_real_model_stops_when_serve_ends_before_the_app(model_path):
+    from justllm.server.loading import EarlyLoad
+
+    closed: list[AsyncEngine] = []
+    load = EarlyLoad(lambda cancelled: AsyncEngine(Engine(
+        EngineConfig(model=model_path, max_seqs=2, pool_blocks=32), cancel=cancelled)),
+        closed.append).start()
+    load.stop()  # at once: the load is cancelled, or, if it already ended, closed
+    assert not load._thread.is_alive()
+    assert len(closed) == 1 or isinstance(load._error, LoadCancelled)
+    for engine in closed:
+        engine.close()
