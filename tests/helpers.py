@@ -23,17 +23,52 @@ NEAR_TIE_NATS = 1.0
 # bit-identical: llama.cpp's CUDA kernels (flash attention, the matmul chosen by batch shape, the
 # KV cells' positions) round differently from one decode to the next.
 ON_GPU = EngineConfig().gpu  # (JUSTLLM_GPU, read as every engine reads it)
-# On the CPU, a row's logits do not depend on the batch around it where llama.cpp repacks the
-# weights (its interleaved layouts: each row is computed alike in any batch), so the same
-# tokens give the same logits in batches of other sizes and after prefix-cache hits. Where it
-# keeps them unpacked (--repack auto does where llama.cpp was built with AMX: engine/backend.py
-# repack_weights; a CUDA build keeps CPU layers in pinned host memory, unpacked, and sends
-# large batches' matmuls to the GPU), the matmul a batch gets depends on its size, and, as on a
-# GPU, a prefix-cache hit or another batch moves the logits a little (on a 2-core Xeon: 0.05
-# nats, a near tie flipped in one of 16 greedy requests run twice; on the 16-core Xeon of an
-# H200 machine, CUDA build: a prompt scored twice differed by up to 0.24 nats a token, and 7 of
-# 16 greedy requests run together equalled their solo runs).
-EXACT = not ON_GPU and repack_weights("auto") and not gpu_offload_supported()
+# On the CPU, a row's logits may or may not depend on the batch around it, and that is
+# measured here, not guessed from the CPU: the Xeons this suite first ran on, with llama.cpp's
+# repacked weight layouts, gave a row the same logits in any batch and after any prefix-cache
+# hit, but an AMD EPYC with AVX2 (no AVX-512) did not: a prompt's last logits moved by up to
+# 1.3 between the prompt prefilled whole and in two pieces (flash attention's tiled path for
+# 64 queries or more against its one-row path), and by 1.2 beside other sequences' tokens
+# with flash attention off (the repacked matmul for several rows against one). Where the
+# kernels depend on the batch (also every GPU, and a CUDA build's CPU layers, which stay
+# unpacked), a prefix-cache hit or another batch moves the logits a little, as on a GPU (on a
+# 2-core Xeon with AMX: 0.05 nats, a near tie flipped in one of 16 greedy requests run twice;
+# on the 16-core Xeon of an H200 machine, CUDA build: a prompt scored twice differed by up to
+# 0.24 nats a token, and 7 of 16 greedy requests run together equalled their solo runs).
+def _rows_ignore_the_batch() -> bool:
+    """Whether this build gives a row bit-identical logits whatever else its batch holds and
+    however its prompt was cut: the demo model, with the engine's default settings, computes
+    an 86-token prompt whole, in two pieces (40 + 46, as after a prefix-cache hit), and whole
+    beside 8 tokens of another sequence, and its last token once more alone."""
+    from justllm.engine.backend import BackendConfig, LlamaBackend
+    from justllm.models.source import demo_model_path
+
+    with LlamaBackend(BackendConfig(str(demo_model_path()), n_ctx=512, n_seq_max=2)) as b:
+        tokens = b.tokenize("The quick brown fox jumps over the lazy dog while the cat "
+                            "sleeps. " * 6)
+
+        def last_logits(pieces: list[list[int]], beside: int = 0) -> np.ndarray:
+            b.clear_kv()
+            pos = 0
+            for piece in pieces:
+                n, m = len(piece), len(piece) + beside
+                b.batch_tokens[:m] = piece + tokens[:beside]
+                b.batch_pos[:m] = [*range(pos, pos + n), *range(beside)]
+                b.batch_seq[:m] = [0] * n + [1] * beside
+                b.batch_n_seq[:m] = 1
+                b.batch_logits[:m] = 0
+                b.batch_logits[n - 1] = 1
+                out = np.array(b.decode(m)[0])
+                pos += n
+            return out
+
+        whole = last_logits([tokens])
+        return all(np.array_equal(whole, other) for other in (
+            last_logits([tokens[:40], tokens[40:]]), last_logits([tokens], beside=8),
+            last_logits([tokens[:-1], tokens[-1:]])))
+
+
+EXACT = not ON_GPU and not gpu_offload_supported() and _rows_ignore_the_batch()
 RESCORE_NATS = 1e-3 if EXACT else 0.5  # one prompt's log-probabilities, scored twice
 
 PROMPTS = [

@@ -81,6 +81,7 @@ def test_an_imported_prefix_is_a_cache_hit_with_the_same_logits(pair, model_path
 
 def test_bad_transfers_are_refused_and_the_engine_keeps_serving(pair):
     prefill, decode = pair
+    decode.flush_prefix_cache()  # (a prefix it holds already is not read again: not refused)
     blob = exported(prefill, PROMPT)
     header, chunks = unpack(blob)
     here, tokens = decode.kv_identity(), list(header.tokens)
