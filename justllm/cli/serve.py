@@ -104,7 +104,7 @@ def serve(
         # waits for it.
         early = EarlyLoad(lambda cancelled: AsyncEngine(
                               Engine(config, model_checked=True, cancel=cancelled)),
-                          close=lambda aengine: aengine.close()).start()
+                          close=AsyncEngine.close).start()
         try:
             from justllm.server.app import begin_shutdown, create_app
 
