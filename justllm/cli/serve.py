@@ -98,31 +98,34 @@ def serve(
             soft_wrap=True)  # one line in a log: a path or URL cut in two is not grep's
         if not config.verbose:
             logging.getLogger("justllm").setLevel(logging.WARNING)
-        # The load starts now, while the web framework is imported and the app built (the
-        # demo model ready 0.45 s sooner on a 2-core AMD EPYC); the app takes it over as it
-        # starts. Whatever ends serve before that (Ctrl-C, an error) cancels the load and
-        # waits for it.
-        early = EarlyLoad(lambda cancelled: AsyncEngine(
-                              Engine(config, model_checked=True, cancel=cancelled)),
-                          close=AsyncEngine.close).start()
-        try:
-            from justllm.server.app import begin_shutdown, create_app
+        # A lease on the model's registered version, from before its load begins:
+        # `justllm rm` refuses it while we load and serve. The load starts now, while the web
+        # framework is imported and the app built (the demo model ready 0.45 s sooner on a
+        # 2-core AMD EPYC); the app takes it over as it starts. Whatever ends serve before
+        # that (Ctrl-C, an error) cancels the load and waits for it.
+        with lease_for_path(model_path):
+            early = EarlyLoad(lambda cancelled: AsyncEngine(
+                                  Engine(config, model_checked=True, cancel=cancelled)),
+                              close=AsyncEngine.close).start()
+            try:
+                from justllm.server.app import begin_shutdown, create_app
 
-            app = create_app(None, server_config, loader=early.take, routes=routes.handlers,
-                             events=events, route_owners=routes.owners)
-            # uvicorn's own limit is a backstop: by then begin_shutdown has ended every request.
-            server = _Server(uvicorn.Config(app, host=host, port=port,
-                                            log_level="info" if config.verbose else "warning",
-                                            timeout_graceful_shutdown=math.ceil(
-                                                shutdown_timeout) + 5),
-                             on_exit=lambda: begin_shutdown(app, shutdown_timeout),
-                             on_force=lambda: begin_shutdown(app, 0.0), interrupts=interrupts)
-            app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
-            # A lease on the model's registered version: `justllm rm` refuses it while we serve.
-            with lease_for_path(model_path):
+                app = create_app(None, server_config, loader=early.take,
+                                 routes=routes.handlers, events=events,
+                                 route_owners=routes.owners)
+                # uvicorn's own limit is a backstop: by then begin_shutdown has ended every
+                # request.
+                server = _Server(uvicorn.Config(app, host=host, port=port,
+                                                log_level="info" if config.verbose else "warning",
+                                                timeout_graceful_shutdown=math.ceil(
+                                                    shutdown_timeout) + 5),
+                                 on_exit=lambda: begin_shutdown(app, shutdown_timeout),
+                                 on_force=lambda: begin_shutdown(app, 0.0),
+                                 interrupts=interrupts)
+                app.state["stop_server"] = lambda: setattr(server, "should_exit", True)
                 server.run(sockets=[sock])
-        finally:
-            early.stop()
+            finally:
+                early.stop()
         if app.state.get("load_error"):
             raise ModelLoadError(app.state["load_error"])
         if server.forced:

@@ -90,6 +90,7 @@ class DraftModelProposer:
             repack=config.repack,
             gpu=config.gpu,
             verbose=config.verbose,
+            cancel=target.config.cancel,  # (serve stopped while the models load)
         ))
         try:
             if backend.vocab_fingerprint() != target.vocab_fingerprint():

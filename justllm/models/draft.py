@@ -70,7 +70,7 @@ def make_draft(src: Path, dst: Path, layers: int, *, force: bool = False) -> Dra
         raise ValueError(f"layers must be at least 1 (got {layers})")
     # missing, not a GGUF or truncated: one clear error, not numpy's; and the layer count is
     # checked before the whole parse
-    header = read_gguf_header(src, vocabulary=False)
+    header = read_gguf_header(src)  # (and a token listed twice, which llama.cpp aborts on)
     arch = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
         raise ModelLoadError(f"{src} has no general.architecture key")
@@ -133,7 +133,8 @@ def _array_parts(reader, offs: int, raw_type: int) -> Any:
     """``GGUFReader._get_field_parts``'s answer for a non-empty array of numbers or strings:
     its size, its parts (the item type, the length, then each item: a one-element array, or a
     string's length and bytes), the indices of the items' parts, and its types. None for
-    anything else (a scalar, an empty or nested array), which the reader's own parse takes."""
+    anything else (a scalar, an empty array, an array of arrays: the reader's own parse, which
+    comes back here for each inner array)."""
     import gguf
 
     vtype = gguf.GGUFValueType
@@ -151,6 +152,8 @@ def _array_parts(reader, offs: int, raw_type: int) -> Any:
         return None
     parts: list[np.ndarray] = [raw_itype, count]
     if nptype is not None:
+        if start + n * np.dtype(nptype).itemsize > len(reader.data):
+            raise ValueError("an array runs past the end of the file")
         values = reader._get(start, nptype, n)
         parts += list(values.reshape(n, 1))
         return 12 + values.nbytes, parts, list(range(2, 2 + n)), [vtype.ARRAY, itype]
@@ -160,6 +163,8 @@ def _array_parts(reader, offs: int, raw_type: int) -> Any:
     length = struct.Struct(order + "Q")
     lengths, pos, end, buf = [], start, len(data), memoryview(data)
     for _ in range(n):
+        if pos + 8 > end:
+            raise ValueError("an array of strings runs past the end of the file")
         (size,) = length.unpack_from(buf, pos)
         pos += 8
         lengths.append(size)

@@ -7,8 +7,10 @@ ready that much sooner. This module imports no web framework for that reason.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from justllm.errors import LoadCancelled
@@ -74,6 +76,28 @@ class EarlyLoad(Generic[T]):
                 return
             self._taken = True  # (take() after this refuses)
             self._cancelled.set()
-        self._thread.join()
-        if self._result is not None:
-            self._close(self._result)
+        with _ctrl_c_held():  # (a second Ctrl-C must not end the wait: it ends the process)
+            self._thread.join()
+            if self._result is not None:
+                self._close(self._result)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C held until the block ends, then given to the SIGINT handler that was there
+    (serve's Interrupts: it raises KeyboardInterrupt and remembers it). Without this a second
+    Ctrl-C during stop() broke out of the wait and the process exited with llama.cpp still
+    loading on the other thread (and an interrupted join() leaves a thread looking stopped).
+    Only on the main thread and under a Python handler: an ignored SIGINT stays ignored."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if came:
+            previous(signal.SIGINT, None)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from justllm.cli import app
 from justllm.engine.backend import BackendConfig, LlamaBackend, read_gguf_info
+from justllm.errors import ModelLoadError
 from justllm.models.draft import make_draft
 
 runner = CliRunner()
@@ -148,6 +149,42 @@ def test_the_fast_parse_and_write_are_the_gguf_packages_own(tmp_path, endianess)
     plain.write_tensors_to_file()
     plain.close()
     assert (tmp_path / "fast.gguf").read_bytes() == (tmp_path / "plain.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("key, values", [("test.words", [f"w{i}" for i in range(200)]),
+                                         ("test.scores", [float(i) for i in range(200)])])
+def test_an_array_cut_short_is_a_model_load_error(tmp_path, key, values):
+    """The fast parse's own walk through an array: past the end of the file is the one-line
+    error gguf's parse gave (struct's own error, or a numpy reshape, escaped it)."""
+    from justllm.models.draft import _read
+
+    path = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_array(key, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):
+        _read(path)
+
+
+def test_a_vocabulary_listing_a_token_twice_is_refused_before_the_draft(tmp_path):
+    """llama.cpp aborts on such a vocabulary: a draft of it would be a file nothing loads."""
+    twice = tmp_path / "twice.gguf"
+    w = gguf.GGUFWriter(twice, arch="llama")
+    w.add_block_count(4)
+    w.add_key_value("tokenizer.ggml.tokens", ["<s>", "hi", "hi"], gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.STRING)
+    w.add_tensor("token_embd.weight", np.zeros((3, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="lists the token 'hi' twice"):
+        make_draft(twice, tmp_path / "d.gguf", 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["twice.gguf"]
 
 
 @pytest.fixture

@@ -230,6 +230,35 @@ def test_an_early_load_is_taken_over_or_stopped_and_closed():
         untaken.take(lambda: False)  # nothing to take once stopped
 
 
+def test_a_second_ctrl_c_while_serve_waits_for_its_early_load_waits_on():
+    """A first Ctrl-C before the app ran sends serve to EarlyLoad.stop(); a second one broke
+    out of its wait, and the process exited with llama.cpp loading on the other thread. It is
+    held now, and given to serve's handler (it raises, and remembers) once the load ended and
+    what it made is closed."""
+    from justllm.cli.serve import Interrupts
+    from justllm.server.loading import EarlyLoad
+
+    closed: list[str] = []
+
+    def deaf_load(cancelled):  # as llama.cpp's vocabulary read: it cannot be cut short
+        time.sleep(1.0)
+        return "engine"
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    try:
+        with Interrupts() as interrupts:
+            load = EarlyLoad(deaf_load, closed.append).start()
+            timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                load.stop()
+            timer.join()
+            assert not load._thread.is_alive() and closed == ["engine"] and interrupts.came
+            assert signal.getsignal(signal.SIGINT) == interrupts._handle  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_an_early_loads_taker_can_cancel_it_and_gets_its_error():
     from justllm.server.loading import EarlyLoad
 

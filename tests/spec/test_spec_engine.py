@@ -593,6 +593,29 @@ def test_refused_draft_leaves_no_backend_open(tmp_path, closes_backends):
     assert [bk._ctx is None for bk in closes_backends] == [True, True]
 
 
+def test_a_load_cancelled_while_the_draft_loads_stops_it_and_closes_both(
+        tmp_path, closes_backends, monkeypatch):
+    """serve stopping while a --spec draft engine loads: the draft's load is cancelled too
+    (it ran to its end before the stop took effect), and neither model is left open."""
+    import justllm.engine.engine as engine_module
+    from justllm.errors import LoadCancelled
+
+    a = tiny_llama(tmp_path / "a.gguf", ["▁the", "▁cat"])
+    b = tiny_llama(tmp_path / "b.gguf", ["▁the", "▁cat"])
+    stopping: list[bool] = []
+    real = engine_module.make_proposer
+
+    def stop_once_the_target_is_in(config, target):
+        stopping.append(True)  # the server's shutdown comes now
+        return real(config, target)
+
+    monkeypatch.setattr(engine_module, "make_proposer", stop_once_the_target_is_in)
+    with pytest.raises(LoadCancelled):
+        Engine(EngineConfig(model=str(a), spec="draft", draft_model=str(b), max_seqs=2,
+                            pool_blocks=8, threads=1), cancel=lambda: bool(stopping))
+    assert len(closes_backends) == 2 and [bk._ctx is None for bk in closes_backends] == [True, True]
+
+
 # ---- 9: a `justllm draft make` draft: bad, and still lossless -------------------------
 
 @pytest.mark.model
