@@ -105,6 +105,17 @@ def every_kind_of_value(path, endianess) -> None:
     w.close()
 
 
+def write_with_tensors(writer, reader) -> None:
+    """``reader``'s tensors added to ``writer``, and the file written."""
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape,
+                          raw_dtype=tensor.tensor_type, tensor_endianess=reader.endianess)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG],
                          ids=["little", "big"])
 def test_the_fast_parse_and_write_are_the_gguf_packages_own(tmp_path, endianess):
@@ -123,14 +134,7 @@ def test_the_fast_parse_and_write_are_the_gguf_packages_own(tmp_path, endianess)
             [(p.dtype, p.shape, p.tobytes()) for p in theirs.parts], name
     assert fast.fields["test.strings"].contents(slice(0, 2)) == ["a", ""]
     for reader, out in ((fast, tmp_path / "fast.gguf"), (slow, tmp_path / "slow.gguf")):
-        w = copying_writer(reader, out, "llama")  # the fast writer, from either parse
-        for tensor in reader.tensors:
-            w.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape,
-                         raw_dtype=tensor.tensor_type, tensor_endianess=reader.endianess)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        write_with_tensors(copying_writer(reader, out, "llama"), reader)  # the fast writer
     assert (tmp_path / "fast.gguf").read_bytes() == (tmp_path / "slow.gguf").read_bytes()
     plain = gguf.GGUFWriter(tmp_path / "plain.gguf", arch="llama", endianess=endianess)
     for name, field in slow.fields.items():
@@ -141,13 +145,7 @@ def test_the_fast_parse_and_write_are_the_gguf_packages_own(tmp_path, endianess)
         value = ([bytes(field.parts[i]) for i in field.data] if sub == gguf.GGUFValueType.STRING
                  else field.contents())
         plain.add_key_value(name, value, kind, sub_type=sub)
-    for tensor in slow.tensors:
-        plain.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape,
-                         raw_dtype=tensor.tensor_type, tensor_endianess=slow.endianess)
-    plain.write_header_to_file()
-    plain.write_kv_data_to_file()
-    plain.write_tensors_to_file()
-    plain.close()
+    write_with_tensors(plain, slow)
     assert (tmp_path / "fast.gguf").read_bytes() == (tmp_path / "plain.gguf").read_bytes()
 
 
