@@ -14,9 +14,9 @@ round's output tok/s, median TTFT and TPOT for both and their ratio, then the me
 
 ``--llama-server`` (or ``LLAMA_SERVER``) is a llama-server binary, best built from the llama.cpp
 that the pinned llama-cpp-python vendors (README, Performance), run with ``-np STREAMS -t
-CORES -c 8192 --no-repack`` plus ``--llama-args`` (``--no-repack``: justllm leaves repacked
-weights off where llama.cpp was built with AMX, which crashes on some Xeons; see
-``--repack``). For long prompts give llama-server a larger ``-c`` (each slot gets ``c /
+CORES -c 8192`` plus ``--llama-args``, and ``--no-repack`` where justllm leaves repacked
+weights off (llama.cpp built with AMX, which crashes on some Xeons; see ``--repack``), so that
+both run the same kernels. For long prompts give llama-server a larger ``-c`` (each slot gets ``c /
 streams`` tokens) through ``--llama-args``.
 """
 
@@ -45,7 +45,16 @@ def server_cmd(which: str, args: argparse.Namespace, model: str, port: int) -> l
                 "--max-seqs", str(args.streams), *shlex.split(args.justllm_args)]
     threads = str(len(os.sched_getaffinity(0)))
     return [args.llama_server, "-m", model, "--port", str(port), "-np", str(args.streams),
-            "-t", threads, "-c", "8192", "--no-repack", *shlex.split(args.llama_args)]
+            "-t", threads, "-c", "8192", *same_weights(), *shlex.split(args.llama_args)]
+
+
+def same_weights() -> list[str]:
+    """llama-server's ``--no-repack`` where justllm's ``--repack auto`` leaves the weights in
+    their plain layouts (a build with AMX), so that both run the same kernels: elsewhere both
+    repack (an AVX2 CPU: llama-server with ``--no-repack`` there ran other matmuls)."""
+    from justllm.engine.backend import repack_weights
+
+    return [] if repack_weights("auto") else ["--no-repack"]
 
 
 def bench(url: str, args: argparse.Namespace, out: Path | None, n: int, input_len: int,
