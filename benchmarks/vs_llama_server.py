@@ -9,7 +9,8 @@ round's output tok/s, median TTFT and TPOT for both and their ratio, then the me
 
     .venv/bin/python benchmarks/vs_llama_server.py --llama-server PATH [--rounds 4]
         [--streams 8] [--requests 32] [--input-len 64] [--output-len 48]
-        [--temperature 0.8] [--top-p 0.95] [--justllm-args "..."] [--llama-args "..."]
+        [--temperature 0.8] [--top-p 0.95] [--top-k 40] [--min-p 0.05]
+        [--justllm-args "..."] [--llama-args "..."]
         [--json FILE] [MODEL]
 
 ``--llama-server`` (or ``LLAMA_SERVER``) is a llama-server binary, best built from the llama.cpp
@@ -65,6 +66,11 @@ def bench(url: str, args: argparse.Namespace, out: Path | None, n: int, input_le
            "--temperature", str(args.temperature)]
     if args.top_p is not None:
         cmd += ["--top-p", str(args.top_p)]
+    # (unsent, llama-server applies its own top_k 40 and min_p 0.05; justllm applies none)
+    if args.top_k is not None:
+        cmd += ["--top-k", str(args.top_k)]
+    if args.min_p is not None:
+        cmd += ["--min-p", str(args.min_p)]
     if out is not None:
         cmd += ["--json", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -102,6 +108,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--top-k", type=int, help="sent with every request (default: not sent)")
+    ap.add_argument("--min-p", type=float, help="sent with every request (default: not sent)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--justllm-args", default="")
     ap.add_argument("--llama-args", default="")
