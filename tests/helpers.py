@@ -48,6 +48,7 @@ def _rows_ignore_the_batch() -> bool:
                             "sleeps. " * 6)
 
         def last_logits(pieces: list[list[int]], beside: int = 0) -> np.ndarray:
+            assert not beside or len(pieces) == 1  # (the other sequence's tokens go in once)
             b.clear_kv()
             pos = 0
             for piece in pieces:

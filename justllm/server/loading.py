@@ -76,14 +76,14 @@ class EarlyLoad(Generic[T]):
                 return
             self._taken = True  # (take() after this refuses)
             self._cancelled.set()
-        with _ctrl_c_held():  # (a second Ctrl-C must not end the wait: it ends the process)
+        with _ctrl_c_deferred():  # (a second Ctrl-C must not end the wait: it ends the process)
             self._thread.join()
             if self._result is not None:
                 self._close(self._result)
 
 
 @contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
+def _ctrl_c_deferred() -> Iterator[None]:
     """Ctrl-C held until the block ends, then given to the SIGINT handler that was there
     (serve's Interrupts: it raises KeyboardInterrupt and remembers it). Without this a second
     Ctrl-C during stop() broke out of the wait and the process exited with llama.cpp still
