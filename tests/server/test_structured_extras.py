@@ -142,6 +142,17 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server, p
      "enum has 2000 values; at most 1024"),
     (COMPLETIONS, {"json_schema": {"anyOf": [{"const": i} for i in range(2000)]}},
      "json_schema", "anyOf has 2000 schemas; at most 1024"),
+    # each keyword within its limit, but together 25 x 25 x 25 live choices
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "anyOf": [{"type": "object", "properties": {
+            f"p{i}": {"enum": [f"v{j}" for j in range(25)]} for i in range(25)}}
+            for _ in range(25)]}}}},
+     "response_format.json_schema.schema",
+     "the grammar made from the schema: 15624 alternatives ('|'); at most 8192"),
+    (COMPLETIONS, {"json_schema": {"anyOf": [{"type": "object", "properties": {
+        f"p{i}": {"enum": [f"v{j}" for j in range(50)]} for i in range(50)}}
+        for _ in range(50)]}}, "json_schema",
+     "json_schema: the grammar made from the schema: 124999 alternatives ('|'); at most 8192"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
                       for i in range(129)]}, "tools", "129 tools; at most 128"),
     # 100,000 of either overflowed llama.cpp's stack: the server died
