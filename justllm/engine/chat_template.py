@@ -57,16 +57,26 @@ TRANSCRIPT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 # Gemma has no tool format of its own: tools reach it through the fallback (see render);
-# a tool's result is a user turn that says what it is.
+# a tool's result is a user turn that says what it is. Gemma has no system turn either: the
+# system messages that open the chat go at the top of its first turn (a user turn of their
+# own when nothing follows), and a later one is a user turn.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"
-    "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
-    "{% for m in messages if m['role'] != 'system' %}"
+    "{% set ns = namespace(sys=[], lead=true) %}"
+    "{% for m in messages %}"
+    "{% if ns.lead and m['role'] == 'system' %}"
+    "{% set ns.sys = ns.sys + [(m['content'] or '') | trim] %}"
+    "{% else %}{% set ns.lead = false %}{% endif %}"
+    "{% endfor %}"
+    "{% set sys = ns.sys | select | join('\n\n') %}"
+    "{% set rest = messages[ns.sys | length:] %}"
+    "{% if sys and not rest %}<start_of_turn>user\n{{ sys }}<end_of_turn>\n{% endif %}"
+    "{% for m in rest %}"
     "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
     "<start_of_turn>{{ role }}\n"
     "{% if loop.first and sys %}{{ sys }}\n\n{% endif %}"
     "{% if m['role'] == 'tool' %}Tool result: {% endif %}"
-    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{{ (m['content'] or '') | trim }}<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
@@ -409,6 +419,7 @@ class ChatTemplate:
             kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
             raise InvalidRequestError(f"the chat template failed on these messages: {kind}{e}",
                                       param="messages") from e
+        _check_systems_shown(messages, text)
         # The tokenizer adds BOS itself; a template that writes it too would double it.
         if self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
@@ -441,6 +452,20 @@ class ChatTemplate:
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out
+
+
+def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:
+    """400 when the prompt leaves out a system message's text: many templates show only a
+    first system message (Gemma's own: its first turn), and a request's instructions must
+    be followed or refused, never dropped (a developer message is a system one by now)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if m.get("role") == "system" and isinstance(content, str) and content.strip() and (
+                content.strip() not in text):
+            raise InvalidRequestError(
+                f"messages[{i}]: this chat template leaves this system message out of the "
+                "prompt (it shows a system message only where it opens the chat); join the "
+                "system messages into one at the start", param=f"messages[{i}]")
 
 
 def _harmony_message(m: dict[str, Any]) -> dict[str, Any]:

@@ -63,6 +63,34 @@ def test_builtin_templates_and_their_stop_strings():
     assert with_template_stops(("x",), ChatTemplate.named("gemma")) == ("x", "<end_of_turn>")
 
 
+def test_gemma_shows_every_system_message():
+    """It showed only a first system message, and only before a later turn: a second one, a
+    later one and a chat of system messages alone were dropped without a word."""
+    gemma = ChatTemplate.named("gemma", bos_token="<bos>")
+    sys_a, sys_b = {"role": "system", "content": "A"}, {"role": "system", "content": " B "}
+    hi = {"role": "user", "content": "Hi"}
+    assert gemma.render([sys_a, sys_b, hi]) == (
+        "<start_of_turn>user\nA\n\nB\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+    assert gemma.render([sys_a]) == "<start_of_turn>user\nA<end_of_turn>\n<start_of_turn>model\n"
+    assert gemma.render([hi, sys_b]) == ("<start_of_turn>user\nHi<end_of_turn>\n"
+                                         "<start_of_turn>user\nB<end_of_turn>\n"
+                                         "<start_of_turn>model\n")
+    assert gemma.render([{"role": "system", "content": ""}, hi]) == (
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_template_that_drops_a_system_message_is_a_400():
+    # as many models' own templates do with one that is not first
+    first_only = ChatTemplate.resolve(None, (
+        "{% for m in messages %}{% if m['role'] != 'system' or loop.first %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert first_only.render(chat) == "system: Be brief.\nuser: Hi\n"
+    with pytest.raises(InvalidRequestError, match="leaves this system message out") as e:
+        first_only.render([*chat, {"role": "system", "content": "Never in French."}])
+    assert e.value.param == "messages[2]"
+
+
 def test_resolution_order_and_the_notice():
     own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     model = ChatTemplate.resolve(None, own)
