@@ -81,6 +81,11 @@ MALFORMED = [
     ("generic", '{"name": "get_weather", "arguments": {"city": }}'),
     ("generic", '{"name": "Bob", "age": 3}'),  # JSON, but not a call
     ("generic", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\nmore'),
+    # nested past Python's recursion limit: RecursionError escaped, a 400 after the generation
+    # (a stream just ended)
+    ("generic", '{"name": "get_weather", "arguments": ' + "[" * 5000),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "' + "[" * 5000 + '"}\n'
+               "</tool_call>"),
 ]
 
 

@@ -141,6 +141,8 @@ def _json_at(text: str, i: int) -> tuple[Any, int]:
         return _DECODER.raw_decode(text, i)
     except json.JSONDecodeError as e:
         raise Malformed(str(e)) from None
+    except RecursionError:  # (a model's answer can open brackets by the thousand)
+        raise Malformed("JSON nested too deeply") from None
 
 
 def _literal(text: str, i: int, lit: str) -> int:
@@ -221,11 +223,11 @@ def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:
     if extra:
         raise Malformed(f"unexpected keys {sorted(extra)}")
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
+    try:
+        if isinstance(args, str):
             args = json.loads(args)
-        except json.JSONDecodeError:
-            raise Malformed("arguments are not JSON") from None
-    if not isinstance(args, dict):
-        raise Malformed("arguments are not a JSON object")
-    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+        if not isinstance(args, dict):
+            raise Malformed("arguments are not a JSON object")
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+    except (json.JSONDecodeError, RecursionError):
+        raise Malformed("arguments are not JSON, or nested too deeply") from None
