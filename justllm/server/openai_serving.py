@@ -49,6 +49,7 @@ from justllm.server.schemas import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatCompletionChunkWithUsage,
     ChatCompletionRequest,
     ChatDelta,
     ChatMessage,
@@ -58,6 +59,7 @@ from justllm.server.schemas import (
     FunctionCallDelta,
     FunctionCallOut,
     TextCompletion,
+    TextCompletionWithUsage,
     ToolCallDelta,
     ToolCallOut,
     Usage,
@@ -743,9 +745,10 @@ class OpenAIServing:
 
     async def _chat_sse(self, events: AsyncGenerator[ChatEvent, None], rid: str, created: int, n: int,
                         include_usage: bool, model: str) -> AsyncIterator[bytes]:
+        shape = ChatCompletionChunkWithUsage if include_usage else ChatCompletionChunk
+
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-            return sse(ChatCompletionChunk(rid, "chat.completion.chunk", created, model,
-                                           choices, usage))
+            return sse(shape(rid, "chat.completion.chunk", created, model, choices, usage))
 
         def delta(i: int, d: ChatDelta, lps: dict | None = None,
                   reason: str | None = None) -> bytes:
@@ -930,7 +933,7 @@ class OpenAIServing:
                       created: int, include_usage: bool, n: int,
                       model: str) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Usage | None = None) -> bytes:
-            return sse(shape.chunk(rid, created, model, choices, usage))
+            return sse(shape.chunk(rid, created, model, choices, usage, include_usage))
 
         finals: list[RequestOutput | None] = [None] * len(streams)
         for i in range(len(streams)):
@@ -967,7 +970,7 @@ class _Shape(Protocol):
     def full(self, rid: str, created: int, model: str, choices: list,
              usage: Usage) -> Any: ...
     def chunk(self, rid: str, created: int, model: str, choices: list,
-              usage: Usage | None) -> Any: ...
+              usage: Usage | None, with_usage: bool) -> Any: ...
 
 
 class _CompletionShape:
@@ -1026,7 +1029,12 @@ class _CompletionShape:
              usage: Usage | None) -> TextCompletion:
         return TextCompletion(rid, "text_completion", created, model, choices, usage)
 
-    chunk = full  # a streamed chunk has the same shape, usage only on the last
+    def chunk(self, rid: str, created: int, model: str, choices: list, usage: Usage | None,
+              with_usage: bool) -> TextCompletion:
+        """A streamed chunk: a full completion's shape, usage only on the last (null on the
+        others ``with_usage``)."""
+        shape = TextCompletionWithUsage if with_usage else TextCompletion
+        return shape(rid, "text_completion", created, model, choices, usage)
 
 
 _NOT_TEXT = {"image_url": "images", "image": "images", "input_image": "images",

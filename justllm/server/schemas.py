@@ -412,6 +412,11 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
 
 
+class ChatCompletionChunkWithUsage(ChatCompletionChunk, omit_defaults=False):
+    """A chunk of a stream with ``stream_options.include_usage``: OpenAI's "all other chunks
+    will also include a usage field, but with a null value"."""
+
+
 class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
@@ -430,6 +435,11 @@ class TextCompletion(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class TextCompletionWithUsage(TextCompletion, omit_defaults=False):
+    """A streamed chunk with ``stream_options.include_usage``: ``usage`` null but on the
+    last (as ``ChatCompletionChunkWithUsage``)."""
 
 
 class EmbeddingUsage(msgspec.Struct):

@@ -58,6 +58,24 @@ def test_chat_non_streaming(client, server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": [
+    {"role": "user", "content": "Hi"}]}), ("/v1/completions", {"prompt": "Hi"})])
+def test_with_include_usage_every_chunk_has_usage_null_but_the_last(server, path, body):
+    """OpenAI: "All other chunks will also include a usage field, but with a null value"; it
+    was left out. Without include_usage no chunk has one."""
+    for include in (True, False):
+        r = httpx.post(server.url + path, timeout=60, json={
+            **body, "max_tokens": 3, "stream": True, "stream_options": {
+                "include_usage": include}})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        if include:
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+            assert chunks[-1]["usage"]["completion_tokens"] == 3
+        else:
+            assert not any("usage" in c for c in chunks), chunks
+
+
 def test_chat_streaming_with_usage(client, server):
     stream = client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "Count to five."}],
