@@ -41,6 +41,11 @@ def unenforced(schema: Any, path: str = "#") -> list[str]:
     if ("pattern" in schema or fmt is not None) and ("minLength" in schema
                                                      or "maxLength" in schema):
         out.append(f"{path}: minLength/maxLength beside {'pattern' if 'pattern' in schema else 'format'}")
+    required = schema.get("required")
+    if isinstance(required, list):  # the converter requires only the properties it has
+        named = schema.get("properties") or {}
+        out += [f"{path}: required {name!r} (not in properties)" for name in required
+                if isinstance(name, str) and name not in named]
     for key in _NAMED:
         for name, sub in (schema.get(key) or {}).items():
             out += unenforced(sub, f"{path}/{key}/{name}")
