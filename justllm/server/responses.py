@@ -282,20 +282,22 @@ def _renamed(e: InvalidRequestError) -> InvalidRequestError | None:
 
 
 def _continued(req: ResponseRequest, store: ResponseStore
-               ) -> tuple[ResponseRequest, list[dict[str, Any]]]:
+               ) -> tuple[ResponseRequest, list[dict[str, Any]], int]:
     """The request with its whole conversation as ``input`` (a ``previous_response_id``'s
-    conversation, then this input), and that conversation's input items."""
+    conversation, then this input), that conversation's input items, and how many of them
+    came from the earlier response (an error in this request's ``input[i]`` names that i)."""
     items: list[dict[str, Any]] = ([{"role": "user", "content": req.input}]
                                    if isinstance(req.input, str) else list(req.input))
     if req.previous_response_id is None:
-        return req, items
+        return req, items, 0
     past = store.get(req.previous_response_id)
     if past is None:
         raise APIError(404, f"Previous response with id '{req.previous_response_id}' not "
                        "found (never stored, deleted, or dropped from the store)",
                        type="not_found_error", param="previous_response_id")
+    first = len(past.conversation)
     items = past.conversation + items
-    return msgspec.structs.replace(req, input=items, previous_response_id=None), items
+    return msgspec.structs.replace(req, input=items, previous_response_id=None), items, first
 
 
 def _keeper(served: Served, items: list[dict[str, Any]]) -> Callable[[ResponseObject], None]:
@@ -387,7 +389,8 @@ async def input_tokens(data: JSONBody[InputTokensRequest], request: Request,
     served = _served(state)
     req = await decode_request(request, InputTokensRequest)
     served.completions.check_model(req.model)
-    chat = to_chat(_continued(req.as_response_request(), served.responses)[0])
+    continued, _, first = _continued(req.as_response_request(), served.responses)
+    chat = to_chat(continued, first)
     try:
         count = await served.aengine.off_loop(text_size(chat),
                                               lambda: prompt_tokens(served, chat))
@@ -404,8 +407,8 @@ async def create_response(data: JSONBody[ResponseRequest], request: Request,
                           state: State) -> Any:
     served = _served(state)
     asked = await decode_request(request, ResponseRequest)
-    req, items = _continued(asked, served.responses)
-    chat = to_chat(req)
+    req, items, first = _continued(asked, served.responses)
+    chat = to_chat(req, first)
     rid = _item_id("resp")
     log.info("%s: user=%s stream=%s", rid, chat.user, req.stream)
     resp = _skeleton(rid, req.model or served.model_id, req)

@@ -108,6 +108,11 @@ def _text(part: ContentPart, role: str, where: str) -> str:
 
 
 def _message(m: Message, where: str) -> ChatMessage:
+    if m.phase is not None and (m.role != "assistant" or m.phase != "final_answer"):
+        raise InvalidRequestError(
+            f"{where}.phase: only an assistant message's 'final_answer' is taken here (a "
+            "commentary phase has no place in this model's chat template)",
+            param=f"{where}.phase")
     if isinstance(m.content, str):
         return ChatMessage(role=m.role, content=m.content)
     if not m.content:  # OpenAI: "expected an array with minimum length 1"
@@ -141,7 +146,9 @@ def _output(item: FunctionCallOutput, where: str, names: dict[str, str]) -> Chat
                        name=names.get(item.call_id))
 
 
-def _messages(req: ResponseRequest) -> list[ChatMessage]:
+def _messages(req: ResponseRequest, first: int = 0) -> list[ChatMessage]:
+    """The chat messages of ``req``'s input, whose first ``first`` items are an earlier
+    response's conversation (``previous_response_id``): errors name this request's items."""
     out = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     if not req.input:
         raise InvalidRequestError("input must not be empty", param="input")
@@ -150,7 +157,8 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
     names: dict[str, str] = {}  # call_id -> the function's name
     thought: list[str] = []  # reasoning items not yet given to an assistant turn
     for i, raw in enumerate(req.input):
-        where = f"input[{i}]"
+        where = (f"input[{i - first}]" if i >= first
+                 else f"previous_response_id's conversation[{i}]")
         kind = raw.get("type", "message")
         if kind == "reasoning":
             item = _convert(raw, Reasoning, where)
@@ -159,6 +167,9 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
             elif item.encrypted_content is not None:  # (a stateless client's round trip)
                 thought.append(read_opaque(item.encrypted_content,
                                            f"{where}.encrypted_content"))
+            else:  # another server's item may hold only its summary: read as the thinking
+                thought += [_summary_text(part, f"{where}.summary[{j}]")
+                            for j, part in enumerate(item.summary)]
             continue
         if kind == "message":
             out.append(_message(_convert(raw, Message, where), where))
@@ -179,6 +190,14 @@ def _messages(req: ResponseRequest) -> list[ChatMessage]:
         out.append(ChatMessage(role="assistant", content="",
                                reasoning_content="\n\n".join(thought)))
     return out
+
+
+def _summary_text(part: Any, where: str) -> str:
+    if not (isinstance(part, dict) and part.get("type") == "summary_text"
+            and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
+        raise InvalidRequestError(f'{where}: a summary part is {{"type": "summary_text", '
+                                  '"text": ...}', param=where)
+    return part["text"]
 
 
 def _tools(req: ResponseRequest) -> list[Tool] | None:
@@ -289,7 +308,7 @@ def read_opaque(value: str, where: str) -> str:
                               "from another server cannot be read here)", param=where)
 
 
-def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
+def to_chat(req: ResponseRequest, first: int = 0) -> ChatCompletionRequest:
     """The Responses request as the chat completion that serves it."""
     check_metadata(req.metadata)
     for k, value in enumerate(req.include or []):
@@ -302,7 +321,7 @@ def to_chat(req: ResponseRequest) -> ChatCompletionRequest:
     check_stream_options(req)
     effort = req.reasoning.effort if req.reasoning else None
     return ChatCompletionRequest(reasoning_effort=effort,
-        model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
+        model=req.model, messages=_messages(req, first), max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         user=req.user or req.safety_identifier, response_format=_response_format(req))

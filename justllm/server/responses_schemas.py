@@ -55,7 +55,9 @@ class Message(_Body, kw_only=True):
     type: Literal["message"] = "message"
     id: str | None = None
     status: str | None = None
-    phase: str | None = None
+    # gpt-5's label of an assistant message: "final_answer" is every assistant message here;
+    # "commentary" (a preamble before tool calls) has no place in these chat templates
+    phase: Literal["commentary", "final_answer"] | None = None
 
 
 class FunctionCall(_Body, kw_only=True):
@@ -88,7 +90,7 @@ class Reasoning(_Body, kw_only=True):
 
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
-    summary: list[Any] = []  # (this server writes none; a summary's text is not read)
+    summary: list[Any] = []  # (this server writes none; read when there is no content)
     # What this server wrote there (``responses.opaque_reasoning``): the thinking, read back
     encrypted_content: str | None = None
     id: str | None = None

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 
 import httpx
+import msgspec
 import openai
 import pydantic
 import pytest
 
 from justllm.server.response_store import ResponseStore
+from justllm.server.responses_chat import to_chat
+from justllm.server.responses_schemas import ResponseRequest
 
 HELLO = "Say hello."
 
@@ -211,6 +214,13 @@ def test_a_streamed_function_call(client, server):
     ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
     ({"tools": [{**WEATHER, "strict": False, "parameters": {"type": "string"}}]},
      "tools[0].parameters"),
+    # found by an audit: accepted whatever it said, on any role, and dropped
+    ({"input": [{"role": "user", "content": "Hi", "phase": "final_answer"}]},
+     "input[0].phase"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.",
+                                                    "phase": "commentary"}]}, "input[1].phase"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text"}]}]},
+     "input[0].summary[0]"),
 ])
 def test_unsupported_requests_are_a_400(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -250,6 +260,20 @@ def test_raw_framing(server):
         "input": HELLO, "max_output_tokens": 2, "stream": True}))
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.text.startswith("event: response.created\ndata: {")
+
+
+def test_a_reasoning_items_summary_is_read_when_it_has_no_content():
+    """Another server's reasoning item may carry only its summary: read as the thinking, as
+    its content would be (it was dropped), and an assistant's final_answer phase is taken."""
+    def thinking(item):
+        req = msgspec.convert({"input": [item, {"role": "assistant", "content": "Hello.",
+                                                "phase": "final_answer"}]}, ResponseRequest)
+        return [m.reasoning_content for m in to_chat(req).messages]
+
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Be kind."}]}
+    content = {"type": "reasoning", "summary": [], "content": [
+        {"type": "reasoning_text", "text": "Be kind."}]}
+    assert thinking(summary) == thinking(content) == ["Be kind."]
 
 
 def test_input_tokens_counts_what_the_response_would_bill(client, server):
@@ -354,6 +378,11 @@ def test_stored_responses_and_previous_response_id(client, server):
                                                  previous_response_id=first.id)):
         with pytest.raises(openai.NotFoundError):
             call()
+    # an error in this request's input names its own index, not the joined conversation's
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "previous_response_id": follow.id, "max_output_tokens": 1, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]", r.text
     r = httpx.get(f"{server.url}/v1/responses/{follow.id}?stream=true", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     # OpenAI's other query parameters of a retrieve: refused, not ignored (they were)
