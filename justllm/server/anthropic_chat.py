@@ -238,6 +238,10 @@ def _check_pairs(messages: list[Message]) -> None:
                   if not isinstance(m.content, str) for j, b in enumerate(m.content)]
         if role == "assistant":
             asked = [b.id or "" for _, b in blocks if b.type == "tool_use"]
+            twice = sorted({u for u in asked if asked.count(u) > 1})
+            if twice:  # a tool_result could not say which it answers
+                raise _refuse(f"messages[{turn[0][0]}].content",
+                              f"`tool_use` ids must be unique: {', '.join(twice)}")
             continue
         answered = set()
         for where, b in blocks:
@@ -270,6 +274,9 @@ def _tool(tool: Tool, i: int) -> ChatTool:
         raise _refuse(f"{where}.allowed_callers", "only direct calls exist here")
     if tool.defer_loading:
         raise _refuse(f"{where}.defer_loading", "deferred tool loading is not supported")
+    if tool.eager_input_streaming:
+        raise _refuse(f"{where}.eager_input_streaming", "a call's input is streamed in one "
+                                                        "delta once the call is complete here")
     if not _NAME.fullmatch(tool.name):
         raise _refuse(f"{where}.name", "a tool name is 1 to 64 letters, digits, '_' or '-'")
     if tool.input_schema is None:

@@ -77,8 +77,8 @@ class Tool(_Body, kw_only=True):
     type: str | None = None  # "custom", or absent
     cache_control: CacheControl | None = None
     strict: bool | None = None
-    eager_input_streaming: bool | None = None  # input is always streamed as it is generated
     # declared to be refused unless off
+    eager_input_streaming: bool | None = None  # (a call's input comes in one delta)
     input_examples: list[Any] | None = None
     allowed_callers: list[str] | None = None
     defer_loading: bool | None = None

@@ -191,6 +191,17 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_nowhere", "content": "42"}]}]},
      "toolu_nowhere"),
+    # found by an audit: accepted (the first not honoured; the second ambiguous)
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"},
+                 "eager_input_streaming": True}]}, "tools[0].eager_input_streaming"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "2"}]}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+     "ids must be unique: toolu_1"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server, extra, says):
     body = {"model": server.model, "max_tokens": 4, "messages": HELLO, **extra}
