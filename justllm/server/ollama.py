@@ -226,8 +226,8 @@ def _check_model(name: str, served: Served, adapters: bool = True) -> LoadedLora
     add. The adapter it names, if it names one."""
     if not name:
         raise InvalidRequestError("model is required", param="model")
-    if name in (served.model_id, f"{served.model_id}:latest"):
-        return None
+    if name.removesuffix(":latest") == served.model_id.removesuffix(":latest"):
+        return None  # (Ollama's "m" and "m:latest" are one model, however it was named)
     found = adapter(served.aengine, name.removesuffix(":latest"))
     if found is None:
         raise _not_found(name)
@@ -355,7 +355,10 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
                        served.aengine.lora_defaults() if lora is None
                        else ((lora.name, lora.scale),))
     except InvalidRequestError as e:  # named as the client named it: options.temperature
-        raise InvalidRequestError(f"options.{e}",
+        text = str(e)
+        if not (e.param and text.startswith(e.param)):  # ("a stop string has at most ...")
+            text = f"{e.param or 'options'}: {text}"
+        raise InvalidRequestError(f"options.{text}" if e.param else text,
                                   param=f"options.{e.param}" if e.param else None) from None
 
 
@@ -448,7 +451,9 @@ def _think(req: _Generation, served: Served) -> _Think:
                                       f'false); it has no thinking levels', param="think")
         kwargs[EFFORT_VARIABLE] = think
     on = think is not False
-    if template.thinking_switch:
+    if template.thinking_switch and think is not None:
+        # (left out when the request did not choose: an answer held to a format then has
+        # the thinking switched off for it, as on the other APIs)
         kwargs[THINKING_SWITCH] = on
     apart = on and (think is not None
                     or served.aengine.engine.config.reasoning_format != "none")
@@ -577,6 +582,19 @@ async def _collect(job: _Job, stream: RequestStream, want_logprobs: bool) -> dic
     raise APIError(500, "the request ended without a result", type="server_error")
 
 
+def _as_ollamas(e: InvalidRequestError) -> InvalidRequestError:
+    """A refusal from the chat side, naming what an Ollama request sends instead."""
+    if e.param == "max_tokens":
+        return InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
+                                   param="options.num_predict")
+    if e.param == "chat_template_kwargs":  # (the thinking and a format or a required call)
+        return InvalidRequestError(
+            "think: this model thinks before it answers, and an answer held to a format or a "
+            "required tool call cannot hold its thinking: send think: false, or no format",
+            param="think")
+    return e
+
+
 def ollama_id() -> str:
     """The id of an Ollama request in logs and records (Ollama's answers carry none): unique
     across restarts, as the other APIs' response ids are (the engine's own ``req-N`` counts
@@ -599,10 +617,7 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
         stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
     except InvalidRequestError as e:
-        if e.param != "max_tokens":
-            raise
-        raise InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
-                                  param="options.num_predict") from None
+        raise _as_ollamas(e) from None
     if req.stream:
         return Stream(_ndjson(job, stream), media_type=NDJSON, headers={"Content-Type": NDJSON})
     return await unless_disconnected(request, _collect(job, stream, req.logprobs))
@@ -653,8 +668,11 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
                        logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
         return _loaded(req.model, chat=True)
-    prompt = served.completions.chat_prompt(messages, continued, think.kwargs,
-                                            constrained=grammar is not None)
+    try:
+        prompt = served.completions.chat_prompt(messages, continued, think.kwargs,
+                                                constrained=grammar is not None)
+    except InvalidRequestError as e:
+        raise _as_ollamas(e) from None
     # (a continued message's text goes on as the model writes it: see _run's lstrip)
     return await _run(request, served, req, prompt, params, chat=True, templated=not continued,
                       arrival=arrival, think=think)
@@ -687,10 +705,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, ollama_id(), origin=origin(request, "ollama.chat", False)))
     except InvalidRequestError as e:
-        if e.param != "max_tokens":
-            raise
-        raise InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
-                                  param="options.num_predict") from None
+        raise _as_ollamas(e) from None
     if isinstance(result, Response):
         return result
     return answer(req.model, arrival, result)
@@ -702,6 +717,10 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
     served = _served(state)
     req = await decode_request(request, OllamaGenerateRequest)
     lora = _check_generation(req, served)
+    if isinstance(req.think, str) and (req.raw or req.suffix):
+        raise InvalidRequestError("think: a thinking level goes through the chat template, "
+                                  "which a raw or fill-in-the-middle prompt does not use; send "
+                                  "think: true or false", param="think")
     think = _think(req, served)
     _no_images(req.images, "images")
     if req.suffix:
@@ -741,8 +760,11 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         turn = [ChatMessage(role="user", content=req.prompt)]
         if req.system:
             turn.insert(0, ChatMessage(role="system", content=req.system))
-        prompt = served.completions.chat_prompt(turn, kwargs=think.kwargs,
-                                                constrained=grammar is not None)
+        try:
+            prompt = served.completions.chat_prompt(turn, kwargs=think.kwargs,
+                                                    constrained=grammar is not None)
+        except InvalidRequestError as e:
+            raise _as_ollamas(e) from None
     return await _run(request, served, req, prompt, params, chat=False,
                       templated=not req.raw and not req.suffix, arrival=arrival, think=think)
 
@@ -920,9 +942,13 @@ async def ps(state: State) -> Any:
     served = _served(state)
     # Never unloaded: Ollama's own "forever" is now + the longest Go duration (292 years).
     forever = _iso(datetime.now(UTC) + timedelta(days=292 * 365))
+    # size_vram (always present in Ollama's answer): the model's bytes on the GPU, all of them
+    # with --gpu (every layer offloaded), else none
+    on_gpu = served.aengine.engine.config.gpu
     return {"models": [
         {k: v for k, v in m.items() if k != "modified_at"}
-        | {"expires_at": forever, "context_length": served.aengine.max_request_tokens}
+        | {"expires_at": forever, "context_length": served.aengine.max_request_tokens,
+           "size_vram": m["size"] if on_gpu else 0}
         for m in _listed(served, await _facts(state, served))]}
 
 
@@ -951,6 +977,9 @@ def _capabilities(served: Served) -> list[str]:
 async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State) -> Any:
     served = _served(state)
     req = await decode_request(request, OllamaShowRequest)
+    if req.model and req.name and req.model != req.name:
+        raise InvalidRequestError("name: the older name of model; send one of them",
+                                  param="name")
     name = req.model or req.name
     lora = _check_model(name, served)
     if req.verbose:
@@ -984,6 +1013,12 @@ async def show(data: JSONBody[OllamaShowRequest], request: Request, state: State
 @get("/version", summary="Ollama: the server's version (justllm's)")
 async def version() -> Any:
     return {"version": __version__}
+
+
+# Ollama answers HEAD on these two as on "/" (health checks use them).
+@head(["/tags", "/version"], summary="Ollama: headers only", media_type="application/json")
+async def head_only() -> None:
+    return None
 
 
 # Ollama's model management is refused with what to do instead (left out of the OpenAPI
@@ -1028,5 +1063,6 @@ def ollama_error(_: Request, exc: Exception) -> Response:
 def ollama_router() -> Router:
     """The ``/api`` routes, behind the same API key guard as ``/v1``."""
     return Router(path="/api", route_handlers=[
-        chat, generate, embed, embeddings, tags, ps, show, version, manage, remove],
+        chat, generate, embed, embeddings, tags, ps, show, version, head_only, manage,
+        remove],
         guards=[require_api_key], exception_handlers={Exception: ollama_error})

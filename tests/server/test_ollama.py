@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 
 import justllm
 from justllm.bench.soak import metric
+from justllm.server.ollama import _check_model
 from justllm.server.ollama_chat import LOAD_SECONDS_HEADER, Arrival
 from tests.server.conftest import start_server
 
@@ -243,6 +245,19 @@ def test_tags_ps_show_version(client, server, model_path):
     assert set(s.capabilities) == {"completion", "tools", "embedding"}
     assert client.show(server.model + ":latest").details == m.details
     assert httpx.get(server.url + "/api/version").json() == {"version": justllm.__version__}
+    # found by an audit: Ollama answers HEAD on both (a 405 here), always lists size_vram (left
+    # out), and show's older name beside another model was passed over
+    for path in ("/api/tags", "/api/version"):
+        assert httpx.head(server.url + path).status_code == 200, path
+    assert httpx.get(server.url + "/api/ps").json()["models"][0]["size_vram"] == 0  # a CPU
+    r = raw(server, "/api/show", {"model": server.model, "name": "other"})
+    assert r.status_code == 400 and r.json()["error"].startswith("name:"), r.text
+
+
+def test_a_model_served_as_latest_answers_to_its_bare_name_too():
+    """Ollama's "m" and "m:latest" are one model: a server named "tm:latest" refused "tm"."""
+    served = SimpleNamespace(model_id="tm:latest")
+    assert _check_model("tm", served) is None and _check_model("tm:latest", served) is None
 
 
 def test_model_management_is_not_offered(client, server):
@@ -330,6 +345,8 @@ def test_unsupported_options_are_a_400_naming_them(client, server):
                           ({"num_predict": 0}, "options.num_predict"),
                           ({"temperature": -1}, "options.temperature"),
                           ({"num_predict": 10**9}, "num_predict"),
+                          # (the message read "options.a stop string has ...")
+                          ({"stop": ["x" * 1001]}, "options.stop: a stop string has at most"),
                           ({"frobnicate": 1}, "frobnicate")]:
         ollama_error(lambda o=options: client.generate(model=server.model, prompt="hi", options=o),
                      400, says)

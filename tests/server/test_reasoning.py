@@ -246,6 +246,24 @@ def test_ollama_think(thinker):
     r = post(thinker, "/api/chat", {"model": thinker.model, "messages": OLLAMA_CHAT,
                                     "think": "high"})
     assert r.status_code == 400 and "no thinking levels" in r.json()["error"]
+    # found by an audit: a level with a raw prompt went unread (no template reads it)
+    r = post(thinker, "/api/generate", {"model": thinker.model, "prompt": prompt, "raw": True,
+                                        "think": "high"})
+    assert r.status_code == 400 and "goes through the chat template" in r.json()["error"]
+
+
+def test_ollama_format_switches_the_thinking_off_unless_asked(thinker):
+    """As on the other APIs, an answer held to a format has the thinking switched off when the
+    request did not choose (it was a 400 telling an Ollama client to send chat_template_kwargs,
+    which /api refuses); think: true with a format is a 400 saying what to send."""
+    for path, body in (("/api/chat", {"messages": OLLAMA_CHAT}),
+                       ("/api/generate", {"prompt": "What colour is the sky?"})):
+        said = ollama(thinker, path, format="json", **body)
+        answer = said["message"] if path == "/api/chat" else said
+        assert "thinking" not in answer, said
+        r = post(thinker, path, {"model": thinker.model, "format": "json", "think": True,
+                                 "stream": False, **body})
+        assert r.status_code == 400 and "send think: false" in r.json()["error"], r.text
 
 
 def test_ollama_think_on_a_model_that_does_not_think(server):
