@@ -34,7 +34,8 @@ from justllm.models.converter import Converter, check_extra, converter_dir, fetc
 from justllm.models.hf_model import HFModel, read_config, read_local, side_files
 from justllm.models.lease import sweep_dead
 from justllm.models.manifest import Manifest, Source
-from justllm.models.quantize import QuantizeJob, QuantType, check_writable, quant_type
+from justllm.models.quantize import (QuantizeJob, QuantType, check_replaceable, check_writable,
+                                     quant_type)
 
 OUTTYPES = ("auto", "f16", "bf16", "q8_0", "f32")
 _OUT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # per weight
@@ -364,8 +365,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     dst = default_output(model_name, type_name, repo, commit)
     if output:
         dst = output_path(output, dst.name)
-    if dst.is_dir():
-        raise ValueError(f"--output {dst} is a directory")
+    check_replaceable(dst)
     job_label = wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG)
     if dst.exists() and not force:
         done = converted_here(dst, repo, commit, type_name)

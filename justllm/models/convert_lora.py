@@ -31,7 +31,7 @@ from justllm.models.convert import (
 )
 from justllm.models.converter import check_extra
 from justllm.models.hf_model import HFModel, read_config, side_files
-from justllm.models.quantize import check_writable
+from justllm.models.quantize import check_replaceable, check_writable
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -114,6 +114,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     base_dir, model = _base(base, config, adapter_dir, console)
     model.check_files(weights=False)
     dst = _output(output, name, kind)
+    check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
     if not dst.parent.is_dir():

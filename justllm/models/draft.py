@@ -29,6 +29,7 @@ import numpy as np
 
 from justllm.errors import JustLLMError, ModelLoadError
 from justllm.models.gguf import read_gguf_header
+from justllm.models.quantize import check_replaceable
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
@@ -84,6 +85,7 @@ def make_draft(src: Path, dst: Path, layers: int, *, force: bool = False) -> Dra
         raise ValueError(f"the output's directory {dst.parent} does not exist")
     if dst.resolve() == src.resolve():
         raise ValueError(f"the draft would overwrite its source {src}; pick another output path")
+    check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
 

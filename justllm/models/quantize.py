@@ -284,8 +284,7 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the output would overwrite the model itself ({src}); pick another "
                          "--output")
-    if dst.is_dir():
-        raise ValueError(f"--output {dst} is a directory; give a file path")
+    check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
     if dst.exists():
@@ -317,6 +316,15 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
                          f"{_mb(estimate + _DISK_SLACK)} ({_mb(estimate)} estimated plus "
                          f"{_mb(_DISK_SLACK)} kept free), {_mb(free)} free")
     return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir)
+
+
+def check_replaceable(dst: Path) -> None:
+    """ValueError for an output path that is there and is not a regular file (a FIFO, a
+    socket, a device such as /dev/null): the output is written beside it and moved over it,
+    which would put a file where the special one was (as root, /dev/null too)."""
+    if os.path.lexists(dst) and not dst.is_file():
+        kind = "a directory" if dst.is_dir() else "not a regular file"
+        raise ValueError(f"--output {dst} is {kind}; give the path of a file")
 
 
 def check_writable(directory: Path) -> None:

@@ -109,7 +109,12 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
                                                     monkeypatch):
     existing = tmp_path / "taken.gguf"
     existing.write_bytes(b"x")
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
     cases = [
+        # (the FIFO was replaced by a 291 MB file; as root, /dev/null would have been too)
+        (["Q8_0", "--allow-requantize", "-o", str(fifo), "--force"],
+         f"--output {fifo} is not a regular file; give the path of a file"),
         (["Q9_9"], "unknown quantization type 'Q9_9'"),
         (["Q8_0", "--allow-requantize", "-o", str(existing)], "already exists (--force"),
         (["Q8_0"], "is quantized already (Q4_K_M)"),

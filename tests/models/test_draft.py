@@ -2,6 +2,8 @@
 and a 6-of-18-layer draft of the demo model, written once per session (tests/conftest.py's
 ``cli_draft6``, shared with tests/spec), that llama.cpp loads with the same vocabulary."""
 
+import os
+import stat
 import struct
 
 import gguf
@@ -82,6 +84,11 @@ def test_tiny_draft_refuses_bad_requests(tiny, tmp_path):
     assert make_draft(tiny, out, 2, force=True).layers == 2
     assert gguf.GGUFReader(out).get_field("llama.block_count").contents() == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "tiny.gguf"]  # no .part left
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)  # (--force replaced it with the draft)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        make_draft(tiny, fifo, 2, force=True)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
 def every_kind_of_value(path, endianess) -> None:
