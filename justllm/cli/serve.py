@@ -188,6 +188,11 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
               else list_config(models, known))
     check_sources(config)
     _check_runner_flags(config, plugins)
+    try:  # (it was made at the first runner's start: each load failed, three times)
+        default_log_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make the runner log folder {default_log_dir()}: "
+                         f"{e.strerror or e}") from None
     warn_problems(plugins)  # a model source that failed while the models were resolved
     app = create_gateway(config, GatewaySettings(host, port, api_key,
                                                  shutdown_timeout=shutdown_timeout),

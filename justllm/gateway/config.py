@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from justllm.config import EngineConfig, LoraSpec, read_yaml
+from justllm.errors import JustLLMError
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -456,12 +457,20 @@ def gguf_path(source: str) -> Path | None:
 
 
 def check_sources(config: GatewayConfig) -> None:
-    """Every source that is a path names a file: asked when the gateway starts (it started,
-    and the model failed at its first request)."""
+    """Every source that is a path names a whole GGUF model: asked when the gateway starts (it
+    started, and the model failed at its first request, its runner three times)."""
+    from justllm.models.gguf import read_gguf_header
+
     for m in config.models:
         path = gguf_path(m.source)
-        if path is not None and not path.is_file():
+        if path is None:
+            continue
+        if not path.is_file():
             raise ValueError(f"model '{m.name}': source {m.source} is not a file")
+        try:  # (the header, not the vocabulary: ~70 ms a model less; the runner reads it all)
+            read_gguf_header(path, vocabulary=False)
+        except JustLLMError as e:
+            raise ValueError(f"model '{m.name}': {e}") from None
 
 
 # EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.

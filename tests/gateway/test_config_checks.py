@@ -33,13 +33,13 @@ def gateways_runners(pid: int) -> list[int]:
     return found
 
 
-def refused(tmp_path: Path, args: list[str]) -> str:
+def refused(tmp_path: Path, args: list[str], cache: Path | None = None) -> str:
     """``justllm serve ARGS``, which must stop at once: exit status 1 and one ``error:`` line
     (returned), no traceback, nothing listening and no runner left behind."""
     port = free_port()
     proc, log = start_logged([sys.executable, "-m", "justllm", "serve", *args, "--port",
                               str(port)],
-                             {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path / "cache")})
+                             {**os.environ, "JUSTLLM_CACHE_DIR": str(cache or tmp_path / "cache")})
     try:
         rc = proc.wait(timeout=30)
     except subprocess.TimeoutExpired:  # it started: the check is missing
@@ -86,6 +86,24 @@ def test_a_models_yaml_the_gateway_cannot_serve_is_refused_at_start(tmp_path, mo
     config = tmp_path / "models.yaml"
     config.write_text(entry.replace("MODEL", model_path))
     assert refused(tmp_path, ["--models", str(config)]) == says
+
+
+def test_a_cut_model_file_or_a_log_folder_that_cannot_be_made_is_refused_at_start(
+        tmp_path, model_path):
+    """Found by an audit: router mode started with either, and each request failed after
+    three runner starts (a single-model serve refuses the first at once)."""
+    cut = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as f:
+        cut.write_bytes(f.read(100_000))
+    config = tmp_path / "models.yaml"
+    config.write_text(f"models:\n  a: {{source: {cut}, preload: true}}\n")
+    said = refused(tmp_path, ["--models", str(config)])
+    assert said.startswith(f"error: model 'a': {cut}") and "truncated" in said, said
+    config.write_text(f"models:\n  a: {{source: {model_path}, preload: true}}\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    said = refused(tmp_path, ["--models", str(config)], cache=blocker / "cache")
+    assert said.startswith(f"error: cannot make the runner log folder {blocker}/cache"), said
 
 
 def test_a_pool_larger_than_the_machines_memory_is_refused_at_start(tmp_path, model_path):
