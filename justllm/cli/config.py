@@ -88,7 +88,8 @@ def show(
                 check_serve_values(
                     port=values["port"], shutdown_timeout=values["shutdown_timeout"],
                     role=values["role"], served_model_name=values["served_model_name"],
-                    models_file=values["models_file"], models_dir=values["models_dir"])
+                    models_file=values["models_file"], models_dir=values["models_dir"],
+                    host=values["host"], api_key=values["api_key"])
                 EngineConfig(model="", spec_methods=load_plugins().spec_methods,
                              **config_values(engine) | {"lora": ()})
             except ValueError as e:

@@ -167,7 +167,8 @@ def all_option_names(ctx: typer.Context) -> frozenset[str]:
 
 def check_serve_values(*, port: int, shutdown_timeout: float, role: str,
                        served_model_name: str | None = None, models: list[str] | None = None,
-                       models_file: str | None = None, models_dir: str | None = None) -> None:
+                       models_file: str | None = None, models_dir: str | None = None,
+                       host: str | None = None, api_key: str | None = None) -> None:
     """serve's own checks of its values (the engine's are EngineConfig's), made before
     anything loads or binds, in single-model and router mode (several MODELs, ``--models`` or
     ``--models-dir``); ``justllm config show`` makes them too."""
@@ -186,6 +187,11 @@ def check_serve_values(*, port: int, shutdown_timeout: float, role: str,
         if role != "both":
             raise ValueError("--role is a runner's; in router mode give a model "
                              "prefill-replicas and decode-replicas in models.yaml")
+    if host is not None and not host.strip():  # (uvicorn listened on every interface)
+        raise ValueError("--host is empty: give the address to listen on (127.0.0.1, the "
+                         "default, or 0.0.0.0 for every interface)")
+    if api_key is not None and not api_key.strip():  # (an empty x-api-key header let anyone in)
+        raise ValueError("--api-key is empty: give the key clients must send")
     if not 0 < port < 65536:
         raise ValueError("--port must be in 1..65535")
     if not 0 <= shutdown_timeout <= 3600:

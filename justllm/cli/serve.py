@@ -53,7 +53,8 @@ def serve(
 
         o.check_serve_values(port=port, shutdown_timeout=shutdown_timeout, role=role,
                              served_model_name=served_model_name, models=models,
-                             models_file=models_file, models_dir=models_dir)
+                             models_file=models_file, models_dir=models_dir, host=host,
+                             api_key=api_key)
         if models_file or models_dir or len(models or []) > 1:
             if record_text:  # the runners (our children) record text too
                 os.environ["JUSTLLM_RECORD_TEXT"] = "1"

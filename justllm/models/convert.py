@@ -34,8 +34,13 @@ from justllm.models.converter import Converter, check_extra, converter_dir, fetc
 from justllm.models.hf_model import HFModel, read_config, read_local, side_files
 from justllm.models.lease import sweep_dead
 from justllm.models.manifest import Manifest, Source
-from justllm.models.quantize import (QuantizeJob, QuantType, check_replaceable, check_writable,
-                                     quant_type)
+from justllm.models.quantize import (
+    QuantizeJob,
+    QuantType,
+    check_replaceable,
+    check_writable,
+    quant_type,
+)
 
 OUTTYPES = ("auto", "f16", "bf16", "q8_0", "f32")
 _OUT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # per weight
