@@ -107,6 +107,18 @@ class LoraSpec:
         return LoraSpec(name.strip(), os.path.expanduser(path if colon else rest), scale)
 
 
+# Options whose values are auto, on or off: YAML 1.1 reads a bare on or off as a boolean.
+_ON_OFF_OPTIONS = frozenset({"flash_attn", "repack"})
+
+
+def yaml_on_off(option: str, value: Any) -> Any:
+    """A YAML file's value for ``option`` (``flash_attn`` or ``flash-attn``): a boolean where
+    the option takes ``on``/``off`` is that word (``flash-attn: on`` was refused as True)."""
+    if isinstance(value, bool) and option.replace("-", "_") in _ON_OFF_OPTIONS:
+        return "on" if value else "off"
+    return value
+
+
 def read_yaml(path: str | os.PathLike[str]) -> Any:
     """A YAML file, parsed safely, with a key given twice in one mapping refused (PyYAML keeps
     the last without a word: a models.yaml with two entries of one name lost the first, as a
@@ -137,6 +149,8 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
             return yaml.load(f, Loader=_Unique)  # noqa: S506 (a SafeLoader)
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:  # (the message named neither the file nor the problem)
+        raise ValueError(f"{path} is not a UTF-8 text file") from None
     except yaml.YAMLError as e:
         raise ValueError(_yaml_problem(path, e)) from None
 

@@ -144,3 +144,32 @@ def test_read_yaml_refuses_a_key_given_twice(tmp_path):
         assert str(e.value) == f"{f} is not valid YAML: the key {said}"
     with pytest.raises(ValueError, match="cannot read .*: No such file"):
         read_yaml(tmp_path / "none.yaml")
+    f.write_bytes(b"port: \xf0\x28\n")  # ("'utf-8' codec can't decode byte 0xf0 ...")
+    with pytest.raises(ValueError, match=f"^{f} is not a UTF-8 text file$"):
+        read_yaml(f)
+
+
+def test_yaml_on_and_off_are_words_for_the_options_that_take_them(tmp_path):
+    """YAML reads a bare on/off as a boolean: `flash-attn: on` was refused as True, in a
+    config file and in models.yaml."""
+    from typer.testing import CliRunner
+
+    from justllm.cli import app
+    from justllm.config import yaml_on_off
+    from justllm.gateway.config import Flags, load_config
+
+    assert [yaml_on_off(k, v) for k, v in (("flash-attn", True), ("repack", False),
+                                           ("flash_attn", "auto"), ("gpu", True))] == [
+        "on", "off", "auto", True]
+    f = tmp_path / "c.yaml"
+    f.write_text("flash-attn: on\nrepack: off\n")
+    r = CliRunner().invoke(app, ["config", "show", "--config", str(f)])
+    rows = {line.split()[0]: line.split()[1:3] for line in r.output.splitlines()
+            if line.startswith("--")}
+    assert r.exit_code == 0 and rows["--flash-attn"] == ["on", "file"], r.output
+    assert rows["--repack"] == ["off", "file"]
+    config = load_config({"models": {"m": {"source": "demo", "flash-attn": True,
+                                           "repack": False}}},
+                         Flags(frozenset({"flash-attn", "repack"}), {}))
+    flags = dict(config.models[0].flags)
+    assert (flags["flash-attn"], flags["repack"]) == ("on", "off")

@@ -26,6 +26,7 @@ from justllm.config import (
     physical_memory,
     read_yaml,
     usable_cpus,
+    yaml_on_off,
 )
 
 if typing.TYPE_CHECKING:
@@ -137,7 +138,7 @@ def file_value(param: Any, val: Any) -> Any:
     if param.name == "lora":
         return [f"{k}={v}" for k, v in val.items()] if isinstance(val, dict) else \
             [val] if isinstance(val, str) else val
-    return val
+    return yaml_on_off(param.name, val)
 
 
 def option_name(param: Any) -> str | None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from justllm.config import EngineConfig, LoraSpec, read_yaml
+from justllm.config import EngineConfig, LoraSpec, read_yaml, yaml_on_off
 from justllm.errors import JustLLMError
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
@@ -366,6 +366,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
         raise ValueError(f"model '{name}' needs a 'source' (a registry name, a path or "
                          "REPO:FILE)")
+    entry = {k: yaml_on_off(k, v) for k, v in entry.items()}
     known = flags.names
     unknown = sorted(k for k in entry if k not in _MODEL_KEYS and k not in known)
     if unknown:
