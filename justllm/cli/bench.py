@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,6 +12,7 @@ import typer
 from rich.console import Console
 
 from justllm.cli.errors import cli_errors
+from justllm.models.quantize import check_writable
 
 
 def bench(
@@ -63,10 +65,17 @@ def bench(
         for flag, address in (("--url", url), ("--vs", vs)):
             if address is not None:  # before the run: it printed a table of dashes first
                 check_url(address, flag)
-        if json_out is not None and not json_out.parent.is_dir():  # found out before the run
-            raise ValueError(f"--json: the directory {json_out.parent} does not exist")
-        if request_rate is not None and request_rate <= 0:
-            raise ValueError("--request-rate must be > 0")
+        if json_out is not None:  # found out before the run, not after it
+            if json_out.is_dir():
+                raise ValueError(f"--json: {json_out} is a directory; give a file path")
+            if not json_out.parent.is_dir():
+                raise ValueError(f"--json: the directory {json_out.parent} does not exist")
+            try:
+                check_writable(json_out.parent)
+            except ValueError as e:
+                raise ValueError(f"--json: {e}") from None
+        if request_rate is not None and not 0 < request_rate < math.inf:  # (nan ran)
+            raise ValueError("--request-rate must be a finite number > 0")
         if url is not None and model is not None:
             raise ValueError("MODEL is for the server bench starts itself; --url measures the "
                              "model that server serves")

@@ -58,7 +58,11 @@ def show(
             envvar = param.envvar if isinstance(param.envvar, str) else None
             value: object
             if envvar and envvar in os.environ:
-                value, source = os.environ[envvar], f"env {envvar}"
+                # (an option given several times, such as --lora, splits its variable as
+                # click does for serve: the raw string was refused as no iterable)
+                split = getattr(param, "multiple", False) or getattr(param, "nargs", 1) != 1
+                value = param.value_from_envvar(ctx) if split else os.environ[envvar]
+                source = f"env {envvar}"
                 file_values.pop(name, None)  # known, and overridden
             elif name in file_values:
                 value, source = file_value(param, file_values.pop(name)[1]), "file"

@@ -139,6 +139,10 @@ def test_prompt_lengths_are_bounded_and_refused_before_anything_is_built(monkeyp
             (["--workload", "shared-prefix", "--prefix-len", str((1 << 20) + 1)],
              "--prefix-len must be at most 1048576 words"),
             (["--prefix-len", "-5"], "--prefix-len must be >= 0"),
+            # found by an audit: each ran the bench first (nan ran to its end)
+            (["--request-rate", "nan"], "--request-rate must be a finite number > 0"),
+            (["--json", "/proc/x.json"], "--json: cannot write to /proc: "),
+            (["--json", "/tmp"], "--json: /tmp is a directory; give a file path"),
             (["--workload", "shared-prefix", "--prefix-len", "1048000", "--input-len", "1000"],
              "--prefix-len + --input-len must be at most 1048576 words (about a token each: "
              "more than any model's context), got 1049000")):

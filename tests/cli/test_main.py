@@ -189,6 +189,13 @@ def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_do
         assert r.exit_code == 0, (text, r.output)
 
 
+def test_config_show_splits_a_multiple_options_variable_as_serve_does():
+    """JUSTLLM_LORA was refused ("Value must be an iterable"), where serve and run take it."""
+    r = runner.invoke(app, ["config", "show"], env={"JUSTLLM_LORA": "a=/x.gguf b=/y.gguf"})
+    assert r.exit_code == 0, r.output
+    assert "['a=/x.gguf', 'b=/y.gguf']  env JUSTLLM_LORA" in r.output, r.output
+
+
 def test_config_file_key_models_is_the_models_option(tmp_path, model_path):
     """`models: m.yaml` was taken as serve's MODEL arguments ("models: Value must be an
     iterable"); the key that worked, `models-file`, is no option's name."""
