@@ -18,7 +18,8 @@ DEFAULT_TAG = "latest"
 DIGEST_PREFIX = "sha256:"
 MIN_DIGEST_CHARS = 12
 
-_PART = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+_PART_MOST = 128
+_PART = re.compile(rf"[a-z0-9][a-z0-9._-]{{0,{_PART_MOST - 1}}}")
 _HEX = re.compile(rf"[0-9a-f]{{{MIN_DIGEST_CHARS},64}}")
 _NOT_NAME = re.compile(r"[^a-z0-9._-]+")
 
@@ -34,7 +35,8 @@ def parse_ref(ref: str) -> tuple[str, str]:
         tag = DEFAULT_TAG
     if not _PART.fullmatch(name) or not _PART.fullmatch(tag):
         raise InvalidRefError(f"'{ref}' is not a model name (NAME[:TAG]: letters, digits, '.', "
-                              "'_' and '-', starting with a letter or a digit)")
+                              "'_' and '-', starting with a letter or a digit, at most "
+                              f"{_PART_MOST} characters each)")
     return name, tag
 
 

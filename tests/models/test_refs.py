@@ -22,6 +22,9 @@ def test_parse_ref_defaults_the_tag_and_lowercases():
     for bad in ("", ":q4", "qwen:", "a/b", "a/b:c.gguf", "-x", "x:-y", "a b", "x:y:z", "é"):
         with pytest.raises(InvalidRefError, match="is not a model name"):
             parse_ref(bad)
+    assert parse_ref("a" * 128) == ("a" * 128, "latest")
+    with pytest.raises(InvalidRefError, match="at most 128 characters each"):  # (all letters:
+        parse_ref("a" * 129)                             # the message named only the letters)
 
 
 def test_parse_digest_takes_sha256_or_a_long_enough_hex_prefix():

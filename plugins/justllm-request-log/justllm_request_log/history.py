@@ -34,11 +34,11 @@ def parse_since(value: str, now: float | None = None) -> float:
     if m:
         return (time.time() if now is None else now) - float(m[1]) * _UNITS[m[2].lower()]
     try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
+        return datetime.fromisoformat(text).timestamp()  # a naive datetime is local time
+    except (ValueError, OverflowError, OSError):  # (0001-01-01 said "year 0 is out of range")
         raise ValueError(f"--since: expected a duration (30m, 2h, 7d, 1w) or an ISO date "
-                         f"(2024-05-01, 2024-05-01T09:30), got {value!r}") from None
-    return when.timestamp()  # a naive datetime is local time
+                         f"(2024-05-01, 2024-05-01T09:30) this machine's clock can hold, got "
+                         f"{value!r}") from None
 
 
 def history(

@@ -382,11 +382,14 @@ def test_several_processes_write_one_database(db: Path) -> None:
     assert len(logged) == 400 and len({r["pid"] for r in logged}) == 2
 
 
-@pytest.mark.parametrize("args", [("--since", "yesterday-ish"), ("-n", "-1")])
+@pytest.mark.parametrize("args", [("--since", "yesterday-ish"), ("-n", "-1"),
+                                  ("--since", "0001-01-01")])  # (a year-0 error)
 def test_bad_history_input_is_one_error_line(db: Path, args: tuple[str, ...]) -> None:
     done = history(*args)
     assert done.returncode == 1 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error:")
+    if args[0] == "--since":  # (the year-0 one did not say which option)
+        assert done.stderr.startswith("error: --since: "), done.stderr
 
 
 def test_history_without_a_database(db: Path) -> None:
