@@ -293,8 +293,8 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
         Registry().check_overwritable(dst)
     if not make_dir and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
-    if dst.parent.is_dir():
-        check_writable(dst.parent)
+    # (the folder to make: where it would go, or the disk space check blamed /proc's 0 MB)
+    check_writable(next(d for d in (dst.parent, *dst.parent.parents) if d.is_dir()))
     file_type = header.integer("general.file_type")
     if file_type is not None and file_type not in _FLOAT_FILE_TYPES and not allow_requantize:
         raise ValueError(f"{src.name} is quantized already ({quantization_name(file_type)}); "

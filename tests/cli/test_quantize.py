@@ -129,6 +129,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
          f"--imatrix {tmp_path} is a directory; pass the importance matrix file"),
         # (llama.cpp said only "failed to quantize: basic_ios::clear: iostream error")
         (["Q8_0", "--allow-requantize", "-o", "/proc/x.gguf"], "cannot write to /proc: "),
+        (["Q8_0", "--allow-requantize", "-o", "/proc/x/"], "cannot write to /proc: "),  # (it
+        # said there was not enough disk space)
         (["Q8_0", "--allow-requantize", "--threads", "513"],
          "--threads must be in [0, 512] (ggml's most)"),
     ]
