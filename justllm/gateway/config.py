@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from justllm.config import EngineConfig, LoraSpec, read_yaml, yaml_on_off
-from justllm.errors import JustLLMError
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
@@ -458,20 +457,14 @@ def gguf_path(source: str) -> Path | None:
 
 
 def check_sources(config: GatewayConfig) -> None:
-    """Every source that is a path names a whole GGUF model: asked when the gateway starts (it
-    started, and the model failed at its first request, its runner three times)."""
-    from justllm.models.gguf import read_gguf_header
-
+    """Every source that is a path names a file: asked when the gateway starts (it started,
+    and the model failed at its first request). A file that is there but not a whole GGUF is
+    the model's own failure, a 503 for its requests while the others serve, until a load of
+    the mended file (POST /models/load): one bad model does not stop the gateway."""
     for m in config.models:
         path = gguf_path(m.source)
-        if path is None:
-            continue
-        if not path.is_file():
+        if path is not None and not path.is_file():
             raise ValueError(f"model '{m.name}': source {m.source} is not a file")
-        try:  # (the header, not the vocabulary: ~70 ms a model less; the runner reads it all)
-            read_gguf_header(path, vocabulary=False)
-        except JustLLMError as e:
-            raise ValueError(f"model '{m.name}': {e}") from None
 
 
 # EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.
