@@ -93,8 +93,10 @@ def _text(block: Block, where: str) -> str:
         _own_fields(block, where)
         if block.text is None:
             raise _refuse(where, "a text block needs 'text'")
-        if not block.text:  # Anthropic's rule
+        if not block.text:  # Anthropic's rules
             raise _refuse(f"{where}.text", "text content blocks must be non-empty")
+        if not block.text.strip():
+            raise _refuse(f"{where}.text", "text content blocks must contain non-whitespace text")
         if block.citations:
             raise _refuse(f"{where}.citations", "citations are not supported")
         return block.text

@@ -191,7 +191,10 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_nowhere", "content": "42"}]}]},
      "toolu_nowhere"),
-    # found by an audit: accepted (the first not honoured; the second ambiguous)
+    # found by an audit: accepted (the first not honoured; the second ambiguous; the third
+    # Anthropic's rule)
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "  "}]}]},
+     "text content blocks must contain non-whitespace text"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object"},
                  "eager_input_streaming": True}]}, "tools[0].eager_input_streaming"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
