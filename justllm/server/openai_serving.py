@@ -1075,13 +1075,17 @@ def keep_last(k: int, most: int) -> int:
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
     """What OpenAI refuses in a chat request and the shared chat path would otherwise ignore:
-    ``top_logprobs`` without ``logprobs``, ``stream_options`` without ``stream``, and
+    ``top_logprobs`` without ``logprobs``, ``parallel_tool_calls`` without ``tools``,
+    ``stream_options`` without ``stream``, and
     (:func:`check_messages`) message fields."""
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in "
                                   "vLLM)", param="prompt_logprobs")
+    if req.parallel_tool_calls is not None and not req.tools:  # (OpenAI's 400: it did nothing)
+        raise InvalidRequestError("parallel_tool_calls is only allowed when tools are given",
+                                  param="parallel_tool_calls")
     check_stream_options(req)
     check_messages(req.messages)
     check_continuation(req)

@@ -159,6 +159,8 @@ def test_fields_openai_refuses_are_refused_not_ignored(server):
     chat, comp = "/v1/chat/completions", "/v1/completions"
     assert_error(post(server, chat, {"model": m, "messages": hi, "top_logprobs": 3}), 400,
                  "top_logprobs")
+    assert_error(post(server, chat, {"model": m, "messages": hi, "max_tokens": 1,
+                                     "parallel_tool_calls": False}), 400, "parallel_tool_calls")
     for path, body, options in ((chat, {"messages": hi}, {"include_usage": True}),
                                 (comp, {"prompt": "hi"}, {"include_usage": True}),
                                 ("/v1/responses", {"input": "hi"}, {})):
