@@ -50,8 +50,9 @@ class LoraRegistry:
 
     def check(self, name: str, path: str, replacing: bool = False) -> None:
         """What can be checked without llama.cpp (off the engine thread): the name is free
-        (unless ``replacing``) and the file is an adapter for this model's architecture."""
-        if name in self._by_name and not replacing:
+        (unless ``replacing``; an adapter being unloaded has given its name up: every listing
+        says it is gone) and the file is an adapter for this model's architecture."""
+        if self.get(name) is not None and not replacing:
             raise InvalidRequestError(f"a LoRA adapter named '{name}' is loaded already",
                                       param="lora_name")
         check_lora_file(path, self.architecture)

@@ -35,14 +35,18 @@ class LoraFileInfo:
 
 def check_lora_file(path: str | Path, architecture: str) -> LoraFileInfo:
     """``path`` as a LoRA adapter for a model of ``architecture``; ModelLoadError otherwise."""
+    if not str(path).strip():  # (it said "LoRA adapter .: file not found")
+        raise ModelLoadError("a LoRA adapter's path is empty")
     p = Path(path).expanduser()
     where = f"LoRA adapter {p}"
     try:
-        found = p.is_file()
+        there, found = p.exists(), p.is_file()
     except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
-        found = False
-    if not found:
-        raise ModelLoadError(f"{where}: file not found")
+        there = found = False
+    if not found:  # (a folder or a device said "file not found")
+        raise ModelLoadError(f"{where}: " + ("a directory, not a file" if there and p.is_dir()
+                                             else "not a regular file" if there
+                                             else "file not found"))
     try:
         header = read_gguf_header(p, adapter=True)
     except ModelLoadError as e:

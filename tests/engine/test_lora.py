@@ -199,6 +199,32 @@ def test_unloading_waits_for_its_requests_and_drops_its_cache(model_path, adapte
         engine.close()
 
 
+def test_a_name_being_unloaded_can_be_loaded_again_at_once(model_path, adapters):
+    """While an unload drained, a load of its name was refused as "loaded already", where
+    every listing said it was gone."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128,
+                                 lora=(LoraSpec("a", adapters["a"]),)))
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog again and again"
+        engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=6)))
+        engine.step()
+        old = engine.begin_unload_lora("a")
+        new = engine.load_lora("a", adapters["c"])
+        assert new.id != old and [(a.name, a.id) for a in engine.lora_adapters()] == [
+            ("a", new.id)]
+        engine.add_request(prompt, under({"a": 1.0}, SamplingParams(max_tokens=3)))
+        while engine.lora_busy(old):
+            assert all(out.error is None for out in engine.step())
+        engine.finish_unload_lora(old)
+        engine.step()  # the dropped cache entries' KV goes
+        assert [(a.name, a.id) for a in engine.lora_adapters()] == [("a", new.id)]
+        while engine.has_unfinished():
+            assert all(out.error is None for out in engine.step())
+        engine.check_kv()
+    finally:
+        engine.close()
+
+
 def test_an_adapter_replaced_in_place_finishes_its_requests_and_then_goes(model_path, adapters,
                                                                          tmp_path):
     """``load_inplace``: the new file takes the name at once for new requests; requests

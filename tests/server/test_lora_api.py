@@ -172,6 +172,10 @@ def test_runtime_load_and_refusals(client, lora_server, files):
         ({"lora_name": "c", "lora_path": str(files["c"])}, "is loaded already"),
         ({"lora_name": "w", "lora_path": str(files["wrong"])}, "incorrect shape"),
         ({"lora_name": "n", "lora_path": "/nonexistent.gguf"}, "file not found"),
+        # (each said "file not found", the empty one for ".")
+        ({"lora_name": "n", "lora_path": "/tmp"}, "/tmp: a directory, not a file"),
+        ({"lora_name": "n", "lora_path": "/dev/zero"}, "/dev/zero: not a regular file"),
+        ({"lora_name": "n", "lora_path": ""}, "a LoRA adapter's path is empty"),
         ({"lora_name": lora_server.model, "lora_path": str(files["c"])}, "base model's name"),
         ({"lora_name": "bad name", "lora_path": str(files["c"])}, "use letters"),
     ]:
