@@ -20,6 +20,7 @@ turn them off, so every field is honoured or refused with a 400 naming it.
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -286,6 +287,9 @@ def _top_p(top_p: float) -> float:
     return min(top_p, 1.0) if top_p > 0.0 else _BEST_ALONE
 
 
+_INT_KEY = re.compile(r"-?[0-9]+")  # an id as an object key (ASCII digits)
+
+
 def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
                 ) -> tuple[tuple[int, float], ...]:
     """``[[token or text, bias or false], ...]`` or ``{"token or text": bias}``: a text biases
@@ -302,10 +306,13 @@ def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
             value = -100.0
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError("a logit_bias is a number or false", param="logit_bias")
-        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(given, dict):
-            ids = [int(key)]  # OpenAI's form: token ids as keys
+        if isinstance(key, str) and isinstance(given, dict) and _INT_KEY.fullmatch(key):
+            ids = [int(key)]  # OpenAI's form: token ids as keys (a negative one refused below)
         elif isinstance(key, str):
             ids = aengine.tokenize(key, add_special=False, parse_special=False)
+            if not ids:  # (an empty text biased nothing, without a word)
+                raise InvalidRequestError(f"logit_bias: the text {key!r} has no tokens",
+                                          param="logit_bias")
         elif isinstance(key, int) and not isinstance(key, bool):
             ids = [key]
         else:
@@ -614,7 +621,12 @@ async def answer(request: Request, served: Served, req: LlamaCompletionRequest, 
         if req.ignore_eos:  # llama-server's: the end tokens can never be drawn
             bias = tuple((dict(bias) | dict.fromkeys(aengine.eog_ids(), -100.0)).items())
         params = SamplingParams(**_sampling(req, plan, seed, bias), grammar=grammar, lora=lora)
-        return [_prepare(aengine, p, params) for p in prompts(aengine)]
+        listed = prompts(aengine)
+        most = aengine.engine.config.max_queue
+        if len(listed) > most:  # it could never be queued: a 400, not a 429 to retry
+            raise InvalidRequestError(f"this request has {len(listed)} prompts; the server "
+                                      f"queues at most {most} (--max-queue)", param="prompt")
+        return [_prepare(aengine, p, params) for p in listed]
 
     prepared = await aengine.off_loop(size, ready)
     c = _Completion(served, req, plan, prepared, seed)

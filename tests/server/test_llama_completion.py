@@ -247,6 +247,10 @@ def test_cache_prompt_false_computes_the_prompt_whole(server):
     ("temperature", {"temperature": 1000}),
     ("repeat_last_n", {"repeat_last_n": -2}),
     ("logit_bias", {"logit_bias": [[1, "a"]]}),
+    # found by an audit: a negative id key was tokenized as text, an empty text biased nothing
+    ("logit_bias", {"logit_bias": {"-5": 1}}),
+    ("logit_bias", {"logit_bias": {"": 1}}),
+    ("prompt", {"prompt": ["x"] * 300, "n_predict": 0}),  # (a 429 to retry, forever)
     ("stop", {"stop": ["x"] * 17}),
     ("unknown", {"unknown": 1}),
     ("n", {"n": 2}),
