@@ -47,6 +47,9 @@ class SamplingParams:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # llama.cpp's rule for those two (llama-server's /completion): over the last
+    # ``repeat_last_n`` tokens, the prompt's included, where OpenAI's counts the answer alone
+    llama_penalties: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)

@@ -651,16 +651,17 @@ def _by_weight(w: np.ndarray) -> np.ndarray:
 def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int],
                     output_ids: list[int]) -> np.ndarray:
     """llama.cpp's repeat penalty over the last ``repeat_last_n`` tokens, OpenAI's presence and
-    frequency penalties over the generated tokens. Returns a new array."""
+    frequency penalties over the generated tokens (``llama_penalties``: llama.cpp's, over the
+    same window as the repeat penalty). Returns a new array."""
     x = np.array(logits, dtype=np.float32, copy=True)
-    if p.repeat_penalty != 1.0 and p.repeat_last_n > 0:
-        recent = (prompt_ids + output_ids)[-p.repeat_last_n:]
-        if recent:
-            ids = np.unique(np.asarray(recent, dtype=np.int64))
-            vals = x[ids]
-            x[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids:
-        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+    recent = (prompt_ids + output_ids)[-p.repeat_last_n:] if p.repeat_last_n > 0 else []
+    if p.repeat_penalty != 1.0 and recent:
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        vals = x[ids]
+        x[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+    counted = recent if p.llama_penalties else output_ids
+    if (p.presence_penalty or p.frequency_penalty) and counted:
+        ids, counts = np.unique(np.asarray(counted, dtype=np.int64), return_counts=True)
         x[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return x
 

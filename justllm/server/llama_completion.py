@@ -271,6 +271,7 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         repeat_last_n=2**31 - 1 if req.repeat_last_n == -1 else req.repeat_last_n,
         presence_penalty=req.presence_penalty if penalties else 0.0,
         frequency_penalty=req.frequency_penalty if penalties else 0.0,
+        llama_penalties=True,  # (as llama-server counts them: the prompt too, in the window)
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
         logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain,
         cache_prompt=req.cache_prompt)

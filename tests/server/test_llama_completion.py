@@ -182,6 +182,30 @@ def test_llama_cpps_order_cuts_before_it_tempers(uncached):
         "generation_settings"]["samplers"] == ["top_k"]
 
 
+def test_presence_and_frequency_count_the_prompt_as_llama_cpp_does(server):
+    """llama-server counts them over the last repeat_last_n tokens, the prompt's included (0:
+    none); they counted the answer alone, as OpenAI's do. Here the greedy first token is a
+    colour the prompt names (" green" just ahead of " blue"), and " red" is not one of its
+    tokens ("Red," is)."""
+    prompt = "Red, green, blue. My favourite colour is"
+    named = set(post(server, "/tokenize", {"content": prompt}).json()["tokens"])
+
+    def first(path="/completion", **body):
+        if path == "/completion":
+            return complete(server, prompt=prompt, n_predict=1, temperature=0,
+                            return_tokens=True, **body)["tokens"][0]
+        r = post(server, path, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                "logprobs": 1, **body}).json()["choices"][0]
+        return r["logprobs"]["tokens"][0]
+
+    assert first() in named
+    for penalty in ({"presence_penalty": 2}, {"frequency_penalty": 2}):
+        assert first(**penalty) not in named, penalty
+        assert first(**penalty, repeat_last_n=0) in named, penalty
+    openai = first("/v1/completions", presence_penalty=2)  # (the answer alone: none yet)
+    assert openai == first("/v1/completions")
+
+
 def test_logit_bias_by_id_text_or_false(server):
     first = complete(server, n_predict=1, temperature=0, return_tokens=True)["tokens"][0]
     for bias in ([[first, False]], {str(first): -100},
