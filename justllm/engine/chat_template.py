@@ -28,6 +28,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import htmlsafe_json_dumps
 
 from justllm.core.harmony import BUDGET_TAGS, HarmonyReader, is_harmony
 from justllm.core.reasoning import THINKING_SWITCH, ReasoningSplitter, opens_thinking, thinking_tags
@@ -460,8 +461,12 @@ def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:
     be followed or refused, never dropped (a developer message is a system one by now)."""
     for i, m in enumerate(messages):
         content = m.get("content")
-        if m.get("role") == "system" and isinstance(content, str) and content.strip() and (
-                content.strip() not in text):
+        if m.get("role") != "system" or not isinstance(content, str) or not content.strip():
+            continue
+        said = content.strip()  # as it is, or JSON-escaped by a template's tojson
+        forms = (said, json.dumps(said, ensure_ascii=False)[1:-1], json.dumps(said)[1:-1],
+                 str(htmlsafe_json_dumps(said))[1:-1])
+        if not any(form in text for form in forms):
             raise InvalidRequestError(
                 f"messages[{i}]: this chat template leaves this system message out of the "
                 "prompt (it shows a system message only where it opens the chat); join the "

@@ -89,6 +89,10 @@ def test_a_template_that_drops_a_system_message_is_a_400():
     with pytest.raises(InvalidRequestError, match="leaves this system message out") as e:
         first_only.render([*chat, {"role": "system", "content": "Never in French."}])
     assert e.value.param == "messages[2]"
+    # a template that writes messages through tojson shows them JSON-escaped: shown
+    as_json = ChatTemplate.resolve(None, "{% for m in messages %}{{ m | tojson }}{% endfor %}")
+    said = 'Say "<b>hi</b>" & go,\nit\'s été.'
+    assert "\\n" in as_json.render([{"role": "system", "content": said}, chat[1]])
 
 
 def test_resolution_order_and_the_notice():
