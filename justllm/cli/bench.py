@@ -12,7 +12,6 @@ import typer
 from rich.console import Console
 
 from justllm.cli.errors import cli_errors
-from justllm.models.quantize import check_writable
 
 
 def bench(
@@ -70,6 +69,8 @@ def bench(
                 raise ValueError(f"--json: {json_out} is a directory; give a file path")
             if not json_out.parent.is_dir():
                 raise ValueError(f"--json: the directory {json_out.parent} does not exist")
+            from justllm.models.quantize import check_writable  # (numpy: not at every start)
+
             try:
                 check_writable(json_out.parent)
             except ValueError as e:
