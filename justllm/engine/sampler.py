@@ -654,7 +654,8 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int]
     frequency penalties over the generated tokens (``llama_penalties``: llama.cpp's, over the
     same window as the repeat penalty). Returns a new array."""
     x = np.array(logits, dtype=np.float32, copy=True)
-    recent = (prompt_ids + output_ids)[-p.repeat_last_n:] if p.repeat_last_n > 0 else []
+    windowed = p.repeat_penalty != 1.0 or p.llama_penalties  # (OpenAI's alone need none)
+    recent = _last(prompt_ids, output_ids, p.repeat_last_n) if windowed else []
     if p.repeat_penalty != 1.0 and recent:
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = x[ids]
@@ -664,6 +665,16 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, prompt_ids: list[int]
         ids, counts = np.unique(np.asarray(counted, dtype=np.int64), return_counts=True)
         x[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return x
+
+
+def _last(prompt_ids: list[int], output_ids: list[int], n: int) -> list[int]:
+    """The last ``n`` tokens of prompt and answer (none for 0), without copying the prompt
+    whole (this runs for every row of every step)."""
+    if n <= 0:
+        return []
+    if len(output_ids) >= n:
+        return output_ids[-n:]
+    return prompt_ids[-(n - len(output_ids)):] + output_ids
 
 
 def token_logprob(logits: np.ndarray, token: int, n_top: int
