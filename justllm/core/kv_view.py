@@ -7,7 +7,8 @@ positions of the tree nodes it holds, and a free sequence id holds nothing. The 
 this with llama.cpp's own view of each sequence after every step when its KV check is on (the
 tests turn it on): a scheduler that believes a sequence holds cells llama.cpp does not have makes
 ``llama_decode`` fail for the whole batch, and a cell llama.cpp keeps that nobody accounts for is a
-leak. Both are caught at the step that causes them instead of minutes later.
+leak. Both are caught at the step that causes them instead of minutes later, as is a KV block the
+pool counts as used that neither a running request nor the prefix cache holds.
 
 Pure: the observed side comes in through :class:`KVProbe`, so the check runs with no model.
 """
@@ -66,6 +67,7 @@ def kv_mismatches(scheduler: Scheduler, probe: KVProbe, n_seq_ids: int,
     want = expected_kv(scheduler)
     skipped = set(skip)
     problems = scheduler.cache.check() if scheduler.cache is not None else []
+    problems += block_mismatches(scheduler)
     if scheduler.cache is not None:
         for seq, ranges in scheduler.cache.live_ranges().items():
             end = max(b for _, b in ranges)
@@ -85,6 +87,20 @@ def kv_mismatches(scheduler: Scheduler, probe: KVProbe, n_seq_ids: int,
                 f"sequence {seq}: expected positions {_fmt(ranges)} ({n_want} cells), "
                 f"llama.cpp holds {got_lo}..{got_hi}"
                 + (f" ({n_got} cells)" if n_got is not None else ""))
+    return problems
+
+
+def block_mismatches(scheduler: Scheduler) -> list[str]:
+    """The pool's used blocks must be exactly the running requests' and the prefix cache's:
+    one held by nobody is never freed (the KV pool shrinks for good), in words."""
+    pool, cache = scheduler.pool, scheduler.cache
+    problems = [f"waiting request {r.request_id} holds {len(r.block_ids)} KV blocks"
+                for r in scheduler.waiting if r.block_ids]
+    held = sum(len(r.block_ids) for r in scheduler.running)
+    held += cache.num_blocks if cache is not None else 0
+    if pool.usage().used != held:
+        problems.append(f"{pool.usage().used} KV blocks used, {held} held by the running "
+                        "requests and the prefix cache")
     return problems
 
 

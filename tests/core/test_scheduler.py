@@ -2,6 +2,7 @@
 
 import pytest
 
+from justllm.core.kv_view import block_mismatches
 from justllm.core.plan import StepPlan
 from justllm.core.request import FinishReason, Request, RequestStatus
 from justllm.core.sampling_params import SamplingParams
@@ -252,3 +253,25 @@ def test_a_prompt_for_its_logprobs_is_computed_whole_with_a_row_per_token():
     s.add(again)
     run_step(s)
     assert again.num_cached_tokens > 0
+
+
+def test_the_kv_check_names_a_block_nobody_holds():
+    """The engine's KV check (kv_view.block_mismatches, run at every step in the tests)
+    finds blocks the pool counts as used that no running request or the prefix cache holds."""
+    pool = BlockPool(16, 4)
+    s = Scheduler(SchedulerConfig(chunk_size=8, n_batch=16), pool, RadixCache(pool))
+    a, b = make_req(0, 6), make_req(1, 3)
+    s.add(a)
+    run_step(s)
+    s.finish(a, FinishReason.STOP)  # its prompt goes to the prefix cache
+    s.add(b)
+    run_step(s)
+    assert block_mismatches(s) == []
+    lost = pool.allocate(1)
+    assert block_mismatches(s) == [f"{pool.usage().used} KV blocks used, "
+                                   f"{pool.usage().used - 1} held by the running requests and "
+                                   "the prefix cache"]
+    pool.free(lost)
+    s.waiting.append(make_req(2, 3))
+    s.waiting[0].block_ids = pool.allocate(1)
+    assert block_mismatches(s)[0] == "waiting request r2 holds 1 KV blocks"
