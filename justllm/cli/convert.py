@@ -41,7 +41,10 @@ def convert(
     files go to the Hugging Face cache; the revision is recorded. A failed or interrupted
     conversion leaves no partial file."""
     with cli_errors():
+        from justllm.cli.plugins import check_new_name, plugins_of
         from justllm.models.convert_lora import is_adapter
+
+        check_new_name(plugins_of(None), name)
 
         if is_adapter(source, revision):
             if quantize or name:

@@ -30,8 +30,10 @@ def make(
 
         from justllm.cli.models import _size
         from justllm.models.draft import default_draft_path, make_draft
+        from justllm.models.quantize import check_output_option
         from justllm.plugins import load_plugins
 
+        check_output_option(output)
         src = Path(load_plugins().resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
         made = None

@@ -186,9 +186,10 @@ def tag(
     then points to it (a tag that pointed elsewhere moves; the version it left stays). A
     file is registered where it is, not copied."""
     with cli_errors():
-        from justllm.cli.plugins import plugins_of
+        from justllm.cli.plugins import check_new_name, plugins_of
         from justllm.models.registry import Registry
 
+        check_new_name(plugins_of(context), target)
         registry = Registry()
         try:
             key, m, before = registry.tag(source, target)

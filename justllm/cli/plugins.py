@@ -20,6 +20,21 @@ def plugins_of(context: typer.Context | None) -> Plugins:
     return found if found is not None else load_plugins()
 
 
+def check_new_name(plugins: Plugins, name: str | None) -> None:
+    """ValueError when a plugin's model source reads the NAME[:TAG] about to be made
+    (``tag``, ``pull --tag``, ``convert --name``) as one of its models: ``run`` and ``serve``
+    ask that plugin first, so ``tag x ollama:foo`` made a name that ``show`` and ``rm`` read
+    as the tag and ``run`` as Ollama's model."""
+    from justllm.models.refs import label, new_ref
+
+    if name is None:
+        return
+    key = label(*new_ref(name))
+    if plugins.claims(key):
+        raise ValueError(f"'{key}' names a plugin's model ({key.partition(':')[0]}:NAME): "
+                         "pick another name")
+
+
 def warn_problems(plugins: Plugins) -> None:
     """Print the plugins' problems not printed yet, one yellow line each, on stderr (main()
     prints the loading ones, a command those its own work found, and main() again, at the

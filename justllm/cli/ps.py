@@ -95,6 +95,9 @@ def logs(
         from justllm.gateway.app import default_log_dir
         from justllm.gateway.runner import log_model, log_name
 
+        if lines < 0:  # (it printed nothing and exited 0)
+            raise ValueError(f"--lines must be 0 or more (got {lines})")
+
         path = default_log_dir() / log_name(model, replica)
         if not path.is_file():
             known = sorted(log_model(p) for p in default_log_dir().glob("*.log"))
@@ -109,7 +112,7 @@ def logs(
 
 def _print_tail(path: Path, n: int) -> None:
     text = path.read_text(errors="replace").splitlines()
-    for line in text[-n:] if n > 0 else []:
+    for line in text[-n:] if n > 0 else []:  # (-n 0: none, then --follow's new ones)
         print(line)
 
 

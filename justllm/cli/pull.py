@@ -29,6 +29,9 @@ def pull(
     keeps the older version until 'justllm rm'. A repo with safetensors and no GGUF:
     --convert converts it (as 'justllm convert REPO' does)."""
     with cli_errors():
+        from justllm.cli.plugins import check_new_name, plugins_of
+
+        check_new_name(plugins_of(None), tag)
         if convert:
             if ":" in model:
                 raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")

@@ -60,9 +60,10 @@ def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path,
     """Where the output goes, and whether its directory is still to be made: the models
     directory by default; ``-o DIR/`` (trailing slash) or an existing ``-o DIR`` means the
     default file name in that directory, not a file called DIR."""
-    from justllm.models.quantize import default_output
+    from justllm.models.quantize import check_output_option, default_output
     from justllm.models.store import models_dir
 
+    check_output_option(output)
     if not output:
         models_dir().mkdir(parents=True, exist_ok=True)
         return default_output(src, qtype, models_dir()), False

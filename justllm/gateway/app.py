@@ -126,7 +126,9 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
     ollama = path.startswith("/api/")
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None
-    if "keep_alive" in body:  # Ollama's: the gateway's to honour; runners never unload
+    if ollama and "keep_alive" in body:  # the gateway's to honour; runners never unload
+        # (Ollama's routes only: elsewhere the runner refuses the field as a single server
+        # does, and a keep_alive 0 on /v1 used to unload the model)
         keep_alive = _keep_alive(state, body["keep_alive"])
         if state.remote_only:  # the remote servers' to honour or refuse: sent on as it came
             keep_alive = None  # (it used to be dropped, and keep_alive 0 answered a load)
@@ -157,10 +159,12 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
     waited = time.monotonic() if not state.routable else None
     if waited is not None:  # refused before a load it would only waste (or an eviction)
         check_without_model(path, content)  # (without the gateway's own keep_alive)
-    try:
-        await sup.acquire(state)
+    try:  # (a client that left while its model loaded still counted against max-waiting)
+        left = await unless_disconnected(request, sup.acquire(state))
     except ModelUnavailable as e:
         raise _unavailable(e) from None
+    if isinstance(left, Response):  # acquire was cancelled: it counts nothing
+        return left
     if waited is not None:  # for the runner's Ollama answers (load_duration)
         request.scope[LOAD_SCOPE_KEY] = time.monotonic() - waited  # type: ignore[literal-required]
     ended = False

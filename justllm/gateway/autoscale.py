@@ -13,7 +13,9 @@ count wanted then (a replica stopped leaves the rotation at once and drains its 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,24 @@ def decide(config: AutoscaleConfig, current: int, load: float, now: float,
     return Scale(target, "up" if up else "down",
                  f"{mean:.1f} requests per replica, {side} the target of "
                  f"{config.target_ongoing:g}, for {delay:g} s"), None
+
+
+class Retirable(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def routable(self) -> bool: ...
+    @property
+    def load_total(self) -> int: ...
+
+
+R = TypeVar("R", bound=Retirable)
+
+
+def to_retire(replicas: Sequence[R], target: int) -> list[R]:
+    """Which of a pool's ``replicas`` a scale down to ``target`` stops: those out of the
+    rotation first (starting, restarting, unhealthy: Ray Serve stops starting replicas first,
+    and keeping one that restarts while the ready one went left none to serve), then the
+    least busy, the newest of equals (the first replicas are kept)."""
+    order = sorted(replicas, key=lambda r: (r.routable, r.load_total, -int(r.id)))
+    return order[:max(0, len(replicas) - target)]

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from justllm.config import EngineConfig, LoraSpec, read_yaml, yaml_on_off
 from justllm.gateway.autoscale import AutoscaleConfig
@@ -235,8 +236,10 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     elif isinstance(urls, str):
         urls = [urls]
     if not isinstance(urls, list) or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
-        raise ValueError(f"{where}: urls must be http(s):// addresses of `justllm serve`s")
+            isinstance(u, str) and u.startswith(("http://", "https://"))
+            and urlsplit(u).hostname for u in urls):  # (an 'http://' was polled for ever)
+        raise ValueError(f"{where}: urls must be http(s)://HOST[:PORT] addresses of "
+                         "`justllm serve`s")
     urls = [u.rstrip("/") for u in urls]  # http://h:1/ is http://h:1
     if len(set(urls)) != len(urls):
         raise ValueError(f"{where}: a url is listed twice")
@@ -358,6 +361,11 @@ def _autoscale_config(where: str, scaled: dict, least_min: int = 0) -> Autoscale
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not name.strip():  # ('' was served, and its runner log was named .log)
         raise ValueError(f"a model's name is empty ({name!r}): give it a name")
+    if name != name.strip() or not name.isprintable():  # (a newline broke `justllm ps`)
+        raise ValueError(f"model name {name!r} has spaces at an end or a control character")
+    if "@" in name:  # (x@1 shared its log file with replica 1 of x)
+        raise ValueError(f"model name {name!r}: '@' marks a replica (justllm logs MODEL@N); "
+                         "name the model without it")
     if isinstance(entry, str):
         entry = {"source": entry}
     if isinstance(entry, dict) and "source" not in entry and (entry.get("urls") and not entry.get("replicas") or _PD_KEYS & entry.keys()):

@@ -244,10 +244,11 @@ class Supervisor:
         async with self._room:
             self._room.notify_all()
 
-    async def acquire(self, state: ModelState) -> None:
+    async def acquire(self, state: ModelState, *, client: bool = True) -> None:
         """The model loaded (first if need be) with a replica in the rotation, and one more
         request counted on it from now on (so it is never unloaded to make room while the
-        request waits): pair each successful call with ``end``."""
+        request waits): pair each successful call with ``end``. ``client`` False: a preload,
+        neither counted as a request waiting for a load nor held to max-waiting."""
         state.active += 1
         try:
             if state.routable:
@@ -255,10 +256,10 @@ class Supervisor:
             if state.status == "loaded":  # every replica is restarting or unhealthy
                 await self.wait_routable(state)
                 return
-            if self.waiting >= self.config.max_waiting:
+            if client and self.waiting >= self.config.max_waiting:
                 raise ModelUnavailable(f"{self.waiting} requests are already waiting for "
                                        "models to load; retry later", code="too_many_waiting")
-            self.waiting += 1
+            self.waiting += client
             try:
                 if state.load_task is None or state.load_task.done():
                     state.load_task = asyncio.ensure_future(self._load(state))
@@ -266,10 +267,10 @@ class Supervisor:
                 await asyncio.wait_for(asyncio.shield(state.load_task), self.config.load_timeout)
             except TimeoutError:
                 raise ModelUnavailable(f"model '{state.spec.name}' did not load within "
-                                       f"{self.config.load_timeout:.0f} s",
+                                       f"{self.config.load_timeout:g} s",
                                        code="model_loading") from None
             finally:
-                self.waiting -= 1
+                self.waiting -= client
         except BaseException:
             state.active -= 1
             raise
@@ -574,11 +575,12 @@ class Supervisor:
         await self._stop_all(runners)
         return True
 
-    async def load(self, state: ModelState) -> None:
-        """Load without a request (POST /models/load, preload); a failed model is retried."""
+    async def load(self, state: ModelState, *, client: bool = True) -> None:
+        """Load without a request (POST /models/load, preload: ``client`` False); a failed
+        model is retried."""
         if state.status == "failed":
             state.failures = 0
-        await self.acquire(state)
+        await self.acquire(state, client=client)
         self.end(state)
 
     # ---- one replica: restart, scale -------------------------------------------------------
@@ -654,9 +656,7 @@ class Supervisor:
                 self._restart(state, replica)
                 replica.status = "starting"
         else:
-            # The least busy go first, the newest of equals (the first replicas are kept).
-            victims = sorted(serving, key=lambda r: (r.load_total, -int(r.id)))
-            for replica in victims[:len(serving) - decision.target]:
+            for replica in autoscale.to_retire(serving, decision.target):
                 self._retire(state, replica)
         state.scaled[pool, decision.direction] += 1
         log.warning("autoscaler: model %s %s to %d replicas: %s", what,
@@ -689,8 +689,8 @@ class Supervisor:
                 asyncio.ensure_future(self._preload(state))
 
     async def _preload(self, state: ModelState) -> None:
-        with contextlib.suppress(ModelUnavailable):
-            await self.load(state)
+        with contextlib.suppress(ModelUnavailable):  # (no client waits: `ps` said one did)
+            await self.load(state, client=False)
 
     async def _watch_loop(self) -> None:
         while not self._closing:

@@ -37,6 +37,7 @@ from justllm.models.manifest import Manifest, Source
 from justllm.models.quantize import (
     QuantizeJob,
     QuantType,
+    check_output_option,
     check_replaceable,
     check_writable,
     quant_type,
@@ -332,6 +333,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     from justllm.models.refs import DEFAULT_TAG, label, name_for_file, new_ref
 
     console = console or Console(stderr=True, emoji=False)
+    check_output_option(output)
     wanted_label = label(*new_ref(name)) if name is not None else None  # ('' is refused)
     quant = quant_type(quantize) if quantize else None
     if outtype.strip().lower() not in OUTTYPES:

@@ -31,7 +31,7 @@ from justllm.models.convert import (
 )
 from justllm.models.converter import check_extra
 from justllm.models.hf_model import HFModel, read_config, side_files
-from justllm.models.quantize import check_replaceable, check_writable
+from justllm.models.quantize import check_output_option, check_replaceable, check_writable
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -83,6 +83,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     from justllm.models import hub
 
     console = console or Console(stderr=True, emoji=False)
+    check_output_option(output)
     kind = outtype.strip().lower()
     if kind == "auto":
         kind = "f16"

@@ -318,6 +318,14 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir)
 
 
+def check_output_option(output: str | None) -> None:
+    """ValueError for an empty ``--output`` (``-o ''``): it meant "the default path", so
+    quantize wrote into the models directory as if -o were not there (--tag '' and --imatrix
+    '' are refused the same way)."""
+    if output is not None and not output.strip():
+        raise ValueError("--output is empty: give a file or folder path, or leave --output out")
+
+
 def check_replaceable(dst: Path) -> None:
     """ValueError for an output path that is there and is not a regular file (a FIFO, a
     socket, a device such as /dev/null): the output is written beside it and moved over it,

@@ -186,6 +186,21 @@ class Plugins:
                     return str(found)
         return None
 
+    def claims(self, ref: str) -> bool:
+        """Whether a plugin's own model source reads ``ref`` as one of its models (it finds
+        it, or says why it cannot: ``ollama:foo`` with no such Ollama model)."""
+        from justllm.models.source import BUILTIN_SOURCES
+
+        builtin = {id(source) for source, _ in BUILTIN_SOURCES}
+        for source in self.model_sources():
+            if id(source) not in builtin:
+                try:
+                    if source.find(ref) is not None:
+                        return True
+                except (JustLLMError, ValueError):
+                    return True
+        return False
+
     def served_name(self, model: str | None) -> str | None:
         """The model id ``justllm serve MODEL`` answers to when a source names it (a source's
         optional ``served_name(ref)``: ``ollama:llama3.2`` -> ``llama3.2``, where the file is

@@ -170,13 +170,21 @@ class ServerMetrics:
             self.lora_requests.labels(lab, m.lora).inc()
             self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)
             self.lora_generation_tokens.labels(lab, m.lora).inc(m.num_generated_tokens)
-        if m.ttft is not None:
-            self.ttft.labels(lab).observe(m.ttft)
         times = m.token_times
         for a, b in zip(times, times[1:]):
             self.itl.labels(lab).observe(b - a)
         if m.finished_time is not None:
             self.e2e.labels(lab).observe(m.finished_time - m.arrival_time)
+
+    def observe_first_token(self, m: RequestMetrics | None) -> bool:
+        """The time to first token, once that token is out (as vLLM observes it), whether
+        the request then ends or its client leaves: observed at the end, a long answer's slow
+        start stayed out of the gateway's recent TTFT (and ``justllm ps``) until it ended.
+        True once observed."""
+        if m is None or m.ttft is None:
+            return False
+        self.ttft.labels(self._model).observe(m.ttft)
+        return True
 
     def observe_embeddings(self, tokens: int, seconds: float) -> None:
         """An embeddings request that was answered: counted as vLLM counts a pooling request

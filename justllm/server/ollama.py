@@ -534,8 +534,10 @@ async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOu
     """The request's outputs; a finished one is counted in the metrics. Closing the iterator
     (client gone, task cancelled) aborts the request."""
     ended = False  # not stream.finished: a cancelled wait for the next output sets that
+    timed = False  # its first token counted
     try:
         async for out in stream:
+            timed = timed or job.served.metrics.observe_first_token(out.metrics)
             if out.finished:
                 ended = True
                 job.served.metrics.observe_finished(out.metrics, out.finish_reason,

@@ -310,9 +310,12 @@ class OpenAIServing:
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         ended: set[int] = set()  # choices whose last output was taken (and counted)
+        timed: set[int] = set()  # choices whose first token was counted
         try:
             while len(ended) < len(streams):
                 i, out = await queue.get()
+                if i not in timed and self.metrics.observe_first_token(out.metrics):
+                    timed.add(i)
                 if out.finished:
                     ended.add(i)
                     self.metrics.observe_finished(out.metrics, out.finish_reason,

@@ -131,6 +131,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
         (["Q8_0", "--allow-requantize", "-o", "/proc/x.gguf"], "cannot write to /proc: "),
         (["Q8_0", "--allow-requantize", "-o", "/proc/x/"], "cannot write to /proc: "),  # (it
         # said there was not enough disk space)
+        # (it meant no -o: Q8_0 went into the models directory, registered)
+        (["Q8_0", "--allow-requantize", "-o", ""], "--output is empty: give a file or folder"),
         (["Q8_0", "--allow-requantize", "--threads", "513"],
          "--threads must be in [0, 512] (ggml's most)"),
     ]

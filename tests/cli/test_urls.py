@@ -47,3 +47,9 @@ def test_a_good_url_still_reaches_the_network():
     """An IPv6 address, a path, an upper-case scheme pass the check (and nothing listens)."""
     for url in ("http://[::1]:9", "HTTP://127.0.0.1:9/v1"):
         assert "cannot reach" in _one_error_line(runner.invoke(app, ["ps", "--url", url]))
+
+
+def test_logs_refuses_a_negative_line_count():
+    """(``-n -1`` printed nothing and exited 0, as if the log were empty.)"""
+    r = runner.invoke(app, ["logs", "any", "-n", "-1"])
+    assert _one_error_line(r) == "error: --lines must be 0 or more (got -1)"

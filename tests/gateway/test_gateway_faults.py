@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -377,3 +378,32 @@ def test_a_client_that_leaves_a_request_that_is_not_a_stream_aborts_it(tmp_path,
         rc, out = stop(gw)
     assert rc == 0, out
     assert "Traceback" not in out, out
+
+
+def test_a_client_that_leaves_while_its_model_loads_stops_counting_as_waiting(tmp_path,
+                                                                               model_path):
+    """It kept its place under max-waiting until the load ended: with max-waiting 1, the
+    next client got 503 too_many_waiting though nobody was waiting any more."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, "max-seqs": 2,
+                                            "pool-blocks": 64, "threads": 2}},
+                       **{"max-waiting": 1, "load-timeout": 120})
+    try:
+        body = {"model": "alpha", "prompt": "Hi", "max_tokens": 2}
+        with pytest.raises(httpx.ReadTimeout):  # gone long before a runner can be up
+            httpx.post(gw.url + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(0.3, connect=10))
+        def waiting() -> float:
+            text = httpx.get(gw.url + "/metrics", timeout=30).text
+            return float(re.search(r"^justllm_gateway_requests_waiting_for_load (\S+)$", text,
+                                   re.M)[1])  # type: ignore[index]
+
+        deadline = time.monotonic() + 10
+        while waiting() > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gw.status()["alpha"]["status"] == "loading"  # (the load goes on, for the next)
+        assert waiting() == 0
+        r = httpx.post(gw.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out

@@ -189,6 +189,11 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
     # served as '' (its runner log named .log), as "None", as "True"
     ({"models": {"": "/a"}}, "a model's name is empty ('')"),
     ({"models": {" ": "/a"}}, "a model's name is empty (' ')"),
+    # a newline broke `justllm ps`'s rows; x@1 shared replica 1 of x's log file
+    ({"models": {"nl\nname": "/a"}}, "model name 'nl\\nname' has spaces at an end or a "
+     "control character"),
+    ({"models": {" a": "/a"}}, "model name ' a' has spaces at an end"),
+    ({"models": {"x@1": "/a"}}, "model name 'x@1': '@' marks a replica"),
     ({"models": {None: "/a"}}, "models.yaml: a model's name is ~ (null): give it a name"),
     ({"models": {True: "/a"}}, "models.yaml: a model is named true, which is how YAML reads"),
     # the runner refuses them: three failed starts and a 503 at the first request

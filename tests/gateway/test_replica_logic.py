@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, wanted
+from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, to_retire, wanted
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.metrics import merge_pages, with_label
 from justllm.gateway.policy import prompt_tokens_estimate
@@ -58,6 +58,22 @@ def test_scaling_down_waits_for_the_downscale_delay_and_a_change_of_direction_re
     assert scale is None  # 59 s below target since the direction changed
     scale, _ = decide(SCALE, 3, 1, now=91.0, pending=pending)
     assert scale is not None and (scale.target, scale.direction) == (1, "down")
+
+
+def test_a_scale_down_stops_replicas_out_of_the_rotation_first_then_the_least_busy():
+    ready = [Replica(str(i), remote=f"http://127.0.0.1:{9000 + i}", status="ready",
+                     in_flight=load) for i, load in ((0, 3), (1, 0), (2, 0))]
+    # of equals, the newest; never the busiest while an idle one is there
+    assert [r.id for r in to_retire(ready, 1)] == ["2", "1"]
+    assert to_retire(ready, 3) == [] and to_retire(ready, 5) == []
+    # A replica restarting (its process died) goes before the ready one, however idle:
+    # keeping it and stopping the ready one left the model with none to serve.
+    # (Both idle: the newest, the ready one, went.)
+    restarting = Replica("1", remote="http://127.0.0.1:9001", status="restarting")
+    serving = [restarting, Replica("3", remote="http://127.0.0.1:9003", status="ready")]
+    assert to_retire(serving, 1) == [restarting]
+    unhealthy = Replica("4", remote="http://127.0.0.1:9004", status="unhealthy")
+    assert to_retire([*ready, unhealthy], 3) == [unhealthy]
 
 
 def test_bounds_and_options_are_checked():
@@ -199,6 +215,7 @@ def test_replica_keys_of_a_model():
     ({"min-replicas": 1, "ttl": 10}, "ttl unloads an idle model"),
     ({"max-replicas": 2, "urls": ["http://a:1"]}, "fixed set"),
     ({"urls": ["ftp://a"]}, "http(s)://"),
+    ({"urls": ["http://"]}, "http(s)://HOST[:PORT]"),  # (accepted, then polled for ever)
     ({"urls": ["http://a:1", "http://a:1"]}, "listed twice"),
     ({"gpus": [0, "1"]}, "device numbers"),
     ({"routing": "fastest"}, "routing policy must be one of"),

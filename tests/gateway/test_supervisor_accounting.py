@@ -243,3 +243,28 @@ def test_keep_alive_never_unloads_a_model_with_min_replicas(tmp_path):
         assert plain.status == "unloaded"  # honoured there (and forgotten with the load)
         await sup.close()
     asyncio.run(main())
+
+
+def test_a_preload_is_no_request_waiting_for_a_load(tmp_path):
+    """`justllm ps` said "1 request(s) waiting for a load" while preloads ran, with no
+    client, and a preload took a place under max-waiting."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"p": {}, "q": {}}, **{"max-waiting": 1})
+        started = asyncio.Event()
+
+        async def slow_load(state) -> None:
+            started.set()
+            await asyncio.sleep(30)
+
+        sup._load = slow_load  # type: ignore[method-assign]
+        preload = asyncio.ensure_future(sup._preload(sup.models["p"]))
+        await started.wait()
+        assert sup.waiting == 0
+        client = asyncio.ensure_future(sup.acquire(sup.models["q"]))  # a place is free
+        await asyncio.sleep(0.05)
+        assert sup.waiting == 1 and not client.done()
+        for task in (preload, client):
+            task.cancel()
+        await asyncio.gather(preload, client, return_exceptions=True)
+        assert sup.waiting == 0 and sup.models["p"].active == sup.models["q"].active == 0
+    asyncio.run(main())

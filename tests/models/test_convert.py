@@ -198,6 +198,9 @@ def test_prepare_plans_the_output_and_refuses_an_existing_one(tiny: Path, models
     (models / "tiny-llama-q8_0.gguf").write_bytes(b"x")
     with pytest.raises(ValueError, match=r"tiny-llama-q8_0.gguf already exists \(--force "):
         conv.prepare(str(tiny), outtype="q8_0")
+    # -o '' meant no -o (the models directory), as --name '' is refused
+    with pytest.raises(ValueError, match="--output is empty"):
+        conv.prepare(str(tiny), output=" ")
     assert conv.prepare(str(tiny), outtype="q8_0", force=True).dst.name == "tiny-llama-q8_0.gguf"
     with pytest.raises(ValueError, match="--quantize starts from a 16-bit conversion"):
         conv.prepare(str(tiny), outtype="q8_0", quantize="Q4_0")

@@ -374,10 +374,15 @@ def request_blocks(server) -> float:
             - metric_in(text, "justllm_prefix_cache_blocks"))
 
 
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+
+
 def test_disconnect_mid_stream_frees_kv(server):
     body = {"model": server.model, "messages": [{"role": "user", "content": "Write a long essay."}],
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
     aborted = aborted_requests(server)
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    first_tokens = metric_in(text, TTFT_COUNT) if TTFT_COUNT in text else 0
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -387,6 +392,9 @@ def test_disconnect_mid_stream_frees_kv(server):
                 data += next(lines).startswith("data:")
             assert metric(server, "vllm:num_requests_running") == 1
             assert request_blocks(server) > 0
+            # counted at the first token, as vLLM does (it was at the end: a long answer's
+            # slow start stayed out of a gateway's recent TTFT until then)
+            assert metric(server, TTFT_COUNT) == first_tokens + 1
     for _ in range(600):  # the engine frees the blocks at its next step
         if metric(server, "vllm:num_requests_running") == 0 and request_blocks(server) == 0:
             break

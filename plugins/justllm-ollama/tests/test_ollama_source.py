@@ -288,6 +288,16 @@ def test_show_and_tag_take_an_ollama_name(store, tmp_path):
         assert r.returncode == 1
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "ollama model missing:latest not found" in lines[0], r.stderr
+    # A name of the plugin's is not ours to make: `run` asks the plugin first, so it ran
+    # Ollama's model (or failed) where `show` and `rm` read justllm's tag.
+    for command in (("tag", str(blob(store)), "ollama:tiny"),
+                    ("tag", str(blob(store)), "Ollama:foo"),
+                    ("pull", "acme/x", "--tag", "ollama:foo")):
+        r = justllm(tmp_path, *command)
+        assert r.returncode == 1
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "names a plugin's model (ollama:NAME): pick another" \
+            in lines[0], r.stderr
 
 
 def test_plugins_lists_the_plugin_and_its_hook(store, tmp_path):
