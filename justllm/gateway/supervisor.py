@@ -34,6 +34,7 @@ from justllm.gateway.routing import (
     make_router,
 )
 from justllm.gateway.runner import RunnerProcess
+from justllm.models.gguf import read_gguf_header
 from justllm.tui.metrics import parse as parse_metrics
 
 log = logging.getLogger(__name__)
@@ -352,19 +353,23 @@ class Supervisor:
 
     async def _estimate(self, state: ModelState) -> None:
         """With max-memory: the runner's estimated memory, once (a model that can never fit
-        is refused at once rather than waited for)."""
+        is refused at once rather than waited for). Without it, a source that is a file here
+        has its GGUF header read: a file its runner would refuse fails its model before an
+        idle one is evicted for it (a broken model unloaded a working one under max-loaded,
+        at every retry)."""
         limit = self.config.max_memory
-        if not limit:
-            return
-        if not state.memory:
-            try:
+        try:
+            if not limit:
+                await asyncio.to_thread(_check_local_file, state.spec.source)
+                return
+            if not state.memory:
                 state.memory = await asyncio.to_thread(runner_memory, state.spec,
                                                      self.config.model_sources)
-            except (JustLLMError, OSError, ValueError) as e:
-                state.status, state.error = "failed", str(e)
-                state.failures = policy.MAX_FAILURES
-                raise ModelUnavailable(f"model '{state.spec.name}' failed to load: {e}",
-                                       code="model_failed") from None
+        except (JustLLMError, OSError, ValueError) as e:
+            state.status, state.error = "failed", str(e)
+            state.failures = policy.MAX_FAILURES
+            raise ModelUnavailable(f"model '{state.spec.name}' failed to load: {e}",
+                                   code="model_failed") from None
         need = state.memory * state.spec.replicas
         if need > limit:
             raise ModelUnavailable(
@@ -821,3 +826,11 @@ def remote_key(config: GatewayConfig, url: str) -> str | None:
                 url == u or url.startswith(u + "/") for u in spec.urls):
             return spec.url_api_key
     return None
+
+
+def _check_local_file(source: str) -> None:
+    """Raise as the runner would for a source that is a file here and no GGUF model (a
+    truncated or foreign file); a registry name or a hub repo is the runner's to resolve."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        read_gguf_header(path, vocabulary=False)

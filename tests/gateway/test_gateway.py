@@ -244,6 +244,10 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         gw.wait_status("beta", "unloaded", timeout=30)
 
         # A model that cannot load: a clear 503 naming the problem; the others keep serving.
+        # Its file is read before anything is evicted for it: alpha, loaded, stays (under
+        # max-loaded 1 a broken model unloaded it, at every request and retry).
+        assert complete(gw, "alpha").status_code == 200
+        alpha_pid = gw.status()["alpha"]["pid"]
         r = complete(gw, "broken")
         assert r.status_code == 503, r.text
         err = r.json()["error"]
@@ -251,6 +255,10 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert "retry-after" not in r.headers  # it stays failed until POST /models/load
         assert "error:" in err["message"] or "gguf" in err["message"].lower(), err
         assert gw.status()["broken"]["status"] == "failed"
+        assert gw.status()["alpha"]["pid"] == alpha_pid
+        r = httpx.post(gw.url + "/models/load", json={"model": "broken"}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_failed", r.text
+        assert gw.status()["alpha"]["pid"] == alpha_pid
         assert complete(gw, "alpha").status_code == 200
 
         # A body no model could serve is refused before any load, in its API's shape: beta
@@ -302,9 +310,11 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert ps.returncode == 0, ps.stderr
         rows = {line.split()[0]: line for line in ps.stdout.splitlines()[1:] if line.strip()}
         assert "ready" in rows["alpha"] and "failed" in rows["broken"], ps.stdout
-        logs = subprocess.run([sys.executable, "-m", "justllm", "logs", "broken", "-n", "200"],
+        logs = subprocess.run([sys.executable, "-m", "justllm", "logs", "alpha", "-n", "200"],
                               capture_output=True, text=True, env=env, timeout=60)
-        assert logs.returncode == 0 and "error:" in logs.stdout, logs.stdout + logs.stderr
+        assert logs.returncode == 0 and "starting:" in logs.stdout, logs.stdout + logs.stderr
+        # (broken's file was refused before a runner started: its error is in /models)
+        assert "gguf" in gw.status()["broken"]["error"].lower()
         nolog = subprocess.run([sys.executable, "-m", "justllm", "logs", "gamma"],
                                capture_output=True, text=True, env=env, timeout=60)
         assert nolog.returncode == 1 and "no log for model 'gamma'" in nolog.stderr
