@@ -40,6 +40,7 @@ from justllm.models.quantize import (
     check_output_option,
     check_replaceable,
     check_writable,
+    nearest_dir,
     quant_type,
 )
 
@@ -105,6 +106,7 @@ class ConvertJob:
 
     def run(self, progress: Progress | None = None) -> Path:
         report = progress or (lambda _stage, _done, _total: None)
+        made, done = _first_missing(self.dst.parent), False
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
             self.sweep()
@@ -113,8 +115,11 @@ class ConvertJob:
                 os.replace(self.intermediate, self.dst)
             else:
                 self._quantize_to_dst(report)
+            done = True
         finally:
             self.abandon()
+            if made is not None and not done:  # (failed or interrupted: nothing left)
+                _remove_made(self.dst.parent, made)
         return self.dst
 
     def _script_args(self, out: Path) -> list[str]:
@@ -383,10 +388,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
         from justllm.models.registry import Registry
 
         Registry().check_overwritable(dst)
-    if output and not dst.parent.is_dir():
-        raise ValueError(f"the output's directory {dst.parent} does not exist")
-    if dst.parent.is_dir():
-        check_writable(dst.parent)
+    check_writable(nearest_dir(dst.parent))
     estimate = estimate_bytes(model, resolved, quant)
     needs = [(dst.parent, estimate, "the GGUF")]
     if listing is not None:
@@ -414,17 +416,40 @@ def convert_log(dst: Path) -> Path:
 
 
 def output_path(output: str, file: str) -> Path:
-    """Where ``--output`` writes: the path given, or ``file`` in it when it is a folder (one
-    that exists, or a path ending in /, made if need be)."""
+    """Where ``--output`` writes: the path given (in a folder that exists), or ``file`` in it
+    when it is a folder (one that exists, or a path ending in /, which the job makes when it
+    runs and removes again if the conversion fails: it was made here, before the checks, and
+    a refused or failed conversion left it behind)."""
     path = Path(output).expanduser()
     if not (output.endswith(("/", os.sep)) or path.is_dir()):
+        if not path.parent.is_dir():
+            raise ValueError(f"the output's directory {path.parent} does not exist")
         return path
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot make the output's directory {path}: {e.strerror or e}") \
-            from None
+    there = next(d for d in (path, *path.parents) if d.exists() or d == d.parent)
+    if not there.is_dir():
+        raise ValueError(f"cannot make the output's directory {path}: {there} is a file")
     return path / file
+
+
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost folder of ``directory``'s path that does not exist yet (None: it does)."""
+    missing = None
+    for d in (directory, *directory.parents):
+        if d.exists():
+            return missing
+        missing = d
+    return missing
+
+
+def _remove_made(directory: Path, made: Path) -> None:
+    """Remove ``directory`` and its parents up to ``made``, those that are empty."""
+    for d in (directory, *directory.parents):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        if d == made:
+            return
 
 
 def converted_here(dst: Path, repo: str | None, commit: str | None,

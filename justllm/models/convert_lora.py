@@ -31,7 +31,12 @@ from justllm.models.convert import (
 )
 from justllm.models.converter import check_extra
 from justllm.models.hf_model import HFModel, read_config, side_files
-from justllm.models.quantize import check_output_option, check_replaceable, check_writable
+from justllm.models.quantize import (
+    check_output_option,
+    check_replaceable,
+    check_writable,
+    nearest_dir,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -118,9 +123,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
-    if not dst.parent.is_dir():
-        raise ValueError(f"the output's directory {dst.parent} does not exist")
-    check_writable(dst.parent)
+    check_writable(nearest_dir(dst.parent))
     size = sum((adapter_dir / w).stat().st_size for w in ADAPTER_WEIGHTS
                if (adapter_dir / w).is_file())
     estimate = int(size * (2 if kind == "f32" else 1.2)) + 1_000_000

@@ -294,7 +294,7 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     if not make_dir and not dst.parent.is_dir():
         raise ValueError(f"the output's directory {dst.parent} does not exist")
     # (the folder to make: where it would go, or the disk space check blamed /proc's 0 MB)
-    check_writable(_nearest_dir(dst.parent))
+    check_writable(nearest_dir(dst.parent))
     file_type = header.integer("general.file_type")
     if file_type is not None and file_type not in _FLOAT_FILE_TYPES and not allow_requantize:
         raise ValueError(f"{src.name} is quantized already ({quantization_name(file_type)}); "
@@ -346,14 +346,14 @@ def check_writable(directory: Path) -> None:
     probe.unlink(missing_ok=True)
 
 
-def _nearest_dir(directory: Path) -> Path:
+def nearest_dir(directory: Path) -> Path:
     """``directory``, or the nearest of its parents that exists (where it would be made)."""
     return next((d for d in (directory, *directory.parents) if d.is_dir()), Path.cwd())
 
 
 def _free_bytes(directory: Path) -> int:
     """Free space where ``directory`` is, or would be (its nearest existing folder)."""
-    return shutil.disk_usage(_nearest_dir(directory)).free
+    return shutil.disk_usage(nearest_dir(directory)).free
 
 
 def _mb(n: int) -> str:

@@ -215,7 +215,8 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
             "busy": {"urls": [overloaded]}, "gone": {"urls": [dead_url]},
             # the same server under another name, with no api-key
             "locked": {"urls": [f"http://localhost:{port}"]}})
-        wait_for("the local replica", lambda: replicas(gw, "demo")["0"]["status"] == "ready")
+        wait_for("the local replica",  # (listed once the preload starts it)
+                 lambda: replicas(gw, "demo").get("0", {}).get("status") == "ready")
         served = []
         for i in range(8):
             r = httpx.post(gw.url + "/v1/completions", timeout=120, json={

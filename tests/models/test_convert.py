@@ -222,6 +222,23 @@ def test_what_would_fail_later_is_refused_before_any_work(tiny: Path, models: Pa
         conv.prepare(str(tiny), revision="v2")
     job = conv.prepare(str(tiny), output=str(tmp_path / "new" / "dir") + "/")
     assert job.dst == tmp_path / "new" / "dir" / "tiny-llama-f16.gguf"
+    # made when the job runs, and gone again when it fails (prepare made it: a refused or
+    # failed conversion left an empty folder behind)
+    assert not (tmp_path / "new").exists()
+
+    def fails(out: Path, report) -> None:
+        assert out.parent.is_dir()
+        raise ModelLoadError("llama.cpp's converter failed: exit code 1")
+
+    job._convert = fails  # type: ignore[method-assign]
+    with pytest.raises(ModelLoadError):
+        job.run()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot make the output's directory .*: .* is a file"):
+        conv.prepare(str(tiny), output=str(tmp_path / "file" / "sub") + "/")
+    with pytest.raises(ValueError, match="the output's directory .*nowhere does not exist"):
+        conv.prepare(str(tiny), output=str(tmp_path / "nowhere" / "x.gguf"))
     assert conv.prepare(str(tiny), output=str(tmp_path)).dst == tmp_path / "tiny-llama-f16.gguf"
     # /proc takes no files, even from root (whom a read-only mode does not stop)
     with pytest.raises(ValueError, match="cannot write to /proc: "):
