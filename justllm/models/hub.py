@@ -183,12 +183,45 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
             console.print(f"{repo}:{file} ({revision} @ {commit[:12]}) is already here: {local}",
                           highlight=False, soft_wrap=True)
             return Download(repo, file, commit, local, sha, reused=True)
+        if meta.size:
+            _check_room(root, meta.size, f"{repo}:{file}")
         console.print(f"pulling {repo}:{file} ({revision} @ {commit[:12]})", highlight=False,
                       soft_wrap=True)
-        got = Path(hf_hub_download(repo, file, revision=commit,
-                                   local_dir=revision_dir(root, repo, commit),
-                                   force_download=force, endpoint=endpoint))
+        with _hub_quiet():
+            got = Path(hf_hub_download(repo, file, revision=commit,
+                                       local_dir=revision_dir(root, repo, commit),
+                                       force_download=force, endpoint=endpoint))
     return Download(repo, file, commit, got, sha, reused=False)
+
+
+@contextlib.contextmanager
+def _hub_quiet() -> Iterator[None]:
+    """The hub library's own retry notes (five "Error while downloading ... Trying to resume
+    download..." lines when a server goes away mid-file) and disk-space warnings (each with
+    its source line) kept off the terminal: a failed pull is the one error line that
+    ``hub_errors`` makes of it."""
+    import logging
+    import warnings
+
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hub_log.setLevel(level)
+
+
+def _check_room(root: Path, size: int, what: str) -> None:
+    """ModelLoadError when the models directory's disk cannot hold a ``size``-byte file
+    (quantize and convert check before they write; a pull failed once the disk was full)."""
+    where = next((d for d in (root, *root.parents) if d.is_dir()), Path.cwd())
+    free = shutil.disk_usage(where).free
+    if size > free:
+        raise ModelLoadError(f"not enough disk space in {where} for {what}: it is "
+                             f"{size / 1e6:.0f} MB, {free / 1e6:.0f} MB free")
 
 
 def remove_download(path: Path, root: Path) -> None:

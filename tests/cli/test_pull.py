@@ -402,3 +402,20 @@ def test_pull_convert_again_is_already_here_unless_the_file_is_another(
     line = _error_line(runner.invoke(app, args))
     assert line == f"error: {out} already exists (--force overwrites it)"
     assert out.read_bytes() == GGUF
+
+
+def test_a_file_larger_than_the_free_disk_is_refused_before_its_download(
+        hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It failed once the disk was full, after the hub library's warnings (two lines each);
+    quantize and convert check first."""
+    import collections
+
+    import justllm.models.hub as hub_module
+
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(hub_module.shutil, "disk_usage", lambda _p: usage(10**9, 10**9, 10))
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]))
+    assert "not enough disk space in " in line and "for acme/tiny-GGUF:tiny-Q8_0.gguf" in line
+    assert hub.gets("/tiny-Q8_0.gguf") == 0
+    assert ModelStore(_models(tmp_path)).paths() == []
