@@ -623,7 +623,8 @@ class Supervisor:
                 runner.kill_now()
                 return
             replica.status, replica.failures = "ready", 0
-            log.info("model %s replica %s is back", state.spec.name, replica.id)
+            log.info("model %s replica %s %s", state.spec.name, replica.id,
+                     "is back" if old is not None else "is up")  # (a new one was "back")
             return
 
     def _scale(self, state: ModelState, now: float) -> None:
