@@ -98,9 +98,10 @@ def block_mismatches(scheduler: Scheduler) -> list[str]:
                 for r in scheduler.waiting if r.block_ids]
     held = sum(len(r.block_ids) for r in scheduler.running)
     held += cache.num_blocks if cache is not None else 0
-    if pool.usage().used != held:
-        problems.append(f"{pool.usage().used} KV blocks used, {held} held by the running "
-                        "requests and the prefix cache")
+    used = pool.usage().used
+    if used != held:
+        problems.append(f"{used} KV blocks used, {held} held by the running requests and the "
+                        "prefix cache")
     return problems
 
 

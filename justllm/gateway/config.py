@@ -364,8 +364,8 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if name != name.strip() or not name.isprintable():  # (a newline broke `justllm ps`)
         raise ValueError(f"model name {name!r} has spaces at an end or a control character")
     if "@" in name:  # (x@1 shared its log file with replica 1 of x)
-        raise ValueError(f"model name {name!r}: '@' marks a replica (justllm logs MODEL@N); "
-                         "name the model without it")
+        raise ValueError(f"model name {name!r}: '@' marks a replica in a log file's name "
+                         "(MODEL@1.log); name the model without it")
     if isinstance(entry, str):
         entry = {"source": entry}
     if isinstance(entry, dict) and "source" not in entry and (entry.get("urls") and not entry.get("replicas") or _PD_KEYS & entry.keys()):

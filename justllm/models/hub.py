@@ -217,7 +217,9 @@ def _hub_quiet() -> Iterator[None]:
 def _check_room(root: Path, size: int, what: str) -> None:
     """ModelLoadError when the models directory's disk cannot hold a ``size``-byte file
     (quantize and convert check before they write; a pull failed once the disk was full)."""
-    where = next((d for d in (root, *root.parents) if d.is_dir()), Path.cwd())
+    from justllm.models.quantize import nearest_dir
+
+    where = nearest_dir(root)
     free = shutil.disk_usage(where).free
     if size > free:
         raise ModelLoadError(f"not enough disk space in {where} for {what}: it is "

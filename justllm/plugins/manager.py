@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
@@ -176,30 +176,29 @@ class Plugins:
         the sources' order; None when none knows it. For the commands that look a name up in
         the registry and the models directory themselves (``show``, ``tag``, ``rm``) and must
         not download, as the built-in Hugging Face source would."""
-        from justllm.models.source import BUILTIN_SOURCES
-
-        builtin = {id(source) for source, _ in BUILTIN_SOURCES}
-        for source in self.model_sources():
-            if id(source) not in builtin:
-                found = source.find(ref)
-                if found is not None:
-                    return str(found)
+        for source in self._plugin_sources():
+            found = source.find(ref)
+            if found is not None:
+                return str(found)
         return None
 
     def claims(self, ref: str) -> bool:
         """Whether a plugin's own model source reads ``ref`` as one of its models (it finds
         it, or says why it cannot: ``ollama:foo`` with no such Ollama model)."""
+        for source in self._plugin_sources():
+            try:
+                if source.find(ref) is not None:
+                    return True
+            except (JustLLMError, ValueError):
+                return True
+        return False
+
+    def _plugin_sources(self) -> Iterator[ModelSource]:
+        """The model sources plugins registered (not the built-in ones), in their order."""
         from justllm.models.source import BUILTIN_SOURCES
 
         builtin = {id(source) for source, _ in BUILTIN_SOURCES}
-        for source in self.model_sources():
-            if id(source) not in builtin:
-                try:
-                    if source.find(ref) is not None:
-                        return True
-                except (JustLLMError, ValueError):
-                    return True
-        return False
+        return (source for source in self.model_sources() if id(source) not in builtin)
 
     def served_name(self, model: str | None) -> str | None:
         """The model id ``justllm serve MODEL`` answers to when a source names it (a source's
