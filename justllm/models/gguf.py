@@ -95,6 +95,7 @@ class GGUFHeader:
     tensor_count: int
     data_end: int  # the size the file needs: where the data of its last tensor ends
     array_lengths: dict[str, int] = field(default_factory=dict)  # array keys: their lengths
+    tensor_names: frozenset[str] = frozenset()
 
     @property
     def architecture(self) -> str:
@@ -302,4 +303,5 @@ def _parse(buf: mmap.mmap, vocabulary: bool = True) -> GGUFHeader:
                            f"not a multiple of its block size {block}")
         nbytes = (dims[0] // block * type_size if dims else type_size) * elements
         data_end = max(data_end, data_start + offset + nbytes)
-    return GGUFHeader(version, metadata, tensor_count, data_end, arrays)
+    names = frozenset(name.decode("utf-8", "replace") for name, *_ in tensors)
+    return GGUFHeader(version, metadata, tensor_count, data_end, arrays, names)

@@ -168,23 +168,34 @@ def _imatrix_legacy(p: Path) -> Imatrix:
     data = p.read_bytes()
     pos = 0
 
+    def need(size: int) -> None:  # a length read from a file that is not one: a clear error
+        if size < 0:
+            raise ValueError(f"not GGUF, and as a legacy .dat it has a negative length at "
+                             f"byte {pos - 4}")
+        if pos + size > len(data):
+            raise ValueError(f"not GGUF, and as a legacy .dat it ends early: {pos + size} "
+                             f"bytes needed, the file has {len(data)}")
+
     def take(fmt: str) -> tuple:
         nonlocal pos
+        need(struct.calcsize(fmt))
         out = struct.unpack_from(fmt, data, pos)
         pos += struct.calcsize(fmt)
         return out
 
     (n_entries,) = take("<i")
     if n_entries < 1:
-        raise ValueError("no entries")
+        raise ValueError("not GGUF, and as a legacy .dat it has no entries")
     values = {}
     for _ in range(n_entries):
         (n,) = take("<i")
-        name = data[pos:pos + n].decode()
+        need(n)
+        name = data[pos:pos + n].decode("utf-8", "replace")
         pos += n
         ncall, nval = take("<ii")
         if nval < 1:
             raise ValueError(f"entry {name} has no values")
+        need(4 * nval)
         sums = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float32)
         pos += 4 * nval
         values[name] = sums / ncall if ncall > 0 else sums
@@ -301,6 +312,11 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
                          "quantizing it again loses more quality than quantizing the F16/BF16 "
                          "original. --allow-requantize does it anyway")
     matrix = load_imatrix(imatrix) if imatrix else None
+    if matrix is not None and not matrix.values.keys() & header.tensor_names:
+        # (llama.cpp would only log "did not find weights" for each tensor, and go on without)
+        raise ValueError(f"the importance matrix {matrix.path.name} has none of {src.name}'s "
+                         f"tensors (its {len(matrix.values)} entries name e.g. "
+                         f"{next(iter(matrix.values))}): it was made for another model")
     dry = quantize_model(str(src), str(dst), qtype.ftype, threads=threads,
                          allow_requantize=True, dry_run=True,
                          imatrix=matrix.values if matrix else None)

@@ -111,7 +111,20 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
     existing.write_bytes(b"x")
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)
+    text = tmp_path / "notes.txt"  # (read as the legacy format: a raw struct error)
+    text.write_text("hello\n")
+    negative = tmp_path / "negative.dat"  # (an "offset -363220611 out of range" error)
+    negative.write_bytes(struct.pack("<ii", 1, -5) + bytes(16))
+    foreign = tmp_path / "foreign.dat"  # (quantized without it, saying nothing)
+    write_legacy_imatrix(foreign, {"model.layers.0.q_proj": np.ones(640, dtype=np.float32)})
     cases = [
+        (["Q8_0", "--allow-requantize", "--imatrix", str(text)],
+         "not GGUF, and as a legacy .dat it ends early: 8 bytes needed, the file has 6"),
+        (["Q8_0", "--allow-requantize", "--imatrix", str(negative)],
+         "not GGUF, and as a legacy .dat it has a negative length at byte 4"),
+        (["Q8_0", "--allow-requantize", "--imatrix", str(foreign)],
+         "the importance matrix foreign.dat has none of gemma-3-270m-q4_k_m.gguf's tensors "
+         "(its 1 entries name e.g. model.layers.0.q_proj): it was made for another model"),
         # (the FIFO was replaced by a 291 MB file; as root, /dev/null would have been too)
         (["Q8_0", "--allow-requantize", "-o", str(fifo), "--force"],
          f"--output {fifo} is not a regular file; give the path of a file"),

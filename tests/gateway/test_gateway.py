@@ -131,7 +131,14 @@ def stop(gw: Gateway, sig: int = signal.SIGTERM) -> tuple[int, str]:
         gw.proc.kill()
         rc = -9
     wait_gone(pids)
-    return rc, gw.output()
+    out = gw.output()
+    # pytest shows a test's captured output only when it fails: then the gateway's own log and
+    # the end of each runner's say what it was doing.
+    print(f"--- gateway (exit {rc}):\n{out}")
+    for path in sorted(gw.logs.glob("*.log")) if gw.logs.is_dir() else []:
+        tail = path.read_text(errors="replace").splitlines()[-15:]
+        print(f"--- {path.name} (last lines):", *tail, sep="\n")
+    return rc, out
 
 
 def complete(gw: Gateway, model: str, **extra) -> httpx.Response:
