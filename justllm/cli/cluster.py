@@ -58,6 +58,7 @@ def _cluster() -> ModuleType:
 
 @app.command("deploy")
 def deploy(
+    context: typer.Context,
     config_file: Annotated[str, typer.Argument(help="The models, as router mode's models.yaml: source, engine flags, replicas or min-replicas / max-replicas, target-ongoing, delays, gpus, routing.", metavar="CLUSTER_YAML", show_default=False)],
     host: Annotated[str, typer.Option("--host", help="Address Ray Serve's HTTP proxies bind on every node (0.0.0.0: reachable from other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
@@ -78,7 +79,7 @@ def deploy(
 
         # a spec method a plugin adds is one the replicas (justllm serve) take too
         known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES,
-                      spec_methods=plugins_of(None).spec_methods)
+                      spec_methods=plugins_of(context).spec_methods)
         config = load_config(read_yaml(config_file), known)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key, route_prefix)

@@ -23,6 +23,7 @@ QUANTIZE_HELP = ("Then quantize to this llama.cpp type (Q4_K_M, Q8_0, ...; 'just
 
 
 def convert(
+    context: typer.Context,
     source: Annotated[str, typer.Argument(help="A local Hugging Face model directory (config.json, tokenizer, *.safetensors) or a hub repo id OWNER/NAME; or a PEFT LoRA adapter's (adapter_config.json, adapter_model.safetensors).", show_default=False)],
     outtype: Annotated[str, typer.Option("--outtype", help=OUTTYPE_HELP)] = "auto",
     quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help=QUANTIZE_HELP)] = None,
@@ -44,7 +45,7 @@ def convert(
         from justllm.cli.plugins import check_new_name, plugins_of
         from justllm.models.convert_lora import is_adapter
 
-        check_new_name(plugins_of(None), name)
+        check_new_name(plugins_of(context), name)
 
         if is_adapter(source, revision):
             if quantize or name:

@@ -13,6 +13,7 @@ from justllm.models.hub import pick_gguf, split_ref  # noqa: F401  (re-exported 
 
 
 def pull(
+    context: typer.Context,
     model: Annotated[str, typer.Argument(
         help="REPO or REPO:FILE on the Hugging Face Hub, e.g. "
              "bartowski/Qwen2.5-0.5B-Instruct-GGUF:Qwen2.5-0.5B-Instruct-Q4_K_M.gguf.")],
@@ -31,7 +32,7 @@ def pull(
     with cli_errors():
         from justllm.cli.plugins import check_new_name, plugins_of
 
-        check_new_name(plugins_of(None), tag)
+        check_new_name(plugins_of(context), tag)
         if convert:
             if ":" in model:
                 raise ValueError("--convert takes REPO (a safetensors model), not REPO:FILE")

@@ -345,3 +345,21 @@ def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(model_path):
     reader.stdout.close()  # `| head -c 1`
     err = reader.stderr.read().decode()
     assert reader.wait(timeout=300) == 1 and "Traceback" not in err and "error" not in err, err
+
+
+def test_commands_use_the_plugins_main_loaded(monkeypatch, tmp_path):
+    """pull, convert and cluster deploy check names with the plugins main() loaded (passed as
+    the context's object), not a second load of every plugin."""
+    from justllm.plugins import Plugins
+
+    def no_second_load(*args, **kwargs):
+        raise AssertionError("the plugins were loaded again")
+
+    monkeypatch.setattr("justllm.cli.plugins.load_plugins", no_second_load)
+    config = tmp_path / "cluster.yaml"
+    config.write_text("models: {}\n")
+    for args in (["pull", "acme/x", "--tag", "x", "--outtype", "f16"],
+                 ["convert", str(tmp_path / "missing"), "--name", "x"],
+                 ["cluster", "deploy", str(config)]):
+        r = CliRunner().invoke(app, args, obj=Plugins())
+        assert r.exit_code == 1 and "loaded again" not in repr(r.exception), (args, r.output)

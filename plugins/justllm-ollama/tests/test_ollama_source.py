@@ -292,7 +292,8 @@ def test_show_and_tag_take_an_ollama_name(store, tmp_path):
     # Ollama's model (or failed) where `show` and `rm` read justllm's tag.
     for command in (("tag", str(blob(store)), "ollama:tiny"),
                     ("tag", str(blob(store)), "Ollama:foo"),
-                    ("pull", "acme/x", "--tag", "ollama:foo")):
+                    ("pull", "acme/x", "--tag", "ollama:foo"),
+                    ("convert", "acme/x", "--name", "ollama:foo")):
         r = justllm(tmp_path, *command)
         assert r.returncode == 1
         lines = [line for line in r.stderr.splitlines() if line.strip()]
