@@ -20,7 +20,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,6 +39,8 @@ from justllm.models.quantize import (
     check_output_option,
     check_replaceable,
     check_writable,
+    disk_free,
+    made_folder,
     nearest_dir,
     quant_type,
 )
@@ -106,20 +107,16 @@ class ConvertJob:
 
     def run(self, progress: Progress | None = None) -> Path:
         report = progress or (lambda _stage, _done, _total: None)
-        made, done = _first_missing(self.dst.parent), False
-        try:
-            self.dst.parent.mkdir(parents=True, exist_ok=True)
-            self.sweep()
-            self._convert(self.intermediate, report)
-            if self.quant is None:
-                os.replace(self.intermediate, self.dst)
-            else:
-                self._quantize_to_dst(report)
-            done = True
-        finally:
-            self.abandon()
-            if made is not None and not done:  # (failed or interrupted: nothing left)
-                _remove_made(self.dst.parent, made)
+        with made_folder(self.dst.parent):  # (failed or interrupted: nothing left)
+            try:
+                self.sweep()
+                self._convert(self.intermediate, report)
+                if self.quant is None:
+                    os.replace(self.intermediate, self.dst)
+                else:
+                    self._quantize_to_dst(report)
+            finally:
+                self.abandon()
         return self.dst
 
     def _script_args(self, out: Path) -> list[str]:
@@ -276,19 +273,8 @@ def estimate_bytes(model: HFModel, outtype: str, quant: QuantType | None) -> int
     return int(total * 1.02) + _SLACK
 
 
-def _free_bytes(path: Path) -> int:
-    """Free space where ``path`` is or would be (its nearest existing folder)."""
-    for p in [path, *path.parents]:
-        if p.exists():
-            return shutil.disk_usage(p).free
-    return shutil.disk_usage(Path.cwd()).free
-
-
 def _device(path: Path) -> int:
-    for p in [path, *path.parents]:
-        if p.exists():
-            return p.stat().st_dev
-    return -1
+    return nearest_dir(path).stat().st_dev
 
 
 def _gb(n: float) -> str:
@@ -298,7 +284,7 @@ def _gb(n: float) -> str:
 
 
 def check_space(needs: list[tuple[Path, int, str]],
-                free_bytes: Callable[[Path], int] = _free_bytes) -> None:
+                free_bytes: Callable[[Path], int] = disk_free) -> None:
     """``needs``: (folder, bytes, what for); needs on one filesystem add up."""
     by_device: dict[int, tuple[Path, int, list[str]]] = {}
     for folder, n, what in needs:
@@ -330,7 +316,7 @@ def default_output(model_name: str, type_name: str, repo: str | None,
 def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
             output: str | None = None, name: str | None = None, revision: str = "main",
             force: bool = False, console: Console | None = None,
-            free_bytes: Callable[[Path], int] = _free_bytes) -> ConvertJob:
+            free_bytes: Callable[[Path], int] = disk_free) -> ConvertJob:
     """Check everything and fetch what a conversion of ``source`` (a local model directory or
     a hub repo id) needs; raises ValueError, ModelLoadError or MissingExtraError, one line
     each. A hub repo's weights are downloaded here, last."""
@@ -429,27 +415,6 @@ def output_path(output: str, file: str) -> Path:
     if not there.is_dir():
         raise ValueError(f"cannot make the output's directory {path}: {there} is a file")
     return path / file
-
-
-def _first_missing(directory: Path) -> Path | None:
-    """The outermost folder of ``directory``'s path that does not exist yet (None: it does)."""
-    missing = None
-    for d in (directory, *directory.parents):
-        if d.exists():
-            return missing
-        missing = d
-    return missing
-
-
-def _remove_made(directory: Path, made: Path) -> None:
-    """Remove ``directory`` and its parents up to ``made``, those that are empty."""
-    for d in (directory, *directory.parents):
-        try:
-            d.rmdir()
-        except OSError:
-            return
-        if d == made:
-            return
 
 
 def converted_here(dst: Path, repo: str | None, commit: str | None,

@@ -217,10 +217,9 @@ def _hub_quiet() -> Iterator[None]:
 def _check_room(root: Path, size: int, what: str) -> None:
     """ModelLoadError when the models directory's disk cannot hold a ``size``-byte file
     (quantize and convert check before they write; a pull failed once the disk was full)."""
-    from justllm.models.quantize import nearest_dir
+    from justllm.models.quantize import disk_free, nearest_dir
 
-    where = nearest_dir(root)
-    free = shutil.disk_usage(where).free
+    where, free = nearest_dir(root), disk_free(root)
     if size > free:
         raise ModelLoadError(f"not enough disk space in {where} for {what}: it is "
                              f"{size / 1e6:.0f} MB, {free / 1e6:.0f} MB free")

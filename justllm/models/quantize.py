@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,29 +235,21 @@ class QuantizeJob:
         from justllm.engine.backend import quantize_model
 
         tmp = self.partial
-        self.sweep()
-        if self.make_dir:
+        with made_folder(self.dst.parent) if self.make_dir else contextlib.nullcontext():
+            self.sweep()
             try:
-                self.dst.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ModelLoadError(f"cannot make the output's directory {self.dst.parent}: "
-                                     f"{e.strerror or e}") from None
-        try:
-            quantize_model(str(self.src), str(tmp), self.qtype.ftype, threads=self.threads,
-                           allow_requantize=self.allow_requantize,
-                           imatrix=self.imatrix.values if self.imatrix else None,
-                           metadata=_imatrix_metadata(self.imatrix), progress=progress)
-            os.replace(tmp, self.dst)
-        except BaseException:
-            self.abandon()
-            raise
+                quantize_model(str(self.src), str(tmp), self.qtype.ftype,
+                               threads=self.threads, allow_requantize=self.allow_requantize,
+                               imatrix=self.imatrix.values if self.imatrix else None,
+                               metadata=_imatrix_metadata(self.imatrix), progress=progress)
+                os.replace(tmp, self.dst)
+            except BaseException:
+                self.abandon()
+                raise
         return self.dst
 
     def abandon(self) -> None:
         self.partial.unlink(missing_ok=True)
-        if self.make_dir and not self.dst.exists():
-            with contextlib.suppress(OSError):  # only when empty: nothing but what run() made
-                self.dst.parent.rmdir()
 
 
 def _imatrix_metadata(imatrix: Imatrix | None) -> dict[str, str | int] | None:
@@ -326,7 +318,7 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
                          "low-bit tensors come out as garbage")
     # The tensors' new size, plus what the source has besides its tensors (metadata, vocab).
     estimate = dry.quant_bytes + max(0, src.stat().st_size - dry.model_bytes)
-    free = (free_bytes or _free_bytes)(dst.parent)
+    free = (free_bytes or disk_free)(dst.parent)
     if free < estimate + _DISK_SLACK:
         raise ValueError(f"not enough disk space in {dst.parent}: the output needs about "
                          f"{_mb(estimate + _DISK_SLACK)} ({_mb(estimate)} estimated plus "
@@ -367,7 +359,31 @@ def nearest_dir(directory: Path) -> Path:
     return next((d for d in (directory, *directory.parents) if d.is_dir()), Path.cwd())
 
 
-def _free_bytes(directory: Path) -> int:
+@contextlib.contextmanager
+def made_folder(directory: Path) -> Iterator[None]:
+    """``directory`` made, with any missing parents, for the body to write into; when the
+    body fails or is interrupted, the folders made here are removed again, those left empty
+    (``-o new/dir/`` leaves nothing behind)."""
+    made = next((d for d in reversed((directory, *directory.parents)) if not d.exists()), None)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"cannot make the output's directory {directory}: "
+                             f"{e.strerror or e}") from None
+    try:
+        yield
+    except BaseException:
+        for d in (directory, *directory.parents) if made is not None else ():
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            if d == made:
+                break
+        raise
+
+
+def disk_free(directory: Path) -> int:
     """Free space where ``directory`` is, or would be (its nearest existing folder)."""
     return shutil.disk_usage(nearest_dir(directory)).free
 

@@ -160,7 +160,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
         runner.invoke(app, ["quantize", str(adapter), "Q8_0"]))
     r = runner.invoke(app, ["quantize", model_path])
     assert "give MODEL and TYPE" in error_line(r)
-    monkeypatch.setattr("justllm.models.quantize._free_bytes", lambda d: 50_000_000)
+    monkeypatch.setattr("justllm.models.quantize.disk_free", lambda d: 50_000_000)
     r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize"])
     assert "not enough disk space" in error_line(r) and "50 MB free" in r.stderr
     assert files(models_dir) == [] and existing.read_bytes() == b"x"
@@ -186,6 +186,11 @@ def test_a_failed_run_leaves_no_partial_file(model_path, models_dir, tmp_path):
                             str(bad)])
     assert "imatrix size 7 is different from tensor size 640" in error_line(r)
     assert files(models_dir) == []
+    # -o into folders made for it: all of them removed again (it left new/ behind)
+    r = runner.invoke(app, ["quantize", model_path, "Q4_0", "--allow-requantize", "--imatrix",
+                            str(bad), "-o", f"{tmp_path / 'new' / 'dir'}/"])
+    assert "imatrix size 7 is different" in error_line(r)
+    assert not (tmp_path / "new").exists()
 
 
 def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_path):
@@ -262,15 +267,15 @@ def test_output_directory_and_the_disk_space_it_needs(model_path, models_dir, tm
     the margin it also keeps free."""
     import justllm.models.quantize as quantize_module
 
-    real = quantize_module._free_bytes
-    monkeypatch.setattr(quantize_module, "_free_bytes", lambda d: 1_000_000)
+    real = quantize_module.disk_free
+    monkeypatch.setattr(quantize_module, "disk_free", lambda d: 1_000_000)
     r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize", "-o",
                             f"{tmp_path / 'newdir'}/"])
     line = error_line(r)
     assert f"not enough disk space in {tmp_path / 'newdir'}: the output needs about " in line
     assert " MB estimated plus 17 MB kept free), 1 MB free" in line
     assert not (tmp_path / "newdir").exists()
-    monkeypatch.setattr(quantize_module, "_free_bytes", real)
+    monkeypatch.setattr(quantize_module, "disk_free", real)
     for output in (f"{tmp_path / 'newdir'}/", str(tmp_path / "newdir")):
         r = runner.invoke(app, ["quantize", model_path, "Q8_0", "--allow-requantize", "--force",
                                 "-o", output])
