@@ -593,13 +593,22 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
     if not paths:
         raise ValueError(f"no .gguf files in {directory}")
     newest: dict[str, Path] = {}  # one model per name: two revisions of a file -> the newer
+    parts: dict[str, Path] = {}  # a later part of a split model, by its model's name
     for p in paths:
         split = _SPLIT.match(p.stem)
         if split and int(split.group(2)) != 1:
-            continue  # a later part of a split model
+            parts.setdefault(split.group(1), p)  # (llama.cpp loads the first part)
+            continue
         name = split.group(1) if split else p.stem
         if name not in newest or p.stat().st_mtime > newest[name].stat().st_mtime:
             newest[name] = p
+    orphans = [f"{p.name} is a later part of a split model whose first part "
+               f"({name}-00001-of-...) is not there" for name, p in parts.items()
+               if name not in newest]
+    if not newest:
+        raise ValueError(f"no model in {directory}: {'; '.join(orphans)}")
+    for line in orphans:
+        log.warning("--models-dir: %s: left out", line)
     return GatewayConfig(tuple(model_spec(name, str(p), flags)
                                for name, p in sorted(newest.items())))
 

@@ -311,6 +311,20 @@ def test_models_dir_names_models_by_file_stem(tmp_path, caplog):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .gguf"):
         directory_config(str(tmp_path / "empty"), FLAGS)
+    # A split model's later parts without its first: left out, and said (it was silent, and
+    # alone it was "the gateway needs at least one model").
+    (tmp_path / "sub" / "big-00001-of-00003.gguf").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="justllm.gateway.config"):
+        cfg = directory_config(str(tmp_path), FLAGS)
+    assert "big" not in [m.name for m in cfg.models]
+    assert "big-00002-of-00003.gguf is a later part of a split model whose first part " \
+        "(big-00001-of-...) is not there: left out" in caplog.text
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "x-00002-of-00002.gguf").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"no model in .*parts: x-00002-of-00002.gguf is a "
+                                         r"later part of a split model"):
+        directory_config(str(tmp_path / "parts"), FLAGS)
 
 
 def test_models_on_the_command_line_are_named_by_stem_or_ref():
