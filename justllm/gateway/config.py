@@ -201,6 +201,14 @@ class GatewayConfig:
                            "health-timeout must be >= 1 second")):
             if bad:
                 raise ValueError(rule)
+        # (models served by urls alone hold no place under max-loaded)
+        preloads = [m.name + (" (min-replicas >= 1)" if m.autoscale and
+                              m.autoscale.min_replicas else "") for m in self.models if m.preload and (m.replicas or m.scaled_pools)]
+        if 0 < self.max_loaded < len(preloads):
+            raise ValueError(f"{len(preloads)} models preload ({', '.join(preloads)}) but "
+                             f"max-loaded is {self.max_loaded}: they would unload one another "
+                             f"as the gateway starts; preload at most {self.max_loaded}, or "
+                             "raise max-loaded")
 
     def spec(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)

@@ -98,6 +98,15 @@ def test_bad_keep_alive(value):
         keep_alive_seconds(value)
 
 
+def test_preloads_up_to_max_loaded_and_remote_ones_besides():
+    cfg = load_config({"max-loaded": 1, "models": {
+        "a": {"source": "/a", "preload": True},
+        "far": {"source": "/f", "preload": True, "urls": ["http://10.0.0.7:8080"],
+                "replicas": 0},
+        "b": "/b"}}, FLAGS)
+    assert [m.name for m in cfg.models if m.preload] == ["a", "far"]
+
+
 def test_config_from_yaml_data():
     cfg = load_config({"max-loaded": 1, "models": {
         "chat": {"source": "/m.gguf", "aliases": ["gpt-4o-mini"], "ttl": 5, "max-seqs": 4,
@@ -140,6 +149,11 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
     ({"models": {"a": "/a"}, "max-models": 2}, "unknown key(s) max-models"),
     # each rule alone (one line said all five whichever was broken)
     ({"models": {"a": "/a"}, "max-loaded": -1}, "max-loaded must be >= 0"),
+    # (the preloads unloaded one another at start, the last one left)
+    ({"max-loaded": 1, "models": {"a": {"source": "/a", "preload": True},
+                                  "b": {"source": "/b", "min-replicas": 1, "max-replicas": 2}}},
+     "2 models preload (a, b (min-replicas >= 1)) but max-loaded is 1: they would unload one "
+     "another as the gateway starts; preload at most 1, or raise max-loaded"),
     ({"models": {"a": "/a"}, "load-timeout": 0}, "load-timeout must be > 0 seconds"),
     ({"models": {"a": "/a"}, "health-timeout": 0}, "health-timeout must be >= 1 second"),
     ([1, 2], "must be a mapping"),
