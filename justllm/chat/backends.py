@@ -177,18 +177,36 @@ def refusal(status: int, body: bytes) -> JustLLMError:
     """The error for a non-200 answer: ContextFull for a 400 about the context length (this
     server's says so with ``param`` prompt or max_tokens; OpenAI's has the code
     context_length_exceeded), else one line with the server's message."""
-    msg = body.decode("utf-8", "replace")
-    error: dict = {}
-    try:
-        error = json.loads(msg)["error"]
-        msg = error["message"]
-    except (ValueError, KeyError, TypeError):
-        pass
+    msg, error = _error_of(body)
     if status == 400 and isinstance(error, dict) and (
             error.get("code") == "context_length_exceeded"
+            or error.get("type") == "exceed_context_size_error"  # llama-server's
+            or "maximum context length" in str(msg)  # vLLM's (param null), OpenAI's
             or about_context(error.get("param"), str(msg))):
         return ContextFull(f"the server answered {status}: {msg}")
     return JustLLMError(f"the server answered {status}: {msg}")
+
+
+def _error_of(body: bytes) -> tuple[str, dict]:
+    """An error answer's message (OpenAI's ``error.message``, else the body as text) and its
+    ``error`` object ({} without one)."""
+    msg = body.decode("utf-8", "replace").strip()
+    try:
+        error = json.loads(msg)["error"]
+        if isinstance(error, str):  # (Ollama's shape)
+            return error, {}
+        return str(error["message"]), error if isinstance(error, dict) else {}
+    except (ValueError, KeyError, TypeError):
+        return msg[:300], {}
+
+
+def sse_data(line: str) -> str:
+    """A server-sent event line's data (``data:`` then one optional space, as the SSE spec
+    reads it); "" for any other line."""
+    if not line.startswith("data:"):
+        return ""
+    data = line[5:]
+    return data[1:] if data.startswith(" ") else data
 
 
 def _choices(data: dict) -> list[dict]:
@@ -238,7 +256,9 @@ class RemoteChat:
         except httpx.HTTPError as e:
             raise JustLLMError(f"cannot reach {self.url}: {e}") from None
         if r.status_code != 200:
-            raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}")
+            hint = " (--api-key, or JUSTLLM_API_KEY?)" if r.status_code == 401 else ""
+            raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}: "
+                               f"{_error_of(r.content)[0]}{hint}")
         try:
             self.listed = [str(m["id"]) for m in r.json()["data"]]
         except (ValueError, LookupError, TypeError):
@@ -272,9 +292,12 @@ class RemoteChat:
                 if r.status_code != 200:
                     raise refusal(r.status_code, r.read())
                 for line in r.iter_lines():
-                    if not line.startswith("data: {"):
+                    payload = sse_data(line)
+                    if payload == "[DONE]":  # the end, even from a server that sends no usage
+                        self.last = replace(self.last, complete=True)
+                    if not payload.startswith("{"):
                         continue
-                    data = json.loads(line[6:])
+                    data = json.loads(payload)
                     if data.get("error") is not None:
                         # The server failed mid-answer (justllm's own sends this event, as
                         # OpenAI's does): a failed turn, not an answer cut short.

@@ -47,6 +47,7 @@ class ChatSession:
         self.history: list[dict] = []
         self.read = read
         self.out = out
+        self._left_out = 0  # messages the answer being streamed was asked without
 
     def messages(self, skip: int = 0) -> list[dict]:
         """The system message and the conversation without its first ``skip`` messages."""
@@ -183,11 +184,12 @@ class ChatSession:
         except KeyboardInterrupt:
             self._say("\n(stopped)")
         except JustLLMError as e:
-            self.history.pop()
+            self.history.pop()  # (and the exchanges it was asked without are kept)
             self._say(("\n" if answer else "") + f"error: {e}")  # after a partial answer
             return
         finally:
             pieces.close()  # aborts an answer still running, at once
+        del self.history[:self._left_out]  # answered (or stopped) without them: forgotten
         said: dict = {"role": "assistant", "content": "".join(answer)}
         if thoughts:  # the template decides whether the next prompt shows it
             said["reasoning_content"] = "".join(thoughts)
@@ -200,9 +202,10 @@ class ChatSession:
         out and the request asked again. Asking is the one check that works for both backends,
         and for any server, without a tokenizer here; a refusal costs the engine or server
         one tokenization.
-        Exchanges left out are forgotten once the answer starts (and said, once); if even the
-        new message alone does not fit, the ContextFull goes up and the history stays whole."""
-        skip = 0
+        Exchanges left out are said once the answer starts, and forgotten once it ends or is
+        stopped (a failure mid-answer keeps them); if even the new message alone does not
+        fit, the ContextFull goes up and the history stays whole."""
+        skip = self._left_out = 0
         while True:
             pieces = self.backend.stream(self.messages(skip), self.options)
             try:
@@ -214,7 +217,7 @@ class ChatSession:
                 skip += 2
         with closing(pieces):
             if skip:
-                del self.history[:skip]
+                self._left_out = skip
                 n = skip // 2
                 which = "oldest exchange" if n == 1 else f"{n} oldest exchanges"
                 self._note(f"(left out the {which} of the conversation to fit the model's "

@@ -345,6 +345,15 @@ def test_an_openai_context_length_refusal_is_recognised():
               b' "type": "invalid_request_error", "param": "messages",'
               b' "code": "context_length_exceeded"}}')
     assert isinstance(refusal(400, openai), ContextFull)
+    # llama-server's and vLLM's refusals (vLLM's with param null): the chat stayed stuck
+    llama_server = (b'{"error": {"code": 400, "message": "request (9000 tokens) exceeds the '
+                    b'available context size (8192 tokens)", "type": '
+                    b'"exceed_context_size_error"}}')
+    vllm = (b'{"error": {"message": "This model\'s maximum context length is 2048 tokens. '
+            b'However, you requested 3000 tokens.", "type": "BadRequestError", "param": null, '
+            b'"code": 400}}')
+    assert isinstance(refusal(400, llama_server), ContextFull)
+    assert isinstance(refusal(400, vllm), ContextFull)
     other = b'{"error": {"message": "top_p must be a number in (0, 1]", "param": "top_p"}}'
     e = refusal(400, other)
     assert not isinstance(e, ContextFull)
@@ -569,6 +578,74 @@ def test_an_error_event_in_the_stream_fails_the_turn(tmp_path):
                            env={**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.count("error: ") == 1 and "KV cache exhausted" in r.stdout, r.stdout
+
+
+def test_data_lines_without_a_space_and_streams_without_usage_are_read():
+    """``data:{...}`` (the SSE spec allows no space) was skipped: an empty answer, kept in
+    the history, no error; without usage, /stats said the finished answer did not finish."""
+    raw = b"".join(f"data:{json.dumps(e)}\n\n".encode() for e in (said("He"), said("llo")))
+    with fake_openai(["m"], [raw + b"data:[DONE]\n\n"]) as (url, _):
+        session, out = remote_chat_lines(url, ["hi", "/stats"])
+    assert session.history[-1] == {"role": "assistant", "content": "Hello"}
+    assert "did not finish" not in out and "(no answer yet)" in out, out
+
+
+def test_exchanges_left_out_are_kept_when_the_answer_then_fails():
+    """Left out to fit the context, the oldest exchanges were forgotten as the answer began:
+    when it then failed, the conversation had lost them."""
+    from justllm.chat.backends import AnswerStats, ContextFull
+    from justllm.errors import JustLLMError
+
+    class Small:
+        """Fits two messages; the third answer fails half-way."""
+        last = AnswerStats()
+        answers = 0
+
+        def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
+            if len(messages) > 2:
+                raise ContextFull("too long")
+            Small.answers += 1
+            yield "part"
+            if Small.answers == 2:
+                raise JustLLMError("the connection failed")
+
+    session, out = chat_lines(Small(), ["one", "two", "three"])
+    assert "error: the connection failed" in out
+    # "two" failed: "one" and its answer, left out for it, are still there; "three" then
+    # leaves them out again, and is answered
+    assert [m["content"] for m in session.history] == ["three", "part"]
+    assert out.count("(left out the oldest exchange") == 2
+
+
+def test_a_refused_model_listing_says_why():
+    import http.server
+    import threading
+
+    class Locked(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = b'{"error": {"message": "Invalid API key", "type": "auth"}}'
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    from justllm.chat.backends import RemoteChat
+    from justllm.errors import JustLLMError
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Locked)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        with pytest.raises(JustLLMError) as e:
+            RemoteChat(url)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert str(e.value) == (f"{url}/v1/models answered 401: Invalid API key (--api-key, or "
+                            "JUSTLLM_API_KEY?)")
 
 
 def test_chat_url_takes_model_as_the_servers_model_to_ask_for(tmp_path):
