@@ -12,7 +12,7 @@ from justllm.cli.errors import cli_errors
 
 def top(
     url: Annotated[str, typer.Option("--url", help="The server or gateway to watch (its /metrics is polled).")] = "http://127.0.0.1:8080",
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.", min=0.05)] = 1.0,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between polls (at most an hour).", min=0.05, max=3600)] = 1.0,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Sent as 'Authorization: Bearer KEY'.")] = None,
 ) -> None:
     """Watch a running server: requests, KV blocks, prefix-cache hit ratio, tokens/s, TTFT (q or Ctrl-C quits, p pauses); a gateway adds a row per model (enter shows one, a all)."""

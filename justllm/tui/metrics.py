@@ -78,6 +78,9 @@ class Snapshot:
     waiting_for_load: float | None = None  # requests the gateway holds until a model loads
     # per model, from a gateway: replicas in the rotation by role (both, prefill, decode)
     replicas_up: tuple[tuple[str, int], ...] = ()
+    # (model, replica) of each runner whose token counter is in the sums: a replica that a
+    # gateway's page leaves out for a poll makes the sum another counter
+    counted: frozenset[tuple[str, str]] = frozenset()
     gateway: bool = False
     per_model: Mapping[str, Snapshot] = field(
         default_factory=lambda: MappingProxyType({}), hash=False, repr=False)
@@ -113,8 +116,13 @@ class _Series:
         self.sums: dict[str, float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
         self.buckets: dict[float, float] = defaultdict(float)
+        self.counted: set[tuple[str, str]] = set()  # (model, replica) of the token counters
 
     def add(self, name: str, labels: Mapping[str, str], value: float) -> None:
+        if not math.isfinite(value):  # (a NaN gauge: no reading, not a number to draw)
+            return
+        if name == GENERATION_TOKENS:
+            self.counted.add((labels.get("model_name", ""), labels.get("replica", "")))
         if name == TTFT + "_bucket":
             self.buckets[float(labels["le"])] += value
         else:
@@ -142,7 +150,8 @@ class _Series:
             time=at, running=get(RUNNING), waiting=get(WAITING), kv_used=get(KV_USED),
             kv_total=get(KV_TOTAL), cache_blocks=get(CACHE_BLOCKS), hit_ratio=ratio, hits=hits,
             misses=misses, generation_tokens=get(GENERATION_TOKENS),
-            spec_accepted=get(SPEC_ACCEPTED), spec_draft=get(SPEC_DRAFT), ttft=ttft, **extra)
+            spec_accepted=get(SPEC_ACCEPTED), spec_draft=get(SPEC_DRAFT), ttft=ttft,
+            counted=frozenset(self.counted), **extra)
 
 
 def parse(text: str, at: float = 0.0) -> Snapshot:
@@ -222,14 +231,16 @@ def rate(prev: Snapshot | None, cur: Snapshot, name: str = "generation_tokens") 
     missing on either side, no elapsed time, a counter that went down (the server restarted:
     unlike Prometheus' ``rate``, whose new value is not counted as the increase, since it holds
     everything generated before the dashboard saw it) or a changed set of models (the summed
-    series are not the same counter any more). A sum is no counter either once one model's
+    series are not the same counter any more), or of the replicas counted (a gateway leaves a
+    replica slow to answer off one page: counted again, its whole counter looked new). A sum is no counter either once one model's
     counter went down (its runner restarted), even if the others' increase hides it.
     """
     if prev is None:
         return None
     a, b = getattr(prev, name), getattr(cur, name)
     dt = cur.time - prev.time
-    if a is None or b is None or dt <= 0 or b < a or prev.models != cur.models:
+    if a is None or b is None or dt <= 0 or b < a or prev.models != cur.models \
+            or prev.counted != cur.counted:
         return None
     for model, now in cur.per_model.items():
         before = prev.per_model.get(model)

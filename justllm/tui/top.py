@@ -131,7 +131,9 @@ class TopApp(App[None]):
         if interval <= 0:
             raise ValueError("the interval must be > 0 seconds")
         self.url = url.rstrip("/")
-        self.metrics_url = self.url if self.url.endswith("/metrics") else self.url + "/metrics"
+        # (an OpenAI client's base URL, .../v1, as chat and bench take it: /v1/metrics is 404)
+        self.metrics_url = (self.url if self.url.endswith("/metrics")
+                            else self.url.removesuffix("/v1") + "/metrics")
         self.interval = interval
         self.api_key = api_key
         self.history = history
@@ -420,6 +422,6 @@ class TopApp(App[None]):
         state = {True: "loaded", False: "unloaded", None: "-"}[m.loaded]
         numbers = (_num(m.running), _num(m.waiting), _percent(m.kv_usage), _percent(m.hit_ratio),
                    tok_s)
-        return (mark + _cut(name, MODEL_COLUMNS[0][2] - 2),
+        return (Text(mark + _cut(name, MODEL_COLUMNS[0][2] - 2)),  # (a str is read as markup)
                 Text(state, style="" if m.loaded else "dim"), _replicas(m),
                 *(Text(n, justify="right") for n in numbers))

@@ -255,3 +255,25 @@ def test_a_rate_per_model_follows_the_same_baseline_rules():
     assert rate(parse(GATEWAY_PAGE, at=10.0), d) is None
     assert rate(a.per_model["coder"], d.per_model["coder"]) == 0.0
     assert rate(a.per_model["embed"], d.per_model["embed"]) is None
+
+
+def test_a_replica_left_off_one_page_is_no_spike():
+    """A gateway leaves a replica slow to answer off one page: the model's sum dipped (a new
+    baseline), then the replica came back and its whole counter counted as new tokens."""
+    def page(*counts: float | None) -> str:
+        return "# TYPE vllm:generation_tokens counter\n" + "".join(
+            f'vllm:generation_tokens_total{{model_name="m",replica="{i}"}} {c}\n'
+            for i, c in enumerate(counts) if c is not None)
+
+    a, b, c = parse(page(110, 50010), at=1.0), parse(page(120, None), at=2.0), \
+        parse(page(130, 50030), at=3.0)
+    assert rate(a, b) is None and rate(b, c) is None  # (it read 50030 tok/s)
+    assert rate(a.per_model["m"], b.per_model["m"]) is None
+    assert rate(c, parse(page(140, 50070), at=4.0)) == 50.0
+
+
+def test_a_nan_gauge_is_no_reading():
+    """top crashed drawing the KV bar: cannot convert float NaN to integer."""
+    s = parse(PAGE.replace("justllm_kv_blocks_total{" + M + "} 128.0",
+                           "justllm_kv_blocks_total{" + M + "} NaN"))
+    assert s.kv_total is None and s.kv_usage is None and s.running == 2.0

@@ -411,3 +411,30 @@ async def _unloaded(stub: StubMetrics) -> None:
         assert _text(app, "#tok-rate") == "-"
         await pilot.press("q")
     assert app.return_code == 0
+
+
+def test_odd_model_names_nan_gauges_and_a_v1_url():
+    """A model named like Rich markup crashed the table (MarkupError); a NaN KV gauge crashed
+    the bar; --url .../v1 (an OpenAI client's base URL) polled /v1/metrics, a 404."""
+    page = ('# TYPE justllm_gateway_model_loaded gauge\n'
+            'justllm_gateway_model_loaded{model_name="org/m[/x]"} 1\n'
+            'vllm:num_requests_running{model_name="org/m[/x]"} 1.0\n'
+            'justllm_kv_blocks_used{model_name="org/m[/x]"} NaN\n'
+            'justllm_kv_blocks_total{model_name="org/m[/x]"} NaN\n')
+    stub = StubMetrics(lambda: page)
+    try:
+        asyncio.run(_odd(stub))
+    finally:
+        stub.close()
+
+
+async def _odd(stub: StubMetrics) -> None:
+    app = TopApp(url=stub.url + "/v1/", interval=30.0)
+    assert app.metrics_url == stub.url + "/metrics"
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _until(pilot, lambda: app.polls == 1 and not app._in_flight)
+        assert list(_rows(app)) == ["org/m[/x]"]
+        assert _rows(app)["org/m[/x]"][0] == "  org/m[/x]"
+        assert _text(app, "#status").startswith("● connected")
+        await pilot.press("q")
+    assert app.return_code == 0
