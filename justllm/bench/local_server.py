@@ -57,20 +57,23 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         # One client for the polls: each new one builds an SSL context (~50 ms of CPU), taken
         # from the server starting beside it.
-        with httpx.Client(timeout=2, trust_env=False) as http:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise JustLLMError(f"the local server failed: "
-                                       f"{_last_line(out) or f'exit {proc.returncode}'}")
-                try:
-                    if http.get(url + "/health").status_code == 200:
-                        return cls(proc, url)
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-        proc.kill()
-        proc.wait()
-        raise JustLLMError(f"the local server did not become ready in {timeout:.0f} s")
+        try:
+            with httpx.Client(timeout=2, trust_env=False) as http:
+                while time.monotonic() < deadline:
+                    if proc.poll() is not None:
+                        raise JustLLMError(f"the local server failed: "
+                                           f"{_last_line(out) or f'exit {proc.returncode}'}")
+                    try:
+                        if http.get(url + "/health").status_code == 200:
+                            return cls(proc, url)
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.1)
+            raise JustLLMError(f"the local server did not become ready in {timeout:.0f} s")
+        except BaseException:  # (Ctrl-C while it loaded left it running)
+            proc.kill()
+            proc.wait()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from justllm.bench.workloads import BenchRequest
+from justllm.core.sse import sse_data
 
 
 @dataclass
@@ -95,11 +96,16 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode('utf-8', 'replace')}"
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                payload = sse_data(line)
+                if not payload or payload == "[DONE]":
                     continue
-                data = json.loads(line[6:])
+                data = json.loads(payload)
+                if not isinstance(data, dict):
+                    raise ValueError(f"a stream event that is no object: {payload[:200]}")
                 if "error" in data:
-                    res.error = str(data["error"].get("message", data["error"]))
+                    error = data["error"]
+                    res.error = str(error.get("message", error) if isinstance(error, dict)
+                                    else error)
                     return res
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
@@ -112,7 +118,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
                         res.itl.append(now - last)
                     last = now
                     chunks += 1
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, ValueError, AttributeError, TypeError) as e:  # (not a stream)
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - t0
@@ -144,9 +150,9 @@ async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: i
 
         t0 = time.perf_counter()
         tasks = []
-        for req in requests:
+        for k, req in enumerate(requests):
             tasks.append(asyncio.create_task(limited(req)))
-            if request_rate:
+            if request_rate and k + 1 < len(requests):  # (none after the last: not timed)
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0

@@ -17,6 +17,7 @@ _WORDS = ("time person year way day thing man world life hand part child eye wom
 # in all than a few hundred MB of text.
 MAX_PROMPT_WORDS = 1 << 20
 MAX_TOTAL_WORDS = 1 << 26
+MAX_REQUESTS = 100_000  # a task each, made at the start of a run
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,30 @@ def sharegpt_prompts(path: Path, n: int, output_len: int | None, seed: int) -> l
     pairs = []
     for item in data if isinstance(data, list) else []:
         turns = item.get("conversations") if isinstance(item, dict) else None
-        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
-            human, reply = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
-            if human.strip():
-                pairs.append((human, max(1, min(len(reply.split()), 1024))))
+        exchange = _first_exchange(turns) if isinstance(turns, list) else None
+        if exchange is not None and exchange[0].strip():
+            human, reply = exchange
+            pairs.append((human, max(1, min(len(reply.split()), 1024))))
     if not pairs:
         raise ValueError(f"{path} has no usable conversations")
     random.Random(seed).shuffle(pairs)
     return [BenchRequest(p, output_len or out) for p, out in (pairs * (n // len(pairs) + 1))[:n]]
+
+
+_ASKER = ("human", "user")
+
+
+def _first_exchange(turns: list) -> tuple[str, str] | None:
+    """The first human turn and the turn after it (a system turn before it, which was taken
+    as the prompt, is skipped); turns without ``from`` at all: the first two, as vLLM's
+    benchmark takes them."""
+    turns = [t for t in turns if isinstance(t, dict)]
+    if not any("from" in t for t in turns):
+        pair = turns[:2]
+    else:
+        first = next((i for i, t in enumerate(turns)
+                      if str(t.get("from", "")).lower() in _ASKER), None)
+        pair = turns[first:first + 2] if first is not None else []
+    if len(pair) < 2:
+        return None
+    return str(pair[0].get("value", "")), str(pair[1].get("value", ""))

@@ -17,6 +17,7 @@ from typing import Protocol
 import httpx
 
 from justllm.core.record import RequestRecord
+from justllm.core.sse import sse_data
 from justllm.errors import JustLLMError
 
 
@@ -198,15 +199,6 @@ def _error_of(body: bytes) -> tuple[str, dict]:
         return str(error["message"]), error if isinstance(error, dict) else {}
     except (ValueError, KeyError, TypeError):
         return msg[:300], {}
-
-
-def sse_data(line: str) -> str:
-    """A server-sent event line's data (``data:`` then one optional space, as the SSE spec
-    reads it); "" for any other line."""
-    if not line.startswith("data:"):
-        return ""
-    data = line[5:]
-    return data[1:] if data.startswith(" ") else data
 
 
 def _choices(data: dict) -> list[dict]:

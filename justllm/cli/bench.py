@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -55,6 +56,8 @@ def bench(
             raise ValueError("--num-requests, --concurrency, --output-len and --input-len must be >= 1")
         if prefix_len < 0:
             raise ValueError("--prefix-len must be >= 0")
+        if num_requests > w.MAX_REQUESTS:  # (each is a task, all made before the run)
+            raise ValueError(f"--num-requests must be at most {w.MAX_REQUESTS}")
         for flag, words in (("--input-len", input_len), ("--prefix-len", prefix_len)):
             if words > w.MAX_PROMPT_WORDS:
                 raise ValueError(f"{flag} must be at most {w.MAX_PROMPT_WORDS} words (about a "
@@ -110,14 +113,17 @@ def bench(
 
         console = Console(stderr=True, emoji=False)
         server = None
-        if url is None:
-            from justllm.bench.local_server import LocalServer
-
-            console.print("starting a local justllm server for the benchmark…")
-            server = LocalServer.start(model, max_seqs=8 if max_seqs is None else max_seqs)
-            url = server.url
         summaries = []
+        # SIGTERM or SIGHUP: exit through the finally below, which stops bench's own server
+        # (their default ended bench at once and left it running)
+        previous = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
+            if url is None:
+                from justllm.bench.local_server import LocalServer
+
+                console.print("starting a local justllm server for the benchmark…")
+                server = LocalServer.start(model, max_seqs=8 if max_seqs is None else max_seqs)
+                url = server.url
             for target in [url] + ([vs] if vs else []):
                 target = remote_base(target)  # a server's root or its OpenAI base URL
                 with Progress(console=console, transient=True) as progress:
@@ -130,6 +136,8 @@ def bench(
         finally:
             if server is not None:
                 server.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         Console(emoji=False).print(table(summaries))
         for s in summaries:
             if s["first_error"]:
@@ -143,3 +151,7 @@ def bench(
         dead = [str(s["url"]) for s in summaries if s["completed"] == 0]
         if dead:  # nothing measured: a benchmark that failed, whatever the table shows
             raise ValueError(f"every request failed at {', '.join(dead)}")
+
+
+def _exit_on(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

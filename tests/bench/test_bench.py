@@ -1,6 +1,7 @@
 """``justllm bench`` against a real server: every field printed, JSON that parses."""
 
 import json
+import signal
 
 import pytest
 from typer.testing import CliRunner
@@ -143,6 +144,8 @@ def test_prompt_lengths_are_bounded_and_refused_before_anything_is_built(monkeyp
             (["--request-rate", "nan"], "--request-rate must be a finite number > 0"),
             (["--json", "/proc/x.json"], "--json: cannot write to /proc: "),
             (["--json", "/tmp"], "--json: /tmp is a directory; give a file path"),
+            # (each is a task made before the run: 67 million passed the checks)
+            (["-n", "100001"], "--num-requests must be at most 100000"),
             (["--workload", "shared-prefix", "--prefix-len", "1048000", "--input-len", "1000"],
              "--prefix-len + --input-len must be at most 1048576 words (about a token each: "
              "more than any model's context), got 1049000")):
@@ -165,3 +168,136 @@ def test_max_seqs_below_one_is_refused_before_a_server_starts():
     for value in ("0", "-3"):
         r = runner.invoke(app, ["bench", "--max-seqs", value, "-n", "1"])
         assert r.exit_code == 1 and r.output.strip() == "error: --max-seqs must be >= 1", r.output
+
+
+def test_sharegpt_takes_the_first_human_turn_and_its_reply(tmp_path):
+    """A system turn first was sent as the prompt, and the question as the reply's length."""
+    from justllm.bench.workloads import sharegpt_prompts
+
+    data = [{"conversations": [{"from": "system", "value": "You are a helpful assistant."},
+                               {"from": "human", "value": "What is two plus two?"},
+                               {"from": "gpt", "value": "Four, of course"}]},
+            {"conversations": [{"value": "no roles at all"}, {"value": "a b"}]},  # vLLM's way
+            {"conversations": [{"from": "gpt", "value": "only a reply"}]}]
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps(data))
+    got = sorted({(r.prompt, r.max_tokens) for r in sharegpt_prompts(f, 10, None, seed=0)})
+    assert got == [("What is two plus two?", 3), ("no roles at all", 2)]
+
+
+def fake_stream_server(body: bytes):
+    """A server whose every POST answers 200 with ``body`` as an event stream."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (/metrics: none)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("events, error", [
+    (b'data: {"error": "boom as string"}\n\n', "boom as string"),  # (an AttributeError
+    (b'data: [1, 2]\n\n', "ValueError: a stream event that is no object: [1, 2]"),  # traceback)
+])
+def test_odd_stream_events_fail_the_request_not_bench(events, error, tmp_path):
+    httpd = fake_stream_server(events)
+    try:
+        out = tmp_path / "odd.json"
+        r = runner.invoke(app, ["bench", "--url", f"http://127.0.0.1:{httpd.server_port}",
+                                "-n", "2", "--json", str(out)])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    data = json.loads(out.read_text())
+    assert data["failed"] == 2 and data["first_error"] == error
+
+
+def test_data_lines_without_a_space_are_read_and_no_wait_follows_the_last_request(tmp_path):
+    """``data:{...}`` (the SSE spec allows no space) was "no tokens received"; with
+    --request-rate the wait drawn after the last request was counted in the duration."""
+    chunk = {"choices": [{"index": 0, "text": "hi"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    body = f"data:{json.dumps(chunk)}\n\ndata:{json.dumps(usage)}\n\ndata:[DONE]\n\n"
+    httpd = fake_stream_server(body.encode())
+    try:
+        out = tmp_path / "nospace.json"
+        r = runner.invoke(app, ["bench", "--url", f"http://127.0.0.1:{httpd.server_port}",
+                                "-n", "1", "--request-rate", "0.01", "--json", str(out)])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["completed"] == 1 and data["total_input_tokens"] == 3
+    assert data["duration_s"] < 60  # (one request: the 186 s wait drawn after it was counted)
+
+
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "loading"), (signal.SIGINT, "loading"),
+                                       (signal.SIGHUP, "running")])
+def test_bench_stopped_by_a_signal_stops_its_own_server(model_path, sig, when):
+    """SIGTERM or SIGHUP ended bench and left its `justllm serve` running; so did Ctrl-C
+    while that server was still loading."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.gateway.test_gateway import alive
+    from tests.helpers import children
+
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "bench", model_path, "-n", "64",
+                             "-c", "2", "--output-len", "64"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (server := children(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        if when == "running":  # the requests go once the server answers
+            args = open(f"/proc/{server[0]}/cmdline").read().split("\0")
+            url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+            while not _answers(url + "/health"):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.1)
+            time.sleep(1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 128 + sig if sig != signal.SIGINT else 130, err
+        assert "Traceback" not in err, err
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in server if alive(p)], "bench left its server running"
+    finally:
+        for p in [proc.pid, *server]:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        proc.wait()
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
