@@ -1026,6 +1026,10 @@ class _CompletionShape:
                                             out if first else None),
                              out.finish_reason, self._vllm(out) if first else None)
         self._offsets[i] += len(out.text)
+        # Text held back (it may begin a stop string) with nothing else to say: no chunk of
+        # "" (a held token's logprobs, a first delta's prompt logprobs and the end still go).
+        if not text and d.logprobs is None and d.finish_reason is None and not first:
+            return None
         return d
 
     def full(self, rid: str, created: int, model: str, choices: list,
