@@ -19,6 +19,8 @@ from justllm.engine.engine import EngineStats, RequestMetrics
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+# vLLM's build_1_2_5_buckets, up to a million tokens (vLLM stops at max_model_len)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
 
 
@@ -132,6 +134,22 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", lab,
                              buckets=_E2E_BUCKETS, registry=r)
+        # A finished request's phases and sizes, as vLLM's V1 engine reports them (its Grafana
+        # dashboard draws them): queued until first scheduled, then the prefill until the
+        # first token, the decode until the last, and the two together.
+        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", doc, lab,
+                                       buckets=_E2E_BUCKETS, registry=r)
+                       for name, doc in (
+                           ("queue", "Time in the waiting queue before first scheduled."),
+                           ("prefill", "Time from first scheduled to the first token."),
+                           ("decode", "Time from the first token to the last."),
+                           ("inference", "Time from first scheduled to the last token."))}
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of finished requests.", lab,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens of finished requests.", lab,
+            buckets=_TOKEN_BUCKETS, registry=r)
         # Prefill/decode disaggregation (server/pd.py).
         self.pd_exports = Counter("justllm_pd_exports", "Prompts prefilled and exported.", lab,
                                   registry=r)
@@ -175,6 +193,10 @@ class ServerMetrics:
             self.itl.labels(lab).observe(b - a)
         if m.finished_time is not None:
             self.e2e.labels(lab).observe(m.finished_time - m.arrival_time)
+        self.request_prompt_tokens.labels(lab).observe(m.num_prompt_tokens)
+        self.request_generation_tokens.labels(lab).observe(m.num_generated_tokens)
+        for name, seconds in _phases(m).items():
+            self.phases[name].labels(lab).observe(seconds)
 
     def observe_first_token(self, m: RequestMetrics | None) -> bool:
         """The time to first token, once that token is out (as vLLM observes it), whether
@@ -201,3 +223,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _phases(m: RequestMetrics) -> dict[str, float]:
+    """The phases a finished request went through (one never scheduled only queued; one
+    without a token has no decode)."""
+    end = m.finished_time
+    if end is None:
+        return {}
+    if m.scheduled_time is None:
+        return {"queue": end - m.arrival_time}
+    out = {"queue": m.scheduled_time - m.arrival_time, "inference": end - m.scheduled_time}
+    if m.first_token_time is not None:
+        out |= {"prefill": m.first_token_time - m.scheduled_time,
+                "decode": end - m.first_token_time}
+    return out

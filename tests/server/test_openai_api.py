@@ -323,14 +323,30 @@ def test_embeddings(client, server):
 
 
 def test_metrics_move_as_requests_run(client, server):
+    # (a labelled series is on the page from its first observation)
+    client.completions.create(model=server.model, prompt="Hi", max_tokens=1)
     gen0 = metric(server, "vllm:generation_tokens_total")
     prompt0 = metric(server, "vllm:prompt_tokens_total")
     ttft0 = metric(server, "vllm:time_to_first_token_seconds_count")
+    phases = ("queue", "prefill", "decode", "inference")
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    before = {p: metric_in(text, f"vllm:request_{p}_time_seconds_count") for p in phases}
+    sizes = {n: (metric_in(text, f"vllm:request_{n}_tokens_count"),
+                 metric_in(text, f"vllm:request_{n}_tokens_sum")) for n in ("prompt", "generation")}
     client.completions.create(model=server.model, prompt="Hello", max_tokens=6, temperature=0,
                               extra_body={"ignore_eos": True})
     assert metric(server, "vllm:generation_tokens_total") == gen0 + 6
     assert metric(server, "vllm:prompt_tokens_total") == prompt0 + 2
     assert metric(server, "vllm:time_to_first_token_seconds_count") == ttft0 + 1
+    # vLLM's per-request phases and sizes (its Grafana dashboard's panels)
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    for p in phases:
+        assert metric_in(text, f"vllm:request_{p}_time_seconds_count") == before[p] + 1, p
+    for n, tokens in (("prompt", 2), ("generation", 6)):
+        count, total = sizes[n]
+        assert metric_in(text, f"vllm:request_{n}_tokens_count") == count + 1
+        assert metric_in(text, f"vllm:request_{n}_tokens_sum") == total + tokens
+    assert 'vllm:request_generation_tokens_bucket{le="5.0"' in text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_queries_total",
