@@ -35,9 +35,9 @@ def show(
             option_name,
             read_config_file,
         )
+        from justllm.cli.plugins import plugins_of
         from justllm.cli.serve import serve
         from justllm.config import EngineConfig
-        from justllm.plugins import load_plugins
 
         file_values: dict[str, tuple[str, object]] = {}
         if not config_file and default_config_file().is_file():
@@ -94,7 +94,7 @@ def show(
                     role=values["role"], served_model_name=values["served_model_name"],
                     models_file=values["models_file"], models_dir=values["models_dir"],
                     host=values["host"], api_key=values["api_key"])
-                EngineConfig(model="", spec_methods=load_plugins().spec_methods,
+                EngineConfig(model="", spec_methods=plugins_of(context).spec_methods,
                              **config_values(engine) | {"lora": ()})
             except ValueError as e:
                 bad.append(str(e))

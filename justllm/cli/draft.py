@@ -17,6 +17,7 @@ app = typer.Typer(help="Build draft models for speculative decoding.", no_args_i
 
 @app.command("make")
 def make(
+    context: typer.Context,
     model: Annotated[str, typer.Argument(help="The target model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].")],
     layers: Annotated[int, typer.Option("--layers", "-l", help="Transformer blocks to keep (1 to the model's count minus one).")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-draft-L<N>.gguf next to the model, or in the models directory; -o DIR/ or an existing DIR: that name in DIR).")] = None,
@@ -29,12 +30,12 @@ def make(
         from pathlib import Path
 
         from justllm.cli.models import _size
+        from justllm.cli.plugins import plugins_of
         from justllm.models.draft import default_draft_path, make_draft
         from justllm.models.quantize import check_output_option
-        from justllm.plugins import load_plugins
 
         check_output_option(output)
-        src = Path(load_plugins().resolve_model(model))
+        src = Path(plugins_of(context).resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
         made = None
         if output and (dst.is_dir() or output.endswith(("/", os.sep))):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 
 def quantize(
+    context: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="The model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].", show_default=False)] = None,
     type_name: Annotated[Optional[str], typer.Argument(metavar="TYPE", help="llama.cpp's type name, e.g. Q4_K_M, Q8_0, IQ4_XS, F16 (--list shows them all).", show_default=False)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-<type>.gguf in the models directory, registered as a model); a directory (an existing one, or one ending in '/', made if need be) gets <stem>-<type>.gguf inside.")] = None,
@@ -37,11 +38,11 @@ def quantize(
         if not model or not type_name:
             raise ValueError("give MODEL and TYPE, e.g. justllm quantize gemma-3-270m Q8_0 "
                              "(justllm quantize --list shows the types)")
+        from justllm.cli.plugins import plugins_of
         from justllm.models.quantize import prepare, quant_type
-        from justllm.plugins import load_plugins
 
         qtype = quant_type(type_name)
-        src = Path(load_plugins().resolve_model(model))
+        src = Path(plugins_of(context).resolve_model(model))
         dst, make_dir = _output_path(output, src, qtype)
         job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
                       imatrix=imatrix, threads=threads, make_dir=make_dir)

@@ -59,7 +59,9 @@ class _Worker:
                 return
             try:
                 self.fn(record=record)
-            except (Exception, SystemExit) as e:  # sys.exit() would end this thread
+            # (sys.exit(), or a CancelledError a plugin's asyncio leaks, would end this
+            # thread for good: every later record dropped, counted as the plugin being slow)
+            except BaseException as e:
                 self.counts.failed += 1
                 n = self.counts.failed
                 if n == 1 or n % 1000 == 0:  # a broken plugin must not flood the log

@@ -104,8 +104,16 @@ class Plugins:
         ``tryfirst`` ones last, which would let a plugin's ``trylast`` go before the
         built-ins.)"""
         order = {name: i for i, (name, _) in enumerate(self.pm.list_name_plugin())}
-        return sorted(getattr(self.pm.hook, hook).get_hookimpls(),
-                      key=lambda impl: order.get(impl.plugin_name, len(order)))
+        impls = []
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.hookwrapper or getattr(impl, "wrapper", False):  # (called as a function,
+                line = (f"plugin {impl.plugin_name}: its {hook} is a hook wrapper, which "
+                        "justllm does not run: left out")  # its body never ran, unsaid)
+                if line not in self.problems:
+                    self.problems.append(line)
+                continue
+            impls.append(impl)
+        return sorted(impls, key=lambda impl: order.get(impl.plugin_name, len(order)))
 
     def _call(self, impl: Any, hook: str, **kwargs: Any) -> None:
         """One implementation, with the arguments it names (pluggy lets an implementation

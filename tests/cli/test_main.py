@@ -358,8 +358,13 @@ def test_commands_use_the_plugins_main_loaded(monkeypatch, tmp_path):
     monkeypatch.setattr("justllm.cli.plugins.load_plugins", no_second_load)
     config = tmp_path / "cluster.yaml"
     config.write_text("models: {}\n")
+    # (quantize and draft make: a model source's failure was never printed)
     for args in (["pull", "acme/x", "--tag", "x", "--outtype", "f16"],
                  ["convert", str(tmp_path / "missing"), "--name", "x"],
-                 ["cluster", "deploy", str(config)]):
+                 ["cluster", "deploy", str(config)],
+                 ["quantize", str(tmp_path / "missing.gguf"), "Q8_0"],
+                 ["draft", "make", str(tmp_path / "missing.gguf"), "-l", "2"]):
         r = CliRunner().invoke(app, args, obj=Plugins())
         assert r.exit_code == 1 and "loaded again" not in repr(r.exception), (args, r.output)
+    r = CliRunner().invoke(app, ["config", "show"], obj=Plugins())
+    assert r.exit_code == 0 and "loaded again" not in repr(r.exception), r.output

@@ -3,6 +3,7 @@ names, and on_request_finished's isolation of a plugin that raises or blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -164,6 +165,30 @@ def test_a_plugin_cannot_take_a_built_in_name_and_a_failing_hook_is_skipped():
         "plugin greedy: register_routing_policies failed: RuntimeError: no policies today"]
 
 
+def test_a_hook_wrapper_is_left_out_and_said():
+    """justllm calls each implementation itself: a wrapper's body (a generator) never ran,
+    and nothing said so."""
+    class Wraps:
+        @hookimpl(hookwrapper=True)
+        def register_routing_policies(self, register):
+            yield
+
+        @hookimpl(wrapper=True)
+        def on_request_finished(self, record):
+            return (yield)
+
+    plugins = load_plugins({"JUSTLLM_PLUGINS": ""})
+    plugins.register(Wraps(), "wraps")
+    assert set(plugins.routing_policies) == {"round-robin", "least-load", "power-of-two",
+                                             "cache-aware"}
+    assert plugins.request_events() is None
+    assert plugins.problems == [
+        "plugin wraps: its register_routing_policies is a hook wrapper, which justllm does "
+        "not run: left out",
+        "plugin wraps: its on_request_finished is a hook wrapper, which justllm does not run: "
+        "left out"]
+
+
 def test_a_hookimpl_for_no_hook_is_refused():
     class Typo:
         @hookimpl
@@ -231,6 +256,8 @@ def test_a_plugin_that_raises_or_blocks_harms_no_other():
     def raises(record):
         if record.request_id.endswith(("1", "3")):
             raise ValueError("bad record")
+        if record.request_id == "r5":  # (a BaseException ended the thread: all dropped)
+            raise asyncio.CancelledError()
 
     def blocks(record):
         release.wait(10)
@@ -250,7 +277,7 @@ def test_a_plugin_that_raises_or_blocks_harms_no_other():
     release.set()
     events.close()
     counts = {k: (c.delivered, c.failed, c.dropped) for k, c in events.counts().items()}
-    assert counts["raises"] == (16, 4, 0)  # r1, r3, r11, r13
+    assert counts["raises"] == (15, 5, 0)  # r1, r3, r5, r11, r13
     assert counts["fine"] == (20, 0, 0) and fine == [f"r{i}" for i in range(20)]
     delivered, failed, dropped = counts["blocks"]
     assert failed == 0 and dropped >= 20 - 5 - 1 and delivered + dropped == 20
