@@ -9,6 +9,7 @@ can leave out its oldest exchanges and ask again.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -56,14 +57,20 @@ class AnswerStats:
 class LocalChat:
     """The engine on this thread (the only caller of llama.cpp), stepped while streaming."""
 
-    def __init__(self, config, events: RequestSink | None = None) -> None:
-        """``events``: where a record of each answer goes (plugins' on_request_finished)."""
+    def __init__(self, config, events: RequestSink | None = None, *,
+                 record_text: bool = False) -> None:
+        """``events``: where a record of each answer goes (plugins' on_request_finished),
+        with its prompt and answer text if ``record_text``."""
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 
         self.engine = Engine(config)
         self.events = events
-        self.engine.observe(events)
+        self.engine.observe(events, text=record_text)
+        # Each answer's own id (records, justllm history --id): the engine's req-N began
+        # again at req-0 in every chat
+        self._session = f"chat-{secrets.token_hex(6)}"
+        self._answers = 0
         try:
             self.template = ChatTemplate.from_backend(self.engine.backend, config.chat_template)
         except BaseException:
@@ -91,7 +98,9 @@ class LocalChat:
         prompt = self.template.render(messages, add_generation_prompt=True)
         self.last = AnswerStats(complete=False)  # until its first output
         try:
-            rid = self.engine.add_request(prompt, params)
+            rid = self.engine.add_request(prompt, params,
+                                          request_id=f"{self._session}-{self._answers}")
+            self._answers += 1
         except InvalidRequestError as e:
             if about_context(e.param, str(e)):
                 raise ContextFull(str(e)) from None

@@ -21,7 +21,7 @@ ChatModel = Annotated[Optional[str], typer.Argument(
 # Options for a model loaded here, by parameter name: with --url they would do nothing.
 LOCAL_ONLY = {"pool_blocks": "--pool-blocks", "threads": "--threads",
               "ctx": "--ctx", "gpu": "--gpu", "chat_template": "--chat-template",
-              "verbose": "--verbose"}
+              "verbose": "--verbose", "record_text": "--record-text"}
 
 
 def given(context: typer.Context, name: str) -> bool:
@@ -59,6 +59,7 @@ def chat(
     gpu: o.Gpu = False,
     chat_template: o.ChatTemplateChoice = None,
     verbose: o.Verbose = False,
+    record_text: Annotated[bool, typer.Option("--record-text", help="The finished-request records (plugins' on_request_finished, e.g. justllm-request-log) carry the prompt and answer text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
 ) -> None:
     """Chat with a model: streaming answers, \"\"\" for multi-line input, /set, /system, /clear,
     /stats, /bye; Ctrl-C stops the current answer, not the program."""
@@ -85,7 +86,7 @@ def chat(
                     "max_decode": 1, "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
                     "chat_template": chat_template, "verbose": verbose}, plugins)
                 stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
-                local = LocalChat(config, plugins.request_events())
+                local = LocalChat(config, plugins.request_events(), record_text=record_text)
                 if local.notice:
                     print_notice(local.notice)
                 backend = local

@@ -35,8 +35,9 @@ class RequestRecord:
     (aborted while queued: no prefill; no token: no decode)."""
 
     # The API's response id (``chatcmpl-...``, ``cmpl-...``, ``msg_...``, ``resp_...``), with
-    # ``-0``, ``-1``... per choice when a request asked for several; ``req-N`` for requests
-    # with no response id (Ollama's API, ``justllm run``/``chat``).
+    # ``-0``, ``-1``... per choice when a request asked for several; ``ollama-...`` for
+    # Ollama's API, ``run-<hex>`` for ``justllm run``, ``chat-<hex>-N`` for a chat's N-th
+    # answer; the engine's ``req-N`` for a request added with no id.
     request_id: str
     model: str  # the id clients use (``justllm serve --model-name``, or the GGUF file's stem)
     finish_reason: str  # "stop", "length", "abort" (the client left) or "error"

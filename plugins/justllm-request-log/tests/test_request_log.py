@@ -323,6 +323,24 @@ def test_each_justllm_run_is_its_own_request(db: Path) -> None:
     assert [r["prompt"] for r in history_json("--id", ids[0])] == ["Two plus two is"]
 
 
+def test_each_chat_answer_is_its_own_request_with_its_text(db: Path) -> None:
+    """Every chat began again at req-0 (history --id req-0 found answers of every chat), and
+    JUSTLLM_RECORD_TEXT was ignored: no prompt or answer text."""
+    for _ in range(2):
+        done = subprocess.run([JUSTLLM, "chat", str(demo_model_path()), "-n", "2",
+                               "--pool-blocks", "64", "--record-text"],
+                              input="Hello\nAgain\n", capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+    logged = history_json()
+    ids = [r["request_id"] for r in logged]
+    assert len(set(ids)) == 4 and all(i.startswith("chat-") for i in ids), ids
+    sessions = {i.rsplit("-", 1)[0] for i in ids}
+    assert len(sessions) == 2 and sorted(i.rsplit("-", 1)[1] for i in ids) == ["0", "0", "1", "1"]
+    assert all(r["prompt"] and "Hello" in r["prompt"] and r["output"] is not None
+               for r in logged)
+
+
 def test_unwritable_log_does_not_break_serving(tmp_path: Path, db: Path, serve: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "not-a-directory"
