@@ -58,8 +58,8 @@ def history(
         if path:
             print(db)
             return
-        if count < 0:
-            raise ValueError(f"--count must be 0 (all) or more, got {count}")
+        if not 0 <= count < 2**63:  # (past SQLite's integers: an OverflowError traceback)
+            raise ValueError(f"--count must be 0 (all) to {2**63 - 1}, got {count}")
         wanted = store.Search(model=model, query=query, limit=count, request_id=request_id,
                               since=parse_since(since) if since is not None else None)
         retention = store.Retention.from_env() if prune else None

@@ -81,6 +81,9 @@ class Retention:
         return f"{rows}, {days}"
 
 
+_MOST = 2**63 - 1  # SQLite's largest integer
+
+
 def _setting(env: Mapping[str, str], name: str, default: float,
              kind: Callable[[str], float]) -> float:
     raw = env.get(name, "").strip()
@@ -90,8 +93,9 @@ def _setting(env: Mapping[str, str], name: str, default: float,
         value = kind(raw)
     except ValueError:
         value = -1
-    if not value >= 0:  # also NaN
-        raise ValueError(f"{name} must be a number >= 0 (0: no limit), got {raw!r}")
+    if not 0 <= value <= _MOST:  # also NaN; (past SQLite's integers, an OverflowError)
+        raise ValueError(f"{name} must be a number from 0 to {_MOST} (0: no limit), "
+                         f"got {raw!r}")
     return value
 
 

@@ -401,7 +401,8 @@ def test_several_processes_write_one_database(db: Path) -> None:
 
 
 @pytest.mark.parametrize("args", [("--since", "yesterday-ish"), ("-n", "-1"),
-                                  ("--since", "0001-01-01")])  # (a year-0 error)
+                                  ("--since", "0001-01-01"),  # (a year-0 error)
+                                  ("-n", str(10**23))])  # (an OverflowError traceback)
 def test_bad_history_input_is_one_error_line(db: Path, args: tuple[str, ...]) -> None:
     done = history(*args)
     assert done.returncode == 1 and done.stdout == ""
@@ -469,4 +470,11 @@ def test_bad_retention_setting_keeps_the_row_and_says_so(db: Path,
     assert len(rows(db)) == 1
     done = history("--prune")
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1
-    assert "JUSTLLM_REQUEST_LOG_MAX_ROWS must be a number >= 0" in done.stderr
+    assert "JUSTLLM_REQUEST_LOG_MAX_ROWS must be a number from 0 to 9223372036854775807" \
+        in done.stderr
+    # past SQLite's integers: an OverflowError traceback, on history and in a server
+    monkeypatch.setenv("JUSTLLM_REQUEST_LOG_MAX_ROWS", str(10**23))
+    with pytest.raises(ValueError, match="JUSTLLM_REQUEST_LOG_MAX_ROWS must be a number from"):
+        store.Retention.from_env()
+    done = history("--prune")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
