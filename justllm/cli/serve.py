@@ -186,7 +186,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
                   spec_methods=plugins.spec_methods)
     config = (read_config(models_file, known) if models_file
               else directory_config(models_dir, known) if models_dir
-              else list_config(models, known))
+              else list_config(models, known, plugins.served_name))
     check_sources(config)
     _check_runner_flags(config, plugins)
     try:  # (it was made at the first runner's start: each load failed, three times)

@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -627,6 +627,12 @@ def model_name(ref: str) -> str:
     return Path(ref.rsplit(":", 1)[-1]).stem if ref.endswith(".gguf") else ref
 
 
-def list_config(refs: list[str], flags: Flags) -> GatewayConfig:
-    """``justllm serve A B ...``: each model under its own name (see ``model_name``)."""
-    return GatewayConfig(tuple(model_spec(model_name(r), r, flags) for r in refs))
+def list_config(refs: list[str], flags: Flags,
+                served_name: Callable[[str], str | None] | None = None) -> GatewayConfig:
+    """``justllm serve A B ...``: each model under its own name: the one a plugin's model
+    source gives it (``served_name``: ``ollama:llama3.2`` is ``llama3.2``, as a single
+    ``serve ollama:llama3.2`` answers to), else ``model_name``."""
+    def name(ref: str) -> str:
+        return (served_name(ref) if served_name else None) or model_name(ref)
+
+    return GatewayConfig(tuple(model_spec(name(r), r, flags) for r in refs))

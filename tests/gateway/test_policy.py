@@ -346,6 +346,12 @@ def test_models_on_the_command_line_are_named_by_stem_or_ref():
     assert [m.name for m in cfg.models] == ["qwen-q4", "llama3:8b", "file"]
     with pytest.raises(ValueError, match="used twice"):
         list_config(["/a/x.gguf", "/b/x.gguf"], FLAGS)
+    # A plugin's model answers to the name its source gives it, as a single serve of it does
+    # (router mode served ollama:gemma3:270m as "ollama:gemma3:270m")
+    ollama = {"ollama:gemma3:270m": "gemma3:270m"}.get
+    cfg = list_config(["ollama:gemma3:270m", "/m/qwen-q4.gguf"], FLAGS, ollama)
+    assert [m.name for m in cfg.models] == ["gemma3:270m", "qwen-q4"]
+    assert cfg.models[0].source == "ollama:gemma3:270m"
 
 
 def test_lora_requests_are_known_by_model_name_or_the_lora_field():
