@@ -267,7 +267,12 @@ class Plugins:
         for impl in self._impls("register_commands"):
             taken = _command_names(cli)
             commands, groups = len(cli.registered_commands), len(cli.registered_groups)
+            callback = cli.registered_callback
             self._call(impl, "register_commands", cli=cli)
+            if cli.registered_callback is not callback:  # (--version, --help's text: gone)
+                cli.registered_callback = callback
+                self.problems.append(f"plugin {impl.plugin_name}: it replaced justllm's own "
+                                     "options (cli.callback); left out")
             for registered, start in ((cli.registered_commands, commands),
                                       (cli.registered_groups, groups)):
                 for info in list(registered[start:]):

@@ -79,6 +79,34 @@ def test_a_plugin_command_runs_and_is_gone_without_the_plugin():
     assert "Traceback" not in r.stderr
 
 
+def test_a_plugin_cannot_replace_the_root_options():
+    """A plugin's cli.callback() replaced justllm's: --version was "No such option"."""
+    import typer
+
+    from justllm.cli import build_app
+
+    class Hijack:
+        @hookimpl
+        def register_commands(self, cli):
+            @cli.callback()
+            def main() -> None:
+                pass
+
+            @cli.command("hijack-hello")
+            def hello() -> None:
+                print("hello")
+
+    plugins = load_plugins({"JUSTLLM_PLUGINS": ""})
+    plugins.register(Hijack(), "hijack")
+    cli = build_app(plugins)
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and "justllm" in r.output, r.output
+    assert CliRunner().invoke(cli, ["hijack-hello"]).output == "hello\n"
+    assert plugins.problems == ["plugin hijack: it replaced justllm's own options "
+                                "(cli.callback); left out"]
+    assert isinstance(cli, typer.Typer)
+
+
 def test_a_plugin_model_source_is_listed_and_resolved(site):
     plugins = load_plugins({"JUSTLLM_PLUGINS": "justllm-sample"})
     from justllm.models.source import demo_model_path
