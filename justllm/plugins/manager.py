@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -389,13 +390,15 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> Plugins:
     environ = os.environ if environ is None else environ
     plugins = Plugins()
     allowed = environ.get(ENV)
-    wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    # (names as pip compares them: justllm_ollama and JustLLM-Ollama are justllm-ollama)
+    given = {_normal(n): n.strip() for n in (allowed or "").split(",") if n.strip()}
+    wanted = None if allowed is None else set(given)
     seen: set[str] = set()
     loaded: set[tuple[str, str]] = set()
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
                      key=lambda ep: ep.name):
         dist = ep.dist.name if ep.dist is not None else ep.name
-        names = {dist, ep.name}
+        names = {_normal(dist), _normal(ep.name)}
         if wanted is not None and not names & wanted:
             continue
         seen |= names
@@ -411,5 +414,10 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> Plugins:
         except (Exception, SystemExit) as e:  # sys.exit() in a plugin's import too
             plugins.problems.append(f"plugin {name} failed to load: {type(e).__name__}: {e}")
     for missing in sorted((wanted or set()) - seen):
-        plugins.problems.append(f"{ENV} names {missing}, which is not installed")
+        plugins.problems.append(f"{ENV} names {given[missing]}, which is not installed")
     return plugins
+
+
+def _normal(name: str) -> str:
+    """A distribution name as PEP 503 compares them (pip's normalisation)."""
+    return re.sub(r"[-_.]+", "-", name).lower()

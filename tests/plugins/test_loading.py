@@ -62,6 +62,8 @@ def test_an_installed_plugin_is_listed_with_its_version_and_hooks_and_a_broken_o
 def test_justllm_plugins_chooses_which_are_loaded():
     assert names(justllm("plugins", "--json", plugins="justllm-sample")) == {"justllm-sample"}
     assert names(justllm("plugins", "--json", plugins="sample")) == {"justllm-sample"}  # EP name
+    # as pip compares names (each was "not installed")
+    assert names(justllm("plugins", "--json", plugins="Justllm_Sample")) == {"justllm-sample"}
     empty = justllm("plugins", "--json", plugins="")
     assert names(empty) == set() and empty.stderr == ""  # none: not even the broken one tried
     r = justllm("plugins", "--json", plugins="justllm-sample, nope")

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # "chat" for the chat APIs, "text_completion" for the plain completion ones.
 OPERATIONS = {"openai.chat": "chat", "anthropic.messages": "chat", "openai.responses": "chat",
               "ollama.chat": "chat", "openai.completions": "text_completion",
-              "ollama.generate": "text_completion"}
+              "ollama.generate": "text_completion", "llama.completion": "text_completion",
+              "llama.infill": "text_completion"}  # (llama-server's /completion, /infill)
 # Without one (a request from ``justllm run``, or an API added later): the conventions'
 # well-known value for a model generating content without naming an API shape.
 OPERATION = "generate_content"
