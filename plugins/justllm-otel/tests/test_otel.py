@@ -240,6 +240,12 @@ def test_a_request_with_a_traceparent_continues_the_clients_trace(exporter):
     plain = next(s for s in spans if s.attributes.get("gen_ai.response.id") == "req-y")
     assert plain.name == "text_completion tiny" and plain.parent is None
     assert plain.attributes["justllm.stream"] is False
+    # llama-server's /completion and /infill are text completions (were generate_content)
+    for api in ("llama.completion", "llama.infill"):
+        justllm_otel.plugin.on_request_finished(record=a_record(request_id=api, api=api))
+    spans = finished_spans(exporter)
+    assert {s.name for s in spans if s.attributes.get("justllm.api", "").startswith("llama.")
+            } == {"text_completion tiny"}
 
 
 def test_message_content_only_with_the_opt_in(monkeypatch):
