@@ -83,14 +83,12 @@ def deploy(
         config = load_config(read_yaml(config_file), known)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key, route_prefix)
-        where = cluster.find_cluster()
         console = Console(stderr=True, emoji=False, soft_wrap=True)
         for warning in warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
-        if where is None:
-            console.print("justllm: no Ray cluster (RAY_ADDRESS is not set and none runs "
-                          "here): starting a local Ray head", highlight=False)
-            where = cluster.start_local()
+        where = cluster.find_or_start(lambda: console.print(
+            "justllm: no Ray cluster (RAY_ADDRESS is not set and none runs here): starting a "
+            "local Ray head", highlight=False))
         names = ", ".join(m.name for m in config.models)
         console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
                       "(each replica loads its model on its node; this waits for them)",

@@ -81,6 +81,17 @@ def start_local() -> Cluster:
     return Cluster(head.address, head)
 
 
+def find_or_start(on_start: Callable[[], None]) -> Cluster:
+    """The cluster to deploy onto (``find_cluster``), else a local head started now (after
+    ``on_start()``): under a lock, so that deploys at once start one head between them."""
+    with local_ray.start_lock():
+        where = find_cluster()
+        if where is None:
+            on_start()
+            where = start_local()
+    return where
+
+
 @contextmanager
 def connected(cluster: Cluster) -> Iterator[None]:
     """A driver connection to ``cluster`` for the block (Ray's and Serve's logs quiet)."""

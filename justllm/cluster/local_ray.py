@@ -16,6 +16,7 @@ Ray's own record of the last ``ray start`` here.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -24,6 +25,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -114,7 +117,7 @@ def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalH
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
     # Distinct: Ray refuses to start when two of its components are given the same port.
     port, *others = free_ports(1 + len(flags))
-    log = record_path().with_name("local-ray.log")
+    log = record_path().with_name(f"local-ray-{port}.log")  # (one per head: two truncated one)
     log.parent.mkdir(parents=True, exist_ok=True)
     args = [_ray_command(), "start", "--head", "--block", "--port", str(port),
             "--include-dashboard=false", "--disable-usage-stats", "--log-color", "false"]
@@ -127,15 +130,32 @@ def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalH
                                 stderr=subprocess.STDOUT, start_new_session=True)
     head = LocalHead(proc.pid, f"127.0.0.1:{port}", str(log))
     deadline = time.monotonic() + timeout
-    while STARTED not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(head.pid, grace=5.0)
-            lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-            raise RayUnavailable(f"a local Ray head did not start ({head.log}): "
-                                 f"{lines[-1] if lines else 'no output'}")
-        time.sleep(0.2)
+    try:
+        while STARTED not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+                raise RayUnavailable(f"a local Ray head did not start ({head.log}): "
+                                     f"{lines[-1] if lines else 'no output'}")
+            time.sleep(0.2)
+    except BaseException:  # (Ctrl-C while it started left a head no record names)
+        _stop(head.pid, grace=5.0)
+        raise
     record_path().write_text(json.dumps(asdict(head)))
     return head
+
+
+@contextmanager
+def start_lock() -> Iterator[None]:
+    """Held while a command finds the cluster and starts a local head if there is none: two
+    deploys at once on a machine without Ray each started a head, and one was orphaned."""
+    path = record_path().with_name("local-ray.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _session(pid: int) -> list[int]:

@@ -109,3 +109,40 @@ def test_status_shows_a_row_per_replica(monkeypatch):
     assert "chat: updating, Ray replicas running 2, starting 1" in r.output
     r = runner.invoke(app, ["cluster", "status", "--json"])
     assert r.exit_code == 0 and json.loads(r.output) == body
+
+
+def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch):
+    """Ctrl-C while the local head started left it running, and no record named it: `down`
+    could not stop it. (A real `ray start`, interrupted as it comes up.)"""
+    import os
+    import time
+
+    from justllm.cluster import local_ray
+    from tests.gateway.test_gateway import alive
+
+    started: list[int] = []
+    real_popen, real_sleep = local_ray.subprocess.Popen, time.sleep
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    def sleep(seconds: float) -> None:  # the first wait for Ray to come up: interrupted
+        if started and -1 not in started:
+            started.append(-1)
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(local_ray.subprocess, "Popen", popen)
+    monkeypatch.setattr(local_ray.time, "sleep", sleep)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local_ray.start_head()
+        head = started[0]
+        assert not alive(head) and local_ray._session(head) == []
+        assert not local_ray.record_path().exists()
+    finally:
+        for pid in [started[0], *local_ray._session(started[0])] if started else []:
+            if alive(pid):
+                os.kill(pid, 9)
