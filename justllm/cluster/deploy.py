@@ -314,9 +314,17 @@ def status(app: str) -> dict[str, Any]:
         if found is None:
             raise NothingDeployed(f"nothing deployed as '{app}' on the Ray cluster at "
                                   f"{cluster.address}")
+        if BOARD not in found.deployments:  # (a KeyError traceback)
+            raise NothingDeployed(f"'{app}' on the Ray cluster at {cluster.address} is not "
+                                  "an app justllm deployed (it has no stats board)")
         board = serve.get_deployment_handle(BOARD, app_name=app)
-        snapshot = board.snapshot.remote().result(timeout_s=30)
-        info = board.about.remote().result(timeout_s=30)
+        try:
+            snapshot = board.snapshot.remote().result(timeout_s=30)
+            info = board.about.remote().result(timeout_s=30)
+        except Exception as e:  # a board that does not answer: Ray's timeout, a dead actor
+            raise RayUnavailable(f"the stats board of '{app}' did not answer: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                                 ) from None
     models = []
     for name, dep in found.deployments.items():
         if not name.startswith("model-"):

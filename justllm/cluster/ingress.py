@@ -45,6 +45,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from justllm.cluster import lora as runtime_lora
 from justllm.cluster.asgi import Head, forwardable
@@ -66,7 +67,7 @@ from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.llama_server import router_props, slot_action, slots_body
 from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
-from justllm.server.request_id import add_request_id, request_id
+from justllm.server.request_id import request_id
 from justllm.server.response_store import unstored
 
 # The replica's process is gone or cannot be reached: nothing of the answer came from it.
@@ -227,6 +228,10 @@ async def forward(request: Request, path: str, *, method: str = "POST",
                 kv = None
                 ing.pd[model, "prefill_failed"] += 1
                 continue
+            if isinstance(e, DeploymentUnavailableError):  # (it was a bare 500)
+                raise APIError(503, f"model '{model}' is unavailable: its deployment failed "
+                               "to deploy (justllm cluster status says why)",
+                               type="server_error", code="model_failed") from None
             if not isinstance(e, REPLICA_GONE):
                 raise
             if attempt == TRIES:
@@ -451,4 +456,14 @@ def create_ingress(ingress: Ingress) -> Litestar:
     return Litestar(route_handlers=[v1, api, tokens, health, metrics],
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
-                    before_send=[add_request_id], openapi_config=None, debug=False)
+                    before_send=[drop_request_id], openapi_config=None, debug=False)
+
+
+async def drop_request_id(message: Any, scope: Any) -> None:
+    """A ``before_send`` hook: no X-Request-Id on the ingress's answers. Ray Serve's proxy
+    puts the request's id (the client's, or one it makes) in the request's headers, where the
+    ingress and the replicas read it, and on the answer: a second one made the header
+    "id, id", which the OpenAI SDK's ``_request_id`` and ``justllm history --id`` took whole."""
+    if message["type"] == "http.response.start":
+        message["headers"] = [(k, v) for k, v in message.get("headers") or ()
+                              if bytes(k).lower() != REQUEST_ID.encode()]

@@ -83,6 +83,19 @@ def check_supported(config: GatewayConfig) -> list[str]:
                              "or min-replicas / max-replicas")
         if not m.source:
             raise ValueError(f"model '{m.name}' needs a 'source'")
+    # Ray renamed a second deployment of one name (model-a-b_1), which status then showed as
+    # a model of its own: a/b and a:b, or x-prefill beside a PD model x
+    named: dict[str, str] = {}
+    for m in config.models:
+        for role in model_roles(m):
+            deployment = deployment_name(m.name) + ("-prefill" if role == "prefill" else "")
+            if deployment in named:
+                raise ValueError(f"models '{named[deployment]}' and '{m.name}' would both be "
+                                 f"the Ray deployment {deployment} (characters Ray refuses "
+                                 "become '-', and a PD model's prefill is NAME-prefill): "
+                                 "rename one")
+            named[deployment] = m.name
+
     def ignored(name: str, why: str = "replicas stay loaded; min-replicas: 0 lets Ray scale a "
                 "model to zero") -> str:
         return f"{name} is router mode's: a Ray cluster ignores it ({why})"
@@ -96,8 +109,13 @@ def check_supported(config: GatewayConfig) -> list[str]:
                              "load_timeout", "max_waiting", "poll_interval", "health_timeout")
                  if getattr(config, key) != defaults[key].default]
     for m in config.models:
-        warnings += [ignored(f"model '{m.name}': {name}") for name, given in (
-            ("ttl", m.ttl != DEFAULT_TTL and m.autoscale is None), ("preload", m.preload))
+        pinned = m.autoscale is not None and m.autoscale.min_replicas >= 1  # (its ttl is -1)
+        warnings += [ignored(f"model '{m.name}': {name}", why) for name, given, why in (
+            ("ttl", m.ttl != DEFAULT_TTL and not pinned,
+             "Ray scales a min-replicas: 0 model to zero after its downscale-delay"
+             if m.autoscale is not None else "replicas stay loaded; min-replicas: 0 lets Ray "
+             "scale a model to zero"),
+            ("preload", m.preload and not pinned, "Ray starts every replica at deploy"))
             if given]
     return warnings
 

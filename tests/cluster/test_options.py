@@ -92,6 +92,20 @@ def test_router_mode_only_settings_are_refused_or_warned_about():
     assert [w.split(" is ")[0] for w in warned] == [
         "load-timeout", "max-waiting", "poll-interval", "health-timeout", "model 'm': ttl", "model 'm': preload"]
     assert all("a Ray cluster ignores it" in w for w in warned)
+    # An autoscaled model's ttl (min-replicas 0: router mode scales it to zero after it)
+    # was ignored without a word too; a pinned one (min-replicas >= 1) says nothing of it.
+    scaled = {"source": "/m.gguf", "min-replicas": 0, "max-replicas": 2, "ttl": 30}
+    (warning,) = check_supported(load_config({"models": {"m": scaled}}, FLAGS))
+    assert warning.startswith("model 'm': ttl is router mode's") and "downscale-delay" in warning
+    pinned = {k: v for k, v in scaled.items() if k != "ttl"}
+    assert check_supported(load_config({"models": {"m": {**pinned, "min-replicas": 1}}},
+                                       FLAGS)) == []  # (its preload, implied: no warning)
+    # Two models that would be one Ray deployment (Ray renamed the second model-a-b_1)
+    for models in ({"a/b": "/m.gguf", "a:b": "/m.gguf"},
+                   {"x": {"source": "/m.gguf", "prefill-replicas": 1, "decode-replicas": 1},
+                    "x-prefill": "/m.gguf"}):
+        with pytest.raises(ValueError, match="would both be the Ray deployment model-"):
+            check_supported(load_config({"models": models}, FLAGS))
 
 
 def test_a_pd_model_is_two_deployments_each_with_its_own_count_or_autoscaling():

@@ -173,6 +173,14 @@ def test_the_openai_client_streams_through_the_ingress(deployed):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     assert httpx.get(deployed.url + "/health", timeout=30).status_code == 200
+    # One X-Request-Id on the answer, the client's (Ray's proxy and the ingress each added
+    # one: "trace-9, trace-9"), and one made for a request without it.
+    for sent in ({"X-Request-Id": "trace-9"}, {}):
+        r = httpx.post(deployed.url + "/v1/completions", headers=sent, timeout=60,
+                       json={"model": "demo", "prompt": "x", "max_tokens": 1})
+        ids = r.headers.get_list("x-request-id")
+        assert r.status_code == 200 and len(ids) == 1, ids
+        assert ids[0] == sent.get("X-Request-Id", ids[0]) and "," not in ids[0]
 
 
 def test_clients_leaving_mid_stream_leave_no_error_in_the_ingress_log(deployed):
@@ -451,6 +459,39 @@ def test_the_app_redeployed_under_a_route_prefix_answers_there_alone(deployed, t
     r = justllm(env, "cluster", "deploy", str(cfg), "--route-prefix", "team")
     assert r.returncode == 1 and "--route-prefix must be" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+OTHER_APP = """
+import ray
+from ray import serve
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Hello:
+    async def __call__(self, request):
+        return "hello"
+
+ray.init(address="%s", logging_level="ERROR", log_to_driver=False)
+serve.run(Hello.bind(), name="other", route_prefix="/other")
+"""
+
+
+def test_status_of_an_app_that_is_not_justllms_is_one_line(deployed):
+    """`cluster status --name other` on another Serve app was a KeyError traceback."""
+    env = deployed.env
+    done = subprocess.run([sys.executable, "-c", OTHER_APP % deployed.head.address], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    try:
+        r = justllm(env, "cluster", "status", "--name", "other", timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip() == (f"error: 'other' on the Ray cluster at "
+                                    f"{deployed.head.address} is not an app justllm deployed "
+                                    "(it has no stats board)"), r.stderr
+    finally:
+        subprocess.run([sys.executable, "-c",
+                        f"import ray; from ray import serve; ray.init(address="
+                        f"'{deployed.head.address}', logging_level='ERROR'); "
+                        "serve.delete('other')"], env=env, capture_output=True, timeout=180)
 
 
 def test_down_deletes_the_app_and_leaves_no_ray_process(deployed):
