@@ -20,13 +20,14 @@ class RequestOrigin:
     """What the server knew of a request when it reached the engine, for its record: the API
     it came through (``openai.chat``, ``openai.completions``, ``anthropic.messages``,
     ``openai.responses``, ``ollama.chat``, ``ollama.generate``), whether the answer streamed,
-    and the client's W3C ``traceparent`` header as sent (a tracing plugin continues its
-    trace)."""
+    and the client's W3C ``traceparent`` and ``tracestate`` headers as sent (a tracing plugin
+    continues its trace)."""
 
     api: str | None = None
     stream: bool | None = None
     traceparent: str | None = None
     http_request_id: str | None = None  # the answer's X-Request-Id (the client's, or made)
+    tracestate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class RequestRecord:
     # The HTTP request's X-Request-Id, as the answer carried it (the client's own, else one
     # the server made): what a client or a proxy log knows the request by.
     http_request_id: str | None = None
+    # The client's W3C tracestate header beside its traceparent (vendors' trace data).
+    tracestate: str | None = None
 
     @property
     def ttft_seconds(self) -> float | None:

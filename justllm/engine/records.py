@@ -56,4 +56,4 @@ def request_record(observer: RequestObserver, req: Request, metrics, *, error: s
         params=recorded_params(req.params),
         prompt=prompt if observer.text else None, output=output if observer.text else None,
         api=origin.api, stream=origin.stream, traceparent=origin.traceparent,
-        http_request_id=origin.http_request_id)
+        http_request_id=origin.http_request_id, tracestate=origin.tracestate)

@@ -134,9 +134,9 @@ def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = No
 
 def origin(request: Request, api: str, stream: bool) -> RequestOrigin:
     """What a route knows of a request, for its record (``RequestOrigin``): its API, whether
-    it streams, the client's ``traceparent`` header and the X-Request-Id."""
+    it streams, the client's ``traceparent`` header, the X-Request-Id and ``tracestate``."""
     return RequestOrigin(api, stream, request.headers.get("traceparent"),
-                         request_id(request.scope))
+                         request_id(request.scope), request.headers.get("tracestate"))
 
 
 async def decode_request(request: Request, cls: type[T]) -> T:
@@ -178,7 +178,8 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
     serving = _served(state).completions
     body = await decode_request(request, ChatCompletionRequest)
     result = await unless_disconnected(request, serving.chat(
-        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope)))
+        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope),
+        tracestate=request.headers.get("tracestate")))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
@@ -187,7 +188,8 @@ async def completions(data: JSONBody[CompletionRequest], request: Request, state
     serving = _served(state).completions
     body = await decode_request(request, CompletionRequest)
     result = await unless_disconnected(request, serving.completions(
-        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope)))
+        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope),
+        tracestate=request.headers.get("tracestate")))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 

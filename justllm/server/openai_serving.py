@@ -719,14 +719,16 @@ class OpenAIServing:
         yield StreamEnd(self._with_reasoning(_usage(finals, n), thoughts), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,
-                   traceparent: str | None = None, request_id: str | None = None
-                   ) -> ChatCompletion | AsyncIterator[bytes]:
+                   traceparent: str | None = None, request_id: str | None = None,
+                   tracestate: str | None = None) -> ChatCompletion | AsyncIterator[bytes]:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
         ``resume``: each choice's first tokens, drawn by a PD prefill replica;
-        ``traceparent``: the client's trace context, for the records; ``request_id``: the
+        ``traceparent``, ``tracestate``: the client's trace context, for the records;
+        ``request_id``: the
         HTTP request's ``X-Request-Id``, logged beside the response id and recorded."""
         check_chat_request(req)
-        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent, request_id)
+        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent, request_id,
+                               tracestate)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, req.n,
                  req.stream, end_user(req.user, req.safety_identifier), request_id)
@@ -885,9 +887,10 @@ class OpenAIServing:
                 for p in prompts for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
-                          traceparent: str | None = None, request_id: str | None = None
+                          traceparent: str | None = None, request_id: str | None = None,
+                          tracestate: str | None = None
                           ) -> TextCompletion | AsyncIterator[bytes]:
-        """The OpenAI route; ``resume``, ``traceparent`` and ``request_id`` as for ``chat``."""
+        """The OpenAI route; the other arguments as for ``chat``."""
         check_stream_options(req)
         def ready() -> tuple[list[Job], list[PreparedRequest]]:
             jobs = self.completion_jobs(req)
@@ -898,7 +901,7 @@ class OpenAIServing:
                                  req.logprobs if req.echo else None, req.prompt_logprobs)
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
-                               request_id)
+                               request_id, tracestate)
         streams = self.submit(prepared, rid, origin)
         return await self._respond(streams, shape, req, req.n, rid, request_id)
 

@@ -225,10 +225,12 @@ async def decode(request: Request, state: State, path: FromQuery[str | None] = N
     serving = served.completions
 
     traceparent, rid = request.headers.get("traceparent"), request_id(request.scope)
+    tracestate = request.headers.get("tracestate")
 
     def serve(resume: list[Handover] | None) -> Any:
-        return serving.chat(req, resume, traceparent, rid) if isinstance(
-            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent, rid)
+        return serving.chat(req, resume, traceparent, rid, tracestate) if isinstance(
+            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent, rid,
+                                                                 tracestate)
 
     try:
         result = await unless_disconnected(request, serve(resume))

@@ -181,3 +181,4 @@ def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, m
     assert rec["request_id"] == r.json()["id"]
     assert (rec["api"], rec["stream"], rec["traceparent"]) == ("openai.chat", False,
                                                                 TRACEPARENT)
+    assert rec["tracestate"] == "vendor=1"  # (it was dropped)

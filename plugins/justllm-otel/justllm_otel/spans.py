@@ -81,11 +81,14 @@ def operation(record: RequestRecord) -> str:
 
 
 def client_context(record: RequestRecord) -> Context:
-    """The client's trace context from the request's traceparent header, else a fresh one."""
+    """The client's trace context from the request's traceparent (and tracestate) headers,
+    else a fresh one."""
     if not record.traceparent:
         return Context()
-    return TraceContextTextMapPropagator().extract({"traceparent": record.traceparent},
-                                                   context=Context())
+    carrier = {"traceparent": record.traceparent}
+    if getattr(record, "tracestate", None):  # (records of a justllm before it had it)
+        carrier["tracestate"] = record.tracestate
+    return TraceContextTextMapPropagator().extract(carrier, context=Context())
 
 
 def phase_offsets(record: RequestRecord) -> Iterator[tuple[str, float, float]]:

@@ -223,7 +223,7 @@ TRACEPARENT = f"00-{TRACE_ID}-{SPAN_ID}-01"
 
 def test_a_request_with_a_traceparent_continues_the_clients_trace(exporter):
     justllm_otel.plugin.on_request_finished(record=a_record(
-        api="openai.chat", stream=True, traceparent=TRACEPARENT))
+        api="openai.chat", stream=True, traceparent=TRACEPARENT, tracestate="vendor=1,b=2"))
     justllm_otel.plugin.on_request_finished(record=a_record(
         request_id="req-y", api="openai.completions", stream=False, traceparent="00-nonsense"))
     spans = finished_spans(exporter)
@@ -235,6 +235,8 @@ def test_a_request_with_a_traceparent_continues_the_clients_trace(exporter):
     assert format(chat.context.trace_id, "032x") == TRACE_ID  # the client's trace
     assert chat.parent is not None and format(chat.parent.span_id, "016x") == SPAN_ID
     assert chat.parent.is_remote
+    # the client's tracestate goes on with its trace (it was dropped)
+    assert dict(chat.context.trace_state) == {"vendor": "1", "b": "2"}
     check_phases(spans, chat, list(PHASES))
     # A traceparent that does not parse: a trace of its own.
     plain = next(s for s in spans if s.attributes.get("gen_ai.response.id") == "req-y")
