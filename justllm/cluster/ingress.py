@@ -31,6 +31,7 @@ model id, and the replica loads the adapter first if it does not hold it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import Counter
@@ -94,6 +95,9 @@ class Ingress:
     # to its base model's deployment under that name (the replica applies the adapter).
     adapters: frozenset[str] = frozenset()
     runtime: RuntimeAdapters = field(default_factory=RuntimeAdapters)
+    # Run-time loads and unloads take turns (as router mode's do): two loads of one name
+    # both said "added", and an unload beside a load was a 404 with the name loaded after
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Per model, how many adapters models.yaml gives it: ids below that are the same on every
     # replica (gateway/policy.unstable_lora_id).
     fixed_lora: dict[str, int] = field(default_factory=dict)

@@ -139,6 +139,11 @@ async def load_lora_adapter(request: Request, state: State) -> Response:
 
     ing = _ingress(state)
     req = await decode_request(request, GatewayLoadLora)
+    async with ing.lora_lock:
+        return await _load(ing, req)
+
+
+async def _load(ing: Any, req: GatewayLoadLora) -> Response:
     name = checked_name(req.lora_name)
     model = ing.model(req.model, False)
     if model not in ing.runtime.models:
@@ -180,9 +185,10 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
     ing = _ingress(state)
     req = await decode_request(request, UnloadLoraRequest)
     name = req.lora_name
-    if ing.runtime.unload(name) is None:
-        raise not_loaded_at_run_time(name, name in ing.adapters, "cluster.yaml")
-    await _publish(ing)  # no request is routed to it from now on; replicas drop it
+    async with ing.lora_lock:
+        if ing.runtime.unload(name) is None:
+            raise not_loaded_at_run_time(name, name in ing.adapters, "cluster.yaml")
+        await _publish(ing)  # no request is routed to it from now on; replicas drop it
     log.info("LoRA adapter %s unloaded", name)
     return success(name, "removed")
 

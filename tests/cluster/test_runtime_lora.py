@@ -6,6 +6,7 @@ The real thing, on a real Ray cluster: tests/cluster/test_ray_cluster.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -58,6 +59,7 @@ class Handle:
         return Answer(JSON, b"{}")
 
     async def _load(self, name: str, path: str) -> str:
+        await asyncio.sleep(0.05)  # a replica's load takes a while: another request can come
         if self.fail:
             raise RuntimeError("the replica died")
         self.loads.append((name, path, self.opts["multiplexed_model_id"]))
@@ -218,3 +220,35 @@ def test_the_lora_field_may_name_one_runtime_adapter():
     assert by_field["body"]["model"] == "demo" and by_field["body"]["lora"] == [
         {"name": "poet", "scale": 0.5}]
     assert by_both["model_id"] == pirate.key and by_both["body"]["model"] == "pirate"
+
+
+def test_loads_and_unloads_at_once_take_turns():
+    """Two loads of one name both said "added" (one file won, by chance); an unload beside a
+    load was a 404 and the name was loaded after it."""
+    import httpx
+
+    from justllm.cluster.ingress import create_ingress
+
+    async def main() -> None:
+        board = Board()
+        ingress = Ingress({"demo": Handle()}, {"demo": "demo"}, board,
+                          runtime=RuntimeAdapters(frozenset({"demo"})))
+        # (httpx's ASGI transport runs requests at once; Litestar's test client one by one)
+        transport = httpx.ASGITransport(app=create_ingress(ingress))
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as c:
+            def load(path: str):
+                return c.post("/v1/load_lora_adapter", json={
+                    "lora_name": "x", "lora_path": path, "model": "demo"})
+
+            a, b = await asyncio.gather(load("/a.gguf"), load("/b.gguf"))
+            assert sorted([a.status_code, b.status_code]) == [200, 400], (a.text, b.text)
+            winner = "/a.gguf" if a.status_code == 200 else "/b.gguf"
+            assert ingress.runtime.loaded["x"].path == winner
+            on, off = await asyncio.gather(
+                c.post("/v1/load_lora_adapter", json={
+                    "lora_name": "y", "lora_path": "/y.gguf", "model": "demo"}),
+                c.post("/v1/unload_lora_adapter", json={"lora_name": "y"}))
+            assert on.status_code == 200 and off.status_code == 200, (on.text, off.text)
+            assert "y" not in ingress.runtime.loaded
+
+    asyncio.run(main())
