@@ -48,10 +48,12 @@ from litestar.response import Stream
 from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from justllm import __version__
 from justllm.cluster import lora as runtime_lora
 from justllm.cluster.asgi import Head, forwardable
 from justllm.cluster.lora import RuntimeAdapters
 from justllm.cluster.metrics import render
+from justllm.gateway.app import NEVER, iso_time, ollama_root, ollama_root_head
 from justllm.gateway.policy import (
     PD_PATHS,
     lora_request,
@@ -367,6 +369,21 @@ async def ollama_tags(state: State) -> dict:
                        for c in cards]}
 
 
+@get("/ps", summary="Ollama: the models with replicas up (a cluster does not unload them)")
+async def ollama_ps(state: State) -> dict:
+    ing = _ingress(state)
+    snapshot = await ing.board.snapshot.remote()
+    never = iso_time(time.time() + NEVER)  # (min-replicas 0: Ray scales to zero, no ttl)
+    return {"models": [{"name": f"{m}:latest", "model": f"{m}:latest", "size": 0,
+                        "digest": "", "details": {"format": "gguf"}, "expires_at": never,
+                        "size_vram": 0} for m in ing.handles if snapshot.get(m)]}
+
+
+@get("/version", summary="Ollama: the ingress's version (justllm's)")
+async def ollama_version() -> dict:
+    return {"version": __version__}
+
+
 @get("/props", summary="llama-server's /props: a model's with ?model=, else the cluster's")
 async def props(request: Request, model: FromQuery[str | None] = None) -> Any:
     if model is None:
@@ -451,13 +468,15 @@ def create_ingress(ingress: Ingress) -> Litestar:
     v1 = Router(path="/v1", route_handlers=[_route(p, s) for p, s in OPENAI + ANTHROPIC]
                 + [list_models, retrieve_model] + runtime_lora.ROUTES,
                 guards=[require_api_key])
-    api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA] + [ollama_tags],
+    api = Router(path="/api", route_handlers=[_route(p, s) for p, s in OLLAMA]
+                 + [ollama_tags, ollama_ps, ollama_version],
                  guards=[require_api_key], exception_handlers={Exception: ollama_error})
     tokens = Router(path="/", route_handlers=[_route(p, s, root=True)
                                               for p, s in TOKENS + LLAMA_SERVER]
                    + [props, slots, slot_action],
                     guards=[require_api_key])
-    return Litestar(route_handlers=[v1, api, tokens, health, metrics],
+    return Litestar(route_handlers=[v1, api, tokens, health, metrics, ollama_root,
+                                    ollama_root_head],
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
                     before_send=[drop_request_id], openapi_config=None, debug=False)

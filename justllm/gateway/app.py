@@ -572,7 +572,7 @@ def _tag(name: str) -> str:
 NEVER = 292 * 365 * 86400.0  # what /api/ps says of a model never unloaded: centuries ahead
 
 
-def _iso(t: float) -> str:
+def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -592,11 +592,11 @@ async def ollama_tags(state: State) -> dict:
     for s in sup.models.values():
         size, mtime = _file(s.spec.source) or (0, state["started"])
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
-                       "modified_at": _iso(mtime), "size": size, "digest": "",
+                       "modified_at": iso_time(mtime), "size": size, "digest": "",
                        "details": {"format": "gguf"}})
         # its LoRA adapters, as models made with Ollama's ADAPTER (a runner's /api/show has
         # the details)
-        models += [{"name": _tag(a), "model": _tag(a), "modified_at": _iso(mtime), "size": 0,
+        models += [{"name": _tag(a), "model": _tag(a), "modified_at": iso_time(mtime), "size": 0,
                     "digest": "", "details": {"format": "gguf", "parent_model": _tag(s.spec.name)}}
                    for a in s.adapters]
     return {"models": models}
@@ -615,7 +615,7 @@ async def ollama_ps(state: State) -> dict:
         size = (_file(s.spec.source) or (0, 0.0))[0]
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name), "size": size,
                        "digest": "", "details": {"format": "gguf"},
-                       "expires_at": _iso(expires), "size_vram": 0})
+                       "expires_at": iso_time(expires), "size_vram": 0})
     return {"models": models}
 
 

@@ -504,3 +504,21 @@ def test_a_deployment_that_failed_to_deploy_is_a_503_in_each_apis_shape():
     assert "failed to deploy" in r.json()["error"]["message"]
     assert ollama.status_code == 503 and "failed to deploy" in ollama.json()["error"]
     assert len(handle.calls) == 2  # not tried again: it cannot answer
+
+
+def test_ollamas_root_version_and_ps_answer_as_in_router_mode():
+    """GET /, HEAD /, /api/version and /api/ps were 404s: Ollama clients that check on
+    connect (ollama.Client.ps()) failed."""
+    from justllm import __version__
+
+    board = Board({"demo": {"r1": {"stats": {}, "page": "", "age": 0.1}}})
+    with client(Handle(), board=board) as c:
+        root, head = c.get("/"), c.head("/")
+        version, ps = c.get("/api/version"), c.get("/api/ps")
+    assert (root.status_code, root.text) == (200, "Ollama is running")
+    assert head.status_code == 200
+    assert version.json() == {"version": __version__}
+    (model,) = ps.json()["models"]
+    assert model["name"] == "demo:latest" and model["expires_at"] > "2100"
+    with client(Handle(), board=Board({})) as c:  # scaled to zero: nothing up
+        assert c.get("/api/ps").json() == {"models": []}
