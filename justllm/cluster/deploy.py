@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,6 +155,8 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
     deploy failed), is stopped again."""
     try:
         with connected(cluster):
+            if not serve_running():
+                _check_port_free(settings)
             try:
                 serve.start(http_options={"host": settings.host, "port": settings.port})
             except Exception as e:  # the port is taken, say (it was a traceback)
@@ -243,6 +246,30 @@ def serve_address() -> tuple[str, int]:
 
     config = _get_global_client().http_config
     return str(config.host), int(config.port)
+
+
+def serve_running() -> bool:
+    """Ray Serve runs on the connected cluster (its controller is up)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def _check_port_free(settings: ClusterSettings) -> None:
+    """Before Serve first starts on a cluster: nothing may listen on its address already.
+    Ray Serve's proxies bind with SO_REUSEPORT, so a port another cluster's Serve (or any
+    server that does the same) holds was shared without a word, the kernel splitting the
+    connections between the two."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(settings.host,
+                                                                      settings.host)
+    try:
+        with socket.create_connection((host, settings.port), timeout=1):
+            pass
+    except OSError:
+        return
+    raise JustLLMError(f"something already listens on {settings.host}:{settings.port} "
+                       "(another Ray cluster's Serve, or another server): Ray Serve would "
+                       "share the port with it; pick another --port")
 
 
 def _check_listening(settings: ClusterSettings) -> None:

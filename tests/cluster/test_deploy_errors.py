@@ -31,6 +31,7 @@ def ray_faked(monkeypatch):
         name: app_status(state) for name, state in apps.items()}))
     monkeypatch.setattr(d.serve, "delete", lambda name: apps.pop(name))
     monkeypatch.setattr(d, "serve_address", lambda: ("127.0.0.1", 8000))  # Ray Serve's default
+    monkeypatch.setattr(d, "serve_running", lambda: True)
     return apps, done
 
 
@@ -49,6 +50,26 @@ def test_a_port_in_use_is_one_error_line(ray_faked, monkeypatch):
     with pytest.raises(JustLLMError, match=r"cannot listen on 127.0.0.1:8000: .*Failed to bind"):
         d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD))
     assert ray_faked[1] == ["head stopped"]  # the head this deploy started: nothing on it
+
+
+def test_a_port_something_else_holds_is_refused_before_serve_starts(ray_faked, monkeypatch):
+    """Ray Serve's proxies bind with SO_REUSEPORT: a second cluster's Serve shared the port
+    with the first, the kernel splitting the connections between them."""
+    import socket
+
+    monkeypatch.setattr(d, "serve_running", lambda: False)
+    started: list[str] = []
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: started.append("serve"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(JustLLMError) as e:
+            d.deploy(None, ClusterSettings(port=port), None, d.Cluster(HEAD.address, HEAD))
+    assert str(e.value) == (f"something already listens on 127.0.0.1:{port} (another Ray "
+                            "cluster's Serve, or another server): Ray Serve would share the "
+                            "port with it; pick another --port")
+    assert started == [] and ray_faked[1] == ["head stopped"]
 
 
 def test_another_port_than_serve_listens_on_is_refused(ray_faked, monkeypatch):
