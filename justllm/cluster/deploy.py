@@ -40,6 +40,7 @@ from justllm.cluster.options import (
     model_options,
     model_roles,
     router_kwargs,
+    unplaceable,
 )
 from justllm.cluster.router import JustLLMRouter
 from justllm.config import EngineConfig
@@ -163,6 +164,13 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                 raise JustLLMError(f"Ray Serve cannot listen on {settings.host}:"
                                    f"{settings.port}: {cause(str(e))}") from None
             _check_listening(settings)
+            for name, needs in unplaceable(config, cluster_nodes()):
+                why = (f"{name}: a replica needs {_resources(needs)}, and no node of the "
+                       "cluster has that many")
+                if schedule_timeout:  # (0: a cluster whose autoscaler adds nodes)
+                    raise JustLLMError(f"the deploy failed: {why} (with --schedule-timeout 0, "
+                                       "a cluster that adds nodes may place it later)")
+                on_wait(f"{why}: requests for it wait until a node that has joins")
             try:
                 # Not serve.run: it waits without end for replicas no node can hold.
                 serve._run(build_app(config, settings, cluster, engine_config,
@@ -246,6 +254,16 @@ def serve_address() -> tuple[str, int]:
 
     config = _get_global_client().http_config
     return str(config.host), int(config.port)
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """Each live node's total resources (CPU, GPU, memory...)."""
+    return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def _resources(needs: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" + ("s" if k == "CPU" and v != 1 else "")
+                     for k, v in needs.items())
 
 
 def serve_running() -> bool:

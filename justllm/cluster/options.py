@@ -171,6 +171,24 @@ def model_options(spec: ModelSpec, role: str = "both") -> dict[str, Any]:
     return options
 
 
+def unplaceable(config: GatewayConfig, nodes: list[dict[str, float]]
+                ) -> list[tuple[str, dict[str, float]]]:
+    """The deployments whose replica no node of ``nodes`` (each node's total resources, as
+    ``ray.nodes()`` gives them) could ever hold, with what one replica needs. A model that
+    starts no replica at deploy (``min-replicas: 0``) deployed, and each request for it then
+    waited for a node without end."""
+    found = []
+    for spec in config.models:
+        for role in model_roles(spec):
+            options = model_options(spec, role)
+            actor = options["ray_actor_options"]
+            needs = {"CPU": float(actor["num_cpus"])} | (
+                {"GPU": float(actor["num_gpus"])} if actor["num_gpus"] else {})
+            if not any(all(node.get(k, 0.0) >= v for k, v in needs.items()) for node in nodes):
+                found.append((options["name"], needs))
+    return found
+
+
 def router_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """The model's routing options as the RequestRouter's ``initialize_state`` gets them
     (JSON, as Ray requires): RoutingConfig's fields by name. The cluster's router takes the

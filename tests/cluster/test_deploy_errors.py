@@ -32,6 +32,8 @@ def ray_faked(monkeypatch):
     monkeypatch.setattr(d.serve, "delete", lambda name: apps.pop(name))
     monkeypatch.setattr(d, "serve_address", lambda: ("127.0.0.1", 8000))  # Ray Serve's default
     monkeypatch.setattr(d, "serve_running", lambda: True)
+    monkeypatch.setattr(d, "cluster_nodes", lambda: [{"CPU": 2.0}])
+    monkeypatch.setattr(d, "unplaceable", lambda config, nodes: [])
     return apps, done
 
 
@@ -70,6 +72,42 @@ def test_a_port_something_else_holds_is_refused_before_serve_starts(ray_faked, m
                             "cluster's Serve, or another server): Ray Serve would share the "
                             "port with it; pick another --port")
     assert started == [] and ray_faked[1] == ["head stopped"]
+
+
+def test_a_replica_no_node_can_hold_is_refused_at_deploy_even_at_zero_replicas(
+        ray_faked, monkeypatch):
+    """A min-replicas 0 model whose replica fits on no node deployed "successfully", and each
+    request for it then waited for a node without end."""
+    from justllm.cluster.options import unplaceable
+    from justllm.gateway.config import load_config
+    from tests.cluster.test_options import FLAGS
+
+    config = load_config({"models": {
+        "small": {"source": "/m.gguf", "threads": 2},
+        "az": {"source": "/m.gguf", "threads": 4, "min-replicas": 0, "max-replicas": 1},
+        "gpu": {"source": "/m.gguf", "gpu": True}}}, FLAGS)
+    nodes = [{"CPU": 3.0, "memory": 1e9}, {"CPU": 2.0, "GPU": 1.0}]
+    assert unplaceable(config, nodes) == [("model-az", {"CPU": 4.0})]
+    assert unplaceable(config, [{"CPU": 8.0}]) == [("model-gpu", {"CPU": 1.0, "GPU": 1.0})]
+    monkeypatch.setattr(d, "unplaceable", unplaceable)
+    monkeypatch.setattr(d, "cluster_nodes", lambda: nodes)
+    ran: list[str] = []
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", lambda *a, **k: ran.append("deployed"))
+    with pytest.raises(JustLLMError) as e:
+        d.deploy(config, ClusterSettings(), None, d.Cluster(HEAD.address))
+    assert str(e.value) == ("the deploy failed: model-az: a replica needs 4 CPUs, and no node "
+                            "of the cluster has that many (with --schedule-timeout 0, a "
+                            "cluster that adds nodes may place it later)")
+    assert ran == []
+    # --schedule-timeout 0 (a cluster that adds nodes): said, and deployed
+    monkeypatch.setattr(d, "wait_running", lambda *a, **k: None)
+    said: list[str] = []
+    d.deploy(config, ClusterSettings(), None, d.Cluster(HEAD.address), schedule_timeout=0,
+             on_wait=said.append)
+    assert said == ["model-az: a replica needs 4 CPUs, and no node of the cluster has that "
+                    "many: requests for it wait until a node that has joins"]
+    assert ran == ["deployed"]
 
 
 def test_another_port_than_serve_listens_on_is_refused(ray_faked, monkeypatch):
