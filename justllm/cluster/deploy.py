@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -119,8 +120,12 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
     replicas and called there, so each resolves the model on its own node.
     ``request_router=None``: Ray's default router (power of two choices), for comparison."""
     url = settings.url
+    # Each deploy's own: the board (and with it the registry of LoRA adapters loaded at run
+    # time, which an ingress Ray restarts takes back) starts anew at a redeploy, as a
+    # restarted vLLM server forgets its runtime loads.
+    deploy_id = secrets.token_hex(4)
     board = deployments.BOARD.options(name=BOARD).bind(
-        {"url": url, "address": cluster.address, "app": settings.app})
+        {"url": url, "address": cluster.address, "app": settings.app, "deploy": deploy_id})
     handles = {}
     prefill = {}  # a PD model's prefill deployment, and its prefill-min-tokens
     for spec in config.models:
@@ -142,7 +147,7 @@ def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster
         handles, dict(config.names), board, settings.api_key, prefill,
         frozenset(a for m in config.models for a in m.adapters),
         frozenset(m.name for m in config.models if m.lora_runtime),
-        {m.name: len(m.adapters) for m in config.models})
+        {m.name: len(m.adapters) for m in config.models}, deploy_id)
 
 
 def deploy(config: GatewayConfig, settings: ClusterSettings,

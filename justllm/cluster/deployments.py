@@ -235,6 +235,7 @@ class StatsBoard:
         self.info = info
         self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # model -> replica -> row
         self._runtime: dict[str, list[str]] | None = None  # model -> current adapter keys
+        self._entries: list[dict[str, str]] = []  # the loaded adapters (RuntimeAdapter fields)
 
     async def report(self, stats: dict[str, Any], page: str) -> list[str] | None:
         """Take a replica's report; answer the keys of the LoRA adapters loaded at run time
@@ -245,9 +246,15 @@ class StatsBoard:
             return None
         return self._runtime.get(stats["model"], [])
 
-    async def set_runtime(self, current: dict[str, list[str]]) -> None:
-        """The ingress's registry of LoRA adapters loaded at run time, model -> keys."""
+    async def set_runtime(self, current: dict[str, list[str]],
+                          entries: list[dict[str, str]] | None = None) -> None:
+        """The ingress's registry of LoRA adapters loaded at run time: model -> keys, and the
+        loaded adapters themselves, which an ingress Ray restarts takes back."""
         self._runtime = current
+        self._entries = entries or []
+
+    async def runtime_entries(self) -> list[dict[str, str]]:
+        return self._entries
 
     async def forget(self, model: str, replica: str) -> None:
         self._rows.get(model, {}).pop(replica, None)
@@ -275,7 +282,9 @@ class ClusterIngress:
                  prefill: dict[str, tuple[DeploymentHandle, int]] | None = None,
                  adapters: frozenset[str] = frozenset(),
                  lora_runtime: frozenset[str] = frozenset(),
-                 fixed_lora: dict[str, int] | None = None) -> None:
+                 fixed_lora: dict[str, int] | None = None, deploy_id: str = "") -> None:
+        """``deploy_id``: the deploy's own (unused here: a redeploy changes it, so the
+        ingress starts anew with the new board rather than keep its registry)."""
         self.ingress = Ingress(handles, names, board, api_key, prefill=prefill or {},
                                adapters=adapters, runtime=RuntimeAdapters(lora_runtime),
                                fixed_lora=fixed_lora or {})

@@ -475,8 +475,11 @@ def create_ingress(ingress: Ingress) -> Litestar:
                                               for p, s in TOKENS + LLAMA_SERVER]
                    + [props, slots, slot_action],
                     guards=[require_api_key])
+    async def restore(app: Litestar) -> None:
+        await runtime_lora.restore_runtime(app.state["ingress"])
+
     return Litestar(route_handlers=[v1, api, tokens, health, metrics, ollama_root,
-                                    ollama_root_head],
+                                    ollama_root_head], on_startup=[restore],
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
                     before_send=[drop_request_id], openapi_config=None, debug=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import count
 from typing import Any
 
@@ -106,6 +106,21 @@ class RuntimeAdapters:
                 f"time (named: {', '.join(a.name for a in found)})", param="lora")
         return found[0] if found else None
 
+    def entries(self) -> list[dict[str, str]]:
+        """The loaded adapters as plain data, for the board to keep across ingress restarts."""
+        return [asdict(a) for a in self.loaded.values()]
+
+    def restore(self, entries: list[dict[str, str]] | None) -> None:
+        """The loaded adapters an earlier ingress kept on the board (Ray restarted this one: a
+        crash, a lost node), those of models that still take run-time loads; new keys go on
+        from the highest version seen, so none is reused."""
+        for e in entries or ():
+            if e["model"] in self.models and e["name"] not in self.loaded:
+                self.loaded[e["name"]] = RuntimeAdapter(**e)
+        versions = [int(a.key.rpartition("@")[2]) for a in self.loaded.values()
+                    if a.key.rpartition("@")[2].isdigit()]
+        self._versions = count(max(versions, default=0) + 1)
+
     def current(self) -> dict[str, list[str]]:
         """model -> the keys its replicas may keep (loaded and pending), for the board."""
         found: dict[str, list[str]] = {m: [] for m in self.models}
@@ -129,7 +144,16 @@ def _ingress(state: State) -> Any:
 
 
 async def _publish(ing: Any) -> None:
-    await ing.board.set_runtime.remote(ing.runtime.current())
+    await ing.board.set_runtime.remote(ing.runtime.current(), ing.runtime.entries())
+
+
+async def restore_runtime(ing: Any) -> None:
+    """At the ingress's start: the registry the board kept (a restarted ingress forgot every
+    adapter loaded at run time, while the replicas kept them, unroutable), published back."""
+    entries = await ing.board.runtime_entries.remote()
+    ing.runtime.restore(entries)
+    if entries:
+        await _publish(ing)
 
 
 @post("/load_lora_adapter", status_code=200,

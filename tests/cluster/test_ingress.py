@@ -69,10 +69,16 @@ class Handle:
 class Board:
     def __init__(self, snapshot: dict) -> None:
         self.snapshot = self
+        self.runtime_entries = _Entries()
         self.rows = snapshot
 
     async def remote(self) -> dict:
         return self.rows
+
+
+class _Entries:
+    async def remote(self) -> list:  # no LoRA adapter loaded at run time
+        return []
 
 
 def client(handle: Handle, api_key: str | None = None, board: Board | None = None

@@ -52,6 +52,15 @@ ray.shutdown()
 """
 
 
+INGRESS_KILLER = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+(name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("SERVE_REPLICA::justllm#ingress#")]
+ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+ray.shutdown()
+"""
+
 STORY = "Once upon a time there was a lighthouse keeper who counted the waves every night. "
 PD_KILLER = """
 import sys, ray
@@ -359,6 +368,21 @@ def test_a_lora_adapter_loaded_at_run_time_is_multiplexed_onto_the_replicas(depl
     assert abs(replaced - tuned[0]) > 0.08 and abs(replaced - base) > 0.08, (base, tuned,
                                                                              replaced)
     assert answer("demo") == base  # the base model is untouched by any of it
+    # The ingress dies and Serve starts another: it takes the registry back from the board
+    # (a restarted ingress forgot every adapter, while the replicas kept them)
+    done = subprocess.run([sys.executable, "-c", INGRESS_KILLER, deployed.head.address],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    def keeper_listed() -> bool:
+        try:
+            models = httpx.get(url + "/v1/models", timeout=5).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return "keeper" in {m["id"] for m in models}
+
+    wait_for("the new ingress to list the adapter", keeper_listed, 90)
+    assert abs(answer("keeper") - replaced) < 0.05
 
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "keeper"}, timeout=60)
     assert r.status_code == 200

@@ -72,17 +72,23 @@ class _Method:
 
 
 class Board:
-    def __init__(self) -> None:
+    def __init__(self, entries: list[dict] | None = None) -> None:
         self.runtime: list[dict] = []
+        self.entries = entries or []
         self.set_runtime = _Method(self._set)
+        self.runtime_entries = _Method(self._entries)
 
-    async def _set(self, current: dict) -> None:
+    async def _set(self, current: dict, entries: list[dict] | None = None) -> None:
         self.runtime.append(current)
+        self.entries = entries or []
+
+    async def _entries(self) -> list[dict]:
+        return self.entries
 
 
-def cluster(handle: Handle, runtime: frozenset[str] = frozenset({"demo"})
-            ) -> tuple[TestClient, Ingress, Board]:
-    board = Board()
+def cluster(handle: Handle, runtime: frozenset[str] = frozenset({"demo"}),
+            board: Board | None = None) -> tuple[TestClient, Ingress, Board]:
+    board = board or Board()
     ingress = Ingress({"demo": handle, "other": Handle()},
                       {"demo": "demo", "other": "other", "sql": "demo"}, board,
                       adapters=frozenset({"sql"}), runtime=RuntimeAdapters(runtime))
@@ -252,3 +258,31 @@ def test_loads_and_unloads_at_once_take_turns():
             assert "y" not in ingress.runtime.loaded
 
     asyncio.run(main())
+
+
+def test_a_restarted_ingress_takes_the_registry_back_from_the_board():
+    """Ray restarts a crashed ingress: it forgot every adapter loaded at run time (a 404 for
+    each) while the replicas kept them."""
+    first = Board()
+    c, ingress, _ = cluster(Handle(), board=first)
+    with c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "pirate",
+                                                  "lora_path": "/ad/p.gguf", "model": "demo"})
+        assert r.status_code == 200, r.text
+    key = ingress.runtime.loaded["pirate"].key
+    # the new ingress, on the same board (the board is its own deployment: it lives on)
+    handle = Handle()
+    c, again, board = cluster(handle, board=first)
+    with c:
+        r = c.post("/v1/completions", json={"model": "pirate", "prompt": "x"})
+        assert r.status_code == 200, r.text
+        assert handle.calls[-1]["model_id"] == key
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "sailor",
+                                                  "lora_path": "/ad/s.gguf", "model": "demo"})
+    assert again.runtime.loaded["sailor"].key != key  # keys go on: none is reused
+    assert sorted(e["name"] for e in board.entries) == ["pirate", "sailor"]
+    # a model that no longer takes run-time loads (redeployed without): not restored
+    c, other, _ = cluster(Handle(), runtime=frozenset(), board=Board(list(board.entries)))
+    with c:
+        pass
+    assert other.runtime.loaded == {}
