@@ -125,7 +125,7 @@ class Ingress:
                     self.runtime.loaded[bare].model if bare in self.runtime.loaded else None)
         if found is not None:
             return found
-        known = ", ".join(self.names)
+        known = ", ".join([*self.names, *self.runtime.loaded])  # (as router mode's 404)
         if ollama:
             raise APIError(404 if name else 400, f'model "{name}" not found' if name
                            else "model is required", param="model")

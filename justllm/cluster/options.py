@@ -59,6 +59,9 @@ class ClusterSettings:
                              f"{self.route_prefix!r})")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+        if not self.host.strip():  # (as `serve` refuses it: Ray's proxies took it as any)
+            raise ValueError("--host is empty: give the address Ray Serve's proxies listen on "
+                             "(127.0.0.1, the default, or 0.0.0.0 for every interface)")
 
     @property
     def url(self) -> str:

@@ -131,6 +131,8 @@ def test_cluster_settings_are_checked():
         ClusterSettings(app="my app")
     with pytest.raises(ValueError, match="--port"):
         ClusterSettings(port=0)
+    with pytest.raises(ValueError, match="--host is empty"):  # (it was taken)
+        ClusterSettings(host=" ")
     for prefix in ("team", "/team/", "/a b", "/{x}", "//", ""):
         with pytest.raises(ValueError, match="--route-prefix"):
             ClusterSettings(route_prefix=prefix)

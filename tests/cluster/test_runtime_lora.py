@@ -125,6 +125,9 @@ def test_a_loaded_adapter_is_a_model_served_by_its_base_models_replicas():
         key = ingress.runtime.loaded["pirate"].key
         assert handle.loads == [("pirate", "/ad/p.gguf", key)]  # checked on one replica
         assert board.runtime[-1] == {"demo": [key]}
+        r = c.post("/v1/completions", json={"model": "nope", "prompt": "x"})  # (as router
+        assert r.json()["error"]["message"].endswith(  # mode's, with run-time adapters)
+            "this cluster has: demo, other, sql, pirate"), r.text
         r = c.post("/v1/completions", json={"model": "pirate", "prompt": "x"})
         assert r.status_code == 200
         assert c.post("/v1/completions", json={"model": "demo", "prompt": "x"}).status_code == 200
