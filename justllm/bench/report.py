@@ -32,7 +32,9 @@ def _stats(prefix: str, values_s: list[float]) -> dict[str, float | None]:
 
 
 def _delta(run: RunResult, name: str) -> float | None:
-    if name not in run.metrics_after:
+    """``name``'s increase over the run; None without both scrapes (a failed first one made
+    the server's lifetime count this run's)."""
+    if name not in run.metrics_after or not run.metrics_before:
         return None
     return run.metrics_after[name] - run.metrics_before.get(name, 0.0)
 

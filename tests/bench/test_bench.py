@@ -301,3 +301,16 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_failed_first_scrape_reports_no_cache_figures():
+    """/metrics unanswered before the run and answered after: the server's lifetime hits
+    were reported as this run's."""
+    from justllm.bench.report import summarize
+    from justllm.bench.runner import RequestResult, RunResult
+
+    after = {"justllm_prefix_cache_hits_total": 900.0, "justllm_prefix_cache_misses_total": 100.0}
+    ok = [RequestResult(ok=True, prompt_tokens=3, output_tokens=2, ttft=0.1, e2e=0.2)]
+    assert summarize(RunResult("u", 1.0, ok, {}, after))["prefix_cache_hit_ratio"] is None
+    before = {"justllm_prefix_cache_hits_total": 890.0, "justllm_prefix_cache_misses_total": 90.0}
+    assert summarize(RunResult("u", 1.0, ok, before, after))["prefix_cache_hit_ratio"] == 0.5
