@@ -282,12 +282,17 @@ def log_record(record: RequestRecord, environ: Mapping[str, str] | None = None) 
         w.conn, w.path = connect(path), path
     try:
         w.conn.execute(_INSERT, row_of(record))
-        w.inserts += 1
-        if w.inserts % PRUNE_EVERY == 1:
-            prune(w.conn, Retention.from_env(environ))
     except sqlite3.Error as e:
         w.drop()
         raise RequestLogError(f"cannot write to the request log {path}: {e}") from e
+    w.inserts += 1
+    if w.inserts % PRUNE_EVERY == 1:
+        try:
+            prune(w.conn, Retention.from_env(environ))
+        except sqlite3.Error as e:  # (the row is written: it said "cannot write")
+            w.drop()
+            raise RequestLogError(f"the request was logged, but the retention limits could "
+                                  f"not be applied to {path}: {e}") from e
 
 
 def prune(conn: sqlite3.Connection, retention: Retention, now: float | None = None) -> int:

@@ -478,3 +478,17 @@ def test_bad_retention_setting_keeps_the_row_and_says_so(db: Path,
         store.Retention.from_env()
     done = history("--prune")
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_a_retention_failure_says_the_row_was_written(db: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prune that met a locked database said "cannot write", though the row was in."""
+    def locked(*args: Any, **kwargs: Any) -> int:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(store, "prune", locked)
+    monkeypatch.setattr(store._writer, "inserts", 0)  # the next insert prunes
+    with pytest.raises(store.RequestLogError, match="the request was logged, but the "
+                                                     "retention limits could not be applied"):
+        on_request_finished(record(7))
+    assert [r["request_id"] for r in rows(db)] == ["r7"]
