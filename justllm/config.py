@@ -374,6 +374,17 @@ class EngineConfig:
             raise ValueError(f"branch must be in [1, 4] (got {self.branch})")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
+        # Speculation's settings without the method they set (each was taken and did nothing;
+        # a request's speculative.p_min on an n-gram server was already a 400).
+        method, fields = self.spec_method, type(self).__dataclass_fields__
+        for name, flag, given, meant in (
+                ("gamma", "--gamma", method is not None, "--spec"),
+                ("branch", "--branch", method is not None and method.tree, "--spec tree"),
+                ("draft_p_min", "--draft-p-min", method is not None and method.draft_model,
+                 "--spec draft or tree: a draft model's cut-off")):
+            if getattr(self, name) != fields[name].default and not given:
+                raise ValueError(f"{flag} is for {meant}, not "
+                                 f"{'--spec ' + self.spec if self.spec else 'no --spec'}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str)
                                                or not self.chat_template.strip()):
             raise ValueError("chat_template must be a template name or a file path")

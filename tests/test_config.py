@@ -48,6 +48,25 @@ def test_a_draft_model_alone_means_draft_speculation_and_is_refused_where_nothin
             EngineConfig(model=model_path, spec=spec, draft_model=model_path)
 
 
+@pytest.mark.parametrize("given, says", [
+    (dict(gamma=8), "--gamma is for --spec, not no --spec"),
+    (dict(spec="ngram", branch=3), "--branch is for --spec tree, not --spec ngram"),
+    (dict(spec="draft", draft_model="d.gguf", branch=3), "--branch is for --spec tree"),
+    (dict(spec="ngram", draft_p_min=0.5), "--draft-p-min is for --spec draft or tree"),
+    (dict(draft_p_min=0.5), "--draft-p-min is for --spec draft or tree")])
+def test_speculation_settings_without_their_method_are_refused(given, says):
+    """Each was taken and did nothing."""
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(model="m.gguf", **given)
+
+
+def test_speculation_settings_with_their_method_are_taken():
+    c = EngineConfig(model="m.gguf", spec="tree", draft_model="d.gguf", gamma=6, branch=3,
+                     draft_p_min=0.2)
+    assert (c.gamma, c.branch, c.draft_p_min) == (6, 3, 0.2)
+    assert EngineConfig(model="m.gguf", spec="ngram", gamma=2).gamma == 2
+
+
 def test_more_threads_than_cores_is_said(model_path, capsys):
     """--threads 1000 on 2 cores ran at 0.4 tok/s without a word."""
     from justllm.cli.options import engine_config

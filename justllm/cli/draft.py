@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Annotated, Optional
 
@@ -32,23 +33,18 @@ def make(
         from justllm.cli.models import _size
         from justllm.cli.plugins import plugins_of
         from justllm.models.draft import default_draft_path, make_draft
-        from justllm.models.quantize import check_output_option
+        from justllm.models.quantize import check_output_option, made_folder
 
         check_output_option(output)
         src = Path(plugins_of(context).resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
-        made = None
+        folder: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if output and (dst.is_dir() or output.endswith(("/", os.sep))):
-            if not dst.is_dir():  # -o DIR/ makes DIR, as quantize does
-                made = dst
-                dst.mkdir(parents=True)
+            # -o DIR/ makes DIR (and its parents), as quantize does; a failure removes them
+            folder = made_folder(dst)
             dst = default_draft_path(src, layers, dst)  # -o DIR/: the default name there
-        try:
+        with folder:
             info = make_draft(src, dst, layers, force=force)
-        except BaseException:
-            if made is not None and not any(made.iterdir()):
-                made.rmdir()  # nothing written: no empty directory left behind
-            raise
         Console(emoji=False).print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
             f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)

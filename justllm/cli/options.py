@@ -69,7 +69,7 @@ ChatTemplateChoice = Annotated[Optional[str], typer.Option("--chat-template", me
 Lora = Annotated[Optional[list[str]], typer.Option("--lora", metavar="NAME=PATH[:SCALE]", help="A LoRA adapter GGUF (llama.cpp's format) to load with the model; repeatable. Clients choose it by NAME as their `model` (or in a request's `lora` field); SCALE defaults to 1.", envvar="JUSTLLM_LORA")]
 EnableLoraRuntime = Annotated[bool, typer.Option("--enable-lora-runtime", help="Let clients load and unload LoRA adapters at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).", envvar="JUSTLLM_ENABLE_LORA_RUNTIME")]
 LoraMaxSteps = Annotated[int, typer.Option("--lora-max-steps", help="Consecutive steps one adapter set may take while requests of another wait (llama.cpp applies adapters per context, so each step serves one set).", envvar="JUSTLLM_LORA_MAX_STEPS")]
-DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="Stop a draft where the draft model's top token is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
+DraftPMin = Annotated[float, typer.Option("--draft-p-min", help="--spec draft or tree: stop a draft where the token the draft model drafts (its top token; with temperature, the one it samples) is less likely than this (0: never).", envvar="JUSTLLM_DRAFT_P_MIN")]
 
 _D = EngineConfig()
 

@@ -138,28 +138,30 @@ class DraftModelProposer:
         frontier: list[tuple[int, int]] = [(j, -1) for j in range(len(jobs))]  # (job, node)
         rows = {(j, -1): roots[j] for j in range(len(jobs))}
         temps: list[int] = []
-        depth = 0
-        while frontier:
-            depth += 1
-            grown: list[tuple[int, int]] = []
-            for j, n in frontier:
-                w, slot = jobs[j]
-                grown += self._children(j, n, rows[(j, n)], w, slot, nodes[j], depth, temps)
-            rows = {}
-            frontier = []
-            to_decode = [(j, n) for j, n in grown if depth < jobs[j][0].k]
-            if to_decode:
-                out = self._decode([(nodes[j][n].token, nodes[j][n].pos, nodes[j][n].seq)
-                                    for j, n in to_decode])
-                for i, key in enumerate(to_decode):
-                    rows[key] = out[i]
-                    j, n = key
-                    if nodes[j][n].seq == jobs[j][1].seq:  # the first branch stays cached
-                        jobs[j][1].tokens.append(nodes[j][n].token)
-                frontier = to_decode
-        for seq in temps:
-            self.backend.seq_rm(seq)
-            self._temp_seqs.append(seq)
+        try:
+            depth = 0
+            while frontier:
+                depth += 1
+                grown: list[tuple[int, int]] = []
+                for j, n in frontier:
+                    w, slot = jobs[j]
+                    grown += self._children(j, n, rows[(j, n)], w, slot, nodes[j], depth, temps)
+                rows = {}
+                frontier = []
+                to_decode = [(j, n) for j, n in grown if depth < jobs[j][0].k]
+                if to_decode:
+                    out = self._decode([(nodes[j][n].token, nodes[j][n].pos, nodes[j][n].seq)
+                                        for j, n in to_decode])
+                    for i, key in enumerate(to_decode):
+                        rows[key] = out[i]
+                        j, n = key
+                        if nodes[j][n].seq == jobs[j][1].seq:  # the first branch stays cached
+                            jobs[j][1].tokens.append(nodes[j][n].token)
+                    frontier = to_decode
+            for seq in temps:
+                self.backend.seq_rm(seq)
+        finally:  # (a draft that failed kept them: trees became chains for good)
+            self._temp_seqs.extend(temps)
         out_trees = {}
         for (w, _slot), ns in zip(jobs, nodes):
             if ns:
@@ -269,6 +271,13 @@ class DraftModelProposer:
     def _decode(self, items: list[tuple[int, int, int]], logits: list[bool] | None = None
                 ) -> list[np.ndarray]:
         b = self.backend
+        n_batch = b.config.n_batch
+        if len(items) > n_batch:  # (a level of many requests' drafts: the batch's size)
+            flags = [True] * len(items) if logits is None else logits
+            parts: list[np.ndarray] = []
+            for s in range(0, len(items), n_batch):
+                parts += self._decode(items[s:s + n_batch], flags[s:s + n_batch])
+            return parts
         n = len(items)
         toks, pos, seqs = zip(*items)
         b.batch_tokens[:n] = toks

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from justllm.core.plan import DraftTree
 from justllm.core.request import Request
 from justllm.core.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class SpecController:
     def __init__(self, proposer: Proposer, *, gamma: int, max_nodes: int, p_min: float,
                  n_vocab: int) -> None:
         self.proposer = proposer
+        self._trusted = type(proposer).__module__.startswith("justllm.")  # (not a plugin's)
         self.n_vocab = n_vocab
         self.failures = 0  # proposer calls that raised or gave something unusable
         self.gamma = gamma
@@ -62,10 +65,12 @@ class SpecController:
     def check(self, params: SamplingParams) -> None:
         """Refuse a request's speculation fields that this server cannot honour (they were
         capped, or ignored, without a word)."""
-        if params.spec_n_max is not None and params.spec_n_max > self.max_nodes:
+        # (against --gamma: a tree's node count let a request ask for a tree far deeper than
+        # the server drafts, whose every draft was then thrown away)
+        if params.spec_n_max is not None and params.spec_n_max > self.gamma:
             raise InvalidRequestError(
-                f"speculative.n_max: at most {self.max_nodes} draft tokens on this server "
-                f"(got {params.spec_n_max})", param="speculative.n_max")
+                f"speculative.n_max: at most {self.gamma} draft tokens on this server (its "
+                f"--gamma; got {params.spec_n_max})", param="speculative.n_max")
         if params.spec_p_min is not None and not getattr(self.proposer, "uses_p_min", False):
             raise InvalidRequestError(
                 "speculative.p_min is a draft model's cut-off: this server's speculation has "
@@ -75,8 +80,7 @@ class SpecController:
         """A new request: give it a window unless it turned speculation off."""
         n_max = self.gamma if params.spec_n_max is None else params.spec_n_max
         if n_max > 0:
-            self._windows[request_id] = SpecWindow(min(n_max, self.max_nodes), self._recent,
-                                                   step)
+            self._windows[request_id] = SpecWindow(min(n_max, self.gamma), self._recent, step)
 
     def release(self, request_id: str) -> None:
         self._windows.pop(request_id, None)
@@ -131,10 +135,24 @@ class SpecController:
         if len(draft.parents) != len(draft.tokens) or not all(
                 isinstance(p, int) and -1 <= p < i for i, p in enumerate(draft.parents)):
             return False
-        if draft.q is not None and len(draft.q) != len(draft.tokens):  # type: ignore[arg-type]
+        if draft.q is not None and not self._sound_q(draft.q, len(draft.tokens)):
             return False
         return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.n_vocab
                    for t in draft.tokens)
+
+    def _sound_q(self, q: object, rows: int) -> bool:
+        """Probability rows a verification can use: one per node, each over the vocabulary,
+        finite and not negative (a narrow row was an IndexError, a NaN one drew a token past
+        the vocabulary: either failed every request of the step). The values are read only
+        for a plugin's proposer: justllm's own gives softmax rows, and reading rows as wide
+        as the vocabulary at every step would cost a sampled draft much of its gain."""
+        if isinstance(q, np.ndarray) and self._trusted:
+            return q.shape == (rows, self.n_vocab)
+        try:
+            a = np.asarray(q, dtype=np.float64)
+        except (TypeError, ValueError):
+            return False
+        return a.shape == (rows, self.n_vocab) and bool(np.isfinite(a).all() and (a >= 0).all())
 
     def _failed(self, why: str) -> None:
         self.failures += 1

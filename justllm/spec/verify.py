@@ -68,4 +68,7 @@ def accept_or_resample(p: np.ndarray, d: int, q: np.ndarray | None,
     total = residual.sum()
     if total <= 0:  # p == q: any draw from p is right
         residual, total = np.asarray(p, dtype=np.float64), float(np.sum(p))
-    return int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right"))
+    # (the cumulative sum's last entry can fall a rounding short of ``total``: a draw past it
+    # would be the token after the vocabulary's last)
+    return min(int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right")),
+               len(residual) - 1)

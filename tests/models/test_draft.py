@@ -278,6 +278,11 @@ def test_cli_layers_out_of_range(tiny, tmp_path, layers, message):
     result = runner.invoke(app, ["draft", "make", str(tiny), "-l", layers, "-o", str(out)])
     assert one_line_error(result) == message
     assert list(tmp_path.iterdir()) == [tiny]
+    # -o into folders made for it: all removed again (a/b was left of a/b/c/)
+    result = runner.invoke(app, ["draft", "make", str(tiny), "-l", layers, "-o",
+                                 f"{tmp_path / 'a' / 'b' / 'c'}/"])
+    assert one_line_error(result) == message
+    assert list(tmp_path.iterdir()) == [tiny]
 
 
 def test_cli_not_a_gguf_and_missing_model(tmp_path):

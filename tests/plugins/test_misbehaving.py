@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from litestar import get, post
 from litestar.testing import TestClient
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 
 from justllm.core.plan import DraftTree
 from justllm.core.sampling_params import SamplingParams
+from justllm.errors import InvalidRequestError
 from justllm.gateway.routing import Decision, Policy, ReplicaLoad, RouteRequest
 from justllm.plugins import hookimpl, load_plugins
 from justllm.plugins.events import RequestEvents
@@ -308,6 +310,13 @@ def wants(*ids: str) -> list[DraftRequest]:
       "r4": [5, 6],  # not a DraftTree
       "r5": DraftTree((5, 6), (-1, 1)),  # its own parent
       "r6": DraftTree.chain(list(range(50)))}, {"r1"}),  # deeper than r6 may go
+    # probability rows a verification cannot use (an IndexError, or a token past the
+    # vocabulary drawn from NaNs: both failed every request of the step)
+    ({"r1": DraftTree.chain([5, 6], q=np.full((2, 1000), 1e-3)),
+      "r2": DraftTree.chain([5, 6], q=np.full((2, 3), 0.3)),  # narrower than the vocabulary
+      "r4": DraftTree.chain([5, 6], q=np.full((2, 1000), np.nan)),
+      "r5": DraftTree.chain([5, 6], q=[[0.5] * 1000]),  # one row for two nodes
+      "r6": DraftTree.chain([5], q=[[-1.0] * 1000])}, {"r1"}),
 ])
 def test_a_failing_proposer_costs_drafts_never_requests(answer, kept, caplog):
     spec = SpecController(Proposer(answer), gamma=4, max_nodes=8, p_min=0.0, n_vocab=1000)
@@ -316,6 +325,16 @@ def test_a_failing_proposer_costs_drafts_never_requests(answer, kept, caplog):
         spec.release("r1")  # a raising release is logged (as the 2nd failure), not raised
     assert set(got) == set(kept) and spec.failures == 2
     assert len(caplog.records) == 1  # the first failure; the next at the 1000th
+
+
+def test_a_request_may_ask_for_no_deeper_drafts_than_gamma():
+    """On a tree server (max_nodes 14 for --gamma 4) n_max up to 14 was taken: the tree
+    drafted that deep was then thrown away, every step, and the request backed off."""
+    spec = SpecController(Proposer({}), gamma=4, max_nodes=14, p_min=0.0, n_vocab=1000)
+    spec.check(SamplingParams(spec_n_max=4))
+    with pytest.raises(InvalidRequestError, match=r"at most 4 draft tokens on this server "
+                                                  r"\(its --gamma; got 5\)"):
+        spec.check(SamplingParams(spec_n_max=5))
 
 
 def test_an_engine_whose_plugin_proposer_raises_answers_as_without_it(model_path):
