@@ -3,6 +3,7 @@ for llama.cpp's own pooled embeddings, and for the processes a test started."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import tempfile
 from typing import IO
@@ -231,3 +232,10 @@ def logged_text(log: IO[bytes]) -> str:
     """All that a :func:`start_logged` process has printed so far."""
     log.seek(0)
     return log.read().decode(errors="replace")
+
+
+def default_sigint() -> None:
+    """A child's ``preexec_fn``: Python's own Ctrl-C handler, as at a terminal (a background
+    job, such as a CI run, ignores SIGINT, and its children inherit that: a test's SIGINT then
+    did nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

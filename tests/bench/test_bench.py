@@ -261,11 +261,12 @@ def test_bench_stopped_by_a_signal_stops_its_own_server(model_path, sig, when):
     import time
 
     from tests.gateway.test_gateway import alive
-    from tests.helpers import children
+    from tests.helpers import children, default_sigint
 
     proc = subprocess.Popen([sys.executable, "-m", "justllm", "bench", model_path, "-n", "64",
                              "-c", "2", "--output-len", "64"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     server: list[int] = []
     try:
         deadline = time.monotonic() + 120

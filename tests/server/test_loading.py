@@ -18,6 +18,7 @@ from justllm.engine.async_engine import AsyncEngine
 from justllm.engine.engine import Engine
 from justllm.errors import LoadCancelled
 from justllm.server.app import ServerConfig, create_app
+from tests.helpers import default_sigint
 from tests.server.conftest import free_port
 
 
@@ -101,10 +102,6 @@ def test_a_load_that_ends_as_the_server_stops_is_closed_not_served(model_path):
     assert len(closed) == 1 and app.state["served"] is None
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's own handler, as at a terminal
-
-
 @pytest.mark.parametrize("when", ["loading", "banner"])
 def test_ctrl_c_as_serve_starts_ends_it_cleanly(model_path, when):
     """Ctrl-C while the model loads behind a listening server, or just as the banner is
@@ -114,7 +111,7 @@ def test_ctrl_c_as_serve_starts_ends_it_cleanly(model_path, when):
     port = free_port()
     cmd = [sys.executable, "-m", "justllm", "serve", model_path, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_default_sigint)
+                            preexec_fn=default_sigint)
     try:
         if when == "banner":
             assert proc.stderr is not None
