@@ -26,6 +26,9 @@ from justllm.spec.window import SpecWindow
 log = logging.getLogger(__name__)
 
 RECENT_WEIGHT = 0.05  # of each verified draft in the recent acceptance rate
+# Verified drafts before the recent rate decides whether new requests start in backoff: one
+# rejected first draft put every request after it there.
+RECENT_EVIDENCE = 8
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class SpecController:
         """A new request: give it a window unless it turned speculation off."""
         n_max = self.gamma if params.spec_n_max is None else params.spec_n_max
         if n_max > 0:
-            self._windows[request_id] = SpecWindow(min(n_max, self.gamma), self._recent, step)
+            known = self._recent if self.stats.num_drafts >= RECENT_EVIDENCE else None
+            self._windows[request_id] = SpecWindow(min(n_max, self.gamma), known, step)
 
     def release(self, request_id: str) -> None:
         self._windows.pop(request_id, None)
@@ -181,7 +185,10 @@ class SpecController:
                                s.num_accepted_tokens + accepted)
         rate = accepted / proposed
         prev = self._recent
-        self._recent = rate if prev is None else prev + RECENT_WEIGHT * (rate - prev)
+        # The mean of the first drafts, then an exponential average (its weight would leave
+        # the first draft's rate most of the average for dozens of drafts)
+        weight = max(RECENT_WEIGHT, 1 / self.stats.num_drafts)
+        self._recent = rate if prev is None else prev + weight * (rate - prev)
 
     def close(self) -> None:
         self.proposer.close()

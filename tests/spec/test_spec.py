@@ -169,3 +169,36 @@ def test_window_starts_in_backoff_when_recent_drafts_were_poor():
     assert [poor.want(t) for t in range(6, 65)] == [0] * 58 + [1]  # one probe, at step 64
     poor.record(1, 0, 64)
     assert [t for t in range(65, 400) if poor.want(t)][0] == 192  # 64 more, on a multiple
+
+
+def test_new_requests_start_in_backoff_only_on_enough_poor_drafts():
+    """One rejected first draft set the recent rate to 0: every request after it started in
+    backoff, and the 5% average took dozens of good drafts to lift it past 20%."""
+    from justllm.core.plan import DraftTree
+    from justllm.core.sampling_params import SamplingParams
+    from justllm.spec.controller import RECENT_EVIDENCE, SpecController
+
+    class Silent:
+        costly = False
+
+        def propose(self, wants):
+            return {}
+
+        def release(self, request_id):
+            pass
+
+    spec = SpecController(Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
+    draft = DraftTree.chain([1, 2, 3, 4])
+    spec.admit("first", SamplingParams(), 0)
+    spec.record("first", draft, 0, 1)  # rejected whole
+    spec.admit("next", SamplingParams(), 2)
+    assert spec._windows["next"].want(3) == 4  # one draft is no evidence: it drafts
+    for step in range(RECENT_EVIDENCE - 1):  # then half of each draft kept: 0, .5, .5, ...
+        spec.record("first", draft, 2, step + 3)
+    assert abs(spec._recent - 0.5 * (RECENT_EVIDENCE - 1) / RECENT_EVIDENCE) < 1e-9  # the mean
+    spec.admit("later", SamplingParams(), 20)
+    assert spec._windows["later"].want(21) == 4  # above 20%: no backoff
+    for step in range(200):
+        spec.record("first", draft, 0, step + 30)
+    spec.admit("poor", SamplingParams(), 300)
+    assert spec._windows["poor"].want(301) == 0  # many rejected drafts: it starts in backoff
