@@ -242,6 +242,7 @@ class StatsBoard:
         that its model's replicas may keep (None: not known since the board started)."""
         rows = self._rows.setdefault(stats["model"], {})
         rows[stats["replica"]] = {"stats": stats, "page": page, "at": time.monotonic()}
+        self._prune(rows)  # (a model's replicas that died: rows kept until someone looked)
         if self._runtime is None:
             return None
         return self._runtime.get(stats["model"], [])
@@ -263,11 +264,17 @@ class StatsBoard:
         """model -> replica -> {stats, page, age}: the replicas heard from in ``STALE`` s."""
         now = time.monotonic()
         for rows in self._rows.values():
-            for replica in [r for r, row in rows.items() if now - row["at"] > STALE]:
-                del rows[replica]
+            self._prune(rows, now)
         return {model: {r: {"stats": row["stats"], "page": row["page"],
                             "age": round(now - row["at"], 2)} for r, row in rows.items()}
                 for model, rows in self._rows.items()}
+
+    @staticmethod
+    def _prune(rows: dict[str, dict[str, Any]], now: float | None = None) -> None:
+        """Drop the replicas not heard from in ``STALE`` seconds."""
+        now = time.monotonic() if now is None else now
+        for replica in [r for r, row in rows.items() if now - row["at"] > STALE]:
+            del rows[replica]
 
     async def about(self) -> dict[str, Any]:
         return self.info
