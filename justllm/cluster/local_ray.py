@@ -64,8 +64,10 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _is_head(pid: int) -> bool:
-    """``pid`` is still a `ray start ... --block` process (not a reused pid)."""
+def _is_head(pid: int, address: str | None = None) -> bool:
+    """``pid`` is still a `ray start ... --block` process (not a reused pid), the one started
+    at ``address`` when given (another `ray start --block` that took the pid is not ours:
+    `down` stopped its whole session)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -74,7 +76,12 @@ def _is_head(pid: int) -> bool:
         except OSError:
             return False
         return True  # no /proc (macOS): trust the pid
-    return b"start" in argv and b"--block" in argv
+    if b"start" not in argv or b"--block" not in argv:
+        return False
+    if address is None:
+        return True
+    port = address.rpartition(":")[2].encode()
+    return any(a == b"--port" and b == port for a, b in zip(argv, argv[1:]))
 
 
 def recorded() -> LocalHead | None:
@@ -85,7 +92,7 @@ def recorded() -> LocalHead | None:
         head = LocalHead(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if _is_head(head.pid):
+    if _is_head(head.pid, head.address):
         return head
     path.unlink(missing_ok=True)
     return None

@@ -146,3 +146,29 @@ def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch):
         for pid in [started[0], *local_ray._session(started[0])] if started else []:
             if alive(pid):
                 os.kill(pid, 9)
+
+
+def test_a_recorded_head_whose_pid_another_ray_took_is_not_ours(tmp_path):
+    """The record named a pid that another `ray start --block` had taken: `down` stopped that
+    other head's whole session."""
+    import json
+    import time
+
+    from justllm.cluster import local_ray
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "start",
+                              "--head", "--block", "--port", "6380"])
+    try:
+        record = local_ray.record_path()
+        record.parent.mkdir(parents=True, exist_ok=True)
+        for address, ours in (("127.0.0.1:6380", True), ("127.0.0.1:6999", False)):
+            record.write_text(json.dumps({"pid": other.pid, "address": address, "log": "x"}))
+            deadline = time.monotonic() + 10
+            while b"--block" not in open(f"/proc/{other.pid}/cmdline", "rb").read():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert (local_ray.recorded() is not None) is ours
+        assert not record.exists()  # a stale record is removed
+    finally:
+        other.kill()
+        other.wait()
