@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,11 +75,12 @@ class _Worker:
         """Deliver what is queued, within ``timeout`` seconds; True when all of it was."""
         if self._thread is None:
             return True
+        deadline = time.monotonic() + timeout  # (the put, then the join, each took it all)
         try:
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:
             return False
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         return not self._thread.is_alive()
 
 
