@@ -99,7 +99,11 @@ class SpecController:
         for req in decoding:
             window = self._windows.get(req.request_id)
             k = window.want(step) if window is not None else 0
-            if k:
+            if k and req.params.max_tokens is not None:
+                # a step makes the accepted drafts and one token more: drafts past the last
+                # token the request may make would be drafted and verified for nothing
+                k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+            if k > 0:
                 p = req.params
                 out.append(DraftRequest(
                     req.request_id, req.prompt_token_ids + req.output_token_ids, k, p,

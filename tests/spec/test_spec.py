@@ -202,3 +202,31 @@ def test_new_requests_start_in_backoff_only_on_enough_poor_drafts():
         spec.record("first", draft, 0, step + 30)
     spec.admit("poor", SamplingParams(), 300)
     assert spec._windows["poor"].want(301) == 0  # many rejected drafts: it starts in backoff
+
+
+def test_no_draft_reaches_past_the_last_token_a_request_may_make():
+    """A request 2 tokens from max_tokens was drafted 4 deep: drafted and verified for
+    nothing (a step makes the accepted drafts and one token more)."""
+    from justllm.core.request import Request
+    from justllm.core.sampling_params import SamplingParams
+    from justllm.spec.controller import SpecController
+
+    class Silent:
+        costly = False
+
+        def propose(self, wants):
+            return {}
+
+        def release(self, request_id):
+            pass
+
+    spec = SpecController(Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
+    reqs = []
+    for name, max_tokens, made in (("far", 100, 8), ("near", 10, 8), ("last", 10, 9),
+                                   ("open", None, 8)):
+        req = Request(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens), 0, 512,
+                      output_token_ids=[5] * made)
+        spec.admit(name, req.params, 0)
+        reqs.append(req)
+    assert {w.request_id: w.k for w in spec.wants(reqs, 1)} == {"far": 4, "near": 1,
+                                                                  "open": 4}
