@@ -383,8 +383,8 @@ class EngineConfig:
                 ("draft_p_min", "--draft-p-min", method is not None and method.draft_model,
                  "--spec draft or tree: a draft model's cut-off")):
             if getattr(self, name) != fields[name].default and not given:
-                raise ValueError(f"{flag} is for {meant}, not "
-                                 f"{'--spec ' + self.spec if self.spec else 'no --spec'}")
+                raise ValueError(f"{flag} is for {meant}, " + (
+                    f"not --spec {self.spec}" if self.spec else "and no --spec is given"))
         if self.chat_template is not None and (not isinstance(self.chat_template, str)
                                                or not self.chat_template.strip()):
             raise ValueError("chat_template must be a template name or a file path")

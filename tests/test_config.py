@@ -49,7 +49,7 @@ def test_a_draft_model_alone_means_draft_speculation_and_is_refused_where_nothin
 
 
 @pytest.mark.parametrize("given, says", [
-    (dict(gamma=8), "--gamma is for --spec, not no --spec"),
+    (dict(gamma=8), "--gamma is for --spec, and no --spec is given"),
     (dict(spec="ngram", branch=3), "--branch is for --spec tree, not --spec ngram"),
     (dict(spec="draft", draft_model="d.gguf", branch=3), "--branch is for --spec tree"),
     (dict(spec="ngram", draft_p_min=0.5), "--draft-p-min is for --spec draft or tree"),

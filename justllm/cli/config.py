@@ -44,6 +44,13 @@ def show(
             config_file = str(default_config_file())
         if config_file:  # keyed by option name, as serve reads it (cli/options.py)
             file_values = read_config_file(config_file)
+        # One file serves every command: serve passes over the keys only another one takes.
+        # An unknown one is a mistake in the file: said before any table (as every command).
+        others = all_option_names(context)
+        unknown = [key for name, (key, _) in file_values.items()
+                   if name not in others or name == "config"]
+        if unknown:
+            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
         command = typer.main.get_command(_single(serve))
         table = Table("OPTION", "VALUE", "SOURCE", box=None, pad_edge=False)
         ctx = command.context_class(command)
@@ -81,12 +88,6 @@ def show(
                 value = "***"
             table.add_row(param.opts[0], str(value), source)
         Console(emoji=False).print(table)
-        # One file serves every command: serve passes over the keys only another one takes.
-        others = all_option_names(context)
-        unknown = [key for name, (key, _) in file_values.items()
-                   if name not in others or name == "config"]
-        if unknown:
-            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
         if not bad:  # serve's own checks, then the engine's, as serve and run make them
             try:
                 check_serve_values(

@@ -164,7 +164,7 @@ def _unregistered(context: typer.Context, name: str,
     demo model (``demo``). None of those: that no file is there when ``name`` can only be a
     path (as run says), else ``error``, the registry's."""
     from justllm.cli.plugins import plugins_of
-    from justllm.models.source import DemoName, ModelsDirectory, names_a_file
+    from justllm.models.source import DemoName, ModelsDirectory, model_not_found, names_a_file
 
     found = ModelsDirectory().find(name)
     if found is not None:
@@ -173,7 +173,7 @@ def _unregistered(context: typer.Context, name: str,
         if (file := source(name)) is not None:
             return Path(file), name
     if names_a_file(name):
-        raise ModelLoadError(f"model file not found: {name}")
+        raise model_not_found(name)  # (as run says it: show said "model file not found")
     raise error
 
 

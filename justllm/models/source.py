@@ -149,8 +149,13 @@ def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES)
         found = source.find(model)
         if found is not None:
             return str(found)
-    raise ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a NAME[:TAG] "
-                         "from 'justllm models', or a Hugging Face REPO[:FILE])")
+    raise model_not_found(model)
+
+
+def model_not_found(model: str) -> ModelLoadError:
+    """What no source knows: the one line run, serve, show and the others give."""
+    return ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a NAME[:TAG] "
+                          "from 'justllm models', or a Hugging Face REPO[:FILE])")
 
 
 def demo_file() -> Path | None:

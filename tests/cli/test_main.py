@@ -125,6 +125,7 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     cfg.write_text("bogus: 1\n")
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 1 and "unknown option(s) bogus" in r.output
+    assert "OPTION" not in r.output  # one line (the whole table came first)
     assert "--install-completion" not in r.output and "\nmodels " not in r.output
     # Keys are option names: `models` is --models (it was an unknown option, and the
     # parameter's name `models-file` was taken instead), and only another command's option

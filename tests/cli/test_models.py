@@ -287,7 +287,9 @@ def test_show_takes_a_path_as_run_does(models_dir, tmp_path_factory, monkeypatch
         assert error_line(runner.invoke(app, ["show", arg])) == says, arg
         assert error_line(runner.invoke(app, ["run", arg, "-p", "x"])) == says, arg
     for arg in ("/nonexistent.gguf", "./missing.gguf", "sub/missing.gguf", "missing.gguf"):
-        assert error_line(runner.invoke(app, ["show", arg])) == f"error: model file not found: {arg}"
+        says = error_line(runner.invoke(app, ["show", arg]))
+        assert says.startswith(f"error: model not found: {arg} (pass a path to a .gguf"), says
+        assert error_line(runner.invoke(app, ["run", arg, "-p", "x"])) == says
 
 
 def test_an_empty_model_name_says_so(models_dir):
