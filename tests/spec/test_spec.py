@@ -178,16 +178,7 @@ def test_new_requests_start_in_backoff_only_on_enough_poor_drafts():
     from justllm.core.sampling_params import SamplingParams
     from justllm.spec.controller import RECENT_EVIDENCE, SpecController
 
-    class Silent:
-        costly = False
-
-        def propose(self, wants):
-            return {}
-
-        def release(self, request_id):
-            pass
-
-    spec = SpecController(Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
+    spec = SpecController(_Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
     draft = DraftTree.chain([1, 2, 3, 4])
     spec.admit("first", SamplingParams(), 0)
     spec.record("first", draft, 0, 1)  # rejected whole
@@ -211,16 +202,7 @@ def test_no_draft_reaches_past_the_last_token_a_request_may_make():
     from justllm.core.sampling_params import SamplingParams
     from justllm.spec.controller import SpecController
 
-    class Silent:
-        costly = False
-
-        def propose(self, wants):
-            return {}
-
-        def release(self, request_id):
-            pass
-
-    spec = SpecController(Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
+    spec = SpecController(_Silent(), gamma=4, max_nodes=4, p_min=0.0, n_vocab=100)
     reqs = []
     for name, max_tokens, made in (("far", 100, 8), ("near", 10, 8), ("last", 10, 9),
                                    ("open", None, 8)):
@@ -230,3 +212,15 @@ def test_no_draft_reaches_past_the_last_token_a_request_may_make():
         reqs.append(req)
     assert {w.request_id: w.k for w in spec.wants(reqs, 1)} == {"far": 4, "near": 1,
                                                                   "open": 4}
+
+
+class _Silent:
+    """A proposer that drafts nothing (the controller's own bookkeeping is tested)."""
+
+    costly = False
+
+    def propose(self, wants):
+        return {}
+
+    def release(self, request_id):
+        pass
