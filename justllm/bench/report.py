@@ -42,7 +42,9 @@ def _delta(run: RunResult, name: str) -> float | None:
 def summarize(run: RunResult) -> dict[str, float | int | str | None]:
     ok = [r for r in run.results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
+    # (a server that reports no usage: unknown, not 0, which also understated the throughput)
+    counted = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    in_tokens = sum(counted) if ok and len(counted) == len(ok) else None
     d = max(run.duration, 1e-9)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary: dict[str, float | int | str | None] = {
@@ -54,7 +56,7 @@ def summarize(run: RunResult) -> dict[str, float | int | str | None]:
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / d,
         "output_throughput": out_tokens / d,
-        "total_token_throughput": (in_tokens + out_tokens) / d,
+        "total_token_throughput": None if in_tokens is None else (in_tokens + out_tokens) / d,
     }
     summary.update(_stats("ttft", [r.ttft for r in ok]))
     summary.update(_stats("tpot", tpot))

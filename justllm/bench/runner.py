@@ -19,7 +19,7 @@ from justllm.core.sse import sse_data
 @dataclass
 class RequestResult:
     ok: bool
-    prompt_tokens: int = 0
+    prompt_tokens: int | None = None  # None: the server reported no usage
     output_tokens: int = 0
     ttft: float = 0.0
     e2e: float = 0.0

@@ -315,3 +315,9 @@ def test_a_failed_first_scrape_reports_no_cache_figures():
     assert summarize(RunResult("u", 1.0, ok, {}, after))["prefix_cache_hit_ratio"] is None
     before = {"justllm_prefix_cache_hits_total": 890.0, "justllm_prefix_cache_misses_total": 90.0}
     assert summarize(RunResult("u", 1.0, ok, before, after))["prefix_cache_hit_ratio"] == 0.5
+    # A server that reports no usage: its input tokens are unknown (they read 0, and the
+    # total token throughput was the output's alone)
+    silent = [RequestResult(ok=True, output_tokens=2, ttft=0.1, e2e=0.2)]
+    summary = summarize(RunResult("u", 1.0, silent, before, after))
+    assert summary["total_input_tokens"] is None and summary["total_token_throughput"] is None
+    assert summary["output_throughput"] == 2.0
