@@ -368,10 +368,13 @@ class EngineConfig:
         if self.backend_sampling and self.spec:
             raise ValueError("--backend-sampling does not combine with --spec (a draft's "
                              "rows are verified against their logits)")
-        if not 1 <= self.gamma <= MAX_DRAFT:
-            raise ValueError(f"gamma must be in [1, {MAX_DRAFT}] (got {self.gamma})")
-        if not 1 <= self.branch <= 4:
-            raise ValueError(f"branch must be in [1, 4] (got {self.branch})")
+        # (integers: the Python API took gamma=2.5, and a tree of 2.5 levels was sized)
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) \
+                or not 1 <= self.gamma <= MAX_DRAFT:
+            raise ValueError(f"gamma must be an integer in [1, {MAX_DRAFT}] (got {self.gamma!r})")
+        if isinstance(self.branch, bool) or not isinstance(self.branch, int) \
+                or not 1 <= self.branch <= 4:
+            raise ValueError(f"branch must be an integer in [1, 4] (got {self.branch!r})")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
         # Speculation's settings without the method they set (each was taken and did nothing;

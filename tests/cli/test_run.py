@@ -137,7 +137,7 @@ def test_speculation_flag_errors_are_one_line(tmp_path, model_path):
     cases = [
         (["--spec", "draft"], "needs --draft-model"),
         (["--spec", "bogus"], "spec must be one of ngram, draft, tree"),
-        (["--spec", "ngram", "--gamma", "0"], "gamma must be in [1, 16]"),
+        (["--spec", "ngram", "--gamma", "0"], "gamma must be an integer in [1, 16]"),
         (["--spec", "tree", "--draft-model", str(tmp_path / "nope.gguf")], "nope.gguf"),
     ]
     for extra, needle in cases:

@@ -486,9 +486,11 @@ def test_invalid_spec_params_are_refused(kw):
     (dict(spec="draft"), "--spec draft needs --draft-model"),
     (dict(spec="tree"), "--spec tree needs --draft-model"),
     (dict(spec="bogus"), "spec must be one of ngram, draft, tree"),
-    (dict(spec="ngram", gamma=0), r"gamma must be in \[1, 16\] \(got 0\)"),
-    (dict(spec="ngram", gamma=17), r"gamma must be in \[1, 16\] \(got 17\)"),
-    (dict(spec="tree", draft_model="x.gguf", branch=0), r"branch must be in \[1, 4\]"),
+    (dict(spec="ngram", gamma=0), r"gamma must be an integer in \[1, 16\] \(got 0\)"),
+    (dict(spec="ngram", gamma=17), r"gamma must be an integer in \[1, 16\] \(got 17\)"),
+    (dict(spec="tree", draft_model="x.gguf", branch=0), r"branch must be an integer in \[1, 4\]"),
+    (dict(spec="ngram", gamma=2.5), r"gamma must be an integer in \[1, 16\] \(got 2.5\)"),
+    (dict(spec="tree", draft_model="x.gguf", branch=True), r"branch must be an integer"),
     (dict(spec="draft", draft_model="x.gguf", draft_p_min=1.5), r"draft_p_min must be in \[0, 1\]"),
 ])
 def test_spec_config_errors(kw, message):
