@@ -255,17 +255,9 @@ class DraftModelProposer:
             have.extend(w.tokens[m:])
             last_index.append(len(pending) - 1)
         wanted = set(last_index)
-        rows: dict[int, np.ndarray] = {}
-        n_batch = self.backend.config.n_batch
-        for start in range(0, len(pending), n_batch):
-            part = pending[start:start + n_batch]
-            flags = [start + i in wanted for i in range(len(part))]
-            out = self._decode(part, flags)
-            r = 0
-            for i, flag in enumerate(flags):
-                if flag:
-                    rows[start + i] = out[r]
-                    r += 1
+        flags = [i in wanted for i in range(len(pending))]
+        out = self._decode(pending, flags)  # (in parts of the batch's size)
+        rows = dict(zip((i for i, flag in enumerate(flags) if flag), out))
         return [rows[i] for i in last_index]
 
     def _decode(self, items: list[tuple[int, int, int]], logits: list[bool] | None = None
