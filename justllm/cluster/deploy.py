@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -283,12 +282,8 @@ def _check_port_free(settings: ClusterSettings) -> None:
     Ray Serve's proxies bind with SO_REUSEPORT, so a port another cluster's Serve (or any
     server that does the same) holds was shared without a word, the kernel splitting the
     connections between the two."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(settings.host,
-                                                                      settings.host)
-    try:
-        with socket.create_connection((host, settings.port), timeout=1):
-            pass
-    except OSError:
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
+    if not local_ray.reachable(f"{host}:{settings.port}", timeout=1):
         return
     raise JustLLMError(f"something already listens on {settings.host}:{settings.port} "
                        "(another Ray cluster's Serve, or another server): Ray Serve would "
