@@ -375,9 +375,9 @@ def status(app: str) -> dict[str, Any]:
         if not name.startswith("model-"):
             continue
         # A PD model has two deployments: model-NAME-prefill and model-NAME (decode).
-        prefill = any(deployment_name(m) + "-prefill" == name for m in snapshot)
-        model = next((m for m in snapshot if deployment_name(m) + (
-            "-prefill" if prefill else "") == name), name.removeprefix("model-"))
+        prefill = any(deployment_name(m, "prefill") == name for m in snapshot)
+        model = next((m for m in snapshot if deployment_name(
+            m, "prefill" if prefill else "both") == name), name.removeprefix("model-"))
         rows = sorted((r for r in (snapshot.get(model) or {}).values()
                        if (r["stats"].get("role") == "prefill") == prefill),
                       key=lambda r: r["stats"]["replica"])

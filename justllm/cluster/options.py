@@ -70,10 +70,11 @@ class ClusterSettings:
         return f"http://{self.host}:{self.port}{prefix}"
 
 
-def deployment_name(model: str) -> str:
+def deployment_name(model: str, role: str = "both") -> str:
     """A model's deployment: ``model-NAME`` with anything Ray's names refuse (``#``, ``/``,
-    ``:``...) as ``-``."""
-    return "model-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+    ``:``...) as ``-``; a PD model's prefill deployment is ``model-NAME-prefill``."""
+    return ("model-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+            + ("-prefill" if role == "prefill" else ""))
 
 
 def check_supported(config: GatewayConfig) -> list[str]:
@@ -91,7 +92,7 @@ def check_supported(config: GatewayConfig) -> list[str]:
     named: dict[str, str] = {}
     for m in config.models:
         for role in model_roles(m):
-            deployment = deployment_name(m.name) + ("-prefill" if role == "prefill" else "")
+            deployment = deployment_name(m.name, role)
             if deployment in named:
                 raise ValueError(f"models '{named[deployment]}' and '{m.name}' would both be "
                                  f"the Ray deployment {deployment} (characters Ray refuses "
@@ -153,7 +154,7 @@ def model_options(spec: ModelSpec, role: str = "both") -> dict[str, Any]:
     holds = (int(flags.get("max_seqs", defaults.max_seqs))
              + int(flags.get("max_queue", defaults.max_queue)))
     options: dict[str, Any] = {
-        "name": deployment_name(spec.name) + ("-prefill" if role == "prefill" else ""),
+        "name": deployment_name(spec.name, role),
         "ray_actor_options": {"num_cpus": _cpus(flags),
                               "num_gpus": 1 if spec.gpus or flags.get("gpu") else 0},
         "max_ongoing_requests": max(1, holds),
