@@ -113,13 +113,12 @@ def check_supported(config: GatewayConfig) -> list[str]:
                              "load_timeout", "max_waiting", "poll_interval", "health_timeout")
                  if getattr(config, key) != defaults[key].default]
     for m in config.models:
-        pinned = m.autoscale is not None and m.autoscale.min_replicas >= 1  # (its ttl is -1)
         warnings += [ignored(f"model '{m.name}': {name}", why) for name, given, why in (
-            ("ttl", m.ttl != DEFAULT_TTL and not pinned,
+            ("ttl", m.ttl != DEFAULT_TTL and not m.pinned,  # (a pinned model's ttl is -1)
              "Ray scales a min-replicas: 0 model to zero after its downscale-delay"
              if m.autoscale is not None else "replicas stay loaded; min-replicas: 0 lets Ray "
              "scale a model to zero"),
-            ("preload", m.preload and not pinned, "Ray starts every replica at deploy"))
+            ("preload", m.preload and not m.pinned, "Ray starts every replica at deploy"))
             if given]
     return warnings
 

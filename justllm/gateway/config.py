@@ -120,6 +120,16 @@ class ModelSpec:
         return (("both", self.autoscale),) if self.autoscale is not None else self.role_autoscale
 
     @property
+    def remote_only(self) -> bool:
+        """Served by its urls alone: nothing loads here (it holds no place under max-loaded)."""
+        return self.replicas == 0 and not self.scaled_pools
+
+    @property
+    def pinned(self) -> bool:
+        """Never unloaded: an autoscaled model with ``min-replicas`` >= 1 (its ttl is -1)."""
+        return self.autoscale is not None and self.autoscale.min_replicas >= 1
+
+    @property
     def adapters(self) -> tuple[str, ...]:
         """The names of the model's LoRA adapters (``lora: [NAME=PATH[:SCALE], ...]``): clients
         send them as ``model``, and the runner serves them on this model."""
@@ -201,9 +211,8 @@ class GatewayConfig:
                            "health-timeout must be >= 1 second")):
             if bad:
                 raise ValueError(rule)
-        # (models served by urls alone hold no place under max-loaded)
-        preloads = [m.name + (" (min-replicas >= 1)" if m.autoscale and
-                              m.autoscale.min_replicas else "") for m in self.models if m.preload and (m.replicas or m.scaled_pools)]
+        preloads = [m.name + (" (min-replicas >= 1)" if m.pinned else "")
+                    for m in self.models if m.preload and not m.remote_only]
         if 0 < self.max_loaded < len(preloads):
             raise ValueError(f"{len(preloads)} models preload ({', '.join(preloads)}) but "
                              f"max-loaded is {self.max_loaded}: they would unload one another "

@@ -125,14 +125,12 @@ class ModelState:
 
     @property
     def remote_only(self) -> bool:
-        return self.spec.replicas == 0 and not self.spec.scaled_pools
+        return self.spec.remote_only
 
     @property
     def pinned(self) -> bool:
-        """Never unloaded: an autoscaled model with ``min-replicas`` >= 1 (its ttl is -1, and
-        no ``keep_alive`` overrides it)."""
-        scale = self.spec.autoscale
-        return scale is not None and scale.min_replicas >= 1
+        """ModelSpec.pinned (and no ``keep_alive`` overrides it)."""
+        return self.spec.pinned
 
     @property
     def local(self) -> list[Replica]:
