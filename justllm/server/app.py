@@ -178,8 +178,7 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Reque
     serving = _served(state).completions
     body = await decode_request(request, ChatCompletionRequest)
     result = await unless_disconnected(request, serving.chat(
-        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope),
-        tracestate=request.headers.get("tracestate")))
+        body, origin=origin(request, "openai.chat", bool(body.stream))))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 
@@ -188,8 +187,7 @@ async def completions(data: JSONBody[CompletionRequest], request: Request, state
     serving = _served(state).completions
     body = await decode_request(request, CompletionRequest)
     result = await unless_disconnected(request, serving.completions(
-        body, traceparent=request.headers.get("traceparent"), request_id=request_id(request.scope),
-        tracestate=request.headers.get("tracestate")))
+        body, origin=origin(request, "openai.completions", bool(body.stream))))
     return sse_response(result) if isinstance(result, AsyncIterator) else result
 
 

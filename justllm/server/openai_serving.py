@@ -719,19 +719,16 @@ class OpenAIServing:
         yield StreamEnd(self._with_reasoning(_usage(finals, n), thoughts), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,
-                   traceparent: str | None = None, request_id: str | None = None,
-                   tracestate: str | None = None) -> ChatCompletion | AsyncIterator[bytes]:
+                   origin: RequestOrigin | None = None) -> ChatCompletion | AsyncIterator[bytes]:
         """The OpenAI route: a ``ChatCompletion``, or SSE bytes when ``req.stream``.
-        ``resume``: each choice's first tokens, drawn by a PD prefill replica;
-        ``traceparent``, ``tracestate``: the client's trace context, for the records;
-        ``request_id``: the
-        HTTP request's ``X-Request-Id``, logged beside the response id and recorded."""
+        ``resume``: each choice's first tokens, drawn by a PD prefill replica; ``origin``:
+        what the HTTP request says for the records (server/app.py's ``origin``: the client's
+        trace context, its ``X-Request-Id``, logged beside the response id)."""
         check_chat_request(req)
-        origin = RequestOrigin("openai.chat", bool(req.stream), traceparent, request_id,
-                               tracestate)
+        origin = origin or RequestOrigin("openai.chat", bool(req.stream))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         log.info("%s: %d choice(s), stream=%s, user=%s, x-request-id=%s", rid, req.n,
-                 req.stream, end_user(req.user, req.safety_identifier), request_id)
+                 req.stream, end_user(req.user, req.safety_identifier), origin.http_request_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await self.chat_events(req, rid, resume, origin)
@@ -887,8 +884,7 @@ class OpenAIServing:
                 for p in prompts for j in range(req.n)]
 
     async def completions(self, req: CompletionRequest, resume: Sequence[Handover] | None = None,
-                          traceparent: str | None = None, request_id: str | None = None,
-                          tracestate: str | None = None
+                          origin: RequestOrigin | None = None
                           ) -> TextCompletion | AsyncIterator[bytes]:
         """The OpenAI route; the other arguments as for ``chat``."""
         check_stream_options(req)
@@ -900,10 +896,9 @@ class OpenAIServing:
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs],
                                  req.logprobs if req.echo else None, req.prompt_logprobs)
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        origin = RequestOrigin("openai.completions", bool(req.stream), traceparent,
-                               request_id, tracestate)
+        origin = origin or RequestOrigin("openai.completions", bool(req.stream))
         streams = self.submit(prepared, rid, origin)
-        return await self._respond(streams, shape, req, req.n, rid, request_id)
+        return await self._respond(streams, shape, req, req.n, rid, origin.http_request_id)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         """The prompt as echoed: a token prompt's text with its control tokens written (as

@@ -41,7 +41,6 @@ from justllm.errors import HandoverError, InvalidRequestError
 from justllm.kv.transfer import KVTransferError
 from justllm.server.errors import APIError
 from justllm.server.openai_serving import Job, text_size
-from justllm.server.request_id import request_id
 from justllm.server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -192,7 +191,7 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
 @post("/decode", status_code=200, summary="Import a prompt's KV and serve the request",
       include_in_schema=False)
 async def decode(request: Request, state: State, path: FromQuery[str | None] = None) -> Any:
-    from justllm.server.app import _served, sse_response, unless_disconnected
+    from justllm.server.app import _served, origin, sse_response, unless_disconnected
 
     _role_allows(state, "decode")
     served = _served(state)
@@ -224,13 +223,13 @@ async def decode(request: Request, state: State, path: FromQuery[str | None] = N
         how = "handover-refused"
     serving = served.completions
 
-    traceparent, rid = request.headers.get("traceparent"), request_id(request.scope)
-    tracestate = request.headers.get("tracestate")
+    api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
+    came = origin(request, api, bool(req.stream))
 
     def serve(resume: list[Handover] | None) -> Any:
-        return serving.chat(req, resume, traceparent, rid, tracestate) if isinstance(
-            req, ChatCompletionRequest) else serving.completions(req, resume, traceparent, rid,
-                                                                 tracestate)
+        if isinstance(req, ChatCompletionRequest):
+            return serving.chat(req, resume, came)
+        return serving.completions(req, resume, came)
 
     try:
         result = await unless_disconnected(request, serve(resume))
