@@ -20,7 +20,7 @@ from rich.table import Table
 
 from justllm.cli.errors import cli_errors
 from justllm.cli.group import OneLineSummaries
-from justllm.cluster.options import SCHEDULE_TIMEOUT
+from justllm.cluster.options import SCHEDULE_TIMEOUT, START_TIMEOUT
 from justllm.config import read_yaml
 from justllm.errors import JustLLMError
 
@@ -66,6 +66,7 @@ def deploy(
     name: AppName = "justllm",
     route_prefix: Annotated[str, typer.Option("--route-prefix", help="Where the app's routes begin on Ray Serve's proxies (/v1, /api, /metrics, /health under it): several apps, each deployed with its own --name and prefix, share one cluster.")] = "/",
     schedule_timeout: Annotated[float, typer.Option("--schedule-timeout", help="Seconds to wait for replicas that no node has the CPUs or GPUs for, before the deploy fails (0: wait for ever, for a cluster whose autoscaler adds nodes).", min=0)] = SCHEDULE_TIMEOUT,
+    start_timeout: Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for replicas still loading their model (a constructor that hangs), before the deploy fails (0: wait for ever).", min=0)] = START_TIMEOUT,
 ) -> None:
     """Deploy every model of CLUSTER_YAML as a Ray Serve deployment, behind one ingress that
     speaks the OpenAI API; wait until their replicas are up. Onto RAY_ADDRESS, else the Ray
@@ -94,7 +95,7 @@ def deploy(
                       "(each replica loads its model on its node; this waits for them)",
                       highlight=False)
         cluster.deploy(config, settings, o.engine_config, where,
-                       schedule_timeout=schedule_timeout,
+                       schedule_timeout=schedule_timeout, start_timeout=start_timeout,
                        on_wait=lambda why: console.print(
                            f"[yellow]waiting:[/yellow] {escape(why)}", highlight=False))
         local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"

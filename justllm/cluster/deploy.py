@@ -33,6 +33,7 @@ from justllm.cluster.options import (
     INGRESS,
     INGRESS_MAX_ONGOING,
     SCHEDULE_TIMEOUT,
+    START_TIMEOUT,
     STATS_PERIOD,
     ClusterSettings,
     deployment_name,
@@ -153,6 +154,7 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
            engine_config: EngineConfigFactory, cluster: Cluster, *,
            request_router: type | None = JustLLMRouter,
            schedule_timeout: float = SCHEDULE_TIMEOUT,
+           start_timeout: float = START_TIMEOUT,
            on_wait: Callable[[str], None] = lambda message: None) -> None:
     """Deploy onto ``cluster`` (or redeploy: Ray updates an app of the same name in place)
     and wait until every model's replicas are up (``wait_running``: ``on_wait`` hears why a
@@ -181,7 +183,8 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                                      request_router=request_router),
                            name=settings.app, route_prefix=settings.route_prefix,
                            _blocking=False)
-                wait_running(settings.app, schedule_timeout, on_wait)
+                wait_running(settings.app, schedule_timeout, on_wait,
+                             start_timeout=start_timeout)
             except Exception as e:
                 if isinstance(e, JustLLMError) and not isinstance(e, DeployFailed):
                     raise
@@ -205,6 +208,8 @@ _POLL = 0.5
 _UNPLACED = re.compile(r"has (\d+) replicas that have taken more than [\d.]+s to be scheduled"
                        r".*?Resources required for each replica: (\{.*?\}), total resources "
                        r"available: (\{.*?\})", re.S)
+# ... and once a replica has loaded for 30 s without its constructor returning.
+_LOADING = re.compile(r"has (\d+) replicas that have taken more than ([\d.]+)s to initialize")
 
 
 def unplaced(message: str) -> tuple[int, str, str] | None:
@@ -214,16 +219,26 @@ def unplaced(message: str) -> tuple[int, str, str] | None:
     return (int(found.group(1)), found.group(2), found.group(3)) if found else None
 
 
+def loading(message: str) -> tuple[int, str] | None:
+    """From a deployment's message: (how many replicas are still in their constructor, the
+    model loading, and for more than how many seconds: Ray says so after 30), or None."""
+    found = _LOADING.search(message)
+    return (int(found.group(1)), found.group(2)) if found else None
+
+
 def wait_running(app: str, schedule_timeout: float, on_wait: Callable[[str], None], *,
+                 start_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
     """Until ``app`` runs. A DeployFailed when a deployment failed, or when replicas still
     wait for a node after ``schedule_timeout`` seconds (no node has the CPUs or GPUs one
     asks for: with ``gpu: true`` on a cluster without GPUs, say; serve.run waited for ever,
-    and requests with it). A cluster whose autoscaler adds nodes may need longer; 0 waits
-    without end. ``on_wait`` hears each deployment's wait once."""
+    and requests with it), or are still loading their model after ``start_timeout`` (a
+    constructor that hangs: a model file on a stalled network mount, say; Ray waits for it
+    without end, and the deploy did). A cluster whose autoscaler adds nodes may need longer;
+    0 waits without end. ``on_wait`` hears each deployment's wait once."""
     start = clock()
-    told: set[str] = set()
+    told: set[tuple[str, str]] = set()
     while True:
         found = serve.status().applications.get(app)
         if found is None:
@@ -233,21 +248,37 @@ def wait_running(app: str, schedule_timeout: float, on_wait: Callable[[str], Non
             return
         if state == "DEPLOY_FAILED":  # as serve.run: an unhealthy replica is retried
             raise DeployFailed(_why_failed(app) or "Ray gave no reason")
-        waiting = [(name, why) for name, dep in found.deployments.items()
-                   if dep.message and (why := unplaced(dep.message))]
+        messages = [(name, dep.message) for name, dep in found.deployments.items()
+                    if dep.message]
+        waiting = [(name, why) for name, message in messages if (why := unplaced(message))]
         limit = (f" (waiting up to {schedule_timeout:g} s: --schedule-timeout)"
                  if schedule_timeout else "")
         for name, (count, needs, free) in waiting:
-            if name not in told:
-                told.add(name)
+            if (name, "node") not in told:
+                told.add((name, "node"))
                 on_wait(f"{name}: {count} replica(s) wait for a node with {needs}; the "
                         f"cluster has {free}{limit}")
+        slow = [(name, *load) for name, message in messages
+                if (load := loading(message)) is not None]
+        for name, count, since in slow:
+            if (name, "load") not in told:
+                told.add((name, "load"))
+                until = (f"waiting up to {start_timeout:g} s in all: --start-timeout"
+                         if start_timeout else "waiting without end: --start-timeout 0")
+                on_wait(f"{name}: {count} replica(s) still loading their model after "
+                        f"more than {since} s ({until})")
         if waiting and schedule_timeout and clock() - start >= schedule_timeout:
             name, (count, needs, free) = waiting[0]
             raise DeployFailed(f"{name}: {count} replica(s) found no node in "
                                f"{schedule_timeout:g} s: each needs {needs}, the cluster has "
                                f"{free} (a cluster that adds nodes may need a longer "
                                "--schedule-timeout)")
+        if slow and start_timeout and clock() - start >= start_timeout:
+            name, count, _ = slow[0]
+            raise DeployFailed(f"{name}: {count} replica(s) did not finish loading their "
+                               f"model in {start_timeout:g} s (its log, in Ray's logs/serve "
+                               "folder on its node, says how far it got; a larger "
+                               "--start-timeout waits longer)")
         sleep(_POLL)
 
 

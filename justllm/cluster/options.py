@@ -35,6 +35,9 @@ DRAIN = 5.0  # seconds a stopping replica lets its requests run (`justllm serve`
 INGRESS_MAX_ONGOING = 10_000  # the ingress only relays: it never holds requests back
 # How long a deploy waits for replicas that Ray can place on no node (0: without end).
 SCHEDULE_TIMEOUT = 120.0
+# How long a deploy waits for replicas still loading their model (0: without end): as long
+# as router mode lets a runner start (gateway/policy.py RUNNER_START_LIMIT).
+START_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)

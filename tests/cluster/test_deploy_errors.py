@@ -162,6 +162,7 @@ UNPLACED = ("Deployment 'model-demo' in application 'justllm' has 2 replicas tha
 
 def test_rays_message_about_unplaced_replicas_is_read():
     assert d.unplaced(UNPLACED) == (2, "{'CPU': 1.0, 'GPU': 1.0}", "{'CPU': 2.0}")
+    assert d.loading(UNPLACED) is None
     assert d.unplaced("Deployment 'model-demo' has 1 replicas that have taken more than 30s "
                       "to initialize.") is None
 
@@ -220,6 +221,63 @@ def test_without_a_schedule_timeout_the_deploy_waits_until_the_replicas_run(monk
     d.wait_running("justllm", 0, heard.append, clock=clock, sleep=clock.sleep)
     assert clock.now == 1000 and next(statuses, None) is None
     assert len(heard) == 1 and "waiting up to" not in heard[0]
+
+
+# Ray's words (deployment_state.py) for a replica whose constructor has run 30 s.
+LOADING = ("Deployment 'model-demo' in application 'justllm' has 1 replicas that have taken "
+           "more than 30s to initialize.\nThis may be caused by a slow __init__ or reconfigure "
+           "method.")
+
+
+def test_rays_message_about_loading_replicas_is_read():
+    assert d.loading(LOADING) == (1, "30") and d.unplaced(LOADING) is None
+
+
+def test_replicas_that_never_finish_loading_fail_the_deploy_after_the_start_timeout(
+        ray_faked, monkeypatch):
+    """A replica whose constructor hangs (a model on a stalled mount): Ray waits for it
+    without end, and the deploy did, saying nothing. Now the wait is said once, and the deploy
+    fails after --start-timeout, naming the deployment; the app it left is removed."""
+    apps, done = ray_faked
+    clock = Clock()
+    pending = {"model-demo": SimpleNamespace(message=LOADING),
+               "ingress": SimpleNamespace(message="")}
+    statuses = iter([app_status("DEPLOYING")] * 60)  # Ray says so after 30 s
+    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
+        name: next(statuses, app_status("DEPLOYING", pending)) for name in apps}))
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", lambda app, name, route_prefix, _blocking:
+                        apps.__setitem__(name, "DEPLOYING"))
+    monkeypatch.setattr(d, "wait_running", partial(d.wait_running, clock=clock,
+                                                   sleep=clock.sleep))
+    heard: list[str] = []
+    with pytest.raises(JustLLMError) as e:
+        d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD),
+                 start_timeout=90, on_wait=heard.append)
+    assert str(e.value) == ("the deploy failed: model-demo: 1 replica(s) did not finish "
+                            "loading their model in 90 s (its log, in Ray's logs/serve folder "
+                            "on its node, says how far it got; a larger --start-timeout waits "
+                            "longer)")
+    assert 90 <= clock.now < 91
+    assert heard == ["model-demo: 1 replica(s) still loading their model after more than 30 s (waiting "
+                     "up to 90 s in all: --start-timeout)"]
+    assert "justllm" not in apps and done == ["head stopped"]
+
+
+def test_a_slow_load_within_the_start_timeout_is_waited_for(monkeypatch):
+    """Loading for longer than Ray's 30 s is said, not failed: the deploy goes on until the
+    replicas run (a large model loads for minutes); a schedule timeout does not apply."""
+    clock = Clock()
+    pending = {"model-demo": SimpleNamespace(message=LOADING)}
+    statuses = iter([app_status("DEPLOYING", pending)] * 1000 + [app_status("RUNNING")])
+    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(
+        applications={"justllm": next(statuses)}))
+    heard: list[str] = []
+    d.wait_running("justllm", 45, heard.append, start_timeout=0, clock=clock,
+                   sleep=clock.sleep)
+    assert clock.now == 500 and next(statuses, None) is None
+    assert heard == ["model-demo: 1 replica(s) still loading their model after more than 30 s (waiting "
+                     "without end: --start-timeout 0)"]
 
 
 @pytest.mark.parametrize("apps, name, says, stopped", [
