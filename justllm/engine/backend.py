@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -34,6 +35,8 @@ with openmp.short_spin() as _OPENMP_SLEEPS:  # (a constant: how libgomp loaded, 
 from justllm.config import MAX_THREADS, usable_cpus
 from justllm.core.fim import FimTokens
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
+from justllm.engine.json_regex import json_text_pattern
+from justllm.engine.schema_rewrite import SchemaConflict, constrains, hoist_refs, rewrite
 from justllm.errors import (
     EngineError,
     GPUUnavailableError,
@@ -456,27 +459,120 @@ def check_schema_shape(schema: Any, where: str = "schema") -> None:
         check_schema_shape(value, at)
 
 
+# A pattern's "." in a JSON string's text: any character but a line break, raw or escaped
+# (llama-cpp-python's was any character but a line break, raw: a quote or a backslash ended
+# or broke the string, and a tab was invalid JSON).
+_JSON_DOT = r'[^"\\\x7F\x00-\x1F] | "\\" ["\\/bft]'
+_GBNF_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 class _SchemaConverter(_grammar.SchemaConverter):
-    """llama-cpp-python's converter, plus integer bounds (engine/int_range.py) and JSON's own
-    string characters (no raw control characters)."""
+    """llama-cpp-python's converter, plus integer bounds (engine/int_range.py), JSON's own
+    string characters (no raw control characters), and what it got wrong: literals with a
+    backslash or a character past U+FFFF (an enum value, a property name), a pattern's JSON
+    escaping (engine/json_regex.py), objects with optional properties beside
+    ``additionalProperties``, ``prefixItems`` with ``items`` or a count, schemas that only
+    annotate (any value), and keywords it passed over beside ``type`` lists, ``anyOf``,
+    ``$ref`` and ``allOf`` (engine/schema_rewrite.py)."""
 
     def _add_primitive(self, name: str, rule: Any) -> str:
         if name == "char":
             rule = _grammar.BuiltinRule(_JSON_CHAR, [])
         return super()._add_primitive(name, rule)
 
+    def _add_rule(self, name: str, rule: str) -> str:
+        if name == "dot" and rule in (_grammar.DOT, _grammar.DOTALL):
+            rule = _JSON_DOT
+        return cast(str, super()._add_rule(name, rule))
+
+    def _format_literal(self, literal: str) -> str:
+        return '"' + "".join(_GBNF_LITERAL_ESCAPES.get(c) or (
+            f"\\x{ord(c):02X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+            for c in literal) + '"'
+
+    def _generate_constant_rule(self, value: Any) -> str:
+        return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+    def _visit_pattern(self, pattern: str, name: str) -> str:
+        return cast(str, super()._visit_pattern(json_text_pattern(pattern), name))
+
     def visit(self, schema: Any, name: str) -> str:
-        if not bounded_integer(schema):
-            return super().visit(schema, name)
+        schema = rewrite(schema, self._refs.__getitem__)
         rule_name = name + "-" if name in _grammar.RESERVED_NAMES else name or "root"
-        return self._add_rule(rule_name, integer_rule(*integer_bounds(schema)))
+        if not constrains(schema):
+            return self._add_rule(rule_name, self._add_primitive(
+                "value", _grammar.PRIMITIVE_RULES["value"]))
+        if bounded_integer(schema):
+            return self._add_rule(rule_name, integer_rule(*integer_bounds(schema)))
+        if schema.get("type") in (None, "array") and schema.get("prefixItems"):
+            return self._add_rule(rule_name, self._tuple_rule(schema, name))
+        return cast(str, super().visit(schema, name))
+
+    def _tuple_rule(self, schema: dict[str, Any], name: str) -> str:
+        """An array of ``prefixItems`` (JSON Schema: each position optional unless
+        ``minItems`` asks for it), then ``items`` (a schema; else no more items), within
+        ``minItems``/``maxItems``."""
+        prefix = f"{name}{'-' if name else ''}"
+        least, most = int(schema.get("minItems", 0)), schema.get("maxItems")
+        positions = schema["prefixItems"][:most]
+        rules = [self.visit(item, f"{prefix}tuple-{i}") for i, item in enumerate(positions)]
+        n, items, tail = len(rules), schema.get("items"), ""
+        if isinstance(items, dict) and (most is None or most > n):
+            item = self.visit(items, f"{prefix}item")
+            extra_least = max(0, least - n)
+            count = ("*" if not extra_least and most is None
+                     else f"{{{extra_least},{'' if most is None else most - n}}}")
+            tail = f'("," space {item}){count}'
+            if extra_least:
+                least = n
+        elif least > n:
+            raise SchemaConflict(f"minItems {least} asks for more items than prefixItems "
+                                 "has, and there is no items schema for the rest")
+        for i in reversed(range(min(least, n), n)):
+            piece = f'"," space {rules[i]}' if i else rules[i]
+            tail = f"({piece} {tail})?" if tail else f"({piece})?"
+        head = ' "," space '.join(rules[:min(least, n)])
+        return f'"[" space {head} {tail} "]" space'.replace("  ", " ")
+
+    def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str],
+                           name: str, additional_properties: Any) -> str:
+        """The required properties in order, then each optional one at most once in order,
+        then any number of additional ones (``additionalProperties``: true or a schema).
+        llama-cpp-python's lost the comma after an optional property before additional ones,
+        and wrote names past U+FFFF as surrogate escapes."""
+        prefix = f"{name}{'-' if name else ''}"
+        kv = {}
+        for key, sub in properties:
+            value = self.visit(sub, f"{prefix}{key}")
+            literal = self._format_literal(json.dumps(key, ensure_ascii=False))
+            kv[key] = self._add_rule(f"{prefix}{key}-kv", f'{literal} space ":" space {value}')
+        extra = None
+        if additional_properties is True or isinstance(additional_properties, dict):
+            value = self.visit({} if additional_properties is True else additional_properties,
+                               f"{prefix}additional-value")
+            string = self._add_primitive("string", _grammar.PRIMITIVE_RULES["string"])
+            extra = self._add_rule(f"{prefix}additional-kv", f'{string} ":" space {value}')
+        needed = [kv[k] for k, _ in properties if k in required]
+        optional = [kv[k] for k, _ in properties if k not in required]
+        # tails[i]: what may follow once optional[:i] are passed (each part after a comma);
+        # rules, so that the grammar grows with the properties, not with their square
+        tails = [f'("," space {extra})*' if extra else ""]
+        for i in reversed(range(len(optional))):
+            tails.insert(0, self._add_rule(f"{prefix}rest-{i}",
+                                           f'("," space {optional[i]})? {tails[0]}'.strip()))
+        if needed:
+            body = ' "," space '.join(needed) + f" {tails[0]}"
+        else:
+            firsts = [f"{kv_rule} {tails[i + 1]}" for i, kv_rule in enumerate(optional)]
+            if extra:
+                firsts.append(f"{extra} {tails[-1]}")
+            body = f"({' | '.join(f.strip() for f in firsts)})?" if firsts else ""
+        return f'"{{" space {body} "}}" space'.replace("  ", " ")
 
 
 def grammar_from_json_schema(schema: dict) -> str:
-    """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter, which
-    ``json_schema_to_gbnf`` runs the same way, with integer bounds added)."""
-    import json
-
+    """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter, as
+    ``json_schema_to_gbnf`` runs it, with _SchemaConverter's additions and mends)."""
     try:
         check_schema_shape(schema)
     except InvalidRequestError as e:
@@ -484,7 +580,7 @@ def grammar_from_json_schema(schema: dict) -> str:
     try:
         converter = _SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                      raw_pattern=False)
-        copy = json.loads(json.dumps(schema))  # resolve_refs rewrites the schema in place
+        copy = hoist_refs(json.loads(json.dumps(schema)))  # (resolve_refs rewrites in place)
         converter.visit(converter.resolve_refs(copy, "stdin"), "")
         return converter.format_grammar()
     except Exception as e:  # the converter raises plain exceptions on schemas it cannot handle

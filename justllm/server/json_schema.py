@@ -1,10 +1,13 @@
 """What a JSON schema asks that the grammar built from it (llama-cpp-python's converter,
 ``engine/backend.grammar_from_json_schema``) does not enforce.
 
-The converter turns types, ``required``, ``enum``/``const``, ``additionalProperties``, string
-and array lengths, ``pattern``, the ``date``/``time``/``date-time``/``uuid`` formats,
-``anyOf``/``oneOf``/``allOf`` and ``$ref`` into grammar rules (and ours adds a plain integer's
-bounds, engine/int_range.py), and passes over the rest. A
+The converter turns types (a list of them too), ``required``, ``enum``/``const``,
+``properties``, ``additionalProperties``, string and array lengths, ``prefixItems``/``items``,
+``pattern``, the ``date``/``time``/``date-time``/``uuid`` formats, ``anyOf``/``oneOf`` (not
+that only one alternative matches), ``allOf`` and ``$ref`` (with the keywords beside them:
+engine/schema_rewrite.py) into grammar rules (and ours adds a plain integer's bounds,
+engine/int_range.py), and passes over the rest, and over what stands beside an ``enum`` or
+``const`` but its ``type`` (the values are written as listed). A
 ``strict`` schema (OpenAI's promise that the output follows it exactly) that uses any of the
 rest is refused, naming what and where; without ``strict`` the schema is followed as far as
 the grammar goes (the README says which keywords).
@@ -16,6 +19,7 @@ import re
 from typing import Any
 
 from justllm.engine.int_range import BOUNDS, bounded_integer
+from justllm.engine.schema_rewrite import ANNOTATIONS, CONTAINERS
 from justllm.errors import InvalidRequestError
 
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -35,6 +39,11 @@ def unenforced(schema: Any, path: str = "#") -> list[str]:
         return []
     skip = BOUNDS if bounded_integer(schema) else ()  # the grammar spells the range
     out = [f"{path}: {k}" for k in _UNENFORCED if k in schema and k not in skip]
+    fixed = [k for k in ("enum", "const") if k in schema]
+    if fixed:
+        out += [f"{path}: {k} beside {fixed[0]}" for k in schema
+                if k not in (*fixed, "type", *_UNENFORCED) and k not in ANNOTATIONS
+                and k not in CONTAINERS]
     fmt = schema.get("format")
     if fmt is not None and not _FORMATS.fullmatch(str(fmt)):
         out.append(f"{path}: format {fmt!r}")

@@ -39,3 +39,179 @@ def test_an_integers_bounds_become_its_rule_wherever_it_is():
     assert rule(gbnf, "xs-item") == 'xs-item ::= ("-" [1-9] | "-" [1-9] [0-9]{1,15}) space'
     root = grammar_from_json_schema({"type": "integer", "minimum": 10, "maximum": 12})
     assert rule(without_trailing_space(root), "root") == 'root ::= ("1" [0-2])'
+
+
+# ---- what a schema's grammar accepts, through llama.cpp's own grammar sampler ----------------
+
+import functools  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from justllm.errors import InvalidRequestError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def accepts(engine):
+    """accepts(schema, text): whether the schema's grammar (as response_format builds it) lets
+    the model write exactly ``text`` and end there, fed character by character."""
+    backend = engine.backend
+    end = int(backend.eog_ids()[0])
+
+    @functools.lru_cache(None)
+    def tokens(ch: str) -> tuple[int, ...]:
+        return tuple(backend.tokenize(ch, add_special=False, parse_special=False))
+
+    def check(schema: dict, text: str) -> bool:
+        matcher = backend.grammar(without_trailing_space(grammar_from_json_schema(schema)))
+        try:
+            for ch in text:
+                for t in tokens(ch):
+                    if not matcher.allows(t):
+                        return False
+                    matcher.accept(t)
+            return matcher.allows(end)
+        finally:
+            matcher.close()
+
+    return check
+
+
+def test_enum_and_const_strings_are_written_as_json_escapes(accepts):
+    """An enum value with a newline, tab, quote or backslash was written raw (invalid JSON;
+    a quote was a 400), and one past U+FFFF as six replacement characters."""
+    schema = {"enum": ["a\nb", "c\td", 'q"x', "C:\\dir", "😀"]}
+    for value in schema["enum"]:
+        assert accepts(schema, json.dumps(value, ensure_ascii=False)), value
+    assert not accepts(schema, '"a\nb"') and not accepts(schema, '"C:\\dir"')
+    emoji = {"type": "object", "properties": {"😀": {"const": "😀"}}, "required": ["😀"],
+             "additionalProperties": False}
+    assert accepts(emoji, '{"😀": "😀"}')
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    (r"^\d{3}-\d{2}$", ["123-45"], ["12-345", "abc-de"]),
+    (r"^\w+\.txt$", ["a_1.txt"], ["a-1.txt", "a_1xtxt"]),
+    (r"^\s?x$", ["x", " x", "\nx"], ["  x"]),
+    (r"^[^x]+$", ["ab", 'a"b', "a\\b", "a\tb"], ["axb"]),
+    (r"^.{1,5}$", ["abc", 'a"c'], ["abcdef"]),
+    (r'^say "(hi|yo)"$', ['say "hi"'], ['say hi']),
+    (r"^a|b$", ["a", "b", "abc", "cab"], ["c"]),
+    (r"abc", ["abc", "xabcx"], ["ab"]),
+    (r"^(?:ab)+?$", ["abab"], ["aba"]),
+    (r"^[a-c\-]\+$", ["a+", "-+"], ["d+", "a"]),
+    (r"^[ -~]+$", ['x"\\y'], ["é"]),
+])
+def test_a_pattern_constrains_the_decoded_string_and_the_text_stays_json(accepts, pattern,
+                                                                          good, bad):
+    """Patterns ran over the JSON text as it was: '.' and '[^x]' let a raw quote, backslash
+    or control character through (invalid JSON), a '"' in the pattern ended the string, and
+    \\d, \\w, \\s, \\. were grammars llama.cpp could not parse (a 400)."""
+    schema = {"type": "string", "pattern": pattern}
+    for value in good:
+        assert accepts(schema, json.dumps(value, ensure_ascii=False)), value
+    for value in bad:
+        assert not accepts(schema, json.dumps(value, ensure_ascii=False)), value
+    assert not accepts(schema, '"a\tb"')  # a raw tab is never JSON
+
+
+@pytest.mark.parametrize("pattern", [r"^(a)\1$", r"^a(?=b)", r"^\bword$", r"^[a$"])
+def test_what_a_grammar_cannot_say_in_a_pattern_is_a_400(pattern):
+    with pytest.raises(InvalidRequestError, match="unsupported JSON schema"):
+        grammar_from_json_schema({"type": "string", "pattern": pattern})
+
+
+def test_optional_properties_beside_additional_properties_keep_their_commas(accepts):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "additionalProperties": {"type": "string"}}
+    for text in ('{"a": 1, "b": "x"}', '{"a": 5}', '{"b": "x", "c": "y"}', "{}"):
+        assert accepts(schema, text), text
+    assert not accepts(schema, '{"a": 1"b": "x"}')
+    two = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+           "required": ["b"], "additionalProperties": True}
+    for text in ('{"b": 1}', '{"b": 1, "a": 2}', '{"b": 1, "a": 2, "z": [null]}',
+                 '{"b": 1, "z": true}'):
+        assert accepts(two, text), text
+    assert not accepts(two, '{"a": 2}')
+
+
+def test_a_type_list_keeps_the_keywords_beside_it(accepts):
+    """OpenAI's strict mode writes a nullable field as a type list; every keyword beside it
+    was dropped."""
+    color = {"type": ["string", "null"], "enum": ["red", "green", None]}
+    assert accepts(color, '"red"') and accepts(color, "null")
+    assert not accepts(color, '"blue"')
+    short = {"type": ["string", "null"], "maxLength": 3}
+    assert accepts(short, '"abc"') and accepts(short, "null") and not accepts(short, '"hello"')
+    addr = {"type": ["object", "null"], "properties": {"city": {"type": "string"}},
+            "required": ["city"], "additionalProperties": False}
+    assert accepts(addr, '{"city": "x"}') and accepts(addr, "null")
+    assert not accepts(addr, "{}")
+    assert not accepts({"type": "string", "enum": ["a", 1]}, "1")
+
+
+def test_prefix_items_with_items_and_counts(accepts):
+    schema = {"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "integer"}}
+    for text in ('["a"]', '["a", 1, 2]', "[]"):
+        assert accepts(schema, text), text
+    assert not accepts(schema, "[1]") and not accepts(schema, '["a", "b"]')
+    counted = {"prefixItems": [{"type": "string"}, {"type": "integer"}], "minItems": 2}
+    assert accepts(counted, '["a", 1]') and not accepts(counted, '["a"]')
+    more = {"prefixItems": [{"type": "string"}], "items": {"type": "integer"}, "minItems": 3,
+            "maxItems": 3}
+    assert accepts(more, '["a", 1, 2]') and not accepts(more, '["a", 1]')
+    assert not accepts(more, '["a", 1, 2, 3]')
+
+
+def test_keywords_beside_ref_all_of_and_any_of_are_kept(accepts):
+    beside_ref = {"$defs": {"s": {"type": "string"}}, "type": "object",
+                  "properties": {"x": {"$ref": "#/$defs/s", "maxLength": 2}},
+                  "required": ["x"], "additionalProperties": False}
+    assert accepts(beside_ref, '{"x": "ab"}') and not accepts(beside_ref, '{"x": "abc"}')
+    all_of = {"allOf": [{"type": "string"}, {"maxLength": 5}]}
+    assert accepts(all_of, '"abc"') and not accepts(all_of, "{}")
+    assert not accepts(all_of, '"abcdefg"')
+    required = {"type": "object", "properties": {"a": {"type": "integer"}},
+                "allOf": [{"required": ["a"]}], "additionalProperties": False}
+    assert accepts(required, '{"a": 1}') and not accepts(required, "{}")
+    any_of = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "additionalProperties": False,
+              "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    assert accepts(any_of, '{"a": 1}') and accepts(any_of, '{"b": 1}')
+    assert not accepts(any_of, "{}")
+
+
+def test_a_root_ref_into_definitions_that_refer_to_each_other(accepts):
+    """Pydantic v2's shape for a recursive model: a 400 ('unsupported JSON schema')."""
+    schema = {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["name", "kids"], "additionalProperties": False}},
+        "$ref": "#/$defs/node"}
+    assert accepts(schema, '{"name": "a", "kids": [{"name": "b", "kids": []}]}')
+    assert not accepts(schema, '{"name": "a"}')
+    pair = {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}},
+                            "required": ["b"]}, "b": {"type": "integer"}},
+            "$ref": "#/$defs/a"}
+    assert accepts(pair, '{"b": 3}') and not accepts(pair, '{"b": "x"}')
+
+
+def test_a_schema_that_only_annotates_matches_any_value(accepts):
+    """A tool's {"description": ..} parameter was a 400 ('Unrecognized schema'), and {} took
+    only objects."""
+    for schema in ({}, {"description": "anything"}):
+        for text in ("1", '"x"', "[1, {}]", "null", '{"a": true}'):
+            assert accepts(schema, text), (schema, text)
+    tool = {"type": "object", "properties": {"q": {"description": "query"}}, "required": ["q"]}
+    assert accepts(tool, '{"q": "x"}') and accepts(tool, '{"q": 5}')
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "no value in common"),
+    ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "anyOf beside oneOf"),
+    ({"type": "string", "enum": [1, 2]}, "no value of the enum"),
+    ({"prefixItems": [{"type": "string"}], "minItems": 2}, "no items schema"),
+])
+def test_schemas_no_value_can_match_or_that_cannot_be_merged_are_a_400(schema, says):
+    with pytest.raises(InvalidRequestError, match=says):
+        grammar_from_json_schema(schema)

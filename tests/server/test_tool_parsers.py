@@ -225,3 +225,40 @@ def test_tool_plan_refusals(body, param):
     with pytest.raises(InvalidRequestError) as e:
         _plan(**body)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("arguments", ['{"x": NaN}', '{"x": Infinity}', '{"x": -Infinity}',
+                                       '{"x": 1e400}', '"{\\"x\\": NaN}"'])
+def test_arguments_no_json_parser_reads_make_the_call_content(arguments):
+    """NaN and Infinity (Python's json reads them; 1e400 overflows to it) were passed on as
+    the call's arguments: '{"x": NaN}', which no client's JSON parser reads (Anthropic's
+    route turned it into null)."""
+    text = f'<tool_call>\n{{"name": "get_time", "arguments": {arguments}}}\n</tool_call>'
+    assert parse_answer(text, "hermes", NAMES) == ParsedAnswer(text)
+    fine = text.replace("NaN", "1.5").replace("-Infinity", "-2").replace(
+        "Infinity", "2").replace("1e400", "1e300")
+    assert parse_answer(fine, "hermes", NAMES).calls
+
+
+def test_references_inside_a_functions_parameters_follow_them_into_the_call_schema():
+    """A parameters schema referring to itself ('#/properties/b', '#') was a 400 once nested
+    under the call's arguments: 'Error resolving ref'."""
+    from justllm.engine.backend import grammar_from_json_schema
+
+    params = {"type": "object", "properties": {"a": {"$ref": "#/properties/b"},
+                                               "b": {"type": "integer"},
+                                               "self": {"$ref": "#"}}}
+    one = call_schema([("f", params)], "hermes")
+    assert one["properties"]["arguments"] == {"$ref": "#/$defs/justllm-tool-call-arguments-0"}
+    moved = one["$defs"]["justllm-tool-call-arguments-0"]["properties"]
+    assert moved["a"] == {"$ref": "#/$defs/justllm-tool-call-arguments-0/properties/b"}
+    assert moved["self"] == {"$ref": "#/$defs/justllm-tool-call-arguments-0"}
+    two = call_schema([("g", {"$defs": {"x": {"type": "string"}},
+                              "properties": {"y": {"$ref": "#/$defs/x"}}}), ("f", params)],
+                      "hermes")
+    assert two["anyOf"][0]["properties"]["arguments"]["properties"]["y"] == {
+        "$ref": "#/$defs/x"}  # (into definitions: left as it was)
+    assert two["anyOf"][1]["properties"]["arguments"] == {
+        "$ref": "#/$defs/justllm-tool-call-arguments-1"}
+    for schema in (one, two):
+        assert "::=" in grammar_from_json_schema(schema)

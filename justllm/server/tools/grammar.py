@@ -30,11 +30,13 @@ def arguments_key(fmt: str) -> str:
 def call_schema(functions: list[tuple[str, dict[str, Any] | None]], fmt: str) -> dict[str, Any]:
     """One JSON schema for a call of any of ``functions`` ((name, parameters schema) pairs).
     Definitions (``$defs``) of each parameters schema move to the top, where their
-    ``#/$defs/..`` references point once the schema is nested."""
+    ``#/$defs/..`` references point once the schema is nested; a parameters schema that
+    refers into itself (``#``, ``#/properties/..``) becomes a definition of its own, its
+    references pointing there."""
     key = arguments_key(fmt)
     defs: dict[str, dict[str, Any]] = {k: {} for k in _DEF_KEYS}
     alternatives = []
-    for name, parameters in functions:
+    for i, (name, parameters) in enumerate(functions):
         params = dict(parameters) if parameters else dict(NO_PARAMETERS)
         for k in _DEF_KEYS:
             for def_name, definition in (params.pop(k, None) or {}).items():
@@ -42,6 +44,11 @@ def call_schema(functions: list[tuple[str, dict[str, Any] | None]], fmt: str) ->
                     raise InvalidRequestError(
                         f"tools: two functions define {k}/{def_name} differently; forcing a "
                         "call needs one grammar for all of them", param="tools")
+        own = f"{_CALL_RULE}-arguments-{i}"
+        moved = _moved_refs(params, f"#/$defs/{own}")
+        if moved != params:
+            defs["$defs"][own] = moved
+            params = {"$ref": f"#/$defs/{own}"}
         alternatives.append({
             "type": "object",
             "properties": {"name": {"const": name}, key: params},
@@ -52,6 +59,21 @@ def call_schema(functions: list[tuple[str, dict[str, Any] | None]], fmt: str) ->
         if defs[k]:
             schema[k] = defs[k]
     return schema
+
+
+def _moved_refs(schema: Any, at: str) -> Any:
+    """``schema`` with its references into itself (``#``, ``#/properties/..``) pointing where
+    it now is, ``at``; those into definitions stay (the definitions move to the top)."""
+    if isinstance(schema, list):
+        return [_moved_refs(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _moved_refs(v, at) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not any(
+            ref.startswith(f"#/{k}/") for k in _DEF_KEYS):
+        out["$ref"] = at + ref[1:]
+    return out
 
 
 def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:

@@ -20,6 +20,7 @@ text, so a streamed and a whole answer give the same string.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -48,7 +49,20 @@ CALL_STARTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "generic": _generic_starts(),
 }
 
-_DECODER = json.JSONDecoder(strict=False)  # a model may write raw newlines inside strings
+def _no_constant(name: str) -> Any:
+    raise Malformed(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: JSON text, but no client's parser reads it back
+        raise Malformed(f"the number {text} is out of range")
+    return value
+
+
+# A model may write raw newlines inside strings; NaN and Infinity are Python's, not JSON's
+# (they were passed on as arguments no JSON parser reads).
+_DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite)
 
 
 @dataclass(frozen=True)
@@ -225,7 +239,7 @@ def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:
     args = obj.get("arguments", obj.get("parameters", {}))
     try:
         if isinstance(args, str):
-            args = json.loads(args)
+            args = _DECODER.decode(args)
         if not isinstance(args, dict):
             raise Malformed("arguments are not a JSON object")
         return ParsedCall(name, json.dumps(args, ensure_ascii=False))

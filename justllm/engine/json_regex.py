@@ -1,0 +1,287 @@
+"""A JSON schema's ``pattern`` said over the *text* of a JSON string, for the grammar converter.
+
+A pattern constrains the decoded string, but the grammar writes the JSON text between the
+quotes, where ``"``, ``\\`` and control characters appear escaped. llama-cpp-python's
+converter copied the pattern as it was, so ``.`` and ``[^x]`` let the model write a raw quote,
+backslash or newline (invalid JSON), a literal ``"`` ended the string early, and ``\\d``,
+``\\w``, ``\\s`` and ``\\.`` were grammars llama.cpp could not parse. ``json_text_pattern``
+rewrites a pattern into the converter's dialect (anchored ``^...$``, groups, ``|``,
+quantifiers, character classes of ``\\u`` ranges) so that what it matches is exactly the
+escaped text of the strings the pattern matches, where a character JSON must escape has one
+spelling: ``\\"``, ``\\\\``, ``\\n``, ``\\r``, ``\\t``, ``\\b``, ``\\f`` or ``\\u00XX``.
+JSON Schema's patterns are unanchored, so a side without ``^`` or ``$`` gets ``.*``. What a
+grammar cannot say (back-references, lookaround, word boundaries) is a ``ValueError``. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+_MAX = 0x10FFFF
+_SHORT = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C: "\\"}
+# Characters JSON must escape, as (lo, hi) ranges.
+_UNSAFE = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
+_DIGIT = ((0x30, 0x39),)
+_WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x2028, 0x2029), (0xFEFF, 0xFEFF))
+_SHORTHANDS = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
+_CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
+# What the converter reads as syntax outside a class (it takes them back escaped).
+_QUANTIFIER = re.compile(r"\d+(,\d*)?\}")
+
+Ranges = list[tuple[int, int]]
+
+
+def _normal(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    out, at = [], 0
+    for lo, hi in _normal(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= _MAX:
+        out.append((at, _MAX))
+    return out
+
+
+def _minus(ranges: Ranges, cut: Ranges) -> Ranges:
+    return _complement([*_complement(ranges), *cut])
+
+
+def _escaped_text(code: int) -> str:
+    """The converter-dialect pattern for the JSON text of one character JSON escapes: a
+    group, so that a quantifier after it repeats all of it."""
+    short = _SHORT.get(code)
+    tail = ('\\"' if short == '"' else "\\\\" if short == "\\" else short
+            if short else f"u00{code:02X}")
+    return "(\\\\" + tail + ")"
+
+
+def _char_text(code: int) -> str:
+    """The converter-dialect pattern for the JSON text of the character ``code``."""
+    if any(lo <= code <= hi for lo, hi in _UNSAFE):
+        return _escaped_text(code)
+    c = chr(code)
+    if c.isalnum() or c in " !#%&',-/:;<=>@_`~" or (code > 0x7F and c.isprintable()):
+        return c
+    return _class([(code, code)])  # ".", "+", "^" and the like: a one-character class
+
+
+def _class(ranges: Ranges) -> str:
+    def one(code: int) -> str:
+        return f"\\x{code:02X}" if code <= 0xFF else (
+            f"\\u{code:04X}" if code <= 0xFFFF else f"\\U{code:08X}")
+
+    return "[" + "".join(one(lo) if lo == hi else f"{one(lo)}-{one(hi)}"
+                         for lo, hi in ranges) + "]"
+
+
+def _set_text(ranges: Ranges) -> str:
+    """A set of characters as the converter-dialect pattern of their JSON text: the safe
+    ones in one class, each unsafe one as its escape."""
+    ranges = _normal(ranges)
+    safe = _minus(ranges, list(_UNSAFE))
+    unsafe = [c for lo, hi in _UNSAFE for c in range(lo, hi + 1)
+              if any(a <= c <= b for a, b in ranges)]
+    parts = ([_class(safe)] if safe else []) + [_escaped_text(c) for c in unsafe]
+    if not parts:
+        raise ValueError("a character class that matches no character")
+    return parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")"
+
+
+class _Reader:
+    def __init__(self, pattern: str) -> None:
+        self.p = pattern
+        self.i = 0
+
+    def peek(self, k: int = 0) -> str:
+        j = self.i + k
+        return self.p[j] if j < len(self.p) else ""
+
+    def take(self) -> str:
+        c = self.peek()
+        if not c:
+            raise ValueError("the pattern ends inside an escape, class or group")
+        self.i += 1
+        return c
+
+    def escape(self) -> tuple[str, Ranges | int]:
+        """After a backslash: ("set", ranges) or ("char", code)."""
+        c = self.take()
+        if c.lower() in _SHORTHANDS:
+            ranges = list(_SHORTHANDS[c.lower()])
+            return "set", _complement(ranges) if c.isupper() else ranges
+        if c in _CONTROL_ESCAPES:
+            if c == "0" and self.peek().isdigit():
+                raise ValueError("octal escapes are not supported")
+            return "char", _CONTROL_ESCAPES[c]
+        if c in "xu":
+            width = 2 if c == "x" else 4
+            if c == "u" and self.peek() == "{":
+                self.take()
+                digits = ""
+                while self.peek() != "}":
+                    digits += self.take()
+                self.take()
+            else:
+                digits = "".join(self.take() for _ in range(width))
+            try:
+                return "char", int(digits, 16)
+            except ValueError:
+                raise ValueError(f"a bad \\{c} escape") from None
+        if c.isdigit():
+            raise ValueError("back-references are not supported")
+        if c in "bB":
+            raise ValueError(f"\\{c} (a word boundary) is not supported")
+        if c in "pPkc":
+            raise ValueError(f"\\{c} escapes are not supported")
+        if c.isalnum():
+            raise ValueError(f"an unknown escape \\{c}")
+        return "char", ord(c)
+
+
+def _class_ranges(r: _Reader) -> tuple[Ranges, bool]:
+    """After '[': the class's ranges and whether it is negated (the ']' is read)."""
+    negated = r.peek() == "^"
+    if negated:
+        r.take()
+    ranges: Ranges = []
+    first = True
+    while True:
+        c = r.take()
+        if c == "]" and not first:
+            break
+        first = False
+        if c == "\\":
+            kind, value = r.escape()
+            if kind == "set":
+                assert isinstance(value, list)
+                ranges += value
+                continue
+            assert isinstance(value, int)
+            lo = value
+        else:
+            lo = ord(c)
+        if r.peek() == "-" and r.peek(1) not in ("]", ""):
+            r.take()
+            c = r.take()
+            if c == "\\":
+                kind, value = r.escape()
+                if kind == "set":
+                    raise ValueError("a range ends in a class shorthand")
+                assert isinstance(value, int)
+                hi = value
+            else:
+                hi = ord(c)
+            if hi < lo:
+                raise ValueError("a range out of order in a character class")
+            ranges.append((lo, hi))
+        else:
+            ranges.append((lo, lo))
+    return ranges, negated
+
+
+def _sequence(r: _Reader, depth: int) -> str:
+    """Alternatives up to a ')' at ``depth`` > 0 (not read) or the end."""
+    out = ""
+    while r.peek() and not (r.peek() == ")" and depth):
+        c = r.take()
+        if c == "|":
+            out += "|"
+        elif c == "(":
+            if r.peek() == "?":
+                r.take()
+                if r.take() != ":":
+                    raise ValueError("lookahead, lookbehind and named groups are not "
+                                     "supported")
+            out += "(" + _sequence(r, depth + 1) + ")"
+            if r.take() != ")":
+                raise ValueError("unbalanced parentheses")
+        elif c == ")":
+            raise ValueError("unbalanced parentheses")
+        elif c in "*+?":
+            out += c
+            if r.peek() == "?":  # lazy: the same strings
+                r.take()
+        elif c == "{" and _QUANTIFIER.match(r.p, r.i):
+            body = _QUANTIFIER.match(r.p, r.i).group(0)  # type: ignore[union-attr]
+            r.i += len(body)
+            out += "{" + body
+            if r.peek() == "?":
+                r.take()
+        elif c == ".":
+            out += "."  # the grammar's dot: any character JSON writes raw (engine/backend.py)
+        elif c == "[":
+            ranges, negated = _class_ranges(r)
+            out += _set_text(_complement(ranges) if negated else ranges)
+        elif c == "\\":
+            kind, value = r.escape()
+            if kind == "set":
+                assert isinstance(value, list)
+                out += _set_text(value)
+            else:
+                assert isinstance(value, int)
+                out += _char_text(value)
+        elif c in "^$":
+            raise ValueError(f"'{c}' inside the pattern (only at the start of the pattern or "
+                             "of a top-level alternative, and '$' at the end) is not "
+                             "supported")
+        else:
+            out += _char_text(ord(c))
+    return out
+
+
+def _top_level_alternatives(pattern: str) -> list[str]:
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # to its closing ']' (one right after '[' or '[^' is a member)
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    parts.append(pattern[start:])
+    return parts
+
+
+def json_text_pattern(pattern: str) -> str:
+    """``pattern`` (a JSON Schema regex over the decoded string) as an anchored pattern over
+    the string's JSON text, in llama-cpp-python's converter's dialect. ValueError for what a
+    grammar cannot say."""
+    branches = []
+    for branch in _top_level_alternatives(pattern):
+        start = branch.startswith("^")
+        body = branch[1:] if start else branch
+        end = body.endswith("$") and not _escaped_at_end(body)
+        body = body[:-1] if end else body
+        text = _sequence(_Reader(body), 0)
+        branches.append(("" if start else ".*") + (f"({text})" if text else "")
+                        + ("" if end else ".*"))
+    inner = branches[0] if len(branches) == 1 else "|".join(f"({b})" for b in branches)
+    return f"^({inner})$" if inner else "^$"
+
+
+def _escaped_at_end(body: str) -> bool:
+    """Whether the last character of ``body`` is escaped (an odd run of backslashes)."""
+    run = len(body) - 1 - len(body[:-1].rstrip("\\"))
+    return run % 2 == 1
