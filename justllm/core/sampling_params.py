@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from justllm.errors import InvalidRequestError
@@ -70,6 +71,10 @@ class SamplingParams:
     cache_prompt: bool = True
     # GBNF text constraining the output (structured output); None = free text.
     grammar: str | None = None
+    # Regular expressions: with any, the grammar is lazy (llama-server's): the answer is free
+    # until one matches its text, and held by the grammar from where the match's first group
+    # begins (a tool call under tool_choice "auto": engine/lazy_grammar.py).
+    grammar_triggers: tuple[str, ...] = ()
     # Speculative decoding for this request: most draft tokens per step (0: off; None: the
     # engine's --gamma) and the draft model's confidence cut-off (None: --draft-p-min).
     spec_n_max: int | None = None
@@ -180,6 +185,11 @@ class SamplingParams:
                "grammar decides where the answer ends", "min_tokens")
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
                "grammar must be non-empty GBNF text", "grammar")
+        _check(isinstance(self.grammar_triggers, tuple)
+               and all(isinstance(t, str) and t and _compiles(t) for t in self.grammar_triggers),
+               "grammar_triggers must be regular expressions", "grammar_triggers")
+        _check(not self.grammar_triggers or self.grammar is not None,
+               "grammar_triggers need a grammar", "grammar_triggers")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
 
@@ -211,6 +221,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def _is_int(value: object) -> bool:

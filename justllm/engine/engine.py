@@ -38,12 +38,19 @@ from justllm.engine.backend import (
 )
 from justllm.engine.detokenizer import IncrementalDetokenizer
 from justllm.engine.graph_sampling import graph_sampling
+from justllm.engine.lazy_grammar import LazyGrammar
 from justllm.engine.lora import LoadedLora, LoraRegistry
 from justllm.engine.proposers import make_proposer
 from justllm.engine.records import RequestObserver, request_record
 from justllm.engine.row_sampling import RowJob, RowSampler, sampling_workers, worth_a_worker
 from justllm.engine.runner import Runner
-from justllm.engine.sampler import InfillVocab, RequestSampler, SampledToken, token_logprob
+from justllm.engine.sampler import (
+    Constraint,
+    InfillVocab,
+    RequestSampler,
+    SampledToken,
+    token_logprob,
+)
 from justllm.engine.vram import with_vram_pool
 from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
 from justllm.kv.block_pool import BlockPool, BlockUsage
@@ -353,7 +360,16 @@ class Engine:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {n_vocab})",
                                       param="logit_bias")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        constraint = self.backend.grammar(params.grammar) if params.grammar else None
+        constraint: Constraint | None = None
+        if params.grammar and params.grammar_triggers:
+            gbnf, b = params.grammar, self.backend
+            b.grammar(gbnf).close()  # (a grammar llama.cpp refuses: refused now, not later)
+            constraint = LazyGrammar(  # (a marker may be a control token: <tool_call>)
+                lambda: b.grammar(gbnf), params.grammar_triggers,
+                lambda t: b.token_to_piece(t, special=True),
+                lambda text: b.tokenize(text, add_special=False))
+        elif params.grammar:
+            constraint = self.backend.grammar(params.grammar)
         ends = None
         if params.min_tokens:
             ends = np.union1d(self.backend.eog_ids(),
@@ -1124,7 +1140,7 @@ class Engine:
             return
         # A grammar offers the end only once it is complete: the answer ends there, ignore_eos
         # or not (else every later token would be another end).
-        if not early and (not params.ignore_eos or live.sampler.constraint is not None) \
+        if not early and (not params.ignore_eos or _held(live.sampler.constraint)) \
                 and self.backend.is_eog(token):
             out.reason = FinishReason.STOP
             return
@@ -1256,3 +1272,8 @@ class _Emitted:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reason: FinishReason | None = None
+
+
+def _held(constraint: Constraint | None) -> bool:
+    """Whether a grammar holds the answer now (a lazy one only once its trigger came)."""
+    return constraint is not None and bool(getattr(constraint, "active", True))

@@ -80,7 +80,7 @@ from justllm.server.tools.answer import (
     ToolCallArguments,
     ToolCallStart,
 )
-from justllm.server.tools.grammar import call_schema, wrap_call_grammar
+from justllm.server.tools.grammar import call_schema, call_triggers, wrap_call_grammar
 from justllm.server.tools.parse import ParsedCall
 from justllm.server.tools.request import (
     ToolPlan,
@@ -440,7 +440,19 @@ class OpenAIServing:
             gbnf = self.aengine.json_grammar(schema)
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param="tools") from None
-        return wrap_call_grammar(gbnf, fmt, plan.parallel and plan.mode == "required")
+        return wrap_call_grammar(gbnf, fmt, plan.parallel and plan.mode != "named")
+
+    def _lazy_tool_grammar(self, plan: ToolPlan) -> tuple[str | None, tuple[str, ...]]:
+        """Under ``tool_choice: "auto"``: the call grammar and where it takes hold (a call's
+        marker), so that a call the model starts is one of the tools with valid arguments,
+        as llama-server's lazy grammars make it; (None, ()) for a family left free, and for a
+        model that thinks (its thinking may name the marker; the grammar would take the
+        thinking for the call). Not with vLLM's ``min_tokens`` (the caller's check): a
+        grammar ends the answer with its call."""
+        triggers = call_triggers(self.template.tool_format, plan.parallel)
+        if not triggers or self.template.thinks:
+            return None, ()
+        return self._tool_grammar(plan), triggers
 
     def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
         if lps is None:
@@ -471,6 +483,9 @@ class OpenAIServing:
                                           "constrain the answer", param=extra[1])
             grammar = extra[0]
         prompt = self._prompt(req, plan, constrained=grammar is not None)
+        triggers: tuple[str, ...] = ()
+        if plan.mode == "auto" and grammar is None and not req.min_tokens:
+            grammar, triggers = self._lazy_tool_grammar(plan)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
@@ -481,7 +496,8 @@ class OpenAIServing:
         own = self._own_thinking_budget(req)
         return [(prompt, self.budgeted(
             replace(self._params(req, max_tokens, logprobs, i, self.template,
-                                 req.prompt_logprobs), grammar=grammar),
+                                 req.prompt_logprobs), grammar=grammar,
+                    grammar_triggers=triggers),
             prompt, own, req.reasoning_budget_message)) for i in range(req.n)], plan
 
     def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan, constrained: bool = False,

@@ -175,6 +175,35 @@ def test_auto_and_none(client, server):
         assert choice.finish_reason in ("stop", "length") and choice.message.content
 
 
+def test_an_auto_call_the_model_starts_is_held_to_the_tools_schema(client, server):
+    """tool_choice "auto": the model copies the call it made before, naming Paris, a city the
+    tool's enum does not offer. Its answer was parsed as it came (a call with Paris); the call
+    grammar now takes hold where the call begins (llama-server's lazy grammar), so the call
+    it makes is valid for the tool, streamed or not."""
+    cities = {"type": "object", "properties": {"city": {"type": "string",
+                                                        "enum": ["Rome", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": cities}}]
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny in Paris."}]
+    messages = [*turn, *turn, *ASK]
+    kw = dict(model=server.model, messages=messages, max_tokens=40, temperature=0)
+    free = client.chat.completions.create(**kw, tool_choice="none")
+    assert free.choices[0].message.content.lstrip().startswith('{"name": "get_weather"')
+    r = client.chat.completions.create(**kw, tools=tools)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    jsonschema.validate(args, cities)
+    streamed = list(client.chat.completions.create(**kw, tools=tools, stream=True))
+    pieces = [d.function.arguments or "" for c in streamed for d in (
+        c.choices[0].delta.tool_calls or [])]
+    assert json.loads("".join(pieces)) == args
+
+
 def test_a_cut_off_call_comes_back_as_text(client, server):
     kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
               max_tokens=6, temperature=0)

@@ -95,3 +95,17 @@ def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:
         root = call
     # A transcript's "Assistant:" is followed by the model's own space.
     return f'root ::= " "? ({root})\n{body}'
+
+
+def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
+    """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
+    triggers (regular expressions; the grammar holds the answer from where the first group
+    begins), or () for a family whose calls are left free. Mistral's are left free: its newer
+    models write ``[TOOL_CALLS]name[ARGS]{..}``, which the forcing grammar does not spell."""
+    if fmt == "hermes":
+        return (r"(<tool_call>)",)
+    if fmt == "llama3":  # (the grammar is the call object: it begins after the python tag)
+        return (r"<\|python_tag\|>\s*(\{)", r'^\s*(\{)\s*"name"')
+    if fmt == "generic":  # a call is the whole answer: only at its start
+        return (r'^\s*(\{)\s*"name"',) + ((r'^\s*(\[)\s*\{\s*"name"',) if parallel else ())
+    return ()
