@@ -180,16 +180,13 @@ class Clock:
         self.now += seconds
 
 
-def test_replicas_no_node_can_hold_fail_the_deploy_after_the_timeout(ray_faked, monkeypatch):
-    """``gpu: true`` on a cluster without GPUs: serve.run waited for ever, and every request
-    with it. Now the wait is said once, the deploy fails after --schedule-timeout naming the
-    deployment and the resources, and the app it left is removed (it was alone on the head
-    this deploy started)."""
-    apps, done = ray_faked
+def deploying_for_ever(monkeypatch, apps: dict, message: str, plain_polls: int) -> Clock:
+    """A fake Serve whose app deploys without end: ``plain_polls`` polls of nothing said,
+    then the model deployment's ``message`` (Ray's) at every poll; the wait on a fake clock."""
     clock = Clock()
-    pending = {"model-demo": SimpleNamespace(message=UNPLACED),
+    pending = {"model-demo": SimpleNamespace(message=message),
                "ingress": SimpleNamespace(message="")}
-    statuses = iter([app_status("DEPLOYING")] * 3)
+    statuses = iter([app_status("DEPLOYING")] * plain_polls)
     monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
         name: next(statuses, app_status("DEPLOYING", pending)) for name in apps}))
     monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
@@ -197,6 +194,16 @@ def test_replicas_no_node_can_hold_fail_the_deploy_after_the_timeout(ray_faked, 
                         apps.__setitem__(name, "DEPLOYING"))
     monkeypatch.setattr(d, "wait_running", partial(d.wait_running, clock=clock,
                                                    sleep=clock.sleep))
+    return clock
+
+
+def test_replicas_no_node_can_hold_fail_the_deploy_after_the_timeout(ray_faked, monkeypatch):
+    """``gpu: true`` on a cluster without GPUs: serve.run waited for ever, and every request
+    with it. Now the wait is said once, the deploy fails after --schedule-timeout naming the
+    deployment and the resources, and the app it left is removed (it was alone on the head
+    this deploy started)."""
+    apps, done = ray_faked
+    clock = deploying_for_ever(monkeypatch, apps, UNPLACED, plain_polls=3)
     heard: list[str] = []
     with pytest.raises(JustLLMError) as e:
         d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD),
@@ -239,17 +246,7 @@ def test_replicas_that_never_finish_loading_fail_the_deploy_after_the_start_time
     without end, and the deploy did, saying nothing. Now the wait is said once, and the deploy
     fails after --start-timeout, naming the deployment; the app it left is removed."""
     apps, done = ray_faked
-    clock = Clock()
-    pending = {"model-demo": SimpleNamespace(message=LOADING),
-               "ingress": SimpleNamespace(message="")}
-    statuses = iter([app_status("DEPLOYING")] * 60)  # Ray says so after 30 s
-    monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
-        name: next(statuses, app_status("DEPLOYING", pending)) for name in apps}))
-    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
-    monkeypatch.setattr(d.serve, "_run", lambda app, name, route_prefix, _blocking:
-                        apps.__setitem__(name, "DEPLOYING"))
-    monkeypatch.setattr(d, "wait_running", partial(d.wait_running, clock=clock,
-                                                   sleep=clock.sleep))
+    clock = deploying_for_ever(monkeypatch, apps, LOADING, plain_polls=60)  # (Ray: after 30 s)
     heard: list[str] = []
     with pytest.raises(JustLLMError) as e:
         d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD),
@@ -259,8 +256,8 @@ def test_replicas_that_never_finish_loading_fail_the_deploy_after_the_start_time
                             "on its node, says how far it got; a larger --start-timeout waits "
                             "longer)")
     assert 90 <= clock.now < 91
-    assert heard == ["model-demo: 1 replica(s) still loading their model after more than 30 s (waiting "
-                     "up to 90 s in all: --start-timeout)"]
+    assert heard == ["model-demo: 1 replica(s) still loading their model after more than 30 s "
+                     "(waiting up to 90 s in all: --start-timeout)"]
     assert "justllm" not in apps and done == ["head stopped"]
 
 
