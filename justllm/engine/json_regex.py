@@ -92,7 +92,11 @@ def _set_text(ranges: Ranges) -> str:
     safe = _minus(ranges, list(_UNSAFE))
     unsafe = [c for lo, hi in _UNSAFE for c in range(lo, hi + 1)
               if any(a <= c <= b for a, b in ranges)]
-    parts = ([_class(safe)] if safe else []) + [_escaped_text(c) for c in unsafe]
+    escapes = [_escaped_text(c) for c in unsafe]
+    if all(c in unsafe for c in range(0x20)):  # (every control character: one rule for the
+        escapes = [_escaped_text(c) for c in unsafe  # \u00XX forms, and the short ones)
+                   if c >= 0x20 or c in _SHORT] + ["(\\\\u00[01][0-9A-Fa-f])"]
+    parts = ([_class(safe)] if safe else []) + escapes
     if not parts:
         raise ValueError("a character class that matches no character")
     return parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")"
