@@ -35,7 +35,7 @@ with openmp.short_spin() as _OPENMP_SLEEPS:  # (a constant: how libgomp loaded, 
 from justllm.config import MAX_THREADS, usable_cpus
 from justllm.core.fim import FimTokens
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
-from justllm.engine.json_regex import json_text_pattern
+from justllm.engine.json_regex import json_text_pattern, raw_text_pattern
 from justllm.engine.schema_rewrite import SchemaConflict, constrains, hoist_refs, rewrite
 from justllm.errors import (
     EngineError,
@@ -586,6 +586,22 @@ def grammar_from_json_schema(schema: dict) -> str:
     except Exception as e:  # the converter raises plain exceptions on schemas it cannot handle
         raise InvalidRequestError(f"unsupported JSON schema: {e}",
                                   param="response_format") from e
+
+
+def grammar_from_regex(pattern: str) -> str:
+    """GBNF for text that ``pattern`` matches whole (vLLM's ``regex`` / ``guided_regex``):
+    llama-cpp-python's converter in its raw mode, over engine/json_regex.py's translation
+    (``\\d``, classes, groups, quantifiers; back-references and lookaround refused)."""
+    if not pattern.strip("^$"):
+        raise InvalidRequestError("the regular expression is empty", param="regex")
+    try:
+        converter = _grammar.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                             raw_pattern=True)
+        converter._visit_pattern(raw_text_pattern(pattern), "root")
+        return cast(str, converter.format_grammar())
+    except Exception as e:  # ValueError from the translation, AssertionError from the converter
+        raise InvalidRequestError(f"unsupported regular expression: {e}",
+                                  param="regex") from e
 
 
 def _model_metadata(model) -> dict[str, str]:

@@ -66,9 +66,10 @@ def _escaped_text(code: int) -> str:
     return "(\\\\" + tail + ")"
 
 
-def _char_text(code: int) -> str:
-    """The converter-dialect pattern for the JSON text of the character ``code``."""
-    if any(lo <= code <= hi for lo, hi in _UNSAFE):
+def _char_text(code: int, unsafe: tuple[tuple[int, int], ...] = _UNSAFE) -> str:
+    """The converter-dialect pattern for the JSON text of the character ``code`` (the text
+    itself with no ``unsafe`` ranges)."""
+    if any(lo <= code <= hi for lo, hi in unsafe):
         return _escaped_text(code)
     c = chr(code)
     if c.isalnum() or c in " !#%&',-/:;<=>@_`~" or (code > 0x7F and c.isprintable()):
@@ -85,12 +86,12 @@ def _class(ranges: Ranges) -> str:
                          for lo, hi in ranges) + "]"
 
 
-def _set_text(ranges: Ranges) -> str:
+def _set_text(ranges: Ranges, unsafe_ranges: tuple[tuple[int, int], ...] = _UNSAFE) -> str:
     """A set of characters as the converter-dialect pattern of their JSON text: the safe
     ones in one class, each unsafe one as its escape."""
     ranges = _normal(ranges)
-    safe = _minus(ranges, list(_UNSAFE))
-    unsafe = [c for lo, hi in _UNSAFE for c in range(lo, hi + 1)
+    safe = _minus(ranges, list(unsafe_ranges))
+    unsafe = [c for lo, hi in unsafe_ranges for c in range(lo, hi + 1)
               if any(a <= c <= b for a, b in ranges)]
     escapes = [_escaped_text(c) for c in unsafe]
     if all(c in unsafe for c in range(0x20)):  # (every control character: one rule for the
@@ -103,9 +104,10 @@ def _set_text(ranges: Ranges) -> str:
 
 
 class _Reader:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, unsafe: tuple[tuple[int, int], ...] = _UNSAFE) -> None:
         self.p = pattern
         self.i = 0
+        self.unsafe = unsafe  # what the text spells escaped
 
     def peek(self, k: int = 0) -> str:
         j = self.i + k
@@ -226,21 +228,21 @@ def _sequence(r: _Reader, depth: int) -> str:
             out += "."  # the grammar's dot: any character JSON writes raw (engine/backend.py)
         elif c == "[":
             ranges, negated = _class_ranges(r)
-            out += _set_text(_complement(ranges) if negated else ranges)
+            out += _set_text(_complement(ranges) if negated else ranges, r.unsafe)
         elif c == "\\":
             kind, value = r.escape()
             if kind == "set":
                 assert isinstance(value, list)
-                out += _set_text(value)
+                out += _set_text(value, r.unsafe)
             else:
                 assert isinstance(value, int)
-                out += _char_text(value)
+                out += _char_text(value, r.unsafe)
         elif c in "^$":
             raise ValueError(f"'{c}' inside the pattern (only at the start of the pattern or "
                              "of a top-level alternative, and '$' at the end) is not "
                              "supported")
         else:
-            out += _char_text(ord(c))
+            out += _char_text(ord(c), r.unsafe)
     return out
 
 
@@ -272,15 +274,27 @@ def json_text_pattern(pattern: str) -> str:
     """``pattern`` (a JSON Schema regex over the decoded string) as an anchored pattern over
     the string's JSON text, in llama-cpp-python's converter's dialect. ValueError for what a
     grammar cannot say."""
+    return _translated(pattern, _UNSAFE, whole=False)
+
+
+def raw_text_pattern(pattern: str) -> str:
+    """``pattern`` as a pattern for text that it matches whole (vLLM's ``regex``: the answer
+    itself, no JSON around it; anchored at both ends whether it says so or not), in the
+    converter's dialect for its raw mode: every character but letters, digits and plain
+    punctuation as a one-character class (the raw mode writes a quote unescaped)."""
+    return _translated(pattern, (), whole=True)
+
+
+def _translated(pattern: str, unsafe: tuple[tuple[int, int], ...], whole: bool) -> str:
     branches = []
     for branch in _top_level_alternatives(pattern):
         start = branch.startswith("^")
         body = branch[1:] if start else branch
         end = body.endswith("$") and not _escaped_at_end(body)
         body = body[:-1] if end else body
-        text = _sequence(_Reader(body), 0)
-        branches.append(("" if start else ".*") + (f"({text})" if text else "")
-                        + ("" if end else ".*"))
+        text = _sequence(_Reader(body, unsafe), 0)
+        branches.append(("" if start or whole else ".*") + (f"({text})" if text else "")
+                        + ("" if end or whole else ".*"))
     inner = branches[0] if len(branches) == 1 else "|".join(f"({b})" for b in branches)
     return f"^({inner})$" if inner else "^$"
 

@@ -10,8 +10,8 @@ Clients written for those servers constrain answers with their own fields, on
   ``guided_json``, ``guided_choice``, ``guided_grammar``.
 
 Each becomes a GBNF grammar for the engine's grammar sampler, the answer ending once it is
-complete. A regular expression (``regex``, ``guided_regex``) is refused with a 400: there is
-no regex-to-GBNF translation here. At most one constraint per request, counting
+complete; a regular expression (``regex``, ``guided_regex``) is matched by the whole answer,
+as vLLM's (engine/json_regex.py translates it). At most one constraint per request, counting
 ``response_format`` and tools.
 """
 
@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from justllm.engine.async_engine import MAX_GRAMMAR_ALTERNATIVES, AsyncEngine, grammar_limits
+from justllm.engine.backend import grammar_from_regex
 from justllm.errors import InvalidRequestError
 
 _VLLM = ("json", "json_object", "choice", "grammar", "regex")
@@ -61,8 +62,15 @@ def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str]
         return None
     param, kind, value = found
     if kind == "regex":
-        raise InvalidRequestError(f"{param}: regular expressions are not supported here (send "
-                                  "a JSON schema, a choice list or a GBNF grammar)", param=param)
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{param}: a regular expression is a string",
+                                      param=param)
+        try:
+            gbnf = grammar_from_regex(value)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{param}: {e}", param=param) from None
+        grammar_limits(gbnf, param)
+        return gbnf, param
     if kind == "grammar":
         if aengine is not None:
             aengine.check_grammar(value, param)  # the limits, then llama.cpp's parse

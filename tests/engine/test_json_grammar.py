@@ -48,6 +48,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+from justllm.engine.backend import grammar_from_regex  # noqa: E402
 from justllm.errors import InvalidRequestError  # noqa: E402
 
 
@@ -62,8 +63,11 @@ def accepts(engine):
     def tokens(ch: str) -> tuple[int, ...]:
         return tuple(backend.tokenize(ch, add_special=False, parse_special=False))
 
-    def check(schema: dict, text: str) -> bool:
-        matcher = backend.grammar(without_trailing_space(grammar_from_json_schema(schema)))
+    def check(schema: dict | str, text: str) -> bool:
+        """(a str is a regular expression, as vLLM's guided_regex)"""
+        gbnf = (grammar_from_regex(schema) if isinstance(schema, str)
+                else without_trailing_space(grammar_from_json_schema(schema)))
+        matcher = backend.grammar(gbnf)
         try:
             for ch in text:
                 for t in tokens(ch):
@@ -215,3 +219,19 @@ def test_a_schema_that_only_annotates_matches_any_value(accepts):
 def test_schemas_no_value_can_match_or_that_cannot_be_merged_are_a_400(schema, says):
     with pytest.raises(InvalidRequestError, match=says):
         grammar_from_json_schema(schema)
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    (r'say "(hi|yo)"\\', ['say "hi"\\'], ['say "hi"', 'say hi\\']),
+    (r"\d+\.\d*", ["3.14", "10."], ["3", ".5", "3.14x"]),
+    (r"[^x]+", ['a"\tb'], ["axb"]),
+    (r".+", ["abc"], ["a\nb"]),
+    (r"^(yes|no)$", ["yes", "no"], ["yesno", " yes"]),
+])
+def test_a_regular_expression_is_matched_by_the_whole_raw_text(accepts, pattern, good, bad):
+    """vLLM's guided_regex: the answer itself, no JSON around it (quotes and backslashes
+    raw), matched whole."""
+    for text in good:
+        assert accepts(pattern, text), text
+    for text in bad:
+        assert not accepts(pattern, text), text

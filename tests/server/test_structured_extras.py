@@ -5,6 +5,7 @@ constraint on real weights, and every conflict or bad value is a 400 naming its 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -54,6 +55,17 @@ def test_a_json_schema_is_followed(server, path, field):
 def test_a_choice_is_one_of_them(server, field):
     for path in (COMPLETIONS, CHAT):
         assert set(texts(server, path, **field)) <= {"yes", "no", 'a "b"\n'}
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "regex"])
+def test_a_regular_expression_is_matched_by_the_whole_answer(server, field):
+    """vLLM's guided_regex (and structured_outputs.regex) was a 400: no regex translation."""
+    pattern = r'\d{3}-[A-Z]{2} "(yes|no)"'
+    body = ({field: pattern} if field == "guided_regex"
+            else {"structured_outputs": {field: pattern}})
+    for path in (COMPLETIONS, CHAT):
+        for text in texts(server, path, **body):
+            assert re.fullmatch(pattern, text), text
 
 
 @pytest.mark.parametrize("field", ["grammar", "guided_grammar"])
@@ -161,9 +173,10 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server, p
     (COMPLETIONS, {"guided_grammar": "root ::= r0\n" + "".join(
         f"r{i} ::= r{i + 1}\n" for i in range(100_000)) + 'r100000 ::= "a"\n'},
      "guided_grammar", "100002 rules; at most 4096"),
-    (COMPLETIONS, {"guided_regex": "[a-z]+"}, "guided_regex", "regular expressions"),
-    (COMPLETIONS, {"structured_outputs": {"regex": "a"}}, "structured_outputs.regex",
-     "regular expressions"),
+    (COMPLETIONS, {"guided_regex": "(a)\\1"}, "guided_regex", "back-references"),
+    (COMPLETIONS, {"structured_outputs": {"regex": "a(?=b)"}}, "structured_outputs.regex",
+     "lookahead"),
+    (COMPLETIONS, {"guided_regex": "^$"}, "guided_regex", "empty"),
     (COMPLETIONS, {"structured_outputs": {}}, "structured_outputs", "exactly one of"),
     (COMPLETIONS, {"structured_outputs": {"choice": ["a"], "grammar": "root ::= \"a\""}},
      "structured_outputs", "exactly one of"),
