@@ -30,6 +30,7 @@ from justllm.engine.backend import (
     MAX_GRAMMAR_ALTERNATIVES,
     EmbeddingContext,
     grammar_from_json_schema,
+    grammar_from_regex,
     without_trailing_space,
 )
 from justllm.engine.chat_template import ChatTemplate
@@ -302,6 +303,16 @@ class AsyncEngine:
             return _JSON_OBJECT
         gbnf = without_trailing_space(grammar_from_json_schema(schema))
         grammar_limits(gbnf, "the grammar made from the schema",
+                       rules=MAX_SCHEMA_GRAMMAR_RULES,
+                       alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
+        return gbnf
+
+    @staticmethod
+    def regex_grammar(pattern: str) -> str:
+        """GBNF for text that ``pattern`` matches whole (vLLM's ``regex``), held to
+        :func:`grammar_limits` as a schema's grammar is."""
+        gbnf = grammar_from_regex(pattern)
+        grammar_limits(gbnf, "the grammar made from the regular expression",
                        rules=MAX_SCHEMA_GRAMMAR_RULES,
                        alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
         return gbnf

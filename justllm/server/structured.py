@@ -21,7 +21,6 @@ import json
 from typing import Any
 
 from justllm.engine.async_engine import MAX_GRAMMAR_ALTERNATIVES, AsyncEngine, grammar_limits
-from justllm.engine.backend import grammar_from_regex
 from justllm.errors import InvalidRequestError
 
 _VLLM = ("json", "json_object", "choice", "grammar", "regex")
@@ -66,11 +65,9 @@ def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str]
             raise InvalidRequestError(f"{param}: a regular expression is a string",
                                       param=param)
         try:
-            gbnf = grammar_from_regex(value)
+            return AsyncEngine.regex_grammar(value), param
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{param}: {e}", param=param) from None
-        grammar_limits(gbnf, param)
-        return gbnf, param
     if kind == "grammar":
         if aengine is not None:
             aengine.check_grammar(value, param)  # the limits, then llama.cpp's parse
