@@ -33,6 +33,7 @@ MAX_THREADS = 512
 # llama.cpp counts a context's tokens in 32 bits, padded up to a multiple of 256, and its
 # positions are signed 32-bit; ctypes would cut a larger n_ctx to its low 32 bits silently.
 MAX_POOL_TOKENS = 2**31 - 1
+MAX_N_BATCH = 65536  # tokens in one llama_decode (llama-server's default is 2048)
 
 
 def default_spare_seq_ids(max_seqs: int) -> int:
@@ -293,10 +294,24 @@ class EngineConfig:
     backend_sampling: bool = False
 
     def __post_init__(self) -> None:
+        # (the Python API's callers can pass anything: "no" was a true gpu, 1.5 threads a
+        # TypeError deep in the load, NaN a context that fitted every request)
+        for name in ("gpu", "prefix_cache", "verbose", "check_kv", "lora_runtime", "spm_infill",
+                     "backend_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False (got {getattr(self, name)!r})")
+        for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks", "cache_ram",
+                     "reasoning_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer (got {value!r})")
         for name in ("pool_blocks", "chunk_size", "n_batch", "n_ubatch"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: the default; got {value!r})")
+        # (its buffers hold a logits row per token: 10**9 asked for 119 GiB)
+        if self.n_batch > MAX_N_BATCH:
+            raise ValueError(f"n_batch must be at most {MAX_N_BATCH} (got {self.n_batch})")
         device = GPU_DEFAULTS if self.gpu else CPU_DEFAULTS
         n_batch = self.n_batch or device.n_batch
         object.__setattr__(self, "n_batch", n_batch)
@@ -312,7 +327,7 @@ class EngineConfig:
                     "max_queue")  # (a queue of 0 would refuse every request)
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
@@ -375,8 +390,9 @@ class EngineConfig:
         if isinstance(self.branch, bool) or not isinstance(self.branch, int) \
                 or not 1 <= self.branch <= 4:
             raise ValueError(f"branch must be an integer in [1, 4] (got {self.branch!r})")
-        if not 0.0 <= self.draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min})")
+        if isinstance(self.draft_p_min, bool) or not isinstance(self.draft_p_min, (int, float)) \
+                or not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min!r})")
         # Speculation's settings without the method they set (each was taken and did nothing;
         # a request's speculative.p_min on an n-gram server was already a 400).
         method, fields = self.spec_method, type(self).__dataclass_fields__

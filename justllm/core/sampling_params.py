@@ -101,12 +101,27 @@ class SamplingParams:
     thinking_message: str = ""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "keep_stops", tuple(self.keep_stops))
+        # The containers first (the Python API's callers pass lists, or a str for one stop):
+        # anything else named, not a TypeError from deep inside.
+        for name in ("stop", "keep_stops"):
+            value = getattr(self, name)
+            _check(isinstance(value, (str, list, tuple)), f"{name} must be a string or a list "
+                   "of strings", "stop")
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for name in ("stop_token_ids", "grammar_triggers"):
+            value = getattr(self, name)
+            _check(isinstance(value, (list, tuple)), f"{name} must be a list", name)
+            object.__setattr__(self, name, tuple(value))
+        _check(self.samplers is None or isinstance(self.samplers, (list, tuple)),
+               "samplers must be a list of step names", "samplers")
+        for name in ("logit_bias", "lora"):
+            value = getattr(self, name)
+            _check(isinstance(value, (dict, list, tuple)) and (isinstance(value, dict) or all(
+                isinstance(p, (list, tuple)) and len(p) == 2 for p in value)),
+                f"{name} must be a mapping, or (key, value) pairs", name)
+        for name in ("llama_penalties", "ignore_eos", "thinking_open", "cache_prompt"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false",
+                   name)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         lora = tuple(self.lora.items() if isinstance(self.lora, dict) else self.lora)
@@ -129,8 +144,6 @@ class SamplingParams:
                    "a thinking budget needs the model's thinking tags", "thinking_budget")
             _check(self.grammar is None, "a thinking budget cannot be combined with a grammar "
                    "(the grammar holds the whole answer)", "thinking_budget")
-        _check(isinstance(self.cache_prompt, bool), "cache_prompt must be true or false",
-               "cache_prompt")
         _check(isinstance(self.thinking_message, str), "thinking_message must be a string",
                "thinking_message")
         _check(not self.thinking_message or self.thinking_budget >= 0,

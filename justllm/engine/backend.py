@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from justllm.engine.int_range import bounded_integer, integer_bounds, integer_ru
 from justllm.engine.json_regex import json_text_pattern, raw_text_pattern
 from justllm.engine.schema_rewrite import SchemaConflict, constrains, hoist_refs, rewrite
 from justllm.errors import (
+    EngineClosedError,
     EngineError,
     GPUUnavailableError,
     GrammarDeadEndError,
@@ -716,6 +718,21 @@ def require_gpu_offload() -> None:
             "--no-cache-dir llama-cpp-python==0.3.36")
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _needs_model(method: _Method) -> _Method:
+    """A method that reaches the model, context or vocabulary: after ``close`` (they are
+    freed) an EngineClosedError, not a crash in llama.cpp."""
+    @functools.wraps(method)
+    def checked(self: LlamaBackend, *args: Any, **kwargs: Any) -> Any:
+        if not self._model:
+            raise EngineClosedError("the model is closed")
+        return method(self, *args, **kwargs)
+
+    return cast(_Method, checked)
+
+
 class LlamaBackend:
     """One loaded model and one context with ``n_seq_max`` sequences in a unified KV cache.
 
@@ -833,6 +850,7 @@ class LlamaBackend:
         self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + row * i, i32p) for i in range(n)])
         self._batch = self._batch_from(0)
 
+    @_needs_model
     def decode(self, n_tokens: int, split: int = 0) -> np.ndarray:
         """Decode the first ``n_tokens`` entries of the batch arrays; with ``split`` (0 <
         split < n_tokens), the first ``split`` in a llama_decode of their own, then the rest
@@ -1064,6 +1082,7 @@ class LlamaBackend:
         if not 0 <= seq_id < self.config.n_seq_max:
             raise EngineError(f"sequence id {seq_id} out of range")
 
+    @_needs_model
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Drop positions ``p0..p1`` (-1: open end) of a sequence from the KV cache."""
         self._check_seq(seq_id)
@@ -1073,6 +1092,7 @@ class LlamaBackend:
         if not ok:
             raise EngineError(f"could not remove positions {p0}..{p1} of sequence {seq_id}")
 
+    @_needs_model
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Tag ``src``'s cells with ``dst`` too: zero-copy sharing in the unified cache."""
         self._check_seq(src)
@@ -1081,11 +1101,13 @@ class LlamaBackend:
         if self._twin:
             C.llama_memory_seq_cp(self._mem, src, dst + self._twin, p0, p1)
 
+    @_needs_model
     def seq_pos_max(self, seq_id: int) -> int:
         """Highest position the sequence holds; -1 when it holds none."""
         self._check_seq(seq_id)
         return int(C.llama_memory_seq_pos_max(self._mem, seq_id))
 
+    @_needs_model
     def seq_pos_min(self, seq_id: int) -> int:
         """Lowest position the sequence holds (in the sliding-window cache, where cells go
         first); -1 when it holds none."""
@@ -1106,6 +1128,7 @@ class LlamaBackend:
                 C.llama_memory_seq_pos_min(self._mem, twin),
                 C.llama_memory_seq_pos_max(self._mem, twin))
 
+    @_needs_model
     def seq_state(self, seq_id: int) -> bytearray:
         """The sequence's KV cells (positions, and keys and values of every layer) as llama.cpp
         serialises them."""
@@ -1120,6 +1143,7 @@ class LlamaBackend:
         del data[written:]
         return data
 
+    @_needs_model
     def set_seq_state(self, seq_id: int, data: bytes | bytearray | memoryview) -> None:
         """Put serialised cells (``seq_state``'s) into an empty sequence. llama.cpp reports a
         bad buffer or no room as 0 bytes read (it checks as it reads, throwing inside, never
@@ -1137,11 +1161,13 @@ class LlamaBackend:
         if self._twin:
             C.llama_memory_seq_cp(self._mem, seq_id, seq_id + self._twin, -1, -1)
 
+    @_needs_model
     def clear_kv(self) -> None:
         C.llama_memory_clear(self._mem, True)
 
     # ---- vocabulary -----------------------------------------------------------------------
 
+    @_needs_model
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True
                  ) -> list[int]:
         data = text.encode("utf-8", errors="replace")
@@ -1162,6 +1188,8 @@ class LlamaBackend:
         ``special``; only the first kind is cached: decoding asks for it every token)."""
         piece = None if special else self._pieces.get(token)
         if piece is None:
+            if not self._model:
+                raise EngineClosedError("the model is closed")
             buf = ctypes.create_string_buffer(64)
             n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
             if n < 0:
@@ -1172,6 +1200,7 @@ class LlamaBackend:
                 self._pieces[token] = piece
         return piece
 
+    @_needs_model
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` as llama.cpp writes it back, special tokens as their text
         (``<bos>``), which is what vLLM's and llama-server's /detokenize give. Ids must be in
@@ -1186,11 +1215,13 @@ class LlamaBackend:
             cap = -n
         raise EngineError("detokenization failed")
 
+    @_needs_model
     def token_text(self, token: int) -> str:
         """A token's text in the vocabulary (SentencePiece's ``▁`` for a space), what a
         Hugging Face tokenizer's ``convert_ids_to_tokens`` gives."""
         return (C.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", "replace")
 
+    @_needs_model
     def eog_ids(self) -> np.ndarray:
         """Every end-of-generation token id (llama.cpp's set), found once by asking each id
         (~0.25 s on a 262k vocabulary: only ``min_tokens`` needs the list)."""
@@ -1199,11 +1230,13 @@ class LlamaBackend:
                                       if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
         return self._eog_ids
 
+    @_needs_model
     def is_eog(self, token: int) -> bool:
         """An end-of-generation token (llama.cpp's set: EOS, EOT and the like). Asked per
         sampled token: a scan of the whole vocabulary at start cost 0.2-0.3 s."""
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
+    @_needs_model
     def fim_tokens(self) -> FimTokens:
         """The model's fill-in-the-middle tokens, as llama.cpp reads them from the GGUF (or
         finds them by their text in the vocabulary)."""
@@ -1217,6 +1250,7 @@ class LlamaBackend:
                          token(C.llama_vocab_fim_mid), token(C.llama_vocab_fim_rep),
                          token(C.llama_vocab_fim_sep))
 
+    @_needs_model
     def end_of_turn(self) -> int:
         """The token an infill draw ends with when nothing else is likely (llama.cpp's: EOT,
         else EOS)."""
@@ -1228,6 +1262,7 @@ class LlamaBackend:
         bos = int(C.llama_vocab_bos(self._vocab))
         return bos if bos >= 0 and C.llama_vocab_get_add_bos(self._vocab) else None
 
+    @_needs_model
     def special_text(self, which: str) -> str:
         """The text of the BOS or EOS token ("bos" / "eos"), for chat templates."""
         token = C.llama_vocab_bos(self._vocab) if which == "bos" else C.llama_vocab_eos(self._vocab)
@@ -1237,6 +1272,7 @@ class LlamaBackend:
         n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
         return buf.raw[:max(n, 0)].decode("utf-8", "replace")
 
+    @_needs_model
     def vocab_fingerprint(self) -> str:
         """A hash of every token's text, type and the special ids: two models with the same
         fingerprint tokenize alike, so one can draft for the other."""
@@ -1256,14 +1292,17 @@ class LlamaBackend:
     def metadata(self) -> dict[str, str]:
         return _model_metadata(self._model)
 
+    @_needs_model
     def chat_template(self) -> str | None:
         raw = C.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8", "replace") if raw else None
 
+    @_needs_model
     def grammar(self, gbnf: str) -> "GrammarMatcher":
         """A token mask that follows a GBNF grammar (for structured output)."""
         return GrammarMatcher(self, gbnf)
 
+    @_needs_model
     def grammar_error(self, gbnf: str) -> str | None:
         """Why llama.cpp refuses ``gbnf`` (with a ``root`` rule; "" when it logs no reason:
         its parser writes syntax errors straight to stderr), or None when it takes it: a
@@ -1283,6 +1322,7 @@ class LlamaBackend:
 
     # ---- LoRA adapters --------------------------------------------------------------------
 
+    @_needs_model
     def load_lora(self, path: str) -> "LoraAdapter":
         """Load a LoRA adapter GGUF for this model (``models/lora.py`` has checked what would
         abort the process). llama.cpp refuses one made for another model (architecture,
@@ -1297,6 +1337,7 @@ class LlamaBackend:
         self._loras.append(adapter)
         return adapter
 
+    @_needs_model
     def set_loras(self, adapters: tuple[tuple["LoraAdapter", float], ...]) -> None:
         """Apply these adapters, with their scales, to every following decode of the context
         (none: the base model). llama.cpp rebuilds its compute graph at the next decode."""
@@ -1337,6 +1378,7 @@ class LlamaBackend:
         own = meta.get(f"{meta.get('general.architecture', '')}.pooling_type", "")
         return {"1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(own.strip(), "mean")
 
+    @_needs_model
     def rerank_tokens(self, query: str, document: str) -> list[int]:
         """A (query, document) pair as a reranker reads it, as llama-server lays it out: the
         model's ``rerank`` chat template with ``{query}`` and ``{document}`` filled in, else
@@ -1365,6 +1407,7 @@ class LlamaBackend:
         it)."""
         return min(_EMBEDDING_CTX, self.n_ctx_train or _EMBEDDING_CTX)
 
+    @_needs_model
     def embedding_context(self, pooling: str = "mean", n_ctx: int = 0) -> "EmbeddingContext":
         """A second context on the same weights, for sentence embeddings pooled as
         ``pooling`` says (mean, cls, last), of ``n_ctx`` tokens (at most, and by default,

@@ -52,7 +52,13 @@ from justllm.engine.sampler import (
     token_logprob,
 )
 from justllm.engine.vram import with_vram_pool
-from justllm.errors import EngineError, HandoverError, InvalidRequestError, KVConsistencyError
+from justllm.errors import (
+    EngineClosedError,
+    EngineError,
+    HandoverError,
+    InvalidRequestError,
+    KVConsistencyError,
+)
 from justllm.kv.block_pool import BlockPool, BlockUsage
 from justllm.kv.cache_stats import PrefixCacheStats
 from justllm.kv.host_cache import HostCache, HostCacheStats, free_floor
@@ -240,6 +246,7 @@ class Engine:
                 cancel=cancel,
             ))
         self.backend = backend
+        self.closed = False  # (close: every later call that needs the model refused)
         self.generates = backend.generates()  # (an encoder makes embeddings only)
         self.pool = BlockPool(config.pool_blocks, config.block_size)
         # With host memory for them, prefixes past the cap move there at the end of a step
@@ -359,6 +366,9 @@ class Engine:
         if any(t >= n_vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {n_vocab})",
                                       param="logit_bias")
+        if any(t >= n_vocab for t in params.stop_token_ids):  # (the servers check it too)
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {n_vocab})",
+                                      param="stop_token_ids")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint: Constraint | None = None
         if params.grammar and params.grammar_triggers:
@@ -430,6 +440,8 @@ class Engine:
 
     def _prepared(self, prompt: str | list[int] | PreparedRequest,
                   params: SamplingParams | None, resume: Handover | None) -> PreparedRequest:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
         if not isinstance(prompt, PreparedRequest):
             return self.prepare(prompt, params, resume)
         if params is not None and params is not prompt.params:
@@ -780,6 +792,8 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
         self._steps += 1
         drafts = self._propose() if self.spec is not None else None
         try:
@@ -1259,6 +1273,9 @@ class Engine:
         return outputs
 
     def close(self) -> None:
+        """Free the model and its context; later calls that need them raise
+        EngineClosedError (they read freed memory: a segfault)."""
+        self.closed = True
         if self.spec is not None:
             self.spec.close()
         self.row_sampler.close()

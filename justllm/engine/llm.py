@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, replace
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine, RequestMetrics, TokenLogprob
+from justllm.errors import EngineClosedError, InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -15,29 +18,51 @@ class CompletionOutput:
     prompt: str | list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", "length", or "abort" when the request failed (see error)
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
+    error: str | None = None  # why the request failed (a grammar with no way forward, ...)
+    stop: str | None = None  # the stop string that ended it, if one did
+    # With ``prompt_logprobs``: one entry per prompt token (None for the first), and the
+    # prompt's tokens they are of.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class LLM:
     """Run many prompts through one engine on the calling thread.
 
     ``LLM("model.gguf", max_seqs=8)`` takes any :class:`EngineConfig` field as a keyword.
+    Calls from several threads take turns (one ``generate`` at a time: the engine steps on
+    the caller's thread). An LLM dropped without ``close`` frees its model when it is
+    collected.
     """
 
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.engine = Engine(EngineConfig(model=model, **config))  # type: ignore[arg-type]
+        self._turn = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
+        if not isinstance(prompts, (str, list, tuple)):
+            raise InvalidRequestError("prompts must be a string, a list of token ids, or a "
+                                      "list of either", param="prompt")
         batch: list[str | list[int]] = (
-            [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            [prompts] if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int))
             else list(prompts))  # type: ignore[arg-type]  # a list of prompts
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        with self._turn:
+            if self._closed:
+                raise EngineClosedError("this LLM is closed")
+            return self._generate(batch, plist)
+
+    def _generate(self, batch: list[str | list[int]], plist: list[SamplingParams]
+                  ) -> list[CompletionOutput]:
         ids: list[str] = []
         try:
             for p, sp in zip(batch, plist):
@@ -55,6 +80,7 @@ class LLM:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob] | None] = {i: None for i in ids}
         done: dict[str, CompletionOutput] = {}
+        prompt_lps: dict[str, tuple[list[TokenLogprob | None] | None, list[int] | None]] = {}
         index = dict(zip(ids, batch))
         while len(done) < len(ids):
             for out in self.engine.step():
@@ -64,15 +90,21 @@ class LLM:
                 tokens[out.request_id].extend(out.token_ids)
                 if out.logprobs is not None:
                     logprobs[out.request_id] = (logprobs[out.request_id] or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_lps[out.request_id] = (out.prompt_logprobs, out.prompt_token_ids)
                 if out.finished:
+                    plp, ptok = prompt_lps.get(out.request_id, (None, None))
                     done[out.request_id] = CompletionOutput(
                         out.request_id, index[out.request_id], "".join(texts[out.request_id]),
                         tokens[out.request_id], out.finish_reason or "stop",
-                        logprobs[out.request_id], replace(out.metrics))
+                        logprobs[out.request_id], replace(out.metrics), out.error, out.stop,
+                        plp, ptok)
         return [done[i] for i in ids]
 
     def close(self) -> None:
-        self.engine.close()
+        with self._turn:
+            self._closed = True
+            self._finalizer()  # (once: later calls do nothing)
 
     def __enter__(self) -> "LLM":
         return self
