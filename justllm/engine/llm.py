@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.engine import Engine, RequestMetrics, TokenLogprob
-from justllm.errors import EngineClosedError, InvalidRequestError
+from justllm.engine.engine import Engine, PreparedRequest, RequestMetrics, TokenLogprob
+from justllm.errors import EngineClosedError, InvalidRequestError, QueueFullError
 
 
 @dataclass(frozen=True)
@@ -63,26 +64,40 @@ class LLM:
 
     def _generate(self, batch: list[str | list[int]], plist: list[SamplingParams]
                   ) -> list[CompletionOutput]:
+        # Every prompt is checked first: a refused one ends the call before anything runs.
+        prepared = [self.engine.prepare(p, sp) for p, sp in zip(batch, plist)]
         ids: list[str] = []
         try:
-            for p, sp in zip(batch, plist):
-                ids.append(self.engine.add_request(p, sp))
-            return self._run(ids, batch)
+            return self._run(prepared, batch, ids)
         except BaseException:
-            # A refused prompt (or Ctrl-C) ends the whole call: its requests are aborted, so
+            # Ctrl-C (or an engine error) ends the whole call: its requests are aborted, so
             # the engine is left as it was (they stayed queued and broke every later call).
             for i in ids:
                 self.engine.abort(i)
             raise
 
-    def _run(self, ids: list[str], batch: list[str | list[int]]) -> list[CompletionOutput]:
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        logprobs: dict[str, list[TokenLogprob] | None] = {i: None for i in ids}
+    def _run(self, prepared: list[PreparedRequest], batch: list[str | list[int]],
+             ids: list[str]) -> list[CompletionOutput]:
+        """The prompts queued as the engine's queue (``max_queue``) takes them: a batch
+        larger than it was a QueueFullError saying to retry, for a call that cannot."""
+        pending = deque(range(len(prepared)))
+        order: list[str] = []
+        texts: dict[str, list[str]] = {}
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob] | None] = {}
         done: dict[str, CompletionOutput] = {}
         prompt_lps: dict[str, tuple[list[TokenLogprob | None] | None, list[int] | None]] = {}
-        index = dict(zip(ids, batch))
-        while len(done) < len(ids):
+        index: dict[str, str | list[int]] = {}
+        while len(done) < len(prepared):
+            while pending:
+                try:
+                    rid = self.engine.add_request(prepared[pending[0]])
+                except QueueFullError:
+                    break
+                k = pending.popleft()
+                ids.append(rid)
+                order.append(rid)
+                texts[rid], tokens[rid], logprobs[rid], index[rid] = [], [], None, batch[k]
             for out in self.engine.step():
                 if out.request_id not in texts:  # another caller's request on this engine
                     continue
@@ -99,7 +114,7 @@ class LLM:
                         tokens[out.request_id], out.finish_reason or "stop",
                         logprobs[out.request_id], replace(out.metrics), out.error, out.stop,
                         plp, ptok)
-        return [done[i] for i in ids]
+        return [done[i] for i in order]
 
     def close(self) -> None:
         with self._turn:

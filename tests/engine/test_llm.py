@@ -146,3 +146,14 @@ def test_prompts_of_another_kind_are_refused(model_path):
         for prompts in (np.array([2, 818]), None, 5, (t for t in [2, 818])):
             with pytest.raises(InvalidRequestError, match="prompts must be"):
                 llm.generate(prompts, SamplingParams(max_tokens=2))  # type: ignore[arg-type]
+
+
+def test_more_prompts_than_the_queue_holds_are_queued_as_it_takes_them(model_path):
+    """A batch larger than max_queue was a QueueFullError ('retry later') for the whole
+    call: the offline API cannot retry; it now feeds the queue as requests finish."""
+    prompts = [f"{k} + {k} =" for k in range(7)]
+    with LLM(model_path, max_seqs=2, max_queue=2, pool_blocks=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert [o.prompt for o in outs] == prompts
+        assert all(len(o.token_ids) == 3 for o in outs)
+        assert len({o.request_id for o in outs}) == 7 and not llm.engine.has_unfinished()
