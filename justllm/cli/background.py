@@ -3,10 +3,11 @@ the work runs on a thread so the main thread stays free for Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import Progress
@@ -54,3 +55,22 @@ def run_interruptible(work: Callable[[], None], abandon: Callable[[], None],
             signal.signal(sig, handler)
     if "error" in result:
         raise result["error"]
+
+
+@contextlib.contextmanager
+def terminable() -> Iterator[None]:
+    """For Python work on the main thread (``draft make``'s writer): SIGTERM and SIGHUP
+    raise in it as Ctrl-C does, so its own cleanup runs (SIGTERM's default ended the process
+    and left the partial file), then the process exits 128 + the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except _Terminated as e:
+        Console(stderr=True, emoji=False).print("[yellow]terminated[/yellow]: no output written")
+        raise SystemExit(128 + e.args[0]) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -30,21 +30,30 @@ def make(
     with cli_errors():
         from pathlib import Path
 
+        from justllm.cli.background import terminable
         from justllm.cli.models import _size
         from justllm.cli.plugins import plugins_of
+        from justllm.cli.quantize import say_replaced
         from justllm.models.draft import default_draft_path, make_draft
+        from justllm.models.manifest import Source
         from justllm.models.quantize import check_output_option, made_folder
+        from justllm.models.registry import Registry
 
         check_output_option(output)
         src = Path(plugins_of(context).resolve_model(model))
         dst = Path(output).expanduser() if output else default_draft_path(src, layers)
-        folder: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        folder: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if output and (dst.is_dir() or output.endswith(("/", os.sep))):
             # -o DIR/ makes DIR (and its parents), as quantize does; a failure removes them
             folder = made_folder(dst)
             dst = default_draft_path(src, layers, dst)  # -o DIR/: the default name there
-        with folder:
+        with terminable(), folder:
             info = make_draft(src, dst, layers, force=force)
-        Console(emoji=False).print(
+        console = Console(emoji=False)
+        # --force over a registered file: its old version dropped, its tags moved (the
+        # registry kept the old digest, and `run` then refused the file as changed on disk)
+        say_replaced(console, Registry().rewritten(info.path, Source("file",
+                                                                     file=str(info.path))))
+        console.print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
             f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)

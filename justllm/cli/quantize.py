@@ -15,6 +15,7 @@ from justllm.cli.errors import cli_errors
 
 if TYPE_CHECKING:
     from justllm.models.quantize import QuantType
+    from justllm.models.registry import Rewritten
 
 
 def quantize(
@@ -87,13 +88,7 @@ def _register(console: Console, dst: Path, src: Path, *, registered: bool) -> No
     source = Source("quantized", file=str(src.resolve()),
                     revision=f"sha256:{registry.digests.digest(src)}")
     rewritten = registry.rewritten(dst, source)
-    if rewritten is not None and rewritten.dropped:
-        old = ", ".join(f"sha256:{m.short}" for m in rewritten.dropped)
-        verb = "points" if len(rewritten.moved) == 1 else "point"
-        moved = (f"; {', '.join(rewritten.moved)} now {verb} to sha256:"
-                 f"{rewritten.manifest.short}" if rewritten.moved else "")
-        console.print(f"replaced {old} (its file was overwritten){moved}", markup=False,
-                      soft_wrap=True)
+    say_replaced(console, rewritten)
     if not registered:
         return
     m = rewritten.manifest if rewritten is not None else registry.register(dst, source)
@@ -101,6 +96,18 @@ def _register(console: Console, dst: Path, src: Path, *, registered: bool) -> No
     moved_from = f"; moved from sha256:{before.short}, which is kept" if before else ""
     console.print(f"registered as {key} (justllm run {key.removesuffix(':latest')}){moved_from}",
                   markup=False, soft_wrap=True)
+
+
+def say_replaced(console: Console, rewritten: Rewritten | None) -> None:
+    """What ``Registry.rewritten`` did to a registered file overwritten with ``--force``."""
+    if rewritten is None or not rewritten.dropped:
+        return
+    old = ", ".join(f"sha256:{m.short}" for m in rewritten.dropped)
+    verb = "points" if len(rewritten.moved) == 1 else "point"
+    moved = (f"; {', '.join(rewritten.moved)} now {verb} to sha256:"
+             f"{rewritten.manifest.short}" if rewritten.moved else "")
+    console.print(f"replaced {old} (its file was overwritten){moved}", markup=False,
+                  soft_wrap=True)
 
 
 def _print_types() -> None:

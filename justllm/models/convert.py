@@ -34,6 +34,7 @@ from justllm.models.hf_model import HFModel, read_config, read_local, side_files
 from justllm.models.lease import sweep_dead
 from justllm.models.manifest import Manifest, Source
 from justllm.models.quantize import (
+    MadeFolders,
     QuantizeJob,
     QuantType,
     check_output_option,
@@ -90,6 +91,7 @@ class ConvertJob:
     log_path: Path
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _quantize: QuantizeJob | None = field(default=None, repr=False)
+    _made: MadeFolders | None = field(default=None, repr=False)
 
     @property
     def output_type(self) -> str:
@@ -107,7 +109,8 @@ class ConvertJob:
 
     def run(self, progress: Progress | None = None) -> Path:
         report = progress or (lambda _stage, _done, _total: None)
-        with made_folder(self.dst.parent):  # (failed or interrupted: nothing left)
+        with made_folder(self.dst.parent) as made:  # (failed or interrupted: nothing left)
+            self._made = made
             try:
                 self.sweep()
                 self._convert(self.intermediate, report)
@@ -185,6 +188,17 @@ class ConvertJob:
         if self._quantize is not None:
             self._quantize.abandon()
         self.intermediate.unlink(missing_ok=True)
+        if self._made is not None:  # (interrupted: the folders made for it, left empty;
+            self._made.remove()     # after a success the output keeps its own)
+
+
+def check_not_a_source_file(dst: Path, source_dir: Path) -> None:
+    """ValueError for an output that is one of the files the conversion reads (``-o
+    MODEL/model.safetensors --force`` replaced the weights with the GGUF, and the folder
+    could not be converted again); a new file in the model's folder is fine."""
+    if dst.exists() and dst.resolve().parent == Path(source_dir).resolve():
+        raise ValueError(f"the output would overwrite {dst.name}, a file of the model being "
+                         "converted; pick another --output")
 
 
 def _follow(proc: subprocess.Popen, log, report: Progress) -> list[str]:
@@ -221,10 +235,13 @@ def _follow(proc: subprocess.Popen, log, report: Progress) -> list[str]:
 
 def _failure(lines: list[str], code: int) -> str:
     """The converter's own reason, one line: its last error log line or exception."""
-    for line in reversed(lines):
-        m = _ERROR_LINE.match(line)
-        if m:
-            return m.group("log") or m.group("exc")
+    for i in range(len(lines) - 1, -1, -1):
+        m = _ERROR_LINE.match(lines[i])
+        if m and m.group("log"):
+            return m.group("log")
+        if m:  # an exception's message may go on over the lines after it (it is the last)
+            rest = " ".join(line.strip() for line in lines[i + 1:] if line.strip())
+            return f"{m.group('exc')} {rest}".strip()[:600]
     if code < 0:
         return f"killed by signal {-code}" + (" (out of memory?)" if code == -9 else "")
     return lines[-1] if lines else f"exit code {code}"
@@ -363,6 +380,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
     dst = default_output(model_name, type_name, repo, commit)
     if output:
         dst = output_path(output, dst.name)
+    check_not_a_source_file(dst, source_dir)
     check_replaceable(dst)
     job_label = wanted_label or label(name_for_file(dst.stem), DEFAULT_TAG)
     if dst.exists() and not force:

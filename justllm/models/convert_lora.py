@@ -24,6 +24,7 @@ from rich.console import Console
 from justllm.errors import ModelLoadError
 from justllm.models.convert import (
     ConvertJob,
+    check_not_a_source_file,
     check_space,
     convert_log,
     get_converter,
@@ -120,6 +121,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     base_dir, model = _base(base, config, adapter_dir, console)
     model.check_files(weights=False)
     dst = _output(output, name, kind)
+    check_not_a_source_file(dst, adapter_dir)
     check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
@@ -151,6 +153,11 @@ def _adapter_config(adapter_dir: Path) -> dict[str, Any]:
                              "adapters only")
     if "lora_alpha" not in config:
         raise ModelLoadError(f"{path} has no lora_alpha")
+    for key in ("lora_alpha", "r"):  # (a list was a TypeError traceback at the job's making)
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, (int, float))):
+            raise ModelLoadError(f"{path}: {key} must be a number (got {value!r})")
     return config
 
 

@@ -88,6 +88,10 @@ def make_draft(src: Path, dst: Path, layers: int, *, force: bool = False) -> Dra
     check_replaceable(dst)
     if dst.exists() and not force:
         raise ValueError(f"{dst} already exists (--force overwrites it)")
+    if dst.exists():  # (a version a running model holds: refused, as quantize refuses it)
+        from justllm.models.registry import Registry
+
+        Registry().check_overwritable(dst)
 
     reader = _read(src)
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -50,11 +50,15 @@ class HFModel:
     def candidate_architectures(self) -> list[str]:
         """What llama.cpp's converter dispatches on: ``architectures[0]``, and for a
         multimodal wrapper its text config's."""
-        out = [a for a in (self.config.get("architectures") or [])[:1] if isinstance(a, str)]
+        def first(config: dict) -> list[str]:
+            named = config.get("architectures") or []
+            if isinstance(named, str):  # (a string was sliced: "architecture L")
+                named = [named]
+            return [a for a in named[:1] if isinstance(a, str)] if isinstance(named, list) \
+                else []
+
         text = self.config.get("text_config") or {}
-        if isinstance(text, dict):
-            out += [a for a in (text.get("architectures") or [])[:1] if isinstance(a, str)]
-        return out
+        return first(self.config) + (first(text) if isinstance(text, dict) else [])
 
     @property
     def weights(self) -> list[str]:

@@ -18,7 +18,7 @@ import re
 import shutil
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -133,9 +133,18 @@ def load_imatrix(path: str | Path) -> Imatrix:
     try:
         with p.open("rb") as f:
             magic = f.read(4)
-        return _imatrix_gguf(p) if magic == b"GGUF" else _imatrix_legacy(p)
+        matrix = _imatrix_gguf(p) if magic == b"GGUF" else _imatrix_legacy(p)
     except (OSError, ValueError, struct.error, KeyError, IndexError) as e:
         raise ModelLoadError(f"{p} is not a readable importance matrix ({e})") from None
+    for name, v in matrix.values.items():
+        # Mean squared activations: never negative. llama.cpp takes a negative one and its
+        # IQ quantizers fail an assert (on several threads at once ggml's backtrace deadlocked
+        # the process, leaving its partial output).
+        if not np.isfinite(v).all() or (v < 0).any():
+            raise ModelLoadError(f"{p}: the importance of {name} has negative or non-finite "
+                                 "values (an importance matrix holds mean squared "
+                                 "activations, never below 0)")
+    return matrix
 
 
 def _imatrix_gguf(p: Path) -> Imatrix:
@@ -221,6 +230,7 @@ class QuantizeJob:
     imatrix: Imatrix | None
     estimate_bytes: int
     make_dir: bool = False  # the output's directory is made by run() (and removed on failure)
+    _made: MadeFolders | None = field(default=None, init=False, repr=False)
 
     @property
     def partial(self) -> Path:
@@ -235,7 +245,8 @@ class QuantizeJob:
         from justllm.engine.backend import quantize_model
 
         tmp = self.partial
-        with made_folder(self.dst.parent) if self.make_dir else contextlib.nullcontext():
+        with made_folder(self.dst.parent) if self.make_dir else contextlib.nullcontext() as made:
+            self._made = made
             self.sweep()
             try:
                 quantize_model(str(self.src), str(tmp), self.qtype.ftype,
@@ -250,6 +261,8 @@ class QuantizeJob:
 
     def abandon(self) -> None:
         self.partial.unlink(missing_ok=True)
+        if self._made is not None:  # (interrupted: the folders -o new/dir/ made, too)
+            self._made.remove()
 
 
 def _imatrix_metadata(imatrix: Imatrix | None) -> dict[str, str | int] | None:
@@ -359,27 +372,40 @@ def nearest_dir(directory: Path) -> Path:
     return next((d for d in (directory, *directory.parents) if d.is_dir()), Path.cwd())
 
 
-@contextlib.contextmanager
-def made_folder(directory: Path) -> Iterator[None]:
-    """``directory`` made, with any missing parents, for the body to write into; when the
-    body fails or is interrupted, the folders made here are removed again, those left empty
-    (``-o new/dir/`` leaves nothing behind)."""
-    made = next((d for d in reversed((directory, *directory.parents)) if not d.exists()), None)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ModelLoadError(f"cannot make the output's directory {directory}: "
-                             f"{e.strerror or e}") from None
-    try:
-        yield
-    except BaseException:
-        for d in (directory, *directory.parents) if made is not None else ():
+class MadeFolders:
+    """``directory`` made, with any missing parents, for an output to be written into;
+    ``remove()`` takes away again those of them left empty (``-o new/dir/`` leaves nothing
+    behind). Called from an interrupted run's ``abandon`` too, which ends the process without
+    unwinding (llama.cpp's C call cannot be stopped)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.made = next((d for d in reversed((directory, *directory.parents))
+                          if not d.exists()), None)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ModelLoadError(f"cannot make the output's directory {directory}: "
+                                 f"{e.strerror or e}") from None
+
+    def remove(self) -> None:
+        for d in (self.directory, *self.directory.parents) if self.made is not None else ():
             try:
                 d.rmdir()
             except OSError:
                 break
-            if d == made:
+            if d == self.made:
                 break
+
+
+@contextlib.contextmanager
+def made_folder(directory: Path) -> Iterator[MadeFolders]:
+    """:class:`MadeFolders` for the body; when it fails or is interrupted, removed again."""
+    folders = MadeFolders(directory)
+    try:
+        yield folders
+    except BaseException:
+        folders.remove()
         raise
 
 

@@ -323,3 +323,9 @@ def test_adapter_options_and_a_missing_base_are_one_line(tiny: Path, tmp_path: P
     (adapter / "adapter_config.json").write_text('{"peft_type": "IA3", "r": 4}')
     assert "is a PEFT IA3 adapter; llama.cpp takes LoRA adapters only" in error_line(
         runner.invoke(app, ["convert", str(adapter), "--base", str(tiny)]))
+    # (a list was a TypeError traceback; a word, "could not convert string to float")
+    for key, value in (("r", "[4]"), ("lora_alpha", "[8]"), ("lora_alpha", '"eight"')):
+        (adapter / "adapter_config.json").write_text(
+            f'{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "{key}": {value}}}')
+        assert f"adapter_config.json: {key} must be a number" in error_line(
+            runner.invoke(app, ["convert", str(adapter), "--base", str(tiny)]))

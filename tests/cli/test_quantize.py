@@ -117,7 +117,11 @@ def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_p
     negative.write_bytes(struct.pack("<ii", 1, -5) + bytes(16))
     foreign = tmp_path / "foreign.dat"  # (quantized without it, saying nothing)
     write_legacy_imatrix(foreign, {"model.layers.0.q_proj": np.ones(640, dtype=np.float32)})
+    below = tmp_path / "below.dat"  # (IQ2_XS: ggml's assert, a deadlock and a 185 MB partial)
+    write_legacy_imatrix(below, {"blk.0.attn_q.weight": -np.ones(640, dtype=np.float32)})
     cases = [
+        (["IQ2_XS", "--allow-requantize", "--imatrix", str(below)],
+         "below.dat: the importance of blk.0.attn_q.weight has negative or non-finite values"),
         (["Q8_0", "--allow-requantize", "--imatrix", str(text)],
          "not GGUF, and as a legacy .dat it ends early: 8 bytes needed, the file has 6"),
         (["Q8_0", "--allow-requantize", "--imatrix", str(negative)],
@@ -309,3 +313,22 @@ def test_sigterm_leaves_no_temporary_file_and_killed_runs_are_swept(model_path, 
         proc.kill()
     assert proc.returncode == 128 + sig and "terminated: no output written" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_terminated_run_into_new_folders_leaves_none_of_them(model_path, tmp_path):
+    """-o new/dir/ and SIGTERM: the partial file went, the folders made for it stayed (the
+    process ends under llama.cpp's C call, without unwinding to the folder's cleanup)."""
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "quantize", model_path, "Q8_0",
+                             "--allow-requantize", "-o", f"{tmp_path / 'new' / 'dir'}/"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "new" / "dir").glob(".*.partial-*")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert list(tmp_path.iterdir()) == []

@@ -243,6 +243,18 @@ def test_what_would_fail_later_is_refused_before_any_work(tiny: Path, models: Pa
     # /proc takes no files, even from root (whom a read-only mode does not stop)
     with pytest.raises(ValueError, match="cannot write to /proc: "):
         conv.prepare(str(tiny), output="/proc/x.gguf")
+    # (-o MODEL/model.safetensors --force replaced the weights with the GGUF)
+    with pytest.raises(ValueError, match="would overwrite model.safetensors, a file of the "
+                                         "model being converted"):
+        conv.prepare(str(tiny), output=str(tiny / "model.safetensors"), force=True)
+    assert conv.prepare(str(tiny), output=str(tiny / "new.gguf")).dst == tiny / "new.gguf"
+
+
+def test_a_string_for_architectures_is_read_as_one(tmp_path: Path) -> None:
+    """("architecture L is not supported": the string was sliced as a list)"""
+    assert HFModel("m", {"architectures": "LlamaForCausalLM"}, {}).candidate_architectures() \
+        == ["LlamaForCausalLM"]
+    assert HFModel("m", {"architectures": 5}, {}).candidate_architectures() == []
 
 
 def test_a_killed_conversions_leftovers_are_swept(tiny: Path, models: Path) -> None:
@@ -296,6 +308,13 @@ def test_converter_errors_become_one_line() -> None:
         "Model Foo is not supported"
     assert conv._failure(["INFO:x"], -9) == "killed by signal 9 (out of memory?)"
     assert conv._failure([], 3) == "exit code 3"
+    # (an exception's message over several lines was cut to its first: the reason went)
+    many = ["Traceback (most recent call last):", "ValueError: Couldn't instantiate the "
+            "backend tokenizer from one of:", "(1) a `tokenizers` library serialization file,",
+            "(2) a slow tokenizer instance to convert or", ""]
+    assert conv._failure(many, 1) == (
+        "ValueError: Couldn't instantiate the backend tokenizer from one of: (1) a "
+        "`tokenizers` library serialization file, (2) a slow tokenizer instance to convert or")
 
 
 def test_an_abandoned_conversion_stops_the_converter_and_leaves_nothing(

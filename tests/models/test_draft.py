@@ -3,8 +3,12 @@ and a 6-of-18-layer draft of the demo model, written once per session (tests/con
 ``cli_draft6``, shared with tests/spec), that llama.cpp loads with the same vocabulary."""
 
 import os
+import signal
 import stat
 import struct
+import subprocess
+import sys
+import time
 
 import gguf
 import numpy as np
@@ -292,3 +296,48 @@ def test_cli_not_a_gguf_and_missing_model(tmp_path):
     assert msg == f"error: {bad} is not a GGUF file (no GGUF magic at its start)"
     msg = one_line_error(runner.invoke(app, ["draft", "make", str(tmp_path / "nope.gguf"), "-l", "2"]))
     assert msg.startswith("error: model not found")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_draft_make_leaves_nothing(model_path, tmp_path, sig):
+    """SIGTERM's and SIGHUP's defaults ended the process with its d6.gguf.part left for
+    good (Ctrl-C cleaned up), and the folder -o DIR/ made with it."""
+    out = tmp_path / "new" / "dir"
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "draft", "make", model_path,
+                             "--layers", "6", "-o", f"{out}/"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("*.part")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig and "terminated: no output written" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.model
+def test_force_over_a_registered_file_replaces_its_version(model_path, tmp_path, monkeypatch):
+    """draft make --force over a registered file left the registry naming its old digest,
+    and `run NAME` then refused the file as changed on disk."""
+    from justllm.models.manifest import Source
+    from justllm.models.registry import Registry
+
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(tmp_path / "models"))
+    dst = tmp_path / "d.gguf"
+    assert runner.invoke(app, ["draft", "make", model_path, "--layers", "2", "-o",
+                                    str(dst)]).exit_code == 0
+    registry = Registry()
+    old = registry.register(dst, Source("file", file=str(dst)))
+    registry.tag(old.digest, "mydraft")
+    r = runner.invoke(app, ["draft", "make", model_path, "--layers", "3", "-o", str(dst),
+                                 "--force"])
+    assert r.exit_code == 0, r.output
+    assert f"replaced sha256:{old.short} (its file was overwritten); mydraft:latest now " \
+           "points to sha256:" in " ".join(r.output.split())
+    (m,) = Registry().manifests().values()
+    assert m.hex != old.hex and Registry().resolve("mydraft")[1].path == dst
