@@ -27,7 +27,8 @@ _SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x2028, 0x2029), (0xFEFF, 0
 _SHORTHANDS = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 # What the converter reads as syntax outside a class (it takes them back escaped).
-_QUANTIFIER = re.compile(r"\d+(,\d*)?\}")
+_QUANTIFIER = re.compile(r"(\d+)(?:,(\d*))?\}")
+MAX_REPEAT = 1000  # as a schema's minLength and the like (engine/backend.py MAX_SCHEMA_REPEAT)
 
 Ranges = list[tuple[int, int]]
 
@@ -218,8 +219,14 @@ def _sequence(r: _Reader, depth: int) -> str:
             out += c
             if r.peek() == "?":  # lazy: the same strings
                 r.take()
-        elif c == "{" and _QUANTIFIER.match(r.p, r.i):
-            body = _QUANTIFIER.match(r.p, r.i).group(0)  # type: ignore[union-attr]
+        elif c == "{" and (quantifier := _QUANTIFIER.match(r.p, r.i)) is not None:
+            body = quantifier.group(0)
+            least, most = int(quantifier.group(1)), quantifier.group(2)
+            if most and int(most) < least:
+                raise ValueError(f"{{{body} repeats at least {least} but at most {most}")
+            if max(least, int(most or 0)) > MAX_REPEAT:
+                raise ValueError(f"{{{body} repeats more than {MAX_REPEAT} times (the grammar "
+                                 "nests a group per repetition)")
             r.i += len(body)
             out += "{" + body
             if r.peek() == "?":

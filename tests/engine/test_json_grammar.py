@@ -119,10 +119,13 @@ def test_a_pattern_constrains_the_decoded_string_and_the_text_stays_json(accepts
     assert not accepts(schema, '"a\tb"')  # a raw tab is never JSON
 
 
-@pytest.mark.parametrize("pattern", [r"^(a)\1$", r"^a(?=b)", r"^\bword$", r"^[a$"])
+@pytest.mark.parametrize("pattern", [r"^(a)\1$", r"^a(?=b)", r"^\bword$", r"^[a$",
+                                     r"^a{2,1}$", r"^a{0,100000}$", "^a\\"])
 def test_what_a_grammar_cannot_say_in_a_pattern_is_a_400(pattern):
-    with pytest.raises(InvalidRequestError, match="unsupported JSON schema"):
+    with pytest.raises(InvalidRequestError, match="unsupported JSON schema|repeats more than"):
         grammar_from_json_schema({"type": "string", "pattern": pattern})
+    with pytest.raises(InvalidRequestError, match="unsupported regular expression"):
+        grammar_from_regex(pattern.strip("^$"))
 
 
 def test_optional_properties_beside_additional_properties_keep_their_commas(accepts):
