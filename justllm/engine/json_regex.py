@@ -23,11 +23,15 @@ _SHORT = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C
 _UNSAFE = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
-_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x2028, 0x2029), (0xFEFF, 0xFEFF))
+# ECMA's \s: its white space and line terminators
+_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+          (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+          (0xFEFF, 0xFEFF))
 _SHORTHANDS = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 # What the converter reads as syntax outside a class (it takes them back escaped).
 _QUANTIFIER = re.compile(r"(\d+)(?:,(\d*))?\}")
+_HEX = re.compile(r"[0-9A-Fa-f]{1,6}")
 MAX_REPEAT = 1000  # as a schema's minLength and the like (engine/backend.py MAX_SCHEMA_REPEAT)
 
 Ranges = list[tuple[int, int]]
@@ -141,10 +145,9 @@ class _Reader:
                 self.take()
             else:
                 digits = "".join(self.take() for _ in range(width))
-            try:
-                return "char", int(digits, 16)
-            except ValueError:
-                raise ValueError(f"a bad \\{c} escape") from None
+            if not _HEX.fullmatch(digits) or int(digits, 16) > _MAX:
+                raise ValueError(f"a bad \\{c} escape")
+            return "char", int(digits, 16)
         if c.isdigit():
             raise ValueError("back-references are not supported")
         if c in "bB":
@@ -197,12 +200,52 @@ def _class_ranges(r: _Reader) -> tuple[Ranges, bool]:
     return ranges, negated
 
 
-def _sequence(r: _Reader, depth: int) -> str:
-    """Alternatives up to a ')' at ``depth`` > 0 (not read) or the end."""
+def _sequence(r: _Reader, depth: int) -> tuple[str, bool]:
+    """Alternatives up to a ')' at ``depth`` > 0 (not read) or the end, and whether they can
+    match nothing. A part that can match nothing may not be repeated (``(a?){0,200}``,
+    ``(a|)*``), nor a quantifier quantified (``a**``): llama.cpp's grammar keeps a parse
+    stack per way through such a repetition (one 12-character pattern held the engine for
+    94 s a token) or refuses it as left recursion."""
     out = ""
+    atoms: list[bool] = []  # the current alternative's parts: whether each can match nothing
+    empty = False  # whether an alternative before this one can match nothing
+    quantified = False  # the last thing read was a quantifier
     while r.peek() and not (r.peek() == ")" and depth):
         c = r.take()
+        if c in "*+?" or (c == "{" and _QUANTIFIER.match(r.p, r.i)):
+            if not atoms or quantified:
+                raise ValueError("a quantifier with nothing to repeat" if not atoms
+                                 else "a quantifier after a quantifier")
+            least, most = 0, None
+            if c == "{":
+                quantifier = _QUANTIFIER.match(r.p, r.i)
+                assert quantifier is not None
+                body = quantifier.group(0)
+                least = int(quantifier.group(1))
+                most = (least if "," not in body else
+                        int(quantifier.group(2)) if quantifier.group(2) else None)
+                if most is not None and most < least:
+                    raise ValueError(f"{{{body} repeats at least {least} but at most {most}")
+                if max(least, most or 0) > MAX_REPEAT:
+                    raise ValueError(f"{{{body} repeats more than {MAX_REPEAT} times (the "
+                                     "grammar nests a group per repetition)")
+                r.i += len(body)
+                out += "{" + body
+            else:
+                least, most = (0, None) if c == "*" else (1, None) if c == "+" else (0, 1)
+                out += c
+            if atoms[-1] and (most is None or most > 1):
+                raise ValueError("a repeated part that can match nothing (such as (a?)* or "
+                                 "(a|){2,5}): its grammar is ambiguous without end")
+            atoms[-1] = atoms[-1] or least == 0
+            quantified = True
+            if r.peek() == "?":  # lazy: the same strings
+                r.take()
+            continue
+        quantified = False
         if c == "|":
+            empty = empty or all(atoms)
+            atoms = []
             out += "|"
         elif c == "(":
             if r.peek() == "?":
@@ -210,32 +253,20 @@ def _sequence(r: _Reader, depth: int) -> str:
                 if r.take() != ":":
                     raise ValueError("lookahead, lookbehind and named groups are not "
                                      "supported")
-            out += "(" + _sequence(r, depth + 1) + ")"
+            text, nullable = _sequence(r, depth + 1)
+            out += "(" + text + ")"
+            atoms.append(nullable)
             if r.take() != ")":
                 raise ValueError("unbalanced parentheses")
         elif c == ")":
             raise ValueError("unbalanced parentheses")
-        elif c in "*+?":
-            out += c
-            if r.peek() == "?":  # lazy: the same strings
-                r.take()
-        elif c == "{" and (quantifier := _QUANTIFIER.match(r.p, r.i)) is not None:
-            body = quantifier.group(0)
-            least, most = int(quantifier.group(1)), quantifier.group(2)
-            if most and int(most) < least:
-                raise ValueError(f"{{{body} repeats at least {least} but at most {most}")
-            if max(least, int(most or 0)) > MAX_REPEAT:
-                raise ValueError(f"{{{body} repeats more than {MAX_REPEAT} times (the grammar "
-                                 "nests a group per repetition)")
-            r.i += len(body)
-            out += "{" + body
-            if r.peek() == "?":
-                r.take()
         elif c == ".":
             out += "."  # the grammar's dot: any character JSON writes raw (engine/backend.py)
+            atoms.append(False)
         elif c == "[":
             ranges, negated = _class_ranges(r)
             out += _set_text(_complement(ranges) if negated else ranges, r.unsafe)
+            atoms.append(False)
         elif c == "\\":
             kind, value = r.escape()
             if kind == "set":
@@ -244,13 +275,15 @@ def _sequence(r: _Reader, depth: int) -> str:
             else:
                 assert isinstance(value, int)
                 out += _char_text(value, r.unsafe)
+            atoms.append(False)
         elif c in "^$":
             raise ValueError(f"'{c}' inside the pattern (only at the start of the pattern or "
                              "of a top-level alternative, and '$' at the end) is not "
                              "supported")
         else:
             out += _char_text(ord(c), r.unsafe)
-    return out
+            atoms.append(False)
+    return out, empty or all(atoms)
 
 
 def _top_level_alternatives(pattern: str) -> list[str]:
@@ -299,9 +332,11 @@ def _translated(pattern: str, unsafe: tuple[tuple[int, int], ...], whole: bool) 
         body = branch[1:] if start else branch
         end = body.endswith("$") and not _escaped_at_end(body)
         body = body[:-1] if end else body
-        text = _sequence(_Reader(body, unsafe), 0)
-        branches.append(("" if start or whole else ".*") + (f"({text})" if text else "")
-                        + ("" if end or whole else ".*"))
+        text, _ = _sequence(_Reader(body, unsafe), 0)
+        # an unanchored side: any text (a pattern's "." stops at a line break)
+        anything = f"({_set_text([(0, _MAX)], unsafe)})*"
+        branches.append(("" if start or whole else anything) + (f"({text})" if text else "")
+                        + ("" if end or whole else anything))
     inner = branches[0] if len(branches) == 1 else "|".join(f"({b})" for b in branches)
     return f"^({inner})$" if inner else "^$"
 

@@ -7,7 +7,7 @@ llama.cpp has a lazy grammar sampler, but when the token that completes a trigge
 text the grammar refuses, its replay throws a C++ exception through the C API and aborts the
 process. Here the trigger is found in Python, and the grammar, made then, is fed the text from
 the trigger on token by token, each checked first; text it refuses leaves the answer free (the
-call then parses as malformed, and is returned as text, as without a grammar).
+call is then parsed as written, as without a grammar: a malformed one is text).
 """
 
 from __future__ import annotations

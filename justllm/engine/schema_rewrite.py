@@ -93,6 +93,20 @@ def _meet_types(a: Any, b: Any) -> str | list[str]:
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """One schema that asks what ``a`` and ``b`` both ask (an ``allOf`` of the two)."""
+    out = _merged(a, b)
+    for side in (a, b):  # a part closed to other properties closes the merge to them
+        if side.get("additionalProperties") is False and "properties" in out:
+            allowed = set(side.get("properties") or {})
+            out["properties"] = {k: v for k, v in out["properties"].items() if k in allowed}
+            out["additionalProperties"] = False
+            missing = [k for k in out.get("required") or [] if k not in allowed]
+            if missing:
+                raise SchemaConflict(f"allOf: {missing[0]!r} is required, and a part with "
+                                     "additionalProperties false does not list it")
+    return out
+
+
+def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for key, value in b.items():
         if key not in out or out[key] == value:

@@ -101,7 +101,8 @@ def test_enum_and_const_strings_are_written_as_json_escapes(accepts):
     (r"^.{1,5}$", ["abc", 'a"c'], ["abcdef"]),
     (r'^say "(hi|yo)"$', ['say "hi"'], ['say hi']),
     (r"^a|b$", ["a", "b", "abc", "cab"], ["c"]),
-    (r"abc", ["abc", "xabcx"], ["ab"]),
+    (r"abc", ["abc", "xabcx", "x\nabc"], ["ab"]),
+    (r"\S", ["two\nlines"], [" ", "\u3000"]),  # (ECMA's \s holds U+3000)
     (r"^(?:ab)+?$", ["abab"], ["aba"]),
     (r"^[a-c\-]\+$", ["a+", "-+"], ["d+", "a"]),
     (r"^[ -~]+$", ['x"\\y'], ["é"]),
@@ -120,7 +121,10 @@ def test_a_pattern_constrains_the_decoded_string_and_the_text_stays_json(accepts
 
 
 @pytest.mark.parametrize("pattern", [r"^(a)\1$", r"^a(?=b)", r"^\bword$", r"^[a$",
-                                     r"^a{2,1}$", r"^a{0,100000}$", "^a\\"])
+                                     r"^a{2,1}$", r"^a{0,100000}$", "^a\\",
+                                     # (94 s a token on the engine thread; left recursion)
+                                     r"^(a?){0,200}$", r"^(a|)*$", r"^()*$", r"^a?+$",
+                                     r"^a**$", r"^\u+041$"])
 def test_what_a_grammar_cannot_say_in_a_pattern_is_a_400(pattern):
     with pytest.raises(InvalidRequestError, match="unsupported JSON schema|repeats more than"):
         grammar_from_json_schema({"type": "string", "pattern": pattern})
@@ -181,6 +185,10 @@ def test_keywords_beside_ref_all_of_and_any_of_are_kept(accepts):
     required = {"type": "object", "properties": {"a": {"type": "integer"}},
                 "allOf": [{"required": ["a"]}], "additionalProperties": False}
     assert accepts(required, '{"a": 1}') and not accepts(required, "{}")
+    closed = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                         "additionalProperties": False},
+                        {"properties": {"b": {"type": "integer"}}}]}
+    assert accepts(closed, '{"a": 1}') and not accepts(closed, '{"b": 1}')  # (it was taken)
     any_of = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
               "additionalProperties": False,
               "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
@@ -218,6 +226,8 @@ def test_a_schema_that_only_annotates_matches_any_value(accepts):
     ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "anyOf beside oneOf"),
     ({"type": "string", "enum": [1, 2]}, "no value of the enum"),
     ({"prefixItems": [{"type": "string"}], "minItems": 2}, "no items schema"),
+    ({"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
+                {"properties": {"b": {}}, "required": ["b"]}]}, "'b' is required"),
 ])
 def test_schemas_no_value_can_match_or_that_cannot_be_merged_are_a_400(schema, says):
     with pytest.raises(InvalidRequestError, match=says):
