@@ -378,7 +378,7 @@ def test_a_model_whose_runner_would_refuse_its_flags_or_find_no_file_is_refused_
     from justllm.gateway.config import check_sources
 
     for entry, says in (({"max-seqs": -3}, "max-seqs must be an integer >= 1"),
-                        ({"ctx": "big"}, "an engine flag has a value of the wrong type")):
+                        ({"ctx": "big"}, r"ctx must be an integer \(got 'big'\)")):
         with pytest.raises(ValueError, match=says):
             load_config({"models": {"m": {"source": "demo", **entry}}}, FLAGS)
     check_sources(load_config({"models": {"a": model_path, "b": "acme/x:y.gguf"}}, FLAGS))
