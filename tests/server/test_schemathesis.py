@@ -38,8 +38,8 @@ def schemathesis(server, tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("phase, args", [
     ("coverage", ("--phases", "coverage", "--mode", "all")),
-    ("fuzzing", ("--phases", "fuzzing", "--mode", "all", "--max-examples", "20")),
-    ("fuzzing-positive", ("--phases", "fuzzing", "--mode", "positive", "--max-examples", "10")),
+    ("fuzzing", ("--phases", "fuzzing", "--mode", "all", "--max-examples", "10")),
+    ("fuzzing-positive", ("--phases", "fuzzing", "--mode", "positive", "--max-examples", "5")),
 ])
 def test_no_generated_request_gets_a_5xx(small, tmp_path, phase, args):
     run = schemathesis(small, tmp_path, *args)
