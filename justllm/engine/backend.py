@@ -19,6 +19,8 @@ import json
 import os
 import re
 import signal
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -1304,21 +1306,16 @@ class LlamaBackend:
 
     @_needs_model
     def grammar_error(self, gbnf: str) -> str | None:
-        """Why llama.cpp refuses ``gbnf`` (with a ``root`` rule; "" when it logs no reason:
-        its parser writes syntax errors straight to stderr), or None when it takes it: a
-        client's grammar is checked before its request is queued. Reads only the vocabulary,
-        so any thread may call it. The log is redirected
-        for the call, from whichever thread (the engine thread's log lines in that moment
-        are not printed: a small loss next to a client's reason)."""
-        lines: list[tuple[int, str]] = []
-        with _log_to(_kept(lines, False), self.config.verbose):
-            smpl = C.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+        """Why llama.cpp refuses ``gbnf`` (its parser's reason, "unexpected end of input",
+        or the log's; "" when it gives none), or None when it takes it: a client's grammar is
+        checked before its request is queued. Reads only the vocabulary, so any thread may
+        call it. The log and stderr are redirected for the call, from whichever thread (the
+        engine thread's log lines in that moment are not printed: a small loss next to a
+        client's reason)."""
+        smpl, why = _grammar_sampler(self, gbnf)
         if smpl:
             C.llama_sampler_free(smpl)
-            return None
-        reasons = [t.strip() for level, t in lines if level == 4 and t.strip()
-                   and t.strip() != "failed to parse grammar"]
-        return reasons[0] if reasons else ""
+        return why
 
     # ---- LoRA adapters --------------------------------------------------------------------
 
@@ -1775,6 +1772,53 @@ class EmbeddingContext:
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
+# The process has one fd 2: one call at a time may take it over (:func:`_stderr_kept`).
+_STDERR_TAKEN = threading.Lock()
+
+
+@contextlib.contextmanager
+def _stderr_kept(kept: list[str]) -> Iterator[None]:
+    """fd 2 into a file for a call that writes its reason straight there, not to the log
+    (llama.cpp's grammar parser: its error, then the whole grammar, a client's megabytes in
+    the server's log); what was written is appended to ``kept``. Another thread's writes in
+    that moment land there too: the caller writes back what is not the call's own."""
+    with _STDERR_TAKEN, tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            kept.append(f.read().decode("utf-8", "replace"))
+
+
+def _grammar_sampler(backend: LlamaBackend, gbnf: str) -> tuple[Any, str | None]:
+    """llama.cpp's grammar sampler for ``gbnf`` (a null pointer where it refuses it) and why
+    it refused it (as :meth:`LlamaBackend.grammar_error`). What its parser prints to stderr
+    on a failure (the reason, then the whole grammar) is read for the reason, not printed."""
+    lines: list[tuple[int, str]] = []
+    printed: list[str] = []
+    with _log_to(_kept(lines, False), backend.config.verbose), _stderr_kept(printed):
+        smpl = C.llama_sampler_init_grammar(backend._vocab, gbnf.encode(), b"root")
+    text = printed[0] if printed else ""
+    # llama-grammar.cpp: fprintf(stderr, "%s: error parsing grammar: %s\n\n%s\n", ...)
+    parsed = re.search(r"\w+: error parsing grammar: (.*)\n\n", text)
+    reason = parsed.group(1).strip() if parsed else None
+    if parsed is not None:
+        dump = text.find(gbnf + "\n", parsed.end())
+        text = text[:parsed.start()] + (text[dump + len(gbnf) + 1:] if dump >= 0 else "")
+    if text:  # (not the parser's: another thread's, or llama.cpp's in verbose mode)
+        os.write(2, text.encode())
+    if smpl:
+        return smpl, None
+    reasons = [t.strip() for level, t in lines if level == 4 and t.strip()
+               and t.strip() != "failed to parse grammar"]
+    return smpl, reason or (reasons[0] if reasons else "")
+
+
 class GrammarMatcher:
     """llama.cpp's grammar sampler used as a mask over one request's logits.
 
@@ -1784,11 +1828,13 @@ class GrammarMatcher:
     """
 
     PROBE = 64
+    active = True  # (Constraint: it holds the answer from the first token)
 
     def __init__(self, backend: LlamaBackend, gbnf: str) -> None:
-        self._smpl = C.llama_sampler_init_grammar(backend._vocab, gbnf.encode(), b"root")
+        self._smpl, why = _grammar_sampler(backend, gbnf)
         if not self._smpl:
-            raise InvalidRequestError("the grammar could not be parsed", param="response_format")
+            raise InvalidRequestError("the grammar could not be parsed"
+                                      + (f": {why}" if why else ""), param="response_format")
         n = backend.n_vocab
         self._data = np.zeros(n, dtype=_TOKEN_DATA)
         arr: Any = C.llama_token_data_array()  # llama_cpp annotates its pointer as an array

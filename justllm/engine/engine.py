@@ -372,10 +372,10 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         constraint: Constraint | None = None
         if params.grammar and params.grammar_triggers:
-            gbnf, b = params.grammar, self.backend
-            b.grammar(gbnf).close()  # (a grammar llama.cpp refuses: refused now, not later)
+            b = self.backend
+            # (compiled now: a grammar llama.cpp refuses is refused before the queue)
             constraint = LazyGrammar(  # (a marker may be a control token: <tool_call>)
-                lambda: b.grammar(gbnf), params.grammar_triggers,
+                b.grammar(params.grammar), params.grammar_triggers,
                 lambda t: b.token_to_piece(t, special=True),
                 lambda text: b.tokenize(text, add_special=False))
         elif params.grammar:
@@ -1293,4 +1293,4 @@ class _Emitted:
 
 def _held(constraint: Constraint | None) -> bool:
     """Whether a grammar holds the answer now (a lazy one only once its trigger came)."""
-    return constraint is not None and bool(getattr(constraint, "active", True))
+    return constraint is not None and constraint.active

@@ -5,8 +5,9 @@ functions with arguments that follow its schema.
 
 llama.cpp has a lazy grammar sampler, but when the token that completes a trigger carries
 text the grammar refuses, its replay throws a C++ exception through the C API and aborts the
-process. Here the trigger is found in Python, and the grammar, made then, is fed the text from
-the trigger on token by token, each checked first; text it refuses leaves the answer free (the
+process. Here the trigger is found in Python, and the grammar (compiled when the request was
+prepared, untouched until then) is fed the text from the trigger on token by token, each
+checked first; text it refuses leaves the answer free (the
 call is then parsed as written, as without a grammar: a malformed one is text).
 """
 
@@ -27,12 +28,13 @@ _REACH = 256
 
 class LazyGrammar:
     """A ``Constraint`` that lets every token through until one of ``triggers`` (regular
-    expressions) matches the answer's text, then follows the grammar ``make()`` gives from
-    where the match's first group begins (or the match itself, without groups)."""
+    expressions) matches the answer's text, then follows ``grammar`` (fresh: nothing
+    accepted yet) from where the match's first group begins (or the match itself, without
+    groups)."""
 
-    def __init__(self, make: Callable[[], Constraint], triggers: Sequence[str],
+    def __init__(self, grammar: Constraint, triggers: Sequence[str],
                  piece: Callable[[int], bytes], tokenize: Callable[[str], list[int]]) -> None:
-        self._make = make
+        self._grammar: Constraint | None = grammar
         self._triggers = [re.compile(t) for t in triggers]
         self._piece = piece
         self._tokenize = tokenize
@@ -77,7 +79,8 @@ class LazyGrammar:
                 return
 
     def _start(self, text: str) -> None:
-        inner = self._make()
+        inner, self._grammar = self._grammar, None
+        assert inner is not None  # (started once: accept() stops looking after)
         for t in self._tokenize(text):
             if not inner.allows(t):
                 self.given_up = True

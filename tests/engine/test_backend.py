@@ -508,3 +508,34 @@ def test_a_load_whose_caller_cancels_it_stops_with_load_cancelled(model_path):
     config = backend.BackendConfig(model_path, n_ctx=256, n_seq_max=1, cancel=lambda: False)
     with backend.LlamaBackend(config) as b:  # a cancel that never answers True: a load
         assert b.n_vocab > 0
+
+
+def test_a_grammar_llama_cpp_cannot_parse_gives_its_reason_and_prints_nothing(engine, capfd,
+                                                                              monkeypatch):
+    """llama.cpp's grammar parser writes its reason, then the whole grammar, straight to
+    stderr (a client's grammar of megabytes in the server's log, and a 400 without the
+    reason): the reason is read from there into the error, and nothing is printed; what
+    another writer puts on stderr meanwhile still gets there."""
+    import os
+
+    import justllm.engine.backend as backend_module
+    from justllm.errors import InvalidRequestError
+
+    C = backend_module.C
+    assert engine.backend.grammar_error('root ::= "a" | "b" ( "c"') == "expecting ')' at"
+    with pytest.raises(InvalidRequestError, match="could not be parsed: Undefined rule "
+                                                  "identifier 'nope'"):
+        engine.backend.grammar("root ::= nope")
+    assert engine.backend.grammar_error('root ::= "a"') is None
+    err = capfd.readouterr().err
+    assert "root ::=" not in err and "error parsing grammar" not in err, err
+
+    parse = C.llama_sampler_init_grammar
+
+    def with_another_writer(*args):
+        os.write(2, b"another thread's line\n")
+        return parse(*args)
+
+    monkeypatch.setattr(C, "llama_sampler_init_grammar", with_another_writer)
+    assert engine.backend.grammar_error("root ::= nope") == "Undefined rule identifier 'nope'"
+    assert capfd.readouterr().err == "another thread's line\n"

@@ -63,7 +63,7 @@ def tokens(engine, text: str) -> list[int]:
 def lazy(engine, triggers: tuple[str, ...] = call_triggers("hermes", True)) -> LazyGrammar:
     b = engine.backend
     gbnf = hermes_grammar(True)
-    return LazyGrammar(lambda: b.grammar(gbnf), triggers,
+    return LazyGrammar(b.grammar(gbnf), triggers,
                        lambda t: b.token_to_piece(t, special=True),
                        lambda text: b.tokenize(text, add_special=False))
 
@@ -99,3 +99,26 @@ def test_triggers_need_a_grammar_and_must_compile():
         SamplingParams(grammar_triggers=("(<tool_call>)",))
     with pytest.raises(InvalidRequestError, match="regular expressions"):
         SamplingParams(grammar='root ::= "a"', grammar_triggers=("(",))
+
+
+def test_a_lazy_grammar_is_compiled_once_when_the_request_is_prepared(engine, monkeypatch):
+    """Compiled when the request is prepared (a grammar llama.cpp refuses is a 400 before the
+    queue), and that matcher is the one the trigger starts: no second compile on the engine
+    thread, which every other request's step waits on."""
+    b = engine.backend
+    made = []
+    compile_grammar = type(b).grammar
+
+    def counted(self, gbnf):
+        made.append(gbnf)
+        return compile_grammar(self, gbnf)
+
+    monkeypatch.setattr(type(b), "grammar", counted)
+    held, finish = generate(engine, SamplingParams(
+        max_tokens=60, temperature=0, grammar=hermes_grammar(False),
+        grammar_triggers=call_triggers("hermes", False)))
+    assert "<tool_call>" in held and finish == "stop", held
+    assert len(made) == 1
+    with pytest.raises(InvalidRequestError, match="could not be parsed"):
+        engine.prepare(PROMPT, SamplingParams(grammar='root ::= "a', grammar_triggers=(
+            "(<tool_call>)",)))

@@ -148,6 +148,7 @@ class _OnlyThese:
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed, self.masks = allowed, 0
+        self.active = True
 
     def mask(self, logits):
         self.masks += 1

@@ -132,7 +132,10 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server, p
 
 
 @pytest.mark.parametrize("path, body, param, says", [
-    (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar", "could not parse"),
+    (COMPLETIONS, {"grammar": "root ::= undefined-rule"}, "grammar",
+     "could not parse the grammar: Undefined rule identifier 'undefined-rule'"),
+    (COMPLETIONS, {"grammar": 'root ::= "a'}, "grammar",
+     "could not parse the grammar: unexpected end of input"),
     (COMPLETIONS, {"grammar": ""}, "grammar", "could not parse"),
     (COMPLETIONS, {"grammar": 'root ::= root "a" | "a"'}, "grammar",
      "could not parse the grammar: unsupported grammar, left recursion detected"),
