@@ -119,7 +119,26 @@ summary() { printf '%s\n' "$*" >> "$OUT/summary.txt"; }
 # has 9 minutes at most, and the build alone took 141-299 s on an H200 machine, so
 # gpu_pack.sh's plan runs the tests in one call and the rest in the next)
 STEPS=${GPU_CHECK_STEPS:-tests,throughput,server,spec,knobs,router,kvcost}
-want() { [[ ",$STEPS," == *",$1,"* ]]; }
+# GPU_CHECK_SECONDS: this call's own time (a little under the call's timeout_s): a step that
+# would not fit in what is left is skipped, and saying so, and each run is cut off (SIGINT:
+# pytest still writes its summary) where it would pass it, so the summary always comes back.
+BUDGET=${GPU_CHECK_SECONDS:-100000}
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# want STEP [SECONDS]: the step is asked for, and at least SECONDS (default 30) are left
+want() {
+    [[ ",$STEPS," == *",$1,"* ]] || return 1
+    [ "$(left)" -ge "${2:-30}" ] && return 0
+    summary "$1: skipped, $(left) s left of GPU_CHECK_SECONDS=$BUDGET"
+    return 1
+}
+# bounded SECONDS CMD...: CMD cut off after SECONDS, or sooner where this call's time ends
+bounded() {
+    local n=$1; shift
+    local room=$(( $(left) - 10 ))
+    [ "$room" -lt "$n" ] && n=$room
+    [ "$n" -ge 5 ] || { echo "(no time left for: $*)"; return 124; }
+    timeout -s INT -k 15 "$n" "$@"
+}
 : > "$OUT/summary.txt"
 
 if [ "$CPU_ONLY" != 1 ] && ls "$GPU_DIR"/whl/*.whl >/dev/null 2>&1; then
@@ -141,7 +160,7 @@ else
     [ -n "$SDIST" ] || { echo "no llama-cpp-python sdist: run gpu_pack.sh, or set LLAMA_SDIST"; exit 1; }
     [ -e "$GPU_DIR/build.started" ] || { say "building $SDIST with CUDA for sm_$ARCH on $(nproc) cores"; start_build; }
     say "waiting for the CUDA build"
-    for _ in $(seq 480); do [ -e "$GPU_DIR/build.rc" ] && break; sleep 1; done
+    for _ in $(seq 480); do [ -e "$GPU_DIR/build.rc" ] || [ "$(left)" -lt 20 ] && break; sleep 1; done
     if [ "$(cat "$GPU_DIR/build.rc" 2>/dev/null)" != 0 ]; then
         tail -30 "$GPU_DIR/build.log"; echo "the CUDA build failed or did not finish"; exit 1
     fi
@@ -201,11 +220,12 @@ GPU_FLAG=--gpu
 [ "$CPU_ONLY" = 1 ] && GPU_FLAG=
 
 # ---- 2. the model tests on the GPU ------------------------------------------------------
-if want tests; then
+if want tests 60; then
 say "tests with JUSTLLM_GPU=$JUSTLLM_GPU: $TESTS"
-# (bounded: the device call has the benchmarks to run after the tests)
+# (bounded: the device call has the benchmarks to run after the tests; cut off with SIGINT,
+# pytest still prints what failed and writes its XML)
 # shellcheck disable=SC2086
-timeout "${GPU_CHECK_TEST_SECONDS:-220}" $PY -m pytest -q -p no:cacheprovider $TESTS \
+bounded "${GPU_CHECK_TEST_SECONDS:-220}" $PY -m pytest -q -rfE -p no:cacheprovider $TESTS \
     --junitxml "$D/tests.xml" > "$D/tests.log" 2>&1 || echo "pytest: exit $?" >> "$D/tests.log"
 pack
 summary "tests: $(grep -E '(passed|failed|error)' "$D/tests.log" | tail -1)$(grep -h '^pytest: exit' "$D/tests.log" | sed 's/^/; /')"
@@ -214,28 +234,28 @@ grep -qE '^(FAILED|ERROR) ' "$D/tests.log" && summary "$(grep -E '^(FAILED|ERROR
 fi  # tests
 
 # ---- 3. throughput ----------------------------------------------------------------------
-if want throughput; then
+if want throughput 60; then
 say "engine throughput at $LEVELS sequences"
-$PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+bounded 150 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --raw --json "$D/engine_throughput.json" | tee "$D/engine_throughput.txt"
 summary "engine throughput, greedy (seqs, tok/s, python share, ms/step, raw llama_decode tok/s, engine/raw, raw with the argmax in the graph tok/s, raw with the draw (temperature 0.8, top_p 0.95) in the graph tok/s):"
 summary "$(tail -n +2 "$D/engine_throughput.txt")"
 say "raw llama_decode with the top 1024 and their probabilities taken in the graph, the nucleus drawn on the host"
 # (a run of its own, bounded: justllm's own graph sampler, built through ctypes, has not yet
 # run on a GPU)
-timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+bounded 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --raw-candidates --json "$D/engine_throughput_candidates.json" | tee "$D/engine_throughput_candidates.txt"
 summary "raw llama_decode, the top 1024 and their probabilities taken in the graph, the 0.95 nucleus at temperature 0.8 drawn from them on the host (tok/s, share of draws the candidates decided; cand.: from the whole row, sliced: the 64 best of each 1024-wide slice first):"
 summary "$(tail -n +2 "$D/engine_throughput_candidates.txt")"
 say "engine throughput sampled (temperature 0.8, top_p 0.95) vs greedy, alternate rounds"
-$PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+bounded 150 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 \
     --json "$D/engine_throughput_sampled.json" | tee "$D/engine_throughput_sampled.txt"
 summary "engine throughput, temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, sampling ms/step: all, the pooled rows' passes, their draws; greedy's):"
 summary "$(tail -n +2 "$D/engine_throughput_sampled.txt")"
 say "--backend-sampling: sampled vs greedy, every token chosen in the graph"
 # (bounded: llama.cpp's top-p sorts every row in the graph, untimed on a GPU so far)
-timeout 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
+bounded 120 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels "$LEVELS" --tokens "$TOKENS" \
     --temperature 0.8 --top-p 0.95 --vs-greedy --rounds 2 --backend-sampling \
     --json "$D/engine_throughput_backend.json" | tee "$D/engine_throughput_backend.txt"
 summary "--backend-sampling (tokens chosen in the graph), temperature 0.8 top_p 0.95 vs greedy (tok/s, ratio, ms/step, host choosing ms/step: all, pooled passes, draws; greedy's):"
@@ -244,7 +264,7 @@ summary "$(tail -n +2 "$D/engine_throughput_backend.txt")"
 fi  # throughput
 
 # ---- 4. against llama-server, speculation, the context knobs, router mode ----------------
-if want server; then
+if want server 90; then
 say "justllm against llama-server (same build, model, GPU): 8 streams, greedy and sampled"
 LLAMA_SERVER=${LLAMA_SERVER:-$(find "$LLAMA_SERVER_BUILD" -type f -name llama-server -perm -u+x 2>/dev/null | head -1)}
 if [ -n "$LLAMA_SERVER" ]; then
@@ -254,7 +274,7 @@ if [ -n "$LLAMA_SERVER" ]; then
     LS_PID=$!
     $PY -m justllm serve "$MODEL" $GPU_FLAG --max-seqs 8 --port 8771 > "$D/justllm_serve.log" 2>&1 &
     JS_PID=$!
-    $PY - <<'PYEOF'
+    bounded 120 $PY - <<'PYEOF'
 import time, httpx
 for _ in range(120):  # both up, or two minutes
     try:
@@ -275,7 +295,7 @@ PYEOF
         # both orders: the first-measured server was favoured by up to 10% on a CPU
         for ORDER in "$JS 8772" "8772 $JS"; do
             set -- $ORDER
-            timeout 60 $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
+            bounded 60 $PY -m justllm bench --url "http://127.0.0.1:$1" --vs "http://127.0.0.1:$2" \
                 -n $N -c 8 --input-len 64 --output-len 128 ${RUN#$NAME} \
                 --json "$D/vs_${NAME}_$1.json" > "$D/vs_${NAME}_$1.txt" 2>&1
         done
@@ -301,31 +321,31 @@ fi
 
 fi  # server
 
-if want spec; then
+if want spec 60; then
 DRAFT=${GPU_CHECK_DRAFT:-}
 if [ -z "$DRAFT" ]; then  # no small sibling offline: the model's first layers (not retrained)
     DRAFT=$GPU_DIR/draft-L4.gguf
-    $PY -m justllm draft make "$MODEL" --layers 4 -o "$DRAFT" --force \
+    bounded 60 $PY -m justllm draft make "$MODEL" --layers 4 -o "$DRAFT" --force \
         > "$D/draft_make.log" 2>&1 || DRAFT=none
 fi
 METHODS=plain,ngram
 DRAFT_ARGS=()
 if [ "$DRAFT" != none ]; then METHODS=plain,ngram,draft,tree; DRAFT_ARGS=(--draft "$DRAFT"); fi
 say "speculative decoding: $METHODS"
-$PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
+bounded 240 $PY benchmarks/spec_bench.py --model "$MODEL" --methods "$METHODS" "${DRAFT_ARGS[@]}" \
     --tokens "$TOKENS" --streams 1,8 --repeat 1 > "$D/spec_bench.txt" 2>&1
 summary "spec bench:"
 summary "$(cat "$D/spec_bench.txt")"
 
 fi  # spec
 
-if want knobs; then
+if want knobs 60; then
 say "context knobs: n_batch 2048, n_ubatch 512 | 2048, flash attention auto | off"
 KNOB_PREFILL=2048
 [ "$CPU_ONLY" = 1 ] && KNOB_PREFILL=256
 for UB in 512 2048; do
     for FA in auto off; do
-        $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
+        bounded 60 $PY benchmarks/engine_throughput.py "$MODEL" $GPU_FLAG --levels 32 --tokens 32 \
             --n-batch 2048 --n-ubatch "$UB" --flash-attn "$FA" --prefill "$KNOB_PREFILL" \
             --json "$D/knobs_ub${UB}_fa${FA}.json" > "$D/knobs_ub${UB}_fa${FA}.txt" 2>&1
         summary "n_ubatch $UB flash-attn $FA: $(grep '^prefill' "$D/knobs_ub${UB}_fa${FA}.txt" | cut -d: -f2) prefill;$(tail -1 "$D/knobs_ub${UB}_fa${FA}.txt" | awk '{print " 32 streams " $2 " tok/s"}')"
@@ -334,7 +354,7 @@ done
 
 fi  # knobs
 
-if want router; then
+if want router 60; then
 say "router mode: two runners of the model on one GPU (each sizes its KV pool from what the other left)"
 GPU_YAML=true
 [ "$CPU_ONLY" = 1 ] && GPU_YAML=false
@@ -345,7 +365,7 @@ models:
 YAML
 $PY -m justllm serve --models "$D/models.yaml" --port 8773 > "$D/router.log" 2>&1 &
 ROUTER_PID=$!
-summary "router mode, two runners: $($PY - <<'PYEOF'
+summary "router mode, two runners: $(bounded 120 $PY - <<'PYEOF'
 import time, httpx
 for _ in range(60):  # the gateway up (its runners load behind it; requests wait for them)
     try:
@@ -366,17 +386,17 @@ for name in ("first", "second"):
 print(", ".join(answers))
 PYEOF
 )"
-$PY -m justllm ps --url http://127.0.0.1:8773 > "$D/router_ps.txt" 2>&1
+bounded 30 $PY -m justllm ps --url http://127.0.0.1:8773 > "$D/router_ps.txt" 2>&1
 summary "$(grep -iE 'first|second' "$D/router_ps.txt" | tr -s ' ' | head -2)"
 kill $ROUTER_PID 2>/dev/null; wait $ROUTER_PID 2>/dev/null
 
 fi  # router
 
-if want kvcost; then
+if want kvcost 60; then
 say "idle prefixes kept in the KV: the cost per decode"
 KV_CACHED=4000,16000,64000 KV_POOL=5120
 [ "$CPU_ONLY" = 1 ] && KV_CACHED=500,1500 KV_POOL=256
-$PY benchmarks/cached_kv_cost.py "$MODEL" $GPU_FLAG --streams 8 --tokens 32 --rounds 2 \
+bounded 180 $PY benchmarks/cached_kv_cost.py "$MODEL" $GPU_FLAG --streams 8 --tokens 32 --rounds 2 \
     --pool-blocks "$KV_POOL" --cached "$KV_CACHED" --json "$D/cached_kv_cost.json" \
     > "$D/cached_kv_cost.txt" 2>&1
 summary "cached KV cost at 8 streams (cached tokens, tok/s with them, without, ratio):"

@@ -71,8 +71,10 @@ Device calls (tool run), back to back (PYTHONUNBUFFERED=1 before the last two):
   2. carry [".gpu/part1"], command: bash benchmarks/gpu_check.sh --stage
   3. carry [".gpu/part2"], command: bash benchmarks/gpu_check.sh --stage
   4. carry [".gpu/part3"], command: bash benchmarks/gpu_check.sh --stage
-  5. carry [".gpu/part4"], command: GPU_CHECK_STEPS=tests bash benchmarks/gpu_check.sh
-     (timeout_s 540: waits for the build, runs the model tests on the GPU)
-  6. no carry, command: GPU_CHECK_STEPS=throughput,server,spec,knobs,router,kvcost bash benchmarks/gpu_check.sh
-     (timeout_s 420; the figures of each call come back under \$OUT)
+  5. carry [".gpu/part4"], command: GPU_CHECK_STEPS=tests GPU_CHECK_SECONDS=290 bash benchmarks/gpu_check.sh
+     (timeout_s 300: waits for the build, runs the model tests on the GPU)
+  6. no carry, command: GPU_CHECK_STEPS=throughput,server,spec,knobs,router,kvcost GPU_CHECK_SECONDS=230 bash benchmarks/gpu_check.sh
+     (timeout_s 240; steps that no longer fit are skipped; the figures come back under \$OUT)
+  A session has 15 minutes of device time, the machine's start included: make them back to
+  back, then give the machine back.
 PLAN

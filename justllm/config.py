@@ -468,7 +468,8 @@ def physical_memory() -> int | None:
 
 
 def check_pool_memory(config: EngineConfig, kv_bytes_per_token: int,
-                      memory_bytes: int | None = None) -> None:
+                      memory_bytes: int | None = None,
+                      memory_is: str = "of memory this machine has") -> None:
     """Refuse, before anything is allocated, a KV pool whose cache alone is larger than
     ``memory_bytes`` (default: the machine's physical memory): llama.cpp would go on until the
     kernel's OOM killer ended the process (``--pool-blocks 99999999`` was killed at 23 GB).
@@ -482,4 +483,4 @@ def check_pool_memory(config: EngineConfig, kv_bytes_per_token: int,
         raise ValueError(
             f"--pool-blocks {config.pool_blocks}: a KV pool of {config.pool_tokens} tokens needs "
             f"{need / 2**30:,.1f} GiB ({kv_bytes_per_token} bytes a token), more than the "
-            f"{memory / 2**30:,.1f} GiB of memory this machine has")
+            f"{memory / 2**30:,.1f} GiB {memory_is}")

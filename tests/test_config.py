@@ -192,3 +192,22 @@ def test_yaml_on_and_off_are_words_for_the_options_that_take_them(tmp_path):
                          Flags(frozenset({"flash-attn", "repack"}), {}))
     flags = dict(config.models[0].flags)
     assert (flags["flash-attn"], flags["repack"]) == ("on", "off")
+
+
+def test_a_gpu_pool_is_checked_against_the_gpus_memory_alone(model_path, monkeypatch):
+    """Every layer offloaded: the KV is on the GPUs, so host memory does not make room for
+    it (a pool past the GPU's passed the check and failed in llama.cpp's context)."""
+    import justllm.engine.backend as backend
+    from justllm.cli.options import check_pool_fits
+    from justllm.models.gguf import ModelShape, read_gguf_header
+
+    per_token = ModelShape.of(read_gguf_header(model_path)).kv_bytes_per_token
+    gpu = backend.GpuDevice("a GPU", free_bytes=2**30, total_bytes=2**30)
+    monkeypatch.setattr(backend, "gpu_devices", lambda: [gpu])
+    fits = 2**30 // (per_token * 16)
+    check_pool_fits(EngineConfig(model=model_path, gpu=True, pool_blocks=fits))
+    with pytest.raises(ValueError) as e:
+        check_pool_fits(EngineConfig(model=model_path, gpu=True, pool_blocks=fits + 1))
+    assert str(e.value).endswith("more than the 1.0 GiB of memory its GPUs have")
+    monkeypatch.setattr(backend, "gpu_devices", lambda: [])  # (the engine says there is none)
+    check_pool_fits(EngineConfig(model=model_path, gpu=True, pool_blocks=fits + 1))

@@ -314,20 +314,24 @@ def engine_config(model: str | None, flags: dict[str, Any],
 
 def check_pool_fits(config: EngineConfig) -> None:
     """A pool given with ``--pool-blocks`` whose KV cache (the model's, and the draft model's)
-    cannot fit in this machine's memory, and on a ``--gpu`` engine its GPUs' too, is refused
-    here, from the GGUF headers, before llama.cpp allocates it (it was OOM-killed)."""
+    cannot fit in this machine's memory, or on a ``--gpu`` engine in its GPUs' (every layer
+    offloaded: the KV is on the GPUs alone), is refused here, from the GGUF headers, before
+    llama.cpp allocates it (it was OOM-killed, or a context llama.cpp could not make)."""
     from justllm.models.gguf import ModelShape, read_gguf_header
 
     if not config.pool_blocks or not config.model:
         return
     per_token = sum(ModelShape.of(read_gguf_header(p, vocabulary=False)).kv_bytes_per_token
                     for p in (config.model, config.draft_model) if p)
-    memory = physical_memory()
-    if memory is not None and config.gpu:
+    if config.gpu:
         from justllm.engine.backend import gpu_devices
 
-        memory += sum(d.total_bytes for d in gpu_devices())
-    check_pool_memory(config, per_token, memory)
+        # (no GPU seen: the engine says so when it starts)
+        vram = sum(d.total_bytes for d in gpu_devices())
+        if vram:
+            check_pool_memory(config, per_token, vram, "of memory its GPUs have")
+        return
+    check_pool_memory(config, per_token, physical_memory())
 
 
 def config_values(flags: dict[str, Any]) -> dict[str, Any]:

@@ -680,7 +680,8 @@ class GpuDevice:
     total_bytes: int
 
 
-_GGML_DEV_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
+_GGML_DEV_GPUS = (1, 2)  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL (as llama.cpp's
+# llama_supports_gpu_offload, an integrated GPU counts)
 _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
@@ -702,7 +703,7 @@ def gpu_devices() -> list[GpuDevice]:
     out = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_type(dev) != _GGML_DEV_GPU:
+        if lib.ggml_backend_dev_type(dev) not in _GGML_DEV_GPUS:
             continue
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
@@ -711,9 +712,32 @@ def gpu_devices() -> list[GpuDevice]:
     return out
 
 
+def gpu_backends() -> list[str]:
+    """The GPU backends this llama.cpp build has (``CUDA``, ``Vulkan``...), whether or not
+    they see a device: ggml's backend registry less the CPU's (and RPC's, which needs a
+    server)."""
+    lib = C._lib
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    C.llama_backend_init()  # loads the backends into the registry
+    names = [(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode()
+             for i in range(lib.ggml_backend_reg_count())]
+    return [n for n in names if n not in ("CPU", "RPC", "BLAS")]
+
+
 def require_gpu_offload() -> None:
-    """Say clearly, before loading anything, that this llama-cpp-python build has no GPU."""
+    """Say clearly, before loading anything, that this llama-cpp-python build has no GPU, or
+    that it has a GPU backend that sees no device (llama.cpp's own check counts devices: a
+    CUDA build without a visible GPU looks CPU-only to it)."""
     if not gpu_offload_supported():
+        backends = gpu_backends()
+        if backends:
+            raise GPUUnavailableError(
+                f"--gpu: this llama-cpp-python build has a GPU backend ({', '.join(backends)}) "
+                "but sees no GPU (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
         raise GPUUnavailableError(
             "--gpu needs a llama-cpp-python built with a GPU backend; this one is CPU-only. "
             "Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall "

@@ -84,6 +84,8 @@ class DraftModelProposer:
             model_path=path,
             n_ctx=config.pool_tokens + config.max_seqs * (config.max_draft_nodes + 1),
             n_batch=config.n_batch,
+            n_ubatch=config.n_ubatch,  # (the target's micro-batch: what compute_reserve counts)
+            flash_attn=config.flash_attn,
             n_seq_max=n_seq,
             n_outputs_max=min(config.n_batch, max(64, config.max_seqs * leaves)),
             n_threads=config.threads,

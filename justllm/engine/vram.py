@@ -12,7 +12,7 @@ from pathlib import Path
 from justllm.config import CPU_DEFAULTS, EngineConfig
 from justllm.engine.backend import gpu_devices, require_gpu_offload
 from justllm.errors import GPUUnavailableError, ModelLoadError
-from justllm.kv.sizing import compute_reserve, pool_cap, vram_pool_blocks
+from justllm.kv.sizing import compute_reserve, pool_cap, scores_bytes_per_token, vram_pool_blocks
 from justllm.models.gguf import ModelShape, read_gguf_header
 from justllm.models.source import resolve_model
 
@@ -33,6 +33,8 @@ def with_vram_pool(config: EngineConfig, free_bytes: int | None = None) -> Engin
     path = resolve_model(config.model)
     shape = ModelShape.of(read_gguf_header(path, vocabulary=False))
     weights, per_token = Path(path).stat().st_size, shape.kv_bytes_per_token
+    if config.flash_attn == "off":
+        per_token += scores_bytes_per_token(config.n_ubatch or config.n_batch, shape.n_head)
     if config.draft_model:
         draft = resolve_model(config.draft_model)
         weights += Path(draft).stat().st_size

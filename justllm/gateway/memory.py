@@ -18,7 +18,7 @@ def runner_memory(spec: ModelSpec, sources: tuple[ModelSource, ...] | None = Non
     path = Path(resolve_model(spec.source, sources or SOURCES))
     shape = ModelShape.of(read_gguf_header(path, vocabulary=False))  # (the runner checks it)
     flags = dict(spec.flags)
-    d = EngineConfig()
+    d = EngineConfig(gpu=False)  # (a runner's device is its flags', never the environment's)
     # A --gpu runner's KV cache is in VRAM, not in the memory max-memory shares out.
     pool_blocks = 0 if flags.get("gpu") else int(flags.get("pool-blocks") or d.pool_blocks)
     pool_tokens = pool_blocks * int(flags.get("block-size", d.block_size))

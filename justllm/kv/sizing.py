@@ -31,6 +31,14 @@ def compute_reserve(n_ubatch: int, n_vocab: int, n_embd: int) -> int:
     return 2 * n_ubatch * (n_vocab + 4 * n_embd) * 4 + (512 << 20)
 
 
+def scores_bytes_per_token(n_ubatch: int, n_head: int) -> int:
+    """Without flash attention llama.cpp's attention computes a micro-batch's float32 scores
+    against every cell of the cache, for each head (and their softmax beside them), in a
+    compute buffer sized for the whole cache: a cost per token of the pool, like the KV's
+    (a 128k pool, 32 heads, micro-batch 512: 16 GiB)."""
+    return 2 * 4 * n_ubatch * n_head
+
+
 def vram_pool_blocks(free_bytes: int, weights_bytes: int, reserve_bytes: int,
                      kv_bytes_per_token: int, block_size: int, max_tokens: int,
                      share: float = VRAM_SHARE) -> int:

@@ -117,6 +117,7 @@ class ModelShape:
     n_embd: int
     n_vocab: int
     n_ctx_train: int
+    n_head: int = 1  # attention (query) heads
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -136,7 +137,8 @@ class ModelShape:
                    value_length=header.integer(f"{arch}.attention.value_length") or head_dim,
                    n_embd=n_embd,
                    n_vocab=header.array_lengths.get("tokenizer.ggml.tokens", 0),
-                   n_ctx_train=header.integer(f"{arch}.context_length") or 0)
+                   n_ctx_train=header.integer(f"{arch}.context_length") or 0,
+                   n_head=n_head)
 
 
 class _Corrupt(Exception):

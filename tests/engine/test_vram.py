@@ -35,6 +35,20 @@ def test_a_draft_model_takes_its_share(model_path):
             < with_vram_pool(alone, free_bytes=int(2.4 * GIB)).pool_blocks)
 
 
+def test_without_flash_attention_the_attention_scores_take_their_share(model_path):
+    """Flash attention off: llama.cpp's compute buffer holds a micro-batch's float32 scores
+    against every cell, per head (the demo model's 4 heads, micro-batch 512: 16 KiB a token,
+    beside its 18 KiB of KV); the pool made room for the KV alone."""
+    from justllm.engine.vram import with_vram_pool
+
+    on = EngineConfig(model=model_path, gpu=True)
+    off = replace(on, flash_attn="off")
+    fa, no_fa = (with_vram_pool(c, free_bytes=int(2.4 * GIB)).pool_blocks for c in (on, off))
+    assert with_vram_pool(replace(on, flash_attn="auto"), free_bytes=int(2.4 * GIB)
+                          ).pool_blocks == fa
+    assert no_fa == pytest.approx(fa * 18432 / (18432 + 2 * 4 * 512 * 4), abs=2)
+
+
 def test_too_little_memory_is_a_clear_error(model_path):
     from justllm.engine.vram import with_vram_pool
 
@@ -57,3 +71,19 @@ def test_the_device_query_on_this_build(model_path):
             with_vram_pool(config)
         with pytest.raises(GPUUnavailableError, match="CPU-only"):
             Engine(config)
+
+
+def test_a_gpu_build_that_sees_no_gpu_says_so_not_that_it_is_cpu_only(model_path, monkeypatch):
+    """llama.cpp's llama_supports_gpu_offload counts devices: a CUDA build without a visible
+    GPU (driver, CUDA_VISIBLE_DEVICES) looks CPU-only to it, and was told to reinstall."""
+    import justllm.engine.backend as backend
+    from justllm.engine.vram import with_vram_pool
+
+    names = backend.gpu_backends()  # (this build's: none here, CUDA on the GPU check's)
+    assert "CPU" not in names and (bool(names) or not backend.gpu_offload_supported())
+    monkeypatch.setattr(backend, "gpu_offload_supported", lambda: False)
+    monkeypatch.setattr(backend, "gpu_backends", lambda: ["CUDA"])
+    with pytest.raises(GPUUnavailableError) as e:
+        with_vram_pool(EngineConfig(model=model_path, gpu=True))
+    assert str(e.value) == ("--gpu: this llama-cpp-python build has a GPU backend (CUDA) but "
+                            "sees no GPU (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")

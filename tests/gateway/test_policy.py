@@ -52,9 +52,14 @@ def test_room_by_memory_too():
     assert to_unload_for(models, 3, max_memory=8 * gib, need=gib) == ["a"]  # the count
 
 
-def test_memory_estimate_of_the_demo_model_is_close_to_what_a_runner_uses(model_path):
+def test_memory_estimate_of_the_demo_model_is_close_to_what_a_runner_uses(model_path,
+                                                                          monkeypatch):
     from justllm.gateway.config import ModelSpec
     from justllm.gateway.memory import runner_memory
+
+    # (a gateway under JUSTLLM_GPU=1 counted a CPU runner's pool as the GPU default's, 0
+    # blocks: a runner's device is its own flag's)
+    monkeypatch.setenv("JUSTLLM_GPU", "1")
 
     default = runner_memory(ModelSpec("demo", model_path))
     small = runner_memory(ModelSpec("demo", model_path, flags=(("pool-blocks", 64),)))

@@ -662,3 +662,18 @@ def test_a_thinking_budget_forces_the_end_tag_while_drafts_are_verified(name, re
     if name != "plain":
         assert delta(engine, before)[0] > 0  # it drafted
     assert_kv_clean(engine)
+
+
+@pytest.mark.model
+def test_the_draft_model_takes_the_targets_micro_batch_and_flash_attention(model_path):
+    """The draft's context was made with llama.cpp's defaults: a micro-batch of the whole
+    step (4x the compute buffers the GPU's memory plan counted) and flash attention auto
+    whatever --flash-attn said."""
+    engine = Engine(EngineConfig(model=model_path, spec="draft", draft_model=model_path,
+                                 n_ubatch=64, flash_attn="off", **BASE))
+    try:
+        draft = engine.spec.proposer.backend.config
+        assert (draft.n_ubatch, draft.flash_attn) == (64, "off")
+        assert (engine.backend.config.n_ubatch, engine.backend.config.flash_attn) == (64, "off")
+    finally:
+        engine.close()
