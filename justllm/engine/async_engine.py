@@ -15,6 +15,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,14 @@ class RequestStream:
         self.arrival = time.perf_counter()  # as RequestMetrics.arrival_time (an abort's e2e)
         self.prompt_tokens = prompt_tokens  # the prompt's length, known once it is queued
         self._owner = owner
+        # Set by AsyncEngine.submit: aborts the request if this stream is collected before it
+        # ends; detached once it has (its id may be a later request's by then).
+        self.on_drop: weakref.finalize | None = None
+
+    def ended(self) -> None:
+        """The request is over: collecting this stream aborts nothing."""
+        if self.on_drop is not None:
+            self.on_drop.detach()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -93,6 +102,7 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
+            self.ended()
             self._owner._forget(self.request_id)
             self._owner.abort(self.request_id)
 
@@ -108,7 +118,13 @@ class AsyncEngine:
         # llama-server's global adapter scales (POST /lora-adapters): the adapters a request
         # that chooses none runs under (adapter name -> scale; none by default)
         self._lora_defaults: dict[str, float] = {}
-        self._sinks: dict[str, RequestStream] = {}
+        # Held weakly: a stream its caller dropped unread is aborted (``_dropped``), not run to
+        # its max_tokens for no one.
+        self._sinks: weakref.WeakValueDictionary[str, RequestStream] = (
+            weakref.WeakValueDictionary())
+        # Request ids of streams collected unfinished, aborted by the engine thread (a
+        # finalizer may run on any thread, inside any lock: it only appends here).
+        self._dropped: deque[str] = deque()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # Jobs done a piece at a time (a long embedding), the engine stepping between pieces;
         # only the first advances, so they run one after another (engine thread only).
@@ -172,6 +188,7 @@ class AsyncEngine:
                 stream.queue.put_nowait(first)
             if first is None or not first.finished:
                 self._sinks[request_id] = stream
+                stream.on_drop = weakref.finalize(stream, self._dropped.append, request_id)
         self._wake.set()
         return stream
 
@@ -477,6 +494,8 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            while self._dropped:  # (finished ones are no longer the engine's: a no-op)
+                self.engine.abort(self._dropped.popleft())
             self._run_jobs()
             self._run_piece()
             if not self.engine.has_work():
@@ -491,13 +510,21 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(f"internal engine error: {e}")
             for out in outputs:
-                with self._sinks_lock:
-                    sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    _deliver(sink.loop, sink.queue.put_nowait, out)
+                self._to_sink(out)
         self._run_jobs()
         while self._pieces:  # (whoever waits on them gets their answer)
             self._run_piece()
+
+    def _to_sink(self, out: RequestOutput) -> None:
+        """``out`` to its request's stream, if it is still held (a method of its own: a
+        local in the loop kept the last stream alive, and so its request from being aborted
+        when its caller dropped it)."""
+        with self._sinks_lock:
+            sink = self._sinks.get(out.request_id)
+        if sink is not None:
+            if out.finished:
+                sink.ended()
+            _deliver(sink.loop, sink.queue.put_nowait, out)
 
     @property
     def accepting(self) -> bool:
@@ -515,6 +542,7 @@ class AsyncEngine:
             pending = list(self._sinks.values())
             self._sinks.clear()
         for stream in pending:
+            stream.ended()
             self.engine.abort(stream.request_id)
             end = RequestOutput(stream.request_id, "", [], True, "abort", None,
                                 RequestMetrics(arrival_time=0.0), error=message)

@@ -101,6 +101,39 @@ def test_cancelling_the_consumer_task_aborts_and_frees_kv(aengine):
     assert asyncio.run(main())
 
 
+def test_a_stream_dropped_unread_aborts_its_request(aengine):
+    """A caller of submit() that drops the stream (an exception before it reads, a client
+    gone) left the request to run to its max_tokens for no one; one that read it to its end
+    aborts nothing when it is collected, even when its id is a later request's by then."""
+    import gc
+
+    async def main():
+        before = aengine.engine.stats().generation_tokens_total
+        stream = aengine.submit("Once upon a time", SamplingParams(max_tokens=400,
+                                                                   ignore_eos=True))
+        await stream.__anext__()  # it runs
+        del stream
+        gc.collect()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not aengine.engine.has_unfinished():
+                break
+        assert not aengine.engine.has_unfinished()
+        assert aengine.engine.stats().generation_tokens_total - before < 200
+        assert aengine.engine.stats().kv_blocks.used == aengine.engine.stats().prefix_cache.blocks
+        # read to its end, then its id reused by a running request: dropping it aborts nothing
+        done = aengine.submit("One", SamplingParams(max_tokens=2), request_id="same")
+        assert [o async for o in done][-1].finished
+        again = aengine.submit("Two", SamplingParams(max_tokens=30, ignore_eos=True),
+                               request_id="same")
+        del done
+        gc.collect()
+        outs = [o async for o in again]
+        assert sum(len(o.token_ids) for o in outs) == 30 and outs[-1].finish_reason == "length"
+
+    asyncio.run(main())
+
+
 def test_bad_request_raises_before_first_output_and_others_continue(aengine):
     async def main():
         good = asyncio.create_task(collect(aengine, "Hello there", SamplingParams(max_tokens=5, ignore_eos=True)))
