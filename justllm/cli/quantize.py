@@ -43,6 +43,12 @@ def quantize(
         from justllm.models.quantize import prepare, quant_type
 
         qtype = quant_type(type_name)
+        if qtype.trained_for:  # (llama.cpp says nothing; the answers are gibberish)
+            Console(stderr=True, highlight=False, emoji=False).print(
+                f"[yellow]warning:[/yellow] {qtype.name} is for models trained with "
+                f"{qtype.trained_for} weights; any other model quantized to it answers "
+                "gibberish (Q2_K or IQ2_XXS with --imatrix are the small types for others)",
+                soft_wrap=True)
         src = Path(plugins_of(context).resolve_model(model))
         dst, make_dir = _output_path(output, src, qtype)
         job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
@@ -117,7 +123,9 @@ def _print_types() -> None:
 
     table = Table("TYPE", "DESCRIPTION (llama.cpp's)", "NOTE", box=None, pad_edge=False)
     for t in QUANT_TYPES:
-        table.add_row(t.name, t.description, "needs --imatrix" if t.needs_imatrix else "")
+        note = ("needs --imatrix" if t.needs_imatrix
+                else f"only for {t.trained_for} models" if t.trained_for else "")
+        table.add_row(t.name, t.description, note)
     Console(highlight=False, emoji=False).print(table)
 
 

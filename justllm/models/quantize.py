@@ -35,6 +35,9 @@ class QuantType:
     ftype: int  # llama.cpp's llama_ftype
     description: str  # llama.cpp's own (tools/quantize/quantize.cpp)
     needs_imatrix: bool = False  # on typical models: llama.cpp's dry run decides per model
+    # Formats for models trained in them (llama.cpp quantizes any model to them, saying
+    # nothing, and the answers of one that was not are gibberish): what to say.
+    trained_for: str | None = None
 
 
 # llama.cpp 0.3.36's tools/quantize/quantize.cpp QUANT_OPTIONS, in its order, without COPY
@@ -42,8 +45,8 @@ class QuantType:
 # importance matrix: its default tensor type is one of those llama.cpp refuses without one
 # (llama-quant.cpp: tensor_requires_imatrix), checked with a dry run on the demo model.
 QUANT_TYPES: tuple[QuantType, ...] = (
-    QuantType("Q1_0", 40, "1.125 bpw quantization"),
-    QuantType("Q2_0", 41, "2.25 bpw quantization (group 64)"),
+    QuantType("Q1_0", 40, "1.125 bpw quantization", trained_for="1-bit"),
+    QuantType("Q2_0", 41, "2.25 bpw quantization (group 64)", trained_for="2-bit"),
     QuantType("Q4_0", 2, "4.34G, +0.4685 ppl @ Llama-3-8B"),
     QuantType("Q4_1", 3, "4.78G, +0.4511 ppl @ Llama-3-8B"),
     QuantType("Q5_0", 8, "5.21G, +0.1316 ppl @ Llama-3-8B"),
@@ -54,8 +57,8 @@ QUANT_TYPES: tuple[QuantType, ...] = (
     QuantType("IQ2_M", 29, "2.7  bpw quantization", True),
     QuantType("IQ1_S", 24, "1.56 bpw quantization", True),
     QuantType("IQ1_M", 31, "1.75 bpw quantization", True),
-    QuantType("TQ1_0", 36, "1.69 bpw ternarization"),
-    QuantType("TQ2_0", 37, "2.06 bpw ternarization"),
+    QuantType("TQ1_0", 36, "1.69 bpw ternarization", trained_for="ternary"),
+    QuantType("TQ2_0", 37, "2.06 bpw ternarization", trained_for="ternary"),
     QuantType("Q2_K", 10, "2.96G, +3.5199 ppl @ Llama-3-8B"),
     QuantType("Q2_K_S", 21, "2.96G, +3.1836 ppl @ Llama-3-8B", True),
     QuantType("IQ3_XXS", 23, "3.06 bpw quantization"),

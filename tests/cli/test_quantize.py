@@ -103,6 +103,19 @@ def test_list_shows_llama_cpps_types_and_descriptions():
     assert "4.58G, +0.1754 ppl @ Llama-3-8B" in rows["Q4_K_M"]
     assert "needs --imatrix" in rows["IQ2_XXS"] and "needs --imatrix" not in rows["IQ4_XS"]
     assert {"Q2_K", "Q8_0", "F16", "BF16", "IQ4_NL"} <= rows.keys()
+    assert "only for ternary models" in rows["TQ1_0"]
+    assert "only for 1-bit models" in rows["Q1_0"] and "only for" not in rows["Q2_K"]
+
+
+def test_a_type_for_models_trained_in_it_is_said_to_be(tmp_path):
+    """TQ1_0, TQ2_0, Q1_0 and Q2_0 are for models trained in them: the demo model in any of
+    them answered gibberish, and neither llama.cpp nor justllm said a word."""
+    r = runner.invoke(app, ["quantize", str(tmp_path / "missing.gguf"), "TQ2_0"])
+    assert r.exit_code == 1
+    assert ("warning: TQ2_0 is for models trained with ternary weights; "
+            "any other model quantized to it answers gibberish") in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["quantize", str(tmp_path / "missing.gguf"), "Q2_K"])
+    assert r.exit_code == 1 and "warning" not in r.stderr
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(model_path, models_dir, tmp_path,
