@@ -410,8 +410,8 @@ def without_trailing_space(gbnf: str) -> str:
 # A JSON string's character without the control characters JSON forbids raw (llama-cpp-python's
 # converter allowed them, so a schema's strings could hold a raw newline: invalid JSON; the
 # current llama.cpp converter excludes them the same way).
-_JSON_CHAR = (r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] '
-              r'[0-9a-fA-F] [0-9a-fA-F])')
+_JSON_ESCAPE = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | ' + _JSON_ESCAPE
 # The most a schema may ask a rule repeated (minLength, maxItems, a pattern's {n,m}): the
 # converter nests one group per repetition, and llama.cpp refuses ~1,000 ("exceeds sane
 # defaults") and overflows its stack at ~100,000 (a 9-byte maxLength killed the server).
@@ -538,6 +538,31 @@ class _SchemaConverter(_grammar.SchemaConverter):
         head = ' "," space '.join(rules[:min(least, n)])
         return f'"[" space {head} {tail} "]" space'.replace("  ", " ")
 
+    def _not_keys(self, keys: list[str]) -> str:
+        """A JSON string (then space) that is none of ``keys``: an additional property's name
+        must not repeat a named one (a duplicate key; llama.cpp's converter does the same).
+        Follows the keys' text as a trie: at each point the string may leave it with another
+        character, or end where no key ends. Keys JSON writes with an escape are left out
+        (a rare name, which an additional key may then repeat)."""
+        texts = sorted({t for t in (json.dumps(k, ensure_ascii=False)[1:-1] for k in keys)
+                        if "\\" not in t})
+        char = self._add_primitive("char", _grammar.BuiltinRule(_JSON_CHAR, []))
+
+        def one(c: str) -> str:
+            return c if c.isascii() and c.isalnum() else (
+                f"\\x{ord(c):02X}" if ord(c) < 0x100 else f"\\u{ord(c):04X}"
+                if ord(c) < 0x10000 else f"\\U{ord(c):08X}")
+
+        def node(prefix: str) -> str:
+            longer = [t for t in texts if t.startswith(prefix) and len(t) > len(prefix)]
+            nexts = sorted({t[len(prefix)] for t in longer})
+            alts = [f'"{one(c)}" {node(prefix + c)}' for c in nexts]
+            alts.append(f'([^"\\\\\\x7F\\x00-\\x1F{"".join(one(c) for c in nexts)}] | '
+                        f'{_JSON_ESCAPE}) {char}*')
+            return f"({' | '.join(alts)}){'' if prefix in texts else '?'}"
+
+        return f'"\\"" {node("")} "\\"" space'
+
     def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str],
                            name: str, additional_properties: Any) -> str:
         """The required properties in order, then each optional one at most once in order,
@@ -554,8 +579,10 @@ class _SchemaConverter(_grammar.SchemaConverter):
         if additional_properties is True or isinstance(additional_properties, dict):
             value = self.visit({} if additional_properties is True else additional_properties,
                                f"{prefix}additional-value")
-            string = self._add_primitive("string", _grammar.PRIMITIVE_RULES["string"])
-            extra = self._add_rule(f"{prefix}additional-kv", f'{string} ":" space {value}')
+            key = (self._add_rule(f"{prefix}additional-key",
+                                  self._not_keys([k for k, _ in properties])) if properties
+                   else self._add_primitive("string", _grammar.PRIMITIVE_RULES["string"]))
+            extra = self._add_rule(f"{prefix}additional-kv", f'{key} ":" space {value}')
         needed = [kv[k] for k, _ in properties if k in required]
         optional = [kv[k] for k, _ in properties if k not in required]
         # tails[i]: what may follow once optional[:i] are passed (each part after a comma);

@@ -146,6 +146,22 @@ def test_optional_properties_beside_additional_properties_keep_their_commas(acce
     assert not accepts(two, '{"a": 2}')
 
 
+def test_an_additional_key_does_not_repeat_a_named_one(accepts):
+    """{"a": 1, "a": "x"} was allowed (a duplicate key, which parsers read as the last
+    value: the named property's schema was then not the one the value met)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "ab": {"type": "integer"},
+                                               "b-c": {"type": "integer"},
+                                               "é": {"type": "integer"}},
+              "additionalProperties": {"type": "string"}}
+    for key in ("a", "ab", "b-c", "é"):
+        assert not accepts(schema, f'{{"{key}": 1, "{key}": "x"}}'), key
+        assert not accepts(schema, f'{{"{key}": "x"}}'), key
+    for key in ("", "b", "abc", "aa", "b-", "b-cd", "c", "éa", "x y", "\\n", "a\\n"):
+        assert accepts(schema, f'{{"a": 1, "{key}": "x"}}'), key
+    assert accepts(schema, '{"ab": 2, "b-c": 3, "é": 4, "z": "x", "y": "w"}')
+
+
 def test_a_type_list_keeps_the_keywords_beside_it(accepts):
     """OpenAI's strict mode writes a nullable field as a type list; every keyword beside it
     was dropped."""
