@@ -33,23 +33,72 @@ _LISTED = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 _ONE = ("items", "additionalProperties")  # a schema (or, for old-draft items, a list)
 
 
-def unenforced(schema: Any, path: str = "#") -> list[str]:
+def _beside(schema: dict) -> list[str]:
+    """The keywords of one value's schema that the grammar drops for another beside them:
+    all but ``type`` beside an ``enum``/``const`` (the values are written as listed), string
+    lengths beside a ``pattern`` or ``format``."""
+    out = []
+    fixed = [k for k in ("enum", "const") if k in schema]
+    if fixed:
+        out += [f"{k} beside {fixed[0]}" for k in schema
+                if k not in (*fixed, "type", "$ref", "allOf", *_UNENFORCED)
+                and k not in ANNOTATIONS and k not in CONTAINERS]
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema
+                                                        or "maxLength" in schema):
+        out.append(f"minLength/maxLength beside {'pattern' if 'pattern' in schema else 'format'}")
+    return out
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The schema a local ``$ref`` (``#``, ``#/$defs/name``) names in ``root``, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _parts(schema: dict, root: Any) -> list[dict]:
+    """What engine/schema_rewrite.py merges into a value's schema: its ``$ref``'s target and
+    its ``allOf`` parts."""
+    ref = schema.get("$ref")
+    parts = [_resolve(root, ref)] if isinstance(ref, str) else []
+    all_of = schema.get("allOf")
+    parts += all_of if isinstance(all_of, list) else []
+    return [p for p in parts if isinstance(p, dict)]
+
+
+def _merged(schema: dict, root: Any, depth: int = 0) -> dict:
+    """The keywords that apply to a value together: its schema's own, its ``$ref``'s and its
+    ``allOf`` parts' (theirs in turn)."""
+    out = dict(schema)
+    for part in _parts(schema, root) if depth < 16 else []:
+        for k, v in _merged(part, root, depth + 1).items():
+            out.setdefault(k, v)
+    return out
+
+
+def unenforced(schema: Any, path: str = "#", root: Any = None) -> list[str]:
     """Where ``schema`` uses what the grammar does not enforce: ``"PATH: keyword"`` each."""
     if not isinstance(schema, dict):
         return []
+    root = schema if root is None else root
     skip = BOUNDS if bounded_integer(schema) else ()  # the grammar spells the range
     out = [f"{path}: {k}" for k in _UNENFORCED if k in schema and k not in skip]
-    fixed = [k for k in ("enum", "const") if k in schema]
-    if fixed:
-        out += [f"{path}: {k} beside {fixed[0]}" for k in schema
-                if k not in (*fixed, "type", *_UNENFORCED) and k not in ANNOTATIONS
-                and k not in CONTAINERS]
+    own = _beside(schema)
+    out += [f"{path}: {m}" for m in own]
+    parts = _parts(schema, root)
+    if parts:  # what only meets once they are merged (each part is checked where it is)
+        theirs = {m for p in parts for m in _beside(_merged(p, root))}
+        out += [f"{path}: {m}" for m in _beside(_merged(schema, root))
+                if m not in own and m not in theirs]
     fmt = schema.get("format")
     if fmt is not None and not _FORMATS.fullmatch(str(fmt)):
         out.append(f"{path}: format {fmt!r}")
-    if ("pattern" in schema or fmt is not None) and ("minLength" in schema
-                                                     or "maxLength" in schema):
-        out.append(f"{path}: minLength/maxLength beside {'pattern' if 'pattern' in schema else 'format'}")
     required = schema.get("required")
     if isinstance(required, list):  # the converter requires only the properties it has
         named = schema.get("properties") or {}
@@ -57,17 +106,17 @@ def unenforced(schema: Any, path: str = "#") -> list[str]:
                 if isinstance(name, str) and name not in named]
     for key in _NAMED:
         for name, sub in (schema.get(key) or {}).items():
-            out += unenforced(sub, f"{path}/{key}/{name}")
+            out += unenforced(sub, f"{path}/{key}/{name}", root)
     for key in _LISTED:
         for i, sub in enumerate(schema.get(key) or []):
-            out += unenforced(sub, f"{path}/{key}/{i}")
+            out += unenforced(sub, f"{path}/{key}/{i}", root)
     for key in _ONE:
         sub = schema.get(key)
         if isinstance(sub, list):  # an old draft's items: one schema per position
             for i, one in enumerate(sub):
-                out += unenforced(one, f"{path}/{key}/{i}")
+                out += unenforced(one, f"{path}/{key}/{i}", root)
         else:
-            out += unenforced(sub, f"{path}/{key}")
+            out += unenforced(sub, f"{path}/{key}", root)
     return out
 
 

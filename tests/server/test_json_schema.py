@@ -39,3 +39,27 @@ def test_keywords_the_rewrite_now_enforces_pass_strict():
                    {"prefixItems": [{"type": "string"}], "items": {"type": "integer"},
                     "maxItems": 3}):
         check_strict(schema, "response_format")
+
+
+def test_what_only_meets_once_a_ref_or_all_of_is_merged_is_unenforced():
+    """A pattern in a definition and a maxLength beside the $ref naming it (or an enum and a
+    maxLength in two allOf parts) meet only in the merged schema, where the grammar keeps one
+    of them: strict answered with a 200. Each is named once, where they meet."""
+    defs = {"$defs": {"p": {"type": "string", "pattern": "^a+$"}}}
+    assert unenforced({**defs, "$ref": "#/$defs/p", "maxLength": 3}) == [
+        "#: minLength/maxLength beside pattern"]
+    assert unenforced({"allOf": [{"enum": ["abc", "x"]}, {"maxLength": 2}]}) == [
+        "#: maxLength beside enum"]
+    chained = {"$defs": {"p": {"type": "string", "pattern": "^a+$"},
+                         "q": {"$ref": "#/$defs/p"}}, "type": "object",
+               "properties": {"x": {"$ref": "#/$defs/q", "minLength": 1}}}
+    assert unenforced(chained) == ["#/properties/x: minLength/maxLength beside pattern"]
+    # a conflict within the definition itself is named there, not again at each $ref
+    inside = {"$defs": {"p": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
+              "$ref": "#/$defs/p", "minLength": 1}
+    assert unenforced(inside) == ["#/$defs/p: minLength/maxLength beside pattern"]
+    with pytest.raises(InvalidRequestError, match="beside pattern"):
+        check_strict({**defs, "$ref": "#/$defs/p", "maxLength": 3}, "response_format")
+    check_strict({**defs, "$ref": "#/$defs/p", "description": "d"}, "response_format")
+    check_strict({"enum": ["a", "b"], "$ref": "#/$defs/s", "$defs": {"s": {"type": "string"}}},
+                 "response_format")
