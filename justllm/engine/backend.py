@@ -712,29 +712,31 @@ _GGML_DEV_GPUS = (1, 2)  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL (as
 _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
+def _ggml(name: str, restype: Any, *argtypes: Any) -> Any:
+    """A ggml function of the bindings' library, declared (llama_cpp declares llama's own)."""
+    fn = getattr(C._lib, name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
 def gpu_devices() -> list[GpuDevice]:
     """The GPUs this llama.cpp build can use, with their free and total memory now (ggml's
     device registry; empty on a CPU-only build)."""
-    lib = C._lib
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_memory.restype = None
-    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.POINTER(ctypes.c_size_t)]
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    count, get = _ggml("ggml_backend_dev_count", size), _ggml("ggml_backend_dev_get", p, size)
+    kind = _ggml("ggml_backend_dev_type", ctypes.c_int, p)
+    describe = _ggml("ggml_backend_dev_description", ctypes.c_char_p, p)
+    memory = _ggml("ggml_backend_dev_memory", None, p, ctypes.POINTER(size),
+                   ctypes.POINTER(size))
     C.llama_backend_init()  # loads the backends into the registry
     out = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_type(dev) not in _GGML_DEV_GPUS:
+    for i in range(count()):
+        dev = get(i)
+        if kind(dev) not in _GGML_DEV_GPUS:
             continue
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        name = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
+        free, total = size(0), size(0)
+        memory(dev, ctypes.byref(free), ctypes.byref(total))
+        name = (describe(dev) or b"").decode("utf-8", "replace")
         out.append(GpuDevice(name, int(free.value), int(total.value)))
     return out
 
@@ -742,16 +744,12 @@ def gpu_devices() -> list[GpuDevice]:
 def gpu_backends() -> list[str]:
     """The GPU backends this llama.cpp build has (``CUDA``, ``Vulkan``...), whether or not
     they see a device: ggml's backend registry less the CPU's (and RPC's, which needs a
-    server)."""
-    lib = C._lib
-    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
-    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    server, and BLAS's, which computes on the CPU)."""
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    count, get = _ggml("ggml_backend_reg_count", size), _ggml("ggml_backend_reg_get", p, size)
+    name = _ggml("ggml_backend_reg_name", ctypes.c_char_p, p)
     C.llama_backend_init()  # loads the backends into the registry
-    names = [(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode()
-             for i in range(lib.ggml_backend_reg_count())]
+    names = [(name(get(i)) or b"").decode() for i in range(count())]
     return [n for n in names if n not in ("CPU", "RPC", "BLAS")]
 
 
