@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from justllm.errors import EngineError
-from tests.helpers import EXACT, ON_GPU, llama_cpps_pooling
+from tests.helpers import EXACT, ON_GPU, divergence_is_noise, llama_cpps_pooling
 
 
 def test_guards(engine):
@@ -121,14 +121,15 @@ def test_threads_default_to_the_cpus_the_process_may_use(model_path):
 def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model_path):
     """n_ubatch and flash attention (the knobs --gpu's defaults are tuned by) reach
     llama.cpp's context; a prompt longer than the micro-batch still prefills and generates,
-    to the same first greedy token (later ones may differ: other kernels, other rounding)."""
+    to the same first greedy token (later ones may differ: other kernels, other rounding; on
+    a GPU even the first, within a near tie)."""
     from justllm.config import EngineConfig
     from justllm.core.sampling_params import SamplingParams
     from justllm.engine.backend import gpu_devices, gpu_offload_supported
     from justllm.engine.llm import LLM
 
     prompt = "The history of the lighthouse on the northern cliffs began " * 6
-    params = SamplingParams(max_tokens=6)
+    params = SamplingParams(max_tokens=6, logprobs=5)
     firsts = []
     for ubatch, fa in ((0, "auto"), (32, "on"), (32, "off")):
         llm = LLM(model_path, pool_blocks=64, n_ubatch=ubatch, flash_attn=fa, max_seqs=2)
@@ -136,10 +137,14 @@ def test_the_context_takes_the_micro_batch_and_flash_attention_it_is_given(model
             assert llm.engine.backend.n_ubatch == (ubatch or llm.engine.config.n_ubatch)
             out = llm.generate([prompt], params)[0]
             assert len(out.token_ids) == 6
-            firsts.append(out.token_ids[0])
+            firsts.append((out.token_ids[:1], out.logprobs[:1]))
         finally:
             llm.close()
-    assert len(set(firsts)) == 1
+    if EXACT or not ON_GPU:
+        assert len({tuple(t) for t, _ in firsts}) == 1
+    for tokens, logprobs in firsts[1:]:
+        ok, why = divergence_is_noise(*firsts[0], tokens, logprobs)
+        assert ok, why
     assert (gpu_devices() == []) is (not gpu_offload_supported())  # a CPU build sees no GPU
     with pytest.raises(ValueError, match="flash_attn must be auto, on or off"):
         EngineConfig(flash_attn="yes")
