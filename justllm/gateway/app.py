@@ -4,6 +4,7 @@ runner (loaded first if need be), the model list with status, load/unload, healt
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -184,7 +185,11 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 if got is not None:  # the decode replica imports the KV, then serves
                     handover, target = got, f"/pd/decode?path={path}"
                     sent = handover.body(content)
-        skip: set[str] = set()  # replicas that refused this request (429, 503)
+        # replicas that refused this request (429, 503), and those that could not load the
+        # runtime LoRA adapter it names when they started (gateway/lora.absent)
+        absent = set(state.lora_absent.get(asked, ())) if isinstance(asked, str) else set()
+        skip: set[str] = set(absent)
+        deadline = time.monotonic() + sup.config.load_timeout
         refused: Response | APIError | None = None
         failed = 0  # replicas that died under this request before answering
         while True:
@@ -195,6 +200,13 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                     raise refused from None
                 if refused is not None:  # every replica refused it: the last refusal
                     return refused
+                if absent and state.routable:  # those serving lack the adapter: wait for
+                    if time.monotonic() > deadline:  # one that holds it (restarting)
+                        raise APIError(503, f"no replica that holds the LoRA adapter "
+                                            f"'{asked}' is serving now", type="server_error",
+                                       code="no_healthy_replica") from None
+                    await asyncio.sleep(0.05)
+                    continue
                 try:
                     await sup.wait_routable(state)
                 except ModelUnavailable as e:

@@ -82,9 +82,12 @@ def decide(config: AutoscaleConfig, current: int, load: float, now: float,
         return None, pending
     mean = load / current if current else load
     side = "above" if up else "below"
-    return Scale(target, "up" if up else "down",
-                 f"{mean:.1f} requests per replica, {side} the target of "
-                 f"{config.target_ongoing:g}, for {delay:g} s"), None
+    floor = max(1, config.min_replicas)
+    if up and target == floor and mean <= config.target_ongoing:  # (a replica lost, say)
+        why = f"{current} serving, fewer than min-replicas {floor}"
+    else:
+        why = f"{mean:.1f} requests per replica, {side} the target of {config.target_ongoing:g}"
+    return Scale(target, "up" if up else "down", f"{why}, for {delay:g} s"), None
 
 
 class Retirable(Protocol):

@@ -218,6 +218,12 @@ class GatewayConfig:
                              f"max-loaded is {self.max_loaded}: they would unload one another "
                              f"as the gateway starts; preload at most {self.max_loaded}, or "
                              "raise max-loaded")
+        pinned = [m.name for m in self.models if m.pinned and not m.remote_only]
+        others = [m.name for m in self.models if not m.pinned and not m.remote_only]
+        if 0 < self.max_loaded <= len(pinned) and others:
+            raise ValueError(f"max-loaded is {self.max_loaded} and {', '.join(pinned)} "
+                             f"(min-replicas >= 1) never unload: {', '.join(others)} could "
+                             "never load; raise max-loaded, or give them min-replicas: 0")
 
     def spec(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
@@ -405,6 +411,10 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip()
                                                 for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
+    for alias in aliases:  # (as a model's name: " x" and "z\n" were served)
+        if alias != alias.strip() or not alias.isprintable():
+            raise ValueError(f"model '{name}': alias {alias!r} has spaces at an end or a "
+                             "control character")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}
     for key, value in entry.items():
         if key in known and ((key in flags.switches) != isinstance(value, bool)

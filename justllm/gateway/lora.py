@@ -87,6 +87,9 @@ async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: st
                 why = answer if isinstance(answer, str) else answer.text
                 log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did "
                             "not load: %s", state.spec.name, replica, name, why)
+                absent(state, name, replica)
+            else:
+                state.lora_absent.get(name, set()).discard(replica)
         for name in gone:
             applied.discard(name)
             await send(http, url, "unload_lora_adapter", _unload_body(name))
@@ -123,6 +126,21 @@ async def catch_up_lora(http: httpx.AsyncClient, state: ModelState, replica: Rep
             log.warning("model %s replica %s: the LoRA adapter %s loaded at run time did not "
                         "load when the replica came back: %s", state.spec.name, replica.id,
                         name, why)
+            absent(state, name, replica.id)
+
+
+def absent(state: ModelState, name: str, replica: str) -> None:
+    """Replica ``replica`` could not load the runtime adapter ``name``: requests for it skip
+    that replica (it answered them 404, while the gateway listed the adapter). With no
+    replica left that holds it, the gateway forgets it: no longer listed, a 404 naming the
+    models; loading it again (from a file that is there) brings it back."""
+    missing = state.lora_absent.setdefault(name, set())
+    missing.add(replica)
+    if all(r.id in missing or r.status in ("failed", "stopping") for r in state.replicas):
+        state.runtime_lora.pop(name, None)
+        state.lora_absent.pop(name, None)
+        log.warning("model %s: no replica holds the LoRA adapter %s now: the gateway forgot "
+                    "it (load it again)", state.spec.name, name)
 
 
 def _refusal(answer: httpx.Response | str, replica: Replica) -> Response:
@@ -224,6 +242,7 @@ async def unload_lora_adapter(request: Request, state: State) -> Response:
             raise not_loaded_at_run_time(
                 name, any(name in s.spec.adapters for s in sup.models.values()), "models.yaml")
         owner.runtime_lora.pop(name, None)  # no new request is routed to it from now on
+        owner.lora_absent.pop(name, None)
         _missed(owner, name)
         await asyncio.gather(*(send(sup.http, r.url or "", "unload_lora_adapter",
                                     _unload_body(name)) for r in _ready(owner)))

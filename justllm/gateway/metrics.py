@@ -117,7 +117,7 @@ def _replicas(sup: Supervisor) -> list[str]:
     name = "justllm_gateway_replica_restarts_total"
     lines += [f"# HELP {name} Times the replica's runner was restarted after dying.",
               f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(s, replica=r.id)} {r.restarts}"
+    lines += [f"{name}{_labels(s, replica=r.id)} {s.replica_restarts[r.id]}"
               for s in sup.models.values() for r in s.replicas]
     name = "justllm_gateway_routing_decisions_total"
     lines += [f"# HELP {name} Requests routed to a replica, by the reason it was chosen.",

@@ -129,6 +129,10 @@ def parse_size(value: object) -> int:
     """Bytes from ``8GB``, ``512MiB``, ``1.5G`` or a number of bytes (GB = 10^9, GiB = 2^30)."""
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or such as '8GB' or '512MiB'")
+    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+        # (0.5 became 0, which max-memory reads as no limit)
+        raise ValueError(f"{value!r} is not a whole number of bytes (or write it such as "
+                         "'1.5GB')")
     if isinstance(value, (int, float)) and 0 <= value < math.inf:  # (int(inf) raised)
         return int(value)
     m = _SIZE.match(value) if isinstance(value, str) else None

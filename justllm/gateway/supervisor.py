@@ -35,6 +35,8 @@ from justllm.gateway.routing import (
 )
 from justllm.gateway.runner import RunnerProcess
 from justllm.models.gguf import read_gguf_header
+from justllm.models.hub import is_local_path
+from justllm.models.source import model_not_found
 from justllm.tui.metrics import parse as parse_metrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ class ModelState:
     error: str | None = None
     loads: int = 0
     restarts: int = 0
+    # by replica id, over every load (a replica's own count starts again with each load:
+    # its counter series went backwards)
+    replica_restarts: Counter[str] = field(default_factory=Counter)
     load_seconds: list[float] = field(default_factory=list)
     memory: int = 0  # estimated bytes of one local runner (only with max-memory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -87,6 +92,9 @@ class ModelState:
     # Replicas out of the rotation (unhealthy) while adapters were loaded or unloaded at run
     # time: replica id -> those names, applied before the replica is back (catch_up_lora).
     lora_missed: dict[str, set[str]] = field(default_factory=dict)
+    # Runtime adapters a replica could not load when it started or came back (its file gone
+    # since): name -> those replicas' ids, which requests for the adapter skip.
+    lora_absent: dict[str, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         routing = self.spec.routing
@@ -169,7 +177,8 @@ class ModelState:
         """The model as the policies see it; while it loads, with every replica it is about
         to start (they exist only once their start begins: two multi-replica models loading
         at once were each counted as one runner, and both fitted under max-memory)."""
-        runners = len(self.local)
+        runners = len([r for r in self.local if r.status != "failed"])  # (a failed one's
+        # process is gone: it held max-memory's room for nothing)
         if self.status == "loading":
             runners = max(runners, self.spec.replicas)
         return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl,
@@ -272,6 +281,9 @@ class Supervisor:
                 self.waiting -= client
         except BaseException:
             state.active -= 1
+            # (a load waiting for room may evict this model now: it went idle without a
+            # request ending on it, which is what woke such loads)
+            asyncio.ensure_future(self._notify_room())
             raise
 
     async def wait_routable(self, state: ModelState, role: str = "decode") -> None:
@@ -279,6 +291,12 @@ class Supervisor:
         (restarted, or answering polls again), at most load-timeout."""
         deadline = time.monotonic() + self.config.load_timeout
         while not state.routable_for(role):
+            if self._closing:
+                raise ModelUnavailable("the server is shutting down", code="shutting_down")
+            if state.status == "unloaded":  # (unloaded while the request waited)
+                raise ModelUnavailable(f"model '{state.spec.name}' was unloaded while the "
+                                       "request waited for it; retry to load it again",
+                                       code="model_unloaded")
             if state.status != "loaded" or (state.local and not state.remote_only and all(
                     r.status == "failed" for r in state.local)):
                 raise ModelUnavailable(f"model '{state.spec.name}' has no replica that can "
@@ -326,6 +344,7 @@ class Supervisor:
         with ``why``, restarted."""
         replica.restarts += 1
         state.restarts += 1
+        state.replica_restarts[replica.id] += 1
         log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id, why)
         self._restart(state, replica)
 
@@ -345,9 +364,12 @@ class Supervisor:
             # room (it used to be seen only once the runners started, and a model unloaded
             # while an eviction drained then started beside the next one, past the limits).
             detached = state.detached
-            await self._estimate(state)
-            await self._make_room(state, detached)
-            await self._start(state, detached)
+            try:
+                await self._estimate(state)
+                await self._make_room(state, detached)
+                await self._start(state, detached)
+            finally:  # loaded (idle once its waiters left) or not: another load may fit now
+                asyncio.ensure_future(self._notify_room())
 
     async def _estimate(self, state: ModelState) -> None:
         """With max-memory: the runner's estimated memory, once (a model that can never fit
@@ -382,6 +404,8 @@ class Supervisor:
         unload while it waits abandons the load."""
         async with self._room:
             while True:
+                if self._closing:
+                    raise ModelUnavailable("the server is shutting down", code="shutting_down")
                 if state.detached != detached:
                     raise _unloaded_meanwhile(state)
                 victims = policy.to_unload_for(self._places(besides=state), self.config.max_loaded,
@@ -512,6 +536,9 @@ class Supervisor:
         busy models (never victims), one per model with their memory."""
         held = [s.view() for s in self.models.values() if s is not besides
                 and not s.remote_only and s.status in ("loaded", "loading")]
+        # (a model with min-replicas >= 1 is never unloaded: as busy, never a victim)
+        held = [replace(h, active=max(h.active, 1)) if self.models[h.name].pinned else h
+                for h in held]
         counts = Counter(state.spec.name for state in self._stopping.values())
         return held + [policy.Loaded(f"{name} (stopping)", 1, 0.0, -1.0,
                                      self.models[name].memory * n)
@@ -531,6 +558,7 @@ class Supervisor:
             r.status = "stopping"
             self._forget(state, r)
         state.replicas = [r for r in state.replicas if not r.local]
+        state.lora_absent.clear()  # (the next load's replicas load every adapter again)
         if state.remote_only:
             return runners
         if state.status != "failed":
@@ -605,6 +633,7 @@ class Supervisor:
                 replica.status = "failed"
                 log.warning("model %s replica %s: gave up restarting: %s", state.spec.name,
                             replica.id, replica.error)
+                self._gave_up(state, replica)
                 return
             await asyncio.sleep(delay)
             if self._closing or replica not in state.replicas:
@@ -624,6 +653,22 @@ class Supervisor:
             log.info("model %s replica %s %s", state.spec.name, replica.id,
                      "is back" if old is not None else "is up")  # (a new one was "back")
             return
+
+    def _gave_up(self, state: ModelState, replica: Replica) -> None:
+        """A local replica failed its restarts. When no replica of the model is left to
+        serve, the model is ``failed`` with the runner's error (as a load that failed: 503
+        with it, and POST /models/load tries again; it stayed "loaded", answering "all
+        failed", and a load could not revive it). Otherwise an autoscaled pool's replica is
+        dropped (the autoscaler adds another when the load asks: failed ones piled up, one
+        every few seconds, each with its log and metrics); a fixed one stays ``failed``."""
+        if all(r.status == "failed" for r in state.local) and all(r.local for r in state.replicas):
+            state.status, state.error = "failed", replica.error
+            state.failures = policy.MAX_FAILURES
+            runners = self._detach(state)
+            if runners:
+                self._stop(runners)
+        elif replica.role in {pool for pool, _ in state.spec.scaled_pools}:
+            self._drop_replica(state, replica)
 
     def _scale(self, state: ModelState, now: float) -> None:
         if state.status != "loaded":
@@ -829,7 +874,11 @@ def remote_key(config: GatewayConfig, url: str) -> str | None:
 
 def _check_local_file(source: str) -> None:
     """Raise as the runner would for a source that is a file here and no GGUF model (a
-    truncated or foreign file); a registry name or a hub repo is the runner's to resolve."""
+    truncated or foreign file), or a path (``/``, ``./``, ``~``...) to no file (deleted or
+    moved since the gateway started: it evicted a working model, then failed); a registry
+    name or a hub repo is the runner's to resolve."""
     path = Path(source).expanduser()
     if path.is_file():
         read_gguf_header(path, vocabulary=False)
+    elif is_local_path(source):
+        raise model_not_found(source)

@@ -6,6 +6,7 @@ for the model is the runner's 400 and loads nowhere, and the unload takes it awa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import httpx
@@ -101,6 +102,29 @@ def test_runtime_adapters_reach_every_replica_and_come_back_after_a_restart(
         for _ in range(4):  # whichever replica answers
             assert complete(gw, "sql").json()["choices"][0]["text"] == \
                 answer["choices"][0]["text"]
+        # An adapter whose file is gone when a replica restarts: requests for it skip that
+        # replica (it answered them 404 while the gateway listed the adapter), and once no
+        # replica holds it the gateway forgets it.
+        copy = tmp_path / "gone.gguf"
+        shutil.copy(files["a"], copy)
+        r = httpx.post(gw.url + "/v1/load_lora_adapter", timeout=120, json={
+            **load, "lora_name": "gone", "lora_path": str(copy)})
+        assert r.status_code == 200, r.text
+        copy.unlink()
+        for rid in ("1", "0"):
+            victim = replicas(gw, "demo")[rid]
+            os.kill(victim["pid"], signal.SIGKILL)
+            back = wait_for(f"replica {rid} back", lambda rid=rid, victim=victim: (
+                p := replicas(gw, "demo")[rid])["status"] == "ready"
+                and p["pid"] != victim["pid"] and p, 120)
+            assert adapters_on(back) == ["sql"]
+            if rid == "1":
+                for _ in range(4):  # only replica 0 holds it: every one served there
+                    r = complete(gw, "gone")
+                    assert r.status_code == 200 and r.headers["x-replica"] == "0", r.text
+        listed = {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
+        assert "gone" not in listed and "sql" in listed
+        assert complete(gw, "gone").status_code == 404
         # By name the field is the same adapter on every replica; by id it was whatever each
         # replica loaded under that id (a restart reorders them): refused.
         r = httpx.post(gw.url + "/v1/completions", timeout=120, json={

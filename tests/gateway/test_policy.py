@@ -202,6 +202,14 @@ def test_a_models_api_key_goes_to_its_urls_only_and_stays_out_of_its_repr(monkey
      "model 'a': gpus must be a list of device numbers such as [0, 1] (got 0)"),
     ({"models": {"a": {"source": "/a", "gpus": ""}}}, "gpus must be a list of device numbers"),
     ({"models": {"a": {"source": "/a", "aliases": 0}}}, "model 'a': aliases must be names"),
+    # (served, as a model's name with them is not)
+    ({"models": {"a": {"source": "/a", "aliases": [" x"]}}},
+     "model 'a': alias ' x' has spaces at an end or a control character"),
+    ({"models": {"a": {"source": "/a", "aliases": ["z\n"]}}},
+     "model 'a': alias 'z\\n' has spaces at an end or a control character"),
+    # (0.5 became 0 bytes: no limit)
+    ({"models": {"a": "/a"}, "max-memory": 0.5}, "max-memory: 0.5 is not a whole number of "
+                                                 "bytes"),
     # one server, twice (the check ran before the trailing / was taken off)
     ({"models": {"a": {"urls": ["http://h:1", "http://h:1/"]}}},
      "model 'a': a url is listed twice"),

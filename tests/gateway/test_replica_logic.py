@@ -40,6 +40,15 @@ def test_scaling_up_waits_for_the_upscale_delay_and_jumps_to_the_wanted_count():
     assert pending is None
 
 
+def test_a_scale_up_to_the_floor_says_so():
+    """A pool that lost its replica was scaled up "0.0 requests per replica, above the target
+    of 2": the reason is min-replicas."""
+    _, pending = decide(SCALE, 0, 0, now=0.0, pending=None)
+    scale, _ = decide(SCALE, 0, 0, now=10.0, pending=pending)
+    assert scale is not None and scale.target == 1
+    assert scale.reason == "0 serving, fewer than min-replicas 1, for 10 s"
+
+
 def test_a_burst_shorter_than_the_delay_changes_nothing():
     _, pending = decide(SCALE, 1, 8, now=0.0, pending=None)
     scale, pending = decide(SCALE, 1, 2, now=5.0, pending=pending)  # back to target: forgotten

@@ -268,3 +268,159 @@ def test_a_preload_is_no_request_waiting_for_a_load(tmp_path):
         await asyncio.gather(preload, client, return_exceptions=True)
         assert sup.waiting == 0 and sup.models["p"].active == sup.models["q"].active == 0
     asyncio.run(main())
+
+
+def test_a_client_giving_up_on_a_load_lets_the_load_waiting_for_room_evict_it(tmp_path):
+    """max-loaded 1: beta loaded for a client that then left (its acquire ended without a
+    request ending); alpha's load waiting for room was never woken, and timed out with the
+    idle beta loaded beside nothing (every request for alpha a 503 until another request
+    ended somewhere)."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"alpha": {}, "beta": {}}, **{"max-loaded": 1})
+        alpha, beta = sup.models["alpha"], sup.models["beta"]
+        beta.status = "loading"
+        beta.load_task = asyncio.get_running_loop().create_future()  # a load that goes on
+        waiter = asyncio.ensure_future(sup.acquire(beta))  # the client waiting for it
+        await asyncio.sleep(0.1)
+        assert beta.active == 1
+        alpha.active = 1
+        room = asyncio.ensure_future(sup._make_room(alpha, alpha.detached))
+        await asyncio.sleep(0.2)
+        assert not room.done()  # beta is busy: its client waits
+        beta.status = "loaded"  # it loaded ... and its client left
+        waiter.cancel()
+        await asyncio.wait_for(room, 2)  # woken: beta, idle, was the victim
+        assert beta.status == "unloaded" and alpha.status == "loading"
+        beta.load_task.cancel()
+        await sup.close()
+    asyncio.run(main())
+
+
+def test_a_model_with_min_replicas_is_never_evicted_for_another(tmp_path):
+    """The README says never unloaded; max-loaded evicted it like any idle model (and a
+    max-loaded every such model fills is refused when the gateway starts)."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"pinned": {"min-replicas": 1, "max-replicas": 2},
+                                    "idle": {}, "new": {}}, **{"max-loaded": 2})
+        pinned, idle, new = (sup.models[n] for n in ("pinned", "idle", "new"))
+        pinned.status, pinned.last_used = "loaded", 1.0  # the least recently used
+        idle.status, idle.last_used = "loaded", 2.0
+        new.active = 1
+        await asyncio.wait_for(sup._make_room(new, new.detached), 2)
+        assert (pinned.status, idle.status, new.status) == ("loaded", "unloaded", "loading")
+        await sup.close()
+    asyncio.run(main())
+    with pytest.raises(ValueError, match=r"max-loaded is 1 and pinned \(min-replicas >= 1\) "
+                                         r"never unload: other could never load"):
+        supervisor(tmp_path, {"pinned": {"min-replicas": 1, "max-replicas": 2}, "other": {}},
+                   **{"max-loaded": 1})
+
+
+def test_a_model_whose_last_replica_gave_up_is_failed_and_a_load_tries_again(tmp_path):
+    """It stayed "loaded" (in /v1/models, ps, the loaded gauge) answering "all failed", and
+    POST /models/load could not revive it; an autoscaled pool's failed replicas piled up,
+    one more every few seconds."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"fixed": {"replicas": 2},
+                                    "scaled": {"min-replicas": 1, "max-replicas": 3}})
+        fixed, scaled = sup.models["fixed"], sup.models["scaled"]
+        for state in (fixed, scaled):
+            state.status = "loaded"
+            state.replicas += [Replica("0", status="ready"), Replica("1", status="failed",
+                                                                     error="gone")]
+        sup._gave_up(fixed, fixed.replicas[1])  # a fixed replica: kept, failed
+        assert [r.status for r in fixed.replicas] == ["ready", "failed"]
+        sup._gave_up(scaled, scaled.replicas[1])  # the pool's: dropped
+        assert [r.id for r in scaled.replicas] == ["0"] and scaled.status == "loaded"
+        last = fixed.replicas[0]
+        last.status, last.error = "failed", "model not found: x.gguf"
+        sup._gave_up(fixed, last)  # none left to serve: the model failed
+        assert fixed.status == "failed" and fixed.replicas == []
+        with pytest.raises(ModelUnavailable) as e:
+            await sup.acquire(fixed)
+        assert e.value.code == "model_failed" and "model not found: x.gguf" in str(e.value)
+        assert fixed.active == 0
+        tried: list[str] = []
+
+        async def spawn_ready(state, replica):
+            tried.append(replica.id)
+            replica.runner = None
+        sup._spawn_ready = spawn_ready
+        await asyncio.wait_for(sup.load(fixed), 5)  # POST /models/load: started again
+        assert fixed.status == "loaded" and tried == ["0", "1"]
+        await sup.close()
+    asyncio.run(main())
+
+
+def test_a_request_waiting_for_a_restart_says_why_it_ends(tmp_path):
+    """Unloaded, or the gateway stopping, while a request waited for a restarting replica:
+    it got 503 model_failed "no replica that can serve: all failed" (no Retry-After), and a
+    load waiting for room during a shutdown got model_unloaded with a Retry-After."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {}, "b": {}}, **{"max-loaded": 1})
+        a, b = sup.models["a"], sup.models["b"]
+        a.status = "loaded"
+        a.replicas.append(Replica("0", status="restarting"))
+        waiting = asyncio.ensure_future(sup.acquire(a))
+        await asyncio.sleep(0.1)
+        await sup.unload(a)
+        with pytest.raises(ModelUnavailable) as e:
+            await asyncio.wait_for(waiting, 2)
+        assert e.value.code == "model_unloaded" and a.active == 0
+        a.status, a.active = "loaded", 1  # busy: b's load waits for room
+        a.replicas.append(Replica("0", status="restarting"))
+        waiting = asyncio.ensure_future(sup.wait_routable(a))
+        b.active = 1
+        b.load_task = room = asyncio.ensure_future(sup._make_room(b, b.detached))
+        await asyncio.sleep(0.1)
+        await sup.close()
+        for task in (waiting, room):
+            with pytest.raises(ModelUnavailable) as e:
+                await asyncio.wait_for(task, 2)
+            assert e.value.code == "shutting_down"
+    asyncio.run(main())
+
+
+def test_a_model_whose_file_is_gone_evicts_nothing(tmp_path):
+    """A source path deleted (or moved) after the gateway started passed the header check
+    (only a file there was read): the idle working model was evicted, then three starts
+    failed with 'model not found'."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"working": {},
+                                    "gone": {"source": str(tmp_path / "gone.gguf")}},
+                         **{"max-loaded": 1})
+        working, gone = sup.models["working"], sup.models["gone"]
+        working.status = "loaded"
+        with pytest.raises(ModelUnavailable) as e:
+            await asyncio.wait_for(sup.acquire(gone), 5)
+        assert e.value.code == "model_failed"
+        assert f"model not found: {tmp_path / 'gone.gguf'}" in str(e.value)
+        assert working.status == "loaded" and gone.status == "failed"
+        await sup.close()
+    asyncio.run(main())
+
+
+def test_a_replicas_restart_counter_never_goes_backwards_across_loads(tmp_path):
+    """Replicas are made anew at each load, and the counter series with them: 2 became 0
+    after an unload and a load, which Prometheus reads as a reset."""
+    from justllm.gateway.metrics import _replicas
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {}})
+        a = sup.models["a"]
+        sup._restart = lambda state, replica: None  # (no process here)
+
+        def restarts() -> float:
+            return next(s.value for family in text_string_to_metric_families(
+                "\n".join(_replicas(sup)) + "\n") for s in family.samples
+                if s.name == "justllm_gateway_replica_restarts_total")
+
+        a.status = "loaded"
+        a.replicas.append(Replica("0", status="ready"))
+        sup._restart_failed(a, a.replicas[0], "died")
+        sup._restart_failed(a, a.replicas[0], "died")
+        assert restarts() == 2
+        a.replicas = [Replica("0", status="ready")]  # unloaded, loaded again
+        assert restarts() == 2
+        await sup.close()
+    asyncio.run(main())
