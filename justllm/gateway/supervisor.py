@@ -712,12 +712,16 @@ class Supervisor:
                     decision.direction, decision.target, decision.reason)
 
     def _retire(self, state: ModelState, replica: Replica) -> None:
-        """Scaled down: out of the rotation now; stopped once its requests are done."""
+        """Scaled down: out of the rotation now; stopped once its requests are done (one
+        that was not serving, hung or not yet started, at once: its requests waited the
+        drain and a minute more on a process that answered nothing; those that had received
+        nothing go to another replica when its connections close)."""
+        serving = replica.status == "ready"
         replica.status = "stopping"
         self._forget(state, replica)
 
         async def retire() -> None:
-            deadline = time.monotonic() + self.drain + 60
+            deadline = time.monotonic() + (self.drain + 60 if serving else 0)
             while replica.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             if replica in state.replicas:

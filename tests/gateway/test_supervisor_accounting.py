@@ -424,3 +424,29 @@ def test_a_replicas_restart_counter_never_goes_backwards_across_loads(tmp_path):
         assert restarts() == 2
         await sup.close()
     asyncio.run(main())
+
+
+def test_a_replica_retired_while_it_did_not_serve_is_stopped_at_once(tmp_path):
+    """The autoscaler retires unhealthy (hung) replicas first; their requests then waited the
+    drain and a minute more on a process that answered nothing."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2}})
+        a = sup.models["a"]
+        stopped: list[str] = []
+
+        class Runner:
+            def alive(self) -> bool:
+                return True
+
+            async def stop(self, grace: float) -> None:
+                stopped.append("hung")
+
+        hung = Replica("1", runner=Runner(), status="unhealthy", in_flight=1)  # type: ignore[arg-type]
+        busy = Replica("0", runner=Runner(), status="ready", in_flight=1)  # type: ignore[arg-type]
+        a.replicas += [busy, hung]
+        sup._retire(a, hung)
+        sup._retire(a, busy)
+        await asyncio.sleep(0.3)
+        assert stopped == ["hung"] and a.replicas == [busy]  # the busy one drains first
+        await sup.close()
+    asyncio.run(main())
