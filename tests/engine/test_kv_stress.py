@@ -31,8 +31,8 @@ from justllm.engine.sampler import RequestSampler
 from justllm.kv.transfer import KVTransferError
 from tests.helpers import count_graph_tokens
 
-SEEDS = (1, 3)  # (seed 2 as well cost ~45 s of the suite: seven variants below run
-#  the same load with other seeds)
+SEEDS = (1,)  # (seeds 2 and 3 as well cost ~65 s of the suite: seven variants below run
+#  the same load with other seeds, 3 to 7)
 
 
 def make_prompts(rng: random.Random, vocab: list[int], bos: int, n: int) -> list[list[int]]:
