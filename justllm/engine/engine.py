@@ -657,7 +657,8 @@ class Engine:
             arch = meta.get("general.architecture", "")
             self._kv_identity = KVIdentity(
                 file_digest(self.backend.config.model_path), KV_TYPE,
-                int(meta.get(f"{arch}.block_count", 0)))
+                int(meta.get(f"{arch}.block_count", 0)),
+                v_trans=self.config.flash_attn == "off")  # (auto: on wherever it can be)
         return self._kv_identity
 
     def export_prefix(self, tokens: list[int]) -> bytes:

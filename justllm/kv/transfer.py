@@ -40,6 +40,9 @@ class KVIdentity:
     model: str  # sha256 of the GGUF file
     kv_type: str  # e.g. "f16"
     n_layer: int
+    # V stored transposed: llama.cpp does so without flash attention (--flash-attn off), and
+    # refuses the other layout's state
+    v_trans: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ def unpack(blob: bytes | memoryview) -> tuple[KVHeader, list[memoryview]]:
         if raw["version"] != VERSION:
             raise KVTransferError(f"KV format version {raw['version']!r}; this justllm reads "
                                   f"version {VERSION}")
-        identity = KVIdentity(str(raw["model"]), str(raw["kv_type"]), int(raw["n_layer"]))
+        identity = KVIdentity(str(raw["model"]), str(raw["kv_type"]), int(raw["n_layer"]),
+                              raw.get("v_trans", False) is True)
         tokens = raw["tokens"]
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
@@ -124,5 +128,10 @@ def check_fits(header: KVHeader, here: KVIdentity, vocab_size: int) -> None:
     if (theirs.kv_type, theirs.n_layer) != (here.kv_type, here.n_layer):
         raise KVTransferError(f"KV data has type {theirs.kv_type} over {theirs.n_layer} layers; "
                               f"this engine uses {here.kv_type} over {here.n_layer}")
+    if theirs.v_trans != here.v_trans:
+        raise KVTransferError("KV data stores V " + ("transposed (flash attention off)"
+                              if theirs.v_trans else "by rows (flash attention on)")
+                              + ", this engine the other way: give both sides the same "
+                              "--flash-attn")
     if max(header.tokens) >= vocab_size:
         raise KVTransferError(f"KV header: a token id is outside the vocabulary ({vocab_size})")

@@ -90,12 +90,15 @@ def test_bad_transfers_are_refused_and_the_engine_keeps_serving(pair):
                        header.chunk_tokens)
     other_type = pack(KVIdentity(here.model, "q8_0", here.n_layer), tokens, data,
                       header.chunk_tokens)
+    transposed = pack(KVIdentity(here.model, here.kv_type, here.n_layer, v_trans=True),
+                      tokens, data, header.chunk_tokens)
     corrupt = bytearray(blob)
     corrupt[-10] ^= 0xFF
     # A blob whose header and checksum are right but whose data is not llama.cpp's.
     garbage = pack(here, tokens, [b"\x01" * 4096], header.chunk_tokens)
     cases = {
         "another model file": other_model, "type q8_0": other_type,
+        "stores V transposed": transposed,
         "checksum mismatch": bytes(corrupt), "truncated": blob[:-1000],
         "bad magic": b"GGUF" + blob[4:], "llama.cpp refused": garbage,
     }
@@ -353,3 +356,14 @@ def test_a_thinking_budget_goes_on_across_a_handover(pair):
     tokens, _ = rest_of(decode, first.request_id)
     assert (first.token_ids + tokens)[:len(closing)] == closing
     settled(decode)
+
+
+def test_an_engine_without_flash_attention_says_its_v_is_transposed(model_path, pair):
+    """(a pair with different --flash-attn was refused by llama.cpp's state read only)"""
+    assert not pair[0].kv_identity().v_trans  # auto: on wherever it can be
+    engine = Engine(EngineConfig(model=model_path, flash_attn="off", max_seqs=2,
+                                 pool_blocks=16))
+    try:
+        assert engine.kv_identity().v_trans
+    finally:
+        engine.close()

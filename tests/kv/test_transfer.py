@@ -53,3 +53,8 @@ def test_foreign_kv_is_refused():
         check_fits(header, KVIdentity("a" * 64, "q8_0", 18), 100)
     with pytest.raises(KVTransferError, match="outside the vocabulary"):
         check_fits(header, ID, 50)
+    # (flash attention off stores V transposed, which llama.cpp refuses to read the other way)
+    with pytest.raises(KVTransferError, match="stores V by rows .* the same --flash-attn"):
+        check_fits(header, KVIdentity("a" * 64, "f16", 18, v_trans=True), 100)
+    transposed, _ = unpack(pack(KVIdentity("a" * 64, "f16", 18, v_trans=True), [5], [b"a"], 4))
+    assert transposed.identity.v_trans
