@@ -470,6 +470,10 @@ _JSON_DOT = r'[^"\\\x7F\x00-\x1F] | "\\" ["\\/bft]'
 _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
+# The longest property name an additional key is kept from repeating (_not_keys).
+_NOT_KEYS_CHARS = 64
+
+
 class _SchemaConverter(_grammar.SchemaConverter):
     """llama-cpp-python's converter, plus integer bounds (engine/int_range.py), JSON's own
     string characters (no raw control characters), and what it got wrong: literals with a
@@ -542,10 +546,11 @@ class _SchemaConverter(_grammar.SchemaConverter):
         """A JSON string (then space) that is none of ``keys``: an additional property's name
         must not repeat a named one (a duplicate key; llama.cpp's converter does the same).
         Follows the keys' text as a trie: at each point the string may leave it with another
-        character, or end where no key ends. Keys JSON writes with an escape are left out
-        (a rare name, which an additional key may then repeat)."""
+        character, or end where no key ends. Keys JSON writes with an escape, and keys
+        longer than :data:`_NOT_KEYS_CHARS` (the trie nests a group per character) are left
+        out: rare names, which an additional key may then repeat."""
         texts = sorted({t for t in (json.dumps(k, ensure_ascii=False)[1:-1] for k in keys)
-                        if "\\" not in t})
+                        if "\\" not in t and len(t) <= _NOT_KEYS_CHARS})
         char = self._add_primitive("char", _grammar.BuiltinRule(_JSON_CHAR, []))
 
         def one(c: str) -> str:
@@ -572,9 +577,11 @@ class _SchemaConverter(_grammar.SchemaConverter):
         prefix = f"{name}{'-' if name else ''}"
         kv = {}
         for key, sub in properties:
-            value = self.visit(sub, f"{prefix}{key}")
+            # (a property named "" made its value's rule "root": the whole grammar was its)
+            value = self.visit(sub, f"{prefix}{key or 'empty-name'}")
             literal = self._format_literal(json.dumps(key, ensure_ascii=False))
-            kv[key] = self._add_rule(f"{prefix}{key}-kv", f'{literal} space ":" space {value}')
+            kv[key] = self._add_rule(f"{prefix}{key or 'empty-name'}-kv",
+                                     f'{literal} space ":" space {value}')
         extra = None
         if additional_properties is True or isinstance(additional_properties, dict):
             value = self.visit({} if additional_properties is True else additional_properties,
@@ -1831,9 +1838,15 @@ def _stderr_kept(kept: list[str]) -> Iterator[None]:
     (llama.cpp's grammar parser: its error, then the whole grammar, a client's megabytes in
     the server's log); what was written is appended to ``kept``. Another thread's writes in
     that moment land there too: the caller writes back what is not the call's own."""
-    with _STDERR_TAKEN, tempfile.TemporaryFile() as f:
-        sys.stderr.flush()
-        saved = os.dup(2)
+    with _STDERR_TAKEN, contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(tempfile.TemporaryFile())
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):  # (no temporary file, no fd 2 or
+            # sys.stderr: the call as it was)
+            yield
+            return
         os.dup2(f.fileno(), 2)
         try:
             yield
@@ -1860,7 +1873,10 @@ def _grammar_sampler(backend: LlamaBackend, gbnf: str) -> tuple[Any, str | None]
         dump = text.find(gbnf + "\n", parsed.end())
         text = text[:parsed.start()] + (text[dump + len(gbnf) + 1:] if dump >= 0 else "")
     if text:  # (not the parser's: another thread's, or llama.cpp's in verbose mode)
-        os.write(2, text.encode())
+        with contextlib.suppress(OSError):
+            data = text.encode()
+            while data:
+                data = data[os.write(2, data):]
     if smpl:
         return smpl, None
     reasons = [t.strip() for level, t in lines if level == 4 and t.strip()

@@ -185,16 +185,16 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 if got is not None:  # the decode replica imports the KV, then serves
                     handover, target = got, f"/pd/decode?path={path}"
                     sent = handover.body(content)
-        # replicas that refused this request (429, 503), and those that could not load the
-        # runtime LoRA adapter it names when they started (gateway/lora.absent)
-        absent = set(state.lora_absent.get(asked, ())) if isinstance(asked, str) else set()
-        skip: set[str] = set(absent)
+        skip: set[str] = set()  # replicas that refused this request (429, 503)
         deadline = time.monotonic() + sup.config.load_timeout
         refused: Response | APIError | None = None
         failed = 0  # replicas that died under this request before answering
         while True:
+            # and those that could not load the runtime LoRA adapter it names when they
+            # started (gateway/lora.absent; read anew: one may load it meanwhile)
+            absent = state.lora_absent.get(asked, set()) if isinstance(asked, str) else set()
             try:
-                replica = sup.route(state, route, skip)
+                replica = sup.route(state, route, skip | absent)
             except NoReplica:
                 if isinstance(refused, APIError):
                     raise refused from None

@@ -127,6 +127,8 @@ async def catch_up_lora(http: httpx.AsyncClient, state: ModelState, replica: Rep
                         "load when the replica came back: %s", state.spec.name, replica.id,
                         name, why)
             absent(state, name, replica.id)
+        else:
+            state.lora_absent.get(name, set()).discard(replica.id)
 
 
 def absent(state: ModelState, name: str, replica: str) -> None:
@@ -224,6 +226,8 @@ async def _load(sup: Supervisor, target: ModelState, name: str,
         else:
             target.runtime_lora[name] = before
         return _refusal(refused[1], refused[0])
+    took = {r.id for r in replicas}  # (a replica that could not load it before has it now)
+    target.lora_absent[name] = target.lora_absent.get(name, set()) - took
     return replicas
 
 

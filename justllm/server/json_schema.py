@@ -72,29 +72,36 @@ def _parts(schema: dict, root: Any) -> list[dict]:
     return [p for p in parts if isinstance(p, dict)]
 
 
-def _merged(schema: dict, root: Any, depth: int = 0) -> dict:
+def _merged(schema: dict, root: Any, seen: dict[int, dict]) -> dict:
     """The keywords that apply to a value together: its schema's own, its ``$ref``'s and its
-    ``allOf`` parts' (theirs in turn)."""
-    out = dict(schema)
-    for part in _parts(schema, root) if depth < 16 else []:
-        for k, v in _merged(part, root, depth + 1).items():
+    ``allOf`` parts' (theirs in turn). ``seen``: each schema's view, made once (parts named
+    again and again were followed each time: ``allOf`` of k ``$ref``s to the root took k^8
+    calls, a minute of a worker at k=6); a part that leads back to itself adds nothing."""
+    key = id(schema)
+    if key in seen:
+        return seen[key]
+    out = seen[key] = dict(schema)  # (in place while its parts are merged: cycles end here)
+    for part in _parts(schema, root):
+        for k, v in _merged(part, root, seen).items():
             out.setdefault(k, v)
     return out
 
 
-def unenforced(schema: Any, path: str = "#", root: Any = None) -> list[str]:
+def unenforced(schema: Any, path: str = "#", root: Any = None,
+               seen: dict[int, dict] | None = None) -> list[str]:
     """Where ``schema`` uses what the grammar does not enforce: ``"PATH: keyword"`` each."""
     if not isinstance(schema, dict):
         return []
     root = schema if root is None else root
+    seen = {} if seen is None else seen
     skip = BOUNDS if bounded_integer(schema) else ()  # the grammar spells the range
     out = [f"{path}: {k}" for k in _UNENFORCED if k in schema and k not in skip]
     own = _beside(schema)
     out += [f"{path}: {m}" for m in own]
     parts = _parts(schema, root)
     if parts:  # what only meets once they are merged (each part is checked where it is)
-        theirs = {m for p in parts for m in _beside(_merged(p, root))}
-        out += [f"{path}: {m}" for m in _beside(_merged(schema, root))
+        theirs = {m for p in parts for m in _beside(_merged(p, root, seen))}
+        out += [f"{path}: {m}" for m in _beside(_merged(schema, root, seen))
                 if m not in own and m not in theirs]
     fmt = schema.get("format")
     if fmt is not None and not _FORMATS.fullmatch(str(fmt)):
@@ -106,17 +113,17 @@ def unenforced(schema: Any, path: str = "#", root: Any = None) -> list[str]:
                 if isinstance(name, str) and name not in named]
     for key in _NAMED:
         for name, sub in (schema.get(key) or {}).items():
-            out += unenforced(sub, f"{path}/{key}/{name}", root)
+            out += unenforced(sub, f"{path}/{key}/{name}", root, seen)
     for key in _LISTED:
         for i, sub in enumerate(schema.get(key) or []):
-            out += unenforced(sub, f"{path}/{key}/{i}", root)
+            out += unenforced(sub, f"{path}/{key}/{i}", root, seen)
     for key in _ONE:
         sub = schema.get(key)
         if isinstance(sub, list):  # an old draft's items: one schema per position
             for i, one in enumerate(sub):
-                out += unenforced(one, f"{path}/{key}/{i}", root)
+                out += unenforced(one, f"{path}/{key}/{i}", root, seen)
         else:
-            out += unenforced(sub, f"{path}/{key}", root)
+            out += unenforced(sub, f"{path}/{key}", root, seen)
     return out
 
 

@@ -549,3 +549,13 @@ def test_a_grammar_llama_cpp_cannot_parse_gives_its_reason_and_prints_nothing(en
     monkeypatch.setattr(C, "llama_sampler_init_grammar", with_another_writer)
     assert engine.backend.grammar_error("root ::= nope") == "Undefined rule identifier 'nope'"
     assert capfd.readouterr().err == "another thread's line\n"
+    # No temporary file to be had: the grammar is still checked (the reason then printed).
+    monkeypatch.undo()
+
+    def no_file(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(backend_module.tempfile, "TemporaryFile", no_file)
+    assert engine.backend.grammar_error("root ::= nope") == ""
+    assert engine.backend.grammar_error('root ::= "a"') is None
+    assert "Undefined rule identifier 'nope'" in capfd.readouterr().err

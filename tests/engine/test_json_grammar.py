@@ -264,3 +264,18 @@ def test_a_regular_expression_is_matched_by_the_whole_raw_text(accepts, pattern,
         assert accepts(pattern, text), text
     for text in bad:
         assert not accepts(pattern, text), text
+
+
+def test_long_property_names_and_an_empty_one(accepts):
+    """A 496-character name beside additionalProperties was a 400 (Python's recursion limit
+    in the key trie); a property named "" named its value's rule "root": the grammar was an
+    integer, and every object was refused."""
+    long = "k" * 600
+    schema = {"type": "object", "properties": {long: {"type": "integer"}, "a": {}},
+              "additionalProperties": True}
+    assert accepts(schema, f'{{"{long}": 1, "b": 2}}')
+    assert not accepts(schema, '{"a": 1, "a": 2}')  # (the short names are still kept apart)
+    empty = {"type": "object", "properties": {"": {"type": "integer"}}}
+    for text in ('{"": 1}', "{}"):
+        assert accepts(empty, text), text
+    assert not accepts(empty, '{"": "x"}')

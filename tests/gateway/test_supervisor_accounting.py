@@ -450,3 +450,45 @@ def test_a_replica_retired_while_it_did_not_serve_is_stopped_at_once(tmp_path):
         assert stopped == ["hung"] and a.replicas == [busy]  # the busy one drains first
         await sup.close()
     asyncio.run(main())
+
+
+def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
+    """Replicas that could not load an adapter when they restarted are skipped for it; a
+    load in place that every replica took left them skipped for good, and with every other
+    replica gone (failed, or being retired) the adapter is forgotten."""
+    from justllm.gateway import lora
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"replicas": 2}})
+        a = sup.models["a"]
+        a.status = "loaded"
+        a.replicas += [Replica("0", remote="http://r0", status="ready"),
+                       Replica("1", remote="http://r1", status="ready")]
+        a.runtime_lora["sql"] = b'{"lora_name": "sql", "lora_path": "/x"}'
+        lora.absent(a, "sql", "1")
+        assert a.lora_absent == {"sql": {"1"}} and "sql" in a.runtime_lora
+        sup._http = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json={"ok": True})))
+        req = lora.GatewayLoadLora(lora_name="sql", lora_path="/y", load_inplace=True)
+        took = await lora._load(sup, a, "sql", req)
+        assert [r.id for r in took] == ["0", "1"] and a.lora_absent["sql"] == set()
+        a.replicas[0].status = "stopping"  # retired: only 1 would hold it, and it cannot
+        lora.absent(a, "sql", "1")
+        assert "sql" not in a.runtime_lora and "sql" not in a.lora_absent
+        await sup.close()
+    asyncio.run(main())
+
+
+def test_a_model_whose_last_serving_replica_gave_up_beside_a_retiring_one_is_failed(tmp_path):
+    """(the retiring replica only finishes its requests: the model was left loaded with no
+    replica to serve once it went)"""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"s": {"min-replicas": 0, "max-replicas": 2}})
+        s = sup.models["s"]
+        s.status = "loaded"
+        s.replicas += [Replica("0", status="stopping"), Replica("1", status="failed",
+                                                                  error="gone")]
+        sup._gave_up(s, s.replicas[1])
+        assert s.status == "failed" and s.error == "gone" and s.replicas == []
+        await sup.close()
+    asyncio.run(main())
