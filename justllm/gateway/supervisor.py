@@ -661,9 +661,10 @@ class Supervisor:
         failed", and a load could not revive it). Otherwise an autoscaled pool's replica is
         dropped (the autoscaler adds another when the load asks: failed ones piled up, one
         every few seconds, each with its log and metrics); a fixed one stays ``failed``."""
-        # (a replica being retired serves its last requests only: none left either)
-        if (all(r.status in ("failed", "stopping") for r in state.local)
-                and all(r.local for r in state.replicas)):
+        # (a replica being retired serves its last requests only: none left either; a PD
+        # model's prefill replicas cannot serve a request alone)
+        decoders = [r for r in state.replicas if state.serves(r, "decode")]
+        if all(r.local and r.status in ("failed", "stopping") for r in decoders):
             state.status, state.error = "failed", replica.error
             state.failures = policy.MAX_FAILURES
             runners = self._detach(state)

@@ -492,3 +492,18 @@ def test_a_model_whose_last_serving_replica_gave_up_beside_a_retiring_one_is_fai
         assert s.status == "failed" and s.error == "gone" and s.replicas == []
         await sup.close()
     asyncio.run(main())
+
+
+def test_a_pd_model_whose_decode_replicas_all_gave_up_is_failed(tmp_path):
+    """Its prefill replica still served, so the model stayed loaded, and every request
+    waited out load-timeout for a decode replica (then no_healthy_replica)."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"pd": {"prefill-replicas": 1, "decode-replicas": 1}})
+        pd = sup.models["pd"]
+        pd.status = "loaded"
+        pd.replicas += [Replica("0", role="prefill", status="ready"),
+                        Replica("1", role="decode", status="failed", error="gone")]
+        sup._gave_up(pd, pd.replicas[1])
+        assert pd.status == "failed" and pd.error == "gone" and pd.replicas == []
+        await sup.close()
+    asyncio.run(main())
