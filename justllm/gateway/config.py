@@ -381,10 +381,16 @@ def _autoscale_config(where: str, scaled: dict, least_min: int = 0) -> Autoscale
         raise ValueError(f"{where}: {e}") from None
 
 
+def _tidy(name: str) -> bool:
+    """A name clients can send and ``justllm ps`` can print: no spaces at its ends, no
+    control characters."""
+    return name == name.strip() and name.isprintable()
+
+
 def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if not name.strip():  # ('' was served, and its runner log was named .log)
         raise ValueError(f"a model's name is empty ({name!r}): give it a name")
-    if name != name.strip() or not name.isprintable():  # (a newline broke `justllm ps`)
+    if not _tidy(name):  # (a newline broke `justllm ps`)
         raise ValueError(f"model name {name!r} has spaces at an end or a control character")
     if "@" in name:  # (x@1 shared its log file with replica 1 of x)
         raise ValueError(f"model name {name!r}: '@' marks a replica in a log file's name "
@@ -412,7 +418,7 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
                                                 for a in aliases):
         raise ValueError(f"model '{name}': aliases must be names")
     for alias in aliases:  # (as a model's name: " x" and "z\n" were served)
-        if alias != alias.strip() or not alias.isprintable():
+        if not _tidy(alias):
             raise ValueError(f"model '{name}': alias {alias!r} has spaces at an end or a "
                              "control character")
     values = {**flags.defaults, **{k: v for k, v in entry.items() if k in known}}

@@ -89,7 +89,7 @@ async def apply_runtime_lora(http: httpx.AsyncClient, state: ModelState, url: st
                             "not load: %s", state.spec.name, replica, name, why)
                 absent(state, name, replica)
             else:
-                state.lora_absent.get(name, set()).discard(replica)
+                present(state, name, {replica})
         for name in gone:
             applied.discard(name)
             await send(http, url, "unload_lora_adapter", _unload_body(name))
@@ -128,7 +128,14 @@ async def catch_up_lora(http: httpx.AsyncClient, state: ModelState, replica: Rep
                         name, why)
             absent(state, name, replica.id)
         else:
-            state.lora_absent.get(name, set()).discard(replica.id)
+            present(state, name, {replica.id})
+
+
+def present(state: ModelState, name: str, replicas: set[str]) -> None:
+    """``replicas`` hold the runtime adapter ``name`` now (whatever :func:`absent` said)."""
+    missing = state.lora_absent.get(name)
+    if missing is not None:
+        missing -= replicas
 
 
 def absent(state: ModelState, name: str, replica: str) -> None:
@@ -226,8 +233,7 @@ async def _load(sup: Supervisor, target: ModelState, name: str,
         else:
             target.runtime_lora[name] = before
         return _refusal(refused[1], refused[0])
-    took = {r.id for r in replicas}  # (a replica that could not load it before has it now)
-    target.lora_absent[name] = target.lora_absent.get(name, set()) - took
+    present(target, name, {r.id for r in replicas})  # (one that could not before has it now)
     return replicas
 
 

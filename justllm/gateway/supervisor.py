@@ -176,13 +176,14 @@ class ModelState:
     def view(self) -> policy.Loaded:
         """The model as the policies see it; while it loads, with every replica it is about
         to start (they exist only once their start begins: two multi-replica models loading
-        at once were each counted as one runner, and both fitted under max-memory)."""
-        runners = len([r for r in self.local if r.status != "failed"])  # (a failed one's
-        # process is gone: it held max-memory's room for nothing)
+        at once were each counted as one runner, and both fitted under max-memory). A failed
+        replica's process is gone: it holds no memory. A model never unloaded (min-replicas
+        >= 1) is busy: never a victim of max-loaded or max-memory."""
+        runners = len([r for r in self.local if r.status != "failed"])
         if self.status == "loading":
             runners = max(runners, self.spec.replicas)
-        return policy.Loaded(self.spec.name, self.active, self.last_used, self.ttl,
-                             self.memory * max(1, runners))
+        return policy.Loaded(self.spec.name, max(self.active, 1) if self.pinned else self.active,
+                             self.last_used, self.ttl, self.memory * max(1, runners))
 
     def replica(self, rid: str) -> Replica:
         return next(r for r in self.replicas if r.id == rid)
@@ -536,9 +537,6 @@ class Supervisor:
         busy models (never victims), one per model with their memory."""
         held = [s.view() for s in self.models.values() if s is not besides
                 and not s.remote_only and s.status in ("loaded", "loading")]
-        # (a model with min-replicas >= 1 is never unloaded: as busy, never a victim)
-        held = [replace(h, active=max(h.active, 1)) if self.models[h.name].pinned else h
-                for h in held]
         counts = Counter(state.spec.name for state in self._stopping.values())
         return held + [policy.Loaded(f"{name} (stopping)", 1, 0.0, -1.0,
                                      self.models[name].memory * n)
