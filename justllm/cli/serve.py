@@ -69,7 +69,7 @@ def serve(
         from justllm.engine.engine import Engine
         from justllm.models.gguf import read_gguf_header
         from justllm.models.registry import lease_for_path
-        from justllm.server.config import ServerConfig, served_model_id
+        from justllm.server.config import KEEP_ALIVE_SECONDS, ServerConfig, served_model_id
         from justllm.server.loading import EarlyLoad
 
         flags = engine_flags or {}
@@ -118,6 +118,7 @@ def serve(
                 # request.
                 server = _Server(uvicorn.Config(app, host=host, port=port,
                                                 log_level="info" if config.verbose else "warning",
+                                                timeout_keep_alive=KEEP_ALIVE_SECONDS,
                                                 timeout_graceful_shutdown=math.ceil(
                                                     shutdown_timeout) + 5),
                                  on_exit=lambda: begin_shutdown(app, shutdown_timeout),

@@ -43,6 +43,7 @@ from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
 from justllm.models.source import cache_dir
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
+from justllm.server.config import RUNNER_KEEPALIVE_EXPIRY
 from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.llama_server import router_props, slot_action, slots_body
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
@@ -806,7 +807,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                                               trust_env=False, auth=sup.runner_auth,
                                               limits=httpx.Limits(
                                                   max_connections=None,
-                                                  max_keepalive_connections=64))
+                                                  max_keepalive_connections=64,
+                                                  keepalive_expiry=RUNNER_KEEPALIVE_EXPIRY))
         app.state["supervisor"] = sup
         sup.start()
 

@@ -250,8 +250,10 @@ def _count(where: str, value: Any, least: int = 0) -> int:
     return value
 
 
-def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
-    """The replica keys of a model's entry as ModelSpec fields."""
+def _replicas(name: str, entry: dict, flags: Flags, batch: int | None = None
+              ) -> dict[str, Any]:
+    """The replica keys of a model's entry as ModelSpec fields (``batch``: the runners'
+    ``max-seqs`` where given, see :func:`routing_config`)."""
     where = f"model '{name}'"
     urls = entry.get("urls")
     if urls is None:
@@ -276,7 +278,7 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
         raise ValueError(f"{where}: gpus must be a list of device numbers such as [0, 1] "
                          f"(got {gpus!r})")
     if _PD_KEYS & entry.keys():
-        return _pd_replicas(name, entry, flags)
+        return _pd_replicas(name, entry, flags, batch)
     if "prefill-min-tokens" in entry:
         raise ValueError(f"{where}: prefill-min-tokens needs prefill-replicas and "
                          "decode-replicas")
@@ -307,14 +309,14 @@ def _replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
         if replicas == 0 and not urls:
             raise ValueError(f"{where}: replicas must be >= 1 (or give urls)")
     try:
-        routing = routing_config(entry.get("routing"), flags.routing_policies)
+        routing = routing_config(entry.get("routing"), flags.routing_policies, batch)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": replicas, "gpus": tuple(gpus), "urls": tuple(urls), "routing": routing,
             "autoscale": autoscale, "roles": (), "url_roles": ("both",) * len(urls)}
 
 
-def _pd_replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
+def _pd_replicas(name: str, entry: dict, flags: Flags, batch: int | None) -> dict[str, Any]:
     """``prefill-replicas`` and ``decode-replicas``: each a count of local replicas, a list of
     urls, or a mapping of the autoscaler's keys (its local replicas then grow and shrink with
     that role's load); with a prefill-capable and a decode-capable replica at least."""
@@ -347,7 +349,7 @@ def _pd_replicas(name: str, entry: dict, flags: Flags) -> dict[str, Any]:
     if roles and not entry.get("source"):
         raise ValueError(f"{where}: local replicas need a 'source'")
     try:
-        routing = routing_config(entry.get("routing"), flags.routing_policies)
+        routing = routing_config(entry.get("routing"), flags.routing_policies, batch)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"replicas": len(roles), "gpus": (), "urls": tuple(urls), "routing": routing,
@@ -434,7 +436,9 @@ def model_spec(name: str, entry: Any, flags: Flags) -> ModelSpec:
     if "lora" in values:
         values["lora"] = _lora_list(name, values["lora"])
     _check_engine_flags(name, values, flags.spec_methods)
-    replicas = _replicas(name, entry, flags)
+    seqs = values.get("max-seqs")
+    replicas = _replicas(name, entry, flags,
+                         seqs if isinstance(seqs, int) and not isinstance(seqs, bool) else None)
     _check_flags_run_here(name, entry, flags, replicas)
     replicas["url_api_key"] = _url_api_key(name, entry.get("api-key"), replicas["urls"])
     pinned = replicas["autoscale"] is not None and replicas["autoscale"].min_replicas >= 1

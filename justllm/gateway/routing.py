@@ -119,7 +119,8 @@ class RoutingConfig:
 
     policy: str = "cache-aware"
     # A replica whose load (running + waiting) is at most this above the least loaded's keeps
-    # its prefixes: SGLang's default, and one batch at justllm's default max-seqs.
+    # its prefixes: SGLang's default, and one batch at justllm's default max-seqs (a model
+    # that sets max-seqs gets that: routing_config's ``batch``).
     balance_abs_threshold: int = 32
     # ...as does one whose load is at most this many times the least loaded's (overloaded is
     # both thresholds passed). SGLang's 1.0001 leaves the decision to the difference; but when
@@ -160,15 +161,21 @@ class RoutingConfig:
             raise ValueError("max-sessions must be >= 1")
 
 
-def routing_config(data: Any, policies: Mapping[str, type[Policy]] | None = None
-                   ) -> RoutingConfig:
+def routing_config(data: Any, policies: Mapping[str, type[Policy]] | None = None,
+                   batch: int | None = None) -> RoutingConfig:
     """A model's ``routing:`` entry: nothing (the defaults), a policy name, or a mapping of the
     options by their YAML names (``balance-abs-threshold: 16``). ``policies``: the names it may
-    use (with plugins, Plugins.routing_policies; default: the built-in POLICIES)."""
+    use (with plugins, Plugins.routing_policies; default: the built-in POLICIES). ``batch``:
+    the replicas' ``max-seqs`` where the model sets it, the ``balance-abs-threshold`` unless
+    the entry gives one: a replica that many requests ahead of the least loaded has a batch's
+    worth queued (32 kept 28 shared-prefix requests queued on one of two replicas of
+    ``max-seqs: 4`` while the other sat idle)."""
     if data is None:
-        return RoutingConfig()
+        data = {}
     if isinstance(data, str):
         data = {"policy": data}
+    if batch is not None and isinstance(data, dict) and "balance-abs-threshold" not in data:
+        data = {**data, "balance-abs-threshold": batch}
     if not isinstance(data, dict):
         raise ValueError("routing must be a policy name or a mapping of options")
     names = {f.name.replace("_", "-"): f.name for f in fields(RoutingConfig)

@@ -6,6 +6,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# Seconds an idle keep-alive connection stays open (uvicorn's default, named here): a router
+# mode gateway keeps its connections to runners for less (RUNNER_KEEPALIVE_EXPIRY), so it never
+# sends a request on a connection the runner is closing that moment, which reads as a runner
+# that closed without an answer and restarted a healthy one.
+KEEP_ALIVE_SECONDS = 5
+# The gateway's keep-alive for its connections to runners and urls: well inside the runners'
+# and inside what a proxy in front of a remote server would keep (nginx 75 s, most balancers
+# 60 s); a new loopback connection costs well under a millisecond.
+RUNNER_KEEPALIVE_EXPIRY = 2.0
+
 
 @dataclass(frozen=True)
 class ServerConfig:

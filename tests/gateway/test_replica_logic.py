@@ -216,6 +216,21 @@ def test_replica_keys_of_a_model():
     assert mixed.replicas == 1 and mixed.routing.balance_abs_threshold == 8
 
 
+def test_a_replica_is_overloaded_by_one_batch_of_its_own():
+    """balance-abs-threshold defaults to the model's max-seqs (a replica of max-seqs 4 with 28
+    requests more than an idle one kept its prefixes at SGLang's 32); one given is kept."""
+    assert model().routing.balance_abs_threshold == 32
+    assert model(**{"max-seqs": 4}).routing.balance_abs_threshold == 4
+    assert model(**{"max-seqs": 4}, routing="least-load").routing.balance_abs_threshold == 4
+    given = model(**{"max-seqs": 4}, routing={"balance-abs-threshold": 10})
+    assert given.routing.balance_abs_threshold == 10
+    pd = model(**{"max-seqs": 6, "prefill-replicas": 1, "decode-replicas": 1})
+    assert pd.routing.balance_abs_threshold == 6
+    gateway_wide = load_config({"models": {"m": {"source": "x.gguf"}}},
+                               Flags(FLAGS.names, {"max-seqs": 12}, switches=FLAGS.switches))
+    assert gateway_wide.models[0].routing.balance_abs_threshold == 12
+
+
 @pytest.mark.parametrize(("entry", "message"), [
     ({"replicas": 0}, "replicas must be >= 1"),
     ({"replicas": "2"}, "replicas must be an integer"),
@@ -341,3 +356,12 @@ def test_the_gateways_last_responses_event_takes_the_number_after_the_runners_la
     assert seq.next == 12
     _, data = stream_failure("/v1/responses", "gone", seq.next).decode().strip().split("\n")
     assert json.loads(data.removeprefix("data: "))["sequence_number"] == 12
+
+
+def test_the_gateway_lets_go_of_a_runner_connection_before_the_runner_would():
+    """A request sent on a keep-alive connection the runner closes that moment fails as a
+    runner that closed without an answer, which restarts it: the gateway's connections to
+    runners expire well before the runners' (uvicorn's default, which justllm serve names)."""
+    from justllm.server.config import KEEP_ALIVE_SECONDS, RUNNER_KEEPALIVE_EXPIRY
+
+    assert 0 < RUNNER_KEEPALIVE_EXPIRY <= KEEP_ALIVE_SECONDS / 2
