@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from justllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# llama.cpp's nucleus keeps at least one token, so its top_p 0 keeps the best alone: a
+# nucleus this small does the same (the best token's probability is at least 1/vocabulary).
+TOP_P_BEST_ALONE = 1e-12
 MAX_DRAFT = 16  # draft tokens per step and request
 MAX_STOP = 32  # stop strings per request (a chat template's own included)
 # The longest stop string: each token looks back that far for one beginning (the engine
@@ -16,6 +19,8 @@ MAX_STOP = 32  # stop strings per request (a chat template's own included)
 MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LORA_SCALE = 100.0  # |scale| of one adapter: beyond it nothing but noise comes out
+# OpenAI's API stops at 2; llama-server and vLLM take any (run, bench and the server: 0-100).
+MAX_TEMPERATURE = 100.0
 # the steps ``samplers`` orders ("infill": llama.cpp's sampler for fill-in-the-middle)
 CHAIN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature", "infill")
 # The infill step compares every pair of the candidates it gets: a top-k before it bounds them.
@@ -152,11 +157,13 @@ class SamplingParams:
         # generated. The OpenAI routes take it only with the prompt's logprobs.
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
                "max_tokens must be an integer >= 0", "max_tokens")
-        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-               "temperature must be a number in [0, 100]", "temperature")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]", "temperature")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-               "top_p must be a number in (0, 1]", "top_p")
+        _check(_is_num(self.top_p) and 0.0 <= self.top_p <= 1.0,
+               "top_p must be a number in [0, 1]", "top_p")
+        if self.top_p == 0.0:  # llama.cpp's, OpenAI's and Ollama's 0: the best token alone
+            object.__setattr__(self, "top_p", TOP_P_BEST_ALONE)
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                "min_p must be a number in [0, 1]", "min_p")
         _check(_is_num(self.repeat_penalty) and self.repeat_penalty > 0.0,

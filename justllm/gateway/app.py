@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 import msgspec
@@ -47,7 +47,7 @@ from justllm.server.config import RUNNER_KEEPALIVE_EXPIRY
 from justllm.server.errors import APIError, handle_exception, json_object
 from justllm.server.llama_server import router_props, slot_action, slots_body
 from justllm.server.ollama import keep_alive_seconds, ollama_error, unloaded
-from justllm.server.ollama_chat import LOAD_SECONDS_HEADER
+from justllm.server.ollama_chat import ASKED_MODEL_HEADER, LOAD_SECONDS_HEADER
 from justllm.server.request_checks import check_without_model
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
@@ -58,6 +58,7 @@ from justllm.server.response_store import unstored
 # request is sent once more, to another replica or this one's successor.
 _NOT_ANSWERED = httpx.TransportError
 LOAD_SCOPE_KEY = "justllm.load_seconds"  # how long this request waited for its model's load
+ASKED_SCOPE_KEY = "justllm.asked_model"  # an Ollama request's model, before it was rewritten
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,8 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
         asked = asked.removesuffix(":latest")  # the tag Ollama clients add
     named = not state.has_adapter(asked)  # an adapter is the runner's own name
     if named:
+        if ollama and body.get(name_key) != state.spec.name:  # echoed as the client wrote it
+            request.scope[ASKED_SCOPE_KEY] = body.get(name_key)  # type: ignore[literal-required]
         body[name_key] = state.spec.name  # an alias becomes the runner's name
     content = msgspec.json.encode(body)
     waited = time.monotonic() if not state.routable else None
@@ -327,8 +330,10 @@ def _runner_headers(request: Request) -> dict[str, str]:
     trace context (``traceparent``, ``tracestate``) so the runner's records continue the
     client's trace."""
     loaded_in = request.scope.get(LOAD_SCOPE_KEY)
+    asked = request.scope.get(ASKED_SCOPE_KEY)
     return {"content-type": "application/json", REQUEST_ID: request_id(request.scope),
             **({LOAD_SECONDS_HEADER: f"{loaded_in:.6f}"} if loaded_in else {}),
+            **({ASKED_MODEL_HEADER: quote(asked, safe="")} if isinstance(asked, str) else {}),
             **{k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}}
 
 

@@ -631,14 +631,27 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
         raise ValueError(f"no .gguf files in {directory}")
     newest: dict[str, Path] = {}  # one model per name: two revisions of a file -> the newer
     parts: dict[str, Path] = {}  # a later part of a split model, by its model's name
+    older: list[tuple[Path, str]] = []  # files left out for a newer one of the same name
     for p in paths:
         split = _SPLIT.match(p.stem)
         if split and int(split.group(2)) != 1:
             parts.setdefault(split.group(1), p)  # (llama.cpp loads the first part)
             continue
         name = split.group(1) if split else p.stem
-        if name not in newest or p.stat().st_mtime > newest[name].stat().st_mtime:
+        if "@" in name:  # (a model name cannot hold it: see model_spec; one file, not all)
+            log.warning("--models-dir: %s: left out ('@' marks a replica in a log file's "
+                        "name; rename the file to serve it)", p)
+            continue
+        if name in newest:
+            keep, drop = ((p, newest[name]) if p.stat().st_mtime > newest[name].stat().st_mtime
+                          else (newest[name], p))
+            older.append((drop, name))
+            newest[name] = keep
+        else:
             newest[name] = p
+    for p, name in older:
+        log.warning("--models-dir: %s: left out, model %s is the newer %s", p, name,
+                    newest[name])
     orphans = [f"{p.name} is a later part of a split model whose first part "
                f"({name}-00001-of-...) is not there" for name, p in parts.items()
                if name not in newest]

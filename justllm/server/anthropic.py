@@ -16,6 +16,7 @@ import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -177,12 +178,20 @@ def _message(mid: str, model: str, result: ChatResult, stops: list[str] | None
     content: list[dict[str, Any]] = []
     if choice.reasoning:
         content.append(_thinking_block(choice.reasoning))
-    if choice.content or not choice.tool_calls:
-        content.append({"type": "text", "text": choice.content or ""})
+    if said(choice.content):
+        content.append({"type": "text", "text": choice.content})
     content += [_tool_use(c) for c in choice.tool_calls]
     reason, sequence = _stop(choice.finish_reason, getattr(choice, "stop", None), stops)
     return AnthropicMessage(mid, "message", "assistant", model, content, reason, sequence,
                             Usage(result.usage.prompt_tokens, result.usage.completion_tokens))
+
+
+def said(text: str | None) -> bool:
+    """Whether an answer's text makes a text block. Empty or blank, it makes none (``content:
+    []``, as Anthropic answers a turn that says nothing): a text block must hold more than
+    blank space, in a request too, so one given back with the conversation (as agent loops
+    send ``response.content``) was refused."""
+    return bool(text and text.strip())
 
 
 def _thinking_block(text: str) -> dict[str, Any]:
@@ -232,6 +241,7 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
     yield _event("message_start", {"message": start})
     yield _event("ping", {})
     blocks, text_open, thinking_open = _Blocks(), False, False
+    blank = ""  # text held back until more than blank space is said (:func:`said`)
     reason, sequence, output_tokens = "end_turn", None, 0
     async with aclosing(events):
         async for ev in events:
@@ -243,12 +253,16 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                 yield blocks.delta({"type": "thinking_delta", "thinking": ev.reasoning})
             if isinstance(ev, TextDelta) and ev.text:
                 if not text_open:
+                    blank += ev.text
+                    if not said(blank):
+                        continue
                     text_open = True
                     for frame in blocks.start({"type": "text", "text": ""}):
                         yield frame
+                    ev, blank = replace(ev, text=blank), ""
                 yield blocks.delta({"type": "text_delta", "text": ev.text})
             elif isinstance(ev, ToolCallStart):
-                text_open = False
+                text_open, blank = False, ""
                 for frame in blocks.start({"type": "tool_use", "id": tool_use_id(ev.id),
                                            "name": ev.name, "input": {}}):
                     yield frame
@@ -263,9 +277,6 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
                 yield _event("error", error_body(
                     503 if ev.code == "shutting_down" else error_status(ev.code), ev.message))
                 return
-    if blocks.index < 0:  # nothing was said: one empty text block, as the whole answer has
-        for frame in blocks.start({"type": "text", "text": ""}):
-            yield frame
     for frame in blocks.stop():
         yield frame
     yield _event("message_delta", {

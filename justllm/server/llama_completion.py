@@ -33,7 +33,12 @@ from litestar import Request, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from justllm.core.sampling_params import CHAIN_SAMPLERS, MAX_LOGPROBS, SamplingParams
+from justllm.core.sampling_params import (
+    CHAIN_SAMPLERS,
+    MAX_LOGPROBS,
+    TOP_P_BEST_ALONE,
+    SamplingParams,
+)
 from justllm.engine.async_engine import AsyncEngine, RequestStream, grammar_limits
 from justllm.engine.engine import PreparedRequest, RequestMetrics, RequestOutput, TokenLogprob
 from justllm.errors import InvalidRequestError
@@ -277,15 +282,10 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         cache_prompt=req.cache_prompt)
 
 
-# llama.cpp's nucleus keeps at least one token, so its top_p <= 0 keeps the best alone: a
-# nucleus this small does the same (the best token's probability is at least 1/vocabulary).
-_BEST_ALONE = 1e-12
-
-
 def _top_p(top_p: float) -> float:
     """llama.cpp's top_p as the sampler takes it: 1 and above is off, 0 and below keeps the
     best token alone (llama-server takes any number)."""
-    return min(top_p, 1.0) if top_p > 0.0 else _BEST_ALONE
+    return min(top_p, 1.0) if top_p > 0.0 else TOP_P_BEST_ALONE
 
 
 _INT_KEY = re.compile(r"-?[0-9]+")  # an id as an object key (ASCII digits)

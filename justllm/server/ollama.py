@@ -44,7 +44,7 @@ from justllm.core.reasoning import (
 )
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import RequestStream
-from justllm.engine.chat_template import with_template_stops
+from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
 from justllm.errors import InvalidRequestError
@@ -327,6 +327,24 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
     server/lora.py)."""
     o = o or OllamaOptions()
     _check_load_options(o, served)
+    template = served.completions.template
+    return _options_params(
+        o, served.aengine.max_request_tokens, template if template_stops else None, grammar,
+        logprobs, served.aengine.lora_defaults() if lora is None else ((lora.name, lora.scale),))
+
+
+def check_options(o: OllamaOptions | None) -> None:
+    """The checks of ``options`` that need no model: router mode runs them before it loads one
+    (``options.temperature: -5`` started a runner, and under max-loaded evicted a busy
+    model, for a 400)."""
+    _options_params(o or OllamaOptions(), 1, None, None, None, ())
+
+
+def _options_params(o: OllamaOptions, whole: int, template: ChatTemplate | None,
+                    grammar: str | None, logprobs: int | None,
+                    lora: tuple[tuple[str, float], ...]) -> SamplingParams:
+    """``_sampling``'s checks and values (``whole``: the tokens a request holds, what
+    repeat_last_n -1 means; ``template``: its end-of-turn stops are added)."""
     for name, (off, why) in _OFF_OPTIONS.items():
         value = getattr(o, name)
         if value is not None and value != off:
@@ -338,7 +356,7 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
                                   "context is full)", param="options.num_predict")
     last_n = DEFAULT_REPEAT_LAST_N if o.repeat_last_n is None else o.repeat_last_n
     if last_n == -1:
-        last_n = served.aengine.max_request_tokens
+        last_n = whole
     if last_n < 0:
         raise InvalidRequestError("options.repeat_last_n must be >= 0, or -1 (the whole "
                                   "context)", param="options.repeat_last_n")
@@ -348,12 +366,9 @@ def _sampling(o: OllamaOptions | None, served: Served, *, grammar: str | None,
     if len(stop) > MAX_REQUEST_STOP:
         raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings",
                                   param="options.stop")
-    template = served.completions.template
     try:
-        return _params(o, n, last_n, with_template_stops(stop, template) if template_stops
-                       else stop, grammar, logprobs,
-                       served.aengine.lora_defaults() if lora is None
-                       else ((lora.name, lora.scale),))
+        return _params(o, n, last_n, with_template_stops(stop, template) if template else stop,
+                       grammar, logprobs, lora)
     except InvalidRequestError as e:  # named as the client named it: options.temperature
         text = str(e)
         if not (e.param and text.startswith(e.param)):  # ("a stop string has at most ...")
@@ -614,7 +629,7 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
                 if think.apart and isinstance(prompt, str) else None)
     if isinstance(prompt, str):  # (the server's --reasoning-budget, as on the other APIs)
         params = served.completions.budgeted(params, prompt)
-    job = _Job(served, req.model, chat, arrival, lstrip, splitter)
+    job = _Job(served, arrival.named(req.model), chat, arrival, lstrip, splitter)
     try:  # a refusal raises here, before any answer
         stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(
             request, "ollama.chat" if chat else "ollama.generate", req.stream))
@@ -669,10 +684,10 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     params = _sampling(req.options, served, grammar=grammar,
                        logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
-        return _loaded(req.model, chat=True)
+        return _loaded(arrival.named(req.model), chat=True)
     try:
         prompt = served.completions.chat_prompt(messages, continued, think.kwargs,
-                                                constrained=grammar is not None)
+                                                constrained="format" if grammar else None)
     except InvalidRequestError as e:
         raise _as_ollamas(e) from None
     # (a continued message's text goes on as the model writes it: see _run's lstrip)
@@ -691,7 +706,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
             f"options.repeat_last_n: with tools only the default ({DEFAULT_REPEAT_LAST_N}) "
             "is supported", param="options.repeat_last_n")
     if not req.messages:
-        return _loaded(req.model, chat=True)
+        return _loaded(arrival.named(req.model), chat=True)
     chat = msgspec.structs.replace(
         chat, max_tokens=params.max_tokens, temperature=params.temperature,
         top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
@@ -702,7 +717,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         if req.stream:
             events = await served.completions.chat_events(
                 chat, ollama_id(), origin=origin(request, "ollama.chat", True))
-            return Stream(answer_lines(req.model, arrival, events), media_type=NDJSON,
+            return Stream(answer_lines(arrival.named(req.model), arrival, events), media_type=NDJSON,
                           headers={"Content-Type": NDJSON})
         result = await unless_disconnected(request, served.completions.chat_result(
             chat, ollama_id(), origin=origin(request, "ollama.chat", False)))
@@ -710,7 +725,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         raise _as_ollamas(e) from None
     if isinstance(result, Response):
         return result
-    return answer(req.model, arrival, result)
+    return answer(arrival.named(req.model), arrival, result)
 
 
 @post("/generate", status_code=200, summary="Ollama: a completion of a prompt (NDJSON stream)")
@@ -755,7 +770,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         prompt: str | list[int] = await served.aengine.off_loop(
             len(req.prompt) + len(req.suffix), fim)
     elif not req.prompt:
-        return _loaded(req.model, chat=False)
+        return _loaded(arrival.named(req.model), chat=False)
     elif req.raw:
         prompt = req.prompt
     else:
@@ -764,7 +779,7 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
             turn.insert(0, ChatMessage(role="system", content=req.system))
         try:
             prompt = served.completions.chat_prompt(turn, kwargs=think.kwargs,
-                                                    constrained=grammar is not None)
+                                                    constrained="format" if grammar else None)
         except InvalidRequestError as e:
             raise _as_ollamas(e) from None
     return await _run(request, served, req, prompt, params, chat=False,
@@ -822,10 +837,10 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
     if req.dimensions is not None and req.dimensions < 1:
         raise InvalidRequestError("dimensions must be >= 1", param="dimensions")
     if req.input in ("", []):
-        return {"model": req.model, "embeddings": []}
+        return {"model": arrival.named(req.model), "embeddings": []}
     vectors, tokens = await _embed(served, req.model, req.input, req.dimensions,
                                    truncate=req.truncate is not False)  # Ollama's default
-    return {"model": req.model, "embeddings": vectors, **arrival.durations(),
+    return {"model": arrival.named(req.model), "embeddings": vectors, **arrival.durations(),
             "prompt_eval_count": tokens}
 
 

@@ -24,6 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import msgspec
 
@@ -191,6 +192,9 @@ def nanoseconds(seconds: float) -> int:
 # Router mode's gateway tells its runner how long the request waited for the model to load
 # (seconds), so that Ollama's load_duration says it and total_duration counts it.
 LOAD_SECONDS_HEADER = "x-justllm-load-seconds"
+# ...and the model name the client sent (percent-encoded), which it rewrote to the runner's
+# own (an alias, a ":latest" tag): Ollama's answers say the name the request gave.
+ASKED_MODEL_HEADER = "x-justllm-asked-model"
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class Arrival:
 
     at: float
     load_seconds: float = 0.0
+    asked: str | None = None  # the model name the client sent, where a gateway rewrote it
 
     @classmethod
     def now(cls, headers: Mapping[str, str]) -> Arrival:
@@ -209,7 +214,12 @@ class Arrival:
         except ValueError:
             waited = 0.0
         waited = waited if 0 < waited < 86400 else 0.0  # nan, inf and nonsense: none
-        return cls(time.perf_counter() - waited, waited)
+        asked = headers.get(ASKED_MODEL_HEADER)
+        return cls(time.perf_counter() - waited, waited, unquote(asked) if asked else None)
+
+    def named(self, model: str) -> str:
+        """The name an answer to a request for ``model`` says (Ollama echoes the request's)."""
+        return self.asked or model
 
     def durations(self) -> dict[str, int]:
         return {"total_duration": nanoseconds(time.perf_counter() - self.at),

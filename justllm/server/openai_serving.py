@@ -194,10 +194,24 @@ class OpenAIServing:
             raise InvalidRequestError(f"n must be between 1 and {self.limits.max_n}", param="n")
         _check_generates(max_tokens, prompt_logprobs)
         seed = (req.seed + n_index) % 2**64 if req.seed is not None else None
+        fields = self._sampling_fields(req, max_tokens)
+        stop = fields.pop("stop")
+        return SamplingParams(
+            **fields, seed=seed, stop=with_template_stops(stop, template) if template else stop,
+            stop_token_ids=self._stop_token_ids(req.stop_token_ids), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            lora=request_lora(self.aengine, req.model, req.lora))
+
+    @staticmethod
+    def _sampling_fields(req: ChatCompletionRequest | CompletionRequest,
+                         max_tokens: int | None) -> dict[str, Any]:
+        """The SamplingParams values a request gives that need no model: router mode checks
+        them before it loads one (a temperature of 500 started a runner, and under max-loaded
+        evicted a busy model, for a 400)."""
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > MAX_REQUEST_STOP:
             raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
-        return SamplingParams(
+        return dict(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -205,22 +219,17 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            **self._repeat(req),
-            seed=seed, stop=with_template_stops(stop, template) if template else stop,
-            stop_token_ids=self._stop_token_ids(req.stop_token_ids),
-            keep_stops=stop if req.include_stop_str_in_output else (),
-            min_tokens=req.min_tokens or 0,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **OpenAIServing._repeat(req),
+            stop=stop, keep_stops=stop if req.include_stop_str_in_output else (),
+            min_tokens=req.min_tokens or 0, ignore_eos=req.ignore_eos,
             logit_bias=tuple(_logit_bias(req.logit_bias).items()),
             spec_n_max=req.speculative_n_max, spec_p_min=req.speculative_p_min,
-            priority=req.priority, lora=request_lora(self.aengine, req.model, req.lora),
-            cache_prompt=req.cache_prompt is not False)
+            priority=req.priority, cache_prompt=req.cache_prompt is not False)
 
     @staticmethod
     def check_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
         """The checks of vLLM's and llama-server's extra fields that need no model (router
         mode runs them before a load; the route runs them all again)."""
-        OpenAIServing._repeat(req)
         structured_grammar(None, req)
         max_tokens = one_value({"max_completion_tokens": getattr(req, "max_completion_tokens",
                                                                  None),
@@ -228,7 +237,7 @@ class OpenAIServing:
         prompt_logprobs = (prompt_logprobs_of(req) if isinstance(req, CompletionRequest)
                            else req.prompt_logprobs)
         _check_generates(max_tokens, prompt_logprobs)
-        SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
+        SamplingParams(**OpenAIServing._sampling_fields(req, max_tokens),
                        prompt_logprobs=prompt_logprobs)
         if isinstance(req, CompletionRequest) and req.suffix:
             _check_suffix(req)
@@ -369,10 +378,11 @@ class OpenAIServing:
     # ---- chat -------------------------------------------------------------------------------
 
     def chat_prompt(self, messages: list[ChatMessage], continue_final: bool = False,
-                    kwargs: dict[str, Any] | None = None, constrained: bool = False) -> str:
+                    kwargs: dict[str, Any] | None = None, constrained: str | None = None
+                    ) -> str:
         """The prompt for ``messages`` without tools (``continue_final``: it ends inside the
         last, assistant, message, which the answer continues; ``kwargs``: template variables;
-        ``constrained``: a grammar holds the answer, see :meth:`_prompt`)."""
+        ``constrained``: the field whose grammar holds the answer, see :meth:`_unbound`)."""
         return self._unbound(messages, ToolPlan(), continue_final, kwargs, True, constrained)
 
     def request_prompt(self, req: ChatCompletionRequest, generation_prompt: bool = True) -> str:
@@ -380,8 +390,10 @@ class OpenAIServing:
         without the assistant's opening when ``generation_prompt`` is False (/tokenize)."""
         plan = tool_plan(req)
         fmt = req.response_format
-        constrained = (plan.enforced or (fmt is not None and fmt.type != "text")
-                       or requested(req) is not None)
+        found = requested(req)
+        constrained = ("tool_choice" if plan.enforced
+                       else "response_format" if fmt is not None and fmt.type != "text"
+                       else found[0] if found is not None else None)
         return self._prompt(req, plan, constrained, generation_prompt)
 
     def _render(self, messages: list[ChatMessage], plan: ToolPlan,
@@ -477,12 +489,13 @@ class OpenAIServing:
             raise InvalidRequestError(f"tools and {extra[1]}: give one way to constrain the "
                                       "answer (or tool_choice: none)", param=extra[1])
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
+        held = "tool_choice" if plan.enforced else "response_format"
         if extra is not None:
             if grammar is not None:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
                                           "constrain the answer", param=extra[1])
-            grammar = extra[0]
-        prompt = self._prompt(req, plan, constrained=grammar is not None)
+            grammar, held = extra
+        prompt = self._prompt(req, plan, constrained=held if grammar is not None else None)
         triggers: tuple[str, ...] = ()
         if plan.mode == "auto" and grammar is None and not req.min_tokens:
             grammar, triggers = self._lazy_tool_grammar(plan)
@@ -500,9 +513,9 @@ class OpenAIServing:
                     grammar_triggers=triggers),
             prompt, own, req.reasoning_budget_message)) for i in range(req.n)], plan
 
-    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan, constrained: bool = False,
-                generation_prompt: bool = True) -> str:
-        """``req``'s prompt (``constrained``: a grammar holds the answer)."""
+    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan,
+                constrained: str | None = None, generation_prompt: bool = True) -> str:
+        """``req``'s prompt (``constrained``: the field whose grammar holds the answer)."""
         return self._unbound(req.messages, plan, req.continue_final_message,
                              self._template_kwargs(req), generation_prompt, constrained)
 
@@ -568,12 +581,13 @@ class OpenAIServing:
                        else message)
 
     def _unbound(self, messages: list[ChatMessage], plan: ToolPlan, continue_final: bool,
-                 kwargs: dict[str, Any] | None, generation_prompt: bool, constrained: bool
-                 ) -> str:
-        """The prompt, rendered so that a grammar (``constrained``) does not bind a reasoning
-        model's thinking: a prompt that would open the thinking is rendered with the thinking
-        switched off, where the template has the switch and the request did not choose; else
-        it is a 400."""
+                 kwargs: dict[str, Any] | None, generation_prompt: bool,
+                 constrained: str | None) -> str:
+        """The prompt, rendered so that a grammar (from the field ``constrained`` names) does
+        not bind a reasoning model's thinking: a prompt that would open the thinking is
+        rendered with the thinking switched off, where the template has the switch and the
+        request did not choose; else it is a 400, naming the switch the request turned on, or
+        where the template has none, the field that holds the answer."""
         tags = self.template.thinking_tags
         prompt = self._render(messages, plan, continue_final, kwargs, generation_prompt)
         if not (constrained and tags and opens_thinking(prompt, tags)):
@@ -583,11 +597,17 @@ class OpenAIServing:
                                   {**(kwargs or {}), THINKING_SWITCH: False}, generation_prompt)
             if not opens_thinking(prompt, tags):
                 return prompt
+        if not self.template.thinking_switch:  # (no field of any API turns it off)
+            raise InvalidRequestError(
+                f"{constrained}: this model thinks before it answers and its chat template "
+                "has no switch to turn that off, so an answer held to a format (a response "
+                "format, a required tool call, structured outputs) cannot hold its thinking: "
+                "send no constraint", param=constrained)
         raise InvalidRequestError(
             "this model thinks before it answers, and an answer held to a format "
             "(response_format, a required tool call, structured outputs) cannot hold its "
-            f"thinking: send chat_template_kwargs {{\"{THINKING_SWITCH}\": false}} where the "
-            "model's template takes it, or no constraint", param="chat_template_kwargs")
+            f"thinking: send chat_template_kwargs {{\"{THINKING_SWITCH}\": false}}, or no "
+            "constraint", param="chat_template_kwargs")
 
     def reasoning_format(self, req: ChatCompletionRequest) -> str:
         """How ``req``'s thinking is returned: its own ``reasoning_format``, else the
@@ -1144,6 +1164,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
     message with tool calls or a refusal; a content list is not empty; a tool message answers
     a call an earlier assistant message made), and the assistant-only fields this server
     cannot honour are null or empty (``model_dump()`` of an SDK message sends them so)."""
+    if not messages:  # (also where the prompt is rendered; here before a router loads)
+        raise InvalidRequestError("messages must not be empty", param="messages")
     calls: set[str] = set()  # the tool call ids the messages so far made
     for i, m in enumerate(messages):
         if isinstance(m.content, list) and not m.content:

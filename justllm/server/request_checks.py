@@ -19,7 +19,9 @@ from justllm.server import (
     llama_completion,
     llama_embedding,
     llama_server,
+    ollama,
     rerank,
+    responses,
     responses_chat,
     tokenize,
 )
@@ -31,7 +33,12 @@ from justllm.server.ollama import (
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from justllm.server.openai_serving import OpenAIServing, check_chat_request, check_stream_options
+from justllm.server.openai_serving import (
+    OpenAIServing,
+    check_chat_request,
+    check_stream_options,
+    prompt_list,
+)
 from justllm.server.responses_schemas import InputTokensRequest, ResponseRequest
 from justllm.server.schemas import (
     ChatCompletionRequest,
@@ -53,6 +60,7 @@ def check_without_model(path: str, raw: bytes) -> None:
             OpenAIServing.check_extras(chat)
         case "/v1/completions":
             completion = msgspec.json.decode(raw, type=CompletionRequest)
+            prompt_list(completion.prompt, "prompt")
             check_stream_options(completion)
             OpenAIServing.check_supported(completion)
             OpenAIServing.check_extras(completion)
@@ -81,14 +89,15 @@ def check_without_model(path: str, raw: bytes) -> None:
         case "/detokenize":
             tokenize.check_detokenize(msgspec.json.decode(raw, type=DetokenizeRequest))
         case "/v1/responses":
-            responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest))
+            responses.check_sampling(
+                responses_chat.to_chat(msgspec.json.decode(raw, type=ResponseRequest)))
         case "/v1/responses/input_tokens":
             responses_chat.to_chat(msgspec.json.decode(
                 raw, type=InputTokensRequest).as_response_request())
         case "/api/chat":
-            msgspec.json.decode(raw, type=OllamaChatRequest)
+            ollama.check_options(msgspec.json.decode(raw, type=OllamaChatRequest).options)
         case "/api/generate":
-            msgspec.json.decode(raw, type=OllamaGenerateRequest)
+            ollama.check_options(msgspec.json.decode(raw, type=OllamaGenerateRequest).options)
         case "/api/embed":
             msgspec.json.decode(raw, type=OllamaEmbedRequest)
         case "/api/embeddings":

@@ -36,7 +36,7 @@ from justllm.server.app import (
     unless_disconnected,
 )
 from justllm.server.errors import APIError
-from justllm.server.openai_serving import SCHEMA_PARAM, text_size
+from justllm.server.openai_serving import SCHEMA_PARAM, OpenAIServing, text_size
 from justllm.server.response_store import ResponseStore, listed
 from justllm.server.responses_chat import opaque_reasoning, to_chat
 from justllm.server.responses_schemas import (
@@ -51,7 +51,7 @@ from justllm.server.responses_schemas import (
     ResponseRequest,
     ResponseUsage,
 )
-from justllm.server.schemas import Usage
+from justllm.server.schemas import ChatCompletionRequest, Usage
 from justllm.server.tools.answer import (
     ChatEvent,
     ChatResult,
@@ -262,7 +262,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
 _PARAMS = {SCHEMA_PARAM: "text.format.schema", "max_tokens": "max_output_tokens",
            "response_format.json_schema.name": "text.format.name",
            "max_completion_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
-           "reasoning_effort": "reasoning.effort"}
+           "reasoning_effort": "reasoning.effort", "response_format": "text.format"}
 # A function tool's field: a Responses tool has no ``function`` wrapper.
 _CHAT_TOOL = re.compile(r"(tools\[\d+\])\.function\.(\w+)")
 
@@ -279,6 +279,15 @@ def _renamed(e: InvalidRequestError) -> InvalidRequestError | None:
     text = str(e)
     text = text.replace(chat, param) if chat in text else f"{param}: {text}"
     return InvalidRequestError(text, param=param)
+
+
+def check_sampling(chat: ChatCompletionRequest) -> None:
+    """The chat side's checks that need no model of a request made from a Responses request
+    (router mode, before a load), naming the Responses request's fields."""
+    try:
+        OpenAIServing.check_extras(chat)
+    except InvalidRequestError as e:
+        raise (_renamed(e) or e) from None
 
 
 def _continued(req: ResponseRequest, store: ResponseStore

@@ -7,7 +7,7 @@ from justllm.errors import InvalidRequestError
 @pytest.mark.parametrize("kw, param", [
     ({"max_tokens": -5}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"min_p": 2}, "min_p"),

@@ -41,6 +41,8 @@ def test_top_k_and_top_p_and_min_p_cut_the_tail():
     assert set(draw(SamplingParams(temperature=1.0, top_k=2), x, 2000)) == {0, 1}
     assert set(draw(SamplingParams(temperature=1.0, top_p=0.75), x, 2000)) == {0, 1}
     assert set(draw(SamplingParams(temperature=1.0, min_p=0.25), x, 2000)) == {0, 1, 2}
+    # top_p 0 (OpenAI's and Ollama's clients send it; llama.cpp keeps one token): the best
+    assert set(draw(SamplingParams(temperature=1.5, top_p=0), x, 500)) == {0}
 
 
 def test_top_p_on_a_large_vocabulary_uses_the_same_nucleus():

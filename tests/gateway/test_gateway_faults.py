@@ -18,6 +18,7 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
+from justllm.errors import InvalidRequestError
 from justllm.gateway.app import GatewaySettings, _keep_alive, create_gateway
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.supervisor import Supervisor
@@ -228,6 +229,39 @@ def test_a_bad_rerank_body_is_refused_before_its_model_loads(tmp_path, path):
         r = client.post(path, json={"model": "local", "query": 5, "documents": ["a"]})
         assert r.status_code == 400, r.text
         assert sup.models["local"].status == "unloaded" and sup.models["local"].loads == 0
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"temperature": 500}, "temperature"),
+    ("/v1/chat/completions", {"top_p": 5}, "top_p"),
+    ("/v1/chat/completions", {"presence_penalty": 9}, "presence_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"1": 500}}, "logit_bias"),
+    ("/v1/chat/completions", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/responses", {"input": "Hi", "temperature": 500}, "temperature"),
+    ("/v1/responses", {"input": "Hi", "top_p": 3}, "top_p"),
+    ("/api/chat", {"options": {"temperature": -5}}, "options.temperature"),
+    ("/api/generate", {"prompt": "Hi", "options": {"top_p": 2}}, "options.top_p"),
+    ("/api/generate", {"prompt": "Hi", "options": {"repeat_last_n": -3}},
+     "options.repeat_last_n"),
+])
+def test_bad_sampling_values_are_refused_before_a_model_loads(path, body, param):
+    """Each started the runner (and under max-loaded evicted a busy model) only to be refused
+    by it: the value checks that need no model come before a load."""
+    chat = [{"role": "user", "content": "Hi"}]
+    body = {"model": "m", **({"messages": chat} if path in ("/v1/chat/completions",
+                                                            "/api/chat") else {}), **body}
+    with pytest.raises(InvalidRequestError) as e:
+        check_without_model(path, json.dumps(body).encode())
+    assert e.value.param == param, e.value
+    good = {k: v for k, v in body.items() if k not in ("temperature", "top_p", "presence_penalty",
+                                                       "logit_bias", "stop", "options",
+                                                       "frequency_penalty")}
+    good |= {"messages": chat} if "messages" in good else {}
+    good |= {"prompt": "Hi"} if path == "/v1/completions" else {}
+    check_without_model(path, json.dumps(good).encode())  # the rest of the body is fine
 
 
 # ---- run-time LoRA --------------------------------------------------------------------------

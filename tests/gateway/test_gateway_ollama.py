@@ -13,7 +13,8 @@ from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop, wait_g
 
 def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
     gw = start_gateway(tmp_path, {
-        "alpha": {"source": model_path, "chat-template": "gemma", **RUNNER_FLAGS},
+        "alpha": {"source": model_path, "chat-template": "gemma", "aliases": ["ä/b"],
+                  **RUNNER_FLAGS},
         "beta": {"source": model_path, **RUNNER_FLAGS}})
     try:
         client = ollama.Client(host=gw.url)
@@ -26,6 +27,9 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
                                  messages=[{"role": "user", "content": "Say hello."}],
                                  options={"num_predict": 6, "temperature": 0}))
         assert parts[-1].done and parts[-1].eval_count <= 6
+        # Each answer names the model as the request did, as Ollama's and a single server's
+        # do (the runner's own name came back: "alpha")
+        assert {p.model for p in parts} == {"alpha:latest"}
         # It waited for alpha to load: load_duration says how long (it was 0 through the
         # gateway), and total_duration counts it.
         assert 1e8 < parts[-1].load_duration < parts[-1].total_duration < 120e9
@@ -47,7 +51,11 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
             assert r["done"] and r["done_reason"] == "unload", r
         assert gw.status()["beta"]["loads"] == loads and gw.status()["beta"]["status"] == "unloaded"
 
-        embedded = client.embed(model="alpha", input=["one", "two"])
+        said = client.chat(model="ä/b", messages=[{"role": "user", "content": "Hi"}],
+                           options={"num_predict": 2, "temperature": 0})
+        assert said.model == "ä/b" and said.message.content
+        embedded = client.embed(model="ä/b", input=["one", "two"])
+        assert embedded.model == "ä/b"
         vectors = embedded.embeddings
         assert len(vectors) == 2 and len(vectors[0]) > 100
         assert embedded.load_duration == 0  # alpha was loaded already

@@ -316,9 +316,20 @@ def test_models_dir_names_models_by_file_stem(tmp_path, caplog):
     (tmp_path / "rev2").mkdir()
     (tmp_path / "rev2" / "a.gguf").write_bytes(b"x")
     os.utime(tmp_path / "a.gguf", (1, 1))  # the top-level a.gguf is the older revision
-    cfg = directory_config(str(tmp_path), FLAGS)
+    with caplog.at_level(logging.WARNING, logger="justllm.gateway.config"):
+        cfg = directory_config(str(tmp_path), FLAGS)
     assert [m.name for m in cfg.models] == ["a", "b"]
     assert cfg.spec("a").source == str(tmp_path / "rev2" / "a.gguf")
+    # the older one is said (it was left out in silence)
+    assert f"{tmp_path / 'a.gguf'}: left out, model a is the newer " \
+        f"{tmp_path / 'rev2' / 'a.gguf'}" in caplog.text
+    # a file whose stem no model may be named is left out alone (it stopped the start)
+    (tmp_path / "m@1.gguf").write_bytes(b"x")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="justllm.gateway.config"):
+        assert [m.name for m in directory_config(str(tmp_path), FLAGS).models] == ["a", "b"]
+    assert "m@1.gguf: left out ('@' marks a replica" in caplog.text
+    (tmp_path / "m@1.gguf").unlink()
     # A split model is one model, from its first part; a capitalised suffix is a GGUF too.
     for part in (1, 2, 3):
         (tmp_path / "sub" / f"big-0000{part}-of-00003.gguf").write_bytes(b"x")

@@ -63,6 +63,24 @@ def test_a_stop_sequence_is_reported(client, server):
     assert streamed.content[0].text == m.content[0].text
 
 
+def test_an_answer_that_says_nothing_has_no_blocks(client, server):
+    """As Anthropic answers a turn that says nothing: ``content: []``, no block streamed (an
+    empty or blank text block was refused when an agent loop sent it back)."""
+    ask = [{"role": "user", "content": "Tell me a long story."}]
+    first = client.messages.create(model=server.model, max_tokens=4, extra_body=GREEDY,
+                                   messages=ask).content[0].text
+    stop = [first.strip()[0]]  # the answer stops before its first letter: nothing is said
+    m = client.messages.create(model=server.model, max_tokens=8, stop_sequences=stop,
+                               extra_body=GREEDY, messages=ask)
+    assert (m.stop_reason, m.stop_sequence, m.content) == ("stop_sequence", stop[0], [])
+    with client.messages.stream(model=server.model, max_tokens=8, stop_sequences=stop,
+                                extra_body=GREEDY, messages=ask) as s:
+        kinds = [e.type for e in s]
+        streamed = s.get_final_message()
+    assert streamed.content == [] and "content_block_start" not in kinds
+    assert kinds[-1] == "message_stop"
+
+
 def test_system_blocks_and_a_conversation(client, server):
     m = client.messages.create(
         model=server.model, max_tokens=4, extra_body=GREEDY,

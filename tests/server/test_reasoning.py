@@ -169,6 +169,50 @@ def test_an_answer_held_to_a_format_does_not_think(thinker):
         {**json_body, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs")
 
 
+def test_a_constraint_on_a_model_that_cannot_stop_thinking_names_each_apis_field(
+        model_path, thinker, tmp_path):
+    """A template that always opens the thinking (DeepSeek-R1's: no enable_thinking): each
+    API's 400 named chat_template_kwargs and told the client to send it, which none of them
+    has and which the template ignores; it names the request's own constraint now."""
+    always = TEMPLATE.replace("{% if enable_thinking is defined and not enable_thinking %}"
+                              "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}",
+                              "<think>\n")
+    s = template_server(model_path, tmp_path / "always.gguf", always, "--max-seqs", "2",
+                        "--pool-blocks", "64")
+    try:
+        json_object = {"type": "json_object"}
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for path, body, param in (
+                ("/v1/chat/completions", {"messages": CHAT, "response_format": json_object},
+                 "response_format"),
+                ("/v1/chat/completions", {"messages": CHAT, "tools": [tool],
+                                          "tool_choice": "required"}, "tool_choice"),
+                ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "[ab]+"},
+                 "guided_regex"),
+                ("/v1/responses", {"input": ASK, "text": {"format": json_object}},
+                 "text.format")):
+            said = refused(s, path, {"model": s.model, **body}, param)
+            assert "no switch" in said and "chat_template_kwargs" not in said, said
+        said = anthropic_refused(s, {"max_tokens": 8, "messages": CHAT[-1:], "output_config": {
+            "format": {"type": "json_schema", "schema": {"type": "object"}}}})
+        assert said.startswith("output_config.format: ") and "no switch" in said, said
+        said = anthropic_refused(s, {"max_tokens": 8, "messages": CHAT[-1:], "tools": [{
+            "name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}})
+        assert said.startswith("tool_choice: ") and "no switch" in said, said
+        r = post(s, "/api/chat", {"model": s.model, "messages": OLLAMA_CHAT, "format": "json",
+                                  "think": False, "stream": False})
+        assert r.status_code == 400 and "no switch" in r.json()["error"], r.text
+    finally:
+        assert s.stop() == 0
+
+
+def anthropic_refused(server, body: dict) -> str:
+    """The message of a 400 in Anthropic's shape (which names no param)."""
+    r = post(server, "/v1/messages", {"model": server.model, **body})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    return r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"reasoning_format": "deepseek-legacy"}, "reasoning_format"),
     ({"reasoning_budget_tokens": 2, "thinking_budget_tokens": 3}, "thinking_budget_tokens"),

@@ -96,7 +96,7 @@ BAD = {
         (CHAT, {"messages": MSGS, "max_completion_tokens": CTX}, "max_tokens"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**30}, "max_tokens"),
-        (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p"),
+        (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, "top_p"),
         (COMPLETIONS, {"prompt": "hi", "top_k": -1}, "top_k"),
         (COMPLETIONS, {"prompt": "hi", "logprobs": 9}, "logprobs"),
         (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
