@@ -409,7 +409,7 @@ async def metrics(state: State) -> Response:
     reports = {m: {r: e["stats"] for r, e in rows.items()} for m, rows in snapshot.items()}
     pages = {m: {r: e["page"] for r, e in rows.items()} for m, rows in snapshot.items()}
     return Response(render(reports, pages, list(ing.handles)) + pd_series(ing).encode(),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+                    media_type="text/plain; version=0.0.4")
 
 
 OPENAI = (("/v1/chat/completions", "Chat completion, routed by model"),

@@ -772,7 +772,7 @@ async def health() -> dict:
      media_type="text/plain; version=0.0.4")
 async def metrics(state: State) -> Response:
     body = await render_metrics(_supervisor(state), state["http"])
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 def plugin_forwarders(handlers: Sequence[Any], taken: set[str]) -> list[Any]:

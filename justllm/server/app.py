@@ -249,7 +249,7 @@ async def health_head(state: State) -> None:
 async def metrics(state: State) -> Response:
     served = state.get("served")
     body = served.metrics.render() if served is not None else b""
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 def begin_shutdown(app: Litestar, grace: float) -> threading.Timer | None:

@@ -415,7 +415,9 @@ def test_metrics_come_from_the_board():
                                              "node_ip": "10.0.0.7"},
                                    "page": page, "age": 0.5}}})
     with client(Handle(), board=board) as c:
-        text = c.get("/metrics").text
+        page = c.get("/metrics")
+    text = page.text
+    assert page.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert 'vllm:num_requests_running{model_name="demo",replica="r1"} 3.0' in text
     assert 'justllm_gateway_replica_up{model_name="demo",replica="r1",node="10.0.0.7"} 1' in text
 

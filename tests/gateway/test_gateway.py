@@ -305,7 +305,9 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
 
         r = complete(gw, "nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        page = httpx.get(gw.url + "/metrics", timeout=30)
+        assert page.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        text = page.text
         assert 'justllm_gateway_model_loads_total{model_name="alpha"}' in text
         assert 'vllm:num_requests_running{model_name="alpha",replica="0"}' in text  # its own
         assert text.count("# TYPE vllm:num_requests_running") == 1

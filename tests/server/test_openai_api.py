@@ -333,7 +333,10 @@ def test_metrics_move_as_requests_run(client, server):
     prompt0 = metric(server, "vllm:prompt_tokens_total")
     ttft0 = metric(server, "vllm:time_to_first_token_seconds_count")
     phases = ("queue", "prefill", "decode", "inference")
-    text = httpx.get(server.url + "/metrics", timeout=60).text
+    page = httpx.get(server.url + "/metrics", timeout=60)
+    # Prometheus' text format, its charset said once (it was said twice)
+    assert page.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = page.text
     before = {p: metric_in(text, f"vllm:request_{p}_time_seconds_count") for p in phases}
     sizes = {n: (metric_in(text, f"vllm:request_{n}_tokens_count"),
                  metric_in(text, f"vllm:request_{n}_tokens_sum")) for n in ("prompt", "generation")}
