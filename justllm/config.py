@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +194,33 @@ def _gpu_default() -> bool:
 def _check_kv_default() -> bool:
     """JUSTLLM_CHECK_KV=1 turns the engine's KV consistency check on (the test suite does)."""
     return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
+
+
+# Speculation's settings, each meant for some methods only (check_spec_settings).
+SPEC_SETTINGS = ("gamma", "branch", "draft_p_min")
+
+
+def _spec_setting_uses(method: SpecMethod | None) -> tuple[tuple[str, str, bool, str], ...]:
+    """(setting, its flag, whether ``method`` uses it, what it is for) for each setting."""
+    return (("gamma", "--gamma", method is not None, "--spec"),
+            ("branch", "--branch", method is not None and method.tree, "--spec tree"),
+            ("draft_p_min", "--draft-p-min", method is not None and method.draft_model,
+             "--spec draft or tree: a draft model's cut-off"))
+
+
+def unused_spec_settings(method: SpecMethod | None) -> tuple[str, ...]:
+    """The speculation settings ``method`` (None: no speculation) does nothing with."""
+    return tuple(name for name, _, used, _ in _spec_setting_uses(method) if not used)
+
+
+def check_spec_settings(spec: str, method: SpecMethod | None, given: Iterable[str]) -> None:
+    """Refuse each speculation setting in ``given`` that ``method`` (the one ``spec`` names;
+    None and "" for none) does nothing with: it would be taken and change nothing."""
+    given = set(given)
+    for name, flag, used, meant in _spec_setting_uses(method):
+        if name in given and not used:
+            raise ValueError(f"{flag} is for {meant}, " + (
+                f"not --spec {spec}" if spec else "and no --spec is given"))
 
 
 # embeddings' pooling (EngineConfig.pooling); "rank": a reranker's score (llama-server's)
@@ -394,16 +421,11 @@ class EngineConfig:
                 or not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be in [0, 1] (got {self.draft_p_min!r})")
         # Speculation's settings without the method they set (each was taken and did nothing;
-        # a request's speculative.p_min on an n-gram server was already a 400).
-        method, fields = self.spec_method, type(self).__dataclass_fields__
-        for name, flag, given, meant in (
-                ("gamma", "--gamma", method is not None, "--spec"),
-                ("branch", "--branch", method is not None and method.tree, "--spec tree"),
-                ("draft_p_min", "--draft-p-min", method is not None and method.draft_model,
-                 "--spec draft or tree: a draft model's cut-off")):
-            if getattr(self, name) != fields[name].default and not given:
-                raise ValueError(f"{flag} is for {meant}, " + (
-                    f"not --spec {self.spec}" if self.spec else "and no --spec is given"))
+        # a request's speculative.p_min on an n-gram server was already a 400). Here a value
+        # other than the default counts as given; the CLI knows what was typed (cli/options.py).
+        fields = type(self).__dataclass_fields__
+        check_spec_settings(self.spec, self.spec_method,
+                            [n for n in SPEC_SETTINGS if getattr(self, n) != fields[n].default])
         if self.chat_template is not None and (not isinstance(self.chat_template, str)
                                                or not self.chat_template.strip()):
             raise ValueError("chat_template must be a template name or a file path")

@@ -67,6 +67,42 @@ def test_speculation_settings_with_their_method_are_taken():
     assert EngineConfig(model="m.gguf", spec="ngram", gamma=2).gamma == 2
 
 
+def test_settings_typed_for_what_is_off_are_refused_whatever_their_value():
+    """--gamma 4 without --spec ran (4 is the default) where --gamma 3 was refused, and
+    --cache-ram sized a prefix cache --no-prefix-cache had turned off. The same from a
+    JUSTLLM_* variable or a config file (not typed) is passed over: the default is used."""
+    from justllm.cli.options import config_values, fit_engine_values
+    from justllm.spec.methods import SPEC_METHODS
+
+    def fit(typed, **flags):
+        return fit_engine_values(config_values(flags), typed, SPEC_METHODS)
+
+    for typed, flags, says in (
+            ({"gamma"}, dict(gamma=4), "--gamma is for --spec, and no --spec is given"),
+            ({"branch"}, dict(spec="draft", draft_model="d.gguf", branch=2),
+             "--branch is for --spec tree, not --spec draft"),
+            ({"branch"}, dict(draft_model="d.gguf", branch=2), "not --spec draft"),
+            ({"draft_p_min"}, dict(spec="ngram", draft_p_min=0.0),
+             "--draft-p-min is for --spec draft or tree"),
+            ({"cache_ram"}, dict(no_prefix_cache=True, cache_ram=8192),
+             "--cache-ram: for the prefix cache, which --no-prefix-cache turns off"),
+            ({"cache_ram", "prefix_cache_blocks"},
+             dict(no_prefix_cache=True, prefix_cache_blocks=0, cache_ram=1),
+             "--prefix-cache-blocks and --cache-ram: for the prefix cache")):
+        with pytest.raises(ValueError, match=says):
+            fit(typed, **flags)
+    # not typed: passed over, so that EngineConfig does not refuse them either
+    v = fit(set(), gamma=3, branch=3, draft_p_min=0.5, no_prefix_cache=True, cache_ram=5)
+    assert (v["gamma"], v["branch"], v["draft_p_min"], v["cache_ram"]) == (4, 2, 0.0, 5)
+    EngineConfig(model="m.gguf", **v | {"lora": ()})  # (the CLI resolves --lora to files)
+    # what the method uses is kept, typed or not
+    v = fit({"gamma", "branch"}, spec="tree", draft_model="d.gguf", gamma=6, branch=3,
+            draft_p_min=0.2)
+    assert (v["gamma"], v["branch"], v["draft_p_min"]) == (6, 3, 0.2)
+    assert fit({"gamma"}, spec="ngram", gamma=4, branch=3)["branch"] == 2
+    assert fit({"cache_ram"}, cache_ram=4)["cache_ram"] == 4  # the cache is on
+
+
 def test_more_threads_than_cores_is_said(model_path, capsys):
     """--threads 1000 on 2 cores ran at 0.4 tok/s without a word."""
     from justllm.cli.options import engine_config

@@ -4,8 +4,11 @@ streaming every request and timing it; scrape /metrics before and after."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import html
 import json
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from justllm.bench.workloads import BenchRequest
+from justllm.core.sampling_params import MAX_TEMPERATURE
 from justllm.core.sse import sse_data
 
 
@@ -59,10 +63,10 @@ def sampling_fields(temperature: float, top_p: float | None, top_k: int | None,
                     min_p: float | None) -> dict[str, float]:
     """The sampling fields every request carries; checked here, so a bad value is one line
     rather than every request failing on the server."""
-    if not 0.0 <= temperature <= 2.0:
-        raise ValueError("--temperature must be in [0, 2]")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError("--top-p must be in (0, 1]")
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:  # what the server takes (not OpenAI's 2)
+        raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE:g}]")
+    if top_p is not None and not 0.0 <= top_p <= 1.0:  # (0: the best token alone)
+        raise ValueError("--top-p must be in [0, 1]")
     if top_k is not None and top_k < 0:
         raise ValueError("--top-k must be >= 0")
     if min_p is not None and not 0.0 <= min_p <= 1.0:
@@ -85,6 +89,32 @@ def request_body(req: BenchRequest, model: str | None, sampling: dict[str, float
     return body
 
 
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def http_error(status: int, reason: str, body: bytes, content_type: str) -> str:
+    """A refused request as one line: its status and a short reason, a JSON error's message,
+    an HTML page's title (a proxy's error page was printed whole, many lines before bench's
+    own error line), else the start of the text, its whitespace folded."""
+    text = body[:65536].decode("utf-8", "replace")
+    said = ""
+    if "json" in content_type:
+        with contextlib.suppress(ValueError):
+            data = json.loads(text)
+            error = data.get("error", data.get("detail")) if isinstance(data, dict) else None
+            said = str(error.get("message", error) if isinstance(error, dict) else error or "")
+    elif "html" in content_type or text.lstrip().startswith("<"):
+        title = _TITLE.search(text)
+        said = html.unescape(title.group(1) if title else _TAG.sub(" ", text))
+    else:
+        said = text
+    said = " ".join(said.split()).removeprefix(str(status)).strip() or reason
+    if len(said) > 200:
+        said = said[:199] + "…"
+    return f"HTTP {status}: {said}" if said else f"HTTP {status}"
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
     res = RequestResult(ok=False)
     t0 = time.perf_counter()
@@ -93,7 +123,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode('utf-8', 'replace')}"
+                res.error = http_error(r.status_code, r.reason_phrase, await r.aread(),
+                                       r.headers.get("content-type", ""))
                 return res
             async for line in r.aiter_lines():
                 payload = sse_data(line)

@@ -62,7 +62,7 @@ def deploy(
     config_file: Annotated[str, typer.Argument(help="The models, as router mode's models.yaml: source, engine flags, replicas or min-replicas / max-replicas, target-ongoing, delays, gpus, routing.", metavar="CLUSTER_YAML", show_default=False)],
     host: Annotated[str, typer.Option("--host", help="Address Ray Serve's HTTP proxies bind on every node (0.0.0.0: reachable from other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port of Ray Serve's HTTP proxies.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on /v1 and /api routes ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on every route but /health, /metrics, /docs and / ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
     name: AppName = "justllm",
     route_prefix: Annotated[str, typer.Option("--route-prefix", help="Where the app's routes begin on Ray Serve's proxies (/v1, /api, /metrics, /health under it): several apps, each deployed with its own --name and prefix, share one cluster.")] = "/",
     schedule_timeout: Annotated[float, typer.Option("--schedule-timeout", help="Seconds to wait for replicas that no node has the CPUs or GPUs for, before the deploy fails (0: wait for ever, for a cluster whose autoscaler adds nodes).", min=0)] = SCHEDULE_TIMEOUT,
@@ -127,7 +127,8 @@ def status(
         console = Console(emoji=False) if sys.stdout.isatty() else Console(width=200, emoji=False)
         local = " (local head)" if body["local"] else ""
         console.print(f"app '{body['app']}' {body['status']} on the Ray cluster at "
-                      f"{body['address']}{local} · {body.get('url') or ''}", highlight=False)
+                      f"{body['address']}{local} · {body.get('url') or ''}", highlight=False,
+                      markup=False, soft_wrap=True)
         table = Table("MODEL", "REPLICA", "NODE", "STATE", "RUNNING", "WAITING", "KV", "HIT",
                       "TTFT", "ADAPTERS", box=None, pad_edge=False)
         for m in body["models"]:
@@ -148,9 +149,9 @@ def status(
         console.print(table)
         for m in body["models"]:
             states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(m["replica_states"].items()))
-            note = f": {m['message']}" if m["message"] else ""
+            note = f": {escape(m['message'])}" if m["message"] else ""  # (Ray's own words)
             console.print(f"[dim]{_deployment_label(m)}: {m['status'].lower()}, Ray replicas "
-                          f"{states or 'none'}{note}[/dim]", highlight=False)
+                          f"{states or 'none'}{note}[/dim]", highlight=False, soft_wrap=True)
 
 
 @app.command("down")

@@ -28,16 +28,16 @@ def show(
         from justllm.cli.options import (
             ENGINE_FLAGS,
             all_option_names,
+            check_engine_values,
             check_serve_values,
-            config_values,
             default_config_file,
             file_value,
             option_name,
             read_config_file,
         )
         from justllm.cli.plugins import plugins_of
-        from justllm.cli.serve import serve
-        from justllm.config import EngineConfig
+        from justllm.cli.serve import gateway_config, serve
+        from justllm.errors import JustLLMError
 
         file_values: dict[str, tuple[str, object]] = {}
         if not config_file and default_config_file().is_file():
@@ -88,16 +88,22 @@ def show(
                 value = "***"
             table.add_row(param.opts[0], str(value), source)
         Console(emoji=False).print(table)
-        if not bad:  # serve's own checks, then the engine's, as serve and run make them
+        if not bad:  # serve's own checks, then router mode's or the engine's, with serve's code
             try:
                 check_serve_values(
                     port=values["port"], shutdown_timeout=values["shutdown_timeout"],
                     role=values["role"], served_model_name=values["served_model_name"],
                     models_file=values["models_file"], models_dir=values["models_dir"],
                     host=values["host"], api_key=values["api_key"])
-                EngineConfig(model="", spec_methods=plugins_of(context).spec_methods,
-                             **config_values(engine) | {"lora": ()})
-            except ValueError as e:
+                plugins = plugins_of(context)
+                if values["models_file"] or values["models_dir"]:
+                    # the models file or folder read and every model checked, as serve does
+                    # (each model's entry wins over these values: they are checked in it)
+                    gateway_config([], values["models_file"], values["models_dir"], engine,
+                                   plugins)
+                else:  # one model, which config show does not know: all the rest
+                    check_engine_values(engine, plugins.spec_methods)
+            except (ValueError, JustLLMError) as e:
                 bad.append(str(e))
         if bad:
             raise ValueError("invalid: " + "; ".join(bad))

@@ -56,4 +56,5 @@ def make(
                                                                      file=str(info.path))))
         console.print(
             f"wrote {info.path}\n{info.layers} of {info.source_layers} layers, "
-            f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False)
+            f"{_size(info.size_bytes)} (source {_size(src.stat().st_size)})", highlight=False,
+            markup=False, soft_wrap=True)

@@ -50,7 +50,7 @@ def list_models(context: typer.Context) -> None:
         if not rows and not listed:
             console.print(f"no models in {registry.root} (justllm pull REPO[:FILE] downloads "
                           "one; justllm run/serve with no model assembles the demo model there)",
-                          highlight=False)
+                          highlight=False, markup=False, soft_wrap=True)
             return
         _print_table(console, [_entry_row(row) for row in rows]
                      + [_listed_row(model) for _, model in listed])
@@ -58,7 +58,8 @@ def list_models(context: typer.Context) -> None:
 
 def _entry_row(row: Entry) -> tuple[str, ...]:
     m = row.manifest
-    return (row.label or "<untagged>", m.short, _size(m.size) if m.path.is_file() else "missing",
+    here = any(f.is_file() for f in m.files)  # (a copy serves when the file is gone)
+    return (row.label or "<untagged>", m.short, _size(m.size) if here else "missing",
             m.quantization, m.architecture, str(m.context_length or "?"))
 
 
@@ -100,6 +101,8 @@ def show(
 ) -> None:
     """Show a model's manifest (digest, tags, source, revision) and its GGUF metadata."""
     with cli_errors():
+        from rich.markup import escape
+
         from justllm.models.refs import InvalidRefError
         from justllm.models.registry import Registry, UnknownModelError
         from justllm.models.source import LocalPath
@@ -122,19 +125,24 @@ def show(
         manifest = manifest or _manifest_of(registry, path)
         console = Console(highlight=False, emoji=False)
         if template:
+            # (soft_wrap: the template's own lines, not rich's cut at 80 columns in a pipe)
             console.print(info.chat_template or "(none: the GGUF carries no chat template)",
-                          markup=False)
+                          markup=False, soft_wrap=True)
             return
-        console.print(f"[bold]{title}[/bold]  {info.metadata.get('desc', '')}")
+        console.print(f"[bold]{escape(title)}[/bold]  {escape(info.metadata.get('desc', ''))}",
+                      soft_wrap=True)
         if manifest is not None:
             tags = registry.labels(manifest.digest)
             console.print(f"digest: {manifest.digest}\ntags: {', '.join(tags) or '(none)'}\n"
-                          f"source: {manifest.source}\nadded: {manifest.added}", markup=False)
+                          f"source: {manifest.source}\nadded: {manifest.added}", markup=False,
+                          soft_wrap=True)
         console.print(f"path: {info.path}\nsize: {_size(info.size_bytes)}\n"
                       f"quantization: {info.quantization}\narchitecture: {info.architecture}\n"
-                      f"context length: {info.context_length or '?'}", markup=False)
+                      f"context length: {info.context_length or '?'}", markup=False,
+                      soft_wrap=True)
         console.print("chat template: " + ("yes (--template to print it)" if info.chat_template
-                                           else "none (chats are sent as a plain 'User:/Assistant:' transcript; --chat-template chooses another)"))
+                                           else "none (chats are sent as a plain 'User:/Assistant:' transcript; --chat-template chooses another)"),
+                      soft_wrap=True)
         table = Table("KEY", "VALUE", box=None, pad_edge=False)
         for key in sorted(info.metadata):
             if key not in ("desc", "tokenizer.chat_template"):
@@ -199,8 +207,19 @@ def tag(
                 raise
             key, m, before = registry.tag(plugin_file, target)
         moved = f" (moved from sha256:{before.short}, which is kept)" if before else ""
+        file = Path(source).expanduser().absolute()
+        if file.is_file() and not _same_file(file, m.path):  # FILE's bytes were registered
+            moved += f" (registered there already; {file}, the same bytes, is kept as its " \
+                     "copy, used if that file goes or changes)"
         Console(highlight=False, emoji=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
                                        markup=False, soft_wrap=True)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def rm(
@@ -228,12 +247,14 @@ def rm(
             raise
         console = Console(highlight=False, emoji=False)
         if r.manifest is None:
-            console.print(f"untagged {r.what} (it pointed to no version)", markup=False)
+            console.print(f"untagged {r.what} (it pointed to no version)", markup=False,
+                          soft_wrap=True)
             return
         version = f"sha256:{r.manifest.short}"
         if r.still_tagged:
+            # soft_wrap: one line in a pipe (rich cut it at 80 columns, a tag in two)
             console.print(f"untagged {r.what}; its version {version} is still "
-                          f"{', '.join(r.still_tagged)}", markup=False)
+                          f"{', '.join(r.still_tagged)}", markup=False, soft_wrap=True)
             return
         what = (f"version {version}" + (f" (untagged {', '.join(r.untagged)})" if r.untagged else "")
                 if r.what == r.manifest.digest else f"{r.what} and its version {version}")

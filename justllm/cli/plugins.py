@@ -67,7 +67,7 @@ def list_plugins(
         console = Console(emoji=False)
         if not infos:
             console.print("no plugins loaded (JUSTLLM_PLUGINS chooses them; see "
-                          "plugins/README.md to write one)", highlight=False)
+                          "plugins/README.md to write one)", highlight=False, soft_wrap=True)
             return
         table = Table("NAME", "VERSION", "HOOKS", box=None, pad_edge=False)
         for p in infos:

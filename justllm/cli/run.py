@@ -65,6 +65,9 @@ def run(
         if raw and system:
             raise ValueError("--system goes into the chat template, which --raw leaves out: "
                              "put it in the prompt")
+        if raw and o.typed(context, "chat_template"):  # (a JUSTLLM_* one is serve's as well)
+            raise ValueError("--chat-template chooses the chat template, which --raw leaves "
+                             "out: give one or the other")
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
@@ -74,7 +77,7 @@ def run(
             raise ValueError(f"at most {MAX_USER_STOP} --stop strings")
         _refuse_server_flags(context)
         plugins = plugins_of(context)
-        config = o.engine_config(model, engine_flags or {}, plugins)
+        config = o.engine_config(model, engine_flags or {}, plugins, o.typed_flags(context))
         events = plugins.request_events()
         warn_problems(plugins)  # what resolving the model and --spec found wrong in plugins
         # The prompt runs under every --lora adapter at its scale, as llama-cli applies them
@@ -123,13 +126,17 @@ _SERVER_FLAGS = {
                            "run applies --lora adapters",
     "scheduling_policy": "--scheduling-policy orders a server's many requests; run has one",
     "max_queue": "--max-queue bounds a server's waiting requests; run has one",
+    "lora_max_steps": "--lora-max-steps shares a server's steps between requests of several "
+                      "adapter sets; run's one prompt has one set",
+    "pooling": "--pooling is how a server pools embeddings; run generates text",
+    "spm_infill": "--spm-infill lays out a server's fill-in-the-middle prompts (/infill); run "
+                  "sends its prompt as it is or through the chat template",
 }
 
 
 def _refuse_server_flags(context: typer.Context) -> None:
     for name, why in _SERVER_FLAGS.items():
-        # (by name: Typer's ParameterSource is its vendored click's, not the click package's)
-        if getattr(context.get_parameter_source(name), "name", None) == "COMMANDLINE":
+        if o.typed(context, name):
             raise ValueError(why)
 
 

@@ -35,7 +35,7 @@ def serve(
         show_default=False, metavar="MODEL")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", envvar="JUSTLLM_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", envvar="JUSTLLM_PORT")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on /v1 and /api routes ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require the key on every route but /health, /metrics, /docs and / ('Authorization: Bearer KEY' or 'x-api-key: KEY').", envvar="JUSTLLM_API_KEY")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory and below, named by file stem (a split model by its name, from its first part).")] = None,
@@ -60,7 +60,7 @@ def serve(
                 os.environ["JUSTLLM_RECORD_TEXT"] = "1"
             return _serve_gateway(models or [], models_file, models_dir, host, port, api_key,
                                   shutdown_timeout, engine_flags or {}, plugins_of(context),
-                                  interrupts)
+                                  interrupts, o.typed_flags(context))
         model = models[0] if models else None
         _watch_parent()
 
@@ -74,7 +74,7 @@ def serve(
 
         flags = engine_flags or {}
         plugins = plugins_of(context)
-        config = o.engine_config(model, flags, plugins)
+        config = o.engine_config(model, flags, plugins, o.typed_flags(context))
         model_path = config.model or ""  # engine_config resolved it to a file's path
         routes, events = plugins.route_list(), plugins.request_events()
         warn_problems(plugins)
@@ -153,7 +153,8 @@ def _watch_parent() -> None:
 
 def _serve_gateway(models: list[str], models_file: str | None, models_dir: str | None,
                    host: str, port: int, api_key: str | None, shutdown_timeout: float,
-                   flags: dict, plugins: Plugins, interrupts: Interrupts) -> None:
+                   flags: dict, plugins: Plugins, interrupts: Interrupts,
+                   typed: frozenset[str]) -> None:
     import asyncio
 
     import uvicorn
@@ -164,32 +165,10 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         create_gateway,
         default_log_dir,
     )
-    from justllm.gateway.config import (
-        Flags,
-        check_sources,
-        directory_config,
-        list_config,
-        read_config,
-    )
 
     # (serve checked the port, the shutdown timeout and the mode: options.check_serve_values)
-    # Engine flags given on this command line reach every runner (a model's entry wins).
-    given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
-             if f.name in flags and flags[f.name] != f.default}
-    if given.get("lora"):  # an adapter of every model would be one name several times
-        raise ValueError("--lora in router mode: an adapter belongs to one model; give it in "
-                         "that model's models.yaml entry (lora: [NAME=PATH[:SCALE]])")
-    policies, sources, routes = (plugins.routing_policies, plugins.model_sources(),
-                                 plugins.routes())
-    warn_problems(plugins)  # a policy, source or route a plugin failed to register
-    known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
-                  routing_policies=policies, model_sources=sources,
-                  spec_methods=plugins.spec_methods)
-    config = (read_config(models_file, known) if models_file
-              else directory_config(models_dir, known) if models_dir
-              else list_config(models, known, plugins.served_name))
-    check_sources(config)
-    _check_runner_flags(config, plugins)
+    routes = plugins.routes()
+    config = gateway_config(models, models_file, models_dir, flags, plugins, typed)
     try:  # (it was made at the first runner's start: each load failed, three times)
         default_log_dir().mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -224,17 +203,59 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         raise typer.Exit(130)
 
 
+def gateway_config(models: list[str], models_file: str | None, models_dir: str | None,
+                   flags: dict, plugins: Plugins,
+                   typed: frozenset[str] = frozenset()) -> GatewayConfig:
+    """Router mode's models (several MODELs, ``--models FILE`` or ``--models-dir DIR``), read
+    and checked as far as can be before a runner starts; ``justllm config show`` asks it too.
+    ``flags``: the engine flags' values; ``typed``: those given on the command line."""
+    from justllm.gateway.config import (
+        Flags,
+        check_sources,
+        directory_config,
+        list_config,
+        read_config,
+    )
+
+    # Engine flags given on this command line reach every runner (a model's entry wins): one
+    # typed at its default too (--gamma 4 is refused where --gamma 3 is).
+    given = {f.name.replace("_", "-"): flags[f.name] for f in o.ENGINE_FLAGS
+             if f.name in flags and (flags[f.name] != f.default or f.name in typed)}
+    if given.get("lora"):  # an adapter of every model would be one name several times
+        raise ValueError("--lora in router mode: an adapter belongs to one model; give it in "
+                         "that model's models.yaml entry (lora: [NAME=PATH[:SCALE]])")
+    policies, sources = plugins.routing_policies, plugins.model_sources()
+    warn_problems(plugins)  # a policy, source or route a plugin failed to register
+    known = Flags(o.YAML_FLAGS, given, switches=o.YAML_SWITCHES,
+                  routing_policies=policies, model_sources=sources,
+                  spec_methods=plugins.spec_methods)
+    config = (read_config(models_file, known) if models_file
+              else directory_config(models_dir, known) if models_dir
+              else list_config(models, known, plugins.served_name))
+    check_sources(config)
+    _check_runner_flags(config, plugins)
+    return config
+
+
 def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     """What a model's runners would refuse as they start, asked now as a single model's serve
     asks it (each model failed at its first request, after three runner starts): ``gpu`` on a
     CPU-only build, a ``chat-template`` that names no built-in template and no Jinja file, a
     ``pool-blocks`` whose KV cannot fit in this machine's memory (of a model that is a file
-    here; the others are resolved by their runners). Only the models with local replicas: urls
-    run elsewhere. (The engine is imported only where it is asked: the gateway itself loads no
-    llama.cpp.)"""
+    here; the others are resolved by their runners), a flag that would do nothing, such as
+    ``gamma`` without ``spec`` (a runner gets its flags on its command line, where it refuses
+    them whatever their value: options.fit_engine_values). Only the models with local
+    replicas: urls run elsewhere. (The engine is imported only where it is asked: the gateway
+    itself loads no llama.cpp.)"""
     from justllm.gateway.config import gguf_path, runner_engine_config
 
     local = [m for m in config.models if m.replicas]
+    for m in local:
+        values = {key.replace("-", "_"): value for key, value in m.flags}
+        try:
+            o.fit_engine_values(o.config_values(values), values.keys(), plugins.spec_methods)
+        except ValueError as e:
+            raise ValueError(f"model '{m.name}': {e}") from None
     for m in local:
         flags = dict(m.flags)
         draft = flags.get("draft-model")

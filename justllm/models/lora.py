@@ -54,8 +54,8 @@ def check_lora_file(path: str | Path, architecture: str) -> LoraFileInfo:
     kind = header.metadata.get("general.type")
     if kind != "adapter":  # checked first: a whole model file would be slow to read below
         raise ModelLoadError(f"{where}: not a LoRA adapter (general.type is {kind!r}, not "
-                             "'adapter'; convert a PEFT adapter with llama.cpp's "
-                             "convert_lora_to_gguf.py)")
+                             "'adapter'; `justllm convert ADAPTER_DIR` converts a PEFT "
+                             "adapter into one)")
     import gguf
 
     try:

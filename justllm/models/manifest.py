@@ -2,8 +2,9 @@
 
 A ``Manifest`` describes one GGUF by its sha256: where the file is, what it is, where it came
 from and when it was added. It is written once, as ``ROOT/manifests/sha256-<hex>.json``, and
-never changed (the one exception: a version whose file has gone is written again when the same
-bytes are registered from another place). Paths inside the models directory are stored relative
+never changed (the exceptions: a version whose file has gone is written again when the same
+bytes are registered from another place, and one whose bytes ``justllm tag FILE`` names at
+another path records that path among its ``copies``). Paths inside the models directory are stored relative
 to it, so the directory can move; a file registered from elsewhere keeps its absolute path.
 Every registry file is written to a temporary name and renamed into place, and every
 read-modify-write happens under one lock file, ``ROOT/.lock``.
@@ -65,6 +66,9 @@ class Manifest:
     context_length: int | None
     source: Source
     added: str  # ISO 8601, UTC
+    # Other files tagged with these bytes (``justllm tag FILE NAME``, FILE a copy of ``path``):
+    # the version moves to one of them when ``path`` is gone or changed (Registry.verify).
+    copies: tuple[Path, ...] = ()
 
     @property
     def hex(self) -> str:
@@ -74,19 +78,30 @@ class Manifest:
     def short(self) -> str:
         return self.hex[:12]
 
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every file recorded with these bytes: ``path`` first, then the copies."""
+        return (self.path, *self.copies)
+
     def to_json(self, root: Path) -> dict[str, Any]:
-        return {"schema": SCHEMA, "digest": self.digest, "path": stored_path(self.path, root),
+        data = {"schema": SCHEMA, "digest": self.digest, "path": stored_path(self.path, root),
                 "size": self.size, "architecture": self.architecture,
                 "quantization": self.quantization, "context_length": self.context_length,
                 "source": {k: v for k, v in vars(self.source).items() if v is not None},
                 "added": self.added}
+        if self.copies:  # (written only when there are: older manifests read as they were)
+            data["copies"] = [stored_path(c, root) for c in self.copies]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any], root: Path) -> Manifest:
+        copies = data.get("copies", [])
+        if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
+            raise ValueError("copies must be a list of paths")
         return cls(digest=data["digest"], path=root / data["path"], size=int(data["size"]),
                    architecture=data["architecture"], quantization=data["quantization"],
                    context_length=data.get("context_length"), source=Source(**data["source"]),
-                   added=data["added"])
+                   added=data["added"], copies=tuple(root / c for c in copies))
 
 
 def now() -> str:

@@ -14,7 +14,9 @@ A GGUF in ``ROOT`` that no manifest names is adopted the first time a listing or
 it: hashed once, given a manifest and the tag ``stem:latest`` (when that tag is free). Files are
 never copied: a file tagged from outside ``ROOT`` stays where it is, and ``rm`` deletes only
 files inside ``ROOT``. A resolved version is checked against its digest, by size and mtime
-first, so an unchanged file is not hashed again.
+first, so an unchanged file is not hashed again. A file tagged whose bytes are a version's
+already, at another path, is recorded as a copy of it: the version moves to the copy when its
+own file is gone or changed.
 """
 
 from __future__ import annotations
@@ -238,8 +240,7 @@ class Registry:
             return None
         tagged = set(self.tags().values())
         newest = max(found, key=lambda m: (m.added, m.digest in tagged))
-        self.verify(newest, f"{repo}:{file}")
-        return newest.path
+        return self.verify(newest, f"{repo}:{file}").path
 
     # -- resolving -------------------------------------------------------------------------
 
@@ -251,8 +252,7 @@ class Registry:
                                        or label(ref.strip().lower(), DEFAULT_TAG) not in tags):
             m = self._by_digest(hex_prefix, required=is_explicit_digest(ref))
             if m is not None:
-                self.verify(m, m.digest)
-                return m.digest, m
+                return m.digest, self.verify(m, m.digest)
         name, tag = parse_ref(ref)
         key = label(name, tag)
         if key not in tags:
@@ -266,8 +266,7 @@ class Registry:
             state = _manifest_state(file)
             raise ModelLoadError(f"{key} points to {tags[key][:19]}, whose manifest {file} "
                                  f"{state} ('justllm rm {key}' drops the tag)")
-        self.verify(m, key)
-        return key, m
+        return key, self.verify(m, key)
 
     def find(self, ref: str) -> Path | None:
         """The model source's face: the checked file of ``ref``, or None when the registry
@@ -279,18 +278,24 @@ class Registry:
         except (InvalidRefError, UnknownModelError):
             return None
 
-    def verify(self, m: Manifest, what: str) -> None:
-        """The file is still the version's bytes (hashed again only if its size or mtime
-        moved)."""
-        if not m.path.is_file():
+    def verify(self, m: Manifest, what: str) -> Manifest:
+        """``m``, its file checked to be still the version's bytes (hashed again only if its
+        size or mtime moved). A file gone or changed: the version moved to a copy that still
+        holds them (``justllm tag COPY NAME``), or a ModelLoadError."""
+        there = m.path.is_file()
+        now_hex = self.digests.digest(m.path) if there else None
+        if now_hex == m.hex:
+            return m
+        moved = self._move_to_copy(m)
+        if moved is not None:
+            return moved
+        if now_hex is None:
             raise ModelLoadError(f"{what}: its file {m.path} is missing "
                                  f"('justllm rm {what}' forgets it)")
-        now_hex = self.digests.digest(m.path)
-        if now_hex != m.hex:
-            raise ModelLoadError(
-                f"digest mismatch: {m.path} changed on disk since it was registered as {what} "
-                f"(sha256 now {now_hex[:12]}, registered {m.short}); "
-                f"{self._retag_hint(m, what)}")
+        raise ModelLoadError(
+            f"digest mismatch: {m.path} changed on disk since it was registered as {what} "
+            f"(sha256 now {now_hex[:12]}, registered {m.short}); "
+            f"{self._retag_hint(m, what)}")
 
     def _retag_hint(self, m: Manifest, what: str) -> str:
         """A ``justllm tag FILE NAME`` that works: with the tag ``what`` is, or the tags on
@@ -342,7 +347,8 @@ class Registry:
                 return old
             if old is not None:
                 moved = replace(old, path=path,
-                                source=source if source.kind == "huggingface" else old.source)
+                                source=source if source.kind == "huggingface" else old.source,
+                                copies=_without(old.copies, path, self.root))
                 write_json(self._manifest_file(hex_digest), moved.to_json(self.root))
                 return moved
             arch = header.architecture
@@ -394,7 +400,7 @@ class Registry:
         if path.is_dir():
             raise ModelLoadError(f"{source} is a directory; pass a path to a .gguf file")
         if path.is_file():
-            m = self.register(path, Source("file"))
+            m = self._with_copy(self.register(path, Source("file")), path)
         elif could_be_name(source) and not source.lower().endswith(".gguf"):
             m = self.resolve(source)[1]
         else:
@@ -413,7 +419,12 @@ class Registry:
         with self._locked():
             old = self._versions_of(path)
             m = self.register(path, source)
-            stale = [o for o in old if o.hex != m.hex]
+            # A version this file was only a copy of keeps its own file: it forgets the copy.
+            copied = [o for o in old if o.hex != m.hex and not _names(o.path, path, self.root)]
+            for o in copied:
+                write_json(self._manifest_file(o.hex), replace(
+                    o, copies=_without(o.copies, path, self.root)).to_json(self.root))
+            stale = [o for o in old if o.hex != m.hex and o not in copied]
             tags = self.tags()
             moved = tuple(sorted(k for k, v in tags.items()
                                  if v in {o.digest for o in stale}))
@@ -425,10 +436,36 @@ class Registry:
             return Rewritten(m, tuple(stale), moved)
 
     def _versions_of(self, path: Path) -> list[Manifest]:
-        """Every version whose file is ``path`` (by its recorded path, or through a link)."""
-        key = stored_path(path, self.root)
+        """Every version whose file, or one of whose copies, is ``path`` (by its recorded path,
+        or through a link)."""
         return [m for m in self.manifests().values()
-                if stored_path(m.path, self.root) == key or _same_file(m.path, path)]
+                if any(_names(f, path, self.root) for f in m.files)]
+
+    def _with_copy(self, m: Manifest, path: Path) -> Manifest:
+        """Version ``m`` with ``path`` among its copies when ``path`` is not its file: ``tag
+        FILE NAME`` of bytes registered at another path names that version, and the tag must
+        not break while FILE holds them (moving the other file broke it)."""
+        path = Path(path).expanduser().absolute()
+        if any(_names(f, path, self.root) for f in m.files):
+            return m
+        with self._locked():
+            m = self.manifest(m.hex) or m
+            # (copies gone since are forgotten: the list does not grow without end)
+            kept = tuple(c for c in m.copies if c.is_file())
+            m = replace(m, copies=(*kept, path))
+            write_json(self._manifest_file(m.hex), m.to_json(self.root))
+        return m
+
+    def _move_to_copy(self, m: Manifest) -> Manifest | None:
+        """Version ``m`` moved to the first of its copies that still holds its bytes (its own
+        file is gone or changed); None when none does."""
+        for copy in m.copies:
+            if copy.is_file() and self.digests.digest(copy) == m.hex:
+                with self._locked():
+                    moved = replace(m, path=copy, copies=_without(m.copies, copy, self.root))
+                    write_json(self._manifest_file(m.hex), moved.to_json(self.root))
+                return moved
+        return None
 
     def _point(self, key: str, m: Manifest) -> Manifest | None:
         with self._locked():
@@ -656,6 +693,15 @@ def _is_adapter(path: Path) -> bool:
         return read_gguf_header(path, adapter=True).metadata.get("general.type") == ADAPTER_TYPE
     except ModelLoadError:
         return False
+
+
+def _names(recorded: Path, path: Path, root: Path) -> bool:
+    """Whether the file a manifest recorded is ``path`` (the same stored path, or a link)."""
+    return stored_path(recorded, root) == stored_path(path, root) or _same_file(recorded, path)
+
+
+def _without(paths: tuple[Path, ...], path: Path, root: Path) -> tuple[Path, ...]:
+    return tuple(p for p in paths if not _names(p, path, root))
 
 
 def _same_file(a: Path, b: Path) -> bool:

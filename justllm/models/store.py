@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from justllm.errors import ModelLoadError
 from justllm.models.source import cache_dir
 
 # llama.cpp's llama_ftype values (general.file_type) -> the names people use.
@@ -26,7 +27,17 @@ def quantization_name(file_type: int | None) -> str:
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("JUSTLLM_MODELS_DIR") or cache_dir() / "models")
+    """The models directory: ``JUSTLLM_MODELS_DIR``, else ``models`` in the cache directory.
+    One that is a file, or under one, is refused here in words (making it said only "File
+    exists: PATH"); one that does not exist yet is made where it is needed."""
+    given = os.environ.get("JUSTLLM_MODELS_DIR")
+    root = Path(given) if given else cache_dir() / "models"
+    there = next((p for p in (root, *root.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        where = f"JUSTLLM_MODELS_DIR={given}" if given else f"the models directory {root}"
+        under = "" if there == root else f" (it would be under the file {there})"
+        raise ModelLoadError(f"{where} is not a directory{under}: point it at a folder")
+    return root
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,8 @@ def test_bench_sends_the_sampling_fields_it_is_given_and_only_those(server, tmp_
     data = json.loads(out.read_text())
     assert data["completed"] == 2 and data["total_output_tokens"] == 8
     assert data["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
-    bad = runner.invoke(app, ["bench", "--url", server.url, "--top-p", "0"])
-    assert bad.exit_code == 1 and bad.output.startswith("error: --top-p must be in (0, 1]")
+    bad = runner.invoke(app, ["bench", "--url", server.url, "--top-p", "1.5"])
+    assert bad.exit_code == 1 and bad.output.startswith("error: --top-p must be in [0, 1]")
 
 
 def test_bench_without_a_url_serves_the_model_itself_and_stops_it(model_path, tmp_path):
@@ -185,8 +185,10 @@ def test_sharegpt_takes_the_first_human_turn_and_its_reply(tmp_path):
     assert got == [("What is two plus two?", 3), ("no roles at all", 2)]
 
 
-def fake_stream_server(body: bytes):
-    """A server whose every POST answers 200 with ``body`` as an event stream."""
+def fake_stream_server(body: bytes, status: int = 200,
+                       content_type: str = "text/event-stream"):
+    """A server whose every POST answers ``status`` with ``body`` (an event stream unless
+    ``content_type`` says otherwise)."""
     import http.server
     import threading
 
@@ -198,8 +200,8 @@ def fake_stream_server(body: bytes):
 
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -228,6 +230,47 @@ def test_odd_stream_events_fail_the_request_not_bench(events, error, tmp_path):
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     data = json.loads(out.read_text())
     assert data["failed"] == 2 and data["first_error"] == error
+
+
+NGINX_502 = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+             b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+             b"</body>\r\n</html>\r\n")
+
+
+@pytest.mark.parametrize("body, content_type, error", [
+    (NGINX_502, "text/html", "HTTP 502: Bad Gateway"),  # (the page came whole, 7 lines)
+    (b'{"error": {"message": "model\\nis loading", "code": 502}}', "application/json",
+     "HTTP 502: model is loading"),
+    (b"", "text/plain", "HTTP 502: Bad Gateway"),  # the status's own reason
+])
+def test_a_refused_request_is_one_line_of_status_and_reason(body, content_type, error,
+                                                            tmp_path):
+    httpd = fake_stream_server(body, status=502, content_type=content_type)
+    try:
+        out = tmp_path / "refused.json"
+        r = runner.invoke(app, ["bench", "--url", f"http://127.0.0.1:{httpd.server_port}",
+                                "-n", "2", "--json", str(out)])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.exit_code == 1 and "<" not in r.output, r.output
+    assert json.loads(out.read_text())["first_error"] == error
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [f"http://127.0.0.1:{httpd.server_port}: 2 failed; first error: {error}",
+                     f"error: every request failed at http://127.0.0.1:{httpd.server_port}"], \
+        r.stderr
+
+
+def test_bench_takes_the_temperatures_the_server_takes():
+    """--temperature 5 was refused ("must be in [0, 2]", OpenAI's range) where the server and
+    run take 0-100."""
+    from justllm.bench.runner import sampling_fields
+
+    for t in (0.0, 5.0, 100.0):
+        assert sampling_fields(t, None, None, None) == {"temperature": t}
+    for t in (-0.5, 100.5, float("nan")):
+        with pytest.raises(ValueError, match=r"^--temperature must be in \[0, 100\]$"):
+            sampling_fields(t, None, None, None)
 
 
 def test_data_lines_without_a_space_are_read_and_no_wait_follows_the_last_request(tmp_path):

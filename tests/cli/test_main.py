@@ -130,6 +130,8 @@ def test_config_show_reports_values_and_sources(tmp_path, monkeypatch):
     # Keys are option names: `models` is --models (it was an unknown option, and the
     # parameter's name `models-file` was taken instead), and only another command's option
     # is passed over (run's max-tokens was called unknown here, though serve passes it over).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.yaml").write_text("models:\n  a: demo\n")
     cfg.write_text("models: m.yaml\nmax-tokens: 3\n")
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
     assert r.exit_code == 0, r.output
@@ -184,10 +186,46 @@ def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_do
         cfg.write_text(text)
         r = runner.invoke(app, ["config", "show", "--config", str(cfg)], env=env)
         assert r.exit_code == 1 and f"invalid: {said}" in r.output, (text, env, r.output)
-    for text in ("port: 9000\nshutdown-timeout: 0\nrole: decode\n", "models: m.yaml\n"):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.yaml").write_text("models:\n  a: demo\n")
+    for text in ("port: 9000\nshutdown-timeout: 0\nrole: decode\n", "models: m.yaml\n",
+                 # (defaults for commands that speculate: serve passes them over, as run does)
+                 "gamma: 3\nbranch: 3\n"):
         cfg.write_text(text)
         r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
         assert r.exit_code == 0, (text, r.output)
+
+
+def test_config_show_reads_the_models_file_and_checks_the_engine_as_serve_does(tmp_path,
+                                                                               monkeypatch):
+    """Each was listed, exit 0, where `serve --config` refused it: router mode's models file
+    was never read, and the engine was checked without its chat template and LoRA adapters."""
+    monkeypatch.chdir(tmp_path)
+    Path("broken.yaml").write_text("models: [1,\n")
+    Path("idle.yaml").write_text("models:\n  a: {source: demo, gamma: 4}\n")
+    Path("off.yaml").write_text("models:\n  a: {source: demo, no-prefix-cache: true, "
+                                "cache-ram: 8192}\n")
+    cfg = tmp_path / "c.yaml"
+    for text, said in (
+            ("models: nonexistent.yaml\n", "cannot read nonexistent.yaml"),
+            ("models: broken.yaml\n", "broken.yaml is not valid YAML"),
+            ("models-dir: nonexistent\n", "--models-dir nonexistent is not a directory"),
+            ("models: m.yaml\n", "cannot read m.yaml"),
+            # a runner gets its entry's flags typed, and refuses these whatever their value
+            ("models: idle.yaml\n", "model 'a': --gamma is for --spec, and no --spec is given"),
+            ("models: off.yaml\n", "model 'a': --cache-ram: for the prefix cache"),
+            ("chat-template: nosuch\n", "--chat-template 'nosuch' is neither a built-in "
+                                        "template"),
+            ("lora: [bad]\n", "--lora takes NAME=PATH[:SCALE] (got 'bad')")):
+        cfg.write_text(text)
+        r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
+        assert r.exit_code == 1, (text, r.output)
+        last = r.output.strip().splitlines()[-1]
+        assert last.startswith("error: invalid: ") and said in last, (text, r.output)
+        if "idle" in text or "off" in text:
+            continue  # (serve would start, and not stop, if it let one through)
+        s = runner.invoke(app, ["serve", "--config", str(cfg), "--port", "18831"])
+        assert s.exit_code == 1 and said in s.output, (text, s.output)  # what serve says
 
 
 def test_config_show_splits_a_multiple_options_variable_as_serve_does():

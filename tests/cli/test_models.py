@@ -375,3 +375,53 @@ def test_rm_refuses_a_model_a_chat_has_loaded(models_dir):
     assert proc.returncode == 0
     r = runner.invoke(app, ["rm", "tiny-gemma"])
     assert r.exit_code == 0 and not path.is_symlink(), r.output
+
+
+def test_notices_stay_on_one_line_in_a_pipe(models_dir, tmp_path_factory, monkeypatch):
+    """rich cut them at 80 columns: `rm` printed '… is still \\ngemma-3-270m-q4_k_m:latest',
+    a tag cut from its line."""
+    Registry().tag("tiny-gemma", "a-model-with-a-rather-long-name:v1")
+    r = runner.invoke(app, ["rm", "a-model-with-a-rather-long-name:v1"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ("untagged a-model-with-a-rather-long-name:v1; its version "
+                        f"sha256:{DEMO} is still tiny-gemma:latest\n")
+    empty = tmp_path_factory.mktemp("a-models-directory-with-a-long-name-that-is-still-empty")
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(empty))
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0 and len(r.stdout.splitlines()) == 1, r.stdout
+    assert r.stdout.startswith(f"no models in {empty} (justllm pull")
+
+
+def test_a_models_directory_that_is_a_file_says_so(tmp_path, monkeypatch):
+    """It said 'error: File exists: PATH'."""
+    file = tmp_path / "models"
+    file.write_text("not a folder")
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(file))
+    for args in (["run", "-p", "hi"], ["models"], ["tag", str(file), "x"]):
+        assert error_line(runner.invoke(app, args)) == (
+            f"error: JUSTLLM_MODELS_DIR={file} is not a directory: point it at a folder"), args
+    monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(file / "sub"))
+    assert error_line(runner.invoke(app, ["run", "-p", "hi"])) == (
+        f"error: JUSTLLM_MODELS_DIR={file / 'sub'} is not a directory (it would be under the "
+        f"file {file}): point it at a folder")
+    assert file.read_text() == "not a folder"
+
+
+def test_tag_of_bytes_registered_at_another_path_keeps_the_file_as_a_copy(models_dir,
+                                                                        tmp_path_factory):
+    """The tag pointed to the other path alone: moving that file broke `run NAME`, though the
+    file tagged was still there."""
+    first = models_dir / "first.gguf"
+    data = tiny_gguf(first)
+    other = tmp_path_factory.mktemp("elsewhere") / "second.gguf"
+    other.write_bytes(data)
+    assert runner.invoke(app, ["tag", str(first), "first"]).exit_code == 0
+    r = runner.invoke(app, ["tag", str(other), "second"])
+    assert r.exit_code == 0, r.output
+    digest = Registry().resolve("first")[1].digest
+    assert r.stdout == (f"second:latest -> {digest[:19]} {first} (registered there already; "
+                        f"{other}, the same bytes, is kept as its copy, used if that file goes "
+                        "or changes)\n")
+    first.rename(models_dir / "gone.bak")
+    for name in ("second", "first"):  # (the version's: each of its tags)
+        assert Registry().resolve(name)[1].path == other

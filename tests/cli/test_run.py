@@ -114,8 +114,10 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
 
 
 def test_prefix_cache_flags(model_path):
+    # (with --no-prefix-cache, --prefix-cache-blocks is refused: see
+    # test_flags_typed_for_what_is_off_are_refused_whatever_their_value)
     r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "-n", "2",
-                            "--no-prefix-cache", "--prefix-cache-blocks", "4", "--pool-blocks", "64"])
+                            "--prefix-cache-blocks", "4", "--pool-blocks", "64"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", model_path, "-p", "x", "--prefix-cache-blocks", "-1"])
     assert r.exit_code == 1 and "prefix_cache_blocks" in r.output
@@ -204,12 +206,51 @@ def test_server_flags_typed_for_run_are_refused_and_shared_settings_passed_over(
     """They were accepted and meant nothing (--max-queue 0 loaded the model, then refused the
     prompt)."""
     for flag in (["--enable-lora-runtime"], ["--scheduling-policy", "priority"],
-                 ["--max-queue", "0"]):
+                 ["--max-queue", "0"],
+                 # (each was taken and did nothing: run pools no embeddings, lays out no
+                 # fill-in-the-middle prompt, and has one adapter set; at their defaults too)
+                 ["--pooling", "mean"], ["--spm-infill"], ["--lora-max-steps", "4"]):
         r = runner.invoke(app, ["run", model_path, "-p", "Hi", *flag])
         assert r.exit_code == 1 and f"{flag[0]} " in r.output and "run" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
     r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "1", "--pool-blocks", "64"],
-                      env={"JUSTLLM_SCHEDULING_POLICY": "priority", "JUSTLLM_MAX_QUEUE": "4"})
+                      env={"JUSTLLM_SCHEDULING_POLICY": "priority", "JUSTLLM_MAX_QUEUE": "4",
+                           "JUSTLLM_POOLING": "mean", "JUSTLLM_SPM_INFILL": "1",
+                           "JUSTLLM_LORA_MAX_STEPS": "2"})
     assert r.exit_code == 0, r.output
+
+
+def test_flags_typed_for_what_is_off_are_refused_whatever_their_value(model_path, tmp_path):
+    """--gamma 4 without --spec ran (4 is the default) where --gamma 3 was refused; --branch 2
+    with --spec draft likewise; --raw took a --chat-template it leaves out, and
+    --no-prefix-cache a --cache-ram or --prefix-cache-blocks for the cache it turns off."""
+    for command, extra, says in (
+            ("run", ["--gamma", "4"], "--gamma is for --spec, and no --spec is given"),
+            ("run", ["--spec", "draft", "--draft-model", model_path, "--branch", "2"],
+             "--branch is for --spec tree, not --spec draft"),
+            ("run", ["--spec", "ngram", "--draft-p-min", "0"], "--draft-p-min is for --spec "
+                                                               "draft or tree"),
+            ("serve", ["--gamma", "4"], "--gamma is for --spec, and no --spec is given"),
+            ("run", ["--raw", "--chat-template", "chatml"],
+             "--chat-template chooses the chat template, which --raw leaves out"),
+            ("run", ["--no-prefix-cache", "--cache-ram", "8192"],
+             "--cache-ram: for the prefix cache, which --no-prefix-cache turns off"),
+            ("serve", ["--no-prefix-cache", "--prefix-cache-blocks", "0"],
+             "--prefix-cache-blocks: for the prefix cache")):
+        args = [command, model_path, *extra] + (["-p", "Hi"] if command == "run" else [])
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1, (args, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (
+            args, r.output)
+    # From a config file or a JUSTLLM_* variable (defaults shared with commands that use
+    # them), they are passed over: the run goes ahead.
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("gamma: 3\nbranch: 3\ncache-ram: 5\n")
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "Hi", "-n", "1", "--pool-blocks",
+                            "64", "--no-prefix-cache", "--config", str(cfg)],
+                      env={"JUSTLLM_CHAT_TEMPLATE": "chatml", "JUSTLLM_DRAFT_P_MIN": "0.5"})
+    assert r.exit_code == 0 and "generation 1 tok" in r.stderr, r.output
 
 
 def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):

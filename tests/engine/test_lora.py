@@ -286,6 +286,14 @@ def test_the_model_file_itself_is_not_an_adapter(model_path):
     with pytest.raises(ModelLoadError, match="not a LoRA adapter"):
         Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=32,
                             lora=(LoraSpec("m", model_path),)))
+    # What makes one is justllm's own command (it named llama.cpp's script, as the README
+    # does not).
+    from justllm.models.lora import check_lora_file
+
+    with pytest.raises(ModelLoadError, match=r"not a LoRA adapter \(general.type is 'model', "
+                                             r"not 'adapter'; `justllm convert ADAPTER_DIR` "
+                                             r"converts a PEFT adapter into one\)$"):
+        check_lora_file(model_path, "gemma3")
 
 
 # ---- randomised concurrent load with mixed adapters --------------------------------------------

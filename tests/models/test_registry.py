@@ -247,6 +247,46 @@ def test_a_file_changed_on_disk_fails_its_digest_check(root, count_hashes):
         reg.resolve("m")
 
 
+def test_a_file_tagged_with_bytes_registered_elsewhere_is_a_copy_of_that_version(root, tmp_path):
+    """`tag FILE NAME` of bytes registered at another path pointed NAME at that path alone:
+    moving that file broke NAME while FILE was still there."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "one.gguf", tmp_path / "b" / "two.gguf"
+    data = tiny_gguf(first)
+    second.write_bytes(data)
+    reg = Registry()
+    _, v, _ = reg.tag(str(first), "first")
+    _, same, _ = reg.tag(str(second), "second")
+    assert same.digest == v.digest and (same.path, same.copies) == (first, (second,))
+    assert reg.tag(str(second), "second:v2")[1] == same  # recorded once
+    assert reg.manifest_for_path(second) == same  # held against rm while run from there
+    first.rename(tmp_path / "a" / "moved.gguf")
+    assert resolve_model("second") == str(second)
+    assert resolve_model("first") == str(second)  # the version's other tag too
+    moved = reg.manifest(v.hex)
+    assert (moved.path, moved.copies, moved.added) == (second, (), v.added)
+    # A copy overwritten in place (quantize --force) leaves the version it copied alone.
+    third = tmp_path / "a" / "three.gguf"
+    third.write_bytes(data)
+    reg.tag(str(third), "third")
+    tiny_gguf(third, seed=3)
+    st = third.stat()
+    os.utime(third, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    from justllm.models.manifest import Source
+
+    rewritten = reg.rewritten(third, Source("file"))
+    assert rewritten is not None and rewritten.dropped == () and rewritten.moved == ()
+    assert reg.manifest(v.hex).copies == () and reg.resolve("third")[1].path == second
+    # No copy left with the bytes: the version's file is missing, as before.
+    second.unlink()
+    with pytest.raises(ModelLoadError, match=r"^first:latest: its file .*two.gguf is missing"):
+        reg.resolve("first")
+    gone = reg.remove(v.digest)  # a copy is never deleted
+    assert (tmp_path / "a" / "moved.gguf").read_bytes() == data and third.is_file()
+    assert gone.deleted_file is None
+
+
 def test_pull_records_revision_and_digest_and_keeps_older_versions(hub, tmp_path):
     root = tmp_path / "models"
     first_bytes, second_bytes = tiny_gguf(seed=1), tiny_gguf(seed=2)

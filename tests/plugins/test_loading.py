@@ -71,6 +71,11 @@ def test_justllm_plugins_chooses_which_are_loaded():
     assert "JUSTLLM_PLUGINS names nope, which is not installed" in r.stderr
     builtin = justllm("plugins", "--json", "--all", plugins="")
     assert names(builtin) == {"justllm"}
+    # one line in a pipe (rich cut it at 80 columns)
+    none = justllm("plugins", plugins="")
+    assert none.returncode == 0 and none.stdout == (
+        "no plugins loaded (JUSTLLM_PLUGINS chooses them; see plugins/README.md to write "
+        "one)\n"), none.stdout
 
 
 def test_a_plugin_command_runs_and_is_gone_without_the_plugin():
