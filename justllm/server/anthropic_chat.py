@@ -384,11 +384,13 @@ def to_chat(req: _Prompt) -> ChatCompletionRequest:
             raise _refuse("thinking", "thinking cannot be combined with output_config.format "
                                       "on this server (the format holds the answer from its "
                                       "first token)")
-    if fmt is not None and tools and choice != "none":
-        raise _refuse("output_config.format", "structured output cannot be combined with tools "
-                                              "on this server (both constrain the whole "
-                                              "answer): send tool_choice {\"type\": \"none\"} "
-                                              "or no output_config.format")
+    if fmt is not None and tools and (choice == "required"
+                                      or isinstance(choice, ToolChoiceNamed)):
+        # (with tool_choice auto the answer is a call or text in the format)
+        raise _refuse("output_config.format", "structured output cannot be combined with a "
+                                              "forced tool call (the call is the whole "
+                                              "answer): send tool_choice {\"type\": "
+                                              "\"auto\"} or no output_config.format")
     prefill = bool(req.messages) and req.messages[-1].role == "assistant"
     if prefill and tools and choice != "none":
         raise _refuse("messages", "a prefilled assistant turn cannot be combined with tools on "

@@ -604,6 +604,8 @@ def _as_ollamas(e: InvalidRequestError) -> InvalidRequestError:
     if e.param == "max_tokens":
         return InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
                                    param="options.num_predict")
+    if e.param and e.param.startswith("response_format"):  # (format with tools)
+        return InvalidRequestError(f"format: {e}", param="format")
     if e.param == "chat_template_kwargs":  # (the thinking and a format or a required call)
         return InvalidRequestError(
             "think: this model thinks before it answers, and an answer held to a format or a "

@@ -33,7 +33,9 @@ from justllm.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
+    JsonSchemaFormat,
     MessageToolCall,
+    ResponseFormat,
     Tool,
     ToolChoiceNamed,
     Usage,
@@ -171,12 +173,22 @@ def tool_request(messages: list[ChatMessage], tools: list[Tool] | None, choice: 
     a request offering tools, checked; None when no tool is in play (none offered, or
     ``tool_choice`` "none"), where the plain chat path serves it."""
     chat = ChatCompletionRequest(messages=messages, tools=tools or None, tool_choice=choice)
-    if not tool_plan(chat).active:
+    plan = tool_plan(chat)
+    if not plan.active:
         return None
-    if fmt not in (None, ""):
-        raise _refuse("format", "format cannot be combined with tools (both constrain the "
-                                "whole answer); send no tools or no format")
-    return chat
+    if fmt in (None, ""):
+        return chat
+    if plan.enforced:
+        raise _refuse("format", "format cannot be combined with a required tool call (the "
+                                "call is the whole answer); send tool_choice auto or no format")
+    # The answer is a call or an answer in the format (Ollama's format is not strict: the
+    # keywords its grammar cannot hold are left to the model, as Ollama does)
+    if fmt == "json":
+        return msgspec.structs.replace(chat, response_format=ResponseFormat(type="json_object"))
+    if isinstance(fmt, dict):
+        return msgspec.structs.replace(chat, response_format=ResponseFormat(
+            type="json_schema", json_schema=JsonSchemaFormat(name="format", schema=fmt)))
+    raise _refuse("format", f'format: invalid value {fmt!r}; expected "json" or a JSON schema')
 
 
 # ---- the answer ------------------------------------------------------------------------------

@@ -80,7 +80,12 @@ from justllm.server.tools.answer import (
     ToolCallArguments,
     ToolCallStart,
 )
-from justllm.server.tools.grammar import call_schema, call_triggers, wrap_call_grammar
+from justllm.server.tools.grammar import (
+    call_or_answer_grammar,
+    call_schema,
+    call_triggers,
+    wrap_call_grammar,
+)
 from justllm.server.tools.parse import ParsedCall
 from justllm.server.tools.request import (
     ToolPlan,
@@ -490,6 +495,8 @@ class OpenAIServing:
                                       "answer (or tool_choice: none)", param=extra[1])
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
         held = "tool_choice" if plan.enforced else "response_format"
+        if plan.mode == "auto" and grammar is not None:  # a call, or an answer in the format
+            grammar = call_or_answer_grammar(self._tool_grammar(plan), grammar)
         if extra is not None:
             if grammar is not None:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "

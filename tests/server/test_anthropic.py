@@ -335,6 +335,22 @@ def test_a_streamed_tool_use(client, server):
     assert isinstance(final.content[-1].input["city"], str)
 
 
+def test_a_format_with_tools_is_a_tool_use_or_text_in_the_format(client, server):
+    """output_config.format with tools under tool_choice auto (it was a 400): here the model
+    answers, in the format."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+              "required": ["answer"], "additionalProperties": False}
+    shots = [m for q, a in (("Say hi.", "Hi!"), ("Say bye.", "Bye!")) for m in (
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": json.dumps({"answer": a})})]
+    m = client.messages.create(model=server.model, max_tokens=40, tools=[WEATHER],
+                               messages=[*shots, {"role": "user", "content": "Say hello."}],
+                               extra_body={**GREEDY, "output_config": {"format": {
+                                   "type": "json_schema", "schema": answer}}})
+    assert m.stop_reason == "end_turn" and [b.type for b in m.content] == ["text"]
+    assert json.loads(m.content[0].text)["answer"]
+
+
 def test_tool_choice_none_and_bad_tools(client, server):
     m = client.messages.create(model=server.model, max_tokens=3, tools=[WEATHER],
                                tool_choice={"type": "none"}, messages=ASK)
@@ -434,9 +450,9 @@ MULTIPLE = {"type": "object", "properties": {"n": {"type": "integer", "multipleO
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name: tool names must be unique"),
     ({"tools": [WEATHER, {**WEATHER, "name": "bad name"}]}, "tools[1].name: a tool name"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
-    ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema",
-                                                       "schema": {"type": "object"}}}},
-     "output_config.format: structured output cannot be combined with tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_config.format: structured output cannot be combined with a forced tool call"),
     # the chat side's refusals, named as Anthropic names the field (they named
     # reasoning_effort, or no field at all)
     ({"output_config": {"effort": "high"}},

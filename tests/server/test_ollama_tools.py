@@ -164,8 +164,10 @@ def test_bad_tool_input_is_a_4xx_in_ollamas_shape(client, server):
                         ([tool("f"), tool("f")], "tools[1].function.name")]:
         ollama_error(lambda t=tools: client.chat(model=server.model, messages=ASK, tools=t),
                      400, says)
-    ollama_error(lambda: client.chat(model=server.model, messages=ASK, tools=TOOLS,
-                                     format="json"), 400, "format")
+    forced = chat(server, format="json", tool_choice="required")  # (justllm's extension)
+    assert forced.status_code == 400 and "format" in forced.json()["error"], forced.text
+    bad = chat(server, format="yaml")
+    assert bad.status_code == 400 and "format" in bad.json()["error"], bad.text
     ollama_error(lambda: client.chat(model=server.model, messages=ASK, tools=TOOLS,
                                      logprobs=True), 400, "logprobs")
     ollama_error(lambda: client.chat(model=server.model, tools=TOOLS, messages=[
@@ -183,6 +185,22 @@ def test_bad_tool_input_is_a_4xx_in_ollamas_shape(client, server):
         r = chat(server, **body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()) == {"error"} and says in r.json()["error"], r.json()
+
+
+def test_format_with_tools_is_a_call_or_an_answer_in_the_format(server):
+    """Ollama takes format and tools together (it was a 400): the answer is a valid call, or
+    content in the format."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+              "required": ["answer"]}
+    shots = [m for q, a in (("Say hi.", "Hi!"), ("Say bye.", "Bye!")) for m in (
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": json.dumps({"answer": a})})]
+    r = chat(server, messages=[*shots, {"role": "user", "content": "Say hello."}],
+             format=answer)
+    assert r.status_code == 200, r.text
+    said = r.json()["message"]
+    assert "tool_calls" not in said
+    jsonschema.validate(json.loads(said["content"]), answer)
 
 
 def test_a_forced_call_through_the_router(tmp_path, model_path):

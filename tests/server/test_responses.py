@@ -194,7 +194,7 @@ def test_a_streamed_function_call(client, server):
     # found by an audit: each was a 200 (the field ignored, a format's echoed back), or named
     # the chat request's field
     ({"text": {"format": {"type": "text", "name": "x"}}}, "text.format.name"),
-    ({"text": {"format": {"type": "json_object"}}, "tools": [
+    ({"text": {"format": {"type": "json_object"}}, "tool_choice": "required", "tools": [
         {"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "text.format"),
     ({"text": {"format": {"type": "text", "strict": True}}}, "text.format.strict"),
     ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}},

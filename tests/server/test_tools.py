@@ -9,6 +9,7 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from justllm.core.sampling_params import SamplingParams
@@ -204,6 +205,53 @@ def test_an_auto_call_the_model_starts_is_held_to_the_tools_schema(client, serve
     assert json.loads("".join(pieces)) == args
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+def test_auto_with_a_response_format_is_a_call_or_an_answer_in_the_format(client, server):
+    """OpenAI's API takes tools and a response format together (the Agents SDK's tools with
+    an output type): the answer is a valid call, or content in the format. It was a 400."""
+    cities = {"type": "object", "properties": {"city": {"type": "string",
+                                                        "enum": ["Rome", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": cities,
+                                               "strict": True}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                                  "schema": ANSWER}}
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny in Paris."}]
+    shots = [m for q, a in (("Say hi.", "Hi!"), ("Say bye.", "Bye!")) for m in (
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": json.dumps({"answer": a})})]
+    kw = dict(model=server.model, tools=tools, response_format=fmt, max_tokens=40,
+              temperature=0)
+    calls = client.chat.completions.create(messages=[*turn, *turn, *ASK], **kw).choices[0]
+    assert calls.finish_reason == "tool_calls" and calls.message.content is None
+    jsonschema.validate(json.loads(calls.message.tool_calls[0].function.arguments), cities)
+    asked = [*shots, {"role": "user", "content": "Say hello."}]
+    said = client.chat.completions.create(messages=asked, **kw).choices[0]
+    assert said.finish_reason == "stop" and said.message.tool_calls is None
+    jsonschema.validate(json.loads(said.message.content), ANSWER)
+    streamed = list(client.chat.completions.create(messages=asked, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        said.message.content
+    # the SDK's parse helper reads the answer into its model, and a call's arguments too
+
+    class Answer(pydantic.BaseModel):
+        answer: str
+
+    parse = {**kw, "response_format": Answer}
+    parsed = client.chat.completions.parse(messages=asked, **parse).choices[0].message
+    assert parsed.parsed.answer and not parsed.tool_calls
+    parsed = client.chat.completions.parse(messages=[*turn, *turn, *ASK], **parse)
+    assert parsed.choices[0].message.tool_calls[0].function.parsed_arguments["city"] in (
+        "Rome", "Oslo")
+
+
 def test_a_cut_off_call_comes_back_as_text(client, server):
     kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
               max_tokens=6, temperature=0)
@@ -228,7 +276,8 @@ def test_bad_tool_requests_get_openai_errors(server):
          "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "logprobs": True}, "logprobs"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
           "tool_choice": "required"}, "tools"),

@@ -97,6 +97,33 @@ def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:
     return f'root ::= " "? ({root})\n{body}'
 
 
+# A GBNF text's pieces: literals, character classes, repetition counts and comments (whose
+# words are not rule names), then words (rule names), then anything else.
+_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\{[0-9, ]*\}|#[^\n]*'
+                         r'|([A-Za-z0-9_-]+)|.', re.S)
+
+
+def prefixed_rules(gbnf: str, prefix: str) -> str:
+    """``gbnf`` with every rule name (defined or referred to) given ``prefix``, so that it can
+    sit beside another grammar's rules (two JSON-schema grammars both define ``space``,
+    ``string``, ... each its own way)."""
+    return _GBNF_PIECE.sub(lambda m: prefix + m[1] if m[1] else m[0], gbnf)
+
+
+def call_or_answer_grammar(calls_gbnf: str, answer_gbnf: str) -> str:
+    """``tool_choice: "auto"`` with a response format: the answer is the calls
+    (``wrap_call_grammar``'s grammar) or an answer in the format (its grammar, rule ``root``),
+    as OpenAI's API takes both; held from the first token, so no lazy trigger."""
+    calls, n = re.subn(r"(?m)^root ::=", f"{_CALL_RULE}s ::=", calls_gbnf, count=1)
+    if n != 1:
+        raise ValueError("the calls grammar has no root rule")
+    answer = prefixed_rules(answer_gbnf, f"{_CALL_RULE}-answer-")
+    # (the calls' grammar lets the model write the space a transcript's "Assistant:" is
+    # followed by; an answer without it had only the calls to choose from after that space)
+    return f'root ::= {_CALL_RULE}s | " "? {_CALL_RULE}-answer-root\n{calls}\n{answer}'
+
+
+
 def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group

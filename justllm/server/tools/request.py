@@ -87,10 +87,13 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
                                       "be a call, not text); send tool_choice 'none' or no "
                                       "logprobs", param="logprobs")
         fmt = req.response_format
-        if fmt is not None and fmt.type != "text":
-            raise InvalidRequestError("response_format cannot be combined with tools (both "
-                                      "constrain the whole answer); send tool_choice 'none' "
-                                      "or no response_format", param="response_format")
+        if plan.enforced and fmt is not None and fmt.type != "text":
+            # (under "auto" the answer is a call or an answer in the format; a forced call
+            # leaves the format nothing to hold)
+            raise InvalidRequestError("response_format cannot be combined with a required "
+                                      "tool call (the call is the whole answer); send "
+                                      "tool_choice 'auto' or no response_format",
+                                      param="response_format")
     return plan
 
 
