@@ -219,17 +219,21 @@ def fake_stream_server(body: bytes, status: int = 200,
     (b'data: [1, 2]\n\n', "ValueError: a stream event that is no object: [1, 2]"),  # traceback)
 ])
 def test_odd_stream_events_fail_the_request_not_bench(events, error, tmp_path):
-    httpd = fake_stream_server(events)
+    r, data = bench_two_requests(fake_stream_server(events), tmp_path)
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert data["failed"] == 2 and data["first_error"] == error
+
+
+def bench_two_requests(httpd, tmp_path):
+    """``justllm bench -n 2`` against a stand-in server (stopped after): its result and JSON."""
     try:
-        out = tmp_path / "odd.json"
+        out = tmp_path / "bench.json"
         r = runner.invoke(app, ["bench", "--url", f"http://127.0.0.1:{httpd.server_port}",
                                 "-n", "2", "--json", str(out)])
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-    data = json.loads(out.read_text())
-    assert data["failed"] == 2 and data["first_error"] == error
+    return r, json.loads(out.read_text())
 
 
 NGINX_502 = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
@@ -246,15 +250,9 @@ NGINX_502 = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r
 def test_a_refused_request_is_one_line_of_status_and_reason(body, content_type, error,
                                                             tmp_path):
     httpd = fake_stream_server(body, status=502, content_type=content_type)
-    try:
-        out = tmp_path / "refused.json"
-        r = runner.invoke(app, ["bench", "--url", f"http://127.0.0.1:{httpd.server_port}",
-                                "-n", "2", "--json", str(out)])
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    r, data = bench_two_requests(httpd, tmp_path)
     assert r.exit_code == 1 and "<" not in r.output, r.output
-    assert json.loads(out.read_text())["first_error"] == error
+    assert data["first_error"] == error
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [f"http://127.0.0.1:{httpd.server_port}: 2 failed; first error: {error}",
                      f"error: every request failed at http://127.0.0.1:{httpd.server_port}"], \
