@@ -352,7 +352,16 @@ class ChatTemplate:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read the chat template {choice}: {e}") from None
         stop = tuple(s for s in _TURN_ENDS if s in source)
-        return cls(source, bos_token, eos_token, stop, choice)
+        template = cls(source, bos_token, eos_token, stop, choice)
+        shown = template._renders([{"role": "user", "content": _PROBE_NAME}])
+        if shown is not None and _PROBE_NAME not in shown.lower():  # (| upper is showing it)
+            # (any file is Jinja: one that never writes the messages served every request
+            # with the user's words left out; a template that fails the probe fails a request
+            # with a 400 of its own)
+            raise ValueError(f"--chat-template {choice!r}: the template leaves the user's "
+                             "message out of the prompt (rendering a one-message chat did "
+                             "not show it); is it a chat template?")
+        return template
 
     @classmethod
     def resolve(cls, choice: str | None, model_source: str | None, *, bos_token: str = "",

@@ -121,6 +121,13 @@ def test_jinja_file_and_bad_choices(tmp_path):
     bad.write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match="bad.jinja is not a valid Jinja template"):
         ChatTemplate.named(str(bad))
+    # any text is Jinja: a file that never writes the messages served every request with the
+    # user's words left out
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt.: the template leaves the user's message "
+                                         "out of the prompt"):
+        ChatTemplate.named(str(text))
 
 
 def test_a_template_failing_on_a_requests_values_is_a_400_whatever_it_raises():
