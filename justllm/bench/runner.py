@@ -107,9 +107,11 @@ def http_error(status: int, reason: str, body: bytes, content_type: str) -> str:
     elif "html" in content_type or text.lstrip().startswith("<"):
         title = _TITLE.search(text)
         said = html.unescape(title.group(1) if title else _TAG.sub(" ", text))
+        # (a page's title repeats the status: "502 Bad Gateway"; a message's own digits stay)
+        said = " ".join(said.split()).removeprefix(f"{status} ")
     else:
         said = text
-    said = " ".join(said.split()).removeprefix(str(status)).strip() or reason
+    said = " ".join(said.split()) or reason
     if len(said) > 200:
         said = said[:199] + "…"
     return f"HTTP {status}: {said}" if said else f"HTTP {status}"

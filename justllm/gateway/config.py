@@ -634,13 +634,13 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
     older: list[tuple[Path, str]] = []  # files left out for a newer one of the same name
     for p in paths:
         split = _SPLIT.match(p.stem)
-        if split and int(split.group(2)) != 1:
-            parts.setdefault(split.group(1), p)  # (llama.cpp loads the first part)
-            continue
         name = split.group(1) if split else p.stem
         if "@" in name:  # (a model name cannot hold it: see model_spec; one file, not all)
             log.warning("--models-dir: %s: left out ('@' marks a replica in a log file's "
                         "name; rename the file to serve it)", p)
+            continue
+        if split and int(split.group(2)) != 1:
+            parts.setdefault(name, p)  # (llama.cpp loads the first part)
             continue
         if name in newest:
             keep, drop = ((p, newest[name]) if p.stat().st_mtime > newest[name].stat().st_mtime
@@ -656,7 +656,9 @@ def directory_config(directory: str, flags: Flags) -> GatewayConfig:
                f"({name}-00001-of-...) is not there" for name, p in parts.items()
                if name not in newest]
     if not newest:
-        raise ValueError(f"no model in {directory}: {'; '.join(orphans)}")
+        raise ValueError(f"no model in {directory}: " + ("; ".join(orphans) or "every .gguf "
+                                                          "there was left out (the warnings "
+                                                          "above say why)"))
     for line in orphans:
         log.warning("--models-dir: %s: left out", line)
     return GatewayConfig(tuple(model_spec(name, str(p), flags)

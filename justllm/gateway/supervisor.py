@@ -37,6 +37,7 @@ from justllm.gateway.runner import RunnerProcess
 from justllm.models.gguf import read_gguf_header
 from justllm.models.hub import is_local_path
 from justllm.models.source import model_not_found
+from justllm.server.config import RUNNER_KEEPALIVE_EXPIRY
 from justllm.tui.metrics import parse as parse_metrics
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,12 @@ class Supervisor:
         # any, must not be bypassed there. RunnerAuth sends it, to local runners only.
         self.runner_key = secrets.token_urlsafe(24)
         self.runner_auth = RunnerAuth(self)
-        self._http = httpx.AsyncClient(trust_env=False, auth=self.runner_auth)
+        # (its polls and LoRA calls: idle connections let go before a runner's, as the
+        # gateway's own client does; a poll on one being closed failed the replica)
+        self._http = httpx.AsyncClient(trust_env=False, auth=self.runner_auth,
+                                       limits=httpx.Limits(
+                                           max_connections=100, max_keepalive_connections=20,
+                                           keepalive_expiry=RUNNER_KEEPALIVE_EXPIRY))
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._closed: asyncio.Future[None] | None = None

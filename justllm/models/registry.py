@@ -461,7 +461,8 @@ class Registry:
         file is gone or changed); None when none does."""
         for copy in m.copies:
             if copy.is_file() and self.digests.digest(copy) == m.hex:
-                with self._locked():
+                with self._locked():  # (as it is now: another process may have moved it)
+                    m = self.manifest(m.hex) or m
                     moved = replace(m, path=copy, copies=_without(m.copies, copy, self.root))
                     write_json(self._manifest_file(m.hex), moved.to_json(self.root))
                 return moved

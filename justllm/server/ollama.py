@@ -68,6 +68,7 @@ from justllm.server.ollama_chat import (
     ToolChoice,
     answer,
     answer_lines,
+    bad_format,
     chat_messages,
     continues_last_message,
     created_at,
@@ -405,8 +406,7 @@ def _grammar(fmt: str | dict[str, Any] | None, served: Served) -> str | None:
             return served.aengine.json_grammar(fmt)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"format: {e}", param="format") from None
-    raise InvalidRequestError(f'format: invalid value {fmt!r}; expected "json" or a JSON schema',
-                              param="format")
+    raise bad_format(fmt)
 
 
 def _logprobs(req: _Generation) -> int | None:
@@ -605,7 +605,9 @@ def _as_ollamas(e: InvalidRequestError) -> InvalidRequestError:
         return InvalidRequestError(str(e).replace("max_tokens", "num_predict"),
                                    param="options.num_predict")
     if e.param and e.param.startswith("response_format"):  # (format with tools)
-        return InvalidRequestError(f"format: {e}", param="format")
+        text = str(e)
+        return InvalidRequestError("format" + text[len(e.param):] if text.startswith(e.param)
+                                   else f"format: {text}", param="format")
     if e.param == "chat_template_kwargs":  # (the thinking and a format or a required call)
         return InvalidRequestError(
             "think: this model thinks before it answers, and an answer held to a format or a "

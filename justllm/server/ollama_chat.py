@@ -88,6 +88,11 @@ class OllamaMessage(_Part):
 
 # ---- request ---------------------------------------------------------------------------------
 
+def bad_format(fmt: object) -> InvalidRequestError:
+    """A ``format`` that is neither "json" nor a JSON schema."""
+    return _refuse("format", f'invalid value {fmt!r}; expected "json" or a JSON schema')
+
+
 def _refuse(where: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{where}: {why}", param=where)
 
@@ -188,7 +193,7 @@ def tool_request(messages: list[ChatMessage], tools: list[Tool] | None, choice: 
     if isinstance(fmt, dict):
         return msgspec.structs.replace(chat, response_format=ResponseFormat(
             type="json_schema", json_schema=JsonSchemaFormat(name="format", schema=fmt)))
-    raise _refuse("format", f'format: invalid value {fmt!r}; expected "json" or a JSON schema')
+    raise bad_format(fmt)
 
 
 # ---- the answer ------------------------------------------------------------------------------

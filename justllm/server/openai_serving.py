@@ -29,7 +29,13 @@ from justllm.core.reasoning import (
 )
 from justllm.core.record import RequestOrigin
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from justllm.engine.async_engine import AsyncEngine, RequestStream
+from justllm.engine.async_engine import (
+    MAX_SCHEMA_GRAMMAR_ALTERNATIVES,
+    MAX_SCHEMA_GRAMMAR_RULES,
+    AsyncEngine,
+    RequestStream,
+    grammar_limits,
+)
 from justllm.engine.chat_template import ChatTemplate, template_globals, with_template_stops
 from justllm.engine.engine import Handover, PreparedRequest, RequestOutput, TokenLogprob
 from justllm.errors import (
@@ -101,6 +107,9 @@ MAX_REQUEST_STOP = 16  # stop strings a request may send; a chat template adds i
 
 # OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
 # and why any other value is refused: every accepted field is honoured, none ignored.
+# /v1/completions' max_tokens when a request gives none (OpenAI's default).
+COMPLETION_MAX_TOKENS = 16
+
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "functions": ((None, []), "the deprecated functions field is not supported: send tools"),
     "function_call": ((None, "none"), "the deprecated function_call field is not supported: "
@@ -239,6 +248,8 @@ class OpenAIServing:
         max_tokens = one_value({"max_completion_tokens": getattr(req, "max_completion_tokens",
                                                                  None),
                                 "max_tokens": req.max_tokens})
+        if max_tokens is None and isinstance(req, CompletionRequest):
+            max_tokens = COMPLETION_MAX_TOKENS  # (the route's default, which min_tokens meets)
         prompt_logprobs = (prompt_logprobs_of(req) if isinstance(req, CompletionRequest)
                            else req.prompt_logprobs)
         _check_generates(max_tokens, prompt_logprobs)
@@ -497,6 +508,9 @@ class OpenAIServing:
         held = "tool_choice" if plan.enforced else "response_format"
         if plan.mode == "auto" and grammar is not None:  # a call, or an answer in the format
             grammar = call_or_answer_grammar(self._tool_grammar(plan), grammar)
+            # (each half was held to a schema grammar's limits; together they may pass them)
+            grammar_limits(grammar, "tools", rules=MAX_SCHEMA_GRAMMAR_RULES,
+                           alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
         if extra is not None:
             if grammar is not None:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
@@ -906,7 +920,7 @@ class OpenAIServing:
             raise InvalidRequestError("logprobs must be in [0, 5]", param="logprobs")
         extra = structured_grammar(self.aengine, req)
         grammar = extra[0] if extra is not None else None
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
         prompts = self._completion_prompts(req.prompt)
         if req.truncate_prompt_tokens is not None and (req.echo or req.suffix):
             raise InvalidRequestError("truncate_prompt_tokens: not with echo or suffix (the "

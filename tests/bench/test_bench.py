@@ -246,6 +246,7 @@ NGINX_502 = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r
     (b'{"error": {"message": "model\\nis loading", "code": 502}}', "application/json",
      "HTTP 502: model is loading"),
     (b"", "text/plain", "HTTP 502: Bad Gateway"),  # the status's own reason
+    (b"5020 ms: timed out", "text/plain", "HTTP 502: 5020 ms: timed out"),  # (its digits stay)
 ])
 def test_a_refused_request_is_one_line_of_status_and_reason(body, content_type, error,
                                                             tmp_path):

@@ -142,7 +142,7 @@ def test_chat_in_process_with_pipes(model_path):
     assert r.returncode == 0, r.stderr
     assert "(no answer yet)" in r.stdout and "generation 4 tok" in r.stdout
     # A value out of range is refused at /set (it was taken, and then every message failed).
-    assert "not a valid top_p: top_p must be a number in (0, 1]" in r.stdout
+    assert "not a valid top_p: top_p must be a number in [0, 1]" in r.stdout
     assert "(top_p = 0.9)" in r.stdout
     assert "not a valid max_tokens: max_tokens must be >= 1 (got 0)" in r.stdout
     assert "(system message removed)" in r.stdout

@@ -330,6 +330,12 @@ def test_models_dir_names_models_by_file_stem(tmp_path, caplog):
         assert [m.name for m in directory_config(str(tmp_path), FLAGS).models] == ["a", "b"]
     assert "m@1.gguf: left out ('@' marks a replica" in caplog.text
     (tmp_path / "m@1.gguf").unlink()
+    at = tmp_path / "at"  # a split model's parts too (they were "later parts without a first")
+    at.mkdir()
+    for part in (1, 2):
+        (at / f"b@2-0000{part}-of-00002.gguf").write_bytes(b"x")
+    with pytest.raises(ValueError, match="no model in .*: every .gguf there was left out"):
+        directory_config(str(at), FLAGS)
     # A split model is one model, from its first part; a capitalised suffix is a GGUF too.
     for part in (1, 2, 3):
         (tmp_path / "sub" / f"big-0000{part}-of-00003.gguf").write_bytes(b"x")
