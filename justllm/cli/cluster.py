@@ -75,6 +75,7 @@ def deploy(
         cluster = _cluster()
         from justllm.cli import options as o
         from justllm.cli.plugins import plugins_of
+        from justllm.cli.serve import check_entry_flags
         from justllm.cluster.options import ClusterSettings, check_supported
         from justllm.gateway.config import Flags, load_config
 
@@ -82,6 +83,7 @@ def deploy(
         known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES,
                       spec_methods=plugins_of(context).spec_methods)
         config = load_config(read_yaml(config_file), known)
+        check_entry_flags(config.models, plugins_of(context))  # (as router mode's runners)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key, route_prefix)
         console = Console(stderr=True, emoji=False, soft_wrap=True)

@@ -23,7 +23,9 @@ from justllm.errors import ModelLoadError
 from justllm.plugins import Plugins
 
 if TYPE_CHECKING:
-    from justllm.gateway.config import GatewayConfig
+    from collections.abc import Sequence
+
+    from justllm.gateway.config import GatewayConfig, ModelSpec
 
 
 @o.engine_options
@@ -237,6 +239,18 @@ def gateway_config(models: list[str], models_file: str | None, models_dir: str |
     return config
 
 
+def check_entry_flags(models: Sequence[ModelSpec], plugins: Plugins) -> None:
+    """Each model's engine flags as its runner (or a cluster's replica) takes them: typed on
+    its command line, so one that would do nothing is refused whatever its value (``gamma:
+    4``, the default, without ``spec``): options.fit_engine_values."""
+    for m in models:
+        values = {key.replace("-", "_"): value for key, value in m.flags}
+        try:
+            o.fit_engine_values(o.config_values(values), values.keys(), plugins.spec_methods)
+        except ValueError as e:
+            raise ValueError(f"model '{m.name}': {e}") from None
+
+
 def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     """What a model's runners would refuse as they start, asked now as a single model's serve
     asks it (each model failed at its first request, after three runner starts): ``gpu`` on a
@@ -250,12 +264,7 @@ def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     from justllm.gateway.config import gguf_path, runner_engine_config
 
     local = [m for m in config.models if m.replicas]
-    for m in local:
-        values = {key.replace("-", "_"): value for key, value in m.flags}
-        try:
-            o.fit_engine_values(o.config_values(values), values.keys(), plugins.spec_methods)
-        except ValueError as e:
-            raise ValueError(f"model '{m.name}': {e}") from None
+    check_entry_flags(local, plugins)
     for m in local:
         flags = dict(m.flags)
         draft = flags.get("draft-model")

@@ -45,6 +45,11 @@ def test_a_bad_yaml_is_one_line(tmp_path):
                                                                         str(bad)]))
     missing = str(tmp_path / "missing.yaml")
     assert "cannot read" in one_error_line(runner.invoke(app, ["cluster", "deploy", missing]))
+    # a flag that would do nothing, at its default too, as router mode refuses it (a replica
+    # passed it over)
+    bad.write_text("models:\n  m:\n    source: /m.gguf\n    gamma: 4\n")
+    assert "model 'm': --gamma is for --spec" in one_error_line(
+        runner.invoke(app, ["cluster", "deploy", str(bad)]))
 
 
 def test_a_model_with_urls_is_refused(tmp_path):
