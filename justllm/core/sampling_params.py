@@ -234,6 +234,11 @@ class SamplingParams:
                "priority must be an integer", "priority")
 
     @property
+    def shown_top_p(self) -> float:
+        """top_p as the request gave it (0, the best token alone, is kept as a tiny nucleus)."""
+        return 0.0 if self.top_p == TOP_P_BEST_ALONE else self.top_p
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

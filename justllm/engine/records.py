@@ -26,8 +26,8 @@ def recorded_params(params: SamplingParams) -> dict[str, object]:
     """The sampling parameters a record names: those set away from their defaults, and
     ``max_tokens`` and ``temperature`` always."""
     defaults = SamplingParams()
-    return {name: getattr(params, name) for name in RECORDED_PARAMS
-            if name in ("max_tokens", "temperature")
+    return {name: params.shown_top_p if name == "top_p" else getattr(params, name)
+            for name in RECORDED_PARAMS if name in ("max_tokens", "temperature")
             or getattr(params, name) != getattr(defaults, name)}
 
 

@@ -90,3 +90,14 @@ def test_infinite_lora_scales_and_biases_are_refused_and_large_finite_penalties_
         SamplingParams(repeat_penalty=float("inf"))
     assert SamplingParams(repeat_penalty=1e300).repeat_penalty == 1e300
     assert SamplingParams(repeat_penalty=3).repeat_penalty == 3
+
+
+def test_top_p_0_keeps_the_best_token_alone_and_is_shown_as_given():
+    """OpenAI's and Ollama's clients send 0 (it was a 400): a nucleus of one, shown as 0 in
+    /slots and request records."""
+    from justllm.engine.records import recorded_params
+
+    p = SamplingParams(temperature=1.0, top_p=0)
+    assert 0 < p.top_p < 1e-9 and p.shown_top_p == 0.0
+    assert recorded_params(p)["top_p"] == 0.0
+    assert SamplingParams(top_p=0.5).shown_top_p == 0.5
