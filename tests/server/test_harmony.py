@@ -187,7 +187,9 @@ def test_ollama_anthropic_and_responses_read_the_channels(oss):
                for m in CHAT]
     r = post(oss, "/api/chat", {"model": oss.model, "stream": False, "messages": history,
                                 "options": {"temperature": 0, "num_predict": 80,
-                                            "stop": GREEDY["stop"]}})
+                                            "stop": GREEDY["stop"],
+                                            # (Ollama's default is 1.1: the chat's has none)
+                                            "repeat_penalty": 1.0}})
     said = r.json()["message"]
     assert (said["thinking"], said["content"]) == (want["reasoning_content"], want["content"])
     show = post(oss, "/api/show", {"model": oss.model}).json()
