@@ -604,7 +604,7 @@ MAX_SCHEMA_GRAMMAR_ALTERNATIVES = 8192
 MAX_GRAMMAR_NESTING = 1024
 _RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 # What is not structure: string literals and character classes (with their escapes).
-_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
 
 
 def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
@@ -620,7 +620,7 @@ def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
     n_rules = len(_RULE.findall(gbnf))
     if n_rules > rules:
         raise InvalidRequestError(f"{param}: {n_rules} rules; at most {rules}", param=param)
-    structure = np.frombuffer(_LITERALS.sub("", gbnf).encode(), dtype=np.uint8)
+    structure = np.frombuffer(GBNF_LITERALS.sub("", gbnf).encode(), dtype=np.uint8)
     found = int(np.count_nonzero(structure == ord("|")))
     if found > alternatives:
         raise InvalidRequestError(f"{param}: {found} alternatives ('|'); at most "

@@ -263,3 +263,17 @@ def test_references_inside_a_functions_parameters_follow_them_into_the_call_sche
         "$ref": "#/$defs/justllm-tool-call-arguments-1"}
     for schema in (one, two):
         assert "::=" in grammar_from_json_schema(schema)
+
+
+def test_prefixed_rules_rename_rule_names_only():
+    """Two JSON-schema grammars share one union (tools beside a response format): every rule
+    name of one is prefixed, and nothing inside literals, classes, counts or comments."""
+    from justllm.server.tools.grammar import prefixed_rules
+
+    gbnf = ('root ::= "{" space name-kv "}" # a comment: root space\n'
+            'name-kv ::= "\\"root\\" x" [a-z\\]-] item{2,5} space\n'
+            'item ::= [0-9]\nspace ::= " "?')
+    assert prefixed_rules(gbnf, "p-") == (
+        'p-root ::= "{" p-space p-name-kv "}" # a comment: root space\n'
+        'p-name-kv ::= "\\"root\\" x" [a-z\\]-] p-item{2,5} p-space\n'
+        'p-item ::= [0-9]\np-space ::= " "?')
