@@ -320,8 +320,14 @@ def to_chat(req: ResponseRequest, first: int = 0) -> ChatCompletionRequest:
             raise InvalidRequestError(f"{name}: {why}", param=name)
     check_stream_options(req)
     effort = req.reasoning.effort if req.reasoning else None
+    tools, choice, parallel = _tools(req), _tool_choice(req.tool_choice), req.parallel_tool_calls
+    if not tools and choice in ("auto", "none"):
+        # A Response says tool_choice "auto" and parallel_tool_calls true with no tools, and
+        # clients send its settings back (chat's 400 for them, OpenAI's own, is not the
+        # Responses API's); with nothing to call both say nothing. "required" stays a 400.
+        choice, parallel = None, None
     return ChatCompletionRequest(reasoning_effort=effort,
         model=req.model, messages=_messages(req, first), max_tokens=req.max_output_tokens,
-        temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
-        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
+        temperature=req.temperature, top_p=req.top_p, tools=tools,
+        tool_choice=choice, parallel_tool_calls=parallel,
         user=req.user or req.safety_identifier, response_format=_response_format(req))

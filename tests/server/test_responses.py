@@ -409,3 +409,16 @@ def test_the_store_is_bounded_least_recently_used_first():
     store.put("huge", b"x" * 20_000, [])  # larger than the whole store: not kept
     assert store.get("huge") is None and store.get("big") is not None
     assert store.delete("big") and not store.delete("big") and len(store) == 0
+
+
+def test_a_responses_own_tool_settings_without_tools_are_taken(client, server):
+    """A Response says tool_choice "auto" and parallel_tool_calls true with no tools, and
+    clients send them back (they were chat's 400s); "required" with nothing to call is not."""
+    kw = dict(model=server.model, input=HELLO, max_output_tokens=4, temperature=0)
+    plain = client.responses.create(**kw)
+    echoed = client.responses.create(**kw, tools=[], tool_choice="auto",
+                                     parallel_tool_calls=True)
+    assert echoed.output_text == plain.output_text and echoed.tool_choice == "auto"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
