@@ -196,12 +196,9 @@ def _check_kv_default() -> bool:
     return os.environ.get("JUSTLLM_CHECK_KV", "") not in ("", "0")
 
 
-# Speculation's settings, each meant for some methods only (check_spec_settings).
-SPEC_SETTINGS = ("gamma", "branch", "draft_p_min")
-
-
 def _spec_setting_uses(method: SpecMethod | None) -> tuple[tuple[str, str, bool, str], ...]:
-    """(setting, its flag, whether ``method`` uses it, what it is for) for each setting."""
+    """(setting, its flag, whether ``method`` uses it, what it is for) for each of
+    speculation's settings, each meant for some methods only (check_spec_settings)."""
     return (("gamma", "--gamma", method is not None, "--spec"),
             ("branch", "--branch", method is not None and method.tree, "--spec tree"),
             ("draft_p_min", "--draft-p-min", method is not None and method.draft_model,
@@ -425,7 +422,8 @@ class EngineConfig:
         # other than the default counts as given; the CLI knows what was typed (cli/options.py).
         fields = type(self).__dataclass_fields__
         check_spec_settings(self.spec, self.spec_method,
-                            [n for n in SPEC_SETTINGS if getattr(self, n) != fields[n].default])
+                            [n for n, *_ in _spec_setting_uses(None)
+                             if getattr(self, n) != fields[n].default])
         if self.chat_template is not None and (not isinstance(self.chat_template, str)
                                                or not self.chat_template.strip()):
             raise ValueError("chat_template must be a template name or a file path")

@@ -195,7 +195,7 @@ def tag(
     file is registered where it is, not copied."""
     with cli_errors():
         from justllm.cli.plugins import check_new_name, plugins_of
-        from justllm.models.registry import Registry
+        from justllm.models.registry import Registry, same_file
 
         check_new_name(plugins_of(context), target)
         registry = Registry()
@@ -208,18 +208,11 @@ def tag(
             key, m, before = registry.tag(plugin_file, target)
         moved = f" (moved from sha256:{before.short}, which is kept)" if before else ""
         file = Path(source).expanduser().absolute()
-        if file.is_file() and not _same_file(file, m.path):  # FILE's bytes were registered
+        if file.is_file() and not same_file(file, m.path):  # FILE's bytes were registered
             moved += f" (registered there already; {file}, the same bytes, is kept as its " \
                      "copy, used if that file goes or changes)"
         Console(highlight=False, emoji=False).print(f"{key} -> {m.digest[:19]} {m.path}{moved}",
                                        markup=False, soft_wrap=True)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)
-    except OSError:
-        return False
 
 
 def rm(

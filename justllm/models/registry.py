@@ -698,14 +698,15 @@ def _is_adapter(path: Path) -> bool:
 
 def _names(recorded: Path, path: Path, root: Path) -> bool:
     """Whether the file a manifest recorded is ``path`` (the same stored path, or a link)."""
-    return stored_path(recorded, root) == stored_path(path, root) or _same_file(recorded, path)
+    return stored_path(recorded, root) == stored_path(path, root) or same_file(recorded, path)
 
 
 def _without(paths: tuple[Path, ...], path: Path, root: Path) -> tuple[Path, ...]:
     return tuple(p for p in paths if not _names(p, path, root))
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (False where either is missing)."""
     try:
         return os.path.samefile(a, b)
     except OSError:

@@ -105,11 +105,11 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_STOP = 16  # stop strings a request may send; a chat template adds its own
 # (SamplingParams' MAX_STOP bounds the sum)
 
-# OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
-# and why any other value is refused: every accepted field is honoured, none ignored.
 # /v1/completions' max_tokens when a request gives none (OpenAI's default).
 COMPLETION_MAX_TOKENS = 16
 
+# OpenAI request fields justllm does not implement, with the values that mean "off" (accepted)
+# and why any other value is refused: every accepted field is honoured, none ignored.
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "functions": ((None, []), "the deprecated functions field is not supported: send tools"),
     "function_call": ((None, "none"), "the deprecated function_call field is not supported: "
@@ -405,12 +405,7 @@ class OpenAIServing:
         """The prompt ``req`` is answered from, its tools included (what usage counts);
         without the assistant's opening when ``generation_prompt`` is False (/tokenize)."""
         plan = tool_plan(req)
-        fmt = req.response_format
-        found = requested(req)
-        constrained = ("tool_choice" if plan.enforced
-                       else "response_format" if fmt is not None and fmt.type != "text"
-                       else found[0] if found is not None else None)
-        return self._prompt(req, plan, constrained, generation_prompt)
+        return self._prompt(req, plan, held_by(req, plan), generation_prompt)
 
     def _render(self, messages: list[ChatMessage], plan: ToolPlan,
                 continue_final: bool = False, kwargs: dict[str, Any] | None = None,
@@ -505,7 +500,6 @@ class OpenAIServing:
             raise InvalidRequestError(f"tools and {extra[1]}: give one way to constrain the "
                                       "answer (or tool_choice: none)", param=extra[1])
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
-        held = "tool_choice" if plan.enforced else "response_format"
         if plan.mode == "auto" and grammar is not None:  # a call, or an answer in the format
             grammar = call_or_answer_grammar(self._tool_grammar(plan), grammar)
             # (each half was held to a schema grammar's limits; together they may pass them)
@@ -515,8 +509,8 @@ class OpenAIServing:
             if grammar is not None:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
                                           "constrain the answer", param=extra[1])
-            grammar, held = extra
-        prompt = self._prompt(req, plan, constrained=held if grammar is not None else None)
+            grammar = extra[0]
+        prompt = self._prompt(req, plan, constrained=held_by(req, plan))
         triggers: tuple[str, ...] = ()
         if plan.mode == "auto" and grammar is None and not req.min_tokens:
             grammar, triggers = self._lazy_tool_grammar(plan)
@@ -1113,6 +1107,17 @@ class _Streamed(Protocol):
     def stream(self) -> bool | None: ...
     @property
     def stream_options(self) -> object: ...
+
+
+def held_by(req: ChatCompletionRequest, plan: ToolPlan) -> str | None:
+    """The request's field whose grammar holds the whole answer (a required call, a response
+    format, a structured-output extra), which the prompt is rendered for and a refusal
+    names; None when the answer is free (an auto call's lazy grammar holds only the call)."""
+    fmt = req.response_format
+    found = requested(req)
+    return ("tool_choice" if plan.enforced
+            else "response_format" if fmt is not None and fmt.type != "text"
+            else found[0] if found is not None else None)
 
 
 def check_stream_options(req: _Streamed) -> None:

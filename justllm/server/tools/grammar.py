@@ -125,7 +125,6 @@ def call_or_answer_grammar(calls_gbnf: str, answer_gbnf: str) -> str:
     return f'root ::= {_CALL_RULE}s | " "? {_CALL_RULE}-answer-root\n{calls}\n{answer}'
 
 
-
 def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group
