@@ -170,6 +170,9 @@ class RequestOutput:
     # None for the first (nothing comes before it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they are of
+    # A grammar held the text when this output was made (a lazy one once its trigger came):
+    # the tool-call text it holds cannot turn out malformed, so it may be streamed as it grows.
+    held: bool = False
 
 
 @dataclass
@@ -1187,7 +1190,9 @@ class Engine:
                              reason.value if reason else None, out.logprobs or None,
                              live.metrics, stop=live.detok.matched if reason else None,
                              handover=handover, prompt_logprobs=prompt_lps,
-                             prompt_token_ids=req.prompt_token_ids if prompt_lps else None)
+                             prompt_token_ids=req.prompt_token_ids if prompt_lps else None,
+                             held=live.sampler.constraint is not None
+                             and live.sampler.constraint.active)
 
     def _end_with_error(self, live: _Live, out: _Emitted, message: str,
                         result: StepResult, code: str | None = None) -> RequestOutput:

@@ -296,18 +296,27 @@ async def answer_lines(model: str, arrival: Arrival, events: AsyncGenerator[Chat
         return _json.encode({"model": model, "created_at": created_at(), "message": message,
                              "done": False}) + b"\n"
 
+    def call_line(start: ToolCallStart, arguments: str) -> bytes:
+        return line(_message("", [_call(ToolCall(start.id, start.name, arguments),
+                                        start.call_index)]))
+
     finish: str | None = None
-    start: ToolCallStart | None = None
+    start: ToolCallStart | None = None  # the call whose arguments are coming
+    arguments = ""
     async with aclosing(events):
         async for ev in events:
             if isinstance(ev, TextDelta) and (ev.text or ev.reasoning):
                 yield line(_message(ev.text, thinking=ev.reasoning))
             elif isinstance(ev, ToolCallStart):
-                start = ev
-            elif isinstance(ev, ToolCallArguments) and start is not None:
-                call = ToolCall(start.id, start.name, ev.arguments)
-                yield line(_message("", [_call(call, ev.call_index)]))
+                if start is not None:
+                    yield call_line(start, arguments)
+                start, arguments = ev, ""
+            elif isinstance(ev, ToolCallArguments):
+                arguments += ev.arguments
             elif isinstance(ev, ChoiceEnd):
+                if start is not None:
+                    yield call_line(start, arguments)
+                    start = None
                 finish = ev.finish_reason
             elif isinstance(ev, StreamEnd):
                 yield _json.encode(_final(model, arrival, _message(""), finish, ev.usage,

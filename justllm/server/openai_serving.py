@@ -13,7 +13,7 @@ import secrets
 import string
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, cast
@@ -99,6 +99,7 @@ from justllm.server.tools.request import (
     message_dict,
     tool_plan,
 )
+from justllm.server.tools.stream import CallDelta, CallOpened
 
 _json = msgspec.json.Encoder()
 log = logging.getLogger(__name__)
@@ -686,12 +687,23 @@ class OpenAIServing:
                  for _ in streams]
         return streams, texts
 
-    def _call(self, call: ParsedCall) -> ToolCall:
+    def _call_id(self) -> str:
         if self.template.tool_format == "mistral":  # its templates insist on 9 alphanumerics
-            call_id = "".join(secrets.choice(_ALNUM) for _ in range(9))
-        else:
-            call_id = f"call_{uuid.uuid4().hex[:24]}"
-        return ToolCall(call_id, call.name, call.arguments)
+            return "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def _call(self, call: ParsedCall) -> ToolCall:
+        return ToolCall(self._call_id(), call.name, call.arguments)
+
+    def _call_events(self, index: int, deltas: list[CallDelta]
+                     ) -> Iterator[ToolCallStart | ToolCallArguments]:
+        """Choice ``index``'s calls' news as events: a call's start (its id made here), then
+        pieces of its arguments."""
+        for d in deltas:
+            if isinstance(d, CallOpened):
+                yield ToolCallStart(index, d.call_index, self._call_id(), d.name)
+            else:
+                yield ToolCallArguments(index, d.call_index, d.arguments)
 
     async def chat_result(self, req: ChatCompletionRequest, rid: str | None = None,
                           resume: Sequence[Handover] | None = None,
@@ -704,13 +716,14 @@ class OpenAIServing:
         choices = []
         thoughts = []
         for i, (answer, final) in enumerate(zip(answers, finals)):
-            thought, parsed = answer.whole(texts[i])
+            thought, parsed = answer.whole(texts[i], final is not None and final.held)
             thoughts.append(thought or "")
             calls = tuple(self._call(c) for c in parsed.calls)
+            ended = calls and not parsed.cut
             choices.append(ChoiceResult(
                 i, parsed.content if parsed.content or not calls else None, calls,
-                "tool_calls" if calls else final.finish_reason if final else None, lps[i],
-                None if calls or final is None else final.stop, thought))
+                "tool_calls" if ended else final.finish_reason if final else None, lps[i],
+                None if ended or final is None else final.stop, thought))
         return ChatResult(choices, self._with_reasoning(_usage(finals, req.n), thoughts),
                           _timings(finals), prompts[0])
 
@@ -752,21 +765,24 @@ class OpenAIServing:
                                       else "shutting_down")
                     return
                 answer = answers[i]
-                thought, text = answer.feed(out.text)
+                thought, text = answer.feed(out.text, out.held)
                 thoughts[i] += thought
                 if text or thought or out.logprobs:
                     yield TextDelta(i, text, out.logprobs, thought)
+                for ev in self._call_events(i, answer.deltas()):
+                    yield ev
                 if out.finished:
                     finals[i] = out
                     thought, rest, parsed = answer.finish()
                     thoughts[i] += thought
                     if rest or thought:
                         yield TextDelta(i, rest, reasoning=thought)
-                    for k, call in enumerate(self._call(c) for c in parsed):
-                        yield ToolCallStart(i, k, call.id, call.name)
-                        yield ToolCallArguments(i, k, call.arguments)
-                    yield ChoiceEnd(i, "tool_calls" if parsed else out.finish_reason or "stop",
-                                    None if parsed else out.stop)
+                    for ev in self._call_events(i, answer.deltas()):
+                        yield ev
+                    if parsed is not None and parsed.calls and not parsed.cut:
+                        yield ChoiceEnd(i, "tool_calls")
+                    else:
+                        yield ChoiceEnd(i, out.finish_reason or "stop", out.stop)
         yield StreamEnd(self._with_reasoning(_usage(finals, n), thoughts), _timings(finals))
 
     async def chat(self, req: ChatCompletionRequest, resume: Sequence[Handover] | None = None,

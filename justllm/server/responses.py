@@ -110,8 +110,10 @@ def _full(resp: ResponseObject, result: ChatResult, opaque: bool = False) -> Res
     if choice.content or not choice.tool_calls:
         text = OutputText(choice.content or "", [], [])
         resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
-    resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments, "completed")
-                    for c in choice.tool_calls]
+    last = len(choice.tool_calls) - 1  # (cut off with the answer when it is incomplete)
+    resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments,
+                                       status if k == last else "completed")
+                    for k, c in enumerate(choice.tool_calls)]
     return _finish(resp, choice.finish_reason, result.usage)
 
 
@@ -209,7 +211,8 @@ class _Writer:
             frames.append(self.event("response.function_call_arguments.done", item_id=item.id,
                                      output_index=index, name=item.name,
                                      arguments=item.arguments))
-            item.status = "completed"
+            # (the answer's last call, cut off by max_output_tokens: its arguments end early)
+            item.status = "incomplete" if self.truncated else "completed"
         frames.append(self.event("response.output_item.done", output_index=index, item=item))
         return frames
 

@@ -329,6 +329,7 @@ def test_a_streamed_tool_use(client, server):
     pieces = [e.delta.partial_json for e in events
               if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
     assert json.loads("".join(pieces)) == final.content[-1].input
+    assert len(pieces) > 3  # the grammar holds the call: its input streams as it is written
     assert final.stop_reason == "tool_use" and final.content[-1].name == "get_weather"
     assert starts[-1].content_block.id == final.content[-1].id
     assert final.content[-1].id.startswith("toolu_")

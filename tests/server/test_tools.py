@@ -76,7 +76,8 @@ def test_named_call_streams_in_openai_chunk_shape(server):
     call_id = start["tool_calls"][0]["id"]
     assert start == {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
                                      "function": {"name": "add", "arguments": ""}}]}
-    assert pieces and all(d == {"tool_calls": [{"index": 0, "function": {
+    assert len(pieces) > 3  # the arguments come as the model writes them
+    assert all(d == {"tool_calls": [{"index": 0, "function": {
         "arguments": d["tool_calls"][0]["function"]["arguments"]}}]} for d in pieces)
     assert end == {} and reasons == [None] * (len(deltas) - 1) + ["tool_calls"]
     arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in pieces)
@@ -203,6 +204,8 @@ def test_an_auto_call_the_model_starts_is_held_to_the_tools_schema(client, serve
     pieces = [d.function.arguments or "" for c in streamed for d in (
         c.choices[0].delta.tool_calls or [])]
     assert json.loads("".join(pieces)) == args
+    # (held by the grammar once the call began, its arguments stream as they are written)
+    assert len([p for p in pieces if p]) > 3
 
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
@@ -263,6 +266,31 @@ def test_a_cut_off_call_comes_back_as_text(client, server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
     assert streamed[-1].choices[0].finish_reason == "length"
     assert not any(c.choices[0].delta.tool_calls for c in streamed)
+
+
+def test_a_call_cut_off_inside_its_arguments_stands_as_far_as_it_came(client, server):
+    """As OpenAI's API: max_tokens that ends a call inside its arguments gives the call with
+    the arguments so far and finish_reason "length", streamed or not, the stream's pieces
+    joining to the same arguments."""
+    kw = dict(model=server.model, messages=ASK, tools=TOOLS, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              extra_body={"cache_prompt": False})
+    whole = client.chat.completions.create(**kw, max_tokens=48)
+    full = whole.choices[0].message.tool_calls[0].function.arguments
+    r = client.chat.completions.create(**kw, max_tokens=whole.usage.completion_tokens - 3)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert full.startswith(call.function.arguments) and len(call.function.arguments) > 10
+    assert call.function.arguments != full
+    streamed = list(client.chat.completions.create(
+        **kw, max_tokens=whole.usage.completion_tokens - 3, stream=True))
+    pieces = [d.function.arguments or "" for c in streamed for d in (
+        c.choices[0].delta.tool_calls or [])]
+    assert "".join(pieces) == call.function.arguments
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content for c in streamed)
 
 
 def test_bad_tool_requests_get_openai_errors(server):

@@ -19,8 +19,8 @@ from justllm.core.reasoning import ReasoningSplitter, split_reasoning
 from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
 from justllm.server.tools.harmony_text import HarmonyText
-from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
-from justllm.server.tools.stream import CallSplitter
+from justllm.server.tools.parse import ParsedAnswer
+from justllm.server.tools.stream import CallDelta, CallSplitter, read_whole, rest_of_calls
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,7 @@ class ChoiceText:
         self._reasoner = (ReasoningSplitter(thinking.tags, thinking.opened)
                           if thinking and not harmony else None)
         self._splitter = CallSplitter(fmt, names, parallel) if fmt and not harmony else None
+        self._harmony_calls: list[CallDelta] = []  # (a gpt-oss answer's calls come whole)
 
     def _unlead(self, text: str) -> str:
         text, self._prefix = self._prefix + text, ""
@@ -149,30 +150,44 @@ class ChoiceText:
             self._lstrip = not text
         return text
 
-    def feed(self, piece: str) -> tuple[str, str]:
-        """A streamed piece -> the thinking and the content to show now."""
+    def feed(self, piece: str, held: bool = False) -> tuple[str, str]:
+        """A streamed piece -> the thinking and the content to show now. ``held``: a grammar
+        holds the answer now (its calls are streamed as they grow: ``deltas``)."""
         text = self._unlead(piece)
         if self._harmony is not None:
             return self._harmony.feed(text)
         thought = ""
         if self._reasoner is not None:
             thought, text = self._reasoner.feed(text)
-        return thought, self._splitter.feed(text) if self._splitter else text
+        return thought, self._splitter.feed(text, held) if self._splitter else text
 
-    def finish(self) -> tuple[str, str, tuple[ParsedCall, ...]]:
-        """At the stream's end: the thinking and content not shown yet, and the calls."""
+    def deltas(self) -> list[CallDelta]:
+        """The calls' news since the last ``feed`` or ``finish`` (only where a grammar holds
+        the calls; other calls come whole from ``finish``)."""
+        if self._splitter is None:
+            out, self._harmony_calls = self._harmony_calls, []
+            return out
+        return self._splitter.deltas()
+
+    def finish(self) -> tuple[str, str, ParsedAnswer | None]:
+        """At the stream's end: the thinking and content not shown yet, and the answer's
+        calls (None without tools). The calls streamed so far are in it whole; ``deltas``
+        then gives what the stream still owes of them."""
         if self._harmony is not None:
-            return self._harmony.finish()
+            thought, content, calls = self._harmony.finish()
+            self._harmony_calls = rest_of_calls([], calls)
+            return thought, content, ParsedAnswer("", calls)
         thought, text = (self._reasoner.finish() if self._reasoner is not None
                          else ("", self._unlead("")))
         if self._splitter is None:
-            return thought, text, ()
+            return thought, text, None
         shown = self._splitter.feed(text)
         rest, answer = self._splitter.finish()
-        return thought, shown + rest, answer.calls
+        return thought, shown + rest, answer
 
-    def whole(self, text: str) -> tuple[str | None, ParsedAnswer]:
-        """A whole (non-streamed) answer: its thinking and the rest parsed."""
+    def whole(self, text: str, held: bool = False) -> tuple[str | None, ParsedAnswer]:
+        """A whole (non-streamed) answer: its thinking and the rest parsed (``held``: a
+        grammar held it at its end, so calls cut off are read as a stream reads them)."""
         text = self._unlead(text)
         thought = None
         if self._harmony is not None:
@@ -184,4 +199,4 @@ class ChoiceText:
             thought, text = reasoned.reasoning, reasoned.content
         if self._fmt is None:
             return thought, ParsedAnswer(text)
-        return thought, parse_answer(text, self._fmt, self._names, self._parallel)
+        return thought, read_whole(text, self._fmt, self._names, self._parallel, held)

@@ -60,9 +60,26 @@ def _finite(text: str) -> float:
     return value
 
 
+class _AsWritten(dict):  # type: ignore[type-arg]
+    """A JSON object as the model wrote it: a key given twice is read as its last value (as
+    ``json.loads`` reads it), and ``json.dumps`` writes every pair in its place, so arguments
+    are re-serialised as written and a stream's pieces (``json_stream.py``) join to them."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self._pairs = pairs
+
+    def items(self) -> Any:  # (json's encoder writes a dict subclass's items())
+        return self._pairs
+
+
 # A model may write raw newlines inside strings; NaN and Infinity are Python's, not JSON's
 # (they were passed on as arguments no JSON parser reads).
-_DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite)
+DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite,
+                           object_pairs_hook=_AsWritten)
+# What reading a model's JSON may raise: a decode error, Malformed, a number too long for
+# Python's int (ValueError), brackets nested by the thousand.
+JSON_ERRORS = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,9 @@ class ParsedCall:
 class ParsedAnswer:
     content: str
     calls: tuple[ParsedCall, ...] = ()
+    # The answer ended inside its calls (a grammar held them; max_tokens or a stop string cut
+    # them off): the last one's arguments are as far as they came, not JSON.
+    cut: bool = False
 
 
 class Malformed(ValueError):
@@ -152,8 +172,8 @@ def _skip_blank(text: str, i: int) -> int:
 def _json_at(text: str, i: int) -> tuple[Any, int]:
     i = _skip_blank(text, i)
     try:
-        return _DECODER.raw_decode(text, i)
-    except json.JSONDecodeError as e:
+        return DECODER.raw_decode(text, i)
+    except ValueError as e:
         raise Malformed(str(e)) from None
     except RecursionError:  # (a model's answer can open brackets by the thousand)
         raise Malformed("JSON nested too deeply") from None
@@ -239,9 +259,10 @@ def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:
     args = obj.get("arguments", obj.get("parameters", {}))
     try:
         if isinstance(args, str):
-            args = _DECODER.decode(args)
-        if not isinstance(args, dict):
-            raise Malformed("arguments are not a JSON object")
-        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
-    except (json.JSONDecodeError, RecursionError):
+            args = DECODER.decode(args)
+        text = json.dumps(args, ensure_ascii=False)
+    except JSON_ERRORS:
         raise Malformed("arguments are not JSON, or nested too deeply") from None
+    if not isinstance(args, dict):
+        raise Malformed("arguments are not a JSON object")
+    return ParsedCall(name, text)

@@ -6,11 +6,108 @@ of a JSON call ever reaches the content), and so are trailing blanks (a call's c
 without them). Once a complete marker is seen, the rest of the answer is the call region; it
 is parsed when the answer ends, by ``parse_answer`` on the whole text, so a stream and a
 whole answer always agree (a malformed call comes out as the held-back text).
+
+Where a grammar holds the call region (a forced call, a format beside tools, or the lazy
+grammar once the marker came), the calls cannot turn out malformed, so they are streamed as
+they are written (a ``CallReader``): each call opens once its name is read and its
+arguments follow as canonical JSON text (``json_stream.py``), pieces of what the whole parse
+gives. Only an answer cut off inside a call (``max_tokens``, a stop string) ends otherwise:
+its calls stand as far as they came (``ParsedAnswer.cut``), as OpenAI's API returns them, and
+a whole answer is read the same way.
 """
 
 from __future__ import annotations
 
-from justllm.server.tools.parse import Match, ParsedAnswer, find_call_start, parse_answer
+import json
+import re
+from dataclasses import dataclass
+
+from justllm.server.tools.json_stream import JsonStream
+from justllm.server.tools.parse import (
+    Match,
+    ParsedAnswer,
+    ParsedCall,
+    find_call_start,
+    first_full_start,
+    parse_answer,
+)
+
+# The head of a call object as the forcing grammar spells it (``tools/grammar.py``: "name"
+# first, then the arguments); its arguments begin where it ends.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
+                        r'"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass(frozen=True)
+class CallOpened:
+    call_index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class CallPiece:
+    call_index: int
+    arguments: str  # a piece of the call's arguments (canonical JSON text)
+
+
+CallDelta = CallOpened | CallPiece
+
+
+class CallReader:
+    """Reads a call region that a grammar holds, as it grows: the calls opened so far, each
+    with its arguments as far as they are settled."""
+
+    def __init__(self, names: frozenset[str] | None, parallel: bool) -> None:
+        self._names, self._parallel = names, parallel
+        self.calls: list[tuple[str, str]] = []  # (name, arguments so far)
+        self._args: JsonStream | None = None  # the open call's arguments
+        self._args_from = 0  # where they begin in the region
+        self._fed = 0  # of the region, given to _args
+        self._search_from = 0
+        self.stopped = False  # the region went where the reader does not follow
+
+    def feed(self, region: str) -> list[CallDelta]:
+        """``region``: the whole call region so far (it only grows). The calls' news."""
+        out: list[CallDelta] = []
+        while not self.stopped:
+            if self._args is None:
+                if self.calls and not self._parallel:
+                    break
+                head = _CALL_HEAD.search(region, self._search_from)
+                if head is None:
+                    break
+                try:
+                    name = json.loads(head[1])
+                except ValueError:
+                    name = None
+                if not isinstance(name, str) or (self._names is not None
+                                                 and name not in self._names):
+                    self.stopped = True
+                    break
+                self.calls.append((name, ""))
+                out.append(CallOpened(len(self.calls) - 1, name))
+                self._args, self._args_from = JsonStream(), head.end()
+                self._fed = head.end()
+            piece = self._args.feed(region[self._fed:])
+            self._fed = len(region)
+            if piece:
+                k = len(self.calls) - 1
+                name, so_far = self.calls[k]
+                self.calls[k] = (name, so_far + piece)
+                out.append(CallPiece(k, piece))
+            if self._args.broken:
+                self.stopped = True
+            elif self._args.end is not None:
+                self._search_from = self._args_from + self._args.end
+                self._args = None
+                continue
+            break
+        return out
+
+    def cut(self, content: str) -> ParsedAnswer:
+        """The answer when it ended before its calls were whole: the calls as far as they
+        came."""
+        return ParsedAnswer(content, tuple(ParsedCall(n, a) for n, a in self.calls), cut=True)
 
 
 class CallSplitter:
@@ -25,22 +122,74 @@ class CallSplitter:
         self._text = ""
         self._shown = 0  # characters of _text given out as content
         self._calls_from: int | None = None  # where the first complete call marker begins
+        self._reader: CallReader | None = None  # when a grammar holds the calls
+        self._deltas: list[CallDelta] = []
 
-    def feed(self, piece: str) -> str:
-        """Append ``piece``; the content that can be shown now (maybe "")."""
+    def feed(self, piece: str, held: bool = False) -> str:
+        """Append ``piece``; the content that can be shown now (maybe ""). ``held``: a
+        grammar holds the answer now (the calls it holds are streamed, ``deltas``)."""
         self._text += piece
         if self._calls_from is not None:
+            self._read()
             return ""
         match, at = find_call_start(self._text, self._fmt, self._shown)
         if match is Match.FULL:
             self._calls_from = at
+            if held:
+                self._reader = CallReader(self._names, self._parallel)
+                self._read()
         safe = max(self._shown, len(self._text[:at].rstrip()))
         shown, self._shown = self._text[self._shown:safe], safe
         return shown
 
+    def _read(self) -> None:
+        if self._reader is not None and self._calls_from is not None:
+            self._deltas += self._reader.feed(self._text[self._calls_from:])
+
+    def deltas(self) -> list[CallDelta]:
+        """The calls' news since the last time asked."""
+        out, self._deltas = self._deltas, []
+        return out
+
     def finish(self) -> tuple[str, ParsedAnswer]:
-        """The content not shown yet, and the whole answer parsed."""
+        """The content not shown yet, and the whole answer parsed; ``deltas`` then gives
+        what is left of calls streamed so far (and the calls never opened, whole)."""
         answer = parse_answer(self._text, self._fmt, self._names, self._parallel)
+        reader = self._reader
+        if reader is not None and reader.calls and not answer.calls:
+            answer = reader.cut(answer.content[:self._shown])
+        else:
+            self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
         rest = answer.content[self._shown:]
         self._shown = len(answer.content)
         return rest, answer
+
+
+def rest_of_calls(streamed: list[tuple[str, str]],
+                   calls: tuple[ParsedCall, ...]) -> list[CallDelta]:
+    """What the stream still owes of ``calls`` after ``streamed``: the rest of each open
+    call's arguments, then the calls it never opened."""
+    out: list[CallDelta] = []
+    for k, call in enumerate(calls):
+        if k < len(streamed):
+            # (a prefix by construction: the same text, read the same way)
+            rest = call.arguments[len(streamed[k][1]):]
+        else:
+            out.append(CallOpened(k, call.name))
+            rest = call.arguments
+        if rest:
+            out.append(CallPiece(k, rest))
+    return out
+
+
+def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool,
+               held: bool) -> ParsedAnswer:
+    """A whole answer read as its stream is: ``parse_answer``, but where a grammar held the
+    calls and the answer was cut off inside them, the calls as far as they came."""
+    answer = parse_answer(text, fmt, names, parallel)
+    at = first_full_start(text, fmt) if held and not answer.calls else None
+    if at is None:
+        return answer
+    reader = CallReader(names, parallel)
+    reader.feed(text[at:])
+    return reader.cut(text[:at].rstrip()) if reader.calls else answer

@@ -1,0 +1,152 @@
+"""One JSON value's text -> its canonical text, piece by piece as the text arrives.
+
+A tool call's arguments are given to clients re-serialised (``parse.py``: ``json.dumps`` with
+``ensure_ascii=False``, every key as written), so that a streamed and a whole answer agree.
+To stream them while the model writes them, each piece given out must be a prefix of that
+final text. Token by token it is: ``{`` ``[`` ``}`` ``]`` as written, ``, `` and ``: ``
+between, a number or ``true``/``false``/``null`` once it is complete (``1.50`` is ``1.5``),
+and a string a character at a time (``json.dumps`` escapes each character on its own), except
+that an escape is given once it is whole (a ``\\ud83d`` waits for the ``\\ude00`` that may
+pair with it).
+
+Nothing here checks that the text is JSON beyond what it needs to read it: the stream is used
+where a grammar holds the text, and the whole answer's parse has the last word. Text it
+cannot read stops it (``broken``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from justllm.server.tools.parse import DECODER, JSON_ERRORS
+
+_BLANK = " \t\n\r"
+_NUMBER = frozenset("+-0123456789.eE")
+_LITERALS = ("true", "false", "null")
+_SEPARATORS = {",": ", ", ":": ": "}
+_LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_LOW_SURROGATE_START = ("\\", "u", "dD", "cdefCDEF")
+
+
+def _may_become_low_surrogate(text: str) -> bool:
+    """Whether ``text`` (under 6 characters) can still grow into a ``\\udc00``-``\\udfff``."""
+    for k, ch in enumerate(text):
+        allowed = _LOW_SURROGATE_START[k] if k < 4 else "0123456789abcdefABCDEF"
+        if ch not in allowed:
+            return False
+    return True
+
+
+class JsonStream:
+    """Feed one JSON value's text (from its first character) in pieces; each ``feed`` gives
+    the canonical text that is settled now. ``end`` is where the value ended in the text fed
+    (None until it has)."""
+
+    def __init__(self) -> None:
+        self._raw = ""
+        self._at = 0  # the next character of _raw to read
+        self._depth = 0
+        self._in_string = False  # _at is inside a string (what came before it given out)
+        self.end: int | None = None
+        self.broken = False
+
+    def feed(self, text: str) -> str:
+        self._raw += text
+        out = []
+        while self.end is None and not self.broken:
+            piece = self._next()
+            if not piece:
+                break
+            out.append(piece)
+        return "".join(out)
+
+    def _next(self) -> str | None:
+        raw, i = self._raw, self._at
+        if self._in_string:
+            return self._string(i)
+        while i < len(raw) and raw[i] in _BLANK:
+            i += 1
+        self._at = i
+        if i == len(raw):
+            return None
+        ch = raw[i]
+        if ch in "{[":
+            self._depth += 1
+            return self._took(i + 1, ch)
+        if ch in "}]":
+            self._depth -= 1
+            return self._took(i + 1, ch)
+        if ch in _SEPARATORS and self._depth:
+            return self._took(i + 1, _SEPARATORS[ch])
+        if ch == '"':
+            return self._string(i)
+        if ch in _NUMBER:
+            j = i
+            while j < len(raw) and raw[j] in _NUMBER:
+                j += 1
+            if j == len(raw) and self._depth:  # more digits may come
+                return None
+            return self._value(i, j)
+        for literal in _LITERALS:
+            if raw.startswith(literal, i):
+                return self._took(i + len(literal), literal)
+            if literal.startswith(raw[i:]):
+                return None
+        self.broken = True
+        return None
+
+    def _took(self, at: int, piece: str) -> str:
+        self._at = at
+        if self._depth == 0:
+            self.end = at
+        return piece
+
+    def _value(self, i: int, j: int) -> str | None:
+        try:
+            return self._took(j, json.dumps(DECODER.decode(self._raw[i:j]), ensure_ascii=False))
+        except JSON_ERRORS:
+            self.broken = True
+            return None
+
+    def _string(self, i: int) -> str | None:
+        """A string from ``i`` (its opening quote, or where the part given out ends): its
+        characters that are whole, the closing quote once it comes."""
+        raw, opening = self._raw, not self._in_string
+        j = i + 1 if opening else i
+        start, closed = j, False
+        while j < len(raw):
+            ch = raw[j]
+            if ch == '"':
+                closed = True
+                break
+            if ch != "\\":
+                j += 1
+                continue
+            if j + 1 == len(raw):
+                break
+            if raw[j + 1] != "u":
+                j += 2
+                continue
+            if j + 6 > len(raw):
+                break
+            tail = raw[j + 6:j + 12]
+            if raw[j + 2] in "dD" and raw[j + 3] in "89abAB":  # a high surrogate
+                if _LOW_SURROGATE.fullmatch(tail):
+                    j += 12
+                    continue
+                if len(tail) < 6 and _may_become_low_surrogate(tail):
+                    break
+            j += 6
+        try:
+            # (a part that begins and ends between characters reads as a string of its own)
+            text = json.dumps(DECODER.decode('"' + raw[start:j] + '"'), ensure_ascii=False)
+        except JSON_ERRORS:
+            self.broken = True
+            return None
+        piece = ('"' if opening else "") + text[1:-1]
+        if closed:
+            self._in_string = False
+            return self._took(j + 1, piece + '"')
+        self._in_string, self._at = True, j
+        return piece or None

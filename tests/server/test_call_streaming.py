@@ -1,0 +1,175 @@
+"""Tool calls streamed as they are written where a grammar holds them: each piece of the
+arguments is a piece of what the whole answer's parse gives, for every way the text can be cut
+into pieces and every point the answer can be cut off at (pure logic; the real server's
+stream is tested in test_tools.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from justllm.server.tools.json_stream import JsonStream
+from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
+from justllm.server.tools.stream import (
+    CallOpened,
+    CallPiece,
+    CallSplitter,
+    read_whole,
+)
+
+NAMES = frozenset({"get_weather", "add"})
+
+
+def _canonical(text: str) -> str:
+    """What parse.py gives for a call's arguments."""
+    return parse_answer('{"name": "add", "arguments": ' + text + "}", "generic",
+                        None).calls[0].arguments
+
+
+def _streamed(text: str, cuts: list[int]) -> tuple[list[str], JsonStream]:
+    js, pieces, at = JsonStream(), [], 0
+    for cut in [*sorted(cuts), len(text)]:
+        pieces.append(js.feed(text[at:cut]))
+        at = cut
+    return pieces, js
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=6), _JSON, max_size=4), ascii=st.booleans(),
+       indent=st.sampled_from([None, 0, 2]), data=st.data())
+def test_json_pieces_join_to_the_canonical_text_wherever_the_text_is_cut(value, ascii,
+                                                                         indent, data):
+    # (ensure_ascii writes characters past U+FFFF as surrogate pairs of escapes)
+    text = json.dumps(value, ensure_ascii=ascii, indent=indent)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    pieces, js = _streamed(text + "\n</tool_call>", cuts)
+    assert "".join(pieces) == _canonical(text) == json.dumps(value, ensure_ascii=False)
+    assert js.end == len(text) and not js.broken
+
+
+@pytest.mark.parametrize("text, canonical", [
+    ('{"a":1.50,"b":-0,"c":1E5,"d":[true,null,false]}',
+     '{"a": 1.5, "b": 0, "c": 100000.0, "d": [true, null, false]}'),
+    ('{"k": "v", "k": 2}', '{"k": "v", "k": 2}'),  # a key given twice stays as written
+    # (a lone surrogate stays one, as json.dumps writes it)
+    ('{"s": "\\ud83d\\ude00 \\ud83d x \\u00e9\\n\\/"}', '{"s": "😀 \ud83d x é\\n/"}'),
+    ('{"s": "raw\ttab"}', '{"s": "raw\\ttab"}'),
+])
+def test_json_pieces_every_one_character_cut(text, canonical):
+    assert _canonical(text) == canonical
+    pieces, js = _streamed(text, list(range(len(text))))
+    assert "".join(pieces) == _canonical(text) and js.end == len(text)
+
+
+def test_a_number_waits_for_what_ends_it_and_a_bad_text_stops_the_stream():
+    js = JsonStream()
+    assert js.feed('{"n": 12') == '{"n": '
+    assert js.feed("3") == ""
+    assert js.feed("}") == "123}"
+    bad = JsonStream()
+    assert bad.feed('{"n": @') == '{"n": ' and bad.broken
+
+
+# What each family's forcing grammar spells (tools/grammar.py), with two calls where the
+# family takes two.
+HELD = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\u00eds", '
+              '"days": [1, 2.50]}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": '
+              '{"a": 1, "b": -20}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": '
+               '"get_weather", "arguments": {"city": "Oslo"}}]',
+    "generic": ' [{"name":"add","arguments":{"a":1,"b":2}},{"name":"add","arguments":{}}]',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Rome \\"R\\""}}',
+}
+
+
+def _stream(fmt: str, text: str, size: int, held: bool = True
+            ) -> tuple[str, list[CallOpened | CallPiece], list, ParsedAnswer]:
+    """``text`` fed in pieces of ``size``: content shown, the calls' news while it streamed,
+    what finishing added, and the answer."""
+    splitter = CallSplitter(fmt, NAMES)
+    shown, news = "", []
+    for i in range(0, len(text), size):
+        shown += splitter.feed(text[i:i + size], held)
+        news += splitter.deltas()
+    rest, answer = splitter.finish()
+    return shown + rest, news, splitter.deltas(), answer
+
+
+def _joined(deltas: list) -> list[tuple[str, str]]:
+    calls: list[tuple[str, str]] = []
+    for d in deltas:
+        if isinstance(d, CallOpened):
+            assert d.call_index == len(calls)
+            calls.append((d.name, ""))
+        else:
+            name, so_far = calls[d.call_index]
+            calls[d.call_index] = (name, so_far + d.arguments)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", sorted(HELD))
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_held_calls_stream_as_they_grow_and_join_to_the_whole_parse(fmt, size):
+    text = HELD[fmt]
+    content, news, rest, answer = _stream(fmt, text, size)
+    whole = parse_answer(text, fmt, NAMES)
+    assert whole.calls and answer == whole and content == whole.content == ""
+    assert _joined(news + rest) == [(c.name, c.arguments) for c in whole.calls]
+    if size == 1:  # the arguments came as they were written, not at the end
+        assert len([d for d in news if isinstance(d, CallPiece)]) > 5
+        assert not rest or all(isinstance(d, CallPiece) and d.arguments in "}]" for d in rest)
+
+
+@pytest.mark.parametrize("fmt", sorted(HELD))
+def test_calls_no_grammar_holds_come_whole_at_the_end(fmt):
+    _, news, rest, answer = _stream(fmt, HELD[fmt], 1, held=False)
+    assert news == [] and _joined(rest) == [(c.name, c.arguments) for c in answer.calls]
+
+
+@pytest.mark.parametrize("fmt", sorted(HELD))
+def test_every_cut_off_point_reads_the_same_streamed_and_whole(fmt):
+    text = HELD[fmt]
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        content, news, rest, answer = _stream(fmt, cut, 3)
+        assert answer == read_whole(cut, fmt, NAMES, True, True), cut
+        assert _joined(news + rest) == [(c.name, c.arguments) for c in answer.calls], cut
+        assert content == answer.content, cut
+        if answer.cut:  # the calls as far as they came, each a beginning of the whole one
+            whole = parse_answer(text, fmt, NAMES).calls
+            assert all(c.name == w.name and w.arguments.startswith(c.arguments)
+                       for c, w in zip(answer.calls, whole)), cut
+        else:  # whole, or cut before a call's arguments began (its text is content)
+            assert answer == parse_answer(cut, fmt, NAMES), cut
+
+
+def test_text_before_a_held_call_is_content_and_only_offered_names_open():
+    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    content, news, _, answer = _stream("hermes", text, 2)
+    assert content == "Sure." and answer.cut
+    # (a number at the very end waits for what ends it: it may go on)
+    assert answer.calls == (ParsedCall("add", '{"a": '),)
+    other = CallSplitter("hermes", frozenset({"get_weather"}))
+    other.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1}}', True)
+    assert other.deltas() == []
+
+
+def test_parallel_false_streams_one_call():
+    splitter = CallSplitter("hermes", NAMES, parallel=False)
+    splitter.feed(HELD["hermes"], True)
+    news = splitter.deltas()
+    _, answer = splitter.finish()
+    assert len(answer.calls) == 1 and _joined(news + splitter.deltas()) == [
+        (answer.calls[0].name, answer.calls[0].arguments)]
