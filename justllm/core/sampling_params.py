@@ -97,7 +97,8 @@ class SamplingParams:
     lora: tuple[tuple[str, float], ...] = field(default_factory=tuple)
     # A reasoning model's thinking budget (llama-server's reasoning budget): past this many
     # tokens of thinking, the tokens that close it are forced (core/thinking_budget.py); -1:
-    # none. With the model's thinking tags, and whether the prompt opened the thinking.
+    # none. With the model's thinking tags, and whether the prompt opened the thinking (which
+    # a lazy grammar reads too: its triggers count only in the answer after the thinking).
     thinking_budget: int = -1
     thinking_tags: tuple[str, str] | None = None
     thinking_open: bool = False
@@ -147,8 +148,10 @@ class SamplingParams:
             _check(isinstance(tags, tuple) and len(tags) == 2
                    and all(isinstance(t, str) and t for t in tags),
                    "a thinking budget needs the model's thinking tags", "thinking_budget")
-            _check(self.grammar is None, "a thinking budget cannot be combined with a grammar "
-                   "(the grammar holds the whole answer)", "thinking_budget")
+            _check(self.grammar is None or bool(self.grammar_triggers),
+                   "a thinking budget cannot be combined with a grammar (the grammar holds "
+                   "the whole answer; a lazy one, only what follows the thinking)",
+                   "thinking_budget")
         _check(isinstance(self.thinking_message, str), "thinking_message must be a string",
                "thinking_message")
         _check(not self.thinking_message or self.thinking_budget >= 0,

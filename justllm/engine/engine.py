@@ -380,7 +380,8 @@ class Engine:
             constraint = LazyGrammar(  # (a marker may be a control token: <tool_call>)
                 b.grammar(params.grammar), params.grammar_triggers,
                 lambda t: b.token_to_piece(t, special=True),
-                lambda text: b.tokenize(text, add_special=False))
+                lambda text: b.tokenize(text, add_special=False),
+                (params.thinking_tags, params.thinking_open) if params.thinking_tags else None)
         elif params.grammar:
             constraint = self.backend.grammar(params.grammar)
         ends = None

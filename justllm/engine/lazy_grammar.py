@@ -33,15 +33,25 @@ class LazyGrammar:
     groups)."""
 
     def __init__(self, grammar: Constraint, triggers: Sequence[str],
-                 piece: Callable[[int], bytes], tokenize: Callable[[str], list[int]]) -> None:
+                 piece: Callable[[int], bytes], tokenize: Callable[[str], list[int]],
+                 thinking: tuple[tuple[str, str], bool] | None = None) -> None:
+        """``thinking``: a reasoning model's tags, and whether the prompt opened the
+        thinking; the triggers then count only in the answer after it (its thinking may
+        name a call's marker), read as ``core/reasoning.py`` reads it: an answer that opens
+        with the start tag (or follows an opened one) thinks until the end tag."""
         self._grammar: Constraint | None = grammar
-        self._triggers = [re.compile(t) for t in triggers]
+        # An anchored trigger is tried where the answer begins (a match there, not a search).
+        self._triggers = [(re.compile(t[1:]), True) if t.startswith("^")
+                          else (re.compile(t), False) for t in triggers]
         self._piece = piece
         self._tokenize = tokenize
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._text = ""
         self._inner: Constraint | None = None
         self.given_up = False  # the text after the trigger broke the grammar: free from there
+        self._thinking = thinking
+        self._answer_from: int | None = None if thinking else 0  # where the answer begins
+        self._end_from = 0  # where the end tag is still to be looked for
 
     @property
     def active(self) -> bool:
@@ -67,16 +77,41 @@ class LazyGrammar:
         before = len(self._text)
         self._text += self._decoder.decode(self._piece(token))
         text = self._text
-        for trigger in self._triggers:
-            # An anchored trigger is tried from the start (it fails there at once once the
-            # answer has gone past it); any other only where the new text could complete it.
-            anchored = trigger.pattern.startswith("^")
-            found = trigger.search(text, 0 if anchored else max(0, before - _REACH))
+        if self._answer_from is None:
+            self._answer_from = self._answer_start(text)
+            if self._answer_from is None:
+                return
+            before = self._answer_from
+        base = self._answer_from
+        for trigger, anchored in self._triggers:
+            # An anchored trigger is tried where the answer begins (it fails there at once
+            # once the answer has gone past it); any other only where the new text could
+            # complete it.
+            found = (trigger.match(text, base) if anchored
+                     else trigger.search(text, max(base, before - _REACH)))
             if found is not None:
                 start = next((found.start(i) for i in range(1, (found.re.groups or 0) + 1)
                               if found.start(i) >= 0), found.start())
                 self._start(text[start:])
                 return
+
+    def _answer_start(self, text: str) -> int | None:
+        """Where the answer after the thinking begins in ``text``; None while the thinking
+        goes on (or may still open)."""
+        assert self._thinking is not None
+        (start_tag, end_tag), opened = self._thinking
+        if not opened and self._end_from == 0:
+            lead = len(text) - len(text.lstrip())
+            rest = text[lead:]
+            if not rest.startswith(start_tag):
+                # (no thinking: the answer is all of it; or the start tag may still come)
+                return None if start_tag.startswith(rest) else 0
+            self._end_from = lead + len(start_tag)
+        end = text.find(end_tag, self._end_from)
+        if end < 0:
+            self._end_from = max(self._end_from, len(text) - len(end_tag) + 1)
+            return None
+        return end + len(end_tag)
 
     def _start(self, text: str) -> None:
         inner, self._grammar = self._grammar, None

@@ -469,12 +469,13 @@ class OpenAIServing:
     def _lazy_tool_grammar(self, plan: ToolPlan) -> tuple[str | None, tuple[str, ...]]:
         """Under ``tool_choice: "auto"``: the call grammar and where it takes hold (a call's
         marker), so that a call the model starts is one of the tools with valid arguments,
-        as llama-server's lazy grammars make it; (None, ()) for a family left free, and for a
-        model that thinks (its thinking may name the marker; the grammar would take the
-        thinking for the call). Not with vLLM's ``min_tokens`` (the caller's check): a
-        grammar ends the answer with its call."""
+        as llama-server's lazy grammars make it; (None, ()) for a family left free, and for
+        gpt-oss (its calls are harmony messages). A model that thinks has its triggers
+        counted only after its thinking (which may name the marker: the request's
+        ``thinking_tags``). Not with vLLM's ``min_tokens`` (the caller's check): a grammar
+        ends the answer with its call."""
         triggers = call_triggers(self.template.tool_format, plan.parallel)
-        if not triggers or self.template.thinks:
+        if not triggers or self.template.harmony:
             return None, ()
         return self._tool_grammar(plan), triggers
 
@@ -515,6 +516,7 @@ class OpenAIServing:
         triggers: tuple[str, ...] = ()
         if plan.mode == "auto" and grammar is None and not req.min_tokens:
             grammar, triggers = self._lazy_tool_grammar(plan)
+        tags = self.template.thinking_tags if triggers else None
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
@@ -526,7 +528,8 @@ class OpenAIServing:
         return [(prompt, self.budgeted(
             replace(self._params(req, max_tokens, logprobs, i, self.template,
                                  req.prompt_logprobs), grammar=grammar,
-                    grammar_triggers=triggers),
+                    grammar_triggers=triggers, thinking_tags=tags,
+                    thinking_open=tags is not None and opens_thinking(prompt, tags)),
             prompt, own, req.reasoning_budget_message)) for i in range(req.n)], plan
 
     def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan,
@@ -572,7 +575,8 @@ class OpenAIServing:
         ``message``, else the server's ``--reasoning-budget-message``). Every API's chat
         route and Ollama's ask here."""
         tags = self.template.budget_tags
-        constrained = params.grammar is not None
+        # (a lazy grammar holds only a call after the thinking: the budget is the thinking's)
+        constrained = params.grammar is not None and not params.grammar_triggers
         if own is not None and own >= 0 and tags is None:
             raise InvalidRequestError("a thinking budget needs a model that thinks (its chat "
                                       "template writes no thinking tags)",

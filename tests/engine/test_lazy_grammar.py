@@ -60,12 +60,13 @@ def tokens(engine, text: str) -> list[int]:
     return engine.backend.tokenize(text, add_special=False)
 
 
-def lazy(engine, triggers: tuple[str, ...] = call_triggers("hermes", True)) -> LazyGrammar:
+def lazy(engine, triggers: tuple[str, ...] = call_triggers("hermes", True),
+         thinking: tuple[tuple[str, str], bool] | None = None) -> LazyGrammar:
     b = engine.backend
     gbnf = hermes_grammar(True)
     return LazyGrammar(b.grammar(gbnf), triggers,
                        lambda t: b.token_to_piece(t, special=True),
-                       lambda text: b.tokenize(text, add_special=False))
+                       lambda text: b.tokenize(text, add_special=False), thinking)
 
 
 def feed(g: LazyGrammar, ids: list[int]) -> None:
@@ -92,6 +93,71 @@ def test_text_after_the_trigger_that_breaks_the_grammar_leaves_the_answer_free(e
     g = lazy(engine, (r"(<tool_call>)\s*\[",))
     feed(g, tokens(engine, "x <tool_call>\n[1, 2]"))
     assert g.given_up and not g.active and g.allows(tokens(engine, "{")[0])
+
+
+THINK = ("<think>", "</think>")
+
+
+@pytest.mark.parametrize("opened, answer", [
+    (False, " <think>I could write <tool_call>\n[1] here.</think> Checking. <tool_call>\n"),
+    (True, "Maybe <tool_call>\n[1]? No.\n</think>\n\n<tool_call>\n"),
+])
+def test_a_thinking_models_triggers_count_only_after_its_thinking(engine, opened, answer):
+    """A reasoning model's thinking may name the call's marker (it was why thinking models
+    were left free): the grammar takes hold only at a marker after the thinking."""
+    g = lazy(engine, thinking=(THINK, opened))
+    thinking, after = answer.split("</think>")
+    feed(g, tokens(engine, thinking))
+    assert not g.active and not g.given_up  # (the [1] after the marker would break it)
+    feed(g, tokens(engine, "</think>" + after))
+    assert g.active and g.allows(tokens(engine, "{")[0])
+
+
+def test_an_answer_that_does_not_open_its_thinking_is_held_from_the_start(engine):
+    """Not opened by the prompt and not begun with the start tag (thinking switched off):
+    the whole answer is the answer; the anchored triggers of the fallback text hold from its
+    first character."""
+    g = lazy(engine, thinking=(THINK, False))
+    feed(g, tokens(engine, "  <thi"))
+    assert not g.active
+    g = lazy(engine, thinking=(THINK, False))
+    feed(g, tokens(engine, "OK. <tool_call>\n"))
+    assert g.active
+    b = engine.backend
+    generic = wrap_call_grammar(grammar_from_json_schema(call_schema(
+        [("get_weather", WEATHER)], "generic")), "generic", False)
+    anchored = LazyGrammar(b.grammar(generic), call_triggers("generic", False),
+                           lambda t: b.token_to_piece(t, special=True),
+                           lambda text: b.tokenize(text, add_special=False), (THINK, True))
+    feed(anchored, tokens(engine, 'x {"name"</think> '))
+    assert not anchored.active
+    feed(anchored, tokens(engine, '{"name"'))
+    assert anchored.active
+
+
+def test_a_thinking_model_with_tools_writes_a_valid_call_after_thinking_freely(engine):
+    """On the real model: its thinking copies the examples' marker and a malformed call
+    freely (a grammar there would have forced it into a call), and the call after the
+    thinking is held to the schema (Paris is not in its enum)."""
+    shot = ('Q: What is the weather in Paris?\nA: <think>I will use <tool_call> with Paris.'
+            '</think> <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n')
+    rid = engine.add_request(shot + shot + "Q: What is the weather in Paris?\nA:",
+                             SamplingParams(max_tokens=60, temperature=0,
+                                            grammar=hermes_grammar(False),
+                                            grammar_triggers=call_triggers("hermes", False),
+                                            thinking_tags=THINK))
+    text = ""
+    while True:
+        outs = [o for o in engine.step() if o.request_id == rid]
+        if outs:
+            text += outs[0].text
+            if outs[0].finished:
+                break
+    thinking, answer = text.split("</think>")
+    assert "<tool_call> with Paris" in thinking, text
+    calls = parse_answer(answer.strip(), "hermes", frozenset({"get_weather"}), False).calls
+    assert len(calls) == 1 and json.loads(calls[0].arguments)["city"] in ("Rome", "Oslo"), text
 
 
 def test_triggers_need_a_grammar_and_must_compile():

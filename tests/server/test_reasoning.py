@@ -249,6 +249,39 @@ def test_the_history_keeps_its_thinking(thinker):
     assert post(thinker, "/apply-template", {"messages": renamed}).json()["prompt"] == prompt
 
 
+def test_a_call_after_the_thinking_is_held_to_the_tools_schema_and_streamed(thinker):
+    """tool_choice "auto" on a model that thinks: the thinking is free (it was the reason
+    such models were left without the lazy grammar), the call the model starts after it is
+    held to the tool's schema (it copies Paris, which the enum does not offer), and so it
+    streams as it is written."""
+    cities = {"type": "object", "properties": {"city": {"type": "string",
+                                                        "enum": ["Rome", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": cities}}]
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    shots = [m for q in ("Weather in Paris?", "Is it raining in Paris?") for m in (
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": call,
+         "reasoning_content": "The user asks about Paris. I call get_weather."})]
+    body = {"messages": [*shots, {"role": "user", "content": "Weather in Paris now?"}],
+            "tools": tools, "max_tokens": 60}
+    free = chat(thinker, **body, tool_choice="none")["choices"][0]
+    assert '"Paris"' in free["message"]["content"], free  # what it writes when free
+    choice = chat(thinker, **body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["reasoning_content"], choice
+    arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments)["city"] in ("Rome", "Oslo")
+    chunks = sse_chunks(thinker, "/v1/chat/completions", {**GREEDY, **body})
+    pieces = [d["function"].get("arguments") for c in chunks if c["choices"]
+              for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert "".join(p or "" for p in pieces) == arguments and len(pieces) > 3
+    # a thinking budget still holds beside the lazy grammar (it holds only the call after)
+    budgeted = chat(thinker, **body, reasoning_budget_tokens=2)["choices"][0]
+    assert len(budgeted["message"]["reasoning_content"]) < len(
+        choice["message"]["reasoning_content"]), budgeted
+
+
 # ---- Ollama ---------------------------------------------------------------------------------
 
 OLLAMA_CHAT = [{"role": m["role"], "content": m["content"],
