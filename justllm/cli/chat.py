@@ -67,6 +67,7 @@ def chat(
         from justllm.chat.backends import LocalChat, RemoteChat
         from justllm.chat.line_editing import line_editing
         from justllm.chat.session import ChatSession, check_options
+        from justllm.errors import InvalidRequestError
 
         check_flags(context, url)
         options = {"temperature": temperature, "max_tokens": max_tokens}
@@ -87,6 +88,14 @@ def chat(
                     "chat_template": chat_template, "verbose": verbose}, plugins)
                 stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
                 local = LocalChat(config, plugins.request_events(), record_text=record_text)
+                room = local.engine.max_request_tokens
+                if max_tokens >= room:  # every message would be refused: say so now
+                    local.close()
+                    raise InvalidRequestError(
+                        f"--max-tokens {max_tokens} leaves no room for a message in this "
+                        f"model's context of {room} tokens (--ctx, --pool-blocks or its "
+                        "training context): ask for fewer, or a larger --ctx",
+                        param="max_tokens")
                 if local.notice:
                     print_notice(local.notice)
                 backend = local

@@ -377,6 +377,17 @@ def test_local_chat_leaves_out_old_turns_to_fit_the_context(model_path):
     assert out.count(">>> ") == 6
 
 
+def test_a_max_tokens_no_message_fits_beside_is_refused_at_start(model_path):
+    """Every message was an error line (the answer alone asked for the whole context)."""
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "--ctx", "80",
+                        "-n", "80"], input="Hello\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr == ("error: --max-tokens 80 leaves no room for a message in this model's "
+                        "context of 80 tokens (--ctx, --pool-blocks or its training context): "
+                        "ask for fewer, or a larger --ctx\n"), r.stderr
+
+
 def test_chat_refuses_options_it_would_ignore(model_path):
     def chat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "justllm", "chat", *args],
