@@ -300,6 +300,12 @@ class ChatTemplate:
         when the template renders tools, else ``generic`` (what the fallback text asks for)."""
         return template_tool_format(self.source) if self.native_tools else "generic"
 
+    @property
+    def names_call_arguments(self) -> bool:
+        """Whether the model writes Mistral's newer calls, ``[TOOL_CALLS]name[ARGS]{..}``
+        (its template writes ``[ARGS]``), not the older ``[TOOL_CALLS][{..}]`` list."""
+        return self.tool_format == "mistral" and "[ARGS]" in self.source
+
     @cached_property
     def thinking_tags(self) -> tuple[str, str] | None:
         """The tags the model thinks between (``<think>``, ``</think>``), when the template

@@ -87,9 +87,11 @@ from justllm.server.tools.answer import (
     ToolCallStart,
 )
 from justllm.server.tools.grammar import (
+    NO_PARAMETERS,
     call_or_answer_grammar,
     call_schema,
     call_triggers,
+    named_args_grammar,
     wrap_call_grammar,
 )
 from justllm.server.tools.parse import ParsedCall
@@ -459,12 +461,17 @@ class OpenAIServing:
         """GBNF that admits only calls of the plan's callable functions, in the template's
         format, with arguments that follow each function's schema."""
         fmt = self.template.tool_format
-        schema = call_schema([(f.name, f.parameters) for f in plan.callable()], fmt)
+        parallel = plan.parallel and plan.mode != "named"
         try:
-            gbnf = self.aengine.json_grammar(schema)
+            if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
+                return named_args_grammar(
+                    [(f.name, self.aengine.json_grammar(dict(f.parameters or NO_PARAMETERS)))
+                     for f in plan.callable()], parallel)
+            gbnf = self.aengine.json_grammar(
+                call_schema([(f.name, f.parameters) for f in plan.callable()], fmt))
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param="tools") from None
-        return wrap_call_grammar(gbnf, fmt, plan.parallel and plan.mode != "named")
+        return wrap_call_grammar(gbnf, fmt, parallel)
 
     def _lazy_tool_grammar(self, plan: ToolPlan) -> tuple[str | None, tuple[str, ...]]:
         """Under ``tool_choice: "auto"``: the call grammar and where it takes hold (a call's

@@ -125,13 +125,28 @@ def call_or_answer_grammar(calls_gbnf: str, answer_gbnf: str) -> str:
     return f'root ::= {_CALL_RULE}s | " "? {_CALL_RULE}-answer-root\n{calls}\n{answer}'
 
 
+def named_args_grammar(functions: list[tuple[str, str]], parallel: bool) -> str:
+    """Mistral's newer call form, ``[TOOL_CALLS]name[ARGS]{arguments}`` per call (Mistral
+    Small 3.2, Magistral, Devstral: a template that writes ``[ARGS]``): ``functions`` are
+    (name, GBNF of its parameters schema, rule ``root``) pairs; one call, or with
+    ``parallel`` one or more. Each schema's rules are prefixed apart (``prefixed_rules``)."""
+    alternatives, rules = [], []
+    for i, (name, gbnf) in enumerate(functions):
+        prefix = f"{_CALL_RULE}-{i}-"
+        rules.append(prefixed_rules(gbnf, prefix))
+        alternatives.append(f'"{name}[ARGS]" {prefix}root')  # (names: letters, digits, _ -)
+    repeat = "+" if parallel else ""
+    return "\n".join([f'root ::= " "? {_CALL_RULE}{repeat}',
+                      f'{_CALL_RULE} ::= "[TOOL_CALLS]" ({" | ".join(alternatives)})',
+                      *rules])
+
+
 def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group
-    begins), or () for a family whose calls are left free. Mistral's are left free: its newer
-    models write ``[TOOL_CALLS]name[ARGS]{..}``, which the forcing grammar does not spell."""
-    if fmt == "hermes":
-        return (r"(<tool_call>)",)
+    begins), or () for a family whose calls are left free."""
+    if fmt in ("hermes", "mistral"):  # (both forms of Mistral's begin with [TOOL_CALLS])
+        return (r"(<tool_call>)",) if fmt == "hermes" else (r"(\[TOOL_CALLS\])",)
     if fmt == "llama3":  # (the grammar is the call object: it begins after the python tag)
         return (r"<\|python_tag\|>\s*(\{)", r'^\s*(\{)\s*"name"')
     if fmt == "generic":  # a call is the whole answer: only at its start

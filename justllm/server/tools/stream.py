@@ -32,10 +32,12 @@ from justllm.server.tools.parse import (
     parse_answer,
 )
 
-# The head of a call object as the forcing grammar spells it (``tools/grammar.py``: "name"
-# first, then the arguments); its arguments begin where it ends.
+# The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
+# "name" first, then the arguments; or Mistral's [TOOL_CALLS]name[ARGS]); its arguments begin
+# where it ends.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
-                        r'"(?:arguments|parameters)"\s*:\s*')
+                        r'"(?:arguments|parameters)"\s*:\s*'
+                        r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*')
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class CallReader:
                 if head is None:
                     break
                 try:
-                    name = json.loads(head[1])
+                    name = json.loads(head[1]) if head[1] is not None else head[2]
                 except ValueError:
                     name = None
                 if not isinstance(name, str) or (self._names is not None
