@@ -57,6 +57,7 @@ from justllm.server.tools.answer import (
     ToolCallStart,
 )
 from justllm.server.tools.grammar import call_schema
+from justllm.server.tools.json_stream import healed
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -163,11 +164,12 @@ def tool_use_id(call_id: str) -> str:
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     """A call as a ``tool_use`` block. Its arguments are a JSON object's text (the chat side
-    returns anything else as content); should one not be, it is kept whole as ``arguments``."""
+    returns anything else as content), or, cut off by ``max_tokens``, its beginning: what is
+    complete of it (``healed``); should one be neither, it is kept whole as ``arguments``."""
     try:
         value = json.loads(call.arguments)
     except ValueError:
-        value = None
+        value = healed(call.arguments)
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
             "input": value if isinstance(value, dict) else {"arguments": call.arguments}}
 

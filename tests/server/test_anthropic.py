@@ -336,6 +336,26 @@ def test_a_streamed_tool_use(client, server):
     assert isinstance(final.content[-1].input["city"], str)
 
 
+def test_a_tool_use_cut_off_by_max_tokens_keeps_what_is_complete_of_its_input(client,
+                                                                             server):
+    kw = dict(model=server.model, tools=[WEATHER], tool_choice={"type": "any"}, messages=ASK,
+              extra_body=GREEDY)
+    whole = client.messages.create(max_tokens=60, **kw)
+    unit = {**WEATHER, "input_schema": {**WEATHER["input_schema"], "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city", "unit"]}}
+    both = client.messages.create(**{**kw, "tools": [unit]}, max_tokens=60)
+    assert set(both.content[-1].input) == {"city", "unit"}, both
+    full = both.content[-1].input
+    for fewer in range(1, 10):  # until the unit's value is cut off
+        cut = client.messages.create(**{**kw, "tools": [unit]},
+                                     max_tokens=both.usage.output_tokens - fewer)
+        if cut.stop_reason == "max_tokens" and cut.content[-1].input != full:
+            break
+    assert cut.stop_reason == "max_tokens" and cut.content[-1].type == "tool_use"
+    assert cut.content[-1].input == {"city": full["city"]}, cut
+    assert whole.stop_reason == "tool_use"
+
+
 def test_a_format_with_tools_is_a_tool_use_or_text_in_the_format(client, server):
     """output_config.format with tools under tool_choice auto (it was a 400): here the model
     answers, in the format."""

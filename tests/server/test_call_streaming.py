@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from justllm.server.tools.json_stream import JsonStream
+from justllm.server.tools.json_stream import JsonStream, healed
 from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import (
     CallOpened,
@@ -179,3 +179,18 @@ def test_parallel_false_streams_one_call():
     _, answer = splitter.finish()
     assert len(answer.calls) == 1 and _joined(news + splitter.deltas()) == [
         (answer.calls[0].name, answer.calls[0].arguments)]
+
+
+def test_a_cut_off_text_heals_to_what_is_complete_of_it():
+    """Anthropic's and Ollama's calls carry an object: a call cut off by max_tokens gives
+    what is complete of its arguments."""
+    text = _canonical('{"city": "Par\\"is", "days": [1, 2, {"at": true}], "unit": "celsius"}')
+    cuts = {k: healed(text[:k]) for k in range(len(text) + 1)}
+    assert cuts[0] is None and cuts[1] == {} and cuts[len(text)] == json.loads(text)
+    assert cuts[text.index(", ") + 3] == {"city": 'Par"is'}  # (a key without its value)
+    assert cuts[text.index("true") + 3] == {"city": 'Par"is', "days": [1, 2, {}]}
+    whole = json.loads(text)
+    for value in cuts.values():  # every one a part of the whole, in its order
+        assert value is None or all(whole[k] == v or isinstance(v, (list, dict))
+                                    for k, v in value.items())
+    assert healed("not json") is None

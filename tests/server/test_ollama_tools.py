@@ -99,6 +99,20 @@ def test_a_forced_call_comes_back_with_arguments_as_an_object(server):
     assert answer.prompt_eval_duration + answer.eval_duration <= answer.total_duration
 
 
+def test_a_call_cut_off_by_num_predict_keeps_what_is_complete_of_its_arguments(server):
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(server, tool_choice=forced).json()
+    args = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert list(args) == ["city", "unit"], whole
+    for stream in (False, True):
+        r = chat(server, tool_choice=forced, stream=stream, options={
+            "temperature": 0, "num_predict": whole["eval_count"] - 3})
+        last = [json.loads(x) for x in r.text.splitlines()] if stream else [r.json()]
+        calls = [c for x in last for c in x["message"].get("tool_calls") or []]
+        assert last[-1]["done_reason"] == "length" and len(calls) == 1, r.text
+        assert calls[0]["function"]["arguments"] == {"city": args["city"]}, r.text
+
+
 def test_a_forced_call_streams_as_one_line_per_call_then_done(server):
     body = {"model": server.model, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
             "options": {"temperature": 0, "num_predict": 48}}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from justllm.server.tools.parse import DECODER, JSON_ERRORS
 
@@ -150,3 +151,52 @@ class JsonStream:
             return self._took(j + 1, piece + '"')
         self._in_string, self._at = True, j
         return piece or None
+
+
+def healed(text: str) -> Any:
+    """What a cut-off canonical JSON text (a ``JsonStream``'s pieces, as a call cut off by
+    ``max_tokens`` has them) holds so far: its complete values, the containers still open
+    closed; a key without its value and a string, number or literal cut off are left out.
+    None when not even the outer container has begun."""
+    stack: list[str] = []
+    safe, safe_stack = -1, ""  # where the text may be cut and closed, and what is open there
+    key_next = False  # the next string is an object's key
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "{[":
+            stack.append(ch)
+            i += 1
+            key_next = ch == "{"
+        elif ch in "}]":
+            stack.pop()
+            i += 1
+        elif ch in ",:":
+            key_next = ch == "," and bool(stack) and stack[-1] == "{"
+            i += 2  # (", " and ": ")
+            continue
+        elif ch == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                break  # a string cut off
+            i = j + 1
+            if key_next:
+                key_next = False
+                continue  # (a key is no value)
+        else:
+            j = i
+            while j < n and text[j] not in ",}]":
+                j += 1
+            if j == n:
+                break  # a number or literal that may go on
+            i = j
+        safe, safe_stack = i, "".join(stack)
+    if safe < 0:
+        return None
+    closers = "".join("}" if c == "{" else "]" for c in reversed(safe_stack))
+    try:
+        return DECODER.decode(text[:safe] + closers)
+    except JSON_ERRORS:  # (not a JsonStream's text after all)
+        return None
