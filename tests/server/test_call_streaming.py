@@ -194,3 +194,12 @@ def test_a_cut_off_text_heals_to_what_is_complete_of_it():
         assert value is None or all(whole[k] == v or isinstance(v, (list, dict))
                                     for k, v in value.items())
     assert healed("not json") is None
+
+
+def test_arguments_given_as_json_text_are_not_streamed():
+    """A schema that takes any value lets a held call write its arguments as a JSON string,
+    which the parse reads as the object it holds: that call comes whole at the end."""
+    text = '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
+    content, news, rest, answer = _stream("hermes", text, 1)
+    assert news == [] and answer.calls == (ParsedCall("add", '{"a": 1}'),)
+    assert _joined(rest) == [("add", '{"a": 1}')]

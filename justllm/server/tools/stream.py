@@ -19,6 +19,7 @@ a whole answer is read the same way.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from justllm.server.tools.parse import (
     first_full_start,
     parse_answer,
 )
+
+log = logging.getLogger(__name__)
 
 # The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
 # "name" first, then the arguments; or Mistral's [TOOL_CALLS]name[ARGS]); its arguments begin
@@ -77,6 +80,12 @@ class CallReader:
                     break
                 head = _CALL_HEAD.search(region, self._search_from)
                 if head is None:
+                    break
+                opening = region[head.end():].lstrip()[:1]
+                if not opening:
+                    break  # (what the arguments are is not known yet)
+                if opening != "{":  # arguments given as JSON text are read whole at the end
+                    self.stopped = True
                     break
                 try:
                     name = json.loads(head[1]) if head[1] is not None else head[2]
@@ -175,7 +184,12 @@ def rest_of_calls(streamed: list[tuple[str, str]],
     for k, call in enumerate(calls):
         if k < len(streamed):
             # (a prefix by construction: the same text, read the same way)
-            rest = call.arguments[len(streamed[k][1]):]
+            so_far = streamed[k][1]
+            if not call.arguments.startswith(so_far):
+                log.warning("a streamed call's arguments %r are not the beginning of the "
+                            "parsed %r", so_far, call.arguments)
+                continue
+            rest = call.arguments[len(so_far):]
         else:
             out.append(CallOpened(k, call.name))
             rest = call.arguments
