@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from justllm.server.tools.json_stream import JsonStream
 from justllm.server.tools.parse import (
@@ -171,6 +171,8 @@ class CallSplitter:
             answer = reader.cut(answer.content[:self._shown])
         else:
             self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
+            if reader is not None and answer.calls and self._calls_from is not None:
+                answer = replace(answer, content=_before_calls(self._text, self._calls_from))
         rest = answer.content[self._shown:]
         self._shown = len(answer.content)
         return rest, answer
@@ -198,14 +200,23 @@ def rest_of_calls(streamed: list[tuple[str, str]],
     return out
 
 
+def _before_calls(text: str, at: int) -> str:
+    """The content of an answer whose calls, from ``at``, a grammar held: the text before
+    them. (After them the grammar ends the answer; what an answer cut off there holds is the
+    beginning of another call's marker, not words of the model's.)"""
+    return text[:at].rstrip()
+
+
 def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool,
                held: bool) -> ParsedAnswer:
     """A whole answer read as its stream is: ``parse_answer``, but where a grammar held the
     calls and the answer was cut off inside them, the calls as far as they came."""
     answer = parse_answer(text, fmt, names, parallel)
-    at = first_full_start(text, fmt) if held and not answer.calls else None
+    at = first_full_start(text, fmt) if held else None
     if at is None:
         return answer
+    if answer.calls:
+        return replace(answer, content=_before_calls(text, at))
     reader = CallReader(names, parallel)
     reader.feed(text[at:])
     return reader.cut(text[:at].rstrip()) if reader.calls else answer
