@@ -474,6 +474,11 @@ _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t
 _NOT_KEYS_CHARS = 64
 
 
+# llama-cpp-python's number, its exponent cut to two digits: it allowed 16 (1e400), which no
+# client's JSON parser reads as a number (a tool call's arguments were then malformed).
+_FINITE_NUMBER = '("-"? integral-part) ("." decimal-part)? ([eE] [-+]? [0-9] [0-9]?)? space'
+
+
 class _SchemaConverter(_grammar.SchemaConverter):
     """llama-cpp-python's converter, plus integer bounds (engine/int_range.py), JSON's own
     string characters (no raw control characters), and what it got wrong: literals with a
@@ -486,6 +491,8 @@ class _SchemaConverter(_grammar.SchemaConverter):
     def _add_primitive(self, name: str, rule: Any) -> str:
         if name == "char":
             rule = _grammar.BuiltinRule(_JSON_CHAR, [])
+        elif name == "number":  # an exponent of at most two digits: always a finite double
+            rule = _grammar.BuiltinRule(_FINITE_NUMBER, list(rule.deps))
         return super()._add_primitive(name, rule)
 
     def _add_rule(self, name: str, rule: str) -> str:

@@ -168,7 +168,7 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
     complete of it (``healed``); should one be neither, it is kept whole as ``arguments``."""
     try:
         value = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested by the thousand: kept as text)
         value = healed(call.arguments)
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
             "input": value if isinstance(value, dict) else {"arguments": call.arguments}}

@@ -250,7 +250,7 @@ def _call(call: ToolCall, index: int) -> dict[str, Any]:
     what is complete of it, ``healed``; should another get here, it is kept whole.)"""
     try:
         value = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested by the thousand: kept as text)
         value = healed(call.arguments)
     return {"id": call.id, "function": {
         "index": index, "name": call.name,

@@ -464,9 +464,14 @@ class OpenAIServing:
         parallel = plan.parallel and plan.mode != "named"
         try:
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
-                return named_args_grammar(
+                gbnf = named_args_grammar(
                     [(f.name, self.aengine.json_grammar(dict(f.parameters or NO_PARAMETERS)))
                      for f in plan.callable()], parallel)
+                # (each function's grammar was held to a schema grammar's limits; all of
+                # them together are held to them as one call schema's grammar is)
+                grammar_limits(gbnf, "tools", rules=MAX_SCHEMA_GRAMMAR_RULES,
+                               alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
+                return gbnf
             gbnf = self.aengine.json_grammar(
                 call_schema([(f.name, f.parameters) for f in plan.callable()], fmt))
         except InvalidRequestError as e:

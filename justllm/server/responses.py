@@ -109,7 +109,9 @@ def _full(resp: ResponseObject, result: ChatResult, opaque: bool = False) -> Res
         resp.output.append(_reasoning_item(choice.reasoning, "completed", opaque))
     if choice.content or not choice.tool_calls:
         text = OutputText(choice.content or "", [], [])
-        resp.output.append(OutputMessage(_item_id("msg"), status, "assistant", [text]))
+        # (before a call the message is whole: the call is what the limit cut off)
+        resp.output.append(OutputMessage(_item_id("msg"), "completed" if choice.tool_calls
+                                         else status, "assistant", [text]))
     last = len(choice.tool_calls) - 1  # (cut off with the answer when it is incomplete)
     resp.output += [OutputFunctionCall(_item_id("fc"), c.id, c.name, c.arguments,
                                        status if k == last else "completed")

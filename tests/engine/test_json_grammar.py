@@ -279,3 +279,12 @@ def test_long_property_names_and_an_empty_one(accepts):
     for text in ('{"": 1}', "{}"):
         assert accepts(empty, text), text
     assert not accepts(empty, '{"": "x"}')
+
+
+def test_a_numbers_exponent_stays_within_a_doubles_range(accepts):
+    """llama.cpp's number allowed a 16-digit exponent: 1e400, which no client's JSON parser
+    reads as a number (a forced call's arguments were then malformed)."""
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}}
+    assert accepts(schema, '{"x": -1.5e-99}') and accepts(schema, '{"x": 12E+3}')
+    assert not accepts(schema, '{"x": 1e400}') and not accepts(schema, '{"x": 1e100}')
+    assert accepts({}, '[1e99, {"a": 2.5}]') and not accepts({}, "1e308")

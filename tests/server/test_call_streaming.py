@@ -62,8 +62,8 @@ def test_json_pieces_join_to_the_canonical_text_wherever_the_text_is_cut(value, 
     ('{"a":1.50,"b":-0,"c":1E5,"d":[true,null,false]}',
      '{"a": 1.5, "b": 0, "c": 100000.0, "d": [true, null, false]}'),
     ('{"k": "v", "k": 2}', '{"k": "v", "k": 2}'),  # a key given twice stays as written
-    # (a lone surrogate stays one, as json.dumps writes it)
-    ('{"s": "\\ud83d\\ude00 \\ud83d x \\u00e9\\n\\/"}', '{"s": "😀 \ud83d x é\\n/"}'),
+    # (a lone surrogate stays an escape: no UTF-8 carries it)
+    ('{"s": "\\ud83d\\ude00 \\ud83d x \\u00e9\\n\\/"}', '{"s": "😀 \\ud83d x é\\n/"}'),
     ('{"s": "raw\ttab"}', '{"s": "raw\\ttab"}'),
 ])
 def test_json_pieces_every_one_character_cut(text, canonical):
@@ -206,3 +206,53 @@ def test_arguments_given_as_json_text_are_not_streamed():
     content, news, rest, answer = _stream("hermes", text, 1)
     assert news == [] and answer.calls == (ParsedCall("add", '{"a": 1}'),)
     assert _joined(rest) == [("add", '{"a": 1}')]
+
+
+def test_a_thinking_kept_in_the_text_that_names_the_marker_reads_the_same_both_ways():
+    """reasoning_format none: the thinking's marker begins the call region, the lazy grammar
+    holds only the call after the thinking. The reader stops at the thinking's words, so the
+    stream and the whole answer agree (the parse from the thinking's marker: all content)."""
+    thinking = "<think>I could use <tool_call> here.</think>\n"
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    splitter = CallSplitter("hermes", NAMES)
+    shown = splitter.feed(thinking, False) + splitter.feed(call, True)
+    rest, answer = splitter.finish()
+    assert splitter.deltas() == [] and answer == read_whole(thinking + call, "hermes", NAMES,
+                                                            True, True)
+    assert answer.calls == () and shown + rest == answer.content == thinking + call
+
+
+def test_llama3s_call_streams_once_the_grammar_takes_hold_after_the_python_tag():
+    """Its trigger is the { after <|python_tag|>: the marker comes a token before."""
+    splitter = CallSplitter("llama3", NAMES)
+    assert splitter.feed("<|python_tag|>", False) == "" and splitter.deltas() == []
+    news = []
+    for piece in ('{"name": "add", ', '"parameters": {"a"', ": 1", "}}"):
+        splitter.feed(piece, True)
+        news += splitter.deltas()
+    assert _joined(news) == [("add", '{"a": 1}')]
+
+
+def test_a_lone_surrogate_stays_an_escape_that_utf8_can_carry():
+    answer = parse_answer('{"name": "add", "arguments": {"s": "\\ud83d!"}}', "generic", NAMES)
+    assert answer.calls == (ParsedCall("add", '{"s": "\\ud83d!"}'),)
+    answer.calls[0].arguments.encode("utf-8")
+    pieces, _ = _streamed('{"s": "\\ud83d!"}', list(range(16)))
+    assert "".join(pieces) == '{"s": "\\ud83d!"}'
+
+
+def test_arguments_nested_by_the_thousand_are_kept_as_text_not_a_crash():
+    """A schema that takes any value lets a held call nest past Python's JSON reader (a
+    RecursionError escaped Anthropic's and Ollama's routes: a 500), and a client may send
+    such arguments back in its history."""
+    from justllm.server.anthropic import _tool_use
+    from justllm.server.ollama_chat import _call
+    from justllm.server.tools.answer import ToolCall
+    from justllm.server.tools.request import _arguments
+
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    call = ToolCall("call_1", "add", deep)
+    assert _tool_use(call)["input"] == {"arguments": deep}
+    assert _call(call, 0)["function"]["arguments"] == {"arguments": deep}
+    assert _tool_use(ToolCall("call_1", "add", deep[:3000]))["input"] == {"arguments": deep[:3000]}
+    assert _arguments(deep) == deep

@@ -16,11 +16,10 @@ cannot read stops it (``broken``).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from justllm.server.tools.parse import DECODER, JSON_ERRORS
+from justllm.server.tools.parse import DECODER, JSON_ERRORS, dumps
 
 _BLANK = " \t\n\r"
 _NUMBER = frozenset("+-0123456789.eE")
@@ -49,6 +48,7 @@ class JsonStream:
         self._at = 0  # the next character of _raw to read
         self._depth = 0
         self._in_string = False  # _at is inside a string (what came before it given out)
+        self._offset = 0  # where _raw begins in the text fed (what was read is let go)
         self.end: int | None = None
         self.broken = False
 
@@ -60,6 +60,9 @@ class JsonStream:
             if not piece:
                 break
             out.append(piece)
+        if self._at:  # (so that a long value is not copied again with every piece)
+            self._raw, self._offset = self._raw[self._at:], self._offset + self._at
+            self._at = 0
         return "".join(out)
 
     def _next(self) -> str | None:
@@ -100,12 +103,12 @@ class JsonStream:
     def _took(self, at: int, piece: str) -> str:
         self._at = at
         if self._depth == 0:
-            self.end = at
+            self.end = self._offset + at
         return piece
 
     def _value(self, i: int, j: int) -> str | None:
         try:
-            return self._took(j, json.dumps(DECODER.decode(self._raw[i:j]), ensure_ascii=False))
+            return self._took(j, dumps(DECODER.decode(self._raw[i:j])))
         except JSON_ERRORS:
             self.broken = True
             return None
@@ -141,7 +144,7 @@ class JsonStream:
             j += 6
         try:
             # (a part that begins and ends between characters reads as a string of its own)
-            text = json.dumps(DECODER.decode('"' + raw[start:j] + '"'), ensure_ascii=False)
+            text = dumps(DECODER.decode('"' + raw[start:j] + '"'))
         except JSON_ERRORS:
             self.broken = True
             return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -80,6 +81,16 @@ DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_floa
 # What reading a model's JSON may raise: a decode error, Malformed, a number too long for
 # Python's int (ValueError), brackets nested by the thousand.
 JSON_ERRORS = (ValueError, RecursionError)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def dumps(value: Any) -> str:
+    """``value`` as JSON text, as arguments are given out: characters as they are but a lone
+    surrogate (a model's ``"\\ud83d"`` without its pair), which stays an escape, since no
+    UTF-8 can carry it (the response could not be written). Character by character, so a
+    stream's pieces of a string (``json_stream.py``) join to the same text."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}",
+                               json.dumps(value, ensure_ascii=False))
 
 
 @dataclass(frozen=True)
@@ -260,7 +271,7 @@ def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:
     try:
         if isinstance(args, str):
             args = DECODER.decode(args)
-        text = json.dumps(args, ensure_ascii=False)
+        text = dumps(args)
     except JSON_ERRORS:
         raise Malformed("arguments are not JSON, or nested too deeply") from None
     if not isinstance(args, dict):

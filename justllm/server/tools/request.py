@@ -179,5 +179,5 @@ def _arguments(text: str) -> Any:
     """Arguments JSON text -> the object (kept as text when it is not JSON)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (a client's text nested by the thousand too)
         return text

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
 # "name" first, then the arguments; or Mistral's [TOOL_CALLS]name[ARGS]); its arguments begin
 # where it ends.
+# What may stand before a call region's first call and between its calls.
+_BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>)*")
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
                         r'"(?:arguments|parameters)"\s*:\s*'
                         r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*')
@@ -60,64 +62,71 @@ CallDelta = CallOpened | CallPiece
 
 class CallReader:
     """Reads a call region that a grammar holds, as it grows: the calls opened so far, each
-    with its arguments as far as they are settled."""
+    with its arguments as far as they are settled. Between calls (and before the first) only
+    blanks, brackets, separators and the families' markers may stand: text of any other kind
+    (a reasoning model's thinking kept in the text, where a marker it names began the
+    region) stops the reader."""
 
     def __init__(self, names: frozenset[str] | None, parallel: bool) -> None:
         self._names, self._parallel = names, parallel
-        self.calls: list[tuple[str, str]] = []  # (name, arguments so far)
+        self._calls: list[tuple[str, list[str]]] = []  # (name, pieces of its arguments)
         self._args: JsonStream | None = None  # the open call's arguments
-        self._args_from = 0  # where they begin in the region
-        self._fed = 0  # of the region, given to _args
-        self._search_from = 0
+        self._args_from = 0  # where they begin in the text
+        self._fed = 0  # of the text, given to _args
+        self._at = 0  # where the next call's head may begin
         self.stopped = False  # the region went where the reader does not follow
 
-    def feed(self, region: str) -> list[CallDelta]:
-        """``region``: the whole call region so far (it only grows). The calls' news."""
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, arguments so far) of each call opened."""
+        return [(name, "".join(pieces)) for name, pieces in self._calls]
+
+    def feed(self, text: str, start: int) -> list[CallDelta]:
+        """``text``: the answer so far (it only grows), its call region from ``start``. The
+        calls' news."""
         out: list[CallDelta] = []
+        self._at = max(self._at, start)
         while not self.stopped:
             if self._args is None:
-                if self.calls and not self._parallel:
+                if self._calls and not self._parallel:
                     break
-                head = _CALL_HEAD.search(region, self._search_from)
+                head = _CALL_HEAD.search(text, self._at)
                 if head is None:
                     break
-                opening = region[head.end():].lstrip()[:1]
+                opening = text[head.end():].lstrip()[:1]
                 if not opening:
                     break  # (what the arguments are is not known yet)
-                if opening != "{":  # arguments given as JSON text are read whole at the end
-                    self.stopped = True
-                    break
                 try:
                     name = json.loads(head[1]) if head[1] is not None else head[2]
                 except ValueError:
                     name = None
-                if not isinstance(name, str) or (self._names is not None
-                                                 and name not in self._names):
+                # (arguments given as JSON text, a string, are read whole at the end)
+                if (not _BETWEEN.fullmatch(text, self._at, head.start()) or opening != "{"
+                        or not isinstance(name, str)
+                        or (self._names is not None and name not in self._names)):
                     self.stopped = True
                     break
-                self.calls.append((name, ""))
-                out.append(CallOpened(len(self.calls) - 1, name))
+                self._calls.append((name, []))
+                out.append(CallOpened(len(self._calls) - 1, name))
                 self._args, self._args_from = JsonStream(), head.end()
                 self._fed = head.end()
-            piece = self._args.feed(region[self._fed:])
-            self._fed = len(region)
+            piece = self._args.feed(text[self._fed:])
+            self._fed = len(text)
             if piece:
-                k = len(self.calls) - 1
-                name, so_far = self.calls[k]
-                self.calls[k] = (name, so_far + piece)
-                out.append(CallPiece(k, piece))
+                self._calls[-1][1].append(piece)
+                out.append(CallPiece(len(self._calls) - 1, piece))
             if self._args.broken:
                 self.stopped = True
             elif self._args.end is not None:
-                self._search_from = self._args_from + self._args.end
+                self._at = self._args_from + self._args.end
                 self._args = None
                 continue
             break
         return out
 
-    def cut(self, content: str) -> ParsedAnswer:
-        """The answer when it ended before its calls were whole: the calls as far as they
-        came."""
+    def answer(self, content: str) -> ParsedAnswer:
+        """The answer when the whole text does not parse, the calls cut off (or, rarer, a
+        value nested deeper than the parser goes): the calls as far as they came."""
         return ParsedAnswer(content, tuple(ParsedCall(n, a) for n, a in self.calls), cut=True)
 
 
@@ -138,24 +147,23 @@ class CallSplitter:
 
     def feed(self, piece: str, held: bool = False) -> str:
         """Append ``piece``; the content that can be shown now (maybe ""). ``held``: a
-        grammar holds the answer now (the calls it holds are streamed, ``deltas``)."""
+        grammar holds the answer now (the calls it holds are streamed, ``deltas``; a lazy
+        grammar may take hold a little after the marker, llama3's at the ``{`` after
+        ``<|python_tag|>``)."""
         self._text += piece
+        shown = ""
+        if self._calls_from is None:
+            match, at = find_call_start(self._text, self._fmt, self._shown)
+            if match is Match.FULL:
+                self._calls_from = at
+            safe = max(self._shown, len(self._text[:at].rstrip()))
+            shown, self._shown = self._text[self._shown:safe], safe
         if self._calls_from is not None:
-            self._read()
-            return ""
-        match, at = find_call_start(self._text, self._fmt, self._shown)
-        if match is Match.FULL:
-            self._calls_from = at
-            if held:
+            if held and self._reader is None:
                 self._reader = CallReader(self._names, self._parallel)
-                self._read()
-        safe = max(self._shown, len(self._text[:at].rstrip()))
-        shown, self._shown = self._text[self._shown:safe], safe
+            if self._reader is not None:
+                self._deltas += self._reader.feed(self._text, self._calls_from)
         return shown
-
-    def _read(self) -> None:
-        if self._reader is not None and self._calls_from is not None:
-            self._deltas += self._reader.feed(self._text[self._calls_from:])
 
     def deltas(self) -> list[CallDelta]:
         """The calls' news since the last time asked."""
@@ -168,7 +176,7 @@ class CallSplitter:
         answer = parse_answer(self._text, self._fmt, self._names, self._parallel)
         reader = self._reader
         if reader is not None and reader.calls and not answer.calls:
-            answer = reader.cut(answer.content[:self._shown])
+            answer = reader.answer(answer.content[:self._shown])
         else:
             self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
             if reader is not None and answer.calls and self._calls_from is not None:
@@ -215,8 +223,8 @@ def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool
     at = first_full_start(text, fmt) if held else None
     if at is None:
         return answer
-    if answer.calls:
-        return replace(answer, content=_before_calls(text, at))
     reader = CallReader(names, parallel)
-    reader.feed(text[at:])
-    return reader.cut(text[:at].rstrip()) if reader.calls else answer
+    reader.feed(text, at)
+    if reader.calls and not answer.calls:
+        return reader.answer(text[:at].rstrip())
+    return replace(answer, content=_before_calls(text, at)) if answer.calls else answer
