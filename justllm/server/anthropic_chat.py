@@ -276,10 +276,6 @@ def _tool(tool: Tool, i: int) -> ChatTool:
         raise _refuse(f"{where}.allowed_callers", "only direct calls exist here")
     if tool.defer_loading:
         raise _refuse(f"{where}.defer_loading", "deferred tool loading is not supported")
-    if tool.eager_input_streaming:
-        raise _refuse(f"{where}.eager_input_streaming", "a call the model writes freely (no "
-                                                        "grammar holds it) is streamed in one "
-                                                        "delta once it is complete here")
     if not _NAME.fullmatch(tool.name):
         raise _refuse(f"{where}.name", "a tool name is 1 to 64 letters, digits, '_' or '-'")
     if tool.input_schema is None:

@@ -78,7 +78,9 @@ class Tool(_Body, kw_only=True):
     cache_control: CacheControl | None = None
     strict: bool | None = None
     # declared to be refused unless off
-    eager_input_streaming: bool | None = None  # (a call's input comes in one delta)
+    # (a call a grammar holds streams its input as written: every family's but gpt-oss's,
+    # whose calls come whole and where true is refused)
+    eager_input_streaming: bool | None = None
     input_examples: list[Any] | None = None
     allowed_callers: list[str] | None = None
     defer_loading: bool | None = None

@@ -180,6 +180,14 @@ def test_switches_a_harmony_model_does_not_have(oss):
     assert r.status_code == 400 and "switch its thinking off" in r.json()["error"]["message"]
 
 
+def test_anthropics_eager_input_streaming_is_refused_where_calls_come_whole(oss):
+    r = post(oss, "/v1/messages", {"model": oss.model, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Hi"}], "tools": [{"name": "f", "input_schema": {
+            "type": "object"}, "eager_input_streaming": True}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("tools[0].eager_input_streaming: "), r.text
+
+
 def test_ollama_anthropic_and_responses_read_the_channels(oss):
     want = chat(oss)["choices"][0]["message"]
     history = [{"role": m["role"], "content": m["content"],
