@@ -89,13 +89,18 @@ def chat(
                 stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
                 local = LocalChat(config, plugins.request_events(), record_text=record_text)
                 room = local.engine.max_request_tokens
-                if max_tokens >= room:  # every message would be refused: say so now
-                    local.close()
+                if max_tokens >= room and given(context, "max_tokens"):
+                    local.close()  # (every message would be refused: say so now)
                     raise InvalidRequestError(
                         f"--max-tokens {max_tokens} leaves no room for a message in this "
                         f"model's context of {room} tokens (--ctx, --pool-blocks or its "
                         "training context): ask for fewer, or a larger --ctx",
                         param="max_tokens")
+                if max_tokens >= room:  # the default: half the context, half the answer
+                    options["max_tokens"] = room // 2
+                    print_notice(f"answers stop at {room // 2} tokens, half of this model's "
+                                 f"context of {room} (--max-tokens' default, {max_tokens}, "
+                                 "does not fit it)")
                 if local.notice:
                     print_notice(local.notice)
                 backend = local

@@ -386,6 +386,12 @@ def test_a_max_tokens_no_message_fits_beside_is_refused_at_start(model_path):
     assert r.stderr == ("error: --max-tokens 80 leaves no room for a message in this model's "
                         "context of 80 tokens (--ctx, --pool-blocks or its training context): "
                         "ask for fewer, or a larger --ctx\n"), r.stderr
+    # not typed, the default (512) becomes half the context, and the chat answers
+    r = subprocess.run([sys.executable, "-m", "justllm", "chat", model_path, "--ctx", "80",
+                        "--temperature", "0"], input="Hi\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "error" not in r.stdout, r.stdout
+    assert "answers stop at 40 tokens, half of this model's context of 80" in r.stderr
 
 
 def test_chat_refuses_options_it_would_ignore(model_path):

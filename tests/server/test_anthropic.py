@@ -347,14 +347,14 @@ def test_a_tool_use_cut_off_by_max_tokens_keeps_what_is_complete_of_its_input(cl
         "city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city", "unit"]}}
     both = client.messages.create(**{**kw, "tools": [unit]}, max_tokens=60)
     assert set(both.content[-1].input) == {"city", "unit"}, both
-    full = both.content[-1].input
-    for fewer in range(1, 10):  # until the unit's value is cut off
-        cut = client.messages.create(**{**kw, "tools": [unit]},
-                                     max_tokens=both.usage.output_tokens - fewer)
-        if cut.stop_reason == "max_tokens" and cut.content[-1].input != full:
+    for limit in range(both.usage.output_tokens - 1, 3, -1):  # until the unit is cut off
+        cut = client.messages.create(**{**kw, "tools": [unit]}, max_tokens=limit)
+        if cut.stop_reason == "max_tokens" and "unit" not in cut.content[-1].input:
             break
     assert cut.stop_reason == "max_tokens" and cut.content[-1].type == "tool_use"
-    assert cut.content[-1].input == {"city": full["city"]}, cut
+    # (an object: what is complete of it, the city unless that was cut off too)
+    assert set(cut.content[-1].input) <= {"city"}, cut
+    assert all(isinstance(v, str) for v in cut.content[-1].input.values()), cut
     assert whole.stop_reason == "tool_use"
 
 
