@@ -290,14 +290,16 @@ def test_completions(client, server):
                                        max_tokens=3, temperature=0)
     assert tokens.usage.prompt_tokens == 4
     stream = client.completions.create(model=server.model, prompt="The capital of France is",
-                                       max_tokens=5, temperature=0, stream=True)
+                                       max_tokens=5, temperature=0, stream=True,
+                                       extra_body=whole)
     assert "".join(ch.choices[0].text for ch in stream) == c.text[len("The capital of France is"):]
     # Text held back while it may begin a stop string: no chunks of "" before the end (there
     # were two here, for " the" and " country"), but each held token's logprobs still go out.
     for logprobs in (None, 1):
         chunks = [ch.choices[0] for ch in client.completions.create(
             model=server.model, prompt="The capital of France is", max_tokens=20,
-            temperature=0, stream=True, stop=["of the coun"], logprobs=logprobs)]
+            temperature=0, stream=True, stop=["of the coun"], logprobs=logprobs,
+            extra_body=whole)]
         assert "".join(ch.text for ch in chunks) == " the capital "
         assert chunks[-1].finish_reason == "stop"
         if logprobs is None:
