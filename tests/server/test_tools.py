@@ -108,6 +108,27 @@ def test_openai_client_stream_and_n_choices(client, server):
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
+def test_the_sdks_stream_helper_reads_the_arguments_as_they_grow(client, server):
+    """The openai SDK's chat.completions.stream() parses a strict tool's arguments as their
+    pieces arrive (jiter's partial mode): each event's parsed_arguments is a part of the
+    whole call, and the last is the call."""
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        unit: str
+
+    tool = openai.pydantic_function_tool(Weather, name="get_weather")
+    with client.chat.completions.stream(model=server.model, messages=ASK, tools=[tool],
+                                        tool_choice="required", temperature=0,
+                                        max_tokens=48) as stream:
+        grown = [ev.parsed_arguments for ev in stream
+                 if ev.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0].message.tool_calls[0].function
+    assert len(grown) > 3 and isinstance(final.parsed_arguments, Weather)
+    assert grown[-1] == final.parsed_arguments.model_dump()
+    assert any(g and len(g) < len(grown[-1]) for g in grown), grown  # (seen half-way)
+
+
 def test_a_round_trip_with_a_tool_message(client, server):
     first = client.chat.completions.create(
         model=server.model, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,
