@@ -15,7 +15,8 @@ The reading follows llama.cpp's (``--reasoning-format deepseek``) and Ollama's p
   llama.cpp leaves it);
 - it ends at the end tag; the thinking is the text between, stripped of surrounding blanks,
   and the content is what follows, without the blanks that lead it;
-- an answer that ends while still thinking (its token limit) is all thinking, no content;
+- an answer that ends while still thinking (its token limit) is all thinking, no content,
+  but for a beginning of the end tag it was cut off in (``</`` ...);
 - an answer that does not open with the start tag is all content, tags and all.
 
 The streaming reader shows thinking and content as soon as they cannot change: it holds back
@@ -79,6 +80,10 @@ def split_reasoning(text: str, tags: tuple[str, str], opened: bool = False) -> R
     elif not opened:
         return Reasoned(None, text)
     thought, closed, rest = text.partition(end)
+    if not closed:  # cut off while thinking, maybe inside the end tag: that is no thinking
+        cut = partial_tail(thought, end)
+        if cut >= 2:  # (one "<" may be the thinking's own)
+            thought = thought[:-cut]
     return Reasoned(thought.strip() or None, rest.lstrip() if closed else "")
 
 

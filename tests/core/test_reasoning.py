@@ -22,6 +22,9 @@ THINK = ("<think>", "</think>")
     ("  \n<think> a </thin b </think>x", False, "a </thin b", "x"),  # blanks before the tag
     ("hello <think>x</think>", False, None, "hello <think>x</think>"),  # not at the start
     ("<think>cut off", False, "cut off", ""),  # ended while thinking: all thinking
+    ("<think>cut off\n</", False, "cut off", ""),  # but for the end tag it was cut in
+    ("abc </thin", True, "abc", ""),
+    ("a <", True, "a <", ""),  # (one "<" may be the thinking's own)
     ("<think></think>\n\nok", False, None, "ok"),  # an empty thinking is none
     ("<thi", False, None, "<thi"),  # a tag begun, never finished: text
     ("", False, None, ""),
