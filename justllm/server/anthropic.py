@@ -10,7 +10,6 @@ and errors as ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
@@ -57,7 +56,7 @@ from justllm.server.tools.answer import (
     ToolCallStart,
 )
 from justllm.server.tools.grammar import call_schema
-from justllm.server.tools.json_stream import healed
+from justllm.server.tools.json_stream import arguments_object
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -163,15 +162,9 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
-    """A call as a ``tool_use`` block. Its arguments are a JSON object's text (the chat side
-    returns anything else as content), or, cut off by ``max_tokens``, its beginning: what is
-    complete of it (``healed``); should one be neither, it is kept whole as ``arguments``."""
-    try:
-        value = json.loads(call.arguments)
-    except (ValueError, RecursionError):  # (nested by the thousand: kept as text)
-        value = healed(call.arguments)
+    """A call as a ``tool_use`` block, its input an object (``arguments_object``)."""
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-            "input": value if isinstance(value, dict) else {"arguments": call.arguments}}
+            "input": arguments_object(call.arguments)}
 
 
 def _message(mid: str, model: str, result: ChatResult, stops: list[str] | None

@@ -52,7 +52,7 @@ from justllm.server.tools.answer import (
     ToolCallArguments,
     ToolCallStart,
 )
-from justllm.server.tools.json_stream import healed
+from justllm.server.tools.json_stream import arguments_object
 from justllm.server.tools.request import tool_plan
 
 _json = msgspec.json.Encoder()
@@ -245,16 +245,9 @@ class Arrival:
 
 
 def _call(call: ToolCall, index: int) -> dict[str, Any]:
-    """A call as Ollama writes it: ``arguments`` an object. (The chat side returns arguments
-    that are not an object's JSON as content, but for a call cut off by ``num_predict``:
-    what is complete of it, ``healed``; should another get here, it is kept whole.)"""
-    try:
-        value = json.loads(call.arguments)
-    except (ValueError, RecursionError):  # (nested by the thousand: kept as text)
-        value = healed(call.arguments)
-    return {"id": call.id, "function": {
-        "index": index, "name": call.name,
-        "arguments": value if isinstance(value, dict) else {"arguments": call.arguments}}}
+    """A call as Ollama writes it: ``arguments`` an object (``arguments_object``)."""
+    return {"id": call.id, "function": {"index": index, "name": call.name,
+                                        "arguments": arguments_object(call.arguments)}}
 
 
 def _message(content: str, calls: list[dict[str, Any]] | None = None,

@@ -464,14 +464,9 @@ class OpenAIServing:
         parallel = plan.parallel and plan.mode != "named"
         try:
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
-                gbnf = named_args_grammar(
-                    [(f.name, self.aengine.json_grammar(dict(f.parameters or NO_PARAMETERS)))
-                     for f in plan.callable()], parallel)
-                # (each function's grammar was held to a schema grammar's limits; all of
-                # them together are held to them as one call schema's grammar is)
-                grammar_limits(gbnf, "tools", rules=MAX_SCHEMA_GRAMMAR_RULES,
-                               alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
-                return gbnf
+                return _within_schema_limits(named_args_grammar(
+                    [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
+                     for f in plan.callable()], parallel))
             gbnf = self.aengine.json_grammar(
                 call_schema([(f.name, f.parameters) for f in plan.callable()], fmt))
         except InvalidRequestError as e:
@@ -515,10 +510,8 @@ class OpenAIServing:
                                       "answer (or tool_choice: none)", param=extra[1])
         grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
         if plan.mode == "auto" and grammar is not None:  # a call, or an answer in the format
-            grammar = call_or_answer_grammar(self._tool_grammar(plan), grammar)
-            # (each half was held to a schema grammar's limits; together they may pass them)
-            grammar_limits(grammar, "tools", rules=MAX_SCHEMA_GRAMMAR_RULES,
-                           alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
+            grammar = _within_schema_limits(
+                call_or_answer_grammar(self._tool_grammar(plan), grammar))
         if extra is not None:
             if grammar is not None:
                 raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
@@ -735,11 +728,10 @@ class OpenAIServing:
             thought, parsed = answer.whole(texts[i], final is not None and final.held)
             thoughts.append(thought or "")
             calls = tuple(self._call(c) for c in parsed.calls)
-            ended = calls and not parsed.cut
             choices.append(ChoiceResult(
                 i, parsed.content if parsed.content or not calls else None, calls,
-                "tool_calls" if ended else final.finish_reason if final else None, lps[i],
-                None if ended or final is None else final.stop, thought))
+                "tool_calls" if parsed.called else final.finish_reason if final else None,
+                lps[i], None if parsed.called or final is None else final.stop, thought))
         return ChatResult(choices, self._with_reasoning(_usage(finals, req.n), thoughts),
                           _timings(finals), prompts[0])
 
@@ -795,7 +787,7 @@ class OpenAIServing:
                         yield TextDelta(i, rest, reasoning=thought)
                     for ev in self._call_events(i, answer.deltas()):
                         yield ev
-                    if parsed is not None and parsed.calls and not parsed.cut:
+                    if parsed is not None and parsed.called:
                         yield ChoiceEnd(i, "tool_calls")
                     else:
                         yield ChoiceEnd(i, out.finish_reason or "stop", out.stop)
@@ -1139,6 +1131,14 @@ class _Streamed(Protocol):
     def stream(self) -> bool | None: ...
     @property
     def stream_options(self) -> object: ...
+
+
+def _within_schema_limits(gbnf: str) -> str:
+    """A grammar put together from schema grammars (each held to a schema grammar's limits),
+    held to them as a whole as one schema's grammar is: together they may pass them."""
+    grammar_limits(gbnf, "tools", rules=MAX_SCHEMA_GRAMMAR_RULES,
+                   alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
+    return gbnf
 
 
 def held_by(req: ChatCompletionRequest, plan: ToolPlan) -> str | None:

@@ -145,8 +145,10 @@ def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group
     begins), or () for a family whose calls are left free."""
-    if fmt in ("hermes", "mistral"):  # (both forms of Mistral's begin with [TOOL_CALLS])
-        return (r"(<tool_call>)",) if fmt == "hermes" else (r"(\[TOOL_CALLS\])",)
+    if fmt == "hermes":
+        return (r"(<tool_call>)",)
+    if fmt == "mistral":  # (both of its forms begin with [TOOL_CALLS])
+        return (r"(\[TOOL_CALLS\])",)
     if fmt == "llama3":  # (the grammar is the call object: it begins after the python tag)
         return (r"<\|python_tag\|>\s*(\{)", r'^\s*(\{)\s*"name"')
     if fmt == "generic":  # a call is the whole answer: only at its start

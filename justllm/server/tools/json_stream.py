@@ -16,6 +16,7 @@ cannot read stops it (``broken``).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -172,6 +173,8 @@ def healed(text: str) -> Any:
             i += 1
             key_next = ch == "{"
         elif ch in "}]":
+            if not stack:
+                return None  # (not a JsonStream's text after all)
             stack.pop()
             i += 1
         elif ch in ",:":
@@ -203,3 +206,15 @@ def healed(text: str) -> Any:
         return DECODER.decode(text[:safe] + closers)
     except JSON_ERRORS:  # (not a JsonStream's text after all)
         return None
+
+
+def arguments_object(text: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's ``input`` and Ollama's ``arguments`` are:
+    a JSON object's text (the chat side returns anything else as content), or, cut off by
+    ``max_tokens``, what is complete of it (:func:`healed`); should one be neither (nested by
+    the thousand, say), kept whole as ``{"arguments": text}``."""
+    try:
+        value = json.loads(text)
+    except JSON_ERRORS:
+        value = healed(text)
+    return value if isinstance(value, dict) else {"arguments": text}

@@ -107,6 +107,11 @@ class ParsedAnswer:
     # them off): the last one's arguments are as far as they came, not JSON.
     cut: bool = False
 
+    @property
+    def called(self) -> bool:
+        """Whether the answer ends in whole calls (finish_reason "tool_calls")."""
+        return bool(self.calls) and not self.cut
+
 
 class Malformed(ValueError):
     """A call marker followed by something that is not a call."""

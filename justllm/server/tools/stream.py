@@ -35,11 +35,11 @@ from justllm.server.tools.parse import (
 
 log = logging.getLogger(__name__)
 
+# What may stand before a call region's first call and between its calls.
+_BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>)*")
 # The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
 # "name" first, then the arguments; or Mistral's [TOOL_CALLS]name[ARGS]); its arguments begin
 # where it ends.
-# What may stand before a call region's first call and between its calls.
-_BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>)*")
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
                         r'"(?:arguments|parameters)"\s*:\s*'
                         r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*')
@@ -175,12 +175,10 @@ class CallSplitter:
         what is left of calls streamed so far (and the calls never opened, whole)."""
         answer = parse_answer(self._text, self._fmt, self._names, self._parallel)
         reader = self._reader
-        if reader is not None and reader.calls and not answer.calls:
-            answer = reader.answer(answer.content[:self._shown])
-        else:
-            self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
-            if reader is not None and answer.calls and self._calls_from is not None:
-                answer = replace(answer, content=_before_calls(self._text, self._calls_from))
+        self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
+        if reader is not None:
+            assert self._calls_from is not None  # (a reader is made at a call's marker)
+            answer = _held(answer, reader, self._text, self._calls_from)
         rest = answer.content[self._shown:]
         self._shown = len(answer.content)
         return rest, answer
@@ -208,11 +206,14 @@ def rest_of_calls(streamed: list[tuple[str, str]],
     return out
 
 
-def _before_calls(text: str, at: int) -> str:
-    """The content of an answer whose calls, from ``at``, a grammar held: the text before
-    them. (After them the grammar ends the answer; what an answer cut off there holds is the
+def _held(answer: ParsedAnswer, reader: CallReader, text: str, at: int) -> ParsedAnswer:
+    """``answer`` (``text`` parsed) where a grammar held the calls from ``at``: cut off
+    inside them, the calls as far as ``reader`` came; its content the text before them.
+    (After the calls the grammar ends the answer; what an answer cut off there holds is the
     beginning of another call's marker, not words of the model's.)"""
-    return text[:at].rstrip()
+    if reader.calls and not answer.calls:
+        return reader.answer(text[:at].rstrip())
+    return replace(answer, content=text[:at].rstrip()) if answer.calls else answer
 
 
 def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool,
@@ -225,6 +226,4 @@ def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool
         return answer
     reader = CallReader(names, parallel)
     reader.feed(text, at)
-    if reader.calls and not answer.calls:
-        return reader.answer(text[:at].rstrip())
-    return replace(answer, content=_before_calls(text, at)) if answer.calls else answer
+    return _held(answer, reader, text, at)
