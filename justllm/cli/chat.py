@@ -51,7 +51,7 @@ def chat(
     url: Annotated[Optional[str], typer.Option("--url", help="Chat with a running server instead of loading the model here.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (/set temperature to change).")] = 0.7,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer.")] = 512,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer. Not given: 512, or half a local model's context where 512 does not fit it.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="JUSTLLM_API_KEY", help="Bearer key for --url.")] = None,
     pool_blocks: PoolBlocks = _POOL_BLOCKS,
     threads: o.Threads = _D.threads,
