@@ -95,6 +95,16 @@ class HarmonyReader:
         self._shown = False  # whether the body has shown text
         self._blanks = ""  # trailing blanks of the body, held until more text follows
         self.reading = Reading()
+        # What was read of addressed bodies since ``take_addressed``: (the message's index
+        # among the calls, its recipient, text)
+        self._addressed: list[tuple[int, str, str]] = []
+
+    def take_addressed(self) -> list[tuple[int, str, str]]:
+        """The text read of addressed messages' bodies (calls) since the last time asked, as
+        (the call's index in ``reading.calls``, its recipient, text): a call's arguments as
+        they come (its body's leading blanks dropped)."""
+        out, self._addressed = self._addressed, []
+        return out
 
     def feed(self, piece: str) -> tuple[str, str]:
         """Append ``piece``; the thinking and the content to show now."""
@@ -169,8 +179,9 @@ class HarmonyReader:
             if not text:
                 return
             self._fresh = False
-        if self._recipient is not None:  # a call's arguments: read at the end
+        if self._recipient is not None:  # a call's arguments
             self._args.append(text)
+            self._addressed.append((len(self.reading.calls), self._recipient, text))
             return
         thinking = self._channel == "analysis"
         kind = "thinking" if thinking and not self._keep else "content"

@@ -377,11 +377,14 @@ class Engine:
         if params.grammar and params.grammar_triggers:
             b = self.backend
             # (compiled now: a grammar llama.cpp refuses is refused before the queue)
+            # (a harmony answer's triggers are message headers, which its analysis cannot
+            # hold: its tags here are a budget's, not where the answer begins)
+            tags = params.thinking_tags if params.thinking_tags != harmony.BUDGET_TAGS else None
             constraint = LazyGrammar(  # (a marker may be a control token: <tool_call>)
                 b.grammar(params.grammar), params.grammar_triggers,
                 lambda t: b.token_to_piece(t, special=True),
                 lambda text: b.tokenize(text, add_special=False),
-                (params.thinking_tags, params.thinking_open) if params.thinking_tags else None)
+                (tags, params.thinking_open) if tags else None)
         elif params.grammar:
             constraint = self.backend.grammar(params.grammar)
         ends = None

@@ -282,19 +282,6 @@ async def _events(mid: str, model: str, input_tokens: int, stops: list[str] | No
 
 # ---- routes ----------------------------------------------------------------------------------
 
-def _check_eager(req: MessagesRequest, served: Served) -> None:
-    """``eager_input_streaming: true``: a call a grammar holds streams its input as the model
-    writes it, which is every call but gpt-oss's (harmony messages, read once whole): there
-    it is refused, not ignored."""
-    if not served.completions.template.harmony:
-        return
-    for i, tool in enumerate(req.tools or []):
-        if getattr(tool, "eager_input_streaming", None):
-            where = f"tools[{i}].eager_input_streaming"
-            raise InvalidRequestError(f"{where}: this model's calls (gpt-oss's harmony "
-                                      "messages) are sent once whole", param=where)
-
-
 def _for_model(chat: ChatCompletionRequest, served: Served) -> ChatCompletionRequest:
     """A model that does not think keeps within any thinking budget: none is set for it."""
     if not served.completions.template.thinks:
@@ -308,7 +295,6 @@ async def messages(data: JSONBody[MessagesRequest], request: Request, state: Sta
     served = _served(state)
     req = await decode_request(request, MessagesRequest)
     served.completions.check_model(req.model)
-    _check_eager(req, served)
     chat = _for_model(to_chat(req), served)
     mid = f"msg_{uuid.uuid4().hex}"
     log.info("%s: user=%s stream=%s", mid, chat.user, req.stream)

@@ -94,6 +94,9 @@ from justllm.server.tools.grammar import (
     named_args_grammar,
     wrap_call_grammar,
 )
+from justllm.server.tools.harmony_grammar import CALL_TRIGGERS as HARMONY_CALL_TRIGGERS
+from justllm.server.tools.harmony_grammar import answer_grammar
+from justllm.server.tools.harmony_grammar import call_grammar as harmony_call_grammar
 from justllm.server.tools.parse import ParsedCall
 from justllm.server.tools.request import (
     ToolPlan,
@@ -463,6 +466,10 @@ class OpenAIServing:
         fmt = self.template.tool_format
         parallel = plan.parallel and plan.mode != "named"
         try:
+            if self.template.harmony:  # a message to the function (one call a turn)
+                return _within_schema_limits(harmony_call_grammar(
+                    [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
+                     for f in plan.callable()]))
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
                 return _within_schema_limits(named_args_grammar(
                     [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
@@ -473,16 +480,49 @@ class OpenAIServing:
             raise InvalidRequestError(str(e), param="tools") from None
         return wrap_call_grammar(gbnf, fmt, parallel)
 
+    def _held_grammar(self, req: ChatCompletionRequest, plan: ToolPlan
+                      ) -> tuple[str | None, tuple[str, ...]]:
+        """The grammar that holds ``req``'s answer (a forced call, a response format or a
+        structured-output extra, a call or an answer in the format), or under
+        ``tool_choice: "auto"`` a lazy grammar and its triggers (:meth:`_lazy_tool_grammar`).
+        A gpt-oss answer is held in its harmony messages (tools/harmony_grammar.py), but
+        for a continued final message, which the format's grammar holds alone."""
+        extra = structured_grammar(self.aengine, req)
+        if extra is not None and plan.active:
+            raise InvalidRequestError(f"tools and {extra[1]}: give one way to constrain the "
+                                      "answer (or tool_choice: none)", param=extra[1])
+        calls = self._tool_grammar(plan) if plan.enforced else None
+        answer = None if plan.enforced else self._grammar(req)
+        if extra is not None:
+            if answer is not None:
+                raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
+                                          "constrain the answer", param=extra[1])
+            answer = extra[0]
+        if plan.mode == "auto" and answer is not None:  # a call, or an answer in the format
+            calls = self._tool_grammar(plan)
+        if calls is None and answer is None:
+            if plan.mode == "auto" and not req.min_tokens:
+                return self._lazy_tool_grammar(plan)
+            return None, ()
+        if self.template.harmony and not req.continue_final_message:
+            return _within_schema_limits(answer_grammar(calls, answer)), ()
+        if calls is not None and answer is not None:
+            return _within_schema_limits(call_or_answer_grammar(calls, answer)), ()
+        return calls or answer, ()
+
     def _lazy_tool_grammar(self, plan: ToolPlan) -> tuple[str | None, tuple[str, ...]]:
         """Under ``tool_choice: "auto"``: the call grammar and where it takes hold (a call's
         marker), so that a call the model starts is one of the tools with valid arguments,
         as llama-server's lazy grammars make it; (None, ()) for a family left free, and for
-        gpt-oss (its calls are harmony messages). A model that thinks has its triggers
+        gpt-oss at a message to a function (its calls are harmony messages: the grammar is
+        tools/harmony_grammar.py's). A model that thinks has its triggers
         counted only after its thinking (which may name the marker: the request's
         ``thinking_tags``). Not with vLLM's ``min_tokens`` (the caller's check): a grammar
         ends the answer with its call."""
+        if self.template.harmony:
+            return self._tool_grammar(plan), HARMONY_CALL_TRIGGERS
         triggers = call_triggers(self.template.tool_format, plan.parallel)
-        if not triggers or self.template.harmony:
+        if not triggers:
             return None, ()
         return self._tool_grammar(plan), triggers
 
@@ -504,23 +544,8 @@ class OpenAIServing:
         self.check_supported(req)
         plan = tool_plan(req)
         check_tool_messages(req.messages)
-        extra = structured_grammar(self.aengine, req)
-        if extra is not None and plan.active:
-            raise InvalidRequestError(f"tools and {extra[1]}: give one way to constrain the "
-                                      "answer (or tool_choice: none)", param=extra[1])
-        grammar = self._tool_grammar(plan) if plan.enforced else self._grammar(req)
-        if plan.mode == "auto" and grammar is not None:  # a call, or an answer in the format
-            grammar = _within_schema_limits(
-                call_or_answer_grammar(self._tool_grammar(plan), grammar))
-        if extra is not None:
-            if grammar is not None:
-                raise InvalidRequestError(f"response_format and {extra[1]}: give one way to "
-                                          "constrain the answer", param=extra[1])
-            grammar = extra[0]
+        grammar, triggers = self._held_grammar(req, plan)
         prompt = self._prompt(req, plan, constrained=held_by(req, plan))
-        triggers: tuple[str, ...] = ()
-        if plan.mode == "auto" and grammar is None and not req.min_tokens:
-            grammar, triggers = self._lazy_tool_grammar(plan)
         tags = self.template.thinking_tags if triggers else None
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:

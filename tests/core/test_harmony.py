@@ -8,6 +8,7 @@ import pytest
 
 from justllm.core.harmony import HarmonyReader, Reading
 from justllm.server.tools.harmony_text import HarmonyText
+from justllm.server.tools.stream import CallOpened
 
 ANSWER = ("<|channel|>analysis<|message|>The user asks. <Rome> it is.  <|end|>"
           "<|start|>assistant<|channel|>final<|message|> Rome is the capital.\n")
@@ -84,8 +85,62 @@ def test_the_thinking_kept_in_the_text():
 def calls_of(text: str, **kw) -> tuple[str, str, tuple]:
     answer = HarmonyText(**kw)
     thought, content = answer.feed(text)
-    more, rest, calls = answer.finish()
+    more, rest, calls, cut = answer.finish()
+    assert not cut
     return thought + more, content + rest, tuple((c.name, c.arguments) for c in calls)
+
+
+def streamed_calls(text: str, cuts: list[int], held: bool = True
+                   ) -> tuple[str, str, list[tuple[str, str]], bool, list[tuple[str, str]]]:
+    """``text`` fed in pieces (``held``: a grammar held it): the thinking, the content, the
+    calls its deltas add up to, whether it was cut off, and the calls ``finish`` gives."""
+    answer = HarmonyText(calls=True, names=frozenset({"weather", "time"}))
+    thought = content = ""
+    streamed: list[list[str]] = []
+    bounds = [0, *cuts, len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        t, c = answer.feed(text[a:b], held)
+        thought, content = thought + t, content + c
+        for d in answer.deltas():
+            if isinstance(d, CallOpened):
+                streamed.append([d.name, ""])
+            else:
+                streamed[d.call_index][1] += d.arguments
+    more, rest, calls, cut = answer.finish()
+    for d in answer.deltas():
+        if isinstance(d, CallOpened):
+            streamed.append([d.name, ""])
+        else:
+            streamed[d.call_index][1] += d.arguments
+    return (thought + more, content + rest, [(n, a) for n, a in streamed], cut,
+            [(c.name, c.arguments) for c in calls])
+
+
+def test_a_held_call_streams_as_it_is_written():
+    """A call a grammar holds opens at its recipient and its arguments come as they are
+    written, at any split adding up to the whole answer's; cut off inside its arguments it
+    stands as far as it came; a call no grammar held comes whole at the end."""
+    text = CALL.replace('{"city": "Paris"}', '{"city": "Paris", "days": [1, 2.50]}')
+    want = [("weather", '{"city": "Paris", "days": [1, 2.5]}')]
+    for cut in range(len(text) + 1):
+        thought, content, streamed, was_cut, calls = streamed_calls(text, [cut])
+        assert (thought, content, streamed, was_cut, calls) == (
+            "Need the weather.", "", want, False, want), cut
+    answer = HarmonyText(calls=True, names=frozenset({"weather"}))
+    answer.feed(text[:text.index('"Paris"') + 3], held=True)
+    assert [type(d).__name__ for d in answer.deltas()] == ["CallOpened", "CallPiece"]
+    answer = HarmonyText(calls=True, names=frozenset({"weather"}))
+    answer.feed(text[:text.index('"Paris"') + 3], held=False)
+    assert answer.deltas() == []  # (free: whole at the end)
+    # cut off inside the arguments (max_tokens): the call as far as it came
+    start = text.index("<|message|>{") + len("<|message|>")
+    for end in range(start + 1, len(text)):
+        _, content, streamed, was_cut, calls = streamed_calls(text[:end], [end - 1])
+        assert was_cut and content == "" and streamed == calls, end
+        assert want[0][1].startswith(calls[0][1]) and calls[0][0] == "weather"
+    # not held: the same cut text is content, as before
+    _, content, streamed, was_cut, calls = streamed_calls(text[:start + 5], [], held=False)
+    assert (content, streamed, was_cut, calls) == (text[start:start + 5], [], False, [])
 
 
 def test_calls_as_the_server_reads_them():

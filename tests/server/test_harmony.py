@@ -46,6 +46,11 @@ TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look a city's population up.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}]
+# (the same tool, its schema ruling out the Lima the model writes)
+ENUM_TOOLS = [{"type": "function", "function": {
+    **TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}},
+        "required": ["city"]}}}]
 
 
 def _call(i: int, city: str) -> dict:
@@ -137,18 +142,68 @@ def test_a_message_to_a_function_is_a_tool_call(oss):
     assert off["reasoning_content"] == "I should look Lima up."
 
 
-def test_an_answer_held_to_a_format_is_read_as_plain_text(oss):
-    """A grammar holds the whole answer, so it holds no analysis: a forced call is the generic
-    format's JSON, and a response_format answer is its JSON, both read as plain text."""
-    forced = chat(oss, messages=TOOL_CHAT, tools=TOOLS, tool_choice="required",
-                  parallel_tool_calls=False)["choices"][0]  # (one call: this model repeats)
-    assert forced["finish_reason"] == "tool_calls"
-    call = forced["message"]["tool_calls"][0]["function"]
-    assert call["name"] == "lookup" and set(json.loads(call["arguments"])) == {"city"}
-    assert "reasoning_content" not in forced["message"]
-    held = chat(oss, response_format={"type": "json_object"}, max_tokens=16)["choices"][0]
-    assert held["message"]["content"].lstrip().startswith("{")
-    assert "reasoning_content" not in held["message"]
+def test_an_answer_held_to_a_format_keeps_its_messages(oss):
+    """As llama.cpp's gpt-oss grammar holds it: the model thinks in its analysis as it would
+    unheld, then the grammar holds the message asked for: a call, or the final message's
+    body in the format (the base model, left free, looks Lima up and answers in prose)."""
+    free = chat(oss, messages=TOOL_CHAT, tools=TOOLS)["choices"][0]["message"]
+    for choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+        forced = chat(oss, messages=TOOL_CHAT, tools=ENUM_TOOLS,
+                      tool_choice=choice)["choices"][0]
+        assert forced["finish_reason"] == "tool_calls", choice
+        assert forced["message"]["reasoning_content"] == free["reasoning_content"]
+        call = forced["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "lookup" and json.loads(call["arguments"]) in (
+            {"city": "Rome"}, {"city": "Oslo"})
+    want = chat(oss)["choices"][0]["message"]
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+              "required": ["colour"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    held = chat(oss, response_format=fmt)["choices"][0]
+    assert held["finish_reason"] == "stop"
+    assert held["message"]["reasoning_content"] == want["reasoning_content"]
+    assert json.loads(held["message"]["content"])["colour"] in ("red", "green")
+    kept = chat(oss, response_format=fmt, reasoning_format="none")["choices"][0]["message"]
+    thinking = "<|channel|>analysis<|message|>" + want["reasoning_content"] + "<|end|>"
+    assert kept["content"] == thinking + held["message"]["content"]
+    picked = chat(oss, guided_choice=["yes", "no"])["choices"][0]["message"]
+    assert picked["content"] in ("yes", "no") and picked["reasoning_content"]
+    # a call or an answer in the format (tools beside a response format): this model calls
+    either = chat(oss, messages=TOOL_CHAT, tools=TOOLS,
+                  response_format={"type": "json_object"})["choices"][0]
+    assert either["finish_reason"] == "tool_calls"
+    assert either["message"]["reasoning_content"] == free["reasoning_content"]
+
+
+def test_a_call_is_held_to_its_schema_and_streams_as_written(oss):
+    """Under tool_choice "auto" the grammar takes hold at the message to a function (the
+    model would write Lima; the schema allows Rome or Oslo), and the call streams: it opens
+    at its recipient, its arguments come a token's worth at a time; cut off inside them, the
+    call stands as far as it came, streamed and whole alike."""
+    body = {"messages": TOOL_CHAT, "tools": ENUM_TOOLS, "cache_prompt": False}
+    r = post(oss, "/v1/chat/completions", {**GREEDY, **body})
+    whole = r.json()
+    call = whole["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) in ({"city": "Rome"}, {"city": "Oslo"})
+    chunks = streamed(oss, body)
+    calls = [c for ch in chunks for c in ch["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "lookup"
+    pieces = [c["function"].get("arguments") for c in calls if c["function"].get("arguments")]
+    assert len(pieces) > 3 and "".join(pieces) == call["arguments"]
+    # (a thinking budget counts the analysis; the grammar still takes hold at the call)
+    budgeted = chat(oss, **body, reasoning_budget_tokens=100)["choices"][0]["message"]
+    assert budgeted["tool_calls"][0]["function"]["arguments"] == call["arguments"]
+    n = whole["usage"]["completion_tokens"]
+    for limit in (n - 4, n - 2):  # (inside the arguments: they take 7 tokens)
+        cut = post(oss, "/v1/chat/completions", {**GREEDY, **body, "max_tokens": limit})
+        choice = cut.json()["choices"][0]
+        assert choice["finish_reason"] == "length", limit
+        args = choice["message"]["tool_calls"][0]["function"]["arguments"]
+        assert call["arguments"].startswith(args) and args != call["arguments"]
+        chunks = streamed(oss, {**body, "max_tokens": limit})
+        assert chunks[-1]["finish_reason"] == "length"
+        assert "".join(c["function"].get("arguments") or "" for ch in chunks
+                       for c in ch["delta"].get("tool_calls") or []) == args
 
 
 def test_the_history_goes_back_in_its_channels(oss):
@@ -180,12 +235,35 @@ def test_switches_a_harmony_model_does_not_have(oss):
     assert r.status_code == 400 and "switch its thinking off" in r.json()["error"]["message"]
 
 
-def test_anthropics_eager_input_streaming_is_refused_where_calls_come_whole(oss):
-    r = post(oss, "/v1/messages", {"model": oss.model, "max_tokens": 4, "messages": [
-        {"role": "user", "content": "Hi"}], "tools": [{"name": "f", "input_schema": {
-            "type": "object"}, "eager_input_streaming": True}]})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("tools[0].eager_input_streaming: "), r.text
+def test_anthropic_streams_a_held_calls_input(oss):
+    """``eager_input_streaming``: a held call's input comes as it is written (it was a 400
+    here while gpt-oss's calls came whole)."""
+    tool = {"name": "lookup", "description": "Look a city's population up.",
+            "input_schema": ENUM_TOOLS[0]["function"]["parameters"],
+            "eager_input_streaming": True}
+    client = anthropic.Anthropic(base_url=oss.url, api_key="unused", max_retries=0)
+    history: list[dict] = []
+    for q, city, result, a in TOOL_SHOTS:
+        history += [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": f"I should look {city} up.", "signature": ""},
+                {"type": "tool_use", "id": city, "name": "lookup", "input": {"city": city}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": city,
+                                          "content": result}]},
+            {"role": "assistant", "content": a}]
+    with client.messages.stream(
+            model=oss.model, max_tokens=2000, stop_sequences=GREEDY["stop"], tools=[tool],
+            thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0},
+            messages=[*history, {"role": "user", "content": "Population of Lima?"}]) as stream:
+        pieces = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
+        message = stream.get_final_message()
+    use = [b for b in message.content if b.type == "tool_use"]
+    assert use, message
+    assert use[0].name == "lookup" and use[0].input in ({"city": "Rome"}, {"city": "Oslo"})
+    assert len(pieces) > 3 and json.loads("".join(pieces)) == use[0].input
+    assert message.stop_reason == "tool_use"
 
 
 def test_ollama_anthropic_and_responses_read_the_channels(oss):

@@ -20,7 +20,7 @@ from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
 from justllm.server.tools.harmony_text import HarmonyText
 from justllm.server.tools.parse import ParsedAnswer
-from justllm.server.tools.stream import CallDelta, CallSplitter, read_whole, rest_of_calls
+from justllm.server.tools.stream import CallDelta, CallSplitter, read_whole
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,6 @@ class ChoiceText:
         self._reasoner = (ReasoningSplitter(thinking.tags, thinking.opened)
                           if thinking and not harmony else None)
         self._splitter = CallSplitter(fmt, names, parallel) if fmt and not harmony else None
-        self._harmony_calls: list[CallDelta] = []  # (a gpt-oss answer's calls come whole)
 
     def _unlead(self, text: str) -> str:
         text, self._prefix = self._prefix + text, ""
@@ -155,7 +154,7 @@ class ChoiceText:
         holds the answer now (its calls are streamed as they grow: ``deltas``)."""
         text = self._unlead(piece)
         if self._harmony is not None:
-            return self._harmony.feed(text)
+            return self._harmony.feed(text, held)
         thought = ""
         if self._reasoner is not None:
             thought, text = self._reasoner.feed(text)
@@ -164,19 +163,17 @@ class ChoiceText:
     def deltas(self) -> list[CallDelta]:
         """The calls' news since the last ``feed`` or ``finish`` (only where a grammar holds
         the calls; other calls come whole from ``finish``)."""
-        if self._splitter is None:
-            out, self._harmony_calls = self._harmony_calls, []
-            return out
-        return self._splitter.deltas()
+        if self._harmony is not None:
+            return self._harmony.deltas()
+        return self._splitter.deltas() if self._splitter is not None else []
 
     def finish(self) -> tuple[str, str, ParsedAnswer | None]:
         """At the stream's end: the thinking and content not shown yet, and the answer's
         calls (None without tools). The calls streamed so far are in it whole; ``deltas``
         then gives what the stream still owes of them."""
         if self._harmony is not None:
-            thought, content, calls = self._harmony.finish()
-            self._harmony_calls = rest_of_calls([], calls)
-            return thought, content, ParsedAnswer("", calls)
+            thought, content, calls, cut = self._harmony.finish()
+            return thought, content, ParsedAnswer("", calls, cut)
         thought, text = (self._reasoner.finish() if self._reasoner is not None
                          else ("", self._unlead("")))
         if self._splitter is None:
@@ -191,9 +188,9 @@ class ChoiceText:
         text = self._unlead(text)
         thought = None
         if self._harmony is not None:
-            thinking, content = self._harmony.feed(text)
-            more, rest, calls = self._harmony.finish()
-            return thinking + more or None, ParsedAnswer(content + rest, calls)
+            thinking, content = self._harmony.feed(text, held)
+            more, rest, calls, cut = self._harmony.finish()
+            return thinking + more or None, ParsedAnswer(content + rest, calls, cut)
         if self._thinking is not None:
             reasoned = split_reasoning(text, self._thinking.tags, self._thinking.opened)
             thought, text = reasoned.reasoning, reasoned.content

@@ -15,15 +15,27 @@ answer).
 from __future__ import annotations
 
 from justllm.core.harmony import HarmonyReader
+from justllm.server.tools.json_stream import JsonStream
 from justllm.server.tools.parse import Malformed, ParsedCall, checked_call
-from justllm.server.tools.stream import CallSplitter
+from justllm.server.tools.stream import (
+    CallDelta,
+    CallOpened,
+    CallPiece,
+    CallSplitter,
+    rest_of_calls,
+)
 
 _FUNCTIONS = "functions."
 
 
 class HarmonyText:
     """Feed an answer's pieces, get (thinking, content) to show; ``finish`` gives the rest and
-    the calls. ``calls``: whether tools are on offer (``names`` the offered functions)."""
+    the calls. ``calls``: whether tools are on offer (``names`` the offered functions).
+
+    A call a grammar holds (``held``: tools/harmony_grammar.py's, from its header's recipient
+    on) streams as it is written, as every family's held calls do (tools/stream.py): it opens
+    at its recipient, its arguments follow as canonical JSON text (``json_stream.py``), and
+    cut off (``max_tokens``) it stands as far as it came. Other calls come whole."""
 
     def __init__(self, *, calls: bool, names: frozenset[str] | None = None,
                  parallel: bool = True, keep_thinking: bool = False) -> None:
@@ -31,28 +43,76 @@ class HarmonyText:
         self._names, self._parallel = names, parallel
         # (None: no tools on offer, so no calls are read)
         self._plain = CallSplitter("generic", names, parallel) if calls else None
+        self._streams: list[tuple[str, list[str]]] = []  # (name, argument pieces) streamed
+        self._args: JsonStream | None = None  # the streamed call's arguments, while open
+        self._at = -1  # the reader's index of the call being streamed
+        self._stopped = False  # a call went unstreamed: later ones come whole too
+        self._deltas: list[CallDelta] = []
 
-    def feed(self, piece: str) -> tuple[str, str]:
+    def feed(self, piece: str, held: bool = False) -> tuple[str, str]:
         thought, content = self._reader.feed(piece)
         if self._reader.reading.plain and self._plain is not None:
-            content = self._plain.feed(content)
+            content = self._plain.feed(content, held)
+        self._stream(held)
         return thought, content
 
-    def finish(self) -> tuple[str, str, tuple[ParsedCall, ...]]:
+    def deltas(self) -> list[CallDelta]:
+        """The calls' news since the last time asked (``deltas`` of tools/stream.py)."""
+        if self._plain is not None and self._reader.reading.plain:
+            return self._plain.deltas()
+        out, self._deltas = self._deltas, []
+        return out
+
+    def _stream(self, held: bool) -> None:
+        for index, recipient, text in self._reader.take_addressed():
+            if index != self._at:
+                self._args = None
+                name = recipient[len(_FUNCTIONS):]
+                if (self._stopped or self._plain is None or not held
+                        or not recipient.startswith(_FUNCTIONS)
+                        or (self._names is not None and name not in self._names)
+                        or (self._streams and not self._parallel)):
+                    self._stopped = True
+                    continue
+                self._at, self._args = index, JsonStream()
+                self._streams.append((name, []))
+                self._deltas.append(CallOpened(len(self._streams) - 1, name))
+            if self._args is None:
+                continue
+            piece = self._args.feed(text)
+            if piece:
+                self._streams[-1][1].append(piece)
+                self._deltas.append(CallPiece(len(self._streams) - 1, piece))
+
+    def finish(self) -> tuple[str, str, tuple[ParsedCall, ...], bool]:
+        """The thinking and content not given yet, the answer's calls, and whether the
+        answer was cut off inside a held call (which then stands as far as it came);
+        ``deltas`` then gives what the stream still owes of the calls."""
         thought, content = self._reader.finish()
+        self._stream(held=False)  # (what finishing read of a streamed call's body)
         reading = self._reader.reading
         if reading.plain and self._plain is not None:
             shown = self._plain.feed(content)
             rest, answer = self._plain.finish()
-            return thought, shown + rest, answer.calls
+            return thought, shown + rest, answer.calls, answer.cut
         calls: list[ParsedCall] = []
-        if self._plain is not None:
-            for call in reading.calls:
-                try:
-                    if not call.recipient.startswith(_FUNCTIONS):
-                        raise Malformed(f"{call.recipient} is not a function")
-                    calls.append(checked_call({"name": call.recipient[len(_FUNCTIONS):],
-                                               "arguments": call.body}, self._names))
-                except Malformed:  # its text is content
-                    content += ("\n\n" if reading.content or content else "") + call.body
-        return thought, content, tuple(calls[:1] if not self._parallel else calls)
+        cut = False
+        # (no tools on offer: addressed messages are dropped)
+        for k, call in enumerate(reading.calls if self._plain is not None else ()):
+            try:
+                if not call.recipient.startswith(_FUNCTIONS):
+                    raise Malformed(f"{call.recipient} is not a function")
+                calls.append(checked_call({"name": call.recipient[len(_FUNCTIONS):],
+                                           "arguments": call.body}, self._names))
+            except Malformed:
+                if k < len(self._streams):  # held by a grammar, streamed: cut off
+                    name, pieces = self._streams[k]
+                    calls.append(ParsedCall(name, "".join(pieces)))
+                    cut = True
+                    break
+                content += ("\n\n" if reading.content or content else "") + call.body
+        if not self._parallel:
+            calls = calls[:1]
+        self._deltas += rest_of_calls([(n, "".join(p)) for n, p in self._streams],
+                                      tuple(calls))
+        return thought, content, tuple(calls), cut
