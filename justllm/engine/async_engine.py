@@ -129,6 +129,8 @@ class AsyncEngine:
         # Jobs done a piece at a time (a long embedding), the engine stepping between pieces;
         # only the first advances, so they run one after another (engine thread only).
         self._pieces: deque[tuple[Generator[None, None, object], asyncio.Future]] = deque()
+        # Set by abort_all (any thread): the stepwise jobs end with this message.
+        self._jobs_ended: str | None = None
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False  # the engine thread ends
@@ -479,7 +481,17 @@ class AsyncEngine:
                     _deliver(fut.get_loop(), _settle, fut, result, None)
 
     def _run_piece(self) -> None:
-        """The next piece of the first stepwise job (``call_on_engine_thread``)."""
+        """The next piece of the first stepwise job (``call_on_engine_thread``). A job whose
+        caller went (its future cancelled: a client that left) stops; :meth:`abort_all`
+        ends them all with its message."""
+        ended, self._jobs_ended = self._jobs_ended, None
+        if ended is not None:
+            while self._pieces:
+                pieces, fut = self._pieces.popleft()
+                pieces.close()
+                _deliver(fut.get_loop(), _settle, fut, None, EngineClosedError(ended))
+        while self._pieces and self._pieces[0][1].cancelled():
+            self._pieces.popleft()[0].close()
         if not self._pieces:
             return
         pieces, fut = self._pieces[0]
@@ -547,6 +559,7 @@ class AsyncEngine:
             end = RequestOutput(stream.request_id, "", [], True, "abort", None,
                                 RequestMetrics(arrival_time=0.0), error=message)
             _deliver(stream.loop, stream.queue.put_nowait, end)
+        self._jobs_ended = message  # (embeddings under way, at their next piece)
         self._wake.set()
         return len(pending)
 

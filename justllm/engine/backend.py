@@ -857,6 +857,7 @@ class LlamaBackend:
             raise ModelLoadError(_load_failure(config.model_path, lines))
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
+        self.n_embd = int(C.llama_model_n_embd(self._model))  # an embedding's size
         self._eog_ids: np.ndarray | None = None
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
         self.n_swa = int(C.llama_model_n_swa(self._model))  # sliding window; 0: none

@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, head, post
@@ -203,7 +203,9 @@ def embedding_serving(state: State) -> tuple[Served, EmbeddingServing]:
 async def embeddings(data: JSONBody[EmbeddingRequest], request: Request,
                      state: State) -> EmbeddingList:
     _, serving = embedding_serving(state)
-    return await serving.create(await decode_request(request, EmbeddingRequest))
+    req = await decode_request(request, EmbeddingRequest)  # (the body read before the watch)
+    # (or the 499 Response of a client that left: Litestar sends a Response as it is)
+    return cast(EmbeddingList, await unless_disconnected(request, serving.create(req)))
 
 
 def _model_cards(state: State) -> dict[str, Any]:

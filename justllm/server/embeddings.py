@@ -112,14 +112,15 @@ class EmbeddingServing:
         """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes)."""
         if data.user:  # logged, as the chat routes log theirs (--verbose)
             log.info("embeddings: user=%s", data.user)
+        size = self.aengine.engine.backend.n_embd
+        if data.dimensions is not None and not 0 < data.dimensions <= size:
+            raise InvalidRequestError(f"dimensions must be in [1, {size}]",  # (before the work)
+                                      param="dimensions")
         pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
                                       text_size(data.input), truncate=truncate,
                                       keep=data.truncate_prompt_tokens)
         vectors = [normalised(v) for v in pooled]
         if data.dimensions is not None:
-            if not 0 < data.dimensions <= vectors[0].size:
-                raise InvalidRequestError(f"dimensions must be in [1, {vectors[0].size}]",
-                                          param="dimensions")
             vectors = [v[:data.dimensions] / (np.linalg.norm(v[:data.dimensions]) or 1.0)
                        for v in vectors]
         items = []

@@ -21,12 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Request, post
+from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from justllm.errors import InvalidRequestError
-from justllm.server.app import decode_request, embedding_serving
+from justllm.server.app import decode_request, embedding_serving, unless_disconnected
 from justllm.server.embeddings import EUCLIDEAN, normalised
 from justllm.server.llama_completion import llama_prompts
 
@@ -60,13 +60,16 @@ def check_embedding(req: LlamaEmbeddingRequest) -> tuple[str, Any]:
 @post(["/embedding", "/embeddings"], status_code=200,
       summary="llama-server's native embeddings: [{index, embedding: [[...]]}]")
 async def embedding(data: JSONBody[LlamaEmbeddingRequest], request: Request,
-                    state: State) -> list[dict[str, Any]]:
+                    state: State) -> Any:
     served, serving = embedding_serving(state)
     req = await decode_request(request, LlamaEmbeddingRequest)
     field, value = check_embedding(req)
     aengine = served.aengine
-    vectors, _ = await serving.pooled(
+    done = await unless_disconnected(request, serving.pooled(
         req.model, lambda: llama_prompts(value, aengine, field), len(await request.body()),
-        param=field)
+        param=field))
+    if isinstance(done, Response):
+        return done
+    vectors = done[0]
     return [{"index": i, "embedding": [normalised(v, req.embd_normalize).tolist()]}
             for i, v in enumerate(vectors)]

@@ -842,8 +842,12 @@ async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: Sta
         raise InvalidRequestError("dimensions must be >= 1", param="dimensions")
     if req.input in ("", []):
         return {"model": arrival.named(req.model), "embeddings": []}
-    vectors, tokens = await _embed(served, req.model, req.input, req.dimensions,
-                                   truncate=req.truncate is not False)  # Ollama's default
+    done = await unless_disconnected(request, _embed(
+        served, req.model, req.input, req.dimensions,
+        truncate=req.truncate is not False))  # (Ollama's default)
+    if isinstance(done, Response):
+        return done
+    vectors, tokens = done
     return {"model": arrival.named(req.model), "embeddings": vectors, **arrival.durations(),
             "prompt_eval_count": tokens}
 
@@ -858,8 +862,11 @@ async def embeddings(data: JSONBody[OllamaEmbeddingsRequest], request: Request,
     _check_embedding_options(req.options, served)
     if not req.prompt:
         return {"embedding": []}
-    vectors, _ = await _embed(served, req.model, req.prompt, None, truncate=False)  # as Ollama
-    return {"embedding": vectors[0]}
+    done = await unless_disconnected(request, _embed(served, req.model, req.prompt, None,
+                                                     truncate=False))  # (as Ollama)
+    if isinstance(done, Response):
+        return done
+    return {"embedding": done[0][0]}
 
 
 # ---- the model -----------------------------------------------------------------------------

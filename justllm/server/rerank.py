@@ -14,13 +14,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Union
 
 import msgspec
-from litestar import Request, post
+from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 from msgspec import Meta
 
 from justllm.errors import InvalidRequestError
-from justllm.server.app import decode_request, embedding_serving
+from justllm.server.app import decode_request, embedding_serving, unless_disconnected
 
 
 class DocumentObject(msgspec.Struct, forbid_unknown_fields=True):
@@ -73,10 +73,13 @@ async def rerank(data: JSONBody[RerankRequest], request: Request, state: State) 
     req = await decode_request(request, RerankRequest)
     texts, tei = rerank_texts(req)
     aengine = served.aengine
-    scores, n = await serving.pooled(
+    done = await unless_disconnected(request, serving.pooled(
         req.model, lambda: [aengine.rerank_tokens(req.query, t) for t in texts],
         len(req.query) * len(texts) + sum(map(len, texts)),
-        param="texts" if tei else "documents", scores=True)
+        param="texts" if tei else "documents", scores=True))
+    if isinstance(done, Response):
+        return done
+    scores, n = done
     ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i][0]))[:req.top_n]
     if tei:
         return [{"index": i, "score": float(scores[i][0]),

@@ -237,3 +237,56 @@ def test_a_long_embedding_lets_running_requests_step_between_its_chunks(model_pa
         np.testing.assert_array_equal(alone[0], whole[1])
     finally:
         a.close()
+
+
+def test_a_stepwise_job_stops_when_its_caller_leaves_or_the_server_aborts(aengine):
+    """An embedding whose client left (its future cancelled) stops at its next piece instead
+    of running to its end (an abandoned 256-input embedding held the engine for minutes),
+    and ``abort_all`` (a shutdown's) ends one under way with its message."""
+    from justllm.errors import EngineClosedError
+
+    def job(ran: list[int], closed: list[bool]):
+        def pieces():
+            try:
+                for _ in range(100_000):
+                    ran[0] += 1
+                    time.sleep(0.001)
+                    yield
+            finally:
+                closed.append(True)
+            return "whole"
+        return pieces
+
+    async def leave() -> tuple[int, list[bool]]:
+        ran, closed = [0], []
+        fut = aengine.call_on_engine_thread(job(ran, closed), stepwise=True)
+        while ran[0] < 5:
+            await asyncio.sleep(0.01)
+        fut.cancel()
+        deadline = time.monotonic() + 30
+        while not closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return ran[0], closed
+
+    ran, closed = asyncio.run(leave())
+    assert closed == [True] and ran < 100_000
+
+    async def shut() -> BaseException | None:
+        ran, closed = [0], []
+        fut = aengine.call_on_engine_thread(job(ran, closed), stepwise=True)
+        while ran[0] < 5:
+            await asyncio.sleep(0.01)
+        aengine.abort_all("going away")
+        try:
+            await asyncio.wait_for(fut, 30)
+        except EngineClosedError as e:
+            return e
+        return None
+
+    error = asyncio.run(shut())
+    assert isinstance(error, EngineClosedError) and str(error) == "going away"
+
+    async def ask() -> int:  # (the engine goes on: one abort does not end later jobs)
+        return await asyncio.wait_for(aengine.call_on_engine_thread(lambda: 42), 10)
+
+    assert asyncio.run(ask()) == 42

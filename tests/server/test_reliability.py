@@ -8,6 +8,7 @@ and no KV block held beyond what the prefix cache keeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import subprocess
@@ -426,6 +427,57 @@ def test_sigterm_under_load_drains_then_aborts_and_exits_cleanly(model_path):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def test_sigterm_with_an_embedding_under_way_gets_a_503_and_exits(model_path):
+    """An embedding is aborted with the requests at the end of the grace period: a 503 in
+    the API's shape, and the server exits then (it answered a bare 500 and ran the
+    embedding to its end, a minute and more, before exiting)."""
+    grace = 1.0
+    s = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "64",
+                     "--shutdown-timeout", str(grace))
+    try:
+        words = "The lighthouse keeper wrote down every ship that passed. " * 80
+        body = {"input": [f"{i} {words}" for i in range(64)]}  # (~56k tokens: a minute here)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+                call = asyncio.create_task(http.post(s.url + EMBEDDINGS, json=body))
+                await asyncio.sleep(2.0)  # (tokenized, and a few chunks in)
+                assert not call.done(), call.result().text
+                t0 = time.monotonic()
+                s.proc.terminate()
+                return await call, t0
+
+        r, t0 = asyncio.run(main())
+        rc = s.proc.wait(timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert rc == 0 and took < 30, took  # (the 64 inputs would take minutes)
+        assert "Traceback" not in s.output(), s.output()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def test_an_embedding_whose_client_leaves_is_stopped(srv):
+    """A client that leaves an embedding ends its work (it ran to its end), so the request
+    after it is answered at once, not behind it."""
+    words = "The lighthouse keeper wrote down every ship that passed. " * 80
+    body = {"input": [f"{i} {words}" for i in range(64)]}
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+            call = asyncio.create_task(http.post(srv.url + EMBEDDINGS, json=body))
+            await asyncio.sleep(1.5)
+            assert not call.done(), call.result().text
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+
+    asyncio.run(leave())
+    r = post(srv, EMBEDDINGS, {"input": "a short one"}, timeout=20)  # (minutes behind it)
+    assert r.status_code == 200 and len(r.json()["data"]) == 1
 
 
 @pytest.mark.parametrize(("path", "body"), [
