@@ -87,7 +87,11 @@ def serve(
         server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                      model_name=served_model_name or plugins.served_name(model),
                                      role=role,
-                                     record_text=record_text)
+                                     record_text=record_text,
+                                     # (a runner: its gateway started it, and alone holds
+                                     # its key; see ServerConfig)
+                                     gateway_headers=api_key is not None and bool(
+                                         os.environ.get("JUSTLLM_PARENT_PID")))
         model_id = served_model_id(model_path, server_config.model_name)
         if any(a.name == model_id for a in config.lora):
             # Clients choose an adapter by naming it as their model: the base model would be

@@ -29,6 +29,10 @@ class ServerConfig:
     role: str = "both"  # prefill/decode disaggregation: which /pd endpoint it serves
     # Finished-request records (plugins' on_request_finished) carry the prompt and output text.
     record_text: bool = False
+    # A router-mode runner (started by its gateway, which alone holds its API key): it reads
+    # what the gateway says of a request in its headers (Ollama's load time, the name the
+    # client asked for). A server of its own takes no client's word for those.
+    gateway_headers: bool = False
 
 
 def served_model_id(model_path: str, model_name: str | None) -> str:

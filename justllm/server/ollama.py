@@ -221,6 +221,13 @@ def _not_found(name: str) -> APIError:
                     type="not_found_error", param="model", code="model_not_found")
 
 
+def _arrival(request: Request, state: State) -> Arrival:
+    """When the request arrived; a router-mode runner also reads what its gateway says of
+    it (the load it waited for, the name the client asked for), which no other client's
+    headers may set (``ServerConfig.gateway_headers``)."""
+    return Arrival.now(request.headers if state["config"].gateway_headers else {})
+
+
 def _check_model(name: str, served: Served, adapters: bool = True) -> LoadedLora | None:
     """``name`` must be the served model or, where ``adapters``, one of its LoRA adapters (as
     an Ollama model made with ``ADAPTER``), bare or with the ``:latest`` tag Ollama clients
@@ -668,7 +675,7 @@ def unloaded(name: str, path: str, body: dict) -> dict | None:
 
 @post("/chat", status_code=200, summary="Ollama: the next message of a chat (NDJSON stream)")
 async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State) -> Any:
-    arrival = Arrival.now(request.headers)
+    arrival = _arrival(request, state)
     served = _served(state)
     req = await decode_request(request, OllamaChatRequest)
     lora = _check_generation(req, served)
@@ -734,7 +741,7 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
 
 @post("/generate", status_code=200, summary="Ollama: a completion of a prompt (NDJSON stream)")
 async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, state: State) -> Any:
-    arrival = Arrival.now(request.headers)
+    arrival = _arrival(request, state)
     served = _served(state)
     req = await decode_request(request, OllamaGenerateRequest)
     lora = _check_generation(req, served)
@@ -832,7 +839,7 @@ async def _embed(served: Served, name: str, inputs: str | list[str], dimensions:
 
 @post("/embed", status_code=200, summary="Ollama: embeddings of one or more inputs")
 async def embed(data: JSONBody[OllamaEmbedRequest], request: Request, state: State) -> Any:
-    arrival = Arrival.now(request.headers)
+    arrival = _arrival(request, state)
     served = _served(state)
     req = await decode_request(request, OllamaEmbedRequest)
     _check_model(req.model, served, adapters=False)

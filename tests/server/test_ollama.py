@@ -20,7 +20,7 @@ import pytest
 import justllm
 from justllm.bench.soak import metric
 from justllm.server.ollama import _check_model
-from justllm.server.ollama_chat import LOAD_SECONDS_HEADER, Arrival
+from justllm.server.ollama_chat import ASKED_MODEL_HEADER, LOAD_SECONDS_HEADER, Arrival
 from tests.server.conftest import start_server
 
 KEY = "ollama-test-key"
@@ -476,3 +476,18 @@ def test_the_load_time_router_mode_reports_becomes_load_duration():
     for nonsense in ("nan", "inf", "-1", "soon", "1e9"):
         assert Arrival.now({LOAD_SECONDS_HEADER: nonsense}).load_seconds == 0.0
     assert Arrival.now({}).durations()["load_duration"] == 0
+
+
+def test_a_server_of_its_own_takes_no_clients_word_for_the_gateways_headers(client, server):
+    """What router mode's gateway tells its runners in headers (the load a request waited
+    for, the name its client asked for) is read only by a runner, which the gateway alone
+    can reach (its key): any client of a server of its own could set load_duration to hours
+    and the answer's model name to anything."""
+    r = httpx.post(server.url + "/api/chat", timeout=120, headers={
+        LOAD_SECONDS_HEADER: "5000", ASKED_MODEL_HEADER: "gpt-4o%0Aevil"}, json={
+            "model": server.model, "stream": False, "options": {"num_predict": 2},
+            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == server.model and body["load_duration"] == 0
+    assert body["total_duration"] < 600e9
