@@ -13,9 +13,11 @@ import typer
 from rich.console import Console
 
 from justllm.cli.errors import cli_errors
+from justllm.cli.options import typed
 
 
 def bench(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="A model for bench to serve itself (path or name; default: the demo model) when no --url is given.", show_default=False)] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="An OpenAI-compatible server to measure (e.g. http://127.0.0.1:8080).")] = None,
     vs: Annotated[Optional[str], typer.Option("--vs", help="A second endpoint: same workload, side by side with ratios.")] = None,
@@ -88,7 +90,16 @@ def bench(
                              "a server as it was started")
         sampling = sampling_fields(temperature, top_p, top_k, min_p)
         if dataset is not None:
+            if typed(ctx, "workload") and workload != "sharegpt":
+                raise ValueError(f"--dataset is the sharegpt workload's prompts: not with "
+                                 f"--workload {workload}")
             workload = "sharegpt"
+        if typed(ctx, "prefix_len") and workload != "shared-prefix":
+            raise ValueError("--prefix-len is the shared-prefix workload's (--workload "
+                             "shared-prefix)")
+        if typed(ctx, "input_len") and workload == "sharegpt":
+            raise ValueError("--input-len is for the random and shared-prefix workloads: "
+                             "sharegpt's prompts are the dataset's")
         per_prompt = input_len + (prefix_len if workload == "shared-prefix" else 0)
         if per_prompt > w.MAX_PROMPT_WORDS:
             raise ValueError(f"--prefix-len + --input-len must be at most {w.MAX_PROMPT_WORDS} "

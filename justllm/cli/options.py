@@ -194,6 +194,9 @@ def check_serve_values(*, port: int, shutdown_timeout: float, role: str,
     if host is not None and not host.strip():  # (uvicorn listened on every interface)
         raise ValueError("--host is empty: give the address to listen on (127.0.0.1, the "
                          "default, or 0.0.0.0 for every interface)")
+    if served_model_name is not None and not served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give the name clients send (default: "
+                         "the file's stem)")  # (it was ignored: the stem served, "" a 404)
     if api_key is not None and not api_key.strip():  # (an empty x-api-key header let anyone in)
         raise ValueError("--api-key is empty: give the key clients must send")
     if not 0 < port < 65536:

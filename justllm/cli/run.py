@@ -7,7 +7,7 @@ import secrets
 import sys
 import time
 from dataclasses import replace
-from typing import Annotated, Optional, cast
+from typing import TYPE_CHECKING, Annotated, Optional, cast
 
 import typer
 from rich.console import Console
@@ -16,8 +16,13 @@ from rich.markup import escape
 from justllm.cli import options as o
 from justllm.cli.errors import cli_errors
 from justllm.cli.plugins import plugins_of, warn_problems
+from justllm.config import EngineConfig
+from justllm.core.reasoning import opens_thinking
 from justllm.core.sampling_params import SamplingParams
 from justllm.errors import EngineError
+
+if TYPE_CHECKING:
+    from justllm.engine.chat_template import ChatTemplate
 
 _S = SamplingParams()
 MAX_USER_STOP = 16  # --stop strings; the chat template may add its own
@@ -48,6 +53,8 @@ def run(
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
     with cli_errors():
+        if sys.stdout is None:  # (started with stdout closed: the answer had nowhere to go)
+            raise ValueError("standard output is closed: nowhere to write the answer")
         if text is not None and prompt is not None:
             raise ValueError("give the prompt once: after the model or with -p, not both")
         prompt = text if prompt is None else prompt
@@ -78,6 +85,9 @@ def run(
         _refuse_server_flags(context)
         plugins = plugins_of(context)
         config = o.engine_config(model, engine_flags or {}, plugins, o.typed_flags(context))
+        if o.typed(context, "reasoning_format") and config.reasoning_format != "none":
+            raise ValueError("--reasoning-format: run writes the model's text as it comes, its "
+                             "thinking included (none); serve and chat take the thinking apart")
         events = plugins.request_events()
         warn_problems(plugins)  # what resolving the model and --spec found wrong in plugins
         # The prompt runs under every --lora adapter at its scale, as llama-cli applies them
@@ -101,6 +111,11 @@ def run(
                         messages.append({"role": "user", "content": prompt})
                         text_prompt = template.render(messages, add_generation_prompt=True)
                         params = replace(params, stop=with_template_stops(params.stop, template))
+                        params = _budgeted(params, template, text_prompt, config,
+                                           _asks_budget(context, config))
+                    elif _asks_budget(context, config):
+                        raise ValueError("--reasoning-budget holds a model's thinking, which "
+                                         "--raw leaves to the prompt: give one or the other")
                     _stream(engine, text_prompt, params, answer=not raw)
                 finally:
                     engine.close()
@@ -138,6 +153,33 @@ def _refuse_server_flags(context: typer.Context) -> None:
     for name, why in _SERVER_FLAGS.items():
         if o.typed(context, name):
             raise ValueError(why)
+
+
+def _asks_budget(context: typer.Context, config: EngineConfig) -> bool:
+    """Whether the command line asks for a thinking budget (or its message)."""
+    return ((o.typed(context, "reasoning_budget") and config.reasoning_budget >= 0)
+            or (o.typed(context, "reasoning_budget_message")
+                and bool(config.reasoning_budget_message)))
+
+
+def _budgeted(params: SamplingParams, template: ChatTemplate, prompt: str,
+              config: EngineConfig, asked: bool) -> SamplingParams:
+    """``params`` held to ``--reasoning-budget``, as a server holds a request to it: past
+    the budget the end of the model's thinking is forced (after the budget's message). A
+    budget (or its message) ``asked`` for on the command line for a model that does not
+    think is refused, not ignored (one a JUSTLLM_* variable or config file sets for every
+    command is let be)."""
+    tags = template.budget_tags
+    if config.reasoning_budget < 0 or tags is None:
+        if asked and config.reasoning_budget < 0:
+            raise ValueError("--reasoning-budget-message needs --reasoning-budget")
+        if asked:
+            raise ValueError("--reasoning-budget: this model does not think (its chat "
+                             "template writes no thinking tags)")
+        return params
+    return replace(params, thinking_budget=config.reasoning_budget, thinking_tags=tags,
+                   thinking_open=opens_thinking(prompt, tags),
+                   thinking_message=config.reasoning_budget_message)
 
 
 def looks_like_a_prompt(model: str) -> bool:

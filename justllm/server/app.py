@@ -84,6 +84,11 @@ def build_served(aengine: AsyncEngine, config: ServerConfig,
     template = aengine.chat_template()
     if template.notice and aengine.generates:  # (an encoder is not chatted with)
         log.warning("%s", template.notice)
+    engine_config = aengine.engine.config
+    if ((engine_config.reasoning_budget >= 0 or engine_config.reasoning_budget_message)
+            and aengine.generates and not template.thinks):
+        log.warning("--reasoning-budget and --reasoning-budget-message have no effect here: "
+                    "this model does not think (its chat template writes no thinking tags)")
     completions = OpenAIServing(aengine, model_id, template, metrics,
                                 ServingLimits(max_n=config.max_n))
     embeddings = EmbeddingServing(aengine, model_id, metrics) if config.embeddings else None

@@ -290,3 +290,33 @@ def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):
                         capture_output=True, text=True, timeout=120)
     assert rm.returncode == 0 and not path.is_symlink(), rm.stderr
     assert os.path.isfile(model_path)
+
+
+def test_run_holds_a_thinking_model_to_its_reasoning_budget(model_path, tmp_path):
+    """--reasoning-budget was taken by run and ignored: a model that thinks now has the end
+    of its thinking forced past it, as a server forces it; a budget for a model that does
+    not think, or with --raw, and --reasoning-format other than none are refused (one line),
+    and a budget a JUSTLLM_* variable sets for every command is let be there."""
+    thinks = tmp_path / "think.jinja"  # (the generation prompt opens the thinking)
+    thinks.write_text("{% for m in messages %}User: {{ m['content'] }}\n{% if m.thinking %}"
+                      "<think>{{ m.thinking }}</think>{% endif %}{% endfor %}"
+                      "Assistant: <think>\n")
+    base = ["run", model_path, "-p", "Why is the sky blue?", "-n", "12", "--pool-blocks",
+            "64", "--chat-template", str(thinks)]
+    r = runner.invoke(app, [*base, "--reasoning-budget", "0",
+                            "--reasoning-budget-message", "Enough."])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Enough.\n</think>"), r.stdout  # forced at once
+    r = runner.invoke(app, [*base, "--reasoning-budget", "3"])
+    assert r.exit_code == 0, r.output
+    assert "</think>" in r.stdout and r.stdout.index("</think>") < 40, r.stdout
+    for flags in (["--reasoning-budget", "5"], ["--reasoning-budget-message", "x"],
+                  ["--reasoning-budget", "5", "--raw"], ["--reasoning-format", "deepseek"]):
+        r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "2", "--pool-blocks",
+                                "64", *flags])
+        assert r.exit_code == 1, (flags, r.output)
+        assert r.output.strip().splitlines()[-1].startswith("error: --reasoning-"), r.output
+    r = runner.invoke(app, ["run", model_path, "-p", "Hi", "-n", "1", "--pool-blocks", "64"],
+                      env={"JUSTLLM_REASONING_BUDGET": "5",
+                           "JUSTLLM_REASONING_FORMAT": "deepseek"})
+    assert r.exit_code == 0, r.output

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from justllm.core.reasoning import split_reasoning
-from tests.server.conftest import template_server
+from tests.server.conftest import start_server, template_server
 from tests.server.test_tokenize import post
 
 TEMPLATE = (
@@ -153,8 +153,17 @@ def test_the_servers_reasoning_flags(model_path, thinker, tmp_path):
         assert message == chat(thinker)["choices"][0]["message"]
         said = ollama(s, "/api/chat", messages=OLLAMA_CHAT)["message"]  # Ollama's too
         assert "thinking" not in said and said["content"].startswith("Skip.\n</think>\n\n")
+        assert "have no effect here" not in s.output()
     finally:
         assert s.stop() == 0
+    # on a model that does not think the flags mean nothing: said so at load, not silently
+    plain = start_server(model_path, "--max-seqs", "1", "--pool-blocks", "32",
+                         "--reasoning-budget", "5")
+    try:
+        assert "--reasoning-budget and --reasoning-budget-message have no effect here: this " \
+               "model does not think" in plain.output()
+    finally:
+        assert plain.stop() == 0
 
 
 def test_an_answer_held_to_a_format_does_not_think(thinker):
