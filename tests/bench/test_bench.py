@@ -363,3 +363,19 @@ def test_a_failed_first_scrape_reports_no_cache_figures():
     summary = summarize(RunResult("u", 1.0, silent, before, after))
     assert summary["total_input_tokens"] is None and summary["total_token_throughput"] is None
     assert summary["output_throughput"] == 2.0
+
+
+def test_workload_flags_that_would_be_ignored_are_refused():
+    """--dataset over a typed --workload, --prefix-len outside shared-prefix and --input-len
+    with sharegpt ran another workload than asked, exit 0 (found by a CLI audit)."""
+    url = ["--url", "http://127.0.0.1:9"]  # (refused before any request)
+    for flags, said in (
+            (["--dataset", "d.json", "--workload", "shared-prefix"],
+             "--dataset is the sharegpt workload's prompts: not with --workload shared-prefix"),
+            (["--prefix-len", "5"], "--prefix-len is the shared-prefix workload's"),
+            (["--dataset", "d.json", "--input-len", "500"],
+             "--input-len is for the random and shared-prefix workloads")):
+        r = runner.invoke(app, ["bench", *url, "-n", "1", *flags])
+        assert r.exit_code == 1 and r.output.strip() == f"error: {said}" or said in r.output, \
+            (flags, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output

@@ -180,6 +180,8 @@ def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_do
             # (the server listened on every interface; an empty x-api-key header got in)
             ("host: ''\n", {}, "--host is empty: give the address to listen on"),
             ("max-seqs: 4\n", {"JUSTLLM_API_KEY": " "}, "--api-key is empty"),
+            # (the file's stem was served, and every request for "" was a 404)
+            ("served-model-name: ''\n", {}, "--served-model-name is empty"),
             ("pool-blocks: 300000000\n", {}, "--pool-blocks 300000000 x --block-size 16 is "
                                              "4800000000 tokens; a KV pool may have at most "
                                              "2147483647")):

@@ -320,3 +320,11 @@ def test_run_holds_a_thinking_model_to_its_reasoning_budget(model_path, tmp_path
                       env={"JUSTLLM_REASONING_BUDGET": "5",
                            "JUSTLLM_REASONING_FORMAT": "deepseek"})
     assert r.exit_code == 0, r.output
+
+
+def test_run_with_its_output_closed_says_so_in_one_line(model_path):
+    """Started with stdout closed (``>&-``), run ended in a traceback."""
+    r = subprocess.run(["bash", "-c", f'"{sys.executable}" -m justllm run "{model_path}" '
+                        '-p Hi -n 1 >&-'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == "error: standard output is closed: nowhere to write the answer"
