@@ -82,7 +82,7 @@ def deploy(
         # a spec method a plugin adds is one the replicas (justllm serve) take too
         known = Flags(o.YAML_FLAGS, switches=o.YAML_SWITCHES,
                       spec_methods=plugins_of(context).spec_methods)
-        config = load_config(read_yaml(config_file), known)
+        config = load_config(read_yaml(config_file), known, str(config_file))
         check_entry_flags(config.models, plugins_of(context))  # (as router mode's runners)
         warnings = check_supported(config)
         settings = ClusterSettings(name, host, port, api_key, route_prefix)

@@ -45,6 +45,10 @@ def convert(
         from justllm.cli.plugins import check_new_name, plugins_of
         from justllm.models.convert_lora import is_adapter
 
+        if not source.strip():  # (it read the current folder)
+            raise ValueError("the model to convert is empty: pass a Hugging Face model's "
+                             "folder or a repo id OWNER/NAME")
+
         check_new_name(plugins_of(context), name)
 
         if is_adapter(source, revision):

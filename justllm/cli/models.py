@@ -197,6 +197,9 @@ def tag(
         from justllm.cli.plugins import check_new_name, plugins_of
         from justllm.models.registry import Registry, same_file
 
+        if not source.strip():  # (it read as the folder "." : " is a directory")
+            raise ValueError("the model to tag is empty: pass a path to a .gguf file, a "
+                             "NAME[:TAG] or a digest")
         check_new_name(plugins_of(context), target)
         registry = Registry()
         try:

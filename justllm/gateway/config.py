@@ -574,20 +574,20 @@ def _lora_list(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def load_config(data: Any, flags: Flags) -> GatewayConfig:
-    """A parsed models.yaml."""
+def load_config(data: Any, flags: Flags, source: str = "models.yaml") -> GatewayConfig:
+    """A parsed models.yaml (``source``: the file, as its errors name it)."""
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
-        raise ValueError("models.yaml must be a mapping with a 'models' mapping of name -> "
+        raise ValueError(f"{source} must be a mapping with a 'models' mapping of name -> "
                          "model")
     unknown = sorted(k for k in data if k not in _TOP_KEYS)
     if unknown:
-        raise ValueError(f"models.yaml: unknown key(s) {', '.join(unknown)} (known: "
+        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(_TOP_KEYS))})")
     for n in data["models"]:
         if n is None:  # (it was served as "None")
-            raise ValueError("models.yaml: a model's name is ~ (null): give it a name")
+            raise ValueError(f"{source}: a model's name is ~ (null): give it a name")
         if isinstance(n, bool):  # (it was served as "True")
-            raise ValueError(f"models.yaml: a model is named {str(n).lower()}, which is how "
+            raise ValueError(f"{source}: a model is named {str(n).lower()}, which is how "
                              "YAML reads an unquoted yes, no, on, off, true or false: quote "
                              "the name")
     models = tuple(model_spec(str(n), e, flags) for n, e in data["models"].items())
@@ -606,7 +606,7 @@ def load_config(data: Any, flags: Flags) -> GatewayConfig:
 
 
 def read_config(path: str, flags: Flags) -> GatewayConfig:
-    return load_config(read_yaml(path), flags)
+    return load_config(read_yaml(path), flags, path)
 
 
 # llama.cpp's gguf-split file names: NAME-00001-of-00003

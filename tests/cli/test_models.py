@@ -425,3 +425,14 @@ def test_tag_of_bytes_registered_at_another_path_keeps_the_file_as_a_copy(models
     first.rename(models_dir / "gone.bak")
     for name in ("second", "first"):  # (the version's: each of its tags)
         assert Registry().resolve(name)[1].path == other
+
+
+def test_an_empty_model_to_tag_or_convert_is_named_so(models_dir):
+    """``tag "" x`` said " is a directory" (the empty path read as "."), and ``convert ""``
+    looked for a model in the current folder."""
+    assert error_line(runner.invoke(app, ["tag", "", "x"])) == (
+        "error: the model to tag is empty: pass a path to a .gguf file, a NAME[:TAG] or a "
+        "digest")
+    assert error_line(runner.invoke(app, ["convert", " "])) == (
+        "error: the model to convert is empty: pass a Hugging Face model's folder or a repo "
+        "id OWNER/NAME")
