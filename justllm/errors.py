@@ -25,6 +25,11 @@ class HandoverError(InvalidRequestError):
     came with; the decode replica then serves the request whole."""
 
 
+class BeyondContextError(InvalidRequestError):
+    """The prompt fits the context, but not with all of ``max_tokens`` after it (OpenAI's
+    and vLLM's 400; Ollama's routes answer until the context is full instead)."""
+
+
 class QueueFullError(JustLLMError):
     """The waiting queue is at ``max_queue``; the caller should retry later."""
 

@@ -53,6 +53,7 @@ from justllm.engine.sampler import (
 )
 from justllm.engine.vram import with_vram_pool
 from justllm.errors import (
+    BeyondContextError,
     EngineClosedError,
     EngineError,
     HandoverError,
@@ -554,7 +555,7 @@ class Engine:
                 f"tokens per request, prompt and output (see --ctx and --pool-blocks)",
                 param="prompt")
         if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
-            raise InvalidRequestError(
+            raise BeyondContextError(
                 f"this model's maximum context length is {limit} tokens; the request asks for "
                 f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt, {params.max_tokens} "
                 f"in max_tokens): reduce the prompt or max_tokens", param="max_tokens")

@@ -24,7 +24,7 @@ import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Union, cast
@@ -47,7 +47,7 @@ from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
-from justllm.errors import InvalidRequestError
+from justllm.errors import BeyondContextError, InvalidRequestError
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import file_digest
 from justllm.models.store import quantization_name
@@ -641,9 +641,13 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
     if isinstance(prompt, str):  # (the server's --reasoning-budget, as on the other APIs)
         params = served.completions.budgeted(params, prompt)
     job = _Job(served, arrival.named(req.model), chat, arrival, lstrip, splitter)
+    where = origin(request, "ollama.chat" if chat else "ollama.generate", req.stream)
     try:  # a refusal raises here, before any answer
-        stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=origin(
-            request, "ollama.chat" if chat else "ollama.generate", req.stream))
+        try:
+            stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=where)
+        except BeyondContextError:  # num_predict is a most: until the context is full
+            stream = await served.aengine.asubmit(prompt, replace(params, max_tokens=None),
+                                                  ollama_id(), origin=where)
     except InvalidRequestError as e:
         raise _as_ollamas(e) from None
     if req.stream:
@@ -725,15 +729,25 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         frequency_penalty=params.frequency_penalty, seed=params.seed,
         stop=list(params.stop) or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     try:  # a refusal raises here, before any answer
-        if req.stream:
-            events = await served.completions.chat_events(
-                chat, ollama_id(), origin=origin(request, "ollama.chat", True))
-            return Stream(answer_lines(arrival.named(req.model), arrival, events), media_type=NDJSON,
-                          headers={"Content-Type": NDJSON})
-        result = await unless_disconnected(request, served.completions.chat_result(
-            chat, ollama_id(), origin=origin(request, "ollama.chat", False)))
+        try:
+            return await _answer_with_tools(request, served, req, chat, arrival)
+        except BeyondContextError:  # num_predict is a most: until the context is full
+            return await _answer_with_tools(request, served, req,
+                                            msgspec.structs.replace(chat, max_tokens=None),
+                                            arrival)
     except InvalidRequestError as e:
         raise _as_ollamas(e) from None
+
+
+async def _answer_with_tools(request: Request, served: Served, req: OllamaChatRequest,
+                             chat: ChatCompletionRequest, arrival: Arrival) -> Any:
+    if req.stream:
+        events = await served.completions.chat_events(
+            chat, ollama_id(), origin=origin(request, "ollama.chat", True))
+        return Stream(answer_lines(arrival.named(req.model), arrival, events), media_type=NDJSON,
+                      headers={"Content-Type": NDJSON})
+    result = await unless_disconnected(request, served.completions.chat_result(
+        chat, ollama_id(), origin=origin(request, "ollama.chat", False)))
     if isinstance(result, Response):
         return result
     return answer(arrival.named(req.model), arrival, result)

@@ -491,3 +491,27 @@ def test_a_server_of_its_own_takes_no_clients_word_for_the_gateways_headers(clie
     body = r.json()
     assert body["model"] == server.model and body["load_duration"] == 0
     assert body["total_duration"] < 600e9
+
+
+def test_num_predict_past_the_context_answers_until_the_context_is_full(exact):
+    """Ollama's num_predict is a most: past what the context holds (--ctx 512 here) the
+    answer ends where the context does, done_reason "length", as Ollama's does without
+    context shift (it was a 400, which broke clients that send a large num_predict); the
+    OpenAI routes still refuse such a max_tokens, as OpenAI's and vLLM's do."""
+    server, client = exact
+    story = "Count on: one two three four five six seven eight nine ten eleven twelve"
+    out = client.generate(model=server.model, prompt=story, raw=True,
+                          options={"num_predict": 100000, "temperature": 0})
+    assert out.done_reason in ("length", "stop")
+    assert out.prompt_eval_count + out.eval_count <= 512
+    if out.done_reason == "length":
+        assert out.prompt_eval_count + out.eval_count == 512
+    tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                               "parameters": {"type": "object"}}}]
+    said = client.chat(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                       tools=tools, options={"num_predict": 100000, "temperature": 0})
+    assert said.done and said.prompt_eval_count + said.eval_count <= 512
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": story, "max_tokens": 100000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
