@@ -108,8 +108,11 @@ class EmbeddingServing:
             self.metrics.observe_embeddings(n, time.perf_counter() - start)
         return vectors, n
 
-    async def create(self, data: EmbeddingRequest, truncate: bool = False) -> EmbeddingList:
-        """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes)."""
+    async def create(self, data: EmbeddingRequest, truncate: bool = False,
+                     normalise: bool = True) -> EmbeddingList:
+        """``/v1/embeddings``' answer (``truncate``: Ollama's, for its routes; ``normalise``
+        False: the pooled vectors as they are, as Ollama's older ``/api/embeddings`` gives
+        them)."""
         if data.user:  # logged, as the chat routes log theirs (--verbose)
             log.info("embeddings: user=%s", data.user)
         size = self.aengine.engine.backend.n_embd
@@ -119,7 +122,7 @@ class EmbeddingServing:
         pooled, n = await self.pooled(data.model, lambda: prompt_list(data.input, "input"),
                                       text_size(data.input), truncate=truncate,
                                       keep=data.truncate_prompt_tokens)
-        vectors = [normalised(v) for v in pooled]
+        vectors = [normalised(v) for v in pooled] if normalise else pooled
         if data.dimensions is not None:
             vectors = [v[:data.dimensions] / (np.linalg.norm(v[:data.dimensions]) or 1.0)
                        for v in vectors]

@@ -840,12 +840,13 @@ def _check_embedding_options(o: OllamaOptions | None, served: Served) -> None:
 
 
 async def _embed(served: Served, name: str, inputs: str | list[str], dimensions: int | None,
-                 truncate: bool) -> tuple[list[list[float]], int]:
+                 truncate: bool, normalise: bool = True) -> tuple[list[list[float]], int]:
     if served.embeddings is None:
         raise InvalidRequestError(f'"{name}" does not support embeddings: this server runs '
                                   "with embeddings disabled", param="model")
     result = await served.embeddings.create(
-        EmbeddingRequest(input=inputs, dimensions=dimensions), truncate=truncate)
+        EmbeddingRequest(input=inputs, dimensions=dimensions), truncate=truncate,
+        normalise=normalise)
     # floats: the request asked for no base64
     return ([list(cast(list[float], e.embedding)) for e in result.data],
             result.usage.prompt_tokens)
@@ -883,8 +884,9 @@ async def embeddings(data: JSONBody[OllamaEmbeddingsRequest], request: Request,
     _check_embedding_options(req.options, served)
     if not req.prompt:
         return {"embedding": []}
+    # (as Ollama's: not truncated, and the vector as pooled, not normalised)
     done = await unless_disconnected(request, _embed(served, req.model, req.prompt, None,
-                                                     truncate=False))  # (as Ollama)
+                                                     truncate=False, normalise=False))
     if isinstance(done, Response):
         return done
     return {"embedding": done[0][0]}

@@ -286,6 +286,11 @@ def test_embed(client, server):
     assert len(one.embeddings) == 1 and len(one.embeddings[0]) == 64
     old = client.embeddings(model=server.model, prompt="Why is the sky blue?")
     assert len(old.embedding) == len(r.embeddings[0])
+    # the older route's vector is the pooled one, not normalised, as Ollama's: /api/embed's
+    # is it scaled to length 1
+    pooled = np.asarray(old.embedding)
+    assert abs(float(np.linalg.norm(pooled)) - 1.0) > 1e-3
+    np.testing.assert_allclose(pooled / np.linalg.norm(pooled), r.embeddings[0], atol=1e-5)
     assert client.embed(model=server.model, input=[]).embeddings == []
 
 
