@@ -696,7 +696,8 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
             with_tools = msgspec.structs.replace(with_tools, model=lora.name)
         return await _chat_with_tools(request, served, req, with_tools, arrival)
     grammar = _grammar(req.format, served)
-    params = _sampling(req.options, served, grammar=grammar,
+    params = _sampling(req.options, served, grammar=grammar and served.completions.held_answer(
+                           grammar, continued),
                        logprobs=_logprobs(req), template_stops=True, lora=lora)
     if not messages:
         return _loaded(arrival.named(req.model), chat=True)
@@ -782,9 +783,10 @@ async def generate(data: JSONBody[OllamaGenerateRequest], request: Request, stat
         raise InvalidRequestError("system: a raw prompt is sent as it is, without a system "
                                   "message; put it in the prompt", param="system")
     grammar = _grammar(req.format, served)
-    params = _sampling(req.options, served, grammar=grammar,
-                       logprobs=_logprobs(req), template_stops=not req.raw and not req.suffix,
-                       lora=lora)
+    templated = not req.raw and not req.suffix
+    params = _sampling(req.options, served, grammar=grammar and (
+                           served.completions.held_answer(grammar) if templated else grammar),
+                       logprobs=_logprobs(req), template_stops=templated, lora=lora)
     if req.suffix:  # fill-in-the-middle: the code before (prompt) and after (suffix)
         n = params.max_tokens
 

@@ -504,11 +504,22 @@ class OpenAIServing:
             if plan.mode == "auto" and not req.min_tokens:
                 return self._lazy_tool_grammar(plan)
             return None, ()
+        if calls is None:
+            assert answer is not None
+            return self.held_answer(answer, req.continue_final_message), ()
         if self.template.harmony and not req.continue_final_message:
             return _within_schema_limits(answer_grammar(calls, answer)), ()
-        if calls is not None and answer is not None:
+        if answer is not None:
             return _within_schema_limits(call_or_answer_grammar(calls, answer)), ()
-        return calls or answer, ()
+        return calls, ()
+
+    def held_answer(self, grammar: str, continue_final: bool = False) -> str:
+        """``grammar`` (a format's) as it holds a chat answer: a gpt-oss answer's final
+        message's body, after analysis as free as unheld (tools/harmony_grammar.py), but in a
+        continued final message; any other model's answer whole. Ollama's routes ask too."""
+        if self.template.harmony and not continue_final:
+            return _within_schema_limits(answer_grammar(None, grammar))
+        return grammar
 
     def _lazy_tool_grammar(self, plan: ToolPlan) -> tuple[str | None, tuple[str, ...]]:
         """Under ``tool_choice: "auto"``: the call grammar and where it takes hold (a call's

@@ -175,6 +175,24 @@ def test_an_answer_held_to_a_format_keeps_its_messages(oss):
     assert either["message"]["reasoning_content"] == free["reasoning_content"]
 
 
+def test_ollamas_format_holds_the_final_message_too(oss):
+    """Ollama's plain chat path (no tools) holds a gpt-oss answer as the other APIs do: the
+    analysis free, the final message's body in the format."""
+    want = chat(oss)["choices"][0]["message"]
+    history = [{"role": m["role"], "content": m["content"],
+                **({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})}
+               for m in CHAT]
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+              "required": ["colour"]}
+    r = post(oss, "/api/chat", {"model": oss.model, "stream": False, "messages": history,
+                                "format": schema, "options": {
+                                    "temperature": 0, "num_predict": 80,
+                                    "stop": GREEDY["stop"], "repeat_penalty": 1.0}})
+    said = r.json()["message"]
+    assert said["thinking"] == want["reasoning_content"]
+    assert json.loads(said["content"])["colour"] in ("red", "green")
+
+
 def test_a_call_is_held_to_its_schema_and_streams_as_written(oss):
     """Under tool_choice "auto" the grammar takes hold at the message to a function (the
     model would write Lima; the schema allows Rome or Oslo), and the call streams: it opens
