@@ -27,7 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, head, post
@@ -120,15 +120,22 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """An Ollama request body part: unknown fields are refused, never silently ignored."""
 
 
+if TYPE_CHECKING:
+    _Integer = int
+else:  # (a whole JSON number is taken for an integer option: OllamaOptions.__post_init__)
+    _Integer = Union[int, float]
+_INTEGER_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "mirostat")
+
+
 class OllamaOptions(_Body):
     """``options``: Ollama's Modelfile parameters (api.Options)."""
 
     # load time
     numa: bool | None = None
-    num_ctx: int | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
+    num_ctx: _Integer | None = None
+    num_batch: _Integer | None = None
+    num_gpu: _Integer | None = None
+    main_gpu: _Integer | None = None
     low_vram: bool | None = None
     f16_kv: bool | None = None
     logits_all: bool | None = None
@@ -136,26 +143,37 @@ class OllamaOptions(_Body):
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     embedding_only: bool | None = None
-    num_thread: int | None = None
+    num_thread: _Integer | None = None
     # runtime
-    num_keep: int | None = None
-    seed: int | None = None
-    num_predict: int | None = None
-    top_k: int | None = None
+    num_keep: _Integer | None = None
+    seed: _Integer | None = None
+    num_predict: _Integer | None = None
+    top_k: _Integer | None = None
     top_p: float | None = None
     min_p: float | None = None
     tfs_z: float | None = None
     typical_p: float | None = None
-    repeat_last_n: int | None = None
+    repeat_last_n: _Integer | None = None
     temperature: float | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    mirostat: int | None = None
+    mirostat: _Integer | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
     stop: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        # Ollama's own reading takes a JSON number for an integer option (its JSON has no
+        # integers); a whole one is taken here, any other is refused (Ollama truncates it).
+        for name in _INTEGER_OPTIONS:
+            value = getattr(self, name)
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise InvalidRequestError(f"options.{name} must be an integer (got "
+                                              f"{value})", param=f"options.{name}")
+                setattr(self, name, int(value))
 
 
 class _Generation(_Body):

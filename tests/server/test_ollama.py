@@ -519,3 +519,15 @@ def test_num_predict_past_the_context_answers_until_the_context_is_full(exact):
                    headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": story, "max_tokens": 100000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_a_whole_number_is_taken_for_an_integer_option(client, server):
+    """Ollama reads every option from JSON numbers (``num_predict: 2.0`` from a JavaScript
+    client's slider is 2); a whole one is taken, any other is a 400 naming the option."""
+    out = client.generate(model=server.model, prompt="Count: one two", raw=True,
+                          options={"num_predict": 2.0, "top_k": 40.0, "seed": 7.0,
+                                   "temperature": 0.5})
+    assert out.eval_count == 2 and out.done_reason == "length"
+    ollama_error(lambda: client.generate(model=server.model, prompt="hi",
+                                         options={"num_predict": 2.5}),
+                 400, "options.num_predict must be an integer (got 2.5)")
