@@ -35,6 +35,9 @@ from justllm.gateway.runner import free_ports
 from justllm.models.source import cache_dir
 
 STARTED = "Ray runtime started"
+# Logs of earlier heads kept beside a new one's (one file per head ever started, named by its
+# port: they only grew in number).
+KEPT_LOGS = 4
 
 
 class RayUnavailable(JustLLMError):
@@ -126,6 +129,7 @@ def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalH
     port, *others = free_ports(1 + len(flags))
     log = record_path().with_name(f"local-ray-{port}.log")  # (one per head: two truncated one)
     log.parent.mkdir(parents=True, exist_ok=True)
+    prune_logs(log.parent)
     args = [_ray_command(), "start", "--head", "--block", "--port", str(port),
             "--include-dashboard=false", "--disable-usage-stats", "--log-color", "false"]
     for flag, other in zip(flags, others):
@@ -149,6 +153,19 @@ def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalH
         raise
     record_path().write_text(json.dumps(asdict(head)))
     return head
+
+
+def prune_logs(folder: Path, keep: int = KEPT_LOGS) -> None:
+    """All but the newest ``keep`` earlier heads' logs in ``folder`` (a new head is started
+    only when none recorded runs: start_lock; the last ones stay for a look back)."""
+    def age(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    for old in sorted(folder.glob("local-ray-*.log"), key=age, reverse=True)[keep:]:
+        old.unlink(missing_ok=True)
 
 
 @contextmanager
