@@ -503,16 +503,16 @@ def test_num_predict_past_the_context_answers_until_the_context_is_full(exact):
     context shift (it was a 400, which broke clients that send a large num_predict); the
     OpenAI routes still refuse such a max_tokens, as OpenAI's and vLLM's do."""
     server, client = exact
-    story = "Count on: one two three four five six seven eight nine ten eleven twelve"
+    story = "Count on: " + "one two three " * 160  # (485 tokens: 27 left to answer in)
     out = client.generate(model=server.model, prompt=story, raw=True,
                           options={"num_predict": 100000, "temperature": 0})
-    assert out.done_reason in ("length", "stop")
+    assert out.prompt_eval_count == 485 and out.done_reason in ("length", "stop")
     assert out.prompt_eval_count + out.eval_count <= 512
     if out.done_reason == "length":
         assert out.prompt_eval_count + out.eval_count == 512
     tools = [{"type": "function", "function": {"name": "f", "description": "d",
                                                "parameters": {"type": "object"}}}]
-    said = client.chat(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+    said = client.chat(model=server.model, messages=[{"role": "user", "content": story[:1700]}],
                        tools=tools, options={"num_predict": 100000, "temperature": 0})
     assert said.done and said.prompt_eval_count + said.eval_count <= 512
     r = httpx.post(server.url + "/v1/completions", timeout=60,
