@@ -246,9 +246,19 @@ def _check_pairs(messages: list[Message]) -> None:
                               f"`tool_use` ids must be unique: {', '.join(twice)}")
             continue
         answered = set()
+        other = None  # the first block of another type, where tool_results must lead
         for where, b in blocks:
             if b.type != "tool_result":
+                other = other or where
                 continue
+            if asked and other is not None:  # (Anthropic's rule: results first, text after)
+                raise _refuse(other, "in the user turn that answers `tool_use` blocks, the "
+                                     "`tool_result` blocks come first and any other content "
+                                     "after them")
+            if b.tool_use_id in answered:
+                raise _refuse(f"{where}.tool_use_id", f"a second tool_result block for "
+                                                      f"'{b.tool_use_id}': each tool_use has "
+                                                      "one")
             if b.tool_use_id not in asked:
                 raise _refuse(f"{where}.tool_use_id", f"unexpected tool_use_id "
                                                       f"'{b.tool_use_id}': each tool_result block "

@@ -330,8 +330,14 @@ def _not_found(response_id: str) -> APIError:
                     "or dropped from the store)", type="not_found_error", param="response_id")
 
 
+def _included(request: Request, include: list[str] | None) -> list[str]:
+    """A query's ``include`` values, as ``include=`` or as the openai SDK sends a list,
+    ``include[]=`` (which the parameter alone let through: the refusal went unsaid)."""
+    return [*(include or []), *request.query_params.getall("include[]", [])]
+
+
 @get("/responses/{response_id:str}", summary="A stored response")
-async def retrieve_response(response_id: FromPath[str], state: State,
+async def retrieve_response(response_id: FromPath[str], state: State, request: Request,
                             stream: FromQuery[bool | None] = None,
                             include: FromQuery[list[str] | None] = None,
                             include_obfuscation: FromQuery[bool | None] = None,
@@ -341,7 +347,7 @@ async def retrieve_response(response_id: FromPath[str], state: State,
     if stream:
         raise InvalidRequestError("stream: a stored response is given whole, not replayed",
                                   param="stream")
-    if include:  # (reasoning.encrypted_content is stored with the response, if it was asked)
+    if _included(request, include):  # (encrypted_content is stored with it, if it was asked)
         raise InvalidRequestError("include: no extra output is available for a stored "
                                   "response", param="include")
     if starting_after is not None:
@@ -364,13 +370,14 @@ async def delete_response(response_id: FromPath[str], state: State) -> dict[str,
 
 
 @get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
-async def input_items(response_id: FromPath[str], state: State, limit: FromQuery[int] = 20,
+async def input_items(response_id: FromPath[str], state: State, request: Request,
+                      limit: FromQuery[int] = 20,
                       order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
                       include: FromQuery[list[str] | None] = None) -> dict[str, Any]:
     """OpenAI's list of the items a stored response answered (a continued response's whole
     conversation before its output), newest first unless ``order=asc``, ``limit`` at a
     time, from the item after ``after``."""
-    if include:
+    if _included(request, include):
         raise InvalidRequestError("include: no extra item data is available", param="include")
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be in [1, 100]", param="limit")

@@ -321,6 +321,9 @@ def to_chat(req: ResponseRequest, first: int = 0) -> ChatCompletionRequest:
     check_stream_options(req)
     effort = req.reasoning.effort if req.reasoning else None
     tools, choice, parallel = _tools(req), _tool_choice(req.tool_choice), req.parallel_tool_calls
+    if not tools and req.tool_choice is None and parallel is not None:
+        raise InvalidRequestError("parallel_tool_calls is only allowed when tools are given",
+                                  param="parallel_tool_calls")  # (chat's rule, OpenAI's)
     if not tools and choice in ("auto", "none"):
         # A Response says tool_choice "auto" and parallel_tool_calls true with no tools, and
         # clients send its settings back (chat's 400 for them, OpenAI's own, is not the

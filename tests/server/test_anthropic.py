@@ -468,6 +468,14 @@ MULTIPLE = {"type": "object", "properties": {"n": {"type": "integer", "multipleO
      "unexpected tool_use_id 'toolu_a'"),
     ({"messages": _history(ASK[0]["content"], [USE], [_result("toolu_a")])},
      "requests which include `tool_use` or `tool_result` blocks must define tools"),
+    # Anthropic's order in the turn that answers: the results first (both were taken)
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [{"type": "text", "text": "Here:"}, _result("toolu_a")])},
+     "messages[2].content[0]: in the user turn that answers `tool_use` blocks, the "
+     "`tool_result` blocks come first"),
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [USE], [_result("toolu_a"), _result("toolu_a")])},
+     "a second tool_result block for 'toolu_a'"),
     ({"stop_sequences": [""]}, "stop_sequences: stop sequences must be non-empty strings"),
     ({"stop_sequences": ["x"] * 17}, "stop_sequences: at most 16"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name: tool names must be unique"),

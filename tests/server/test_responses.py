@@ -395,6 +395,12 @@ def test_stored_responses_and_previous_response_id(client, server):
         r = httpx.get(f"{server.url}/v1/responses/{follow.id}?{query}", timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.responses.retrieve(follow.id, include_obfuscation=False).id == follow.id
+    # the SDK sends a list as include[]= (which was let through: a 200 for any value)
+    for call in (lambda: client.responses.retrieve(follow.id, include=["foo"]),
+                 lambda: client.responses.input_items.list(follow.id, include=["foo"])):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == "include"
 
 
 def test_the_store_is_bounded_least_recently_used_first():
@@ -423,3 +429,9 @@ def test_a_responses_own_tool_settings_without_tools_are_taken(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**kw, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+    # parallel_tool_calls alone, with no tools (no Response's echo: it states a tool_choice
+    # too) is chat's 400, as the README says (it was taken)
+    for parallel in (True, False):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**kw, parallel_tool_calls=parallel)
+        assert e.value.body["param"] == "parallel_tool_calls"
