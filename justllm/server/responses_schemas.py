@@ -275,3 +275,6 @@ class ResponseObject(msgspec.Struct):
     reasoning: dict[str, Any] | None = None
     background: bool = False
     service_tier: str = "default"
+    # (the request's, echoed as OpenAI's Response states them)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None

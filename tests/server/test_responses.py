@@ -29,7 +29,8 @@ def client(server):
 def test_a_text_response(client, server):
     r = client.responses.create(model=server.model, input=HELLO, max_output_tokens=8,
                                 temperature=0, store=False, metadata={"run": "test"},
-                                user="tester")
+                                user="tester", safety_identifier="safe-1",
+                                prompt_cache_key="key-1")
     assert r.id.startswith("resp_") and r.object == "response" and r.model == server.model
     assert r.status in ("completed", "incomplete") and r.error is None
     (item,) = r.output
@@ -39,6 +40,8 @@ def test_a_text_response(client, server):
     assert 1 <= r.usage.output_tokens <= 8 and r.usage.input_tokens > 3
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.metadata == {"run": "test"} and r.user == "tester"
+    # (echoed as OpenAI's Response states them: they came back null)
+    assert (r.safety_identifier, r.prompt_cache_key) == ("safe-1", "key-1")
 
 
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client, server):
