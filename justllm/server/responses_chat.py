@@ -189,6 +189,12 @@ def _messages(req: ResponseRequest, first: int = 0) -> list[ChatMessage]:
     if thought:  # thinking with no answer after it: an assistant turn of its own
         out.append(ChatMessage(role="assistant", content="",
                                reasoning_content="\n\n".join(thought)))
+    answered = {m.tool_call_id for m in out if m.role == "tool"}
+    unanswered = [c for c in names if c not in answered]
+    if unanswered:  # (OpenAI's 400: the model would answer as if the call had not failed)
+        raise InvalidRequestError(f"No tool output found for function call {unanswered[0]}: "
+                                  "each function_call item needs a function_call_output",
+                                  param="input")
     return out
 
 

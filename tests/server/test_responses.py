@@ -137,6 +137,16 @@ def test_a_function_call_round_trip(client, server):
         {"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
     assert follow.output_text and follow.usage.input_tokens > r.usage.input_tokens
+    # a call sent back without its output is OpenAI's 400 (it was answered as if it had
+    # not been made)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=4,
+                                input=[{"role": "user", "content": ASK},
+                                       call.model_dump(exclude_none=True),
+                                       {"role": "user", "content": "And Rome?"}])
+    assert e.value.body["param"] == "input"
+    assert e.value.body["message"].startswith(f"No tool output found for function call "
+                                              f"{call.call_id}")
 
 
 def test_a_streamed_function_call(client, server):
