@@ -603,15 +603,42 @@ def _file(source: str) -> tuple[int, float] | None:
     return st.st_size, st.st_mtime
 
 
+def _listing_facts(source: str) -> tuple[str, dict[str, Any]]:
+    """A local model's digest (the registry's remembered one: a listing hashes no file) and
+    Ollama's ``details``, read off its GGUF header; blank for a model that is no readable
+    GGUF file (it fails at its load, not here)."""
+    from justllm.models.gguf import read_gguf_header
+    from justllm.models.registry import Registry
+    from justllm.server.ollama import gguf_details
+
+    path = Path(source).expanduser()
+    try:
+        details = gguf_details(read_gguf_header(str(path)))
+    except (OSError, ValueError):
+        return "", {"format": "gguf"}
+    return Registry().digests.cached(path) or "", details
+
+
+async def _facts_of(state: State, source: str) -> tuple[str, dict[str, Any]]:
+    """:func:`_listing_facts`, kept while the file is unchanged (``state``'s cache)."""
+    cache: dict[tuple[str, tuple[int, float] | None], tuple[str, dict[str, Any]]] = \
+        state.setdefault("listing_facts", {})
+    key = (source, _file(source))
+    if key not in cache:
+        cache[key] = await asyncio.to_thread(_listing_facts, source)
+    return cache[key]
+
+
 @get("/tags", summary="Ollama: every model of the gateway")
 async def ollama_tags(state: State) -> dict:
     sup = _supervisor(state)
     models = []
     for s in sup.models.values():
         size, mtime = _file(s.spec.source) or (0, state["started"])
+        digest, details = await _facts_of(state, s.spec.source)
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
-                       "modified_at": iso_time(mtime), "size": size, "digest": "",
-                       "details": {"format": "gguf"}})
+                       "modified_at": iso_time(mtime), "size": size, "digest": digest,
+                       "details": details})
         # its LoRA adapters, as models made with Ollama's ADAPTER (a runner's /api/show has
         # the details)
         models += [{"name": _tag(a), "model": _tag(a), "modified_at": iso_time(mtime), "size": 0,
@@ -631,8 +658,9 @@ async def ollama_ps(state: State) -> dict:
         left = s.ttl - (now_mono - s.last_used) if s.ttl >= 0 and s.active == 0 else NEVER
         expires = now + min(max(0.0, left), NEVER)  # (a ttl past a datetime's years: NEVER)
         size = (_file(s.spec.source) or (0, 0.0))[0]
+        digest, details = await _facts_of(state, s.spec.source)
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name), "size": size,
-                       "digest": "", "details": {"format": "gguf"},
+                       "digest": digest, "details": details,
                        "expires_at": iso_time(expires), "size_vram": 0})
     return {"models": models}
 
@@ -640,6 +668,12 @@ async def ollama_ps(state: State) -> dict:
 @get("/version", summary="Ollama: the gateway's version (justllm's)")
 async def ollama_version() -> dict:
     return {"version": __version__}
+
+
+# Ollama answers HEAD on these two as on "/" (health checks use them), as a single server does.
+@head(["/tags", "/version"], summary="Ollama: headers only", media_type="application/json")
+async def ollama_head() -> None:
+    return None
 
 
 @get("/", summary="Ollama's liveness answer", media_type="text/plain", include_in_schema=False)
@@ -768,6 +802,12 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
+@head(["/health", "/v1/health"], summary="200 while the gateway is up (headers only)",
+      media_type="application/json")
+async def health_head() -> None:
+    return None
+
+
 @get("/metrics", summary="Prometheus metrics of the gateway and every loaded runner",
      media_type="text/plain; version=0.0.4")
 async def metrics(state: State) -> Response:
@@ -837,9 +877,10 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
                    guards=[require_api_key])
     api = Router(path="/api", route_handlers=[
         ollama_chat, ollama_generate, ollama_embed, ollama_embeddings, ollama_show, ollama_tags,
-        ollama_ps, ollama_version], guards=[require_api_key],
+        ollama_ps, ollama_version, ollama_head], guards=[require_api_key],
         exception_handlers={Exception: ollama_error})
-    own: list[Any] = [v1, admin, api, ollama_root, ollama_root_head, health, metrics]
+    own: list[Any] = [v1, admin, api, ollama_root, ollama_root_head, health, health_head,
+                      metrics]
     taken = {path for handler in own for path in (
         [route.path for route in handler.routes] if isinstance(handler, Router)
         else handler.paths)}

@@ -48,7 +48,7 @@ from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
 from justllm.errors import BeyondContextError, InvalidRequestError
-from justllm.models.gguf import read_gguf_header
+from justllm.models.gguf import GGUFHeader, read_gguf_header
 from justllm.models.registry import file_digest
 from justllm.models.store import quantization_name
 from justllm.server.app import (
@@ -925,18 +925,25 @@ class _ModelFacts:
     license: str | None
 
 
-def _read_facts(path: str) -> _ModelFacts:
-    """Blocking (the header, and the file's sha256 unless the registry remembers it)."""
-    header = read_gguf_header(path)
+def gguf_details(header: GGUFHeader) -> dict[str, Any]:
+    """Ollama's ``details`` of a model, read off its GGUF header (router mode's listings
+    give them too)."""
     meta = header.metadata
     arch = header.architecture
     ftype = header.integer("general.file_type")
     count = header.integer("general.parameter_count")
     size_label = meta.get("general.size_label")
-    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-               "parameter_size": (_human_count(count) if count else
-                                  str(size_label) if size_label else ""),
-               "quantization_level": quantization_name(ftype) if ftype is not None else ""}
+    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+            "parameter_size": (_human_count(count) if count else
+                               str(size_label) if size_label else ""),
+            "quantization_level": quantization_name(ftype) if ftype is not None else ""}
+
+
+def _read_facts(path: str) -> _ModelFacts:
+    """Blocking (the header, and the file's sha256 unless the registry remembers it)."""
+    header = read_gguf_header(path)
+    meta = header.metadata
+    details = gguf_details(header)
     info: dict[str, Any] = {k: v for k, v in meta.items() if k != "tokenizer.chat_template"}
     info.update({k: [] for k in header.array_lengths})  # arrays left out, as Ollama does
     licence = meta.get("general.license")

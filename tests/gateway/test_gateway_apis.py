@@ -37,6 +37,16 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         tags = {m["name"]: m for m in
                 httpx.get(gw.url + "/api/tags", timeout=30).json()["models"]}
         assert tags["sql:latest"]["details"]["parent_model"] == "alpha:latest"
+        # a model's details read off its GGUF, as a single server gives them (they were
+        # {"format": "gguf"} alone, and the digest blank)
+        assert tags["alpha:latest"]["details"] == {
+            "parent_model": "", "format": "gguf", "family": "gemma3", "families": ["gemma3"],
+            "parameter_size": tags["alpha:latest"]["details"]["parameter_size"],
+            "quantization_level": "Q4_K_M"}
+        assert tags["alpha:latest"]["details"]["parameter_size"].endswith("M")
+        # Ollama's health checks: HEAD answers as GET does (it was a 405 here)
+        for path in ("/api/tags", "/api/version", "/health"):
+            assert httpx.head(gw.url + path, timeout=30).status_code == 200, path
         r = httpx.post(gw.url + "/api/generate", timeout=120, json={
             "model": "sql:latest", "prompt": "The capital of France is", "raw": True,
             "stream": False, "options": {"temperature": 0, "num_predict": 8,
