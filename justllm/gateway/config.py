@@ -510,6 +510,29 @@ def check_sources(config: GatewayConfig) -> None:
         path = gguf_path(m.source)
         if path is not None and not path.is_file():
             raise ValueError(f"model '{m.name}': source {m.source} is not a file")
+        if m.source and path is None and _is_dir(Path(m.source).expanduser()):
+            # (as `justllm serve DIR` refuses it; it was taken, and failed at a request)
+            raise ValueError(f"model '{m.name}': source {m.source} is a directory; give a "
+                             ".gguf file or a model name")
+        for lora in m.lora_specs:  # (its runner refused it at each try of the first load)
+            file = Path(lora.path)
+            if not _is_file(file):
+                raise ValueError(f"model '{m.name}': LoRA adapter {file}: " + (
+                    "a directory, not a file" if _is_dir(file) else "file not found"))
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name the OS cannot take
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 # EngineConfig checks these when the runner starts; the gateway asks it too, at start-up.

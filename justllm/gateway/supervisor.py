@@ -749,8 +749,10 @@ class Supervisor:
                 asyncio.ensure_future(self._preload(state))
 
     async def _preload(self, state: ModelState) -> None:
-        with contextlib.suppress(ModelUnavailable):  # (no client waits: `ps` said one did)
+        try:  # (no client waits: `ps` said one did)
             await self.load(state, client=False)
+        except ModelUnavailable as e:  # (said nowhere but in a request's answer, some ways)
+            log.warning("model %s: preload failed: %s", state.spec.name, e)
 
     async def _watch_loop(self) -> None:
         while not self._closing:

@@ -77,6 +77,11 @@ def refused(tmp_path: Path, args: list[str], cache: Path | None = None) -> str:
     ("models:\n  r: {urls: [http://127.0.0.1:9], gpu: true}",
      "error: model 'r': gpu: engine flags of local replicas, and this model's replicas are all "
      "urls (give them to the `justllm serve` behind each url)"),
+    # each taken, and failed at the first request (the runner refused it at each try)
+    ("models:\n  lo: {source: MODEL, lora: [x=/nope/x.gguf]}",
+     "error: model 'lo': LoRA adapter /nope/x.gguf: file not found"),
+    ("models:\n  d: {source: /tmp}",
+     "error: model 'd': source /tmp is a directory; give a .gguf file or a model name"),
     # served as a model named "None"
     ("models:\n  ~: {source: MODEL, preload: true}",
      "error: models.yaml: a model's name is ~ (null): give it a name"),

@@ -444,3 +444,19 @@ def test_a_client_that_leaves_while_its_model_loads_stops_counting_as_waiting(tm
     finally:
         rc, out = stop(gw)
     assert rc == 0, out
+
+
+def test_a_preload_that_fails_is_said_in_the_gateways_log(tmp_path):
+    """A model that cannot preload (not a GGUF here) was said nowhere but in a request's
+    answer: the gateway started, the model "unloaded"."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all" * 100)
+    gw = start_gateway(tmp_path, {"bad": {"source": str(bad), "preload": True}})
+    try:
+        gw.wait_status("bad", "failed")
+        deadline = time.monotonic() + 30
+        while "model bad: preload failed" not in gw.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "model bad: preload failed" in gw.output(), gw.output()
+    finally:
+        stop(gw)
