@@ -607,6 +607,7 @@ def _listing_facts(source: str) -> tuple[str, dict[str, Any]]:
     """A local model's digest (the registry's remembered one: a listing hashes no file) and
     Ollama's ``details``, read off its GGUF header; blank for a model that is no readable
     GGUF file (it fails at its load, not here)."""
+    from justllm.errors import JustLLMError
     from justllm.models.gguf import read_gguf_header
     from justllm.models.registry import Registry
     from justllm.server.ollama import gguf_details
@@ -614,7 +615,7 @@ def _listing_facts(source: str) -> tuple[str, dict[str, Any]]:
     path = Path(source).expanduser()
     try:
         details = gguf_details(read_gguf_header(str(path)))
-    except (OSError, ValueError):
+    except (JustLLMError, OSError, ValueError):  # (ModelLoadError: no such file, no GGUF)
         return "", {"format": "gguf"}
     return Registry().digests.cached(path) or "", details
 

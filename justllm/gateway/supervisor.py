@@ -199,6 +199,10 @@ class Supervisor:
         self.waiting = 0  # requests waiting for a load
         self.unloads = 0
         self._room = asyncio.Condition()
+        # The loaded models each load waiting for room would unload were they idle (by the
+        # loading model's name): new requests for them wait while such a load waits, so a
+        # model's steady traffic cannot keep another's load waiting (Ollama's order).
+        self._making_way: dict[str, set[str]] = {}
         # Runners ask every client for this key (the runner's --api-key, in its environment):
         # a runner's port is open to every user of the machine, and the gateway's own key, if
         # any, must not be bypassed there. RunnerAuth sends it, to local runners only.
@@ -263,7 +267,11 @@ class Supervisor:
         """The model loaded (first if need be) with a replica in the rotation, and one more
         request counted on it from now on (so it is never unloaded to make room while the
         request waits): pair each successful call with ``end``. ``client`` False: a preload,
-        neither counted as a request waiting for a load nor held to max-waiting."""
+        neither counted as a request waiting for a load nor held to max-waiting. A request
+        for a model that makes way for another's load waits (uncounted: the model must go
+        idle) until that load has its place."""
+        if client and self._makes_way(state):
+            await self._until_way_made(state)
         state.active += 1
         try:
             if state.routable:
@@ -292,6 +300,36 @@ class Supervisor:
             # request ending on it, which is what woke such loads)
             asyncio.ensure_future(self._notify_room())
             raise
+
+    def _makes_way(self, state: ModelState) -> bool:
+        return any(state.spec.name in names for names in self._making_way.values())
+
+    async def _until_way_made(self, state: ModelState) -> None:
+        """Until no load waits for ``state`` to go idle and unload, at most load-timeout."""
+        deadline = time.monotonic() + self.config.load_timeout
+        async with self._room:
+            while self._makes_way(state) and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ModelUnavailable(f"model '{state.spec.name}' is making way for "
+                                           "another model's load; retry later",
+                                           code="model_loading")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), left)
+
+    def _would_unload(self, state: ModelState) -> set[str]:
+        """The loaded models ``state``'s load would unload were they idle (not a pinned one,
+        nor one loading or stopping)."""
+        def idle(view: policy.Loaded) -> policy.Loaded:
+            other = self.models.get(view.name)
+            movable = other is not None and other.status == "loaded" and not other.pinned
+            return replace(view, active=0) if movable else view
+
+        victims = policy.to_unload_for([idle(v) for v in self._places(besides=state)],
+                                       self.config.max_loaded,
+                                       max_memory=self.config.max_memory,
+                                       need=state.memory * state.spec.replicas)
+        return set(victims or ())
 
     async def wait_routable(self, state: ModelState, role: str = "decode") -> None:
         """Until one of a loaded model's replicas for ``role`` is back in the rotation
@@ -410,17 +448,26 @@ class Supervisor:
         unloaded) without yielding to another load, so two loads never claim one place. An
         unload while it waits abandons the load."""
         async with self._room:
-            while True:
-                if self._closing:
-                    raise ModelUnavailable("the server is shutting down", code="shutting_down")
-                if state.detached != detached:
-                    raise _unloaded_meanwhile(state)
-                victims = policy.to_unload_for(self._places(besides=state), self.config.max_loaded,
-                                               max_memory=self.config.max_memory,
-                                               need=state.memory * state.spec.replicas)
-                if victims is not None:
-                    break
-                await self._room.wait()  # every model is busy: wait for one to go idle
+            try:
+                while True:
+                    if self._closing:
+                        raise ModelUnavailable("the server is shutting down",
+                                               code="shutting_down")
+                    if state.detached != detached:
+                        raise _unloaded_meanwhile(state)
+                    victims = policy.to_unload_for(
+                        self._places(besides=state), self.config.max_loaded,
+                        max_memory=self.config.max_memory,
+                        need=state.memory * state.spec.replicas)
+                    if victims is not None:
+                        break
+                    # every model is busy: wait for one to go idle, new requests for the
+                    # ones to unload held back meanwhile (_until_way_made)
+                    self._making_way[state.spec.name] = self._would_unload(state)
+                    await self._room.wait()
+            finally:
+                if self._making_way.pop(state.spec.name, None):
+                    self._room.notify_all()
             state.status = "loading"
             stopping = [r for name in victims for r in self._detach(self.models[name])]
         if not stopping:
