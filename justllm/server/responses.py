@@ -185,6 +185,17 @@ class _Writer:
         return self.event("response.function_call_arguments.delta", item_id=self.item.id,
                           output_index=self.index, delta=piece)
 
+    def stand(self) -> None:
+        """The open item as it stands when the response fails: what was streamed of it, and
+        ``incomplete`` (a failed response's items said ``in_progress`` with no content)."""
+        item, self.item = self.item, None
+        if isinstance(item, OutputReasoning):
+            item.content = [OutputReasoningText(self.text)]
+        elif isinstance(item, OutputMessage):
+            item.content = [OutputText(self.text, [], [])]
+        if item is not None:
+            item.status = "incomplete"
+
     def close(self) -> list[bytes]:
         item, frames = self.item, []
         if item is None:
@@ -254,6 +265,7 @@ async def _stream(resp: ResponseObject, events: AsyncGenerator[ChatEvent, None],
                 keep(resp)
                 frames.append(w.event(f"response.{resp.status}", response=resp))
             elif isinstance(ev, StreamError):
+                w.stand()  # (the open item as far as it came: its text was streamed)
                 resp.status = "failed"
                 resp.error = {"code": ev.code or "server_error", "message": ev.message}
                 keep(resp)

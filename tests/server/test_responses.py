@@ -448,3 +448,34 @@ def test_a_responses_own_tool_settings_without_tools_are_taken(client, server):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**kw, parallel_tool_calls=parallel)
         assert e.value.body["param"] == "parallel_tool_calls"
+
+
+def test_a_failed_stream_keeps_what_it_had_said():
+    """A stream that fails (the server shutting down) ends with response.failed, whose open
+    message holds the text already streamed, incomplete (it said in_progress, no content)."""
+    import asyncio
+
+    from justllm.server.responses import _skeleton, _stream
+    from justllm.server.responses_schemas import ResponseRequest
+    from justllm.server.tools.answer import StreamError, TextDelta
+
+    async def events():
+        yield TextDelta(0, "", reasoning="Thinking.")
+        yield TextDelta(0, "Hel")
+        yield TextDelta(0, "lo")
+        yield StreamError("the server is shutting down", "shutting_down")
+
+    async def run() -> list[dict]:
+        resp = _skeleton("resp_x", "m", ResponseRequest(input="hi"))
+        kept = []
+        frames = [f async for f in _stream(resp, events(), kept.append)]
+        return [json.loads(f.split(b"\ndata: ", 1)[1]) for f in frames]
+
+    payloads = asyncio.run(run())
+    assert [p["type"] for p in payloads[-2:]] == ["error", "response.failed"]
+    failed = payloads[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "shutting_down"
+    thinking, message = failed["output"]
+    assert thinking["status"] == "completed"
+    assert message["status"] == "incomplete"
+    assert message["content"][0]["text"] == "Hello"
