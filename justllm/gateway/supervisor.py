@@ -696,6 +696,12 @@ class Supervisor:
                 replica.error = str(e)
                 if replica.runner is not None:
                     replica.runner.kill_now()
+                # (another start: counted and said, as the first was; they went unsaid)
+                replica.restarts += 1
+                state.restarts += 1
+                state.replica_restarts[replica.id] += 1
+                log.warning("model %s replica %s: restart %d failed: %s; restarting",
+                            state.spec.name, replica.id, replica.failures, e)
                 continue
             if replica not in state.replicas or self._closing:  # unloaded meanwhile
                 runner.kill_now()

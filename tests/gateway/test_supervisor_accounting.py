@@ -507,3 +507,38 @@ def test_a_pd_model_whose_decode_replicas_all_gave_up_is_failed(tmp_path):
         assert pd.status == "failed" and pd.error == "gone" and pd.replicas == []
         await sup.close()
     asyncio.run(main())
+
+
+def test_a_restart_that_fails_is_counted_and_said(tmp_path, caplog, monkeypatch):
+    """A replica killed again while it restarted went unlogged, and the restart counter
+    counted one restart for two."""
+    import justllm.gateway.policy as policy_module
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {}})
+        a = sup.models["a"]
+        starts: list[int] = []
+
+        async def spawn_ready(state, replica):
+            starts.append(1)
+            replica.runner = None
+            if len(starts) == 1:
+                raise RuntimeError("runner exited with -9 while starting")
+            return None
+        sup._spawn_ready = spawn_ready
+        monkeypatch.setattr(policy_module, "restart_delay", lambda failures: 0.0)
+        a.status = "loaded"
+        a.replicas.append(Replica("0", status="ready"))
+        sup._restart_failed(a, a.replicas[0], "died")
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if a.replicas[0].status == "ready":
+                break
+        assert a.replicas[0].status == "ready" and len(starts) == 2
+        assert a.restarts == 2 and a.replicas[0].restarts == 2
+        await sup.close()
+
+    with caplog.at_level("WARNING", logger="justllm.gateway.supervisor"):
+        asyncio.run(main())
+    assert "model a replica 0: restart 1 failed: runner exited with -9 while starting" \
+        in caplog.text
