@@ -484,7 +484,8 @@ class AsyncEngine:
         """The next piece of the first stepwise job (``call_on_engine_thread``). A job whose
         caller went (its future cancelled: a client that left) stops; :meth:`abort_all`
         ends them all with its message."""
-        ended, self._jobs_ended = self._jobs_ended, None
+        with self._sinks_lock:  # (abort_all sets it from another thread)
+            ended, self._jobs_ended = self._jobs_ended, None
         if ended is not None:
             while self._pieces:
                 pieces, fut = self._pieces.popleft()
@@ -559,7 +560,8 @@ class AsyncEngine:
             end = RequestOutput(stream.request_id, "", [], True, "abort", None,
                                 RequestMetrics(arrival_time=0.0), error=message)
             _deliver(stream.loop, stream.queue.put_nowait, end)
-        self._jobs_ended = message  # (embeddings under way, at their next piece)
+        with self._sinks_lock:
+            self._jobs_ended = message  # (embeddings under way, at their next piece)
         self._wake.set()
         return len(pending)
 

@@ -74,6 +74,7 @@ class ModelState:
     # The load in progress, shared by the requests that wait for it: one that stops waiting
     # (load-timeout, a disconnect) leaves it running, so a slow model still loads.
     load_task: asyncio.Future[None] | None = None
+    waiters: int = 0  # clients waiting for its load (others make way only while there are)
     detached: int = 0  # unloads so far: a start that sees this change was unloaded meanwhile
     # The autoscaler, per pool of local replicas (the role: "both" without PD): the wish it
     # is waiting on, and its decisions by (pool, direction).
@@ -283,6 +284,7 @@ class Supervisor:
                 raise ModelUnavailable(f"{self.waiting} requests are already waiting for "
                                        "models to load; retry later", code="too_many_waiting")
             self.waiting += client
+            state.waiters += client
             try:
                 if state.load_task is None or state.load_task.done():
                     state.load_task = asyncio.ensure_future(self._load(state))
@@ -294,6 +296,7 @@ class Supervisor:
                                        code="model_loading") from None
             finally:
                 self.waiting -= client
+                state.waiters -= client
         except BaseException:
             state.active -= 1
             # (a load waiting for room may evict this model now: it went idle without a
@@ -302,7 +305,10 @@ class Supervisor:
             raise
 
     def _makes_way(self, state: ModelState) -> bool:
-        return any(state.spec.name in names for names in self._making_way.values())
+        """Whether a load a client waits for waits for ``state`` to go idle (a load that no
+        client waits for any more, or a preload, holds nobody back)."""
+        return any(state.spec.name in names and self.models[loading].waiters > 0
+                   for loading, names in self._making_way.items())
 
     async def _until_way_made(self, state: ModelState) -> None:
         """Until no load waits for ``state`` to go idle and unload, at most load-timeout."""
@@ -463,10 +469,13 @@ class Supervisor:
                         break
                     # every model is busy: wait for one to go idle, new requests for the
                     # ones to unload held back meanwhile (_until_way_made)
-                    self._making_way[state.spec.name] = self._would_unload(state)
+                    way = self._would_unload(state)
+                    if self._making_way.get(state.spec.name) != way:
+                        self._making_way[state.spec.name] = way
+                        self._room.notify_all()  # (those no longer making way go on)
                     await self._room.wait()
             finally:
-                if self._making_way.pop(state.spec.name, None):
+                if self._making_way.pop(state.spec.name, None) is not None:
                     self._room.notify_all()
             state.status = "loading"
             stopping = [r for name in victims for r in self._detach(self.models[name])]

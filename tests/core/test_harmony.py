@@ -161,3 +161,13 @@ def test_calls_as_the_server_reads_them():
     # an answer a grammar held to a call's JSON: the generic format's call
     plain = '{"name": "time", "arguments": {}}'
     assert calls_of(plain, calls=True, names=names) == ("", "", (("time", "{}"),))
+
+
+def test_a_held_call_after_a_bodiless_message_is_read_whole_not_cut():
+    """A message to another recipient with no body gives no text: a held call after it was
+    paired with it by position at the end, read as cut off, and the whole call lost."""
+    text = ("<|channel|>commentary to=browser.search<|message|><|call|>"
+            + CALL[CALL.index("<|start|>"):])
+    _, _, streamed, was_cut, calls = streamed_calls(text, [len(text) // 2])
+    assert (was_cut, calls) == (False, [("weather", '{"city": "Paris"}')])
+    assert streamed == calls  # (whole at the end: it did not lead the reading's calls)

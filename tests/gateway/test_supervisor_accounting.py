@@ -7,6 +7,7 @@ tests/gateway/test_gateway.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -542,3 +543,28 @@ def test_a_restart_that_fails_is_counted_and_said(tmp_path, caplog, monkeypatch)
         asyncio.run(main())
     assert "model a replica 0: restart 1 failed: runner exited with -9 while starting" \
         in caplog.text
+
+
+def test_only_a_load_a_client_waits_for_holds_other_models_requests_back(tmp_path):
+    """A load waiting for room holds back new requests for the models it would unload
+    while a client waits for it: not once every client gave up (a 503 'making way' for a load
+    nobody wanted), nor for a preload."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {}, "x": {}}, **{"max-loaded": 1})
+        a, x = sup.models["a"], sup.models["x"]
+        a.status = "loaded"
+        a.active = 1  # busy: x's load waits for it to go idle
+        a.replicas.append(Replica("0", status="ready"))
+        load = asyncio.ensure_future(sup._load(x))  # (no client: as a preload)
+        await asyncio.sleep(0.1)
+        assert sup._making_way == {"x": {"a"}} and not sup._makes_way(a)
+        x.waiters = 1  # a client waits for x
+        assert sup._makes_way(a)
+        x.waiters = 0  # it gave up
+        assert not sup._makes_way(a)
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+        assert sup._making_way == {}  # (cleared however the wait ends)
+        await sup.close()
+    asyncio.run(main())

@@ -43,8 +43,12 @@ def _literal(text: str) -> str:
 
 
 def _shared_rules() -> list[str]:
+    # A type word (`` json``, ``<|constrain|>json``) stands apart from what precedes it, so a
+    # function's name cannot run on into it (``get`` + ``_weather`` read as get_weather).
+    constrain = _literal("<|constrain|>")
     return [f'{_RULE}-ws ::= [ \\t\\n]*',
-            f"{_RULE}-type ::= {_RULE}-ws {_literal('<|constrain|>')}? [A-Za-z0-9_-]+"]
+            f"{_RULE}-type ::= ([ \\t\\n]+ {constrain}? | {_RULE}-ws {constrain}) "
+            "[A-Za-z0-9_-]+"]
 
 
 def call_grammar(functions: list[tuple[str, str]]) -> str:
@@ -80,5 +84,6 @@ def answer_grammar(calls: str | None, answer: str | None) -> str:
             f"{_RULE}-body {_literal(END + START + 'assistant')}")
     return "\n".join([
         f"root ::= ({free})* {_RULE}-ws ({' | '.join(targets)})",
-        f'{_RULE}-body ::= ([^<] | "<" [^|])*',
+        # (no "<|" inside, where a marker would begin; a "<" may end it, before <|end|>)
+        f'{_RULE}-body ::= ([^<] | "<"+ [^<|])* "<"*',
         *_shared_rules(), *rules])

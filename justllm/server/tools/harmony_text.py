@@ -68,7 +68,10 @@ class HarmonyText:
             if index != self._at:
                 self._args = None
                 name = recipient[len(_FUNCTIONS):]
+                # (streamed calls are the reading's first ones, in order: finish pairs them
+                # by position; a call before them with no body is no news, hence the index)
                 if (self._stopped or self._plain is None or not held
+                        or index != len(self._streams)
                         or not recipient.startswith(_FUNCTIONS)
                         or (self._names is not None and name not in self._names)
                         or (self._streams and not self._parallel)):
