@@ -578,9 +578,32 @@ async def ollama_embeddings(request: Request) -> Any:
     return await _forward(request, "/api/embeddings")
 
 
+# Ollama's /api/show answers kept (by model and question) for an unloaded model.
+SHOWN_KEPT = 256
+
+
 @post("/show", status_code=200, summary="Ollama: a model's details (from its runner)")
 async def ollama_show(request: Request) -> Any:
-    return await _forward(request, "/api/show")
+    """From the model's runner, loaded for it; once a runner has answered, the same question
+    is answered from that answer while the model is unloaded and its file unchanged (Ollama's
+    never loads a model for it: clients that ask it of every listed model swapped them in
+    turn under max-loaded)."""
+    sup = _supervisor(request.app.state)
+    body = json_object(await request.body())
+    state = _model(sup, body.get("model") or body.get("name"), True)
+    shown: dict[bytes, tuple[Any, bytes]] = request.app.state.setdefault("shown", {})
+    key = msgspec.json.encode([state.spec.name, sorted(body.items())])
+    stamp = (state.spec.source, _file(state.spec.source))
+    hit = shown.get(key)
+    if hit is not None and hit[0] == stamp and not state.routable:
+        return Response(hit[1], media_type="application/json")
+    answer = await _forward(request, "/api/show")
+    if (isinstance(answer, Response) and answer.status_code == 200
+            and isinstance(answer.content, bytes)):
+        if len(shown) >= SHOWN_KEPT:
+            del shown[next(iter(shown))]
+        shown[key] = (stamp, answer.content)
+    return answer
 
 
 def _tag(name: str) -> str:

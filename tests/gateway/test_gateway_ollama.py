@@ -76,3 +76,29 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
         rc, out = stop(gw)
     assert rc == 0, out
     wait_gone(pids)
+
+
+def test_api_show_of_an_unloaded_model_it_answered_before_loads_nothing(tmp_path, model_path):
+    """/api/show loaded its model (and under max-loaded evicted another); Ollama's never loads
+    one, and editor plugins ask it of every listed model. Once a runner has answered, the same
+    question is answered from that answer while the model is unloaded."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS},
+                                  "beta": {"source": model_path, **RUNNER_FLAGS}},
+                       **{"max-loaded": 1})
+    try:
+        first = httpx.post(gw.url + "/api/show", json={"model": "beta"}, timeout=120)
+        assert first.status_code == 200 and gw.status()["beta"]["status"] == "loaded"
+        assert httpx.post(gw.url + "/api/generate", timeout=120, json={
+            "model": "alpha", "prompt": "Hi", "stream": False,
+            "options": {"num_predict": 1}}).status_code == 200
+        gw.wait_status("beta", "unloaded")
+        again = httpx.post(gw.url + "/api/show", json={"model": "beta"}, timeout=120)
+        assert again.status_code == 200 and again.json() == first.json()
+        status = gw.status()
+        assert (status["alpha"]["status"], status["beta"]["status"]) == ("loaded", "unloaded")
+        assert status["beta"]["loads"] == 1
+        # another question (its older field name) is the runner's to answer: loaded for it
+        other = httpx.post(gw.url + "/api/show", json={"name": "beta"}, timeout=120)
+        assert other.status_code == 200 and gw.status()["beta"]["loads"] == 2
+    finally:
+        stop(gw)
