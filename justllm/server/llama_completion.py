@@ -235,12 +235,17 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     if len(stop) > MAX_REQUEST_STOP:
         raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")
     steps = _steps(req.samplers)
-    cuts = [i for i, s in enumerate(steps) if s in ("top_k", "top_p", "min_p")]
     penalised = (req.repeat_penalty != 1.0 or req.presence_penalty != 0.0
                  or req.frequency_penalty != 0.0)
-    if penalised and "penalties" in steps and cuts and steps.index("penalties") > cuts[0]:
-        raise InvalidRequestError("samplers: penalties after a cut are not offered (penalties "
-                                  "come first here)", param="samplers")
+    # (presence and frequency are subtracted from the logits: after the temperature they
+    # weigh otherwise than before it, where the engine applies them)
+    subtracted = req.presence_penalty != 0.0 or req.frequency_penalty != 0.0
+    after = [i for i, s in enumerate(steps) if s in ("top_k", "top_p", "min_p")
+             or (subtracted and s == "temperature")]
+    if penalised and "penalties" in steps and after and steps.index("penalties") > after[0]:
+        raise InvalidRequestError("samplers: penalties after a cut, or presence and frequency "
+                                  "penalties after the temperature, are not offered "
+                                  "(penalties come first here)", param="samplers")
     plan = _Plan(tuple(steps), stop, max_tokens=None if n is None or n == -1 else n)
     SamplingParams(**_sampling(req, plan, seed=None, logit_bias=()))  # the value checks
     return plan

@@ -237,10 +237,13 @@ async def global_scales(state: State) -> list[LoraAdapterInfo]:
 @post("/lora-adapters", status_code=200,
       summary="llama-server's: set the adapters a request that chooses none runs under")
 async def set_global_scales(request: Request, state: State) -> dict[str, bool]:
-    from justllm.server.app import _served, decode_request
+    from justllm.server.app import _served
 
     aengine = _served(state).aengine
-    entries = await decode_request(request, list[GlobalScale])
+    # (read as JSON first: a body cut short or malformed was said to be "an object, not an
+    # array" when it began with "{", where every other route says it is malformed)
+    entries = msgspec.convert(msgspec.json.decode(await request.body()), list[GlobalScale],
+                              strict=True)
     scales: dict[str, float] = {}
     for i, e in enumerate(entries):  # a later entry for the same adapter wins, as there
         if not abs(e.scale) <= MAX_LORA_SCALE:  # (NaN too) else every request would be refused

@@ -406,3 +406,12 @@ def test_the_openai_routes_beside_them_keep_openais_shape(server):
         r = post(server, path, body)
         assert_error(r, 400)
         assert r.json()["error"]["code"] is None
+
+
+def test_a_malformed_lora_adapters_body_is_said_to_be_malformed(server):
+    """It began with "{" and was said to be an object where an array belongs."""
+    for body in (b"{bad", b"[1, 2"):
+        r = httpx.post(server.url + "/lora-adapters", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("the body is not valid JSON"), r.text

@@ -263,6 +263,9 @@ def test_cache_prompt_false_computes_the_prompt_whole(server):
     ("samplers", {"samplers": ["top_k", "adaptive_p"]}),
     ("samplers", {"samplers": "kq"}),
     ("samplers", {"samplers": ["top_k", "penalties"], "repeat_penalty": 1.2}),
+    # (presence and frequency are subtracted: after the temperature they weigh otherwise;
+    # it was taken, the penalties applied first)
+    ("samplers", {"samplers": ["temperature", "penalties"], "presence_penalty": 2.0}),
     ("n_predict", {"n_predict": -2}),
     ("t_max_predict_ms", {"t_max_predict_ms": -2}),
     ("n_probs", {"n_probs": 21}),
