@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 from litestar import Request, post
@@ -70,6 +70,16 @@ _BY_NAME = {alias: name for name in (*DEFAULT_SAMPLERS, "infill")
     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
 
 
+if TYPE_CHECKING:
+    _Float = float
+    _Int = int
+    _Bool = bool
+else:  # (null taken, then the default: LlamaCompletionRequest.__post_init__)
+    _Float = Optional[float]
+    _Int = Optional[int]
+    _Bool = Optional[bool]
+
+
 class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """llama-server's /completion body, with its defaults."""
 
@@ -78,64 +88,74 @@ class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     n_predict: int | None = None
     max_completion_tokens: int | None = None  # llama-server's other names for n_predict
     max_tokens: int | None = None
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
+    temperature: _Float = 0.8
+    top_k: _Int = 40
+    top_p: _Float = 0.95
+    min_p: _Float = 0.05
+    repeat_penalty: _Float = 1.0
+    repeat_last_n: _Int = 64
+    presence_penalty: _Float = 0.0
+    frequency_penalty: _Float = 0.0
+    seed: _Int = -1
     stop: list[str] | str | None = None
-    ignore_eos: bool = False
+    ignore_eos: _Bool = False
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     n_probs: int | None = None
     logprobs: int | None = None  # llama-server's other name for n_probs
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    stream: bool = False
-    return_tokens: bool = False
+    stream: _Bool = False
+    return_tokens: _Bool = False
     samplers: list[str] | str | None = None
     response_fields: list[str] | None = None
-    n_keep: int = 0
+    n_keep: _Int = 0
     # Accepted only where they change nothing (_OFF).
-    typical_p: float = 1.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    top_n_sigma: float = -1.0
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    typical_p: _Float = 1.0
+    dynatemp_range: _Float = 0.0
+    dynatemp_exponent: _Float = 1.0
+    top_n_sigma: _Float = -1.0
+    xtc_probability: _Float = 0.0
+    xtc_threshold: _Float = 0.1
+    dry_multiplier: _Float = 0.0
+    dry_base: _Float = 1.75
+    dry_allowed_length: _Int = 2
+    dry_penalty_last_n: _Int = -1
     dry_sequence_breakers: list[str] | None = None
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    min_keep: int = 0
-    post_sampling_probs: bool = False
-    cache_prompt: bool = True
-    n_cmpl: int = 1
-    n: int = 1  # llama-server's other name for n_cmpl
-    adaptive_target: float = -1.0
-    adaptive_decay: float = 0.9
-    verbose: bool = False
-    backend_sampling: bool = False
+    mirostat: _Int = 0
+    mirostat_tau: _Float = 5.0
+    mirostat_eta: _Float = 0.1
+    min_keep: _Int = 0
+    post_sampling_probs: _Bool = False
+    cache_prompt: _Bool = True
+    n_cmpl: _Int = 1
+    n: _Int = 1  # llama-server's other name for n_cmpl
+    adaptive_target: _Float = -1.0
+    adaptive_decay: _Float = 0.9
+    verbose: _Bool = False
+    backend_sampling: _Bool = False
     # No slots here: every request reads the one shared prefix cache, which is what a client
     # pinning its requests to a slot wants (llama.vim sends 0); -1 or any slot number.
-    id_slot: int = -1
-    n_discard: int = 0
-    n_indent: int = 0  # server/line_limits.py
-    n_cache_reuse: int = 0
-    t_max_predict_ms: int = 0  # server/line_limits.py
+    id_slot: _Int = -1
+    n_discard: _Int = 0
+    n_indent: _Int = 0  # server/line_limits.py
+    n_cache_reuse: _Int = 0
+    t_max_predict_ms: _Int = 0  # server/line_limits.py
     # llama.vim sends it; llama-server does not apply it (a TODO in its request schema), and
     # neither does justllm: the prompt is computed whole, however long it takes.
-    t_max_prompt_ms: int = -1
-    timings_per_token: bool = False
-    return_progress: bool = False
+    t_max_prompt_ms: _Int = -1
+    timings_per_token: _Bool = False
+    return_progress: _Bool = False
     lora: list[LoraChoice] | None = None  # as on the OpenAI routes (server/lora.py)
+
+    def __post_init__(self) -> None:
+        # A null is the field's default, as llama-server reads every field (json_value's
+        # "fallback null to default value"): a client that sends unset options as null got
+        # a 400 for most of them.
+        fields = self.__struct_fields__
+        for name, default in zip(fields[len(fields) - len(self.__struct_defaults__):],
+                                 self.__struct_defaults__):
+            if getattr(self, name) is None and isinstance(default, (bool, int, float)):
+                setattr(self, name, default)
 
 
 _ONE_COMPLETION = (lambda v: v == 1, "one completion per prompt (send the prompt again, or "

@@ -327,3 +327,17 @@ def test_errors_are_in_llama_servers_shape_streamed_too(server):
         events = [json.loads(line[6:]) for line in streamed.iter_lines()
                   if line.startswith("data: {")]
     assert streamed.status_code == 200 and events[-1] == {"error": error}, events
+
+
+def test_a_null_field_is_its_default_as_llama_server_reads_it(server):
+    """llama-server reads a null as the field's default (json_value); 43 fields were a 400
+    for it here, which broke clients that send unset options as null."""
+    nulls = {name: None for name in (
+        "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+        "presence_penalty", "frequency_penalty", "seed", "stream", "cache_prompt",
+        "ignore_eos", "return_tokens", "id_slot", "n", "n_cmpl", "n_indent",
+        "t_max_predict_ms", "t_max_prompt_ms", "typical_p", "mirostat", "dry_multiplier")}
+    answer = complete(server, n_predict=2, **nulls)
+    settings = answer["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["top_p"]) == (0.8, 40, 0.95)
+    assert answer["tokens_predicted"] == 2
