@@ -5,14 +5,11 @@ analysis body can end in "<"."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from justllm.config import EngineConfig
 from justllm.engine.async_engine import AsyncEngine
-from justllm.engine.engine import Engine
 from justllm.server.tools.harmony_grammar import answer_grammar, call_grammar
+from tests.engine.grammar_text import takes
 
 A = AsyncEngine.json_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
                               "required": ["a"]})
@@ -23,28 +20,8 @@ HEAD = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
 
 
 @pytest.fixture(scope="module")
-def backend(model_path):
-    engine = Engine(EngineConfig(model=model_path, max_seqs=1, pool_blocks=16))
-    yield engine.backend
-    engine.close()
-
-
-def takes(backend, gbnf: str, text: str) -> bool:
-    """Whether the grammar takes ``text`` whole, then the end of generation."""
-    @functools.lru_cache(None)
-    def tokens(ch: str) -> tuple[int, ...]:
-        return tuple(backend.tokenize(ch, add_special=False))
-
-    matcher = backend.grammar(gbnf)
-    try:
-        for ch in text:
-            for t in tokens(ch):
-                if not matcher.allows(t):
-                    return False
-                matcher.accept(t)
-        return matcher.allows(int(backend.eog_ids()[0]))
-    finally:
-        matcher.close()
+def backend(engine):
+    return engine.backend
 
 
 @pytest.mark.parametrize(("text", "taken"), [

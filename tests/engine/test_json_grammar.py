@@ -43,40 +43,24 @@ def test_an_integers_bounds_become_its_rule_wherever_it_is():
 
 # ---- what a schema's grammar accepts, through llama.cpp's own grammar sampler ----------------
 
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
 
 from justllm.engine.backend import grammar_from_regex  # noqa: E402
 from justllm.errors import InvalidRequestError  # noqa: E402
+from tests.engine.grammar_text import takes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def accepts(engine):
     """accepts(schema, text): whether the schema's grammar (as response_format builds it) lets
     the model write exactly ``text`` and end there, fed character by character."""
-    backend = engine.backend
-    end = int(backend.eog_ids()[0])
-
-    @functools.lru_cache(None)
-    def tokens(ch: str) -> tuple[int, ...]:
-        return tuple(backend.tokenize(ch, add_special=False, parse_special=False))
-
     def check(schema: dict | str, text: str) -> bool:
         """(a str is a regular expression, as vLLM's guided_regex)"""
         gbnf = (grammar_from_regex(schema) if isinstance(schema, str)
                 else without_trailing_space(grammar_from_json_schema(schema)))
-        matcher = backend.grammar(gbnf)
-        try:
-            for ch in text:
-                for t in tokens(ch):
-                    if not matcher.allows(t):
-                        return False
-                    matcher.accept(t)
-            return matcher.allows(end)
-        finally:
-            matcher.close()
+        return takes(engine.backend, gbnf, text)
 
     return check
 
