@@ -46,7 +46,14 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from justllm import build_info
 from justllm.errors import InvalidRequestError
-from justllm.server.app import _served, chat_completions, decode_request, require_api_key
+from justllm.server.app import (
+    _served,
+    chat_completions,
+    decode_request,
+    list_models,
+    require_api_key,
+    retrieve_model,
+)
 from justllm.server.errors import APIError
 from justllm.server.llama_completion import DEFAULT_SAMPLERS
 from justllm.server.openai_serving import OpenAIServing, check_chat_request, text_size
@@ -233,6 +240,7 @@ def llama_server_router() -> Router:
                                             completion, infill,
                                             embedding,
                                             chat_completions, responses.create_response,
-                                            responses.input_tokens,
+                                            responses.input_tokens, list_models,
+                                            retrieve_model,
                                             *lora.LLAMA_SERVER_ROUTES],
                   guards=[require_api_key])

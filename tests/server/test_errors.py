@@ -358,7 +358,8 @@ def test_llama_servers_own_routes_are_the_ones_in_its_error_shape():
     paths = {r.path for r in create_app(None, ServerConfig()).routes}
     root = {p for p in paths if not p.startswith(("/v1/", "/api/", "/pd/", "/docs"))}
     assert root - {"/chat/completions", "/responses", "/responses/input_tokens", "/health",
-                   "/metrics", "/"} == LLAMA_SERVER_PATHS | {"/slots/{id_slot:str}"}
+                   "/models", "/models/{model_id:path}", "/metrics", "/"} == \
+        LLAMA_SERVER_PATHS | {"/slots/{id_slot:str}"}
 
 
 @pytest.mark.parametrize("method,path,body,status,type,param", [

@@ -690,3 +690,11 @@ def test_a_continued_answer_keeps_the_space_the_model_writes_first(exact_client)
     anew = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "messages": history[:1], "max_tokens": 6, "temperature": 0}).json()
     assert not anew["choices"][0]["message"]["content"].startswith(" "), anew
+
+
+def test_an_sdk_given_the_bare_host_lists_the_models(server):
+    """llama-server serves /models beside /v1/models, as its other OpenAI routes, for an SDK
+    given http://host:port as its base URL (it was a 404 here)."""
+    bare = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    assert [m.id for m in bare.models.list().data] == [server.model]
+    assert bare.models.retrieve(server.model).id == server.model
