@@ -47,6 +47,7 @@ from justllm.config import EngineConfig, LoraSpec, read_yaml, yaml_on_off
 from justllm.gateway.autoscale import AutoscaleConfig
 from justllm.gateway.policy import parse_size
 from justllm.gateway.routing import Policy, RoutingConfig, routing_config
+from justllm.models.lora import not_a_file
 from justllm.models.source import ModelSource
 from justllm.spec.methods import SPEC_METHODS, SpecMethod
 
@@ -515,17 +516,10 @@ def check_sources(config: GatewayConfig) -> None:
             raise ValueError(f"model '{m.name}': source {m.source} is a directory; give a "
                              ".gguf file or a model name")
         for lora in m.lora_specs:  # (its runner refused it at each try of the first load)
-            file = Path(lora.path)
-            if not _is_file(file):
-                raise ValueError(f"model '{m.name}': LoRA adapter {file}: " + (
-                    "a directory, not a file" if _is_dir(file) else "file not found"))
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except (OSError, ValueError):  # a name the OS cannot take
-        return False
+            file = Path(lora.path).expanduser()
+            missing = not_a_file(file)
+            if missing is not None:  # (the first words of the runner's own check_lora_file)
+                raise ValueError(f"model '{m.name}': LoRA adapter {file}: {missing}")
 
 
 def _is_dir(path: Path) -> bool:

@@ -33,20 +33,29 @@ class LoraFileInfo:
     targets: tuple[str, ...]  # the base model's weights it changes
 
 
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` is no regular file to read ("file not found", "a directory, not a
+    file", ...), or None when it is one."""
+    try:
+        there, found = path.exists(), path.is_file()
+    except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
+        there = found = False
+    if found:
+        return None
+    # (a folder or a device said "file not found")
+    return ("a directory, not a file" if there and path.is_dir()
+            else "not a regular file" if there else "file not found")
+
+
 def check_lora_file(path: str | Path, architecture: str) -> LoraFileInfo:
     """``path`` as a LoRA adapter for a model of ``architecture``; ModelLoadError otherwise."""
     if not str(path).strip():  # (it said "LoRA adapter .: file not found")
         raise ModelLoadError("a LoRA adapter's path is empty")
     p = Path(path).expanduser()
     where = f"LoRA adapter {p}"
-    try:
-        there, found = p.exists(), p.is_file()
-    except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
-        there = found = False
-    if not found:  # (a folder or a device said "file not found")
-        raise ModelLoadError(f"{where}: " + ("a directory, not a file" if there and p.is_dir()
-                                             else "not a regular file" if there
-                                             else "file not found"))
+    missing = not_a_file(p)
+    if missing is not None:
+        raise ModelLoadError(f"{where}: {missing}")
     try:
         header = read_gguf_header(p, adapter=True)
     except ModelLoadError as e:
