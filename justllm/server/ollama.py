@@ -27,7 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast, get_args, get_type_hints
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, head, post
@@ -124,7 +124,6 @@ if TYPE_CHECKING:
     _Integer = int
 else:  # (a whole JSON number is taken for an integer option: OllamaOptions.__post_init__)
     _Integer = Union[int, float]
-_INTEGER_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "mirostat")
 
 
 class OllamaOptions(_Body):
@@ -174,6 +173,11 @@ class OllamaOptions(_Body):
                     raise InvalidRequestError(f"options.{name} must be an integer (got "
                                               f"{value})", param=f"options.{name}")
                 setattr(self, name, int(value))
+
+
+# (the options declared _Integer)
+_INTEGER_OPTIONS = tuple(name for name, hint in get_type_hints(OllamaOptions).items()
+                         if int in get_args(hint))
 
 
 class _Generation(_Body):
