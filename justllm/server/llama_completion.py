@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 import msgspec
 from litestar import Request, post
@@ -54,7 +54,7 @@ from justllm.server.errors import llama_server_error, to_api_error
 from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
 from justllm.server.openai_serving import MAX_REQUEST_STOP, one_value, text_size
-from justllm.server.schemas import LoraChoice
+from justllm.server.schemas import LoraChoice, NullAsDefault, NullBool, NullFloat, NullInt
 
 # llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
 # not are kept out of the chain, their settings accepted only where they do nothing.
@@ -70,92 +70,73 @@ _BY_NAME = {alias: name for name in (*DEFAULT_SAMPLERS, "infill")
     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
 
 
-if TYPE_CHECKING:
-    _Float = float
-    _Int = int
-    _Bool = bool
-else:  # (null taken, then the default: LlamaCompletionRequest.__post_init__)
-    _Float = Optional[float]
-    _Int = Optional[int]
-    _Bool = Optional[bool]
-
-
-class LlamaCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """llama-server's /completion body, with its defaults."""
+class LlamaCompletionRequest(NullAsDefault, kw_only=True):
+    """llama-server's /completion body, with its defaults (a null is the default)."""
 
     prompt: Any
     model: str | None = None
     n_predict: int | None = None
     max_completion_tokens: int | None = None  # llama-server's other names for n_predict
     max_tokens: int | None = None
-    temperature: _Float = 0.8
-    top_k: _Int = 40
-    top_p: _Float = 0.95
-    min_p: _Float = 0.05
-    repeat_penalty: _Float = 1.0
-    repeat_last_n: _Int = 64
-    presence_penalty: _Float = 0.0
-    frequency_penalty: _Float = 0.0
-    seed: _Int = -1
+    temperature: NullFloat = 0.8
+    top_k: NullInt = 40
+    top_p: NullFloat = 0.95
+    min_p: NullFloat = 0.05
+    repeat_penalty: NullFloat = 1.0
+    repeat_last_n: NullInt = 64
+    presence_penalty: NullFloat = 0.0
+    frequency_penalty: NullFloat = 0.0
+    seed: NullInt = -1
     stop: list[str] | str | None = None
-    ignore_eos: _Bool = False
+    ignore_eos: NullBool = False
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     n_probs: int | None = None
     logprobs: int | None = None  # llama-server's other name for n_probs
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    stream: _Bool = False
-    return_tokens: _Bool = False
+    stream: NullBool = False
+    return_tokens: NullBool = False
     samplers: list[str] | str | None = None
     response_fields: list[str] | None = None
-    n_keep: _Int = 0
+    n_keep: NullInt = 0
     # Accepted only where they change nothing (_OFF).
-    typical_p: _Float = 1.0
-    dynatemp_range: _Float = 0.0
-    dynatemp_exponent: _Float = 1.0
-    top_n_sigma: _Float = -1.0
-    xtc_probability: _Float = 0.0
-    xtc_threshold: _Float = 0.1
-    dry_multiplier: _Float = 0.0
-    dry_base: _Float = 1.75
-    dry_allowed_length: _Int = 2
-    dry_penalty_last_n: _Int = -1
+    typical_p: NullFloat = 1.0
+    dynatemp_range: NullFloat = 0.0
+    dynatemp_exponent: NullFloat = 1.0
+    top_n_sigma: NullFloat = -1.0
+    xtc_probability: NullFloat = 0.0
+    xtc_threshold: NullFloat = 0.1
+    dry_multiplier: NullFloat = 0.0
+    dry_base: NullFloat = 1.75
+    dry_allowed_length: NullInt = 2
+    dry_penalty_last_n: NullInt = -1
     dry_sequence_breakers: list[str] | None = None
-    mirostat: _Int = 0
-    mirostat_tau: _Float = 5.0
-    mirostat_eta: _Float = 0.1
-    min_keep: _Int = 0
-    post_sampling_probs: _Bool = False
-    cache_prompt: _Bool = True
-    n_cmpl: _Int = 1
-    n: _Int = 1  # llama-server's other name for n_cmpl
-    adaptive_target: _Float = -1.0
-    adaptive_decay: _Float = 0.9
-    verbose: _Bool = False
-    backend_sampling: _Bool = False
+    mirostat: NullInt = 0
+    mirostat_tau: NullFloat = 5.0
+    mirostat_eta: NullFloat = 0.1
+    min_keep: NullInt = 0
+    post_sampling_probs: NullBool = False
+    cache_prompt: NullBool = True
+    n_cmpl: NullInt = 1
+    n: NullInt = 1  # llama-server's other name for n_cmpl
+    adaptive_target: NullFloat = -1.0
+    adaptive_decay: NullFloat = 0.9
+    verbose: NullBool = False
+    backend_sampling: NullBool = False
     # No slots here: every request reads the one shared prefix cache, which is what a client
     # pinning its requests to a slot wants (llama.vim sends 0); -1 or any slot number.
-    id_slot: _Int = -1
-    n_discard: _Int = 0
-    n_indent: _Int = 0  # server/line_limits.py
-    n_cache_reuse: _Int = 0
-    t_max_predict_ms: _Int = 0  # server/line_limits.py
+    id_slot: NullInt = -1
+    n_discard: NullInt = 0
+    n_indent: NullInt = 0  # server/line_limits.py
+    n_cache_reuse: NullInt = 0
+    t_max_predict_ms: NullInt = 0  # server/line_limits.py
     # llama.vim sends it; llama-server does not apply it (a TODO in its request schema), and
     # neither does justllm: the prompt is computed whole, however long it takes.
-    t_max_prompt_ms: _Int = -1
-    timings_per_token: _Bool = False
-    return_progress: _Bool = False
+    t_max_prompt_ms: NullInt = -1
+    timings_per_token: NullBool = False
+    return_progress: NullBool = False
     lora: list[LoraChoice] | None = None  # as on the OpenAI routes (server/lora.py)
 
-    def __post_init__(self) -> None:
-        # A null is the field's default, as llama-server reads every field (json_value's
-        # "fallback null to default value"): a client that sends unset options as null got
-        # a 400 for most of them.
-        fields = self.__struct_fields__
-        for name, default in zip(fields[len(fields) - len(self.__struct_defaults__):],
-                                 self.__struct_defaults__):
-            if getattr(self, name) is None and isinstance(default, (bool, int, float)):
-                setattr(self, name, default)
 
 
 _ONE_COMPLETION = (lambda v: v == 1, "one completion per prompt (send the prompt again, or "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from litestar import Request, Response, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
@@ -29,12 +28,13 @@ from justllm.errors import InvalidRequestError
 from justllm.server.app import decode_request, embedding_serving, unless_disconnected
 from justllm.server.embeddings import EUCLIDEAN, normalised
 from justllm.server.llama_completion import llama_prompts
+from justllm.server.schemas import NullAsDefault, NullInt
 
 
-class LlamaEmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class LlamaEmbeddingRequest(NullAsDefault, kw_only=True):
     input: Any = None
     content: Any = None
-    embd_normalize: int = EUCLIDEAN
+    embd_normalize: NullInt = EUCLIDEAN  # null: the default, as llama-server reads it
     encoding_format: str = "float"
     model: str | None = None
 

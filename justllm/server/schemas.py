@@ -9,7 +9,7 @@ them). Responses are shaped as OpenAI documents them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -32,6 +32,31 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request body part: unknown fields are refused, never silently ignored."""
+
+
+# llama-server's bodies: a field typed with these takes a null and reads it as its default
+# (as llama-server's json_value "falls back null to default value"), through NullAsDefault.
+if TYPE_CHECKING:
+    NullFloat = float
+    NullInt = int
+    NullBool = bool
+else:
+    NullFloat = Optional[float]
+    NullInt = Optional[int]
+    NullBool = Optional[bool]
+
+
+class NullAsDefault(_Request, kw_only=True):
+    """A body whose nulls read as the fields' defaults (a client that sends unset options as
+    null, as llama-server takes them). Only fields whose default is a number or a bool are
+    filled: a field whose default is None keeps its null."""
+
+    def __post_init__(self) -> None:
+        fields = self.__struct_fields__
+        for name, default in zip(fields[len(fields) - len(self.__struct_defaults__):],
+                                 self.__struct_defaults__):
+            if getattr(self, name) is None and isinstance(default, (bool, int, float)):
+                setattr(self, name, default)
 
 
 class ContentPart(_Request, kw_only=True):
@@ -294,7 +319,7 @@ class EmbeddingRequest(_Request, kw_only=True):
     truncate_prompt_tokens: TruncatePrompt | None = None  # vLLM's: each input's last k tokens
 
 
-class TokenizeRequest(_Request, kw_only=True):
+class TokenizeRequest(NullAsDefault, kw_only=True):
     """``POST /tokenize``, in vLLM's two forms (``prompt``, or ``messages`` rendered as the chat
     routes render them) or llama-server's (``content``); exactly one of the three."""
 
@@ -311,8 +336,8 @@ class TokenizeRequest(_Request, kw_only=True):
     return_token_strs: bool | None = False
     content: str | None = None  # llama-server's form, with these fields
     add_special: bool | None = None  # default false, as llama-server
-    parse_special: bool = True
-    with_pieces: bool = False
+    parse_special: NullBool = True
+    with_pieces: NullBool = False
 
 
 class DetokenizeRequest(_Request, kw_only=True):

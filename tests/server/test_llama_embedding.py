@@ -37,6 +37,8 @@ def test_the_pooled_vector_is_openais_before_its_normalisation(server):
     assert np.allclose(unit, oai, atol=1e-6)
     [same] = vectors(server, "/embeddings", input="hello world")
     assert np.allclose(same, unit, atol=1e-6)
+    [unset] = vectors(server, content="hello world", embd_normalize=None)  # the default
+    assert np.allclose(unset, unit, atol=1e-6)
     [raw] = vectors(server, content="hello world", embd_normalize=-1)
     assert np.linalg.norm(raw) > 2  # not normalised: this model's pooled vectors are longer
     assert np.allclose(raw / np.linalg.norm(raw), unit, atol=1e-6)

@@ -77,6 +77,10 @@ def test_llama_servers_form_and_its_defaults(server):
     as_text = tokenize(server, content="<start_of_turn>", parse_special=False)["tokens"]
     assert len(as_text) > 1 and ids[-1] not in as_text
     assert tokenize(server, content="Hi", add_special=True)["tokens"][0] == ids_of_bos(server)
+    # A null is the default, as llama-server reads each field (its json_value's fallback).
+    unset = tokenize(server, content="Hello <start_of_turn>", with_pieces=None,
+                     parse_special=None)["tokens"]
+    assert unset == ids
 
 
 def ids_of_bos(server) -> int:
@@ -98,7 +102,7 @@ def ids_of_bos(server) -> int:
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
      "tool_choice", "only allowed when tools"),
     ("/tokenize", {"messages": []}, "messages", "must not be empty"),
-    ("/tokenize", {"prompt": "a", "with_pieces": 1}, "with_pieces", "Expected `bool`"),
+    ("/tokenize", {"prompt": "a", "with_pieces": 1}, "with_pieces", "Expected `bool | null`"),
     ("/tokenize", {"prompt": "a", "suffix": "b"}, "suffix", "unknown field"),
     ("/detokenize", {"tokens": [2, -1]}, "tokens", "tokens[1]: -1 is not a token id"),
     ("/detokenize", {"tokens": [10 ** 9]}, "tokens", "is not a token id"),
