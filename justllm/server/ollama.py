@@ -22,12 +22,12 @@ import math
 import os
 import re
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, cast, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, cast, get_args, get_type_hints
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, head, post
@@ -459,6 +459,7 @@ def _check_generation(req: _Generation, served: Served) -> LoadedLora | None:
     return lora
 
 
+_T = TypeVar("_T")
 _THINK_LEVELS = ("low", "medium", "high")
 
 
@@ -645,6 +646,20 @@ def _as_ollamas(e: InvalidRequestError) -> InvalidRequestError:
     return e
 
 
+async def _refused_or_begun(begin: Callable[[bool], Awaitable[_T]]) -> _T:
+    """``begin(capped)``'s answer, a refusal (raised before any answer) in Ollama's words.
+    ``num_predict`` is a most, as Ollama reads it: one past what the context holds is not
+    refused (as the OpenAI routes refuse such a ``max_tokens``) but begun again uncapped, to
+    answer until the context is full."""
+    try:
+        try:
+            return await begin(True)
+        except BeyondContextError:
+            return await begin(False)
+    except InvalidRequestError as e:
+        raise _as_ollamas(e) from None
+
+
 def ollama_id() -> str:
     """The id of an Ollama request in logs and records (Ollama's answers carry none): unique
     across restarts, as the other APIs' response ids are (the engine's own ``req-N`` counts
@@ -664,14 +679,9 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
         params = served.completions.budgeted(params, prompt)
     job = _Job(served, arrival.named(req.model), chat, arrival, lstrip, splitter)
     where = origin(request, "ollama.chat" if chat else "ollama.generate", req.stream)
-    try:  # a refusal raises here, before any answer
-        try:
-            stream = await served.aengine.asubmit(prompt, params, ollama_id(), origin=where)
-        except BeyondContextError:  # num_predict is a most: until the context is full
-            stream = await served.aengine.asubmit(prompt, replace(params, max_tokens=None),
-                                                  ollama_id(), origin=where)
-    except InvalidRequestError as e:
-        raise _as_ollamas(e) from None
+    stream = await _refused_or_begun(lambda capped: served.aengine.asubmit(
+        prompt, params if capped else replace(params, max_tokens=None), ollama_id(),
+        origin=where))
     if req.stream:
         return Stream(_ndjson(job, stream), media_type=NDJSON, headers={"Content-Type": NDJSON})
     return await unless_disconnected(request, _collect(job, stream, req.logprobs))
@@ -751,15 +761,9 @@ async def _chat_with_tools(request: Request, served: Served, req: OllamaChatRequ
         repeat_penalty=params.repeat_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, seed=params.seed,
         stop=list(params.stop) or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
-    try:  # a refusal raises here, before any answer
-        try:
-            return await _answer_with_tools(request, served, req, chat, arrival)
-        except BeyondContextError:  # num_predict is a most: until the context is full
-            return await _answer_with_tools(request, served, req,
-                                            msgspec.structs.replace(chat, max_tokens=None),
-                                            arrival)
-    except InvalidRequestError as e:
-        raise _as_ollamas(e) from None
+    return await _refused_or_begun(lambda capped: _answer_with_tools(
+        request, served, req, chat if capped else msgspec.structs.replace(chat, max_tokens=None),
+        arrival))
 
 
 async def _answer_with_tools(request: Request, served: Served, req: OllamaChatRequest,
