@@ -9,7 +9,7 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -24,6 +24,7 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 
 from justllm import __version__
+from justllm.errors import JustLLMError
 from justllm.gateway import lora
 from justllm.gateway.config import GatewayConfig
 from justllm.gateway.metrics import render_metrics
@@ -593,7 +594,8 @@ async def ollama_show(request: Request) -> Any:
     state = _model(sup, body.get("model") or body.get("name"), True)
     shown: dict[bytes, tuple[Any, bytes]] = request.app.state.setdefault("shown", {})
     key = msgspec.json.encode([state.spec.name, sorted(body.items())])
-    stamp = (state.spec.source, _file(state.spec.source))
+    stamped = await asyncio.to_thread(_stamp, state.spec.source)
+    stamp = (state.spec.source, stamped and stamped[0])
     hit = shown.get(key)
     if hit is not None and hit[0] == stamp and not state.routable:
         return Response(hit[1], media_type="application/json")
@@ -617,40 +619,72 @@ def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _file(source: str) -> tuple[int, float] | None:
-    """Size and modification time of a model given as a path (else None)."""
+@dataclass(frozen=True)
+class _Listed:
+    """What Ollama's listings say of a local model: its file's size and modification time
+    (zeros when there is no file: a model served elsewhere, or not pulled yet), its digest
+    (the registry's: a listing hashes no file; blank when unknown) and ``details``, read off
+    its GGUF header (``{"format": "gguf"}`` when the file is no readable GGUF: it fails at
+    its load, not here)."""
+
+    size: int = 0
+    mtime: float = 0.0
+    digest: str = ""
+    details: dict[str, Any] = field(default_factory=lambda: {"format": "gguf"})
+
+
+def _local_file(source: str) -> tuple[Path, str | None] | None:
+    """The file a source names here, found without the network or a hash (a path, a registry
+    name, a pulled ``REPO:FILE``), and the registry's digest of it when it knows one."""
+    from justllm.models.registry import Registry
+
+    if not source:
+        return None
+    path = Path(source).expanduser()
+    registry = Registry()
     try:
-        st = Path(source).expanduser().stat()
+        if path.is_file():
+            return path, registry.digests.cached(path)
+        m = registry.listed(source)
+    except (JustLLMError, OSError, ValueError):  # (a damaged registry: a load says so)
+        return None
+    return None if m is None else (m.path, m.hex)
+
+
+def _stamp(source: str) -> tuple[tuple[str, int, float], str | None] | None:
+    """The file a source names here (:func:`_local_file`) as (path, size, modification time),
+    which change when the model does, and its digest if known; None: no file here."""
+    found = _local_file(source)
+    if found is None:
+        return None
+    path, digest = found
+    try:
+        st = path.stat()
     except OSError:
         return None
-    return st.st_size, st.st_mtime
+    return (str(path), st.st_size, st.st_mtime), digest
 
 
-def _listing_facts(source: str) -> tuple[str, dict[str, Any]]:
-    """A local model's digest (the registry's remembered one: a listing hashes no file) and
-    Ollama's ``details``, read off its GGUF header; blank for a model that is no readable
-    GGUF file (it fails at its load, not here)."""
-    from justllm.errors import JustLLMError
+def _listing(source: str, kept: dict[tuple[str, int, float], _Listed]) -> _Listed:
+    """:class:`_Listed` of ``source``, the header read again only when its file changed."""
     from justllm.models.gguf import read_gguf_header
-    from justllm.models.registry import Registry
     from justllm.server.ollama import gguf_details
 
-    path = Path(source).expanduser()
-    try:
-        details = gguf_details(read_gguf_header(str(path)))
-    except (JustLLMError, OSError, ValueError):  # (ModelLoadError: no such file, no GGUF)
-        return "", {"format": "gguf"}
-    return Registry().digests.cached(path) or "", details
+    stamped = _stamp(source)
+    if stamped is None:
+        return _Listed()
+    stamp, digest = stamped
+    if stamp not in kept:
+        try:
+            details = gguf_details(read_gguf_header(stamp[0]))
+        except (JustLLMError, OSError, ValueError):  # (ModelLoadError: no GGUF)
+            details = {"format": "gguf"}
+        kept[stamp] = _Listed(stamp[1], stamp[2], "", details)
+    return replace(kept[stamp], digest=digest or "")
 
 
-async def _facts_of(state: State, source: str) -> tuple[str, dict[str, Any]]:
-    """:func:`_listing_facts`, kept while the file is unchanged (``state``'s cache)."""
-    cache: dict[tuple[str, tuple[int, float] | None], tuple[str, dict[str, Any]]] = \
-        state.setdefault("listing_facts", {})
-    key = (source, _file(source))
-    if key not in cache:
-        cache[key] = await asyncio.to_thread(_listing_facts, source)
-    return cache[key]
+async def _listed(state: State, source: str) -> _Listed:
+    return await asyncio.to_thread(_listing, source, state.setdefault("listing_facts", {}))
 
 
 @get("/tags", summary="Ollama: every model of the gateway")
@@ -658,11 +692,11 @@ async def ollama_tags(state: State) -> dict:
     sup = _supervisor(state)
     models = []
     for s in sup.models.values():
-        size, mtime = _file(s.spec.source) or (0, state["started"])
-        digest, details = await _facts_of(state, s.spec.source)
+        listed = await _listed(state, s.spec.source)
+        mtime = listed.mtime or state["started"]
         models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
-                       "modified_at": iso_time(mtime), "size": size, "digest": digest,
-                       "details": details})
+                       "modified_at": iso_time(mtime), "size": listed.size,
+                       "digest": listed.digest, "details": listed.details})
         # its LoRA adapters, as models made with Ollama's ADAPTER (a runner's /api/show has
         # the details)
         models += [{"name": _tag(a), "model": _tag(a), "modified_at": iso_time(mtime), "size": 0,
@@ -681,10 +715,9 @@ async def ollama_ps(state: State) -> dict:
             continue
         left = s.ttl - (now_mono - s.last_used) if s.ttl >= 0 and s.active == 0 else NEVER
         expires = now + min(max(0.0, left), NEVER)  # (a ttl past a datetime's years: NEVER)
-        size = (_file(s.spec.source) or (0, 0.0))[0]
-        digest, details = await _facts_of(state, s.spec.source)
-        models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name), "size": size,
-                       "digest": digest, "details": details,
+        listed = await _listed(state, s.spec.source)
+        models.append({"name": _tag(s.spec.name), "model": _tag(s.spec.name),
+                       "size": listed.size, "digest": listed.digest, "details": listed.details,
                        "expires_at": iso_time(expires), "size_vram": 0})
     return {"models": models}
 

@@ -268,6 +268,24 @@ class Registry:
                                  f"{state} ('justllm rm {key}' drops the tag)")
         return key, self.verify(m, key)
 
+    def listed(self, ref: str) -> Manifest | None:
+        """The version a ``NAME[:TAG]`` or a pulled ``REPO:FILE`` names now, for a listing:
+        nothing hashed, checked or adopted (a load checks it); None when there is none."""
+        from justllm.models.hub import looks_like_repo, split_ref
+
+        if looks_like_repo(ref):
+            repo, file = split_ref(ref)
+            found = [m for m in self.manifests().values() if m.source.kind == "huggingface"
+                     and (m.source.repo, m.source.file) == (repo, file)]
+            return max(found, key=lambda m: m.added) if found else None
+        if not could_be_name(ref):
+            return None
+        try:
+            digest = self.tags().get(label(*parse_ref(ref)))
+        except InvalidRefError:
+            return None
+        return None if digest is None else self.manifest(digest.removeprefix(DIGEST_PREFIX))
+
     def find(self, ref: str) -> Path | None:
         """The model source's face: the checked file of ``ref``, or None when the registry
         does not know the name (a path or a Hugging Face repo is none of its business)."""
