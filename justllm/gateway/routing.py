@@ -19,7 +19,9 @@ Policies (``RoutingConfig.policy``, chosen per model):
   loaded of all replicas and, when they are imbalanced, sends every request to the least
   loaded; here only the replica a request would go to is compared, so one busy replica does not
   break every other prefix's affinity, and a shorter match that still passes the threshold on a
-  replica that is not overloaded beats a longer one on a replica that is.
+  replica that is not overloaded beats a longer one on a replica that is. Among equally loaded
+  replicas the one whose tree holds least wins (SGLang's choice for a prompt nobody cached),
+  so new conversations on an idle model spread rather than all going to the first replica.
 
 Every policy: unhealthy replicas and those that refused this very request (``skip``: a 429 or
 503) are never chosen, and none left raises :class:`NoReplica`. With ``sticky_sessions``, a
@@ -537,7 +539,10 @@ class CacheAware(Policy):
 
     def pick(self, request: RouteRequest, available: list[ReplicaLoad],
               replicas: Sequence[ReplicaLoad]) -> Decision:
-        least = min(available, key=load_rank)
+        # Among the least loaded, the one whose tree holds least (SGLang's rule for a prompt
+        # no replica has cached): on an idle model every load ties, and every new
+        # conversation (and each session's first request) went to the first replica.
+        least = min(available, key=lambda r: (*load_rank(r), self.tree.chars(r.id)))
         text = request.text[:self.config.max_prefix_chars]
         matched = self.tree.match(text) if text else {}
         need = max(self.config.cache_threshold * len(text), 1)

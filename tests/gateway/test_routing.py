@@ -56,6 +56,25 @@ def test_prefix_affinity_sends_each_follow_up_to_the_replica_that_saw_its_prefix
     assert router.counts == {"fallback": 2, "prefix": 6}
 
 
+def test_new_conversations_on_an_idle_model_spread_by_what_each_tree_holds():
+    """Every load ties on an idle model: each new conversation (and a sticky session's first
+    request) went to the first replica; the one whose tree holds least takes it, as SGLang
+    routes a prompt nobody cached."""
+    router = CacheAware(RoutingConfig(sticky_sessions=True))
+    firsts = [router.choose(ask(f"conversation {i}: " + "hello there " * 20, f"user-{i}"),
+                            idle("r0", "r1", "r2")) for i in range(6)]
+    assert [d.replica for d in firsts] == ["r0", "r1", "r2", "r0", "r1", "r2"]
+    assert {d.reason for d in firsts} == {"fallback"}
+    # each session then stays where it began, and a follow-up goes to its prefix
+    again = router.choose(ask("conversation 4: hello", "user-4"), idle("r0", "r1", "r2"))
+    assert (again.replica, again.reason) == ("r1", "session")
+    # load still comes first: a busier replica with an empty tree is not chosen
+    busy = router.choose(ask("something new entirely"),
+                         [ReplicaLoad("r0"), ReplicaLoad("r1"), ReplicaLoad("r2", running=1),
+                          ReplicaLoad("r3", running=1)])
+    assert busy.replica in ("r0", "r1")
+
+
 def test_a_match_under_the_cache_threshold_goes_to_the_least_loaded():
     router = CacheAware(RoutingConfig(cache_threshold=0.5))
     router.choose(ask("0123456789" + "a" * 10), idle("r0", "r1"))
