@@ -176,10 +176,7 @@ def _replicas(sup: Supervisor) -> list[str]:
 def _own(sup: Supervisor) -> str:
     lines = ["# HELP justllm_gateway_requests_waiting_for_load Requests waiting for a model to load.",
              "# TYPE justllm_gateway_requests_waiting_for_load gauge",
-             f"justllm_gateway_requests_waiting_for_load {sup.waiting}",
-             "# HELP justllm_gateway_model_unloads_total Runners stopped (idle, room, request).",
-             "# TYPE justllm_gateway_model_unloads_total counter",
-             f"justllm_gateway_model_unloads_total {sup.unloads}"]
+             f"justllm_gateway_requests_waiting_for_load {sup.waiting}"]
     per_model = [
         ("justllm_gateway_model_loaded", "gauge", "1 while the model's runner is up.",
          lambda s: 1 if s.status == "loaded" else 0),
@@ -187,6 +184,8 @@ def _own(sup: Supervisor) -> str:
          lambda s: s.loads),
         ("justllm_gateway_model_restarts_total", "counter", "Runners restarted after dying.",
          lambda s: s.restarts),
+        ("justllm_gateway_model_unloads_total", "counter",
+         "Runners stopped (idle, room, request, scaled down).", lambda s: s.unloads),
     ]
     for name, kind, doc, value in per_model:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]

@@ -65,6 +65,7 @@ class ModelState:
     error: str | None = None
     loads: int = 0
     restarts: int = 0
+    unloads: int = 0  # its runners stopped (idle, room, a request, scaled down)
     # by replica id, over every load (a replica's own count starts again with each load:
     # its counter series went backwards)
     replica_restarts: Counter[str] = field(default_factory=Counter)
@@ -198,7 +199,6 @@ class Supervisor:
         self.drain = drain  # seconds a stopping runner lets its requests run (--shutdown-timeout)
         self.models = {m.name: ModelState(m) for m in config.models}
         self.waiting = 0  # requests waiting for a load
-        self.unloads = 0
         self._room = asyncio.Condition()
         # The loaded models each load waiting for room would unload were they idle (by the
         # loading model's name): new requests for them wait while such a load waits, so a
@@ -638,8 +638,9 @@ class Supervisor:
                 await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
             finally:
                 for runner in runners:
-                    self._stopping.pop(runner, None)
-                self.unloads += len(runners)
+                    state = self._stopping.pop(runner, None)
+                    if state is not None:
+                        state.unloads += 1
                 await self._notify_room()
         task = asyncio.ensure_future(stop())
         self._stops.add(task)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,6 +310,12 @@ def test_one_model_at_a_time_swaps_keep_alive_ttl_and_a_broken_model(tmp_path, m
         assert page.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = page.text
         assert 'justllm_gateway_model_loads_total{model_name="alpha"}' in text
+        # each model's unloads (swaps and beta's ttl; one count for all models before; the
+        # broken model never ran)
+        unloads = {m.group(1): int(m.group(2)) for m in re.finditer(
+            r'justllm_gateway_model_unloads_total\{model_name="(\w+)"\} (\d+)', text)}
+        assert unloads["alpha"] >= 1 and unloads["beta"] >= 1 and unloads["broken"] == 0, \
+            unloads
         assert 'vllm:num_requests_running{model_name="alpha",replica="0"}' in text  # its own
         assert text.count("# TYPE vllm:num_requests_running") == 1
         assert (gw.logs / "alpha.log").is_file()

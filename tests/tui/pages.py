@@ -16,14 +16,12 @@ def gateway_page(chat_tokens: float = 1000.0, coder_tokens: float = 500.0,
     embed = {name: (f'\n{name}{{model_name="embed"}} {value}' if unloaded else "")
              for name, value in (("justllm_gateway_model_loaded", 0),
                                  ("justllm_gateway_model_loads_total", 0),
-                                 ("justllm_gateway_model_restarts_total", 0))}
+                                 ("justllm_gateway_model_restarts_total", 0),
+                                 ("justllm_gateway_model_unloads_total", 0))}
     return f"""\
 # HELP justllm_gateway_requests_waiting_for_load Requests waiting for a model to load.
 # TYPE justllm_gateway_requests_waiting_for_load gauge
 justllm_gateway_requests_waiting_for_load 2
-# HELP justllm_gateway_model_unloads_total Runners stopped (idle, room, request).
-# TYPE justllm_gateway_model_unloads_total counter
-justllm_gateway_model_unloads_total 1
 # HELP justllm_gateway_model_loaded 1 while the model's runner is up.
 # TYPE justllm_gateway_model_loaded gauge
 justllm_gateway_model_loaded{{model_name="chat"}} 1
@@ -36,6 +34,10 @@ justllm_gateway_model_loads_total{{model_name="coder"}} 2{embed["justllm_gateway
 # TYPE justllm_gateway_model_restarts_total counter
 justllm_gateway_model_restarts_total{{model_name="chat"}} 0
 justllm_gateway_model_restarts_total{{model_name="coder"}} 1{embed["justllm_gateway_model_restarts_total"]}
+# HELP justllm_gateway_model_unloads_total Runners stopped (idle, room, request, scaled down).
+# TYPE justllm_gateway_model_unloads_total counter
+justllm_gateway_model_unloads_total{{model_name="chat"}} 1
+justllm_gateway_model_unloads_total{{model_name="coder"}} 0{embed["justllm_gateway_model_unloads_total"]}
 # HELP justllm_gateway_model_load_seconds Seconds from starting a runner to its first 200 on /health.
 # TYPE justllm_gateway_model_load_seconds summary
 justllm_gateway_model_load_seconds_sum{{model_name="chat"}} 1.200
