@@ -88,7 +88,7 @@ def logs(
     model: Annotated[str, typer.Argument(help="A model name of the gateway's models.yaml.")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines to show from the end.")] = 50,
-    replica: Annotated[str, typer.Option("--replica", "-r", help="Which local replica (0, 1, ...; see justllm ps).")] = "0",
+    replica: Annotated[int, typer.Option("--replica", "-r", help="Which local replica (0, 1, ...; see justllm ps).", min=0)] = 0,
 ) -> None:
     """Show a router-mode runner's log (one file per model replica, on this machine)."""
     with cli_errors():
@@ -98,10 +98,10 @@ def logs(
         if lines < 0:  # (it printed nothing and exited 0)
             raise ValueError(f"--lines must be 0 or more (got {lines})")
 
-        path = default_log_dir() / log_name(model, replica)
+        path = default_log_dir() / log_name(model, str(replica))
         if not path.is_file():
             known = sorted(log_model(p) for p in default_log_dir().glob("*.log"))
-            which = f"model '{model}'" + (f" replica {replica}" if replica != "0" else "")
+            which = f"model '{model}'" + (f" replica {replica}" if replica else "")
             raise ValueError(f"no log for {which} in {default_log_dir()} (logs: "
                              f"{', '.join(known) or 'none yet'}; a model's own name, not an "
                              "alias)")

@@ -35,6 +35,9 @@ def quantize(
     --output says where. A failed or interrupted run leaves no partial file."""
     with cli_errors():
         if list_types:
+            if model or type_name:  # (they were ignored: the list came, nothing quantized)
+                raise ValueError("--list lists the types and quantizes nothing: give it "
+                                 "without MODEL and TYPE")
             return _print_types()
         if not model or not type_name:
             raise ValueError("give MODEL and TYPE, e.g. justllm quantize gemma-3-270m Q8_0 "

@@ -41,7 +41,7 @@ from justllm.gateway.routing import NoReplica, RouteRequest, route_text
 from justllm.gateway.runner import log_name
 from justllm.gateway.streams import relayed
 from justllm.gateway.supervisor import ModelState, ModelUnavailable, Supervisor
-from justllm.models.source import cache_dir
+from justllm.models.source import log_dir
 from justllm.server import model_cards
 from justllm.server.app import require_api_key, sse_response, unless_disconnected
 from justllm.server.config import RUNNER_KEEPALIVE_EXPIRY
@@ -951,7 +951,7 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
 
 def default_log_dir() -> Path:
     """Where each model's runner log goes (``justllm logs MODEL`` reads it)."""
-    return cache_dir() / "logs"
+    return log_dir()
 
 
 def all_runners_stopped(app: Litestar, wait: bool = True) -> None:

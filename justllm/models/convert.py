@@ -414,9 +414,10 @@ def convert_log(dst: Path) -> Path:
     """Where a conversion to ``dst`` writes the converter's output: one log per output, so
     two conversions running at once (to different files: one output is leased to one) do not
     write into each other's."""
-    from justllm.models.source import cache_dir
+    from justllm.models.source import log_dir
 
-    return cache_dir() / "logs" / f"convert-{dst.name}.log"
+    # (a folder of their own: `justllm logs` lists the runners' logs, and read these as models)
+    return log_dir() / "convert" / f"convert-{dst.name}.log"
 
 
 def output_path(output: str, file: str) -> Path:

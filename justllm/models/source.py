@@ -28,6 +28,12 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+def log_dir() -> Path:
+    """Where router mode's runners and conversions write their logs: ``JUSTLLM_LOG_DIR``, else
+    ``logs`` in the cache directory."""
+    return Path(os.environ.get("JUSTLLM_LOG_DIR") or cache_dir() / "logs").expanduser()
+
+
 class ModelSource(Protocol):
     """One place a model name can point to. A source may also list its models for ``justllm
     models`` with a ``models() -> list[ListedModel]`` method, and name the model id a server

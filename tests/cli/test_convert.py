@@ -36,6 +36,8 @@ def tiny(tmp_path_factory) -> Path:
 def models(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "models"
     monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(d))
+    # (a conversion's log: it went into the user's own ~/.cache/justllm/logs)
+    monkeypatch.setenv("JUSTLLM_LOG_DIR", str(tmp_path / "logs"))
     return d
 
 
@@ -86,6 +88,8 @@ def test_convert_a_local_model_to_q8_0_registers_it_and_it_generates(
     # the converter's own output, in a log of this output's (conversions at once keep theirs)
     from justllm.models.convert import convert_log
     assert convert_log(out).stat().st_size > 0
+    # under JUSTLLM_LOG_DIR, apart from the runners' logs (`justllm logs` lists those)
+    assert convert_log(out).parent == models.parent / "logs" / "convert"
     assert convert_log(out) != convert_log(out.with_name("other.gguf"))
     # The same output again: refused without --force, nothing touched.
     before = out.stat().st_mtime_ns

@@ -105,6 +105,12 @@ def test_list_shows_llama_cpps_types_and_descriptions():
     assert {"Q2_K", "Q8_0", "F16", "BF16", "IQ4_NL"} <= rows.keys()
     assert "only for ternary models" in rows["TQ1_0"]
     assert "only for 1-bit models" in rows["Q1_0"] and "only for" not in rows["Q2_K"]
+    # a MODEL or TYPE beside --list was ignored (the list came, nothing was quantized)
+    for args in (["m.gguf", "Q8_0"], ["m.gguf"]):
+        r = runner.invoke(app, ["quantize", *args, "--list"])
+        assert r.exit_code == 1 and r.stderr.strip() == (
+            "error: --list lists the types and quantizes nothing: give it without MODEL and "
+            "TYPE"), r.output
 
 
 def test_a_type_for_models_trained_in_it_is_said_to_be(tmp_path):

@@ -53,3 +53,12 @@ def test_logs_refuses_a_negative_line_count():
     """(``-n -1`` printed nothing and exited 0, as if the log were empty.)"""
     r = runner.invoke(app, ["logs", "any", "-n", "-1"])
     assert _one_error_line(r) == "error: --lines must be 0 or more (got -1)"
+
+
+@pytest.mark.parametrize("replica, says", [
+    ("abc", "valid integer"), ("-1", "greater than or equal")])
+def test_logs_refuses_a_replica_that_is_no_number(replica, says):
+    """(``--replica abc`` was taken, and said there was no log for "replica abc".)"""
+    r = runner.invoke(app, ["logs", "any", "--replica", replica])
+    assert r.exit_code != 0 and "--replica" in r.output and says in r.output, r.output
+

@@ -99,8 +99,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 def isolate_hub_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str) -> None:
-    """Point huggingface_hub at ``endpoint`` with an empty home, no token and online mode, and
-    the models directory at ``tmp_path/models``.
+    """Point huggingface_hub at ``endpoint`` with an empty home, no token and online mode, the
+    models directory at ``tmp_path/models`` and justllm's logs at ``tmp_path/logs``.
 
     huggingface_hub copies these environment variables into constants when first imported, so
     the constants are patched as well as the environment.
@@ -115,7 +115,9 @@ def isolate_hub_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoin
             monkeypatch.setattr(handler, "stream", sys.stderr)
     home = tmp_path / "hf-home"
     for key, value in {"HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0",
-                       "JUSTLLM_MODELS_DIR": str(tmp_path / "models")}.items():
+                       "JUSTLLM_MODELS_DIR": str(tmp_path / "models"),
+                       # (a conversion's log: it went into the user's ~/.cache/justllm/logs)
+                       "JUSTLLM_LOG_DIR": str(tmp_path / "logs")}.items():
         monkeypatch.setenv(key, value)
     for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HF_TOKEN_PATH"):
         monkeypatch.delenv(key, raising=False)

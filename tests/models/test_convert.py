@@ -48,6 +48,8 @@ def tiny(tmp_path_factory) -> Path:
 def models(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "models"
     monkeypatch.setenv("JUSTLLM_MODELS_DIR", str(d))
+    # (a conversion's log: it went into the user's own ~/.cache/justllm/logs)
+    monkeypatch.setenv("JUSTLLM_LOG_DIR", str(tmp_path / "logs"))
     return d
 
 
