@@ -352,6 +352,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
                                             responses.input_tokens,
                                             responses.retrieve_response,
                                             responses.delete_response,
+                                            responses.cancel_response,
                                             responses.input_items, *lora.ROUTES],
                 guards=[require_api_key])
     handlers: list[Any] = [v1, ollama.ollama_router(), ollama.root, ollama.root_head, health,

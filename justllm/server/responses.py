@@ -382,6 +382,19 @@ async def delete_response(response_id: FromPath[str], state: State) -> dict[str,
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+@post("/responses/{response_id:str}/cancel", status_code=200,
+      summary="Cancel a background response (none is made here)")
+async def cancel_response(response_id: FromPath[str], state: State) -> dict[str, Any]:
+    """OpenAI's cancel is for a response made with ``background: true``, which this server
+    refuses: a stored response is a 400 saying so, as OpenAI answers for a response that was
+    not made in the background, an unknown one a 404 (the route itself was a 404)."""
+    if _served(state).responses.get(response_id) is None:
+        raise _not_found(response_id)
+    raise InvalidRequestError("only a response created with background: true can be "
+                              "cancelled, and this server makes none (it answers each "
+                              "request as it comes)", param="response_id")
+
+
 @get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
 async def input_items(response_id: FromPath[str], state: State, request: Request,
                       limit: FromQuery[int] = 20,

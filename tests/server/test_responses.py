@@ -386,10 +386,14 @@ def test_stored_responses_and_previous_response_id(client, server):
                                           max_output_tokens=3, stream=True))
     done = events[-1].response
     assert client.responses.retrieve(done.id).output_text == done.output_text
-    # deleted: gone for retrieval and for continuing
+    # cancel is for background responses, which are refused here: a 400 (the route was a 404)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(first.id)
+    # deleted: gone for retrieval, cancelling and continuing
     client.responses.delete(first.id)
     for call in (lambda: client.responses.retrieve(first.id),
                  lambda: client.responses.delete(first.id),
+                 lambda: client.responses.cancel(first.id),
                  lambda: client.responses.create(model=server.model, input="x",
                                                  previous_response_id=first.id)):
         with pytest.raises(openai.NotFoundError):
