@@ -29,6 +29,11 @@ class CacheControl(_Body, kw_only=True):
     ttl: Literal["5m", "1h"] | None = None
 
 
+# Anthropic's pattern for a tool_use block's id (and a tool_result's tool_use_id): a 400
+# for anything else, as Anthropic answers it.
+ToolUseId = Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]+$")]
+
+
 class Block(_Body, kw_only=True):
     """One content block of a message or of the system prompt. ``anthropic.py`` reads
     ``text``, ``tool_use`` and ``tool_result`` blocks and refuses the others by name."""
@@ -39,11 +44,11 @@ class Block(_Body, kw_only=True):
     text: str | None = None
     citations: list[Any] | None = None
     # tool_use
-    id: str | None = None
+    id: ToolUseId | None = None
     name: str | None = None
     input: dict[str, Any] | None = None
     # tool_result
-    tool_use_id: str | None = None
+    tool_use_id: ToolUseId | None = None
     content: Union[str, list[Block], None] = None
     is_error: bool | None = None
     # declared to be refused by name: images, documents, thinking
@@ -93,7 +98,8 @@ class ToolChoice(_Body, kw_only=True):
 
 
 class Metadata(_Body, kw_only=True):
-    user_id: str | None = None  # logged with the request; router mode keeps a user on one replica
+    # logged with the request; router mode keeps a user on one replica. Anthropic's limit.
+    user_id: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class JsonOutputFormat(_Body, kw_only=True):

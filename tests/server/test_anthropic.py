@@ -194,6 +194,7 @@ def test_a_missing_max_tokens_is_a_bad_request(client, server):
     ({"top_k": -1}, "top_k"),
     ({"temperature": -1}, "temperature"),
     ({"stop_sequences": ["x"] * 17}, "stop"),
+    ({"metadata": {"user_id": "u" * 257}}, "length <= 256"),  # Anthropic's limit (was taken)
     ({"colour": "red"}, "colour"),
     ({"messages": [{"role": "user", "content": "Hi", "colour": "red"}]}, "colour"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, "role"),
@@ -476,6 +477,10 @@ MULTIPLE = {"type": "object", "properties": {"n": {"type": "integer", "multipleO
     ({"tools": [WEATHER], "messages": _history(
         ASK[0]["content"], [USE], [_result("toolu_a"), _result("toolu_a")])},
      "a second tool_result block for 'toolu_a'"),
+    # Anthropic's pattern for a tool_use id (taken)
+    ({"tools": [WEATHER], "messages": _history(
+        ASK[0]["content"], [{**USE, "id": "toolu a!"}], [_result("toolu a!")])},
+     "matching regex '^[a-zA-Z0-9_-]+$'"),
     ({"stop_sequences": [""]}, "stop_sequences: stop sequences must be non-empty strings"),
     ({"stop_sequences": ["x"] * 17}, "stop_sequences: at most 16"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name: tool names must be unique"),
