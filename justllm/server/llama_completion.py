@@ -36,6 +36,7 @@ from litestar.params import JSONBody
 from justllm.core.sampling_params import (
     CHAIN_SAMPLERS,
     MAX_LOGPROBS,
+    MAX_TEMPERATURE,
     TOP_P_BEST_ALONE,
     SamplingParams,
 )
@@ -232,6 +233,10 @@ def check_completion(req: LlamaCompletionRequest) -> _Plan:
     if req.repeat_last_n < -1:
         raise InvalidRequestError("repeat_last_n must be >= 0, or -1 (the whole context)",
                                   param="repeat_last_n")
+    if not req.temperature <= MAX_TEMPERATURE:  # (as the engine's "[0, 100]" would say it)
+        raise InvalidRequestError(f"temperature must be at most {MAX_TEMPERATURE:g} (0 or "
+                                  "less: the best token alone, as llama.cpp reads it)",
+                                  param="temperature")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_REQUEST_STOP:
         raise InvalidRequestError(f"at most {MAX_REQUEST_STOP} stop strings", param="stop")

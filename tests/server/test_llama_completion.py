@@ -288,6 +288,16 @@ def test_what_is_not_offered_is_a_400_naming_it(server, param, body):
     refused(server, param, **body)
 
 
+def test_a_negative_temperature_is_greedy_and_too_high_a_one_says_so(server):
+    """llama.cpp reads a temperature <= 0 as the best token alone; one past 100 said it
+    "must be a number in [0, 100]", which the negative ones it takes contradicted."""
+    greedy = complete(server, n_predict=6, temperature=0, return_tokens=True)["tokens"]
+    assert complete(server, n_predict=6, temperature=-1, return_tokens=True)["tokens"] == greedy
+    assert refused(server, "temperature", temperature=1e308) == (
+        "temperature must be at most 100 (0 or less: the best token alone, as llama.cpp reads "
+        "it)")
+
+
 @pytest.mark.parametrize("body,first,second", [
     ({"n_predict": 2, "max_tokens": 3}, "n_predict", "max_tokens"),
     ({"n_predict": 2, "max_completion_tokens": 5}, "n_predict", "max_completion_tokens"),
