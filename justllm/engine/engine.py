@@ -9,6 +9,7 @@ calls llama.cpp compute.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -130,6 +131,31 @@ class Handover:
     token_ids: tuple[int, ...]
     rng_state: dict
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # What prompt they follow (:func:`prompt_digest` of its tokens): another prompt's draw is
+    # refused (HandoverError), as a render of the prompt that differs between the two
+    # replicas (another chat template) would otherwise go on from a foreign token.
+    prompt: str = ""
+
+
+def check_request_fits(n_prompt: int, max_tokens: int | None, limit: int) -> None:
+    """The prompt, and the prompt plus ``max_tokens`` when given, must fit one request's
+    context of ``limit`` tokens (as in vLLM and OpenAI, a request that cannot be served in
+    full is refused)."""
+    if n_prompt >= limit:
+        raise InvalidRequestError(
+            f"the prompt has {n_prompt} tokens; this model's context holds at most {limit} "
+            f"tokens per request, prompt and output (see --ctx and --pool-blocks)",
+            param="prompt")
+    if max_tokens is not None and n_prompt + max_tokens > limit:
+        raise BeyondContextError(
+            f"this model's maximum context length is {limit} tokens; the request asks for "
+            f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} in max_tokens): "
+            "reduce the prompt or max_tokens", param="max_tokens")
+
+
+def prompt_digest(tokens: Sequence[int]) -> str:
+    """A prompt's token ids, as a hand-over names the prompt it follows."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -408,7 +434,7 @@ class Engine:
                                      params.thinking_open), self.backend.token_to_piece)
         sampler = RequestSampler(params, seed, constraint, ends, infill, budget)
         if resume is not None:
-            self._check_resume(resume, sampler)
+            self._check_resume(resume, sampler, tokens)
         return PreparedRequest(prompt, tokens, params, sampler, resume)
 
     def add_request(self, prompt: str | list[int] | PreparedRequest,
@@ -507,10 +533,15 @@ class Engine:
             raise InvalidRequestError(f"{field}: this server does not speculate (start it "
                                       "with --spec)", param=field)
 
-    def _check_resume(self, resume: Handover, sampler: RequestSampler) -> None:
-        """The hand-over's tokens in the vocabulary and allowed by the request's grammar (which
-        then stands after them), its random state a PCG64 state (the sampler takes it), and
-        its logprobs there when the request asks for them."""
+    def _check_resume(self, resume: Handover, sampler: RequestSampler,
+                      tokens: Sequence[int]) -> None:
+        """The hand-over drawn after this very prompt (``tokens``), its tokens in the
+        vocabulary and allowed by the request's grammar (which then stands after them), its
+        random state a PCG64 state (the sampler takes it), and its logprobs there when the
+        request asks for them."""
+        if resume.prompt != prompt_digest(tokens):
+            raise HandoverError("the hand-over was drawn after another prompt (the two "
+                                "replicas render it differently)")
         n_vocab = self.backend.n_vocab
         if not all(isinstance(t, int) and 0 <= t < n_vocab for t in resume.token_ids):
             raise HandoverError(f"the hand-over's token ids must be in [0, {n_vocab})")
@@ -540,25 +571,13 @@ class Engine:
         for i, token in enumerate(resume.token_ids):
             lp = lps[i] if lps else None
             self._emit(live, SampledToken(token, lp.logprob if lp else None,
-                                          lp.top if lp else None), now, out)
+                                          lp.top if lp else None), now, out, here=False)
             if out.reason is not None:
                 break
         return self._finish_output(live, out, now, StepResult())
 
     def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
-        """The prompt, and the prompt plus ``max_tokens`` when given, must fit one request's
-        context (as in vLLM and OpenAI, a request that cannot be served in full is refused)."""
-        limit = self.max_request_tokens
-        if n_prompt >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens; this model's context holds at most {limit} "
-                f"tokens per request, prompt and output (see --ctx and --pool-blocks)",
-                param="prompt")
-        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
-            raise BeyondContextError(
-                f"this model's maximum context length is {limit} tokens; the request asks for "
-                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt, {params.max_tokens} "
-                f"in max_tokens): reduce the prompt or max_tokens", param="max_tokens")
+        check_request_fits(n_prompt, params.max_tokens, self.max_request_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
@@ -1139,20 +1158,23 @@ class Engine:
         self.spec.record(req.request_id, draft, verdict.accepted, self._steps)
         return self._finish_output(live, out, now, result)
 
-    def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted) -> None:
-        """Append one token to the request and check its stop conditions."""
+    def _emit(self, live: _Live, sampled: SampledToken, now: float, out: _Emitted,
+              here: bool = True) -> None:
+        """Append one token to the request and check its stop conditions. ``here``: drawn by
+        this engine (a hand-over's tokens, and the prompt before them, were drawn and
+        computed by the prefill replica, whose totals count them)."""
         req, params = live.request, live.request.params
         token = sampled.token_id
         req.output_token_ids.append(token)
         out.token_ids.append(token)
-        self._generation_tokens_total += 1
+        self._generation_tokens_total += here
         m = live.metrics
         m.num_generated_tokens += 1
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
             m.num_cached_tokens = req.num_cached_tokens
-            self._prompt_tokens_total += req.num_prompt_tokens
+            self._prompt_tokens_total += req.num_prompt_tokens if here else 0
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
         early = len(req.output_token_ids) < params.min_tokens  # (the sampler masked ends)
@@ -1186,7 +1208,8 @@ class Engine:
         if reason is not None and live.handover:
             rng_state = dict(live.sampler.rng.bit_generator.state)
             handover = Handover(tuple(req.output_token_ids), rng_state,
-                                tuple(out.logprobs) if out.logprobs else None)
+                                tuple(out.logprobs) if out.logprobs else None,
+                                prompt_digest(req.prompt_token_ids))
         prompt_lps = None
         if live.prompt_logprobs is not None and not req.prompt_logprobs_done:
             prompt_lps, req.prompt_logprobs_done = live.prompt_logprobs, True

@@ -173,23 +173,32 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
         return left
     if waited is not None:  # for the runner's Ollama answers (load_duration)
         request.scope[LOAD_SCOPE_KEY] = time.monotonic() - waited  # type: ignore[literal-required]
+    def sent_to(replica: Replica) -> bytes:
+        """The body as ``replica`` is asked it: a remote server of this model under another
+        name by its own (a PD prefill or hand-over too: they named the gateway's, a 404)."""
+        if named and replica.serves not in (None, state.spec.name):
+            return msgspec.json.encode({**body, name_key: replica.serves})
+        return content
+
     ended = False
     handover: _Handover | None = None
+    handing = _Once(lambda: None)  # a PD request's: its decode replica has it (see below)
     try:
-        plain, target = content, path
-        sent: bytes | AsyncIterator[bytes] = content
+        target = path
         if state.spec.pd and path in PD_PATHS and not lora_request(body, state.adapters):
             if prompt_tokens_estimate(body, route.text) < state.spec.prefill_min_tokens:
                 state.pd_short_prompts += 1  # computed on the decode replica: cheaper
             else:
+                # an unload (or a shutdown) waits for it to reach its decode replica
+                state.handing_over += 1
+                handing = _Once(partial(_handed, state))
                 got = await unless_disconnected(
-                    request, _prefill(request, sup, state, route, path, content))
+                    request, _prefill(request, sup, state, route, path, sent_to))
                 if isinstance(got, Response):  # the client left: the prefill was aborted
                     state.pd_aborted += 1
                     return got
                 if got is not None:  # the decode replica imports the KV, then serves
                     handover, target = got, f"/pd/decode?path={path}"
-                    sent = handover.body(content)
         skip: set[str] = set()  # replicas that refused this request (429, 503)
         deadline = time.monotonic() + sup.config.load_timeout
         refused: Response | APIError | None = None
@@ -198,9 +207,13 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
             # and those that could not load the runtime LoRA adapter it names when they
             # started (gateway/lora.absent; read anew: one may load it meanwhile)
             absent = state.lora_absent.get(asked, set()) if isinstance(asked, str) else set()
-            try:
-                replica = sup.route(state, route, skip | absent)
-            except NoReplica:
+            replica = _routed(sup, state, route, skip | absent)
+            if replica is None and handover is not None:
+                # computed before an unload took the decode replicas out of the rotation:
+                # one of them serves it (stopped once it has it)
+                replica = sup.leaving_decoder(state, skip)
+            if replica is None:
+                handing()  # (an unload waits no more for this one)
                 if isinstance(refused, APIError):
                     raise refused from None
                 if refused is not None:  # every replica refused it: the last refusal
@@ -221,13 +234,11 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 # The KV went to a replica that did not serve the request: served whole now.
                 state.pd_fallbacks["decode_failed"] += 1
                 await handover.close()
-                handover, target, sent = None, path, plain
-            this = sent
+                handover, target = None, path
             if named and replica.remote is not None and replica.polled is None:
                 await sup.poll(state, replica)  # the name it serves, before its first request
-            if named and replica.serves not in (None, state.spec.name) and sent is plain:
-                # a remote server of this model under another name: asked by its own
-                this = msgspec.json.encode({**body, name_key: replica.serves})
+            this: bytes | AsyncIterator[bytes] = (
+                sent_to(replica) if handover is None else handover.body(sent_to(replica)))
             # The replica is released once, however the try ends: by _send with its answer,
             # by its stream's relay at the stream's end, or below (an error, a cancellation).
             release = _Once(partial(sup.done, replica))
@@ -254,13 +265,28 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
             finally:
                 if not isinstance(answer, Stream):  # (a stream's relay releases it at its end)
                     release()
+                handing()  # its decode replica has it (or failed it)
             ended = isinstance(answer, Stream)  # the stream's relay ends the request
             return answer
     finally:
+        handing()
         if handover is not None:
             await handover.close()
         if not ended:
             sup.end(state, keep_alive)
+
+
+def _handed(state: ModelState) -> None:
+    state.handing_over -= 1
+
+
+def _routed(sup: Supervisor, state: ModelState, route: RouteRequest,
+            skip: set[str]) -> Replica | None:
+    """The replica the model's policy picks (``Supervisor.route``); None: none can take it."""
+    try:
+        return sup.route(state, route, skip)
+    except NoReplica:
+        return None
 
 
 def _keep_alive(state: ModelState, value: object) -> float | None:
@@ -339,7 +365,7 @@ def _runner_headers(request: Request) -> dict[str, str]:
 
 
 async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
-                   path: str, content: bytes) -> _Handover | None:
+                   path: str, sent_to: Callable[[Replica], bytes]) -> _Handover | None:
     """A PD model's first half: a prefill replica (cache-aware) computes the prompt and answers
     with its KV, which is relayed to the decode replica as it comes. None when that fails
     before the KV starts (no prefill replica, it refused or died): the request is then served
@@ -353,8 +379,10 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
     http: httpx.AsyncClient = request.app.state["http"]
     t0 = time.monotonic()
     try:
+        if replica.remote is not None and replica.polled is None:
+            await sup.poll(state, replica)  # the name it serves, before its first request
         response = await http.send(http.build_request(
-            "POST", f"{replica.url}/pd/prefill?path={path}", content=content,
+            "POST", f"{replica.url}/pd/prefill?path={path}", content=sent_to(replica),
             headers=_runner_headers(request)), stream=True)
     except httpx.HTTPError as e:
         if isinstance(e, _NOT_ANSWERED):
@@ -815,14 +843,16 @@ async def models_status(state: State) -> dict:
             "ttl": s.ttl, "error": s.error, "loads": s.loads, "restarts": s.restarts,
             "estimate_mib": round(s.memory / 2**20) if s.memory else None,
             "log": str(sup.log_dir / log_name(s.spec.name)),
-            "routing": s.spec.routing.policy, "decisions": dict(s.router.counts),
+            # (a PD model's policy places its prompts; its decode replicas go by load)
+            "routing": s.spec.routing.policy,
+            "decisions": dict((s.prefill_router if s.spec.pd else s.router).counts),
             "lora": list(s.adapters),
             "autoscale": _autoscale_status(s),
             "pd": None if not s.spec.pd else {
                 "transfers": s.pd_transfers, "bytes": s.pd_bytes,
                 "prefill_seconds": round(s.pd_seconds, 3),
                 "short_prompts": s.pd_short_prompts, "aborted": s.pd_aborted,
-                "fallbacks": dict(s.pd_fallbacks)},
+                "fallbacks": dict(s.pd_fallbacks), "decode_decisions": dict(s.router.counts)},
             "replicas": [_replica_row(r) for r in s.replicas]})
     return {"object": "list", "data": rows, "waiting_for_load": sup.waiting,
             "max_loaded": sup.config.max_loaded,

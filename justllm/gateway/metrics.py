@@ -13,7 +13,7 @@ import re
 import httpx
 
 from justllm.gateway.replica import Replica
-from justllm.gateway.routing import REASONS
+from justllm.gateway.routing import REASONS, Router
 from justllm.gateway.supervisor import ModelState, Supervisor
 
 REPLICA_UP = "justllm_gateway_replica_up"
@@ -73,12 +73,23 @@ def _labels(s: ModelState, **more: object) -> str:
                            *(f'{k}="{label_value(v)}"' for k, v in more.items())]) + "}"
 
 
-def _decisions(s: ModelState) -> list[tuple[str, int]]:
-    """A model's routing decisions by reason: every built-in reason (zeros too), then a plugin
+def _decisions(s: ModelState) -> list[tuple[dict[str, str], str, int]]:
+    """A model's routing decisions: (labels, reason, count), a PD model's by ``role`` (its
+    prefill router places prompts by the model's policy, its decode router by load: only the
+    decode router's were counted)."""
+    if not s.spec.pd:
+        return [({}, reason, n) for reason, n in _by_reason(s.router)]
+    return [({"role": role}, reason, n)
+            for role, router in (("prefill", s.prefill_router), ("decode", s.router))
+            for reason, n in _by_reason(router)]
+
+
+def _by_reason(router: Router) -> list[tuple[str, int]]:
+    """A router's decisions by reason: every built-in reason (zeros too), then a plugin
     policy's own, as text (reasons of mixed types used to fail the sort, and /metrics)."""
     counts: dict[str, int] = dict.fromkeys(REASONS, 0)
     own: dict[str, int] = {}
-    for reason, n in s.router.counts.items():
+    for reason, n in router.counts.items():
         key = str(reason)
         if key in counts:
             counts[key] += n
@@ -122,10 +133,10 @@ def _replicas(sup: Supervisor) -> list[str]:
     name = "justllm_gateway_routing_decisions_total"
     lines += [f"# HELP {name} Requests routed to a replica, by the reason it was chosen.",
               f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(s, reason=reason)} {n}"
+    lines += [f"{name}{_labels(s, **role, reason=reason)} {n}"
               for s in sup.models.values() if len(s.spec.urls) + s.spec.replicas > 1 or
               bool(s.spec.scaled_pools)  # a plugin policy's own reasons too
-              for reason, n in _decisions(s)]
+              for role, reason, n in _decisions(s)]
     pd = [s for s in sup.models.values() if s.spec.pd]
     for name, kind, doc, value in [
             ("justllm_gateway_pd_transfers_total", "counter",

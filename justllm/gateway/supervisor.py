@@ -89,6 +89,11 @@ class ModelState:
     pd_short_prompts: int = 0  # prompts under prefill-min-tokens, computed on a decode replica
     pd_fallbacks: Counter[str] = field(default_factory=Counter)  # served whole, by reason
     pd_aborted: int = 0  # clients that left while their prompt was prefilled
+    # PD requests from their prefill until their decode replica took them: an unload (or a
+    # shutdown) stops the model's runners only once they are handed over (or the drain is
+    # up), to the decode replicas it took out of the rotation (``leaving``).
+    handing_over: int = 0
+    leaving: list[Replica] = field(default_factory=list)
     # LoRA adapters loaded at run time through the gateway (gateway/lora.py): name -> the
     # body each replica is sent, again whenever one starts.
     runtime_lora: dict[str, bytes] = field(default_factory=dict)
@@ -614,6 +619,7 @@ class Supervisor:
         runners = [r.runner for r in state.local if r.runner is not None]
         self._stopping.update((runner, state) for runner in runners)
         state.detached += 1
+        state.leaving += [r for r in state.local if state.serves(r, "decode")]
         for r in state.local:
             r.status = "stopping"
             self._forget(state, r)
@@ -635,18 +641,41 @@ class Supervisor:
         /models/unload) leaves the stop going, so their places always free when they exit."""
         async def stop() -> None:
             try:
+                await self._handed_over([s for s in self.models.values()
+                                         if any(r.runner in runners for r in s.leaving)])
                 await asyncio.gather(*(r.stop(grace=self.drain + 5) for r in runners))
             finally:
                 for runner in runners:
                     state = self._stopping.pop(runner, None)
                     if state is not None:
                         state.unloads += 1
+                        state.leaving = [r for r in state.leaving if r.runner not in runners]
                 await self._notify_room()
         task = asyncio.ensure_future(stop())
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
         task.add_done_callback(_retrieve)
         return task
+
+    async def _handed_over(self, states: list[ModelState]) -> None:
+        """Until no PD request of ``states`` is between its prefill and its decode replica
+        (at most the drain): a runner stopped now would refuse the hand-over, and the
+        request, accepted before the unload, failed (a prompt's prefill takes seconds)."""
+        deadline = time.monotonic() + self.drain
+        while any(s.handing_over for s in states) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def leaving_decoder(self, state: ModelState, skip: set[str]) -> Replica | None:
+        """For a PD request whose prompt was computed before an unload took the model's
+        decode replicas out of the rotation: the least busy of them whose runner still runs
+        (not stopped until it is handed over), counted in flight (pair with ``done``)."""
+        alive = [r for r in state.leaving if r.id not in skip
+                 and r.runner is not None and r.runner.alive()]
+        if not alive:
+            return None
+        replica = min(alive, key=lambda r: r.in_flight)
+        replica.in_flight += 1
+        return replica
 
     async def _stop_all(self, runners: list[RunnerProcess]) -> None:
         if runners:
@@ -929,8 +958,11 @@ class RunnerAuth(httpx.Auth):
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         origin = f"http://{request.url.host}:{request.url.port}"
+        sup = self.supervisor
+        # (a runner stopping serves what it was handed: a PD hand-over after an unload)
         if any(r.runner is not None and r.runner.url == origin
-               for s in self.supervisor.models.values() for r in s.local):
+               for s in sup.models.values() for r in s.local) or any(
+                runner.url == origin for runner in sup._stopping):
             request.headers["authorization"] = f"Bearer {self.supervisor.runner_key}"
         else:
             key = remote_key(self.supervisor.config, str(request.url))

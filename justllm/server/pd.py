@@ -36,8 +36,8 @@ from litestar.params import FromQuery
 from litestar.response import Stream
 
 from justllm.core.sampling_params import SamplingParams
-from justllm.engine.engine import Handover, TokenLogprob
-from justllm.errors import HandoverError, InvalidRequestError
+from justllm.engine.engine import Handover, TokenLogprob, check_request_fits
+from justllm.errors import HandoverError
 from justllm.kv.transfer import KVTransferError
 from justllm.server.errors import APIError
 from justllm.server.openai_serving import Job, text_size
@@ -74,6 +74,7 @@ class _Choice(msgspec.Struct, frozen=True):
     tokens: list[int]
     rng: dict[str, Any]
     logprobs: list[_Logprob] | None = None
+    prompt: str = ""  # the prompt's digest (engine.prompt_digest): the decode side checks it
 
 
 class _Head(msgspec.Struct, frozen=True):
@@ -85,7 +86,7 @@ def handover_bytes(handovers: list[Handover]) -> bytes:
     head = msgspec.json.encode(_Head([_Choice(
         list(h.token_ids), h.rng_state,
         None if h.logprobs is None else [_Logprob(lp.logprob, list(lp.top))
-                                         for lp in h.logprobs]) for h in handovers]))
+                                         for lp in h.logprobs], h.prompt) for h in handovers]))
     return struct.pack("<I", len(head)) + head
 
 
@@ -104,7 +105,7 @@ def read_handover(data: memoryview) -> tuple[list[Handover] | None, memoryview]:
         return None, data[4 + n:]
     return [Handover(tuple(c.tokens), c.rng, None if c.logprobs is None else tuple(
         TokenLogprob(t, lp.logprob, tuple(lp.top))
-        for t, lp in zip(c.tokens, c.logprobs))) for c in head.choices], data[4 + n:]
+        for t, lp in zip(c.tokens, c.logprobs)), c.prompt) for c in head.choices], data[4 + n:]
 
 
 def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[Job]:
@@ -115,7 +116,8 @@ def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[J
     else:
         jobs = serving.completion_jobs(req)
         if len({str(p) for p, _ in jobs}) != 1:
-            raise InvalidRequestError("a batch of prompts is not disaggregated", param="prompt")
+            raise APIError(409, "a batch of prompts is served whole, not disaggregated",
+                           code="not_disaggregated")
     if any(params.prompt_logprobs is not None for _, params in jobs):
         # Every prompt row's logprobs are the prefill's; they do not travel with the KV.
         raise APIError(409, "requests for prompt logprobs are served whole, not "
@@ -147,9 +149,19 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
     api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
     came = origin(request, api, bool(req.stream))  # the records of the first tokens
 
+    prompt = jobs[0][0]
+    tokens = (await aengine.off_loop(len(prompt), lambda: aengine.tokenize(prompt))
+              if isinstance(prompt, str) else list(prompt))
+    for _, params in jobs:  # what the decode half would refuse, refused before the prefill
+        check_request_fits(len(tokens), params.max_tokens, aengine.max_request_tokens)
+
     async def first(prompt: str | list[int], params: SamplingParams) -> Handover:
-        async for out in aengine.generate(prompt, replace(params, max_tokens=1),
-                                          handover=True, origin=came):
+        # (one token here: a min_tokens past it is the decode half's to hold)
+        one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        timed = False
+        async for out in aengine.generate(prompt, one, handover=True, origin=came):
+            # the replica's part of the request's TTFT, as the README says (it had none)
+            timed = timed or served.metrics.observe_first_token(out.metrics)
             if out.error:
                 raise APIError(503, f"the prompt could not be computed: {out.error}",
                                type="server_error", code="prefill_failed")
@@ -164,9 +176,6 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
     if isinstance(drawn, Response):
         served.metrics.pd_prefills_aborted.labels(served.model_id).inc()
         return drawn
-    prompt = jobs[0][0]
-    tokens = (await aengine.off_loop(len(prompt), lambda: aengine.tokenize(prompt))
-              if isinstance(prompt, str) else list(prompt))
     try:
         blob, seconds = await aengine.export_prefix(tokens)
     except KVTransferError as e:

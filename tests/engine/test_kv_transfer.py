@@ -285,7 +285,7 @@ def test_a_handover_that_ends_the_request_finishes_it_at_once(pair):
         handover.token_ids)
     eos = next(t for t in range(decode.backend.n_vocab) if decode.backend.is_eog(t))
     stop = decode.resume_request(PROMPT, replace(SAMPLED, ignore_eos=False, logprobs=None),
-                                 Handover((eos,), handover.rng_state))
+                                 Handover((eos,), handover.rng_state, prompt=handover.prompt))
     assert stop.finished and stop.finish_reason == "stop" and stop.token_ids == [eos]
     assert not decode.has_unfinished() and not decode._live
     settled(decode)
@@ -296,18 +296,19 @@ def test_a_handover_that_does_not_fit_the_request_is_refused(pair):
     good = drawn_first(prefill, PROMPT, SAMPLED)
     word = decode.tokenize(" zebra")[0]
     cases = {
-        "must be in": (SAMPLED, Handover((decode.backend.n_vocab,), good.rng_state,
-                                         good.logprobs)),
-        "not PCG64": (SAMPLED, Handover(good.token_ids, {"bit_generator": "MT19937"},
-                                        good.logprobs)),
-        "asks for logprobs": (SAMPLED, Handover(good.token_ids, good.rng_state)),
-        "needs its tokens": (SAMPLED, Handover((), good.rng_state)),
+        "must be in": (SAMPLED, replace(good, token_ids=(decode.backend.n_vocab,))),
+        "not PCG64": (SAMPLED, replace(good, rng_state={"bit_generator": "MT19937"})),
+        "asks for logprobs": (SAMPLED, replace(good, logprobs=None)),
+        "needs its tokens": (SAMPLED, replace(good, token_ids=())),
         "not allowed by the request's grammar": (
             replace(SAMPLED, grammar=JSON_GRAMMAR, logprobs=None),
-            Handover((word,), good.rng_state)),
+            replace(good, token_ids=(word,), logprobs=None)),
+        # drawn after another prompt (it went on from a foreign token), or not saying which
+        "drawn after another prompt": (SAMPLED, drawn_first(prefill, "Cats and dogs", SAMPLED)),
+        "drawn after another prompt ": (SAMPLED, replace(good, prompt="")),
     }
     for expected, (params, bad) in cases.items():
-        with pytest.raises(HandoverError, match=expected):
+        with pytest.raises(HandoverError, match=expected.strip()):
             decode.resume_request(PROMPT, params, bad)
     assert not decode.has_unfinished() and not decode._live
     with pytest.raises(InvalidRequestError, match="max_tokens 1"):

@@ -99,14 +99,15 @@ def runner_key(pid: int) -> str:
                 if e.startswith(b"JUSTLLM_API_KEY="))
 
 
-def start_gateway(tmp_path: Path, models: dict, env: dict | None = None, **top) -> Gateway:
+def start_gateway(tmp_path: Path, models: dict, env: dict | None = None,
+                  shutdown_timeout: float = 2, **top) -> Gateway:
     config = tmp_path / "models.yaml"
     config.write_text(json.dumps({**top, "models": models}))  # JSON is YAML
     port = free_port()
     cache = tmp_path / "cache"
     proc, log = start_logged(
         [sys.executable, "-m", "justllm", "serve", "--models", str(config), "--port", str(port),
-         "--shutdown-timeout", "2"],
+         "--shutdown-timeout", str(shutdown_timeout)],
         {**os.environ, "JUSTLLM_CACHE_DIR": str(cache), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
