@@ -23,6 +23,7 @@ from typing import Any
 
 from justllm.errors import ModelLoadError
 from justllm.models.refs import DIGEST_PREFIX
+from justllm.models.store import recorded_quantization
 
 try:
     import fcntl
@@ -99,7 +100,8 @@ class Manifest:
         if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
             raise ValueError("copies must be a list of paths")
         return cls(digest=data["digest"], path=root / data["path"], size=int(data["size"]),
-                   architecture=data["architecture"], quantization=data["quantization"],
+                   architecture=data["architecture"],
+                   quantization=recorded_quantization(data["quantization"]),
                    context_length=data.get("context_length"), source=Source(**data["source"]),
                    added=data["added"], copies=tuple(root / c for c in copies))
 

@@ -9,13 +9,16 @@ from pathlib import Path
 from justllm.errors import ModelLoadError
 from justllm.models.source import cache_dir
 
-# llama.cpp's llama_ftype values (general.file_type) -> the names people use.
+# llama.cpp's llama_ftype values (general.file_type) -> the names people use: llama.h's
+# LLAMA_FTYPE_ALL_* / LLAMA_FTYPE_MOSTLY_* without that prefix, as its quantize tool names them
+# (4 to 6 and 33 to 35 were removed from llama.cpp, and no GGUF written since holds them).
 FILE_TYPES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
     11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
     17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
     23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0", 41: "Q2_0",
 }
 
 
@@ -24,6 +27,15 @@ def quantization_name(file_type: int | None) -> str:
     if file_type is None:
         return "?"
     return FILE_TYPES.get(file_type, f"type {file_type}")
+
+
+def recorded_quantization(recorded: str) -> str:
+    """A manifest's quantization as it reads now: ``type N`` recorded before the table named
+    ``N`` (a Q1_0 quantization registered as ``type 40``) reads as its name."""
+    number = recorded.removeprefix("type ")
+    if number != recorded and number.isdigit():
+        return quantization_name(int(number))
+    return recorded
 
 
 def models_dir() -> Path:
