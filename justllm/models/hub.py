@@ -263,7 +263,8 @@ def download(ref: str, *, root: Path, revision: str = "main", force: bool = Fals
              console: Console | None = None) -> Download:
     """Download ``REPO[:FILE]`` at ``revision`` into ``root/huggingface/REPO/COMMIT/``, unless
     ``have(sha256)`` names a local file with the bytes the hub lists for it (not with
-    ``force``). The file is not checked here: the registry checks it and records it."""
+    ``force``). The file is not checked here: the registry checks it against the hub's
+    sha256 (``Download.sha256``) when it hashes it to record it, and deletes it on a mismatch."""
     console = console or Console(stderr=True, emoji=False)
     repo, file = split_ref(ref)
     if offline():

@@ -72,6 +72,15 @@ class UnknownModelError(ModelLoadError):
     """No tag has this name (other sources may still know it: a stem, a path)."""
 
 
+class DigestMismatchError(ModelLoadError):
+    """A file whose sha256 is not the one it was expected to have (a pull: the hub's)."""
+
+    def __init__(self, path: Path, found: str, expected: str) -> None:
+        super().__init__(f"digest mismatch: {path} has sha256:{found[:12]}, expected "
+                         f"sha256:{expected[:12]}")
+        self.found, self.expected = found, expected
+
+
 @dataclass(frozen=True)
 class Entry:
     """One row of ``justllm models``: a tag and its version, or an untagged version."""
@@ -349,16 +358,20 @@ class Registry:
 
     # -- registering -----------------------------------------------------------------------
 
-    def register(self, path: Path, source: Source) -> Manifest:
+    def register(self, path: Path, source: Source, *, expected: str | None = None) -> Manifest:
         """The version of the GGUF at ``path``: its existing manifest when those bytes are
         registered already and their file still holds them; the same version moved here when
         that file is gone or changed (a file moved by hand keeps where it came from); else a
-        new one. A corrupt or truncated GGUF is refused before anything is written."""
+        new one. A corrupt or truncated GGUF, or (``expected``: the sha256 hex the file must
+        have) other bytes than expected, are refused before anything is written: the bytes
+        first, so a download corrupted in its header says so rather than "not a GGUF"."""
         from justllm.models.store import quantization_name
 
         path = Path(path).expanduser().absolute()
+        if expected is not None and (found := self.digests.digest(path)) != expected:
+            raise DigestMismatchError(path, found, expected)
         header = read_gguf_header(path)
-        hex_digest = self.digests.digest(path)
+        hex_digest = self.digests.digest(path)  # (remembered: hashed once)
         with self._locked():
             old = self.manifest(hex_digest)
             if old is not None and self.digests.cached(old.path) == hex_digest:
@@ -529,7 +542,16 @@ class Registry:
 
         source = Source("huggingface", got.repo, got.file, got.revision)
         try:
-            m = self.register(got.path, source)
+            m = self.register(got.path, source, expected=got.sha256)
+        except DigestMismatchError as e:
+            # (deleted even when a version names that path, as after --force: its bytes are
+            # gone already; only a version of these very bytes keeps the file)
+            if all(v.hex != e.found for v in self._versions_of(got.path)):
+                hub.remove_download(got.path, self.root)
+            raise ModelLoadError(
+                f"digest mismatch: {got.repo}:{got.file} downloaded with sha256:{e.found[:12]}, "
+                f"but the hub lists sha256:{e.expected[:12]} (the download is deleted and "
+                "nothing is registered: pull it again)") from None
         except ModelLoadError as e:
             adapter = _is_adapter(got.path)
             if self.manifest_for_path(got.path) is None:

@@ -419,3 +419,44 @@ def test_a_file_larger_than_the_free_disk_is_refused_before_its_download(
     assert "not enough disk space in " in line and "for acme/tiny-GGUF:tiny-Q8_0.gguf" in line
     assert hub.gets("/tiny-Q8_0.gguf") == 0
     assert ModelStore(_models(tmp_path)).paths() == []
+
+
+def _corrupt(data: bytes) -> bytes:
+    """``data`` with its last byte (tensor data) flipped: still a GGUF, of the same size."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def test_a_download_whose_bytes_are_not_the_hubs_sha256_is_deleted_and_not_registered(
+        hub: FakeHub, tmp_path: Path) -> None:
+    """A corrupted download was registered as a working model without a word (and, as its
+    digest never matched the hub's, downloaded again by every later pull)."""
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    hub.corrupted[("acme/tiny-GGUF", "tiny-Q8_0.gguf")] = _corrupt(GGUF)
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]))
+    assert line == (
+        f"error: digest mismatch: acme/tiny-GGUF:tiny-Q8_0.gguf downloaded with "
+        f"sha256:{_sha(_corrupt(GGUF))[:12]}, but the hub lists sha256:{_sha(GGUF)[:12]} (the "
+        "download is deleted and nothing is registered: pull it again)")
+    models = _models(tmp_path)
+    assert not (models / "huggingface").exists()
+    assert Registry(models).tags() == {} and Registry(models).manifests() == {}
+    # Once the bytes arrive whole, the pull registers them, and a later pull is "already here".
+    del hub.corrupted[("acme/tiny-GGUF", "tiny-Q8_0.gguf")]
+    assert runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]).exit_code == 0
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
+    assert r.exit_code == 0 and "is already here" in r.stdout and hub.gets(".gguf") == 2
+    path = _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf")
+    assert Registry(models).find("tiny-q8_0") == path and path.read_bytes() == GGUF
+
+
+def test_a_forced_pull_that_arrives_corrupted_leaves_no_bad_file(hub: FakeHub,
+                                                                 tmp_path: Path) -> None:
+    """``--force`` downloads over the registered file: corrupted bytes there are deleted (the
+    version's own bytes are gone then), never kept under the version's name."""
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    assert runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]).exit_code == 0
+    hub.corrupted[("acme/tiny-GGUF", "tiny-Q8_0.gguf")] = _corrupt(GGUF)
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf", "--force"]))
+    assert line.startswith("error: digest mismatch: acme/tiny-GGUF:tiny-Q8_0.gguf downloaded")
+    assert not _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf").exists()
+    assert [m.hex for m in Registry(_models(tmp_path)).manifests().values()] == [_sha(GGUF)]

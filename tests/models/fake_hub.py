@@ -29,6 +29,9 @@ class FakeHub:
     url: str
     history: dict[str, list[tuple[str, dict[str, bytes]]]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
+    # (repo, file) -> the bytes served in place of the pushed file's, whose sha256 (ETag, tree
+    # lfs.oid) and size the hub still lists: a download corrupted on its way.
+    corrupted: dict[tuple[str, str], bytes] = field(default_factory=dict)
 
     def push(self, repo: str, files: dict[str, bytes]) -> str:
         """A new commit of ``repo`` holding exactly ``files``; returns its sha."""
@@ -89,8 +92,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if api or kind != ["resolve"] or name not in files:
                 return self._not_found("EntryNotFound")
             data = files[name]
-            self._send(200, data, X_Repo_Commit=sha, Accept_Ranges="bytes",
-                       ETag=f'"{hashlib.sha256(data).hexdigest()}"',
+            self._send(200, hub.corrupted.get((repo, name), data), X_Repo_Commit=sha,
+                       Accept_Ranges="bytes", ETag=f'"{hashlib.sha256(data).hexdigest()}"',
                        Content_Type="application/octet-stream")
 
         do_GET = do_HEAD = _route
