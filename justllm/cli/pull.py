@@ -49,10 +49,15 @@ def pull(
             raise ValueError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with "
                              "--convert" + (" (to quantize a GGUF: justllm quantize)"
                                             if quantize else ""))
+        from justllm.cli.background import terminable
         from justllm.models.registry import Registry
 
         console = Console(highlight=False, emoji=False)
-        p = Registry().pull(model, tag=tag, revision=revision, force=force, console=console)
+        # SIGTERM and SIGHUP (a closed terminal) end the download as Ctrl-C does, so the hub
+        # library deletes its partial file (their default ended the process and left it).
+        with terminable():
+            p = Registry().pull(model, tag=tag, revision=revision, force=force,
+                                console=console)
         m, d = p.manifest, p.download
         console.print(f"pulled {d.repo}:{d.file} @ {d.revision[:12]} -> {p.label} "
                       f"(sha256:{m.short}, {m.path})", markup=False, soft_wrap=True)

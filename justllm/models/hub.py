@@ -8,11 +8,14 @@ commit, so an older version stays on disk until it is removed. The hub library's
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import os
 import re
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +24,11 @@ from pathlib import Path
 from rich.console import Console
 
 from justllm.errors import ModelLoadError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no partial download can be told to be abandoned
+    fcntl = None  # type: ignore[assignment]
 
 PREFERRED_QUANT = "Q4_K_M"  # what `REPO` alone picks when a repo holds several quantizations
 HUB_DIR = "huggingface"
@@ -161,6 +169,61 @@ def _lfs_sha256(etag: str | None) -> str | None:
     return tag if _SHA256.fullmatch(tag) else None
 
 
+def _partial_key(file_name: str) -> str:
+    """The prefix of the partial downloads of ``file_name`` (huggingface_hub 2.x writes
+    ``FILE`` to ``<key>.<etag>.<random>.incomplete`` beside ``FILE.lock``, the key being its
+    ``_short_hash`` of ``FILE.metadata``)."""
+    return base64.urlsafe_b64encode(hashlib.sha1(f"{file_name}.metadata".encode()).digest()
+                                    ).decode()
+
+
+@contextlib.contextmanager
+def _lock_if_free(lock: Path) -> Iterator[bool]:
+    """Whether ``lock`` (huggingface_hub's lock on one file's download, an flock its process
+    holds for the whole download and loses when it dies) was free, holding it meanwhile.
+    False where it cannot be told: no lock file, no flock, an error."""
+    if fcntl is None:
+        yield False
+        return
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a running download (or a filesystem without flock)
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def sweep_partials(repo_dir: Path, started_ns: int) -> list[Path]:
+    """Delete the partial downloads (``*.incomplete``) that pulls of a repo killed outright
+    (SIGKILL, a crash) left in ``repo_dir`` (``ROOT/huggingface/OWNER/NAME``), and return them.
+    An interrupted or terminated pull deletes its own; a killed one cannot. A partial goes only
+    when its file's download lock is free (no running process downloads that file) and it was
+    last written before ``started_ns``, this pull's start (a guard for filesystems whose flock
+    always succeeds); one whose lock is missing or cannot be taken is left."""
+    swept: list[Path] = []
+    for folder in sorted({p.parent for p in repo_dir.glob("*/.cache/huggingface/download/**/"
+                                                          "*.incomplete")}):
+        locks = {_partial_key(lock.name.removesuffix(".lock")): lock
+                 for lock in folder.glob("*.lock")}
+        for part in sorted(folder.glob("*.incomplete")):
+            lock = locks.get(part.name.partition(".")[0])
+            if lock is None:
+                continue
+            with _lock_if_free(lock) as free, contextlib.suppress(OSError):
+                if free and part.stat().st_mtime_ns < started_ns:
+                    part.unlink()
+                    swept.append(part)
+    return swept
+
+
 def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: bool,
            endpoint: str | None, have: Callable[[str], Path | None],
            console: Console) -> Download:
@@ -168,6 +231,7 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
     a ModelLoadError."""
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
+    started_ns = time.time_ns()
     with hub_errors(repo, lambda: file, revision, endpoint):
         if file is None:
             _resolvable(endpoint)
@@ -183,6 +247,7 @@ def _fetch(repo: str, file: str | None, revision: str, root: Path, *, force: boo
             console.print(f"{repo}:{file} ({revision} @ {commit[:12]}) is already here: {local}",
                           highlight=False, soft_wrap=True)
             return Download(repo, file, commit, local, sha, reused=True)
+        sweep_partials(root / HUB_DIR / repo, started_ns)  # (before the room is counted)
         if meta.size:
             _check_room(root, meta.size, f"{repo}:{file}")
         console.print(f"pulling {repo}:{file} ({revision} @ {commit[:12]})", highlight=False,

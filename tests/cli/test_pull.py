@@ -4,8 +4,13 @@ models directory and is registered as ``stem:latest`` with its commit and sha256
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -460,3 +465,65 @@ def test_a_forced_pull_that_arrives_corrupted_leaves_no_bad_file(hub: FakeHub,
     assert line.startswith("error: digest mismatch: acme/tiny-GGUF:tiny-Q8_0.gguf downloaded")
     assert not _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf").exists()
     assert [m.hex for m in Registry(_models(tmp_path)).manifests().values()] == [_sha(GGUF)]
+
+
+def _partials(tmp_path: Path) -> list[Path]:
+    """huggingface_hub's partial downloads under the models directory."""
+    return sorted(_models(tmp_path).rglob("*.incomplete"))
+
+
+@contextlib.contextmanager
+def _pull_held_mid_file(hub: FakeHub, tmp_path: Path, ref: str) -> Iterator[subprocess.Popen]:
+    """A real ``justllm pull ref`` whose download the stand-in holds halfway: yielded once the
+    hub has sent half the file and the partial file exists; killed if still running after."""
+    repo, _, file = ref.partition(":")
+    hub.held.add((repo, file))
+    proc = subprocess.Popen([sys.executable, "-m", "justllm", "pull", ref],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (hub.midway.is_set() and _partials(tmp_path)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the pull never got halfway"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+        hub.held.discard((repo, file))
+        hub.release.set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_pull_terminated_mid_file_leaves_no_partial_file(hub: FakeHub, tmp_path: Path,
+                                                           sig: signal.Signals) -> None:
+    """SIGTERM or SIGHUP (a closed terminal) ended the process at once, and the hub library's
+    ``*.incomplete`` file stayed in the models directory, one more for each such pull; Ctrl-C
+    deleted it. Now both go the way Ctrl-C goes, and exit 128 + the signal, as quantize does."""
+    hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    with _pull_held_mid_file(hub, tmp_path, "acme/tiny-GGUF:tiny-Q8_0.gguf") as proc:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig, err
+        assert err.strip() == "terminated: no output written" and "Traceback" not in err
+    assert _partials(tmp_path) == []
+    assert ModelStore(_models(tmp_path)).paths() == []
+    assert Registry(_models(tmp_path)).tags() == {}
+
+
+def test_a_partial_file_left_by_a_killed_pull_is_swept_by_the_next_pull(hub: FakeHub,
+                                                                         tmp_path: Path) -> None:
+    """SIGKILL leaves no chance to clean up: the next pull of the repo deletes the partial file,
+    whose download lock its dead process no longer holds."""
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    with _pull_held_mid_file(hub, tmp_path, "acme/tiny-GGUF:tiny-Q8_0.gguf") as proc:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    left = _partials(tmp_path)
+    assert len(left) == 1
+    r = runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"])
+    assert r.exit_code == 0, r.output
+    assert _partials(tmp_path) == []
+    path = _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf")
+    assert path.read_bytes() == GGUF and Registry(_models(tmp_path)).find("tiny-q8_0") == path

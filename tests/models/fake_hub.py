@@ -32,6 +32,11 @@ class FakeHub:
     # (repo, file) -> the bytes served in place of the pushed file's, whose sha256 (ETag, tree
     # lfs.oid) and size the hub still lists: a download corrupted on its way.
     corrupted: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    # (repo, file)s whose download sends half the bytes, sets ``midway`` and waits for
+    # ``release`` before the rest: a pull to be signalled mid-file.
+    held: set[tuple[str, str]] = field(default_factory=set)
+    midway: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
     def push(self, repo: str, files: dict[str, bytes]) -> str:
         """A new commit of ``repo`` holding exactly ``files``; returns its sha."""
@@ -57,7 +62,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, status: int, body: bytes = b"", **headers: str) -> None:
             self.send_response(status)
-            for k, v in {"Content-Length": str(len(body)), **headers}.items():
+            for k, v in {"Content_Length": str(len(body)), **headers}.items():
                 self.send_header(k.replace("_", "-"), v)
             self.end_headers()
             if self.command != "HEAD":
@@ -92,9 +97,21 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if api or kind != ["resolve"] or name not in files:
                 return self._not_found("EntryNotFound")
             data = files[name]
-            self._send(200, hub.corrupted.get((repo, name), data), X_Repo_Commit=sha,
-                       Accept_Ranges="bytes", ETag=f'"{hashlib.sha256(data).hexdigest()}"',
-                       Content_Type="application/octet-stream")
+            headers = {"X_Repo_Commit": sha, "Accept_Ranges": "bytes",
+                       "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                       "Content_Type": "application/octet-stream"}
+            if self.command == "GET" and (repo, name) in hub.held:
+                return self._send_held(data, **headers)
+            self._send(200, hub.corrupted.get((repo, name), data), **headers)
+
+        def _send_held(self, data: bytes, **headers: str) -> None:
+            half = len(data) // 2
+            self._send(200, data[:half], **{**headers, "Content_Length": str(len(data))})
+            self.wfile.flush()
+            hub.midway.set()
+            hub.release.wait(60)
+            with contextlib.suppress(OSError):  # (the client may be gone: killed mid-file)
+                self.wfile.write(data[half:])
 
         do_GET = do_HEAD = _route
 
