@@ -136,6 +136,9 @@ def show(
             console.print(f"digest: {manifest.digest}\ntags: {', '.join(tags) or '(none)'}\n"
                           f"source: {manifest.source}\nadded: {manifest.added}", markup=False,
                           soft_wrap=True)
+            for origin in manifest.origins:
+                console.print(f"also pulled from: {origin} ({origin.added})", markup=False,
+                              soft_wrap=True)
         console.print(f"path: {info.path}\nsize: {_size(info.size_bytes)}\n"
                       f"quantization: {info.quantization}\narchitecture: {info.architecture}\n"
                       f"context length: {info.context_length or '?'}", markup=False,

@@ -3,8 +3,9 @@
 A ``Manifest`` describes one GGUF by its sha256: where the file is, what it is, where it came
 from and when it was added. It is written once, as ``ROOT/manifests/sha256-<hex>.json``, and
 never changed (the exceptions: a version whose file has gone is written again when the same
-bytes are registered from another place, and one whose bytes ``justllm tag FILE`` names at
-another path records that path among its ``copies``). Paths inside the models directory are stored relative
+bytes are registered from another place, one whose bytes ``justllm tag FILE`` names at
+another path records that path among its ``copies``, and one pulled again from another hub
+file records it among its ``origins``). Paths inside the models directory are stored relative
 to it, so the directory can move; a file registered from elsewhere keeps its absolute path.
 Every registry file is written to a temporary name and renamed into place, and every
 read-modify-write happens under one lock file, ``ROOT/.lock``.
@@ -58,6 +59,21 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Another Hugging Face file a version was pulled from (a mirror, another repo with the
+    same bytes): its ``source`` names only the first; ``added``: when it was first pulled
+    from there at ``revision`` (a pull at another commit replaces it)."""
+
+    repo: str
+    file: str
+    revision: str
+    added: str
+
+    def __str__(self) -> str:
+        return f"huggingface {self.repo}:{self.file} @ {self.revision}"
+
+
+@dataclass(frozen=True)
 class Manifest:
     digest: str  # "sha256:<64 hex>"
     path: Path  # absolute
@@ -70,6 +86,8 @@ class Manifest:
     # Other files tagged with these bytes (``justllm tag FILE NAME``, FILE a copy of ``path``):
     # the version moves to one of them when ``path`` is gone or changed (Registry.verify).
     copies: tuple[Path, ...] = ()
+    # The other hub files it was pulled from (``Registry.pull``), so each finds it offline.
+    origins: tuple[Origin, ...] = ()
 
     @property
     def hex(self) -> str:
@@ -84,6 +102,15 @@ class Manifest:
         """Every file recorded with these bytes: ``path`` first, then the copies."""
         return (self.path, *self.copies)
 
+    def pulled_at(self, repo: str, file: str) -> str | None:
+        """When this version was last pulled from the hub file ``repo:file`` (its source's, or
+        an origin's); None when it never was."""
+        times = [o.added for o in self.origins if (o.repo, o.file) == (repo, file)]
+        if self.source.kind == "huggingface" and (self.source.repo, self.source.file) == (
+                repo, file):
+            times.append(self.added)
+        return max(times, default=None)
+
     def to_json(self, root: Path) -> dict[str, Any]:
         data = {"schema": SCHEMA, "digest": self.digest, "path": stored_path(self.path, root),
                 "size": self.size, "architecture": self.architecture,
@@ -92,6 +119,8 @@ class Manifest:
                 "added": self.added}
         if self.copies:  # (written only when there are: older manifests read as they were)
             data["copies"] = [stored_path(c, root) for c in self.copies]
+        if self.origins:  # (likewise)
+            data["origins"] = [vars(o) for o in self.origins]
         return data
 
     @classmethod
@@ -99,11 +128,15 @@ class Manifest:
         copies = data.get("copies", [])
         if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
             raise ValueError("copies must be a list of paths")
+        origins = data.get("origins", [])
+        if not isinstance(origins, list) or not all(isinstance(o, dict) for o in origins):
+            raise ValueError("origins must be a list of objects")
         return cls(digest=data["digest"], path=root / data["path"], size=int(data["size"]),
                    architecture=data["architecture"],
                    quantization=recorded_quantization(data["quantization"]),
                    context_length=data.get("context_length"), source=Source(**data["source"]),
-                   added=data["added"], copies=tuple(root / c for c in copies))
+                   added=data["added"], copies=tuple(root / c for c in copies),
+                   origins=tuple(Origin(**o) for o in origins))
 
 
 def now() -> str:

@@ -39,6 +39,7 @@ from justllm.models.lease import Lease, acquire_lease, holders
 from justllm.models.manifest import (
     DamagedFileError,
     Manifest,
+    Origin,
     Source,
     file_lock,
     is_inside,
@@ -243,12 +244,12 @@ class Registry:
     def pulled(self, repo: str, file: str) -> Path | None:
         """The checked file of the newest version pulled from ``repo:file`` that is still
         here; None when there is none (then it is to be pulled)."""
-        found = [m for m in self.manifests().values() if m.source.kind == "huggingface"
-                 and (m.source.repo, m.source.file) == (repo, file) and m.path.is_file()]
+        found = [m for m in self.manifests().values()
+                 if m.pulled_at(repo, file) is not None and m.path.is_file()]
         if not found:
             return None
         tagged = set(self.tags().values())
-        newest = max(found, key=lambda m: (m.added, m.digest in tagged))
+        newest = max(found, key=lambda m: (m.pulled_at(repo, file) or "", m.digest in tagged))
         return self.verify(newest, f"{repo}:{file}").path
 
     # -- resolving -------------------------------------------------------------------------
@@ -284,9 +285,10 @@ class Registry:
 
         if looks_like_repo(ref):
             repo, file = split_ref(ref)
-            found = [m for m in self.manifests().values() if m.source.kind == "huggingface"
-                     and (m.source.repo, m.source.file) == (repo, file)]
-            return max(found, key=lambda m: m.added) if found else None
+            if file is None:
+                return None
+            found = [m for m in self.manifests().values() if m.pulled_at(repo, file) is not None]
+            return max(found, key=lambda m: m.pulled_at(repo, file) or "") if found else None
         if not could_be_name(ref):
             return None
         try:
@@ -377,8 +379,7 @@ class Registry:
             if old is not None and self.digests.cached(old.path) == hex_digest:
                 return old
             if old is not None:
-                moved = replace(old, path=path,
-                                source=source if source.kind == "huggingface" else old.source,
+                moved = replace(old, path=path, source=_source_after_move(old.source, source),
                                 copies=_without(old.copies, path, self.root))
                 write_json(self._manifest_file(hex_digest), moved.to_json(self.root))
                 return moved
@@ -522,9 +523,26 @@ class Registry:
         got = hub.download(ref, root=self.root, revision=revision, force=force,
                            have=self._intact, console=console)
         reused = self.manifest(got.sha256) if got.reused and got.sha256 else None
-        m = reused or self._register_download(got)
+        m = self._with_origin(reused or self._register_download(got), got)
         key = target or label(name_for_file(Path(got.file).stem), DEFAULT_TAG)
         return Pulled(key, m, self._point(key, m), got)
+
+    def _with_origin(self, m: Manifest, got: Download) -> Manifest:
+        """Version ``m`` with the hub file ``got`` came from among its origins, when that is
+        not its source (a mirror's pull of bytes already here), so ``REPO:FILE`` finds it
+        offline as its source's does. One origin per hub file: a later pull updates it."""
+        if m.source.kind == "huggingface" and (m.source.repo, m.source.file) == (got.repo,
+                                                                                 got.file):
+            return m
+        with self._locked():
+            m = self.manifest(m.hex) or m
+            if any((o.repo, o.file, o.revision) == (got.repo, got.file, got.revision)
+                   for o in m.origins):
+                return m  # (pulled from there at that commit before: nothing new)
+            others = tuple(o for o in m.origins if (o.repo, o.file) != (got.repo, got.file))
+            m = replace(m, origins=(*others, Origin(got.repo, got.file, got.revision, now())))
+            write_json(self._manifest_file(m.hex), m.to_json(self.root))
+        return m
 
     def _intact(self, hex_digest: str) -> Path | None:
         """The file of version ``hex_digest`` if it is here and unchanged (a file not adopted
@@ -726,6 +744,18 @@ def _path_key(path: Path) -> str:
     the sha256 of its real path (no dot: lease files are ``KEY.PID.N``)."""
     real = os.path.realpath(Path(path).expanduser().absolute())
     return "path-" + hashlib.sha256(os.fsencode(real)).hexdigest()
+
+
+def _source_after_move(was: Source, now_from: Source) -> Source:
+    """The source of a version whose file had gone and that is registered again from
+    ``now_from``: a pull's (the version downloaded again), unless the version was pulled from
+    another hub file, which stays its source (the pull records the new one among its
+    origins); a file moved by hand keeps where it came from."""
+    if now_from.kind != "huggingface":
+        return was
+    other_hub_file = was.kind == "huggingface" and (was.repo, was.file) != (now_from.repo,
+                                                                             now_from.file)
+    return was if other_hub_file else now_from
 
 
 def _is_adapter(path: Path) -> bool:

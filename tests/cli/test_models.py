@@ -436,3 +436,19 @@ def test_an_empty_model_to_tag_or_convert_is_named_so(models_dir):
     assert error_line(runner.invoke(app, ["convert", " "])) == (
         "error: the model to convert is empty: pass a Hugging Face model's folder or a repo "
         "id OWNER/NAME")
+
+
+def test_show_names_every_hub_file_a_version_was_pulled_from(models_dir):
+    """A version pulled again from a mirror records it among its origins (older manifests
+    have none, and read as they were)."""
+    assert runner.invoke(app, ["show", "tiny-gemma"]).exit_code == 0  # (adopts it)
+    file = next((models_dir / "manifests").glob("sha256-*.json"))
+    data = json.loads(file.read_text())
+    assert "origins" not in data
+    data["origins"] = [{"repo": "acme/sub-GGUF", "file": "UPPER.gguf", "revision": "c0ffee",
+                        "added": "2026-01-02T03:04:05+00:00"}]
+    file.write_text(json.dumps(data))
+    r = runner.invoke(app, ["show", "tiny-gemma"])
+    assert r.exit_code == 0, r.output
+    assert ("also pulled from: huggingface acme/sub-GGUF:UPPER.gguf @ c0ffee "
+            "(2026-01-02T03:04:05+00:00)") in r.stdout

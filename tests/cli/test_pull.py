@@ -527,3 +527,34 @@ def test_a_partial_file_left_by_a_killed_pull_is_swept_by_the_next_pull(hub: Fak
     assert _partials(tmp_path) == []
     path = _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf")
     assert path.read_bytes() == GGUF and Registry(_models(tmp_path)).find("tiny-q8_0") == path
+
+
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_every_repo_file_a_version_was_pulled_from_finds_it_offline(
+        hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes pulled again from a mirror (another repo and file) were "already here",
+    but only the first origin was recorded: offline, ``serve MIRROR:FILE`` said "pulling ...
+    needs the hub", though a model pulled before needs none."""
+    from justllm.models.source import resolve_model
+
+    commit = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": GGUF})
+    mirror = hub.push("acme/sub-GGUF", {"UPPER-Q8_0.gguf": GGUF})
+    assert runner.invoke(app, ["pull", "acme/tiny-GGUF:tiny-Q8_0.gguf"]).exit_code == 0
+    r = runner.invoke(app, ["pull", "acme/sub-GGUF:UPPER-Q8_0.gguf"])
+    assert r.exit_code == 0 and "is already here" in r.stdout, r.output
+    path = _pulled(tmp_path, "acme/tiny-GGUF", commit, "tiny-Q8_0.gguf")
+    _offline(monkeypatch)
+    for ref in ("acme/tiny-GGUF:tiny-Q8_0.gguf", "acme/sub-GGUF:UPPER-Q8_0.gguf"):
+        assert Path(resolve_model(ref)).resolve() == path, ref
+    assert hub.gets(".gguf") == 1
+    m = Registry(_models(tmp_path)).resolve("upper-q8_0")[1]
+    assert (m.source.repo, m.source.file, m.source.revision) == (
+        "acme/tiny-GGUF", "tiny-Q8_0.gguf", commit)
+    assert [(o.repo, o.file, o.revision) for o in m.origins] == [
+        ("acme/sub-GGUF", "UPPER-Q8_0.gguf", mirror)]

@@ -508,3 +508,40 @@ def test_pulling_a_lora_adapter_says_so_without_naming_the_deleted_file(hub, tmp
         "registry keeps models only (the download is deleted); download it yourself (hf "
         "download acme/lora-GGUF lora.gguf) and load it with --lora NAME=PATH")
     assert not (tmp_path / "models" / "huggingface").exists()
+
+
+def test_a_mirrors_pull_is_an_origin_of_the_version_and_the_newest_pull_wins(
+        hub, tmp_path, monkeypatch):
+    """Each hub file a version was pulled from names it (``Registry.pulled``), also after its
+    file was deleted and downloaded again from the mirror; a hub file that later served other
+    bytes, then these again, names the version pulled last."""
+    import itertools
+
+    import justllm.models.registry as registry_module
+
+    seconds = itertools.count()  # a clock a second on at each reading: no two pulls tie
+    monkeypatch.setattr(registry_module, "now",
+                        lambda: f"2026-01-01T00:{next(seconds):02d}:00+00:00")
+    one, two = tiny_gguf(seed=1), tiny_gguf(seed=2)
+    hub.push("acme/tiny-GGUF", {"tiny.gguf": one})
+    hub.push("acme/sub-GGUF", {"UPPER.gguf": two})
+    reg = Registry()
+    first = reg.pull("acme/tiny-GGUF:tiny.gguf").manifest
+    second = reg.pull("acme/sub-GGUF:UPPER.gguf").manifest
+    assert reg.pulled("acme/sub-GGUF", "UPPER.gguf") == second.path
+    hub.push("acme/sub-GGUF", {"UPPER.gguf": one})  # the mirror now serves tiny's bytes
+    assert reg.pull("acme/sub-GGUF:UPPER.gguf").download.reused
+    assert reg.pulled("acme/sub-GGUF", "UPPER.gguf") == first.path
+    assert reg.listed("acme/sub-GGUF:UPPER.gguf").hex == first.hex
+    assert reg.pulled("acme/tiny-GGUF", "tiny.gguf") == first.path
+    # tiny's file deleted and downloaded again through the mirror, at a new commit: the
+    # version's file is the mirror's now, and both still find it.
+    first.path.unlink()
+    hub.push("acme/sub-GGUF", {"UPPER.gguf": one, "README.md": b"# new commit\n"})
+    again = reg.pull("acme/sub-GGUF:UPPER.gguf").manifest
+    assert again.hex == first.hex and again.path != first.path
+    assert again.source.repo == "acme/tiny-GGUF"
+    assert [o.repo for o in again.origins] == ["acme/sub-GGUF"]
+    assert reg.pulled("acme/tiny-GGUF", "tiny.gguf") == again.path
+    assert reg.pulled("acme/sub-GGUF", "UPPER.gguf") == again.path
+    assert reg.pulled("acme/other-GGUF", "tiny.gguf") is None
