@@ -44,14 +44,28 @@ class ContextFull(JustLLMError):
 class AnswerStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    ttft: float = 0.0
+    # None: not seen (a server's stream whose answer had no text to time its first token by)
+    ttft: float | None = 0.0
     seconds: float = 0.0
     complete: bool = True  # False: stopped or failed before its end (figures so far, if any)
 
     @property
-    def tokens_per_second(self) -> float:
+    def tokens_per_second(self) -> float | None:
+        """After the first token; None when its time was not seen (the whole request's time
+        would count the prompt's as generation's)."""
+        if self.ttft is None:
+            return None
         gen_time = self.seconds - self.ttft
         return (self.generated_tokens - 1) / gen_time if gen_time > 0 and self.generated_tokens > 1 else 0.0
+
+
+def _text(delta: dict, key: str) -> str | None:
+    """A chunk's ``delta[key]``: text or nothing; anything else is no chat stream (a number
+    was written out as it came, and failed with a traceback)."""
+    value = delta.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"its {key} is a {type(value).__name__}, not text")
+    return value
 
 
 class LocalChat:
@@ -244,6 +258,7 @@ class RemoteChat:
                                    trust_env=False)
         self.model = model
         self.listed: list[str] = []  # the ids the server's /v1/models lists
+        self.context: int | None = None  # the tokens a request holds there, where it says
         self.last = AnswerStats()
         try:
             self._choose_model()
@@ -261,15 +276,23 @@ class RemoteChat:
             raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}: "
                                f"{_error_of(r.content)[0]}{hint}")
         try:
-            self.listed = [str(m["id"]) for m in r.json()["data"]]
-        except (ValueError, LookupError, TypeError):
-            self.listed = []
+            cards = r.json()["data"]
+            self.listed = [str(m["id"]) for m in cards]
+            # (router mode lists a model's aliases on its card: they are served too)
+            names = {*self.listed, *(str(a) for m in cards
+                                     if isinstance(m.get("aliases"), list) for a in m["aliases"])}
+        except (ValueError, LookupError, TypeError, AttributeError):
+            self.listed, names = [], set()
         if not self.listed:
             raise JustLLMError(f"{self.url}/v1/models did not list a model as an "
                                "OpenAI-compatible server does")
         if self.model is None:
             self.model = self.listed[0]
-        elif self.model not in self.listed:  # (every request would be refused)
+        # (vLLM's and justllm's cards say how many tokens a request holds)
+        self.context = next((m["max_model_len"] for m in cards if self.model in
+                             (m.get("id"), *(m.get("aliases") or ()))
+                             and isinstance(m.get("max_model_len"), int)), None)
+        if self.model is not None and self.model not in names:  # (every request refused)
             shown = ", ".join(self.listed[:10]) + (", …" if len(self.listed) > 10 else "")
             raise JustLLMError(f"{self.url} serves no model named '{self.model}' (its "
                                f"/v1/models lists: {shown})")
@@ -306,15 +329,15 @@ class RemoteChat:
                     if data.get("usage"):
                         u = data["usage"]
                         self.last = AnswerStats(u["prompt_tokens"], u["completion_tokens"],
-                                                (first or start) - start,
+                                                None if first is None else first - start,
                                                 time.perf_counter() - start)
                     for choice in _choices(data):
                         delta = choice["delta"]
-                        thought = delta.get("reasoning_content")
+                        thought = _text(delta, "reasoning_content")
                         if thought:
                             first = first or time.perf_counter()
                             yield Thought(thought)
-                        text = delta.get("content")
+                        text = _text(delta, "content")
                         if text:
                             first = first or time.perf_counter()
                             yield text

@@ -9,6 +9,7 @@ that end up in the message.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,13 @@ def history_file() -> Path:
     return cache_dir() / "chat_history"
 
 
+def piped_stdin() -> None:
+    """A pipe's bytes that are not in the locale's encoding read as U+FFFD, not as an error
+    that ended the chat (or run) and lost the good lines read with them."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+
+
 @contextlib.contextmanager
 def line_editing() -> Iterator[None]:
     """Editing and history for ``input()`` while the block runs, when stdin is a terminal (a
@@ -38,6 +46,7 @@ def line_editing() -> Iterator[None]:
     JUSTLLM_NOHISTORY set, neither. A history that cannot be read or written is left alone,
     silently: editing still works."""
     if not sys.stdin.isatty():
+        piped_stdin()
         yield
         return
     try:

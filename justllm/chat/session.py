@@ -156,10 +156,12 @@ class ChatSession:
             self._say("(no answer yet)" if s.complete else
                       "(no figures for the last answer: it did not finish)")
             return
-        rate = (f", {s.tokens_per_second:.1f} tok/s" if s.generated_tokens > 1 else "")
+        rate = s.tokens_per_second
+        shown = f", {rate:.1f} tok/s" if rate is not None and s.generated_tokens > 1 else ""
+        # (a server's answer with no text has no first token to time)
+        ttft = "TTFT not seen" if s.ttft is None else f"TTFT {s.ttft * 1000:.0f} ms"
         self._say(f"prompt {s.prompt_tokens} tok · generation {s.generated_tokens} tok"
-                  f"{rate} · TTFT {s.ttft * 1000:.0f} ms"
-                  + ("" if s.complete else " (stopped before its end)"))
+                  f"{shown} · {ttft}" + ("" if s.complete else " (stopped before its end)"))
 
     def _answer(self, text: str) -> None:
         """Stream the answer to ``text``. A failed turn (an error line) leaves the history as

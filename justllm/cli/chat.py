@@ -45,6 +45,25 @@ def check_flags(context: typer.Context, url: str | None) -> None:
                          "needs none")
 
 
+def _fitted(room: int, max_tokens: int, typed: bool, whose: str) -> int:
+    """``--max-tokens`` as a request can hold it in a context of ``room`` tokens (a local
+    model's, or what a server's /v1/models says): a typed one that leaves no room for a
+    message is refused now (every message would be); the default (512) where it does not fit
+    becomes half the context, half the answer, said once."""
+    from justllm.errors import InvalidRequestError
+
+    if max_tokens < room:
+        return max_tokens
+    if typed:
+        raise InvalidRequestError(
+            f"--max-tokens {max_tokens} leaves no room for a message in this {whose} context "
+            f"of {room} tokens (--ctx, --pool-blocks or its training context): ask for fewer"
+            + (", or a larger --ctx" if whose == "model's" else ""), param="max_tokens")
+    print_notice(f"answers stop at {room // 2} tokens, half of this {whose} context of {room} "
+                 f"(--max-tokens' default, {max_tokens}, does not fit it)")
+    return room // 2
+
+
 def chat(
     context: typer.Context,
     model: ChatModel = None,
@@ -79,6 +98,9 @@ def chat(
                     print_notice(f"chatting with {remote.model}, the first of the "
                                  f"{len(remote.listed)} models {remote.url} lists (name "
                                  "another: justllm chat MODEL --url URL)")
+                if remote.context is not None:
+                    options["max_tokens"] = _fitted(remote.context, max_tokens,
+                                                    given(context, "max_tokens"), "server's")
                 backend: LocalChat | RemoteChat = remote
             else:
                 plugins = plugins_of(context)
@@ -88,19 +110,13 @@ def chat(
                     "chat_template": chat_template, "verbose": verbose}, plugins)
                 stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
                 local = LocalChat(config, plugins.request_events(), record_text=record_text)
-                room = local.engine.max_request_tokens
-                if max_tokens >= room and given(context, "max_tokens"):
-                    local.close()  # (every message would be refused: say so now)
-                    raise InvalidRequestError(
-                        f"--max-tokens {max_tokens} leaves no room for a message in this "
-                        f"model's context of {room} tokens (--ctx, --pool-blocks or its "
-                        "training context): ask for fewer, or a larger --ctx",
-                        param="max_tokens")
-                if max_tokens >= room:  # the default: half the context, half the answer
-                    options["max_tokens"] = room // 2
-                    print_notice(f"answers stop at {room // 2} tokens, half of this model's "
-                                 f"context of {room} (--max-tokens' default, {max_tokens}, "
-                                 "does not fit it)")
+                try:
+                    options["max_tokens"] = _fitted(local.engine.max_request_tokens,
+                                                    max_tokens, given(context, "max_tokens"),
+                                                    "model's")
+                except InvalidRequestError:
+                    local.close()
+                    raise
                 if local.notice:
                     print_notice(local.notice)
                 backend = local

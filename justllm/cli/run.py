@@ -64,6 +64,9 @@ def run(
         if prompt is None:
             if sys.stdin is None or sys.stdin.isatty():
                 raise ValueError("no prompt: pass -p TEXT or pipe text on stdin")
+            from justllm.chat.line_editing import piped_stdin
+
+            piped_stdin()
             prompt = sys.stdin.read()
         if not prompt.strip():
             raise ValueError("the prompt is empty")

@@ -21,9 +21,11 @@ def top(
 
         check_url(url)  # (as ps, chat and bench check theirs)
         if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            from justllm.tui.metrics import metrics_url
+
             # Textual would draw its screen into the pipe and never end.
             raise ValueError("justllm top needs a terminal; for the figures in a script, "
-                             f"read {url.rstrip('/')}/metrics (or justllm ps for a gateway)")
+                             f"read {metrics_url(url)} (or justllm ps for a gateway)")
         from justllm.tui.top import TopApp
 
         TopApp(url=url, interval=interval, api_key=api_key).run()

@@ -218,7 +218,8 @@ def _model_cards(state: State) -> dict[str, Any]:
 
     served = _served(state)
     return msgspec.to_builtins(ModelList(
-        "list", [ModelCard(served.model_id, "model", served.created, "justllm")]
+        "list", [ModelCard(served.model_id, "model", served.created, "justllm",
+                           max_model_len=served.aengine.max_request_tokens)]
         + adapter_cards(served.aengine, served.model_id, served.created)))
 
 

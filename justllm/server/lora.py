@@ -117,7 +117,8 @@ def _loaded(aengine: AsyncEngine, id: int | None, name: str | None, where: str) 
 
 def adapter_cards(aengine: AsyncEngine, base: str, created: int) -> list[ModelCard]:
     """``/v1/models`` entries for the adapters: each a model whose parent is the base."""
-    return [ModelCard(a.name, "model", created, "justllm", parent=base)
+    return [ModelCard(a.name, "model", created, "justllm", parent=base,
+                      max_model_len=aengine.max_request_tokens)
             for a in aengine.lora_adapters()]
 
 

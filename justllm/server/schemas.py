@@ -491,6 +491,7 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base
+    max_model_len: int | None = None  # vLLM's: the tokens one request holds, prompt and answer
 
 
 class ModelList(msgspec.Struct):

@@ -38,6 +38,13 @@ REPLICA_UP = "justllm_gateway_replica_up"
 WAITING_FOR_LOAD = "justllm_gateway_requests_waiting_for_load"
 
 
+
+def metrics_url(url: str) -> str:
+    """The ``/metrics`` page of the server at ``url`` (given bare, as its ``/v1``, or as
+    the page itself)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url.removesuffix("/v1") + "/metrics"
+
 @dataclass(frozen=True)
 class Histogram:
     """Cumulative buckets ``(upper bound, observations <= bound)``, sorted, ``+Inf`` last."""

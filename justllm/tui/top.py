@@ -30,7 +30,7 @@ from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import DataTable, Digits, Footer, Header, Sparkline, Static
 
-from justllm.tui.metrics import Snapshot, parse, rate
+from justllm.tui.metrics import Snapshot, metrics_url, parse, rate
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 ALL_MODELS = "all models"
@@ -132,8 +132,7 @@ class TopApp(App[None]):
             raise ValueError("the interval must be > 0 seconds")
         self.url = url.rstrip("/")
         # (an OpenAI client's base URL, .../v1, as chat and bench take it: /v1/metrics is 404)
-        self.metrics_url = (self.url if self.url.endswith("/metrics")
-                            else self.url.removesuffix("/v1") + "/metrics")
+        self.metrics_url = metrics_url(self.url)
         self.interval = interval
         self.api_key = api_key
         self.history = history
@@ -146,6 +145,9 @@ class TopApp(App[None]):
         # a poll sent before one does not become a baseline either.
         self._prev: Snapshot | None = None
         self._epoch = 0
+        # Whether the newest tokens/s sample is of now: not after an outage or a pause until
+        # a reading adds one (the rate from before it was shown as the current one).
+        self._current = False
         self._client: httpx.AsyncClient | None = None
         self._timer: Timer | None = None
         self._in_flight = False
@@ -271,10 +273,12 @@ class TopApp(App[None]):
         self.reachable = False
         self.status = message
         self._new_baseline()
+        self.snapshot = None  # (its figures are not the server's now: they stayed on show)
 
     def _new_baseline(self) -> None:
         self._prev = None
         self._epoch += 1
+        self._current = False
 
     def _record(self, snap: Snapshot, epoch: int) -> None:
         """Show ``snap`` and add its tokens/s sample. A counter moves in bursts (a step's tokens
@@ -292,6 +296,7 @@ class TopApp(App[None]):
                 per_second = rate(before, now, "generation_tokens")
                 if per_second is not None:
                     self._history(view).append(per_second)
+                    self._current = True
             self._prev = snap
         for gone in [v for v in self.histories if v is not None and v not in snap.per_model]:
             del self.histories[gone]
@@ -388,7 +393,8 @@ class TopApp(App[None]):
             f"used {_num(s.kv_used)}/{_num(s.kv_total)}{usage} · ",
             ("■", "magenta"), f" prefix cache {_num(s.cache_blocks)}"))
         rates = self.rates
-        current = (f"{rates[-1]:.1f} tok/s" if rates and s.generation_tokens is not None else "-")
+        current = (f"{rates[-1]:.1f} tok/s" if rates and self._current
+                   and s.generation_tokens is not None else "-")
         peak = f" · peak {max(rates):.1f}" if rates else ""
         total = (f" · {_num(s.generation_tokens)} generated"
                  if s.generation_tokens is not None else "")

@@ -481,16 +481,21 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(model_path, t
 # ---- a stand-in OpenAI server (no model): what a server may send, exactly ------------------
 
 @contextlib.contextmanager
-def fake_openai(models: list[str], streams: list[bytes]) -> Iterator[tuple[str, list[dict]]]:
-    """A server whose /v1/models lists ``models`` and whose chat completions answer with
-    ``streams``, one per request, in order (the last one again when they run out). Yields its
-    URL and the request bodies it got."""
+def fake_openai(models: list[str], streams: list[bytes],
+                aliases: dict[str, list[str]] | None = None,
+                card: dict | None = None) -> Iterator[tuple[str, list[dict]]]:
+    """A server whose /v1/models lists ``models`` (with their ``aliases`` on their cards, as
+    router mode lists them) and whose chat completions answer with ``streams``, one per
+    request, in order (the last one again when they run out); ``card``: more fields of every
+    card. Yields its URL and the request bodies it got."""
     import http.server
     import threading
 
     asked: list[dict] = []
-    listing = json.dumps({"object": "list", "data": [{"id": m, "object": "model"}
-                                                       for m in models]}).encode()
+    listing = json.dumps({"object": "list", "data": [
+        {"id": m, "object": "model", **(card or {}),
+         **({"aliases": aliases[m]} if m in (aliases or {}) else {})}
+        for m in models]}).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def _send(self, body: bytes, kind: str) -> None:
@@ -762,3 +767,78 @@ def test_set_refuses_infinite_values():
                        ) == 2
     assert "not a valid temperature: temperature must be a number in [0, 100]" in lines
     assert session.options["repeat_penalty"] == 1.1
+
+
+def test_a_chunks_content_that_is_not_text_is_one_error_line():
+    """A number as a delta's content was written out: a TypeError traceback."""
+    bad = '{"choices": [{"delta": {"content": 5}}]}'
+    with fake_openai(["m"], [sse(said("Hel"), bad, "[DONE]"), sse(said("Hello"), "[DONE]")]) \
+            as (url, _):
+        session, out = remote_chat_lines(url, ["hi", "again"])
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert errors == [f"error: {url} sent something that is not a chat stream: its content "
+                      "is a int, not text"], out
+    assert session.history[-1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_a_model_named_by_an_alias_of_a_gateway_is_served(tmp_path):
+    """Router mode lists a model's aliases on its card, and serves them: chat refused them
+    (it read the ids alone)."""
+    from justllm.chat.backends import RemoteChat
+
+    with fake_openai(["g1"], [sse(said("ok"), "[DONE]")], aliases={"g1": ["gpt-4o-mini"]}) \
+            as (url, asked):
+        backend = RemoteChat(url, model="gpt-4o-mini")
+        try:
+            assert "".join(backend.stream([{"role": "user", "content": "x"}], {})) == "ok"
+        finally:
+            backend.close()
+        assert asked[-1]["model"] == "gpt-4o-mini"
+
+
+def test_stats_of_an_answer_without_text_do_not_make_up_its_ttft():
+    """With no text, no first token could be timed: TTFT said 0 ms, and tok/s counted the
+    prompt's time as generation's."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
+                                      "total_tokens": 7}}
+    with fake_openai(["m"], [sse(said(""), usage, "[DONE]")]) as (url, _):
+        _, out = remote_chat_lines(url, ["hi", "/stats"])
+    assert "prompt 4 tok · generation 3 tok · TTFT not seen" in out, out
+    assert "tok/s" not in out
+
+
+def test_piped_bytes_outside_the_encoding_do_not_end_the_chat(tmp_path):
+    """Under a UTF-8 locale a pipe's stray byte failed the whole read: the chat ended with an
+    error, and the good lines read with it were never answered."""
+    env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
+    with fake_openai(["m"], [sse(said("ok"), "[DONE]")]) as (url, asked):
+        r = subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", url],
+                           input=b"hello\ncaf\xe9\n", capture_output=True, timeout=120,
+                           env=env)
+    assert r.returncode == 0, r.stderr
+    assert [a["messages"][-1]["content"] for a in asked] == ["hello", "caf\ufffd"]
+
+
+def test_max_tokens_fits_the_context_a_servers_card_says(tmp_path):
+    """The default --max-tokens (512) failed every message on a server with a small
+    context; a local model's is halved to fit: so is a server's, where its /v1/models card
+    says its max_model_len (vLLM's and justllm's cards do)."""
+    env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)}
+
+    def chat(url: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "justllm", "chat", "--url", url, *args],
+                              input="hi\n", capture_output=True, text=True, timeout=120,
+                              env=env)
+
+    with fake_openai(["m"], [sse(said("ok"), "[DONE]")], card={"max_model_len": 160}) \
+            as (url, asked):
+        r = chat(url)
+        assert r.returncode == 0 and asked[-1]["max_tokens"] == 80, r.stderr
+        assert "answers stop at 80 tokens, half of this server's context of 160" in " ".join(
+            r.stderr.split())
+        r = chat(url, "-n", "200")
+        assert r.returncode == 1 and len(asked) == 1
+        assert r.stderr.startswith("error: --max-tokens 200 leaves no room for a message in "
+                                   "this server's context of 160 tokens"), r.stderr
+        assert chat(url, "-n", "100").returncode == 0 and asked[-1]["max_tokens"] == 100
+

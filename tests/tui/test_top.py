@@ -177,6 +177,10 @@ def test_cli_command_help_and_bad_url():
     # Without a terminal (CliRunner's pipes) it says so: Textual drew into the pipe for ever.
     result = CliRunner().invoke(cli, ["--url", "http://127.0.0.1:9"])
     assert result.exit_code == 1 and "justllm top needs a terminal" in result.output
+    # the page it names is the one top reads (a /v1 URL named /v1/metrics, a 404)
+    for url in ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/metrics", "http://127.0.0.1:9/"):
+        result = CliRunner().invoke(cli, ["--url", url])
+        assert "read http://127.0.0.1:9/metrics (" in " ".join(result.output.split()), url
 
 
 class StubMetrics:
@@ -259,11 +263,16 @@ async def _baselines(stub: StubMetrics) -> None:
         stub.status = 503  # an outage; the server goes on generating
         await poll(30.0, 1920)
         assert "HTTP 503" in _text(app, "#status")
+        # no figure of before the outage stands as the server's now (they stayed on show)
+        assert _text(app, "#tok-rate") == "- · peak 64.0" and app.snapshot is None
         stub.status = 200
         await poll(30.0, 1920)  # back: a new baseline, not the tokens of the outage
         assert list(app.rates) == [64.0]
+        # the rate from before the outage is no current one (only the peak)
+        assert _text(app, "#tok-rate").startswith("- · peak 64.0")
         await poll(30.0, 1920)
         assert list(app.rates) == [64.0, 64.0]
+        assert _text(app, "#tok-rate").startswith("64.0 tok/s")
 
         stub.tokens = 500.0  # restarted: the counter went down
         await poll(30.0, 0)
