@@ -241,8 +241,10 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
         f"TTFT {ttft * 1000:.0f} ms · total {end - start:.2f} s · "
         f"finish: {last.finish_reason}[/dim]", highlight=False, soft_wrap=True)
     spec = engine.stats().spec
-    if spec.num_drafts:
+    if engine.spec is not None:  # (said with no draft too: that speculation was on)
+        accepted = (f", {spec.num_accepted_tokens} of {spec.num_draft_tokens} draft tokens "
+                    f"accepted ({spec.acceptance_rate:.0%})" if spec.num_drafts else
+                    " (nothing was drafted for this answer)")
         Console(stderr=True, emoji=False).print(
-            f"[dim]speculation: {spec.num_drafts} drafts, {spec.num_accepted_tokens} of "
-            f"{spec.num_draft_tokens} draft tokens accepted "
-            f"({spec.acceptance_rate:.0%})[/dim]", highlight=False, soft_wrap=True)
+            f"[dim]speculation: {spec.num_drafts} drafts{accepted}[/dim]", highlight=False,
+            soft_wrap=True)

@@ -184,8 +184,14 @@ class DraftModelProposer:
             q = _softmax(row, w.params.temperature)
             assert slot.rng is not None
             token = inverse_cdf(q, slot.rng.random())
-            if w.p_min > 0 and q[token] < w.p_min:
-                return []
+            if w.p_min > 0:
+                if q[token] < w.p_min:
+                    return []
+                # A token under the cut-off ends the draft, so a drafted one was drawn from q
+                # among the tokens at or above it: that is what it is verified against (with q
+                # itself, those tokens were accepted too often, skewing every sampled answer).
+                q = np.where(q >= w.p_min, q, 0.0)
+                q /= q.sum()
             nodes.append(_Node(token, n, parent_seq, pos, q))
             return [(j, len(nodes) - 1)]
         branches = self.branch if self.tree and depth <= TREE_LEVELS else 1

@@ -137,6 +137,9 @@ class LlamaCompletionRequest(NullAsDefault, kw_only=True):
     timings_per_token: NullBool = False
     return_progress: NullBool = False
     lora: list[LoraChoice] | None = None  # as on the OpenAI routes (server/lora.py)
+    # Speculative decoding per request, as on the OpenAI routes (llama-server's own names)
+    speculative_n_max: int | None = msgspec.field(default=None, name="speculative.n_max")
+    speculative_p_min: float | None = msgspec.field(default=None, name="speculative.p_min")
 
 
 
@@ -290,7 +293,8 @@ def _sampling(req: LlamaCompletionRequest, plan: _Plan, seed: int | None,
         llama_penalties=True,  # (as llama-server counts them: the prompt too, in the window)
         seed=seed, stop=plan.stop, ignore_eos=req.ignore_eos,
         logit_bias=logit_bias, logprobs=_n_probs(req) or None, samplers=plan.chain,
-        cache_prompt=req.cache_prompt)
+        cache_prompt=req.cache_prompt, spec_n_max=req.speculative_n_max,
+        spec_p_min=req.speculative_p_min)
 
 
 def _top_p(top_p: float) -> float:

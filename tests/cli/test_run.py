@@ -133,6 +133,11 @@ def test_run_with_speculation_reports_acceptance(model_path):
     assert r.exit_code == 0, r.output
     assert "generation 24 tok" in r.output
     assert "speculation:" in r.output and "draft tokens accepted" in r.output
+    # nothing to draft (one token): still said, so that speculation was on is not in doubt
+    r = runner.invoke(app, ["run", model_path, "--raw", "-p", "hi", "-n", "1",
+                            "--pool-blocks", "64", "--spec", "ngram"])
+    assert r.exit_code == 0, r.output
+    assert "speculation: 0 drafts (nothing was drafted for this answer)" in r.output
 
 
 def test_speculation_flag_errors_are_one_line(tmp_path, model_path):

@@ -63,3 +63,22 @@ def test_speculation_fields_on_a_server_without_speculation(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert "--spec" in r.json()["error"]["message"]
     assert complete(server, **{"speculative.n_max": 0, "max_tokens": 2}).status_code == 200
+
+
+def test_llama_servers_own_route_takes_its_speculation_fields(spec_server):
+    """/completion refused speculative.n_max and .p_min (unknown fields), though they are
+    llama-server's names and the OpenAI routes take them."""
+    def native(**extra) -> httpx.Response:
+        return httpx.post(spec_server.url + "/completion", timeout=120, json={
+            "prompt": REPEATING, "n_predict": 24, "temperature": 0, "ignore_eos": True,
+            **extra})
+
+    drafts = metric(spec_server, "vllm:spec_decode_num_drafts_total")
+    off = native(**{"speculative.n_max": 0})
+    assert off.status_code == 200 and off.json()["tokens_predicted"] == 24, off.text
+    assert metric(spec_server, "vllm:spec_decode_num_drafts_total") == drafts  # honoured
+    on = native(**{"speculative.n_max": 4})
+    assert on.status_code == 200 and on.json()["content"] == off.json()["content"], on.text
+    assert metric(spec_server, "vllm:spec_decode_num_drafts_total") > drafts
+    r = native(**{"speculative.p_min": 0.5})  # n-gram drafts take no cut-off
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.p_min", r.text

@@ -70,3 +70,25 @@ def test_a_failed_tree_draft_gives_its_branch_sequences_back():
     assert sorted(proposer._temp_seqs) == free
     tree = proposer.propose(want)["a"]
     assert len(tree.leaves) > 1  # still a tree
+
+
+def test_a_sampled_draft_under_a_cut_off_is_verified_against_what_it_was_drawn_from():
+    """With --draft-p-min (or speculative.p_min), a drawn token under the cut-off ends the
+    draft: a drafted token was drawn from q among the tokens at or above it. Its draft
+    distribution was q itself, so verification accepted those tokens too often (an audit
+    measured P(".") 0.83 where the model gives 0.58)."""
+    backend = Backend(n_batch=64, n_seq_max=4)
+    proposer = DraftModelProposer(backend, 2)
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    row = np.full(VOCAB, -10.0)
+    row[1], row[2] = 1.0, 0.9
+    q = np.exp(row - row.max())
+    q /= q.sum()
+    assert 0 < q[3] < 0.3 and q[1] > 0.3 and q[2] > 0.3
+    for p_min, kept in ((0.0, q), (0.3, np.where(q >= 0.3, q, 0.0) / q[[1, 2]].sum())):
+        tree = proposer.propose([DraftRequest(f"r{p_min}", [3, 4, 5], 3, sampled,
+                                              p_min=p_min)])[f"r{p_min}"]
+        assert tree.q is not None and len(tree.q) == len(tree.tokens) == 3
+        for drawn_from in tree.q:
+            assert np.allclose(drawn_from, kept) and np.isclose(drawn_from.sum(), 1.0)
+
