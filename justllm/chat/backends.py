@@ -59,6 +59,16 @@ class AnswerStats:
         return (self.generated_tokens - 1) / gen_time if gen_time > 0 and self.generated_tokens > 1 else 0.0
 
 
+def _aliases(card: dict) -> list[str]:
+    """The other names a model card says its model answers to (router mode's ``aliases``)."""
+    aliases = card.get("aliases")
+    return [str(a) for a in aliases] if isinstance(aliases, list) else []
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _text(delta: dict, key: str) -> str | None:
     """A chunk's ``delta[key]``: text or nothing; anything else is no chat stream (a number
     was written out as it came, and failed with a traceback)."""
@@ -279,8 +289,7 @@ class RemoteChat:
             cards = r.json()["data"]
             self.listed = [str(m["id"]) for m in cards]
             # (router mode lists a model's aliases on its card: they are served too)
-            names = {*self.listed, *(str(a) for m in cards
-                                     if isinstance(m.get("aliases"), list) for a in m["aliases"])}
+            names = {*self.listed, *(a for m in cards for a in _aliases(m))}
         except (ValueError, LookupError, TypeError, AttributeError):
             self.listed, names = [], set()
         if not self.listed:
@@ -290,8 +299,8 @@ class RemoteChat:
             self.model = self.listed[0]
         # (vLLM's and justllm's cards say how many tokens a request holds)
         self.context = next((m["max_model_len"] for m in cards if self.model in
-                             (m.get("id"), *(m.get("aliases") or ()))
-                             and isinstance(m.get("max_model_len"), int)), None)
+                             (m.get("id"), *_aliases(m)) and _is_count(m.get("max_model_len"))),
+                            None)
         if self.model is not None and self.model not in names:  # (every request refused)
             shown = ", ".join(self.listed[:10]) + (", …" if len(self.listed) > 10 else "")
             raise JustLLMError(f"{self.url} serves no model named '{self.model}' (its "

@@ -169,8 +169,11 @@ class AsyncEngine:
         prepared here, on the caller's thread -- a server should use :meth:`asubmit`.
         ``handover`` and ``resume``: prefill/decode disaggregation (``Engine.add_request``,
         ``Engine.resume_request``); a resumed request's given tokens are its first output,
-        ready at once. ``origin``: what the server knew of it, for its record."""
-        if not self._accepting or self._stopping:
+        ready at once. ``origin``: what the server knew of it, for its record. A resumed
+        request is taken while a shutdown drains (``stop_accepting``): it is the second half
+        of one a prefill replica took before (router mode stops the runners once it is handed
+        over)."""
+        if not self._takes(resume):
             raise EngineClosedError("the server is shutting down")
         loop = asyncio.get_running_loop()
         if not isinstance(prompt, PreparedRequest):  # outside the lock: it may take seconds
@@ -201,7 +204,7 @@ class AsyncEngine:
         """:meth:`submit`, the request prepared on a worker thread first: tokenizing a prompt
         of megabytes takes seconds, and the event loop serves every other request meanwhile.
         Cancelled while it prepares, nothing is queued."""
-        if not self._accepting or self._stopping:  # no tokenizing for a closed engine
+        if not self._takes(resume):  # no tokenizing for a closed engine
             raise EngineClosedError("the server is shutting down")
         prepared = await self.off_loop(len(prompt),
                                        lambda: self.engine.prepare(prompt, params, resume))
@@ -542,6 +545,9 @@ class AsyncEngine:
     @property
     def accepting(self) -> bool:
         return self._accepting and not self._stopping
+
+    def _takes(self, resume: Handover | None) -> bool:
+        return not self._stopping and (self._accepting or resume is not None)
 
     def stop_accepting(self) -> None:
         """Refuse new requests (EngineClosedError) and let the ones in flight go on: the first

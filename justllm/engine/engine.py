@@ -539,7 +539,8 @@ class Engine:
         vocabulary and allowed by the request's grammar (which then stands after them), its
         random state a PCG64 state (the sampler takes it), and its logprobs there when the
         request asks for them."""
-        if resume.prompt != prompt_digest(tokens):
+        if resume.prompt and resume.prompt != prompt_digest(tokens):
+            # (none: a replica of an older justllm, which said nothing of it, as mid-upgrade)
             raise HandoverError("the hand-over was drawn after another prompt (the two "
                                 "replicas render it differently)")
         n_vocab = self.backend.n_vocab

@@ -197,8 +197,13 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 if isinstance(got, Response):  # the client left: the prefill was aborted
                     state.pd_aborted += 1
                     return got
-                if got is not None:  # the decode replica imports the KV, then serves
+                if isinstance(got, _Refused):  # the request's own fault: the decode replica
+                    return got.response  # renders and checks it alike, so it is answered now
+                if got is None:  # served whole: nothing to hand over
+                    handing()
+                else:  # the decode replica imports the KV (its relay's end: handing), serves
                     handover, target = got, f"/pd/decode?path={path}"
+                    got.relayed = handing
         skip: set[str] = set()  # replicas that refused this request (429, 503)
         deadline = time.monotonic() + sup.config.load_timeout
         refused: Response | APIError | None = None
@@ -266,6 +271,7 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 if not isinstance(answer, Stream):  # (a stream's relay releases it at its end)
                     release()
                 handing()  # its decode replica has it (or failed it)
+                # (the hand-over's end released it already, unless the send failed first)
             ended = isinstance(answer, Stream)  # the stream's relay ends the request
             return answer
     finally:
@@ -328,6 +334,10 @@ class _Handover:
     def __init__(self, response: httpx.Response, state: ModelState, t0: float) -> None:
         self.response, self.state, self.t0 = response, state, t0
         self.spent = False  # body() was handed to a request: it cannot be sent again
+        # Called once the decode replica has the whole body (the KV relayed, or cut short):
+        # an unload waiting for the hand-over may stop the runners now, which let the
+        # request they received run to its end (their drain).
+        self.relayed: Callable[[], None] = lambda: None
 
     async def body(self, request_json: bytes) -> AsyncIterator[bytes]:
         """``/pd/decode``'s body: the request's length (u32 LE), the request, the KV."""
@@ -342,6 +352,7 @@ class _Handover:
             state.pd_fallbacks["transfer_broken"] += 1
             return
         finally:
+            self.relayed()
             await self.close()
         state.pd_transfers += 1
         state.pd_bytes += n
@@ -365,7 +376,8 @@ def _runner_headers(request: Request) -> dict[str, str]:
 
 
 async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
-                   path: str, sent_to: Callable[[Replica], bytes]) -> _Handover | None:
+                   path: str, sent_to: Callable[[Replica], bytes]
+                   ) -> _Handover | _Refused | None:
     """A PD model's first half: a prefill replica (cache-aware) computes the prompt and answers
     with its KV, which is relayed to the decode replica as it comes. None when that fails
     before the KV starts (no prefill replica, it refused or died): the request is then served
@@ -391,6 +403,13 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
         return None
     finally:
         sup.done(replica)
+    if response.status_code == 400:  # the request's fault (a decode replica would say so)
+        try:
+            data = await response.aread()
+        finally:
+            await response.aclose()
+        return _Refused(Response(data, status_code=400, media_type=response.headers.get(
+            "content-type", "application/json")))
     if response.status_code != 200:
         await response.aclose()
         state.pd_fallbacks[f"prefill_{response.status_code}"] += 1
@@ -669,8 +688,8 @@ def _local_file(source: str) -> tuple[Path, str | None] | None:
     if not source:
         return None
     path = Path(source).expanduser()
-    registry = Registry()
     try:
+        registry = Registry()  # (a JUSTLLM_MODELS_DIR that is a file: every listing failed)
         if path.is_file():
             return path, registry.digests.cached(path)
         m = registry.listed(source)

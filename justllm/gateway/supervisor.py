@@ -619,7 +619,9 @@ class Supervisor:
         runners = [r.runner for r in state.local if r.runner is not None]
         self._stopping.update((runner, state) for runner in runners)
         state.detached += 1
-        state.leaving += [r for r in state.local if state.serves(r, "decode")]
+        if state.spec.pd:  # (the only requests that reach a replica after an unload)
+            state.leaving += [r for r in state.local
+                              if r.role == "decode" and r.runner is not None]
         for r in state.local:
             r.status = "stopping"
             self._forget(state, r)
@@ -649,7 +651,8 @@ class Supervisor:
                     state = self._stopping.pop(runner, None)
                     if state is not None:
                         state.unloads += 1
-                        state.leaving = [r for r in state.leaving if r.runner not in runners]
+                        state.leaving = [r for r in state.leaving if r.runner not in runners
+                                         and r.runner is not None and r.runner.alive()]
                 await self._notify_room()
         task = asyncio.ensure_future(stop())
         self._stops.add(task)

@@ -302,10 +302,12 @@ def remove_download(path: Path, root: Path) -> None:
         return
     commit_dir = base / Path(*rel.parts[:3])
     notes = commit_dir / ".cache" / "huggingface" / "download" / Path(*rel.parts[3:])
-    for suffix in (".metadata", ".lock"):
-        notes.with_name(notes.name + suffix).unlink(missing_ok=True)
+    # (its lock stays: another pull of the file may hold it; unlinked, a third could take a
+    # new one and download beside it)
+    notes.with_name(notes.name + ".metadata").unlink(missing_ok=True)
     if commit_dir.is_dir() and not any(
-            p.is_file() and p.relative_to(commit_dir).parts[0] != ".cache"
+            p.is_file() and (p.relative_to(commit_dir).parts[0] != ".cache"
+                             or p.name.endswith(".incomplete"))  # (another pull's, under way)
             for p in commit_dir.rglob("*")):
         shutil.rmtree(commit_dir, ignore_errors=True)
     for parent in [path.parent, *path.parent.parents]:

@@ -287,8 +287,12 @@ class Registry:
             repo, file = split_ref(ref)
             if file is None:
                 return None
-            found = [m for m in self.manifests().values() if m.pulled_at(repo, file) is not None]
-            return max(found, key=lambda m: m.pulled_at(repo, file) or "") if found else None
+            # (as pulled() picks it, unchecked: the newest pull whose file is here)
+            found = [m for m in self.manifests().values()
+                     if m.pulled_at(repo, file) is not None and m.path.is_file()]
+            tagged = set(self.tags().values()) if found else set()
+            return max(found, key=lambda m: (m.pulled_at(repo, file) or "",
+                                             m.digest in tagged)) if found else None
         if not could_be_name(ref):
             return None
         try:

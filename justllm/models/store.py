@@ -29,13 +29,18 @@ def quantization_name(file_type: int | None) -> str:
     return FILE_TYPES.get(file_type, f"type {file_type}")
 
 
+# Names recorded before the table took llama.h's own (MXFP4 is llama.h's MXFP4_MOE).
+_RENAMED = {"MXFP4": "MXFP4_MOE"}
+
+
 def recorded_quantization(recorded: str) -> str:
     """A manifest's quantization as it reads now: ``type N`` recorded before the table named
-    ``N`` (a Q1_0 quantization registered as ``type 40``) reads as its name."""
+    ``N`` (a Q1_0 quantization registered as ``type 40``) reads as its name, a name since
+    renamed as its new one."""
     number = recorded.removeprefix("type ")
     if number != recorded and number.isdigit():
         return quantization_name(int(number))
-    return recorded
+    return _RENAMED.get(recorded, recorded)
 
 
 def models_dir() -> Path:

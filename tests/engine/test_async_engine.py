@@ -290,3 +290,32 @@ def test_a_stepwise_job_stops_when_its_caller_leaves_or_the_server_aborts(aengin
         return await asyncio.wait_for(aengine.call_on_engine_thread(lambda: 42), 10)
 
     assert asyncio.run(ask()) == 42
+
+
+def test_a_draining_engine_takes_a_handover_but_no_new_request(model_path):
+    """A graceful shutdown refuses new requests; a prefill/decode hand-over is the second half
+    of a request its prefill replica took before, and router mode stops a decode runner once
+    the hand-over reached it: refused, it was a 503 for a request accepted before the
+    shutdown."""
+    from dataclasses import replace
+
+    from justllm.errors import EngineClosedError
+
+    prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4)
+    a = AsyncEngine(Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=64)))
+    try:
+        async def main() -> None:
+            handover = None
+            async for out in a.generate(prompt, replace(params, max_tokens=1), handover=True):
+                handover = out.handover or handover
+            assert handover is not None
+            a.stop_accepting()
+            with pytest.raises(EngineClosedError):
+                await a.asubmit(prompt, params)
+            stream = await a.asubmit(prompt, params, resume=handover)
+            tokens = [t async for out in stream for t in out.token_ids]
+            assert len(tokens) == 4 and tokens[0] == handover.token_ids[0]
+
+        asyncio.run(main())
+    finally:
+        a.close()

@@ -99,12 +99,15 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         assert decided["decode", "least-load"] == 5, decided
         assert sum(status["decisions"].values()) == 3
         assert status["pd"]["decode_decisions"] == {"least-load": 5}
-        # A request the decode half would refuse is refused before any prefill: its
-        # max_tokens past the context (the prompt was computed and exported, then refused)
+        # A request the decode half would refuse (max_tokens past the context) is refused by
+        # the prefill replica before it computes anything, and answered at once: it was
+        # computed and exported, then sent again whole to be refused, a PD "fallback"
         r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
             "model": "demo", "prompt": STORY * 8, "max_tokens": 2000})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert runner_metric(gw, "justllm_pd_exports_total", "demo", "0") == 3
+        assert gw.status()["demo"]["pd"]["fallbacks"] == {}
+        assert gw.status()["demo"]["pd"]["decode_decisions"] == {"least-load": 5}
 
         # A client that leaves while its prompt is being prefilled: the prefill replica
         # aborts it, and nothing reaches the decode replica.
@@ -146,8 +149,7 @@ def test_prefill_and_decode_replicas_hand_over_the_kv_and_survive_a_dead_prefill
         r = asyncio.run(killed_prefill())
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
-        assert gw.status()["demo"]["pd"]["fallbacks"] == {"prefill_400": 1,
-                                                          "prefill_failed": 1}
+        assert gw.status()["demo"]["pd"]["fallbacks"] == {"prefill_failed": 1}
         back = wait_for("the prefill replica back", lambda: (
             p := replicas(gw, "demo")["0"])["status"] == "ready" and p)
         assert back["pid"] != victim and back["restarts"] == 1
