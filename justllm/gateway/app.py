@@ -801,10 +801,17 @@ def _model_cards(state: State) -> dict:
     created = int(state["started"])
     return {"object": "list", "data": [
         {"id": s.spec.name, "object": "model", "created": created, "owned_by": "justllm",
-         "status": s.status, "aliases": list(s.spec.aliases)} for s in sup.models.values()] + [
+         "status": s.status, "aliases": list(s.spec.aliases), **_context(s)}
+        for s in sup.models.values()] + [
         {"id": a, "object": "model", "created": created, "owned_by": "justllm",
-         "status": s.status, "parent": s.spec.name} for s in sup.models.values()
-        for a in s.adapters]}
+         "status": s.status, "parent": s.spec.name, **_context(s)}
+        for s in sup.models.values() for a in s.adapters]}
+
+
+def _context(s: ModelState) -> dict[str, int]:
+    """vLLM's ``max_model_len`` on a model's card, once a runner of it has said it (a model
+    never loaded has none yet)."""
+    return {} if s.max_model_len is None else {"max_model_len": s.max_model_len}
 
 
 @get("/models/{model_id:path}", summary="One model (or LoRA adapter), with its status")

@@ -66,6 +66,7 @@ class ModelState:
     loads: int = 0
     restarts: int = 0
     unloads: int = 0  # its runners stopped (idle, room, a request, scaled down)
+    max_model_len: int | None = None  # a request's tokens on its runners, once one has said
     # by replica id, over every load (a replica's own count starts again with each load:
     # its counter series went backwards)
     replica_restarts: Counter[str] = field(default_factory=Counter)
@@ -527,7 +528,20 @@ class Supervisor:
             runner = self._spawn(state, replica)
             await runner.wait_ready(self._http, policy.start_limit(self.config.load_timeout))
         await apply_runtime_lora(self._http, state, runner.url, replica.id)
+        if state.max_model_len is None:
+            state.max_model_len = await self._context_of(runner.url)
         return runner
+
+    async def _context_of(self, url: str) -> int | None:
+        """The tokens one request holds on the runner at ``url``, as its /v1/models card says
+        (the gateway's cards say it too: ``justllm chat --url`` fits its answers to it);
+        None when it does not answer it."""
+        try:
+            r = await self._http.get(f"{url}/v1/models", timeout=10)
+            value = r.json()["data"][0]["max_model_len"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, LookupError, TypeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     async def _start(self, state: ModelState, detached: int) -> None:
         """Start the model's first replicas together; loaded once at least one answers (the

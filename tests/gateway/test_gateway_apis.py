@@ -72,6 +72,11 @@ def test_anthropic_and_responses_clients_work_against_the_gateway(tmp_path, mode
         tokens = httpx.post(gw.url + "/tokenize", timeout=60,
                             json={"model": "sql", "messages": HELLO}).json()
         assert tokens["count"] == chat["prompt_tokens"], tokens
+        # the cards say how many tokens a request holds, as the runner's do (vLLM's field;
+        # justllm chat --url fits its answers to it)
+        cards = {m["id"]: m for m in httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]}
+        assert cards["alpha"]["max_model_len"] == cards["sql"]["max_model_len"] == tokens[
+            "max_model_len"]
         back = httpx.post(gw.url + "/detokenize", timeout=60,
                           json={"model": "alpha", "tokens": tokens["tokens"]})
         assert back.status_code == 200 and "Say hello." in back.json()["content"], back.text
