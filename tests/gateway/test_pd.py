@@ -18,6 +18,7 @@ import openai
 from tests.gateway.test_gateway import start_gateway, stop, wait_gone
 from tests.gateway.test_replicas import (
     FLAGS,
+    is_up,
     replicas,
     runner_metric,
     scale_up_under_load,
@@ -264,7 +265,7 @@ def test_remote_prefill_and_decode_replicas_under_other_names(tmp_path, model_pa
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls[role] = f"http://127.0.0.1:{port}"
         for url in urls.values():
-            wait_for(url, lambda url=url: _answers(url), 120)
+            wait_for(url, lambda url=url: is_up(url), 120)
         gw = start_gateway(tmp_path, {"demo": {"prefill-replicas": [urls["prefill"]],
                                                "decode-replicas": [urls["decode"]]}})
         try:
@@ -286,10 +287,3 @@ def test_remote_prefill_and_decode_replicas_under_other_names(tmp_path, model_pa
             server.terminate()
         for server in servers:
             server.wait(timeout=60)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False

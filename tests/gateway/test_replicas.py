@@ -207,7 +207,7 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     gw = None
     try:
-        wait_for("the remote server", lambda: remote.poll() is None and _up(remote_url))
+        wait_for("the remote server", lambda: remote.poll() is None and is_up(remote_url))
         gw = start_gateway(tmp_path, {
             "demo": {"source": model_path, "replicas": 1, "preload": True,
                      "urls": [remote_url, overloaded, dead_url], "routing": "round-robin",
@@ -263,7 +263,7 @@ def test_remote_replicas_are_used_skipped_when_they_refuse_and_left_when_dead(
         remote.wait(timeout=30)
 
 
-def _up(url: str) -> bool:
+def is_up(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
