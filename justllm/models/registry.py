@@ -381,7 +381,10 @@ class Registry:
         with self._locked():
             old = self.manifest(hex_digest)
             if old is not None and self.digests.cached(old.path) == hex_digest:
-                return old
+                # another file of these bytes (two quantizations alike, a copy dropped in):
+                # the version knows it, so removing the version removes it too (left out, it
+                # stayed on disk unlisted, and came back as a model once the version went)
+                return self._with_copy(old, path)
             if old is not None:
                 moved = replace(old, path=path, source=_source_after_move(old.source, source),
                                 copies=_without(old.copies, path, self.root))
@@ -642,7 +645,14 @@ class Registry:
 
     def _remove_file(self, m: Manifest) -> tuple[Path | None, Path | None, str | None]:
         """(deleted, kept, why kept): the version's file goes when it lives in the models
-        directory and no other version names it."""
+        directory and no other version names it; so do its copies there (files of the same
+        bytes it knows of), which the models directory would otherwise adopt again."""
+        for copy in m.copies:
+            if (copy != m.path and is_inside(copy, self.root) and copy.is_file()
+                    and self.manifest_for_path(copy) is None
+                    and self.digests.digest(copy) == m.hex):
+                with contextlib.suppress(OSError):
+                    remove_file(copy)
         if not (m.path.is_file() or m.path.is_symlink()):
             return None, None, None
         if not is_inside(m.path, self.root):

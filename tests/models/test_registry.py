@@ -18,6 +18,7 @@ import pytest
 
 import justllm.models.digests as digests
 from justllm.errors import ModelLoadError
+from justllm.models.manifest import Source
 from justllm.models.registry import Registry, UnknownModelError, lease_for_path
 from justllm.models.source import cache_dir, demo_model_path, resolve_model
 from justllm.models.store import models_dir
@@ -191,6 +192,26 @@ def test_tags_move_and_rm_removes_tags_versions_and_files(root, tmp_path):
     assert reg.tags() == {} and reg.manifests() == {} and reg.entries() == ([], [])
     with pytest.raises(UnknownModelError, match=r"^no model named 'x:latest' \(see 'justllm models'\)$"):
         reg.remove("x")
+
+
+def test_files_of_the_same_bytes_go_with_their_version(root):
+    """Two quantizations alike (or a copy dropped in the models directory) are one version of
+    two files: the second file was known nowhere, stayed on disk when the version was
+    removed, and came back as a model at the next listing (tags removed too)."""
+    data = tiny_gguf(root / "a.gguf")
+    (root / "b.gguf").write_bytes(data)
+    reg = Registry()
+    va = reg.register(root / "a.gguf", Source("file"))
+    vb = reg.register(root / "b.gguf", Source("file"))  # as quantize and adoption register
+    assert vb.hex == va.hex and vb.copies == (root / "b.gguf",)
+    reg.tag(va.digest, "a")
+    reg.tag(va.digest, "b")
+    assert reg.remove("b").still_tagged == ("a:latest",)  # untagged: its file still held
+    assert (root / "b.gguf").is_file()
+    gone = reg.remove("a")
+    assert gone.deleted_file == root / "a.gguf"
+    assert not (root / "a.gguf").exists() and not (root / "b.gguf").exists()
+    assert reg.entries() == ([], [])  # nothing comes back
 
 
 def test_bad_sources_and_targets_touch_nothing(root, tmp_path):
