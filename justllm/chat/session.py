@@ -12,7 +12,8 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.errors import InvalidRequestError, JustLLMError
 
 HELP = """commands (a line whose first non-blank is /):
-  /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty)
+  /set temperature 0.2   (also top_p, top_k, min_p, max_tokens, seed, repeat_penalty;
+                         /set seed none: a new draw each answer again)
   /system [TEXT]         set the system message, or remove it (and clear the history)
   /clear                 forget the conversation
   /stats                 speed of the last answer
@@ -31,8 +32,13 @@ def check_options(options: dict) -> None:
     SamplingParams(**options)
 
 
+def _seed(value: str) -> int | None:
+    """A seed, or ``none``: no seed (once set, it could not be taken back)."""
+    return None if value.lower() == "none" else int(value)
+
+
 _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "max_tokens": int, "seed": int, "repeat_penalty": float}
+             "max_tokens": int, "seed": _seed, "repeat_penalty": float}
 # Each command as it is used: one given words it does not take answers with this.
 _USAGE = {"/?": "/?", "/help": "/help", "/clear": "/clear", "/stats": "/stats", "/bye": "/bye",
           "/system": "/system [TEXT]", "/set": f"/set {'|'.join(_SETTABLE)} VALUE"}

@@ -769,6 +769,13 @@ def test_set_refuses_infinite_values():
     assert session.options["repeat_penalty"] == 1.1
 
 
+def test_a_seed_once_set_can_be_taken_back():
+    """/set seed 7 could not be undone: every answer after it drew the same way."""
+    session, out = chat_lines(Echo(), ["/set seed 7", "/set seed none", "/set seed x"])
+    assert "(seed = 7)" in out and "(seed = None)" in out and "not a valid seed: x" in out
+    assert session.options["seed"] is None
+
+
 def test_a_chunks_content_that_is_not_text_is_one_error_line():
     """A number as a delta's content was written out: a TypeError traceback."""
     bad = '{"choices": [{"delta": {"content": 5}}]}'
