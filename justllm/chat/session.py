@@ -37,8 +37,9 @@ def _seed(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
 
 
-_SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "max_tokens": int, "seed": _seed, "repeat_penalty": float}
+_SETTABLE: dict[str, Callable[[str], object]] = {
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
+    "seed": _seed, "repeat_penalty": float}
 # Each command as it is used: one given words it does not take answers with this.
 _USAGE = {"/?": "/?", "/help": "/help", "/clear": "/clear", "/stats": "/stats", "/bye": "/bye",
           "/system": "/system [TEXT]", "/set": f"/set {'|'.join(_SETTABLE)} VALUE"}

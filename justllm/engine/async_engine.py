@@ -128,7 +128,7 @@ class AsyncEngine:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # Jobs done a piece at a time (a long embedding), the engine stepping between pieces;
         # only the first advances, so they run one after another (engine thread only).
-        self._pieces: deque[tuple[Generator[None, None, object], asyncio.Future]] = deque()
+        self._pieces: deque[tuple[Generator[bool | None, None, object], asyncio.Future]] = deque()
         # Set by abort_all (any thread): the stepwise jobs end with this message.
         self._jobs_ended: str | None = None
         self._sinks_lock = threading.Lock()
@@ -366,7 +366,7 @@ class AsyncEngine:
                                                 stepwise=True)
 
     def _embed_all(self, token_lists: list[list[int]]
-                   ) -> Generator[None, None, list[np.ndarray]]:
+                   ) -> Generator[bool | None, None, list[np.ndarray]]:
         if self._embedding_ctx is None:
             backend = self.engine.backend
             self._embedding_ctx = backend.embedding_context(self.pooling, self.embedding_limit)
@@ -379,16 +379,21 @@ class AsyncEngine:
         out: list[np.ndarray] = []
         for tokens in token_lists:
             if out:
-                yield  # (a step between inputs too)
+                # a step between inputs too, and another job's turn (the context holds one
+                # input at a time: only here may another job's input go first)
+                yield True
             out.append((yield from ctx.embed_in_pieces(tokens)))
         return out
 
-    def call_on_engine_thread(self, fn: Callable[[], T] | Callable[[], Generator[None, None, T]],
+    def call_on_engine_thread(self, fn: Callable[[], T]
+                              | Callable[[], Generator[bool | None, None, T]],
                               *, stepwise: bool = False) -> "asyncio.Future[T]":
         """Run ``fn`` on the engine thread between steps (for other llama.cpp compute, such as
         embeddings, which must not run on a second OS thread). ``stepwise``: ``fn`` returns a
         generator, advanced one ``yield`` at a time with a step between; its return value
-        is the result. Such jobs run one after another, in the order they came."""
+        is the result. Such jobs take turns where one yields True (the next job goes on
+        then), in the order they came: a request of hundreds of inputs held a one-input
+        request back for all of them."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._jobs.put((fn, fut, stepwise))
         self._wake.set()
@@ -500,13 +505,16 @@ class AsyncEngine:
             return
         pieces, fut = self._pieces[0]
         try:
-            next(pieces)
+            turn = next(pieces)
         except StopIteration as done:
             self._pieces.popleft()
             _deliver(fut.get_loop(), _settle, fut, done.value, None)
         except BaseException as e:
             self._pieces.popleft()
             _deliver(fut.get_loop(), _settle, fut, None, e)
+        else:
+            if turn:
+                self._pieces.rotate(-1)  # the next job's turn
 
     def _loop(self) -> None:
         while not self._stopping:

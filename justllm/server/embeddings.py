@@ -25,7 +25,11 @@ from justllm.server.schemas import Embedding, EmbeddingList, EmbeddingRequest, E
 
 log = logging.getLogger(__name__)
 
-MAX_INPUTS = 256
+# OpenAI's limits on one embeddings request: 2,048 inputs, 300,000 tokens in all (LangChain
+# sends 1,000 texts at a time; a bound on the tokens keeps one request from holding the
+# embeddings of every other client for many minutes: they take turns between inputs).
+MAX_INPUTS = 2048
+MAX_REQUEST_TOKENS = 300_000
 RERANKER_ONLY = ("this model is a reranker (its pooling is rank): it scores (query, document) "
                  "pairs at /v1/rerank and makes no embeddings")
 NOT_A_RERANKER = ("this model is not a reranker (its pooling is not rank): reranking needs a "
@@ -75,6 +79,11 @@ class EmbeddingServing:
         if keep is not None:  # vLLM's truncate_prompt_tokens: each input's last tokens
             k = keep_last(keep, self.aengine.embedding_limit)
             out = [t[-k:] for t in out]
+        total = sum(len(t) for t in out)
+        if total > MAX_REQUEST_TOKENS:
+            raise InvalidRequestError(f"the inputs have {total} tokens; at most "
+                                      f"{MAX_REQUEST_TOKENS} per request (OpenAI's limit): "
+                                      "send them in several requests", param=param)
         return out
 
     async def pooled(self, model: str | None, inputs: Callable[[], Sequence[str | list[int]]],

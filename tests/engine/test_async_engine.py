@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 
+import numpy as np
 import pytest
 
 from justllm.config import EngineConfig
@@ -319,3 +320,20 @@ def test_a_draining_engine_takes_a_handover_but_no_new_request(model_path):
         asyncio.run(main())
     finally:
         a.close()
+
+
+def test_embedding_jobs_take_turns_between_inputs(aengine):
+    """Stepwise jobs ran one after another: a request of hundreds of inputs held a one-input
+    request back for all of them (an audit waited 20 s for one short embedding)."""
+    tokens = aengine.tokenize("a few words to embed")
+
+    async def main() -> None:
+        big = asyncio.ensure_future(aengine.embed([tokens] * 40))
+        await asyncio.sleep(0)  # (queued first)
+        small = await aengine.embed([tokens])
+        assert not big.done()  # the one input went between the forty
+        vectors = await big
+        assert len(vectors) == 40 and np.allclose(vectors[0], small[0])
+
+    asyncio.run(main())
+

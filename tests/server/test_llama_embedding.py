@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from justllm.server.embeddings import MAX_INPUTS, normalised
+from justllm.server.embeddings import MAX_INPUTS, MAX_REQUEST_TOKENS, normalised
 from tests.models.ggufs import with_metadata, with_pooling
 from tests.server.conftest import start_server
 from tests.server.test_tokenize import post, tokenize
@@ -79,6 +79,10 @@ def test_fields_it_would_ignore_and_bad_inputs_are_400s(server):
     refused(server, "input.multimodal_data", input={"prompt_string": "a",
                                                     "multimodal_data": ["AA=="]})
     assert str(MAX_INPUTS) in refused(server, "input", input=["a"] * (MAX_INPUTS + 1))
+    assert MAX_INPUTS == 2048  # OpenAI's (it was 256: LangChain sends 1,000 texts at a time)
+    # and OpenAI's bound on a request's tokens, checked before any is computed
+    assert f"at most {MAX_REQUEST_TOKENS} per request" in refused(
+        server, "input", input=[[5] * 2048] * (MAX_REQUEST_TOKENS // 2048 + 1))
     assert "at most" in refused(server, "input", input=[5] * 3000)  # past the context
     refused(server, "model", status=404, input="a", model="nope")
     assert len(vectors(server, input="a", model=server.model)) == 1
