@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from justllm.core.record import RequestRecord
 
@@ -94,7 +94,10 @@ class RequestEvents:
 
     def __call__(self, record: RequestRecord) -> None:
         for worker in self._workers:
-            worker.put(record)
+            # each its own params (the record's one mutable part): a plugin that changed
+            # them changed what the next one stored (a read-only mapping would break the
+            # dataclasses.asdict plugins write records with)
+            worker.put(replace(record, params=dict(record.params)))
 
     def counts(self) -> dict[str, DeliveryCounts]:
         return {w.plugin: w.counts for w in self._workers}

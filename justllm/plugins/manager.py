@@ -391,7 +391,7 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> Plugins:
     plugins = Plugins()
     allowed = environ.get(ENV)
     # (names as pip compares them: justllm_ollama and JustLLM-Ollama are justllm-ollama)
-    given = {_normal(n): n.strip() for n in (allowed or "").split(",") if n.strip()}
+    given = {_normal(n.strip()): n.strip() for n in (allowed or "").split(",") if n.strip()}
     wanted = None if allowed is None else set(given)
     seen: set[str] = set()
     loaded: set[tuple[str, str]] = set()

@@ -336,4 +336,3 @@ def test_embedding_jobs_take_turns_between_inputs(aengine):
         assert len(vectors) == 40 and np.allclose(vectors[0], small[0])
 
     asyncio.run(main())
-

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,9 @@ def test_justllm_plugins_chooses_which_are_loaded():
     r = justllm("plugins", "--json", plugins="justllm-sample, nope")
     assert names(r) == {"justllm-sample"}
     assert "JUSTLLM_PLUGINS names nope, which is not installed" in r.stderr
+    # blanks around a name (after a comma): it was "not installed" and left out
+    r = justllm("plugins", "--json", plugins="nope,  justllm-sample ")
+    assert names(r) == {"justllm-sample"} and "justllm-sample" not in r.stderr, r.stderr
     builtin = justllm("plugins", "--json", "--all", plugins="")
     assert names(builtin) == {"justllm"}
     # one line in a pipe (rich cut it at 80 columns)
@@ -282,6 +286,27 @@ def test_every_plugin_gets_every_record_off_the_callers_thread_in_order():
     assert threads == {"justllm-plugin-a", "justllm-plugin-b"}
     assert {k: (c.delivered, c.failed, c.dropped) for k, c in events.counts().items()} == {
         "a": (50, 0, 0), "b": (50, 0, 0)}
+
+
+def test_a_plugin_that_changes_a_records_params_changes_them_for_itself_alone():
+    """Every plugin was handed the same record: one that changed its params changed what the
+    next one stored (request-log kept another plugin's values)."""
+    seen: list[dict] = []
+
+    def meddles(record):
+        record.params.clear()
+        record.params["temperature"] = 99.0
+
+    def keeps(record):
+        seen.append(dict(record.params))
+
+    events = RequestEvents([("meddles", meddles), ("keeps", keeps)])
+    given = replace(record(0), params={"max_tokens": 2, "temperature": 0.0})
+    for _ in range(20):
+        events(given)
+    events.close()
+    assert seen == [{"max_tokens": 2, "temperature": 0.0}] * 20
+    assert given.params == {"max_tokens": 2, "temperature": 0.0}
 
 
 def test_a_plugin_that_raises_or_blocks_harms_no_other():
