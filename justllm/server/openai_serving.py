@@ -1396,9 +1396,9 @@ def prompt_list(value: object, param: str) -> list[str | list[int]]:
         items: list = [value]
     elif _is_tokens(value):
         items = [value]
-    elif isinstance(value, list) and value and all(
-            isinstance(x, str) or _is_tokens(x) for x in value):
-        items = list(value)
+    elif isinstance(value, list) and value and (all(isinstance(x, str) for x in value)
+                                                 or all(_is_tokens(x) for x in value)):
+        items = list(value)  # (strings and token arrays mixed: a 400, as OpenAI and vLLM)
     else:
         raise InvalidRequestError(
             f"{param} must be a non-empty string, list of strings, token array or list of "

@@ -78,6 +78,11 @@ def test_bad_requests(server):
     assert_error(post(server, "/v1/completions", {"model": m, "prompt": [1, "x"]}), 400, "prompt")
     assert_error(post(server, "/v1/completions", {"model": m, "prompt": [10**9]}), 400, "prompt")
     assert_error(post(server, "/v1/embeddings", {"model": m, "input": []}), 400, "input")
+    # strings and token arrays mixed in one list: OpenAI's and vLLM's 400 (it was taken)
+    assert_error(post(server, "/v1/embeddings", {"model": m, "input": ["a", [2, 3]]}), 400,
+                 "input")
+    assert_error(post(server, "/v1/completions", {"model": m, "prompt": [[2, 3], "a"]}), 400,
+                 "prompt")
     assert_error(httpx.get(server.url + "/v1/nothing", timeout=60), 404)
     assert_error(post(server, "/v1/chat/completions", b"x" * (9 * 1024 * 1024)), 413)
 
