@@ -1201,10 +1201,12 @@ def check_stream_options(req: _Streamed) -> None:
 
 def keep_last(k: int, most: int) -> int:
     """How many of a prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps: ``k``, or
-    with -1 ``most`` (what the model holds); 0 is a 400, as in vLLM."""
-    if k == 0:
-        raise InvalidRequestError("truncate_prompt_tokens must be -1 (as many as the model "
-                                  "holds) or at least 1", param="truncate_prompt_tokens")
+    with -1 ``most`` (what the model holds); 0, or more than ``most``, is a 400, as in vLLM
+    (more was taken, and cut nothing from a prompt too long to be served)."""
+    if k == 0 or k > most:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (as many as the model "
+                                  f"holds, {most}) or from 1 to {most}",
+                                  param="truncate_prompt_tokens")
     return most if k < 0 else k
 
 
