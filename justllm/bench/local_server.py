@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -41,12 +43,20 @@ class LocalServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = log if log is not None else tempfile.TemporaryFile()
+        proc: subprocess.Popen | None = None
         try:
             try:
-                proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT)
+                with _deferred_signals():
+                    proc = subprocess.Popen(command(port), stdout=out,
+                                            stderr=subprocess.STDOUT)
             except OSError as e:
                 raise JustLLMError(f"the local server did not start: {e}") from None
             return cls._ready(proc, f"http://127.0.0.1:{port}", out, timeout)
+        except BaseException:  # (Ctrl-C or a signal while it loaded left it running)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
         finally:
             if log is None:  # (the child keeps its own descriptor)
                 out.close()
@@ -83,6 +93,34 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+_STOPPING = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[None]:
+    """The Python handlers of SIGTERM, SIGHUP and SIGINT run after the block, not inside it:
+    a handler that raises (bench's SystemExit, Ctrl-C's KeyboardInterrupt) raised inside
+    Popen once the child was forked, and the child, whose Popen never returned, was left
+    running (a signal mask would be inherited by the child: it ignored SIGTERM). Only on the
+    main thread, where handlers run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in _STOPPING}
+    handlers = {sig: h for sig, h in previous.items() if callable(h)}
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if sig in handlers:
+                signal.signal(sig, handler)
+        for signum in came:  # (now: the caller cleans up after what it raises)
+            handlers[signal.Signals(signum)](signum, None)
 
 
 def _last_line(out: IO[bytes]) -> str:

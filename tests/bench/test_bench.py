@@ -379,3 +379,39 @@ def test_workload_flags_that_would_be_ignored_are_refused():
         assert r.exit_code == 1 and r.output.strip() == f"error: {said}" or said in r.output, \
             (flags, r.output)
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_signal_while_the_local_server_starts_leaves_no_server(monkeypatch):
+    """bench's SIGTERM handler raises SystemExit; a SIGTERM that came while Popen started the
+    server (after the fork) raised inside Popen, which never returned: the server was left
+    running (a CI run saw bench hang there). Held until Popen returns, it ends the wait for
+    the server, which is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from justllm.bench.local_server import LocalServer
+    from tests.gateway.test_gateway import alive
+
+    started: list[int] = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        proc = real([sys.executable, "-c", "import time; time.sleep(60)"], **{
+            k: v for k, v in kwargs.items() if k in ("stdout", "stderr")})
+        started.append(proc.pid)
+        os.kill(os.getpid(), signal.SIGTERM)  # as if it came while Popen ran
+        return proc
+
+    def exit_on(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    previous = signal.signal(signal.SIGTERM, exit_on)
+    try:
+        with pytest.raises(SystemExit):
+            LocalServer.launch(lambda port: ["unused"], timeout=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert started and not alive(started[0])
