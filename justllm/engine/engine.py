@@ -390,7 +390,7 @@ class Engine:
             raise InvalidRequestError("a resumed request's prompt was computed elsewhere: no "
                                       "prompt_logprobs", param="prompt_logprobs")
         tokens = self.tokenize(prompt)
-        self._check_fits(len(tokens), params)
+        check_request_fits(len(tokens), params.max_tokens, self.max_request_tokens)
         self._check_speculation(params)
         n_vocab = self.backend.n_vocab
         if any(t >= n_vocab for t, _ in params.logit_bias):
@@ -576,9 +576,6 @@ class Engine:
             if out.reason is not None:
                 break
         return self._finish_output(live, out, now, StepResult())
-
-    def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
-        check_request_fits(n_prompt, params.max_tokens, self.max_request_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
@@ -173,9 +173,12 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
         return left
     if waited is not None:  # for the runner's Ollama answers (load_duration)
         request.scope[LOAD_SCOPE_KEY] = time.monotonic() - waited  # type: ignore[literal-required]
-    def sent_to(replica: Replica) -> bytes:
+    async def sent_to(replica: Replica) -> bytes:
         """The body as ``replica`` is asked it: a remote server of this model under another
-        name by its own (a PD prefill or hand-over too: they named the gateway's, a 404)."""
+        name by its own, polled for it before its first request (a PD prefill or hand-over
+        too: they named the gateway's, a 404)."""
+        if named and replica.remote is not None and replica.polled is None:
+            await sup.poll(state, replica)
         if named and replica.serves not in (None, state.spec.name):
             return msgspec.json.encode({**body, name_key: replica.serves})
         return content
@@ -240,10 +243,9 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
                 state.pd_fallbacks["decode_failed"] += 1
                 await handover.close()
                 handover, target = None, path
-            if named and replica.remote is not None and replica.polled is None:
-                await sup.poll(state, replica)  # the name it serves, before its first request
+            asked_as = await sent_to(replica)
             this: bytes | AsyncIterator[bytes] = (
-                sent_to(replica) if handover is None else handover.body(sent_to(replica)))
+                asked_as if handover is None else handover.body(asked_as))
             # The replica is released once, however the try ends: by _send with its answer,
             # by its stream's relay at the stream's end, or below (an error, a cancellation).
             release = _Once(partial(sup.done, replica))
@@ -376,7 +378,7 @@ def _runner_headers(request: Request) -> dict[str, str]:
 
 
 async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: RouteRequest,
-                   path: str, sent_to: Callable[[Replica], bytes]
+                   path: str, sent_to: Callable[[Replica], Awaitable[bytes]]
                    ) -> _Handover | _Refused | None:
     """A PD model's first half: a prefill replica (cache-aware) computes the prompt and answers
     with its KV, which is relayed to the decode replica as it comes. None when that fails
@@ -391,10 +393,8 @@ async def _prefill(request: Request, sup: Supervisor, state: ModelState, route: 
     http: httpx.AsyncClient = request.app.state["http"]
     t0 = time.monotonic()
     try:
-        if replica.remote is not None and replica.polled is None:
-            await sup.poll(state, replica)  # the name it serves, before its first request
         response = await http.send(http.build_request(
-            "POST", f"{replica.url}/pd/prefill?path={path}", content=sent_to(replica),
+            "POST", f"{replica.url}/pd/prefill?path={path}", content=await sent_to(replica),
             headers=_runner_headers(request)), stream=True)
     except httpx.HTTPError as e:
         if isinstance(e, _NOT_ANSWERED):

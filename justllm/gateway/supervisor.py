@@ -337,11 +337,13 @@ class Supervisor:
             movable = other is not None and other.status == "loaded" and not other.pinned
             return replace(view, active=0) if movable else view
 
-        victims = policy.to_unload_for([idle(v) for v in self._places(besides=state)],
-                                       self.config.max_loaded,
-                                       max_memory=self.config.max_memory,
-                                       need=state.memory * state.spec.replicas)
-        return set(victims or ())
+        return set(self._victims(state, [idle(v) for v in self._places(besides=state)]) or ())
+
+    def _victims(self, state: ModelState, places: list[policy.Loaded]) -> list[str] | None:
+        """What ``policy.to_unload_for`` unloads among ``places`` for ``state``'s load."""
+        return policy.to_unload_for(places, self.config.max_loaded,
+                                    max_memory=self.config.max_memory,
+                                    need=state.memory * state.spec.replicas)
 
     async def wait_routable(self, state: ModelState, role: str = "decode") -> None:
         """Until one of a loaded model's replicas for ``role`` is back in the rotation
@@ -399,10 +401,7 @@ class Supervisor:
     def _restart_failed(self, state: ModelState, replica: Replica, why: str) -> None:
         """A local replica that failed (a request, its process, its polls): counted, logged
         with ``why``, restarted."""
-        replica.restarts += 1
-        state.restarts += 1
-        state.replica_restarts[replica.id] += 1
-        log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id, why)
+        _count_restart(state, replica, why)
         self._restart(state, replica)
 
     # ---- loading and unloading -------------------------------------------------------------
@@ -467,10 +466,7 @@ class Supervisor:
                                                code="shutting_down")
                     if state.detached != detached:
                         raise _unloaded_meanwhile(state)
-                    victims = policy.to_unload_for(
-                        self._places(besides=state), self.config.max_loaded,
-                        max_memory=self.config.max_memory,
-                        need=state.memory * state.spec.replicas)
+                    victims = self._victims(state, self._places(besides=state))
                     if victims is not None:
                         break
                     # every model is busy: wait for one to go idle, new requests for the
@@ -753,11 +749,7 @@ class Supervisor:
                 if replica.runner is not None:
                     replica.runner.kill_now()
                 # (another start: counted and said, as the first was; they went unsaid)
-                replica.restarts += 1
-                state.restarts += 1
-                state.replica_restarts[replica.id] += 1
-                log.warning("model %s replica %s: restart %d failed: %s; restarting",
-                            state.spec.name, replica.id, replica.failures, e)
+                _count_restart(state, replica, f"restart {replica.failures} failed: {e}")
                 continue
             if replica not in state.replicas or self._closing:  # unloaded meanwhile
                 runner.kill_now()
@@ -950,6 +942,15 @@ class Supervisor:
         SIGKILL every runner still running, those an unload was stopping too."""
         for runner in self._started:
             runner.kill_now(wait)
+
+
+def _count_restart(state: ModelState, replica: Replica, why: str) -> None:
+    """A local replica's restart, counted (its own, the model's, the series by replica id)
+    and logged with ``why``."""
+    replica.restarts += 1
+    state.restarts += 1
+    state.replica_restarts[replica.id] += 1
+    log.warning("model %s replica %s: %s; restarting", state.spec.name, replica.id, why)
 
 
 def _unloaded_meanwhile(state: ModelState) -> ModelUnavailable:

@@ -244,13 +244,18 @@ class Registry:
     def pulled(self, repo: str, file: str) -> Path | None:
         """The checked file of the newest version pulled from ``repo:file`` that is still
         here; None when there is none (then it is to be pulled)."""
+        newest = self._newest_pull(repo, file)
+        return None if newest is None else self.verify(newest, f"{repo}:{file}").path
+
+    def _newest_pull(self, repo: str, file: str) -> Manifest | None:
+        """The version pulled from ``repo:file`` last whose file is here (a tagged one first
+        among those pulled at the same time), unchecked; None when there is none."""
         found = [m for m in self.manifests().values()
                  if m.pulled_at(repo, file) is not None and m.path.is_file()]
         if not found:
             return None
         tagged = set(self.tags().values())
-        newest = max(found, key=lambda m: (m.pulled_at(repo, file) or "", m.digest in tagged))
-        return self.verify(newest, f"{repo}:{file}").path
+        return max(found, key=lambda m: (m.pulled_at(repo, file) or "", m.digest in tagged))
 
     # -- resolving -------------------------------------------------------------------------
 
@@ -287,12 +292,7 @@ class Registry:
             repo, file = split_ref(ref)
             if file is None:
                 return None
-            # (as pulled() picks it, unchecked: the newest pull whose file is here)
-            found = [m for m in self.manifests().values()
-                     if m.pulled_at(repo, file) is not None and m.path.is_file()]
-            tagged = set(self.tags().values()) if found else set()
-            return max(found, key=lambda m: (m.pulled_at(repo, file) or "",
-                                             m.digest in tagged)) if found else None
+            return self._newest_pull(repo, file)  # (as pulled() picks it, unchecked)
         if not could_be_name(ref):
             return None
         try:
