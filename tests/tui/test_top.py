@@ -181,6 +181,11 @@ def test_cli_command_help_and_bad_url():
     for url in ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/metrics", "http://127.0.0.1:9/"):
         result = CliRunner().invoke(cli, ["--url", url])
         assert "read http://127.0.0.1:9/metrics (" in " ".join(result.output.split()), url
+    # a NaN interval said "must be less than or equal to 3600" (typer's range check)
+    for interval in ("nan", "0.01", "3601"):
+        result = CliRunner().invoke(cli, ["--interval", interval])
+        assert result.exit_code == 1, interval
+        assert "--interval must be a number of seconds from 0.05 to 3600" in result.output, interval
 
 
 class StubMetrics:
