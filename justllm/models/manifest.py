@@ -143,6 +143,12 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def absolute(path: Path | str) -> Path:
+    """``path`` made absolute as the shell reads it: ``~`` expanded, a ``../`` dropped (a
+    recorded path kept it), no link followed (a linked file stays the link)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
 def is_inside(path: Path, root: Path) -> bool:
     """Whether ``path`` lives in ``root``, judged by its folder (a symlink in the models
     directory is inside it, wherever it points)."""
@@ -153,7 +159,7 @@ def stored_path(path: Path, root: Path) -> str:
     """``path`` as a registry file records it: relative to ``root`` when inside it."""
     if is_inside(path, root):
         return str(path.parent.resolve().relative_to(root.resolve()) / path.name)
-    return str(path.absolute())
+    return str(absolute(path))
 
 
 class DamagedFileError(ModelLoadError):

@@ -41,6 +41,7 @@ from justllm.models.manifest import (
     Manifest,
     Origin,
     Source,
+    absolute,
     file_lock,
     is_inside,
     now,
@@ -128,7 +129,7 @@ class Registry:
     def __init__(self, root: Path | None = None) -> None:
         from justllm.models.store import models_dir
 
-        self.root = Path(root or models_dir()).expanduser().absolute()
+        self.root = absolute(root or models_dir())
         self.digests = DigestCache(self.root, self._locked)
         self._depth = 0
 
@@ -234,7 +235,7 @@ class Registry:
 
     def manifest_for_path(self, path: Path) -> Manifest | None:
         """The version whose file ``path`` is (the same file through a link counts)."""
-        path = Path(path).expanduser().absolute()
+        path = absolute(path)
         found = self._versions_of(path)
         if len(found) > 1:  # the file changed and was registered again: the current bytes win
             current = self.digests.cached(path)
@@ -373,7 +374,7 @@ class Registry:
         first, so a download corrupted in its header says so rather than "not a GGUF"."""
         from justllm.models.store import quantization_name
 
-        path = Path(path).expanduser().absolute()
+        path = absolute(path)
         if expected is not None and (found := self.digests.digest(path)) != expected:
             raise DigestMismatchError(path, found, expected)
         header = read_gguf_header(path)
@@ -452,7 +453,7 @@ class Registry:
         drop the versions that named it with the old ones (their bytes are gone; left, they
         would list the old digest, size and type and fail every use with a digest mismatch),
         moving their tags to the new version. None when no version named the file."""
-        path = Path(path).expanduser().absolute()
+        path = absolute(path)
         if not self._versions_of(path):
             return None  # (and no lock file made where there is no registry)
         with self._locked():
@@ -484,7 +485,7 @@ class Registry:
         """Version ``m`` with ``path`` among its copies when ``path`` is not its file: ``tag
         FILE NAME`` of bytes registered at another path names that version, and the tag must
         not break while FILE holds them (moving the other file broke it)."""
-        path = Path(path).expanduser().absolute()
+        path = absolute(path)
         if any(_names(f, path, self.root) for f in m.files):
             return m
         with self._locked():
@@ -687,7 +688,7 @@ class Registry:
     def check_overwritable(self, path: Path) -> None:
         """ModelLoadError when a running model holds a version of the file at ``path``, which
         ``--force`` would overwrite (``rm`` refuses the same)."""
-        for m in self._versions_of(Path(path).expanduser().absolute()):
+        for m in self._versions_of(absolute(path)):
             pids = self._holders(m)
             if pids:
                 raise ModelLoadError(
@@ -723,7 +724,7 @@ def lease_for_path(path: str | Path, root: Path | None = None) -> Iterator[str |
     ``justllm models`` while it is served: it was deleted by the ``rm`` after). Yields the
     version's digest, or None when no version names the file yet."""
     registry = Registry(root)
-    p = Path(path).expanduser().absolute()
+    p = absolute(path)
     inside = is_inside(p, registry.root) or is_inside(Path(os.path.realpath(p)), registry.root)
     if not inside and registry.manifest_for_path(p) is None:
         yield None  # outside the models directory and unregistered: nothing to protect
@@ -756,7 +757,7 @@ def lease_for_path(path: str | Path, root: Path | None = None) -> Iterator[str |
 def _path_key(path: Path) -> str:
     """A lease's key for a model file by where it really is (links followed): ``path-`` and
     the sha256 of its real path (no dot: lease files are ``KEY.PID.N``)."""
-    real = os.path.realpath(Path(path).expanduser().absolute())
+    real = os.path.realpath(absolute(path))
     return "path-" + hashlib.sha256(os.fsencode(real)).hexdigest()
 
 

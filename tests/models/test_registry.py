@@ -268,6 +268,18 @@ def test_a_file_changed_on_disk_fails_its_digest_check(root, count_hashes):
         reg.resolve("m")
 
 
+def test_a_relative_path_with_dotdot_is_recorded_without_it(root, tmp_path, monkeypatch):
+    # ``tag ../x.gguf NAME`` recorded (and printed) ".../here/../x.gguf"
+    b = tiny_gguf(tmp_path / "b.gguf", seed=2)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    key, m, _ = Registry().tag("../b.gguf", "b")
+    assert m.path == tmp_path / "b.gguf" and ".." not in str(m.path)
+    stored = {json.loads(p.read_text())["path"] for p in (root / "manifests").iterdir()}
+    assert stored == {str(tmp_path / "b.gguf")}
+    assert Registry().resolve("b")[1].digest == f"sha256:{sha(b)}"
+
+
 def test_a_file_tagged_with_bytes_registered_elsewhere_is_a_copy_of_that_version(root, tmp_path):
     """`tag FILE NAME` of bytes registered at another path pointed NAME at that path alone:
     moving that file broke NAME while FILE was still there."""
