@@ -28,6 +28,9 @@ class RequestOrigin:
     traceparent: str | None = None
     http_request_id: str | None = None  # the answer's X-Request-Id (the client's, or made)
     tracestate: str | None = None
+    # The model the answer names, when the request named a LoRA adapter as its model (as
+    # vLLM answers): the record's ``model`` then. None: the served model.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class RequestRecord:
     # Ollama's API, ``run-<hex>`` for ``justllm run``, ``chat-<hex>-N`` for a chat's N-th
     # answer; the engine's ``req-N`` for a request added with no id.
     request_id: str
-    model: str  # the id clients use (``justllm serve --model-name``, or the GGUF file's stem)
+    # The id clients use (``justllm serve --model-name``, or the GGUF file's stem; an
+    # adapter's name for a request that named the adapter as its model, as its answer does)
+    model: str
     finish_reason: str  # "stop", "length", "abort" (the client left) or "error"
     prompt_tokens: int
     completion_tokens: int

@@ -44,7 +44,7 @@ def request_record(observer: RequestObserver, req: Request, metrics, *, error: s
         # on the prefill replica; here it waited for nothing before that token
     reason = "error" if error else (req.finish_reason.value if req.finish_reason else "abort")
     return RequestRecord(
-        request_id=req.request_id, model=observer.model, finish_reason=reason,
+        request_id=req.request_id, model=origin.model or observer.model, finish_reason=reason,
         prompt_tokens=metrics.num_prompt_tokens,
         completion_tokens=metrics.num_generated_tokens,
         cached_tokens=metrics.num_cached_tokens,

@@ -647,7 +647,8 @@ async def answer(request: Request, served: Served, req: LlamaCompletionRequest, 
     prepared = await aengine.off_loop(size, ready)
     c = _Completion(served, req, plan, prepared, seed)
     streams = served.completions.submit(prepared, f"cmpl-{uuid.uuid4().hex}",
-                                        origin(request, kind, req.stream))
+                                        served.completions.answered_as(
+                                            origin(request, kind, req.stream), req.model))
     if req.stream:
         return sse_response(_events(c, streams))
     return await unless_disconnected(request, _full(c, streams))

@@ -678,7 +678,9 @@ async def _run(request: Request, served: Served, req: _Generation, prompt: str |
     if isinstance(prompt, str):  # (the server's --reasoning-budget, as on the other APIs)
         params = served.completions.budgeted(params, prompt)
     job = _Job(served, arrival.named(req.model), chat, arrival, lstrip, splitter)
-    where = origin(request, "ollama.chat" if chat else "ollama.generate", req.stream)
+    where = served.completions.answered_as(  # (an adapter's record names it, bare)
+        origin(request, "ollama.chat" if chat else "ollama.generate", req.stream),
+        req.model.removesuffix(":latest"))
     stream = await _refused_or_begun(lambda capped: served.aengine.asubmit(
         prompt, params if capped else replace(params, max_tokens=None), ollama_id(),
         origin=where))

@@ -195,6 +195,10 @@ class OpenAIServing:
         answers), else the served model."""
         return name if name and adapter(self.aengine, name) is not None else self.model_id
 
+    def answered_as(self, origin: RequestOrigin | None, name: str | None) -> RequestOrigin:
+        """``origin`` with the model the answer names (``answer_model``): the record's."""
+        return replace(origin or RequestOrigin(), model=self.answer_model(name))
+
     @staticmethod
     def check_supported(req: msgspec.Struct) -> None:
         """400 for an OpenAI field set to a value justllm would otherwise have to ignore."""
@@ -721,7 +725,7 @@ class OpenAIServing:
                 raise
 
         plan, prepared, thinking, opening = await self.aengine.off_loop(text_size(req), ready)
-        streams = self.submit(prepared, rid, origin)
+        streams = self.submit(prepared, rid, self.answered_as(origin, req.model))
         # After a transcript's "Assistant:" the model writes the separating space itself;
         # within a continued message, a space it writes is the answer's own.
         fmt = self.template.tool_format if plan.active else None
@@ -1007,7 +1011,8 @@ class OpenAIServing:
         shape = _CompletionShape(self, [self._echo_text(p) if req.echo else "" for p, _ in jobs],
                                  req.logprobs if req.echo else None, req.prompt_logprobs)
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        origin = origin or RequestOrigin("openai.completions", bool(req.stream))
+        origin = self.answered_as(
+            origin or RequestOrigin("openai.completions", bool(req.stream)), req.model)
         streams = self.submit(prepared, rid, origin)
         return await self._respond(streams, shape, req, req.n, rid, origin.http_request_id)
 

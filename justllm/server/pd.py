@@ -147,7 +147,8 @@ async def prefill(request: Request, state: State, path: FromQuery[str | None] = 
     jobs = await served.aengine.off_loop(text_size(req), lambda: _jobs(served, req))
     aengine = served.aengine
     api = "openai.chat" if isinstance(req, ChatCompletionRequest) else "openai.completions"
-    came = origin(request, api, bool(req.stream))  # the records of the first tokens
+    # the records of the first tokens
+    came = served.completions.answered_as(origin(request, api, bool(req.stream)), req.model)
 
     prompt = jobs[0][0]
     tokens = (await aengine.off_loop(len(prompt), lambda: aengine.tokenize(prompt))

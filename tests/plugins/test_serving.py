@@ -16,6 +16,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 from justllm.plugins import load_plugins
 from tests.helpers import divergence_is_noise, run_alone
+from tests.lora_files import write_adapter
 from tests.plugins.test_loading import SITE
 from tests.server.conftest import start_server
 
@@ -99,6 +100,37 @@ def test_serve_with_a_plugin_source_spec_method_route_and_request_records(tmp_pa
 
 
 @pytest.mark.model
+def test_a_request_that_names_an_adapter_as_its_model_is_recorded_under_its_name(
+        tmp_path, model_path):
+    # (records named the base model: ``justllm history --model ADAPTER`` found nothing)
+    records = tmp_path / "records.jsonl"
+    env = {"PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
+           "JUSTLLM_SAMPLE_RECORDS": str(records)}
+    adapter = write_adapter(tmp_path / "pirate.gguf", seed=5)
+    server = start_server(model_path, "--lora", f"pirate={adapter}", "--max-seqs", "2",
+                          "--pool-blocks", "64", env=env)
+    asked = [("/v1/completions", {"model": "pirate", "prompt": "Hi", "max_tokens": 2}),
+             ("/v1/chat/completions", {"model": "pirate", "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": "Hi"}]}),
+             ("/completion", {"model": "pirate", "prompt": "Hi", "n_predict": 2}),
+             ("/api/generate", {"model": "pirate:latest", "prompt": "Hi", "stream": False,
+                                "options": {"num_predict": 2}}),
+             ("/v1/messages", {"model": "pirate", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "Hi"}]}),
+             # the lora field alone: the answer (and the record) names the base model
+             ("/v1/completions", {"model": server.model, "prompt": "Hi", "max_tokens": 2,
+                                  "lora": [{"name": "pirate"}]})]
+    try:
+        for route, body in asked:
+            r = httpx.post(server.url + route, json=body, timeout=120)
+            assert r.status_code == 200, (route, r.text)
+    finally:
+        assert server.stop() == 0
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert [(x["model"], x["lora"]) for x in lines] == [("pirate", "pirate")] * 5 + [
+        (server.model, "pirate")]
+
+
 def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_path):
     records = tmp_path / "records.jsonl"
     env = {"PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
