@@ -9,6 +9,7 @@ It gives the pooled vector as llama.cpp pools it; each API normalises it its own
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -111,7 +112,12 @@ class EmbeddingServing:
             what = "a (query, document) pair" if scores else "an input"
             raise InvalidRequestError(f"{what} has {longest} tokens; the model takes at most "
                                       f"{limit}", param=param)
-        vectors = await self.aengine.embed(token_lists)
+        try:
+            vectors = await self.aengine.embed(token_lists)
+        except asyncio.CancelledError:  # its client left (unless_disconnected): vLLM's abort
+            if self.metrics is not None:
+                self.metrics.observe_aborted(start)
+            raise
         n = sum(len(t) for t in token_lists)
         if self.metrics is not None:
             self.metrics.observe_embeddings(n, time.perf_counter() - start)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import subprocess
 import time
 
@@ -475,9 +476,16 @@ def test_an_embedding_whose_client_leaves_is_stopped(srv):
             with contextlib.suppress(asyncio.CancelledError):
                 await call
 
+    def aborted() -> float:  # (vLLM's abort count; the embedding was counted nowhere)
+        m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$',
+                      metrics(srv), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = aborted()
     asyncio.run(leave())
     r = post(srv, EMBEDDINGS, {"input": "a short one"}, timeout=20)  # (minutes behind it)
     assert r.status_code == 200 and len(r.json()["data"]) == 1
+    assert aborted() == before + 1
 
 
 @pytest.mark.parametrize(("path", "body"), [
