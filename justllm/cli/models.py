@@ -137,8 +137,9 @@ def show(
                           f"source: {manifest.source}\nadded: {manifest.added}", markup=False,
                           soft_wrap=True)
             for origin in manifest.origins:
-                console.print(f"also pulled from: {origin} ({origin.added})", markup=False,
-                              soft_wrap=True)
+                again = manifest.pulled_from(origin.repo, origin.file)
+                console.print(f"{'pulled again' if again else 'also pulled from'}: {origin} "
+                              f"({origin.added})", markup=False, soft_wrap=True)
         console.print(f"path: {info.path}\nsize: {_size(info.size_bytes)}\n"
                       f"quantization: {info.quantization}\narchitecture: {info.architecture}\n"
                       f"context length: {info.context_length or '?'}", markup=False,

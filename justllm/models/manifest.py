@@ -61,8 +61,9 @@ class Source:
 @dataclass(frozen=True)
 class Origin:
     """Another Hugging Face file a version was pulled from (a mirror, another repo with the
-    same bytes): its ``source`` names only the first; ``added``: when it was first pulled
-    from there at ``revision`` (a pull at another commit replaces it)."""
+    same bytes; or its source's own file, pulled again after another version of it): its
+    ``source`` names only the first; ``added``: when it was pulled from there at
+    ``revision``, the last time it was the file's newest."""
 
     repo: str
     file: str
@@ -102,12 +103,16 @@ class Manifest:
         """Every file recorded with these bytes: ``path`` first, then the copies."""
         return (self.path, *self.copies)
 
+    def pulled_from(self, repo: str, file: str) -> bool:
+        """Whether its source is the hub file ``repo:file``."""
+        return self.source.kind == "huggingface" and (self.source.repo,
+                                                      self.source.file) == (repo, file)
+
     def pulled_at(self, repo: str, file: str) -> str | None:
         """When this version was last pulled from the hub file ``repo:file`` (its source's, or
         an origin's); None when it never was."""
         times = [o.added for o in self.origins if (o.repo, o.file) == (repo, file)]
-        if self.source.kind == "huggingface" and (self.source.repo, self.source.file) == (
-                repo, file):
+        if self.pulled_from(repo, file):
             times.append(self.added)
         return max(times, default=None)
 

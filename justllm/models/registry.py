@@ -536,17 +536,15 @@ class Registry:
         return Pulled(key, m, self._point(key, m), got)
 
     def _with_origin(self, m: Manifest, got: Download) -> Manifest:
-        """Version ``m`` with the hub file ``got`` came from among its origins, when that is
-        not its source (a mirror's pull of bytes already here), so ``REPO:FILE`` finds it
-        offline as its source's does. One origin per hub file: a later pull updates it."""
-        if m.source.kind == "huggingface" and (m.source.repo, m.source.file) == (got.repo,
-                                                                                 got.file):
-            return m
+        """Version ``m`` with the hub file ``got`` came from among its origins, when it is not
+        the version pulled from that file last already: a mirror's pull of bytes already here
+        (``REPO:FILE`` finds it offline as its source's does), or its own file pulled again
+        after another version of it (``--revision`` an older commit: ``REPO:FILE`` named the
+        newer version still). One origin per hub file: a later pull updates it."""
         with self._locked():
             m = self.manifest(m.hex) or m
-            if any((o.repo, o.file, o.revision) == (got.repo, got.file, got.revision)
-                   for o in m.origins):
-                return m  # (pulled from there at that commit before: nothing new)
+            if self._newest_pull(got.repo, got.file) == m:
+                return m  # (a fresh download, or pulled from there last: nothing new)
             others = tuple(o for o in m.origins if (o.repo, o.file) != (got.repo, got.file))
             m = replace(m, origins=(*others, Origin(got.repo, got.file, got.revision, now())))
             write_json(self._manifest_file(m.hex), m.to_json(self.root))

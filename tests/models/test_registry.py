@@ -320,8 +320,11 @@ def test_a_file_tagged_with_bytes_registered_elsewhere_is_a_copy_of_that_version
     assert gone.deleted_file is None
 
 
-def test_pull_records_revision_and_digest_and_keeps_older_versions(hub, tmp_path):
+def test_pull_records_revision_and_digest_and_keeps_older_versions(hub, tmp_path, monkeypatch):
     root = tmp_path / "models"
+    clock = iter(range(10, 60))  # (each pull a second later: the registry's times are seconds)
+    monkeypatch.setattr("justllm.models.registry.now",
+                        lambda: f"2026-01-01T00:00:{next(clock)}+00:00")
     first_bytes, second_bytes = tiny_gguf(seed=1), tiny_gguf(seed=2)
     first = hub.push("acme/tiny-GGUF", {"tiny-Q8_0.gguf": first_bytes})
     reg = Registry()
@@ -341,8 +344,14 @@ def test_pull_records_revision_and_digest_and_keeps_older_versions(hub, tmp_path
     # An older revision asked for by commit is here already: no download, the tag moves back.
     gets = hub.gets(".gguf")
     back = reg.pull("acme/tiny-GGUF", revision=first)
-    assert back.manifest == m and back.download.reused and hub.gets(".gguf") == gets
+    assert back.manifest.digest == m.digest and back.download.reused
+    assert hub.gets(".gguf") == gets
     assert resolve_model("tiny-q8_0") == str(m.path)
+    # REPO:FILE offline names the version pulled last (it named the newer one still)
+    assert reg.pulled("acme/tiny-GGUF", "tiny-Q8_0.gguf") == m.path
+    assert [o.revision for o in reg.resolve(m.short)[1].origins] == [first]
+    reg.pull("acme/tiny-GGUF", revision=second, tag="back")  # and back again
+    assert reg.pulled("acme/tiny-GGUF", "tiny-Q8_0.gguf") == newer.manifest.path
     reg.remove("tiny-q8_0")
     assert not (root / "huggingface" / "acme" / "tiny-GGUF" / first).exists()
     assert newer.manifest.path.is_file()
