@@ -4,11 +4,8 @@ streaming every request and timing it; scrape /metrics before and after."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import html
 import json
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from justllm.bench.workloads import BenchRequest
+from justllm.core.http_errors import error_text
 from justllm.core.sampling_params import MAX_TEMPERATURE
 from justllm.core.sse import sse_data
 
@@ -89,31 +87,10 @@ def request_body(req: BenchRequest, model: str | None, sampling: dict[str, float
     return body
 
 
-_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
-_TAG = re.compile(r"<[^>]*>")
-
-
 def http_error(status: int, reason: str, body: bytes, content_type: str) -> str:
-    """A refused request as one line: its status and a short reason, a JSON error's message,
-    an HTML page's title (a proxy's error page was printed whole, many lines before bench's
-    own error line), else the start of the text, its whitespace folded."""
-    text = body[:65536].decode("utf-8", "replace")
-    said = ""
-    if "json" in content_type:
-        with contextlib.suppress(ValueError):
-            data = json.loads(text)
-            error = data.get("error", data.get("detail")) if isinstance(data, dict) else None
-            said = str(error.get("message", error) if isinstance(error, dict) else error or "")
-    elif "html" in content_type or text.lstrip().startswith("<"):
-        title = _TITLE.search(text)
-        said = html.unescape(title.group(1) if title else _TAG.sub(" ", text))
-        # (a page's title repeats the status: "502 Bad Gateway"; a message's own digits stay)
-        said = " ".join(said.split()).removeprefix(f"{status} ")
-    else:
-        said = text
-    said = " ".join(said.split()) or reason
-    if len(said) > 200:
-        said = said[:199] + "…"
+    """A refused request as one line: its status and what the server said (``error_text``),
+    else the status's reason."""
+    said = error_text(status, body, content_type) or reason
     return f"HTTP {status}: {said}" if said else f"HTTP {status}"
 
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import httpx
 
+from justllm.core.http_errors import error_text
 from justllm.core.record import RequestRecord
 from justllm.core.sse import sse_data
 from justllm.errors import JustLLMError
@@ -207,11 +208,11 @@ def encodable(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def refusal(status: int, body: bytes) -> JustLLMError:
+def refusal(status: int, body: bytes, content_type: str = "") -> JustLLMError:
     """The error for a non-200 answer: ContextFull for a 400 about the context length (this
     server's says so with ``param`` prompt or max_tokens; OpenAI's has the code
     context_length_exceeded), else one line with the server's message."""
-    msg, error = _error_of(body)
+    msg, error = _error_of(status, body, content_type)
     if status == 400 and isinstance(error, dict) and (
             error.get("code") == "context_length_exceeded"
             or error.get("type") == "exceed_context_size_error"  # llama-server's
@@ -221,17 +222,15 @@ def refusal(status: int, body: bytes) -> JustLLMError:
     return JustLLMError(f"the server answered {status}: {msg}")
 
 
-def _error_of(body: bytes) -> tuple[str, dict]:
-    """An error answer's message (OpenAI's ``error.message``, else the body as text) and its
-    ``error`` object ({} without one)."""
-    msg = body.decode("utf-8", "replace").strip()
+def _error_of(status: int, body: bytes, content_type: str = "") -> tuple[str, dict]:
+    """An error answer's message (OpenAI's ``error.message``, an HTML page's title, the text:
+    ``error_text``) and its ``error`` object ({} without one)."""
+    error: object = None
     try:
-        error = json.loads(msg)["error"]
-        if isinstance(error, str):  # (Ollama's shape)
-            return error, {}
-        return str(error["message"]), error if isinstance(error, dict) else {}
+        error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
-        return msg[:300], {}
+        pass
+    return error_text(status, body, content_type), error if isinstance(error, dict) else {}
 
 
 def _choices(data: dict) -> list[dict]:
@@ -284,7 +283,8 @@ class RemoteChat:
         if r.status_code != 200:
             hint = " (--api-key, or JUSTLLM_API_KEY?)" if r.status_code == 401 else ""
             raise JustLLMError(f"{self.url}/v1/models answered {r.status_code}: "
-                               f"{_error_of(r.content)[0]}{hint}")
+                               f"{_error_of(r.status_code, r.content, r.headers.get('content-type', ''))[0]}"
+                               f"{hint}")
         try:
             cards = r.json()["data"]
             self.listed = [str(m["id"]) for m in cards]
@@ -307,9 +307,12 @@ class RemoteChat:
                                f"/v1/models lists: {shown})")
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
-        """The answer's text pieces. A network failure, or an answer that is not the server's
-        stream, is one JustLLMError; until the final chunk's usage, ``last`` says that this
-        answer has no figures (a stopped one must not show the previous answer's)."""
+        """The answer's text pieces, without its leading and trailing blanks (as a local
+        model's). A network failure, or an answer that is not the server's stream, is one
+        JustLLMError; until the final chunk's usage, ``last`` says that this answer has no
+        figures (a stopped one must not show the previous answer's)."""
+        from justllm.engine.chat_template import AnswerText
+
         messages = [{**m, "content": encodable(m["content"]),
                      **({"reasoning_content": encodable(m["reasoning_content"])}
                         if m.get("reasoning_content") else {})} for m in messages]
@@ -320,10 +323,11 @@ class RemoteChat:
         self.last = AnswerStats(complete=False)
         start = time.perf_counter()
         first = None
+        answer = AnswerText()
         try:
             with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
-                    raise refusal(r.status_code, r.read())
+                    raise refusal(r.status_code, r.read(), r.headers.get("content-type", ""))
                 for line in r.iter_lines():
                     payload = sse_data(line)
                     if payload == "[DONE]":  # the end, even from a server that sends no usage
@@ -349,6 +353,7 @@ class RemoteChat:
                         text = _text(delta, "content")
                         if text:
                             first = first or time.perf_counter()
+                        if text := answer.feed(text or ""):
                             yield text
         except httpx.ConnectError as e:
             raise JustLLMError(f"cannot reach {self.url}: {e}") from None

@@ -481,13 +481,14 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(model_path, t
 # ---- a stand-in OpenAI server (no model): what a server may send, exactly ------------------
 
 @contextlib.contextmanager
-def fake_openai(models: list[str], streams: list[bytes],
+def fake_openai(models: list[str], streams: list[bytes | tuple[int, str, bytes]],
                 aliases: dict[str, list[str]] | None = None,
                 card: dict | None = None) -> Iterator[tuple[str, list[dict]]]:
     """A server whose /v1/models lists ``models`` (with their ``aliases`` on their cards, as
     router mode lists them) and whose chat completions answer with ``streams``, one per
-    request, in order (the last one again when they run out); ``card``: more fields of every
-    card. Yields its URL and the request bodies it got."""
+    request, in order (the last one again when they run out; a ``(status, content type,
+    body)`` answers so); ``card``: more fields of every card. Yields its URL and the request
+    bodies it got."""
     import http.server
     import threading
 
@@ -498,8 +499,8 @@ def fake_openai(models: list[str], streams: list[bytes],
         for m in models]}).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def _send(self, body: bytes, kind: str) -> None:
-            self.send_response(200)
+        def _send(self, body: bytes, kind: str, status: int = 200) -> None:
+            self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -510,7 +511,11 @@ def fake_openai(models: list[str], streams: list[bytes],
 
         def do_POST(self) -> None:  # noqa: N802
             asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self._send(streams[min(len(asked), len(streams)) - 1], "text/event-stream")
+            answer = streams[min(len(asked), len(streams)) - 1]
+            if isinstance(answer, tuple):
+                self._send(answer[2], answer[1], answer[0])
+            else:
+                self._send(answer, "text/event-stream")
 
         def log_message(self, *args: object) -> None:
             pass
@@ -600,6 +605,19 @@ def test_an_error_event_in_the_stream_fails_the_turn(tmp_path):
                            env={**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.count("error: ") == 1 and "KV cache exhausted" in r.stdout, r.stdout
+
+
+def test_a_remote_answer_is_trimmed_and_an_html_error_page_is_one_line():
+    """A server's answer kept its leading and trailing blanks (a local model's are trimmed),
+    and a proxy's HTML error page was printed raw, many lines of it."""
+    page = (b"<html>\n<head><title>502 Bad Gateway</title></head>\n<body>\n<center><h1>502 "
+            b"Bad Gateway</h1></center>\n<hr><center>nginx</center>\n</body>\n</html>\n")
+    with fake_openai(["m"], [sse(said(" \n"), said(" Hello"), said(" world"), said(" \n"),
+                                 "[DONE]"), (502, "text/html", page)]) as (url, _):
+        session, out = remote_chat_lines(url, ["hi", "again"])
+    assert session.history[-2:] == [{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "Hello world"}]
+    assert "error: the server answered 502: Bad Gateway\n" in out and "<" not in out, out
 
 
 def test_data_lines_without_a_space_and_streams_without_usage_are_read():
