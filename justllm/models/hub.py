@@ -57,6 +57,8 @@ def split_ref(ref: str) -> tuple[str, str | None]:
     repo, file = repo.strip().strip("/"), file.strip().strip("/")
     if not repo or (sep and not file):
         raise ModelLoadError(f"expected REPO or REPO:FILE, got '{ref}'")
+    if ".." in file.split("/"):  # (the hub's refusal read as "repo not found")
+        raise ModelLoadError(f"FILE is a path inside the repo, without '..': got '{file}'")
     return repo, file or None
 
 

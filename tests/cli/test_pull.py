@@ -136,6 +136,10 @@ def test_not_a_gguf_name_is_refused_before_any_request(hub: FakeHub) -> None:
     hub.push("acme/tiny-GGUF", {"README.md": b"# tiny\n"})
     line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:README.md"]))
     assert "'README.md' is not a .gguf file" in line and hub.requests == []
+    # a FILE that climbs out of the repo said "repo not found" (the hub's refusal)
+    line = _error_line(runner.invoke(app, ["pull", "acme/tiny-GGUF:../../y.gguf"]))
+    assert line == "error: FILE is a path inside the repo, without '..': got '../../y.gguf'"
+    assert hub.requests == []
 
 
 @pytest.mark.parametrize("content, says", [
