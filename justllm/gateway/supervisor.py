@@ -608,6 +608,13 @@ class Supervisor:
         if replica.runner is not None:
             replica.runner.kill_now()
 
+    def runs_local(self, origin: str) -> bool:
+        """Whether ``origin`` (``http://HOST:PORT``) is one of this supervisor's runners,
+        a stopping one too (it serves what it was handed: a PD hand-over after an unload)."""
+        return any(r.runner is not None and r.runner.url == origin
+                   for s in self.models.values() for r in s.local) or any(
+            runner.url == origin for runner in self._stopping)
+
     def _places(self, besides: ModelState | None = None) -> list[policy.Loaded]:
         """What holds places under max-loaded and max-memory, as the policies see it: the
         models loaded or loading here (but ``besides``), and the runners still stopping as
@@ -977,10 +984,7 @@ class RunnerAuth(httpx.Auth):
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         origin = f"http://{request.url.host}:{request.url.port}"
         sup = self.supervisor
-        # (a runner stopping serves what it was handed: a PD hand-over after an unload)
-        if any(r.runner is not None and r.runner.url == origin
-               for s in sup.models.values() for r in s.local) or any(
-                runner.url == origin for runner in sup._stopping):
+        if sup.runs_local(origin):
             request.headers["authorization"] = f"Bearer {self.supervisor.runner_key}"
         else:
             key = remote_key(self.supervisor.config, str(request.url))
