@@ -33,10 +33,12 @@ def _stats(prefix: str, values_s: list[float]) -> dict[str, float | None]:
 
 def _delta(run: RunResult, name: str) -> float | None:
     """``name``'s increase over the run; None without both scrapes (a failed first one made
-    the server's lifetime count this run's)."""
+    the server's lifetime count this run's) or when it fell (the counter began again: a
+    model unloaded and loaded again mid-run; the difference was a made-up figure)."""
     if name not in run.metrics_after or not run.metrics_before:
         return None
-    return run.metrics_after[name] - run.metrics_before.get(name, 0.0)
+    grew = run.metrics_after[name] - run.metrics_before.get(name, 0.0)
+    return grew if grew >= 0 else None
 
 
 def summarize(run: RunResult) -> dict[str, float | int | str | None]:

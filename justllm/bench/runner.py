@@ -38,21 +38,27 @@ class RunResult:
     metrics_after: dict[str, float]
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum each sample name over its labels (one model per server)."""
+METRICS_TIMEOUT = 30.0  # seconds a /metrics scrape may take (a stalled one held bench 600 s)
+
+
+def parse_metrics(text: str, model: str | None = None) -> dict[str, float]:
+    """Sum each sample name over its labels; with ``model``, only the samples whose
+    ``model_name`` is it (a router's other models, or one unloaded mid-run, were counted as
+    this run's), and those without the label."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+            if model is None or s.labels.get("model_name", model) == model:
+                out[s.name] = out.get(s.name, 0.0) + float(s.value)
     return out
 
 
-async def _metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+async def _metrics(client: httpx.AsyncClient, url: str, model: str | None) -> dict[str, float]:
     try:
-        r = await client.get(url + "/metrics")
-        return parse_metrics(r.text) if r.status_code == 200 else {}
+        r = await client.get(url + "/metrics", timeout=METRICS_TIMEOUT)
+        return parse_metrics(r.text, model) if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return {}
 
@@ -99,6 +105,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
     t0 = time.perf_counter()
     last = None
     chunks = 0
+    done = False  # the stream's [DONE]: without it the answer was cut off
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -107,6 +114,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
                 return res
             async for line in r.aiter_lines():
                 payload = sse_data(line)
+                done = done or payload == "[DONE]"
                 if not payload or payload == "[DONE]":
                     continue
                 data = json.loads(payload)
@@ -117,10 +125,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
                     res.error = str(error.get("message", error) if isinstance(error, dict)
                                     else error)
                     return res
-                if data.get("usage"):
-                    res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                if data.get("usage"):  # (a count left out is unknown, not 0)
+                    res.prompt_tokens = data["usage"].get("prompt_tokens")
                     res.output_tokens = data["usage"].get("completion_tokens", 0)
-                if any(c.get("text") for c in data.get("choices", [])):
+                if any(c.get("text") for c in data.get("choices") or []):
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
@@ -133,9 +141,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
         return res
     res.e2e = time.perf_counter() - t0
     res.output_tokens = res.output_tokens or chunks
-    res.ok = last is not None
-    if not res.ok:
+    res.ok = last is not None and done
+    if last is None:
         res.error = "no tokens received"
+    elif not done:
+        res.error = f"the stream ended without its [DONE], after {chunks} piece(s) of text"
     return res
 
 
@@ -147,7 +157,7 @@ async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: i
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), headers=headers,
                                  limits=limits, trust_env=False) as client:
-        before = await _metrics(client, url)
+        before = await _metrics(client, url, model)
         sem = asyncio.Semaphore(concurrency)
         rng = random.Random(seed)
 
@@ -166,5 +176,5 @@ async def run_workload(url: str, requests: list[BenchRequest], *, concurrency: i
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-        after = await _metrics(client, url)
+        after = await _metrics(client, url, model)
     return RunResult(url, duration, list(results), before, after)

@@ -187,6 +187,10 @@ def check_url(url: str, flag: str = "--url") -> str:
         raise ValueError(f"{flag} {url!r} is not a valid URL: {e}") from None
     if not parsed.host:
         raise ValueError(f"{flag} {url!r} names no host")
+    if parsed.query or parsed.fragment or url.rstrip().endswith(("?", "#")):
+        # (the routes were appended after it: every request went to "...?x=1/v1/...")
+        raise ValueError(f"{flag} {url!r}: a server's address has no query or fragment "
+                         "(?... or #...)")
     if parsed.port is not None and not 0 < parsed.port <= 65535:
         raise ValueError(f"{flag} {url!r}: the port must be in 1-65535 (got {parsed.port})")
     try:

@@ -15,6 +15,8 @@ from rich.console import Console
 from justllm.cli.errors import cli_errors
 from justllm.cli.options import typed
 
+MIN_REQUEST_RATE = 0.001  # requests per second (one every 1,000 s, on average)
+
 
 def bench(
     ctx: typer.Context,
@@ -25,7 +27,7 @@ def bench(
     dataset: Annotated[Optional[Path], typer.Option("--dataset", help="ShareGPT-style JSON file (sets --workload sharegpt).")] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", "-n", help="Requests to send.")] = 32,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Most requests in flight.")] = 8,
-    request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals per second (default: all at once, bounded by --concurrency).")] = None,
+    request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals per second, at least 0.001 (default: all at once, bounded by --concurrency).")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Words per random prompt / question (a word is about a token; a prompt holds at most 1048576).")] = 64,
     prefix_len: Annotated[int, typer.Option("--prefix-len", help="Words in the shared prefix (shared-prefix workload; with --input-len at most 1048576).")] = 1000,
     output_len: Annotated[Optional[int], typer.Option("--output-len", help="Tokens to generate per request (default 128; sharegpt: the recorded reply's length in words).", show_default=False)] = None,
@@ -80,8 +82,10 @@ def bench(
                 check_writable(json_out.parent)
             except ValueError as e:
                 raise ValueError(f"--json: {e}") from None
-        if request_rate is not None and not 0 < request_rate < math.inf:  # (nan ran)
-            raise ValueError("--request-rate must be a finite number > 0")
+        # (nan ran; 1e-320 drew an infinite wait after the first request)
+        if request_rate is not None and not MIN_REQUEST_RATE <= request_rate < math.inf:
+            raise ValueError(f"--request-rate must be a finite number of requests per second, "
+                             f"at least {MIN_REQUEST_RATE:g}")
         if url is not None and model is not None:
             raise ValueError("MODEL is for the server bench starts itself; --url measures the "
                              "model that server serves")

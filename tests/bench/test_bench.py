@@ -224,6 +224,61 @@ def test_odd_stream_events_fail_the_request_not_bench(events, error, tmp_path):
     assert data["failed"] == 2 and data["first_error"] == error
 
 
+def _chunk(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+
+def test_a_stream_cut_off_fails_and_odd_usage_is_read(tmp_path):
+    # no [DONE]: a cut-off answer was a success of 3 tokens
+    r, data = bench_two_requests(fake_stream_server(_chunk("a") + _chunk("b") + _chunk("c")),
+                                 tmp_path)
+    assert data["failed"] == 2 and data["first_error"] == (
+        "the stream ended without its [DONE], after 3 piece(s) of text"), data
+    # a usage chunk whose choices are null (a TypeError failed every request), its usage
+    # without prompt_tokens: unknown, not 0
+    usage = b'data: {"choices": null, "usage": {"completion_tokens": 2}}\n\n'
+    r, data = bench_two_requests(fake_stream_server(
+        _chunk("a") + _chunk("b") + usage + b"data: [DONE]\n\n"), tmp_path)
+    assert (data["completed"], data["failed"]) == (2, 0), data
+    assert data["total_input_tokens"] is None and data["total_output_tokens"] == 4
+
+
+def test_metrics_count_only_the_benched_model_and_a_counter_begun_again_is_unknown():
+    from justllm.bench.report import summarize
+    from justllm.bench.runner import RequestResult, RunResult, parse_metrics
+
+    page = ('# TYPE vllm:prefix_cache_queries counter\n'
+            'vllm:prefix_cache_queries_total{model_name="a"} 22\n'
+            'vllm:prefix_cache_queries_total{model_name="b"} 543\n'
+            '# TYPE vllm:prefix_cache_hits counter\n'
+            'vllm:prefix_cache_hits_total{model_name="a"} 0\n'
+            'vllm:prefix_cache_hits_total{model_name="b"} 360\n'
+            '# TYPE justllm_up gauge\njustllm_up 1\n')
+    assert parse_metrics(page, "a") == {"vllm:prefix_cache_queries_total": 22.0,
+                                        "vllm:prefix_cache_hits_total": 0.0, "justllm_up": 1.0}
+    assert parse_metrics(page)["vllm:prefix_cache_queries_total"] == 565.0  # (one model)
+    ok = [RequestResult(ok=True, prompt_tokens=5, output_tokens=2, ttft=0.1, e2e=0.2)]
+    # b unloaded mid-run: its counters left the page, the sum fell (a 69% hit ratio was shown)
+    run = RunResult("u", 1.0, ok, parse_metrics(page), parse_metrics(page, "a"))
+    assert summarize(run)["prefix_cache_token_hit_ratio"] is None
+    run = RunResult("u", 1.0, ok, {"vllm:prefix_cache_queries_total": 2.0,
+                                   "vllm:prefix_cache_hits_total": 0.0},
+                    parse_metrics(page, "a"))
+    assert summarize(run)["prefix_cache_token_hit_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--url", "http://127.0.0.1:9?x=1"], "a server's address has no query or fragment"),
+    (["--url", "http://127.0.0.1:9/#f"], "a server's address has no query or fragment"),
+    (["--url", "http://127.0.0.1:9", "--request-rate", "1e-320"],
+     "--request-rate must be a finite number of requests per second, at least 0.001"),
+])
+def test_urls_with_a_query_and_vanishing_rates_are_refused(args, says):
+    # (every request went to ".../?x=1/v1/completions"; 1e-320 drew an infinite wait)
+    r = runner.invoke(app, ["bench", *args])
+    assert r.exit_code == 1 and says in r.output, r.output
+
+
 def bench_two_requests(httpd, tmp_path):
     """``justllm bench -n 2`` against a stand-in server (stopped after): its result and JSON."""
     try:
