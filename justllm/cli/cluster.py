@@ -91,7 +91,7 @@ def deploy(
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
         where = cluster.find_or_start(lambda: console.print(
             "justllm: no Ray cluster (RAY_ADDRESS is not set and none runs here): starting a "
-            "local Ray head", highlight=False))
+            "local Ray head", highlight=False), settings)
         names = ", ".join(m.name for m in config.models)
         console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
                       "(each replica loads its model on its node; this waits for them)",

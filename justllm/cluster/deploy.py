@@ -84,12 +84,15 @@ def start_local() -> Cluster:
     return Cluster(head.address, head)
 
 
-def find_or_start(on_start: Callable[[], None]) -> Cluster:
+def find_or_start(on_start: Callable[[], None], settings: ClusterSettings) -> Cluster:
     """The cluster to deploy onto (``find_cluster``), else a local head started now (after
-    ``on_start()``): under a lock, so that deploys at once start one head between them."""
+    ``on_start()``): under a lock, so that deploys at once start one head between them. A
+    head is started only for ``settings``' port free (a taken one cost a head's start and
+    stop, a minute, before its one line)."""
     with local_ray.start_lock():
         where = find_cluster()
         if where is None:
+            check_port_free(settings)
             on_start()
             where = start_local()
     return where
@@ -163,7 +166,7 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
     try:
         with connected(cluster):
             if not serve_running():
-                _check_port_free(settings)
+                check_port_free(settings)
             try:
                 serve.start(http_options={"host": settings.host, "port": settings.port})
             except Exception as e:  # the port is taken, say (it was a traceback)
@@ -265,8 +268,11 @@ def wait_running(app: str, schedule_timeout: float, on_wait: Callable[[str], Non
                 told.add((name, "load"))
                 until = (f"waiting up to {start_timeout:g} s in all: --start-timeout"
                          if start_timeout else "waiting without end: --start-timeout 0")
-                on_wait(f"{name}: {count} replica(s) still loading their model after "
-                        f"more than {since} s ({until})")
+                # (the ingress and the board load no model: "still loading their model"
+                # blamed the ingress for a model replica's wait)
+                what = "starting" if name in (INGRESS, BOARD) else "loading their model"
+                on_wait(f"{name}: {count} replica(s) still {what} after more than {since} s "
+                        f"({until})")
         if waiting and schedule_timeout and clock() - start >= schedule_timeout:
             name, (count, needs, free) = waiting[0]
             raise DeployFailed(f"{name}: {count} replica(s) found no node in "
@@ -308,7 +314,7 @@ def serve_running() -> bool:
     return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
-def _check_port_free(settings: ClusterSettings) -> None:
+def check_port_free(settings: ClusterSettings) -> None:
     """Before Serve first starts on a cluster: nothing may listen on its address already.
     Ray Serve's proxies bind with SO_REUSEPORT, so a port another cluster's Serve (or any
     server that does the same) holds was shared without a word, the kernel splitting the

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlencode
@@ -78,6 +78,19 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 NDJSON = "application/x-ndjson"
 STREAMS = ("text/event-stream", NDJSON)
 TRIES = 2  # a request whose replica died goes once more (a request that kills replicas: two)
+# Seconds between looks at a model's deployment while a request waits for its answer: one
+# that failed to deploy has no replica to come, and Ray's handle waits for it for ever.
+STATUS_POLL = 5.0
+
+
+def deployment_failed(handle: Any) -> bool:
+    """Whether ``handle``'s deployment failed to deploy, as Ray Serve's status says (blocking:
+    it asks the controller). ``cluster status`` reads the same status."""
+    from ray.serve import status
+
+    app = status().applications.get(handle.app_name)
+    deployment = None if app is None else app.deployments.get(handle.deployment_name)
+    return deployment is not None and str(deployment.status.value) == "DEPLOY_FAILED"
 
 
 @dataclass
@@ -103,6 +116,8 @@ class Ingress:
     # Per model, how many adapters models.yaml gives it: ids below that are the same on every
     # replica (gateway/policy.unstable_lora_id).
     fixed_lora: dict[str, int] = field(default_factory=dict)
+    # Whether a handle's deployment failed to deploy (a stand-in in the tests).
+    failed: Callable[[Any], bool] = deployment_failed
 
     def is_adapter(self, name: str) -> bool:
         """``name`` is a LoRA adapter (models.yaml's or one loaded at run time)."""
@@ -198,7 +213,7 @@ async def forward(request: Request, path: str, *, method: str = "POST",
         try:
             # A client that leaves while its answer is computed cancels it (an answer that is
             # not a stream sends its head only when done): the replica aborts the request.
-            head = await unless_disconnected(request, answer.__anext__())
+            head = await unless_disconnected(request, _head(ing, model, answer))
             if isinstance(head, Response):
                 _cancel(answer, kv)
                 return head
@@ -235,9 +250,7 @@ async def forward(request: Request, path: str, *, method: str = "POST",
                 ing.pd[model, "prefill_failed"] += 1
                 continue
             if isinstance(e, DeploymentUnavailableError):  # (it was a bare 500)
-                raise APIError(503, f"model '{model}' is unavailable: its deployment failed "
-                               "to deploy (justllm cluster status says why)",
-                               type="server_error", code="model_failed") from None
+                raise _failed(model) from None
             if not isinstance(e, REPLICA_GONE):
                 raise
             if attempt == TRIES:
@@ -251,6 +264,29 @@ async def forward(request: Request, path: str, *, method: str = "POST",
         return Response(b"".join(chunks), status_code=head.status, headers=dict(out),
                         media_type=kind or None)
     raise AssertionError("unreachable")
+
+
+async def _head(ing: Ingress, model: str, answer: Any) -> Any:
+    """``answer``'s first item (its head), looking at the model's deployment every
+    ``STATUS_POLL`` seconds while it waits: one that failed to deploy is a 503
+    ``model_failed`` (Ray raises DeploymentUnavailableError for it only sometimes; else its
+    handle waits for a replica for ever, and the request hung)."""
+    first = asyncio.ensure_future(answer.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=STATUS_POLL)
+            if done:
+                return first.result()
+            if await asyncio.to_thread(ing.failed, ing.handles[model]):
+                raise _failed(model)
+    finally:
+        first.cancel()  # (done: nothing; else the wait for a head that will not come)
+
+
+def _failed(model: str) -> APIError:
+    return APIError(503, f"model '{model}' is unavailable: its deployment failed to deploy "
+                    "(justllm cluster status says why)", type="server_error",
+                    code="model_failed")
 
 
 def _prefill(ing: Ingress, model: str, path: str, body: dict, content: bytes,

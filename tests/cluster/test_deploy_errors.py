@@ -74,6 +74,23 @@ def test_a_port_something_else_holds_is_refused_before_serve_starts(ray_faked, m
     assert started == [] and ray_faked[1] == ["head stopped"]
 
 
+def test_no_head_is_started_for_a_port_something_else_holds(monkeypatch):
+    """The port was checked once a head had started: a minute of starting and stopping it
+    before the one line."""
+    import socket
+
+    started: list[str] = []
+    monkeypatch.setattr(d, "find_cluster", lambda: None)
+    monkeypatch.setattr(d, "start_local", lambda: started.append("head"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(JustLLMError, match=f"something already listens on 127.0.0.1:{port}"):
+            d.find_or_start(lambda: started.append("said"), ClusterSettings(port=port))
+    assert started == []
+
+
 def test_a_replica_no_node_can_hold_is_refused_at_deploy_even_at_zero_replicas(
         ray_faked, monkeypatch):
     """A min-replicas 0 model whose replica fits on no node deployed "successfully", and each
@@ -265,7 +282,9 @@ def test_a_slow_load_within_the_start_timeout_is_waited_for(monkeypatch):
     """Loading for longer than Ray's 30 s is said, not failed: the deploy goes on until the
     replicas run (a large model loads for minutes); a schedule timeout does not apply."""
     clock = Clock()
-    pending = {"model-demo": SimpleNamespace(message=LOADING)}
+    # (the ingress loads no model: "ingress: ... still loading their model" misled)
+    pending = {"model-demo": SimpleNamespace(message=LOADING),
+               "ingress": SimpleNamespace(message=LOADING.replace("model-demo", "ingress"))}
     statuses = iter([app_status("DEPLOYING", pending)] * 1000 + [app_status("RUNNING")])
     monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(
         applications={"justllm": next(statuses)}))
@@ -274,6 +293,8 @@ def test_a_slow_load_within_the_start_timeout_is_waited_for(monkeypatch):
                    sleep=clock.sleep)
     assert clock.now == 500 and next(statuses, None) is None
     assert heard == ["model-demo: 1 replica(s) still loading their model after more than 30 s (waiting "
+                     "without end: --start-timeout 0)",
+                     "ingress: 1 replica(s) still starting after more than 30 s (waiting "
                      "without end: --start-timeout 0)"]
 
 

@@ -514,6 +514,37 @@ def test_a_deployment_that_failed_to_deploy_is_a_503_in_each_apis_shape():
     assert len(handle.calls) == 2  # not tried again: it cannot answer
 
 
+class _Never(Answer):
+    """An answer that never comes (Ray's handle waiting for a replica that will not start)."""
+
+    async def __anext__(self) -> Any:
+        await asyncio.Event().wait()
+
+
+def test_a_request_waiting_on_a_deployment_that_failed_is_a_503_not_a_hang(monkeypatch):
+    """Ray raises DeploymentUnavailableError only sometimes: else its handle waits for a
+    replica for ever, and every request to a model whose deployment failed hung."""
+    import justllm.cluster.ingress as ingress_module
+
+    monkeypatch.setattr(ingress_module, "STATUS_POLL", 0.05)
+    looked: list[Any] = []
+    handle = Handle(_Never(), _Never(), _Never())
+    failing = [False, False, True]  # it fails on the third look
+
+    def failed(h: Any) -> bool:
+        looked.append(h)
+        return failing.pop(0) if failing else True
+
+    ingress = Ingress({"demo": handle}, {"demo": "demo"}, Board({}), None, failed=failed)
+    with TestClient(create_ingress(ingress)) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "x"}, timeout=30)
+        ollama = c.post("/api/generate", json={"model": "demo", "prompt": "x"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_failed", r.text
+    assert ollama.status_code == 503 and "failed to deploy" in ollama.json()["error"]
+    assert len(looked) >= 3 and all(h is handle for h in looked)
+    assert len(handle.calls) == 2  # not tried again
+
+
 def test_ollamas_root_version_and_ps_answer_as_in_router_mode():
     """GET /, HEAD /, /api/version and /api/ps were 404s: Ollama clients that check on
     connect (ollama.Client.ps()) failed."""
