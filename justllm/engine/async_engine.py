@@ -631,9 +631,12 @@ MAX_GRAMMAR_RULES = 4096
 MAX_SCHEMA_GRAMMAR_RULES = 4 * MAX_GRAMMAR_RULES
 MAX_SCHEMA_GRAMMAR_ALTERNATIVES = 8192
 MAX_GRAMMAR_NESTING = 1024
-_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
-# What is not structure: string literals and character classes (with their escapes).
+# String literals and character classes (with their escapes).
 GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+# What is not structure: those, and comments (to the end of the line, "\r" or "\n", as
+# llama.cpp reads them; a quote or bracket in one swallowed the structure after it, and the
+# limits below were never applied: a 30,000-deep grammar behind one killed the server).
+_GBNF_TEXT = re.compile(GBNF_LITERALS.pattern + r"|#[^\r\n]*")
 
 
 def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
@@ -646,10 +649,12 @@ def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
     the grammar's mask costs about its live alternatives times the vocabulary, on the engine
     thread, so the third bounds what one request makes every other wait (5,000 choices: 2 s
     a token)."""
-    n_rules = len(_RULE.findall(gbnf))
+    text = _GBNF_TEXT.sub(" ", gbnf)
+    # Each rule has its one "::=" (counted by line starts, rules apart by "\r" went uncounted)
+    n_rules = text.count("::=")
     if n_rules > rules:
         raise InvalidRequestError(f"{param}: {n_rules} rules; at most {rules}", param=param)
-    structure = np.frombuffer(GBNF_LITERALS.sub("", gbnf).encode(), dtype=np.uint8)
+    structure = np.frombuffer(text.encode(), dtype=np.uint8)
     found = int(np.count_nonzero(structure == ord("|")))
     if found > alternatives:
         raise InvalidRequestError(f"{param}: {found} alternatives ('|'); at most "

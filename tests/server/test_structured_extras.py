@@ -176,6 +176,18 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server, p
     (COMPLETIONS, {"guided_grammar": "root ::= r0\n" + "".join(
         f"r{i} ::= r{i + 1}\n" for i in range(100_000)) + 'r100000 ::= "a"\n'},
      "guided_grammar", "100002 rules; at most 4096"),
+    # a quote or bracket in a comment hid what followed from the limits: the server died
+    (COMPLETIONS, {"grammar": '# "\nroot ::= ' + "(" * 30_000 + '"a"' + ")" * 30_000},
+     "grammar", "groups nested 30000 deep; at most 1024"),
+    (COMPLETIONS, {"structured_outputs": {"grammar": "# [\nroot ::= " + "(" * 2000 + '"a"'
+                                          + ")" * 2000 + "\n# ]\n"}},
+     "structured_outputs.grammar", "groups nested 2000 deep; at most 1024"),
+    (COMPLETIONS, {"grammar": '# "\nroot ::= ' + " | ".join(f'"w{i}"' for i in range(2000))},
+     "grammar", "1999 alternatives ('|'); at most 1024"),
+    # rules apart by "\r" (llama.cpp reads it as a line's end) went uncounted
+    (COMPLETIONS, {"grammar": "root ::= r0\r" + "".join(
+        f"r{i} ::= r{i + 1}\r" for i in range(5000)) + 'r5000 ::= "a"\r'},
+     "grammar", "5002 rules; at most 4096"),
     (COMPLETIONS, {"guided_regex": "(a)\\1"}, "guided_regex", "back-references"),
     (COMPLETIONS, {"structured_outputs": {"regex": "a(?=b)"}}, "structured_outputs.regex",
      "lookahead"),

@@ -101,7 +101,7 @@ def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:
 # A GBNF text's pieces: literals and character classes (GBNF_LITERALS), repetition counts and
 # comments (whose words are not rule names), then words (rule names: llama.cpp's letters,
 # digits and '-'), then anything else.
-_GBNF_PIECE = re.compile(GBNF_LITERALS.pattern + r'|\{[0-9, ]*\}|#[^\n]*|([A-Za-z0-9-]+)|.',
+_GBNF_PIECE = re.compile(GBNF_LITERALS.pattern + r'|\{[0-9, ]*\}|#[^\r\n]*|([A-Za-z0-9-]+)|.',
                          re.S)
 
 
