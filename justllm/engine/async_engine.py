@@ -323,11 +323,13 @@ class AsyncEngine:
         and 124,999 alternatives, seconds a token)."""
         if schema is None:
             return _JSON_OBJECT
-        gbnf = without_trailing_space(grammar_from_json_schema(schema))
+        gbnf = grammar_from_json_schema(schema)
         grammar_limits(gbnf, "the grammar made from the schema",
                        rules=MAX_SCHEMA_GRAMMAR_RULES,
                        alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
-        return gbnf
+        # (after the limits: the top's copies of an anyOf's alternatives are not live beside
+        # the originals, which they would count twice)
+        return without_trailing_space(gbnf)
 
     @staticmethod
     def regex_grammar(pattern: str) -> str:

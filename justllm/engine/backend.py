@@ -51,7 +51,9 @@ from justllm.errors import (
 )
 from justllm.models.gguf import read_gguf_header
 
-JSON_GRAMMAR: str = _grammar.JSON_GBNF
+# llama.cpp's JSON grammar (json_object), its number's exponent cut to two digits as a
+# schema's is (_FINITE_NUMBER): it allowed 16 (1e999999), which no strict parser reads.
+JSON_GRAMMAR: str = _grammar.JSON_GBNF.replace("[0-9] [1-9]{0,15})? ws", "[0-9] [0-9]?)? ws")
 
 MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
 
@@ -380,31 +382,68 @@ class _CandidatesSampler:
 _GBNF_RULE = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.M)
 
 
+# A GBNF body's pieces, for splitting it at its top-level "|": literals and classes whole.
+_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\r\n]*|[()|]|[^"\[#()|]+')
+
+
+def _alternatives(body: str) -> list[str]:
+    """``body``'s top-level alternatives (``a | (b | c) d`` -> ``a``, ``(b | c) d``), its
+    comments left out."""
+    out, piece, depth = [], "", 0
+    for m in _GBNF_PIECE.finditer(body):
+        text = m.group(0)
+        if text.startswith("#"):
+            continue
+        depth += (text == "(") - (text == ")")
+        if text == "|" and depth == 0:
+            out.append(piece.strip())
+            piece = ""
+        else:
+            piece += text
+    return [*out, piece.strip()]
+
+
 def without_trailing_space(gbnf: str) -> str:
     """``gbnf`` with no whitespace allowed after its top-level value. llama-cpp-python's JSON
     grammars end every value with an optional space (``ws``/``space``), the top one too, so a
     model could end a JSON answer with a space (or a newline) before it stopped; OpenAI's
-    structured outputs end at the closing brace. The root's body (or, for ``root ::= NAME``, a
-    copy of NAME's, as ``NAME-top``) loses its last ``ws``/``space``; a grammar of another
-    shape is returned as it is."""
+    structured outputs end at the closing brace. Each of the root's alternatives loses its
+    last ``ws``/``space``, one that names a rule through a copy of it (``NAME-top``; an anyOf
+    root's alternatives, a type list's, any value's) made the same way; what ends otherwise
+    stays. A grammar without a root is returned as it is."""
     starts = list(_GBNF_RULE.finditer(gbnf))
     spans = {m.group(1): (m.start(), m.end(), starts[i + 1].start() if i + 1 < len(starts)
                           else len(gbnf)) for i, m in enumerate(starts)}
     if "root" not in spans:
         return gbnf
-    r_start, r_body, r_end = spans["root"]
-    name = gbnf[r_body:r_end].strip()
-    top = name if name in spans else "root"
-    _, body_start, body_end = spans[top]
-    code = "\n".join(line for line in gbnf[body_start:body_end].splitlines()
-                     if not line.lstrip().startswith("#"))
-    cut = re.search(r"\s(?:ws|space)\s*$", code)
-    if cut is None:
+    added: dict[str, str] = {}  # NAME -> NAME-top's body
+
+    def trimmed(name: str, depth: int) -> str | None:
+        """``name``'s body without its trailing space, or None when nothing changes."""
+        _, start, end = spans[name]
+        alternatives = _alternatives(gbnf[start:end])
+        out = [_trim(a, depth) for a in alternatives]
+        return None if out == alternatives else " | ".join(out)
+
+    def _trim(alternative: str, depth: int) -> str:
+        cut = re.search(r"\s(?:ws|space)$", alternative)
+        if cut is not None:
+            return alternative[:cut.start()].strip()
+        if alternative in spans and depth < 8:  # (a name: its copy, once made)
+            if f"{alternative}-top" not in added:
+                body = trimmed(alternative, depth + 1)
+                if body is None:
+                    return alternative
+                added[f"{alternative}-top"] = body
+            return f"{alternative}-top"
+        return alternative
+
+    root = trimmed("root", 0)
+    if root is None:
         return gbnf
-    body = code[:cut.start()].strip()
-    if top == "root":
-        return f"{gbnf[:r_start]}root ::= {body}\n{gbnf[r_end:]}"
-    return f"{gbnf[:r_start]}root ::= {name}-top\n{gbnf[r_end:]}\n{name}-top ::= {body}\n"
+    r_start, _, r_end = spans["root"]
+    tops = "".join(f"{name} ::= {body}\n" for name, body in added.items())
+    return f"{gbnf[:r_start]}root ::= {root}\n{gbnf[r_end:]}" + ("\n" + tops if tops else "")
 
 
 # A JSON string's character without the control characters JSON forbids raw (llama-cpp-python's

@@ -106,10 +106,29 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def same(a: Any, b: Any) -> bool:
+    """JSON's equality: ``true`` is not ``1`` nor ``false`` ``0`` (Python's ``==`` said they
+    were, and an allOf of two enums kept ``1`` where only ``true`` was allowed); ``1`` is
+    ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
+        return False
+    return bool(a == b)
+
+
+def _among(value: Any, values: list[Any]) -> bool:
+    return any(same(value, v) for v in values)
+
+
 def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for key, value in b.items():
-        if key not in out or out[key] == value:
+        if key not in out or same(out[key], value):
             out[key] = value
         elif key in ANNOTATIONS:
             continue
@@ -118,7 +137,7 @@ def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         elif key in ("properties", *CONTAINERS):
             named = dict(out[key])
             for name, sub in value.items():
-                if name not in named or named[name] == sub:
+                if name not in named or same(named[name], sub):
                     named[name] = sub
                 elif key == "properties":
                     named[name] = {"allOf": [named[name], sub]}
@@ -132,7 +151,7 @@ def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         elif key == "type":
             out[key] = _meet_types(out[key], value)
         elif key == "enum":
-            out[key] = [x for x in out[key] if x in value]
+            out[key] = [x for x in out[key] if _among(x, value)]
             if not out[key]:
                 raise SchemaConflict("allOf: two enums have no value in common")
         elif key == "allOf":
@@ -165,6 +184,10 @@ def rewrite(schema: dict[str, Any], resolve: Resolve, depth: int = 0) -> dict[st
                                                      if k != "$ref"})
             merged = merge(merged, rewrite(part, resolve, depth + 1))
         return rewrite(merged, resolve, depth + 1)
+    if "const" in schema and "enum" in schema:  # (the converter took the const, unchecked)
+        if not isinstance(schema["enum"], list) or not _among(schema["const"], schema["enum"]):
+            raise SchemaConflict("const is not one of the enum's values: no value matches")
+        schema = {k: v for k, v in schema.items() if k != "enum"}
     kind = schema.get("type")
     if isinstance(kind, list):
         rest = {k: v for k, v in schema.items() if k != "type"}
@@ -196,6 +219,10 @@ def rewrite(schema: dict[str, Any], resolve: Resolve, depth: int = 0) -> dict[st
 
             return {**{k: schema[k] for k in CONTAINERS if k in schema},
                     key: [with_siblings(alt) for alt in schema[key]]}
+    if ("minItems" in schema or "maxItems" in schema) and not (
+            {"items", "prefixItems"} & schema.keys()) and schema.get("type") == "array":
+        # (the converter reads the counts only beside items, and takes {} for none)
+        return {**schema, "items": {"description": "any value"}}
     return schema
 
 

@@ -36,7 +36,7 @@ _ONE = ("items", "additionalProperties")  # a schema (or, for old-draft items, a
 def _beside(schema: dict) -> list[str]:
     """The keywords of one value's schema that the grammar drops for another beside them:
     all but ``type`` beside an ``enum``/``const`` (the values are written as listed), string
-    lengths beside a ``pattern`` or ``format``."""
+    lengths beside a ``pattern`` or ``format``, a ``format`` beside a ``pattern``."""
     out = []
     fixed = [k for k in ("enum", "const") if k in schema]
     if fixed:
@@ -46,6 +46,8 @@ def _beside(schema: dict) -> list[str]:
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema
                                                         or "maxLength" in schema):
         out.append(f"minLength/maxLength beside {'pattern' if 'pattern' in schema else 'format'}")
+    if "pattern" in schema and "format" in schema:  # (the pattern alone was followed)
+        out.append("format beside pattern")
     return out
 
 

@@ -3,6 +3,8 @@ llama-cpp-python's end every value with an optional space, the top one too."""
 
 from __future__ import annotations
 
+import pytest
+
 from justllm.engine.backend import JSON_GRAMMAR, grammar_from_json_schema, without_trailing_space
 
 
@@ -31,6 +33,37 @@ def test_a_grammar_of_another_shape_is_left_as_it_is():
         assert without_trailing_space(gbnf) == gbnf
 
 
+@pytest.mark.parametrize("schema, texts", [
+    # (an anyOf, a type list or any value at the root kept its space: '{"a": 1} ')
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                 "required": ["a"]}, {"type": "null"}]}, ['{"a": 1}', "null"]),
+    ({"type": ["integer", "null"]}, ["6", "null"]),
+    ({}, ["[0]", '{"a": true}', "null", '"x"', "1.5"]),
+])
+def test_no_root_alternative_ends_with_a_space(accepts, schema, texts):
+    for text in texts:
+        assert accepts(schema, text), text
+        assert not accepts(schema, text + " ") and not accepts(schema, text + "\n"), text
+
+
+def test_json_tells_true_from_1_and_counts_items_without_an_items_schema(accepts):
+    """An allOf of two enums kept 1 where only true was allowed (Python's 1 == True); an
+    array's minItems/maxItems without items were not followed."""
+    both = {"allOf": [{"enum": [1, True, "z"]}, {"enum": [True, "z"]}]}
+    assert accepts(both, "true") and accepts(both, '"z"') and not accepts(both, "1")
+    falsy = {"allOf": [{"enum": [0, False]}, {"enum": [False]}]}
+    assert accepts(falsy, "false") and not accepts(falsy, "0")
+    assert accepts({"allOf": [{"const": "b"}, {"enum": ["b", "c"]}]}, '"b"')
+    counted = {"type": "array", "minItems": 2, "maxItems": 3}
+    assert accepts(counted, '[1, "x"]') and accepts(counted, "[1, 2, 3]")
+    assert not accepts(counted, "[1]") and not accepts(counted, "[1, 2, 3, 4]")
+
+
+def test_json_objects_numbers_keep_a_doubles_range():
+    """json_object's grammar (llama.cpp's) allowed a 16-digit exponent: 1e999999."""
+    assert "[0-9] [1-9]{0,15}" not in JSON_GRAMMAR and "[0-9] [0-9]?)? ws" in JSON_GRAMMAR
+
+
 def test_an_integers_bounds_become_its_rule_wherever_it_is():
     gbnf = grammar_from_json_schema({"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 5, "maximum": 7},
@@ -44,8 +77,6 @@ def test_an_integers_bounds_become_its_rule_wherever_it_is():
 # ---- what a schema's grammar accepts, through llama.cpp's own grammar sampler ----------------
 
 import json  # noqa: E402
-
-import pytest  # noqa: E402
 
 from justllm.engine.backend import grammar_from_regex  # noqa: E402
 from justllm.errors import InvalidRequestError  # noqa: E402
@@ -226,6 +257,11 @@ def test_a_schema_that_only_annotates_matches_any_value(accepts):
     ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "anyOf beside oneOf"),
     ({"type": "string", "enum": [1, 2]}, "no value of the enum"),
     ({"prefixItems": [{"type": "string"}], "minItems": 2}, "no items schema"),
+    # (const won, unchecked: every answer was the const, which the enum did not allow)
+    ({"allOf": [{"const": "a"}, {"enum": ["b", "c"]}]}, "const is not one of the enum's"),
+    ({"$defs": {"e": {"enum": ["p", "q"]}}, "$ref": "#/$defs/e", "const": "z"},
+     "const is not one of the enum's"),
+    ({"allOf": [{"const": 0}, {"const": False}]}, "give const different values"),
     ({"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
                 {"properties": {"b": {}}, "required": ["b"]}]}, "'b' is required"),
 ])

@@ -41,6 +41,14 @@ def test_keywords_the_rewrite_now_enforces_pass_strict():
         check_strict(schema, "response_format")
 
 
+def test_a_format_beside_a_pattern_is_unenforced():
+    """The grammar followed the pattern alone: strict took it, and '2016' was a date."""
+    assert unenforced({"type": "string", "format": "date", "pattern": "^2"}) == [
+        "#: format beside pattern"]
+    with pytest.raises(InvalidRequestError, match="format beside pattern"):
+        check_strict({"type": "string", "format": "uuid", "pattern": "^a"}, "response_format")
+
+
 def test_what_only_meets_once_a_ref_or_all_of_is_merged_is_unenforced():
     """A pattern in a definition and a maxLength beside the $ref naming it (or an enum and a
     maxLength in two allOf parts) meet only in the merged schema, where the grammar keeps one
