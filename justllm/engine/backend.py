@@ -39,7 +39,13 @@ from justllm.config import MAX_THREADS, usable_cpus
 from justllm.core.fim import FimTokens
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
 from justllm.engine.json_regex import json_text_pattern, raw_text_pattern
-from justllm.engine.schema_rewrite import SchemaConflict, constrains, hoist_refs, rewrite
+from justllm.engine.schema_rewrite import (
+    SchemaConflict,
+    check_valid_schema,
+    constrains,
+    hoist_refs,
+    rewrite,
+)
 from justllm.errors import (
     EngineClosedError,
     EngineError,
@@ -657,6 +663,7 @@ class _SchemaConverter(_grammar.SchemaConverter):
 def grammar_from_json_schema(schema: dict) -> str:
     """GBNF for JSON documents matching ``schema`` (llama-cpp-python's converter, as
     ``json_schema_to_gbnf`` runs it, with _SchemaConverter's additions and mends)."""
+    check_valid_schema(schema)
     try:
         check_schema_shape(schema)
     except InvalidRequestError as e:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from justllm.errors import InvalidRequestError
+
 # Keywords that say nothing about which values match.
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment",
                          "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor",
@@ -27,6 +29,24 @@ _LOWER = ("minLength", "minItems", "minProperties", "minimum", "exclusiveMinimum
 _UPPER = ("maxLength", "maxItems", "maxProperties", "maximum", "exclusiveMaximum")
 _JSON_TYPES = {"string": (str,), "boolean": (bool,), "null": (type(None),),
                "object": (dict,), "array": (list,), "integer": (int,), "number": (int, float)}
+
+
+def check_valid_schema(schema: Any, param: str = "response_format") -> None:
+    """InvalidRequestError for what is no JSON schema (its ``$schema``'s draft, else draft 7,
+    whose ``items`` may still be a list): ``required: "ab"`` was read as ["a", "b"],
+    ``enum: "abc"`` as its letters, ``minLength: -1`` taken, and ``anyOf: {..}`` answered
+    with Python's own words ("'str' object has no attribute 'get'"). jsonschema's metaschemas
+    say it, and where."""
+    from jsonschema import Draft7Validator
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:
+        validator_for(schema, default=Draft7Validator).check_schema(schema)
+    except SchemaError as e:
+        where = "".join(f"/{p}" for p in e.path)
+        raise InvalidRequestError(f"not a valid JSON schema: at #{where}: {e.message}",
+                                  param=param) from None
 
 
 class SchemaConflict(ValueError):

@@ -141,7 +141,7 @@ def test_a_pattern_constrains_the_decoded_string_and_the_text_stays_json(accepts
                                      r"^(a?){0,200}$", r"^(a|)*$", r"^()*$", r"^a?+$",
                                      r"^a**$", r"^\u+041$"])
 def test_what_a_grammar_cannot_say_in_a_pattern_is_a_400(pattern):
-    with pytest.raises(InvalidRequestError, match="unsupported JSON schema|repeats more than"):
+    with pytest.raises(InvalidRequestError, match="unsupported JSON schema|repeats more than|is not a 'regex'"):
         grammar_from_json_schema({"type": "string", "pattern": pattern})
     with pytest.raises(InvalidRequestError, match="unsupported regular expression"):
         grammar_from_regex(pattern.strip("^$"))
@@ -262,6 +262,12 @@ def test_a_schema_that_only_annotates_matches_any_value(accepts):
     ({"$defs": {"e": {"enum": ["p", "q"]}}, "$ref": "#/$defs/e", "const": "z"},
      "const is not one of the enum's"),
     ({"allOf": [{"const": 0}, {"const": False}]}, "give const different values"),
+    # what is no JSON schema: read as something else, or Python's own words
+    ({"type": "object", "required": "ab"}, "at #/required: 'ab' is not of type 'array'"),
+    ({"enum": "abc"}, "at #/enum: 'abc' is not of type 'array'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}},
+     "at #/properties/a/minLength: -1 is less than the minimum of 0"),
+    ({"anyOf": {"a": {}}}, "at #/anyOf: .* is not of type 'array'"),
     ({"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
                 {"properties": {"b": {}}, "required": ["b"]}]}, "'b' is required"),
 ])

@@ -650,7 +650,8 @@ def test_what_no_retry_or_no_value_can_satisfy_is_a_400(server):
                                "max_completion_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
     for schema, says in (({"enum": []}, "schema.enum is empty, so no value matches"),
-                         ({"anyOf": []}, "schema.anyOf is empty"),
+                         ({"anyOf": []}, "not a valid JSON schema: at #/anyOf: [] should be "
+                                         "non-empty"),
                          ({"type": "array", "minItems": 5, "maxItems": 2},
                           "minItems 5 is more than maxItems 2, so no value matches"),
                          ({"type": "object", "properties": {"a": {

@@ -332,6 +332,14 @@ def test_bad_tool_requests_get_openai_errors(server):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
           "tool_choice": "required"}, "tools"),
+        # no JSON schema: its grammar's error named response_format (or the server's own call
+        # schema) under auto, and a property's minLength -1 was taken
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": []}}}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "minLength": -1}}}}}]},
+         "tools[0].function.parameters"),
         ({"messages": [*ASK, {"role": "tool", "content": "18C"}]}, "messages[1].tool_call_id"),
         # a tool message answering no call (OpenAI: "must be a response to a preceding
         # message with 'tool_calls'"); both were answered

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from justllm.engine.schema_rewrite import check_valid_schema
 from justllm.errors import InvalidRequestError
 from justllm.server.json_schema import check_strict
 from justllm.server.schemas import ChatCompletionRequest, ChatMessage, Tool, ToolChoiceNamed
@@ -126,6 +127,12 @@ def _functions(tools: list[Tool]) -> tuple[Function, ...]:
             raise InvalidRequestError(f"{where}.function.parameters: the parameters schema "
                                       "must describe a JSON object",
                                       param=f"{where}.function.parameters")
+        if params is not None:  # (its grammar's error named the server's own call schema)
+            where_params = f"{where}.function.parameters"
+            try:
+                check_valid_schema(params, where_params)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"{where_params}: {e}", param=where_params) from None
         if fn.strict:
             check_strict(params, f"{where}.function.parameters")
         out.append(Function(fn.name, fn.description, params, bool(fn.strict)))
