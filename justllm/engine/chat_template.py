@@ -271,13 +271,17 @@ class ChatTemplate:
             return None
 
     def _probe(self, what: str) -> bool:
-        """Whether the template renders ``tools`` (``"tools"``) or a tool's result
-        (``"tool_role"``) itself, found once by rendering a probe chat, as llama.cpp's minja
-        finds a template's capabilities."""
+        """Whether the template renders ``tools`` (``"tools"``), a tool's result
+        (``"tool_role"``) or a system message (``"system_role"``: Gemma 2's refuses one) itself,
+        found once by rendering a probe chat, as llama.cpp's minja finds a template's
+        capabilities."""
         known = self._tool_probes.get(what)
         if known is None:
             chat = [{"role": "user", "content": "Hi"}]
-            if what == "tools":
+            if what == "system_role":
+                result = self._renders([{"role": "system", "content": _PROBE_NAME}, *chat])
+                known = result is not None and _PROBE_NAME in result
+            elif what == "tools":
                 with_tool = self._renders(chat, tools=[_PROBE_TOOL])
                 known = (with_tool is not None and _PROBE_NAME in with_tool
                          and with_tool != self._renders(chat, tools=None))
@@ -462,9 +466,15 @@ class ChatTemplate:
             out.append(m)
         if tools:
             text = tool_fallback_text(tools, parallel)
+            user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
             if out[0]["role"] == "system":
                 first = out[0].get("content")
                 out[0] = {**out[0], "content": f"{first}\n\n{text}" if first else text}
+            elif user is not None and not self._probe("system_role"):
+                # (a template without a system role, as Gemma 2's, refused every request with
+                # tools; llama.cpp's templates put a system message into the first user turn)
+                said = out[user].get("content")
+                out[user] = {**out[user], "content": f"{text}\n\n{said}" if said else text}
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out

@@ -214,6 +214,16 @@ def test_fallback_for_templates_without_tools():
     assert chat_only.render(CALLED).endswith("user: Result of get_weather: 18C\n")
     # Without tools nothing changes.
     assert plain.render(CALLED[:1]) == "user: Weather in Paris?\n"
+    # A template with no system role (Gemma 2's refuses one; this one drops it): the text
+    # goes into the first user turn (every request with tools was a 400)
+    for source in ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                   "{{ raise_exception('System role not supported') }}{% endif %}"
+                   "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+                   "{% for m in messages if m['role'] != 'system' %}{{ m['role'] }}: "
+                   "{{ m['content'] }}\n{% endfor %}"):
+        no_system = ChatTemplate(source)
+        assert no_system.render(CALLED[:1], tools=TOOLS) == (
+            f"user: {fallback}\n\nWeather in Paris?\n")
 
 
 def test_a_model_templates_tool_format_comes_from_its_markers():
