@@ -199,9 +199,14 @@ def template_globals() -> frozenset[str]:
     return frozenset(_environment().globals)
 
 
-def template_tool_format(source: str) -> str:
+def template_tool_format(source: str) -> str | None:
     """The tool-call format a template's own markers name (``generic`` when it names none):
-    ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each."""
+    ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each.
+    None for calls written as XML (Qwen3-Coder's and Qwen3.5's ``<function=NAME>`` with
+    ``<parameter=…>``, GLM's ``<arg_key>``), which the server cannot read: their ``<tool_call>``
+    read as Hermes', whose JSON grammar then forced a form the model does not write."""
+    if "<parameter=" in source or "<arg_key>" in source:
+        return None
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:
@@ -295,14 +300,15 @@ class ChatTemplate:
     @property
     def native_tools(self) -> bool:
         """True when the template renders ``tools`` itself (Hermes/Qwen, Llama 3.1, Mistral
-        and the ``chatml`` and ``llama3`` built-ins); otherwise ``render`` adds the fallback."""
-        return self._probe("tools")
+        and the ``chatml`` and ``llama3`` built-ins) in a format the server reads; otherwise
+        ``render`` adds the fallback."""
+        return template_tool_format(self.source) is not None and self._probe("tools")
 
     @property
     def tool_format(self) -> str:
         """The tool-call format a model prompted through this template writes: its family's
         when the template renders tools, else ``generic`` (what the fallback text asks for)."""
-        return template_tool_format(self.source) if self.native_tools else "generic"
+        return (template_tool_format(self.source) or "generic") if self.native_tools else "generic"
 
     @property
     def names_call_arguments(self) -> bool:

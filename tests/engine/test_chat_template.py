@@ -228,6 +228,16 @@ def test_fallback_for_templates_without_tools():
 
 def test_a_model_templates_tool_format_comes_from_its_markers():
     assert template_tool_format("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    # XML calls (Qwen3-Coder's, GLM's) read as Hermes': a JSON grammar then forced them
+    coder = ("{% if tools %}{% for t in tools %}{{ t['function']['name'] }}{% endfor %}"
+             "<tool_call>\n<function=NAME>\n<parameter=KEY>{% endif %}"
+             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert template_tool_format(coder) is None
+    assert template_tool_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None
+    xml = ChatTemplate(coder)
+    assert not xml.native_tools and xml.tool_format == "generic"
+    rendered = xml.render([{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert rendered.startswith(f"system: {tool_fallback_text(TOOLS)}") and "<tool_call>" not in rendered
     assert template_tool_format("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
     assert template_tool_format("<|start_header_id|>...<|python_tag|>") == "llama3"
     assert template_tool_format("<|start_header_id|>{\"parameters\": ...}") == "llama3"
