@@ -12,7 +12,6 @@ import asyncio
 import contextvars
 import logging
 import queue
-import re
 import threading
 import time
 import weakref
@@ -24,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from justllm.core.fim import FimTokens
+from justllm.core.gbnf import GBNF_TEXT
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import (
@@ -633,12 +633,6 @@ MAX_GRAMMAR_RULES = 4096
 MAX_SCHEMA_GRAMMAR_RULES = 4 * MAX_GRAMMAR_RULES
 MAX_SCHEMA_GRAMMAR_ALTERNATIVES = 8192
 MAX_GRAMMAR_NESTING = 1024
-# String literals and character classes (with their escapes).
-GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
-# What is not structure: those, and comments (to the end of the line, "\r" or "\n", as
-# llama.cpp reads them; a quote or bracket in one swallowed the structure after it, and the
-# limits below were never applied: a 30,000-deep grammar behind one killed the server).
-_GBNF_TEXT = re.compile(GBNF_LITERALS.pattern + r"|#[^\r\n]*")
 
 
 def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
@@ -651,7 +645,9 @@ def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,
     the grammar's mask costs about its live alternatives times the vocabulary, on the engine
     thread, so the third bounds what one request makes every other wait (5,000 choices: 2 s
     a token)."""
-    text = _GBNF_TEXT.sub(" ", gbnf)
+    # (outside literals, classes and comments: a quote in a comment hid a 30,000-deep
+    # grammar from these limits, and it killed the server)
+    text = GBNF_TEXT.sub(" ", gbnf)
     # Each rule has its one "::=" (counted by line starts, rules apart by "\r" went uncounted)
     n_rules = text.count("::=")
     if n_rules > rules:

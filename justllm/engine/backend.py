@@ -37,6 +37,7 @@ with openmp.short_spin() as _OPENMP_SLEEPS:  # (a constant: how libgomp loaded, 
 
 from justllm.config import MAX_THREADS, usable_cpus
 from justllm.core.fim import FimTokens
+from justllm.core.gbnf import GBNF_TEXT
 from justllm.engine.int_range import bounded_integer, integer_bounds, integer_rule
 from justllm.engine.json_regex import json_text_pattern, raw_text_pattern
 from justllm.engine.schema_rewrite import (
@@ -389,7 +390,7 @@ _GBNF_RULE = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.M)
 
 
 # A GBNF body's pieces, for splitting it at its top-level "|": literals and classes whole.
-_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\r\n]*|[()|]|[^"\[#()|]+')
+_GBNF_PIECE = re.compile(f'{GBNF_TEXT.pattern}|[()|]|[^"\\[#()|]+')
 
 
 def _alternatives(body: str) -> list[str]:

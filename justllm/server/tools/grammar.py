@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from justllm.engine.async_engine import GBNF_LITERALS
+from justllm.core.gbnf import GBNF_COMMENT, GBNF_LITERALS
 from justllm.errors import InvalidRequestError
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
@@ -101,8 +101,8 @@ def wrap_call_grammar(call_gbnf: str, fmt: str, parallel: bool) -> str:
 # A GBNF text's pieces: literals and character classes (GBNF_LITERALS), repetition counts and
 # comments (whose words are not rule names), then words (rule names: llama.cpp's letters,
 # digits and '-'), then anything else.
-_GBNF_PIECE = re.compile(GBNF_LITERALS.pattern + r'|\{[0-9, ]*\}|#[^\r\n]*|([A-Za-z0-9-]+)|.',
-                         re.S)
+_GBNF_PIECE = re.compile(GBNF_LITERALS.pattern + r"|\{[0-9, ]*\}|" + GBNF_COMMENT
+                         + r"|([A-Za-z0-9-]+)|.", re.S)
 
 
 def prefixed_rules(gbnf: str, prefix: str) -> str:
