@@ -79,7 +79,7 @@ class OllamaToolCall(_Part):
 
 class OllamaMessage(_Part):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = ""  # (null: "", as Ollama reads it; an OpenAI-style history sends it)
     images: list[str] | None = None
     tool_calls: list[OllamaToolCall] | None = None  # assistant messages
     tool_name: str | None = None  # tool messages: the tool whose result this is
@@ -142,7 +142,7 @@ def chat_messages(messages: list[OllamaMessage], model: str, thinks: bool = Fals
             answers, name = _answered(m, pending)
             if answers is None:
                 made += 1
-            out.append(ChatMessage(role="tool", content=m.content,
+            out.append(ChatMessage(role="tool", content=m.content or "",
                                    tool_call_id=answers or f"{made:09d}", name=name))
             continue
         calls = []
@@ -154,7 +154,7 @@ def chat_messages(messages: list[OllamaMessage], model: str, thinks: bool = Fals
             calls.append(MessageToolCall(id=call_id, function=FunctionCall(
                 name=call.function.name,
                 arguments=json.dumps(call.function.arguments, ensure_ascii=False))))
-        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls or None,
+        out.append(ChatMessage(role=m.role, content=m.content or "", tool_calls=calls or None,
                                reasoning_content=m.thinking or None))
     return out
 

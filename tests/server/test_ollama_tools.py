@@ -166,6 +166,19 @@ def test_a_call_and_its_result_in_the_history_reach_the_prompt(client, server):
 
     args = CALL["function"]["arguments"]
     short = prompt_tokens(args, "sunny")
+    # an assistant's null content (an OpenAI-style history) is "", as Ollama reads it (a 400)
+    def raw(content: str | None) -> httpx.Response:
+        return httpx.post(server.url + "/api/chat", json={
+            "model": server.model, "tools": TOOLS, "stream": False,
+            "options": {"temperature": 0, "num_predict": 1}, "messages": [
+                *ASK, {"role": "assistant", "content": content, "tool_calls": [
+                    {"function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]},
+            timeout=120)
+
+    nulled, empty = raw(None), raw("")
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["prompt_eval_count"] == empty.json()["prompt_eval_count"]
     assert prompt_tokens(args, "sunny, 23 degrees, a light breeze from the west") > short
     assert prompt_tokens({**args, "city": "Paris, the capital of France"}, "sunny") > short
 
