@@ -141,7 +141,8 @@ def test_prompt_lengths_are_bounded_and_refused_before_anything_is_built(monkeyp
              "--prefix-len must be at most 1048576 words"),
             (["--prefix-len", "-5"], "--prefix-len must be >= 0"),
             # found by an audit: each ran the bench first (nan ran to its end)
-            (["--request-rate", "nan"], "--request-rate must be a finite number > 0"),
+            (["--request-rate", "nan"], "--request-rate must be a finite number of requests "
+                                        "per second, at least 0.001"),
             (["--json", "/proc/x.json"], "--json: cannot write to /proc: "),
             (["--json", "/tmp"], "--json: /tmp is a directory; give a file path"),
             # (each is a task made before the run: 67 million passed the checks)

@@ -538,12 +538,12 @@ BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "no such type"}}}
 
 @pytest.mark.parametrize("extra, says", [
     ({"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}},
-     "output_config.format.schema: unsupported JSON schema"),
+     "output_config.format.schema: not a valid JSON schema"),
     ({"tools": [WEATHER, {**WEATHER, "name": "bad", "input_schema": BAD_SCHEMA}],
-      "tool_choice": {"type": "any"}}, "tools[1].input_schema: unsupported JSON schema"),
+      "tool_choice": {"type": "any"}}, "tools[1].input_schema: not a valid JSON schema"),
     ({"tools": [WEATHER, {**WEATHER, "name": "bad", "input_schema": BAD_SCHEMA}],
       "tool_choice": {"type": "tool", "name": "bad"}},
-     "tools[1].input_schema: unsupported JSON schema"),
+     "tools[1].input_schema: not a valid JSON schema"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_schema_the_grammar_cannot_take_is_named(server, extra, says, stream):
