@@ -72,9 +72,14 @@ def hoist_refs(schema: Any) -> Any:
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _MAPS and isinstance(value, dict):
-            out[key] = {k: hoist_refs(v) for k, v in value.items()}
+            out[key] = {k: hoist_refs(_unbooled(v)) for k, v in value.items()
+                        if v is not False or key != "properties"}
+        elif key in _LISTS and isinstance(value, list):
+            out[key] = [hoist_refs(_unbooled(v)) for v in value
+                        if v is not False or key not in ("anyOf", "oneOf")]
         elif key in _LISTS or key in _ONES:
-            out[key] = hoist_refs(value)
+            # (false stays where the converter reads it: additionalProperties, items)
+            out[key] = hoist_refs(value if value is False else _unbooled(value))
         else:
             out[key] = value
     ref = out.get("$ref")
@@ -85,6 +90,15 @@ def hoist_refs(schema: Any) -> Any:
     hoisted = {k: out[k] for k in CONTAINERS if k in out}
     hoisted["allOf"] = [{"$ref": ref}] + ([rest] if rest else [])
     return hoisted
+
+
+def _unbooled(schema: Any) -> Any:
+    """A boolean schema as the converter reads one: ``true`` (any value) as a schema that only
+    annotates (not ``{}``: it reads an empty ``items`` as none); ``false`` (no value) stays,
+    and is left out where that says the same: a property that may not be present, an
+    alternative never taken. The converter failed on either ("argument of type 'bool' is not
+    iterable")."""
+    return {"description": "any value"} if schema is True else schema
 
 
 def _types(value: Any) -> set[str]:

@@ -59,6 +59,19 @@ def test_json_tells_true_from_1_and_counts_items_without_an_items_schema(accepts
     assert not accepts(counted, "[1]") and not accepts(counted, "[1, 2, 3, 4]")
 
 
+def test_boolean_schemas_are_read(accepts):
+    """true and false subschemas (JSON Schema's any and no value) were a 400 in Python's words
+    ("argument of type 'bool' is not iterable")."""
+    props = {"type": "object", "properties": {"a": True, "b": False, "c": {"type": "integer"}},
+             "additionalProperties": False}
+    assert accepts(props, '{"a": [1], "c": 2}') and accepts(props, '{"a": "x"}')
+    assert not accepts(props, '{"b": 1}')
+    either = {"anyOf": [False, {"type": "integer"}]}
+    assert accepts(either, "5") and not accepts(either, '"x"')
+    items = {"type": "array", "items": True, "maxItems": 2}
+    assert accepts(items, '[1, "x"]') and not accepts(items, "[1, 2, 3]")
+
+
 def test_json_objects_numbers_keep_a_doubles_range():
     """json_object's grammar (llama.cpp's) allowed a 16-digit exponent: 1e999999."""
     assert "[0-9] [1-9]{0,15}" not in JSON_GRAMMAR and "[0-9] [0-9]?)? ws" in JSON_GRAMMAR
