@@ -191,9 +191,16 @@ class _Generation(_Body):
     top_logprobs: int | None = None
 
 
+class OllamaTool(Tool, kw_only=True):
+    """An Ollama tool: its ``type`` may be left out (Ollama reads the function; it was a 400
+    here)."""
+
+    type: str = "function"
+
+
 class OllamaChatRequest(_Generation):
     messages: list[OllamaMessage] = []
-    tools: list[Tool] | None = None
+    tools: list[OllamaTool] | None = None
     # justllm's extension (Ollama has none): OpenAI's tool_choice; absent = "auto"
     tool_choice: ToolChoice = None
 
@@ -721,7 +728,8 @@ async def chat(data: JSONBody[OllamaChatRequest], request: Request, state: State
     messages = chat_messages(req.messages, req.model,
                              served.completions.template.thinks)
     continued = continues_last_message(req.messages, req.tools)
-    with_tools = tool_request(messages, req.tools, req.tool_choice, req.format)
+    with_tools = tool_request(messages, list[Tool](req.tools) if req.tools else None,
+                              req.tool_choice, req.format)
     if with_tools is not None:
         with_tools = msgspec.structs.replace(
             with_tools, chat_template_kwargs=think.kwargs,

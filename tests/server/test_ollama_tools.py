@@ -183,6 +183,14 @@ def test_a_call_and_its_result_in_the_history_reach_the_prompt(client, server):
     assert prompt_tokens({**args, "city": "Paris, the capital of France"}, "sunny") > short
 
 
+def test_a_tool_without_its_type_is_a_function_as_ollama_reads_it(server):
+    untyped = [{k: v for k, v in t.items() if k != "type"} for t in TOOLS]  # (it was a 400)
+    counts = [chat(server, tools=tools, options={"temperature": 0, "num_predict": 1})
+              for tools in (untyped, TOOLS)]
+    assert [r.status_code for r in counts] == [200, 200], counts[0].text
+    assert counts[0].json()["prompt_eval_count"] == counts[1].json()["prompt_eval_count"]
+
+
 def test_tool_choice_none_is_the_plain_chat(server):
     r = chat(server, tool_choice="none", options={"temperature": 0, "num_predict": 4})
     assert r.status_code == 200, r.text
