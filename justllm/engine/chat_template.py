@@ -20,7 +20,10 @@ that text asks (see ``ChatTemplate.render``).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import re
+import string
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -426,6 +429,8 @@ class ChatTemplate:
             return text[:text.index(_MARK)]
         if self.harmony:
             messages = [_harmony_message(m) for m in messages]
+        if self.native_tools and self.tool_format == "mistral":
+            messages = _mistral_ids(messages)
         if not self.native_tools and (tools or any(
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
@@ -484,6 +489,34 @@ class ChatTemplate:
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_BASE62 = string.digits + string.ascii_letters
+
+
+def mistral_id(call_id: str) -> str:
+    """``call_id`` as Mistral's templates take one (9 letters and digits: they refuse any
+    other, so another client's ``call_…`` or ``toolu_…`` history was a 400), the same for the
+    same id, as vLLM shortens them."""
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(_BASE62[(n // 62 ** i) % 62] for i in range(9))
+
+
+def _mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with their calls' and results' ids as ``mistral_id`` makes them."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": mistral_id(c["id"])}
+                                     if isinstance(c.get("id"), str) else c
+                                     for c in m["tool_calls"]]}
+        if isinstance(m.get("tool_call_id"), str):
+            m = {**m, "tool_call_id": mistral_id(m["tool_call_id"])}
+        out.append(m)
+    return out
 
 
 def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:

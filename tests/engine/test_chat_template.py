@@ -12,6 +12,7 @@ from justllm.engine.chat_template import (
     TRANSCRIPT_PREAMBLE,
     AnswerText,
     ChatTemplate,
+    mistral_id,
     template_tool_format,
     tool_fallback_text,
     with_template_stops,
@@ -224,6 +225,34 @@ def test_fallback_for_templates_without_tools():
         no_system = ChatTemplate(source)
         assert no_system.render(CALLED[:1], tools=TOOLS) == (
             f"user: {fallback}\n\nWeather in Paris?\n")
+
+
+def test_mistral_templates_get_other_clients_call_ids_as_nine_letters_and_digits():
+    """Mistral's templates refuse an id that is not 9 letters and digits: a history from
+    another client (OpenAI's call_..., Anthropic's toolu_...) was a 400."""
+    source = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}{% endif %}"
+              "{% for m in messages %}"
+              "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+              "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be "
+              "alphanumeric strings with length 9!') }}{% endif %}"
+              "[TOOL_CALLS]{{ c.id }}{% endfor %}"
+              "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}"
+              "{% else %}[INST]{{ m.content }}{% endif %}{% endfor %}")
+    mistral = ChatTemplate(source)
+    assert mistral.tool_format == "mistral"
+    long_id = "call_" + "x" * 24
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": long_id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "abcdefgh1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": long_id, "content": "18C"},
+            {"role": "tool", "tool_call_id": "abcdefgh1", "content": "20C"}]
+    short = mistral_id(long_id)
+    assert len(short) == 9 and short.isalnum() and mistral_id(long_id) == short
+    assert mistral.render(chat, tools=TOOLS).endswith(
+        f"[TOOL_CALLS]{short}[TOOL_CALLS]abcdefgh1[TOOL_RESULTS]{short}[TOOL_RESULTS]abcdefgh1")
 
 
 def test_a_model_templates_tool_format_comes_from_its_markers():
