@@ -215,6 +215,21 @@ def connect(path: Path) -> sqlite3.Connection:
         raise RequestLogError(f"cannot open the request log {path}: {e}") from e
 
 
+def _to_wal(conn: sqlite3.Connection) -> None:
+    """The database in WAL mode. Two processes switching a new database at once: SQLite can
+    answer the second "database is locked" at once, without its busy timeout (it would
+    deadlock otherwise), and a runner's first record failed; tried again until the timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
     # isolation_level=None: each statement commits by itself, transactions are explicit.
@@ -224,7 +239,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         # Only takes effect on a database without tables (a new one): lets `--prune` give
         # freed pages back to the file system.
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        conn.execute("PRAGMA journal_mode = WAL")  # persistent; readers never block writers
+        _to_wal(conn)  # persistent; readers never block writers
         conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync per insert
         _migrate(conn)
     except BaseException:
