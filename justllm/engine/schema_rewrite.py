@@ -79,7 +79,7 @@ def hoist_refs(schema: Any) -> Any:
                         if v is not False or key not in ("anyOf", "oneOf")]
         elif key in _LISTS or key in _ONES:
             # (false stays where the converter reads it: additionalProperties, items)
-            out[key] = hoist_refs(value if value is False else _unbooled(value))
+            out[key] = hoist_refs(_unbooled(value))
         else:
             out[key] = value
     ref = out.get("$ref")
