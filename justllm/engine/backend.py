@@ -45,6 +45,7 @@ from justllm.engine.schema_rewrite import (
     check_valid_schema,
     constrains,
     hoist_refs,
+    root_refs,
     rewrite,
 )
 from justllm.errors import (
@@ -672,7 +673,8 @@ def grammar_from_json_schema(schema: dict) -> str:
     try:
         converter = _SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                      raw_pattern=False)
-        copy = hoist_refs(json.loads(json.dumps(schema)))  # (resolve_refs rewrites in place)
+        # (resolve_refs rewrites in place: a copy)
+        copy = hoist_refs(root_refs(json.loads(json.dumps(schema))))
         converter.visit(converter.resolve_refs(copy, "stdin"), "")
         return converter.format_grammar()
     except Exception as e:  # the converter raises plain exceptions on schemas it cannot handle

@@ -71,6 +71,9 @@ def hoist_refs(schema: Any) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
+        if key == "properties" and isinstance(value, dict) and "$ref" in value:
+            raise InvalidRequestError(  # (its resolve_refs takes any "$ref" key for one)
+                'a property named "$ref" is not supported by the grammar converter')
         if key in _MAPS and isinstance(value, dict):
             out[key] = {k: hoist_refs(_unbooled(v)) for k, v in value.items()
                         if v is not False or key != "properties"}
@@ -90,6 +93,46 @@ def hoist_refs(schema: Any) -> Any:
     hoisted = {k: out[k] for k in CONTAINERS if k in out}
     hoisted["allOf"] = [{"$ref": ref}] + ([rest] if rest else [])
     return hoisted
+
+
+_ROOT_REFS = ("#", "#/")
+
+
+def _retargeted(schema: Any, target: str) -> Any:
+    """``schema`` with each ``$ref`` to the whole document (``#``) pointing at ``target``;
+    only schema positions are walked (an ``enum``'s values are data)."""
+    if isinstance(schema, list):
+        return [_retargeted(s, target) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _MAPS and isinstance(value, dict):
+            out[key] = {k: _retargeted(v, target) for k, v in value.items()}
+        elif key in _LISTS or key in _ONES:
+            out[key] = _retargeted(value, target)
+        elif key == "$ref" and value in _ROOT_REFS:
+            out[key] = target
+        else:
+            out[key] = value
+    return out
+
+
+def root_refs(schema: Any) -> Any:
+    """``schema`` with its references to the whole document (``{"$ref": "#"}``, a tree's
+    children) made references to a definition holding a copy of it: llama-cpp-python's
+    converter resolves ``#/$defs/name`` (recursion too) but not ``#`` ("Unsupported ref").
+    The root stays as it was, so its other references (``#/properties/a``) still resolve."""
+    if not isinstance(schema, dict):
+        return schema
+    defs = schema.get("$defs") if isinstance(schema.get("$defs"), dict) else {}
+    name = next(n for n in (f"root{i or ''}" for i in range(len(defs) + 1)) if n not in defs)
+    target = f"#/$defs/{name}"
+    out = _retargeted(schema, target)
+    if out == schema:  # (no reference to the root)
+        return schema
+    body = {k: v for k, v in out.items() if k not in CONTAINERS}
+    return {**out, "$defs": {**(out.get("$defs") or {}), name: body}}
 
 
 def _unbooled(schema: Any) -> Any:

@@ -4,7 +4,8 @@
 The converter turns types (a list of them too), ``required``, ``enum``/``const``,
 ``properties``, ``additionalProperties``, string and array lengths, ``prefixItems``/``items``,
 ``pattern``, the ``date``/``time``/``date-time``/``uuid`` formats, ``anyOf``/``oneOf`` (not
-that only one alternative matches), ``allOf`` and ``$ref`` (with the keywords beside them:
+that only one alternative matches: a strict ``oneOf`` must have alternatives no value can
+match twice, told apart by type, value or a required constant property), ``allOf`` and ``$ref`` (with the keywords beside them:
 engine/schema_rewrite.py) into grammar rules (and ours adds a plain integer's bounds,
 engine/int_range.py), and passes over the rest, and over what stands beside an ``enum`` or
 ``const`` but its ``type`` (the values are written as listed). A
@@ -19,7 +20,7 @@ import re
 from typing import Any
 
 from justllm.engine.int_range import BOUNDS, bounded_integer
-from justllm.engine.schema_rewrite import ANNOTATIONS, CONTAINERS
+from justllm.engine.schema_rewrite import ANNOTATIONS, CONTAINERS, same
 from justllm.errors import InvalidRequestError
 
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -89,6 +90,76 @@ def _merged(schema: dict, root: Any, seen: dict[int, dict]) -> dict:
     return out
 
 
+_TYPES = ("null", "boolean", "object", "array", "string", "integer", "number")
+
+
+def _values(schema: dict) -> list[Any] | None:
+    """The values a schema allows when it lists them (``const``, ``enum``), else None."""
+    if "const" in schema:
+        return [schema["const"]]
+    enum = schema.get("enum")
+    return enum if isinstance(enum, list) else None
+
+
+def _type_of(value: Any) -> set[str]:
+    """The JSON types a value has (an integral number is ``integer`` and ``number``)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, (int, float)):
+        return {"integer", "number"} if float(value).is_integer() else {"number"}
+    return {"string" if isinstance(value, str) else
+            "object" if isinstance(value, dict) else "array"}
+
+
+def _types(schema: dict) -> set[str]:
+    """The JSON types a schema's values may have (``number`` includes ``integer``)."""
+    values = _values(schema)
+    if values is not None:
+        return set().union(*map(_type_of, values)) if values else set()
+    named = schema.get("type")
+    named = [named] if isinstance(named, str) else named
+    if not isinstance(named, list):
+        return set(_TYPES)
+    out = {t for t in named if t in _TYPES}
+    return out | {"integer"} if "number" in out else out
+
+
+def _apart(a: dict, b: dict, within: set[str]) -> bool:
+    """Whether no value of the types ``within`` can match both schemas, as far as their
+    types, listed values and a required property with listed values (a discriminator) tell;
+    False when unsure."""
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None:
+        return not any(same(x, y) for x in va for y in vb)
+    ta, tb = _types(a) & within, _types(b) & within
+    if not ta & tb:
+        return True
+    if ta | tb != {"object"}:  # (``required`` says nothing of a value that is no object)
+        return False
+    both = set(a.get("required") or []) & set(b.get("required") or [])
+    props_a, props_b = a.get("properties") or {}, b.get("properties") or {}
+    return any(isinstance(props_a.get(n), dict) and isinstance(props_b.get(n), dict)
+               and _values(props_a[n]) is not None and _values(props_b[n]) is not None
+               and _apart(props_a[n], props_b[n], set(_TYPES)) for n in both
+               if isinstance(n, str))
+
+
+def _overlaps(schema: dict, root: Any, seen: dict[int, dict]) -> list[str]:
+    """The pairs of a ``oneOf``'s alternatives that one value might match both of (the
+    grammar takes any alternative, so "exactly one" is not enforced where they overlap)."""
+    alts = schema.get("oneOf")
+    if not isinstance(alts, list):
+        return []
+    views = [_merged(a, root, seen) if isinstance(a, dict) else {} for a in alts]
+    within = _types(_merged(schema, root, seen))  # (the type beside the oneOf holds too)
+    return [f"oneOf alternatives {i} and {j} may both match"
+            for i in range(len(alts)) for j in range(i + 1, len(alts))
+            if alts[i] is not False and alts[j] is not False
+            and not _apart(views[i], views[j], within)]
+
+
 def unenforced(schema: Any, path: str = "#", root: Any = None,
                seen: dict[int, dict] | None = None) -> list[str]:
     """Where ``schema`` uses what the grammar does not enforce: ``"PATH: keyword"`` each."""
@@ -100,6 +171,7 @@ def unenforced(schema: Any, path: str = "#", root: Any = None,
     out = [f"{path}: {k}" for k in _UNENFORCED if k in schema and k not in skip]
     own = _beside(schema)
     out += [f"{path}: {m}" for m in own]
+    out += [f"{path}: {m}" for m in _overlaps(schema, root, seen)]
     parts = _parts(schema, root)
     if parts:  # what only meets once they are merged (each part is checked where it is)
         theirs = {m for p in parts for m in _beside(_merged(p, root, seen))}

@@ -255,6 +255,34 @@ def test_a_root_ref_into_definitions_that_refer_to_each_other(accepts):
     assert accepts(pair, '{"b": 3}') and not accepts(pair, '{"b": "x"}')
 
 
+def test_a_ref_to_the_whole_schema_recurses(accepts):
+    """``{"$ref": "#"}`` (a tree's children, as JSON Schema's own examples write one) was a 400
+    ("Unsupported ref #"): it names a copy of the root now; the root's other references still
+    resolve, and a definition already called ``root`` keeps its name."""
+    tree = {"type": "object", "properties": {
+        "name": {"type": "string"},
+        "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["name", "kids"], "additionalProperties": False}
+    assert accepts(tree, '{"name": "a", "kids": [{"name": "b", "kids": []}]}')
+    assert not accepts(tree, '{"name": "a", "kids": [{"name": "b"}]}')
+    assert not accepts(tree, '{"name": "a", "kids": [1]}')
+    mixed = {"type": "object", "$defs": {"root": {"type": "string"}}, "properties": {
+        "n": {"type": "integer"}, "m": {"$ref": "#/properties/n"},
+        "s": {"$ref": "#/$defs/root"}, "next": {"anyOf": [{"$ref": "#/"}, {"type": "null"}]}},
+        "required": ["n", "m", "s", "next"]}
+    one = '{"n": 1, "m": 2, "s": "x", "next": null}'
+    assert accepts(mixed, one)
+    assert accepts(mixed, one.replace("null", one))
+    assert not accepts(mixed, one.replace('"x"', "3"))
+
+
+def test_a_property_named_ref_is_a_clear_400():
+    """llama-cpp-python's converter takes any "$ref" key for a reference: a property so named
+    was refused in Python's words ("unhashable type: 'dict'")."""
+    with pytest.raises(InvalidRequestError, match='a property named "\\$ref" is not'):
+        grammar_from_json_schema({"type": "object", "properties": {"$ref": {"type": "string"}}})
+
+
 def test_a_schema_that_only_annotates_matches_any_value(accepts):
     """A tool's {"description": ..} parameter was a 400 ('Unrecognized schema'), and {} took
     only objects."""

@@ -83,3 +83,32 @@ def test_parts_named_again_and_again_are_merged_once(monkeypatch):
     monkeypatch.setattr(js, "_parts", lambda *a: calls.append(1) or parts(*a))
     assert unenforced({"type": "object", "allOf": [{"$ref": "#"}] * 7}) == []
     assert len(calls) < 20, len(calls)
+
+
+def test_a_strict_one_of_whose_alternatives_may_overlap_is_unenforced():
+    """The grammar takes any alternative of a oneOf, so "exactly one" holds only where no
+    value matches two: ``{"oneOf": [integer, number]}`` under strict answered
+    ``1000000000000000``, which matches both. Alternatives told apart by type, listed values
+    or a required discriminator property pass; the rest are named."""
+    assert unenforced({"oneOf": [{"type": "integer"}, {"type": "number"}]}) == [
+        "#: oneOf alternatives 0 and 1 may both match"]
+    defs = {"$defs": {"i": {"type": "integer"}}}
+    assert unenforced({**defs, "oneOf": [{"enum": [1, "a"]}, {"type": "string"},
+                                         {"$ref": "#/$defs/i"}]}) == [
+        "#: oneOf alternatives 0 and 1 may both match",
+        "#: oneOf alternatives 0 and 2 may both match"]
+    tagged = [{"properties": {"k": {"const": "a"}, "v": {"type": "string"}}, "required": ["k"]},
+              {"properties": {"k": {"enum": ["b", "c"]}, "v": {}}, "required": ["k", "v"]}]
+    check_strict({"type": "object", "oneOf": tagged}, "response_format")
+    # without the type beside it a string matches both (``required`` binds objects only)
+    assert unenforced({"oneOf": tagged}) == ["#: oneOf alternatives 0 and 1 may both match"]
+    untagged = [{**t, "required": ["v"]} for t in tagged]  # the tag may be left out
+    assert unenforced({"type": "object", "oneOf": untagged}) != []
+    for fine in ({"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+                 {"oneOf": [{"enum": [1, 2]}, {"enum": [True, "1"]}]},  # true is not 1
+                 {"oneOf": [{"type": "number"}, {"const": "x"}, False]},
+                 {"type": "string", "oneOf": [{"type": "integer"}, {"type": "number"}]}):
+        check_strict(fine, "response_format")
+    with pytest.raises(InvalidRequestError, match="oneOf alternatives 0 and 1 may both"):
+        check_strict({"type": "object", "properties": {"n": {
+            "oneOf": [{"type": "integer"}, {"type": "number"}]}}}, "response_format")
