@@ -23,7 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from justllm.core.fim import FimTokens
-from justllm.core.gbnf import GBNF_TEXT
+from justllm.core.gbnf import GBNF_TEXT, left_recursion
 from justllm.core.record import RequestOrigin, RequestRecord
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import (
@@ -324,6 +324,13 @@ class AsyncEngine:
         if schema is None:
             return _JSON_OBJECT
         gbnf = grammar_from_json_schema(schema)
+        looped = left_recursion(gbnf)
+        if looped is not None:  # (llama.cpp's refusal came only on the engine thread, in
+            # words that named response_format wherever the schema came from)
+            raise InvalidRequestError(
+                f"the schema refers back to itself before any of its value is written "
+                f"(grammar rule '{looped}'): no grammar can follow that (llama.cpp refuses "
+                "left recursion)", param="response_format")
         grammar_limits(gbnf, "the grammar made from the schema",
                        rules=MAX_SCHEMA_GRAMMAR_RULES,
                        alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)

@@ -316,6 +316,11 @@ def test_a_call_cut_off_inside_its_arguments_stands_as_far_as_it_came(client, se
     assert not any(c.choices[0].delta.content for c in streamed)
 
 
+LOOPING = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+    "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}}}}]
+
+
 def test_bad_tool_requests_get_openai_errors(server):
     base = {"model": server.model, "messages": ASK}
     cases = [
@@ -340,6 +345,13 @@ def test_bad_tool_requests_get_openai_errors(server):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "string", "minLength": -1}}}}}]},
          "tools[0].function.parameters"),
+        # a schema that begins with itself: llama.cpp refused its grammar on the engine
+        # thread, in words that named response_format
+        ({"tools": LOOPING, "tool_choice": "required"}, "tools"),
+        ({"tools": LOOPING}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": LOOPING[0]["function"]["parameters"]}}},
+         "response_format.json_schema.schema"),
         ({"messages": [*ASK, {"role": "tool", "content": "18C"}]}, "messages[1].tool_call_id"),
         # a tool message answering no call (OpenAI: "must be a response to a preceding
         # message with 'tool_calls'"); both were answered
@@ -355,7 +367,11 @@ def test_bad_tool_requests_get_openai_errors(server):
         ({"functions": [{"name": "f"}]}, "functions"),
     ]
     for extra, param in cases:
-        assert_error(post(server, "/v1/chat/completions", {**base, **extra}), 400, param)
+        r = post(server, "/v1/chat/completions", {**base, **extra})
+        assert_error(r, 400, param)
+        if extra.get("tools") is LOOPING or "response_format" in extra and param != \
+                "response_format":
+            assert "refers back to itself" in r.json()["error"]["message"], r.text
 
 
 # ---- each family's forcing grammar on the real engine ---------------------------------------
