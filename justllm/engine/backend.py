@@ -45,8 +45,8 @@ from justllm.engine.schema_rewrite import (
     check_valid_schema,
     constrains,
     hoist_refs,
-    root_refs,
     rewrite,
+    root_refs,
 )
 from justllm.errors import (
     EngineClosedError,
