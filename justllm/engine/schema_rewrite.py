@@ -125,7 +125,8 @@ def root_refs(schema: Any) -> Any:
     The root stays as it was, so its other references (``#/properties/a``) still resolve."""
     if not isinstance(schema, dict):
         return schema
-    defs = schema.get("$defs") if isinstance(schema.get("$defs"), dict) else {}
+    given = schema.get("$defs")
+    defs: dict[str, Any] = given if isinstance(given, dict) else {}
     name = next(n for n in (f"root{i or ''}" for i in range(len(defs) + 1)) if n not in defs)
     target = f"#/$defs/{name}"
     out = _retargeted(schema, target)
