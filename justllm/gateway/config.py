@@ -308,7 +308,7 @@ def _replicas(name: str, entry: dict, flags: Flags, batch: int | None = None
         replicas = _count(f"{where}: replicas", entry.get("replicas", 1 if entry.get("source")
                                                           else 0))
         if replicas == 0 and not urls:
-            raise ValueError(f"{where}: replicas must be >= 1 (or give urls)")
+            raise ValueError(f"{where}: replicas must be >= 1 (or, in router mode, give urls)")
     try:
         routing = routing_config(entry.get("routing"), flags.routing_policies, batch)
     except ValueError as e:
