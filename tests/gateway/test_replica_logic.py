@@ -232,7 +232,7 @@ def test_a_replica_is_overloaded_by_one_batch_of_its_own():
 
 
 @pytest.mark.parametrize(("entry", "message"), [
-    ({"replicas": 0}, "replicas must be >= 1 \\(or, in router mode, give urls\\)"),
+    ({"replicas": 0}, "replicas must be >= 1 (or, in router mode, give urls)"),
     ({"replicas": "2"}, "replicas must be an integer"),
     ({"replicas": 2, "max-replicas": 3}, "not both"),
     ({"min-replicas": 3, "max-replicas": 2}, "max-replicas >= max(1, min-replicas)"),
