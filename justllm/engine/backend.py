@@ -566,6 +566,12 @@ class _SchemaConverter(_grammar.SchemaConverter):
                 "value", _grammar.PRIMITIVE_RULES["value"]))
         if bounded_integer(schema):
             return self._add_rule(rule_name, integer_rule(*integer_bounds(schema)))
+        if isinstance(schema.get("items"), list):  # an old draft's tuple, as a new one's:
+            # (the converter wrote every position, past a maxItems, short of a minItems)
+            rest = {k: v for k, v in schema.items() if k not in ("items", "additionalItems")}
+            more = schema.get("additionalItems")
+            schema = {**rest, "prefixItems": schema["items"],
+                      **({"items": more} if isinstance(more, dict) else {})}
         if schema.get("type") in (None, "array") and schema.get("prefixItems"):
             return self._add_rule(rule_name, self._tuple_rule(schema, name))
         return cast(str, super().visit(schema, name))

@@ -218,6 +218,19 @@ def test_prefix_items_with_items_and_counts(accepts):
     assert not accepts(more, '["a", 1, 2, 3]')
 
 
+def test_an_old_drafts_tuple_items_keep_their_counts(accepts):
+    """Draft 7's ``items: [..]`` (with ``additionalItems``) was written as exactly its
+    positions: ``maxItems: 1`` got two items, ``minItems: 3`` two."""
+    pair = [{"type": "string"}, {"type": "integer"}]
+    short = {"type": "array", "items": pair, "maxItems": 1}
+    assert accepts(short, '["a"]') and not accepts(short, '["a", 1]')
+    longer = {"type": "array", "items": pair, "additionalItems": {"type": "null"},
+              "minItems": 3}
+    assert accepts(longer, '["a", 1, null]') and accepts(longer, '["a", 1, null, null]')
+    assert not accepts(longer, '["a", 1]') and not accepts(longer, '["a", 1, 2]')
+    assert accepts({"items": pair}, '["a"]') and not accepts({"items": pair}, "[1]")
+
+
 def test_keywords_beside_ref_all_of_and_any_of_are_kept(accepts):
     beside_ref = {"$defs": {"s": {"type": "string"}}, "type": "object",
                   "properties": {"x": {"$ref": "#/$defs/s", "maxLength": 2}},
