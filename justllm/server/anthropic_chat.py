@@ -320,7 +320,7 @@ def _tools(req: _Prompt) -> tuple[list[ChatTool] | None, ChatToolChoice, bool | 
     if choice.type != "tool" and choice.name is not None:
         raise _refuse("tool_choice.name", f"tool_choice of type '{choice.type}' takes no name")
     mapped: ChatToolChoice = (
-        ToolChoiceNamed(type="function", function=ToolChoiceFunction(name=choice.name or ""))
+        ToolChoiceNamed(function=ToolChoiceFunction(name=choice.name or ""))
         if choice.type == "tool" else "required" if choice.type == "any" else choice.type)
     return tools, mapped, False if choice.disable_parallel_tool_use else None
 

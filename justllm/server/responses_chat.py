@@ -35,6 +35,8 @@ from justllm.server.responses_schemas import (
     ResponseRequest,
 )
 from justllm.server.schemas import (
+    AllowedTool,
+    AllowedTools,
     ChatCompletionRequest,
     ChatMessage,
     FunctionDef,
@@ -42,6 +44,8 @@ from justllm.server.schemas import (
     MessageToolCall,
     ResponseFormat,
     Tool,
+    ToolChoice,
+    ToolChoiceAllowed,
     ToolChoiceFunction,
     ToolChoiceNamed,
     foreign_field,
@@ -52,7 +56,7 @@ from justllm.server.schemas import (
 )
 
 S = TypeVar("S", bound=msgspec.Struct)
-ChatToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
+ChatToolChoice = ToolChoice
 
 _NOT_TEXT = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 # Request fields refused unless absent (or at the value that means "off"), and why.
@@ -229,15 +233,27 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> ChatToolChoice:
         return _CHOICES[choice]
     if isinstance(choice, dict) and choice.get("type") == "function":
         named = _convert(choice, _NamedChoice, "tool_choice")
-        return ToolChoiceNamed(type="function", function=ToolChoiceFunction(name=named.name))
-    raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                              "{\"type\": \"function\", \"name\": ...} (only function tools "
-                              "exist here)", param="tool_choice")
+        return ToolChoiceNamed(function=ToolChoiceFunction(name=named.name))
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        allowed = _convert(choice, _AllowedChoice, "tool_choice")
+        return ToolChoiceAllowed(allowed_tools=AllowedTools(mode=allowed.mode, tools=[
+            AllowedTool(type="function", function=ToolChoiceFunction(name=t.name))
+            for t in allowed.tools]))
+    raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required', "
+                              "{\"type\": \"function\", \"name\": ...} or {\"type\": "
+                              "\"allowed_tools\", ...} (only function tools exist here)",
+                              param="tool_choice")
 
 
 class _NamedChoice(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     name: str
+
+
+class _AllowedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[_NamedChoice]
 
 
 def _response_format(req: ResponseRequest) -> ResponseFormat | None:

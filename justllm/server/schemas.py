@@ -132,9 +132,31 @@ class ToolChoiceFunction(_Request, kw_only=True):
     name: str
 
 
-class ToolChoiceNamed(_Request, kw_only=True):
+class ToolChoiceNamed(_Request, kw_only=True, tag_field="type", tag="function"):
+    """``{"type": "function", "function": {"name": ..}}``: that function's call is forced."""
+
+    function: ToolChoiceFunction
+
+
+class AllowedTool(_Request, kw_only=True):
     type: Literal["function"]
     function: ToolChoiceFunction
+
+
+class AllowedTools(_Request, kw_only=True):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+class ToolChoiceAllowed(_Request, kw_only=True, tag_field="type", tag="allowed_tools"):
+    """OpenAI's ``allowed_tools``: every tool stays in the prompt (its cache too), and only
+    these may be called (``mode``: may, or must, call one)."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], ToolChoiceNamed, ToolChoiceAllowed,
+                   None]
 
 
 class StreamOptions(_Request, kw_only=True):
@@ -256,7 +278,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: NonNegativeInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceNamed, None] = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None  # None: True, as OpenAI
     # vLLM's: the answer continues the last (assistant) message; add_generation_prompt then
     # false (vLLM refuses both true), else left out or true
@@ -327,7 +349,7 @@ class TokenizeRequest(NullAsDefault, kw_only=True):
     prompt: str | None = None  # vLLM's completion form
     messages: list[ChatMessage] | None = None  # vLLM's chat form, with these fields
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceNamed, None] = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False

@@ -131,6 +131,42 @@ def test_the_sdks_stream_helper_reads_the_arguments_as_they_grow(client, server)
     assert any(g and len(g) < len(grown[-1]) for g in grown), grown  # (seen half-way)
 
 
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_call_only_the_allowed(server):
+    """OpenAI's ``tool_choice: {"type": "allowed_tools"}`` was refused: every tool is in the
+    prompt (the same prompt as without it: its cache holds), and a call names an allowed one."""
+    base = {"model": server.model, "messages": ASK, "tools": TOOLS, "max_tokens": 96,
+            "temperature": 1, "seed": 3, "n": 3}
+    every = post(server, "/v1/chat/completions", {**base, "tool_choice": "required"}).json()
+    for name in ("add", "get_weather"):
+        choice = {"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": name}}]}}
+        r = post(server, "/v1/chat/completions", {**base, "tool_choice": choice})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == every["usage"]["prompt_tokens"]
+        calls = [c for ch in body["choices"] for c in ch["message"]["tool_calls"]]
+        assert calls and {c["function"]["name"] for c in calls} == {name}
+        for c in calls:
+            jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[name])
+        # the Responses API's spelling
+        r = post(server, "/v1/responses", {
+            "model": server.model, "input": ASK[0]["content"], "max_output_tokens": 96,
+            "temperature": 0, "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "tool_choice": {"type": "allowed_tools", "mode": "required",
+                            "tools": [{"type": "function", "name": name}]}})
+        assert r.status_code == 200, r.text
+        called = [o["name"] for o in r.json()["output"] if o["type"] == "function_call"]
+        assert called and set(called) == {name}
+    for bad in ({"mode": "required", "tools": []},
+                {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+                {"mode": "sometimes", "tools": [{"type": "function", "function": {
+                    "name": "add"}}]}):
+        r = post(server, "/v1/chat/completions", {**base, "tool_choice": {
+            "type": "allowed_tools", "allowed_tools": bad}})
+        assert_error(r, 400, r.json()["error"]["param"])
+        assert r.json()["error"]["param"].startswith("tool_choice"), r.text
+
+
 def test_a_round_trip_with_a_tool_message(client, server):
     first = client.chat.completions.create(
         model=server.model, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,

@@ -12,7 +12,14 @@ from typing import Any
 from justllm.engine.schema_rewrite import check_valid_schema
 from justllm.errors import InvalidRequestError
 from justllm.server.json_schema import check_strict
-from justllm.server.schemas import ChatCompletionRequest, ChatMessage, Tool, ToolChoiceNamed
+from justllm.server.schemas import (
+    AllowedTool,
+    ChatCompletionRequest,
+    ChatMessage,
+    Tool,
+    ToolChoiceAllowed,
+    ToolChoiceNamed,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
@@ -38,12 +45,15 @@ class Function:
 class ToolPlan:
     """What the request asks of tools. ``mode``: "none" (no tools in the prompt, nothing
     parsed), "auto" (tools in the prompt, the answer parsed), "required" (a call forced by a
-    grammar over ``functions``), or "named" (``forced`` is the one function it may call)."""
+    grammar over ``functions``), or "named" (``forced`` is the one function it may call).
+    ``allowed``: the functions that may be called (``allowed_tools``; None: all of them);
+    the prompt shows every one."""
 
     functions: tuple[Function, ...] = ()
     mode: str = "none"
     forced: str | None = None
     parallel: bool = True
+    allowed: frozenset[str] | None = None
 
     @property
     def active(self) -> bool:
@@ -55,11 +65,13 @@ class ToolPlan:
 
     @property
     def names(self) -> frozenset[str]:
-        return frozenset(f.name for f in self.functions)
+        """The functions an answer's call may name (a call of another is read as text)."""
+        return frozenset(f.name for f in self.callable())
 
     def callable(self) -> tuple[Function, ...]:
-        """The functions a forced call may name."""
-        return tuple(f for f in self.functions if self.forced in (None, f.name))
+        """The functions a call may name (a forced one, or the allowed ones)."""
+        return tuple(f for f in self.functions if self.forced in (None, f.name)
+                     and (self.allowed is None or f.name in self.allowed))
 
     def for_template(self) -> list[dict[str, Any]] | None:
         return [f.for_template() for f in self.functions] if self.active else None
@@ -80,6 +92,9 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             raise InvalidRequestError(f"tool_choice names the function '{name}', which is not "
                                       "in tools", param="tool_choice")
         plan = ToolPlan(functions, "named", name, parallel)
+    elif isinstance(choice, ToolChoiceAllowed):
+        plan = ToolPlan(functions, choice.allowed_tools.mode, None, parallel,
+                        _allowed(choice.allowed_tools.tools, functions))
     else:
         plan = ToolPlan(functions, choice or "auto", None, parallel)
     if plan.active:
@@ -96,6 +111,21 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
                                       "tool_choice 'auto' or no response_format",
                                       param="response_format")
     return plan
+
+
+def _allowed(tools: list[AllowedTool], functions: tuple[Function, ...]) -> frozenset[str]:
+    """The names ``allowed_tools`` lists, each one of the request's tools (the errors name
+    ``tool_choice``: the Responses API spells the list in another place)."""
+    if not tools:
+        raise InvalidRequestError("tool_choice: allowed_tools allows no tool (allow at least "
+                                  "one, or send tool_choice 'none')", param="tool_choice")
+    known = {f.name for f in functions}
+    for tool in tools:
+        if tool.function.name not in known:
+            raise InvalidRequestError(f"tool_choice: allowed_tools names the function "
+                                      f"'{tool.function.name}', which is not in tools",
+                                      param="tool_choice")
+    return frozenset(t.function.name for t in tools)
 
 
 MAX_TOOLS = 128  # OpenAI's limit; each is an alternative of the call grammar (engine thread)
