@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import queue
 import threading
@@ -324,7 +325,9 @@ class AsyncEngine:
         if schema is None:
             return _JSON_OBJECT
         gbnf = grammar_from_json_schema(schema)
-        looped = left_recursion(gbnf)
+        # (only a reference can lead a rule back to itself: the converter's own rules never
+        # do, and reading a big grammar costs a third of making it)
+        looped = left_recursion(gbnf) if "$ref" in json.dumps(schema) else None
         if looped is not None:  # (llama.cpp's refusal came only on the engine thread, in
             # words that named response_format wherever the schema came from)
             raise InvalidRequestError(
