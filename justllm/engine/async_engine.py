@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 
 # response_format json_object's grammar (made once: it is the same for every request).
-_JSON_OBJECT = without_trailing_space(JSON_GRAMMAR)
+JSON_OBJECT_GRAMMAR = without_trailing_space(JSON_GRAMMAR)
 # Work for requests of this many characters (or token ids) or more runs on the pool for large
 # ones (``AsyncEngine.off_loop``): 64 KiB of text tokenizes in ~40 ms on this machine.
 LARGE_REQUEST = 64 * 1024
@@ -133,6 +133,9 @@ class AsyncEngine:
         # Set by abort_all (any thread): the stepwise jobs end with this message.
         self._jobs_ended: str | None = None
         self._sinks_lock = threading.Lock()
+        # json_grammar's memo (schema JSON -> GBNF, oldest first): the prepare workers' own
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._grammars_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False  # the engine thread ends
         self._accepting = True  # new requests are taken (False from stop_accepting() on)
@@ -315,31 +318,24 @@ class AsyncEngine:
                                       + (f": {why}" if why else " (GBNF with a root rule; see "
                                          "llama.cpp's grammars/README.md)"), param=param)
 
-    @staticmethod
-    def json_grammar(schema: dict | None = None) -> str:
-        """GBNF for a JSON object, or for JSON matching ``schema``; nothing after it. Held to
-        :func:`grammar_limits`, with more room for rules and alternatives: a schema within
-        every per-keyword limit can still multiply into a grammar that makes every other
-        request wait (50 ``anyOf`` objects of 50 properties with 50-value enums: 7,502 rules
-        and 124,999 alternatives, seconds a token)."""
+    def json_grammar(self, schema: dict | None = None) -> str:
+        """:func:`schema_grammar`, remembered for the last :data:`GRAMMAR_MEMO` schemas (an
+        agent sends the same tools with every request: ten tools of twenty properties took
+        32 ms a request to make their grammar again)."""
         if schema is None:
-            return _JSON_OBJECT
-        gbnf = grammar_from_json_schema(schema)
-        # (only a reference can lead a rule back to itself: the converter's own rules never
-        # do, and reading a big grammar costs a third of making it)
-        looped = left_recursion(gbnf) if "$ref" in json.dumps(schema) else None
-        if looped is not None:  # (llama.cpp's refusal came only on the engine thread, in
-            # words that named response_format wherever the schema came from)
-            raise InvalidRequestError(
-                f"the schema refers back to itself before any of its value is written "
-                f"(grammar rule '{looped}'): no grammar can follow that (llama.cpp refuses "
-                "left recursion)", param="response_format")
-        grammar_limits(gbnf, "the grammar made from the schema",
-                       rules=MAX_SCHEMA_GRAMMAR_RULES,
-                       alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
-        # (after the limits: the top's copies of an anyOf's alternatives are not live beside
-        # the originals, which they would count twice)
-        return without_trailing_space(gbnf)
+            return JSON_OBJECT_GRAMMAR
+        key = json.dumps(schema)
+        with self._grammars_lock:
+            gbnf = self._grammars.get(key)
+            if gbnf is not None:
+                self._grammars.move_to_end(key)
+                return gbnf
+        gbnf = schema_grammar(schema, key)
+        with self._grammars_lock:
+            self._grammars[key] = gbnf
+            while len(self._grammars) > GRAMMAR_MEMO:
+                self._grammars.popitem(last=False)
+        return gbnf
 
     @staticmethod
     def regex_grammar(pattern: str) -> str:
@@ -642,7 +638,31 @@ MAX_GRAMMAR_RULES = 4096
 # 30 required strings (2) 0.5 s. The '|' count is a rough measure of a grammar's cost.
 MAX_SCHEMA_GRAMMAR_RULES = 4 * MAX_GRAMMAR_RULES
 MAX_SCHEMA_GRAMMAR_ALTERNATIVES = 8192
+GRAMMAR_MEMO = 64  # schemas whose grammar an engine remembers (a big one's is ~40 KB)
 MAX_GRAMMAR_NESTING = 1024
+
+
+def schema_grammar(schema: dict, text: str | None = None) -> str:
+    """GBNF for JSON matching ``schema`` (``text``: its JSON text, if made already); nothing
+    after it. Held to :func:`grammar_limits`, with more room for rules and alternatives: a
+    schema within every per-keyword limit can still multiply into a grammar that makes every
+    other request wait (50 ``anyOf`` objects of 50 properties with 50-value enums: 7,502
+    rules and 124,999 alternatives, seconds a token)."""
+    gbnf = grammar_from_json_schema(schema)
+    # (only a reference can lead a rule back to itself: the converter's own rules never
+    # do, and reading a big grammar costs a third of making it)
+    looped = left_recursion(gbnf) if "$ref" in (text or json.dumps(schema)) else None
+    if looped is not None:  # (llama.cpp's refusal came only on the engine thread, in words
+        # that named response_format wherever the schema came from)
+        raise InvalidRequestError(
+            f"the schema refers back to itself before any of its value is written (grammar "
+            f"rule '{looped}'): no grammar can follow that (llama.cpp refuses left "
+            "recursion)", param="response_format")
+    grammar_limits(gbnf, "the grammar made from the schema", rules=MAX_SCHEMA_GRAMMAR_RULES,
+                   alternatives=MAX_SCHEMA_GRAMMAR_ALTERNATIVES)
+    # (after the limits: the top's copies of an anyOf's alternatives are not live beside the
+    # originals, which they would count twice)
+    return without_trailing_space(gbnf)
 
 
 def grammar_limits(gbnf: str, param: str, rules: int = MAX_GRAMMAR_RULES,

@@ -630,7 +630,7 @@ async def answer(request: Request, served: Served, req: LlamaCompletionRequest, 
             grammar = req.grammar
         elif req.json_schema is not None:
             try:
-                grammar = AsyncEngine.json_grammar(req.json_schema)
+                grammar = aengine.json_grammar(req.json_schema)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"json_schema: {e}", param="json_schema") from None
         bias = _logit_bias(req, aengine)

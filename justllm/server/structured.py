@@ -20,7 +20,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from justllm.engine.async_engine import MAX_GRAMMAR_ALTERNATIVES, AsyncEngine, grammar_limits
+from justllm.engine.async_engine import (
+    JSON_OBJECT_GRAMMAR,
+    MAX_GRAMMAR_ALTERNATIVES,
+    AsyncEngine,
+    grammar_limits,
+    schema_grammar,
+)
 from justllm.errors import InvalidRequestError
 
 _VLLM = ("json", "json_object", "choice", "grammar", "regex")
@@ -75,7 +81,7 @@ def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str]
             grammar_limits(value, param)
         return value, param
     if kind == "json_object":
-        return AsyncEngine.json_grammar(), param
+        return JSON_OBJECT_GRAMMAR, param
     if kind == "choice":
         if not value or not all(isinstance(c, str) and c for c in value):
             raise InvalidRequestError(f"{param}: a non-empty list of non-empty strings",
@@ -94,7 +100,8 @@ def structured_grammar(aengine: AsyncEngine | None, req: Any) -> tuple[str, str]
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param}: a JSON schema is an object", param=param)
     try:
-        return AsyncEngine.json_grammar(schema), param
+        return (aengine.json_grammar(schema) if aengine is not None
+                else schema_grammar(schema)), param
     except InvalidRequestError as e:
         raise InvalidRequestError(f"{param}: {e}", param=param) from None
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.async_engine import schema_grammar
 from justllm.server.tools.harmony_grammar import answer_grammar, call_grammar
 from tests.engine.grammar_text import takes
 
-A = AsyncEngine.json_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
-                              "required": ["a"]})
-B = AsyncEngine.json_grammar({"type": "object", "properties": {"b": {"type": "string"}},
-                              "required": ["b"]})
+A = schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
+                    "required": ["a"]})
+B = schema_grammar({"type": "object", "properties": {"b": {"type": "string"}},
+                    "required": ["b"]})
 CALLS = call_grammar([("get", A), ("get_weather", B)])
 HEAD = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
 

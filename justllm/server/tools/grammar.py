@@ -3,7 +3,7 @@
 Two steps, so that llama.cpp's own JSON-schema converter does the hard part: ``call_schema``
 is one JSON schema for "a call of one of these functions" (``{"name": <that name>,
 "arguments": <its parameters schema>}`` per function, ``anyOf`` them), which the engine turns
-into GBNF (``AsyncEngine.json_grammar``); ``wrap_call_grammar`` then puts that call rule inside
+into GBNF (``AsyncEngine.json_grammar``, remembered per schema); ``wrap_call_grammar`` then puts that call rule inside
 the family's wrapper (``<tool_call>..</tool_call>`` blocks, ``[TOOL_CALLS][..]``, a bare object
 or a JSON array), so a call written under it parses with the family's parser and its arguments
 validate against the function's schema.
