@@ -179,10 +179,12 @@ class ServerMetrics:
                                     lab + ["direction"], buckets=_ITL_BUCKETS, registry=r)
 
     def observe_finished(self, m: RequestMetrics, finish_reason: str | None,
-                         error: bool = False) -> None:
+                         error: bool = False, end: float | None = None) -> None:
         """A request the engine ended: ``finish_reason`` stop or length, else error or abort
-        (as vLLM labels them)."""
+        (as vLLM labels them). ``end``: when it ended, for one the server ended itself (the
+        engine, which aborted it, set no finish time)."""
         lab = self._model
+        end = m.finished_time if m.finished_time is not None else end
         self.request_success.labels(lab, finish_reason or ("error" if error else "abort")).inc()
         if m.lora:
             self.lora_requests.labels(lab, m.lora).inc()
@@ -191,11 +193,11 @@ class ServerMetrics:
         times = m.token_times
         for a, b in zip(times, times[1:]):
             self.itl.labels(lab).observe(b - a)
-        if m.finished_time is not None:
-            self.e2e.labels(lab).observe(m.finished_time - m.arrival_time)
+        if end is not None:
+            self.e2e.labels(lab).observe(end - m.arrival_time)
         self.request_prompt_tokens.labels(lab).observe(m.num_prompt_tokens)
         self.request_generation_tokens.labels(lab).observe(m.num_generated_tokens)
-        for name, seconds in _phases(m).items():
+        for name, seconds in _phases(m, end).items():
             self.phases[name].labels(lab).observe(seconds)
 
     def observe_first_token(self, m: RequestMetrics | None) -> bool:
@@ -225,10 +227,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _phases(m: RequestMetrics) -> dict[str, float]:
-    """The phases a finished request went through (one never scheduled only queued; one
+def _phases(m: RequestMetrics, end: float | None) -> dict[str, float]:
+    """The phases of a request that ended at ``end`` (one never scheduled only queued; one
     without a token has no decode)."""
-    end = m.finished_time
     if end is None:
         return {}
     if m.scheduled_time is None:

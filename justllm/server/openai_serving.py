@@ -357,9 +357,11 @@ class OpenAIServing:
                                                   bool(out.error))
                 last[i] = out
                 yield i, out
-                for j in stopped - ended:
+                for j in stopped - ended:  # ended with its last token so far
                     ended.add(j)
-                    self.metrics.observe_finished(last[j].metrics, "length", False)
+                    m = last[j].metrics
+                    self.metrics.observe_finished(m, "length", False, end=m.token_times[-1]
+                                                  if m.token_times else time.perf_counter())
         finally:
             for t in tasks:
                 t.cancel()

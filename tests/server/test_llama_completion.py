@@ -351,3 +351,28 @@ def test_a_null_field_is_its_default_as_llama_server_reads_it(server):
     settings = answer["generation_settings"]
     assert (settings["temperature"], settings["top_k"], settings["top_p"]) == (0.8, 40, 0.95)
     assert answer["tokens_predicted"] == 2
+
+
+def test_an_answer_its_line_limits_end_counts_its_latency_and_phases(server):
+    """It counts as ``length`` (llama-server's ``limit``) and, as every finished request,
+    in the latency and phase histograms: those missed it, as the engine never ended it (the
+    server aborted it), so e2e's count fell behind request_success's."""
+    from tests.server.test_openai_api import metric_in
+
+    names = ["vllm:e2e_request_latency_seconds_count", 'finished_reason="length"'] + [
+        f"vllm:request_{p}_time_seconds_count" for p in ("queue", "prefill", "decode",
+                                                       "inference")]
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        length = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("vllm:request_success_total{") and names[1] in line)
+        return {n: length if n == names[1] else metric_in(text, n) for n in names}
+
+    complete(server, prompt="Hi", n_predict=2)  # (every series on the page)
+    before = counts()
+    j = complete(server, prompt="1\n2\n3\n4\n", n_predict=40, t_max_predict_ms=1,
+                 temperature=0, ignore_eos=True)
+    assert j["stop_type"] == "limit" and j["tokens_predicted"] < 40, j
+    after = counts()
+    assert {n: after[n] - before[n] for n in names} == dict.fromkeys(names, 1.0)
