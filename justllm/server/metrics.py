@@ -232,10 +232,13 @@ def _phases(m: RequestMetrics, end: float | None) -> dict[str, float]:
     without a token has no decode)."""
     if end is None:
         return {}
-    if m.scheduled_time is None:
+    scheduled, first = m.scheduled_time, m.first_token_time
+    if scheduled is None:
         return {"queue": end - m.arrival_time}
-    out = {"queue": m.scheduled_time - m.arrival_time, "inference": end - m.scheduled_time}
-    if m.first_token_time is not None:
-        out |= {"prefill": m.first_token_time - m.scheduled_time,
-                "decode": end - m.first_token_time}
+    if first is not None and first < scheduled:
+        scheduled = first  # resumed from a PD hand-over: its prefill (and first token) was
+        # on the prefill replica; here it waited for nothing before that token (as records)
+    out = {"queue": scheduled - m.arrival_time, "inference": end - scheduled}
+    if first is not None:
+        out |= {"prefill": first - scheduled, "decode": end - first}
     return out

@@ -118,3 +118,24 @@ def test_requests_for_prompt_logprobs_are_not_disaggregated(server, path, body):
     r = httpx.post(f"{server.url}/pd/prefill", params={"path": path}, timeout=120,
                    json={"model": server.model, "max_tokens": 2, **body})
     assert r.status_code == 409 and r.json()["error"]["code"] == "not_disaggregated", r.text
+
+
+def test_a_handed_over_request_has_no_prefill_on_the_decode_half(server):
+    """Its first token came with the hand-over, before the engine first scheduled it: its
+    prefill was the prefill half's, none here (it was observed as first token minus first
+    scheduled, a negative time that lowered vllm:request_prefill_time_seconds_sum)."""
+    from tests.server.test_openai_api import metric_in
+
+    def prefills() -> tuple[float, float]:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return (metric_in(text, "vllm:request_prefill_time_seconds_count"),
+                metric_in(text, "vllm:request_prefill_time_seconds_sum"))
+
+    body = {"model": server.model, "prompt": PROMPT * 2, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    httpx.post(server.url + "/v1/completions", json=body, timeout=120)  # (series on the page)
+    handover = prefill(server, "/v1/completions", body)
+    count, total = prefills()
+    r = decode(server, "/v1/completions", body, handover)
+    assert r.status_code == 200 and r.headers["x-pd"] == "handed-over", r.text
+    assert prefills() == (count + 1, total)
