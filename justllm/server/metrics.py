@@ -190,7 +190,9 @@ class ServerMetrics:
             self.lora_requests.labels(lab, m.lora).inc()
             self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)
             self.lora_generation_tokens.labels(lab, m.lora).inc(m.num_generated_tokens)
-        times = m.token_times
+        # Once per step that gave the request tokens, as vLLM observes it: a verified draft's
+        # tokens share their step's time, and each gap of 0 between them read as a latency.
+        times = sorted(set(m.token_times))
         for a, b in zip(times, times[1:]):
             self.itl.labels(lab).observe(b - a)
         if end is not None:

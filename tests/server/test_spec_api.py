@@ -82,3 +82,27 @@ def test_llama_servers_own_route_takes_its_speculation_fields(spec_server):
     assert metric(spec_server, "vllm:spec_decode_num_drafts_total") > drafts
     r = native(**{"speculative.p_min": 0.5})  # n-gram drafts take no cut-off
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.p_min", r.text
+
+
+def test_inter_token_latency_is_observed_once_per_step_as_in_vllm(spec_server):
+    """vLLM observes a request's inter-token latency once per engine step that gave it
+    tokens: the tokens a verified draft adds come in the step's one piece. Each was observed
+    with a gap of 0 after the first, so a well-speculating server's ITL read near zero."""
+    from tests.server.test_openai_api import metric_in
+
+    names = ("vllm:inter_token_latency_seconds_count", "vllm:generation_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total")
+
+    def counts() -> list[float]:
+        text = httpx.get(spec_server.url + "/metrics", timeout=60).text
+        return [metric_in(text, n) for n in names]
+
+    complete(spec_server, max_tokens=2)  # (every series on the page)
+    before = counts()
+    r = complete(spec_server)
+    assert r.status_code == 200, r.text
+    itl, generated, accepted = (b - a for a, b in zip(before, counts()))
+    assert generated == 24 and accepted > 0
+    # the first token, then one step per draft walked: its accepted tokens and one more,
+    # but the last step's, which max_tokens may end among its accepted tokens
+    assert generated - 1 - accepted <= itl <= generated - accepted
