@@ -578,9 +578,12 @@ class AsyncEngine:
             self._sinks.clear()
         for stream in pending:
             stream.ended()
+            # (its own counters: /metrics observes its latency, from its arrival to now)
+            metrics = self.engine.request_metrics(stream.request_id) or RequestMetrics(
+                arrival_time=stream.arrival, num_prompt_tokens=stream.prompt_tokens)
             self.engine.abort(stream.request_id)
-            end = RequestOutput(stream.request_id, "", [], True, "abort", None,
-                                RequestMetrics(arrival_time=0.0), error=message)
+            end = RequestOutput(stream.request_id, "", [], True, "abort", None, metrics,
+                                error=message)
             _deliver(stream.loop, stream.queue.put_nowait, end)
         with self._sinks_lock:
             self._jobs_ended = message  # (embeddings under way, at their next piece)

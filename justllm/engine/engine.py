@@ -577,6 +577,12 @@ class Engine:
                 break
         return self._finish_output(live, out, now, StepResult())
 
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        """An unfinished request's counters (the object its outputs carry)."""
+        with self._lock:
+            live = self._live.get(request_id)
+            return None if live is None else live.metrics
+
     def abort(self, request_id: str) -> bool:
         """Abort a request; its KV blocks are free at once and its cells before the next step."""
         with self._lock:

@@ -369,3 +369,23 @@ def test_a_schemas_grammar_is_made_once_and_the_memo_stays_bounded(aengine, monk
         with pytest.raises(InvalidRequestError):
             aengine.json_grammar({"type": "strnig"})
     assert len(made) == 7
+
+
+def test_a_shutdowns_abort_ends_a_request_with_its_own_counters(aengine):
+    """The final output ``abort_all`` gives carries the request's counters (its arrival, its
+    prompt, its tokens so far), as every other output does: it carried blank ones, arrival 0,
+    so /metrics took the request's latency for the machine's uptime."""
+    async def main():
+        stream = aengine.submit("Once upon a time", SamplingParams(max_tokens=200,
+                                                                   ignore_eos=True))
+        first = await stream.__anext__()
+        aengine.abort_all("going away")
+        last = first
+        async for out in stream:
+            last = out
+        return stream, first, last
+
+    stream, first, last = asyncio.run(main())
+    assert last.finished and last.error == "going away"
+    assert last.metrics is first.metrics and last.metrics.arrival_time >= stream.arrival - 1
+    assert last.metrics.num_prompt_tokens == len(aengine.tokenize("Once upon a time"))
