@@ -181,11 +181,13 @@ class ServerMetrics:
     def observe_finished(self, m: RequestMetrics, finish_reason: str | None,
                          error: bool = False, end: float | None = None) -> None:
         """A request the engine ended: ``finish_reason`` stop or length, else error or abort
-        (as vLLM labels them). ``end``: when it ended, for one the server ended itself (the
-        engine, which aborted it, set no finish time)."""
+        (as vLLM labels them; a failed request's output says ``abort`` beside its error).
+        ``end``: when it ended, for one the server ended itself (the engine, which aborted it,
+        set no finish time); a failed one, which has none either, ended now."""
         lab = self._model
-        end = m.finished_time if m.finished_time is not None else end
-        self.request_success.labels(lab, finish_reason or ("error" if error else "abort")).inc()
+        end = (m.finished_time if m.finished_time is not None else end if end is not None
+               else time.perf_counter() if error else None)
+        self.request_success.labels(lab, "error" if error else finish_reason or "abort").inc()
         if m.lora:
             self.lora_requests.labels(lab, m.lora).inc()
             self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)

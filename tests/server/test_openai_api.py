@@ -702,3 +702,23 @@ def test_an_sdk_given_the_bare_host_lists_the_models(server):
     bare = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     assert [m.id for m in bare.models.list().data] == [server.model]
     assert bare.models.retrieve(server.model).id == server.model
+
+
+def test_a_request_the_engine_ends_with_an_error_counts_as_error(client, server):
+    """finished_reason "error", as the README and vLLM have it, with its latency: a grammar
+    with no way forward (a 400 once it ran) was counted as an "abort", and its latency not at
+    all (the engine sets no finish time on a failed request)."""
+    def counts() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        by = {r: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("vllm:request_success_total{")
+                     and f'finished_reason="{r}"' in line) for r in ("error", "abort")}
+        return by | {"e2e": metric_in(text, "vllm:e2e_request_latency_seconds_count")}
+
+    client.completions.create(model=server.model, prompt="Hi", max_tokens=1)  # (the series)
+    before = counts()
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": server.model, "prompt": "Hello", "max_tokens": 4, "grammar": 'root ::= "\\x00"'})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_dead_end", r.text
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {"error": 1, "abort": 0, "e2e": 1}
