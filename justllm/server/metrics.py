@@ -101,17 +101,18 @@ class _EngineCollector(Collector):
 class _PluginCollector(Collector):
     """``on_request_finished`` deliveries per plugin and outcome (plugins/events.py)."""
 
-    def __init__(self, counts: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, counts: Callable[[], Mapping[str, Any]], model: str) -> None:
         self._counts = counts
+        self._model = model  # (as on every series: router mode merges models' pages)
 
     def collect(self) -> Iterator:
         family = CounterMetricFamily(
             "justllm_plugin_request_records", "Finished-request records handed to plugins' "
             "on_request_finished, by outcome (delivered, failed: the plugin raised, dropped: "
-            "its queue was full).", labels=["plugin", "outcome"])
+            "its queue was full).", labels=["model_name", "plugin", "outcome"])
         for plugin, c in self._counts().items():
             for outcome in ("delivered", "failed", "dropped"):
-                family.add_metric([plugin, outcome], getattr(c, outcome))
+                family.add_metric([self._model, plugin, outcome], getattr(c, outcome))
         yield family
 
 
@@ -122,7 +123,7 @@ class ServerMetrics:
         self._embedded_tokens = 0  # tokens of /v1/embeddings inputs (a second context's)
         self.registry.register(_EngineCollector(stats, model, lambda: self._embedded_tokens))
         if plugin_counts is not None:
-            self.registry.register(_PluginCollector(plugin_counts))
+            self.registry.register(_PluginCollector(plugin_counts, model))
         lab = ["model_name"]
         r = self.registry
         self._model = model

@@ -159,7 +159,8 @@ def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_pa
     finally:
         assert server.stop() == 0
     counts = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^justllm_plugin_request_records_total\{outcome="(\w+)",plugin="justllm-sample"\} '
+        rf'^justllm_plugin_request_records_total\{{model_name="{re.escape(server.model)}",outcome="(\w+)",'
+        r'plugin="justllm-sample"\} '
         r'(\S+)$', metrics, re.M)}
     assert counts == {"delivered": 3.0, "failed": 0.0, "dropped": 0.0}
     lines = sorted((json.loads(x) for x in records.read_text().splitlines()),
