@@ -119,6 +119,8 @@ def run(
                     elif _asks_budget(context, config):
                         raise ValueError("--reasoning-budget holds a model's thinking, which "
                                          "--raw leaves to the prompt: give one or the other")
+                    if not o.typed(context, "max_tokens"):
+                        params = _within_context(engine, text_prompt, params)
                     _stream(engine, text_prompt, params, answer=not raw)
                 finally:
                     engine.close()
@@ -156,6 +158,15 @@ def _refuse_server_flags(context: typer.Context) -> None:
     for name, why in _SERVER_FLAGS.items():
         if o.typed(context, name):
             raise ValueError(why)
+
+
+def _within_context(engine, prompt: str, params: SamplingParams) -> SamplingParams:
+    """-n's default is the most run draws, not a request for that many: in a context with
+    less room after the prompt, the answer fills it (as llama-cli's does) instead of being
+    refused. (A typed -n that does not fit is refused, as a server refuses it.)"""
+    room = engine.max_request_tokens - len(engine.tokenize(prompt))
+    return replace(params, max_tokens=room) if 0 < room < cast(int, params.max_tokens) \
+        else params
 
 
 def _asks_budget(context: typer.Context, config: EngineConfig) -> bool:

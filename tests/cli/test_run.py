@@ -333,3 +333,18 @@ def test_run_with_its_output_closed_says_so_in_one_line(model_path):
                         '-p Hi -n 1 >&-'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip() == "error: standard output is closed: nowhere to write the answer"
+
+
+def test_a_small_context_holds_the_default_max_tokens_to_the_room_it_leaves(model_path):
+    """-n's default (256) is what run draws at most, not a request for that many: with a
+    context of 64 tokens it was an error ("the request asks for 293"), though nothing asked
+    for them; it now fills the context, as llama-cli does. A typed -n is held to as before."""
+    r = runner.invoke(app, ["run", model_path, "-p", "Tell me a story.", "--ignore-eos", "--raw",
+                            "--ctx", "64", "--pool-blocks", "64"])
+    assert r.exit_code == 0, r.output
+    summary = next(line for line in r.stderr.splitlines() if line.startswith("prompt "))
+    prompt = int(summary.split()[1])
+    assert f"generation {64 - prompt} tok" in summary and "finish: length" in summary
+    typed = runner.invoke(app, ["run", model_path, "-p", "Tell me a story.", "-n", "256",
+                                "--ctx", "64", "--pool-blocks", "64"])
+    assert typed.exit_code == 1 and "maximum context length is 64 tokens" in typed.output
