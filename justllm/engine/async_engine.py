@@ -583,7 +583,7 @@ class AsyncEngine:
                 arrival_time=stream.arrival, num_prompt_tokens=stream.prompt_tokens)
             self.engine.abort(stream.request_id)
             end = RequestOutput(stream.request_id, "", [], True, "abort", None, metrics,
-                                error=message)
+                                error=message, error_code="shutting_down")
             _deliver(stream.loop, stream.queue.put_nowait, end)
         with self._sinks_lock:
             self._jobs_ended = message  # (embeddings under way, at their next piece)

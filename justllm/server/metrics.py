@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from justllm.engine.engine import EngineStats, RequestMetrics
+from justllm.engine.engine import EngineStats, RequestMetrics, RequestOutput
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -184,10 +184,10 @@ class ServerMetrics:
         """A request the engine ended: ``finish_reason`` stop or length, else error or abort
         (as vLLM labels them; a failed request's output says ``abort`` beside its error).
         ``end``: when it ended, for one the server ended itself (the engine, which aborted it,
-        set no finish time); a failed one, which has none either, ended now."""
+        set no finish time); one failed or ended by a shutdown, with none either, ended now."""
         lab = self._model
         end = (m.finished_time if m.finished_time is not None else end if end is not None
-               else time.perf_counter() if error else None)
+               else time.perf_counter())
         self.request_success.labels(lab, "error" if error else finish_reason or "abort").inc()
         if m.lora:
             self.lora_requests.labels(lab, m.lora).inc()
@@ -198,8 +198,7 @@ class ServerMetrics:
         times = sorted(set(m.token_times))
         for a, b in zip(times, times[1:]):
             self.itl.labels(lab).observe(b - a)
-        if end is not None:
-            self.e2e.labels(lab).observe(end - m.arrival_time)
+        self.e2e.labels(lab).observe(end - m.arrival_time)
         self.request_prompt_tokens.labels(lab).observe(m.num_prompt_tokens)
         self.request_generation_tokens.labels(lab).observe(m.num_generated_tokens)
         for name, seconds in _phases(m, end).items():
@@ -232,11 +231,16 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _phases(m: RequestMetrics, end: float | None) -> dict[str, float]:
+def failed(out: RequestOutput) -> bool:
+    """Whether a finished output counts as vLLM's ``error``: the engine ended the request
+    with an error; a shutdown's abort (503 shutting_down) is an ``abort``, as in vLLM and the
+    request's record."""
+    return bool(out.error) and out.error_code != "shutting_down"
+
+
+def _phases(m: RequestMetrics, end: float) -> dict[str, float]:
     """The phases of a request that ended at ``end`` (one never scheduled only queued; one
     without a token has no decode)."""
-    if end is None:
-        return {}
     scheduled, first = m.scheduled_time, m.first_token_time
     if scheduled is None:
         return {"queue": end - m.arrival_time}

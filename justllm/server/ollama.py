@@ -62,6 +62,7 @@ from justllm.server.app import (
 from justllm.server.code_prompt import code_prompt
 from justllm.server.errors import APIError, ollama_response, to_api_error
 from justllm.server.lora import adapter, no_adapter_embeddings
+from justllm.server.metrics import failed
 from justllm.server.ollama_chat import (
     Arrival,
     OllamaMessage,
@@ -593,7 +594,7 @@ async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOu
             if out.finished:
                 ended = True
                 job.served.metrics.observe_finished(out.metrics, out.finish_reason,
-                                                    bool(out.error))
+                                                    failed(out))
             yield out
     finally:
         if not ended:  # the client left

@@ -48,7 +48,7 @@ from justllm.server.code_prompt import code_prompt
 from justllm.server.errors import APIError, error_body
 from justllm.server.json_schema import check_strict
 from justllm.server.lora import adapter, request_lora
-from justllm.server.metrics import ServerMetrics
+from justllm.server.metrics import ServerMetrics, failed
 from justllm.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -353,8 +353,7 @@ class OpenAIServing:
                     timed.add(i)
                 if out.finished:
                     ended.add(i)
-                    self.metrics.observe_finished(out.metrics, out.finish_reason,
-                                                  bool(out.error))
+                    self.metrics.observe_finished(out.metrics, out.finish_reason, failed(out))
                 last[i] = out
                 yield i, out
                 for j in stopped - ended:  # ended with its last token so far
