@@ -36,7 +36,7 @@ def run(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (default: read from stdin).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without a chat template (and without its stop strings).")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message (chat template only).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = cast(int, _S.max_tokens),
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate (left out: at most what the context holds after the prompt).")] = cast(int, _S.max_tokens),
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = _S.temperature,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = _S.top_k,
     top_p: Annotated[float, typer.Option("--top-p")] = _S.top_p,
