@@ -112,16 +112,18 @@ class Scheduler:
         request.queued_step = self._steps
         self.policy.enqueue(self.waiting, request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is; its KV is released before the next step."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+              ) -> Request | None:
+        """Remove a request wherever it is; its KV is released before the next step.
+        ``reason``: why it ended (a server that ends an answer by its own limits: length)."""
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self._finish(req, FinishReason.ABORT)
+                self._finish(req, reason)
                 return req
         for req in self.running:
             if req.request_id == request_id:
-                self.finish(req, FinishReason.ABORT)
+                self.finish(req, reason)
                 return req
         return None
 

@@ -26,6 +26,7 @@ import numpy as np
 from justllm.core.fim import FimTokens
 from justllm.core.gbnf import GBNF_TEXT, left_recursion
 from justllm.core.record import RequestOrigin, RequestRecord
+from justllm.core.request import FinishReason
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import (
     JSON_GRAMMAR,
@@ -100,12 +101,13 @@ class RequestStream:
             self._owner._forget(self.request_id)
         return out
 
-    def abort(self) -> None:
+    def abort(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End the request (``reason``: what its record says, when not its client leaving)."""
         if not self.finished:
             self.finished = True
             self.ended()
             self._owner._forget(self.request_id)
-            self._owner.abort(self.request_id)
+            self._owner.abort(self.request_id, reason)
 
 
 class AsyncEngine:
@@ -474,8 +476,8 @@ class AsyncEngine:
 
         await asyncio.shield(asyncio.ensure_future(finish()))
 
-    def abort(self, request_id: str) -> bool:
-        aborted = self.engine.abort(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        aborted = self.engine.abort(request_id, reason)
         self._wake.set()
         return aborted
 

@@ -583,10 +583,11 @@ class Engine:
             live = self._live.get(request_id)
             return None if live is None else live.metrics
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request; its KV blocks are free at once and its cells before the next step."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Abort a request; its KV blocks are free at once and its cells before the next step.
+        ``reason``: what its record says it ended by (a server's own limit: length)."""
         with self._lock:
-            req = self.scheduler.abort(request_id)
+            req = self.scheduler.abort(request_id, reason)
             if req is None:
                 return False
             self._drop(request_id)

@@ -33,6 +33,7 @@ from litestar import Request, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from justllm.core.request import FinishReason
 from justllm.core.sampling_params import (
     CHAIN_SAMPLERS,
     MAX_LOGPROBS,
@@ -514,8 +515,8 @@ class _Completion:
             a.probs += self._probs(out.logprobs)
         if stop:
             self.stopped.add(i)
-            if not out.finished:
-                stream.abort()
+            if not out.finished:  # (its record says length, as the answer does)
+                stream.abort(FinishReason.LENGTH)
         return text
 
     def final(self, i: int, out: RequestOutput, content: str, stream: bool) -> dict[str, Any]:

@@ -119,7 +119,11 @@ def test_a_request_that_names_an_adapter_as_its_model_is_recorded_under_its_name
                                "messages": [{"role": "user", "content": "Hi"}]}),
              # the lora field alone: the answer (and the record) names the base model
              ("/v1/completions", {"model": server.model, "prompt": "Hi", "max_tokens": 2,
-                                  "lora": [{"name": "pirate"}]})]
+                                  "lora": [{"name": "pirate"}]}),
+             # an answer its line limits end: length, as the answer's own stop_type (the
+             # record said abort)
+             ("/completion", {"model": "pirate", "prompt": "1\n2\n3\n", "n_predict": 40,
+                              "t_max_predict_ms": 1, "ignore_eos": True, "temperature": 0})]
     try:
         for route, body in asked:
             r = httpx.post(server.url + route, json=body, timeout=120)
@@ -128,7 +132,8 @@ def test_a_request_that_names_an_adapter_as_its_model_is_recorded_under_its_name
         assert server.stop() == 0
     lines = [json.loads(x) for x in records.read_text().splitlines()]
     assert [(x["model"], x["lora"]) for x in lines] == [("pirate", "pirate")] * 5 + [
-        (server.model, "pirate")]
+        (server.model, "pirate"), ("pirate", "pirate")]
+    assert lines[-1]["finish_reason"] == "length" and lines[-1]["completion_tokens"] < 40
 
 
 def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_path):
