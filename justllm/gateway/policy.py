@@ -4,9 +4,11 @@ when an idle model expires, and how long to wait before restarting a runner. (Ol
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 MAX_FAILURES = 3  # consecutive failed starts before a model is reported failed
@@ -62,6 +64,19 @@ def start_key(flags: dict[str, object], gpu: int | None) -> str | None:
     if not flags.get("gpu") or flags.get("pool-blocks"):
         return None
     return "all" if gpu is None else str(gpu)
+
+
+def gpu_for_new(gpus: Sequence[int], held: Collection[int]) -> int:
+    """The GPU of a replica the autoscaler adds beside replicas on the GPUs ``held`` (one
+    entry per replica): the first slot of ``gpus`` none of them fills, taking the list round
+    again as ``gpus[i % len]`` does. By index, the replicas added after others were retired
+    piled up (ids only grow: 0 and 2 of ``[0, 1]`` both went to GPU 0, GPU 1 idle)."""
+    left = Counter(held)
+    for gpu in itertools.cycle(gpus):
+        if left[gpu] <= 0:
+            return gpu
+        left[gpu] -= 1
+    raise ValueError("no gpus")
 
 
 def expired(models: list[Loaded], now: float) -> list[str]:

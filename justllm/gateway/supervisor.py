@@ -496,12 +496,16 @@ class Supervisor:
         state.prefill_router.forget_replica(replica.id)
 
     def _new_replica(self, state: ModelState, role: str | None = None) -> Replica:
-        """A local replica: the ``role`` given (the autoscaler's pool), else the spec's for
-        its index."""
+        """A local replica: the ``role`` given (the autoscaler's pool, and the GPU no serving
+        replica fills: ``policy.gpu_for_new``), else the spec's role and GPU for its index."""
         rid = str(state.next_id)
         state.next_id += 1
-        replica = Replica(rid, gpu=state.spec.gpu_of(int(rid)),
-                          role=role or state.spec.role_of(int(rid)))
+        gpu = state.spec.gpu_of(int(rid))
+        if role is not None and state.spec.gpus:  # (ids only grow as replicas come and go)
+            gpu = policy.gpu_for_new(state.spec.gpus, [
+                r.gpu for r in state.local if r.gpu is not None
+                and r.status not in ("stopping", "failed")])
+        replica = Replica(rid, gpu=gpu, role=role or state.spec.role_of(int(rid)))
         state.replicas.append(replica)
         return replica
 

@@ -11,7 +11,7 @@ import pytest
 from justllm.gateway.autoscale import AutoscaleConfig, Pending, decide, to_retire, wanted
 from justllm.gateway.config import Flags, load_config
 from justllm.gateway.metrics import merge_pages, with_label
-from justllm.gateway.policy import prompt_tokens_estimate
+from justllm.gateway.policy import gpu_for_new, prompt_tokens_estimate
 from justllm.gateway.replica import Replica, recent_quantile
 from justllm.gateway.routing import route_text
 from justllm.tui.metrics import Histogram, parse
@@ -214,6 +214,13 @@ def test_replica_keys_of_a_model():
     mixed = model(urls=["http://a:1"], routing={"policy": "cache-aware",
                                                 "balance-abs-threshold": 8})
     assert mixed.replicas == 1 and mixed.routing.balance_abs_threshold == 8
+
+
+def test_a_replica_the_autoscaler_adds_takes_the_first_gpu_slot_nobody_fills():
+    assert [gpu_for_new([0, 1], held) for held in ([], [0], [1], [0, 1], [0, 0])] == \
+        [0, 1, 0, 0, 1]
+    assert [gpu_for_new([0, 0, 1], held) for held in ([0], [0, 0], [0, 1], [0, 0, 1])] == \
+        [0, 1, 0, 0]  # a GPU listed twice takes two replicas a round
 
 
 def test_a_replica_is_overloaded_by_one_batch_of_its_own():

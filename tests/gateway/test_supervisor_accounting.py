@@ -454,6 +454,28 @@ def test_a_replica_retired_while_it_did_not_serve_is_stopped_at_once(tmp_path):
     asyncio.run(main())
 
 
+def test_a_replica_added_after_one_was_retired_goes_to_the_gpu_left_free(tmp_path):
+    """Up, down, up again on gpus [0, 1]: the third replica (id 2) went to gpus[2 % 2], GPU 0,
+    beside replica 0, and GPU 1 stayed idle."""
+    from justllm.gateway.autoscale import AutoscaleConfig
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2,
+                                          "gpus": [0, 1]}})
+        a = sup.models["a"]
+        sup._restart = lambda state, replica: None  # (no process here)
+        a.status, a.next_id = "loaded", 1
+        a.replicas.append(Replica("0", status="ready", gpu=0, in_flight=4))
+        config = AutoscaleConfig(1, 2, target_ongoing=2, upscale_delay=0, downscale_delay=0)
+        sup._scale_pool(a, "both", config, 0.0)
+        assert [(r.id, r.gpu) for r in a.replicas] == [("0", 0), ("1", 1)]
+        a.replicas[1].status = "stopping"  # retired, draining
+        sup._scale_pool(a, "both", config, 1.0)
+        assert [(r.id, r.gpu) for r in a.replicas] == [("0", 0), ("1", 1), ("2", 1)]
+        await sup.close()
+    asyncio.run(main())
+
+
 def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
     """Replicas that could not load an adapter when they restarted are skipped for it; a
     load in place that every replica took left them skipped for good, and with every other
