@@ -755,10 +755,12 @@ class Supervisor:
             try:
                 runner = await self._spawn_ready(state, replica)
             except (RuntimeError, TimeoutError) as e:
-                replica.failures += 1
-                replica.error = str(e)
                 if replica.runner is not None:
                     replica.runner.kill_now()
+                if self._closing or replica.status == "stopping" or replica not in state.replicas:
+                    return  # stopped while it started (retired, unloaded): no failure of its
+                replica.failures += 1
+                replica.error = str(e)
                 # (another start: counted and said, as the first was; they went unsaid)
                 _count_restart(state, replica, f"restart {replica.failures} failed: {e}")
                 continue

@@ -1,8 +1,9 @@
 """Replicas behind the gateway, with real runner processes on the demo model: cache-aware
 routing keeps each prefix on one replica, a replica killed under load loses no request and
 comes back, remote replicas (a real `justllm serve`, an address nobody answers, and an
-overloaded one that answers 503) are used, skipped and left, and the autoscaler goes from one
-replica to two under load and back when idle."""
+overloaded one that answers 503) are used, skipped and left, the autoscaler goes from one
+replica to two under load and back when idle, and a replica it retires while it starts is no
+failed restart."""
 
 from __future__ import annotations
 
@@ -332,3 +333,47 @@ def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
     assert rc == 0, out
     assert "autoscaler: model demo up to 2 replicas" in out, out
     wait_gone(pids)
+
+
+def test_a_replica_retired_while_it_starts_is_stopped_and_counts_no_restart(
+        tmp_path, model_path, monkeypatch, caplog):
+    """A burst shorter than the runner's start: the autoscaler adds a replica, then retires
+    it while it starts (out of the rotation: first to go). Its runner, stopped, was read as a
+    failed start: counted in the model's restarts and logged "restart 1 failed: runner killed
+    by signal 15; restarting", though nothing had died or was restarted. (The supervisor
+    alone, with a real runner process that the test keeps from being ready.)"""
+    from justllm.gateway.config import Flags, load_config
+    from justllm.gateway.runner import RunnerProcess
+    from justllm.gateway.supervisor import Supervisor
+
+    async def never_ready(self: RunnerProcess, http: httpx.AsyncClient, timeout: float) -> None:
+        while self.alive():
+            await asyncio.sleep(0.05)
+        raise RuntimeError(self.killed_by() or self.last_error())
+
+    monkeypatch.setattr(RunnerProcess, "wait_ready", never_ready)
+
+    async def main() -> list[int]:
+        config = load_config({"models": {"a": {"source": model_path, "min-replicas": 1,
+                                               "max-replicas": 2, **FLAGS}}},
+                             Flags(frozenset(FLAGS)))
+        sup = Supervisor(config, tmp_path / "logs", drain=1)
+        a = sup.models["a"]
+        a.status = "loaded"
+        replica = sup._new_replica(a, "both")  # what a scale up does
+        sup._restart(a, replica)
+        while replica.runner is None or not replica.runner.alive():
+            await asyncio.sleep(0.05)
+        pid = replica.runner.pid
+        sup._retire(a, replica)  # a scale down
+        while not all(t.done() for t in sup._tasks):
+            await asyncio.sleep(0.05)
+        assert replica not in a.replicas
+        assert (a.restarts, replica.restarts, dict(a.replica_restarts)) == (0, 0, {})
+        await sup.close()
+        return [pid]
+
+    with caplog.at_level("WARNING", logger="justllm.gateway.supervisor"):
+        pids = asyncio.run(main())
+    wait_gone(pids)
+    assert "restart" not in caplog.text, caplog.text
