@@ -82,6 +82,9 @@ class ModelState:
     # is waiting on, and its decisions by (pool, direction).
     scale_pending: dict[str, autoscale.Pending] = field(default_factory=dict)
     scaled: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # by pool, the count it wanted and max-memory had no room for (said once, not at each
+    # decision: with upscale-delay 0 that was four warnings a second)
+    no_room: dict[str, int] = field(default_factory=dict)
     next_id: int = 0  # the next local replica's id
 
     pd_transfers: int = 0  # requests whose prompt a prefill replica computed
@@ -812,15 +815,20 @@ class Supervisor:
         if decision is None:
             return
         what = state.spec.name if pool == "both" else f"{state.spec.name} ({pool})"
+        target, reason = decision.target, decision.reason
         if decision.direction == "up":
             count = decision.target - len(serving)
             if self.config.max_memory and state.memory:
-                count = min(count, (self.config.max_memory - self.memory_used())
-                            // state.memory)
-                if count <= 0:
-                    log.warning("autoscaler: model %s wants %d replicas; no room under "
-                                "max-memory", what, decision.target)
+                room = (self.config.max_memory - self.memory_used()) // state.memory
+                if room <= 0:
+                    if state.no_room.get(pool) != decision.target:
+                        log.warning("autoscaler: model %s wants %d replicas; no room under "
+                                    "max-memory", what, decision.target)
+                    state.no_room[pool] = decision.target
                     return
+                if room < count:  # (the log said the count wanted, not the one started)
+                    count, target = room, len(serving) + room
+                    reason += f"; {decision.target} wanted, no room for more under max-memory"
             for _ in range(count):
                 replica = self._new_replica(state, pool)
                 self._restart(state, replica)
@@ -828,9 +836,10 @@ class Supervisor:
         else:
             for replica in autoscale.to_retire(serving, decision.target):
                 self._retire(state, replica)
+        state.no_room.pop(pool, None)
         state.scaled[pool, decision.direction] += 1
         log.warning("autoscaler: model %s %s to %d replicas: %s", what,
-                    decision.direction, decision.target, decision.reason)
+                    decision.direction, target, reason)
 
     def _retire(self, state: ModelState, replica: Replica) -> None:
         """Scaled down: out of the rotation now; stopped once its requests are done (one

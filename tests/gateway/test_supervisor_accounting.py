@@ -476,6 +476,36 @@ def test_a_replica_added_after_one_was_retired_goes_to_the_gpu_left_free(tmp_pat
     asyncio.run(main())
 
 
+def test_a_scale_up_cut_short_by_max_memory_says_what_it_started_and_no_room_once(
+        tmp_path, caplog):
+    """Room for one replica more of the four wanted: the log said "up to 4 replicas" as two
+    ran; then "no room under max-memory" at every decision (with upscale-delay 0, four times
+    a second)."""
+    from justllm.gateway.autoscale import AutoscaleConfig
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 4}},
+                         **{"max-memory": 250 * MIB})
+        a = sup.models["a"]
+        a.memory = 100 * MIB
+        sup._restart = lambda state, replica: None  # (no process here)
+        a.status, a.next_id = "loaded", 1
+        a.replicas.append(Replica("0", status="ready", in_flight=8))
+        config = AutoscaleConfig(1, 4, target_ongoing=1, upscale_delay=0, downscale_delay=0)
+        for now in range(5):
+            sup._scale_pool(a, "both", config, float(now))
+        assert [r.id for r in a.replicas] == ["0", "1"] and a.scaled["both", "up"] == 1
+        await sup.close()
+
+    with caplog.at_level("WARNING", logger="justllm.gateway.supervisor"):
+        asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("autoscaler: model a up to 2 replicas: 8.0 requests per "
+                              "replica"), said
+    assert "4 wanted, no room for more under max-memory" in said[0]
+    assert said[1:] == ["autoscaler: model a wants 4 replicas; no room under max-memory"]
+
+
 def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
     """Replicas that could not load an adapter when they restarted are skipped for it; a
     load in place that every replica took left them skipped for good, and with every other
