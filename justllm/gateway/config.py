@@ -302,6 +302,10 @@ def _replicas(name: str, entry: dict, flags: Flags, batch: int | None = None
         if low >= 1 and "ttl" in entry:
             raise ValueError(f"{where}: ttl unloads an idle model; with min-replicas >= 1 it "
                              "stays loaded (min-replicas: 0 scales to zero after ttl)")
+        if low >= 1 and entry.get("preload") is False:  # (it was loaded at start-up all the same)
+            raise ValueError(f"{where}: preload: false loads the model at its first request; "
+                             "with min-replicas >= 1 it is loaded at start-up (min-replicas: 0 "
+                             "waits for a request)")
         replicas = max(low, 1)
     else:
         # A source means a local replica unless told otherwise; urls alone, none.

@@ -244,6 +244,8 @@ def test_a_replica_is_overloaded_by_one_batch_of_its_own():
     ({"replicas": 2, "max-replicas": 3}, "not both"),
     ({"min-replicas": 3, "max-replicas": 2}, "max-replicas >= max(1, min-replicas)"),
     ({"min-replicas": 1, "ttl": 10}, "ttl unloads an idle model"),
+    # (loaded at start-up all the same, without a word)
+    ({"max-replicas": 2, "preload": False}, "preload: false loads the model at its first"),
     ({"max-replicas": 2, "urls": ["http://a:1"]}, "fixed set"),
     ({"urls": ["ftp://a"]}, "http(s)://"),
     ({"urls": ["http://"]}, "http(s)://HOST[:PORT]"),  # (accepted, then polled for ever)
