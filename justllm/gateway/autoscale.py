@@ -6,8 +6,11 @@ Ray Serve's rule, which users of it know: the replicas wanted are the requests i
 between ``min_replicas`` (at least 1 while the model is loaded: to zero is the ttl's business)
 and ``max_replicas``. A change is made only when the wish has pointed the same way for the
 whole delay (``upscale_delay`` up, ``downscale_delay`` down), so a burst shorter than the delay
-does not start a process and a pause does not stop one. Either way it goes straight to the
-count wanted then (a replica stopped leaves the rotation at once and drains its requests).
+does not start a process and a pause does not stop one. Up, it goes straight to the count
+wanted then; down, to the most replicas wanted at any time during the delay (Ray Serve reads
+the load averaged over 30 s: a dip at the moment of the decision took away replicas the load
+had needed all along, which the next upscale delay started again). A replica stopped leaves
+the rotation at once and drains its requests.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ def decide(config: AutoscaleConfig, current: int, load: float, now: float,
     up = target > current
     if pending is None or (pending.target > current) != up:
         pending = Pending(target, now)  # a new wish, or one that changed direction
-    else:
-        pending = Pending(target, pending.since)  # same direction: the size may move
+    else:  # same direction: up, the size follows the load; down, the most it wanted holds
+        pending = Pending(target if up else max(target, pending.target), pending.since)
+    target = pending.target
     delay = config.upscale_delay if up else config.downscale_delay
     if now - pending.since < delay:
         return None, pending

@@ -69,6 +69,19 @@ def test_scaling_down_waits_for_the_downscale_delay_and_a_change_of_direction_re
     assert scale is not None and (scale.target, scale.direction) == (1, "down")
 
 
+def test_a_scale_down_goes_to_the_most_replicas_wanted_during_its_delay():
+    """Steady load for 3 replicas of 4, with a lull at the moment of the decision: it went to
+    1 replica, and the upscale delay later back to 3."""
+    current, pending, decisions = 4, None, []
+    for now in range(0, 80):
+        load = 1 if now == 60 else 5  # 3 replicas wanted, but at the 60th second
+        scale, pending = decide(SCALE, current, load, float(now), pending)
+        if scale is not None:
+            decisions.append((now, scale.direction, scale.target))
+            current = scale.target
+    assert decisions == [(60, "down", 3)]
+
+
 def test_a_scale_down_stops_replicas_out_of_the_rotation_first_then_the_least_busy():
     ready = [Replica(str(i), remote=f"http://127.0.0.1:{9000 + i}", status="ready",
                      in_flight=load) for i, load in ((0, 3), (1, 0), (2, 0))]
