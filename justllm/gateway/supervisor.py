@@ -842,16 +842,23 @@ class Supervisor:
                     decision.direction, target, reason)
 
     def _retire(self, state: ModelState, replica: Replica) -> None:
-        """Scaled down: out of the rotation now; stopped once its requests are done (one
-        that was not serving, hung or not yet started, at once: its requests waited the
-        drain and a minute more on a process that answered nothing; those that had received
-        nothing go to another replica when its connections close)."""
-        serving = replica.status == "ready"
+        """Scaled down: out of the rotation now; stopped once its requests are done (at
+        most the drain and a minute more). One not yet started, at once. One whose polls
+        went unanswered (``unhealthy``, as a busy runner's may be: it was stopped at once, its
+        streams cut, as the autoscaler retires such replicas first) until it would count as
+        hung, ``health-timeout`` after its last answer, and at once past that (its requests
+        waited the drain and a minute more on a process that answered nothing). Requests
+        that had received nothing go to another replica when its connections close."""
+        now = time.monotonic()
+        deadline = now + self.drain + 60
+        if replica.status == "unhealthy":
+            deadline = min(deadline, replica.unhealthy_since + self.config.health_timeout)
+        elif replica.status != "ready":
+            deadline = now
         replica.status = "stopping"
         self._forget(state, replica)
 
         async def retire() -> None:
-            deadline = time.monotonic() + (self.drain + 60 if serving else 0)
             while replica.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             if replica in state.replicas:

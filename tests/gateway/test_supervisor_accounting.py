@@ -506,6 +506,37 @@ def test_a_scale_up_cut_short_by_max_memory_says_what_it_started_and_no_room_onc
     assert said[1:] == ["autoscaler: model a wants 4 replicas; no room under max-memory"]
 
 
+def test_a_busy_replica_retired_while_its_polls_go_unanswered_finishes_its_requests(tmp_path):
+    """A runner too busy to answer two polls in time is ``unhealthy``, and the autoscaler
+    retires such replicas first: it was stopped at once, cutting its streams, though it
+    would have been judged hung only health-timeout after its last answer."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2}})
+        a = sup.models["a"]
+        stopped: list[str] = []
+
+        class Runner:
+            def alive(self) -> bool:
+                return True
+
+            async def stop(self, grace: float) -> None:
+                stopped.append("slow")
+
+        slow = Replica("1", runner=Runner(), status="unhealthy", in_flight=1,  # type: ignore[arg-type]
+                       unhealthy_since=time.monotonic())
+        a.replicas.append(slow)
+        sup._retire(a, slow)
+        for _ in range(5):
+            await asyncio.sleep(0.1)
+        assert stopped == [] and slow.status == "stopping"  # its request goes on
+        slow.in_flight = 0  # it ended
+        while not stopped:
+            await asyncio.sleep(0.05)
+        assert a.replicas == []
+        await sup.close()
+    asyncio.run(main())
+
+
 def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
     """Replicas that could not load an adapter when they restarted are skipped for it; a
     load in place that every replica took left them skipped for good, and with every other
