@@ -106,6 +106,14 @@ def _load_config_file(ctx: typer.Context, value: Optional[str]) -> Optional[str]
             raise typer.BadParameter(f"{value}: unknown option '{key}'", param_hint="--config")
         param = known[name]
         val = file_value(param, val)
+        if isinstance(val, (dict, list)) and not param.multiple and param.nargs == 1:
+            # (click made a text of it: `models:` given the models themselves was "cannot read
+            # {'chat': {...}}: No such file or directory", and `host: [a]` the host "['a']")
+            hint = (": the path of a models.yaml (the router's models and their keys go in "
+                    "that file)" if name == "models" else "")
+            raise typer.BadParameter(f"{value}: {key} takes one value, not a "
+                                     f"{'mapping' if isinstance(val, dict) else 'list'}{hint}",
+                                     param_hint="--config")
         try:  # checked here, so that the error names the file (click's names an env var)
             if val is not None:
                 param.process_value(ctx, val)

@@ -254,6 +254,21 @@ def test_config_file_key_models_is_the_models_option(tmp_path, model_path):
     assert r.exit_code == 1 and "error: model not found" in r.output, r.output
 
 
+def test_config_file_value_that_is_a_mapping_or_a_list_for_a_one_value_option_is_refused(
+        tmp_path):
+    """A router's models written in the --config file itself (`models:` holding them, not a
+    models.yaml's path) failed with "cannot read {'chat': {...}}: No such file or
+    directory", and `host: [a]` served on the host "['a']"."""
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("models:\n  chat:\n    source: x.gguf\n    max-replicas: 2\n")
+    r = runner.invoke(app, ["serve", "--config", str(cfg)])
+    assert r.exit_code != 0 and "models takes one value, not a mapping: the path of a " \
+        "models.yaml" in " ".join(r.output.split()), r.output
+    cfg.write_text("host: [127.0.0.1]\n")
+    r = runner.invoke(app, ["serve", "x.gguf", "--config", str(cfg)])
+    assert r.exit_code != 0 and "host takes one value, not a list" in r.output, r.output
+
+
 def test_version():
     from importlib.metadata import version
 
