@@ -165,14 +165,16 @@ def _replicas(sup: Supervisor) -> list[str]:
              for s in sup.models.values() for pool, config in s.spec.scaled_pools]
 
     gauges = [("justllm_autoscaler_replicas", "Local replicas serving or starting.",
-               lambda s, pool, c: sum(r.status not in ("stopping", "failed")
-                                      for r in s.pool(pool))),
+               lambda s, pool, c: len(s.scaling(pool))),
               ("justllm_autoscaler_min_replicas", "The autoscaler's lower bound.",
                lambda s, pool, c: c.min_replicas),
               ("justllm_autoscaler_max_replicas", "The autoscaler's upper bound.",
                lambda s, pool, c: c.max_replicas),
-              ("justllm_autoscaler_ongoing_requests", "Running + waiting over all replicas.",
-               lambda s, pool, c: sum(r.load_total for r in s.pool(pool)))]
+              # (what the autoscaler decides on: it counted the retired replicas' requests
+              # too, and their last polls' for ever)
+              ("justllm_autoscaler_ongoing_requests",
+               "Running + waiting over the replicas serving or starting (as the autoscaler "
+               "counts them).", lambda s, pool, c: sum(r.load_total for r in s.scaling(pool)))]
     for name, doc, of_pool in gauges:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
         lines += [f"{name}{_labels(s, **role)} {of_pool(s, pool, c)}"

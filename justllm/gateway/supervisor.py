@@ -160,6 +160,11 @@ class ModelState:
         """The local replicas of one autoscaled pool (``ModelSpec.scaled_pools``)."""
         return [r for r in self.local if r.role == role]
 
+    def scaling(self, role: str) -> list[Replica]:
+        """The replicas of a pool the autoscaler counts, and whose load it decides on: serving
+        or starting (not those retired and draining, nor failed ones)."""
+        return [r for r in self.pool(role) if r.status not in ("stopping", "failed")]
+
     @property
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.routable] if self.status == "loaded" else []
@@ -804,7 +809,7 @@ class Supervisor:
                     now: float) -> None:
         """One pool of local replicas (a PD model scales its prefill and decode replicas
         apart, each by its own load) grown or shrunk as ``autoscale.decide`` says."""
-        serving = [r for r in state.pool(pool) if r.status not in ("stopping", "failed")]
+        serving = state.scaling(pool)
         load = sum(r.load_total for r in serving)
         decision, pending = autoscale.decide(config, len(serving), load, now,
                                              state.scale_pending.get(pool))

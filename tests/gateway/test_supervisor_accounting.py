@@ -537,6 +537,27 @@ def test_a_busy_replica_retired_while_its_polls_go_unanswered_finishes_its_reque
     asyncio.run(main())
 
 
+def test_the_autoscalers_ongoing_requests_are_the_load_it_decides_on(tmp_path):
+    """A retired replica draining its requests was counted in the series (and with its last
+    poll's load for as long as it drained), not in the decisions: the series read above the
+    target while the autoscaler, rightly, added nothing."""
+    from justllm.gateway.metrics import _replicas
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2}})
+        a = sup.models["a"]
+        a.status = "loaded"
+        a.replicas += [Replica("0", status="ready", in_flight=1),
+                       Replica("1", status="stopping", in_flight=3, others=2)]
+        values = {s.name: s.value for family in text_string_to_metric_families(
+            "\n".join(_replicas(sup)) + "\n") for s in family.samples
+            if s.name.startswith("justllm_autoscaler_")}
+        assert values["justllm_autoscaler_ongoing_requests"] == 1
+        assert values["justllm_autoscaler_replicas"] == 1
+        await sup.close()
+    asyncio.run(main())
+
+
 def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
     """Replicas that could not load an adapter when they restarted are skipped for it; a
     load in place that every replica took left them skipped for good, and with every other
