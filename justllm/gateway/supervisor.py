@@ -887,7 +887,8 @@ class Supervisor:
         try:  # (no client waits: `ps` said one did)
             await self.load(state, client=False)
         except ModelUnavailable as e:  # (said nowhere but in a request's answer, some ways)
-            log.warning("model %s: preload failed: %s", state.spec.name, e)
+            if e.code != "shutting_down":  # (a gateway stopped as it started: no failure)
+                log.warning("model %s: preload failed: %s", state.spec.name, e)
 
     async def _watch_loop(self) -> None:
         while not self._closing:
@@ -897,6 +898,9 @@ class Supervisor:
             loaded = [s for s in self.models.values()
                       if s.status == "loaded" and not s.remote_only]
             for name in policy.expired([s.view() for s in loaded], now):
+                # (the only unload not said: an autoscaled model's scale to zero went unlogged)
+                log.info("model %s: idle for its ttl of %g s; unloading", name,
+                         self.models[name].ttl)
                 self._unload_soon(self.models[name])
             for state in loaded:
                 for replica in state.died:

@@ -558,6 +558,30 @@ def test_the_autoscalers_ongoing_requests_are_the_load_it_decides_on(tmp_path):
     asyncio.run(main())
 
 
+def test_a_scale_to_zero_is_said_and_a_preload_cut_by_a_shutdown_is_no_failure(
+        tmp_path, caplog):
+    """min-replicas 0: every other change of a model's replicas was logged, not its unload
+    after ttl; and a gateway stopped during start-up logged "preload failed: the server is
+    shutting down"."""
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"z": {"min-replicas": 0, "max-replicas": 2, "ttl": 0.1},
+                                    "p": {"min-replicas": 1, "max-replicas": 2}})
+        z = sup.models["z"]
+        z.status, z.last_used = "loaded", time.monotonic()
+        watch = asyncio.ensure_future(sup._watch_loop())
+        while z.status == "loaded":
+            await asyncio.sleep(0.05)
+        sup._closing = True
+        await watch
+        await sup._preload(sup.models["p"])
+        await sup.close()
+
+    with caplog.at_level("INFO", logger="justllm.gateway.supervisor"):
+        asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["model z: idle for its ttl of 0.1 s; unloading"], said
+
+
 def test_a_replica_that_lacked_a_runtime_adapter_holds_it_again_after_a_load(tmp_path):
     """Replicas that could not load an adapter when they restarted are skipped for it; a
     load in place that every replica took left them skipped for good, and with every other
