@@ -76,8 +76,9 @@ def decide(config: AutoscaleConfig, current: int, load: float, now: float,
     if target == current:
         return None, None
     up = target > current
-    if pending is None or (pending.target > current) != up:
-        pending = Pending(target, now)  # a new wish, or one that changed direction
+    if pending is None or (pending.target > current) != up or pending.target == current:
+        # a new wish, or one that changed direction (or that a replica lost met meanwhile)
+        pending = Pending(target, now)
     else:  # same direction: up, the size follows the load; down, the most it wanted holds
         pending = Pending(target if up else max(target, pending.target), pending.since)
     target = pending.target

@@ -80,6 +80,11 @@ def test_a_scale_down_goes_to_the_most_replicas_wanted_during_its_delay():
             decisions.append((now, scale.direction, scale.target))
             current = scale.target
     assert decisions == [(60, "down", 3)]
+    # A replica lost meanwhile meets the wish: it starts over (it was a "down to 2" of 2)
+    _, pending = decide(SCALE, 3, 4, now=0.0, pending=None)
+    assert pending == Pending(2, 0.0)
+    scale, pending = decide(SCALE, 2, 0, now=60.0, pending=pending)
+    assert scale is None and pending == Pending(1, 60.0)
 
 
 def test_a_scale_down_stops_replicas_out_of_the_rotation_first_then_the_least_busy():
