@@ -2,8 +2,8 @@
 routing keeps each prefix on one replica, a replica killed under load loses no request and
 comes back, remote replicas (a real `justllm serve`, an address nobody answers, and an
 overloaded one that answers 503) are used, skipped and left, the autoscaler goes from one
-replica to two under load and back when idle, and a replica it retires while it starts is no
-failed restart."""
+replica to two under load and back when idle, a replica it retires while it starts is no
+failed restart, and a busy one it retires while its polls go unanswered finishes its stream."""
 
 from __future__ import annotations
 
@@ -377,3 +377,66 @@ def test_a_replica_retired_while_it_starts_is_stopped_and_counts_no_restart(
         pids = asyncio.run(main())
     wait_gone(pids)
     assert "restart" not in caplog.text, caplog.text
+
+
+def test_a_busy_replica_retired_while_its_polls_go_unanswered_finishes_its_stream(
+        tmp_path, model_path):
+    """A runner that answers no poll for a moment (SIGSTOP here; a busy one may) is unhealthy,
+    and a scale down retires such a replica first: it was stopped at once and its stream cut
+    ("the server is shutting down"), the idle replica kept. Now its stream runs to the end.
+    Each step waits for the state the previous one leads to."""
+    gw = start_gateway(tmp_path, {"demo": {
+        "source": model_path, "min-replicas": 1, "max-replicas": 2, "target-ongoing": 2,
+        "upscale-delay": 0.5, "downscale-delay": 0.5, "routing": "least-load", **FLAGS}},
+        **{"health-timeout": 300})
+    pids: list[int] = []
+
+    async def scenario() -> tuple[list[str], str]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            leave = asyncio.Event()
+
+            async def stream(prompt: str, tokens: int) -> tuple[list[str], str]:
+                body = {"model": "demo", "prompt": prompt, "max_tokens": tokens,
+                        "ignore_eos": True, "stream": True}
+                async with http.stream("POST", gw.url + "/v1/completions", json=body) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+                        if leave.is_set() and tokens > 300:
+                            break
+                    return lines, r.headers["x-replica"]
+
+            busy = [asyncio.create_task(stream(f"Story {i}:", 400)) for i in range(3)]
+            await asyncio.to_thread(wait_for, "a second replica", lambda: [
+                r["status"] for r in replicas(gw, "demo").values()] == ["ready", "ready"], 120)
+            alone = asyncio.create_task(stream("Zebra crossing lights", 200))
+            await asyncio.to_thread(wait_for, "the stream on replica 1", lambda: replicas(
+                gw, "demo")["1"]["in_flight"] == 1)
+            pid = replicas(gw, "demo")["1"]["pid"]
+            pids.extend(r["pid"] for r in replicas(gw, "demo").values())
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.to_thread(wait_for, "replica 1 unhealthy", lambda: replicas(
+                    gw, "demo")["1"]["status"] == "unhealthy")
+                leave.set()  # the load falls to the one stream: one replica is enough
+                await asyncio.gather(*busy)
+                await asyncio.to_thread(wait_for, "replica 1 retired", lambda: replicas(
+                    gw, "demo").get("1", {}).get("status") != "unhealthy")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return await alone
+
+    try:
+        wait_for("the first replica", lambda: [r["status"] for r in
+                                               replicas(gw, "demo").values()] == ["ready"])
+        lines, served_by = asyncio.run(scenario())
+        assert served_by == "1"
+        assert lines[-1] == "data: [DONE]" and "error" not in lines[-2], lines[-3:]
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert len(lines) == 201  # every token, then [DONE]
+        wait_for("replica 0 alone", lambda: list(replicas(gw, "demo")) == ["0"])
+    finally:
+        rc, out = stop(gw)
+    assert rc == 0, out
+    wait_gone(pids)
