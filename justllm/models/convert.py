@@ -43,6 +43,7 @@ from justllm.models.quantize import (
     disk_free,
     made_folder,
     nearest_dir,
+    publish,
     quant_type,
 )
 
@@ -89,6 +90,7 @@ class ConvertJob:
     label: str  # the NAME:TAG the result is registered as
     estimate_bytes: int
     log_path: Path
+    force: bool = False  # an output that appears while it runs is replaced (else refused)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _quantize: QuantizeJob | None = field(default=None, repr=False)
     _made: MadeFolders | None = field(default=None, repr=False)
@@ -115,7 +117,7 @@ class ConvertJob:
                 self.sweep()
                 self._convert(self.intermediate, report)
                 if self.quant is None:
-                    os.replace(self.intermediate, self.dst)
+                    publish(self.intermediate, self.dst, force=self.force)
                 else:
                     self._quantize_to_dst(report)
             finally:
@@ -170,7 +172,8 @@ class ConvertJob:
         from justllm.models.quantize import prepare as prepare_quantize
 
         assert self.quant is not None
-        self._quantize = prepare_quantize(self.intermediate, self.quant, self.dst, force=True)
+        self._quantize = prepare_quantize(self.intermediate, self.quant, self.dst,
+                                          force=self.force)
         self._quantize.run(lambda i, n, _name: report("quantizing", i - 1, n))
 
     def abandon(self) -> None:
@@ -407,7 +410,7 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
                       soft_wrap=True)
         source_dir = hub.download_files(listing, model.weights)
     return ConvertJob(converter, model, source_dir, repo, commit, resolved, quant, dst,
-                      job_label, estimate, convert_log(dst))
+                      job_label, estimate, convert_log(dst), force)
 
 
 def convert_log(dst: Path) -> Path:

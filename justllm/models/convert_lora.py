@@ -134,7 +134,7 @@ def prepare_lora(source: str, *, base: str | None = None, outtype: str = "f16",
     model.check_architecture(converter.architectures())
     return LoraConvertJob(converter, model, adapter_dir, repo, commit, kind, None, dst,
                           label="", estimate_bytes=estimate,
-                          log_path=convert_log(dst), base_dir=base_dir,
+                          log_path=convert_log(dst), force=force, base_dir=base_dir,
                           alpha=float(config.get("lora_alpha") or 0),
                           rank=int(config.get("r") or 0))
 

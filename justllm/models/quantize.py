@@ -233,6 +233,7 @@ class QuantizeJob:
     imatrix: Imatrix | None
     estimate_bytes: int
     make_dir: bool = False  # the output's directory is made by run() (and removed on failure)
+    force: bool = False  # an output that appears while it runs is replaced (else refused)
     _made: MadeFolders | None = field(default=None, init=False, repr=False)
 
     @property
@@ -256,7 +257,7 @@ class QuantizeJob:
                                threads=self.threads, allow_requantize=self.allow_requantize,
                                imatrix=self.imatrix.values if self.imatrix else None,
                                metadata=_imatrix_metadata(self.imatrix), progress=progress)
-                os.replace(tmp, self.dst)
+                publish(tmp, self.dst, force=self.force)
             except BaseException:
                 self.abandon()
                 raise
@@ -339,7 +340,31 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
         raise ValueError(f"not enough disk space in {dst.parent}: the output needs about "
                          f"{_mb(estimate + _DISK_SLACK)} ({_mb(estimate)} estimated plus "
                          f"{_mb(_DISK_SLACK)} kept free), {_mb(free)} free")
-    return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir)
+    return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir,
+                       force)
+
+
+def publish(tmp: Path, dst: Path, *, force: bool) -> None:
+    """Move the finished ``tmp`` to ``dst``. Without ``force`` the output must still be
+    missing: another run to the same output, checked before it as this one was, may have
+    finished first (both said they wrote it, and the later rename silently replaced the
+    earlier's file). A hard link checks and moves in one step; on a file system without
+    hard links the check comes just before the rename."""
+    if force:
+        os.replace(tmp, dst)
+        return
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise ValueError(f"{dst} already exists (--force overwrites it): another run wrote "
+                         "it while this one ran") from None
+    except OSError:  # (no hard links here: FAT, some network file systems)
+        if os.path.lexists(dst):
+            raise ValueError(f"{dst} already exists (--force overwrites it): another run "
+                             "wrote it while this one ran") from None
+        os.replace(tmp, dst)
+        return
+    tmp.unlink()
 
 
 def check_output_option(output: str | None) -> None:

@@ -309,6 +309,24 @@ def test_output_directory_and_the_disk_space_it_needs(model_path, models_dir, tm
     assert files(models_dir) == []
 
 
+def test_an_output_another_run_wrote_meanwhile_is_not_replaced(model_path, models_dir,
+                                                               tmp_path):
+    """Two runs to one output, both checked before either wrote: the later rename replaced
+    the earlier's file, though neither had --force, and both said they wrote it."""
+    from justllm.models.quantize import prepare, quant_type
+
+    out = tmp_path / "out.gguf"
+    job = prepare(Path(model_path), quant_type("Q8_0"), out, allow_requantize=True)
+    out.write_bytes(b"the other run's model")
+    with pytest.raises(ValueError, match=r"out.gguf already exists \(--force overwrites it\): "
+                                         "another run wrote it while this one ran"):
+        job.run()
+    assert out.read_bytes() == b"the other run's model"
+    assert files(tmp_path) == ["models", "out.gguf"]
+    job = prepare(Path(model_path), quant_type("Q8_0"), out, allow_requantize=True, force=True)
+    assert job.run() == out and read_gguf_header(out).integer("general.file_type") == 7
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_leaves_no_temporary_file_and_killed_runs_are_swept(model_path, tmp_path, sig):
     """SIGTERM's default ended the process with its hidden .partial file left beside the

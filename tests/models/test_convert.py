@@ -343,3 +343,21 @@ def test_an_abandoned_conversion_stops_the_converter_and_leaves_nothing(
     assert not worker.is_alive() and proc.poll() is not None
     assert errors and "llama.cpp's converter failed" in str(errors[0])
     assert not models.exists() or [p.name for p in models.iterdir()] == []
+
+
+def test_an_output_another_conversion_wrote_meanwhile_is_not_replaced(
+        tiny: Path, models: Path, tmp_path: Path) -> None:
+    """Two conversions to one output, both checked before either wrote (two fine-tunes in
+    folders of the same name, converted at once): the later rename replaced the earlier's
+    file without --force, and both said they wrote it."""
+    for quantize in (None, "Q8_0"):
+        out = tmp_path / f"out-{quantize}.gguf"
+        job = conv.prepare(str(tiny), quantize=quantize, output=str(out))
+        out.write_bytes(b"the other run's model")
+        with pytest.raises(ValueError, match=r"already exists \(--force overwrites it\)"):
+            job.run()
+        assert out.read_bytes() == b"the other run's model"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "out-None.gguf", "out-Q8_0.gguf"]
+    forced = conv.prepare(str(tiny), output=str(tmp_path / "out-None.gguf"), force=True)
+    assert forced.run().read_bytes()[:4] == b"GGUF"
