@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from justllm.cli.background import run_interruptible
+from justllm.cli.background import run_interruptible, terminable
 from justllm.cli.errors import cli_errors
 
 if TYPE_CHECKING:
@@ -71,8 +71,9 @@ def run_lora_conversion(source: str, *, base: str | None, outtype: str, output: 
     from justllm.models.convert_lora import prepare_lora
 
     err = Console(stderr=True, highlight=False, emoji=False)
-    job = prepare_lora(source, base=base, outtype=outtype, output=output, revision=revision,
-                       force=force, console=err)
+    with terminable():  # (the converter's fetch, a hub download: see run_conversion)
+        job = prepare_lora(source, base=base, outtype=outtype, output=output,
+                           revision=revision, force=force, console=err)
     err.print(f"converting the LoRA adapter {job.source_dir} (rank {job.rank}, alpha "
               f"{job.alpha:g}) for {job.model.where} "
               f"({job.model.candidate_architectures()[0]}) to {job.output_type} with "
@@ -94,8 +95,12 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
 
     err = Console(stderr=True, highlight=False, emoji=False)
     try:
-        job = prepare(source, outtype=outtype, quantize=quantize, output=output, name=name,
-                      revision=revision, force=force, console=err)
+        # SIGTERM and SIGHUP end the converter's first fetch and a hub download as Ctrl-C
+        # does: their default ended justllm alone, and `pip download` went on writing some
+        # 80 MB into a temporary folder of the converter cache that nothing removed.
+        with terminable():
+            job = prepare(source, outtype=outtype, quantize=quantize, output=output,
+                          name=name, revision=revision, force=force, console=err)
     except AlreadyConverted as done:
         return _already_converted(done)
     origin = f"{job.repo} @ {job.commit[:12]}" if job.repo and job.commit else str(job.source_dir)

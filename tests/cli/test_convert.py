@@ -6,8 +6,11 @@ which generates from it. Hub repos come from the stand-in hub (tests/models/fake
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from justllm.core.sampling_params import SamplingParams
 from justllm.engine.llm import LLM
 from justllm.models.gguf import read_gguf_header
 from justllm.models.registry import Registry
+from tests.helpers import children
 from tests.models.fake_hub import FakeHub, serve_fake_hub
 from tests.models.tiny_hf import make_tiny_llama, make_tiny_lora, model_files
 
@@ -333,3 +337,59 @@ def test_adapter_options_and_a_missing_base_are_one_line(tiny: Path, tmp_path: P
             f'{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "{key}": {value}}}')
         assert f"adapter_config.json: {key} must be a number" in error_line(
             runner.invoke(app, ["convert", str(adapter), "--base", str(tiny)]))
+
+
+SLOW_FETCH = """
+import subprocess, sys
+from justllm.models import converter
+
+def slow_pip(version, into):  # a download that takes long (pip's of the sdist)
+    subprocess.run([sys.executable, "-c", "import time; time.sleep(120)"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    raise SystemExit("the download was not stopped")
+
+converter.pip_download = slow_pip
+from justllm.cli import app
+app(sys.argv[1:], prog_name="justllm")
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_while_the_converter_is_fetched_stops_the_download(
+        tiny: Path, tmp_path: Path, sig: int) -> None:
+    """SIGTERM or SIGHUP while pip downloaded the converter's sdist (a first conversion)
+    ended justllm alone: pip went on writing into a temporary folder of the converter cache
+    that nothing removed."""
+    env = {**os.environ, "JUSTLLM_CACHE_DIR": str(tmp_path / "cache"),
+           "JUSTLLM_MODELS_DIR": str(tmp_path / "models"),
+           "JUSTLLM_LOG_DIR": str(tmp_path / "logs")}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_FETCH, "convert", str(tiny), "-o",
+                             str(tmp_path / "out.gguf")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids := children(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        time.sleep(0.5)  # (the download's end, if it was told to end)
+        left = [p for p in pids if _running(p)]
+    finally:
+        proc.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 128 + sig and "terminated: no output written" in err, err
+    assert left == []
+    assert [p.name for p in (tmp_path / "cache" / "converter").iterdir()] == [".lock"]
+    assert not (tmp_path / "out.gguf").exists()
