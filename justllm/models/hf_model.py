@@ -9,6 +9,8 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.js
 WEIGHTS = "*.safetensors"
 # Bytes per weight of the source, by the dtype its config.json declares.
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float64": 8.0}
+# safetensors' dtype names of the float types, as config.json (torch) names them
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
+                       "F64": "float64"}
+_MAX_HEADER = 100 * 1024 * 1024  # (safetensors' own limit)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -46,6 +52,9 @@ class HFModel:
     where: str
     config: dict[str, Any]
     files: dict[str, int]
+    # What the weights' own headers say (a local model's; a hub repo's are not downloaded
+    # when the checks run): more than config.json's dtype, which some fine-tunes get wrong.
+    stored: StoredWeights | None = None
 
     def candidate_architectures(self) -> list[str]:
         """What llama.cpp's converter dispatches on: ``architectures[0]``, and for a
@@ -70,8 +79,12 @@ class HFModel:
 
     @property
     def source_dtype(self) -> str | None:
-        """The dtype config.json declares (``dtype`` in transformers 5, ``torch_dtype``
-        before), or that of its text config."""
+        """The dtype the weights are stored in, as their safetensors headers say (as
+        llama.cpp's converter decides its ``auto``: it does not trust config.json, "because
+        some finetunes lie"); else the one config.json declares (``dtype`` in transformers 5,
+        ``torch_dtype`` before), or that of its text config."""
+        if self.stored is not None and self.stored.dtype is not None:
+            return self.stored.dtype
         for cfg in (self.config, self.config.get("text_config") or {}):
             if isinstance(cfg, dict):
                 for key in ("dtype", "torch_dtype"):
@@ -81,8 +94,11 @@ class HFModel:
 
     @property
     def parameters(self) -> int:
-        """Roughly, the number of weights: the weights' bytes over the declared dtype's
-        width (2 bytes when the config says nothing)."""
+        """The number of weights: counted from the safetensors headers, else roughly the
+        weights' bytes over the declared dtype's width (2 bytes when the config says
+        nothing)."""
+        if self.stored is not None:
+            return self.stored.parameters
         return int(self.weights_bytes / _DTYPE_BYTES.get(self.source_dtype or "", 2.0))
 
     @property
@@ -134,6 +150,49 @@ def read_config(path: Path, where: str) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class StoredWeights:
+    """What a model's safetensors headers say: the float type most of its matrices (tensors
+    of two or more dimensions) are stored in, as config.json names it (None: another type,
+    such as FP8), and how many weights it has."""
+
+    dtype: str | None
+    parameters: int
+
+
+def read_stored(directory: Path, weights: list[str]) -> StoredWeights | None:
+    """The weights' headers read (a few KB each, no weight); None when one cannot be read
+    (the converter then says what is wrong with the file)."""
+    elements: dict[str, int] = {}
+    parameters = 0
+    for name in weights:
+        try:
+            with (directory / name).open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                if size > _MAX_HEADER:
+                    return None
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        if not isinstance(header, dict):
+            return None
+        for key, entry in header.items():
+            if key == "__metadata__" or not isinstance(entry, dict):
+                continue
+            shape = entry.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(n, int) for n in shape):
+                return None
+            count = math.prod(shape)
+            parameters += count
+            if len(shape) >= 2:
+                dtype = str(entry.get("dtype"))
+                elements[dtype] = elements.get(dtype, 0) + count
+    if not elements:
+        return None
+    most = max(elements, key=lambda d: elements[d])
+    return StoredWeights(_SAFETENSORS_DTYPES.get(most), parameters)
+
+
 def read_local(directory: Path) -> HFModel:
     """The model in a local directory."""
     d = directory.expanduser()
@@ -142,4 +201,5 @@ def read_local(directory: Path) -> HFModel:
         raise ModelLoadError(f"{directory} is {what}: give a Hugging Face model directory "
                              "(config.json, tokenizer, *.safetensors) or a repo id OWNER/NAME")
     files = {p.name: p.stat().st_size for p in d.iterdir() if p.is_file()}
-    return HFModel(str(directory), read_config(d / "config.json", str(directory)), files)
+    return HFModel(str(directory), read_config(d / "config.json", str(directory)), files,
+                   read_stored(d, weight_files(list(files))))

@@ -144,7 +144,10 @@ def test_a_model_directory_is_read_and_checked(tiny: Path, converter: Converter)
     m = read_local(tiny)
     assert m.weights == ["model.safetensors"] and m.has_tokenizer
     assert m.candidate_architectures() == ["LlamaForCausalLM"] and m.source_dtype == "float32"
-    assert m.parameters == (tiny / "model.safetensors").stat().st_size // 4
+    from safetensors.numpy import load_file
+
+    # counted from the header (it was the file's size over 4: its header's bytes too)
+    assert m.parameters == sum(a.size for a in load_file(tiny / "model.safetensors").values())
     m.check(converter.architectures())
     assert side_files(["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
                        "original/params.json", "chat_template.jinja", "README.md", "x.bin"]) == [
@@ -361,3 +364,42 @@ def test_an_output_another_conversion_wrote_meanwhile_is_not_replaced(
         "out-None.gguf", "out-Q8_0.gguf"]
     forced = conv.prepare(str(tiny), output=str(tmp_path / "out-None.gguf"), force=True)
     assert forced.run().read_bytes()[:4] == b"GGUF"
+
+
+def _restored(src: Path, dst: Path, dtype: str, config: dict) -> Path:
+    """A copy of ``src`` with its weights stored as ``dtype`` (torch's name) and ``config``
+    merged into its config.json."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _copy(src, dst, drop=("model.safetensors",), config=config)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in weights.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_auto_follows_the_dtype_the_weights_are_stored_in(tiny: Path, models: Path,
+                                                          tmp_path: Path) -> None:
+    """auto read config.json's dtype alone: bfloat16 weights under a config that names no
+    dtype (or another) became F16, which overflows past 65504, and float32 weights under a
+    config saying bfloat16 became BF16. llama.cpp's converter decides its auto from the
+    tensors, "because some finetunes lie"."""
+    no_dtype = {"torch_dtype": None}
+    bf16 = _restored(tiny, tmp_path / "bf16-weights", "bfloat16", no_dtype)
+    job = conv.prepare(str(bf16))
+    assert (job.outtype, job.dst.name) == ("bf16", "bf16-weights-bf16.gguf")
+    assert job.model.parameters == read_local(tiny).parameters
+    f32 = _copy(tiny, tmp_path / "f32-weights", config={"torch_dtype": "bfloat16"})
+    assert conv.prepare(str(f32)).outtype == "f16"
+    f16 = _restored(tiny, tmp_path / "f16-weights", "float16", {"torch_dtype": "bfloat16"})
+    assert conv.prepare(str(f16)).outtype == "f16"
+    # the conversion is what its name says
+    from justllm.models.gguf import read_gguf_header
+
+    assert read_gguf_header(job.run()).integer("general.file_type") == 32  # MOSTLY_BF16
+    # weights whose header cannot be read: config.json's dtype, and the converter says why
+    broken = _copy(tiny, tmp_path / "broken", drop=("model.safetensors",),
+                   config={"torch_dtype": "bfloat16"})
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert conv.prepare(str(broken)).outtype == "bf16"
