@@ -94,6 +94,13 @@ def run_conversion(source: str, *, outtype: str, quantize: str | None, output: s
     from justllm.models.convert import AlreadyConverted, prepare, register
 
     err = Console(stderr=True, highlight=False, emoji=False)
+    if quantize:  # (an unknown type is refused by prepare, in words)
+        from justllm.cli.quantize import warn_if_trained_for
+        from justllm.models.quantize import QUANT_TYPES
+
+        for qtype in QUANT_TYPES:
+            if qtype.name == quantize.strip().upper():
+                warn_if_trained_for(qtype)
     try:
         # SIGTERM and SIGHUP end the converter's first fetch and a hub download as Ctrl-C
         # does: their default ended justllm alone, and `pip download` went on writing some

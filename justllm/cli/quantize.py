@@ -46,12 +46,7 @@ def quantize(
         from justllm.models.quantize import prepare, quant_type
 
         qtype = quant_type(type_name)
-        if qtype.trained_for:  # (llama.cpp says nothing; the answers are gibberish)
-            Console(stderr=True, highlight=False, emoji=False).print(
-                f"[yellow]warning:[/yellow] {qtype.name} is for models trained with "
-                f"{qtype.trained_for} weights; any other model quantized to it answers "
-                "gibberish (Q2_K or IQ2_XXS with --imatrix are the small types for others)",
-                soft_wrap=True)
+        warn_if_trained_for(qtype)
         src = Path(plugins_of(context).resolve_model(model))
         dst, make_dir = _output_path(output, src, qtype)
         job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
@@ -65,6 +60,17 @@ def quantize(
                       f"{src.name} was {_size(src.stat().st_size)}) in "
                       f"{time.monotonic() - t0:.1f} s", markup=False, soft_wrap=True)
         _register(console, dst, src, registered=not output)
+
+
+def warn_if_trained_for(qtype: QuantType) -> None:
+    """Q1_0, Q2_0, TQ1_0 and TQ2_0 are for models trained in them: llama.cpp quantizes any
+    model to them saying nothing, and the answers are gibberish."""
+    if qtype.trained_for:
+        Console(stderr=True, highlight=False, emoji=False).print(
+            f"[yellow]warning:[/yellow] {qtype.name} is for models trained with "
+            f"{qtype.trained_for} weights; any other model quantized to it answers "
+            "gibberish (Q2_K or IQ2_XXS with --imatrix are the small types for others)",
+            soft_wrap=True)
 
 
 def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path, bool]:

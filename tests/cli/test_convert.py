@@ -393,3 +393,14 @@ def test_sigterm_while_the_converter_is_fetched_stops_the_download(
     assert left == []
     assert [p.name for p in (tmp_path / "cache" / "converter").iterdir()] == [".lock"]
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_type_for_models_trained_in_it_is_said_to_be(tmp_path: Path) -> None:
+    """convert --quantize TQ2_0 (or pull --convert --quantize) said nothing, where quantize
+    warns: any other model quantized to it answers gibberish."""
+    r = runner.invoke(app, ["convert", str(tmp_path / "missing"), "--quantize", "tq2_0"])
+    assert r.exit_code == 1
+    assert ("warning: TQ2_0 is for models trained with ternary weights; "
+            "any other model quantized to it answers gibberish") in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["convert", str(tmp_path / "missing"), "--quantize", "Q2_K"])
+    assert r.exit_code == 1 and "warning" not in r.stderr
