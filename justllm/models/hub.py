@@ -469,7 +469,9 @@ def has_file(repo: str, file: str, revision: str = "main") -> bool:
     if offline():
         return file in _cached_listing(repo, revision).files
     endpoint = _endpoint()
-    with hub_errors(repo, lambda: file, revision):
+    # (a question about the repo, downloading nothing: an unreachable hub said "cannot
+    # download OWNER/NAME:adapter_config.json" to `justllm convert OWNER/NAME`)
+    with hub_errors(repo, lambda: None, revision):
         _resolvable(endpoint)
         try:
             get_hf_file_metadata(hf_hub_url(repo, file, revision=revision, endpoint=endpoint),

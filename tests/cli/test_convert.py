@@ -404,3 +404,17 @@ def test_a_type_for_models_trained_in_it_is_said_to_be(tmp_path: Path) -> None:
             "any other model quantized to it answers gibberish") in " ".join(r.stderr.split())
     r = runner.invoke(app, ["convert", str(tmp_path / "missing"), "--quantize", "Q2_K"])
     assert r.exit_code == 1 and "warning" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["convert", "acme/tiny-llama"],
+                                     ["pull", "acme/tiny-llama", "--convert"]])
+def test_an_unreachable_hub_names_the_repo_not_the_adapter_probe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    """Whether the repo is a PEFT adapter is asked first: with no hub, the one line said
+    "cannot download acme/tiny-llama:adapter_config.json", a file the user never asked for."""
+    from tests.models.fake_hub import isolate_hub_library
+
+    isolate_hub_library(monkeypatch, tmp_path, "http://no-such-host.invalid")
+    line = error_line(runner.invoke(app, command))
+    assert line.startswith("error: cannot list acme/tiny-llama on http://no-such-host.invalid"), \
+        line
