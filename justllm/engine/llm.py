@@ -46,7 +46,8 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.engine.close)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None
+                 params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...]
+                 | None = None
                  ) -> list[CompletionOutput]:
         if not isinstance(prompts, (str, list, tuple)):
             raise InvalidRequestError("prompts must be a string, a list of token ids, or a "
@@ -54,7 +55,9 @@ class LLM:
         batch: list[str | list[int]] = (
             [prompts] if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int))
             else list(prompts))  # type: ignore[arg-type]  # a list of prompts
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        # (a tuple of them, as prompts may be one, was taken for a single SamplingParams)
+        plist = (list(params) if isinstance(params, (list, tuple))
+                 else [params or SamplingParams()] * len(batch))
         if len(plist) != len(batch):
             raise ValueError("one SamplingParams per prompt, or one for all")
         with self._turn:

@@ -157,3 +157,14 @@ def test_more_prompts_than_the_queue_holds_are_queued_as_it_takes_them(model_pat
         assert [o.prompt for o in outs] == prompts
         assert all(len(o.token_ids) == 3 for o in outs)
         assert len({o.request_id for o in outs}) == 7 and not llm.engine.has_unfinished()
+
+
+def test_one_sampling_params_per_prompt_in_a_tuple_too(model_path):
+    """Prompts may come as a tuple; their SamplingParams as one were refused ("params must be
+    a SamplingParams"), where a list was taken."""
+    with LLM(model_path, max_seqs=2, pool_blocks=64) as llm:
+        outs = llm.generate(("1, 2, 3,", "a, b, c,"), (SamplingParams(max_tokens=2, ignore_eos=True),
+                                                     SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert [len(o.token_ids) for o in outs] == [2, 3]
+        with pytest.raises(ValueError, match="one SamplingParams per prompt, or one for all"):
+            llm.generate(("1, 2, 3,", "a, b, c,"), (SamplingParams(),))
