@@ -378,6 +378,10 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
 
     model.check_files()  # the cheap checks before the converter is fetched (it is 77 MB)
     resolved = resolve_outtype(outtype, model)
+    if quant is not None and quant.name in _FLOAT_QUANTS and outtype.strip().lower() == "auto":
+        # The converter writes that type itself. Through the 16-bit file in between, F32
+        # lost the float32 weights' last bits (and BF16 of a float32 model, f16's range).
+        resolved, quant = quant.name.lower(), None
     type_name = quant.name if quant else resolved
     repo, commit = (listing.repo, listing.commit) if listing else (None, None)
     dst = default_output(model_name, type_name, repo, commit)

@@ -403,3 +403,24 @@ def test_auto_follows_the_dtype_the_weights_are_stored_in(tiny: Path, models: Pa
                    config={"torch_dtype": "bfloat16"})
     (broken / "model.safetensors").write_bytes(b"\xff" * 64)
     assert conv.prepare(str(broken)).outtype == "bf16"
+
+
+def test_a_float_type_to_quantize_to_is_what_the_converter_writes(tiny: Path,
+                                                                  models: Path) -> None:
+    """--quantize F32 went through the f16 file in between: an F32 GGUF whose weights had
+    lost their last bits (BF16 of a float32 model: through f16's range)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    for quantize, outtype in (("F32", "f32"), ("bf16", "bf16"), ("F16", "f16")):
+        job = conv.prepare(str(tiny), quantize=quantize)
+        assert (job.outtype, job.quant, job.output_type) == (outtype, None, outtype.upper())
+        assert job.dst.name == f"tiny-llama-{outtype}.gguf"
+    # an --outtype given is kept: the user chose the file in between
+    assert conv.prepare(str(tiny), quantize="F32", outtype="f16").quant == quant_type("F32")
+    job = conv.prepare(str(tiny), quantize="F32")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(job.run())).tensors}
+    want = load_file(tiny / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    got = np.asarray(tensors["blk.0.ffn_down.weight"].data).reshape(want.shape)
+    assert np.array_equal(got, want)
