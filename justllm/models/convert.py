@@ -419,12 +419,17 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
 
 def convert_log(dst: Path) -> Path:
     """Where a conversion to ``dst`` writes the converter's output: one log per output, so
-    two conversions running at once (to different files: one output is leased to one) do not
-    write into each other's."""
+    two conversions running at once (to different files) do not write into each other's.
+    The output's folder is in the name, as a short hash: two outputs of one file name (``-o
+    runA/`` and ``-o runB/``, two repos of one name) shared a log, the later truncating the
+    earlier's, whose error message then named the other's log."""
+    import hashlib
+
     from justllm.models.source import log_dir
 
+    folder = hashlib.sha256(str(dst.parent.expanduser().absolute()).encode()).hexdigest()[:8]
     # (a folder of their own: `justllm logs` lists the runners' logs, and read these as models)
-    return log_dir() / "convert" / f"convert-{dst.name}.log"
+    return log_dir() / "convert" / f"convert-{dst.name}-{folder}.log"
 
 
 def output_path(output: str, file: str) -> Path:

@@ -95,6 +95,9 @@ def test_convert_a_local_model_to_q8_0_registers_it_and_it_generates(
     # under JUSTLLM_LOG_DIR, apart from the runners' logs (`justllm logs` lists those)
     assert convert_log(out).parent == models.parent / "logs" / "convert"
     assert convert_log(out) != convert_log(out.with_name("other.gguf"))
+    # (one file name in two folders shared a log, the later truncating the earlier's)
+    assert convert_log(out) != convert_log(tmp_path / "elsewhere" / out.name)
+    assert convert_log(out).name.startswith(f"convert-{out.name}-")
     # The same output again: refused without --force, nothing touched.
     before = out.stat().st_mtime_ns
     line = error_line(runner.invoke(app, ["convert", str(tiny), "--outtype", "q8_0", "-o",
