@@ -1,14 +1,17 @@
-"""The offline Python API: ``LLM(model).generate(prompts, params)``."""
+"""The offline Python API: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
+from justllm.engine.chat_template import ChatTemplate, with_template_stops
 from justllm.engine.engine import Engine, PreparedRequest, RequestMetrics, TokenLogprob
 from justllm.errors import EngineClosedError, InvalidRequestError, QueueFullError
 
@@ -43,6 +46,7 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **config))  # type: ignore[arg-type]
         self._turn = threading.Lock()
         self._closed = False
+        self._template: ChatTemplate | None = None  # chat()'s, made at its first call
         self._finalizer = weakref.finalize(self, self.engine.close)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
@@ -64,6 +68,54 @@ class LLM:
             if self._closed:
                 raise EngineClosedError("this LLM is closed")
             return self._generate(batch, plist)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...]
+             | None = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[CompletionOutput]:
+        """vLLM's ``LLM.chat``: one conversation (``[{"role": .., "content": ..}, ..]``) or a
+        list of them, rendered with the model's chat template (or the ``chat_template`` the
+        LLM was made with; a model without one gets the plain transcript, with a warning), the
+        template's turn ends added to each request's stop strings, then :meth:`generate`.
+        ``continue_final_message``: the answer goes on with the last (assistant) message,
+        which ``add_generation_prompt`` must then leave open (False), as in vLLM. The text is
+        the model's, as ``generate`` gives it (a transcript's answer begins with its blank)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt "
+                                      "False (the last message is continued, not answered)",
+                                      param="add_generation_prompt")
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[list[dict[str, Any]]], [messages] if one else messages)
+        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+                isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
+                for c in conversations):
+            raise InvalidRequestError("messages must be a conversation (a non-empty list of "
+                                      "message dicts) or a list of them", param="messages")
+        template = self._chat_template()
+        prompts = [template.render(c, add_generation_prompt=add_generation_prompt,
+                                   continue_final=continue_final_message,
+                                   **(chat_template_kwargs or {}))
+                   for c in conversations]
+        plist = (list(params) if isinstance(params, (list, tuple))
+                 else [params or SamplingParams()] * len(prompts))
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per conversation, or one for all")
+        plist = [replace(p, stop=with_template_stops(p.stop, template))
+                 if isinstance(p, SamplingParams) else p for p in plist]
+        return self.generate(prompts, plist)  # type: ignore[arg-type]
+
+    def _chat_template(self) -> ChatTemplate:
+        """The template conversations are rendered with (made once; says its notice once)."""
+        with self._turn:
+            if self._closed:
+                raise EngineClosedError("this LLM is closed")
+            if self._template is None:
+                self._template = ChatTemplate.from_backend(self.engine.backend,
+                                                           self.engine.config.chat_template)
+                if self._template.notice:
+                    warnings.warn(self._template.notice, stacklevel=3)
+            return self._template
 
     def _generate(self, batch: list[str | list[int]], plist: list[SamplingParams]
                   ) -> list[CompletionOutput]:

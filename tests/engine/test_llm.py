@@ -168,3 +168,35 @@ def test_one_sampling_params_per_prompt_in_a_tuple_too(model_path):
         assert [len(o.token_ids) for o in outs] == [2, 3]
         with pytest.raises(ValueError, match="one SamplingParams per prompt, or one for all"):
             llm.generate(("1, 2, 3,", "a, b, c,"), (SamplingParams(),))
+
+
+def test_llm_chat_renders_with_the_template_and_stops_at_its_turn_end(model_path):
+    """vLLM's LLM.chat was missing (and chat_template= was taken and used for nothing): a
+    conversation is rendered as the server renders it, stopped at the template's turn end."""
+    from justllm.engine.chat_template import ChatTemplate
+
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(model_path, max_seqs=4, pool_blocks=128) as llm:
+        with pytest.warns(UserWarning, match="no chat template"):
+            (out,) = llm.chat(ask, greedy)
+        transcript = ChatTemplate.named("transcript")
+        assert out.prompt == transcript.render(ask, add_generation_prompt=True)
+        (same,) = llm.generate(out.prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                          stop=transcript.stop))
+        assert out.text == same.text and out.token_ids == same.token_ids
+        assert "User:" not in out.text
+        two = llm.chat([ask, [{"role": "user", "content": "Name a colour."}]],
+                       [greedy, SamplingParams(max_tokens=4, temperature=0, stop=("x",))])
+        assert two[0].text == out.text and len(two[1].token_ids) <= 4
+        going = [*ask, {"role": "assistant", "content": "The capital of France is"}]
+        (cont,) = llm.chat(going, greedy, add_generation_prompt=False,
+                           continue_final_message=True)
+        assert cont.prompt.endswith("The capital of France is")
+        for bad, kw in (("hi", {}), ([], {}), ([ask, "x"], {}),
+                        (going, {"continue_final_message": True})):
+            with pytest.raises(InvalidRequestError):
+                llm.chat(bad, greedy, **kw)
+    with LLM(model_path, max_seqs=2, pool_blocks=64, chat_template="chatml") as llm:
+        (out,) = llm.chat(ask, SamplingParams(max_tokens=4, temperature=0))
+        assert out.prompt.endswith("<|im_start|>assistant\n")
