@@ -31,7 +31,7 @@ from rich.console import Console
 from justllm.errors import ModelLoadError
 from justllm.models.converter import Converter, check_extra, converter_dir, fetch_converter
 from justllm.models.hf_model import HFModel, read_config, read_local, side_files
-from justllm.models.lease import sweep_dead
+from justllm.models.lease import publish, sweep_dead
 from justllm.models.manifest import Manifest, Source
 from justllm.models.quantize import (
     MadeFolders,
@@ -43,7 +43,6 @@ from justllm.models.quantize import (
     disk_free,
     made_folder,
     nearest_dir,
-    publish,
     quant_type,
 )
 

@@ -16,6 +16,7 @@ of the demo model takes 2.3 s, where it took 10.6.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import struct
@@ -29,6 +30,7 @@ import numpy as np
 
 from justllm.errors import JustLLMError, ModelLoadError
 from justllm.models.gguf import read_gguf_header
+from justllm.models.lease import publish, sweep_dead
 from justllm.models.quantize import check_replaceable
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
@@ -95,10 +97,14 @@ def make_draft(src: Path, dst: Path, layers: int, *, force: bool = False) -> Dra
 
     reader = _read(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    part = dst.with_name(dst.name + ".part")
+    # (one partial file per process, moved into place only while the output is still
+    # missing: two runs to one output both wrote DST.part, and the later replaced the
+    # earlier's draft, though neither had --force)
+    sweep_dead(dst.parent, f".{glob.escape(dst.name)}.partial-*")
+    part = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     try:
         _write(reader, part, arch, count_key, layers, source_layers)
-        os.replace(part, dst)
+        publish(part, dst, force=force)
     except OSError as e:
         part.unlink(missing_ok=True)
         raise JustLLMError(f"cannot write {dst}: {e.strerror or e}") from e

@@ -107,3 +107,26 @@ def sweep_dead(folder: Path, pattern: str) -> None:
         pid = old.name.rpartition("-")[2]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             old.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, dst: Path, *, force: bool) -> None:
+    """Move the finished ``tmp`` to ``dst``. Without ``force`` the output must still be
+    missing: another run to the same output, checked before it as this one was, may have
+    finished first (both said they wrote it, and the later rename silently replaced the
+    earlier's file). A hard link checks and moves in one step; on a file system without
+    hard links the check comes just before the rename. (Quantize, convert and ``draft make``.)"""
+    if force:
+        os.replace(tmp, dst)
+        return
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise ValueError(f"{dst} already exists (--force overwrites it): another run wrote "
+                         "it while this one ran") from None
+    except OSError:  # (no hard links here: FAT, some network file systems)
+        if os.path.lexists(dst):
+            raise ValueError(f"{dst} already exists (--force overwrites it): another run "
+                             "wrote it while this one ran") from None
+        os.replace(tmp, dst)
+        return
+    tmp.unlink()

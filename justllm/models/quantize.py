@@ -26,7 +26,7 @@ import numpy as np
 from justllm.config import MAX_THREADS
 from justllm.errors import ModelLoadError
 from justllm.models.gguf import read_gguf_header
-from justllm.models.lease import sweep_dead
+from justllm.models.lease import publish, sweep_dead
 
 
 @dataclass(frozen=True)
@@ -342,29 +342,6 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
                          f"{_mb(_DISK_SLACK)} kept free), {_mb(free)} free")
     return QuantizeJob(src, dst, qtype, threads, allow_requantize, matrix, estimate, make_dir,
                        force)
-
-
-def publish(tmp: Path, dst: Path, *, force: bool) -> None:
-    """Move the finished ``tmp`` to ``dst``. Without ``force`` the output must still be
-    missing: another run to the same output, checked before it as this one was, may have
-    finished first (both said they wrote it, and the later rename silently replaced the
-    earlier's file). A hard link checks and moves in one step; on a file system without
-    hard links the check comes just before the rename."""
-    if force:
-        os.replace(tmp, dst)
-        return
-    try:
-        os.link(tmp, dst)
-    except FileExistsError:
-        raise ValueError(f"{dst} already exists (--force overwrites it): another run wrote "
-                         "it while this one ran") from None
-    except OSError:  # (no hard links here: FAT, some network file systems)
-        if os.path.lexists(dst):
-            raise ValueError(f"{dst} already exists (--force overwrites it): another run "
-                             "wrote it while this one ran") from None
-        os.replace(tmp, dst)
-        return
-    tmp.unlink()
 
 
 def check_output_option(output: str | None) -> None:

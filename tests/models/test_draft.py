@@ -78,6 +78,29 @@ def test_tiny_draft_keeps_first_blocks_bytes_and_metadata(tiny, tmp_path):
     assert list(kept["blk.0.ffn_down.weight"].shape) == [32, 8]
 
 
+def test_a_draft_written_meanwhile_by_another_run_is_not_replaced(tiny, tmp_path,
+                                                                   monkeypatch):
+    """Two runs to one output both wrote DST.part and both renamed it into place: the later
+    replaced the earlier's draft, though neither had --force."""
+    import justllm.models.draft as draft
+
+    out = tmp_path / "d.gguf"
+    real = draft._write
+
+    def and_another_run(reader, part, *args):
+        real(reader, part, *args)
+        out.write_bytes(b"the other run's draft")  # (it finished first)
+
+    monkeypatch.setattr(draft, "_write", and_another_run)
+    with pytest.raises(ValueError, match="another run wrote it while this one ran"):
+        make_draft(tiny, out, 2)
+    assert out.read_bytes() == b"the other run's draft"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "tiny.gguf"]
+    out.unlink()
+    make_draft(tiny, out, 2, force=True)  # (--force replaces what appeared)
+    assert gguf.GGUFReader(out).get_field("llama.block_count").contents() == 2
+
+
 def test_tiny_draft_refuses_bad_requests(tiny, tmp_path):
     out = tmp_path / "d.gguf"
     with pytest.raises(ValueError, match="overwrite its source"):
@@ -213,7 +236,7 @@ def test_cli_writes_next_to_the_source_and_says_so(made):
     src, draft, output = made
     assert draft.is_file() and f"wrote {draft}" in output and "6 of 18 layers" in output
     assert draft.stat().st_size < src.stat().st_size
-    assert not list(draft.parent.glob("*.part"))
+    assert not list(draft.parent.glob("*.partial-*"))
 
 
 def tensor_count(path) -> int:
@@ -309,7 +332,7 @@ def test_a_terminated_draft_make_leaves_nothing(model_path, tmp_path, sig):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(out.glob("*.part")):
+        while not list(out.glob("*.partial-*")):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.005)
         proc.send_signal(sig)
