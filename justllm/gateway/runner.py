@@ -70,6 +70,7 @@ class RunnerProcess:
         """``api_key``: the key the runner asks of its clients (the gateway's own, never the
         user's: a JUSTLLM_API_KEY in the gateway's environment is not inherited)."""
         self.spec = spec
+        self.replica = replica
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / log_name(spec.name, replica)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import time
@@ -85,7 +86,6 @@ class ModelState:
     # by pool, the count it wanted and max-memory had no room for (said once, not at each
     # decision: with upscale-delay 0 that was four warnings a second)
     no_room: dict[str, int] = field(default_factory=dict)
-    next_id: int = 0  # the next local replica's id
 
     pd_transfers: int = 0  # requests whose prompt a prefill replica computed
     pd_bytes: int = 0
@@ -506,10 +506,14 @@ class Supervisor:
     def _new_replica(self, state: ModelState, role: str | None = None) -> Replica:
         """A local replica: the ``role`` given (the autoscaler's pool, and the GPU no serving
         replica fills: ``policy.gpu_for_new``), else the spec's role and GPU for its index."""
-        rid = str(state.next_id)
-        state.next_id += 1
+        # The least id no replica of the model holds (a draining one too): ids that only
+        # grew gave each scale-up a new log file (MODEL@7.log, ...) and a new value of every
+        # series' replica label, without end; a reused id is as a restart of that replica.
+        held = {r.id for r in state.replicas} | {  # (and a retired one still stopping:
+            runner.replica for runner, s in self._stopping.items() if s is state}  # its log)
+        rid = str(next(i for i in itertools.count() if str(i) not in held))
         gpu = state.spec.gpu_of(int(rid))
-        if role is not None and state.spec.gpus:  # (ids only grow as replicas come and go)
+        if role is not None and state.spec.gpus:  # (by the GPUs serving replicas fill)
             gpu = policy.gpu_for_new(state.spec.gpus, [
                 r.gpu for r in state.local if r.gpu is not None
                 and r.status not in ("stopping", "failed")])
@@ -569,7 +573,6 @@ class Supervisor:
                 raise _unloaded_meanwhile(state)
             state.status = "loading"
             t0 = time.monotonic()
-            state.next_id = 0
             starting = [self._new_replica(state) for _ in range(state.spec.replicas)]
             try:
                 results = await asyncio.gather(

@@ -464,7 +464,7 @@ def test_a_replica_added_after_one_was_retired_goes_to_the_gpu_left_free(tmp_pat
                                           "gpus": [0, 1]}})
         a = sup.models["a"]
         sup._restart = lambda state, replica: None  # (no process here)
-        a.status, a.next_id = "loaded", 1
+        a.status = "loaded"
         a.replicas.append(Replica("0", status="ready", gpu=0, in_flight=4))
         config = AutoscaleConfig(1, 2, target_ongoing=2, upscale_delay=0, downscale_delay=0)
         sup._scale_pool(a, "both", config, 0.0)
@@ -472,6 +472,35 @@ def test_a_replica_added_after_one_was_retired_goes_to_the_gpu_left_free(tmp_pat
         a.replicas[1].status = "stopping"  # retired, draining
         sup._scale_pool(a, "both", config, 1.0)
         assert [(r.id, r.gpu) for r in a.replicas] == [("0", 0), ("1", 1), ("2", 1)]
+        await sup.close()
+    asyncio.run(main())
+
+
+def test_a_replica_added_takes_the_least_id_no_replica_holds(tmp_path):
+    """Ids only grew: every scale-up made a new log file (MODEL@7.log, ...) and a new value of
+    every series' replica label, without end. The least id no replica holds is taken (not
+    one a retired replica still holds while it drains, nor while its runner stops)."""
+    from justllm.gateway.autoscale import AutoscaleConfig
+
+    async def main() -> None:
+        sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 3}})
+        a = sup.models["a"]
+        sup._restart = lambda state, replica: None  # (no process here)
+        a.status = "loaded"
+        a.replicas += [Replica("0", status="ready", in_flight=4),
+                       Replica("1", status="stopping"),  # retired, draining
+                       Replica("2", status="ready", in_flight=4)]
+        config = AutoscaleConfig(1, 3, target_ongoing=2, upscale_delay=0, downscale_delay=0)
+        sup._scale_pool(a, "both", config, 0.0)
+        assert [r.id for r in a.replicas] == ["0", "1", "2", "3"]
+        del a.replicas[1:]  # 1 and 3 are gone; 2 left its list but its runner still stops
+        sup._stopping[type("Runner", (), {"replica": "2"})()] = a
+        sup._scale_pool(a, "both", config, 1.0)
+        assert [r.id for r in a.replicas] == ["0", "1"]
+        a.replicas[0].in_flight = a.replicas[1].in_flight = 4
+        sup._scale_pool(a, "both", config, 2.0)
+        assert [r.id for r in a.replicas] == ["0", "1", "3"]
+        sup._stopping.clear()
         await sup.close()
     asyncio.run(main())
 
@@ -489,7 +518,7 @@ def test_a_scale_up_cut_short_by_max_memory_says_what_it_started_and_no_room_onc
         a = sup.models["a"]
         a.memory = 100 * MIB
         sup._restart = lambda state, replica: None  # (no process here)
-        a.status, a.next_id = "loaded", 1
+        a.status = "loaded"
         a.replicas.append(Replica("0", status="ready", in_flight=8))
         config = AutoscaleConfig(1, 4, target_ongoing=1, upscale_delay=0, downscale_delay=0)
         for now in range(5):
