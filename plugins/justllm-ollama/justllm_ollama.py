@@ -104,9 +104,18 @@ def models_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
 
 
 def models_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The first of ``models_dirs`` that exists (the first one when none does, for messages)."""
+    """The first of ``models_dirs`` that exists (the first one when none does, for messages).
+    One that cannot be looked at (the Linux service's, in a home only the ``ollama`` user and
+    group may enter) counts as there: reading it then says why it cannot be read."""
     candidates = models_dirs(environ)
-    return next((d for d in candidates if d.is_dir()), candidates[0])
+    return next((d for d in candidates if _is_dir_or_hidden(d)), candidates[0])
+
+
+def _is_dir_or_hidden(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # (pathlib raises EACCES, where it answers False for ENOENT)
+        return True
 
 
 def _lookup(root: Path, parts: tuple[str, ...]) -> Path | None:
@@ -172,6 +181,16 @@ class OllamaSource:
         if not text.strip():
             raise ModelLoadError("ollama: needs a model name, e.g. ollama:llama3.2")
         name = OllamaName.parse(text)
+        try:
+            return self._find(name, text)
+        except OSError as e:  # a directory or file of the store this user may not read
+            hint = (" (Ollama's Linux service keeps its models as the 'ollama' user: join its "
+                    "group, or set OLLAMA_MODELS)" if isinstance(e, PermissionError) else "")
+            raise ModelLoadError(f"ollama model {name.short}: cannot read "
+                                 f"{e.filename or models_dir()}: {e.strerror or e}{hint}"
+                                 ) from None
+
+    def _find(self, name: OllamaName, text: str) -> Path:
         root = models_dir()
         pull = f"ollama pull {text}"
         if not root.is_dir():
@@ -191,13 +210,17 @@ class OllamaSource:
         if not blob.is_file():
             raise ModelLoadError(f"ollama model {name.short}: its model blob {blob} is missing "
                                  f"(pull it again with: {pull})")
-        from justllm.models.gguf import check_gguf_file
+        from justllm.models.gguf import GGUF_MAGIC, check_gguf_file
 
+        with blob.open("rb") as f:  # (an OSError: find's message)
+            magic = f.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:
+            raise ModelLoadError(f"ollama model {name.short}: its model blob {blob} is not a "
+                                 "GGUF file, which justllm (llama.cpp) cannot load")
         try:
             check_gguf_file(blob)
-        except ModelLoadError:
-            raise ModelLoadError(f"ollama model {name.short}: its model blob {blob} is not a "
-                                 "GGUF file, which justllm (llama.cpp) cannot load") from None
+        except ModelLoadError as e:  # (a LoRA adapter as the model layer)
+            raise ModelLoadError(f"ollama model {name.short}: {e}") from None
         return blob
 
     def served_name(self, ref: str) -> str | None:

@@ -172,6 +172,22 @@ def test_a_blob_that_is_no_gguf_is_an_error(store):
         OllamaSource().find("ollama:notgguf")
 
 
+def test_an_adapter_as_the_model_layer_is_said_to_be_one(store):
+    """Not "not a GGUF file": it is one, a LoRA adapter, and the message says how to use it."""
+    import gguf
+
+    adapter = store / "blobs" / f"sha256-{'a' * 64}"
+    writer = gguf.GGUFWriter(str(adapter), "gemma3")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    write_manifest(store, ("registry.ollama.ai", "library", "lora", "latest"), [layer("a" * 64)])
+    with pytest.raises(ModelLoadError, match=r"^ollama model lora:latest: .* is a LoRA adapter, "
+                                             r"not a model: use --lora NAME="):
+        OllamaSource().find("ollama:lora")
+
+
 def test_a_manifest_that_is_no_json_is_an_error(store):
     path = write_manifest(store, ("registry.ollama.ai", "library", "broken", "latest"), [])
     path.write_text("{not json")
@@ -299,6 +315,52 @@ def test_show_and_tag_take_an_ollama_name(store, tmp_path):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "names a plugin's model (ollama:NAME): pick another" \
             in lines[0], r.stderr
+
+
+def unprivileged() -> list[str]:
+    """A command prefix that makes file permissions count: root without the capabilities that
+    read and search whatever it likes (a user has none of them)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root without setpriv: a permission cannot be denied")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("locked", ["models directory", "manifest directory", "blob"])
+def test_a_store_this_user_may_not_read_is_one_line_saying_so(store, tmp_path, locked):
+    """As a stock Linux install is to a user outside the ollama group (its models are in the
+    service user's home): not "model not found", not the plugin skipped as broken, not "not
+    a GGUF"."""
+    env = cli_env(tmp_path)
+    target = {"manifest directory": store / "manifests" / "registry.ollama.ai" / "library",
+              "blob": store / "blobs" / f"sha256-{'b' * 64}"}.get(locked)
+    if locked == "blob":  # its own file: the demo GGUF's link shares its mode with the cache's
+        target.write_bytes(b"GGUF")
+        write_manifest(store, ("registry.ollama.ai", "library", "gemma3", "270m"),
+                       [layer("b" * 64)])
+    if target is None:  # the service's home, which only its user may enter
+        home = tmp_path / "service-home"
+        home.mkdir()
+        store.rename(home / "models")
+        env["OLLAMA_MODELS"] = str(home / "models")
+        target = home
+    mode = target.stat().st_mode
+    target.chmod(0)
+    try:
+        r = subprocess.run([*unprivileged(), JUSTLLM, "show", "ollama:gemma3:270m"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        target.chmod(mode)
+    assert r.returncode == 1
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    # (the path that could not be read: the locked one, or one below it)
+    assert re.fullmatch(f"error: ollama model gemma3:270m: cannot read {re.escape(str(target))}"
+                        r"(/\S+)?: Permission denied \(Ollama's Linux service keeps its models "
+                        r"as the 'ollama' user: join its group, or set OLLAMA_MODELS\)",
+                        lines[0]), r.stderr
 
 
 def test_plugins_lists_the_plugin_and_its_hook(store, tmp_path):
