@@ -122,8 +122,10 @@ def request_attributes(record: RequestRecord, content: bool = False) -> dict[str
         if value is None:  # max_tokens None: no limit asked for
             continue
         key, kind = GEN_AI_PARAMS.get(name, (f"justllm.request.{name}", type(value)))
-        if kind in (int, float) and not isinstance(value, bool):
-            attrs[key] = kind(value)
+        if kind is int and not isinstance(value, bool):
+            attrs[key] = _int64(int(value))
+        elif kind is float and not isinstance(value, bool):
+            attrs[key] = float(value)
         elif isinstance(value, str | bool | int | float):
             attrs[key] = value
     if record.lora:
@@ -163,6 +165,15 @@ def content_attributes(record: RequestRecord) -> dict[str, AttributeValue]:
 
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def _int64(value: int) -> int | str:
+    """An integer OTLP can carry (int64): a seed is kept modulo 2**64, so the ``-1`` a client
+    sent is 2**64 - 1, which the exporter would refuse (a traceback in the log per span, the
+    attribute lost); as int64 it is ``-1`` again. Anything further out: its digits."""
+    if -2**63 <= value < 2**63:
+        return value
+    return value - 2**64 if 2**63 <= value < 2**64 else str(value)
 
 
 def _ns(seconds: float) -> int:

@@ -359,6 +359,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_seed_past_int64_is_exported_as_the_client_sent_it(caplog):
+    """SamplingParams keeps a seed modulo 2**64: the common ``-1`` is 2**64 - 1, which OTLP's
+    int64 cannot carry (the exporter logged a traceback per span and dropped the attribute)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    receiver = Receiver()
+    try:
+        justllm_otel.configure(OTLPSpanExporter(endpoint=receiver.url))
+        for seed in (-1, 2**63, 7):
+            justllm_otel.plugin.on_request_finished(record=a_record(
+                request_id=f"seed{seed}", params={"seed": SamplingParams(seed=seed).seed}))
+        assert justllm_otel.plugin.force_flush()
+    finally:
+        receiver.close()
+    seeds = {attrs["gen_ai.response.id"]: attrs["gen_ai.request.seed"]
+             for attrs in (attributes(s.attributes) for _, _, s in receiver.spans())
+             if "gen_ai.response.id" in attrs}
+    assert seeds == {"seed-1": -1, f"seed{2**63}": -2**63, "seed7": 7}
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
     receiver = Receiver()
     port = free_port()
