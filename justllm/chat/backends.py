@@ -83,15 +83,16 @@ class LocalChat:
     """The engine on this thread (the only caller of llama.cpp), stepped while streaming."""
 
     def __init__(self, config, events: RequestSink | None = None, *,
-                 record_text: bool = False) -> None:
+                 record_text: bool = False, model_id: str | None = None) -> None:
         """``events``: where a record of each answer goes (plugins' on_request_finished),
-        with its prompt and answer text if ``record_text``."""
+        with its prompt and answer text if ``record_text``, naming the model ``model_id``
+        (default: the GGUF file's stem)."""
         from justllm.engine.chat_template import ChatTemplate
         from justllm.engine.engine import Engine
 
         self.engine = Engine(config)
         self.events = events
-        self.engine.observe(events, text=record_text)
+        self.engine.observe(events, model=model_id, text=record_text)
         # Each answer's own id (records, justllm history --id): the engine's req-N began
         # again at req-0 in every chat
         self._session = f"chat-{secrets.token_hex(6)}"

@@ -109,7 +109,8 @@ def chat(
                     "max_decode": 1, "max_queue": 1, "threads": threads, "ctx": ctx, "gpu": gpu,
                     "chat_template": chat_template, "verbose": verbose}, plugins)
                 stack.enter_context(held_model(config.model))  # `justllm rm` refuses it
-                local = LocalChat(config, plugins.request_events(), record_text=record_text)
+                local = LocalChat(config, plugins.request_events(), record_text=record_text,
+                                  model_id=plugins.served_name(model))
                 try:
                     options["max_tokens"] = _fitted(local.engine.max_request_tokens,
                                                     max_tokens, given(context, "max_tokens"),

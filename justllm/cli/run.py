@@ -102,7 +102,9 @@ def run(
         try:
             with held_model(config.model):  # `justllm rm` refuses the model meanwhile
                 engine = Engine(config)
-                engine.observe(events, text=record_text)
+                # the id a server would answer to (ollama:llama3.2: llama3.2, not the blob's
+                # sha256-... stem)
+                engine.observe(events, model=plugins.served_name(model), text=record_text)
                 try:
                     text_prompt = prompt
                     if not raw:

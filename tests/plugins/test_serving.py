@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -134,6 +137,40 @@ def test_a_request_that_names_an_adapter_as_its_model_is_recorded_under_its_name
     assert [(x["model"], x["lora"]) for x in lines] == [("pirate", "pirate")] * 5 + [
         (server.model, "pirate"), ("pirate", "pirate")]
     assert lines[-1]["finish_reason"] == "length" and lines[-1]["completion_tokens"] < 40
+
+
+def sample_cli(tmp_path, *args: str, **kwargs) -> subprocess.Popen:
+    """``justllm ARGS`` with the sample plugin writing its records to records.jsonl; Ctrl-C
+    raises KeyboardInterrupt in it even where this test's own SIGINT is ignored (a background
+    job's)."""
+    env = {**os.environ, "PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
+           "JUSTLLM_SAMPLE_RECORDS": str(tmp_path / "records.jsonl")}
+    return subprocess.Popen([sys.executable, "-m", "justllm", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **kwargs)
+
+
+def sample_records(tmp_path) -> list[dict]:
+    path = tmp_path / "records.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.model
+def test_run_and_chat_records_name_the_model_as_its_source_names_it(tmp_path):
+    """``justllm run sample:demo`` (as ``run ollama:llama3.2``) is recorded as the model
+    ``serve`` would answer to, ``demo``, not as the file's stem (an Ollama blob's is
+    ``sha256-...``)."""
+    run = sample_cli(tmp_path, "run", "sample:demo", "-p", "Hi", "--raw", "-n", "2",
+                     "--pool-blocks", "64")
+    chat = sample_cli(tmp_path, "chat", "sample:demo", "-n", "2", "--pool-blocks", "64",
+                      stdin=subprocess.PIPE)
+    for proc, stdin in ((run, None), (chat, "Hello\n")):
+        out, err = proc.communicate(stdin, timeout=120)
+        assert proc.returncode == 0, err
+    records = sample_records(tmp_path)
+    assert sorted(r["request_id"].split("-")[0] for r in records) == ["chat", "run"]
+    assert [r["model"] for r in records] == ["demo", "demo"]
 
 
 def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_path):
