@@ -220,7 +220,8 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
     start = time.perf_counter()
     # Its own id, as a server's completion has (a plugin's record of it, justllm history
     # --id, told every run apart by time alone: each was "run").
-    engine.add_request(prompt, params, request_id=f"run-{secrets.token_hex(8)}")
+    request_id = f"run-{secrets.token_hex(8)}"
+    engine.add_request(prompt, params, request_id=request_id)
     last = None
     trim = AnswerText() if answer else None
     try:
@@ -234,6 +235,7 @@ def _stream(engine, prompt: str, params: SamplingParams, *, answer: bool) -> Non
     except KeyboardInterrupt:
         out.write("\n")  # "interrupted" on a line of its own, not after the partial text
         out.flush()
+        engine.abort(request_id)  # its plugins' record says so (abort), as a server's would
         raise
     out.write("\n")
     out.flush()

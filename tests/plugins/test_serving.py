@@ -173,6 +173,26 @@ def test_run_and_chat_records_name_the_model_as_its_source_names_it(tmp_path):
     assert [r["model"] for r in records] == ["demo", "demo"]
 
 
+@pytest.mark.model
+def test_an_interrupted_run_is_recorded_as_aborted(tmp_path):
+    """Ctrl-C during ``justllm run``: the request left the engine, aborted by its user, and
+    its record says so (there was none)."""
+    proc = sample_cli(tmp_path, "run", "sample:demo", "-p", "Count:", "--raw", "-n", "900",
+                      "--ignore-eos", "--pool-blocks", "64")
+    try:
+        assert proc.stdout.read(1)  # it generates
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    (record,) = sample_records(tmp_path)
+    assert record["request_id"].startswith("run-") and record["finish_reason"] == "abort"
+    assert 1 <= record["completion_tokens"] < 900
+
+
 def test_a_plugin_record_counts_are_on_metrics_and_text_is_off_by_default(tmp_path):
     records = tmp_path / "records.jsonl"
     env = {"PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample",
