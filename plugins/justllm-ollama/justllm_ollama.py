@@ -13,6 +13,7 @@ the hook implementation its entry point registers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -26,11 +27,15 @@ from justllm.plugins import hookimpl
 if TYPE_CHECKING:
     from justllm.models.source import ListedModel
 
+log = logging.getLogger("justllm.plugins.ollama")
+
 PREFIX = "ollama:"
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+ADAPTER_MEDIA_TYPE = "application/vnd.ollama.image.adapter"
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"
 # Where the Linux install script's systemd service (user ``ollama``) keeps its models: tried
 # when the user's own directory does not exist, so a stock Linux install is found as is.
 SERVICE_MODELS_DIR = Path("/usr/share/ollama/.ollama/models")
@@ -142,22 +147,44 @@ def _lookup(root: Path, parts: tuple[str, ...]) -> Path | None:
     return here
 
 
-def _model_digest(manifest: Path) -> str | None:
-    """The hex digest of the manifest's model layer (the first one; Ollama merges split GGUFs
-    into one), or None when it has none, as a cloud model's manifest does not."""
+def _layers(manifest: Path) -> list[dict]:
+    """The manifest's layers (those that are JSON objects)."""
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"Ollama manifest {manifest} is unreadable: {e}") from None
     layers = data.get("layers") if isinstance(data, dict) else None
-    for layer in layers if isinstance(layers, list) else ():
-        if isinstance(layer, dict) and layer.get("mediaType") == MODEL_MEDIA_TYPE:
+    return [layer for layer in layers if isinstance(layer, dict)] \
+        if isinstance(layers, list) else []
+
+
+def _model_digest(manifest: Path, layers: list[dict] | None = None) -> str | None:
+    """The hex digest of the manifest's model layer (the first one; Ollama merges split GGUFs
+    into one), or None when it has none, as a cloud model's manifest does not."""
+    for layer in _layers(manifest) if layers is None else layers:
+        if layer.get("mediaType") == MODEL_MEDIA_TYPE:
             match = _DIGEST.fullmatch(str(layer.get("digest", "")))
             if match is None:
                 raise ModelLoadError(f"Ollama manifest {manifest}: its model layer has no "
                                      f"sha256 digest ({layer.get('digest')!r})")
             return match.group(1).lower()
     return None
+
+
+def _unused(root: Path, layers: list[dict]) -> list[str]:
+    """What of the model Ollama would run that justllm does not: its adapter (the answers are
+    the base model's) and its vision projector. (Its template, system prompt and parameters
+    are left out too, as the README says: the GGUF's own chat template stands in for them.)"""
+    said = []
+    for layer in layers:
+        if layer.get("mediaType") == ADAPTER_MEDIA_TYPE:
+            match = _DIGEST.fullmatch(str(layer.get("digest", "")))
+            where = f" --lora NAME={_blob(root, match.group(1).lower())}" if match else ""
+            said.append(f"its adapter is not applied, so the answers are the base model's "
+                        f"(load it with{where or ' --lora'})")
+    if any(layer.get("mediaType") == PROJECTOR_MEDIA_TYPE for layer in layers):
+        said.append("its vision projector is not used (text only)")
+    return said
 
 
 def _blob(root: Path, hex_digest: str) -> Path:
@@ -201,7 +228,8 @@ class OllamaSource:
         if manifest is None:
             raise ModelLoadError(f"ollama model {name.short} not found in {root} (no manifest "
                                  f"manifests/{'/'.join(name.parts)}); pull it with: {pull}")
-        digest = _model_digest(manifest)
+        layers = _layers(manifest)
+        digest = _model_digest(manifest, layers)
         if digest is None:
             raise ModelLoadError(f"ollama model {name.short} has no local model layer "
                                  f"({manifest}): a cloud model or not a GGUF model, which "
@@ -221,6 +249,8 @@ class OllamaSource:
             check_gguf_file(blob)
         except ModelLoadError as e:  # (a LoRA adapter as the model layer)
             raise ModelLoadError(f"ollama model {name.short}: {e}") from None
+        for line in _unused(root, layers):  # not silently: it answers unlike `ollama run`
+            log.warning("ollama model %s: %s", name.short, line)
         return blob
 
     def served_name(self, ref: str) -> str | None:

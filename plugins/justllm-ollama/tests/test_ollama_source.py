@@ -188,6 +188,24 @@ def test_an_adapter_as_the_model_layer_is_said_to_be_one(store):
         OllamaSource().find("ollama:lora")
 
 
+def test_an_adapter_or_projector_left_out_is_said(store, caplog):
+    """Ollama would apply the adapter (and could see images): justllm serves the base model,
+    text only, and says so with the --lora that applies the adapter, where it said nothing."""
+    adapter = f"sha256-{'7' * 64}"
+    write_manifest(store, ("registry.ollama.ai", "library", "tuned", "latest"), [
+        layer(DIGEST), layer("7" * 64, "application/vnd.ollama.image.adapter"),
+        layer("6" * 64, "application/vnd.ollama.image.projector"),
+        layer("d" * 64, "application/vnd.ollama.image.template")])
+    with caplog.at_level("WARNING", logger="justllm.plugins.ollama"):
+        assert OllamaSource().find("ollama:gemma3:270m") == blob(store)
+        assert caplog.messages == []  # a model and a template: nothing left out but the
+        assert OllamaSource().find("ollama:tuned") == blob(store)  # template (the README)
+    assert caplog.messages == [
+        "ollama model tuned:latest: its adapter is not applied, so the answers are the base "
+        f"model's (load it with --lora NAME={store / 'blobs' / adapter})",
+        "ollama model tuned:latest: its vision projector is not used (text only)"]
+
+
 def test_a_manifest_that_is_no_json_is_an_error(store):
     path = write_manifest(store, ("registry.ollama.ai", "library", "broken", "latest"), [])
     path.write_text("{not json")
