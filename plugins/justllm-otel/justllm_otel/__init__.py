@@ -19,11 +19,13 @@ application (a user's own instrumentation may set it). Tests inject an exporter 
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +57,7 @@ class _Setup:
     provider: TracerProvider | None = None
     tracer: Tracer | None = None
     content: bool = False
+    at_exit: Callable[[], None] | None = None  # the provider's flush at exit (atexit)
 
 
 class OtelPlugin:
@@ -92,6 +95,8 @@ class OtelPlugin:
         with self._lock:
             setup, self._setup, self._exporter = self._setup, None, exporter
         if setup is not None and setup.provider is not None:
+            if setup.at_exit is not None:
+                atexit.unregister(setup.at_exit)
             setup.provider.shutdown()
 
     def _get(self) -> _Setup:
@@ -139,12 +144,25 @@ def _provider_setup(exporter: SpanExporter | None, content: bool) -> _Setup:
     exporters = [exporter] if exporter is not None else _env_exporters(os.environ)
     if not exporters:
         return _Setup(content=content)
-    # shutdown_on_exit: an atexit hook that flushes the batch when the process ends, after
-    # `justllm serve` or `justllm run` has delivered the last records (events.close()).
-    provider = TracerProvider(resource=_resource(), shutdown_on_exit=True)
+    # An atexit hook flushes the batch when the process ends, after `justllm serve` or
+    # `justllm run` has delivered the last records (events.close()); our own, not the SDK's
+    # (shutdown_on_exit), which a Ctrl-C during the flush turned into a traceback.
+    provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
     for each in exporters:
         provider.add_span_processor(BatchSpanProcessor(each))
-    return _Setup(provider, provider.get_tracer(SCOPE, __version__), content)
+    at_exit = functools.partial(_shutdown_at_exit, provider)
+    atexit.register(at_exit)
+    return _Setup(provider, provider.get_tracer(SCOPE, __version__), content, at_exit)
+
+
+def _shutdown_at_exit(provider: TracerProvider) -> None:
+    """Export what is batched as the process ends. A collector that does not answer is waited
+    for up to the exporter's timeout (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s); Ctrl-C ends the wait,
+    and the batch is lost, as with SIGKILL."""
+    try:
+        provider.shutdown()
+    except KeyboardInterrupt:
+        pass
 
 
 def _env_exporters(env: Mapping[str, str]) -> list[SpanExporter]:

@@ -462,3 +462,38 @@ def test_serve_exports_otlp_http_and_flushes_at_exit(model_path):
     for kid in kids:
         assert at <= kid.start_time_unix_nano <= kid.end_time_unix_nano <= root.end_time_unix_nano
         at = kid.end_time_unix_nano
+
+
+def test_ctrl_c_while_a_silent_collector_is_waited_for_at_exit_is_no_traceback(model_path):
+    """`justllm run` has answered; at exit the batch goes to a collector that accepts the
+    connection and never replies. Ctrl-C ends that wait: no traceback (the SDK's own exit hook
+    printed one, "Exception ignored in atexit callback")."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    env = {**os.environ,
+           "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT":
+               f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces",
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "600",  # the exit would wait this long
+           "OTEL_BSP_SCHEDULE_DELAY": "600000"}  # the batch goes out at exit only
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "justllm", "run", model_path, "-p", "Hi", "--raw", "-n", "2",
+         "--pool-blocks", "64"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not accepted:  # the answer is out, the exit's export is in flight
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no export at exit"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert proc.returncode == 0, err
+    assert out.strip() and "Traceback" not in err and "KeyboardInterrupt" not in err, err
