@@ -189,7 +189,8 @@ class Server:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "justllm_plugin_request_records_total" and \
-                        s.labels == {"plugin": PLUGIN, "outcome": outcome}:
+                        s.labels == {"plugin": PLUGIN, "outcome": outcome,
+                                     "model_name": self.model}:
                     return s.value
         raise AssertionError(f"no justllm_plugin_request_records_total for {outcome}")
 
