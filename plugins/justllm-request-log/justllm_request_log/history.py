@@ -74,7 +74,7 @@ def history(
                                 highlight=False, soft_wrap=True)
             return
         try:
-            conn = store.connect(db)
+            conn = store.connect(db) if retention is not None else store.connect_reader(db)
             try:
                 if retention is not None:
                     _prune(conn, retention, db)

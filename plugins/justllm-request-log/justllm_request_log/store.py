@@ -215,6 +215,37 @@ def connect(path: Path) -> sqlite3.Connection:
         raise RequestLogError(f"cannot open the request log {path}: {e}") from e
 
 
+def connect_reader(path: Path) -> sqlite3.Connection:
+    """``path`` opened to read (``history``): :func:`connect` switches WAL on and migrates,
+    writes that a log this user may only read (a service's) refused ("attempt to write a
+    readonly database"). A log whose WAL files cannot be made here is read as it stands on
+    disk (``immutable``: no writer has it open, or they would be there); a log of an older
+    schema is opened as :func:`connect` opens it, migrated first, and a newer one refused."""
+    uri = path.resolve().as_uri()
+    conn = None
+    try:
+        for mode in ("mode=ro", "mode=ro&immutable=1"):
+            try:
+                conn = sqlite3.connect(f"{uri}?{mode}", uri=True, timeout=BUSY_TIMEOUT_S,
+                                       isolation_level=None)
+                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                break
+            except sqlite3.OperationalError:
+                if conn is not None:
+                    conn.close()
+                    conn = None
+                if mode.endswith("immutable=1"):
+                    raise
+    except (OSError, sqlite3.Error) as e:
+        raise RequestLogError(f"cannot open the request log {path}: {e}") from e
+    assert conn is not None
+    if version == SCHEMA_VERSION:
+        return conn
+    conn.close()
+    return connect(path)
+
+
 def _to_wal(conn: sqlite3.Connection) -> None:
     """The database in WAL mode. Two processes switching a new database at once: SQLite can
     answer the second "database is locked" at once, without its busy timeout (it would

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -493,3 +494,26 @@ def test_a_retention_failure_says_the_row_was_written(db: Path,
                                                      "retention limits could not be applied"):
         on_request_finished(record(7))
     assert [r["request_id"] for r in rows(db)] == ["r7"]
+
+
+def test_history_reads_a_log_this_user_may_only_read(db: Path) -> None:
+    """A service's log, readable by others: `history` opened it as the writer does (WAL
+    switch, migration) and said "attempt to write a readonly database"."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: a permission cannot be denied")
+    on_request_finished(record(1))
+    on_request_finished(record(2))
+    store._writer.drop()  # (the last connection: its WAL files go)
+    unprivileged = ([shutil.which("setpriv") or "", "--bounding-set",
+                     "-dac_override,-dac_read_search"] if os.geteuid() == 0 else [])
+    folder = db.parent
+    db.chmod(0o444)
+    folder.chmod(0o555)  # (no WAL files can be made beside it either)
+    try:
+        done = subprocess.run([*unprivileged, JUSTLLM, "history", "--json"],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+        db.chmod(0o644)
+    assert done.returncode == 0, done.stderr
+    assert [r["request_id"] for r in json.loads(done.stdout)] == ["r2", "r1"]
