@@ -86,8 +86,9 @@ def client_context(record: RequestRecord) -> Context:
     if not record.traceparent:
         return Context()
     carrier = {"traceparent": record.traceparent}
-    if getattr(record, "tracestate", None):  # (records of a justllm before it had it)
-        carrier["tracestate"] = record.tracestate
+    state = getattr(record, "tracestate", None)  # (records of a justllm before it had it)
+    if state:
+        carrier["tracestate"] = state
     return TraceContextTextMapPropagator().extract(carrier, context=Context())
 
 
