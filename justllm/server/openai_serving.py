@@ -166,8 +166,10 @@ def error_type(code: str | None) -> str:
 
 
 def check_model(name: str | None, model_id: str) -> None:
-    """404 in OpenAI's shape unless ``name`` is the served model (None: the served one)."""
-    if name is not None and name != model_id:
+    """404 in OpenAI's shape unless ``name`` is the served model (None: the served one), or
+    its ``NAME:latest``, the tag Ollama clients add (``ollama list`` shows it; a router
+    takes it, and a single server answered 404)."""
+    if name is not None and name != model_id and name != f"{model_id}:latest":
         raise APIError(404, f"the model '{name}' does not exist; this server serves "
                             f"'{model_id}'", type="not_found_error", param="model",
                        code="model_not_found")

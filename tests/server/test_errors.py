@@ -63,6 +63,12 @@ def test_bad_requests(server):
                       {"model": m, "messages": ok_msgs, "max_tokens": "ten"}), 400, "max_tokens")
     assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": ok_msgs}),
                  404, "model")
+    # the tag Ollama clients add (a router took it; a single server answered 404)
+    r = post(server, "/v1/chat/completions", {"model": f"{m}:latest", "messages": ok_msgs,
+                                              "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == m, r.text
+    assert_error(post(server, "/v1/chat/completions", {"model": f"{m}:v2", "messages": ok_msgs}),
+                 404, "model")
     assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": []}), 400,
                  "messages")
     assert_error(post(server, "/v1/chat/completions",
