@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -47,8 +48,9 @@ def quantize(
 
         qtype = quant_type(type_name)
         warn_if_trained_for(qtype)
-        src = Path(plugins_of(context).resolve_model(model))
-        dst, make_dir = _output_path(output, src, qtype)
+        plugins = plugins_of(context)
+        src = Path(plugins.resolve_model(model))
+        dst, make_dir = _output_path(output, _named(src, plugins.served_name(model)), qtype)
         job = prepare(src, qtype, dst, force=force, allow_requantize=allow_requantize,
                       imatrix=imatrix, threads=threads, make_dir=make_dir)
         t0 = time.monotonic()
@@ -71,6 +73,14 @@ def warn_if_trained_for(qtype: QuantType) -> None:
             f"{qtype.trained_for} weights; any other model quantized to it answers "
             "gibberish (Q2_K or IQ2_XXS with --imatrix are the small types for others)",
             soft_wrap=True)
+
+
+def _named(src: Path, served: str | None) -> Path:
+    """``src`` as the default output's name reads it: under the name a plugin's source serves
+    it as (``ollama:llama3.2`` -> ``llama3.2``, made file-safe), not its file's (an Ollama
+    blob's ``sha256-<hex>``)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", served or "").strip("-.")
+    return src.with_name(f"{stem}.gguf") if stem else src
 
 
 def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path, bool]:

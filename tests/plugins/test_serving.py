@@ -277,3 +277,15 @@ def test_the_gateway_passes_trace_context_and_forwards_plugin_routes(tmp_path, m
     assert (rec["api"], rec["stream"], rec["traceparent"]) == ("openai.chat", False,
                                                                 TRACEPARENT)
     assert rec["tracestate"] == "vendor=1"  # (it was dropped)
+
+
+@pytest.mark.model
+def test_quantize_names_its_output_as_the_source_serves_the_model(tmp_path):
+    """``quantize ollama:llama3.2 Q8_0`` wrote ``sha256-<hex>-q8_0.gguf``, the blob's stem:
+    the default name is the one the source serves the model as (``sample:demo`` -> demo)."""
+    env = {**os.environ, "PYTHONPATH": str(SITE), "JUSTLLM_PLUGINS": "justllm-sample"}
+    done = subprocess.run([sys.executable, "-m", "justllm", "quantize", "sample:demo", "Q4_0",
+                           "--allow-requantize", "-o", f"{tmp_path}/out/"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["demo-q4_0.gguf"]
