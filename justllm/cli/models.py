@@ -176,7 +176,13 @@ def _unregistered(context: typer.Context, name: str,
     demo model (``demo``). None of those: that no file is there when ``name`` can only be a
     path (as run says), else ``error``, the registry's."""
     from justllm.cli.plugins import plugins_of
-    from justllm.models.source import DemoName, ModelsDirectory, model_not_found, names_a_file
+    from justllm.models.source import (
+        PLUGIN_SCHEMES,
+        DemoName,
+        ModelsDirectory,
+        model_not_found,
+        names_a_file,
+    )
 
     found = ModelsDirectory().find(name)
     if found is not None:
@@ -184,7 +190,7 @@ def _unregistered(context: typer.Context, name: str,
     for source in (plugins_of(context).plugin_model, DemoName().find):
         if (file := source(name)) is not None:
             return Path(file), name
-    if names_a_file(name):
+    if names_a_file(name) or name.partition(":")[0] in PLUGIN_SCHEMES:
         raise model_not_found(name)  # (as run says it: show said "model file not found")
     raise error
 

@@ -158,8 +158,19 @@ def resolve_model(model: str | None, sources: tuple[ModelSource, ...] = SOURCES)
     raise model_not_found(model)
 
 
+# The model references of the plugins in plugins/, and the plugin that reads each: a
+# reference of theirs with that plugin absent (or JUSTLLM_PLUGINS leaving it out) said only
+# "model not found".
+PLUGIN_SCHEMES = {"ollama": "justllm-ollama"}
+
+
 def model_not_found(model: str) -> ModelLoadError:
     """What no source knows: the one line run, serve, show and the others give."""
+    scheme = model.partition(":")[0]
+    if scheme in PLUGIN_SCHEMES and ":" in model:
+        return ModelLoadError(f"model not found: {model} ({scheme}:NAME is read by the "
+                              f"{PLUGIN_SCHEMES[scheme]} plugin, which is not loaded: see "
+                              "'justllm plugins')")
     return ModelLoadError(f"model not found: {model} (pass a path to a .gguf file, a NAME[:TAG] "
                           "from 'justllm models', or a Hugging Face REPO[:FILE])")
 

@@ -90,6 +90,17 @@ def test_a_plugin_command_runs_and_is_gone_without_the_plugin():
     assert "Traceback" not in r.stderr
 
 
+def test_a_plugin_models_reference_without_the_plugin_names_the_plugin():
+    """``ollama:NAME`` with justllm-ollama left out said only "model not found", and offered
+    a path, a registry name or a Hugging Face repo."""
+    r = justllm("show", "ollama:gemma3", plugins="")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "error: model not found: ollama:gemma3 (ollama:NAME is read by the justllm-ollama "
+        "plugin, which is not loaded: see 'justllm plugins')"), r.stderr
+    r = justllm("show", "nothing-here:v2", plugins="")  # (a registry tag: the usual words)
+    assert r.returncode == 1 and "(see 'justllm models')" in r.stderr, r.stderr
+
+
 def test_a_plugin_cannot_replace_the_root_options():
     """A plugin's cli.callback() replaced justllm's: --version was "No such option"."""
     import typer
