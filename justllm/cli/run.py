@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import secrets
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Optional, cast
 
@@ -19,7 +21,7 @@ from justllm.cli.plugins import plugins_of, warn_problems
 from justllm.config import EngineConfig
 from justllm.core.reasoning import opens_thinking
 from justllm.core.sampling_params import SamplingParams
-from justllm.errors import EngineError
+from justllm.errors import EngineError, InvalidRequestError
 
 if TYPE_CHECKING:
     from justllm.engine.chat_template import ChatTemplate
@@ -52,7 +54,7 @@ def run(
     config_file: o.ConfigFile = None,
 ) -> None:
     """Generate from one prompt, streaming tokens, then print prompt/generation speed and TTFT."""
-    with cli_errors():
+    with cli_errors(), _said_as_flags():
         if sys.stdout is None:  # (started with stdout closed: the answer had nowhere to go)
             raise ValueError("standard output is closed: nowhere to write the answer")
         if text is not None and prompt is not None:
@@ -129,6 +131,24 @@ def run(
         finally:
             if events is not None:
                 events.close()
+
+
+# The request fields run's options set, as their flags (the engine's words name the fields).
+_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+    "presence_penalty", "frequency_penalty", "seed")}
+
+
+@contextlib.contextmanager
+def _said_as_flags() -> Iterator[None]:
+    """A refused value named by the flag that set it: ``--temperature must be a number in
+    [0, 100]``, not the API's ``temperature must be ...``, nor "reduce the prompt or
+    max_tokens" for ``-n``."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        text = re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m[1]], str(e))
+        raise ValueError(text) from None
 
 
 def held_model(model_path: str | None) -> contextlib.AbstractContextManager:

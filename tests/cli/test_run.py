@@ -111,6 +111,13 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
         lines = [line for line in r.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.output)
         assert "Traceback" not in r.output
+    # a refused value is named by its flag, not the API's field
+    for args, says in ((["--temperature", "-1"], "error: --temperature must be a number"),
+                       (["--top-k", "-3"], "error: --top-k must be an integer >= 0"),
+                       (["-n", "100000"], "100000 in --max-tokens): reduce the prompt or "
+                                          "--max-tokens")):
+        r = runner.invoke(app, ["run", model_path, "-p", "hi", "--pool-blocks", "64", *args])
+        assert r.exit_code == 1 and says in r.output, (args, r.output)
 
 
 def test_prefix_cache_flags(model_path):
