@@ -255,9 +255,10 @@ class OllamaSource:
 
     def served_name(self, ref: str) -> str | None:
         """``justllm serve ollama:NAME`` answers to ``NAME`` as written (what an Ollama or
-        OpenAI client sends), not to the blob's ``sha256-...`` file name."""
-        return ref[len(PREFIX):] if ref.startswith(PREFIX) and ref[len(PREFIX):].strip() \
-            else None
+        OpenAI client sends; the blanks around it left out, as the name is read), not to the
+        blob's ``sha256-...`` file name."""
+        name = ref[len(PREFIX):].strip() if ref.startswith(PREFIX) else ""
+        return name or None
 
     def models(self) -> list[ListedModel]:
         """Every pulled model with a local model layer, as ``ollama:NAME:TAG`` (``justllm

@@ -145,6 +145,13 @@ def test_an_unknown_model_names_the_directory_and_the_pull(store):
     assert message.endswith("ollama pull llama3.2") and "\n" not in message
 
 
+def test_the_served_name_is_the_name_without_its_blanks(store):
+    """``serve "ollama: gemma3 "`` answered to " gemma3 ", blanks and all."""
+    assert OllamaSource().served_name("ollama: gemma3:270m ") == "gemma3:270m"
+    assert OllamaSource().served_name("ollama:  ") is None
+    assert OllamaSource().served_name("gemma3") is None
+
+
 def test_an_empty_name_is_an_error(store):
     with pytest.raises(ModelLoadError, match="needs a model name"):
         OllamaSource().find("ollama:")
