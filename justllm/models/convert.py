@@ -127,8 +127,11 @@ class ConvertJob:
         """The converter script and its arguments, writing to ``out``."""
         args = [str(self.converter.script), str(self.source_dir), "--outfile", str(out),
                 "--outtype", self.outtype]
-        if self.repo is not None:  # else general.name would be the snapshot folder: a commit
-            args += ["--model-name", self.repo.rpartition("/")[2]]
+        # (else general.name would be the snapshot folder: a commit)
+        name = (self.repo.rpartition("/")[2] if self.repo is not None
+                else snapshot_model_name(self.source_dir))
+        if name:
+            args += ["--model-name", name]
         return args
 
     def _convert(self, out: Path, report: Progress) -> None:
@@ -192,6 +195,16 @@ class ConvertJob:
         self.intermediate.unlink(missing_ok=True)
         if self._made is not None:  # (interrupted: the folders made for it, left empty;
             self._made.remove()     # after a success the output keeps its own)
+
+
+def snapshot_model_name(folder: Path) -> str | None:
+    """NAME for a Hugging Face cache's snapshot folder (``models--ORG--NAME/snapshots/COMMIT``,
+    what ``huggingface-cli download`` leaves), whose own name is a commit: a conversion of it
+    was named ``<commit>-f16.gguf``. None for any other folder."""
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--") and "--" in repo[8:]:
+        return repo.rpartition("--")[2] or None
+    return None
 
 
 def check_not_a_source_file(dst: Path, source_dir: Path) -> None:
@@ -364,7 +377,8 @@ def prepare(source: str, *, outtype: str = "auto", quantize: str | None = None,
             raise ValueError(f"--revision is a Hugging Face repo's: {source} is a local "
                              "directory")
         model = read_local(local)
-        source_dir, model_name = local.resolve(), local.resolve().name
+        source_dir = local.resolve()
+        model_name = snapshot_model_name(source_dir) or source_dir.name
     else:
         listing = hub.list_repo(source, revision)
         where = f"{source} @ {listing.commit[:12]}"

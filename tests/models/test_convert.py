@@ -192,6 +192,21 @@ def test_the_cheap_checks_come_before_the_converter_is_fetched(
         conv.prepare(str(src), outtype="f16")
 
 
+def test_a_hugging_face_cache_snapshot_is_named_after_its_repo(tiny: Path, tmp_path: Path,
+                                                                 models: Path) -> None:
+    """``convert ~/.cache/huggingface/hub/models--acme--Tiny/snapshots/<commit>`` (where
+    ``huggingface-cli download`` leaves a model) wrote ``<commit>-f16.gguf``, and the
+    converter named the model after the commit too."""
+    snapshot = _copy(tiny, tmp_path / "hub" / "models--acme--Tiny-Llama" / "snapshots" /
+                     ("0123abcd" * 5))
+    job = conv.prepare(str(snapshot), outtype="f16")
+    assert job.dst == models / "tiny-llama-f16.gguf" and job.label == "tiny-llama-f16:latest"
+    args = job._script_args(tmp_path / "out.gguf")
+    assert args[args.index("--model-name") + 1] == "Tiny-Llama"
+    assert "--model-name" not in conv.prepare(str(tiny), outtype="f16")._script_args(
+        tmp_path / "out.gguf")  # (a folder of its own name: the converter's own reading)
+
+
 def test_prepare_plans_the_output_and_refuses_an_existing_one(tiny: Path, models: Path) -> None:
     job = conv.prepare(str(tiny), outtype="auto")
     assert (job.dst, job.outtype, job.quant, job.label) == (
