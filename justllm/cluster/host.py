@@ -116,6 +116,7 @@ class EngineHost:
             "hit_ratio": None if view.hit_ratio is None else round(view.hit_ratio, 4),
             "cache_blocks": int(snap.cache_blocks or 0), "ttft_p50": view.ttft_p50,
             "adapters": sorted(a.name for a in self.aengine.lora_adapters()),
+            "max_model_len": self.aengine.max_request_tokens,
         }, page
 
     def close(self) -> None:

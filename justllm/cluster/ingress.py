@@ -374,31 +374,43 @@ def _route(path: str, summary: str, root: bool = False) -> Any:
 
 @get("/models", summary="The cluster's models")
 async def list_models(request: Request, state: State) -> dict:
-    return model_cards.listing(request, _model_cards(state))
+    return model_cards.listing(request, await _model_cards(state))
 
 
-def _model_cards(state: State) -> dict:
+async def _model_cards(state: State) -> dict:
+    """The cards of ``/v1/models``: each model's ``max_model_len`` (vLLM's: the tokens one
+    request holds) as its replicas report it to the board (the least, should they differ;
+    absent while none has reported); an adapter's is its base model's."""
     ing = _ingress(state)
+    snapshot = await ing.board.snapshot.remote()
+    lengths = {m: min(held) for m, rows in snapshot.items()
+               if (held := [e["stats"]["max_model_len"] for e in rows.values()
+                            if isinstance(e.get("stats", {}).get("max_model_len"), int)])}
+
+    def length(model: str) -> dict:
+        return {"max_model_len": lengths[model]} if model in lengths else {}
+
     return {"object": "list", "data": [
         {"id": m, "object": "model", "created": ing.created, "owned_by": "justllm",
          "aliases": [a for a, n in ing.names.items()
-                     if n == m and a != m and a not in ing.adapters]}
+                     if n == m and a != m and a not in ing.adapters]} | length(m)
         for m in ing.handles] + [
         {"id": a, "object": "model", "created": ing.created, "owned_by": "justllm",
-         "parent": ing.names[a]} for a in sorted(ing.adapters)] + [
+         "parent": ing.names[a]} | length(ing.names[a]) for a in sorted(ing.adapters)] + [
         {"id": a.name, "object": "model", "created": ing.created, "owned_by": "justllm",
-         "parent": a.model} for a in sorted(ing.runtime.loaded.values(), key=lambda a: a.name)]}
+         "parent": a.model} | length(a.model)
+        for a in sorted(ing.runtime.loaded.values(), key=lambda a: a.name)]}
 
 
 @get("/models/{model_id:path}", summary="One of the cluster's models")
 async def retrieve_model(model_id: FromPath[str], request: Request, state: State) -> dict:
-    return model_cards.card(request, model_cards.one_model(_model_cards(state)["data"],
-                                                           model_id))
+    return model_cards.card(request, model_cards.one_model(
+        (await _model_cards(state))["data"], model_id))
 
 
 @get("/tags", summary="Ollama: the cluster's models (and LoRA adapters, with their base)")
 async def ollama_tags(state: State) -> dict:
-    cards = _model_cards(state)["data"]  # an adapter as a model made with Ollama's ADAPTER
+    cards = (await _model_cards(state))["data"]  # an adapter as a model made with Ollama's ADAPTER
     return {"models": [{"name": f"{c['id']}:latest", "model": f"{c['id']}:latest", "size": 0,
                         "digest": "", "details": {"format": "gguf"} | (
                             {"parent_model": f"{c['parent']}:latest"} if "parent" in c else {})}

@@ -97,6 +97,8 @@ def test_stats_come_from_the_replicas_own_metrics_page(host):
     assert stats["node_ip"] == "10.0.0.7"
     assert (stats["running"], stats["waiting"]) == (0, 0)
     assert 0.0 <= stats["kv_usage"] <= 1.0 and stats["hit_ratio"] is not None
+    # (what the ingress's cards say as max_model_len)
+    assert stats["max_model_len"] == host.aengine.max_request_tokens > 0
 
 
 def test_health_fails_when_the_engine_thread_does_not_come_round(host):

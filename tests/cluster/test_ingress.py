@@ -130,6 +130,23 @@ def test_a_clients_request_id_goes_to_the_replica_and_comes_back():
     assert missing.status_code == 404 and "x-request-id" not in missing.headers
 
 
+def test_model_cards_say_the_tokens_a_request_holds_as_the_replicas_report_it():
+    """vLLM's max_model_len was on a single server's and a router's cards, not a cluster's
+    (justllm chat --url fits its answers to it): the least its replicas report, an adapter
+    its base model's; absent while no replica has reported."""
+    rows = {"demo": {"0": {"stats": {"max_model_len": 4096}, "page": ""},
+                     "1": {"stats": {"max_model_len": 2048}, "page": ""}}}
+    for board, want in ((Board(rows), 2048), (Board({}), None)):
+        ingress = Ingress({"demo": Handle()}, {"demo": "demo", "sql": "demo"}, board,
+                          adapters=frozenset({"sql"}))
+        with TestClient(create_ingress(ingress)) as c:
+            cards = c.get("/v1/models").json()["data"]
+            one = c.get("/v1/models/sql").json()
+        assert [(m["id"], m.get("max_model_len")) for m in cards] == [("demo", want),
+                                                                       ("sql", want)]
+        assert one.get("max_model_len") == want
+
+
 def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
     """An adapter (models.yaml's lora) is asked for by name: its base model's deployment gets
     the name unchanged (the replica applies the adapter; the base model's name would serve the
