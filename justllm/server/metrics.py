@@ -193,11 +193,7 @@ class ServerMetrics:
             self.lora_requests.labels(lab, m.lora).inc()
             self.lora_prompt_tokens.labels(lab, m.lora).inc(m.num_prompt_tokens)
             self.lora_generation_tokens.labels(lab, m.lora).inc(m.num_generated_tokens)
-        # Once per step that gave the request tokens, as vLLM observes it: a verified draft's
-        # tokens share their step's time, and each gap of 0 between them read as a latency.
-        times = sorted(set(m.token_times))
-        for a, b in zip(times, times[1:]):
-            self.itl.labels(lab).observe(b - a)
+        self._observe_gaps(m)
         self.e2e.labels(lab).observe(end - m.arrival_time)
         self.request_prompt_tokens.labels(lab).observe(m.num_prompt_tokens)
         self.request_generation_tokens.labels(lab).observe(m.num_generated_tokens)
@@ -221,11 +217,23 @@ class ServerMetrics:
         self.request_success.labels(self._model, "stop").inc()
         self.e2e.labels(self._model).observe(seconds)
 
-    def observe_aborted(self, arrival: float) -> None:
+    def observe_aborted(self, arrival: float, m: RequestMetrics | None = None) -> None:
         """A request whose client left before it ended (vLLM's ``abort``): counted, with its
-        latency until then (``arrival``: perf_counter time)."""
+        latency until then (``arrival``: perf_counter time) and, with its metrics ``m``, the
+        gaps between the tokens it had (vLLM observes them as they come: a client that left
+        a stream took its gaps out of the histogram)."""
         self.request_success.labels(self._model, "abort").inc()
         self.e2e.labels(self._model).observe(time.perf_counter() - arrival)
+        if m is not None:
+            self._observe_gaps(m)
+
+    def _observe_gaps(self, m: RequestMetrics) -> None:
+        """The inter-token latencies of ``m``'s tokens: once per step that gave the request
+        tokens, as vLLM observes it (a verified draft's tokens share their step's time, and
+        each gap of 0 between them read as a latency)."""
+        times = sorted(set(m.token_times))
+        for a, b in zip(times, times[1:]):
+            self.itl.labels(self._model).observe(b - a)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

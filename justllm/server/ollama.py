@@ -45,7 +45,7 @@ from justllm.core.reasoning import (
 from justllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from justllm.engine.async_engine import RequestStream
 from justllm.engine.chat_template import ChatTemplate, with_template_stops
-from justllm.engine.engine import RequestOutput, TokenLogprob
+from justllm.engine.engine import RequestMetrics, RequestOutput, TokenLogprob
 from justllm.engine.lora import LoadedLora
 from justllm.errors import BeyondContextError, InvalidRequestError
 from justllm.models.gguf import GGUFHeader, read_gguf_header
@@ -588,8 +588,10 @@ async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOu
     (client gone, task cancelled) aborts the request."""
     ended = False  # not stream.finished: a cancelled wait for the next output sets that
     timed = False  # its first token counted
+    seen: RequestMetrics | None = None  # its metrics so far
     try:
         async for out in stream:
+            seen = out.metrics
             timed = timed or job.served.metrics.observe_first_token(out.metrics)
             if out.finished:
                 ended = True
@@ -598,7 +600,7 @@ async def _outputs(job: _Job, stream: RequestStream) -> AsyncGenerator[RequestOu
             yield out
     finally:
         if not ended:  # the client left
-            job.served.metrics.observe_aborted(stream.arrival)
+            job.served.metrics.observe_aborted(stream.arrival, seen)
         stream.abort()
 
 

@@ -368,7 +368,8 @@ class OpenAIServing:
                 t.cancel()
             for i, s in enumerate(streams):
                 if i not in ended:  # the client left before this choice ended
-                    self.metrics.observe_aborted(s.arrival)
+                    self.metrics.observe_aborted(s.arrival, last[i].metrics if i in last
+                                                 else None)
                 s.abort()
 
     async def _collect(self, streams: list[RequestStream], texts: list[str],

@@ -48,3 +48,28 @@ def test_a_shutdowns_abort_counts_as_abort_with_its_own_latency(model_path):
     assert reasons == {"abort": 1.0}
     e2e = got["vllm:e2e_request_latency_seconds_sum", (("model_name", "m"),)]
     assert 0 < e2e <= within
+
+
+def test_a_stream_its_client_left_still_gives_its_inter_token_gaps(server):
+    """vLLM observes inter_token_latency as tokens come; here it was observed when a request
+    ended, so a stream its client left (an abort) took its gaps out of the histogram."""
+    import httpx
+
+    def itl_count() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:inter_token_latency_seconds_count")
+
+    before = itl_count()
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 400,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 12:
+                break  # (the client leaves)
+    deadline = time.monotonic() + 60
+    while itl_count() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert itl_count() - before >= 10
