@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import htmlsafe_json_dumps
 
@@ -185,11 +188,28 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+class _Generation(Extension):
+    """HF's ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens for
+    training masks, LFM2.5's and Laguna's templates use it): the body rendered as it is. Without
+    it such a template did not even compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Any) -> str:
+        return str(caller())
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # Undefined as in HF transformers and llama.cpp's minja: templates test optional message
     # keys (``message.tool_calls``) by truth value, which a strict Undefined refuses.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson

@@ -357,3 +357,16 @@ def test_what_takes_an_answer_apart_and_a_harmony_history():
     # (this template has no tools of its own: the fallback writes the call as the text)
     assert ('<|channel|>analysis<|message|>Look it up.<|end|><|channel|>final<|message|>{"name": '
             '"f", "arguments": {}}<|end|>') in rendered
+
+
+def test_hf_generation_blocks_render_their_body():
+    """HF's ``{% generation %}`` (LFM2.5's and Laguna's templates mark the assistant's turn
+    with it): such a template failed to compile ("unknown tag 'generation'")."""
+    t = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>"
+                     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                     "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+                     "</{{ m['role'] }}>{% endfor %}")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert t.render(chat) == "<user>Hi</user><assistant>Hello.</assistant>"
+    assert t.render([*chat[:1], {"role": "assistant", "content": "Hel"}],
+                    continue_final=True) == "<user>Hi</user><assistant>Hel"
