@@ -19,6 +19,7 @@ that text asks (see ``ChatTemplate.render``).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -33,7 +34,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 from jinja2.utils import htmlsafe_json_dumps
 
 from justllm.core.harmony import BUDGET_TAGS, HarmonyReader, is_harmony
@@ -205,15 +206,25 @@ class _Generation(Extension):
         return str(caller())
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment() -> SandboxedEnvironment:
     # Undefined as in HF transformers and llama.cpp's minja: templates test optional message
     # keys (``message.tool_calls``) by truth value, which a strict Undefined refuses.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _Generation])
+    # Sandboxed, but a template may change its own lists and dicts (Kimi K2's queues its call
+    # ids with ``ids.append(..)`` and takes them with ``ids.pop(0)``, as llama.cpp's engine
+    # allows: an immutable sandbox refused every history with a call): it renders a deep copy
+    # of the variables (``_variables``), so what it changes is its own.
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                               extensions=["jinja2.ext.loopcontrols", _Generation])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
     return env
+
+
+def _variables(values: dict[str, Any]) -> dict[str, Any]:
+    """A template's variables, its own to change (see ``_environment``): the caller's messages
+    stay as they were, and so does the next render's probe chat."""
+    return copy.deepcopy(values)
 
 
 def template_globals() -> frozenset[str]:
@@ -292,9 +303,9 @@ class ChatTemplate:
 
     def _renders(self, messages: list[dict[str, Any]], **extra: Any) -> str | None:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **extra)
+            return self._template.render(_variables({
+                **extra, "messages": messages, "add_generation_prompt": True,
+                "bos_token": self.bos_token, "eos_token": self.eos_token}))
         except Exception:  # a template may refuse the probe chat: it then has no such support
             return None
 
@@ -458,9 +469,9 @@ class ChatTemplate:
         try:
             # The variables as one mapping: a client's chat_template_kwargs may name anything
             # (even ``self``), and jinja2's render takes keywords beside its own ``self``.
-            text = self._template.render({
+            text = self._template.render(_variables({
                 **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": tools})
+                "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": tools}))
         except InvalidRequestError:
             raise
         except Exception as e:  # the template's own code failing on this input

@@ -370,3 +370,29 @@ def test_hf_generation_blocks_render_their_body():
     assert t.render(chat) == "<user>Hi</user><assistant>Hello.</assistant>"
     assert t.render([*chat[:1], {"role": "assistant", "content": "Hel"}],
                     continue_final=True) == "<user>Hi</user><assistant>Hel"
+
+
+def test_a_template_may_change_its_own_lists_but_not_the_callers():
+    """Kimi K2's template queues call ids (``ids.append``, ``ids.pop(0)``), as llama.cpp's
+    engine allows: an immutable sandbox made every history with a call a 400. What a template
+    changes is a copy: the caller's messages stay as they were."""
+    kimi_like = ChatTemplate(
+        "{% for t in tools or [] %}{{ t.function.name }}\n{% endfor %}"
+        "{% set q = namespace(ids=[]) %}{% for m in messages %}"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "{% set _ = q.ids.append('functions.' + c.function.name) %}{% endfor %}"
+        "{% elif m.role == 'tool' %}[{{ q.ids.pop(0) }}] {{ m.content }}\n"
+        "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+        "{% set _ = messages.append({'role': 'user'}) %}{% set _ = messages[0].update(x=1) %}")
+    chat = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    before = [dict(m) for m in chat]
+    assert kimi_like.render(chat, tools=TOOLS) == (
+        "get_weather\nuser: Weather in Paris?\n[functions.get_weather] 18C\n")
+    assert chat == before
+    # still a sandbox
+    with pytest.raises(InvalidRequestError, match="unsafe"):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render(chat[:1])
