@@ -466,6 +466,9 @@ class ChatTemplate:
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
             tools = None
+        if (any(m.get("role") == "system" for m in messages)
+                and not self._probe("system_role")):
+            messages = _systems_in_user_turns(messages)
         try:
             # The variables as one mapping: a client's chat_template_kwargs may name anything
             # (even ``self``), and jinja2's render takes keywords beside its own ``self``.
@@ -520,6 +523,28 @@ class ChatTemplate:
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out
+
+
+def _systems_in_user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template without a system role (Gemma 2's raises "System role not
+    supported", some drop the message): each system message's text at the top of the next
+    user message (a user message of its own where none follows), as llama.cpp's templates
+    polyfill it. Every chat with a system message was a 400."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for m in messages:
+        if m.get("role") == "system":
+            if m.get("content"):
+                pending.append(m["content"])
+            continue
+        if pending and m.get("role") == "user" and isinstance(m.get("content") or "", str):
+            m = {**m, "content": "\n\n".join([*pending, m["content"]] if m.get("content")
+                                                else pending)}
+            pending = []
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")

@@ -396,3 +396,22 @@ def test_a_template_may_change_its_own_lists_but_not_the_callers():
     # still a sandbox
     with pytest.raises(InvalidRequestError, match="unsafe"):
         ChatTemplate("{{ messages.__class__.__mro__ }}").render(chat[:1])
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_user_turn():
+    """Gemma 2's template raises "System role not supported": every chat with a system
+    message was a 400. Its text goes at the top of the next user turn, as llama.cpp does."""
+    gemma2_like = ChatTemplate(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Capital of Italy?"}]
+    assert gemma2_like.render(chat) == ("<user>Be brief.\n\nHi\n<assistant>Hello.\n"
+                                        "<user>Answer in French.\n\nCapital of Italy?\n")
+    assert gemma2_like.render(chat[:1]) == "<user>Be brief.\n"
+    # a template that shows a system message keeps it its own
+    assert ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                        "{% endfor %}").render(chat[:2]) == "<system>Be brief.\n<user>Hi\n"
