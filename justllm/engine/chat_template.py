@@ -238,8 +238,11 @@ def template_tool_format(source: str) -> str | None:
     ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each.
     None for calls written as XML (Qwen3-Coder's and Qwen3.5's ``<function=NAME>`` with
     ``<parameter=…>``, GLM's ``<arg_key>``), which the server cannot read: their ``<tool_call>``
-    read as Hermes', whose JSON grammar then forced a form the model does not write."""
-    if "<parameter=" in source or "<arg_key>" in source:
+    read as Hermes', whose JSON grammar then forced a form the model does not write. None
+    too for Functionary's Llama 3 based formats (v3.1's ``<function=NAME>{..}</function>``,
+    v3.2's ``>>>NAME`` recipients): their Llama 3 headers and ``<|python_tag|>`` read as
+    ``llama3``, whose parser never found the calls the model writes."""
+    if any(marker in source for marker in ("<parameter=", "<arg_key>", "<function=", ">>>all")):
         return None
     if "<tool_call>" in source:
         return "hermes"

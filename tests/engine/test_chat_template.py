@@ -263,6 +263,11 @@ def test_a_model_templates_tool_format_comes_from_its_markers():
              "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     assert template_tool_format(coder) is None
     assert template_tool_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None
+    # Functionary's (v3.1: <function=NAME>{..}</function>; v3.2: >>>NAME) read as llama3's
+    assert template_tool_format("<|start_header_id|><|python_tag|>{{ '<function=' + name + "
+                                "'>' + args + '</function>' }}") is None
+    assert template_tool_format("<|start_header_id|>{{ '>>>all\\n' + content }}parameters"
+                                ) is None
     xml = ChatTemplate(coder)
     assert not xml.native_tools and xml.tool_format == "generic"
     rendered = xml.render([{"role": "user", "content": "Hi"}], tools=TOOLS)
