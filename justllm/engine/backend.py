@@ -1414,8 +1414,10 @@ class LlamaBackend:
         return _model_metadata(self._model)
 
     @_needs_model
-    def chat_template(self) -> str | None:
-        raw = C.llama_model_chat_template(self._model, None)
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The GGUF's chat template (``tokenizer.chat_template``), or its template called
+        ``name`` (``tokenizer.chat_template.NAME``: ``tool_use``); None where it has none."""
+        raw = C.llama_model_chat_template(self._model, name.encode() if name else None)
         return raw.decode("utf-8", "replace") if raw else None
 
     @_needs_model

@@ -284,6 +284,9 @@ class ChatTemplate:
     ``stop``: strings a request rendered with this template must stop at (callers add them to
     the request's own). ``name``: the built-in name, the file path, or "model" (the GGUF's
     own). ``notice``: set when the model has no template and ``transcript`` was chosen for it.
+    ``tool_use``: the model's template for requests with tools, where its GGUF has one apart
+    (``tokenizer.chat_template.tool_use``: Hermes 2 Pro's and Hermes 3's, Command R's; their
+    default template is plain ChatML), used for them as llama.cpp uses it.
     """
 
     source: str
@@ -292,6 +295,7 @@ class ChatTemplate:
     stop: tuple[str, ...] = ()
     name: str = "model"
     notice: str | None = None
+    tool_use: "ChatTemplate | None" = None
 
     _tool_probes: dict[str, bool] = field(default_factory=dict, init=False, repr=False,
                                           compare=False)
@@ -342,16 +346,26 @@ class ChatTemplate:
         return template_tool_format(self.source) is not None and self._probe("tools")
 
     @property
+    def _with_tools(self) -> "ChatTemplate":
+        """The template a request with tools is rendered with: ``tool_use`` where it renders
+        them, else this one."""
+        if self.tool_use is not None and self.tool_use.native_tools:
+            return self.tool_use
+        return self
+
+    @property
     def tool_format(self) -> str:
         """The tool-call format a model prompted through this template writes: its family's
-        when the template renders tools, else ``generic`` (what the fallback text asks for)."""
-        return (template_tool_format(self.source) or "generic") if self.native_tools else "generic"
+        when the template (``tool_use`` where there is one) renders tools, else ``generic``
+        (what the fallback text asks for)."""
+        t = self._with_tools
+        return (template_tool_format(t.source) or "generic") if t.native_tools else "generic"
 
     @property
     def names_call_arguments(self) -> bool:
         """Whether the model writes Mistral's newer calls, ``[TOOL_CALLS]name[ARGS]{..}``
         (its template writes ``[ARGS]``), not the older ``[TOOL_CALLS][{..}]`` list."""
-        return self.tool_format == "mistral" and "[ARGS]" in self.source
+        return self.tool_format == "mistral" and "[ARGS]" in self._with_tools.source
 
     @cached_property
     def thinking_tags(self) -> tuple[str, str] | None:
@@ -418,18 +432,21 @@ class ChatTemplate:
 
     @classmethod
     def resolve(cls, choice: str | None, model_source: str | None, *, bos_token: str = "",
-                eos_token: str = "") -> "ChatTemplate":
-        """The template to use: ``choice`` > the model's own (``model_source``) > transcript."""
+                eos_token: str = "", model_tool_use: str | None = None) -> "ChatTemplate":
+        """The template to use: ``choice`` > the model's own (``model_source``, with its
+        ``model_tool_use`` for requests with tools) > transcript."""
         if choice:
             return cls.named(choice, bos_token=bos_token, eos_token=eos_token)
         if model_source:
-            return cls(model_source, bos_token, eos_token)
+            tool_use = cls(model_tool_use, bos_token, eos_token) if model_tool_use else None
+            return cls(model_source, bos_token, eos_token, tool_use=tool_use)
         source, stop = BUILTIN_TEMPLATES["transcript"]
         return cls(source, bos_token, eos_token, stop, "transcript", NO_TEMPLATE_NOTICE)
 
     @classmethod
     def from_backend(cls, backend: Any, choice: str | None = None) -> "ChatTemplate":
         return cls.resolve(choice, backend.chat_template(), bos_token=backend.special_text("bos"),
+                           model_tool_use=backend.chat_template("tool_use"),
                            eos_token=backend.special_text("eos"))
 
     def render(self, messages: list[dict[str, Any]], /, *, add_generation_prompt: bool = True,
@@ -448,6 +465,10 @@ class ChatTemplate:
         at the marker, which works whatever the template writes around a turn."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if tools and self._with_tools is not self:
+            return self._with_tools.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                parallel_tool_calls=parallel_tool_calls, continue_final=continue_final, **extra)
         if continue_final:
             last = messages[-1]
             if last.get("role") != "assistant" or last.get("tool_calls"):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from justllm.core.sampling_params import SamplingParams
@@ -420,3 +422,44 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_user_turn(
     # a template that shows a system message keeps it its own
     assert ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
                         "{% endfor %}").render(chat[:2]) == "<system>Be brief.\n<user>Hi\n"
+
+
+HERMES_TOOL_USE = (  # as Hermes 2 Pro's tool_use template: it iterates tools, None or not
+    "<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_ONLY = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>"
+               "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_models_tool_use_template_renders_the_requests_with_tools(model_path, tmp_path):
+    """Hermes 2 Pro's and Hermes 3's GGUFs keep their tool template apart
+    (``tokenizer.chat_template.tool_use``; the default is plain ChatML): it was never read, so
+    their tools went through the fallback's JSON, not the <tool_call> they were trained on."""
+    import gguf
+
+    from justllm.engine.backend import BackendConfig, LlamaBackend
+    from tests.models.ggufs import with_metadata
+
+    path = with_metadata(Path(model_path), tmp_path / "hermes.gguf", lambda w, arch: (
+        w.add_chat_template([{"name": "default", "template": CHATML_ONLY},
+                             {"name": "tool_use", "template": HERMES_TOOL_USE}])))
+    assert gguf.GGUFReader(path).get_field("tokenizer.chat_template.tool_use") is not None
+    with LlamaBackend(BackendConfig(model_path=str(path), n_ctx=64, n_seq_max=1)) as b:
+        t = ChatTemplate.from_backend(b)
+    chat = [{"role": "user", "content": "Weather in Paris?"}]
+    assert t.tool_format == "hermes"
+    assert t.render(chat) == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    with_tools = t.render(chat, tools=TOOLS)
+    assert with_tools.startswith(f"<|im_start|>system\n<tools>{TOOLS_JSON}</tools>")
+    assert "You can call functions" not in with_tools
+    # a choice of template leaves the model's out, its tool_use one too
+    assert ChatTemplate.resolve("chatml", CHATML_ONLY, model_tool_use=HERMES_TOOL_USE
+                                ).tool_use is None
+    # a model without one: its own template, with the fallback
+    plain = ChatTemplate.resolve(None, CHATML_ONLY)
+    assert plain.tool_format == "generic" and "You can call functions" in plain.render(
+        chat, tools=TOOLS)
