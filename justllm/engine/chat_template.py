@@ -331,6 +331,16 @@ class ChatTemplate:
                 with_tool = self._renders(chat, tools=[_PROBE_TOOL])
                 known = (with_tool is not None and _PROBE_NAME in with_tool
                          and with_tool != self._renders(chat, tools=None))
+            elif what == "json_calls":
+                asked = [{"role": "user", "content": _MARK}]
+                result = self._renders([*asked, {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {
+                        "name": _PROBE_NAME, "arguments": {"x": "y"}}}]}],
+                    tools=[_PROBE_TOOL])
+                # (a template that does not write the call back, or fails to, tells nothing)
+                tail = result.rpartition(_MARK)[2] if result is not None else ""
+                known = _PROBE_NAME not in tail or bool(re.search(
+                    rf'"name"\s*:\s*"{_PROBE_NAME}"', tail))
             else:
                 result = self._renders([*chat, {"role": "assistant", "content": "Ok"},
                                         {"role": "tool", "content": _PROBE_NAME}])
@@ -342,8 +352,13 @@ class ChatTemplate:
     def native_tools(self) -> bool:
         """True when the template renders ``tools`` itself (Hermes/Qwen, Llama 3.1, Mistral
         and the ``chatml`` and ``llama3`` built-ins) in a format the server reads; otherwise
-        ``render`` adds the fallback."""
-        return template_tool_format(self.source) is not None and self._probe("tools")
+        ``render`` adds the fallback. A template with no marker the server knows (``generic``)
+        is read only when it writes a call as JSON with its ``"name"`` (Granite's, Nemotron's):
+        Command R's ``tool_name``, Kimi K2's ``functions.NAME:0``, Gemma 4's ``call:NAME{..}``,
+        LFM2's ``[NAME(x=..)]`` or DeepSeek V3.2's XML came back as text."""
+        fmt = template_tool_format(self.source)
+        return fmt is not None and self._probe("tools") and (
+            fmt != "generic" or self.harmony or self._probe("json_calls"))
 
     @property
     def _with_tools(self) -> "ChatTemplate":

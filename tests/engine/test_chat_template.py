@@ -286,6 +286,28 @@ def test_a_model_templates_tool_format_comes_from_its_markers():
         f"[AVAILABLE_TOOLS][{TOOLS_JSON}][/AVAILABLE_TOOLS][INST]Hi[/INST]")
 
 
+def test_a_template_of_no_known_format_is_read_only_if_it_writes_calls_as_json_names():
+    """A template that renders tools itself but names no marker the server reads was taken
+    as ``generic``: Command R's, Kimi K2's, Gemma 4's, DeepSeek V3.2's calls came back as
+    text. Its calls as it writes them in the history decide: JSON with their "name" is read
+    (Granite 3.3's, MiniMax M1's), anything else gets the fallback; a template that does not
+    write them back tells nothing, and keeps its own."""
+    head = ("{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+            "{% for c in m.get('tool_calls') or [] %}CALLS{% endfor %}\n{% endfor %}")
+    command_r = head.replace("CALLS", "<|START_ACTION|>[{\"tool_name\": \"{{ c['function']"
+                                      "['name'] }}\", \"parameters\": {}}]<|END_ACTION|>")
+    granite = head.replace("CALLS", "<|tool_call|>[{{ {'name': c['function']['name'], "
+                                    "'arguments': c['function']['arguments']} | tojson }}]")
+    silent = head.replace("CALLS", "")
+    chat = [{"role": "user", "content": "Hi"}]
+    for source, native in ((command_r, False), (granite, True), (silent, True)):
+        t = ChatTemplate(source)
+        assert (t.native_tools, t.tool_format) == (native, "generic"), source
+        rendered = t.render(chat, tools=TOOLS)
+        assert (tool_fallback_text(TOOLS) in rendered) is not native, rendered
+
+
 def test_answer_text_drops_leading_and_trailing_blanks():
     a = AnswerText()
     assert [a.feed(p) for p in (" ", " The", " capital", " is", " Paris.", "\n", "\n")] == [
