@@ -508,10 +508,28 @@ class ChatTemplate:
         if (any(m.get("role") == "system" for m in messages)
                 and not self._probe("system_role")):
             messages = _systems_in_user_turns(messages)
+        text = self._render_messages(messages, add_generation_prompt, tools, extra)
+        left_out = _systems_left_out(messages, text)
+        if left_out:  # (Mistral Nemo's shows its system message beside the last user message
+            # only: a chat ending with a tool result lost it, every second turn of a tool loop
+            # was a 400; many show only one that opens the chat) the text in the next user
+            # turn, as a template without a system role gets it
+            moved = _systems_in_user_turns(messages, only=set(left_out))
+            text = self._render_messages(moved, add_generation_prompt, tools, extra)
+            _check_systems_shown(messages, text)
+        # The tokenizer adds BOS itself; a template that writes it too would double it.
+        if self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        return text
+
+
+    def _render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> str:
+        """The template run over ``messages`` as they now stand; its failures the request's."""
         try:
             # The variables as one mapping: a client's chat_template_kwargs may name anything
             # (even ``self``), and jinja2's render takes keywords beside its own ``self``.
-            text = self._template.render(_variables({
+            return self._template.render(_variables({
                 **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": tools}))
         except InvalidRequestError:
@@ -523,12 +541,6 @@ class ChatTemplate:
             kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
             raise InvalidRequestError(f"the chat template failed on these messages: {kind}{e}",
                                       param="messages") from e
-        _check_systems_shown(messages, text)
-        # The tokenizer adds BOS itself; a template that writes it too would double it.
-        if self.bos_token and text.startswith(self.bos_token):
-            text = text[len(self.bos_token):]
-        return text
-
 
     def _with_fallback(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        parallel: bool) -> list[dict[str, Any]]:
@@ -564,15 +576,17 @@ class ChatTemplate:
         return out
 
 
-def _systems_in_user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _systems_in_user_turns(messages: list[dict[str, Any]], only: set[int] | None = None
+                           ) -> list[dict[str, Any]]:
     """``messages`` for a template without a system role (Gemma 2's raises "System role not
     supported", some drop the message): each system message's text at the top of the next
     user message (a user message of its own where none follows), as llama.cpp's templates
-    polyfill it. Every chat with a system message was a 400."""
+    polyfill it. Every chat with a system message was a 400. ``only``: the indices of the
+    system messages to move (those the template left out), the others kept as they are."""
     out: list[dict[str, Any]] = []
     pending: list[str] = []
-    for m in messages:
-        if m.get("role") == "system":
+    for i, m in enumerate(messages):
+        if m.get("role") == "system" and (only is None or i in only):
             if m.get("content"):
                 pending.append(m["content"])
             continue
@@ -614,10 +628,9 @@ def _mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:
-    """400 when the prompt leaves out a system message's text: many templates show only a
-    first system message (Gemma's own: its first turn), and a request's instructions must
-    be followed or refused, never dropped (a developer message is a system one by now)."""
+def _systems_left_out(messages: list[dict[str, Any]], text: str) -> list[int]:
+    """The indices of the system messages whose text the prompt ``text`` leaves out."""
+    out = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if m.get("role") != "system" or not isinstance(content, str) or not content.strip():
@@ -626,10 +639,18 @@ def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:
         forms = (said, json.dumps(said, ensure_ascii=False)[1:-1], json.dumps(said)[1:-1],
                  str(htmlsafe_json_dumps(said))[1:-1])
         if not any(form in text for form in forms):
-            raise InvalidRequestError(
-                f"messages[{i}]: this chat template leaves this system message out of the "
-                "prompt (it shows a system message only where it opens the chat); join the "
-                "system messages into one at the start", param=f"messages[{i}]")
+            out.append(i)
+    return out
+
+
+def _check_systems_shown(messages: list[dict[str, Any]], text: str) -> None:
+    """400 when the prompt still leaves out a system message's text (moved into a user turn,
+    where a template shows every user message's): a request's instructions must be followed
+    or refused, never dropped (a developer message is a system one by now)."""
+    for i in _systems_left_out(messages, text):
+        raise InvalidRequestError(
+            f"messages[{i}]: this chat template leaves this system message out of the prompt, "
+            "even in a user turn", param=f"messages[{i}]")
 
 
 def _harmony_message(m: dict[str, Any]) -> dict[str, Any]:

@@ -82,16 +82,33 @@ def test_gemma_shows_every_system_message():
         "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
 
 
-def test_a_template_that_drops_a_system_message_is_a_400():
-    # as many models' own templates do with one that is not first
+def test_a_system_message_a_template_leaves_out_goes_into_a_user_turn():
+    """Many models' own templates show a system message only where it opens the chat, and
+    Mistral Nemo's only beside the last user message (a tool loop's second turn, ending with
+    a tool result, lost it): that was a 400. The text left out goes to the top of the next
+    user turn (one of its own where none follows), as for a template without a system role;
+    the ones shown stay; a template that shows no user turn either is a 400."""
     first_only = ChatTemplate.resolve(None, (
         "{% for m in messages %}{% if m['role'] != 'system' or loop.first %}"
         "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert first_only.render(chat) == "system: Be brief.\nuser: Hi\n"
+    assert first_only.render([*chat, {"role": "system", "content": "Never in French."}]) == (
+        "system: Be brief.\nuser: Hi\nuser: Never in French.\n")
+    nemo_like = ChatTemplate.resolve(None, (
+        "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{% if loop.last and sys %}"
+        "{{ sys }}\n\n{% endif %}{{ m['content'] }}[/INST]{% elif m['role'] == 'assistant' %}"
+        "{{ m['content'] }}{% endif %}{% endfor %}"))
+    turns = [*chat, {"role": "assistant", "content": "Hello."}]
+    assert nemo_like.render([*turns, {"role": "user", "content": "Bye"}]) == (
+        "[INST]Hi[/INST]Hello.[INST]Be brief.\n\nBye[/INST]")
+    assert nemo_like.render(turns, add_generation_prompt=False) == (
+        "[INST]Be brief.\n\nHi[/INST]Hello.")
+    first_message = ChatTemplate.resolve(None, "{{ messages[0]['content'] }}")
     with pytest.raises(InvalidRequestError, match="leaves this system message out") as e:
-        first_only.render([*chat, {"role": "system", "content": "Never in French."}])
-    assert e.value.param == "messages[2]"
+        first_message.render([chat[1], {"role": "system", "content": "Never in French."}])
+    assert e.value.param == "messages[1]"
     # a template that writes messages through tojson shows them JSON-escaped: shown
     as_json = ChatTemplate.resolve(None, "{% for m in messages %}{{ m | tojson }}{% endfor %}")
     said = 'Say "<b>hi</b>" & go,\nit\'s été.'
