@@ -428,6 +428,19 @@ def test_a_replicas_restart_counter_never_goes_backwards_across_loads(tmp_path):
     asyncio.run(main())
 
 
+class StopNoted:
+    """A live runner whose stop is noted in ``stopped`` as ``label`` (no process here)."""
+
+    def __init__(self, stopped: list[str], label: str) -> None:
+        self.stopped, self.label = stopped, label
+
+    def alive(self) -> bool:
+        return True
+
+    async def stop(self, grace: float) -> None:
+        self.stopped.append(self.label)
+
+
 def test_a_replica_retired_while_it_did_not_serve_is_stopped_at_once(tmp_path):
     """The autoscaler retires unhealthy (hung) replicas first; their requests then waited the
     drain and a minute more on a process that answered nothing."""
@@ -435,16 +448,10 @@ def test_a_replica_retired_while_it_did_not_serve_is_stopped_at_once(tmp_path):
         sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2}})
         a = sup.models["a"]
         stopped: list[str] = []
-
-        class Runner:
-            def alive(self) -> bool:
-                return True
-
-            async def stop(self, grace: float) -> None:
-                stopped.append("hung")
-
-        hung = Replica("1", runner=Runner(), status="unhealthy", in_flight=1)  # type: ignore[arg-type]
-        busy = Replica("0", runner=Runner(), status="ready", in_flight=1)  # type: ignore[arg-type]
+        hung = Replica("1", runner=StopNoted(stopped, "hung"),  # type: ignore[arg-type]
+                       status="unhealthy", in_flight=1)
+        busy = Replica("0", runner=StopNoted(stopped, "hung"),  # type: ignore[arg-type]
+                       status="ready", in_flight=1)
         a.replicas += [busy, hung]
         sup._retire(a, hung)
         sup._retire(a, busy)
@@ -543,16 +550,8 @@ def test_a_busy_replica_retired_while_its_polls_go_unanswered_finishes_its_reque
         sup = supervisor(tmp_path, {"a": {"min-replicas": 1, "max-replicas": 2}})
         a = sup.models["a"]
         stopped: list[str] = []
-
-        class Runner:
-            def alive(self) -> bool:
-                return True
-
-            async def stop(self, grace: float) -> None:
-                stopped.append("slow")
-
-        slow = Replica("1", runner=Runner(), status="unhealthy", in_flight=1,  # type: ignore[arg-type]
-                       unhealthy_since=time.monotonic())
+        slow = Replica("1", runner=StopNoted(stopped, "slow"),  # type: ignore[arg-type]
+                       status="unhealthy", in_flight=1, unhealthy_since=time.monotonic())
         a.replicas.append(slow)
         sup._retire(a, slow)
         for _ in range(5):
