@@ -36,6 +36,7 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 VOCAB_KEY = "tokenizer.ggml.tokens"
 ADAPTER_TYPE = "adapter"  # general.type of a LoRA adapter (llama.cpp's convert_lora_to_gguf.py)
+IMATRIX_TYPE = "imatrix"  # general.type of an importance matrix (llama-imatrix's GGUF output)
 
 
 def gguf_magic(path: Path) -> bytes:
@@ -51,13 +52,23 @@ def check_gguf_file(path: str | Path) -> None:
     """Fail with a clear message before llama.cpp sees a file that is not a GGUF model (not a
     GGUF, or a LoRA adapter)."""
     _check_magic(path)
-    if _general_type(Path(path)) == ADAPTER_TYPE:
+    kind = _general_type(Path(path))
+    if kind == ADAPTER_TYPE:
         raise adapter_error(path)
+    if kind == IMATRIX_TYPE:
+        raise imatrix_error(path)
 
 
 def adapter_error(path: str | Path) -> ModelLoadError:
     """What a LoRA adapter given as a model is told: how it is used instead."""
     return ModelLoadError(f"{path} is a LoRA adapter, not a model: use --lora NAME={path}")
+
+
+def imatrix_error(path: str | Path) -> ModelLoadError:
+    """What an importance matrix given as a model is told (llama.cpp said "key not found in
+    model: <arch>.context_length")."""
+    return ModelLoadError(f"{path} is an importance matrix, not a model: use it with justllm "
+                          f"quantize MODEL TYPE --imatrix {path}")
 
 
 def _check_magic(path: str | Path) -> None:
@@ -253,6 +264,8 @@ def read_gguf_header(path: str | Path, *, adapter: bool = False,
                              f"{header.data_end}")
     if not adapter and header.metadata.get("general.type") == ADAPTER_TYPE:
         raise adapter_error(path)
+    if not adapter and header.metadata.get("general.type") == IMATRIX_TYPE:
+        raise imatrix_error(path)
     return header
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from justllm.config import MAX_THREADS
 from justllm.errors import ModelLoadError
-from justllm.models.gguf import read_gguf_header
+from justllm.models.gguf import IMATRIX_TYPE, imatrix_error, read_gguf_header
 from justllm.models.lease import publish, sweep_dead
 
 
@@ -301,6 +301,8 @@ def prepare(src: Path, qtype: QuantType, dst: Path, *, force: bool = False,
     if header.metadata.get("general.type") == "adapter":
         raise ValueError(f"{src} is a LoRA adapter: quantize takes models (an adapter is "
                          "small; 'justllm convert ADAPTER_DIR --outtype q8_0' writes a Q8_0 one)")
+    if header.metadata.get("general.type") == IMATRIX_TYPE:
+        raise imatrix_error(src)
     if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the output would overwrite the model itself ({src}); pick another "
                          "--output")

@@ -216,10 +216,10 @@ def test_a_failed_run_leaves_no_partial_file(model_path, models_dir, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_path):
+def write_imatrix_gguf(path) -> None:
+    """llama-imatrix's GGUF output, one entry."""
     import gguf
 
-    path = tmp_path / "imatrix.gguf"
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_type("imatrix")
     w.add_tensor("blk.0.attn_q.weight.in_sum2", np.full((1, 640), 2.0, dtype=np.float32))
@@ -228,6 +228,23 @@ def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_p
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_an_importance_matrix_given_as_a_model_says_what_it_is(tmp_path):
+    """llama.cpp said "key not found in model: gemma3.context_length"."""
+    path = tmp_path / "imatrix.gguf"
+    write_imatrix_gguf(path)
+    says = f"{path} is an importance matrix, not a model: use it with justllm quantize"
+    for args in (["run", str(path), "-p", "hi"], ["show", str(path)],
+                 ["quantize", str(path), "Q8_0", "-o", str(tmp_path / "out.gguf")]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1 and says in r.output, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imatrix.gguf"]
+
+
+def test_an_importance_matrix_is_used_and_recorded(model_path, models_dir, tmp_path):
+    path = tmp_path / "imatrix.gguf"
+    write_imatrix_gguf(path)
     out = tmp_path / "q4km.gguf"
     r = runner.invoke(app, ["quantize", model_path, "Q4_K_M", "--allow-requantize", "--imatrix",
                             str(path), "-o", str(out)])
