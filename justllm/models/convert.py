@@ -174,9 +174,13 @@ class ConvertJob:
         from justllm.models.quantize import prepare as prepare_quantize
 
         assert self.quant is not None
-        self._quantize = prepare_quantize(self.intermediate, self.quant, self.dst,
-                                          force=self.force)
-        self._quantize.run(lambda i, n, _name: report("quantizing", i - 1, n))
+        try:
+            self._quantize = prepare_quantize(self.intermediate, self.quant, self.dst,
+                                              force=self.force)
+            self._quantize.run(lambda i, n, _name: report("quantizing", i - 1, n))
+        except ModelLoadError as e:  # (it named the hidden file in between, removed by now)
+            raise ModelLoadError(str(e).replace(
+                str(self.intermediate), f"the converted {self.outtype} model")) from None
 
     def abandon(self) -> None:
         """Stop the converter if it runs and remove every temporary file (the output, once

@@ -203,6 +203,18 @@ def test_a_model_without_tokenizer_is_one_line(tiny: Path, models: Path, tmp_pat
     assert not models.exists()
 
 
+def test_a_quantization_that_fails_names_the_conversion_not_its_hidden_file(
+        tiny: Path, models: Path, tmp_path: Path) -> None:
+    """Q1_0 has no fallback for the tiny model's small tensors: the error named the hidden
+    file in between (.tiny-llama-q1_0.gguf.convert-PID), removed by then."""
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["convert", str(tiny), "--quantize", "Q1_0", "-o", f"{out}/"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    line = r.stderr.strip().splitlines()[-1]  # (after Q1_0's warning)
+    assert line.startswith("error: llama.cpp could not quantize the converted f16 model: "), line
+    assert ".convert-" not in line and not out.exists()
+
+
 def test_weights_that_do_not_fit_the_config_are_refused_not_registered(
         tiny: Path, models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> None:
