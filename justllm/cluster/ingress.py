@@ -81,6 +81,8 @@ TRIES = 2  # a request whose replica died goes once more (a request that kills r
 # Seconds between looks at a model's deployment while a request waits for its answer: one
 # that failed to deploy has no replica to come, and Ray's handle waits for it for ever.
 STATUS_POLL = 5.0
+# Seconds /v1/models waits for the stats board's max_model_len before listing without it.
+BOARD_WAIT = 5.0
 
 
 def deployment_failed(handle: Any) -> bool:
@@ -382,7 +384,10 @@ async def _model_cards(state: State) -> dict:
     request holds) as its replicas report it to the board (the least, should they differ;
     absent while none has reported); an adapter's is its base model's."""
     ing = _ingress(state)
-    snapshot = await ing.board.snapshot.remote()
+    try:  # (the cards without it while the board does not answer: it restarts with Ray)
+        snapshot = await asyncio.wait_for(ing.board.snapshot.remote(), BOARD_WAIT)
+    except Exception:
+        snapshot = {}
     lengths = {m: min(held) for m, rows in snapshot.items()
                if (held := [e["stats"]["max_model_len"] for e in rows.values()
                             if isinstance(e.get("stats", {}).get("max_model_len"), int)])}

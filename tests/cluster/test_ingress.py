@@ -146,6 +146,17 @@ def test_model_cards_say_the_tokens_a_request_holds_as_the_replicas_report_it():
                                                                        ("sql", want)]
         assert one.get("max_model_len") == want
 
+    class Gone:  # a board Ray is restarting
+        async def remote(self) -> dict:
+            raise RuntimeError("the actor died")
+
+    board = Board({})
+    board.snapshot = Gone()
+    ingress = Ingress({"demo": Handle()}, {"demo": "demo"}, board)
+    with TestClient(create_ingress(ingress)) as c:
+        r = c.get("/v1/models")
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["demo"]
+
 
 def test_a_lora_adapters_name_reaches_the_replica_and_skips_the_prefill():
     """An adapter (models.yaml's lora) is asked for by name: its base model's deployment gets
