@@ -78,6 +78,8 @@ def ps(url: Url = "http://127.0.0.1:8080", api_key: ApiKey = None) -> None:
         # Piped (scripts, tests): wide enough that no cell is cut to "fail…".
         console = Console(emoji=False) if sys.stdout.isatty() else Console(width=200, emoji=False)
         console.print(table)
+        for line in _autoscaled(body["data"]):
+            console.print(line, highlight=False, markup=False)
         console.print(f"[dim]{body['waiting_for_load']} request(s) waiting for a load; "
                       f"max loaded: {body['max_loaded'] or 'no limit'}; max memory: "
                       f"{str(body.get('max_memory_mib')) + ' MiB' if body.get('max_memory_mib') else 'no limit'}"
@@ -128,6 +130,22 @@ def _follow(path: Path) -> None:
                     time.sleep(0.25)
         except KeyboardInterrupt:
             return
+
+
+def _autoscaled(models: list[dict]) -> list[str]:
+    """A line per autoscaled model (a line per scaled role of a PD model): its bounds, the
+    load each replica is to carry, and the decisions made so far."""
+    lines = []
+    for m in models:
+        scale = m.get("autoscale")
+        if not scale:
+            continue
+        pools = {"": scale} if "min" in scale else {f" ({role})": s for role, s in scale.items()}
+        for role, s in pools.items():
+            lines.append(f"autoscaler: {m['model']}{role} {s['min']}-{s['max']} replicas, "
+                         f"target {s['target_ongoing']:g} ongoing each; {s['up']} up, "
+                         f"{s['down']} down so far")
+    return lines
 
 
 def _gateway_listing(r: Any) -> dict | None:

@@ -327,6 +327,10 @@ def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(
         text = httpx.get(gw.url + "/metrics", timeout=30).text
         assert 'justllm_autoscaler_decisions_total{model_name="demo",direction="up"} 1' in text
         assert 'justllm_autoscaler_replicas{model_name="demo"} 1' in text
+        ps = subprocess.run([sys.executable, "-m", "justllm", "ps", "--url", gw.url],
+                            capture_output=True, text=True, timeout=60)
+        assert ps.returncode == 0 and ("autoscaler: demo 1-2 replicas, target 1 ongoing each; "
+                                       "1 up, 1 down so far") in ps.stdout, ps.stdout
         pids = [r["pid"] for r in replicas(gw, "demo").values()]
     finally:
         rc, out = stop(gw)
