@@ -331,6 +331,10 @@ class ChatTemplate:
                 with_tool = self._renders(chat, tools=[_PROBE_TOOL])
                 known = (with_tool is not None and _PROBE_NAME in with_tool
                          and with_tool != self._renders(chat, tools=None))
+            elif what == "tools_list":  # (Hermes' and Command R+'s tool_use templates
+                # loop over tools, None without any: every request without tools failed)
+                known = (self._renders(chat, tools=None) is None
+                         and self._renders(chat, tools=[]) is not None)
             elif what == "json_calls":
                 asked = [{"role": "user", "content": _MARK}]
                 result = self._renders([*asked, {"role": "assistant", "content": "", "tool_calls": [
@@ -508,6 +512,8 @@ class ChatTemplate:
         if (any(m.get("role") == "system" for m in messages)
                 and not self._probe("system_role")):
             messages = _systems_in_user_turns(messages)
+        if tools is None and self._probe("tools_list"):
+            tools = []
         text = self._render_messages(messages, add_generation_prompt, tools, extra)
         left_out = _systems_left_out(messages, text)
         if left_out:  # (Mistral Nemo's shows its system message beside the last user message

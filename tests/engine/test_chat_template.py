@@ -325,6 +325,20 @@ def test_a_template_of_no_known_format_is_read_only_if_it_writes_calls_as_json_n
         assert (tool_fallback_text(TOOLS) in rendered) is not native, rendered
 
 
+def test_a_template_that_loops_over_tools_renders_a_chat_without_any():
+    """Hermes' and Command R+'s tool_use templates, given as --chat-template, loop over
+    ``tools``: every request without tools failed ("'NoneType' object is not iterable"), as
+    in HF. They get an empty list; a template that reads None as none still gets None."""
+    loops = ChatTemplate("{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = [{"role": "user", "content": "Hi"}]
+    assert loops.render(chat) == "Hi"
+    assert loops.render(chat, tools=TOOLS) == "".join(
+        t["function"]["name"] + " " for t in TOOLS) + "Hi"
+    tells = ChatTemplate("{{ 'none' if tools is none else 'list' }}")
+    assert tells.render(chat) == "none"
+
+
 def test_answer_text_drops_leading_and_trailing_blanks():
     a = AnswerText()
     assert [a.feed(p) for p in (" ", " The", " capital", " is", " Paris.", "\n", "\n")] == [
