@@ -116,6 +116,7 @@ def serve(
                               close=AsyncEngine.close).start()
             try:
                 from justllm.server.app import begin_shutdown, create_app
+                from justllm.server.http_limits import LimitedHttpProtocol
 
                 app = create_app(None, server_config, loader=early.take,
                                  routes=routes.handlers, events=events,
@@ -123,6 +124,7 @@ def serve(
                 # uvicorn's own limit is a backstop: by then begin_shutdown has ended every
                 # request.
                 server = _Server(uvicorn.Config(app, host=host, port=port,
+                                                http=LimitedHttpProtocol,
                                                 log_level="info" if config.verbose else "warning",
                                                 timeout_keep_alive=KEEP_ALIVE_SECONDS,
                                                 timeout_graceful_shutdown=math.ceil(
@@ -171,6 +173,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
         create_gateway,
         default_log_dir,
     )
+    from justllm.server.http_limits import LimitedHttpProtocol
 
     # (serve checked the port, the shutdown timeout and the mode: options.check_serve_values)
     routes = plugins.routes()
@@ -198,6 +201,7 @@ def _serve_gateway(models: list[str], models_file: str | None, models_dir: str |
 
     # Runners drain for shutdown_timeout; uvicorn's own limit is a backstop beyond it.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                    http=LimitedHttpProtocol,
                                     timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 10),
                      on_exit=stop_runners, on_force=lambda: all_runners_stopped(app, wait=False),
                      interrupts=interrupts)
