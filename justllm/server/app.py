@@ -41,6 +41,7 @@ from justllm.server.schemas import (
     ModelCard,
     ModelList,
 )
+from justllm.server.web_origin import refuse_other_sites
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             route_handlers=[*handlers, *([Router(path="/", route_handlers=list(extra),
                                                  guards=[require_api_key])] if extra else [])],
             state=state,
+            guards=[refuse_other_sites],
             on_startup=[load_in_background],
             on_shutdown=[close_engine],
             exception_handlers={Exception: handle_exception},

@@ -1,0 +1,59 @@
+"""Requests that a web page on another site sent through its visitor's browser: refused (403).
+
+A page may POST to any address -- ``http://127.0.0.1:8080`` included -- without asking first,
+if its body is ``text/plain`` or a form; the server reads any body as JSON whatever its
+``Content-Type``, so a page the user merely visited ran completions on their server, set its
+LoRA scales, erased its slots, loaded and unloaded router mode's models (it could not read the
+answers: nothing here sends CORS headers). The browser names such a page in ``Origin``; other
+clients (SDKs, curl, the gateway's own calls to its runners) send none. Allowed: no ``Origin``,
+the server's own (its ``/docs`` page), a loopback one (a web app of this machine), and a
+desktop or extension app's own scheme (``app:``, ``vscode-webview:``, ...: no web page can
+claim one). ``null`` (a sandboxed frame, which any page can make) is refused, as Ollama refuses
+it by default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from justllm.server.errors import APIError
+
+
+def _loopback(hostname: str) -> bool:
+    name = hostname.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_origin(origin: str, host: str | None) -> bool:
+    """Whether a request whose ``Origin`` header is ``origin``, sent to ``host`` (its ``Host``
+    header), may be served."""
+    try:
+        parts = urlsplit(origin.strip())
+        hostname = parts.hostname
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https"):
+        return bool(parts.scheme) and origin.strip().lower() != "null"
+    if not hostname:
+        return False
+    if _loopback(hostname):
+        return True
+    return host is not None and parts.netloc.lower() == host.strip().lower()
+
+
+def refuse_other_sites(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Every route's guard (before ``--api-key``'s): see the module's docstring."""
+    origin = connection.headers.get("origin")
+    if origin is None or allowed_origin(origin, connection.headers.get("host")):
+        return
+    raise APIError(403, f"requests from web pages of other sites are refused (Origin: "
+                        f"{origin[:200]})", type="permission_error", code="cross_site_request")

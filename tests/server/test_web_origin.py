@@ -1,0 +1,70 @@
+"""A web page of another site cannot drive the server through its visitor's browser
+(``justllm/server/web_origin.py``): its ``text/plain`` POST, which a browser sends without
+asking, is a 403 in the route's own error shape; the server's own pages, loopback web apps and
+clients that send no ``Origin`` are served."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from justllm.server.web_origin import allowed_origin
+from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def _from_page(url: str, origin: str, path: str = "/v1/chat/completions",
+               body: str = '{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
+               ) -> httpx.Response:
+    """What a page at ``origin`` sends with ``fetch(url, {method: "POST", body})``."""
+    return httpx.post(url + path, content=body, timeout=60,
+                      headers={"Origin": origin, "Content-Type": "text/plain;charset=UTF-8"})
+
+
+@pytest.mark.parametrize(("path", "shape"), [
+    ("/v1/chat/completions", lambda j: j["error"]["type"] == "permission_error"),
+    ("/api/chat", lambda j: "other sites" in j["error"]),
+    ("/v1/messages", lambda j: j["error"]["type"] == "permission_error"),
+    ("/completion", lambda j: j["error"]["code"] == 403),
+    ("/lora-adapters", lambda j: j["error"]["code"] == 403),
+    ("/slots/0?action=erase", lambda j: j["error"]["code"] == 403)])
+def test_another_sites_page_is_refused(server, path, shape):
+    for origin in ("http://evil.example", "null"):
+        r = _from_page(server.url, origin, path)  # (it was answered: 200, or the route's 400)
+        assert r.status_code == 403 and shape(r.json()), (path, r.status_code, r.text)
+
+
+def test_own_and_local_pages_and_plain_clients_are_served(server):
+    for origin in (server.url, "http://localhost:3000", "http://127.0.0.1:5173",
+                   "vscode-webview://abc"):
+        assert _from_page(server.url, origin).status_code == 200, origin
+    assert httpx.post(server.url + "/v1/chat/completions", json=CHAT,
+                      timeout=60).status_code == 200
+
+
+def test_router_mode_refuses_another_sites_page(model_path, tmp_path):
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}})
+    try:
+        r = _from_page(gw.url, "http://evil.example", "/models/unload",
+                       '{"model": "alpha"}')
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site_request"
+        assert _from_page(gw.url, "https://evil.example", "/models/load",
+                          '{"model": "alpha"}').status_code == 403
+    finally:
+        assert stop(gw)[0] == 0
+
+
+def test_allowed_origin():
+    assert allowed_origin("http://example.com:8080", "example.com:8080")  # its own page
+    assert allowed_origin("http://localhost", "example.com")
+    assert allowed_origin("http://app.localhost:3000", None)
+    assert allowed_origin("http://[::1]:3000", None)
+    assert allowed_origin("chrome-extension://abcdef", None)
+    assert not allowed_origin("http://example.com", "127.0.0.1:8080")
+    assert not allowed_origin("http://example.com:8081", "example.com:8080")
+    assert not allowed_origin("http://127.0.0.1.evil.example", None)
+    assert not allowed_origin("null", None)
+    assert not allowed_origin("NULL", None)
+    assert not allowed_origin("", None)
+    assert not allowed_origin("http://[bad", None)
