@@ -177,8 +177,10 @@ def json_object(raw: bytes) -> dict:
     """A request body that must be a JSON object (the proxies' one parse before routing)."""
     try:
         body = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        raise APIError(400, "the body is not valid JSON") from None
+    except msgspec.ValidationError as e:  # (of untyped JSON: a number out of range)
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:  # what is wrong, as a route says it
+        raise to_api_error(e) from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
     return body

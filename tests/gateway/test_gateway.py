@@ -472,6 +472,22 @@ def test_a_model_larger_than_max_memory_is_refused_without_starting(tmp_path, mo
         first.endswith(f"(runner logs in {tmp_path / 'cache' / 'logs'})"), out
 
 
+def test_a_body_that_is_not_json_is_said_why_without_starting(tmp_path, model_path):
+    """As a single server says it (the gateway said "the body is not valid JSON" of valid
+    JSON nested too deeply, and of every other fault alike)."""
+    gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}})
+    try:
+        for body, says in [(b'{"model": "alpha", "x": ' + b"[" * 100_000 + b"]" * 100_000
+                            + b"}", "nested too deeply"),
+                           (b'{"model": "alpha", "prompt": "\xff"}', "UTF-8"),
+                           (b'{"model": "alpha", "max_tokens": 1e999}', "not valid JSON: ")]:
+            r = httpx.post(gw.url + "/v1/completions", content=body, timeout=30)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert gw.runner_pids() == []
+    finally:
+        assert stop(gw)[0] == 0
+
+
 def test_a_runner_that_ignores_sigterm_is_killed_when_the_gateway_stops(tmp_path, model_path):
     """A stopped (SIGSTOP) runner outlived the gateway: the signal handler's close took the
     runners off their models, and the server's own close then found nothing left to stop."""
