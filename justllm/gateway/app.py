@@ -131,7 +131,7 @@ async def _forward(request: Request, path: str, *, method: str = "POST",
     ollama = path.startswith("/api/")
     state = _model(sup, body.get("model") or (body.get("name") if ollama else None), ollama)
     keep_alive = None
-    if ollama and "keep_alive" in body:  # the gateway's to honour; runners never unload
+    if ollama and body.get("keep_alive") is not None:  # the gateway's to honour (null: absent)
         # (Ollama's routes only: elsewhere the runner refuses the field as a single server
         # does, and a keep_alive 0 on /v1 used to unload the model)
         keep_alive = _keep_alive(state, body["keep_alive"])

@@ -19,6 +19,7 @@ turn them off, so every field is honoured or refused with a 400 naming it.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -55,7 +56,7 @@ from justllm.server.app import (
 from justllm.server.errors import llama_server_error, to_api_error
 from justllm.server.line_limits import LineLimits
 from justllm.server.lora import request_lora
-from justllm.server.openai_serving import MAX_REQUEST_STOP, one_value, text_size
+from justllm.server.openai_serving import MAX_REQUEST_STOP, one_value, text_size, token_id
 from justllm.server.schemas import LoraChoice, NullAsDefault, NullBool, NullFloat, NullInt
 
 # llama.cpp's sampler names (and its one-letter forms) in ``samplers``; the ones justllm has
@@ -324,7 +325,7 @@ def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError("a logit_bias is a number or false", param="logit_bias")
         if isinstance(key, str) and isinstance(given, dict) and _INT_KEY.fullmatch(key):
-            ids = [int(key)]  # OpenAI's form: token ids as keys (a negative one refused below)
+            ids = [token_id(key)]  # OpenAI's form: ids as keys (a negative one refused below)
         elif isinstance(key, str):
             ids = aengine.tokenize(key, add_special=False, parse_special=False)
             if not ids:  # (an empty text biased nothing, without a word)
@@ -337,7 +338,10 @@ def _logit_bias(req: LlamaCompletionRequest, aengine: AsyncEngine
                                       param="logit_bias")
         aengine.check_token_ids(ids, "logit_bias")
         for token in ids:
-            out[token] = float(value)
+            try:
+                out[token] = float(value)
+            except OverflowError:  # an int past a float's range: refused as any bias past 100
+                out[token] = math.inf if value > 0 else -math.inf
     return tuple(out.items())
 
 

@@ -300,10 +300,12 @@ def _keep_alive_seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidRequestError("keep_alive must be a number of seconds or a duration such "
                                   "as '5m'", param="keep_alive")
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):  # (past a float's range in router mode's untyped body)
+        return float(value) if abs(value) < 2**63 else math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
         if math.isnan(value):
             raise InvalidRequestError("keep_alive must be a number", param="keep_alive")
-        return float(value)
+        return value
     text = value.strip()
     try:
         seconds = float(text)

@@ -1321,6 +1321,16 @@ def _text_part(part: ContentPart, where: str) -> str:
                               "'text' is supported)", param=where)
 
 
+def token_id(key: str) -> int:
+    """A token id written as an object key (digits, perhaps signed): one of more digits than
+    any vocabulary's ids have is a 400 here, not ``int``'s ValueError past 4,300 digits (a
+    500) or an id the size of the body."""
+    if len(key.lstrip("+-").lstrip("0")) > 18:
+        raise InvalidRequestError(f"logit_bias: {key[:24]}... is not a token id of this "
+                                  "model's vocabulary", param="logit_bias")
+    return int(key)
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as decimal strings) as token id -> bias; the values and
     the vocabulary are checked by SamplingParams and the engine."""
@@ -1329,7 +1339,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         if not (key.isascii() and key.isdigit()):
             raise InvalidRequestError(f"logit_bias keys must be token ids (got {key!r})",
                                       param="logit_bias")
-        out[int(key)] = value
+        out[token_id(key)] = value
     return out
 
 

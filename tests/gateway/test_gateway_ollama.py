@@ -67,6 +67,15 @@ def test_ollama_clients_work_against_the_gateway(tmp_path, model_path):
         bad = httpx.post(gw.url + "/api/generate", timeout=30, json={
             "model": "alpha", "prompt": "Hi", "keep_alive": "soon"})
         assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+        # An int past a float's range (a 500) is refused as any keep_alive past Go's longest;
+        # null is absent, as a single server and Ollama read it (it was a 400).
+        bad = httpx.post(gw.url + "/api/generate", timeout=30, json={
+            "model": "alpha", "prompt": "Hi", "keep_alive": 10**400})
+        assert bad.status_code == 400 and "longest duration" in bad.json()["error"], bad.text
+        r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "alpha", "prompt": "Hi", "stream": False, "keep_alive": None,
+            "options": {"num_predict": 1}})
+        assert r.status_code == 200 and r.json()["done"], r.text
         pids = gw.runner_pids()
         r = httpx.post(gw.url + "/api/generate", json={"model": "alpha", "keep_alive": 0},
                        timeout=60).json()

@@ -114,6 +114,10 @@ BAD = {
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"262144": 1}}, "logit_bias"),
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
+        # (int() refuses 4,301 digits; a float() of 10**400 overflows: each was a 500)
+        (COMPLETIONS, {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ("/completion", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ("/completion", {"prompt": "hi", "logit_bias": {"5": 10**400}}, "logit_bias"),
         (EMBEDDINGS, {"input": [[262144]]}, "input"),
     ],
     "unknown and unsupported fields": [
