@@ -10,6 +10,8 @@ Here a head is at most :data:`HEAD_MAX_BYTES` (431), whole within :data:`HEAD_TI
 of its first byte (or of the connection), and a body never pauses for more than
 :data:`BODY_IDLE_TIMEOUT` seconds (the connection is closed): nginx's
 ``large_client_header_buffers``, ``client_header_timeout`` and ``client_body_timeout``.
+What is no HTTP request at all (uvicorn's own 400: an unknown method, a URL httptools cannot
+parse) is answered in OpenAI's shape too, not uvicorn's plain text.
 Once a request is whole the connection is the app's: a client waiting minutes for an answer
 is never timed out, and uvicorn's keep-alive timeout closes an idle connection after it.
 """
@@ -20,15 +22,15 @@ import asyncio
 import time
 from typing import Literal
 
+import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from justllm.server.errors import error_body
 
 HEAD_MAX_BYTES = 64 * 1024
 HEAD_TIMEOUT = 60.0
 BODY_IDLE_TIMEOUT = 60.0
 LINGER_SECONDS = 2.0  # a refused head's rest is read and dropped this long before the close
-
-_TOO_LARGE = (b'{"error":{"message":"the request\'s headers are too large (at most %d bytes)",'
-              b'"type":"invalid_request_error","param":null,"code":"headers_too_large"}}')
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
@@ -106,14 +108,25 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # The app, if it waits for this body, hears the client disconnect.
         self.transport.close()
 
-    def _refuse_head(self) -> None:
-        body = _TOO_LARGE % self.head_max_bytes
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what is no HTTP request (an unknown method, a URL httptools
+        cannot parse, a bad Content-Length), in OpenAI's shape rather than plain text."""
+        self._write_error(b"400 Bad Request", msg, "invalid_http")
+        self.transport.close()
+
+    def _write_error(self, status: bytes, message: str, code: str) -> None:
+        body = msgspec.json.encode(error_body(message, "invalid_request_error", code=code))
         self.transport.write(b"".join([
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n",
+            b"HTTP/1.1 " + status + b"\r\n",
             *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n", body]))
+
+    def _refuse_head(self) -> None:
+        self._write_error(b"431 Request Header Fields Too Large",
+                          f"the request's headers are too large (at most "
+                          f"{self.head_max_bytes} bytes)", "headers_too_large")
         # A close with the rest of the head unread would reset the connection, and the client
         # would never read why: its sending side is drained for a while first (as nginx's
         # lingering close does).

@@ -1,6 +1,6 @@
 """A connection's limits before a request reaches the app (``justllm/server/http_limits.py``):
 a request head too large is a 431 and costs no memory, on ``justllm serve`` and router mode
-alike; a connection that sends nothing, a head or a body that stops coming, is closed; a slow
+alike, and what is no HTTP request a 400, both in OpenAI's shape; a connection that sends nothing, a head or a body that stops coming, is closed; a slow
 body that keeps coming, and a request the app answers slowly, are not cut."""
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ def test_serve_refuses_a_huge_head_without_holding_it(model_path):
     try:
         port = int(server.url.rsplit(":", 1)[1])
         _assert_431(_huge_head(port))  # (it was answered 200: no limit at all)
+        for no_request in (b"FOO / HTTP/1.1\r\nHost: x\r\n\r\n",
+                           b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(no_request)  # uvicorn's own 400, in plain text before
+                head, _, body = _recv_all(s).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 "), head
+            assert json.loads(body)["error"]["code"] == "invalid_http", body
         before = _rss_mib(server.proc.pid)
         _flood_headers(port, 256 << 20)  # no key: the head is read before any key is asked
         assert _rss_mib(server.proc.pid) - before < 64, "the server kept the headers"
