@@ -96,8 +96,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if self._reading == "head" and self.cycle is not None and not self.cycle.response_complete:
-            # The next request's head began while this one is answered: the answer first.
+        if self.pipeline or (self._reading == "head" and self.cycle is not None
+                              and not self.cycle.response_complete):
+            # The next request began while an earlier one is answered (uvicorn reads a
+            # pipelined request's body only after that): the answer first.
             self._arm(seconds)
             return
         if self._reading == "body":

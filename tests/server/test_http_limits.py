@@ -151,3 +151,12 @@ def test_a_body_that_keeps_coming_and_a_slow_answer_are_not_cut(quick):
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
     r = httpx.post(f"http://127.0.0.1:{quick}/echo", content=b"slow", timeout=30)
     assert r.status_code == 200 and r.json() == {"bytes": 4}
+
+
+def test_a_pipelined_request_waits_without_cutting_the_answer_before_it(quick):
+    """uvicorn reads no more of a connection while it answers an earlier request, so the
+    next one's body stops coming: the earlier answer is not cut for it."""
+    with socket.create_connection(("127.0.0.1", quick)) as s:
+        s.sendall(_post_head(4) + b"slow" + _post_head(10) + b"abc")
+        answer = _recv_all(s)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'{"bytes":4}' in answer, answer
