@@ -9,12 +9,16 @@ clients (SDKs, curl, the gateway's own calls to its runners) send none. Allowed:
 the server's own (its ``/docs`` page), a loopback one (a web app of this machine), and a
 desktop or extension app's own scheme (``app:``, ``vscode-webview:``, ...: no web page can
 claim one). ``null`` (a sandboxed frame, which any page can make) is refused, as Ollama refuses
-it by default.
+it by default. ``JUSTLLM_ORIGINS`` (a comma list, as Ollama's ``OLLAMA_ORIGINS``) allows more:
+exact origins (``https://chat.example.com``, a web UI behind a proxy that rewrites ``Host``),
+or ``*`` for any.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from litestar.connection import ASGIConnection
@@ -50,10 +54,21 @@ def allowed_origin(origin: str, host: str | None) -> bool:
     return host is not None and parts.netloc.lower() == host.strip().lower()
 
 
+def extra_origins(environ: Mapping[str, str]) -> frozenset[str]:
+    """The origins ``JUSTLLM_ORIGINS`` allows besides (``*``: every one), as written but
+    without a trailing slash and in lower case, as ``Origin`` compares."""
+    return frozenset(o.strip().rstrip("/").lower()
+                     for o in environ.get("JUSTLLM_ORIGINS", "").split(",") if o.strip())
+
+
 def refuse_other_sites(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Every route's guard (before ``--api-key``'s): see the module's docstring."""
     origin = connection.headers.get("origin")
     if origin is None or allowed_origin(origin, connection.headers.get("host")):
         return
+    extra = extra_origins(os.environ)  # (read per refusal: the process's own setting)
+    if "*" in extra or origin.strip().rstrip("/").lower() in extra:
+        return
     raise APIError(403, f"requests from web pages of other sites are refused (Origin: "
-                        f"{origin[:200]})", type="permission_error", code="cross_site_request")
+                        f"{origin[:200]}; JUSTLLM_ORIGINS allows more)",
+                   type="permission_error", code="cross_site_request")

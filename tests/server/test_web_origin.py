@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from justllm.server.web_origin import allowed_origin
+from justllm.server.web_origin import allowed_origin, extra_origins
 from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -68,3 +68,25 @@ def test_allowed_origin():
     assert not allowed_origin("NULL", None)
     assert not allowed_origin("", None)
     assert not allowed_origin("http://[bad", None)
+
+
+def test_justllm_origins_allows_more():
+    """A web UI behind a proxy that rewrites Host (its pages' Origin is no longer the
+    server's own) was refused with no way out: ``JUSTLLM_ORIGINS``, as Ollama's
+    ``OLLAMA_ORIGINS``."""
+    assert extra_origins({"JUSTLLM_ORIGINS": " https://Chat.example.com/ , http://x:1"}) == {
+        "https://chat.example.com", "http://x:1"}
+    assert extra_origins({}) == frozenset()
+
+
+def test_an_allowed_origin_is_served(model_path):
+    from tests.server.conftest import start_server
+
+    server = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "64",
+                          env={"JUSTLLM_ORIGINS": "https://chat.example.com"})
+    try:
+        assert _from_page(server.url, "https://chat.example.com").status_code == 200
+        r = _from_page(server.url, "https://evil.example")
+        assert r.status_code == 403 and "JUSTLLM_ORIGINS" in r.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
