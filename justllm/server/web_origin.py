@@ -11,7 +11,8 @@ desktop or extension app's own scheme (``app:``, ``vscode-webview:``, ...: no we
 claim one). ``null`` (a sandboxed frame, which any page can make) is refused, as Ollama refuses
 it by default. ``JUSTLLM_ORIGINS`` (a comma list, as Ollama's ``OLLAMA_ORIGINS``) allows more:
 exact origins (``https://chat.example.com``, a web UI behind a proxy that rewrites ``Host``),
-or ``*`` for any.
+or ``*`` for any. A server listening on loopback also answers only requests for a loopback
+name (DNS rebinding: :func:`allowed_host`; ``JUSTLLM_HOSTS`` allows more).
 """
 
 from __future__ import annotations
@@ -61,8 +62,38 @@ def extra_origins(environ: Mapping[str, str]) -> frozenset[str]:
                      for o in environ.get("JUSTLLM_ORIGINS", "").split(",") if o.strip())
 
 
+def host_name(host: str) -> str | None:
+    """The name in a ``Host`` header (``[::1]:8080`` -> ``::1``), None when it has none."""
+    try:
+        return urlsplit(f"//{host.strip()}").hostname
+    except ValueError:
+        return None
+
+
+def allowed_host(host: str | None, environ: Mapping[str, str]) -> bool:
+    """Whether a server listening on loopback answers a request for ``host`` (its ``Host``
+    header): a loopback name or address, or one ``JUSTLLM_HOSTS`` lists (``*``: any). A page
+    whose own name an attacker's DNS points at 127.0.0.1 (DNS rebinding) sends its own name:
+    its requests are then its own site's to the browser, Origin and all, and it read the
+    answers; Ollama refuses such a Host the same way."""
+    if host is None:  # (no browser sends a request without one)
+        return True
+    name = host_name(host)
+    extra = {h.strip().lower() for h in environ.get("JUSTLLM_HOSTS", "").split(",")
+             if h.strip()}
+    return name is not None and (_loopback(name) or "*" in extra or name.lower() in extra)
+
+
 def refuse_other_sites(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """Every route's guard (before ``--api-key``'s): see the module's docstring."""
+    """Every route's guard (before ``--api-key``'s): see the module's docstring, and
+    :func:`allowed_host` for a server that listens on loopback."""
+    server = connection.scope.get("server")
+    host = connection.headers.get("host")
+    if server and _loopback(str(server[0])) and not allowed_host(host, os.environ):
+        raise APIError(403, f"this server listens on loopback and answers only requests for "
+                            f"a loopback name (Host: {(host or '')[:200]}); JUSTLLM_HOSTS "
+                            "allows more (a proxy that passes its own Host on)",
+                       type="permission_error", code="cross_site_request")
     origin = connection.headers.get("origin")
     if origin is None or allowed_origin(origin, connection.headers.get("host")):
         return

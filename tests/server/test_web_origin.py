@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from justllm.server.web_origin import allowed_origin, extra_origins
+from justllm.server.web_origin import allowed_host, allowed_origin, extra_origins
 from tests.gateway.test_gateway import RUNNER_FLAGS, start_gateway, stop
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -90,3 +90,25 @@ def test_an_allowed_origin_is_served(model_path):
         assert r.status_code == 403 and "JUSTLLM_ORIGINS" in r.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+def test_a_loopback_server_answers_only_requests_for_a_loopback_name(server):
+    """DNS rebinding: a page whose name an attacker's DNS points at 127.0.0.1 sends its own
+    name as Host (and as Origin, which then passed as "the server's own"), and its requests
+    were answered, the answers readable to it."""
+    url = server.url + "/v1/chat/completions"
+    for host in ("evil.example", "evil.example:8080", "192.168.1.7:8080"):
+        r = httpx.post(url, json=CHAT, timeout=60,
+                       headers={"Host": host, "Origin": f"http://{host}"})
+        assert r.status_code == 403, (host, r.text)
+        assert "JUSTLLM_HOSTS" in r.json()["error"]["message"]
+    for host in ("localhost:8080", "127.0.0.1", "[::1]:1", "app.localhost"):
+        assert httpx.post(url, json=CHAT, headers={"Host": host},
+                          timeout=60).status_code == 200, host
+
+
+def test_allowed_host():
+    assert allowed_host(None, {}) and allowed_host("LOCALHOST:1", {})
+    assert not allowed_host("evil.example", {}) and not allowed_host("[bad", {})
+    assert allowed_host("evil.example:9", {"JUSTLLM_HOSTS": "Evil.example, x"})
+    assert allowed_host("any.where", {"JUSTLLM_HOSTS": "*"})
