@@ -66,16 +66,35 @@ JSON_GRAMMAR: str = _grammar.JSON_GBNF.replace("[0-9] [1-9]{0,15})? ws", "[0-9] 
 MAX_MEMORY_SEQ_ID = 256  # memory functions abort the process at or above this id
 
 
+# The sink :func:`_log_to` set for the thread it runs on. llama.cpp's log callback is one for
+# the whole process and is called on the thread that logs, so a call's lines are told apart by
+# thread: the callbacks stay the two below for good, and a line goes to the sink of its own
+# thread, if that thread has one. (A callback made for one call and set from a prepare
+# worker, a grammar's compile, was freed when the call ended while the engine thread, inside
+# llama_decode, could still be calling it: a segfault; and until then the engine thread's
+# lines went to the grammar's sink.)
+_thread_sink = threading.local()
+
+
+def _own_sink(level: int, text: bytes) -> bool:
+    sink = getattr(_thread_sink, "sink", None)
+    if sink is None:
+        return False
+    sink(level, text.decode("utf-8", "replace"))
+    return True
+
+
 def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp log sink for non-verbose runs: only errors reach stderr."""
-    if level == 4:  # GGML_LOG_LEVEL_ERROR (ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT)
-        os.write(2, text)
+    if not _own_sink(level, text) and level == 4:  # GGML_LOG_LEVEL_ERROR (ggml.h: NONE,
+        os.write(2, text)                           # DEBUG, INFO, WARN, ERROR, CONT)
 
 
 def _whole_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp log sink for ``verbose`` runs: every line to stderr, as llama.cpp's own
     default does (these bindings do not take NULL for it)."""
-    os.write(2, text)
+    if not _own_sink(level, text):
+        os.write(2, text)
 
 
 # A C callback must outlive every call into llama.cpp, so it lives at module level (immutable).
@@ -118,19 +137,17 @@ def _progress(stop: Callable[[], bool]) -> Any:
 
 @contextlib.contextmanager
 def _log_to(sink: Callable[[int, str], None], verbose: bool = False) -> Iterator[None]:
-    """Send llama.cpp's log to ``sink(level, text)`` during a call whose reason for failing
-    llama.cpp only logs (an adapter or a quantization it refuses), then back to the usual
-    sink. The log is process-wide: only for calls made on the one thread that calls llama.cpp
-    (or before any engine runs)."""
-    def forward(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        sink(level, text.decode("utf-8", "replace"))
-
-    callback = C.llama_log_callback(forward)
-    C.llama_log_set(callback, ctypes.c_void_p(0))
+    """Send the lines llama.cpp logs on this thread to ``sink(level, text)`` during a call
+    whose reason for failing llama.cpp only logs (an adapter, a grammar or a quantization it
+    refuses); other threads' lines (the engine thread's, in llama_decode) go on to the usual
+    sink. Any thread may use it (see ``_thread_sink``)."""
+    before = getattr(_thread_sink, "sink", None)
+    _thread_sink.sink = sink
+    C.llama_log_set(_usual_log(verbose), ctypes.c_void_p(0))
     try:
         yield
     finally:
-        C.llama_log_set(_usual_log(verbose), ctypes.c_void_p(0))
+        _thread_sink.sink = before
 
 
 def _kept(lines: list[tuple[int, str]], verbose: bool) -> Callable[[int, str], None]:
@@ -164,8 +181,7 @@ def load_problem(path: str) -> str | None:
     """Why llama.cpp would not load the model at ``path`` (None: it loads): it is loaded on the
     CPU, its tensors created against its metadata (each one's shape checked, none missing)
     and memory-mapped, not read, then freed. (``no_alloc`` would skip the mapping too, but
-    llama.cpp asserts against it in the load that follows the tensors' checks.) Same thread
-    rule as :func:`_log_to`."""
+    llama.cpp asserts against it in the load that follows the tensors' checks.)"""
     C.llama_backend_init()
     mparams = C.llama_model_default_params()
     mparams.n_gpu_layers = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 from dataclasses import replace
 
 import pytest
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 from justllm.config import EngineConfig, LoraSpec
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.async_engine import AsyncEngine
+from justllm.engine.backend import _log_to
 from justllm.engine.engine import Engine
 from justllm.errors import InvalidRequestError, ModelLoadError
 from justllm.kv.host_cache import HostCache, HostEntry
@@ -405,5 +407,40 @@ def test_an_adapter_path_with_a_tilde_is_the_file_llama_cpp_opens(model_path, tm
                                  lora=(LoraSpec("s", "~/a.gguf"),)))
     try:
         assert [a.path for a in engine.lora_adapters()] == [str(home / "a.gguf")]
+    finally:
+        engine.close()
+
+
+def test_a_grammar_compiled_beside_the_engine_never_takes_its_log(model_path, adapters):
+    """llama.cpp's log callback is one for the whole process. A prepare worker compiling a
+    grammar used to set a callback of its own, made for that call, while the engine thread
+    ran llama_decode: the engine's lines (an adapter set changed makes llama.cpp reserve its
+    graphs again and log it) went to the grammar's sink, and once the call ended the callback
+    was freed while llama.cpp could still call it, a segfault under mixed load (a grammar and
+    adapter sets). Each thread's call now keeps only its own thread's lines."""
+    engine = Engine(EngineConfig(model=model_path, max_seqs=2, pool_blocks=64,
+                                 lora=(LoraSpec("a", adapters["a"]),)))
+    try:
+        held, done = threading.Event(), threading.Event()
+        lines: list[tuple[int, str]] = []
+
+        def worker() -> None:  # as a grammar's compile does, on a prepare worker
+            with _log_to(lambda level, text: lines.append((level, text))):
+                held.set()
+                done.wait(60)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        assert held.wait(60)
+        try:
+            for lora in ({"a": 1.0}, {}, {"a": 1.0}):  # each change: the graphs reserved again
+                run_alone(engine, "Hello there", under(lora, SHORT))
+        finally:
+            done.set()
+            t.join()
+        assert engine.stats().lora_switches >= 2
+        assert lines == [], lines[:3]
+        # the sink is the worker's alone, and gone with its call: a grammar still compiles
+        assert engine.backend.grammar_error('root ::= "a"') is None
     finally:
         engine.close()
