@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -77,10 +76,11 @@ def warn_if_trained_for(qtype: QuantType) -> None:
 
 def _named(src: Path, served: str | None) -> Path:
     """``src`` as the default output's name reads it: under the name a plugin's source serves
-    it as (``ollama:llama3.2`` -> ``llama3.2``, made file-safe), not its file's (an Ollama
-    blob's ``sha256-<hex>``)."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", served or "").strip("-.")
-    return src.with_name(f"{stem}.gguf") if stem else src
+    it as (``ollama:llama3.2`` -> ``llama3.2``, as the registry names a file), not its file's
+    (an Ollama blob's ``sha256-<hex>``)."""
+    from justllm.models.refs import name_for_file
+
+    return src.with_name(f"{name_for_file(served)}.gguf") if served and served.strip() else src
 
 
 def _output_path(output: str | None, src: Path, qtype: QuantType) -> tuple[Path, bool]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 
 # String literals and character classes (with their escapes).
-GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+GBNF_STRING = r'"(?:\\.|[^"\\])*"'
+GBNF_CLASS = r"\[(?:\\.|[^\]\\])*\]"
+GBNF_LITERALS = re.compile(f"{GBNF_STRING}|{GBNF_CLASS}")
 # A comment runs to the end of its line, "\r" or "\n" (llama.cpp's parse_space).
 GBNF_COMMENT = r"#[^\r\n]*"
 # What is not structure: literals, classes and comments (a quote or bracket in a comment
@@ -15,7 +17,7 @@ GBNF_COMMENT = r"#[^\r\n]*"
 GBNF_TEXT = re.compile(f"{GBNF_LITERALS.pattern}|{GBNF_COMMENT}")
 
 
-_TOKEN = re.compile(r'(?P<lit>"(?:\\.|[^"\\])*")|(?P<cls>\[(?:\\.|[^\]\\])*\])|(?P<com>#[^\r\n]*)'
+_TOKEN = re.compile(f"(?P<lit>{GBNF_STRING})|(?P<cls>{GBNF_CLASS})|(?P<com>{GBNF_COMMENT})"
                     r"|(?P<def>::=)|(?P<name>[A-Za-z0-9_-]+)|(?P<rep>\{[^}]*\})"
                     r"|(?P<op>[()|?*+.])|(?P<ws>\s+)")
 

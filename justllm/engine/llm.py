@@ -33,6 +33,16 @@ class CompletionOutput:
     prompt_token_ids: list[int] | None = None
 
 
+def _per_prompt(params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
+                n: int, what: str) -> list[SamplingParams]:
+    """One SamplingParams for each of ``n`` prompts: the ones given (a list, or a tuple as the
+    prompts may be one: it was taken for a single SamplingParams), or one for all."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+    if len(plist) != n:
+        raise ValueError(f"one SamplingParams per {what}, or one for all")
+    return plist
+
+
 class LLM:
     """Run many prompts through one engine on the calling thread.
 
@@ -59,11 +69,7 @@ class LLM:
         batch: list[str | list[int]] = (
             [prompts] if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int))
             else list(prompts))  # type: ignore[arg-type]  # a list of prompts
-        # (a tuple of them, as prompts may be one, was taken for a single SamplingParams)
-        plist = (list(params) if isinstance(params, (list, tuple))
-                 else [params or SamplingParams()] * len(batch))
-        if len(plist) != len(batch):
-            raise ValueError("one SamplingParams per prompt, or one for all")
+        plist = _per_prompt(params, len(batch), "prompt")
         with self._turn:
             if self._closed:
                 raise EngineClosedError("this LLM is closed")
@@ -97,12 +103,9 @@ class LLM:
                                    continue_final=continue_final_message,
                                    **(chat_template_kwargs or {}))
                    for c in conversations]
-        plist = (list(params) if isinstance(params, (list, tuple))
-                 else [params or SamplingParams()] * len(prompts))
-        if len(plist) != len(prompts):
-            raise ValueError("one SamplingParams per conversation, or one for all")
         plist = [replace(p, stop=with_template_stops(p.stop, template))
-                 if isinstance(p, SamplingParams) else p for p in plist]
+                 if isinstance(p, SamplingParams) else p
+                 for p in _per_prompt(params, len(prompts), "conversation")]
         return self.generate(prompts, plist)  # type: ignore[arg-type]
 
     def _chat_template(self) -> ChatTemplate:

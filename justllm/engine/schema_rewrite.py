@@ -161,7 +161,9 @@ def _types(value: Any) -> set[str]:
     return {value} if isinstance(value, str) else set(value)
 
 
-def _is_type(value: Any, name: str) -> bool:
+def is_json_type(value: Any, name: str) -> bool:
+    """Whether ``value`` (decoded JSON) is of the JSON type ``name`` (``1.0`` is an integer,
+    ``true`` no number)."""
     if isinstance(value, bool):
         return name == "boolean"
     if name == "integer" and isinstance(value, float):
@@ -319,7 +321,7 @@ def rewrite(schema: dict[str, Any], resolve: Resolve, depth: int = 0) -> dict[st
 def _values_of_types(schema: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
     """An ``enum``/``const`` beside a ``type``: only the values of those types."""
     values = [schema["const"]] if "const" in schema else list(schema["enum"])
-    kept = [v for v in values if any(_is_type(v, t) for t in kinds)]
+    kept = [v for v in values if any(is_json_type(v, t) for t in kinds)]
     if not kept:
         raise SchemaConflict(f"no value of the enum (or const) is of type "
                              f"{' or '.join(sorted(kinds))}")

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from justllm.engine.int_range import BOUNDS, bounded_integer
-from justllm.engine.schema_rewrite import ANNOTATIONS, CONTAINERS, same
+from justllm.engine.schema_rewrite import ANNOTATIONS, CONTAINERS, is_json_type, same
 from justllm.errors import InvalidRequestError
 
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -101,23 +101,11 @@ def _values(schema: dict) -> list[Any] | None:
     return enum if isinstance(enum, list) else None
 
 
-def _type_of(value: Any) -> set[str]:
-    """The JSON types a value has (an integral number is ``integer`` and ``number``)."""
-    if value is None:
-        return {"null"}
-    if isinstance(value, bool):
-        return {"boolean"}
-    if isinstance(value, (int, float)):
-        return {"integer", "number"} if float(value).is_integer() else {"number"}
-    return {"string" if isinstance(value, str) else
-            "object" if isinstance(value, dict) else "array"}
-
-
 def _types(schema: dict) -> set[str]:
     """The JSON types a schema's values may have (``number`` includes ``integer``)."""
     values = _values(schema)
     if values is not None:
-        return set().union(*map(_type_of, values)) if values else set()
+        return {t for t in _TYPES for v in values if is_json_type(v, t)}
     named = schema.get("type")
     named = [named] if isinstance(named, str) else named
     if not isinstance(named, list):

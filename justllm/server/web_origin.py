@@ -79,9 +79,11 @@ def allowed_host(host: str | None, environ: Mapping[str, str]) -> bool:
     if host is None:  # (no browser sends a request without one)
         return True
     name = host_name(host)
+    if name is None or _loopback(name):  # (every request's: the setting read only past it)
+        return name is not None
     extra = {h.strip().lower() for h in environ.get("JUSTLLM_HOSTS", "").split(",")
              if h.strip()}
-    return name is not None and (_loopback(name) or "*" in extra or name.lower() in extra)
+    return "*" in extra or name.lower() in extra
 
 
 def refuse_other_sites(connection: ASGIConnection, _: BaseRouteHandler) -> None:

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from justllm.cli import app
 from justllm.engine.backend import gpu_offload_supported
+from tests.helpers import default_sigint
 from tests.lora_files import write_adapter
 
 runner = CliRunner()
@@ -203,7 +204,7 @@ def test_ctrl_c_ends_the_partial_answer_with_a_newline(model_path):
                           "Once upon a time", "-n", "2000", "--ignore-eos", "--pool-blocks",
                           "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          # a test worker may ignore SIGINT, and its children inherit that
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         preexec_fn=default_sigint)
     try:
         first = p.stdout.read(8)  # generation has begun
         p.send_signal(signal.SIGINT)
@@ -283,7 +284,7 @@ def test_rm_refuses_a_model_run_is_generating_with(model_path, tmp_path):
                             stderr=subprocess.PIPE, env=env,
                             # (a test worker may ignore SIGINT, and its children inherit that:
                             # the answer then ran its 1,500 tokens, a minute, before it ended)
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=default_sigint)
     try:
         assert proc.stdout.read(1), proc.stderr.read()  # generating
         rm = subprocess.run([sys.executable, "-m", "justllm", "rm", "held"], env=env,

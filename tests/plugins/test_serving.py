@@ -18,7 +18,7 @@ from justllm.config import EngineConfig
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.engine import Engine
 from justllm.plugins import load_plugins
-from tests.helpers import divergence_is_noise, run_alone
+from tests.helpers import default_sigint, divergence_is_noise, run_alone
 from tests.lora_files import write_adapter
 from tests.plugins.test_loading import SITE
 from tests.server.conftest import start_server
@@ -147,7 +147,7 @@ def sample_cli(tmp_path, *args: str, **kwargs) -> subprocess.Popen:
            "JUSTLLM_SAMPLE_RECORDS": str(tmp_path / "records.jsonl")}
     return subprocess.Popen([sys.executable, "-m", "justllm", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            preexec_fn=default_sigint,
                             **kwargs)
 
 
