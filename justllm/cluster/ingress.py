@@ -72,7 +72,7 @@ from justllm.server.ollama import ollama_error
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import request_id
 from justllm.server.response_store import unstored
-from justllm.server.web_origin import refuse_other_sites
+from justllm.server.web_origin import cors_config, refuse_other_sites
 
 # The replica's process is gone or cannot be reached: nothing of the answer came from it.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
@@ -534,7 +534,7 @@ def create_ingress(ingress: Ingress) -> Litestar:
 
     return Litestar(route_handlers=[v1, api, tokens, health, metrics, ollama_root,
                                     ollama_root_head], on_startup=[restore],
-                    guards=[refuse_other_sites],
+                    guards=[refuse_other_sites], cors_config=cors_config(),
                     state=State({"ingress": ingress, "config": config}),
                     exception_handlers={Exception: handle_exception},
                     before_send=[drop_request_id], openapi_config=None, debug=False)

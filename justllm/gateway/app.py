@@ -53,7 +53,7 @@ from justllm.server.request_checks import check_without_model
 from justllm.server.request_id import HEADER as REQUEST_ID
 from justllm.server.request_id import add_request_id, request_id
 from justllm.server.response_store import unstored
-from justllm.server.web_origin import refuse_other_sites
+from justllm.server.web_origin import cors_config, refuse_other_sites
 
 # A replica that could not be reached or died before answering (refused or timed-out
 # connection, a broken write or read, a protocol error): nothing reached the client, and the
@@ -1000,7 +1000,8 @@ def create_gateway(config: GatewayConfig, settings: GatewaySettings, log_dir: Pa
         else handler.paths)}
     forwarders = plugin_forwarders(plugin_routes, taken)
     return Litestar(route_handlers=[*own, *forwarders], state=state,
-                    guards=[refuse_other_sites], on_startup=[start], on_shutdown=[stop],
+                    guards=[refuse_other_sites], cors_config=cors_config(),
+                    on_startup=[start], on_shutdown=[stop],
                     exception_handlers={Exception: handle_exception},
                     before_send=[add_request_id],
                     request_max_body_size=settings.max_body_bytes, debug=False)

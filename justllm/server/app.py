@@ -41,7 +41,7 @@ from justllm.server.schemas import (
     ModelCard,
     ModelList,
 )
-from justllm.server.web_origin import refuse_other_sites
+from justllm.server.web_origin import cors_config, refuse_other_sites
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ def create_app(aengine: AsyncEngine | None, config: ServerConfig, *,
             route_handlers=[*handlers, *([Router(path="/", route_handlers=list(extra),
                                                  guards=[require_api_key])] if extra else [])],
             state=state,
-            guards=[refuse_other_sites],
+            guards=[refuse_other_sites], cors_config=cors_config(),
             on_startup=[load_in_background],
             on_shutdown=[close_engine],
             exception_handlers={Exception: handle_exception},

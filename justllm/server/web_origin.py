@@ -4,7 +4,7 @@ A page may POST to any address -- ``http://127.0.0.1:8080`` included -- without 
 if its body is ``text/plain`` or a form; the server reads any body as JSON whatever its
 ``Content-Type``, so a page the user merely visited ran completions on their server, set its
 LoRA scales, erased its slots, loaded and unloaded router mode's models (it could not read the
-answers: nothing here sends CORS headers). The browser names such a page in ``Origin``; other
+answers: no other site is sent CORS headers). The browser names such a page in ``Origin``; other
 clients (SDKs, curl, the gateway's own calls to its runners) send none. Allowed: no ``Origin``,
 the server's own (its ``/docs`` page), a loopback one (a web app of this machine), and a
 desktop or extension app's own scheme (``app:``, ``vscode-webview:``, ...: no web page can
@@ -13,6 +13,11 @@ it by default. ``JUSTLLM_ORIGINS`` (a comma list, as Ollama's ``OLLAMA_ORIGINS``
 exact origins (``https://chat.example.com``, a web UI behind a proxy that rewrites ``Host``),
 or ``*`` for any. A server listening on loopback also answers only requests for a loopback
 name (DNS rebinding: :func:`allowed_host`; ``JUSTLLM_HOSTS`` allows more).
+
+The origins allowed are also sent CORS headers (:func:`cors_config`), as llama-server, Ollama and
+vLLM send them: a web app of this machine (``http://localhost:3000``), an extension's or desktop
+app's page, or one ``JUSTLLM_ORIGINS`` lists, may read the answers, its preflight answered
+without the API key (a browser sends none there); any other origin's preflight fails.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from justllm.server.errors import APIError
+from justllm.server.request_id import HEADER as REQUEST_ID_HEADER
 
 
 def _loopback(hostname: str) -> bool:
@@ -60,6 +67,29 @@ def extra_origins(environ: Mapping[str, str]) -> frozenset[str]:
     without a trailing slash and in lower case, as ``Origin`` compares."""
     return frozenset(o.strip().rstrip("/").lower()
                      for o in environ.get("JUSTLLM_ORIGINS", "").split(",") if o.strip())
+
+
+def origin_allowed(origin: str, host: str | None, environ: Mapping[str, str]) -> bool:
+    """:func:`allowed_origin`, or one that ``JUSTLLM_ORIGINS`` in ``environ`` allows."""
+    if allowed_origin(origin, host):
+        return True
+    extra = extra_origins(environ)  # (read only past the rule: the process's own setting)
+    return "*" in extra or origin.strip().rstrip("/").lower() in extra
+
+
+class _ServedOrigins(CORSConfig):
+    """CORS headers for exactly the origins :func:`refuse_other_sites` serves (a same-origin
+    request needs none, so the server's own page is left to the guard)."""
+
+    def is_origin_allowed(self, origin: str) -> bool:
+        return origin_allowed(origin, None, os.environ)
+
+
+def cors_config() -> CORSConfig:
+    """The apps' CORS: any method and request header (``Authorization`` and ``x-api-key``
+    included, which a browser asks for by name), the request id readable, preflights
+    cached 10 minutes; no cookies (the API key is a header)."""
+    return _ServedOrigins(allow_origins=[], expose_headers=[REQUEST_ID_HEADER])
 
 
 def host_name(host: str) -> str | None:
@@ -97,10 +127,7 @@ def refuse_other_sites(connection: ASGIConnection, _: BaseRouteHandler) -> None:
                             "allows more (a proxy that passes its own Host on)",
                        type="permission_error", code="cross_site_request")
     origin = connection.headers.get("origin")
-    if origin is None or allowed_origin(origin, connection.headers.get("host")):
-        return
-    extra = extra_origins(os.environ)  # (read per refusal: the process's own setting)
-    if "*" in extra or origin.strip().rstrip("/").lower() in extra:
+    if origin is None or origin_allowed(origin, connection.headers.get("host"), os.environ):
         return
     raise APIError(403, f"requests from web pages of other sites are refused (Origin: "
                         f"{origin[:200]}; JUSTLLM_ORIGINS allows more)",

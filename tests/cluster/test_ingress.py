@@ -589,3 +589,26 @@ def test_ollamas_root_version_and_ps_answer_as_in_router_mode():
     assert model["name"] == "demo:latest" and model["expires_at"] > "2100"
     with client(Handle(), board=Board({})) as c:  # scaled to zero: nothing up
         assert c.get("/api/ps").json() == {"models": []}
+
+
+def test_a_page_it_serves_gets_cors_headers_once():
+    """A loopback web app may read a cluster's answers as a single server's (its preflight
+    answered without the key); a replica's own CORS headers, relayed, are not doubled
+    (a browser refuses two ``Access-Control-Allow-Origin`` values)."""
+    origin = "http://localhost:3000"
+    handle = Handle(Answer(Head(200, [("content-type", "application/json"),
+                                      ("access-control-allow-origin", origin)]), b"{}"))
+    with client(handle, api_key="k") as c:
+        pre = c.options("/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        r = c.post("/v1/chat/completions", headers={"Origin": origin, "Authorization": "Bearer k"},
+                   json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+        other = c.post("/v1/chat/completions", headers={"Origin": "http://evil.example"},
+                       json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == origin
+    assert "authorization" in pre.headers["access-control-allow-headers"]
+    assert r.status_code == 200
+    assert r.headers.get_list("access-control-allow-origin") == [origin]
+    assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+    assert len(handle.calls) == 1

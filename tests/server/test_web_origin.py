@@ -43,9 +43,45 @@ def test_own_and_local_pages_and_plain_clients_are_served(server):
                       timeout=60).status_code == 200
 
 
+def _preflight(url: str, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    """What a browser asks before a page at ``origin`` POSTs JSON with an API key."""
+    return httpx.options(url + path, timeout=60, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_pages_it_serves_may_read_the_answers_and_others_may_not(server):
+    """A web app of this machine (``http://localhost:3000``) could call the server but not
+    read what it answered: no CORS headers were sent, its preflight (before a JSON POST with
+    a key) and answers had none, so its ``fetch`` failed, as it does not with llama-server
+    or Ollama."""
+    for origin in ("http://localhost:3000", "vscode-webview://abc"):
+        pre = _preflight(server.url, origin)
+        assert pre.status_code == 204, pre.text
+        assert pre.headers["access-control-allow-origin"] == origin
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60,
+                       headers={"Origin": origin})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
+    for origin in ("http://evil.example", "null"):
+        pre = _preflight(server.url, origin)
+        assert pre.status_code >= 400 and "access-control-allow-origin" not in pre.headers
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60,
+                       headers={"Origin": origin})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in httpx.post(
+        server.url + "/v1/chat/completions", json=CHAT, timeout=60).headers
+
+
 def test_router_mode_refuses_another_sites_page(model_path, tmp_path):
     gw = start_gateway(tmp_path, {"alpha": {"source": model_path, **RUNNER_FLAGS}})
     try:
+        pre = _preflight(gw.url, "http://localhost:5173", "/models/load")
+        assert pre.status_code == 204
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:5173"
+        assert _preflight(gw.url, "http://evil.example").status_code >= 400
         r = _from_page(gw.url, "http://evil.example", "/models/unload",
                        '{"model": "alpha"}')
         assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site_request"
@@ -83,10 +119,20 @@ def test_an_allowed_origin_is_served(model_path):
     from tests.server.conftest import start_server
 
     server = start_server(model_path, "--max-seqs", "2", "--pool-blocks", "64",
+                          "--api-key", "sk-test",
                           env={"JUSTLLM_ORIGINS": "https://chat.example.com"})
     try:
-        assert _from_page(server.url, "https://chat.example.com").status_code == 200
-        r = _from_page(server.url, "https://evil.example")
+        pre = _preflight(server.url, "https://chat.example.com")  # (a browser sends no key)
+        assert pre.status_code == 204, pre.text
+        assert pre.headers["access-control-allow-origin"] == "https://chat.example.com"
+        assert _preflight(server.url, "https://evil.example").status_code >= 400
+        assert _from_page(server.url, "https://chat.example.com").status_code == 401
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60,
+                       headers={"Origin": "https://chat.example.com",
+                                "Authorization": "Bearer sk-test"})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://chat.example.com"
+        r = _from_page(server.url, "https://evil.example")  # (the guard comes before the key's)
         assert r.status_code == 403 and "JUSTLLM_ORIGINS" in r.json()["error"]["message"]
     finally:
         assert server.stop() == 0
