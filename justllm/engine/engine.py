@@ -135,6 +135,9 @@ class Handover:
     # refused (HandoverError), as a render of the prompt that differs between the two
     # replicas (another chat template) would otherwise go on from a foreign token.
     prompt: str = ""
+    # The prompt tokens the drawing engine took from its prefix cache: the request's
+    # ``cached_tokens`` (the other engine's hit on the KV handed over is no cache hit to it).
+    cached_tokens: int = 0
 
 
 def check_request_fits(n_prompt: int, max_tokens: int | None, limit: int) -> None:
@@ -217,6 +220,7 @@ class _Live:
     output: list[str] | None = None
     handover: bool = False  # its final output carries a Handover
     resumed: bool = False  # its first tokens came in a Handover
+    resumed_cached: int = 0  # that Handover's cached_tokens
     origin: RequestOrigin | None = None  # for its record
     # params.prompt_logprobs: filled chunk by chunk as the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -506,6 +510,8 @@ class Engine:
                 RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(tokens),
                                lora=self.loras.label(lora)),
                 handover=handover, resumed=resume is not None, origin=origin)
+            if resume is not None:
+                live.resumed_cached = min(resume.cached_tokens, len(tokens))
             if self._observer is not None and self._observer.text:
                 live.prompt = prompt if isinstance(prompt, str) else None
                 live.output = []
@@ -975,8 +981,11 @@ class Engine:
             live = self._live.get(chunk.request.request_id)
             if live is not None and live.metrics.scheduled_time is None:
                 live.metrics.scheduled_time = now
-                if live.resumed:  # its first token came before its prompt met the cache
-                    live.metrics.num_cached_tokens = chunk.request.num_cached_tokens
+                if live.resumed:  # its first token came before its prompt met the cache:
+                    # the drawing engine's hit, less what this one had to compute again (an
+                    # import refused), as the prompt tokens no engine computed for it
+                    live.metrics.num_cached_tokens = min(chunk.request.num_cached_tokens,
+                                                         live.resumed_cached)
 
     def _graph_rows(self, plan: StepPlan) -> dict[int, tuple[int, bool]]:
         """``--backend-sampling``: give each sequence with an output row this step the chain
@@ -1178,7 +1187,8 @@ class Engine:
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
-            m.num_cached_tokens = req.num_cached_tokens
+            # (a resumed request's, until its prompt meets the cache here, if it ever does)
+            m.num_cached_tokens = live.resumed_cached if live.resumed else req.num_cached_tokens
             self._prompt_tokens_total += req.num_prompt_tokens if here else 0
         if sampled.logprob is not None:
             out.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top_logprobs or ()))
@@ -1214,7 +1224,7 @@ class Engine:
             rng_state = dict(live.sampler.rng.bit_generator.state)
             handover = Handover(tuple(req.output_token_ids), rng_state,
                                 tuple(out.logprobs) if out.logprobs else None,
-                                prompt_digest(req.prompt_token_ids))
+                                prompt_digest(req.prompt_token_ids), req.num_cached_tokens)
         prompt_lps = None
         if live.prompt_logprobs is not None and not req.prompt_logprobs_done:
             prompt_lps, req.prompt_logprobs_done = live.prompt_logprobs, True

@@ -75,6 +75,7 @@ class _Choice(msgspec.Struct, frozen=True):
     rng: dict[str, Any]
     logprobs: list[_Logprob] | None = None
     prompt: str = ""  # the prompt's digest (engine.prompt_digest): the decode side checks it
+    cached: int = 0  # the prompt tokens the prefill replica's cache held (cached_tokens)
 
 
 class _Head(msgspec.Struct, frozen=True):
@@ -86,7 +87,8 @@ def handover_bytes(handovers: list[Handover]) -> bytes:
     head = msgspec.json.encode(_Head([_Choice(
         list(h.token_ids), h.rng_state,
         None if h.logprobs is None else [_Logprob(lp.logprob, list(lp.top))
-                                         for lp in h.logprobs], h.prompt) for h in handovers]))
+                                         for lp in h.logprobs], h.prompt, h.cached_tokens)
+        for h in handovers]))
     return struct.pack("<I", len(head)) + head
 
 
@@ -105,7 +107,8 @@ def read_handover(data: memoryview) -> tuple[list[Handover] | None, memoryview]:
         return None, data[4 + n:]
     return [Handover(tuple(c.tokens), c.rng, None if c.logprobs is None else tuple(
         TokenLogprob(t, lp.logprob, tuple(lp.top))
-        for t, lp in zip(c.tokens, c.logprobs)), c.prompt) for c in head.choices], data[4 + n:]
+        for t, lp in zip(c.tokens, c.logprobs)), c.prompt, max(c.cached, 0))
+        for c in head.choices], data[4 + n:]
 
 
 def _jobs(served: Any, req: ChatCompletionRequest | CompletionRequest) -> list[Job]:

@@ -262,6 +262,9 @@ def test_a_request_resumed_from_a_handover_answers_exactly_as_it_would_whole(pai
     before = decode.stats().prefix_cache.hit_tokens
     tokens, logprobs = rest_of(decode, first.request_id)
     assert decode.stats().prefix_cache.hit_tokens - before == n  # only the given token computed
+    # ... yet no prompt token was cached for this request: the prefill engine computed them
+    # all (its cache was empty), and the decode engine's hit is on the KV handed over
+    assert handover.cached_tokens == 0 and first.metrics.num_cached_tokens == 0
     settled(decode)
 
     local = Engine(EngineConfig(model=model_path, max_seqs=4, pool_blocks=128))
@@ -279,10 +282,14 @@ def test_a_request_resumed_from_a_handover_answers_exactly_as_it_would_whole(pai
 
 def test_a_handover_that_ends_the_request_finishes_it_at_once(pair):
     prefill, decode = pair
-    handover = drawn_first(prefill, PROMPT, SAMPLED)
+    drawn_first(prefill, PROMPT, SAMPLED)
+    handover = drawn_first(prefill, PROMPT, SAMPLED)  # (the prompt cached there now)
     done = decode.resume_request(PROMPT, replace(SAMPLED, max_tokens=1), handover)
     assert done.finished and done.finish_reason == "length" and done.token_ids == list(
         handover.token_ids)
+    # its cached_tokens are the prefill engine's hit (they were 0: it never met a cache here)
+    assert 0 < handover.cached_tokens == done.metrics.num_cached_tokens < len(
+        decode.tokenize(PROMPT))
     eos = next(t for t in range(decode.backend.n_vocab) if decode.backend.is_eog(t))
     stop = decode.resume_request(PROMPT, replace(SAMPLED, ignore_eos=False, logprobs=None),
                                  Handover((eos,), handover.rng_state, prompt=handover.prompt))
