@@ -542,9 +542,19 @@ _NOT_KEYS_CHARS = 64
 _FINITE_NUMBER = '("-"? integral-part) ("." decimal-part)? ([eE] [-+]? [0-9] [0-9]?)? space'
 
 
+# A real calendar date: llama-cpp-python's took any day 01-31 in any month (2023-02-31);
+# February 29th only in a leap year (a multiple of 4 whose last two digits are not 00, or of
+# 400).
+_DATE = ('[0-9] [0-9] [0-9] [0-9] "-" ( ( "0" [13578] | "1" [02] ) "-" '
+         '( "0" [1-9] | [12] [0-9] | "3" [01] ) | ( "0" [469] | "11" ) "-" '
+         '( "0" [1-9] | [12] [0-9] | "30" ) | "02-" ( "0" [1-9] | "1" [0-9] | "2" [0-8] ) ) | '
+         '( [0-9] [0-9] ( "0" [48] | [2468] [048] | [13579] [26] ) | '
+         '( "0" [048] | [2468] [048] | [13579] [26] ) "00" ) "-02-29"')
+
+
 class _SchemaConverter(_grammar.SchemaConverter):
     """llama-cpp-python's converter, plus integer bounds (engine/int_range.py), JSON's own
-    string characters (no raw control characters), and what it got wrong: literals with a
+    string characters (no raw control characters), real dates, and what it got wrong: literals with a
     backslash or a character past U+FFFF (an enum value, a property name), a pattern's JSON
     escaping (engine/json_regex.py), objects with optional properties beside
     ``additionalProperties``, ``prefixItems`` with ``items`` or a count, schemas that only
@@ -556,6 +566,8 @@ class _SchemaConverter(_grammar.SchemaConverter):
             rule = _grammar.BuiltinRule(_JSON_CHAR, [])
         elif name == "number":  # an exponent of at most two digits: always a finite double
             rule = _grammar.BuiltinRule(_FINITE_NUMBER, list(rule.deps))
+        elif name == "date":  # (date-time's too)
+            rule = _grammar.BuiltinRule(_DATE, [])
         return super()._add_primitive(name, rule)
 
     def _add_rule(self, name: str, rule: str) -> str:

@@ -368,3 +368,18 @@ def test_a_numbers_exponent_stays_within_a_doubles_range(accepts):
     assert accepts(schema, '{"x": -1.5e-99}') and accepts(schema, '{"x": 12E+3}')
     assert not accepts(schema, '{"x": 1e400}') and not accepts(schema, '{"x": 1e100}')
     assert accepts({}, '[1e99, {"a": 2.5}]') and not accepts({}, "1e308")
+
+
+def test_a_date_is_a_real_calendar_date(accepts):
+    """``format: date`` took any day 01-31 in any month (llama-cpp-python's rule): an answer
+    could say 2023-02-31, which no date parser reads."""
+    date = {"type": "string", "format": "date"}
+    for good in ("2023-01-31", "2023-04-30", "2023-02-28", "2024-02-29", "2000-02-29",
+                 "1600-02-29", "0004-02-29", "2023-12-31"):
+        assert accepts(date, f'"{good}"'), good
+    for bad in ("2023-02-31", "2023-02-30", "2023-02-29", "1900-02-29", "2100-02-29",
+                "2023-04-31", "2023-11-31", "2023-13-01", "2023-00-10", "2023-01-00"):
+        assert not accepts(date, f'"{bad}"'), bad
+    stamp = {"type": "string", "format": "date-time"}
+    assert accepts(stamp, '"2024-02-29T12:00:00Z"')
+    assert not accepts(stamp, '"2023-02-29T12:00:00Z"')
