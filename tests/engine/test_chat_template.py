@@ -492,15 +492,14 @@ def test_a_models_tool_use_template_renders_the_requests_with_tools(model_path, 
     """Hermes 2 Pro's and Hermes 3's GGUFs keep their tool template apart
     (``tokenizer.chat_template.tool_use``; the default is plain ChatML): it was never read, so
     their tools went through the fallback's JSON, not the <tool_call> they were trained on."""
-    import gguf
-
     from justllm.engine.backend import BackendConfig, LlamaBackend
+    from justllm.models.draft import _read  # (gguf's own reader: 17 s on this vocabulary)
     from tests.models.ggufs import with_metadata
 
     path = with_metadata(Path(model_path), tmp_path / "hermes.gguf", lambda w, arch: (
         w.add_chat_template([{"name": "default", "template": CHATML_ONLY},
                              {"name": "tool_use", "template": HERMES_TOOL_USE}])))
-    assert gguf.GGUFReader(path).get_field("tokenizer.chat_template.tool_use") is not None
+    assert _read(path).get_field("tokenizer.chat_template.tool_use") is not None
     with LlamaBackend(BackendConfig(model_path=str(path), n_ctx=64, n_seq_max=1)) as b:
         t = ChatTemplate.from_backend(b)
     chat = [{"role": "user", "content": "Weather in Paris?"}]
