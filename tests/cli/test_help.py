@@ -67,3 +67,21 @@ def test_arguments_read_in_capitals_and_flags_show_no_value():
         for p in cmd.get_params(ctx):
             if p.param_type_name == "argument":
                 assert p.metavar and p.metavar.isupper(), (cmd.name, p.name)
+
+
+def test_every_option_is_in_the_readme():
+    """Each command's options are named in README.md (a plugin's commands: in the plugin's own
+    README); `plugins --all`, `logs --follow`/`--lines` and `run --prompt` were in no README."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    docs = "\n".join(p.read_text() for p in [root / "README.md",
+                                             *root.glob("plugins/*/README.md")])
+    typer_own = {"--help", "--install-completion", "--show-completion"}
+    options = {(cmd.name, o) for cmd, ctx in _every_command() if not cmd.hidden
+               for p in cmd.get_params(ctx) if p.param_type_name == "option"
+               for o in [*p.opts, *p.secondary_opts] if o.startswith("--") and o not in typer_own}
+    assert len(options) > 150
+    missing = sorted((c, o) for c, o in options if not re.search(rf"{re.escape(o)}(?![\w-])", docs))
+    assert not missing, missing
