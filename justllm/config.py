@@ -222,6 +222,7 @@ def check_spec_settings(spec: str, method: SpecMethod | None, given: Iterable[st
 
 # embeddings' pooling (EngineConfig.pooling); "rank": a reranker's score (llama-server's)
 POOLINGS = ("mean", "cls", "last", "rank")
+AUTO_ON_OFF = ("auto", "on", "off")  # --flash-attn, --repack
 
 
 @dataclass(frozen=True)
@@ -353,9 +354,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-        if self.flash_attn not in ("auto", "on", "off"):
+        if self.flash_attn not in AUTO_ON_OFF:
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
-        if self.repack not in ("auto", "on", "off"):
+        if self.repack not in AUTO_ON_OFF:
             raise ValueError(f"repack must be auto, on or off (got {self.repack!r})")
         if self.spare_seq_ids == -1:
             object.__setattr__(self, "spare_seq_ids", default_spare_seq_ids(self.max_seqs))

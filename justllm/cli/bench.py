@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from justllm.cli.completion import one_of
 from justllm.cli.errors import cli_errors
 from justllm.cli.options import typed
 
+WORKLOADS = ("random", "shared-prefix", "sharegpt")
 MIN_REQUEST_RATE = 0.001  # requests per second (one every 1,000 s, on average)
 
 
@@ -23,7 +25,7 @@ def bench(
     model: Annotated[Optional[str], typer.Argument(help="A model for bench to serve itself (path or name; default: the demo model) when no --url is given.", show_default=False)] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="An OpenAI-compatible server to measure (e.g. http://127.0.0.1:8080).")] = None,
     vs: Annotated[Optional[str], typer.Option("--vs", help="A second endpoint: same workload, side by side with ratios.")] = None,
-    workload: Annotated[str, typer.Option("--workload", help="random | shared-prefix | sharegpt")] = "random",
+    workload: Annotated[str, typer.Option("--workload", autocompletion=one_of(lambda: WORKLOADS), help=" | ".join(WORKLOADS))] = "random",
     dataset: Annotated[Optional[Path], typer.Option("--dataset", help="ShareGPT-style JSON file (sets --workload sharegpt).")] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", "-n", help="Requests to send.")] = 32,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Most requests in flight.")] = 8,
@@ -124,7 +126,7 @@ def bench(
                 raise ValueError("--workload sharegpt needs --dataset FILE")
             requests = w.sharegpt_prompts(dataset, num_requests, output_len, seed)
         else:
-            raise ValueError(f"unknown workload '{workload}' (random, shared-prefix, sharegpt)")
+            raise ValueError(f"unknown workload '{workload}' ({', '.join(WORKLOADS)})")
 
         console = Console(stderr=True, emoji=False)
         server = None

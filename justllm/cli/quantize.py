@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from justllm.cli.background import run_interruptible
+from justllm.cli.completion import one_of, quant_types
 from justllm.cli.errors import cli_errors
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 def quantize(
     context: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="The model: a path, a name from 'justllm models', or a Hugging Face REPO[:FILE].", show_default=False)] = None,
-    type_name: Annotated[Optional[str], typer.Argument(metavar="TYPE", help="llama.cpp's type name, e.g. Q4_K_M, Q8_0, IQ4_XS, F16 (--list shows them all).", show_default=False)] = None,
+    type_name: Annotated[Optional[str], typer.Argument(metavar="TYPE", autocompletion=one_of(quant_types), help="llama.cpp's type name, e.g. Q4_K_M, Q8_0, IQ4_XS, F16 (--list shows them all).", show_default=False)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Where to write it (default: <stem>-<type>.gguf in the models directory, registered as a model); a directory (an existing one, or one ending in '/', made if need be) gets <stem>-<type>.gguf inside.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Quantize a model that is quantized already (it loses more quality than quantizing its F16/BF16 original).")] = False,
     imatrix: Annotated[Optional[str], typer.Option("--imatrix", help="Importance matrix from llama.cpp's llama-imatrix (GGUF or .dat): better low-bit quality; IQ1/IQ2 types need one.")] = None,

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from justllm.cli import options as o
+from justllm.cli.completion import one_of, roles
 from justllm.cli.errors import cli_errors
 from justllm.cli.plugins import plugins_of, warn_problems
 from justllm.errors import ModelLoadError
@@ -41,7 +42,7 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients send (default: the file name without .gguf).")] = None,
     models_file: Annotated[Optional[str], typer.Option("--models", help="Router mode: serve every model in this YAML file (each in its own runner process, loaded on demand; see the README).", envvar="JUSTLLM_MODELS")] = None,
     models_dir: Annotated[Optional[str], typer.Option("--models-dir", help="Router mode: serve every .gguf in this directory and below, named by file stem (a split model by its name, from its first part).")] = None,
-    role: Annotated[str, typer.Option("--role", help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
+    role: Annotated[str, typer.Option("--role", autocompletion=one_of(roles), help="Prefill/decode disaggregation: 'prefill' computes prompts and exports their KV, 'decode' imports it and generates, 'both' (default) does either; every role also serves the OpenAI API whole.", envvar="JUSTLLM_ROLE")] = "both",
     record_text: Annotated[bool, typer.Option("--record-text", help="Finished-request records (plugins' on_request_finished, e.g. justllm-request-log) carry the prompt and output text.", envvar="JUSTLLM_RECORD_TEXT")] = False,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT: the server stops accepting connections, and the requests in flight may still run this many seconds; then they are aborted and the server exits. 0: abort at once.", envvar="JUSTLLM_SHUTDOWN_TIMEOUT")] = 5.0,
     engine_flags: dict | None = None,

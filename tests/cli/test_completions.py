@@ -73,3 +73,10 @@ def test_zsh_descriptions_are_one_line_each():
     assert out[0].startswith("_arguments '*: :((") and out[-1].endswith("))'"), out[:2]
     lines = [out[0].removeprefix("_arguments '*: :(("), *out[1:]]
     assert len(lines) > 20 and all(line.startswith('"--') for line in lines), lines
+
+
+def test_an_option_that_takes_one_of_some_words_offers_them():
+    """`--flash-attn <TAB>` offered nothing (fish) or the folder's files (bash, zsh), though
+    it takes auto, on or off; so did `quantize MODEL <TAB>` for llama.cpp's types."""
+    assert _fish_candidates("justllm serve --flash-attn ", "80") == ["auto", "on", "off"]
+    assert _fish_candidates("justllm quantize demo Q4_K", "80") == ["Q4_K", "Q4_K_S", "Q4_K_M"]
