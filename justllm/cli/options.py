@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -359,7 +360,20 @@ def check_engine_values(flags: dict[str, Any], spec_methods: Mapping[str, SpecMe
     no model: all but the model's file, the LoRA files against it and the pool against its
     KV (``justllm config show``, which knows no model, and has none of these values typed)."""
     v = engine_values(flags, frozenset(), spec_methods)
-    EngineConfig(model="", spec_methods=spec_methods, **v | {"lora": parse_lora(v["lora"])})
+    _checked_config(model="", spec_methods=spec_methods, **v | {"lora": parse_lora(v["lora"])})
+
+
+def _checked_config(**values: Any) -> EngineConfig:
+    """``EngineConfig(**values)``, its refusals naming the flags as typed: EngineConfig names
+    its fields as the Python API spells them (``max_queue must be ...``), which the command
+    line spells ``--max-queue`` (router mode's models.yaml says ``max-queue``, its own)."""
+    try:
+        return EngineConfig(**values)
+    except ValueError as e:
+        said = str(e)
+        for flag in ENGINE_FLAGS:
+            said = re.sub(rf"(?<![\w-]){flag.name}\b", "--" + flag.name.replace("_", "-"), said)
+        raise ValueError(said) from None
 
 
 def engine_config(model: str | None, flags: dict[str, Any],
@@ -380,8 +394,8 @@ def engine_config(model: str | None, flags: dict[str, Any],
     path = resolve_model(model)
     v["lora"] = lora_specs(v["lora"], path)
     draft_model = v.pop("draft_model")
-    config = EngineConfig(model=path, spec_methods=plugins.spec_methods,
-                          draft_model=resolve_model(draft_model) if draft_model else None, **v)
+    config = _checked_config(model=path, spec_methods=plugins.spec_methods,
+                             draft_model=resolve_model(draft_model) if draft_model else None, **v)
     check_pool_fits(config)
     if config.threads and not config.gpu and config.threads > usable_cpus():
         from rich.console import Console

@@ -166,7 +166,7 @@ def test_config_show_lets_the_environment_win_and_checks_values_as_the_engine_do
     monkeypatch.delenv("JUSTLLM_MAX_SEQS")
     cfg.write_text("max-seqs: -4\n")  # listed, exit 0; serve and run refuse it
     r = runner.invoke(app, ["config", "show", "--config", str(cfg)])
-    assert r.exit_code == 1 and "max_seqs must be an integer >= 1 (got -4)" in r.output
+    assert r.exit_code == 1 and "--max-seqs must be an integer >= 1 (got -4)" in r.output
     # serve's own checks as well as the engine's (each was listed, exit 0)
     for text, env, said in (
             ("port: 99999\n", {}, "--port must be in 1..65535"),

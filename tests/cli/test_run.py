@@ -151,8 +151,8 @@ def test_run_with_speculation_reports_acceptance(model_path):
 def test_speculation_flag_errors_are_one_line(tmp_path, model_path):
     cases = [
         (["--spec", "draft"], "needs --draft-model"),
-        (["--spec", "bogus"], "spec must be one of ngram, draft, tree"),
-        (["--spec", "ngram", "--gamma", "0"], "gamma must be an integer in [1, 16]"),
+        (["--spec", "bogus"], "--spec must be one of ngram, draft, tree"),
+        (["--spec", "ngram", "--gamma", "0"], "--gamma must be an integer in [1, 16]"),
         (["--spec", "tree", "--draft-model", str(tmp_path / "nope.gguf")], "nope.gguf"),
     ]
     for extra, needle in cases:
