@@ -358,7 +358,8 @@ class EngineConfig:
             raise ValueError(f"flash_attn must be auto, on or off (got {self.flash_attn!r})")
         if self.repack not in AUTO_ON_OFF:
             raise ValueError(f"repack must be auto, on or off (got {self.repack!r})")
-        if self.spare_seq_ids == -1:
+        spares_chosen = self.spare_seq_ids != -1
+        if not spares_chosen:
             object.__setattr__(self, "spare_seq_ids", default_spare_seq_ids(self.max_seqs))
         for name in ("threads", "ctx", "spare_seq_ids", "prefix_cache_blocks"):
             if getattr(self, name) < 0:
@@ -374,8 +375,11 @@ class EngineConfig:
             raise ValueError(f"cache_ram must be -1 (no limit), 0 (off) or MiB (got "
                              f"{self.cache_ram!r})")
         if self.max_seqs + self.spare_seq_ids > MAX_SEQ_IDS:
-            raise ValueError(f"max_seqs + spare_seq_ids must be <= {MAX_SEQ_IDS} (llama.cpp's "
-                             "256 sequence ids, each with a twin on sliding-window models)")
+            # (spare ids left to their default give way first: then only max_seqs is over)
+            what, got = (("max_seqs + spare_seq_ids", self.max_seqs + self.spare_seq_ids)
+                         if spares_chosen else ("max_seqs", self.max_seqs))
+            raise ValueError(f"{what} must be <= {MAX_SEQ_IDS}, got {got} (llama.cpp's 256 "
+                             "sequence ids, each with a twin on sliding-window models)")
         if self.chunk_size > self.n_batch:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be <= n_batch ({self.n_batch})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

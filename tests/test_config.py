@@ -247,3 +247,13 @@ def test_a_gpu_pool_is_checked_against_the_gpus_memory_alone(model_path, monkeyp
     assert str(e.value).endswith("more than the 1.0 GiB of memory its GPUs have")
     monkeypatch.setattr(backend, "gpu_devices", lambda: [])  # (the engine says there is none)
     check_pool_fits(EngineConfig(model=model_path, gpu=True, pool_blocks=fits + 1))
+
+
+def test_too_many_sequences_name_what_the_user_set():
+    """Past 128 sequences the message named spare_seq_ids, which no flag sets (its default
+    gives way first): only max_seqs is over then; spare ids chosen in Python are named."""
+    with pytest.raises(ValueError, match=r"^max_seqs must be <= 128, got 200 "):
+        EngineConfig(model="m.gguf", max_seqs=200)
+    with pytest.raises(ValueError, match=r"^max_seqs \+ spare_seq_ids must be <= 128, got 140"):
+        EngineConfig(model="m.gguf", max_seqs=100, spare_seq_ids=40)
+    assert EngineConfig(model="m.gguf", max_seqs=128).spare_seq_ids == 0

@@ -136,7 +136,7 @@ def run(
 # The request fields run's options set, as their flags (the engine's words name the fields).
 _FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-    "presence_penalty", "frequency_penalty", "seed")}
+    "presence_penalty", "frequency_penalty", "seed", "stop")}
 
 
 @contextlib.contextmanager

@@ -99,7 +99,7 @@ def test_config_file_sets_defaults_and_cli_wins(tmp_path, model_path):
     assert "generation 3 tok" in r.output
     r = runner.invoke(app, ["run", model_path, "--raw", "-p", "The moon is", "--config", str(cfg)],
                       env={"JUSTLLM_POOL_BLOCKS": "-1"})
-    assert r.exit_code == 1 and "pool_blocks" in r.output  # env beats the file
+    assert r.exit_code == 1 and "--pool-blocks must be" in r.output  # env beats the file
 
 
 def test_missing_demo_model_says_how_to_get_it(monkeypatch):

@@ -116,7 +116,8 @@ def test_errors_are_one_line_and_exit_1(tmp_path, model_path):
     for args, says in ((["--temperature", "-1"], "error: --temperature must be a number"),
                        (["--top-k", "-3"], "error: --top-k must be an integer >= 0"),
                        (["-n", "100000"], "100000 in --max-tokens): reduce the prompt or "
-                                          "--max-tokens")):
+                                          "--max-tokens"),
+                       (["--stop", ""], "error: --stop must be non-empty strings")):
         r = runner.invoke(app, ["run", model_path, "-p", "hi", "--pool-blocks", "64", *args])
         assert r.exit_code == 1 and says in r.output, (args, r.output)
 
@@ -128,7 +129,7 @@ def test_prefix_cache_flags(model_path):
                             "--prefix-cache-blocks", "4", "--pool-blocks", "64"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", model_path, "-p", "x", "--prefix-cache-blocks", "-1"])
-    assert r.exit_code == 1 and "prefix_cache_blocks" in r.output
+    assert r.exit_code == 1 and "--prefix-cache-blocks must be >= 0" in r.output
 
 
 REPEATING = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n"
