@@ -30,6 +30,7 @@ from justllm.cluster import deployments, local_ray
 from justllm.cluster.local_ray import LocalHead, RayUnavailable
 from justllm.cluster.options import (
     BOARD,
+    GCS_CONNECT_TIMEOUT,
     INGRESS,
     INGRESS_MAX_ONGOING,
     SCHEDULE_TIMEOUT,
@@ -103,6 +104,10 @@ def connected(cluster: Cluster) -> Iterator[None]:
     """A driver connection to ``cluster`` for the block (Ray's and Serve's logs quiet)."""
     logging.getLogger("ray").setLevel(logging.ERROR)
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    silent = gcs_silence(cluster.address, GCS_CONNECT_TIMEOUT)
+    if silent is not None:
+        raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
+                             f"{silent}")
     try:
         ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -113,6 +118,42 @@ def connected(cluster: Cluster) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def gcs_silence(address: str, timeout: float) -> str | None:
+    """Why the Ray cluster at ``address`` does not answer within ``timeout`` seconds, or None
+    when it answers at all. ray.init has no deadline of its own: to an address that accepts
+    TCP and then says nothing (a stopped GCS, a port another program holds) it retried for 20
+    rounds of 40 s, 13 minutes, printing C++ warnings. So first the call it begins with (the
+    cluster's id), with a deadline; any answer, a refusal too (an auth token it lacks, say),
+    is left to ray.init to report. A Ray Client address (``ray://``), whose server is another
+    gRPC service, is asked only for its HTTP/2 handshake; ``auto`` is Ray's to find."""
+    import grpc
+    from ray._private.gcs_utils import create_gcs_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    if address == "auto":
+        return None
+    client = address.startswith("ray://")
+    target = address.removeprefix("ray://")
+    channel = grpc.insecure_channel(target) if client else create_gcs_channel(target)
+    try:
+        if client:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        else:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+    except grpc.FutureTimeoutError:
+        pass
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            return None
+    else:
+        return None
+    finally:
+        channel.close()
+    return (f"it accepts connections but did not answer as Ray does within {timeout:g} s "
+            "(a Ray GCS that hangs, or another program on that port)")
 
 
 def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster,

@@ -33,6 +33,8 @@ HEALTH_PERIOD = 5.0  # seconds between check_health calls
 HEALTH_TIMEOUT = 30.0  # Ray's default: a replica that does not answer for this long is dead
 DRAIN = 5.0  # seconds a stopping replica lets its requests run (`justllm serve`'s default)
 INGRESS_MAX_ONGOING = 10_000  # the ingress only relays: it never holds requests back
+# How long `justllm cluster` waits for a cluster's GCS to answer before giving up on it.
+GCS_CONNECT_TIMEOUT = 15.0
 # How long a deploy waits for replicas that Ray can place on no node (0: without end).
 SCHEDULE_TIMEOUT = 120.0
 # How long a deploy waits for replicas still loading their model (0: without end): as long

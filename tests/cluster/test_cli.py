@@ -72,6 +72,41 @@ def test_an_unreachable_ray_address_is_one_line_and_starts_nothing(tmp_path, mon
     assert "cannot reach the Ray cluster" in line
 
 
+def test_an_address_that_accepts_but_never_answers_is_one_line(tmp_path, monkeypatch,
+                                                              model_path):
+    """ray.init to a port that accepts TCP and then says nothing (a hung GCS, another
+    program's port) retried for 13 minutes, printing C++ warnings."""
+    import socket
+    import threading
+
+    from justllm.cluster import deploy
+
+    monkeypatch.setattr(deploy, "GCS_CONNECT_TIMEOUT", 1.0)
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"models:\n  demo: {model_path}\n")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        accepted: list[socket.socket] = []
+        threading.Thread(target=lambda: accepted.extend(iter(lambda: silent.accept()[0], None)),
+                         daemon=True).start()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        try:
+            said = (f"error: cannot connect to the Ray cluster at {address}: it accepts "
+                    "connections but did not answer as Ray does within 1 s (a Ray GCS that "
+                    "hangs, or another program on that port)")
+            for command in ("status", "down"):
+                assert one_error_line(runner.invoke(app, ["cluster", command])) == said
+            r = runner.invoke(app, ["cluster", "deploy", str(cfg)])
+            assert r.exit_code == 1 and r.output.splitlines()[-1] == said, r.output
+            assert accepted  # (the probe did reach it)
+        finally:
+            for conn in accepted:
+                conn.close()
+    assert not (tmp_path / "cache" / "cluster" / "local-ray.json").exists()
+
+
 @pytest.mark.parametrize("command", ["status", "down"])
 def test_nothing_deployed_is_one_line(command):
     line = one_error_line(runner.invoke(app, ["cluster", command]))
