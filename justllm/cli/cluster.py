@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -23,6 +23,10 @@ from justllm.cli.group import OneLineSummaries
 from justllm.cluster.options import SCHEDULE_TIMEOUT, START_TIMEOUT
 from justllm.config import read_yaml
 from justllm.errors import JustLLMError
+
+if TYPE_CHECKING:
+    from justllm.gateway.config import GatewayConfig
+    from justllm.plugins import Plugins
 
 app = typer.Typer(help="Serve models on a Ray cluster with Ray Serve (pip install "
                        "'justllm\\[cluster]'): the cluster is RAY_ADDRESS, or a local Ray.",
@@ -89,9 +93,16 @@ def deploy(
         console = Console(stderr=True, emoji=False, soft_wrap=True)
         for warning in warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
-        where = cluster.find_or_start(lambda: console.print(
-            "justllm: no Ray cluster (RAY_ADDRESS is not set and none runs here): starting a "
-            "local Ray head", highlight=False), settings)
+
+        def check_here() -> None:  # (replicas on this machine: its files are theirs)
+            _check_local_replicas(config, plugins_of(context))
+
+        def on_start() -> None:
+            check_here()  # (before a head's minute to start and stop)
+            console.print("justllm: no Ray cluster (RAY_ADDRESS is not set and none runs "
+                          "here): starting a local Ray head", highlight=False)
+
+        where = cluster.find_or_start(on_start, settings)
         names = ", ".join(m.name for m in config.models)
         console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
                       "(each replica loads its model on its node; this waits for them)",
@@ -99,12 +110,33 @@ def deploy(
         cluster.deploy(config, settings, o.engine_config, where,
                        schedule_timeout=schedule_timeout, start_timeout=start_timeout,
                        on_wait=lambda why: console.print(
-                           f"[yellow]waiting:[/yellow] {escape(why)}", highlight=False))
+                           f"[yellow]waiting:[/yellow] {escape(why)}", highlight=False),
+                       check_here=check_here)
         local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"
                  if where.local is not None else "")
         console.print(f"justllm: '{name}' runs on the Ray cluster at {where.address}{local}; "
                       f"OpenAI API at {settings.url}/v1, /metrics, /health",
                       highlight=False)
+
+
+def _check_local_replicas(config: GatewayConfig, plugins: Plugins) -> None:
+    """What replicas started on this machine would refuse as they load, asked as router mode
+    asks it of its runners, and a GGUF that is not whole as `justllm serve` asks it: each
+    failed only inside the replicas, Ray retrying them for a minute before the deploy said
+    why. (On a cluster of several machines each node resolves the files on its own.)"""
+    from justllm.cli.serve import check_local_engines
+    from justllm.gateway.config import check_sources, gguf_path
+    from justllm.models.gguf import read_gguf_header
+
+    check_sources(config)
+    check_local_engines(config.models, plugins)
+    for m in config.models:
+        path = gguf_path(m.source)
+        if path is not None:
+            try:
+                read_gguf_header(path, vocabulary=False)
+            except JustLLMError as e:
+                raise ValueError(f"model '{m.name}': {e}") from None
 
 
 def _deployment_label(m: dict) -> str:

@@ -262,17 +262,22 @@ def check_entry_flags(models: Sequence[ModelSpec], plugins: Plugins) -> None:
 
 def _check_runner_flags(config: GatewayConfig, plugins: Plugins) -> None:
     """What a model's runners would refuse as they start, asked now as a single model's serve
-    asks it (each model failed at its first request, after three runner starts): ``gpu`` on a
-    CPU-only build, a ``chat-template`` that names no built-in template and no Jinja file, a
-    ``pool-blocks`` whose KV cannot fit in this machine's memory (of a model that is a file
-    here; the others are resolved by their runners), a flag that would do nothing, such as
-    ``gamma`` without ``spec`` (a runner gets its flags on its command line, where it refuses
-    them whatever their value: options.fit_engine_values). Only the models with local
-    replicas: urls run elsewhere. (The engine is imported only where it is asked: the gateway
-    itself loads no llama.cpp.)"""
+    asks it (each model failed at its first request, after three runner starts):
+    check_local_engines. Only the models with local replicas: urls run elsewhere."""
+    check_local_engines([m for m in config.models if m.replicas], plugins)
+
+
+def check_local_engines(local: Sequence[ModelSpec], plugins: Plugins) -> None:
+    """What an engine of each model, started on this machine, would refuse as it starts:
+    ``gpu`` on a CPU-only build, a ``chat-template`` that names no built-in template and no
+    Jinja file, a ``pool-blocks`` whose KV cannot fit in this machine's memory (of a model
+    that is a file here; the others are resolved as they start), a flag that would do
+    nothing, such as ``gamma`` without ``spec`` (a runner gets its flags on its command line,
+    where it refuses them whatever their value: options.fit_engine_values). Router mode's
+    runners, and a Ray cluster's replicas when the cluster is this machine alone. (The engine
+    is imported only where it is asked: the gateway itself loads no llama.cpp.)"""
     from justllm.gateway.config import gguf_path, runner_engine_config
 
-    local = [m for m in config.models if m.replicas]
     check_entry_flags(local, plugins)
     for m in local:
         flags = dict(m.flags)

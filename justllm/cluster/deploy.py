@@ -199,13 +199,18 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
            request_router: type | None = JustLLMRouter,
            schedule_timeout: float = SCHEDULE_TIMEOUT,
            start_timeout: float = START_TIMEOUT,
-           on_wait: Callable[[str], None] = lambda message: None) -> None:
+           on_wait: Callable[[str], None] = lambda message: None,
+           check_here: Callable[[], None] = lambda: None) -> None:
     """Deploy onto ``cluster`` (or redeploy: Ray updates an app of the same name in place)
     and wait until every model's replicas are up (``wait_running``: ``on_wait`` hears why a
-    replica waits for a node). A local head justllm started, left with nothing on it (the
+    replica waits for a node). ``check_here()`` refuses, before anything is deployed, what
+    the replicas would refuse as they start, when they start on this machine: the cluster
+    is this machine alone. A local head justllm started, left with nothing on it (the
     deploy failed), is stopped again."""
     try:
         with connected(cluster):
+            if this_machine_alone(cluster):
+                check_here()
             if not serve_running():
                 check_port_free(settings)
             try:
@@ -341,6 +346,12 @@ def serve_address() -> tuple[str, int]:
 def cluster_nodes() -> list[dict[str, float]]:
     """Each live node's total resources (CPU, GPU, memory...)."""
     return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def this_machine_alone(cluster: Cluster) -> bool:
+    """The connected cluster is one node, this machine: a driver runs on a node of its
+    cluster (ray.init connects it to that node's raylet), but for a Ray Client's."""
+    return not cluster.address.startswith("ray://") and len(cluster_nodes()) == 1
 
 
 def _resources(needs: dict[str, float]) -> str:

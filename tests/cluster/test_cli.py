@@ -52,6 +52,25 @@ def test_a_bad_yaml_is_one_line(tmp_path):
         runner.invoke(app, ["cluster", "deploy", str(bad)]))
 
 
+@pytest.mark.parametrize("entry, said", [
+    ("source: {model}\n    chat-template: nope",
+     "model 'demo': --chat-template 'nope' is neither a built-in template (chatml, gemma, "
+     "llama3, transcript) nor a Jinja file"),
+    ("source: {tmp}/missing.gguf", "model 'demo': source {tmp}/missing.gguf is not a file"),
+    ("source: {tmp}/cut.gguf", "model 'demo': {tmp}/cut.gguf is not a GGUF file (no GGUF magic at its start)"),
+])
+def test_what_a_replica_here_would_refuse_is_refused_before_a_head_starts(tmp_path, model_path,
+                                                                          entry, said):
+    """Each failed only inside the replicas, after a local head's start and Ray's retries, a
+    minute and more; `justllm serve --models` refuses them before a runner starts."""
+    (tmp_path / "cut.gguf").write_bytes(b"GGU")
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("models:\n  demo:\n    " + entry.format(tmp=tmp_path, model=model_path))
+    line = one_error_line(runner.invoke(app, ["cluster", "deploy", str(cfg)]))
+    assert line == f"error: {said.format(tmp=tmp_path)}"
+    assert not (tmp_path / "cache" / "cluster" / "local-ray.json").exists()  # no head started
+
+
 def test_a_model_with_urls_is_refused(tmp_path):
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text("models:\n  m:\n    urls: [http://10.0.0.7:8080]\n")

@@ -346,3 +346,31 @@ def test_an_app_ray_refused_to_create_is_not_said_to_stay(ray_faked, monkeypatch
     assert str(e.value) == ('the deploy failed: RayServeException: Prefix / is being used by '
                             'application "justllm".')
     assert apps == {"justllm": "RUNNING"} and done == []
+
+
+@pytest.mark.parametrize("nodes, address, checked", [
+    ([{"CPU": 2.0}], "127.0.0.1:1", True),  # this machine alone: its files are the replicas'
+    ([{"CPU": 2.0}, {"CPU": 2.0}], "127.0.0.1:1", False),  # each node resolves its own
+    ([{"CPU": 2.0}], "ray://10.0.0.7:10001", False),  # a Ray Client's cluster is elsewhere
+])
+def test_what_replicas_here_would_refuse_is_refused_before_serve_starts(
+        ray_faked, monkeypatch, nodes, address, checked):
+    """A bad chat-template failed only inside the replicas, on a cluster already running
+    too (a minute of Ray's retries)."""
+    started: list[str] = []
+    monkeypatch.setattr(d, "cluster_nodes", lambda: nodes)
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: started.append("serve"))
+    monkeypatch.setattr(d.serve, "_run", lambda *a, **k: started.append("deployed"))
+    monkeypatch.setattr(d, "wait_running", lambda *a, **k: None)
+
+    def refuse() -> None:
+        raise ValueError("model 'demo': --chat-template 'nope' is neither ...")
+
+    cluster = d.Cluster(address)
+    if checked:
+        with pytest.raises(ValueError, match="--chat-template 'nope'"):
+            d.deploy(None, ClusterSettings(), None, cluster, check_here=refuse)
+        assert started == []
+    else:
+        d.deploy(None, ClusterSettings(), None, cluster, check_here=refuse)
+        assert started == ["serve", "deployed"]
