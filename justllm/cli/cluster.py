@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from justllm.cli.cleanup_shield import CleanupShield
 from justllm.cli.errors import cli_errors
 from justllm.cli.group import OneLineSummaries
 from justllm.cluster.options import SCHEDULE_TIMEOUT, START_TIMEOUT
@@ -102,16 +103,29 @@ def deploy(
             console.print("justllm: no Ray cluster (RAY_ADDRESS is not set and none runs "
                           "here): starting a local Ray head", highlight=False)
 
-        where = cluster.find_or_start(on_start, settings)
-        names = ", ".join(m.name for m in config.models)
-        console.print(f"justllm: deploying {names} onto the Ray cluster at {where.address} "
-                      "(each replica loads its model on its node; this waits for them)",
-                      highlight=False)
-        cluster.deploy(config, settings, o.engine_config, where,
-                       schedule_timeout=schedule_timeout, start_timeout=start_timeout,
-                       on_wait=lambda why: console.print(
-                           f"[yellow]waiting:[/yellow] {escape(why)}", highlight=False),
-                       check_here=check_here)
+        with CleanupShield(lambda: console.print(
+                "justllm: undoing what the deploy started first (stopping a Ray head takes "
+                "up to a minute); Ctrl-C again does not cut that short",
+                highlight=False)) as shield:
+            where = cluster.find_or_start(on_start, settings, shield.shielded)
+            names = ", ".join(m.name for m in config.models)
+            console.print(f"justllm: deploying {names} onto the Ray cluster at "
+                          f"{where.address} (each replica loads its model on its node; this "
+                          "waits for them)", highlight=False)
+            try:
+                cluster.deploy(config, settings, o.engine_config, where,
+                               schedule_timeout=schedule_timeout, start_timeout=start_timeout,
+                               on_wait=lambda why: console.print(
+                                   f"[yellow]waiting:[/yellow] {escape(why)}",
+                                   highlight=False),
+                               check_here=check_here, shielded=shield.shielded)
+            except KeyboardInterrupt:
+                if not where.fresh:  # (a head this deploy started is stopped, app and all)
+                    console.print(f"justllm: the Ray cluster at {where.address} keeps what "
+                                  f"Ray made of '{name}' so far (`justllm cluster status "
+                                  f"--name {name}` shows it, `cluster down` removes it)",
+                                  highlight=False)
+                raise
         local = (" (a local Ray head justllm started: `justllm cluster down` stops it)"
                  if where.local is not None else "")
         console.print(f"justllm: '{name}' runs on the Ray cluster at {where.address}{local}; "

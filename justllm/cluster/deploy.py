@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -50,6 +50,7 @@ from justllm.errors import JustLLMError
 from justllm.gateway.config import GatewayConfig
 
 EngineConfigFactory = Callable[[str, dict[str, Any]], EngineConfig]
+Shield = Callable[[], AbstractContextManager[None]]
 
 
 class NothingDeployed(JustLLMError):
@@ -62,6 +63,7 @@ class Cluster:
 
     address: str
     local: LocalHead | None = None
+    fresh: bool = False  # the local head was started by this very command
 
 
 def find_cluster() -> Cluster | None:
@@ -79,23 +81,25 @@ def find_cluster() -> Cluster | None:
     return Cluster(found) if found is not None else None
 
 
-def start_local() -> Cluster:
+def start_local(shielded: Shield = contextlib.nullcontext) -> Cluster:
     """A new Ray head on this machine, recorded as justllm's (``down`` stops it)."""
-    head = local_ray.start_head()
-    return Cluster(head.address, head)
+    head = local_ray.start_head(shielded=shielded)
+    return Cluster(head.address, head, fresh=True)
 
 
-def find_or_start(on_start: Callable[[], None], settings: ClusterSettings) -> Cluster:
+def find_or_start(on_start: Callable[[], None], settings: ClusterSettings,
+                  shielded: Shield = contextlib.nullcontext) -> Cluster:
     """The cluster to deploy onto (``find_cluster``), else a local head started now (after
     ``on_start()``): under a lock, so that deploys at once start one head between them. A
     head is started only for ``settings``' port free (a taken one cost a head's start and
-    stop, a minute, before its one line)."""
+    stop, a minute, before its one line). ``shielded()``: the context the stop of a head
+    whose start was interrupted runs in (a second Ctrl-C does not cut it short)."""
     with local_ray.start_lock():
         where = find_cluster()
         if where is None:
             check_port_free(settings)
             on_start()
-            where = start_local()
+            where = start_local(shielded)
     return where
 
 
@@ -104,10 +108,10 @@ def connected(cluster: Cluster) -> Iterator[None]:
     """A driver connection to ``cluster`` for the block (Ray's and Serve's logs quiet)."""
     logging.getLogger("ray").setLevel(logging.ERROR)
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    silent = gcs_silence(cluster.address, GCS_CONNECT_TIMEOUT)
-    if silent is not None:
+    refused = gcs_refusal(cluster.address, GCS_CONNECT_TIMEOUT)
+    if refused is not None:
         raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
-                             f"{silent}")
+                             f"{refused}")
     try:
         ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -120,14 +124,15 @@ def connected(cluster: Cluster) -> Iterator[None]:
         ray.shutdown()
 
 
-def gcs_silence(address: str, timeout: float) -> str | None:
-    """Why the Ray cluster at ``address`` does not answer within ``timeout`` seconds, or None
-    when it answers at all. ray.init has no deadline of its own: to an address that accepts
-    TCP and then says nothing (a stopped GCS, a port another program holds) it retried for 20
-    rounds of 40 s, 13 minutes, printing C++ warnings. So first the call it begins with (the
-    cluster's id), with a deadline; any answer, a refusal too (an auth token it lacks, say),
-    is left to ray.init to report. A Ray Client address (``ray://``), whose server is another
-    gRPC service, is asked only for its HTTP/2 handshake; ``auto`` is Ray's to find."""
+def gcs_refusal(address: str, timeout: float) -> str | None:
+    """Why ray.init would not connect to the cluster at ``address``, found out within
+    ``timeout`` seconds; None when it answers. ray.init has no deadline of its own: to an
+    address that accepts TCP and then says nothing (a stopped GCS, a port another program
+    holds) it retried for 20 rounds of 40 s, 13 minutes, printing C++ warnings. So first
+    the call it begins with (the cluster's id), with a deadline. Any other answer is left to
+    ray.init.
+    A Ray Client address (``ray://``), whose server is another gRPC service, is asked only
+    for its HTTP/2 handshake; ``auto`` is Ray's to find."""
     import grpc
     from ray._private.gcs_utils import create_gcs_channel
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -137,6 +142,8 @@ def gcs_silence(address: str, timeout: float) -> str | None:
     client = address.startswith("ray://")
     target = address.removeprefix("ray://")
     channel = grpc.insecure_channel(target) if client else create_gcs_channel(target)
+    silent = (f"it accepts connections but did not answer as Ray does within {timeout:g} s "
+              "(a Ray GCS that hangs, or another program on that port)")
     try:
         if client:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -144,16 +151,13 @@ def gcs_silence(address: str, timeout: float) -> str | None:
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
                 gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
     except grpc.FutureTimeoutError:
-        pass
+        return silent
     except grpc.RpcError as e:
-        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-            return None
-    else:
-        return None
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return silent
     finally:
         channel.close()
-    return (f"it accepts connections but did not answer as Ray does within {timeout:g} s "
-            "(a Ray GCS that hangs, or another program on that port)")
+    return None
 
 
 def build_app(config: GatewayConfig, settings: ClusterSettings, cluster: Cluster,
@@ -200,13 +204,16 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
            schedule_timeout: float = SCHEDULE_TIMEOUT,
            start_timeout: float = START_TIMEOUT,
            on_wait: Callable[[str], None] = lambda message: None,
-           check_here: Callable[[], None] = lambda: None) -> None:
+           check_here: Callable[[], None] = lambda: None,
+           shielded: Shield = contextlib.nullcontext) -> None:
     """Deploy onto ``cluster`` (or redeploy: Ray updates an app of the same name in place)
     and wait until every model's replicas are up (``wait_running``: ``on_wait`` hears why a
     replica waits for a node). ``check_here()`` refuses, before anything is deployed, what
     the replicas would refuse as they start, when they start on this machine: the cluster
     is this machine alone. A local head justllm started, left with nothing on it (the
-    deploy failed), is stopped again."""
+    deploy failed), is stopped again; so is the head this very deploy started when it is
+    interrupted (Ctrl-C), unless another app has come onto it. That cleanup runs in
+    ``shielded()`` (a second Ctrl-C cut it short, and left the head and the app running)."""
     try:
         with connected(cluster):
             if this_machine_alone(cluster):
@@ -241,9 +248,11 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                        else _why_failed(settings.app) or cause(str(e)))
                 raise JustLLMError(f"the deploy failed: {why}"
                                    f"{_clear_failed(settings.app, cluster)}") from None
-    except BaseException:
-        if cluster.local is not None and not _has_apps(cluster):
-            local_ray.stop_head(cluster.local)
+    except BaseException as e:
+        with shielded():
+            ours = settings.app if isinstance(e, KeyboardInterrupt) and cluster.fresh else None
+            if cluster.local is not None and _vacant(cluster, besides=ours):
+                local_ray.stop_head(cluster.local)
         raise
 
 
@@ -428,12 +437,17 @@ def _clear_failed(app: str, cluster: Cluster) -> str:
             f"down --name {app}' removes it)")
 
 
-def _has_apps(cluster: Cluster) -> bool:
+def _vacant(cluster: Cluster, besides: str | None = None) -> bool:
+    """No app but ``besides`` runs on ``cluster``; Serve is then shut down, ``besides``
+    with it, as ``down`` does before it stops the head."""
     try:
         with connected(cluster):
-            return bool(serve.status().applications)
+            if set(serve.status().applications) - {besides}:
+                return False
+            serve.shutdown()
     except Exception:
-        return False
+        pass
+    return True
 
 
 def status(app: str) -> dict[str, Any]:

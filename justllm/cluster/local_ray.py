@@ -25,8 +25,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -121,8 +121,11 @@ def _ray_command() -> str:
     return found
 
 
-def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalHead:
-    """Start a head on 127.0.0.1 and record it; returns once Ray says it runs."""
+def start_head(*, num_cpus: int | None = None, timeout: float = 120.0,
+               shielded: Callable[[], AbstractContextManager[None]] = nullcontext
+               ) -> LocalHead:
+    """Start a head on 127.0.0.1 and record it; returns once Ray says it runs. A start that
+    fails or is interrupted stops the head again, in ``shielded()`` (a second Ctrl-C)."""
     flags = ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
     # Distinct: Ray refuses to start when two of its components are given the same port.
@@ -149,7 +152,8 @@ def start_head(*, num_cpus: int | None = None, timeout: float = 120.0) -> LocalH
                                      f"{lines[-1] if lines else 'no output'}")
             time.sleep(0.2)
     except BaseException:  # (Ctrl-C while it started left a head no record names)
-        _stop(head.pid, grace=5.0)
+        with shielded():
+            _stop(head.pid, grace=5.0)
         raise
     record_path().write_text(json.dumps(asdict(head)))
     return head
@@ -190,7 +194,10 @@ def _session(pid: int) -> list[int]:
             fields = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(fields) > 3 and int(fields[3]) == pid and int(entry.name) != os.getpid():
+        # (a zombie has ended: the head's leader is one until this process, which started
+        # it, reaps it; counted, every stop here waited out its whole grace)
+        if (len(fields) > 3 and int(fields[3]) == pid and fields[0] != "Z"
+                and int(entry.name) != os.getpid()):
             found.append(int(entry.name))
     return found
 

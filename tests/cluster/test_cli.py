@@ -4,9 +4,12 @@ installed (while `justllm --help` still works without it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -172,14 +175,18 @@ def test_status_shows_a_row_per_replica(monkeypatch):
 
 def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch):
     """Ctrl-C while the local head started left it running, and no record named it: `down`
-    could not stop it. (A real `ray start`, interrupted as it comes up.)"""
+    could not stop it; a second Ctrl-C, while the head was stopped, cut its stop short. (A
+    real `ray start`, interrupted as it comes up and again as it is stopped.)"""
     import os
+    import signal
     import time
 
+    from justllm.cli.cleanup_shield import CleanupShield
     from justllm.cluster import local_ray
     from tests.gateway.test_gateway import alive
 
     started: list[int] = []
+    said: list[str] = []
     real_popen, real_sleep = local_ray.subprocess.Popen, time.sleep
 
     def popen(*args, **kwargs):
@@ -196,15 +203,38 @@ def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch):
     monkeypatch.setattr(local_ray.subprocess, "Popen", popen)
     monkeypatch.setattr(local_ray.time, "sleep", sleep)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            local_ray.start_head()
+        with CleanupShield(lambda: said.append("said")) as shield:
+            @contextlib.contextmanager
+            def second_ctrl_c():
+                with shield.shielded():
+                    signal.raise_signal(signal.SIGINT)
+                    yield
+
+            with pytest.raises(KeyboardInterrupt):
+                local_ray.start_head(shielded=second_ctrl_c)
         head = started[0]
         assert not alive(head) and local_ray._session(head) == []
-        assert not local_ray.record_path().exists()
+        assert not local_ray.record_path().exists() and said == ["said"]
     finally:
         for pid in [started[0], *local_ray._session(started[0])] if started else []:
             if alive(pid):
                 os.kill(pid, 9)
+
+
+def test_a_stopped_heads_leader_not_yet_reaped_is_not_waited_for():
+    """The head's leader is a zombie once it exits until the process that started it (a
+    deploy that stops the head it started) reaps it: counted as running, every such stop
+    waited out its whole grace, 40 s, after Ray had stopped in 2."""
+    from justllm.cluster import local_ray
+
+    leader = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        stat = Path(f"/proc/{leader.pid}/stat")
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.05)
+        assert local_ray._session(leader.pid) == []
+    finally:
+        leader.wait()
 
 
 def test_a_recorded_head_whose_pid_another_ray_took_is_not_ours(tmp_path):

@@ -30,6 +30,7 @@ def ray_faked(monkeypatch):
     monkeypatch.setattr(d.serve, "status", lambda: SimpleNamespace(applications={
         name: app_status(state) for name, state in apps.items()}))
     monkeypatch.setattr(d.serve, "delete", lambda name: apps.pop(name))
+    monkeypatch.setattr(d.serve, "shutdown", apps.clear)
     monkeypatch.setattr(d, "serve_address", lambda: ("127.0.0.1", 8000))  # Ray Serve's default
     monkeypatch.setattr(d, "serve_running", lambda: True)
     monkeypatch.setattr(d, "cluster_nodes", lambda: [{"CPU": 2.0}])
@@ -374,3 +375,39 @@ def test_what_replicas_here_would_refuse_is_refused_before_serve_starts(
     else:
         d.deploy(None, ClusterSettings(), None, cluster, check_here=refuse)
         assert started == ["serve", "deployed"]
+
+
+@pytest.mark.parametrize("fresh, other_app", [(True, False), (True, True), (False, False)])
+def test_an_interrupted_deploy_stops_the_head_it_started(ray_faked, monkeypatch, fresh,
+                                                         other_app):
+    """Ctrl-C while the replicas loaded left the head this deploy had just started running,
+    with the app. The head goes (Serve shut down first: the head then stops in seconds),
+    unless another app came onto it; a cluster that was there before keeps the app as Ray
+    has it (the command says so)."""
+    apps, done = ray_faked
+    if other_app:
+        apps["other"] = "RUNNING"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(d.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(d.serve, "_run", lambda app, name, route_prefix, _blocking:
+                        apps.__setitem__(name, "DEPLOYING"))
+    monkeypatch.setattr(d, "wait_running", interrupted)
+    shielded: list[str] = []
+
+    @contextlib.contextmanager
+    def shield():
+        shielded.append("cleanup")
+        yield
+
+    with pytest.raises(KeyboardInterrupt):
+        d.deploy(None, ClusterSettings(), None, d.Cluster(HEAD.address, HEAD, fresh=fresh),
+                 shielded=shield)
+    assert shielded == ["cleanup"]
+    if fresh and not other_app:
+        assert apps == {} and done == ["head stopped"]
+    else:
+        assert apps["justllm"] == "DEPLOYING" and done == []
+
