@@ -64,6 +64,7 @@ class Cluster:
     address: str
     local: LocalHead | None = None
     fresh: bool = False  # the local head was started by this very command
+    named: bool = False  # given as RAY_ADDRESS (else found on this machine)
 
 
 def find_cluster() -> Cluster | None:
@@ -73,7 +74,7 @@ def find_cluster() -> Cluster | None:
         if named != "auto" and not local_ray.reachable(named):
             raise RayUnavailable(f"cannot reach the Ray cluster at {named} (RAY_ADDRESS): "
                                  "nothing answers there")
-        return Cluster(named)
+        return Cluster(named, named=named != "auto")
     head = local_ray.recorded()
     if head is not None:
         return Cluster(head.address, head)
@@ -108,6 +109,16 @@ def connected(cluster: Cluster) -> Iterator[None]:
     """A driver connection to ``cluster`` for the block (Ray's and Serve's logs quiet)."""
     logging.getLogger("ray").setLevel(logging.ERROR)
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    if not cluster.named:
+        # As ray.init() finds a cluster on this machine: with the token of Ray's token
+        # auth, where there is one. `ray start --head` turns the auth on wherever a token
+        # is (~/.ray/auth_token, which any plain ray.init() writes), while ray.init with an
+        # address, as here, leaves it off: every connect to the head justllm started failed.
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     refused = gcs_refusal(cluster.address, GCS_CONNECT_TIMEOUT)
     if refused is not None:
         raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
@@ -128,9 +139,9 @@ def gcs_refusal(address: str, timeout: float) -> str | None:
     """Why ray.init would not connect to the cluster at ``address``, found out within
     ``timeout`` seconds; None when it answers. ray.init has no deadline of its own: to an
     address that accepts TCP and then says nothing (a stopped GCS, a port another program
-    holds) it retried for 20 rounds of 40 s, 13 minutes, printing C++ warnings. So first
-    the call it begins with (the cluster's id), with a deadline. Any other answer is left to
-    ray.init.
+    holds) it retried for 20 rounds of 40 s, 13 minutes, and to a cluster that wants an auth
+    token it does not send, for 20 s, both printing C++ warnings. So first the call it
+    begins with (the cluster's id), with a deadline. Any other answer is left to ray.init.
     A Ray Client address (``ray://``), whose server is another gRPC service, is asked only
     for its HTTP/2 handshake; ``auto`` is Ray's to find."""
     import grpc
@@ -155,6 +166,10 @@ def gcs_refusal(address: str, timeout: float) -> str | None:
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return silent
+        if (e.code() == grpc.StatusCode.UNAUTHENTICATED
+                and os.environ.get("RAY_AUTH_MODE", "").lower() != "token"):
+            return ("it wants Ray's auth token: set RAY_AUTH_MODE=token, and the cluster's "
+                    "token in RAY_AUTH_TOKEN or ~/.ray/auth_token")
     finally:
         channel.close()
     return None

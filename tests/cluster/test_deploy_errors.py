@@ -411,3 +411,33 @@ def test_an_interrupted_deploy_stops_the_head_it_started(ray_faked, monkeypatch,
     else:
         assert apps["justllm"] == "DEPLOYING" and done == []
 
+
+def test_a_cluster_that_wants_an_auth_token_is_said_at_once(monkeypatch):
+    """Ray's token auth: `ray start --head` turns it on wherever ~/.ray/auth_token is, and
+    ray.init with an address sends no token unless RAY_AUTH_MODE=token; it retried for 20 s,
+    printing C++ warnings, then said only that it failed to connect. (A gRPC server that
+    refuses every call as a token-auth GCS refuses a call without its token.)"""
+    from concurrent import futures
+
+    import grpc
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken")
+
+    class Refuser(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((Refuser(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        assert d.gcs_refusal(f"127.0.0.1:{port}", 10) == (
+            "it wants Ray's auth token: set RAY_AUTH_MODE=token, and the cluster's token in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token")
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")  # ray.init sends it: left to ray.init
+        assert d.gcs_refusal(f"127.0.0.1:{port}", 10) is None
+    finally:
+        server.stop(None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,11 @@ class Deployed:
     ray_tmp: str
     record: Path
 
+    @property
+    def driver_env(self) -> dict[str, str]:
+        """For a script's ray.init(address=...): Ray sends the auth token only when told."""
+        return {**self.env, "RAY_AUTH_MODE": "token"}
+
 
 def justllm(env: dict[str, str], *args: str, timeout: float = 300
             ) -> subprocess.CompletedProcess:
@@ -104,10 +110,13 @@ def justllm(env: dict[str, str], *args: str, timeout: float = 300
 
 
 def session(pid: int) -> list[str]:
-    """`ps` lines of the processes in ``pid``'s session: the head's Ray processes."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True)
+    """`ps` lines of the processes in ``pid``'s session: the head's Ray processes (but a
+    zombie: it has ended, and waits for init to reap it)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True,
+                         text=True)
     return [line for line in out.stdout.splitlines()
-            if len(line.split()) > 1 and line.split()[1] == str(pid)]
+            if len(line.split()) > 2 and line.split()[1] == str(pid)
+            and not line.split()[2].startswith("Z")]
 
 
 def metric(url: str, name: str) -> dict[str, float]:
@@ -141,8 +150,14 @@ def wait_for(what: str, check, timeout: float = 60.0):
 def deployed(tmp_path_factory, model_path) -> Iterator[Deployed]:
     ray_tmp = tempfile.mkdtemp(prefix="jlray-", dir="/tmp")  # short: Ray's socket paths
     cache = tmp_path_factory.mktemp("cluster-cache")
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "JUSTLLM_CACHE_DIR": str(cache)}
-    env.pop("RAY_ADDRESS", None)
+    # Ray's token auth, on as `ray start --head` turns it on wherever a token is (any plain
+    # ray.init() writes ~/.ray/auth_token): justllm reached its own head without the token.
+    token = cache / "ray-auth-token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "JUSTLLM_CACHE_DIR": str(cache),
+           "RAY_AUTH_TOKEN_PATH": str(token)}
+    for unset in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(unset, None)
     cfg = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
     cfg.write_text(f"models:\n  demo:\n    source: {model_path}\n    replicas: 2\n"
                    "    threads: 1\n    max-seqs: 8\n    pool-blocks: 256\n"
@@ -275,7 +290,7 @@ def test_a_killed_replica_loses_no_request_and_ray_brings_it_back(deployed):
         m := metric(url, "justllm_gateway_replica_up")) and sum(m.values()) == 2 and m)
     victim = sorted(replicas)[0]
     killer = subprocess.Popen([sys.executable, "-c", KILLER, deployed.head.address, victim],
-                              env=deployed.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=deployed.driver_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     try:
         assert killer.stdout is not None and killer.stdin is not None
@@ -371,7 +386,7 @@ def test_a_lora_adapter_loaded_at_run_time_is_multiplexed_onto_the_replicas(depl
     # The ingress dies and Serve starts another: it takes the registry back from the board
     # (a restarted ingress forgot every adapter, while the replicas kept them)
     done = subprocess.run([sys.executable, "-c", INGRESS_KILLER, deployed.head.address],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=deployed.driver_env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
     def keeper_listed() -> bool:
@@ -444,7 +459,8 @@ def test_a_pd_model_hands_the_kv_from_prefill_to_decode_through_ray(deployed, tm
 
     # The prefill replica killed: long prompts still complete (whole on the decode replica,
     # or handed over by the replica Ray starts in its place).
-    subprocess.run([sys.executable, "-c", PD_KILLER, head.address, prefill], env=env, check=True,
+    subprocess.run([sys.executable, "-c", PD_KILLER, head.address, prefill],
+                   env=deployed.driver_env, check=True,
                    timeout=120, capture_output=True)
     for i in range(2):
         again = client.completions.create(model="demo", prompt=STORY * 8 + f"Day {i}:",
@@ -502,7 +518,8 @@ serve.run(Hello.bind(), name="other", route_prefix="/other")
 def test_status_of_an_app_that_is_not_justllms_is_one_line(deployed):
     """`cluster status --name other` on another Serve app was a KeyError traceback."""
     env = deployed.env
-    done = subprocess.run([sys.executable, "-c", OTHER_APP % deployed.head.address], env=env,
+    done = subprocess.run([sys.executable, "-c", OTHER_APP % deployed.head.address],
+                          env=deployed.driver_env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     try:
@@ -515,7 +532,8 @@ def test_status_of_an_app_that_is_not_justllms_is_one_line(deployed):
         subprocess.run([sys.executable, "-c",
                         f"import ray; from ray import serve; ray.init(address="
                         f"'{deployed.head.address}', logging_level='ERROR'); "
-                        "serve.delete('other')"], env=env, capture_output=True, timeout=180)
+                        "serve.delete('other')"], env=deployed.driver_env,
+                   capture_output=True, timeout=180)
 
 
 def test_down_deletes_the_app_and_leaves_no_ray_process(deployed):
