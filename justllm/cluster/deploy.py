@@ -248,6 +248,7 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                     raise JustLLMError(f"the deploy failed: {why} (with --schedule-timeout 0, "
                                        "a cluster that adds nodes may place it later)")
                 on_wait(f"{why}: requests for it wait until a node that has joins")
+            redeploy = settings.app in serve.status().applications
             try:
                 # Not serve.run: it waits without end for replicas no node can hold.
                 serve._run(build_app(config, settings, cluster, engine_config,
@@ -262,7 +263,7 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                 why = (str(e) if isinstance(e, DeployFailed)
                        else _why_failed(settings.app) or cause(str(e)))
                 raise JustLLMError(f"the deploy failed: {why}"
-                                   f"{_clear_failed(settings.app, cluster)}") from None
+                                   f"{_clear_failed(settings.app, cluster, redeploy)}") from None
     except BaseException as e:
         with shielded():
             ours = settings.app if isinstance(e, KeyboardInterrupt) and cluster.fresh else None
@@ -437,14 +438,16 @@ def _why_failed(app: str) -> str | None:
     return found.message if found is not None and found.message else None
 
 
-def _clear_failed(app: str, cluster: Cluster) -> str:
-    """After a failed deploy: the failed app alone on a local head justllm started is
-    deleted (the head is then stopped: nothing is left on it); anywhere else it stays, and
-    the message says how to remove it (it was left, head and all, without a word)."""
+def _clear_failed(app: str, cluster: Cluster, redeploy: bool = False) -> str:
+    """After a failed deploy: the failed app alone on a local head justllm started, made by
+    this deploy, is deleted (the head is then stopped: nothing is left on it); anywhere
+    else it stays, and the message says how to remove it (it was left, head and all,
+    without a word). A failed ``redeploy`` stays too: the app ran before it (a failed
+    redeploy deleted it and stopped the head under it)."""
     apps = serve.status().applications
     if app not in apps:  # refused before Ray made it (a route prefix in use, say)
         return ""
-    if cluster.local is not None and set(apps) <= {app}:
+    if cluster.local is not None and not redeploy and set(apps) <= {app}:
         with contextlib.suppress(Exception):
             serve.delete(app)
             return ""

@@ -144,13 +144,17 @@ def test_another_port_than_serve_listens_on_is_refused(ray_faked, monkeypatch):
     assert ran == [] and apps == {"justllm": "RUNNING"} and done == []
 
 
-@pytest.mark.parametrize("local, other_app", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("local, other_app, redeploy", [
+    (True, False, False), (True, True, False), (False, False, False), (True, False, True)])
 def test_a_failed_app_is_removed_only_when_it_is_all_there_is(ray_faked, monkeypatch, local,
-                                                              other_app):
-    """A failed deploy left the head it started running, with the failed app, unsaid."""
+                                                              other_app, redeploy):
+    """A failed deploy left the head it started running, with the failed app, unsaid. A
+    failed redeploy of the app that ran alone there deleted it and stopped the head."""
     apps, done = ray_faked
     if other_app:
         apps["other"] = "RUNNING"
+    if redeploy:
+        apps["justllm"] = "RUNNING"
 
     def fail(app, name, route_prefix, _blocking):
         apps[name] = "DEPLOY_FAILED"
@@ -162,7 +166,7 @@ def test_a_failed_app_is_removed_only_when_it_is_all_there_is(ray_faked, monkeyp
     with pytest.raises(JustLLMError) as e:
         d.deploy(None, ClusterSettings(), None, cluster)
     assert str(e.value).startswith("the deploy failed: model-bad: ModelLoadError")
-    if local and not other_app:  # gone, head and all
+    if local and not other_app and not redeploy:  # gone, head and all
         assert "justllm" not in apps and done == ["head stopped"]
         assert "stays" not in str(e.value)
     else:
