@@ -15,6 +15,8 @@ import logging
 import os
 import re
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -124,15 +126,37 @@ def connected(cluster: Cluster) -> Iterator[None]:
         raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
                              f"{refused}")
     try:
-        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                             ) from None
+        try:
+            with _ctrl_c_held():
+                ray.init(address=cluster.address, logging_level=logging.ERROR,
+                         log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayUnavailable(f"cannot connect to the Ray cluster at {cluster.address}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                 ) from None
+        yield
+    finally:
+        # (after a Ctrl-C held through ray.init too: left to Ray's exit hook, the shutdown
+        # waited 6 s on a head stopped by then)
+        ray.shutdown()
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """A Ctrl-C while the block runs is raised once it is done: one raised inside ray.init
+    (in its core worker's constructor) left Ray half made, and the process died of SIGSEGV
+    as it exited. Only in the main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     try:
         yield
     finally:
-        ray.shutdown()
+        signal.signal(signal.SIGINT, previous)
+    if came and callable(previous):
+        previous(signal.SIGINT, None)
 
 
 def gcs_refusal(address: str, timeout: float) -> str | None:
@@ -227,8 +251,9 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
     the replicas would refuse as they start, when they start on this machine: the cluster
     is this machine alone. A local head justllm started, left with nothing on it (the
     deploy failed), is stopped again; so is the head this very deploy started when it is
-    interrupted (Ctrl-C), unless another app has come onto it. That cleanup runs in
-    ``shielded()`` (a second Ctrl-C cut it short, and left the head and the app running)."""
+    interrupted (Ctrl-C), app and all, unless another app has come onto it. That cleanup
+    runs in ``shielded()`` (a second Ctrl-C cut it short, and left the head and the app
+    running)."""
     try:
         with connected(cluster):
             if this_machine_alone(cluster):
@@ -266,8 +291,11 @@ def deploy(config: GatewayConfig, settings: ClusterSettings,
                                    f"{_clear_failed(settings.app, cluster, redeploy)}") from None
     except BaseException as e:
         with shielded():
-            ours = settings.app if isinstance(e, KeyboardInterrupt) and cluster.fresh else None
-            if cluster.local is not None and _vacant(cluster, besides=ours):
+            if isinstance(e, KeyboardInterrupt):  # (a head that was there before stays)
+                if (cluster.fresh and cluster.local is not None
+                        and _vacant(cluster, besides=settings.app)):
+                    local_ray.stop_head(cluster.local)
+            elif cluster.local is not None and _vacant(cluster):
                 local_ray.stop_head(cluster.local)
         raise
 
@@ -457,7 +485,8 @@ def _clear_failed(app: str, cluster: Cluster, redeploy: bool = False) -> str:
 
 def _vacant(cluster: Cluster, besides: str | None = None) -> bool:
     """No app but ``besides`` runs on ``cluster``; Serve is then shut down, ``besides``
-    with it, as ``down`` does before it stops the head."""
+    with it, as ``down`` does before it stops the head (Ray drained its replicas for 30 s
+    otherwise)."""
     try:
         with connected(cluster):
             if set(serve.status().applications) - {besides}:

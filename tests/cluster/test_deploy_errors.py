@@ -445,3 +445,17 @@ def test_a_cluster_that_wants_an_auth_token_is_said_at_once(monkeypatch):
         assert d.gcs_refusal(f"127.0.0.1:{port}", 10) is None
     finally:
         server.stop(None)
+
+
+def test_a_ctrl_c_while_ray_connects_is_raised_once_it_has_connected():
+    """One raised inside ray.init (its core worker's constructor) left Ray half made: the
+    deploy's process died of SIGSEGV as it exited."""
+    import signal
+
+    done: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with d._ctrl_c_held():
+            signal.raise_signal(signal.SIGINT)
+            done.append("connected")
+    assert done == ["connected"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
