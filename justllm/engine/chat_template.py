@@ -235,13 +235,18 @@ def template_globals() -> frozenset[str]:
 
 def template_tool_format(source: str) -> str | None:
     """The tool-call format a template's own markers name (``generic`` when it names none):
-    ``hermes``, ``mistral``, ``llama3`` or ``generic``; the server has a parser for each.
-    None for calls written as XML (Qwen3-Coder's and Qwen3.5's ``<function=NAME>`` with
-    ``<parameter=…>``, GLM's ``<arg_key>``), which the server cannot read: their ``<tool_call>``
-    read as Hermes', whose JSON grammar then forced a form the model does not write. None
-    too for Functionary's Llama 3 based formats (v3.1's ``<function=NAME>{..}</function>``,
+    ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm`` or ``generic``; the server
+    has a parser for each. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
+    ``<parameter=KEY>`` values (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5); ``glm``:
+    ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs (GLM 4.5 to 4.7, Ling 3.0,
+    Laguna). None for the XML forms the server cannot read (Seed-OSS's ``<seed:tool_call>``)
+    and for Functionary's Llama 3 based formats (v3.1's ``<function=NAME>{..}</function>``,
     v3.2's ``>>>NAME`` recipients): their Llama 3 headers and ``<|python_tag|>`` read as
     ``llama3``, whose parser never found the calls the model writes."""
+    if "<tool_call>" in source and "<function=" in source and "<parameter=" in source:
+        return "qwen3_coder"
+    if "<tool_call>" in source and "<arg_key>" in source:
+        return "glm"
     if any(marker in source for marker in ("<parameter=", "<arg_key>", "<function=", ">>>all")):
         return None
     if "<tool_call>" in source:
@@ -379,6 +384,12 @@ class ChatTemplate:
         (what the fallback text asks for)."""
         t = self._with_tools
         return (template_tool_format(t.source) or "generic") if t.native_tools else "generic"
+
+    @property
+    def compact_tool_calls(self) -> bool:
+        """Whether the model writes GLM's calls without line breaks between their tags (GLM
+        4.7's ``<arg_key>k</arg_key><arg_value>``), as its template writes them."""
+        return self.tool_format == "glm" and "</arg_key><arg_value>" in self._with_tools.source
 
     @property
     def names_call_arguments(self) -> bool:

@@ -97,7 +97,7 @@ from justllm.server.tools.grammar import (
 from justllm.server.tools.harmony_grammar import CALL_TRIGGERS as HARMONY_CALL_TRIGGERS
 from justllm.server.tools.harmony_grammar import answer_grammar
 from justllm.server.tools.harmony_grammar import call_grammar as harmony_call_grammar
-from justllm.server.tools.parse import ParsedCall
+from justllm.server.tools.parse import XML_FORMATS, ParsedCall
 from justllm.server.tools.request import (
     ToolPlan,
     check_tool_messages,
@@ -105,6 +105,7 @@ from justllm.server.tools.request import (
     tool_plan,
 )
 from justllm.server.tools.stream import CallDelta, CallOpened
+from justllm.server.tools.xml_grammar import xml_call_grammar
 
 _json = msgspec.json.Encoder()
 log = logging.getLogger(__name__)
@@ -478,6 +479,10 @@ class OpenAIServing:
                 return _within_schema_limits(harmony_call_grammar(
                     [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
                      for f in plan.callable()]))
+            if fmt in XML_FORMATS:  # Qwen3-Coder's and GLM's: each value held apart
+                return _within_schema_limits(xml_call_grammar(
+                    fmt, [(f.name, f.parameters) for f in plan.callable()],
+                    self.aengine.json_grammar, parallel, self.template.compact_tool_calls))
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
                 return _within_schema_limits(named_args_grammar(
                     [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
@@ -736,7 +741,8 @@ class OpenAIServing:
         lstrip = self.template.name == "transcript" and not req.continue_final_message
         texts = [ChoiceText(lstrip=lstrip, fmt=fmt, names=plan.names,
                             parallel=plan.parallel, thinking=thinking, prefix=opening,
-                            harmony=self.template.harmony)
+                            harmony=self.template.harmony,
+                            schemas={f.name: f.parameters for f in plan.functions})
                  for _ in streams]
         return streams, texts
 

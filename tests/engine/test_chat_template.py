@@ -280,17 +280,20 @@ def test_a_model_templates_tool_format_comes_from_its_markers():
     coder = ("{% if tools %}{% for t in tools %}{{ t['function']['name'] }}{% endfor %}"
              "<tool_call>\n<function=NAME>\n<parameter=KEY>{% endif %}"
              "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    assert template_tool_format(coder) is None
-    assert template_tool_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None
+    assert template_tool_format(coder) == "qwen3_coder"
+    assert template_tool_format("<tool_call>{{ name }}<arg_key>k</arg_key>") == "glm"
     # Functionary's (v3.1: <function=NAME>{..}</function>; v3.2: >>>NAME) read as llama3's
     assert template_tool_format("<|start_header_id|><|python_tag|>{{ '<function=' + name + "
                                 "'>' + args + '</function>' }}") is None
     assert template_tool_format("<|start_header_id|>{{ '>>>all\\n' + content }}parameters"
                                 ) is None
-    xml = ChatTemplate(coder)
+    # an XML form the server does not read (Seed-OSS's) gets the fallback
+    seed = coder.replace("<tool_call>", "<seed:tool_call>")
+    assert template_tool_format(seed) is None
+    xml = ChatTemplate(seed)
     assert not xml.native_tools and xml.tool_format == "generic"
     rendered = xml.render([{"role": "user", "content": "Hi"}], tools=TOOLS)
-    assert rendered.startswith(f"system: {tool_fallback_text(TOOLS)}") and "<tool_call>" not in rendered
+    assert rendered.startswith(f"system: {tool_fallback_text(TOOLS)}") and "<seed:" not in rendered
     assert template_tool_format("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
     assert template_tool_format("<|start_header_id|>...<|python_tag|>") == "llama3"
     assert template_tool_format("<|start_header_id|>{\"parameters\": ...}") == "llama3"
@@ -301,6 +304,59 @@ def test_a_model_templates_tool_format_comes_from_its_markers():
     assert (mistral.native_tools, mistral.tool_format) == (True, "mistral")
     assert mistral.render([{"role": "user", "content": "Hi"}], tools=TOOLS) == (
         f"[AVAILABLE_TOOLS][{TOOLS_JSON}][/AVAILABLE_TOOLS][INST]Hi[/INST]")
+
+
+# Every template llama.cpp ships (its models/templates, in the converter's tree) and the
+# format it is read in: the XML forms are native, no other template's format moved.
+LLAMA_CPP_FORMATS = {
+    "qwen3_coder": {"NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "Qwen3-Coder", "Qwen3.5-4B",
+                    "StepFun3.5-Flash"},
+    "glm": {"GLM-4.6", "GLM-4.7-Flash", "Spark2.5", "inclusionai-ling-3.0-flash",
+            "poolside-Laguna-S-2.1", "poolside-Laguna-XS-2.1", "poolside-Laguna-XS.2"},
+    "hermes": {"Bielik-11B-v3.0-Instruct", "MiMo-VL", "MiniMax-M3",
+               "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+               "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-QwQ-32B",
+               "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "Reka-Edge",
+               "ibm-granite-granite-4.0", "ibm-granite-granite-4.1", "unsloth-Apriel-1.5"},
+    "mistral": {"Mistral-Small-3.2-24B-Instruct-2506", "mistralai-Ministral-3-14B-Reasoning-2512",
+                "mistralai-Mistral-Nemo-Instruct-2407", "unsloth-mistral-Devstral-Small-2507"},
+    "llama3": {"meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+               "meta-llama-Llama-3.3-70B-Instruct"},
+    None: {"ByteDance-Seed-OSS", "meetkai-functionary-medium-v3.1",
+           "meetkai-functionary-medium-v3.2"},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_templates() -> dict[str, str]:
+    from rich.console import Console
+
+    from justllm.models.convert import get_converter
+
+    folder = get_converter(Console(stderr=True)).root / "models" / "templates"
+    return {p.stem: p.read_text(encoding="utf-8") for p in folder.glob("*.jinja")}
+
+
+def test_llama_cpps_templates_keep_their_formats_and_the_xml_forms_are_native(
+        llama_cpp_templates):
+    assert len(llama_cpp_templates) > 60
+    for name, source in llama_cpp_templates.items():
+        expected = next((f for f, names in LLAMA_CPP_FORMATS.items() if name in names),
+                        "generic")
+        assert template_tool_format(source) == expected, name
+        if expected in ("qwen3_coder", "glm"):  # their own rendering kept
+            t = ChatTemplate(source)
+            assert (t.native_tools, t.tool_format) == (True, expected), name
+            assert t.compact_tool_calls == (name in ("GLM-4.7-Flash", "Spark2.5")), name
+
+
+def test_the_xml_forms_render_tools_and_calls_their_own_way(llama_cpp_templates):
+    qwen = ChatTemplate(llama_cpp_templates["Qwen3.5-4B"]).render(CALLED, tools=TOOLS)
+    assert "<tools>" in qwen and tool_fallback_text(TOOLS) not in qwen
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>") in qwen
+    glm = ChatTemplate(llama_cpp_templates["GLM-4.6"]).render(CALLED, tools=TOOLS)
+    assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>" in glm
 
 
 def test_a_template_of_no_known_format_is_read_only_if_it_writes_calls_as_json_names():

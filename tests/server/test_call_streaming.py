@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from justllm.server.tools.json_stream import JsonStream, healed
-from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
+from justllm.server.tools.parse import XML_FORMATS, ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import (
     CallOpened,
     CallPiece,
@@ -91,6 +91,14 @@ HELD = {
                '"get_weather", "arguments": {"city": "Oslo"}}]',
     "generic": ' [{"name":"add","arguments":{"a":1,"b":2}},{"name":"add","arguments":{}}]',
     "llama3": '{"name": "get_weather", "parameters": {"city": "Rome \\"R\\""}}',
+    # the XML forms (untyped here: a value that is JSON is read as JSON)
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar\u00eds\n"
+                   "</parameter>\n<parameter=days>\n[1, 2.50]\n</parameter>\n</function>\n"
+                   "</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>"
+                   "\n</function>\n</tool_call>",
+    "glm": "<tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
+           "<arg_value>-20</arg_value></tool_call><tool_call>get_weather<arg_key>city"
+           "</arg_key><arg_value>Oslo</arg_value></tool_call>",
     # Mistral's newer form (a template that writes [ARGS])
     "mistral-args": '[TOOL_CALLS]add[ARGS]{"a": 1,"b": [2]}[TOOL_CALLS]get_weather[ARGS]{}',
 }
@@ -133,7 +141,12 @@ def test_held_calls_stream_as_they_grow_and_join_to_the_whole_parse(case, size):
     whole = parse_answer(text, fmt, NAMES)
     assert whole.calls and answer == whole and content == whole.content == ""
     assert _joined(news + rest) == [(c.name, c.arguments) for c in whole.calls]
-    if size == 1:  # the arguments came as they were written, not at the end
+    if size == 1 and fmt in XML_FORMATS:  # each call whole once it closed, not at the end
+        assert rest == [] and len([d for d in news if isinstance(d, CallOpened)]) == 2
+        first = CallSplitter(fmt, NAMES)
+        first.feed(text[:text.index("</tool_call>") + len("</tool_call>")], True)
+        assert _joined(first.deltas()) == [(c.name, c.arguments) for c in whole.calls[:1]]
+    elif size == 1:  # the arguments came as they were written, not at the end
         assert len([d for d in news if isinstance(d, CallPiece)]) > 5
         assert not rest or all(isinstance(d, CallPiece) and d.arguments in "}]" for d in rest)
 

@@ -55,6 +55,23 @@ CASES = [
      "", [PARIS, ROME]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
                 '{"city": "Rome", "unit": "celsius"}', "", [PARIS, ROME]),
+    # Qwen3-Coder / Qwen3.5 (XML: a value on lines of its own, raw text)
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n</function>\n</tool_call>", "", [PARIS]),
+    ("qwen3_coder", "Let me look that up.\n\n<tool_call>\n<function=get_weather>\n"
+                    "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
+                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+                    "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n"
+                    "</tool_call>", "Let me look that up.", [PARIS, ROME]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "",
+     [ParsedCall("get_time", "{}")]),
+    # GLM 4.5/4.6 (its 4.7 writes no line breaks between the tags)
+    ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "</tool_call>", "", [PARIS]),
+    ("glm", "Checking.\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+            "</arg_value></tool_call>\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>"
+            "Rome</arg_value><arg_key>unit</arg_key><arg_value>celsius</arg_value></tool_call>",
+     "Checking.", [PARIS, ROME]),
     # generic: the fallback's format, as the demo model writes it (and fenced, and a list)
     ("generic", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
     ("generic", 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
@@ -81,6 +98,14 @@ MALFORMED = [
     ("generic", '{"name": "get_weather", "arguments": {"city": }}'),
     ("generic", '{"name": "Bob", "age": 3}'),  # JSON, but not a call
     ("generic", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\nmore'),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),  # cut off
+    ("qwen3_coder", "<tool_call>\n<function=delete_everything>\n</function>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\nand then\n</function>\n</tool_call>"),  # text between
+    ("qwen3_coder", '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'),
+    ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
+    ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"),
+    ("glm", "<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
     # nested past Python's recursion limit: RecursionError escaped, a 400 after the generation
     # (a stream just ended)
     ("generic", '{"name": "get_weather", "arguments": ' + "[" * 5000),
@@ -106,7 +131,29 @@ def test_parallel_false_keeps_the_first_call_and_names_none_accepts_any():
     assert parse_answer(text, "generic", frozenset({"a"})).calls == ()  # b was not offered
 
 
-MARKERS = {"hermes": ("<tool_call>", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
+def test_xml_values_are_typed_by_the_schema():
+    """A plain string is the raw text (a "3" stays text, a line break inside stays), any other
+    value is JSON (Python's True/None as Qwen3-Coder's template writes them), and a value
+    that is not JSON stays text (the client's validation sees it, as vLLM passes it on)."""
+    schemas = {"f": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}, "b": {"type": "boolean"},
+        "o": {"type": "object"}, "e": {"enum": ["a", "b"]}, "d": {"type": "string",
+                                                                  "format": "date"}}}}
+    values = {"s": "3\n  x", "n": "3", "b": "True", "o": '{"k": [1, null]}', "e": "a",
+              "d": '"2024-01-01"', "x": "[1]", "y": "not json"}
+    qwen = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    glm = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in values.items())
+    expected = ('{"s": "3\\n  x", "n": 3, "b": true, "o": {"k": [1, null]}, "e": "a", '
+                '"d": "2024-01-01", "x": [1], "y": "not json"}')
+    for fmt, text in (("qwen3_coder", f"<tool_call>\n<function=f>\n{qwen}</function>\n"
+                                      "</tool_call>"),
+                      ("glm", f"<tool_call>f{glm}</tool_call>")):
+        answer = parse_answer(text, fmt, None, schemas=schemas)
+        assert answer == ParsedAnswer("", (ParsedCall("f", expected),)), fmt
+
+
+MARKERS = {"hermes": ("<tool_call>", "<"), "qwen3_coder": ("<tool_call>", "<"),
+           "glm": ("<tool_call>", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
            "mistral": ("[TOOL_CALLS]", "["), "generic": ('"name"', "{", "```")}
 
 

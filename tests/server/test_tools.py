@@ -17,6 +17,7 @@ from justllm.engine.backend import grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
 from justllm.server.tools.grammar import call_schema, wrap_call_grammar
 from justllm.server.tools.parse import parse_answer
+from justllm.server.tools.xml_grammar import xml_call_grammar
 from tests.server.test_errors import assert_error, post
 
 WEATHER = {"type": "object", "properties": {
@@ -434,3 +435,40 @@ def test_each_familys_grammar_forces_a_valid_call(engine, template, fmt):
     answer = parse_answer(text.lstrip(), fmt, frozenset({"get_weather"}))
     assert finish == "stop" and len(answer.calls) == 1, text
     jsonschema.validate(json.loads(answer.calls[0].arguments), WEATHER)
+
+
+# GLM's XML form: the grammar writes the call as GLM 4.7's template does, each value held to
+# its schema (a plain string raw, up to its closing tag; a bounded integer as JSON), and the
+# parser reads it back. The demo model copies the calls the prompt shows (a days value the
+# schema does not allow among them: the grammar's work shows). Qwen3-Coder's form is served
+# end to end in test_xml_calls.py.
+TRIP = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 2},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "days"]}
+GLM_CALL = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
+
+
+def test_glms_grammar_forces_a_call_the_parser_reads_back(engine):
+    fmt = "glm"
+    shot = f"User: What is the weather in Paris?\nAssistant: {GLM_CALL}\n"
+    prompt = shot * 3 + "User: What is the weather in Paris?\nAssistant:"
+    functions = [("get_weather", TRIP), ("add", ADD)]
+    grammar = xml_call_grammar(fmt, functions, grammar_from_json_schema, parallel=False,
+                               compact=True)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0,
+                                                    grammar=grammar))
+    text, finish = "", None
+    while finish is None:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.request_id == rid:
+                text += out.text
+                finish = out.finish_reason if out.finished else None
+    answer = parse_answer(text.lstrip(), fmt, frozenset({"get_weather", "add"}),
+                          schemas=dict(functions))
+    assert finish == "stop" and answer.called and len(answer.calls) == 1, text
+    args = json.loads(answer.calls[0].arguments)
+    jsonschema.validate(args, TRIP)
+    assert args["city"] == "Paris" and args["days"] in (1, 2), text

@@ -19,7 +19,7 @@ from justllm.core.reasoning import ReasoningSplitter, split_reasoning
 from justllm.engine.engine import RequestMetrics
 from justllm.server.schemas import Usage
 from justllm.server.tools.harmony_text import HarmonyText
-from justllm.server.tools.parse import ParsedAnswer
+from justllm.server.tools.parse import ParsedAnswer, Schemas
 from justllm.server.tools.stream import CallDelta, CallSplitter, read_whole
 
 
@@ -127,8 +127,10 @@ class ChoiceText:
 
     def __init__(self, *, lstrip: bool, fmt: str | None, names: frozenset[str] | None = None,
                  parallel: bool = True, thinking: Thinking | None = None,
-                 prefix: str = "", harmony: bool = False) -> None:
-        """``prefix``: text the answer is read as beginning with (the start tag a prompt
+                 prefix: str = "", harmony: bool = False, schemas: Schemas | None = None
+                 ) -> None:
+        """``schemas``: the functions' parameters schemas (the XML call forms' values are
+        typed by them). ``prefix``: text the answer is read as beginning with (the start tag a prompt
         that opened the thinking ends with, when the thinking stays in the text);
         ``harmony``: the answer is in gpt-oss's format (its thinking kept in the text unless
         ``thinking`` is given)."""
@@ -137,10 +139,12 @@ class ChoiceText:
         self._prefix = prefix  # still to give out
         self._lstrip = lstrip  # leading blanks still to drop
         self._fmt, self._names, self._parallel = fmt, names, parallel
+        self._schemas = schemas
         self._thinking = thinking
         self._reasoner = (ReasoningSplitter(thinking.tags, thinking.opened)
                           if thinking and not harmony else None)
-        self._splitter = CallSplitter(fmt, names, parallel) if fmt and not harmony else None
+        self._splitter = (CallSplitter(fmt, names, parallel, schemas) if fmt and not harmony
+                          else None)
 
     def _unlead(self, text: str) -> str:
         text, self._prefix = self._prefix + text, ""
@@ -196,4 +200,5 @@ class ChoiceText:
             thought, text = reasoned.reasoning, reasoned.content
         if self._fmt is None:
             return thought, ParsedAnswer(text)
-        return thought, read_whole(text, self._fmt, self._names, self._parallel, held)
+        return thought, read_whole(text, self._fmt, self._names, self._parallel, held,
+                                   self._schemas)

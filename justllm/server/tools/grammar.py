@@ -145,7 +145,7 @@ def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group
     begins), or () for a family whose calls are left free."""
-    if fmt == "hermes":
+    if fmt in ("hermes", "qwen3_coder", "glm"):
         return (r"(<tool_call>)",)
     if fmt == "mistral":  # (both of its forms begin with [TOOL_CALLS])
         return (r"(\[TOOL_CALLS\])",)

@@ -8,8 +8,16 @@ The format is the one the prompt asked for (``ChatTemplate.tool_format``):
   bare or after ``<|python_tag|>``, several separated by ``;`` or blank space;
 - ``mistral`` (Mistral Nemo/Small/Large): ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]``,
   or the newer ``[TOOL_CALLS]name[ARGS]{..}`` per call;
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano): ``<tool_call>`` around
+  ``<function=NAME>`` and a ``<parameter=KEY>`` block per argument, its value on lines of its own;
+- ``glm`` (GLM 4.5 to 4.7): ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key>`` and
+  ``<arg_value>VALUE</arg_value>`` per argument, then ``</tool_call>``;
 - ``generic`` (the fallback text of templates without tools): ``{"name": .., "arguments":
   {..}}`` or a JSON array of them, possibly in a ```` ```json ```` fence.
+
+The two XML forms write a value as raw text: a plain string parameter's value is the text as
+it is, any other's is JSON for its schema (``xml_value``), so they need the functions'
+parameters schemas (``schemas``).
 
 Text before the first call stays content. A call that does not parse (bad JSON, no name, a
 function that was not offered, arguments that are not an object) makes the whole answer
@@ -22,9 +30,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+# A function's name -> its parameters schema (None: it takes none).
+Schemas = Mapping[str, dict[str, Any] | None]
+XML_FORMATS = frozenset({"qwen3_coder", "glm"})
 
 
 class Match(Enum):
@@ -44,6 +57,8 @@ def _generic_starts() -> tuple[tuple[str, ...], ...]:
 # Where a call begins: sequences of literal pieces, blank space allowed between pieces.
 CALL_STARTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "hermes": (("<tool_call>",),),
+    "qwen3_coder": (("<tool_call>",),),
+    "glm": (("<tool_call>",),),
     "mistral": (("[TOOL_CALLS]",),),
     "llama3": (("<|python_tag|>",), ("{", '"name"', ":"),
                ("{", '"type"', ":", '"function"', ",", '"name"', ":")),
@@ -158,14 +173,18 @@ def first_full_start(text: str, fmt: str) -> int | None:
 
 
 def parse_answer(text: str, fmt: str, names: frozenset[str] | None = None,
-                 parallel: bool = True) -> ParsedAnswer:
+                 parallel: bool = True, schemas: Schemas | None = None) -> ParsedAnswer:
     """``text`` split into content and calls. ``names``: the functions that were offered (a
-    call to any other is malformed; None: any). ``parallel`` False keeps only the first call."""
+    call to any other is malformed; None: any). ``parallel`` False keeps only the first call.
+    ``schemas``: the functions' parameters schemas, which type the XML forms' values."""
     at = first_full_start(text, fmt)
     if at is None:
         return ParsedAnswer(text)
     try:
-        objs, end = _PARSERS[fmt](text, at)
+        if fmt in XML_FORMATS:
+            objs, end = _xml_calls(text, at, fmt, schemas or {})
+        else:
+            objs, end = _PARSERS[fmt](text, at)
         calls = tuple(checked_call(c, names) for c in objs)
     except Malformed:
         return ParsedAnswer(text)
@@ -259,6 +278,88 @@ def _generic(text: str, i: int) -> tuple[list[Any], int]:
 
 
 _PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "generic": _generic}
+
+
+# What a plain string parameter's schema may say besides its type: its value is then any raw
+# text (or one of its enum's). One that bounds the text (a pattern, a format, a length) gets
+# its value as a JSON string, which the grammar can hold to the schema.
+_PLAIN_STRING_KEYS = frozenset({"type", "enum", "const", "title", "description", "examples",
+                                "default", "deprecated", "$comment"})
+
+
+def raw_text_value(schema: Any) -> bool:
+    """Whether an XML call writes the value of a parameter of ``schema`` as raw text (a plain
+    string, as the families' templates write one) rather than as JSON."""
+    if not isinstance(schema, dict) or not set(schema) <= _PLAIN_STRING_KEYS:
+        return False
+    if "type" in schema:
+        return schema["type"] in ("string", ["string"])
+    choices = schema["enum"] if "enum" in schema else [schema.get("const", None)]
+    return isinstance(choices, list) and bool(choices) and all(
+        isinstance(c, str) for c in choices)
+
+
+# Python's literals, as Qwen3-Coder's own template writes a boolean or a null (``| string``).
+_PYTHON_LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None}
+
+
+def xml_value(raw: str, schema: Any) -> Any:
+    """A value as an XML call writes it -> the argument: raw text for a plain string
+    (``raw_text_value``), else JSON, else (a model's slip, or a parameter the schema does not
+    name) the text as a string, as vLLM's and llama.cpp's parsers read it."""
+    if raw_text_value(schema):
+        return raw
+    text = raw.strip()
+    try:
+        return DECODER.decode(text)
+    except JSON_ERRORS:
+        return _PYTHON_LITERALS.get(text, raw)
+
+
+def _until(text: str, i: int, end: str) -> tuple[str, int]:
+    """The text from ``i`` to ``end``, and where ``end`` ends."""
+    j = text.find(end, i)
+    if j < 0:
+        raise Malformed(f"expected {end!r}")
+    return text[i:j], j + len(end)
+
+
+def _xml_calls(text: str, i: int, fmt: str, schemas: Schemas) -> tuple[list[Any], int]:
+    calls = []
+    while text.startswith("<tool_call>", i):
+        i += len("<tool_call>")
+        if fmt == "qwen3_coder":
+            name, i = _until(text, _literal(text, i, "<function="), ">")
+            key_open, key_close, value_open, value_close = "<parameter=", ">", "", "</parameter>"
+            call_close = "</function>"
+        else:
+            j = text.find("<", i)
+            name, i = text[i:j if j >= 0 else len(text)], j if j >= 0 else len(text)
+            key_open, key_close = "<arg_key>", "</arg_key>"
+            value_open, value_close, call_close = "<arg_value>", "</arg_value>", "</tool_call>"
+        name = name.strip()
+        params = (schemas.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        while True:
+            i = _skip_blank(text, i)
+            if text.startswith(key_open, i):
+                key, i = _until(text, i + len(key_open), key_close)
+                i = _literal(text, i, value_open) if value_open else i
+                raw, i = _until(text, i, value_close)
+                if fmt == "qwen3_coder":  # (the value stands on lines of its own)
+                    raw = raw.removeprefix("\n").removesuffix("\n")
+                args[key.strip()] = xml_value(raw, params.get(key.strip()))
+            elif text.startswith(call_close, i):  # (not at the end of the text: a call
+                # cut off after a value may be cut off before its other values)
+                i += len(call_close)
+                break
+            else:
+                raise Malformed(f"expected {key_open!r} or {call_close!r}")
+        if fmt == "qwen3_coder":
+            i = _literal(text, i, "</tool_call>")
+        calls.append({"name": name, "arguments": args})
+        i = _skip_blank(text, i)
+    return calls, i
 
 
 def checked_call(obj: Any, names: frozenset[str] | None) -> ParsedCall:

@@ -11,7 +11,9 @@ Where a grammar holds the call region (a forced call, a format beside tools, or 
 grammar once the marker came), the calls cannot turn out malformed, so they are streamed as
 they are written (a ``CallReader``): each call opens once its name is read and its
 arguments follow as canonical JSON text (``json_stream.py``), pieces of what the whole parse
-gives. Only an answer cut off inside a call (``max_tokens``, a stop string) ends otherwise:
+gives. The XML forms (``qwen3_coder``, ``glm``: their values' JSON is known only once a value
+has ended) stream each call whole once its ``</tool_call>`` is written. Only an answer cut off
+inside a call (``max_tokens``, a stop string) ends otherwise:
 its calls stand as far as they came (``ParsedAnswer.cut``), as OpenAI's API returns them, and
 a whole answer is read the same way.
 """
@@ -25,9 +27,11 @@ from dataclasses import dataclass, replace
 
 from justllm.server.tools.json_stream import JsonStream
 from justllm.server.tools.parse import (
+    XML_FORMATS,
     Match,
     ParsedAnswer,
     ParsedCall,
+    Schemas,
     find_call_start,
     first_full_start,
     parse_answer,
@@ -135,10 +139,14 @@ class CallSplitter:
     the rest of the content and the calls."""
 
     def __init__(self, fmt: str, names: frozenset[str] | None = None,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, schemas: Schemas | None = None) -> None:
         self._fmt = fmt
         self._names = names
         self._parallel = parallel
+        self._schemas = schemas
+        self._closed: tuple[ParsedCall, ...] = ()  # XML calls streamed whole (held)
+        self._closed_end = -1  # where the last </tool_call> read for them begins
+        self._xml_held = False  # a grammar held the XML calls
         self._text = ""
         self._shown = 0  # characters of _text given out as content
         self._calls_from: int | None = None  # where the first complete call marker begins
@@ -158,7 +166,17 @@ class CallSplitter:
                 self._calls_from = at
             safe = max(self._shown, len(self._text[:at].rstrip()))
             shown, self._shown = self._text[self._shown:safe], safe
-        if self._calls_from is not None:
+        if self._calls_from is not None and self._fmt in XML_FORMATS:
+            self._xml_held |= held
+            end = self._text.rfind("</tool_call>")
+            if held and end != self._closed_end:
+                self._closed_end = end
+                closed = closed_xml_calls(self._text, self._calls_from, self._fmt, self._names,
+                                          self._parallel, self._schemas)
+                self._deltas += rest_of_calls([(c.name, c.arguments) for c in self._closed],
+                                              closed)
+                self._closed = closed
+        elif self._calls_from is not None:
             if held and self._reader is None:
                 self._reader = CallReader(self._names, self._parallel)
             if self._reader is not None:
@@ -173,9 +191,14 @@ class CallSplitter:
     def finish(self) -> tuple[str, ParsedAnswer]:
         """The content not shown yet, and the whole answer parsed; ``deltas`` then gives
         what is left of calls streamed so far (and the calls never opened, whole)."""
-        answer = parse_answer(self._text, self._fmt, self._names, self._parallel)
+        answer = parse_answer(self._text, self._fmt, self._names, self._parallel,
+                              self._schemas)
         reader = self._reader
-        self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
+        if self._xml_held:
+            assert self._calls_from is not None
+            answer = _held_xml(answer, self._closed, self._text, self._calls_from)
+        streamed = reader.calls if reader else [(c.name, c.arguments) for c in self._closed]
+        self._deltas += rest_of_calls(streamed, answer.calls)
         if reader is not None:
             assert self._calls_from is not None  # (a reader is made at a call's marker)
             answer = _held(answer, reader, self._text, self._calls_from)
@@ -216,14 +239,37 @@ def _held(answer: ParsedAnswer, reader: CallReader, text: str, at: int) -> Parse
     return replace(answer, content=text[:at].rstrip()) if answer.calls else answer
 
 
+def _held_xml(answer: ParsedAnswer, closed: tuple[ParsedCall, ...], text: str, at: int
+              ) -> ParsedAnswer:
+    """``answer`` (``text`` parsed) where a grammar held XML calls from ``at``, as ``_held``
+    reads JSON ones: cut off inside a call, the ``closed`` ones before it."""
+    if closed and not answer.calls:
+        return ParsedAnswer(text[:at].rstrip(), closed, cut=True)
+    return replace(answer, content=text[:at].rstrip()) if answer.calls else answer
+
+
+def closed_xml_calls(text: str, at: int, fmt: str, names: frozenset[str] | None,
+                     parallel: bool, schemas: Schemas | None) -> tuple[ParsedCall, ...]:
+    """The calls of an XML form's region (from ``at``) up to its last ``</tool_call>``: those
+    a grammar has closed, which stand whatever follows them."""
+    end = text.rfind("</tool_call>", at)
+    if end < 0:
+        return ()
+    return parse_answer(text[at:end + len("</tool_call>")], fmt, names, parallel,
+                        schemas).calls
+
+
 def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool,
-               held: bool) -> ParsedAnswer:
+               held: bool, schemas: Schemas | None = None) -> ParsedAnswer:
     """A whole answer read as its stream is: ``parse_answer``, but where a grammar held the
     calls and the answer was cut off inside them, the calls as far as they came."""
-    answer = parse_answer(text, fmt, names, parallel)
+    answer = parse_answer(text, fmt, names, parallel, schemas)
     at = first_full_start(text, fmt) if held else None
     if at is None:
         return answer
+    if fmt in XML_FORMATS:
+        return _held_xml(answer, closed_xml_calls(text, at, fmt, names, parallel, schemas),
+                         text, at)
     reader = CallReader(names, parallel)
     reader.feed(text, at)
     return _held(answer, reader, text, at)

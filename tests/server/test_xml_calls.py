@@ -1,0 +1,117 @@
+"""Qwen3-Coder's XML call form served end to end: the demo model with llama.cpp's
+Qwen3-Coder template (``--chat-template``) gets its tools and its history's calls in that
+form, copies the calls, and a forced call (or, under ``auto``, the lazy grammar from
+``<tool_call>`` on) comes back as ``tool_calls``, whole and streamed, its values held to the
+schema (``days`` may not be the 3 the history shows). GLM's form is held and read on the
+engine (tests/server/test_tools.py); the parsing of both, pure, in test_tool_parsers.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from justllm.server.tools.xml_grammar import text_without, xml_call_grammar
+from tests.server.conftest import start_server
+from tests.server.test_tokenize import post
+
+TRIP = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 2}},
+    "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": TRIP}}]
+
+
+def shots() -> list[dict]:
+    out: list[dict] = []
+    for k in range(2):
+        out += [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"call_{k}", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+                {"role": "tool", "tool_call_id": f"call_{k}", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny."}]
+    return [*out, {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def coder(model_path):
+    from rich.console import Console
+
+    from justllm.models.convert import get_converter
+
+    template = get_converter(Console(stderr=True)).root / "models/templates/Qwen3-Coder.jinja"
+    s = start_server(model_path, "--chat-template", str(template), "--no-prefix-cache")
+    yield s
+    assert s.stop() == 0
+
+
+def _body(**extra) -> dict:
+    return {"messages": shots(), "tools": TOOLS, "temperature": 0, "max_tokens": 60,
+            "parallel_tool_calls": False, **extra}
+
+
+def _streamed(server, **extra) -> tuple[list[dict], list[dict]]:
+    """The chunks of a streamed answer, and the tool-call deltas among them."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json=_body(stream=True, **extra), timeout=120) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks), chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    return chunks, deltas
+
+
+def _arguments(deltas: list[dict]) -> dict:
+    args = json.loads("".join(d["function"]["arguments"] for d in deltas[1:]))
+    assert args["city"] == "Paris" and args["days"] in (1, 2), args
+    return args
+
+
+def test_a_forced_call_in_the_xml_form_comes_back_whole_and_streamed(coder):
+    prompt = post(coder, "/apply-template", {"messages": shots(), "tools": TOOLS}).json()
+    assert ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>"
+            "\n3\n</parameter>") in prompt["prompt"]
+    r = post(coder, "/v1/chat/completions", _body(tool_choice="required"))
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls" and not answer["message"]["content"], answer
+    call = answer["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather"
+    _, deltas = _streamed(coder, tool_choice="required")
+    assert _arguments(deltas) == json.loads(call["arguments"])
+
+
+def test_an_auto_call_is_held_from_its_marker_and_streamed_as_calls(coder):
+    _arguments(_streamed(coder, tool_choice="auto")[1])
+
+
+def test_the_xml_grammar_spells_the_form_and_keeps_a_raw_value_from_its_closing_tag():
+    def json_grammar(schema: dict) -> str:
+        return f'root ::= "{schema["type"]}" space\nspace ::= " "?'
+
+    gbnf = xml_call_grammar("qwen3_coder", [("get_weather", TRIP), ("noop", None)],
+                            json_grammar, parallel=True)
+    lines = gbnf.splitlines()
+    assert lines[:2] == [
+        'root ::= " "? justllm-xml-call ("\\n" justllm-xml-call)*',
+        'justllm-xml-call ::= "<tool_call>\\n" ("<function=get_weather>\\n" '
+        '("<parameter=city>\\n" justllm-xml-0-0-text-0 "\\n</parameter>\\n") '
+        '("<parameter=days>\\n" justllm-xml-0-1-root "\\n</parameter>\\n") "</function>\\n" | '
+        '"<function=noop>\\n"  "</function>\\n") "</tool_call>"']
+    assert 'justllm-xml-0-1-root ::= "integer" justllm-xml-0-1-space' in lines
+    glm = xml_call_grammar("glm", [("f", {"type": "object", "properties": {
+        "u": {"enum": ["a", "b"]}}})], json_grammar, parallel=False, compact=True)
+    assert glm.splitlines()[:2] == [
+        'root ::= " "? justllm-xml-call',
+        'justllm-xml-call ::= "<tool_call>" ("f" ("<arg_key>u</arg_key><arg_value>" '
+        '("a" | "b") "</arg_value>")?) "</tool_call>"']
+    # each state of "</ab>" matched so far: the next character goes on, starts over at a
+    # "<", or breaks the match; the whole of it never comes
+    assert text_without("t", "</ab>") == [
+        't-0 ::= ([^<] t-0 | "<" t-1)?',
+        't-1 ::= ([^</] t-0 | "<" t-1 | "/" t-2)?',
+        't-2 ::= ([^<a] t-0 | "<" t-1 | "a" t-3)?',
+        't-3 ::= ([^<b] t-0 | "<" t-1 | "b" t-4)?',
+        't-4 ::= ([^<>] t-0 | "<" t-1)?']
