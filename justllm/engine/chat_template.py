@@ -235,14 +235,17 @@ def template_globals() -> frozenset[str]:
 
 def template_tool_format(source: str) -> str | None:
     """The tool-call format a template's own markers name (``generic`` when it names none):
-    ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm`` or ``generic``; the server
-    has a parser for each. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
+    ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm``, ``kimi_k2`` or ``generic``;
+    the server has a parser for each. ``kimi_k2``: a section of
+    ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}`` calls. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
     ``<parameter=KEY>`` values (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5); ``glm``:
     ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs (GLM 4.5 to 4.7, Ling 3.0,
     Laguna). None for the XML forms the server cannot read (Seed-OSS's ``<seed:tool_call>``)
     and for Functionary's Llama 3 based formats (v3.1's ``<function=NAME>{..}</function>``,
     v3.2's ``>>>NAME`` recipients): their Llama 3 headers and ``<|python_tag|>`` read as
     ``llama3``, whose parser never found the calls the model writes."""
+    if "<|tool_calls_section_begin|>" in source and "<|tool_call_begin|>" in source:
+        return "kimi_k2"
     if "<tool_call>" in source and "<function=" in source and "<parameter=" in source:
         return "qwen3_coder"
     if "<tool_call>" in source and "<arg_key>" in source:
@@ -363,7 +366,7 @@ class ChatTemplate:
         and the ``chatml`` and ``llama3`` built-ins) in a format the server reads; otherwise
         ``render`` adds the fallback. A template with no marker the server knows (``generic``)
         is read only when it writes a call as JSON with its ``"name"`` (Granite's, Nemotron's):
-        Command R's ``tool_name``, Kimi K2's ``functions.NAME:0``, Gemma 4's ``call:NAME{..}``,
+        Command R's ``tool_name``, Gemma 4's ``call:NAME{..}``,
         LFM2's ``[NAME(x=..)]`` or DeepSeek V3.2's XML came back as text."""
         fmt = template_tool_format(self.source)
         return fmt is not None and self._probe("tools") and (
@@ -516,6 +519,8 @@ class ChatTemplate:
             messages = [_harmony_message(m) for m in messages]
         if self.native_tools and self.tool_format == "mistral":
             messages = _mistral_ids(messages)
+        if self.native_tools and self.tool_format == "kimi_k2":
+            messages = _kimi_ids(messages)
         if not self.native_tools and (tools or any(
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
@@ -641,6 +646,28 @@ def _mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                      for c in m["tool_calls"]]}
         if isinstance(m.get("tool_call_id"), str):
             m = {**m, "tool_call_id": mistral_id(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def _kimi_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with their calls' ids as Kimi K2 writes them, ``functions.NAME:INDEX`` (the
+    call's place in its message), and each result's the same as its call's: Kimi K2's
+    template writes a call with that id and its result with the result's ``tool_call_id``,
+    so a client's ``call_…`` named a call the prompt never showed."""
+    ids: dict[str, str] = {}
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for k, c in enumerate(m["tool_calls"]):
+                own = f"functions.{c.get('function', {}).get('name', '')}:{k}"
+                if isinstance(c.get("id"), str):
+                    ids[c["id"]] = own
+                calls.append({**c, "id": own})
+            m = {**m, "tool_calls": calls}
+        if isinstance(m.get("tool_call_id"), str):
+            m = {**m, "tool_call_id": ids.get(m["tool_call_id"], m["tool_call_id"])}
         out.append(m)
     return out
 

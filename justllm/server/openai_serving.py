@@ -91,6 +91,7 @@ from justllm.server.tools.grammar import (
     call_or_answer_grammar,
     call_schema,
     call_triggers,
+    kimi_calls_grammar,
     named_args_grammar,
     wrap_call_grammar,
 )
@@ -483,6 +484,10 @@ class OpenAIServing:
                 return _within_schema_limits(xml_call_grammar(
                     fmt, [(f.name, f.parameters) for f in plan.callable()],
                     self.aengine.json_grammar, parallel, self.template.compact_tool_calls))
+            if fmt == "kimi_k2":
+                return _within_schema_limits(kimi_calls_grammar(
+                    [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
+                     for f in plan.callable()], parallel))
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
                 return _within_schema_limits(named_args_grammar(
                     [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))

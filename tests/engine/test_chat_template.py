@@ -313,6 +313,7 @@ LLAMA_CPP_FORMATS = {
                     "StepFun3.5-Flash"},
     "glm": {"GLM-4.6", "GLM-4.7-Flash", "Spark2.5", "inclusionai-ling-3.0-flash",
             "poolside-Laguna-S-2.1", "poolside-Laguna-XS-2.1", "poolside-Laguna-XS.2"},
+    "kimi_k2": {"moonshotai-Kimi-K2", "Kimi-K2-Instruct", "Kimi-K2-Thinking"},
     "hermes": {"Bielik-11B-v3.0-Instruct", "MiMo-VL", "MiniMax-M3",
                "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
                "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-QwQ-32B",
@@ -344,19 +345,27 @@ def test_llama_cpps_templates_keep_their_formats_and_the_xml_forms_are_native(
         expected = next((f for f, names in LLAMA_CPP_FORMATS.items() if name in names),
                         "generic")
         assert template_tool_format(source) == expected, name
-        if expected in ("qwen3_coder", "glm"):  # their own rendering kept
+        if expected in ("qwen3_coder", "glm", "kimi_k2"):  # their own rendering kept
             t = ChatTemplate(source)
             assert (t.native_tools, t.tool_format) == (True, expected), name
             assert t.compact_tool_calls == (name in ("GLM-4.7-Flash", "Spark2.5")), name
 
 
-def test_the_xml_forms_render_tools_and_calls_their_own_way(llama_cpp_templates):
+def test_the_native_forms_render_tools_and_calls_their_own_way(llama_cpp_templates):
     qwen = ChatTemplate(llama_cpp_templates["Qwen3.5-4B"]).render(CALLED, tools=TOOLS)
     assert "<tools>" in qwen and tool_fallback_text(TOOLS) not in qwen
     assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
             "</function>\n</tool_call>") in qwen
     glm = ChatTemplate(llama_cpp_templates["GLM-4.6"]).render(CALLED, tools=TOOLS)
     assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>" in glm
+    kimi = ChatTemplate(llama_cpp_templates["Kimi-K2-Thinking"]).render(CALLED, tools=TOOLS)
+    assert tool_fallback_text(TOOLS) not in kimi and (
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
+        "<|tool_call_end|>") in kimi
+    # Kimi K2's first template writes a result with its tool_call_id: the client's call_1
+    # named a call the prompt never showed
+    first = ChatTemplate(llama_cpp_templates["moonshotai-Kimi-K2"]).render(CALLED, tools=TOOLS)
+    assert "## Return of functions.get_weather:0" in first and "call_1" not in first
 
 
 def test_a_template_of_no_known_format_is_read_only_if_it_writes_calls_as_json_names():

@@ -99,6 +99,10 @@ HELD = {
     "glm": "<tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
            "<arg_value>-20</arg_value></tool_call><tool_call>get_weather<arg_key>city"
            "</arg_key><arg_value>Oslo</arg_value></tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+               '<|tool_call_argument_begin|>{"a": 1, "b": [2.50]}<|tool_call_end|>'
+               "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+               '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
     # Mistral's newer form (a template that writes [ARGS])
     "mistral-args": '[TOOL_CALLS]add[ARGS]{"a": 1,"b": [2]}[TOOL_CALLS]get_weather[ARGS]{}',
 }

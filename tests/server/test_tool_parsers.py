@@ -72,6 +72,15 @@ CASES = [
             "</arg_value></tool_call>\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>"
             "Rome</arg_value><arg_key>unit</arg_key><arg_value>celsius</arg_value></tool_call>",
      "Checking.", [PARIS, ROME]),
+    # Kimi K2 (a call's id names its function)
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+                "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+                '{"city": "Rome", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>',
+     "", [PARIS, ROME]),
+    ("kimi_k2", "Checking. <|tool_calls_section_begin|> <|tool_call_begin|> get_weather:0 "
+                '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|>', "Checking.",
+     [PARIS]),
     # generic: the fallback's format, as the demo model writes it (and fenced, and a list)
     ("generic", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
     ("generic", 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
@@ -106,6 +115,10 @@ MALFORMED = [
     ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
     ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"),
     ("glm", "<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'),  # no index
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_begin|>'),
     # nested past Python's recursion limit: RecursionError escaped, a 400 after the generation
     # (a stream just ended)
     ("generic", '{"name": "get_weather", "arguments": ' + "[" * 5000),
@@ -153,7 +166,7 @@ def test_xml_values_are_typed_by_the_schema():
 
 
 MARKERS = {"hermes": ("<tool_call>", "<"), "qwen3_coder": ("<tool_call>", "<"),
-           "glm": ("<tool_call>", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
+           "glm": ("<tool_call>", "<"), "kimi_k2": ("<|tool_calls", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
            "mistral": ("[TOOL_CALLS]", "["), "generic": ('"name"', "{", "```")}
 
 

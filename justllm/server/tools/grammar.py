@@ -141,12 +141,33 @@ def named_args_grammar(functions: list[tuple[str, str]], parallel: bool) -> str:
                       *rules])
 
 
+def kimi_calls_grammar(functions: list[tuple[str, str]], parallel: bool) -> str:
+    """Kimi K2's calls: a section of ``<|tool_call_begin|>functions.NAME:INDEX
+    <|tool_call_argument_begin|>{arguments}<|tool_call_end|>`` (``functions``: (name, GBNF of
+    its parameters schema, rule ``root``) pairs); one call, or with ``parallel`` one or more,
+    numbered from 0 as the template numbers them."""
+    alternatives, rules = [], []
+    for i, (name, gbnf) in enumerate(functions):
+        prefix = f"{_CALL_RULE}-{i}-"
+        rules.append(prefixed_rules(gbnf, prefix))
+        alternatives.append(f'"functions.{name}:" [0-9] [0-9]? "<|tool_call_argument_begin|>" '
+                            f"{prefix}root")
+    repeat = "+" if parallel else ""
+    return "\n".join([
+        f'root ::= " "? "<|tool_calls_section_begin|>" {_CALL_RULE}{repeat} '
+        '"<|tool_calls_section_end|>"',
+        f'{_CALL_RULE} ::= "<|tool_call_begin|>" ({" | ".join(alternatives)}) '
+        '"<|tool_call_end|>"', *rules])
+
+
 def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     """Where a call begins in a free answer (``tool_choice: "auto"``): the lazy grammar's
     triggers (regular expressions; the grammar holds the answer from where the first group
     begins), or () for a family whose calls are left free."""
     if fmt in ("hermes", "qwen3_coder", "glm"):
         return (r"(<tool_call>)",)
+    if fmt == "kimi_k2":
+        return (r"(<\|tool_calls_section_begin\|>)",)
     if fmt == "mistral":  # (both of its forms begin with [TOOL_CALLS])
         return (r"(\[TOOL_CALLS\])",)
     if fmt == "llama3":  # (the grammar is the call object: it begins after the python tag)

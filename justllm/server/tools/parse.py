@@ -12,6 +12,9 @@ The format is the one the prompt asked for (``ChatTemplate.tool_format``):
   ``<function=NAME>`` and a ``<parameter=KEY>`` block per argument, its value on lines of its own;
 - ``glm`` (GLM 4.5 to 4.7): ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key>`` and
   ``<arg_value>VALUE</arg_value>`` per argument, then ``</tool_call>``;
+- ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>``, then per call
+  ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}<|tool_call_end|>``,
+  then ``<|tool_calls_section_end|>``;
 - ``generic`` (the fallback text of templates without tools): ``{"name": .., "arguments":
   {..}}`` or a JSON array of them, possibly in a ```` ```json ```` fence.
 
@@ -59,6 +62,7 @@ CALL_STARTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "hermes": (("<tool_call>",),),
     "qwen3_coder": (("<tool_call>",),),
     "glm": (("<tool_call>",),),
+    "kimi_k2": (("<|tool_calls_section_begin|>",),),
     "mistral": (("[TOOL_CALLS]",),),
     "llama3": (("<|python_tag|>",), ("{", '"name"', ":"),
                ("{", '"type"', ":", '"function"', ",", '"name"', ":")),
@@ -267,6 +271,27 @@ def _mistral(text: str, i: int) -> tuple[list[Any], int]:
     return calls, i
 
 
+_KIMI_ID = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*")
+
+
+def _kimi_k2(text: str, i: int) -> tuple[list[Any], int]:
+    calls = []
+    i += len("<|tool_calls_section_begin|>")
+    while True:
+        i = _skip_blank(text, i)
+        if text.startswith("<|tool_call_begin|>", i):
+            call_id, i = _until(text, i + len("<|tool_call_begin|>"),
+                                "<|tool_call_argument_begin|>")
+            named = _KIMI_ID.fullmatch(call_id)  # (functions.NAME:INDEX, the call's id)
+            if named is None:
+                raise Malformed(f"{call_id!r} is not a call's functions.NAME:INDEX")
+            args, i = _json_at(text, i)
+            calls.append({"name": named[1], "arguments": args})
+            i = _literal(text, i, "<|tool_call_end|>")
+        else:  # (the section's end may be cut off where the text ends)
+            return calls, _skip_blank(text, _literal(text, i, "<|tool_calls_section_end|>"))
+
+
 def _generic(text: str, i: int) -> tuple[list[Any], int]:
     fenced = text.startswith("```", i)
     if fenced:
@@ -277,7 +302,8 @@ def _generic(text: str, i: int) -> tuple[list[Any], int]:
     return (value if isinstance(value, list) else [value]), i
 
 
-_PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "generic": _generic}
+_PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "kimi_k2": _kimi_k2,
+            "generic": _generic}
 
 
 # What a plain string parameter's schema may say besides its type: its value is then any raw

@@ -40,13 +40,16 @@ from justllm.server.tools.parse import (
 log = logging.getLogger(__name__)
 
 # What may stand before a call region's first call and between its calls.
-_BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>)*")
+_BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>"
+                      r"|<\|tool_calls_section_begin\|>|<\|tool_call_end\|>)*")
 # The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
-# "name" first, then the arguments; or Mistral's [TOOL_CALLS]name[ARGS]); its arguments begin
-# where it ends.
+# "name" first, then the arguments; Mistral's [TOOL_CALLS]name[ARGS]; Kimi K2's call id); its
+# arguments begin where it ends.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
                         r'"(?:arguments|parameters)"\s*:\s*'
-                        r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*')
+                        r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*'
+                        r'|<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*'
+                        r'<\|tool_call_argument_begin\|>\s*')
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class CallReader:
                 if not opening:
                     break  # (what the arguments are is not known yet)
                 try:
-                    name = json.loads(head[1]) if head[1] is not None else head[2]
+                    name = json.loads(head[1]) if head[1] is not None else head[2] or head[3]
                 except ValueError:
                     name = None
                 # (arguments given as JSON text, a string, are read whole at the end)
