@@ -237,7 +237,8 @@ def template_tool_format(source: str) -> str | None:
     """The tool-call format a template's own markers name (``generic`` when it names none):
     ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm``, ``kimi_k2`` or ``generic``;
     the server has a parser for each. ``kimi_k2``: a section of
-    ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}`` calls. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
+    ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}`` calls;
+    ``deepseek_v3_1``: a section of ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`` calls. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
     ``<parameter=KEY>`` values (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5); ``glm``:
     ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs (GLM 4.5 to 4.7, Ling 3.0,
     Laguna). None for the XML forms the server cannot read (Seed-OSS's ``<seed:tool_call>``)
@@ -246,6 +247,8 @@ def template_tool_format(source: str) -> str | None:
     ``llama3``, whose parser never found the calls the model writes."""
     if "<|tool_calls_section_begin|>" in source and "<|tool_call_begin|>" in source:
         return "kimi_k2"
+    if "<｜tool▁calls▁begin｜>" in source and "<｜tool▁sep｜>" in source and "```json" not in source:
+        return "deepseek_v3_1"  # (R1's put a type before the separator, JSON in a fence)
     if "<tool_call>" in source and "<function=" in source and "<parameter=" in source:
         return "qwen3_coder"
     if "<tool_call>" in source and "<arg_key>" in source:
@@ -274,6 +277,26 @@ def tool_fallback_text(tools: list[dict[str, Any]], parallel: bool = True) -> st
             'exactly this form, and nothing else: {"name": "<function name>", "arguments": '
             "{<the arguments, as a JSON object>}}." + several + " A function's result comes "
             "back in a message from the tool; then answer the user.")
+
+
+def deepseek_tool_text(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    """DeepSeek V3.1's tools as its model card has them described in the system prompt (its
+    template writes the calls and their results, not the tools)."""
+    parts = ["## Tools\nYou have access to the following tools:"]
+    for t in tools:
+        fn = t.get("function", t)
+        parts.append(f"### {fn.get('name')}\nDescription: {fn.get('description') or ''}\n\n"
+                     f"Parameters: {_tojson(fn.get('parameters') or {})}")
+    more = "{{additional_tool_calls}}" if parallel else ""
+    parts.append("IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+                 "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>"
+                 f"tool_call_arguments<｜tool▁call▁end｜>{more}<｜tool▁calls▁end｜>\n\nWhere:\n\n"
+                 "- `tool_call_name` must be an exact match to one of the available tools\n"
+                 "- `tool_call_arguments` must be valid JSON that strictly follows the tool's "
+                 "Parameters Schema\n" + ("- For multiple tool calls, chain them directly without "
+                                          "separators or spaces" if parallel else
+                                          "- Call at most one tool per answer"))
+    return "\n\n".join(parts)
 
 
 def _call_text(calls: list[dict[str, Any]]) -> str:
@@ -369,6 +392,8 @@ class ChatTemplate:
         Command R's ``tool_name``, Gemma 4's ``call:NAME{..}``,
         LFM2's ``[NAME(x=..)]`` or DeepSeek V3.2's XML came back as text."""
         fmt = template_tool_format(self.source)
+        if fmt == "deepseek_v3_1":  # (its template writes calls, not tools: see render)
+            return True
         return fmt is not None and self._probe("tools") and (
             fmt != "generic" or self.harmony or self._probe("json_calls"))
 
@@ -521,6 +546,10 @@ class ChatTemplate:
             messages = _mistral_ids(messages)
         if self.native_tools and self.tool_format == "kimi_k2":
             messages = _kimi_ids(messages)
+        if (tools and self.native_tools and self.tool_format == "deepseek_v3_1"
+                and not self._probe("tools")):  # DeepSeek V3.1's renders calls, not tools
+            messages = _with_system_text(messages, deepseek_tool_text(tools, parallel_tool_calls),
+                                         self._probe("system_role"))
         if not self.native_tools and (tools or any(
                 m.get("tool_calls") or m.get("role") == "tool" for m in messages)):
             messages = self._with_fallback(messages, tools, parallel_tool_calls)
@@ -583,19 +612,28 @@ class ChatTemplate:
                 m = {"role": "user", "content": f"Result of {name}: {m.get('content') or ''}"}
             out.append(m)
         if tools:
-            text = tool_fallback_text(tools, parallel)
-            user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
-            if out[0]["role"] == "system":
-                first = out[0].get("content")
-                out[0] = {**out[0], "content": f"{first}\n\n{text}" if first else text}
-            elif user is not None and not self._probe("system_role"):
-                # (a template without a system role, as Gemma 2's, refused every request with
-                # tools; llama.cpp's templates put a system message into the first user turn)
-                said = out[user].get("content")
-                out[user] = {**out[user], "content": f"{text}\n\n{said}" if said else text}
-            else:
-                out.insert(0, {"role": "system", "content": text})
+            out = _with_system_text(out, tool_fallback_text(tools, parallel),
+                                    self._probe("system_role"))
         return out
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str, system_role: bool
+                      ) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` after the first system message's (or as one; at the top of
+    the first user message for a template without a system ``role``)."""
+    out = list(messages)
+    user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
+    if out[0]["role"] == "system":
+        first = out[0].get("content")
+        out[0] = {**out[0], "content": f"{first}\n\n{text}" if first else text}
+    elif user is not None and not system_role:
+        # (a template without a system role, as Gemma 2's, refused every request with
+        # tools; llama.cpp's templates put a system message into the first user turn)
+        said = out[user].get("content")
+        out[user] = {**out[user], "content": f"{text}\n\n{said}" if said else text}
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def _systems_in_user_turns(messages: list[dict[str, Any]], only: set[int] | None = None

@@ -91,14 +91,14 @@ from justllm.server.tools.grammar import (
     call_or_answer_grammar,
     call_schema,
     call_triggers,
-    kimi_calls_grammar,
     named_args_grammar,
+    section_calls_grammar,
     wrap_call_grammar,
 )
 from justllm.server.tools.harmony_grammar import CALL_TRIGGERS as HARMONY_CALL_TRIGGERS
 from justllm.server.tools.harmony_grammar import answer_grammar
 from justllm.server.tools.harmony_grammar import call_grammar as harmony_call_grammar
-from justllm.server.tools.parse import XML_FORMATS, ParsedCall
+from justllm.server.tools.parse import SECTIONS, XML_FORMATS, ParsedCall
 from justllm.server.tools.request import (
     ToolPlan,
     check_tool_messages,
@@ -484,10 +484,10 @@ class OpenAIServing:
                 return _within_schema_limits(xml_call_grammar(
                     fmt, [(f.name, f.parameters) for f in plan.callable()],
                     self.aengine.json_grammar, parallel, self.template.compact_tool_calls))
-            if fmt == "kimi_k2":
-                return _within_schema_limits(kimi_calls_grammar(
-                    [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
-                     for f in plan.callable()], parallel))
+            if fmt in SECTIONS:  # Kimi K2's, DeepSeek V3.1's
+                return _within_schema_limits(section_calls_grammar(
+                    fmt, [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))
+                          for f in plan.callable()], parallel))
             if self.template.names_call_arguments:  # Mistral's [TOOL_CALLS]name[ARGS]{..}
                 return _within_schema_limits(named_args_grammar(
                     [(f.name, self.aengine.json_grammar(f.parameters or NO_PARAMETERS))

@@ -314,6 +314,7 @@ LLAMA_CPP_FORMATS = {
     "glm": {"GLM-4.6", "GLM-4.7-Flash", "Spark2.5", "inclusionai-ling-3.0-flash",
             "poolside-Laguna-S-2.1", "poolside-Laguna-XS-2.1", "poolside-Laguna-XS.2"},
     "kimi_k2": {"moonshotai-Kimi-K2", "Kimi-K2-Instruct", "Kimi-K2-Thinking"},
+    "deepseek_v3_1": {"deepseek-ai-DeepSeek-V3.1"},
     "hermes": {"Bielik-11B-v3.0-Instruct", "MiMo-VL", "MiniMax-M3",
                "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
                "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-QwQ-32B",
@@ -345,7 +346,7 @@ def test_llama_cpps_templates_keep_their_formats_and_the_xml_forms_are_native(
         expected = next((f for f, names in LLAMA_CPP_FORMATS.items() if name in names),
                         "generic")
         assert template_tool_format(source) == expected, name
-        if expected in ("qwen3_coder", "glm", "kimi_k2"):  # their own rendering kept
+        if expected in ("qwen3_coder", "glm", "kimi_k2", "deepseek_v3_1"):  # native
             t = ChatTemplate(source)
             assert (t.native_tools, t.tool_format) == (True, expected), name
             assert t.compact_tool_calls == (name in ("GLM-4.7-Flash", "Spark2.5")), name
@@ -366,6 +367,15 @@ def test_the_native_forms_render_tools_and_calls_their_own_way(llama_cpp_templat
     # named a call the prompt never showed
     first = ChatTemplate(llama_cpp_templates["moonshotai-Kimi-K2"]).render(CALLED, tools=TOOLS)
     assert "## Return of functions.get_weather:0" in first and "call_1" not in first
+    # DeepSeek V3.1's writes calls and results, not tools: they are described in the system
+    # prompt as its model card does
+    deepseek = ChatTemplate(llama_cpp_templates["deepseek-ai-DeepSeek-V3.1"])
+    shown = deepseek.render([{"role": "system", "content": "Be brief."}, *CALLED], tools=TOOLS)
+    assert shown.startswith("Be brief.\n\n## Tools\nYou have access to the following tools:"
+                            "\n\n### get_weather\nDescription: Weather <now>.")
+    assert ('<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+            "<｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁output▁begin｜>18C") in shown
+    assert "## Tools" not in deepseek.render(CALLED)
 
 
 def test_a_template_of_no_known_format_is_read_only_if_it_writes_calls_as_json_names():

@@ -103,6 +103,9 @@ HELD = {
                '<|tool_call_argument_begin|>{"a": 1, "b": [2.50]}<|tool_call_end|>'
                "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
                '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
+    "deepseek_v3_1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>"
+                     '{"a": 1, "b": -2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather'
+                     '<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     # Mistral's newer form (a template that writes [ARGS])
     "mistral-args": '[TOOL_CALLS]add[ARGS]{"a": 1,"b": [2]}[TOOL_CALLS]get_weather[ARGS]{}',
 }

@@ -81,6 +81,13 @@ CASES = [
     ("kimi_k2", "Checking. <|tool_calls_section_begin|> <|tool_call_begin|> get_weather:0 "
                 '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|>', "Checking.",
      [PARIS]),
+    # DeepSeek V3.1
+    ("deepseek_v3_1", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                      '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather'
+                      '<｜tool▁sep｜>{"city": "Rome", "unit": "celsius"}<｜tool▁call▁end｜>'
+                      "<｜tool▁calls▁end｜>", "", [PARIS, ROME]),
+    ("deepseek_v3_1", "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                      '{"city": "Paris"}<｜tool▁call▁end｜>', "Sure.", [PARIS]),
     # generic: the fallback's format, as the demo model writes it (and fenced, and a list)
     ("generic", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
     ("generic", 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
@@ -119,6 +126,8 @@ MALFORMED = [
                 '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'),  # no index
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                 '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_begin|>'),
+    ("deepseek_v3_1", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                      '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'),  # R1's form
     # nested past Python's recursion limit: RecursionError escaped, a 400 after the generation
     # (a stream just ended)
     ("generic", '{"name": "get_weather", "arguments": ' + "[" * 5000),
@@ -166,7 +175,8 @@ def test_xml_values_are_typed_by_the_schema():
 
 
 MARKERS = {"hermes": ("<tool_call>", "<"), "qwen3_coder": ("<tool_call>", "<"),
-           "glm": ("<tool_call>", "<"), "kimi_k2": ("<|tool_calls", "<"), "llama3": ("<|python_tag|>", '"name"', "{"),
+           "glm": ("<tool_call>", "<"), "kimi_k2": ("<|tool_calls", "<"),
+           "deepseek_v3_1": ("<｜tool",), "llama3": ("<|python_tag|>", '"name"', "{"),
            "mistral": ("[TOOL_CALLS]", "["), "generic": ('"name"', "{", "```")}
 
 

@@ -15,7 +15,7 @@ import pytest
 from justllm.core.sampling_params import SamplingParams
 from justllm.engine.backend import grammar_from_json_schema
 from justllm.engine.chat_template import ChatTemplate
-from justllm.server.tools.grammar import call_schema, kimi_calls_grammar, wrap_call_grammar
+from justllm.server.tools.grammar import call_schema, section_calls_grammar, wrap_call_grammar
 from justllm.server.tools.parse import parse_answer
 from justllm.server.tools.xml_grammar import xml_call_grammar
 from tests.server.test_errors import assert_error, post
@@ -437,8 +437,8 @@ def test_each_familys_grammar_forces_a_valid_call(engine, template, fmt):
     jsonschema.validate(json.loads(answer.calls[0].arguments), WEATHER)
 
 
-# GLM's XML form and Kimi K2's call section: the grammar writes the call as GLM 4.7's and Kimi
-# K2's templates do, the values held to the schema (GLM's plain string raw, up to its closing
+# GLM's XML form and DeepSeek V3.1's call section (Kimi K2's is the same grammar, its head
+# apart: test_xml_calls.py): the grammar writes the call as their templates do, the values held to the schema (GLM's plain string raw, up to its closing
 # tag; a bounded integer as JSON), and the parser reads it back. The demo model copies the
 # calls the prompt shows (a days value the schema does not allow among them: the grammar's
 # work shows). Qwen3-Coder's form is served end to end in test_xml_calls.py.
@@ -449,19 +449,18 @@ TRIP = {"type": "object", "properties": {
 SHOWN_CALLS = {
     "glm": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
            "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
-    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-               '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
-               "<|tool_calls_section_end|>"}
+    "deepseek_v3_1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'}
 
 
 @pytest.mark.parametrize("fmt", sorted(SHOWN_CALLS))
-def test_glms_and_kimis_grammar_forces_a_call_the_parser_reads_back(engine, fmt):
+def test_glms_and_deepseeks_grammar_forces_a_call_the_parser_reads_back(engine, fmt):
     shot = f"User: What is the weather in Paris?\nAssistant: {SHOWN_CALLS[fmt]}\n"
     prompt = shot * 3 + "User: What is the weather in Paris?\nAssistant:"
     functions = [("get_weather", TRIP), ("add", ADD)]
     grammar = (xml_call_grammar(fmt, functions, grammar_from_json_schema, parallel=False,
-                                compact=True) if fmt == "glm" else kimi_calls_grammar(
-        [(n, grammar_from_json_schema(p)) for n, p in functions], parallel=False))
+                                compact=True) if fmt == "glm" else section_calls_grammar(
+        fmt, [(n, grammar_from_json_schema(p)) for n, p in functions], parallel=False))
     rid = engine.add_request(prompt, SamplingParams(max_tokens=100, temperature=0,
                                                     grammar=grammar))
     text, finish = "", None

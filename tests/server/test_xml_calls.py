@@ -1,9 +1,9 @@
 """Qwen3-Coder's XML call form served end to end: the demo model with llama.cpp's
 Qwen3-Coder template (``--chat-template``) gets its tools and its history's calls in that
-form, copies the calls, and a forced call (or, under ``auto``, the lazy grammar from
-``<tool_call>`` on) comes back as ``tool_calls``, whole and streamed, its values held to the
-schema (``days`` may not be the 3 the history shows). GLM's form is held and read on the
-engine (tests/server/test_tools.py); the parsing of both, pure, in test_tool_parsers.py."""
+form, copies the calls, and a forced call comes back as ``tool_calls``, whole and streamed,
+its values held to the schema (``days`` may not be the 3 the history shows). GLM's and
+DeepSeek V3.1's forms are held and read on the engine (tests/server/test_tools.py); the
+parsing of every form, pure, in test_tool_parsers.py; the grammars' shapes here."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from justllm.server.tools.grammar import call_triggers, section_calls_grammar
 from justllm.server.tools.xml_grammar import text_without, xml_call_grammar
 from tests.server.conftest import start_server
 from tests.server.test_tokenize import post
@@ -83,10 +84,6 @@ def test_a_forced_call_in_the_xml_form_comes_back_whole_and_streamed(coder):
     assert _arguments(deltas) == json.loads(call["arguments"])
 
 
-def test_an_auto_call_is_held_from_its_marker_and_streamed_as_calls(coder):
-    _arguments(_streamed(coder, tool_choice="auto")[1])
-
-
 def test_the_xml_grammar_spells_the_form_and_keeps_a_raw_value_from_its_closing_tag():
     def json_grammar(schema: dict) -> str:
         return f'root ::= "{schema["type"]}" space\nspace ::= " "?'
@@ -115,3 +112,18 @@ def test_the_xml_grammar_spells_the_form_and_keeps_a_raw_value_from_its_closing_
         't-2 ::= ([^<a] t-0 | "<" t-1 | "a" t-3)?',
         't-3 ::= ([^<b] t-0 | "<" t-1 | "b" t-4)?',
         't-4 ::= ([^<>] t-0 | "<" t-1)?']
+
+
+def test_the_new_families_lazy_triggers_and_kimis_call_head():
+    """Under ``auto`` the grammar takes hold at the call's marker (the server path of
+    ``auto`` is hermes', tested in test_tools.py)."""
+    for fmt in ("qwen3_coder", "glm"):
+        assert call_triggers(fmt, parallel=True) == (r"(<tool_call>)",)
+    assert call_triggers("kimi_k2", True) == (r"(<\|tool_calls_section_begin\|>)",)
+    assert call_triggers("deepseek_v3_1", True) == ("(<｜tool▁calls▁begin｜>)",)
+    kimi = section_calls_grammar("kimi_k2", [("f", 'root ::= "{}"')], parallel=True)
+    assert kimi.splitlines()[:2] == [
+        'root ::= " "? "<|tool_calls_section_begin|>" justllm-tool-call+ '
+        '"<|tool_calls_section_end|>"',
+        'justllm-tool-call ::= "<|tool_call_begin|>" ("functions.f:" [0-9] [0-9]? '
+        '"<|tool_call_argument_begin|>" justllm-tool-call-0-root) "<|tool_call_end|>"']

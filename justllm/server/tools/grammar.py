@@ -16,6 +16,7 @@ from typing import Any
 
 from justllm.core.gbnf import GBNF_COMMENT, GBNF_LITERALS
 from justllm.errors import InvalidRequestError
+from justllm.server.tools.parse import SECTIONS
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
@@ -141,23 +142,23 @@ def named_args_grammar(functions: list[tuple[str, str]], parallel: bool) -> str:
                       *rules])
 
 
-def kimi_calls_grammar(functions: list[tuple[str, str]], parallel: bool) -> str:
-    """Kimi K2's calls: a section of ``<|tool_call_begin|>functions.NAME:INDEX
-    <|tool_call_argument_begin|>{arguments}<|tool_call_end|>`` (``functions``: (name, GBNF of
-    its parameters schema, rule ``root``) pairs); one call, or with ``parallel`` one or more,
-    numbered from 0 as the template numbers them."""
+def section_calls_grammar(fmt: str, functions: list[tuple[str, str]], parallel: bool) -> str:
+    """The calls of a family that writes them in a section of special tokens (``SECTIONS``:
+    Kimi K2's, DeepSeek V3.1's), each function's arguments from its ``functions`` GBNF
+    ((name, GBNF of its parameters schema, rule ``root``) pairs); one call, or with
+    ``parallel`` one or more. Kimi K2 names a call by its id, ``functions.NAME:INDEX``."""
+    section = SECTIONS[fmt]
     alternatives, rules = [], []
     for i, (name, gbnf) in enumerate(functions):
         prefix = f"{_CALL_RULE}-{i}-"
         rules.append(prefixed_rules(gbnf, prefix))
-        alternatives.append(f'"functions.{name}:" [0-9] [0-9]? "<|tool_call_argument_begin|>" '
-                            f"{prefix}root")
+        named = (f'"functions.{name}:" [0-9] [0-9]?' if fmt == "kimi_k2" else f'"{name}"')
+        alternatives.append(f'{named} "{section.args}" {prefix}root')
     repeat = "+" if parallel else ""
     return "\n".join([
-        f'root ::= " "? "<|tool_calls_section_begin|>" {_CALL_RULE}{repeat} '
-        '"<|tool_calls_section_end|>"',
-        f'{_CALL_RULE} ::= "<|tool_call_begin|>" ({" | ".join(alternatives)}) '
-        '"<|tool_call_end|>"', *rules])
+        f'root ::= " "? "{section.begin}" {_CALL_RULE}{repeat} "{section.close}"',
+        f'{_CALL_RULE} ::= "{section.call}" ({" | ".join(alternatives)}) "{section.end}"',
+        *rules])
 
 
 def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
@@ -166,8 +167,8 @@ def call_triggers(fmt: str, parallel: bool) -> tuple[str, ...]:
     begins), or () for a family whose calls are left free."""
     if fmt in ("hermes", "qwen3_coder", "glm"):
         return (r"(<tool_call>)",)
-    if fmt == "kimi_k2":
-        return (r"(<\|tool_calls_section_begin\|>)",)
+    if fmt in SECTIONS:
+        return (f"({re.escape(SECTIONS[fmt].begin)})",)
     if fmt == "mistral":  # (both of its forms begin with [TOOL_CALLS])
         return (r"(\[TOOL_CALLS\])",)
     if fmt == "llama3":  # (the grammar is the call object: it begins after the python tag)

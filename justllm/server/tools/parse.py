@@ -15,6 +15,8 @@ The format is the one the prompt asked for (``ChatTemplate.tool_format``):
 - ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>``, then per call
   ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}<|tool_call_end|>``,
   then ``<|tool_calls_section_end|>``;
+- ``deepseek_v3_1`` (DeepSeek V3.1): ``<｜tool▁calls▁begin｜>``, then per call
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``;
 - ``generic`` (the fallback text of templates without tools): ``{"name": .., "arguments":
   {..}}`` or a JSON array of them, possibly in a ```` ```json ```` fence.
 
@@ -63,6 +65,7 @@ CALL_STARTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "qwen3_coder": (("<tool_call>",),),
     "glm": (("<tool_call>",),),
     "kimi_k2": (("<|tool_calls_section_begin|>",),),
+    "deepseek_v3_1": (("<｜tool▁calls▁begin｜>",),),
     "mistral": (("[TOOL_CALLS]",),),
     "llama3": (("<|python_tag|>",), ("{", '"name"', ":"),
                ("{", '"type"', ":", '"function"', ",", '"name"', ":")),
@@ -187,6 +190,8 @@ def parse_answer(text: str, fmt: str, names: frozenset[str] | None = None,
     try:
         if fmt in XML_FORMATS:
             objs, end = _xml_calls(text, at, fmt, schemas or {})
+        elif fmt in SECTIONS:
+            objs, end = _section_calls(text, at, SECTIONS[fmt])
         else:
             objs, end = _PARSERS[fmt](text, at)
         calls = tuple(checked_call(c, names) for c in objs)
@@ -271,25 +276,47 @@ def _mistral(text: str, i: int) -> tuple[list[Any], int]:
     return calls, i
 
 
-_KIMI_ID = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*")
+@dataclass(frozen=True)
+class Section:
+    """A family whose calls stand in a section of special tokens: ``begin``, then per call
+    ``call`` + its name (as ``name`` reads it: group 1) + ``args`` + JSON arguments + ``end``,
+    then ``close``."""
+
+    begin: str
+    call: str
+    args: str
+    end: str
+    close: str
+    name: re.Pattern[str]
 
 
-def _kimi_k2(text: str, i: int) -> tuple[list[Any], int]:
+SECTIONS = {
+    # (Kimi K2 writes the call's id, functions.NAME:INDEX)
+    "kimi_k2": Section("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                       "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                       "<|tool_calls_section_end|>",
+                       re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*")),
+    "deepseek_v3_1": Section("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                             "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
+                             re.compile(r"\s*([A-Za-z0-9_-]+)\s*")),
+}
+
+
+def _section_calls(text: str, i: int, section: Section) -> tuple[list[Any], int]:
     calls = []
-    i += len("<|tool_calls_section_begin|>")
+    i += len(section.begin)
     while True:
         i = _skip_blank(text, i)
-        if text.startswith("<|tool_call_begin|>", i):
-            call_id, i = _until(text, i + len("<|tool_call_begin|>"),
-                                "<|tool_call_argument_begin|>")
-            named = _KIMI_ID.fullmatch(call_id)  # (functions.NAME:INDEX, the call's id)
+        if text.startswith(section.call, i):
+            head, i = _until(text, i + len(section.call), section.args)
+            named = section.name.fullmatch(head)
             if named is None:
-                raise Malformed(f"{call_id!r} is not a call's functions.NAME:INDEX")
+                raise Malformed(f"{head!r} does not name a function as {section.call} does")
             args, i = _json_at(text, i)
             calls.append({"name": named[1], "arguments": args})
-            i = _literal(text, i, "<|tool_call_end|>")
+            i = _literal(text, i, section.end)
         else:  # (the section's end may be cut off where the text ends)
-            return calls, _skip_blank(text, _literal(text, i, "<|tool_calls_section_end|>"))
+            return calls, _skip_blank(text, _literal(text, i, section.close))
 
 
 def _generic(text: str, i: int) -> tuple[list[Any], int]:
@@ -302,8 +329,7 @@ def _generic(text: str, i: int) -> tuple[list[Any], int]:
     return (value if isinstance(value, list) else [value]), i
 
 
-_PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "kimi_k2": _kimi_k2,
-            "generic": _generic}
+_PARSERS = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "generic": _generic}
 
 
 # What a plain string parameter's schema may say besides its type: its value is then any raw

@@ -41,15 +41,17 @@ log = logging.getLogger(__name__)
 
 # What may stand before a call region's first call and between its calls.
 _BETWEEN = re.compile(r"(?:\s|[\[\]{},;]|</?tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>"
-                      r"|<\|tool_calls_section_begin\|>|<\|tool_call_end\|>)*")
+                      r"|<\|tool_calls_section_begin\|>|<\|tool_call_end\|>"
+                      r"|<｜tool▁calls▁begin｜>|<｜tool▁call▁end｜>)*")
 # The head of a call as the forcing grammar spells it (``tools/grammar.py``: an object with
-# "name" first, then the arguments; Mistral's [TOOL_CALLS]name[ARGS]; Kimi K2's call id); its
-# arguments begin where it ends.
+# "name" first, then the arguments; Mistral's [TOOL_CALLS]name[ARGS]; Kimi K2's call id;
+# DeepSeek V3.1's name and separator); its arguments begin where it ends.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
                         r'"(?:arguments|parameters)"\s*:\s*'
                         r'|\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*'
                         r'|<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*'
-                        r'<\|tool_call_argument_begin\|>\s*')
+                        r'<\|tool_call_argument_begin\|>\s*'
+                        r'|<｜tool▁call▁begin｜>\s*([A-Za-z0-9_-]+)\s*<｜tool▁sep｜>\s*')
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class CallReader:
                 if not opening:
                     break  # (what the arguments are is not known yet)
                 try:
-                    name = json.loads(head[1]) if head[1] is not None else head[2] or head[3]
+                    name = json.loads(head[1]) if head[1] is not None else (
+                        head[2] or head[3] or head[4])
                 except ValueError:
                     name = None
                 # (arguments given as JSON text, a string, are read whole at the end)
