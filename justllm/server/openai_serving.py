@@ -106,7 +106,7 @@ from justllm.server.tools.request import (
     tool_plan,
 )
 from justllm.server.tools.stream import CallDelta, CallOpened
-from justllm.server.tools.xml_grammar import xml_call_grammar
+from justllm.server.tools.xml_grammar import unheld_keyword, xml_call_grammar
 
 _json = msgspec.json.Encoder()
 log = logging.getLogger(__name__)
@@ -550,9 +550,11 @@ class OpenAIServing:
         ends the answer with its call."""
         if self.template.harmony:
             return self._tool_grammar(plan), HARMONY_CALL_TRIGGERS
-        triggers = call_triggers(self.template.tool_format, plan.parallel)
-        if not triggers:
-            return None, ()
+        fmt = self.template.tool_format
+        triggers = call_triggers(fmt, plan.parallel)
+        if not triggers or fmt in XML_FORMATS and any(
+                unheld_keyword(fmt, f.parameters) for f in plan.callable()):
+            return None, ()  # (an XML call of such a tool is left free: its grammar refuses it)
         return self._tool_grammar(plan), triggers
 
     def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from justllm.server.tools.grammar import call_triggers, section_calls_grammar
-from justllm.server.tools.xml_grammar import text_without, xml_call_grammar
+from justllm.server.tools.xml_grammar import text_without, unheld_keyword, xml_call_grammar
 from tests.server.conftest import start_server
 from tests.server.test_tokenize import post
 
@@ -84,6 +84,20 @@ def test_a_forced_call_in_the_xml_form_comes_back_whole_and_streamed(coder):
     assert _arguments(deltas) == json.loads(call["arguments"])
 
 
+def test_a_schema_the_form_cannot_hold_is_refused_forced_and_left_free_under_auto(coder):
+    """A parameters schema that says more of the whole object than each value (an anyOf of
+    objects here) cannot be held in the XML form: a forced call is a 400 naming it, not one
+    that breaks the schema; under auto the call is left free."""
+    either = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [either], "max_tokens": 1}
+    r = post(coder, "/v1/chat/completions", {**body, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "'anyOf'" in r.json()["error"]["message"]
+    assert post(coder, "/v1/chat/completions", body).status_code == 200
+
+
 def test_the_xml_grammar_spells_the_form_and_keeps_a_raw_value_from_its_closing_tag():
     def json_grammar(schema: dict) -> str:
         return f'root ::= "{schema["type"]}" space\nspace ::= " "?'
@@ -104,6 +118,15 @@ def test_the_xml_grammar_spells_the_form_and_keeps_a_raw_value_from_its_closing_
         'root ::= " "? justllm-xml-call',
         'justllm-xml-call ::= "<tool_call>" ("f" ("<arg_key>u</arg_key><arg_value>" '
         '("a" | "b") "</arg_value>")?) "</tool_call>"']
+    # a required parameter the schema does not name is written too, its value as its
+    # additionalProperties say
+    extra = xml_call_grammar("glm", [("f", {"type": "object", "required": ["k"],
+                                            "additionalProperties": {"type": "integer"}})],
+                             json_grammar, parallel=False)
+    assert '("<arg_key>k</arg_key>\\n<arg_value>" justllm-xml-0-0-root' in extra
+    assert unheld_keyword("glm", {"type": "object", "minProperties": 1}) == "'minProperties'"
+    assert unheld_keyword("qwen3_coder", {"properties": {"a>b": {}}}) == "the parameter name 'a>b'"
+    assert unheld_keyword("qwen3_coder", TRIP) is None
     # each state of "</ab>" matched so far: the next character goes on, starts over at a
     # "<", or breaks the match; the whole of it never comes
     assert text_without("t", "</ab>") == [

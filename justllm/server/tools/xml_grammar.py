@@ -5,7 +5,9 @@ A parameter's value is held to its schema: a plain string (``raw_text_value``) i
 that cannot contain the tag that closes it (or one of its enum's values), any other value is
 JSON for its schema (llama.cpp's converter, ``json_grammar``: the parameters schema's
 definitions go with it). The schema's required parameters come in its order, each optional
-one may (a parameter the schema does not name is never written).
+one may (a parameter the schema does not name is never written, but a required one). A
+parameters schema that says more of the whole object (an ``anyOf`` of objects,
+``minProperties``...) cannot be held this way: ``unheld_keyword`` names what.
 """
 
 from __future__ import annotations
@@ -13,11 +15,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from justllm.errors import InvalidRequestError
 from justllm.server.tools.grammar import prefixed_rules
 from justllm.server.tools.parse import raw_text_value
 
 _RULE = "justllm-xml"
 _DEF_KEYS = ("$defs", "definitions")
+# What a parameters schema may say that a call in an XML form is held to: its parameters (each
+# value apart), which are required, and words that constrain nothing.
+_HELD_KEYS = frozenset({"type", "properties", "required", "additionalProperties", "title",
+                        "description", "$defs", "definitions", "$schema", "$id", "$comment",
+                        "examples", "default"})
+# What a parameter's name may not hold in each form (it would end the tag it stands in).
+_NAME_BREAKS = {"qwen3_coder": (">", "\n"), "glm": ("<",)}
+
+
+def unheld_keyword(fmt: str, parameters: dict[str, Any] | None) -> str | None:
+    """What in a function's ``parameters`` schema a call in ``fmt``'s XML form cannot be held
+    to by a grammar (None: nothing)."""
+    params = parameters or {}
+    extra = sorted(set(params) - _HELD_KEYS)
+    if extra:
+        return f"'{extra[0]}'"
+    for key in [*(params.get("properties") or {}), *(params.get("required") or ())]:
+        if any(ch in key for ch in _NAME_BREAKS[fmt]):
+            return f"the parameter name {key!r}"
+    return None
 
 
 def gbnf_literal(text: str) -> str:
@@ -68,11 +91,21 @@ def xml_call_grammar(fmt: str, functions: list[tuple[str, dict[str, Any] | None]
     alternatives, rules = [], []
     sep = "" if compact else "\n"
     for i, (name, parameters) in enumerate(functions):
+        unheld = unheld_keyword(fmt, parameters)
+        if unheld is not None:
+            raise InvalidRequestError(
+                f"tools: the parameters of '{name}' use {unheld}, which a call in this model's "
+                f"form ({fmt}: each value apart) cannot be held to; such a call can only be "
+                "left free (tool_choice 'auto', no response_format)", param="tools")
         params = parameters or {}
         defs = {k: params[k] for k in _DEF_KEYS if k in params}
         required = set(params.get("required") or ())
+        named = dict(params.get("properties") or {})
+        more = params.get("additionalProperties")
+        for key in [k for k in params.get("required") or () if k not in named]:
+            named[key] = more if isinstance(more, dict) else {}  # (required, but not named)
         parts = []
-        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+        for j, (key, schema) in enumerate(named.items()):
             prefix = f"{_RULE}-{i}-{j}-"
             if fmt == "qwen3_coder":
                 value, needed = _value(prefix, schema, defs, "</parameter>", json_grammar)
