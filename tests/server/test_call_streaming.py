@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from justllm.server.tools.answer import ChoiceText, Thinking
 from justllm.server.tools.json_stream import JsonStream, healed
 from justllm.server.tools.parse import XML_FORMATS, ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import (
@@ -276,3 +277,23 @@ def test_arguments_nested_by_the_thousand_are_kept_as_text_not_a_crash():
     assert _call(call, 0)["function"]["arguments"] == {"arguments": deep}
     assert _tool_use(ToolCall("call_1", "add", deep[:3000]))["input"] == {"arguments": deep[:3000]}
     assert _arguments(deep) == deep
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "glm"])
+def test_a_thinking_models_xml_call_after_its_thinking_is_a_call_both_ways(fmt):
+    """Qwen3.5 and GLM think first (the prompt may open the thinking): the thinking, which
+    may name the marker, is reasoning; the held call after it a call, streamed and whole."""
+    thinking = "I could use <tool_call> here.</think>\n\n"
+    call = HELD[fmt]
+    stream = ChoiceText(lstrip=False, fmt=fmt, names=NAMES,
+                        thinking=Thinking(("<think>", "</think>"), opened=True))
+    thought, shown = stream.feed(thinking, False)
+    more, text = stream.feed(call, True)
+    news = stream.deltas()
+    last, rest, answer = stream.finish()
+    whole = ChoiceText(lstrip=False, fmt=fmt, names=NAMES,
+                       thinking=Thinking(("<think>", "</think>"), opened=True))
+    assert whole.whole(thinking + call, held=True) == ("I could use <tool_call> here.", answer)
+    assert thought + more + last == "I could use <tool_call> here."
+    assert shown + text + rest == answer.content == "" and len(answer.calls) == 2
+    assert _joined(news + stream.deltas()) == [(c.name, c.arguments) for c in answer.calls]
