@@ -172,6 +172,9 @@ def test_xml_values_are_typed_by_the_schema():
                       ("glm", f"<tool_call>f{glm}</tool_call>")):
         answer = parse_answer(text, fmt, None, schemas=schemas)
         assert answer == ParsedAnswer("", (ParsedCall("f", expected),)), fmt
+    # a name is a function's name, whatever was offered (GLM's is the text before a tag)
+    hermes_like = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert parse_answer(hermes_like, "glm", None).calls == ()
 
 
 MARKERS = {"hermes": ("<tool_call>", "<"), "qwen3_coder": ("<tool_call>", "<"),

@@ -368,6 +368,9 @@ def xml_value(raw: str, schema: Any) -> Any:
         return _PYTHON_LITERALS.get(text, raw)
 
 
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (request.py's rule)
+
+
 def _until(text: str, i: int, end: str) -> tuple[str, int]:
     """The text from ``i`` to ``end``, and where ``end`` ends."""
     j = text.find(end, i)
@@ -390,6 +393,8 @@ def _xml_calls(text: str, i: int, fmt: str, schemas: Schemas) -> tuple[list[Any]
             key_open, key_close = "<arg_key>", "</arg_key>"
             value_open, value_close, call_close = "<arg_value>", "</arg_value>", "</tool_call>"
         name = name.strip()
+        if not _FUNCTION_NAME.fullmatch(name):  # (GLM's is the text up to a tag)
+            raise Malformed(f"{name!r} is not a function's name")
         params = (schemas.get(name) or {}).get("properties") or {}
         args: dict[str, Any] = {}
         while True:
