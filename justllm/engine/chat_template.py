@@ -235,13 +235,14 @@ def template_globals() -> frozenset[str]:
 
 def template_tool_format(source: str) -> str | None:
     """The tool-call format a template's own markers name (``generic`` when it names none):
-    ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm``, ``kimi_k2`` or ``generic``;
-    the server has a parser for each. ``kimi_k2``: a section of
-    ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}`` calls;
-    ``deepseek_v3_1``: a section of ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`` calls. ``qwen3_coder``: ``<tool_call>`` around ``<function=NAME>`` with
-    ``<parameter=KEY>`` values (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5); ``glm``:
-    ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs (GLM 4.5 to 4.7, Ling 3.0,
-    Laguna). None for the XML forms the server cannot read (Seed-OSS's ``<seed:tool_call>``)
+    ``hermes``, ``mistral``, ``llama3``, ``qwen3_coder``, ``glm``, ``kimi_k2``,
+    ``deepseek_v3_1`` or ``generic``; the server has a parser for each. ``qwen3_coder``:
+    ``<tool_call>`` around ``<function=NAME>`` with ``<parameter=KEY>`` values (Qwen3-Coder,
+    Qwen3.5, Nemotron 3 Nano, Step 3.5); ``glm``: ``<tool_call>NAME`` with
+    ``<arg_key>``/``<arg_value>`` pairs (GLM 4.5 to 4.7, Ling 3.0, Laguna); ``kimi_k2``: a
+    section of ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}`` calls;
+    ``deepseek_v3_1``: a section of ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`` calls (its
+    template renders no tools: ``render`` describes them). None for the XML forms the server cannot read (Seed-OSS's ``<seed:tool_call>``)
     and for Functionary's Llama 3 based formats (v3.1's ``<function=NAME>{..}</function>``,
     v3.2's ``>>>NAME`` recipients): their Llama 3 headers and ``<|python_tag|>`` read as
     ``llama3``, whose parser never found the calls the model writes."""
@@ -386,7 +387,8 @@ class ChatTemplate:
     @property
     def native_tools(self) -> bool:
         """True when the template renders ``tools`` itself (Hermes/Qwen, Llama 3.1, Mistral
-        and the ``chatml`` and ``llama3`` built-ins) in a format the server reads; otherwise
+        and the ``chatml`` and ``llama3`` built-ins) in a format the server reads, or writes
+        DeepSeek V3.1's calls (whose tools ``render`` describes in its own words); otherwise
         ``render`` adds the fallback. A template with no marker the server knows (``generic``)
         is read only when it writes a call as JSON with its ``"name"`` (Granite's, Nemotron's):
         Command R's ``tool_name``, Gemma 4's ``call:NAME{..}``,

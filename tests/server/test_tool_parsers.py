@@ -172,6 +172,10 @@ def test_xml_values_are_typed_by_the_schema():
                       ("glm", f"<tool_call>f{glm}</tool_call>")):
         answer = parse_answer(text, fmt, None, schemas=schemas)
         assert answer == ParsedAnswer("", (ParsedCall("f", expected),)), fmt
+    # a key the schema does not name is typed by its additionalProperties
+    loose = {"f": {"type": "object", "additionalProperties": {"type": "string"}}}
+    assert parse_answer("<tool_call>f<arg_key>k</arg_key><arg_value>3</arg_value></tool_call>",
+                        "glm", None, schemas=loose).calls == (ParsedCall("f", '{"k": "3"}'),)
     # a name is a function's name, whatever was offered (GLM's is the text before a tag)
     hermes_like = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parse_answer(hermes_like, "glm", None).calls == ()

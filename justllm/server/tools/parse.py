@@ -395,7 +395,9 @@ def _xml_calls(text: str, i: int, fmt: str, schemas: Schemas) -> tuple[list[Any]
         name = name.strip()
         if not _FUNCTION_NAME.fullmatch(name):  # (GLM's is the text up to a tag)
             raise Malformed(f"{name!r} is not a function's name")
-        params = (schemas.get(name) or {}).get("properties") or {}
+        schema = schemas.get(name) or {}
+        params = dict(schema.get("properties") or {})
+        more = schema.get("additionalProperties")  # (the schema of a key it does not name)
         args: dict[str, Any] = {}
         while True:
             i = _skip_blank(text, i)
@@ -405,7 +407,9 @@ def _xml_calls(text: str, i: int, fmt: str, schemas: Schemas) -> tuple[list[Any]
                 raw, i = _until(text, i, value_close)
                 if fmt == "qwen3_coder":  # (the value stands on lines of its own)
                     raw = raw.removeprefix("\n").removesuffix("\n")
-                args[key.strip()] = xml_value(raw, params.get(key.strip()))
+                key = key.strip()
+                args[key] = xml_value(raw, params.get(key, more if isinstance(more, dict)
+                                                      else None))
             elif text.startswith(call_close, i):  # (not at the end of the text: a call
                 # cut off after a value may be cut off before its other values)
                 i += len(call_close)
