@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from justllm.server.tools.answer import ChoiceText, Thinking
 from justllm.server.tools.json_stream import JsonStream, healed
-from justllm.server.tools.parse import XML_FORMATS, ParsedAnswer, ParsedCall, parse_answer
+from justllm.server.tools.parse import ParsedAnswer, ParsedCall, parse_answer
 from justllm.server.tools.stream import (
     CallOpened,
     CallPiece,
@@ -149,12 +149,7 @@ def test_held_calls_stream_as_they_grow_and_join_to_the_whole_parse(case, size):
     whole = parse_answer(text, fmt, NAMES)
     assert whole.calls and answer == whole and content == whole.content == ""
     assert _joined(news + rest) == [(c.name, c.arguments) for c in whole.calls]
-    if size == 1 and fmt in XML_FORMATS:  # each call whole once it closed, not at the end
-        assert rest == [] and len([d for d in news if isinstance(d, CallOpened)]) == 2
-        first = CallSplitter(fmt, NAMES)
-        first.feed(text[:text.index("</tool_call>") + len("</tool_call>")], True)
-        assert _joined(first.deltas()) == [(c.name, c.arguments) for c in whole.calls[:1]]
-    elif size == 1:  # the arguments came as they were written, not at the end
+    if size == 1:  # the arguments came as they were written, not at the end
         assert len([d for d in news if isinstance(d, CallPiece)]) > 5
         assert not rest or all(isinstance(d, CallPiece) and d.arguments in "}]" for d in rest)
 
@@ -297,3 +292,45 @@ def test_a_thinking_models_xml_call_after_its_thinking_is_a_call_both_ways(fmt):
     assert thought + more + last == "I could use <tool_call> here."
     assert shown + text + rest == answer.content == "" and len(answer.calls) == 2
     assert _joined(news + stream.deltas()) == [(c.name, c.arguments) for c in answer.calls]
+
+
+PLAIN = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}
+# a plain string value that names pieces of its closing tag, quotes and line breaks
+VALUE = 'say "hi"\n<b></para </arg_val \\ ok\n'
+PLAIN_CALLS = {
+    "qwen3_coder": f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{VALUE}\n"
+                   "</parameter>\n<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>",
+    "glm": f"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{VALUE}</arg_value>\n"
+           "<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(PLAIN_CALLS))
+def test_an_xml_plain_string_streams_as_it_is_written_and_every_cut_reads_the_same(fmt):
+    """A coding agent sees a file's content as the model writes it: a plain string's value
+    goes out a character at a time as JSON, but for what may still be its closing tag; the
+    number once it has ended. Cut anywhere, the stream and the whole answer agree."""
+    text = PLAIN_CALLS[fmt]
+    splitter = CallSplitter(fmt, NAMES, schemas=PLAIN)
+    news = []
+    for ch in text:
+        splitter.feed(ch, True)
+        news += splitter.deltas()
+    _, answer = splitter.finish()
+    assert answer == parse_answer(text, fmt, NAMES, schemas=PLAIN)
+    assert json.loads(answer.calls[0].arguments) == {"city": VALUE, "days": 12}
+    assert _joined(news + splitter.deltas()) == [("get_weather", answer.calls[0].arguments)]
+    pieces = [d.arguments for d in news if isinstance(d, CallPiece)]
+    assert len(pieces) > len(VALUE) // 2 and '12}' not in pieces[:-2], pieces
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        s = CallSplitter(fmt, NAMES, schemas=PLAIN)
+        for i in range(0, len(cut), 5):
+            s.feed(cut[i:i + 5], True)
+        streamed = s.deltas()
+        _, got = s.finish()
+        assert got == read_whole(cut, fmt, NAMES, True, True, PLAIN), cut
+        assert _joined(streamed + s.deltas()) == [(c.name, c.arguments) for c in got.calls]
+        if got.cut:
+            assert answer.calls[0].arguments.startswith(got.calls[0].arguments), cut

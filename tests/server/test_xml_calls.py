@@ -1,7 +1,7 @@
 """Qwen3-Coder's XML call form served end to end: the demo model with llama.cpp's
 Qwen3-Coder template (``--chat-template``) gets its tools and its history's calls in that
-form, copies the calls, and a forced call comes back as ``tool_calls``, whole and streamed,
-its values held to the schema (``days`` may not be the 3 the history shows). GLM's and
+form, copies the calls, and a forced call comes back as ``tool_calls``, whole and streamed as
+it is written, its values held to the schema (``days`` may not be the 3 the history shows). GLM's and
 DeepSeek V3.1's forms are held and read on the engine (tests/server/test_tools.py); the
 parsing of every form, pure, in test_tool_parsers.py; the grammars' shapes here."""
 
@@ -82,6 +82,7 @@ def test_a_forced_call_in_the_xml_form_comes_back_whole_and_streamed(coder):
     assert call["name"] == "get_weather"
     _, deltas = _streamed(coder, tool_choice="required")
     assert _arguments(deltas) == json.loads(call["arguments"])
+    assert len(deltas) > 5  # (as the model wrote them: the city's raw text among them)
 
 
 def test_a_schema_the_form_cannot_hold_is_refused_forced_and_left_free_under_auto(coder):

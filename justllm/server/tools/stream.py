@@ -11,9 +11,7 @@ Where a grammar holds the call region (a forced call, a format beside tools, or 
 grammar once the marker came), the calls cannot turn out malformed, so they are streamed as
 they are written (a ``CallReader``): each call opens once its name is read and its
 arguments follow as canonical JSON text (``json_stream.py``), pieces of what the whole parse
-gives. The XML forms (``qwen3_coder``, ``glm``: their values' JSON is known only once a value
-has ended) stream each call whole once its ``</tool_call>`` is written. Only an answer cut off
-inside a call (``max_tokens``, a stop string) ends otherwise:
+gives (the XML forms': ``xml_stream.py``). Only an answer cut off inside a call (``max_tokens``, a stop string) ends otherwise:
 its calls stand as far as they came (``ParsedAnswer.cut``), as OpenAI's API returns them, and
 a whole answer is read the same way.
 """
@@ -23,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from justllm.server.tools.deltas import CallDelta, CallOpened, CallPiece
 from justllm.server.tools.json_stream import JsonStream
 from justllm.server.tools.parse import (
     XML_FORMATS,
@@ -36,6 +35,7 @@ from justllm.server.tools.parse import (
     first_full_start,
     parse_answer,
 )
+from justllm.server.tools.xml_stream import XmlCallReader
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,6 @@ _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
                         r'|<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]+):\d+\s*'
                         r'<\|tool_call_argument_begin\|>\s*'
                         r'|<｜tool▁call▁begin｜>\s*([A-Za-z0-9_-]+)\s*<｜tool▁sep｜>\s*')
-
-
-@dataclass(frozen=True)
-class CallOpened:
-    call_index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class CallPiece:
-    call_index: int
-    arguments: str  # a piece of the call's arguments (canonical JSON text)
-
-
-CallDelta = CallOpened | CallPiece
 
 
 class CallReader:
@@ -150,13 +135,10 @@ class CallSplitter:
         self._names = names
         self._parallel = parallel
         self._schemas = schemas
-        self._closed: tuple[ParsedCall, ...] = ()  # XML calls streamed whole (held)
-        self._closed_end = -1  # where the last </tool_call> read for them begins
-        self._xml_held = False  # a grammar held the XML calls
         self._text = ""
         self._shown = 0  # characters of _text given out as content
         self._calls_from: int | None = None  # where the first complete call marker begins
-        self._reader: CallReader | None = None  # when a grammar holds the calls
+        self._reader: CallReader | XmlCallReader | None = None  # when a grammar holds them
         self._deltas: list[CallDelta] = []
 
     def feed(self, piece: str, held: bool = False) -> str:
@@ -172,19 +154,9 @@ class CallSplitter:
                 self._calls_from = at
             safe = max(self._shown, len(self._text[:at].rstrip()))
             shown, self._shown = self._text[self._shown:safe], safe
-        if self._calls_from is not None and self._fmt in XML_FORMATS:
-            self._xml_held |= held
-            end = self._text.rfind("</tool_call>")
-            if held and end != self._closed_end:
-                self._closed_end = end
-                closed = closed_xml_calls(self._text, self._calls_from, self._fmt, self._names,
-                                          self._parallel, self._schemas)
-                self._deltas += rest_of_calls([(c.name, c.arguments) for c in self._closed],
-                                              closed)
-                self._closed = closed
-        elif self._calls_from is not None:
+        if self._calls_from is not None:
             if held and self._reader is None:
-                self._reader = CallReader(self._names, self._parallel)
+                self._reader = _reader(self._fmt, self._names, self._parallel, self._schemas)
             if self._reader is not None:
                 self._deltas += self._reader.feed(self._text, self._calls_from)
         return shown
@@ -200,11 +172,7 @@ class CallSplitter:
         answer = parse_answer(self._text, self._fmt, self._names, self._parallel,
                               self._schemas)
         reader = self._reader
-        if self._xml_held:
-            assert self._calls_from is not None
-            answer = _held_xml(answer, self._closed, self._text, self._calls_from)
-        streamed = reader.calls if reader else [(c.name, c.arguments) for c in self._closed]
-        self._deltas += rest_of_calls(streamed, answer.calls)
+        self._deltas += rest_of_calls(reader.calls if reader else [], answer.calls)
         if reader is not None:
             assert self._calls_from is not None  # (a reader is made at a call's marker)
             answer = _held(answer, reader, self._text, self._calls_from)
@@ -235,7 +203,16 @@ def rest_of_calls(streamed: list[tuple[str, str]],
     return out
 
 
-def _held(answer: ParsedAnswer, reader: CallReader, text: str, at: int) -> ParsedAnswer:
+def _reader(fmt: str, names: frozenset[str] | None, parallel: bool, schemas: Schemas | None
+            ) -> CallReader | XmlCallReader:
+    """What reads ``fmt``'s calls as a grammar holds them."""
+    if fmt in XML_FORMATS:
+        return XmlCallReader(fmt, names, parallel, schemas)
+    return CallReader(names, parallel)
+
+
+def _held(answer: ParsedAnswer, reader: CallReader | XmlCallReader, text: str, at: int
+          ) -> ParsedAnswer:
     """``answer`` (``text`` parsed) where a grammar held the calls from ``at``: cut off
     inside them, the calls as far as ``reader`` came; its content the text before them.
     (After the calls the grammar ends the answer; what an answer cut off there holds is the
@@ -243,26 +220,6 @@ def _held(answer: ParsedAnswer, reader: CallReader, text: str, at: int) -> Parse
     if reader.calls and not answer.calls:
         return reader.answer(text[:at].rstrip())
     return replace(answer, content=text[:at].rstrip()) if answer.calls else answer
-
-
-def _held_xml(answer: ParsedAnswer, closed: tuple[ParsedCall, ...], text: str, at: int
-              ) -> ParsedAnswer:
-    """``answer`` (``text`` parsed) where a grammar held XML calls from ``at``, as ``_held``
-    reads JSON ones: cut off inside a call, the ``closed`` ones before it."""
-    if closed and not answer.calls:
-        return ParsedAnswer(text[:at].rstrip(), closed, cut=True)
-    return replace(answer, content=text[:at].rstrip()) if answer.calls else answer
-
-
-def closed_xml_calls(text: str, at: int, fmt: str, names: frozenset[str] | None,
-                     parallel: bool, schemas: Schemas | None) -> tuple[ParsedCall, ...]:
-    """The calls of an XML form's region (from ``at``) up to its last ``</tool_call>``: those
-    a grammar has closed, which stand whatever follows them."""
-    end = text.rfind("</tool_call>", at)
-    if end < 0:
-        return ()
-    return parse_answer(text[at:end + len("</tool_call>")], fmt, names, parallel,
-                        schemas).calls
 
 
 def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool,
@@ -273,9 +230,6 @@ def read_whole(text: str, fmt: str, names: frozenset[str] | None, parallel: bool
     at = first_full_start(text, fmt) if held else None
     if at is None:
         return answer
-    if fmt in XML_FORMATS:
-        return _held_xml(answer, closed_xml_calls(text, at, fmt, names, parallel, schemas),
-                         text, at)
-    reader = CallReader(names, parallel)
+    reader = _reader(fmt, names, parallel, schemas)
     reader.feed(text, at)
     return _held(answer, reader, text, at)
