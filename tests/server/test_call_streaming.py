@@ -300,7 +300,9 @@ PLAIN = {"get_weather": {"type": "object", "properties": {
 VALUE = 'say "hi"\n<b></para </arg_val \\ ok\n'
 PLAIN_CALLS = {
     "qwen3_coder": f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{VALUE}\n"
-                   "</parameter>\n<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>",
+                   "</parameter>\n<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
+                   "<tool_call>\n<function=get_weather>\n<parameter=city></parameter>\n"
+                   "</function>\n</tool_call>",  # (an empty value, on no lines of its own)
     "glm": f"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{VALUE}</arg_value>\n"
            "<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
 }
@@ -320,7 +322,7 @@ def test_an_xml_plain_string_streams_as_it_is_written_and_every_cut_reads_the_sa
     _, answer = splitter.finish()
     assert answer == parse_answer(text, fmt, NAMES, schemas=PLAIN)
     assert json.loads(answer.calls[0].arguments) == {"city": VALUE, "days": 12}
-    assert _joined(news + splitter.deltas()) == [("get_weather", answer.calls[0].arguments)]
+    assert _joined(news + splitter.deltas()) == [(c.name, c.arguments) for c in answer.calls]
     pieces = [d.arguments for d in news if isinstance(d, CallPiece)]
     assert len(pieces) > len(VALUE) // 2 and '12}' not in pieces[:-2], pieces
     for end in range(len(text) + 1):

@@ -154,14 +154,14 @@ class XmlCallReader:
         body = text[self._at:end if end >= 0 else len(text)]
         lines = self._fmt == "qwen3_coder"  # (a value stands on lines of its own)
         if lines:
-            if not body:
+            if not body and end < 0:  # (whether its first line break is the value's own)
                 return False
             body = body.removeprefix("\n")
         if end < 0:
             if raw:  # (what may still be the closing tag, or the line break before it, waits)
-                tail = ("\n" if lines else "") + closing
-                hold = next((k for k in range(min(len(tail), len(body)), 0, -1)
-                             if tail.startswith(body[-k:])), 0)
+                tails = (closing, "\n" + closing) if lines else (closing,)
+                hold = next((k for k in range(min(len(closing) + 1, len(body)), 0, -1)
+                             if any(t.startswith(body[-k:]) for t in tails)), 0)
                 self._send(out, body[:len(body) - hold], last=False)
             return False
         if lines:
