@@ -411,6 +411,18 @@ def test_bad_tool_requests_get_openai_errors(server):
             assert "refers back to itself" in r.json()["error"]["message"], r.text
 
 
+def _run(engine, rid: str) -> tuple[str, str]:
+    """Step ``engine`` until request ``rid`` ends: its text and finish reason."""
+    text, finish = "", None
+    while finish is None:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.request_id == rid:
+                text += out.text
+                finish = out.finish_reason if out.finished else None
+    return text, finish
+
+
 # ---- each family's forcing grammar on the real engine ---------------------------------------
 # (generic is the server's, above; greedy: a sampled request under a grammar masks the whole
 # vocabulary at every token, which is slow on a CPU)
@@ -425,13 +437,7 @@ def test_each_familys_grammar_forces_a_valid_call(engine, template, fmt):
     grammar = wrap_call_grammar(grammar_from_json_schema(schema), fmt, parallel=False)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0,
                                                     grammar=grammar, stop=t.stop))
-    text, finish = "", None
-    while finish is None:
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.request_id == rid:
-                text += out.text
-                finish = out.finish_reason if out.finished else None
+    text, finish = _run(engine, rid)
     answer = parse_answer(text.lstrip(), fmt, frozenset({"get_weather"}))
     assert finish == "stop" and len(answer.calls) == 1, text
     jsonschema.validate(json.loads(answer.calls[0].arguments), WEATHER)
@@ -463,13 +469,7 @@ def test_glms_and_deepseeks_grammar_forces_a_call_the_parser_reads_back(engine, 
         fmt, [(n, grammar_from_json_schema(p)) for n, p in functions], parallel=False))
     rid = engine.add_request(prompt, SamplingParams(max_tokens=100, temperature=0,
                                                     grammar=grammar))
-    text, finish = "", None
-    while finish is None:
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.request_id == rid:
-                text += out.text
-                finish = out.finish_reason if out.finished else None
+    text, finish = _run(engine, rid)
     answer = parse_answer(text.lstrip(), fmt, frozenset({"get_weather", "add"}),
                           schemas=dict(functions))
     assert finish == "stop" and answer.called and len(answer.calls) == 1, text
