@@ -104,6 +104,18 @@ def _no_user_config(tmp_path_factory, monkeypatch):
         monkeypatch.delenv(name)
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler for the test, as at a terminal: a background job (a CI run
+    started with ``&``) ignores SIGINT and Python then installs none, so a test's own SIGINT
+    raised nothing there (tests/helpers.default_sigint is the same for a child process)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from justllm.models.source import demo_model_path

@@ -12,7 +12,7 @@ import pytest
 from justllm.cli.cleanup_shield import CleanupShield
 
 
-def test_a_ctrl_c_during_the_cleanup_is_said_once_and_the_cleanup_goes_on():
+def test_a_ctrl_c_during_the_cleanup_is_said_once_and_the_cleanup_goes_on(python_ctrl_c):
     said: list[str] = []
     with CleanupShield(lambda: said.append("still cleaning up")) as shield:
         with pytest.raises(KeyboardInterrupt):

@@ -173,7 +173,7 @@ def test_status_shows_a_row_per_replica(monkeypatch):
     assert r.exit_code == 0 and json.loads(r.output) == body
 
 
-def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch):
+def test_an_interrupted_head_start_leaves_no_head_behind(monkeypatch, python_ctrl_c):
     """Ctrl-C while the local head started left it running, and no record named it: `down`
     could not stop it; a second Ctrl-C, while the head was stopped, cut its stop short. (A
     real `ray start`, interrupted as it comes up and again as it is stopped.)"""

@@ -447,7 +447,7 @@ def test_a_cluster_that_wants_an_auth_token_is_said_at_once(monkeypatch):
         server.stop(None)
 
 
-def test_a_ctrl_c_while_ray_connects_is_raised_once_it_has_connected():
+def test_a_ctrl_c_while_ray_connects_is_raised_once_it_has_connected(python_ctrl_c):
     """One raised inside ray.init (its core worker's constructor) left Ray half made: the
     deploy's process died of SIGSEGV as it exited."""
     import signal
