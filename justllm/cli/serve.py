@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from justllm.cli import options as o
+from justllm.cli.cleanup_shield import SigintHandler
 from justllm.cli.completion import one_of, roles
 from justllm.cli.errors import cli_errors
 from justllm.cli.plugins import plugins_of, warn_problems
@@ -376,7 +377,7 @@ def _Server(config, on_exit=None, on_force=None, interrupts=None):  # noqa: N802
     return _make_server_class()(config, on_exit, on_force, interrupts)
 
 
-class Interrupts:
+class Interrupts(SigintHandler):
     """Ctrl-C while ``justllm serve`` starts, before the server's own signal handlers are in.
     Python raises KeyboardInterrupt at the next bytecode it runs, and where that is a weakref
     callback, a ``__del__`` or a C callback, it prints "Exception ignored" and drops it: the
@@ -388,19 +389,7 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.came = False
-        self._installed = False
-
-    def __enter__(self) -> Interrupts:
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
 
     def _handle(self, signum: int, frame: object) -> None:
         self.came = True
         raise KeyboardInterrupt
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
