@@ -46,6 +46,7 @@ from justllm.server.schemas import (
     foreign_field,
 )
 from justllm.server.schemas import Tool as ChatTool
+from justllm.server.tools.parse import FUNCTION_NAME
 
 ChatToolChoice = Literal["none", "auto", "required"] | ToolChoiceNamed | None
 
@@ -60,7 +61,6 @@ _REFUSED = (("speed", "there is one inference speed"),
             ("container", "containers (code execution) are not supported"),
             ("inference_geo", "there is one inference location"),
             ("diagnostics", "prompt-cache diagnostics are not supported"))
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool's name (the chat side's rule too)
 # A call id this server made for a Mistral-format template (9 letters and digits), as this
 # route returns it (``anthropic.tool_use_id``); the chat side gets the 9 back.
 _MISTRAL_ID = re.compile(r"toolu_([A-Za-z0-9]{9})")
@@ -286,7 +286,7 @@ def _tool(tool: Tool, i: int) -> ChatTool:
         raise _refuse(f"{where}.allowed_callers", "only direct calls exist here")
     if tool.defer_loading:
         raise _refuse(f"{where}.defer_loading", "deferred tool loading is not supported")
-    if not _NAME.fullmatch(tool.name):
+    if not FUNCTION_NAME.fullmatch(tool.name):  # (a tool's name: the chat side's rule)
         raise _refuse(f"{where}.name", "a tool name is 1 to 64 letters, digits, '_' or '-'")
     if tool.input_schema is None:
         raise _refuse(f"{where}.input_schema", "a client tool needs its input_schema")

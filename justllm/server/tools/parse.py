@@ -368,7 +368,7 @@ def xml_value(raw: str, schema: Any) -> Any:
         return _PYTHON_LITERALS.get(text, raw)
 
 
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (request.py's rule)
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def _until(text: str, i: int, end: str) -> tuple[str, int]:
@@ -393,7 +393,7 @@ def _xml_calls(text: str, i: int, fmt: str, schemas: Schemas) -> tuple[list[Any]
             key_open, key_close = "<arg_key>", "</arg_key>"
             value_open, value_close, call_close = "<arg_value>", "</arg_value>", "</tool_call>"
         name = name.strip()
-        if not _FUNCTION_NAME.fullmatch(name):  # (GLM's is the text up to a tag)
+        if not FUNCTION_NAME.fullmatch(name):  # (GLM's is the text up to a tag)
             raise Malformed(f"{name!r} is not a function's name")
         schema = schemas.get(name) or {}
         params = dict(schema.get("properties") or {})

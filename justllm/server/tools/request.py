@@ -5,7 +5,6 @@ checked once and resolved into what serving needs (``ToolPlan``). Every refusal 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +19,7 @@ from justllm.server.schemas import (
     ToolChoiceAllowed,
     ToolChoiceNamed,
 )
-
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+from justllm.server.tools.parse import FUNCTION_NAME
 
 
 @dataclass(frozen=True)
@@ -145,7 +143,7 @@ def _functions(tools: list[Tool]) -> tuple[Function, ...]:
             raise InvalidRequestError(f"{where}: a function tool needs 'function' (and no "
                                       "'custom')", param=f"{where}.function")
         fn = tool.function
-        if not _NAME.fullmatch(fn.name):
+        if not FUNCTION_NAME.fullmatch(fn.name):
             raise InvalidRequestError(f"{where}.function.name: a function name is 1 to 64 "
                                       "letters, digits, '_' or '-'",
                                       param=f"{where}.function.name")
